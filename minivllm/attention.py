@@ -1,0 +1,193 @@
+"""Paged attention in plain torch: the CPU path and the oracle for the Triton kernels.
+
+One forward pass of minivllm carries a *flattened, ragged* batch: the new tokens
+of many requests laid end to end, ``[num_tokens, ...]``.  A request contributes
+either one token (decode) or a chunk of its prompt (prefill / chunked prefill).
+:class:`AttentionMetadata` says where each request's tokens sit in the flat
+batch and where its keys and values live in the paged cache.
+
+KV cache layout, per layer, for K and for V::
+
+    [num_blocks, block_size, num_kv_heads, head_dim]
+
+A token at position ``p`` of a request lives in physical block
+``block_table[p // block_size]`` at offset ``p % block_size``; its flat *slot*
+is ``block * block_size + offset``.  Attention for the request gathers its
+blocks through the block table and lets query ``i`` of a chunk that starts at
+context length ``c`` see keys ``0 .. c + i`` (causal within the chunk, full over
+the cached context).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence of a flat batch lives, in tokens and in KV blocks.
+
+    Sequences are ordered decode-first: the first ``num_decodes`` sequences have
+    exactly one query token.  That lets the torch path batch all decodes into a
+    single gather, and the Triton path launch a decode kernel over a prefix.
+
+    Attributes:
+        slot_mapping: ``[num_tokens]`` int64, the cache slot each new token's K/V goes to.
+        query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths.
+        seq_lens: ``[num_seqs]`` int32, KV length of each sequence *after* this step's
+            tokens are written (context + new tokens).
+        block_tables: ``[num_seqs, max_blocks]`` int32, padded with 0 beyond each
+            sequence's blocks (padding is never read: lengths bound every access).
+        num_decodes: how many leading sequences are single-token decodes.
+        query_lens / context_lens: host copies (Python ints) so the torch path can
+            slice without device syncs.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    query_lens: list[int]
+    context_lens: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new keys/values ``[num_tokens, kv_heads, head_dim]`` into their slots."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The first ``kv_len`` tokens of one sequence, ``[kv_len, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    num_blocks = (kv_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:kv_len]
+
+
+def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """GQA: repeat each KV head for the ``group`` query heads that share it."""
+    return x if group == 1 else x.repeat_interleave(group, dim=-3)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """All single-token queries at once: pad every sequence to the longest one.
+
+    ``q`` is ``[B, heads, D]``.  Padding keys are masked to -inf, so the result is
+    the same as attending to each sequence alone, but costs one batched gather
+    and two batched matmuls instead of a Python loop.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = max(seq_lens)
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:batch, :max_blocks].long()
+    # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
+    k = k_cache[table].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[table].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    group = num_heads // kv_heads
+    # [B, kv_heads, group, D] @ [B, kv_heads, D, L] -> [B, kv_heads, group, L]
+    qg = q.view(batch, kv_heads, group, head_dim)
+    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
+    lens = torch.tensor(seq_lens, device=q.device)
+    pad = torch.arange(k.shape[2], device=q.device)[None, :] >= lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float())
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One chunk ``[q_len, heads, D]`` starting at ``context_len``: causal, offset by the context."""
+    q_len, num_heads, _ = q.shape
+    kv_len = context_len + q_len
+    k = gather_kv(k_cache, block_table, kv_len)
+    v = gather_kv(v_cache, block_table, kv_len)
+    group = num_heads // k.shape[1]
+    k = _expand_kv_heads(k.transpose(0, 1), group)  # [heads, kv_len, D]
+    v = _expand_kv_heads(v.transpose(0, 1), group)
+    # query i sits at absolute position context_len + i and sees keys <= that.
+    rows = torch.arange(q_len, device=q.device)[:, None] + context_len
+    cols = torch.arange(kv_len, device=q.device)[None, :]
+    mask = cols <= rows
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1).float(), k.float(), v.float(), attn_mask=mask, scale=scale
+    )
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for a flat ragged batch ``q: [num_tokens, heads, D]`` through the paged cache.
+
+    The new tokens' K/V must already be in the cache (see :func:`write_kv`).
+    Returns ``[num_tokens, heads, D]``.  Computation is in fp32 whatever the
+    input dtype, which makes this a trustworthy oracle.
+    """
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables, [c + 1 for c in meta.context_lens[:nd]], scale
+        )
+    start = nd
+    for i in range(nd, meta.num_seqs):
+        q_len = meta.query_lens[i]
+        out[start : start + q_len] = _prefill_attention(
+            q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], meta.context_lens[i], scale
+        )
+        start += q_len
+    return out
+
+
+class TorchAttentionBackend:
+    """The attention backend interface, implemented with the reference above.
+
+    A backend writes the new K/V into the cache and attends.  The Triton backend
+    (``minivllm.kernels``) implements the same two methods.
+    """
+
+    name = "torch"
+
+    def write_kv(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)

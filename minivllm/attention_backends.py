@@ -1,0 +1,92 @@
+"""Choosing an attention backend by name.
+
+Two implementations of the same interface (``write_kv`` + ``attend``) exist:
+
+* ``"torch"`` -- :class:`minivllm.attention.TorchAttentionBackend`, plain torch,
+  runs anywhere and is the reference;
+* ``"triton"`` -- :class:`minivllm.kernels.TritonAttentionBackend`, paged
+  kernels compiled for a CUDA GPU, or run by Triton's CPU interpreter.
+
+``"auto"`` picks Triton exactly when it can run compiled: a CUDA device and an
+importable ``triton``.  On a CPU the interpreter is correct but orders of
+magnitude slower than torch, so ``auto`` never picks it there.
+
+Triton is imported lazily, inside :func:`get_attention_backend`, so
+``import minivllm`` works on machines without Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Protocol
+
+import torch
+
+from minivllm.attention import AttentionMetadata, TorchAttentionBackend
+
+BACKEND_NAMES = ("torch", "triton", "auto")
+
+
+class AttentionBackend(Protocol):
+    """What the engine needs from an attention backend."""
+
+    name: str
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """True when Triton's CPU interpreter is switched on in this process's environment."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _make_triton_backend(device: torch.device) -> AttentionBackend:
+    """Import the kernels (only now) and build the Triton backend, or explain why not."""
+    if not triton_available():
+        raise ValueError("attention backend 'triton' needs the `triton` package, which is not installed")
+    if device.type != "cuda" and not triton_interpreting():
+        raise ValueError(
+            f"attention backend 'triton' on device {device.type!r} needs Triton's CPU interpreter: "
+            "set the environment variable TRITON_INTERPRET=1 before minivllm.kernels is imported "
+            "(Triton reads it when the kernels are defined), or use attention_backend='torch'"
+        )
+    from minivllm.kernels import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+    """The backend called ``name`` (``"torch"``, ``"triton"`` or ``"auto"``) for ``device``.
+
+    Raises ``ValueError`` for an unknown name, or for ``"triton"`` where it cannot run.
+    """
+    device = torch.device(device)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    return _make_triton_backend(device)

@@ -1,0 +1,1 @@
+"""Benchmarks: scripts run with ``python -m minivllm.bench.<name>``."""

@@ -1,0 +1,28 @@
+"""``python -m minivllm.bench <name> [options]`` — run one of the project's benchmarks.
+
+Names: ``offline`` (engine vs HF transformers throughput), ``attention`` (Triton
+kernels, GPU), ``prefix`` (prefix caching end to end), ``prefix_structures``
+(radix tree vs hash index cost).
+"""
+
+import importlib
+import sys
+
+NAMES = {
+    "offline": "minivllm.bench.offline",
+    "attention": "minivllm.bench.attention",
+    "prefix": "minivllm.bench.prefix",
+    "prefix_structures": "minivllm.bench.prefix_structures",
+}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in NAMES:
+        print(__doc__)
+        return 2
+    module = importlib.import_module(NAMES[sys.argv[1]])
+    sys.argv = [f"minivllm.bench {sys.argv[1]}"] + sys.argv[2:]
+    return module.main() or 0
+
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""Offline throughput: minivllm vs HF transformers ``generate``, measured in the same run.
+
+Workload (seeded): 32 chat requests, prompts 20–300 tokens, outputs 16–128
+tokens with ``ignore_eos`` so every system produces exactly the same number
+of tokens.  HF runs the same requests in static batches of 8 with left padding,
+each batch lasting as long as its longest output — that is what static batching
+costs, and what continuous batching removes.
+
+Also reported: minivllm's TTFT / ITL percentiles, peak memory, and its share of
+the machine's compute floor = model FLOPs of the workload / FLOP/s of a large
+fp32 matmul measured here, now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import time
+
+import torch
+
+
+def make_workload(tokenizer, num_requests: int, seed: int, prompt_range=(20, 300), output_range=(16, 128)):
+    """Chat-formatted prompts cut to random lengths, with random output lengths."""
+    rng = random.Random(seed)
+    words = (
+        "serving engines schedule requests under memory limits paged attention blocks tokens "
+        "prefill decode latency throughput cache budget fairness tenants queue preemption"
+    ).split()
+    requests = []
+    for i in range(num_requests):
+        target = rng.randint(*prompt_range)
+        body = " ".join(rng.choice(words) for _ in range(target))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": body}], tokenize=True, add_generation_prompt=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        ids = ids[:target] if len(ids) > target else ids
+        requests.append((ids, rng.randint(*output_range)))
+    return requests
+
+
+def matmul_flops(seconds: float = 2.0, n: int = 2048) -> float:
+    """fp32 FLOP/s of a large square matmul: the compute roof of this machine."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def workload_flops(args, requests) -> float:
+    """Dense FLOPs: 2 x non-embedding params per token (+ vocab projection per output) + attention."""
+    h, L, d = args.hidden_size, args.num_layers, args.head_dim
+    per_layer = h * d * (args.num_heads * 2 + args.num_kv_heads * 2) + 3 * h * args.intermediate_size
+    total = 0.0
+    for prompt, out in requests:
+        tokens = len(prompt) + out
+        total += 2 * per_layer * L * tokens
+        total += 2 * h * args.vocab_size * out
+        total += 4 * L * args.num_heads * d * (tokens * tokens / 2)  # QK^T and PV, causal
+    return total
+
+
+def percentile(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run_minivllm(llm, requests):
+    from minivllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in requests]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    engine = llm.engine
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, requests))
+    ttft = [o.metrics.ttft for o in outs]
+    itl = [x for o in outs for x in o.metrics.itls]
+    peak_blocks = max(engine.pool.num_blocks - s["free_blocks"] for s in engine.step_log[-2000:])
+    return elapsed, ttft, itl, peak_blocks
+
+
+def run_hf(model, requests, batch_size: int, pad_id: int):
+    """Static batching: left-pad each batch of 8, run it until its longest output is done."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch_size):
+            chunk = requests[i : i + batch_size]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.full((len(chunk), width), pad_id)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, (p, _) in enumerate(chunk):
+                ids[r, width - len(p):] = torch.tensor(p)
+                mask[r, width - len(p):] = 1
+            longest = max(n for _, n in chunk)
+            model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                do_sample=False, pad_token_id=pad_id,
+            )
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from minivllm import LLM
+
+    torch.manual_seed(a.seed)
+    llm = LLM(a.model, dtype="float32", max_num_batched_tokens=a.max_num_batched_tokens)
+    requests = make_workload(llm.tokenizer, a.requests, a.seed)
+    out_tokens = sum(n for _, n in requests)
+    prompt_tokens = sum(len(p) for p, _ in requests)
+    print(f"workload: {len(requests)} requests, {prompt_tokens} prompt tokens, {out_tokens} output tokens "
+          f"(ignore_eos), torch threads {torch.get_num_threads()}")
+
+    run_minivllm(llm, requests[:4])  # warm-up
+    mv_s, ttft, itl, peak_blocks = run_minivllm(llm, requests)
+    mv_tps = out_tokens / mv_s
+    roof = matmul_flops()
+    flops = workload_flops(llm.engine.model_runner.model.args, requests)
+    results = {
+        "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
+        "minivllm_s": mv_s, "minivllm_tok_s": mv_tps,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p95_ms": percentile(ttft, 95) * 1e3,
+        "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p95_ms": percentile(itl, 95) * 1e3,
+        "itl_p99_ms": percentile(itl, 99) * 1e3,
+        "peak_kv_blocks": peak_blocks, "kv_blocks": llm.engine.pool.num_blocks,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "matmul_gflops": roof / 1e9, "workload_gflop": flops / 1e9,
+        "compute_floor_s": flops / roof, "share_of_floor": (flops / roof) / mv_s,
+    }
+    if not a.skip_hf:
+        hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.loaded.path), dtype=torch.float32).eval()
+        pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
+        run_hf(hf, requests[:2], a.hf_batch, pad)  # warm-up
+        hf_s = run_hf(hf, requests, a.hf_batch, pad)
+        results.update(hf_s=hf_s, hf_tok_s=out_tokens / hf_s, speedup=hf_s / mv_s)
+
+    print(f"\nminivllm   {mv_s:7.1f} s  {mv_tps:7.1f} output tok/s")
+    if "hf_s" in results:
+        print(f"HF static  {results['hf_s']:7.1f} s  {results['hf_tok_s']:7.1f} output tok/s  (batches of {a.hf_batch}, left padding)")
+        print(f"ratio      minivllm / HF = {results['speedup']:.2f}x")
+    print(f"TTFT p50 {results['ttft_p50_ms']:.0f} ms  p95 {results['ttft_p95_ms']:.0f} ms | "
+          f"ITL p50 {results['itl_p50_ms']:.0f} ms  p95 {results['itl_p95_ms']:.0f} ms  p99 {results['itl_p99_ms']:.0f} ms")
+    print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} | peak RSS {results['peak_rss_mb']:.0f} MB")
+    print(f"compute floor: {results['workload_gflop']:.0f} GFLOP at {results['matmul_gflops']:.1f} GFLOP/s = "
+          f"{results['compute_floor_s']:.1f} s -> minivllm runs at {100 * results['share_of_floor']:.0f}% of the floor")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The block pool: every KV block of the paged cache, a free list and reference counts.
+
+Why reference counts?  A physical KV block can appear in several block tables at
+once: two samples of the same prompt (``n > 1``), or many requests that share a
+cached system prompt.  The block may only return to the free list when *nobody*
+holds it any more.  Holders are block tables of running requests and, when
+prefix caching is on, the prefix cache itself (it keeps one reference on every
+block it indexes, so a cached block survives the request that computed it).
+
+Copy-on-write follows from the counts: a request that is about to write into a
+block whose count is above one must first copy it into a private block
+(:meth:`BlockPool.copy_on_write`).
+
+The pool knows nothing about tokens, requests or tensors; it hands out integer
+block ids.  The tensors live in :mod:`minivllm.kv_cache`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class OutOfBlocksError(RuntimeError):
+    """Raised when a block is requested and the free list is empty."""
+
+
+@dataclass
+class BlockPool:
+    """A fixed set of ``num_blocks`` KV blocks with a FIFO free list and refcounts.
+
+    Block ids are ``0 .. num_blocks-1``.  Freed blocks go to the *back* of the
+    free list, so recently freed blocks (whose contents the prefix cache might
+    still want) are reused last.
+    """
+
+    num_blocks: int
+    _free: deque[int] = field(init=False, repr=False)
+    _refcount: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        self._free = deque(range(self.num_blocks))
+        self._refcount = [0] * self.num_blocks
+
+    # -- queries ---------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcount[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        return self._refcount[block_id] == 0
+
+    # -- allocation --------------------------------------------------------
+    def allocate(self) -> int:
+        """Take one block off the free list with refcount 1."""
+        if not self._free:
+            raise OutOfBlocksError("no free KV blocks")
+        block_id = self._free.popleft()
+        assert self._refcount[block_id] == 0, "free list held a referenced block"
+        self._refcount[block_id] = 1
+        return block_id
+
+    def allocate_many(self, n: int) -> list[int]:
+        """All-or-nothing allocation of ``n`` blocks."""
+        if n > len(self._free):
+            raise OutOfBlocksError(f"need {n} blocks, {len(self._free)} free")
+        return [self.allocate() for _ in range(n)]
+
+    def incref(self, block_id: int) -> None:
+        """Add a holder to a block that is already in use."""
+        if self._refcount[block_id] <= 0:
+            raise ValueError(f"incref on free block {block_id}")
+        self._refcount[block_id] += 1
+
+    def decref(self, block_id: int) -> bool:
+        """Drop one holder; return True when the block went back to the free list."""
+        if self._refcount[block_id] <= 0:
+            raise ValueError(f"decref on free block {block_id} (double free)")
+        self._refcount[block_id] -= 1
+        if self._refcount[block_id] == 0:
+            self._free.append(block_id)
+            return True
+        return False
+
+    def free_all(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block, last block first.
+
+        Freeing a table tail-first puts its *last* block at the front of the
+        reuse order, so the shared head of a prefix stays in memory longest.
+        """
+        for block_id in reversed(block_ids):
+            self.decref(block_id)
+
+    def copy_on_write(self, block_id: int) -> tuple[int, bool]:
+        """Make ``block_id`` private to the caller before it writes.
+
+        Returns ``(block, needs_copy)``.  If the caller is the only holder it
+        keeps the block.  Otherwise a fresh block is allocated, the caller's
+        reference on the shared one is dropped, and ``needs_copy`` tells the
+        caller to copy the KV contents (the pool never touches tensors).
+        """
+        if self._refcount[block_id] <= 0:
+            raise ValueError(f"copy_on_write on free block {block_id}")
+        if self._refcount[block_id] == 1:
+            return block_id, False
+        new_block = self.allocate()
+        self.decref(block_id)
+        return new_block, True

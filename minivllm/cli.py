@@ -1,0 +1,102 @@
+"""Command line: ``minivllm generate "prompt" ...`` streams answers from the engine.
+
+With several prompts, all of them run in one continuously batched engine and
+their text streams interleaved, prefixed by the prompt number; a summary line
+(TTFT, tokens/s, KV blocks used) closes the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for writing clear code.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream answers to one or more prompts")
+    g.add_argument("prompts", nargs="*", help="prompts (default: three demo questions)")
+    g.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    return p
+
+
+def generate(args: argparse.Namespace) -> int:
+    from minivllm import LLM, SamplingParams
+
+    prompts = args.prompts or DEFAULT_PROMPTS
+    t0 = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend,
+    )
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+    )
+    engine = llm.engine
+    ids = {}
+    for i, prompt in enumerate(prompts):
+        source = prompt if args.no_chat or llm.tokenizer is None else llm.chat_prompt([{"role": "user", "content": prompt}])
+        ids[engine.add_request(source, params)] = i
+    peak_blocks = 0
+    finals = {}
+    current = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = ids[out.request_id]
+            delta = out.outputs[0].delta_text
+            if delta:
+                if current != i:
+                    sys.stdout.write(f"\n[{i}] " if len(prompts) > 1 else "")
+                    current = i
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            if out.finished:
+                finals[i] = out
+        peak_blocks = max(peak_blocks, engine.pool.num_used)
+    sys.stdout.write("\n")
+    outs = [finals[i] for i in sorted(finals)]
+    ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+    n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    span = max(o.metrics.finished_time for o in outs) - min(o.metrics.arrival_time for o in outs)
+    print(
+        f"-- {len(outs)} requests | load {load_s:.1f}s | TTFT mean {sum(ttfts) / len(ttfts) * 1000:.0f} ms "
+        f"| {n_tokens} tokens in {span:.2f}s = {n_tokens / span:.1f} tokens/s "
+        f"| KV blocks used (peak) {peak_blocks}/{engine.pool.num_blocks} of {engine.config.block_size} tokens"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return generate(args)
+    except ValueError as exc:
+        print(f"minivllm: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

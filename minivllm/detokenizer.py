@@ -1,0 +1,49 @@
+"""Incremental detokenization: stream text as tokens arrive, never half a character.
+
+Byte-level BPE tokenizers can split one UTF-8 character (an emoji, a CJK
+character) across several tokens.  Decoding token by token would emit the
+replacement character ``\ufffd`` for the incomplete bytes.  So the detokenizer
+re-decodes a short window ending at the newest token and releases new text
+only when it no longer ends in an incomplete character.  The window starts a
+few tokens back because many tokenizers decide a leading space from context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object | None
+    prompt_token_ids: list[int]
+    skip_special_tokens: bool = True
+    text: str = ""
+    _tokens: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self._tokens = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> str:
+        """Append one generated token; return the text it completes (maybe ``""``)."""
+        if self.tokenizer is None:
+            return ""
+        self._tokens.append(token_id)
+        before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        after = self._decode(self._tokens[self._prefix_offset :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete character, or a token that decodes to nothing yet
+        delta = after[len(before) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self.text += delta
+        return delta

@@ -1,0 +1,59 @@
+"""Small launch-time decisions shared by the attention kernels.
+
+Every kernel in this package is compiled once per combination of its
+``tl.constexpr`` arguments.  The helpers here turn tensors and devices into
+those constants in one place, so the decode, prefill and KV-write launchers
+agree on them:
+
+* **tile sizes** must be powers of two (``tl.arange`` requires it) and at least
+  16 wherever they feed ``tl.dot`` (an NVIDIA tensor-core MMA needs K >= 16;
+  the CPU interpreter accepts anything, which hides the bug until a GPU run);
+* **dot precision**: an fp32 ``tl.dot`` on a GPU defaults to TF32, which keeps
+  only 10 mantissa bits.  That is far outside the 1e-4 tolerance an fp32 test
+  (or an fp32 end-to-end comparison with the torch backend) expects, so fp32
+  inputs ask for ``"ieee"``;
+* **upcast**: the Triton 3.9 interpreter holds bf16 values as raw bit patterns
+  and computes garbage with them.  Loading and immediately casting to fp32
+  sidesteps that.  On a GPU, bf16 is native and the cast would waste
+  registers, so it is only done off-GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= ``n`` (and >= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def dot_tile(n: int) -> int:
+    """A power-of-two tile size >= ``n`` that is legal as a ``tl.dot`` dimension (>= 16)."""
+    return max(16, next_power_of_2(n))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for ``tl.dot``: exact fp32 for fp32 inputs, the fast default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def needs_upcast(tensor: torch.Tensor) -> bool:
+    """True when loads must be cast to fp32 right away (bf16 in the CPU interpreter)."""
+    return tensor.dtype == torch.bfloat16 and tensor.device.type != "cuda"
+
+
+def is_gpu(tensor: torch.Tensor) -> bool:
+    """True when the kernels run compiled on a GPU rather than in the interpreter."""
+    return tensor.device.type == "cuda"
+
+
+def num_compute_units(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 for the (sequential) interpreter.
+
+    The decode split heuristic sizes its grid to this number.  The interpreter
+    runs programs one after another, so more programs only cost time there.
+    """
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

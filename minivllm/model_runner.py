@@ -1,0 +1,100 @@
+"""The real executor: turn a scheduled batch into tensors, run the model, sample.
+
+This is step 4 of the loop.  For each scheduled sequence it lays its new tokens
+end to end (``input_ids``, ``positions``), maps every token to the cache slot
+its K/V goes to (``slot_mapping`` = block id * block size + offset, read off the
+block table), and records which rows need logits: only a sequence's last token,
+and only when the step reaches the end of what it has to compute.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.kv_cache import KVCache
+from minivllm.llama import LlamaForServing
+from minivllm.sampler import sample
+from minivllm.scheduler import ScheduledBatch, ScheduledSeq
+
+
+def build_attention_metadata(
+    seqs: list[ScheduledSeq], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """``input_ids``, ``positions`` and the attention metadata for a batch (single-token rows first)."""
+    ids: list[int] = []
+    pos: list[int] = []
+    for s in seqs:
+        ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
+        pos.extend(range(s.start, s.start + s.num_tokens))
+    max_blocks = max(len(s.request.block_ids) for s in seqs)
+    tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
+    positions = torch.tensor(pos, dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
+    slots = tables[owner, positions // block_size].long() * block_size + positions % block_size
+    query_lens = [s.num_tokens for s in seqs]
+    context_lens = [s.start for s in seqs]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    num_decodes = 0
+    while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32, device=device),
+        block_tables=tables.to(device),
+        num_decodes=num_decodes,
+        query_lens=query_lens,
+        context_lens=context_lens,
+    )
+    return torch.tensor(ids, dtype=torch.int64, device=device), positions.to(device), meta
+
+
+class ModelRunner:
+    """Implements :class:`~minivllm.interfaces.Executor` with a real model and KV cache."""
+
+    def __init__(self, model: LlamaForServing, kv_cache: KVCache | None, seed: int = 0) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # the engine sizes the cache after loading the model
+        self.device = next(model.parameters()).device
+        self.default_generator = torch.Generator().manual_seed(seed)
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        self.kv_cache.copy_blocks(batch.block_copies)
+        if not batch.seqs:
+            return {}
+        # single-token rows first: the attention backends batch them together
+        seqs = sorted(batch.seqs, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, meta = build_attention_metadata(seqs, self.kv_cache.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        rows = [i for i, s in enumerate(seqs) if s.samples]
+        if not rows:
+            return {}
+        ends = meta.query_start_loc[1:].long() - 1
+        logits = self.model.logits(hidden[ends[rows]])
+        reqs = [seqs[i].request for i in rows]
+        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], self.default_generator)
+        return {r.request_id: t for r, t in zip(reqs, tokens)}
+
+    @torch.inference_mode()
+    def logits_for(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
+        """Teacher-forcing helper for tests: logits of *every* scheduled token."""
+        self.kv_cache.copy_blocks(batch.block_copies)
+        seqs = sorted(batch.seqs, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, meta = build_attention_metadata(seqs, self.kv_cache.block_size, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        out = {}
+        for i, s in enumerate(seqs):
+            a, b = meta.query_start_loc[i].item(), meta.query_start_loc[i + 1].item()
+            out[s.request.request_id] = self.model.logits(hidden[a:b])
+        return out

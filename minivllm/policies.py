@@ -1,0 +1,45 @@
+"""The default admission and preemption policies: first come, first served.
+
+They implement :class:`~minivllm.interfaces.AdmissionPolicy` and
+:class:`~minivllm.interfaces.PreemptionPolicy`.  Fairness policies (caps,
+weighted fair queueing, priority classes) are other classes with the same two
+methods.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from minivllm.request import Request
+
+
+class FCFSAdmission:
+    """Admit in queue order: preempted requests (at the front) first, then by arrival."""
+
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+        return list(waiting)
+
+
+class RecomputeLatestPreemption:
+    """Preempt the most recently admitted request (vLLM's FCFS rule).
+
+    The newest request has done the least work, so recomputing it later wastes
+    the least, and the oldest requests keep their promise of finishing first.
+    """
+
+    def choose_victim(self, running: Sequence[Request]) -> Request:
+        return running[-1]
+
+
+class PriorityAdmission:
+    """Lower ``priority`` value first, ties by arrival (vLLM's priority policy)."""
+
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+        return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+
+
+class PriorityPreemption:
+    """Preempt the lowest-priority request (largest value), newest among ties."""
+
+    def choose_victim(self, running: Sequence[Request]) -> Request:
+        return max(reversed(running), key=lambda r: (r.priority, r.arrival_time))

@@ -1,0 +1,93 @@
+"""A request's life inside the engine: its tokens, its KV blocks, its clock.
+
+One rule drives scheduling (vLLM's v1 design): a request has ``num_tokens``
+tokens (prompt + generated so far) and ``num_computed_tokens`` of them have
+their K/V in the cache.  Every step the scheduler tries to close the gap.
+Prefill, chunked prefill, decode, prefix-cache hits and recompute after
+preemption are all just different sizes of that gap.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    tenant: str = "default"
+    cache_salt: str | None = None
+    priority: int = 0
+    max_tokens: int = 16  # resolved: never past max_model_len
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    # bookkeeping the metrics and the labs read
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    prefix_lookup_recorded: bool = False  # first lookup counted in the hit rate; later ones are recompute
+    num_inserted_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    parent_id: str | None = None  # n > 1: the id the caller knows; this request is one sample of it
+    sample_index: int = 0
+    leader: "Request | None" = None  # n > 1: the sample whose prefill the others fork from
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Exactly one token (the last sampled) still lacks K/V."""
+        return self.num_uncomputed_tokens == 1 and bool(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens

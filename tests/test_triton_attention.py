@@ -1,0 +1,355 @@
+"""Triton paged-attention kernels vs the torch reference, run in Triton's CPU interpreter.
+
+Every case builds a paged cache the way the engine does -- random,
+non-contiguous block tables, some blocks shared between sequences -- and
+poisons everything a correct kernel must not read (unused slots, the tail of a
+sequence's last block, block-table padding) and every output slot it must write
+with NaN.  A kernel that reads past a length, trusts padding, or skips a store
+therefore shows up as a NaN, not as a small numeric error.
+
+The interpreter runs programs one at a time in Python, so each launch is kept
+to roughly 100 programs or fewer.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # must precede any triton / minivllm.kernels import
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from minivllm.attention import (
+    AttentionMetadata,
+    TorchAttentionBackend,
+    paged_attention_reference,
+    write_kv,
+)
+from minivllm.attention_backends import get_attention_backend
+from minivllm.kernels import (
+    TritonAttentionBackend,
+    choose_num_splits,
+    paged_decode,
+    paged_prefill,
+    write_kv_triton,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1.5e-2}
+
+
+# --------------------------------------------------------------------------- case builder
+@dataclass
+class PagedCase:
+    """A filled paged cache, the step's queries and the metadata the engine would build."""
+
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    scale: float
+
+    def reference(self) -> torch.Tensor:
+        """The fp32 torch oracle; NaN poison is zeroed in its copy (it gathers padding blocks)."""
+        return paged_attention_reference(
+            self.q, torch.nan_to_num(self.k_cache), torch.nan_to_num(self.v_cache), self.meta, self.scale
+        )
+
+
+def make_case(
+    seqs: list[tuple[int, int]],
+    *,
+    num_decodes: int,
+    kv_heads: int = 2,
+    group: int = 2,
+    head_dim: int = 64,
+    page: int = 16,
+    dtype: torch.dtype = torch.float32,
+    share_blocks: bool = True,
+    seed: int = 0,
+) -> PagedCase:
+    """Build a case from ``(context_len, query_len)`` per sequence, decode-first.
+
+    Physical blocks are handed out in a random order from a pool with spare
+    (never used, NaN) blocks; block-table padding points at a spare block.  With
+    ``share_blocks``, all sequences whose cached context fills their first block
+    share one physical first block -- like a cached system prompt.
+    The new tokens' K/V are written with the torch ``write_kv``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in seqs]
+    blocks_per_seq = [math.ceil(n / page) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    spare = order[-1]
+    max_blocks = max(blocks_per_seq) + 1  # at least one padding column per row
+    tables = torch.full((len(seqs), max_blocks), spare, dtype=torch.int32)
+    cursor = 0
+    for i, n in enumerate(blocks_per_seq):
+        tables[i, :n] = torch.tensor(order[cursor : cursor + n], dtype=torch.int32)
+        cursor += n
+    if share_blocks:  # later sequences with a full cached first block reuse the first such block
+        donors = [i for i, (ctx, _) in enumerate(seqs) if ctx >= page]
+        for i in donors[1:]:
+            tables[i, 0] = tables[donors[0], 0]
+
+    k_cache = torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots_new: list[int] = []
+    for i, (ctx, q_len) in enumerate(seqs):
+        for pos in range(ctx + q_len):
+            block, offset = int(tables[i, pos // page]), pos % page
+            if pos < ctx:  # cached context: random values (a shared block is simply rewritten)
+                k_cache[block, offset] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
+                v_cache[block, offset] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
+            else:
+                slots_new.append(block * page + offset)
+
+    num_tokens = sum(q for _, q in seqs)
+    q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=gen).to(dtype)
+    k_new = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    v_new = torch.randn(num_tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    starts = [0]
+    for _, q_len in seqs:
+        starts.append(starts[-1] + q_len)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots_new, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        num_decodes=num_decodes,
+        query_lens=[q for _, q in seqs],
+        context_lens=[c for c, _ in seqs],
+    )
+    write_kv(k_new, v_new, k_cache, v_cache, meta.slot_mapping)
+    return PagedCase(q, k_new, v_new, k_cache, v_cache, meta, head_dim**-0.5)
+
+
+def nan_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(x, float("nan"))
+
+
+def run_decode(case: PagedCase, **kwargs) -> torch.Tensor:
+    """The decode kernel on the case's decode rows, into a NaN-poisoned buffer."""
+    nd = case.meta.num_decodes
+    out = nan_like(case.q[:nd])
+    paged_decode(
+        case.q[:nd], case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens, case.scale,
+        max_seq_len=max(case.meta.context_lens[:nd]) + 1, out=out, **kwargs,
+    )
+    return out
+
+
+def run_prefill(case: PagedCase, **kwargs) -> torch.Tensor:
+    """The prefill kernel on the case's non-decode rows; decode rows of the buffer stay NaN."""
+    meta = case.meta
+    out = nan_like(case.q)
+    paged_prefill(
+        case.q, case.k_cache, case.v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        case.scale, first_seq=meta.num_decodes, num_seqs=meta.num_seqs - meta.num_decodes,
+        max_query_len=max(meta.query_lens[meta.num_decodes :]), out=out, **kwargs,
+    )
+    return out[meta.num_decodes :]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(got).all(), f"{(~torch.isfinite(got)).sum()} non-finite output elements"
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]}"
+
+
+P = 16  # page size of most cases
+RAGGED_DECODE = [(0, 1), (P - 2, 1), (P - 1, 1), (P, 1), (3 * P + 4, 1)]  # kv lens 1, P-1, P, P+1, 3P+5
+
+
+# --------------------------------------------------------------------------- decode
+# Every GQA group in fp32; fp16 for two of them (the interpreter's time budget is small).
+GROUP_DTYPES = [(g, torch.float32) for g in (1, 3, 4, 8)] + [(3, torch.float16), (8, torch.float16)]
+GROUP_DTYPE_IDS = [f"group{g}-{str(d).removeprefix('torch.')}" for g, d in GROUP_DTYPES]
+
+
+@pytest.mark.parametrize("group,dtype", GROUP_DTYPES, ids=GROUP_DTYPE_IDS)
+def test_decode_matches_reference(group: int, dtype: torch.dtype) -> None:
+    case = make_case(RAGGED_DECODE, num_decodes=5, group=group, dtype=dtype, seed=group)
+    assert_close(run_decode(case, num_splits=2), case.reference(), dtype)
+
+
+def test_decode_head_dim_128_tile_spans_pages() -> None:
+    """d=128, and 32-token tiles over 8-token pages: one tile gathers four scattered blocks."""
+    seqs = [(0, 1), (6, 1), (7, 1), (8, 1), (40, 1)]
+    case = make_case(seqs, num_decodes=5, group=4, head_dim=128, page=8, seed=3)
+    assert_close(run_decode(case, block_n=32), case.reference(), torch.float32)
+
+
+def test_decode_splits_agree_and_runs_are_bitwise_identical() -> None:
+    """S=1 (direct store) and S=7 (merge, with empty splits for short rows) agree; reruns are exact."""
+    case = make_case(RAGGED_DECODE, num_decodes=5, group=3, kv_heads=1, seed=7)
+    one = run_decode(case, num_splits=1, block_n=16)
+    many = run_decode(case, num_splits=7, block_n=16)
+    assert_close(one, case.reference(), torch.float32)
+    assert_close(many, case.reference(), torch.float32)
+    assert torch.allclose(one, many, atol=1e-5, rtol=0)
+    assert torch.equal(run_decode(case, num_splits=7, block_n=16), many)
+
+
+def test_decode_bf16_upcast_in_interpreter() -> None:
+    """bf16 only works in the interpreter through the UPCAST path (cast to fp32 after load)."""
+    case = make_case(RAGGED_DECODE, num_decodes=5, group=3, kv_heads=1, dtype=torch.bfloat16, seed=11)
+    assert_close(run_decode(case, num_splits=3), case.reference(), torch.bfloat16)
+
+
+def test_choose_num_splits() -> None:
+    assert choose_num_splits(batch=256, kv_heads=8, max_seq_len=4096, num_units=132) == 1
+    assert choose_num_splits(batch=1, kv_heads=3, max_seq_len=16384, num_units=132) == 64
+    assert choose_num_splits(batch=1, kv_heads=8, max_seq_len=300, num_units=132) == 2
+    assert choose_num_splits(batch=4, kv_heads=2, max_seq_len=100, num_units=1) == 1
+
+
+# --------------------------------------------------------------------------- prefill
+# Ragged chunks: fresh prompts of 1 and P-1 tokens, chunks starting mid-block, on a block
+# boundary, and at P-2 (a tile boundary falls one key after the first row's position).
+PREFILL_SEQS = [(0, 1), (0, P - 1), (P + 5, P + 1), (2 * P, P), (P - 2, 3), (P + 3, 2)]
+
+
+@pytest.mark.parametrize("group,dtype", GROUP_DTYPES, ids=GROUP_DTYPE_IDS)
+def test_prefill_matches_reference(group: int, dtype: torch.dtype) -> None:
+    kv_heads = 1 if group >= 4 else 2
+    case = make_case(PREFILL_SEQS, num_decodes=0, group=group, kv_heads=kv_heads, dtype=dtype,
+                     seed=20 + group)
+    assert_close(run_prefill(case), case.reference(), dtype)
+
+
+def test_prefill_long_chunk_mid_block_head_dim_128() -> None:
+    """A 40-token chunk starting mid-block behind 21 cached tokens: several diagonal and full tiles."""
+    case = make_case([(21, 40), (0, 17)], num_decodes=0, group=2, kv_heads=1, head_dim=128, page=8, seed=5)
+    assert_close(run_prefill(case), case.reference(), torch.float32)
+
+
+# --------------------------------------------------------------------------- backend
+def mixed_case(dtype: torch.dtype, group: int) -> PagedCase:
+    seqs = [(P - 1, 1), (2 * P, 1), (0, 1), (P + 7, 9), (0, P + 1)]  # 3 decodes, then 2 prefills
+    return make_case(seqs, num_decodes=3, group=group, kv_heads=1, dtype=dtype, seed=30 + group)
+
+
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 3), (torch.float16, 4)])
+def test_backend_mixed_decode_and_prefill(dtype: torch.dtype, group: int) -> None:
+    case = mixed_case(dtype, group)
+    out = TritonAttentionBackend().attend(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert out.shape == case.q.shape and out.dtype == dtype
+    assert_close(out, case.reference(), dtype)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_backend_random_ragged_batches(seed: int) -> None:
+    """Random decode/prefill mixes, group sizes and page sizes, checked end to end through attend()."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    randint = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    num_decodes, num_prefills = randint(0, 3), randint(1, 3)
+    seqs = [(randint(0, 50), 1) for _ in range(num_decodes)]
+    seqs += [(randint(0, 40), randint(1, 30)) for _ in range(num_prefills)]
+    group = [1, 3, 4, 8][randint(0, 3)]
+    case = make_case(seqs, num_decodes=num_decodes, group=group, kv_heads=1, page=[8, 16][randint(0, 1)],
+                     seed=seed)
+    out = TritonAttentionBackend().attend(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, case.reference(), torch.float32)
+
+
+def test_backend_write_kv_matches_torch() -> None:
+    case = mixed_case(torch.float32, 2)
+    caches = [nan_like(case.k_cache), nan_like(case.v_cache)]
+    TritonAttentionBackend().write_kv(case.k_new, case.v_new, *caches, case.meta)
+    slots = case.meta.slot_mapping
+    flat = lambda c: c.view(-1, *c.shape[2:])  # noqa: E731
+    assert torch.equal(flat(caches[0])[slots], case.k_new)
+    assert torch.equal(flat(caches[1])[slots], case.v_new)
+
+
+def test_kv_write_kernel_matches_torch_and_skips_padding_slots() -> None:
+    """The GPU write kernel, interpreted: same result as index_copy_, slot -1 writes nothing."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(6, 4, 3, 64, generator=gen)
+    v_cache = torch.randn(6, 4, 3, 64, generator=gen)
+    k = torch.randn(5, 3, 64, generator=gen)
+    v = torch.randn(5, 3, 64, generator=gen)
+    slots = torch.tensor([17, 2, -1, 23, 8])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    write_kv(k[keep], v[keep], want_k, want_v, slots[keep])
+    write_kv_triton(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert isinstance(get_attention_backend("auto", cpu), TorchAttentionBackend)
+    assert isinstance(get_attention_backend("torch", cpu), TorchAttentionBackend)
+    assert get_attention_backend("triton", cpu).name == "triton"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attention_backend("flashinfer", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        get_attention_backend("triton", cpu)
+
+
+# --------------------------------------------------------------------------- benchmark helpers
+def test_benchmark_accounting() -> None:
+    """The FLOP and byte counts the GPU benchmark reports (its --smoke run is too slow for CI here)."""
+    from minivllm.bench.attention import AttnShape, PrefillCase, Row, format_table, kv_bytes, visible_pairs
+
+    assert visible_pairs(PrefillCase(num_seqs=1, ctx=0, q_len=4)) == 1 + 2 + 3 + 4
+    assert visible_pairs(PrefillCase(num_seqs=2, ctx=10, q_len=2)) == 2 * (11 + 12)
+    assert kv_bytes(2, 100, AttnShape("x", 9, 3, 64), torch.bfloat16) == 2 * 100 * 3 * 64 * 2 * 2
+    table = format_table([Row("decode", "x", 1, 512, 1, triton_ms=0.5, ok=True)])
+    assert "decode" in table.splitlines()[-1] and "yes" in table.splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- end to end
+def make_tiny_llama(path, head_dim: int = 32, seed: int = 0) -> str:
+    """Save a random-weight 2-layer Llama (4 query / 2 KV heads) as an HF model directory."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        intermediate_size=256, vocab_size=512, num_hidden_layers=2, max_position_embeddings=256,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _engine_with_backend_choice():
+    """``(LLM, SamplingParams)`` if the engine exists and accepts ``attention_backend``, else None."""
+    try:
+        from minivllm.config import EngineConfig
+        from minivllm.llm import LLM
+        from minivllm.sampling_params import SamplingParams
+    except ImportError:
+        return None
+    if "attention_backend" not in EngineConfig.__dataclass_fields__:
+        return None
+    return LLM, SamplingParams
+
+
+def test_engine_greedy_tokens_match_torch_backend(request: pytest.FixtureRequest) -> None:
+    engine = _engine_with_backend_choice()
+    if engine is None:
+        pytest.skip("engine API missing: minivllm.llm.LLM(attention_backend=...) does not exist yet")
+    LLM, SamplingParams = engine
+    tiny_llama_dir = request.getfixturevalue("tiny_llama_dir")  # built only when the engine exists
+    prompts = [{"prompt_token_ids": [1, 5, 9, 200, 33, 7]}, {"prompt_token_ids": list(range(3, 40))}]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=tiny_llama_dir, attention_backend=backend, dtype="float32",
+                  num_gpu_blocks_override=16, max_model_len=128)  # a small cache: fast to allocate
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        tokens[backend] = [list(o.outputs[0].token_ids) for o in outputs]
+    assert all(len(t) == 8 for t in tokens["torch"])
+    assert tokens["triton"] == tokens["torch"]
