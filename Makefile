@@ -38,6 +38,7 @@ lab-files: setup
 	$(PY) tools/make_labs.py
 
 labs: setup
+	$(PIP) install -q jupyterlab==4.6.6
 	$(VENV)/bin/jupyter lab labs/
 
 figures: setup

@@ -20,7 +20,7 @@ the cached context).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,7 @@ class AttentionMetadata:
     num_decodes: int
     query_lens: list[int]
     context_lens: list[int]
+    scratch: dict = field(default_factory=dict)  # per-step values a backend computes once, reuses per layer
 
     @property
     def num_seqs(self) -> int:
@@ -88,12 +89,23 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=-3)
 
 
+def _decode_layout(meta: AttentionMetadata, block_size: int, device: torch.device):
+    """Block table slice and padding mask for the decode rows: the same for every layer."""
+    if "decode" not in meta.scratch:
+        nd = meta.num_decodes
+        lens = [c + 1 for c in meta.context_lens[:nd]]
+        max_blocks = (max(lens) + block_size - 1) // block_size
+        table = meta.block_tables[:nd, :max_blocks].long()
+        pad = torch.arange(max_blocks * block_size, device=device)[None, :] >= torch.tensor(lens, device=device)[:, None]
+        meta.scratch["decode"] = (table, pad[:, None, None, :])
+    return meta.scratch["decode"]
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
+    meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """All single-token queries at once: pad every sequence to the longest one.
@@ -104,9 +116,7 @@ def _decode_attention(
     """
     batch, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = max(seq_lens)
-    max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:batch, :max_blocks].long()
+    table, pad = _decode_layout(meta, block_size, q.device)
     # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
     k = k_cache[table].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
     v = v_cache[table].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
@@ -114,9 +124,7 @@ def _decode_attention(
     # [B, kv_heads, group, D] @ [B, kv_heads, D, L] -> [B, kv_heads, group, L]
     qg = q.view(batch, kv_heads, group, head_dim)
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
-    lens = torch.tensor(seq_lens, device=q.device)
-    pad = torch.arange(k.shape[2], device=q.device)[None, :] >= lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    scores.masked_fill_(pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, v.float())
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
@@ -164,9 +172,7 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        out[:nd] = _decode_attention(
-            q[:nd], k_cache, v_cache, meta.block_tables, [c + 1 for c in meta.context_lens[:nd]], scale
-        )
+        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
     start = nd
     for i in range(nd, meta.num_seqs):
         q_len = meta.query_lens[i]

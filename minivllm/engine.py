@@ -326,12 +326,25 @@ class LLMEngine:
         req.block_ids = list(blocks)
         req.num_computed_tokens = len(blocks) * self.config.block_size
         req.num_inserted_blocks = len(blocks)
-        if not req.prefix_lookup_recorded:
-            req.prefix_lookup_recorded = True
-            cache.record_lookup(req.num_prompt_tokens, req.num_computed_tokens)
-            req.num_cached_tokens = req.num_computed_tokens
-        else:  # a preempted request finding its own blocks again: saved recompute, not a cache hit
-            self.recompute_hit_tokens += req.num_computed_tokens
+
+    def _count_prefix_hits(self, admitted: list[Request]) -> None:
+        """Hit statistics, counted once a request is really admitted.
+
+        Only a request's first admission counts as a lookup.  A preempted request
+        that finds its own blocks again saved recompute; that is reported apart
+        (``recompute_hit_tokens``) and never inflates the hit rate.
+        """
+        if self.prefix_cache is None:
+            return
+        for req in admitted:
+            if req.leader is not None and not req.prefix_lookup_recorded and req.num_computed_tokens:
+                req.prefix_lookup_recorded = True  # forked from its leader: the leader's lookup counted
+            elif not req.prefix_lookup_recorded:
+                req.prefix_lookup_recorded = True
+                self.prefix_cache.record_lookup(req.num_prompt_tokens, req.num_computed_tokens)
+                req.num_cached_tokens = req.num_computed_tokens
+            else:
+                self.recompute_hit_tokens += req.num_computed_tokens
 
     def _cache_full_blocks(self, batch: ScheduledBatch) -> None:
         """Offer every newly filled block to the prefix cache (prompt chunks and decode alike).
@@ -391,6 +404,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration of the serving loop; returns what changed for each request."""
         admitted = self.scheduler.admit()                      # 1. admit
+        self._count_prefix_hits(admitted)
         batch = self.scheduler.build_batch()                   # 2. build batch
         batch = self.scheduler.allocate(batch)                 # 3. allocate KV blocks
         batch.admitted = admitted

@@ -37,6 +37,14 @@ class KVCacheManager:
         evictable = self.prefix_cache.num_evictable_blocks() if self.prefix_cache else 0
         return self.pool.num_free + evictable
 
+    def can_provide(self, num_blocks: int) -> bool:
+        """Could ``num_blocks`` blocks be handed out now (evicting cached ones if needed)?
+
+        Free blocks are checked first: counting evictable cached blocks walks the
+        cache, so it is only done when the free list alone is not enough.
+        """
+        return num_blocks <= self.pool.num_free or num_blocks <= self.num_available_blocks
+
     def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
         needed = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(req.block_ids))
@@ -61,7 +69,7 @@ class KVCacheManager:
         """
         n = self.num_new_blocks(req, num_new_tokens)
         cow = self._last_block_is_shared(req)
-        if n + int(cow) > self.num_available_blocks:
+        if not self.can_provide(n + int(cow)):
             return False
         if cow:
             self._copy_on_write_last(req)

@@ -136,11 +136,25 @@ class Attention(nn.Module):
         self.qk_norm = args.qk_norm
         self.scale = d**-0.5
 
+    def fuse(self) -> None:
+        """Stack q/k/v weights so one matmul replaces three (fewer, larger calls run faster)."""
+        self.register_buffer("qkv_weight", torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]), persistent=False)
+        bias = self.q_proj.bias
+        if bias is not None:
+            bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        self.register_buffer("qkv_bias", bias, persistent=False)
+
     def forward(self, x, positions, rope, kv_cache, meta, backend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "qkv_weight"):
+            qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                 self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
@@ -159,7 +173,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """Stack gate/up weights: one matmul, then split — same math, one call fewer."""
+        self.register_buffer("gate_up_weight", torch.cat([self.gate_proj.weight, self.up_proj.weight]), persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_weight"):
+            gate, up = nn.functional.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -213,6 +234,16 @@ class LlamaForServing(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, positions, self.rope, kv_cache, meta, self.backend)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Serve with stacked q/k/v and gate/up weights (the originals are dropped to save memory)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                        layer.mlp.gate_proj, layer.mlp.up_proj):
+                lin.weight = nn.Parameter(torch.empty(0, device=lin.weight.device, dtype=lin.weight.dtype), requires_grad=False)
+                lin.bias = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight

@@ -24,7 +24,8 @@ class LLM:
     (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
     ``enable_chunked_prefill``, ``enable_prefix_caching``, ``dtype``, ``seed``, ...).
     Policies, a prefix cache or an executor of your own go in as keyword
-    arguments of the same names as :class:`~minivllm.engine.LLMEngine`'s.
+    arguments of the same names as :class:`~minivllm.engine.LLMEngine`'s
+    (``prefix_cache`` is either the option ``"radix"``/``"hash"`` or your object).
     """
 
     def __init__(
@@ -38,6 +39,8 @@ class LLM:
         tokenizer: Any = None,
         **engine_options: Any,
     ) -> None:
+        if isinstance(prefix_cache, str):  # the option ("radix" | "hash"), not a cache object
+            engine_options["prefix_cache"], prefix_cache = prefix_cache, None
         known = set(EngineConfig.__dataclass_fields__) - {"model", "extra"}
         unknown = set(engine_options) - known
         if unknown:

@@ -199,6 +199,7 @@ def load_model(
     net = net.to(device=device, dtype=dtype)
     net.rope.to(dtype=torch.float32)  # keep RoPE tables in fp32 for accuracy
     net.eval().requires_grad_(False)
+    net.fuse_projections()
     return LoadedModel(model=net, tokenizer=load_tokenizer(folder), hf_config=hf_config, path=folder)
 
 

@@ -145,7 +145,7 @@ class Scheduler:
                 break
             tokens = min(want, budget)
             blocks = self.kv.num_new_blocks(req, tokens)
-            if reserved + blocks > self.kv.num_available_blocks:
+            if not self.kv.can_provide(reserved + blocks):
                 self._undo_admit(req)
                 break
             reserved += blocks

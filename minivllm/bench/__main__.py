@@ -13,6 +13,7 @@ NAMES = {
     "attention": "minivllm.bench.attention",
     "prefix": "minivllm.bench.prefix",
     "prefix_structures": "minivllm.bench.prefix_structures",
+    "gpu_e2e": "minivllm.bench.gpu_e2e",
 }
 
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import random
 import resource
-import statistics
 import time
 
 import torch

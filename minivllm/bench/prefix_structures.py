@@ -1,0 +1,267 @@
+"""Radix tree vs hash index: what a prefix lookup costs as the cache grows.
+
+Usage::
+
+    python -m minivllm.bench.prefix_structures            # under a minute, CPU only
+    python -m minivllm.bench.prefix_structures --quick    # seconds, a smoke test
+
+The workload imitates a chat service: a handful of long system prompts
+shared by many requests, each followed by a distinct user part that ends in
+a partial block.  Every request goes through the engine's cycle: ``match``
+(on all tokens but the last, which is always recomputed for its logits),
+reference the hits, evict if the pool is short, allocate the rest,
+``insert``, swap duplicates, finish.
+
+The pool is sized to the target cache size, so after a warm-up the cache
+sits at that size and every new block evicts an old one: the steady state of
+a busy server, not an empty cache filling up.  For each size the table gives
+the time per request of ``match``, ``insert`` and ``evict`` (median over
+chunks, see :func:`measure_size`), and the time of one
+``num_evictable_blocks`` call (the scheduler asks it before admitting
+work; it is linear in the cache size because locks live in the pool).
+
+Both structures see the identical request stream, so their hit rates must
+agree; the script checks that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from minivllm.block_pool import BlockPool
+from minivllm.prefix_cache import PrefixCache, make_prefix_cache, sha256_block_hash
+
+BLOCK_SIZE = 16
+VOCAB = 32_000
+STRUCTURES = ("radix", "hash", "hash+sha256")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Shape of the synthetic traffic (lengths in blocks)."""
+
+    num_system_prompts: int = 16
+    system_blocks: tuple[int, int] = (8, 64)
+    user_blocks: tuple[int, int] = (2, 16)
+
+
+def make_requests(workload: Workload, count: int, seed: int) -> list[list[int]]:
+    """``count`` token sequences: a shared system prompt + a distinct suffix."""
+    rng = random.Random(seed)
+    systems = [
+        [rng.randrange(VOCAB) for _ in range(BLOCK_SIZE * rng.randint(*workload.system_blocks))]
+        for _ in range(workload.num_system_prompts)
+    ]
+    requests = []
+    for _ in range(count):
+        user_len = BLOCK_SIZE * rng.randint(*workload.user_blocks) + rng.randrange(1, BLOCK_SIZE)
+        user = [rng.randrange(VOCAB) for _ in range(user_len)]
+        requests.append(rng.choice(systems) + user)
+    return requests
+
+
+@dataclass
+class Timings:
+    """Seconds and token counts accumulated over the measured requests."""
+
+    match_s: float = 0.0
+    insert_s: float = 0.0
+    evict_s: float = 0.0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    requests: int = 0
+
+    def per_request_us(self, seconds: float) -> float:
+        return 1e6 * seconds / max(1, self.requests)
+
+
+def serve(cache: PrefixCache, pool: BlockPool, tokens: list[int], timings: Timings) -> None:
+    """One request through match / evict / allocate / insert / finish."""
+    query = tokens[:-1]
+    t0 = time.perf_counter()
+    table = cache.match(query)
+    t1 = time.perf_counter()
+    hits = len(table)
+    for block_id in table:
+        pool.incref(block_id)
+    need = len(tokens) // BLOCK_SIZE - hits
+    t2 = time.perf_counter()
+    if need > pool.num_free:
+        cache.evict(need - pool.num_free)
+    t3 = time.perf_counter()
+    table += pool.allocate_many(need)
+    t4 = time.perf_counter()
+    result = cache.insert(tokens, table)
+    t5 = time.perf_counter()
+    for i, (own, canonical) in enumerate(zip(table, result.block_ids)):
+        if own != canonical:
+            pool.incref(canonical)
+            pool.decref(own)
+            table[i] = canonical
+    pool.free_all(table)
+    timings.match_s += t1 - t0
+    timings.evict_s += t3 - t2
+    timings.insert_s += t5 - t4
+    timings.query_tokens += len(query)
+    timings.hit_tokens += hits * BLOCK_SIZE
+    timings.requests += 1
+
+
+def build_cache(structure: str, pool: BlockPool) -> PrefixCache:
+    if structure == "hash+sha256":
+        return make_prefix_cache("hash", pool, BLOCK_SIZE, hash_fn=sha256_block_hash)
+    return make_prefix_cache(structure, pool, BLOCK_SIZE)
+
+
+@dataclass
+class Row:
+    size: int
+    structure: str
+    cached: int
+    match_us: float
+    insert_us: float
+    evict_us: float
+    hit_rate: float
+    evictable_us: float
+
+    @property
+    def lookup_us(self) -> float:
+        """match + insert: the cost the two structures differ in most."""
+        return self.match_us + self.insert_us
+
+
+def measure_size(
+    size: int, structures: list[str], warmup: list[list[int]], measured: list[list[int]], rounds: int
+) -> list[Row]:
+    """Fill one cache per structure to ``size`` blocks, then time ``measured``.
+
+    The measured requests are cut into ``rounds`` chunks served round-robin
+    across the structures, and each column reports the median of the chunk
+    means: a burst of noise from the rest of the machine then hits every
+    structure alike and is voted out.
+    """
+    longest = max(len(t) for t in warmup + measured) // BLOCK_SIZE
+    setups = []
+    for structure in structures:
+        pool = BlockPool(max(size, 2 * longest))
+        cache = build_cache(structure, pool)
+        scratch = Timings()
+        for tokens in warmup:
+            serve(cache, pool, tokens, scratch)
+        setups.append((structure, cache, pool, []))
+    chunk = max(1, len(measured) // rounds)
+    # Long-lived objects are frozen out of the cyclic GC, as a server would do;
+    # otherwise collector pauses that grow with the heap swamp the timings.
+    gc.collect()
+    gc.freeze()
+    try:
+        for start in range(0, chunk * rounds, chunk):
+            for structure, cache, pool, chunks in setups:
+                timings = Timings()
+                for tokens in measured[start : start + chunk]:
+                    serve(cache, pool, tokens, timings)
+                chunks.append(timings)
+        rows = [_summarize(size, structure, cache, chunks) for structure, cache, _, chunks in setups]
+    finally:
+        gc.unfreeze()
+    return rows
+
+
+def _summarize(size: int, structure: str, cache: PrefixCache, chunks: list[Timings]) -> Row:
+    def median_us(attr: str) -> float:
+        return statistics.median(t.per_request_us(getattr(t, attr)) for t in chunks)
+
+    t0 = time.perf_counter()
+    cache.num_evictable_blocks()
+    evictable_us = 1e6 * (time.perf_counter() - t0)
+    hits = sum(t.hit_tokens for t in chunks) / max(1, sum(t.query_tokens for t in chunks))
+    return Row(
+        size,
+        structure,
+        cache.num_cached_blocks,
+        median_us("match_s"),
+        median_us("insert_s"),
+        median_us("evict_s"),
+        hits,
+        evictable_us,
+    )
+
+
+def warmup_requests(size: int, workload: Workload) -> int:
+    """Enough requests to fill ``size`` blocks and start evicting."""
+    mean_user_blocks = sum(workload.user_blocks) / 2
+    return int(1.3 * size / mean_user_blocks) + 100
+
+
+def print_table(rows: list[Row]) -> None:
+    header = (
+        f"{'cached blocks':>13} {'structure':>12} {'match us':>9} {'insert us':>10} "
+        f"{'evict us':>9} {'total us':>9} {'hit rate':>9} {'num_evictable us':>17}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.cached:>13,} {r.structure:>12} {r.match_us:>9.1f} {r.insert_us:>10.1f} "
+            f"{r.evict_us:>9.1f} {r.lookup_us + r.evict_us:>9.1f} "
+            f"{r.hit_rate:>9.3f} {r.evictable_us:>17.0f}"
+        )
+
+
+def print_comparison(rows: list[Row]) -> None:
+    """One line per size: how radix compares with the default hash index."""
+    by_key = {(r.size, r.structure): r for r in rows}
+    for size in sorted({r.size for r in rows}):
+        radix, hashed = by_key.get((size, "radix")), by_key.get((size, "hash"))
+        if radix is None or hashed is None:
+            continue
+        ratio = hashed.lookup_us / radix.lookup_us
+        faster = "faster" if ratio >= 1 else "slower"
+        print(
+            f"{size:>7,} blocks: radix match+insert is {max(ratio, 1 / ratio):.2f}x {faster} "
+            f"than hash ({radix.lookup_us:.1f} vs {hashed.lookup_us:.1f} us/request)"
+        )
+
+
+def check_same_hits(rows: list[Row]) -> None:
+    for size in {r.size for r in rows}:
+        rates = {round(r.hit_rate, 12) for r in rows if r.size == size}
+        if len(rates) != 1:
+            raise SystemExit(f"structures disagree on hits at size {size}: {rates}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
+    parser.add_argument("--requests", type=int, default=2_000, help="measured requests per size")
+    parser.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
+    parser.add_argument("--rounds", type=int, default=8, help="chunks per row (median taken)")
+    parser.add_argument("--quick", action="store_true", help="small sizes, few requests")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.requests = [200, 1_000], 200
+    workload = Workload()
+    rows = []
+    for size in args.sizes:
+        stream = make_requests(workload, warmup_requests(size, workload) + args.requests, args.seed)
+        warmup, measured = stream[: -args.requests], stream[-args.requests :]
+        rows += measure_size(size, args.structures, warmup, measured, args.rounds)
+    print(
+        f"block_size={BLOCK_SIZE}; {workload.num_system_prompts} shared system prompts of "
+        f"{workload.system_blocks} blocks + user parts of {workload.user_blocks} blocks; "
+        f"{args.requests} measured requests per row; times per request, median of "
+        f"{args.rounds} chunk means; num_evictable = one call"
+    )
+    print_table(rows)
+    print_comparison(rows)
+    check_same_hits(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""A hash index over KV blocks (the vLLM design).
+
+Why hashing?  A block's KV depends on its own tokens *and on every token
+before it*.  So the key of block ``i`` chains the key of block ``i-1``::
+
+    key_0 = hash_fn((None,  tokens_0, namespace))
+    key_i = hash_fn((key_{i-1}, tokens_i, None))
+
+and one dict lookup per block answers "is this exact prefix cached?".  The
+namespace enters only the first key; the chain carries it to every later
+block.  Compared with a radix tree there are no edges to split: every block
+is its own entry, and the tree shape survives only as parent links and child
+counts, which eviction needs (leaves go before parents).
+
+Collisions.  Two different prefixes may hash to the same key.  Returning the
+stored block then would feed the model KV computed for *other* tokens --
+silently wrong output, and across tenants a leak.  So every hit is checked
+against what the entry stores: its token ids, its namespace and its parent
+entry (by identity; a parent cannot be evicted while it has children, so the
+link is always current).  A key that matches but fails the check is treated
+as a miss, and an insert that lands on an occupied key does not cache that
+block or anything after it.  Correctness therefore never rests on the hash;
+a collision only costs a cache miss.
+
+The default ``hash_fn`` is Python's built-in ``hash``: fast, 64 bits wide, and
+deterministic within a process for ints and tuples (the namespace string is
+salted per process by ``PYTHONHASHSEED``, which only changes *which* rare
+collisions happen).  :func:`minivllm.prefix_cache.sha256_block_hash` is the
+stable, collision-resistant alternative; ``hash_fn`` is injectable so tests
+can force collisions.
+
+Locking and eviction follow the ownership rule in
+:mod:`minivllm.prefix_cache`: an entry is evictable when only the cache holds
+its block (``pool.refcount == 1``) and it has no children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from minivllm.prefix_cache import (
+    InsertResult,
+    LeafLru,
+    LogicalClock,
+    NamespaceCounts,
+    PrefixCacheStats,
+    check_new_blocks,
+    split_into_blocks,
+)
+
+if TYPE_CHECKING:
+    from minivllm.block_pool import BlockPool
+
+TokenBlock = tuple[int, ...]
+HashFn = Callable[[object], Hashable]
+
+
+# Python's built-in hash of the key tuple (see the module docstring).  Bound
+# directly rather than wrapped, since it runs once per block per lookup.
+default_block_hash: HashFn = hash
+
+
+@dataclass(eq=False)
+class HashEntry:
+    """One cached block.  ``eq=False``: entries are compared by identity."""
+
+    key: Hashable
+    block_id: int
+    token_ids: TokenBlock
+    namespace: str
+    parent: HashEntry | None
+    num_children: int = 0
+    last_used: int = 0
+
+
+@dataclass(eq=False)
+class HashIndex:
+    """A :class:`~minivllm.prefix_cache.PrefixCache` backed by a dict of chained hashes."""
+
+    pool: BlockPool
+    block_size: int = 16
+    quota_blocks: int | None = None
+    hash_fn: HashFn = default_block_hash
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _table: dict[Hashable, HashEntry] = field(default_factory=dict, repr=False)
+    _entry_of_block: dict[int, HashEntry] = field(default_factory=dict, repr=False)
+    _counts: NamespaceCounts = field(init=False, repr=False)
+    _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
+    _leaves: LeafLru[HashEntry] = field(default_factory=LeafLru, repr=False)
+    _leaves_by_ns: dict[str, LeafLru[HashEntry]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._counts = NamespaceCounts(self.quota_blocks)
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._entry_of_block)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._entry_of_block
+
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks with no locked block at or below them (O(cached blocks))."""
+        refcount = self.pool.refcount
+        pinned: set[HashEntry] = set()
+        for block_id, entry in self._entry_of_block.items():
+            if refcount(block_id) > 1:
+                node: HashEntry | None = entry
+                while node is not None and node not in pinned:
+                    pinned.add(node)
+                    node = node.parent
+        return self.num_cached_blocks - len(pinned)
+
+    # -- lookup ----------------------------------------------------------------
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
+        """See :meth:`PrefixCache.match`."""
+        path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
+        self._touch_path(path, self._clock.tick())
+        return [entry.block_id for entry in path]
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.stats.queries_tokens += query_tokens
+        self.stats.hits_tokens += hit_tokens
+
+    def _key(self, parent: HashEntry | None, namespace: str, tokens: TokenBlock) -> Hashable:
+        if parent is None:
+            return self.hash_fn((None, tokens, namespace))
+        return self.hash_fn((parent.key, tokens, None))
+
+    def _lookup(
+        self, parent: HashEntry | None, namespace: str, tokens: TokenBlock
+    ) -> HashEntry | None:
+        """The entry for ``tokens`` right after ``parent``, or None.
+
+        A key hit that fails validation is a collision and counts as a miss.
+        """
+        entry = self._table.get(self._key(parent, namespace, tokens))
+        if entry is None:
+            return None
+        if entry.parent is not parent or entry.token_ids != tokens or entry.namespace != namespace:
+            return None
+        return entry
+
+    def _walk(self, namespace: str, blocks: list[TokenBlock]) -> list[HashEntry]:
+        path: list[HashEntry] = []
+        parent: HashEntry | None = None
+        for tokens in blocks:
+            entry = self._lookup(parent, namespace, tokens)
+            if entry is None:
+                break
+            path.append(entry)
+            parent = entry
+        return path
+
+    # -- insertion -------------------------------------------------------------
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = ""
+    ) -> InsertResult:
+        """See :meth:`PrefixCache.insert`."""
+        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
+        path = self._walk(namespace, blocks)
+        tick = self._clock.tick()
+        self._touch_path(path, tick)
+        canonical = [entry.block_id for entry in path]
+        num_cached = len(canonical)
+        new_ids = list(block_ids[num_cached:])
+        check_new_blocks(new_ids, self.is_cached, self.pool)
+        pin = canonical[-1] if canonical else None
+        num_new = self._make_room(namespace, len(new_ids), pin)
+        parent = path[-1] if path else None
+        added: HashEntry | None = None
+        for tokens, block_id in zip(blocks[num_cached : num_cached + num_new], new_ids):
+            entry = self._add(parent, namespace, tokens, block_id, tick)
+            if entry is None:  # key taken by a colliding block: stop caching here
+                break
+            parent = added = entry
+        if added is not None:
+            self._mark_leaf(added)  # only the deepest new entry is a leaf
+        return InsertResult(num_cached * self.block_size, canonical + new_ids)
+
+    def _make_room(self, namespace: str, wanted: int, pin: int | None) -> int:
+        """Apply the namespace quota; return how many new blocks may be cached.
+
+        The last matched block is pinned with an extra pool reference (what a
+        running request would hold) while the namespace evicts its own
+        blocks, so the chain being extended cannot disappear meanwhile.
+        """
+        excess = self._counts.excess(namespace, wanted)
+        if excess:
+            if pin is not None:
+                self.pool.incref(pin)
+            try:
+                freed = self._evict_with(self._ns_leaves(namespace), excess)
+            finally:
+                if pin is not None:
+                    self.pool.decref(pin)
+            self.stats.quota_evictions += freed
+        return self._counts.room(namespace, wanted)
+
+    def _add(
+        self, parent: HashEntry | None, namespace: str, tokens: TokenBlock, block_id: int, tick: int
+    ) -> HashEntry | None:
+        key = self._key(parent, namespace, tokens)
+        if key in self._table:
+            return None
+        entry = HashEntry(key, block_id, tokens, namespace, parent, last_used=tick)
+        self.pool.incref(block_id)
+        self._table[key] = entry
+        self._entry_of_block[block_id] = entry
+        self._counts.add(namespace, 1)
+        self.stats.inserted_blocks += 1
+        if parent is not None:
+            parent.num_children += 1
+            if parent.num_children == 1:
+                self._unmark_leaf(parent)
+        return entry
+
+    # -- eviction ----------------------------------------------------------------
+    def evict(self, num_blocks: int) -> int:
+        """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
+        if num_blocks <= 0:
+            return 0
+        return self._evict_with(self._leaves, num_blocks)
+
+    def reset(self) -> None:
+        self.evict(self.num_cached_blocks)
+
+    def _evict_with(self, leaves: LeafLru[HashEntry], budget: int) -> int:
+        freed = leaves.evict(budget, self._evict_entry, self._is_live_leaf)
+        self.stats.evicted_blocks += freed
+        return freed
+
+    def _evict_entry(self, entry: HashEntry, budget: int) -> int:
+        """Remove a leaf entry unless its block is locked; return blocks freed."""
+        if budget < 1 or self.pool.refcount(entry.block_id) != 1:
+            return 0
+        del self._table[entry.key]
+        del self._entry_of_block[entry.block_id]
+        self._unmark_leaf(entry)
+        if not self._counts.remove(entry.namespace, 1):
+            self._leaves_by_ns.pop(entry.namespace, None)
+        parent = entry.parent
+        if parent is not None:
+            parent.num_children -= 1
+            if parent.num_children == 0:
+                self._mark_leaf(parent)
+        self.pool.decref(entry.block_id)
+        return 1
+
+    def _is_live_leaf(self, entry: HashEntry) -> bool:
+        return self._entry_of_block.get(entry.block_id) is entry and entry.num_children == 0
+
+    # -- LRU plumbing ------------------------------------------------------------
+    def _touch_path(self, path: list[HashEntry], tick: int) -> None:
+        for entry in path:
+            entry.last_used = tick
+        if path and path[-1].num_children == 0:
+            self._mark_leaf(path[-1])
+
+    def _ns_leaves(self, namespace: str) -> LeafLru[HashEntry]:
+        leaves = self._leaves_by_ns.get(namespace)
+        if leaves is None:
+            leaves = LeafLru()
+            self._leaves_by_ns[namespace] = leaves
+        return leaves
+
+    def _mark_leaf(self, entry: HashEntry) -> None:
+        self._leaves.touch(entry, entry.last_used)
+        self._ns_leaves(entry.namespace).touch(entry, entry.last_used)
+
+    def _unmark_leaf(self, entry: HashEntry) -> None:
+        self._leaves.discard(entry)
+        ns_leaves = self._leaves_by_ns.get(entry.namespace)
+        if ns_leaves is not None:
+            ns_leaves.discard(entry)

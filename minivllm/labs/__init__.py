@@ -1,0 +1,21 @@
+"""Support code for the minivllm lab course (``solutions/`` and ``labs/`` notebooks).
+
+Why a package and not notebook cells?  Checkers, widgets and quizzes are the
+same for every learner and every lab, they need tests of their own, and a
+notebook should show the lesson, not plumbing.  Each lab imports from here:
+
+* :mod:`minivllm.labs.checkers` -- the checker framework (named cases, first
+  failure shown with expected vs got and a hint) and :func:`choose`, which
+  picks the learner's code when its checker passed and the engine's otherwise;
+* :mod:`minivllm.labs.check_lab01` .. ``check_lab03`` -- one checker per exercise;
+* :mod:`minivllm.labs.widgets` -- block pool view, radix tree view, step
+  timeline, and a step-through control; all degrade to static pictures;
+* :mod:`minivllm.labs.quiz` -- the end-of-lab retrieval quiz (data in
+  ``quizzes/labNN.json``);
+* :mod:`minivllm.labs.workloads` -- seeded workloads and small replay loops
+  shared by the labs, the figures script and the tests.
+"""
+
+from minivllm.labs.checkers import Case, CheckResult, choose, run_checks
+
+__all__ = ["Case", "CheckResult", "choose", "run_checks"]

@@ -1,0 +1,79 @@
+"""Numeric quiz answers, computed from the engine's own functions.
+
+Each question with ``"compute": "minivllm.labs.answers:<name>"`` in a bank
+names a function here; ``tests/test_labs.py`` checks that the stored answer
+equals what the function returns now, so answers follow the engine.
+"""
+
+from __future__ import annotations
+
+
+def lab01_decode_tokens_per_request() -> int:
+    """Decode steps of a request with max_tokens=8: the first token comes from the prefill step."""
+    from minivllm.labs.workloads import run_engine, sim_engine
+
+    eng = sim_engine(block_size=4)
+    run_engine(eng, [([11] * 20, 8)])
+    return sum(1 for e in eng.step_log for rid, start, n in e["seqs"] if start >= 20)
+
+
+def lab01_prefill_steps_chunked() -> int:
+    """Steps a 100-token prompt needs with a 32-token budget (chunked prefill)."""
+    from minivllm.labs.workloads import run_engine, sim_engine
+
+    eng = sim_engine(block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    run_engine(eng, [([11] * 100, 1)])
+    return len(eng.step_log)
+
+
+def lab02_blocks_for_33() -> int:
+    from minivllm.kv_cache_manager import blocks_for
+
+    return blocks_for(33, 16)
+
+
+def lab02_slot_of_token_37() -> int:
+    """Slot of position 37 with block table [4, 9, 6, 7] and 16-token blocks, via the model runner."""
+    import torch
+
+    from minivllm.model_runner import build_attention_metadata
+    from minivllm.request import Request
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.scheduler import ScheduledSeq
+
+    req = Request("q", list(range(10, 48)), SamplingParams(), 0.0)
+    req.block_ids = [4, 9, 6, 7]
+    _, _, meta = build_attention_metadata([ScheduledSeq(req, 1, 37)], 16, torch.device("cpu"))
+    return int(meta.slot_mapping[0])
+
+
+def lab02_contiguous_utilization_pct() -> int:
+    from minivllm.labs.workloads import lengths_sample, reserved_slots_contiguous, utilization
+
+    lens = lengths_sample(2000, seed=0, max_len=2048)
+    return round(100 * utilization(lens, reserved_slots_contiguous(lens, 2048)))
+
+
+def lab03_system_prompt_hit_tokens() -> int:
+    """Tokens served from cache for the 2nd request sharing a 100-token system prompt (block 16)."""
+    from minivllm.block_pool import BlockPool
+    from minivllm.labs.workloads import replay_prefix_cache
+    from minivllm.radix_cache import RadixCache
+
+    system = list(range(100, 200))
+    prompts = [system + [7, 8, 9], system + [5, 6]]
+    pool = BlockPool(64)
+    recs = replay_prefix_cache(RadixCache(pool, 16), pool, prompts, block_size=16)
+    return recs[1]["hit_tokens"]
+
+
+def lab03_exact_repeat_hit_tokens() -> int:
+    """Hit tokens when a 64-token prompt is sent twice (block 16): the last token is recomputed."""
+    from minivllm.block_pool import BlockPool
+    from minivllm.labs.workloads import replay_prefix_cache
+    from minivllm.radix_cache import RadixCache
+
+    prompt = list(range(300, 364))
+    pool = BlockPool(64)
+    recs = replay_prefix_cache(RadixCache(pool, 16), pool, [prompt, prompt], block_size=16)
+    return recs[1]["hit_tokens"]

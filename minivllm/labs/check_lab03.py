@@ -1,0 +1,285 @@
+"""Checkers for lab 3 (prefix caching): chained block hashes, prefix match, eviction choice.
+
+Also :class:`LearnerHashCache`, which assembles the three learner functions
+into an object with the engine's :class:`~minivllm.prefix_cache.PrefixCache`
+methods, so they run the same replays as the engine's own caches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
+
+from minivllm.block_pool import BlockPool
+from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.prefix_cache import InsertResult, PrefixCacheStats
+
+
+class IndexEntry(NamedTuple):
+    """What a hash index stores per key: the block, and what it needs to validate a hit."""
+
+    block_id: int
+    tokens: tuple
+    parent: Hashable | None  # the key of the previous block, None for the first
+
+
+def build_index(hasher, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int,
+                salt: str | None = None, index: dict | None = None) -> dict:
+    """Index the full blocks of ``token_ids`` under ``block_ids`` with ``hasher``'s keys."""
+    index = {} if index is None else index
+    keys = hasher(token_ids, block_size, salt)
+    parent = None
+    for i, (k, b) in enumerate(zip(keys, block_ids)):
+        index.setdefault(k, IndexEntry(b, tuple(token_ids[i * block_size:(i + 1) * block_size]), parent))
+        parent = k
+    return index
+
+
+# -- exercise 1: chained block hashes ----------------------------------------------------
+
+
+def check_block_hashes(fn) -> CheckResult:
+    """Check ``fn(token_ids, block_size, salt=None) -> list of keys`` by its properties."""
+    P = list(range(100, 132))  # two blocks of 16
+    Q, R = list(range(200, 216)), list(range(300, 316))
+
+    cases = [
+        Case("fewer tokens than one block", lambda f: f(list(range(10)), 16), [],
+             "only FULL blocks get a key: a partial block is still being written"),
+        Case("two full blocks and a tail give two keys", lambda f: len(f(P + [1, 2, 3], 16)), 2,
+             "use len(token_ids) // block_size blocks, dropping the tail"),
+        Case("the same tokens give the same keys", lambda f: f(P, 16) == f(list(P), 16), True,
+             "don't mix in anything random or per-call (id(), time, a counter)"),
+        Case("the partial tail does not change the keys", lambda f: f(P + [7, 8], 16) == f(P, 16), True,
+             "ignore tokens after the last full block"),
+        Case("a shared prefix shares its leading keys", lambda f: (lambda a, b: (a[:2] == b[:2], a[2] != b[2]))(
+            f(P + Q, 16), f(P + R, 16)), (True, True), "block i's key may depend only on tokens 0 .. end of block i"),
+        Case("the same block after a different prefix gets a different key",
+             lambda f: f(P[:16] + Q, 16)[1] != f(P[16:] + Q, 16)[1], True,
+             "chain: key_i = hash((key_{i-1}, tokens_i)) -- KV depends on every earlier token"),
+        Case("identical blocks at positions 0 and 1 differ", lambda f: len(set(f([5] * 32, 16))), 2,
+             "without the parent key in the hash, two equal blocks collide"),
+        Case("a salt changes every key", lambda f: (lambda s, u: all(x != y for x, y in zip(s, u)))(
+            f(P + Q, 16, salt="alice"), f(P + Q, 16)), True,
+             "mix the salt into the FIRST key; chaining carries it to all later keys"),
+        Case("the same salt gives the same keys", lambda f: f(P, 16, salt="alice") == f(P, 16, salt="alice"), True,
+             "the salt must be used deterministically"),
+    ]
+    return run_checks("block_hashes", fn, cases)
+
+
+# -- exercise 2: prefix match ------------------------------------------------------------
+
+
+def check_match_prefix(fn, hasher: Callable) -> CheckResult:
+    """Check ``fn(token_ids, index, block_size, hasher, salt=None) -> list[block ids]``.
+
+    ``hasher`` is a correct ``block_hashes`` (the engine-side reference the
+    lab passes in), so this checker judges the matching alone.
+    """
+    bs = 4
+    A = [11, 12, 13, 14, 21, 22, 23, 24, 31, 32, 33, 34]  # three blocks
+    idx = build_index(hasher, A, [7, 3, 9], bs)
+
+    def forged_tokens(f):
+        keys = hasher(A, bs)
+        bad = {keys[0]: IndexEntry(7, (99, 99, 99, 99), None)}  # right key, other tokens: a collision
+        return f(A + [1], bad, bs, hasher)
+
+    def forged_parent(f):
+        keys = hasher(A, bs)
+        bad = {keys[0]: IndexEntry(7, tuple(A[:4]), None), keys[1]: IndexEntry(3, tuple(A[4:8]), "someone else")}
+        return f(A + [1], bad, bs, hasher)
+
+    def gap(f):
+        keys = hasher(A, bs)
+        holey = {k: v for k, v in idx.items() if k != keys[1]}
+        return f(A + [1], holey, bs, hasher)
+
+    salted = build_index(hasher, A, [7, 3, 9], bs, salt="alice")
+    cases = [
+        Case("empty index", lambda f: f(A + [1], {}, bs, hasher), [], "nothing cached: no hit"),
+        Case("a longer prompt hits every cached block", lambda f: f(A + [1, 2], idx, bs, hasher), [7, 3, 9],
+             "walk the keys in order and collect each entry's block_id"),
+        Case("an exactly cached prompt keeps its last token", lambda f: f(A, idx, bs, hasher), [7, 3],
+             "match token_ids[:-1]: the last prompt token must run through the model to produce logits"),
+        Case("a prompt one token into a new block", lambda f: f(A[:9], idx, bs, hasher), [7, 3],
+             "8 matchable tokens = 2 full blocks"),
+        Case("a different second block stops the match", lambda f: f(A[:4] + [0, 0, 0, 0] + A[8:] + [1], idx, bs, hasher),
+             [7], "stop at the first block whose key is not in the index"),
+        Case("stop at the first miss even if later keys exist", gap, [7],
+             "break at a miss: a later block's KV is useless without the blocks before it"),
+        Case("a key collision is a miss", forged_tokens, [],
+             "validate: the entry's tokens must equal this block's tokens, or its KV belongs to another prompt"),
+        Case("an entry with another parent is a miss", forged_parent, [7],
+             "validate the chain too: entry.parent must be the previous block's key (None for the first)"),
+        Case("a salted prefix needs the same salt", lambda f: (f(A + [1], salted, bs, hasher),
+                                                               f(A + [1], salted, bs, hasher, salt="alice")),
+             ([], [7, 3, 9]), "pass salt on to hasher(token_ids[:-1], block_size, salt)"),
+    ]
+    return run_checks("match_prefix", fn, cases)
+
+
+# -- exercise 3: eviction choice ---------------------------------------------------------
+
+
+def _node(i, t, locks=0, children=0):
+    return {"id": i, "last_access": t, "locks": locks, "children": children}
+
+
+def check_pick_victim(fn, hasher: Callable | None = None, matcher: Callable | None = None) -> CheckResult:
+    """Check ``fn(nodes) -> id or None``: the least recently used unlocked leaf."""
+    def replay(cache_of):
+        from minivllm.labs.workloads import multi_turn_workload, replay_prefix_cache
+
+        pool = BlockPool(32)
+        cache = cache_of(pool)
+        recs = replay_prefix_cache(cache, pool, multi_turn_workload(4, 4, seed=1))
+        return [r["hit_tokens"] for r in recs], pool.num_free + cache.num_cached_blocks
+
+    def replay_case(f):
+        return replay(lambda pool: LearnerHashCache(pool, 16, hasher or _ref_hasher, matcher or _ref_matcher, f))
+
+    from minivllm.hash_index import HashIndex
+
+    expected_replay = replay(lambda pool: HashIndex(pool, 16))
+    cases = [
+        Case("nothing cached", lambda f: f([]), None, "return None when there is no candidate"),
+        Case("one unlocked leaf", lambda f: f([_node("a", 5)]), "a", "a leaf nobody uses can go"),
+        Case("least recently used first", lambda f: f([_node("a", 5), _node("b", 2), _node("c", 9)]), "b",
+             "pick the SMALLEST last_access (LRU), not the largest"),
+        Case("a locked leaf stays, however old", lambda f: f([_node("a", 1, locks=1), _node("b", 4)]), "b",
+             "locks > 0 means a running request reads this block: evicting it corrupts that request"),
+        Case("an inner node stays while it has children", lambda f: f([_node("a", 1, children=2), _node("b", 4)]), "b",
+             "evict leaves only, or a cached block would lose the prefix it depends on"),
+        Case("everything locked: no victim", lambda f: f([_node("a", 1, locks=2), _node("b", 2, locks=1)]), None,
+             "return None instead of a locked node; the engine will preempt instead"),
+        Case("ties go to the first listed", lambda f: f([_node("a", 3), _node("b", 3)]), "a",
+             "use a stable choice (min keeps the first of equal keys)"),
+        Case("multi-turn replay on a 32-block pool evicts like the engine's HashIndex", replay_case, expected_replay,
+             "the replay evicts through your function; compare the cases above",
+             show_expected=f"hit tokens {expected_replay[0]}, every block accounted for"),
+    ]
+    return run_checks("pick_victim", fn, cases)
+
+
+# -- the learner's cache, assembled ------------------------------------------------------
+
+
+@dataclass(eq=False)
+class LearnerHashCache:
+    """A hash-index prefix cache built from the learner's three functions.
+
+    It has the methods the engine's replay needs (``match``, ``insert``,
+    ``evict``, ``record_lookup``, ``is_cached``...).  ``match`` receives
+    ``token_ids`` already cut before the last prompt token (the engine's
+    contract), while the learner's ``match_prefix`` does that cut itself, so a
+    placeholder token is appended before calling it.
+    """
+
+    pool: BlockPool
+    block_size: int
+    hasher: Callable
+    matcher: Callable
+    picker: Callable
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    index: dict = field(default_factory=dict)
+    children: dict = field(default_factory=dict)
+    last_access: dict = field(default_factory=dict)
+    clock: int = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.index)
+
+    def is_cached(self, block_id: int) -> bool:
+        return any(e.block_id == block_id for e in self.index.values())
+
+    def num_evictable_blocks(self) -> int:
+        return sum(1 for e in self.index.values() if self.pool.refcount(e.block_id) == 1)
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.stats.queries_tokens += query_tokens
+        self.stats.hits_tokens += hit_tokens
+
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
+        self.clock += 1
+        salt = namespace or None
+        hits = self.matcher(list(token_ids) + [-1], self.index, self.block_size, self.hasher, salt)
+        keys = self.hasher(list(token_ids), self.block_size, salt)
+        for k in keys[: len(hits)]:
+            self.last_access[k] = self.clock
+        return list(hits)
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = "") -> InsertResult:
+        self.clock += 1
+        bs = self.block_size
+        keys = self.hasher(list(token_ids[: len(block_ids) * bs]), bs, namespace or None)
+        canonical, already, parent, counting = list(block_ids), 0, None, True
+        for i, k in enumerate(keys):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            entry = self.index.get(k)
+            if entry is not None:
+                if entry.tokens != tokens or entry.parent != parent:
+                    break  # a collision: cache nothing from here on
+                canonical[i] = entry.block_id
+                already += bs if counting else 0
+            else:
+                counting = False
+                self.index[k] = IndexEntry(block_ids[i], tokens, parent)
+                self.pool.incref(block_ids[i])
+                self.children[k] = 0
+                if parent is not None:
+                    self.children[parent] += 1
+                self.stats.inserted_blocks += 1
+            self.last_access[k] = self.clock
+            parent = k
+        return InsertResult(already, canonical)
+
+    def evict(self, num_blocks: int) -> int:
+        freed = 0
+        while freed < num_blocks:
+            nodes = [{"id": k, "last_access": self.last_access[k], "locks": self.pool.refcount(e.block_id) - 1,
+                      "children": self.children[k]} for k, e in self.index.items()]
+            victim = self.picker(nodes)
+            if victim is None:
+                break
+            entry = self.index.pop(victim)
+            if entry.parent is not None:
+                self.children[entry.parent] -= 1
+            del self.children[victim], self.last_access[victim]
+            self.pool.decref(entry.block_id)
+            self.stats.evicted_blocks += 1
+            freed += 1
+        return freed
+
+
+# engine-side references used when the learner's versions are not passed in (and by tests)
+def _ref_hasher(token_ids, block_size, salt=None):
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash((parent, block, salt if i == 0 else None))
+        keys.append(parent)
+    return keys
+
+
+def _ref_matcher(token_ids, index, block_size, hasher, salt=None):
+    out, parent = [], None
+    for i, k in enumerate(hasher(token_ids[:-1], block_size, salt)):
+        e = index.get(k)
+        if e is None or e.tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]) or e.parent != parent:
+            break
+        out.append(e.block_id)
+        parent = k
+    return out
+
+
+def _ref_picker(nodes):
+    free = [n for n in nodes if n["locks"] == 0 and n["children"] == 0]
+    return min(free, key=lambda n: n["last_access"])["id"] if free else None
+
+
+def engine_reference() -> tuple[Callable, Callable, Callable]:
+    """``(block_hashes, match_prefix, pick_victim)`` as the engine's hash index does them (fallbacks)."""
+    return _ref_hasher, _ref_matcher, _ref_picker

@@ -1,0 +1,137 @@
+"""The checker framework: small named cases, in order, stop at the first failure.
+
+Why this shape?  A learner who gets "AssertionError" from a 40-line test learns
+nothing.  A checker here runs cases from the simplest (empty input, one block)
+to the subtle (exact block boundary, sharing, eviction), and at the first one
+that fails prints *which* case, what was expected, what came back, and a hint
+aimed at the mistake that usually causes that failure.
+
+A ``NotImplementedError`` (the stub in a student notebook) prints
+"not implemented yet" instead of a traceback, so student notebooks run top to
+bottom in CI and a stuck learner can still run the rest of a lab: later cells
+call :func:`choose` and fall back to the engine's own implementation.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+_MISSING = object()
+
+
+@dataclass
+class Case:
+    """One check: ``run(candidate)`` returns what the candidate produced.
+
+    ``expected`` is compared with ``==`` unless ``accept`` is given, in which
+    case ``accept(got)`` decides (for answers with more than one right form).
+    ``hint`` is shown only when this case fails: write it for the usual mistake.
+    """
+
+    name: str
+    run: Callable[[Any], Any]
+    expected: Any = None
+    hint: str = ""
+    accept: Callable[[Any], bool] | None = None
+    show_expected: str | None = None  # text to print instead of repr(expected)
+
+    def passes(self, got: Any) -> bool:
+        if self.accept is not None:
+            return bool(self.accept(got))
+        return got == self.expected
+
+
+@dataclass
+class CheckResult:
+    """Truthy when every case passed; keeps what happened for tests and :func:`choose`."""
+
+    title: str
+    passed: bool
+    num_cases: int
+    num_passed: int
+    failed_case: str | None = None
+    not_implemented: bool = False
+    lines: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __repr__(self) -> str:  # keeps notebook outputs short and stable
+        state = "passed" if self.passed else ("not implemented yet" if self.not_implemented else "failed")
+        return f"<{self.title}: {state}, {self.num_passed}/{self.num_cases} cases>"
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bool = True) -> CheckResult:
+    """Run ``cases`` against ``candidate`` in order; stop and explain at the first failure."""
+    lines: list[str] = []
+    result = CheckResult(title, False, len(cases), 0, lines=lines)
+    for i, case in enumerate(cases, 1):
+        try:
+            got = case.run(candidate)
+        except NotImplementedError as exc:
+            lines.append(f"{title}: not implemented yet -- {exc}" if str(exc) else f"{title}: not implemented yet")
+            result.not_implemented = True
+            result.failed_case = case.name
+            break
+        except Exception as exc:  # the learner's bug: show it as a failed case, not a crash
+            tb = traceback.extract_tb(exc.__traceback__)
+            where = f" (line {tb[-1].lineno} in {tb[-1].name})" if tb else ""
+            lines.append(f"✘ case {i}/{len(cases)} '{case.name}': raised {type(exc).__name__}: {exc}{where}")
+            if case.hint:
+                lines.append(f"  hint: {case.hint}")
+            result.failed_case = case.name
+            break
+        if case.passes(got):
+            result.num_passed += 1
+            lines.append(f"✔ {case.name}")
+            continue
+        expected = case.show_expected if case.show_expected is not None else _short(case.expected)
+        lines.append(f"✘ case {i}/{len(cases)} '{case.name}'")
+        lines.append(f"  expected: {expected}")
+        lines.append(f"  got:      {_short(got)}")
+        if case.hint:
+            lines.append(f"  hint: {case.hint}")
+        result.failed_case = case.name
+        break
+    else:
+        result.passed = True
+        lines.append(f"{title}: all {len(cases)} cases passed")
+    if verbose:
+        print("\n".join(lines))
+    return result
+
+
+def choose(result: CheckResult, mine: Any, reference: Any, what: str = "implementation") -> Any:
+    """The learner's ``mine`` if its checker passed, else the engine's ``reference``.
+
+    Later cells of a lab use the returned object, so a stuck learner still gets
+    every experiment, widget and figure of the lab.
+    """
+    if result:
+        print(f"using your {what}")
+        return mine
+    print(f"using the engine's {what} (yours has not passed its checker yet)")
+    return reference
+
+
+def expect_raises(exc_type: type[BaseException], fn: Callable[[], Any]) -> str:
+    """Run ``fn``; return the name of what it raised, or 'no error' (for cases on errors).
+
+    ``NotImplementedError`` is re-raised so a stub still reads "not implemented yet".
+    """
+    try:
+        fn()
+    except NotImplementedError:
+        raise
+    except exc_type:
+        return exc_type.__name__
+    except Exception as exc:  # a different error type counts as wrong
+        return type(exc).__name__
+    return "no error"

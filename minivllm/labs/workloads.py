@@ -1,0 +1,259 @@
+"""Seeded workloads and small engine runs shared by the labs, the figures and the tests.
+
+Why here?  A lab's claim ("paging wastes under 4%", "a shared system prompt
+hits 90%") is only worth teaching if the same numbers come out in the
+notebook, the README figure and the quiz answer.  Putting the workload and the
+measurement in one function lets all three call it, and lets a test recompute
+a quiz answer so it cannot drift from the engine.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Sequence
+
+from minivllm.block_pool import BlockPool
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine
+from minivllm.kv_cache_manager import blocks_for
+from minivllm.sampling_params import SamplingParams
+from minivllm.sim_executor import SimulatedExecutor
+
+
+# -- simulated engine runs ---------------------------------------------------------
+
+
+def sim_engine(*, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 8,
+               max_num_batched_tokens: int = 512, model_max_len: int = 2048,
+               admission_policy: Any = None, preemption_policy: Any = None,
+               executor: SimulatedExecutor | None = None, **options: Any) -> LLMEngine:
+    """A real :class:`LLMEngine` whose forward pass is a virtual-clock cost model."""
+    options.setdefault("max_model_len", min(model_max_len, num_blocks * block_size))
+    config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          num_gpu_blocks_override=num_blocks, device="cpu", **options)
+    return LLMEngine(config, executor=executor or SimulatedExecutor(), model_max_len=model_max_len,
+                     admission_policy=admission_policy, preemption_policy=preemption_policy,
+                     eos_token_ids=set())
+
+
+def random_requests(n: int, *, seed: int = 0, prompt_range=(16, 256), output_range=(8, 128),
+                    vocab: int = 900) -> list[tuple[list[int], int]]:
+    """``n`` (prompt token ids, max_tokens) pairs with uniform lengths, reproducible."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = rng.randint(*prompt_range)
+        out.append(([rng.randrange(10, vocab) for _ in range(p)], rng.randint(*output_range)))
+    return out
+
+
+def run_engine(engine: LLMEngine, requests: Sequence[tuple[list[int], int]], *, max_steps: int = 100_000):
+    """Add every request, step to the end; returns ``{request_id: final RequestOutput}``.
+
+    Stops after ``max_steps`` (a policy that never admits anything would loop
+    forever); the caller sees the unfinished ones missing from the result.
+    """
+    ids = []
+    for i, (prompt, max_tokens) in enumerate(requests):
+        ids.append(engine.add_request({"prompt_token_ids": prompt},
+                                      SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      request_id=f"r{i}"))
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def throughput(finals: dict, engine: LLMEngine) -> float:
+    """Output tokens per second of engine clock over the whole run."""
+    tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
+    start = min(o.metrics.arrival_time for o in finals.values())
+    end = max(o.metrics.finished_time for o in finals.values())
+    return tokens / (end - start)
+
+
+# -- KV memory accounting (lab 2) ----------------------------------------------------
+
+
+def lengths_sample(n: int = 2000, *, seed: int = 0, max_len: int = 2048) -> list[int]:
+    """Sequence lengths (prompt + output) with a long tail, like chat traffic.
+
+    Log-normal with median ~330 tokens, clipped to ``max_len``: most requests are
+    short, a few are long -- the shape that makes max-length reservation wasteful.
+    """
+    rng = random.Random(seed)
+    return [max(1, min(max_len, int(rng.lognormvariate(5.8, 0.8)))) for _ in range(n)]
+
+
+def reserved_slots_contiguous(seq_lens: Sequence[int], max_len: int) -> int:
+    """Slots reserved when every request gets a contiguous max-length region up front."""
+    return len(seq_lens) * max_len
+
+
+def reserved_slots_paged(seq_lens: Sequence[int], block_size: int) -> int:
+    """Slots reserved with paging: whole blocks, only as many as each sequence needs."""
+    return sum(blocks_for(n, block_size) * block_size for n in seq_lens)
+
+
+def utilization(seq_lens: Sequence[int], reserved: int) -> float:
+    """Fraction of reserved KV slots that hold a real token."""
+    return sum(seq_lens) / reserved
+
+
+# -- prefix-cache workloads (lab 3) ----------------------------------------------------
+
+
+def _tokens(rng: random.Random, n: int, vocab: int = 900) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def system_prompt_workload(n: int = 40, *, seed: int = 0, system_len: int = 256,
+                           user_range=(8, 64)) -> list[list[int]]:
+    """Every request = one shared system prompt + a short user question."""
+    rng = random.Random(seed)
+    system = _tokens(rng, system_len)
+    return [system + _tokens(rng, rng.randint(*user_range)) for _ in range(n)]
+
+
+def multi_turn_workload(n_conversations: int = 8, turns: int = 5, *, seed: int = 0,
+                        turn_range=(24, 80)) -> list[list[int]]:
+    """Chats: turn k's prompt is the whole history so far + the new user message.
+
+    Requests are interleaved across conversations (round robin), as a server sees them.
+    """
+    rng = random.Random(seed)
+    histories = [_tokens(rng, rng.randint(*turn_range)) for _ in range(n_conversations)]
+    requests = []
+    for _ in range(turns):
+        for c in range(n_conversations):
+            requests.append(list(histories[c]))
+            histories[c] += _tokens(rng, rng.randint(*turn_range))  # answer + next question
+    return requests
+
+
+def shared_system_chats(n_conversations: int = 3, turns: int = 3, *, seed: int = 2,
+                        system_len: int = 48) -> list[list[int]]:
+    """Multi-turn chats that all start with one system prompt: the tree branches after it."""
+    rng = random.Random(seed + 1000)
+    system = _tokens(rng, system_len)
+    return [system + p for p in multi_turn_workload(n_conversations, turns, seed=seed)]
+
+
+def rag_workload(n: int = 40, *, seed: int = 0, num_docs: int = 20, doc_len: int = 128,
+                 docs_per_request: int = 3, instr_len: int = 32) -> list[list[int]]:
+    """Instruction + retrieved documents (popular ones repeat, in varying order) + question.
+
+    Only the instruction and a leading run of the *same documents in the same
+    order* is a shared prefix: RAG hits less than a system prompt does.
+    """
+    rng = random.Random(seed)
+    instr = _tokens(rng, instr_len)
+    docs = [_tokens(rng, doc_len) for _ in range(num_docs)]
+    weights = [1.0 / (i + 1) for i in range(num_docs)]  # Zipf-like popularity
+    requests = []
+    for _ in range(n):
+        chosen: list[int] = []
+        while len(chosen) < docs_per_request:
+            d = rng.choices(range(num_docs), weights)[0]
+            if d not in chosen:
+                chosen.append(d)
+        prompt = list(instr)
+        for d in chosen:
+            prompt += docs[d]
+        requests.append(prompt + _tokens(rng, rng.randint(8, 32)))
+    return requests
+
+
+def replay_prefix_cache(cache: Any, pool: BlockPool, prompts: Sequence[list[int]], *,
+                        namespaces: Sequence[str] | None = None, block_size: int = 16,
+                        prefill_cost: Callable[[int], float] | None = None) -> list[dict]:
+    """Admit each prompt the way the engine does with prefix caching, one at a time.
+
+    For each prompt: look up ``prompt[:-1]`` (the last token is always
+    recomputed, it produces the logits), take a reference on every hit block,
+    allocate the rest, "prefill", insert the full blocks, then finish (drop the
+    request's references; cached blocks stay with the cache).  Returns one
+    record per request: hit tokens, prompt tokens and a modelled TTFT.
+    """
+    prefill_cost = prefill_cost or (lambda uncached: 0.010 + 0.0004 * uncached)
+    records = []
+    for i, prompt in enumerate(prompts):
+        ns = namespaces[i] if namespaces is not None else ""
+        hits = cache.match(prompt[:-1], ns)
+        hit_tokens = len(hits) * block_size
+        cache.record_lookup(len(prompt) - 1, hit_tokens)
+        for b in hits:
+            pool.incref(b)
+        table = list(hits)
+        need = blocks_for(len(prompt), block_size) - len(table)
+        for _ in range(need):
+            if pool.num_free == 0:
+                cache.evict(1)
+            table.append(pool.allocate())
+        full = len(prompt) // block_size
+        res = cache.insert(prompt, table[:full], ns)
+        for j, canonical in enumerate(res.block_ids):  # swap duplicates for the cached copy
+            if canonical != table[j]:
+                pool.incref(canonical)
+                pool.decref(table[j])
+                table[j] = canonical
+        pool.free_all(table)
+        records.append({"prompt_tokens": len(prompt), "hit_tokens": hit_tokens,
+                        "ttft": prefill_cost(len(prompt) - hit_tokens)})
+    return records
+
+
+def hit_rate(records: Sequence[dict]) -> float:
+    """Hit tokens over looked-up tokens (prompt minus its last token), like vLLM's counters."""
+    return sum(r["hit_tokens"] for r in records) / sum(r["prompt_tokens"] - 1 for r in records)
+
+
+class PrefixReplay:
+    """Feed prompts to a prefix cache one per :meth:`step`, like an engine admitting them.
+
+    The most recent request keeps its blocks until the next step, so a radix
+    tree view shows its path *locked* (a running request reads those blocks).
+    Has the two methods :class:`~minivllm.labs.widgets.Stepper` needs.
+    """
+
+    def __init__(self, cache: Any, pool: BlockPool, prompts: Sequence[list[int]], block_size: int = 16,
+                 namespaces: Sequence[str] | None = None) -> None:
+        self.cache, self.pool, self.prompts = cache, pool, list(prompts)
+        self.block_size, self.namespaces = block_size, namespaces
+        self.next = 0
+        self.held: list[int] = []
+        self.records: list[dict] = []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.next < len(self.prompts)
+
+    def step(self) -> dict:
+        self.pool.free_all(self.held)  # the previous request finishes
+        self.held = []
+        prompt = self.prompts[self.next]
+        ns = self.namespaces[self.next] if self.namespaces else ""
+        hits = self.cache.match(prompt[:-1], ns)
+        self.cache.record_lookup(len(prompt) - 1, len(hits) * self.block_size)
+        for b in hits:
+            self.pool.incref(b)
+        table = list(hits)
+        for _ in range(blocks_for(len(prompt), self.block_size) - len(table)):
+            if self.pool.num_free == 0:
+                self.cache.evict(1)
+            table.append(self.pool.allocate())
+        res = self.cache.insert(prompt, table[: len(prompt) // self.block_size], ns)
+        for j, canonical in enumerate(res.block_ids):
+            if canonical != table[j]:
+                self.pool.incref(canonical)
+                self.pool.decref(table[j])
+                table[j] = canonical
+        self.held = table
+        rec = {"request": self.next, "prompt_tokens": len(prompt), "hit_tokens": len(hits) * self.block_size}
+        self.records.append(rec)
+        self.next += 1
+        return rec

@@ -1,0 +1,395 @@
+"""The prefix cache seam: what the engine may ask of *any* prefix cache.
+
+Why a prefix cache?  Many requests start with the same tokens (a system
+prompt, a few-shot preamble, the earlier turns of a chat).  Their KV blocks
+are identical, so a request whose prompt starts with an already computed,
+block-aligned prefix can reuse those blocks and prefill only the rest.
+
+Two classic data structures answer "which blocks hold the longest cached
+prefix of these tokens?":
+
+* :class:`minivllm.radix_cache.RadixCache` -- an SGLang-style radix tree whose
+  edges are spans of whole blocks;
+* :class:`minivllm.hash_index.HashIndex` -- a vLLM-style dict from a chained
+  block hash to the block.
+
+Both satisfy the :class:`PrefixCache` protocol below, so the engine can be
+written once and the two can be compared (``minivllm.bench.prefix_structures``).
+
+Ownership rule (the one idea to remember)
+-----------------------------------------
+The cache holds **exactly one** pool reference on every block it indexes: it
+calls ``pool.incref`` when it starts caching a block and ``pool.decref`` when it
+evicts it.  Running requests hold their own references through their block
+tables.  Hence, for a cached block ``b``:
+
+* ``pool.refcount(b) > 1``  -> some request uses it: *locked*, never evicted;
+* ``pool.refcount(b) == 1`` -> only the cache holds it: evictable once no other
+  cached block depends on it as a parent (leaves go before parents, so that
+  every cached block's prefix stays cached).
+
+Only *full* blocks are cached.  A partially filled block is still being
+written by its request, so sharing it would need copy-on-write of a half
+block for little gain; the partial tail of a sequence is simply ignored.
+
+Namespaces and quotas
+---------------------
+``namespace`` is an opaque string built by the engine (for example from the
+tenant and a vLLM-style ``cache_salt``; ``""`` is the shared, public space).
+A block cached under one namespace is never matched under another, so one
+tenant cannot learn from timing whether another tenant sent some prompt.
+
+``quota_blocks`` bounds how many blocks each namespace may keep cached.  An
+insert that would go over the quota first evicts that namespace's *own*
+least-recently-used evictable blocks; when nothing more can go, the extra
+blocks are simply not cached.  So no tenant can push out another tenant's
+blocks through the quota path.  The global :meth:`PrefixCache.evict`, which the
+engine calls when the pool runs dry, is plain LRU across all namespaces: at
+that point memory is genuinely short and the oldest block should go whoever
+owns it.
+
+Determinism
+-----------
+Recency is measured with a logical clock (:class:`LogicalClock`), an integer
+that advances once per ``match``/``insert``; wall time never enters, so the
+same sequence of calls always evicts the same blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from minivllm.block_pool import BlockPool
+
+PUBLIC_NAMESPACE = ""
+"""The namespace shared by everybody (no tenant, no cache salt)."""
+
+CACHE_KINDS = ("radix", "hash")
+
+
+# -- values returned to the engine -------------------------------------------
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """What :meth:`PrefixCache.insert` did.
+
+    ``num_already_cached_tokens`` is the length of the leading part that was
+    already cached *before* this call (a multiple of ``block_size``).
+    ``block_ids`` is the canonical block list for the inserted full blocks:
+    where a position was already cached under a different block, the cached
+    (canonical) id is reported and the engine should swap its duplicate for
+    it and free the duplicate.  Positions that could not be cached (quota)
+    keep the caller's own id.
+    """
+
+    num_already_cached_tokens: int
+    block_ids: list[int]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters the engine reports.
+
+    Lookups are counted through :meth:`PrefixCache.record_lookup`, not by
+    ``match`` itself, so the engine can keep recomputation after preemption
+    (which hits blocks the request itself just wrote) out of the hit rate.
+    ``evicted_blocks`` counts every eviction; ``quota_evictions`` is the part
+    of it caused by a namespace reaching its quota.
+    """
+
+    queries_tokens: int = 0
+    hits_tokens: int = 0
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+    quota_evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up tokens that were served from the cache."""
+        if self.queries_tokens == 0:
+            return 0.0
+        return self.hits_tokens / self.queries_tokens
+
+
+# -- the seam -----------------------------------------------------------------
+
+
+class PrefixCache(Protocol):
+    """The interface the engine programs against.
+
+    Implementations are single-threaded (the scheduler owns them).
+    """
+
+    block_size: int
+    stats: PrefixCacheStats
+
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
+        """Block ids of the longest cached, block-aligned prefix of ``token_ids``.
+
+        Does *not* take a pool reference: the engine increfs the blocks it
+        decides to use.  The hit blocks are marked as recently used.
+
+        A fully cached prompt would leave nothing to prefill, yet the model
+        must still run on the last prompt token to produce logits.  The
+        caller therefore passes ``token_ids[:-1]`` when it needs the last
+        token recomputed; the cache never trims on its own.
+        """
+        ...
+
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = ""
+    ) -> InsertResult:
+        """Cache the full blocks ``token_ids[:len(block_ids)*block_size]``.
+
+        ``token_ids`` may run past the last full block; the partial tail is
+        ignored.  The caller must hold a reference on every block it passes.
+        One pool reference is taken on each block that becomes newly cached.
+        Where a position is already cached under another block the existing
+        block is kept and reported (see :class:`InsertResult`).
+        """
+        ...
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` evictable blocks, LRU first, leaves first.
+
+        Returns how many blocks went back to the pool.
+        """
+        ...
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Number of blocks currently indexed."""
+        ...
+
+    def num_evictable_blocks(self) -> int:
+        """How many blocks repeated :meth:`evict` calls could free right now."""
+        ...
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether ``block_id`` is indexed by the cache."""
+        ...
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Add one lookup to :attr:`stats`."""
+        ...
+
+    def reset(self) -> None:
+        """Evict everything evictable (locked blocks stay)."""
+        ...
+
+
+def make_prefix_cache(
+    kind: str,
+    pool: BlockPool,
+    block_size: int,
+    quota_blocks: int | None = None,
+    hash_fn: Callable[[object], Hashable] | None = None,
+) -> PrefixCache:
+    """Build a prefix cache of the given ``kind`` (``"radix"`` or ``"hash"``).
+
+    ``hash_fn`` only makes sense for the hash index; passing it for the radix
+    tree is an error rather than silently ignored.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if quota_blocks is not None and quota_blocks < 0:
+        raise ValueError(f"quota_blocks must be >= 0 or None, got {quota_blocks}")
+    # Imported here because both implementations import this module.
+    if kind == "radix":
+        if hash_fn is not None:
+            raise ValueError("hash_fn only applies to kind='hash'")
+        from minivllm.radix_cache import RadixCache
+
+        return RadixCache(pool, block_size, quota_blocks)
+    if kind == "hash":
+        from minivllm.hash_index import HashIndex, default_block_hash
+
+        return HashIndex(pool, block_size, quota_blocks, hash_fn or default_block_hash)
+    raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {CACHE_KINDS}")
+
+
+# -- shared pieces ----------------------------------------------------------------
+
+
+def sha256_block_hash(key: object) -> bytes:
+    """A hash that is stable across processes (and costly to collide on purpose).
+
+    An alternative ``hash_fn`` for :class:`~minivllm.hash_index.HashIndex`;
+    ``repr`` of nested tuples of ints, bytes and strings is deterministic.
+    """
+    return hashlib.sha256(repr(key).encode()).digest()
+
+
+def split_into_blocks(
+    token_ids: Sequence[int], block_size: int, num_blocks: int | None = None
+) -> list[tuple[int, ...]]:
+    """Cut ``token_ids`` into full blocks, each a hashable tuple.
+
+    With ``num_blocks`` given, exactly that many blocks are returned and the
+    tokens must cover them; otherwise every full block is returned and a
+    partial tail is dropped.  Blocks are compared and hashed by value, so
+    pass Python ints (a list or tuple), not a tensor, whose elements hash by
+    identity.
+    """
+    num_full = len(token_ids) // block_size
+    if num_blocks is None:
+        num_blocks = num_full
+    elif num_blocks > num_full:
+        raise ValueError(
+            f"{num_blocks} block ids need {num_blocks * block_size} tokens, "
+            f"got {len(token_ids)}"
+        )
+    return [
+        tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(num_blocks)
+    ]
+
+
+def check_new_blocks(
+    new_block_ids: Sequence[int], is_cached: Callable[[int], bool], pool: BlockPool
+) -> None:
+    """Validate blocks about to be cached, before anything is changed.
+
+    A block holds the KV of one token prefix, so it can sit at one place in
+    the cache only; seeing it elsewhere means the caller's table is wrong.
+    And the caller must hold the blocks it hands over: caching a free block
+    would index memory that the pool may give to someone else.
+    """
+    if len(set(new_block_ids)) != len(new_block_ids):
+        raise ValueError(f"duplicate block ids in {list(new_block_ids)}")
+    for block_id in new_block_ids:
+        if is_cached(block_id):
+            raise ValueError(f"block {block_id} is already cached at another position")
+        if pool.is_free(block_id):
+            raise ValueError(f"block {block_id} is free; the caller must hold it")
+
+
+@dataclass
+class LogicalClock:
+    """A counter that stands in for time, so LRU order is reproducible."""
+
+    now: int = 0
+
+    def tick(self) -> int:
+        self.now += 1
+        return self.now
+
+
+@dataclass
+class NamespaceCounts:
+    """How many blocks each namespace has cached, against an optional quota."""
+
+    quota_blocks: int | None = None
+    _counts: dict[str, int] = field(default_factory=dict)
+
+    def count(self, namespace: str) -> int:
+        return self._counts.get(namespace, 0)
+
+    def add(self, namespace: str, n: int) -> None:
+        self._counts[namespace] = self.count(namespace) + n
+
+    def remove(self, namespace: str, n: int) -> int:
+        """Subtract ``n``; return what is left (empty namespaces are forgotten)."""
+        left = self.count(namespace) - n
+        if left:
+            self._counts[namespace] = left
+        else:
+            self._counts.pop(namespace, None)
+        return left
+
+    def excess(self, namespace: str, wanted: int) -> int:
+        """How many blocks must go before ``wanted`` more fit in the quota."""
+        if self.quota_blocks is None:
+            return 0
+        return max(0, self.count(namespace) + wanted - self.quota_blocks)
+
+    def room(self, namespace: str, wanted: int) -> int:
+        """How many of ``wanted`` new blocks the quota lets in now."""
+        if self.quota_blocks is None:
+            return wanted
+        return max(0, min(wanted, self.quota_blocks - self.count(namespace)))
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass
+class LeafLru(Generic[K]):
+    """The eviction candidates (leaves) ordered by last use.
+
+    A binary heap with *lazy invalidation*: re-touching a leaf pushes a new
+    heap entry instead of searching for the old one, and a side dict records
+    each leaf's current ``(tick, seq)``.  A popped entry whose stamp differs
+    from the dict is stale and skipped.  This keeps every operation at
+    O(log n); the heap is rebuilt from the dict when stale entries pile up.
+
+    Whether a leaf is *evictable* also depends on pool refcounts, which
+    change without the cache being told.  So :meth:`evict` pops leaves in
+    LRU order, asks the owner to evict from each, and pushes back the ones
+    that turned out to be locked.
+    """
+
+    _stamp: dict[K, tuple[int, int]] = field(default_factory=dict)
+    _heap: list[tuple[int, int, K]] = field(default_factory=list)
+    _seq: int = 0
+
+    def __len__(self) -> int:
+        return len(self._stamp)
+
+    def touch(self, leaf: K, tick: int) -> None:
+        """Record ``leaf`` as a candidate last used at ``tick``."""
+        self._seq += 1
+        self._stamp[leaf] = (tick, self._seq)
+        heapq.heappush(self._heap, (tick, self._seq, leaf))
+        if len(self._heap) > 2 * len(self._stamp) + 64:
+            self._compact()
+
+    def discard(self, leaf: K) -> None:
+        """``leaf`` is no longer a candidate (it got a child, or was removed)."""
+        self._stamp.pop(leaf, None)
+
+    def pop_oldest(self) -> tuple[K, int] | None:
+        """Remove and return the least recently used leaf and its tick."""
+        while self._heap:
+            tick, seq, leaf = heapq.heappop(self._heap)
+            if self._stamp.get(leaf) == (tick, seq):
+                del self._stamp[leaf]
+                return leaf, tick
+        return None
+
+    def evict(
+        self,
+        budget: int,
+        evict_leaf: Callable[[K, int], int],
+        still_leaf: Callable[[K], bool],
+    ) -> int:
+        """Evict up to ``budget`` blocks, oldest leaf first.
+
+        ``evict_leaf(leaf, n)`` frees at most ``n`` blocks from the tail of
+        ``leaf`` (0 when its last block is locked) and, when the leaf
+        disappears, registers its parent if that became a leaf.
+        ``still_leaf(leaf)`` tells whether a popped leaf survived and must
+        be put back.
+        """
+        freed = 0
+        survivors: list[tuple[K, int]] = []
+        while freed < budget:
+            popped = self.pop_oldest()
+            if popped is None:
+                break
+            leaf, tick = popped
+            freed += evict_leaf(leaf, budget - freed)
+            if still_leaf(leaf):
+                survivors.append((leaf, tick))
+        for leaf, tick in survivors:
+            self.touch(leaf, tick)
+        return freed
+
+    def _compact(self) -> None:
+        self._heap = [(tick, seq, leaf) for leaf, (tick, seq) in self._stamp.items()]
+        heapq.heapify(self._heap)

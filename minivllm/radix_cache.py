@@ -1,0 +1,345 @@
+"""A radix tree over KV blocks (the SGLang design), one tree per namespace.
+
+Why a tree?  Cached prefixes share their beginnings, and a tree stores each
+shared beginning once.  Looking up a prompt is a walk from the root that
+follows the prompt's blocks; the walk stops where the prompt leaves the
+tree, and the blocks passed on the way are the cached prefix.
+
+Why a *radix* tree?  A chain of nodes that never branches is merged into one
+node whose edge spans several blocks, so a long system prompt is one node,
+not hundreds.  The price is that an edge is split in two when a new prompt
+(or a lookup) leaves it halfway.  Edges always hold whole blocks: sharing is
+block-granular, so every split happens at a block boundary.
+
+Node layout::
+
+    node.token_blocks = [(t0..t15), (t16..t31), ...]   # one tuple per block
+    node.block_ids    = [  17,         4,        ...]   # the KV blocks
+    node.children     = {first token block of the child's edge: child}
+
+Locking.  SGLang keeps a ``lock_ref`` counter per node: a running request
+increments it on every node of its path and eviction skips nodes with a
+non-zero count.  Here running requests already hold *pool* references on
+exactly those blocks (they are in their block tables), and the cache holds
+one more, so ``pool.refcount(b) - 1`` *is* the lock count, kept per block
+instead of per node.  Deriving the lock from the pool means there is no
+second counter that could drift from the first.
+
+Eviction takes the least recently used leaf whose last block is not locked
+and frees blocks from the tail of its edge (deepest first, so a cached
+block's prefix always stays cached).  A node whose edge becomes empty is
+removed, and its parent may then become a leaf and a candidate itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from minivllm.prefix_cache import (
+    InsertResult,
+    LeafLru,
+    LogicalClock,
+    NamespaceCounts,
+    PrefixCacheStats,
+    check_new_blocks,
+    split_into_blocks,
+)
+
+if TYPE_CHECKING:
+    from minivllm.block_pool import BlockPool
+
+TokenBlock = tuple[int, ...]
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """One edge of the tree: a span of whole blocks and the node it leads to.
+
+    ``eq=False`` keeps identity hashing, so nodes can be dict keys even though
+    their contents change (splits, evictions).  A root has an empty edge and
+    no parent.
+    """
+
+    namespace: str
+    token_blocks: list[TokenBlock]
+    block_ids: list[int]
+    parent: RadixNode | None
+    children: dict[TokenBlock, RadixNode] = field(default_factory=dict)
+    last_access: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+def common_block_prefix(edge: list[TokenBlock], blocks: list[TokenBlock], start: int) -> int:
+    """How many leading blocks of ``edge`` equal ``blocks[start:]``."""
+    n = 0
+    limit = min(len(edge), len(blocks) - start)
+    while n < limit and edge[n] == blocks[start + n]:
+        n += 1
+    return n
+
+
+@dataclass(eq=False)
+class RadixCache:
+    """A :class:`~minivllm.prefix_cache.PrefixCache` backed by radix trees."""
+
+    pool: BlockPool
+    block_size: int = 16
+    quota_blocks: int | None = None
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _roots: dict[str, RadixNode] = field(default_factory=dict, repr=False)
+    _node_of_block: dict[int, RadixNode] = field(default_factory=dict, repr=False)
+    _counts: NamespaceCounts = field(init=False, repr=False)
+    _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
+    _leaves: LeafLru[RadixNode] = field(default_factory=LeafLru, repr=False)
+    _leaves_by_ns: dict[str, LeafLru[RadixNode]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._counts = NamespaceCounts(self.quota_blocks)
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._node_of_block)
+
+    @property
+    def num_nodes(self) -> int:
+        """Non-root nodes; shows the effect of splitting and merging edges."""
+        return len({id(node) for node in self._node_of_block.values()})
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._node_of_block
+
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks with no locked block at or below them.
+
+        A locked block at index ``j`` of an edge pins blocks ``0..j`` of that
+        edge and every block above it.  O(cached blocks), because locks live
+        in the pool and are not pushed to the cache.
+        """
+        refcount = self.pool.refcount
+        locked = {b for b in self._node_of_block if refcount(b) > 1}
+        pinned: dict[RadixNode, int] = {}
+        for node in {self._node_of_block[b] for b in locked}:
+            deepest = max(i for i, b in enumerate(node.block_ids) if b in locked)
+            self._pin_upwards(pinned, node, deepest + 1)
+        return self.num_cached_blocks - sum(pinned.values())
+
+    @staticmethod
+    def _pin_upwards(pinned: dict[RadixNode, int], node: RadixNode, n: int) -> None:
+        while not node.is_root and pinned.get(node, 0) < n:
+            pinned[node] = n
+            node = node.parent  # type: ignore[assignment]
+            n = len(node.block_ids)
+
+    # -- lookup ----------------------------------------------------------------
+    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
+        """See :meth:`PrefixCache.match`.
+
+        If the match ends inside an edge, the edge is split there, so that
+        only the blocks actually used become recent; the unused tail keeps its
+        old access time and is evicted first.
+        """
+        path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
+        self._touch_path(path, self._clock.tick())
+        return [b for node in path for b in node.block_ids]
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.stats.queries_tokens += query_tokens
+        self.stats.hits_tokens += hit_tokens
+
+    # -- insertion -------------------------------------------------------------
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = ""
+    ) -> InsertResult:
+        """See :meth:`PrefixCache.insert`.
+
+        Walks (and splits) like :meth:`match`; the blocks past the cached
+        part become a new child edge, or extend the last edge when it is a
+        leaf, so a request that inserts again after generating more tokens
+        keeps a single edge.
+        """
+        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
+        path = self._walk(namespace, blocks)
+        tick = self._clock.tick()
+        self._touch_path(path, tick)
+        canonical = [b for node in path for b in node.block_ids]
+        num_cached = len(canonical)
+        new_ids = list(block_ids[num_cached:])
+        check_new_blocks(new_ids, self.is_cached, self.pool)
+        pin = canonical[-1] if canonical else None
+        num_new = self._make_room(namespace, len(new_ids), pin)
+        if num_new:
+            parent = path[-1] if path else self._root(namespace)
+            self._attach(parent, blocks[num_cached : num_cached + num_new], new_ids[:num_new], tick)
+        return InsertResult(num_cached * self.block_size, canonical + new_ids)
+
+    def _make_room(self, namespace: str, wanted: int, pin: int | None) -> int:
+        """Apply the namespace quota; return how many new blocks may be cached.
+
+        The last block of the matched path is pinned (an extra pool
+        reference, exactly what a running request would hold) while the
+        namespace evicts its own blocks, so the path being extended cannot
+        be evicted from under us.
+        """
+        excess = self._counts.excess(namespace, wanted)
+        if excess:
+            if pin is not None:
+                self.pool.incref(pin)
+            try:
+                freed = self._evict_with(self._ns_leaves(namespace), excess)
+            finally:
+                if pin is not None:
+                    self.pool.decref(pin)
+            self.stats.quota_evictions += freed
+        return self._counts.room(namespace, wanted)
+
+    def _attach(
+        self, parent: RadixNode, token_blocks: list[TokenBlock], block_ids: list[int], tick: int
+    ) -> None:
+        for block_id in block_ids:
+            self.pool.incref(block_id)
+        if not parent.is_root and not parent.children:
+            node = parent
+            node.token_blocks.extend(token_blocks)
+            node.block_ids.extend(block_ids)
+        else:
+            node = RadixNode(parent.namespace, list(token_blocks), list(block_ids), parent)
+            parent.children[token_blocks[0]] = node
+        for block_id in block_ids:
+            self._node_of_block[block_id] = node
+        self._counts.add(parent.namespace, len(block_ids))
+        self.stats.inserted_blocks += len(block_ids)
+        self._touch(node, tick)
+
+    # -- eviction ----------------------------------------------------------------
+    def evict(self, num_blocks: int) -> int:
+        """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
+        if num_blocks <= 0:
+            return 0
+        return self._evict_with(self._leaves, num_blocks)
+
+    def reset(self) -> None:
+        self.evict(self.num_cached_blocks)
+
+    def _evict_with(self, leaves: LeafLru[RadixNode], budget: int) -> int:
+        freed = leaves.evict(budget, self._evict_tail, self._is_live_leaf)
+        self.stats.evicted_blocks += freed
+        return freed
+
+    def _evict_tail(self, node: RadixNode, budget: int) -> int:
+        """Free up to ``budget`` unlocked blocks from the end of ``node``'s edge."""
+        first_block = node.token_blocks[0]
+        freed = 0
+        while freed < budget and node.block_ids and self.pool.refcount(node.block_ids[-1]) == 1:
+            block_id = node.block_ids.pop()
+            node.token_blocks.pop()
+            del self._node_of_block[block_id]
+            self.pool.decref(block_id)
+            freed += 1
+        left = self._counts.remove(node.namespace, freed)
+        if not node.block_ids:
+            self._remove_node(node, first_block)
+        if not left:
+            self._leaves_by_ns.pop(node.namespace, None)
+        return freed
+
+    def _remove_node(self, node: RadixNode, first_block: TokenBlock) -> None:
+        self._unmark_leaf(node)
+        parent = node.parent
+        assert parent is not None, "roots are never evicted"
+        del parent.children[first_block]
+        if parent.children:
+            return
+        if parent.is_root:
+            del self._roots[parent.namespace]
+        else:
+            self._mark_leaf(parent)
+
+    @staticmethod
+    def _is_live_leaf(node: RadixNode) -> bool:
+        return bool(node.block_ids) and not node.children
+
+    # -- tree plumbing ----------------------------------------------------------
+    def _root(self, namespace: str) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = RadixNode(namespace, [], [], None)
+            self._roots[namespace] = root
+        return root
+
+    def _walk(self, namespace: str, blocks: list[TokenBlock]) -> list[RadixNode]:
+        """The nodes covering the longest cached prefix of ``blocks``.
+
+        The last node is split if the prefix ends inside its edge, so the
+        returned nodes cover exactly the matched blocks.
+        """
+        node = self._roots.get(namespace)
+        path: list[RadixNode] = []
+        matched = 0
+        while node is not None and matched < len(blocks):
+            child = node.children.get(blocks[matched])
+            if child is None:
+                break
+            n = common_block_prefix(child.token_blocks, blocks, matched)
+            if n < len(child.block_ids):
+                child = self._split(child, n)
+            path.append(child)
+            matched += n
+            node = child
+        return path
+
+    def _split(self, node: RadixNode, n: int) -> RadixNode:
+        """Cut ``node``'s edge after ``n`` blocks; return the new upper node.
+
+        The *lower* half keeps the original node object, so its place in the
+        leaf LRU (if it is a leaf) stays valid.  The upper half inherits the
+        old access time; the caller touches it if it was used.
+        """
+        parent = node.parent
+        assert parent is not None and 0 < n < len(node.block_ids)
+        head = RadixNode(
+            node.namespace,
+            node.token_blocks[:n],
+            node.block_ids[:n],
+            parent,
+            last_access=node.last_access,
+        )
+        parent.children[node.token_blocks[0]] = head
+        node.token_blocks = node.token_blocks[n:]
+        node.block_ids = node.block_ids[n:]
+        node.parent = head
+        head.children[node.token_blocks[0]] = node
+        for block_id in head.block_ids:
+            self._node_of_block[block_id] = head
+        return head
+
+    def _touch_path(self, path: list[RadixNode], tick: int) -> None:
+        for node in path:
+            self._touch(node, tick)
+
+    def _touch(self, node: RadixNode, tick: int) -> None:
+        node.last_access = tick
+        if not node.children:
+            self._mark_leaf(node)
+
+    def _ns_leaves(self, namespace: str) -> LeafLru[RadixNode]:
+        leaves = self._leaves_by_ns.get(namespace)
+        if leaves is None:
+            leaves = LeafLru()
+            self._leaves_by_ns[namespace] = leaves
+        return leaves
+
+    def _mark_leaf(self, node: RadixNode) -> None:
+        self._leaves.touch(node, node.last_access)
+        self._ns_leaves(node.namespace).touch(node, node.last_access)
+
+    def _unmark_leaf(self, node: RadixNode) -> None:
+        self._leaves.discard(node)
+        ns_leaves = self._leaves_by_ns.get(node.namespace)
+        if ns_leaves is not None:
+            ns_leaves.discard(node)

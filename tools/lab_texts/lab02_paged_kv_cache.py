@@ -1,0 +1,361 @@
+CELLS = [
+("md", r"""
+# Lab 2 — The paged KV cache
+
+**Goals.** After this lab you can
+
+1. write the block pool every KV cache allocation goes through (free list + reference counts) and run the real engine on it;
+2. map any token to its physical KV slot through a block table (*slot mapping*);
+3. measure how much memory max-length reservation wastes compared with paging, and pick a block size;
+4. explain copy-on-write: how two sequences share blocks safely.
+
+**Time:** about 1 minute to run on a CPU laptop; 30–60 minutes to work through.
+Exercises are marked ✏️: fill in the function, run the checker below it. Stuck? Later cells use the engine's own
+implementation until your checker passes, so you can keep going.
+"""),
+("code", r"""
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm import SamplingParams
+from minivllm.block_pool import BlockPool, OutOfBlocksError
+from minivllm.kv_cache_manager import KVCacheManager, blocks_for
+from minivllm.labs import choose, widgets, workloads
+from minivllm.labs.check_lab02 import as_engine_pool, check_block_pool, check_paged_slots, check_slot_mapping, install_pool
+from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.request import Request
+
+ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when there is one
+%matplotlib inline
+""", ["setup"]),
+("md", r"""
+## 1. The picture: KV memory as pages
+
+Every token a request has seen leaves a key and a value vector in every layer: the **KV cache**. It grows by one
+token per decode step, and nobody knows in advance how long a request will run. Early servers reserved one
+contiguous region of `max_model_len` tokens per request — most of it never used.
+
+A paged KV cache cuts memory into **blocks** of `block_size` tokens (the operating-system idea of pages). Each request
+keeps a **block table**: logical block *i* of the request lives in physical block `table[i]`, anywhere in the pool.
+
+```
+request A (10 tokens, block_size 4)        physical block pool
+ logical block:   0     1     2             ┌────┬────┬────┬────┬────┬────┐
+ tokens:        0..3  4..7  8,9             │ A0 │    │ B0 │ A1 │ A2 │    │ ...
+ block table:  [ 0  ,  3  ,  4 ]  ───────►  └────┴────┴────┴────┴────┴────┘
+                                              0    1    2    3    4    5
+```
+
+A request holds whole blocks, only as many as its tokens need (`ceil(tokens / block_size)`), so the only waste is
+the unused tail of its last block. The same picture drawn from a real engine state (by `tools/make_figures.py`):
+
+![block tables of three running requests and the pool they map into](../figures/block_table.png)
+
+All blocks come from one **block pool**: a free list and a reference count per block. Why counts? A block can sit
+in several block tables at once (two samples of one prompt, or many requests sharing a cached system prompt);
+it may only return to the free list when its last holder lets go.
+"""),
+("md", r"""
+## ✏️ Exercise 1 — the block pool
+
+Write `MyBlockPool(num_blocks)` with five members. The engine will run on it (cell after the checker), so the rules
+are the engine's:
+
+| member | rule |
+|---|---|
+| `num_free` | number of blocks on the free list (a property) |
+| `refcount(b)` | holders of block `b` (0 = free) |
+| `allocate()` | take the block at the **front** of the free list, count 1; `OutOfBlocksError` if none |
+| `incref(b)` | one more holder; `ValueError` if `b` is free |
+| `decref(b)` | one holder fewer; `ValueError` if already free (double free); at 0 the block goes to the **back** of the free list and `decref` returns `True`, else `False` |
+
+*Hint:* `collections.deque` has `popleft()` and `append()`.
+"""),
+("code", r"""
+from collections import deque
+
+
+class MyBlockPool:
+    '''A fixed set of KV blocks: a FIFO free list and a reference count per block.'''
+
+    def __init__(self, num_blocks: int):
+        # TODO: a free list holding 0 .. num_blocks-1 in order, and a count of 0 per block
+        ### BEGIN SOLUTION
+        self.free = deque(range(num_blocks))
+        self.counts = [0] * num_blocks
+        ### END SOLUTION
+
+    @property
+    def num_free(self) -> int:
+        # TODO: the length of the free list
+        ### BEGIN SOLUTION
+        return len(self.free)
+        ### END SOLUTION
+
+    def refcount(self, block_id: int) -> int:
+        # TODO: the count of block_id
+        ### BEGIN SOLUTION
+        return self.counts[block_id]
+        ### END SOLUTION
+
+    def allocate(self) -> int:
+        # TODO: pop the FRONT of the free list, set its count to 1, return it;
+        #   raise OutOfBlocksError("no free KV blocks") when the free list is empty
+        ### BEGIN SOLUTION
+        if not self.free:
+            raise OutOfBlocksError("no free KV blocks")
+        block_id = self.free.popleft()
+        self.counts[block_id] = 1
+        return block_id
+        ### END SOLUTION
+
+    def incref(self, block_id: int) -> None:
+        # TODO: add a holder; raise ValueError if the block is free
+        ### BEGIN SOLUTION
+        if self.counts[block_id] <= 0:
+            raise ValueError(f"incref on free block {block_id}")
+        self.counts[block_id] += 1
+        ### END SOLUTION
+
+    def decref(self, block_id: int) -> bool:
+        # TODO: drop a holder (ValueError if the block is already free); when the count reaches 0,
+        #   append the block to the BACK of the free list and return True; otherwise return False
+        ### BEGIN SOLUTION
+        if self.counts[block_id] <= 0:
+            raise ValueError(f"decref on free block {block_id} (double free)")
+        self.counts[block_id] -= 1
+        if self.counts[block_id] == 0:
+            self.free.append(block_id)
+            return True
+        return False
+        ### END SOLUTION
+""", ["exercise:block_pool"]),
+("code", r"""
+pool_check = check_block_pool(MyBlockPool)
+Pool = choose(pool_check, MyBlockPool, BlockPool, "block pool")
+"""),
+("md", r"""
+## 2. Watch the engine allocate
+
+The engine below is the real `LLMEngine` — scheduler, KV cache manager, preemption — running on **your** pool
+(`install_pool`). Only the forward pass is simulated (`SimulatedExecutor`, a virtual clock), so it is instant.
+Five requests, a 48-block pool of 4-token blocks, at most 4 running at once, 24 tokens per step.
+
+Each colour is one request's block table. Watch tables grow one block at a time as decode crosses block
+boundaries, and blocks return to the pool when a request finishes.
+"""),
+("code", r"""
+def small_engine(pool_cls, num_blocks=48):
+    engine = workloads.sim_engine(num_blocks=num_blocks, block_size=4, max_num_seqs=4,
+                                  max_num_batched_tokens=24, model_max_len=96)
+    install_pool(engine, as_engine_pool(pool_cls, num_blocks))
+    requests = workloads.random_requests(5, seed=7, prompt_range=(6, 30), output_range=(4, 20))
+    for i, (prompt, max_tokens) in enumerate(requests):
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"r{i}")
+    return engine, {f"r{i}": len(p) for i, (p, _) in enumerate(requests)}
+
+
+engine, prompt_lens = small_engine(Pool)
+for _ in range(3):
+    engine.step()
+widgets.draw_block_pool(engine.pool, widgets.block_owners(engine), title="after 3 steps")
+plt.show()
+print(widgets.describe_block_pool(engine.pool, widgets.block_owners(engine)))
+"""),
+("md", r"""
+Step through the rest yourself (in Jupyter the buttons redraw the pool; elsewhere you see the current state).
+"""),
+("code", r"""
+stepper = widgets.Stepper(
+    engine,
+    draw=lambda e, ax: widgets.draw_block_pool(e.pool, widgets.block_owners(e), ax=ax),
+    describe=lambda e: widgets.describe_step(e.step_log[-1], prompt_lens),
+)
+stepper.show()
+"""),
+("code", r"""
+print(stepper.step(5))               # the same thing without buttons: five more steps
+rest = stepper.step(10_000).splitlines()
+print(f"... {len(rest) - 1} more steps to the end")
+print("free blocks at the end:", engine.pool.num_free, "of", engine.pool.num_blocks)
+"""),
+("md", r"""
+## 3. Sharing and copy-on-write
+
+Two samples of one prompt (or two requests with a cached prefix) can point at the *same* physical blocks: the
+prompt's KV is identical, so it is computed and stored once. `KVCacheManager.fork` does that by `incref`-ing every
+block of the parent. The picture shows refcounts `×2`.
+
+The catch is the last, partly filled block: both samples want to write their *own* next token into it. Before a
+request writes into a block someone else holds, the manager **copies** it into a private block
+(`copy_on_write`) and asks the executor to copy the KV contents. Full blocks are never written again, so they stay
+shared forever.
+"""),
+("code", r"""
+kv = KVCacheManager(as_engine_pool(Pool, 12), block_size=4)
+parent = Request("parent", list(range(10, 20)), SamplingParams(), 0.0)   # 10 tokens = 2.5 blocks
+assert kv.allocate_slots(parent, 10)
+parent.num_computed_tokens = 10
+child = Request("child", list(range(10, 20)), SamplingParams(), 0.0)
+kv.fork(parent, child)
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 1.8))
+widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.block_ids}, cols=12, ax=axes[0],
+                        title="after fork: 3 shared blocks")
+child.output_token_ids.append(42)          # the child sampled a token; its KV goes into the shared last block
+assert kv.allocate_slots(child, 1)         # ... so the manager copies that block first
+widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.block_ids}, cols=12, ax=axes[1],
+                        title="child writes: last block copied")
+plt.show()
+print("parent table:", parent.block_ids, " child table:", child.block_ids)
+print("copies the executor must do (src, dst):", kv.take_pending_copies())
+"""),
+("md", r"""
+## ✏️ Exercise 2 — slot mapping
+
+The attention kernel writes each new token's K and V into one **slot** of the flat cache: slot
+`= physical_block * block_size + offset`. Given a request's block table, the position of its first new token
+(`start`) and how many tokens it runs this step, return the slot of every one of them.
+
+This is exactly what the model runner computes for every step (`minivllm/model_runner.py`); the last checker case
+compares your function with it on a real batch.
+"""),
+("code", r"""
+def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    '''Physical KV slot of positions start .. start+num_tokens-1 of one request.'''
+    # TODO: for each position p: block_table[p // block_size] * block_size + p % block_size
+    ### BEGIN SOLUTION
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
+    ### END SOLUTION
+""", ["exercise:slot_mapping"]),
+("code", r"""
+slot_check = check_slot_mapping(slot_mapping)
+"""),
+("md", r"""
+## 4. Fragmentation: how much reserved memory holds real tokens?
+
+Below: 2,000 request lengths (prompt + output) with the long tail of chat traffic — median ~330 tokens, a few
+up to `max_model_len` = 2048. A server that reserves a contiguous `max_model_len` region per request keeps only a
+small fraction of that memory as real KV state. The PagedAttention paper measured **20.4–38.2 %** for earlier
+systems; paging wastes only the tail of each request's last block.
+
+## ✏️ Exercise 3 — slots reserved with paging
+
+`paged_slots(seq_lens, block_size)`: the total number of KV slots (tokens of capacity) that paging reserves for
+these sequences — each gets whole blocks, as few as hold its tokens.
+"""),
+("code", r"""
+def paged_slots(seq_lens: list[int], block_size: int) -> int:
+    '''KV slots reserved when each sequence holds ceil(len / block_size) whole blocks.'''
+    # TODO: sum over sequences of (blocks needed) * block_size; blocks needed is a ceiling division
+    ### BEGIN SOLUTION
+    return sum(-(-n // block_size) * block_size for n in seq_lens)
+    ### END SOLUTION
+""", ["exercise:paged_slots"]),
+("code", r"""
+paged_check = check_paged_slots(paged_slots)
+reserved_paged = choose(paged_check, paged_slots, workloads.reserved_slots_paged, "paged_slots")
+"""),
+("code", r"""
+MAX_LEN = 2048
+lens = workloads.lengths_sample(2000, seed=0, max_len=MAX_LEN)
+tokens = sum(lens)
+contiguous = workloads.reserved_slots_contiguous(lens, MAX_LEN)
+paged = reserved_paged(lens, 16)
+print(f"{len(lens)} requests, {tokens} tokens of real KV state")
+print(f"contiguous max-length reservation: {tokens / contiguous:6.1%} of reserved slots hold a token")
+print(f"paged, 16-token blocks:            {tokens / paged:6.1%}  (waste {1 - tokens / paged:.1%})")
+
+plt.figure(figsize=(7, 2.4))
+plt.hist(lens, bins=64, color="#4e79a7")
+plt.axvline(MAX_LEN, color="#d62728", ls="--", label="max_model_len: what contiguous reserves")
+plt.xlabel("sequence length (tokens)"); plt.ylabel("requests"); plt.legend(fontsize=8)
+plt.show()
+"""),
+("md", r"""
+### Measured on the engine: what the waste costs in throughput
+
+Reserving `max_model_len` per request *is* paging with one giant block: `block_size = 2048`. So the same engine can
+run both designs on the same KV budget (16,384 token slots) and the same 64 requests. The executor models a GPU,
+where a decode step costs about the same for 1 or 30 sequences (it is memory-bound, see lab 1): more requests in
+the batch means more tokens per second.
+"""),
+("code", r"""
+from minivllm.sim_executor import SimulatedExecutor
+
+requests = workloads.random_requests(64, seed=0, prompt_range=(16, 512), output_range=(16, 256))
+KV_SLOTS = 16_384
+rows = []
+for block_size in (2048, 16):
+    eng = workloads.sim_engine(num_blocks=KV_SLOTS // block_size, block_size=block_size, max_num_seqs=64,
+                               max_num_batched_tokens=1024, model_max_len=2048,
+                               executor=SimulatedExecutor(fixed_overhead_s=0.015, per_token_s=0.00002))
+    install_pool(eng, as_engine_pool(Pool, KV_SLOTS // block_size))
+    finals = workloads.run_engine(eng, requests)
+    batch = sum(e["running"] for e in eng.step_log) / len(eng.step_log)
+    rows.append((block_size, workloads.throughput(finals, eng), batch))
+    print(f"block_size {block_size:5d}: {rows[-1][1]:7.1f} tokens/s, {batch:5.1f} requests running on average")
+print(f"paging serves {rows[1][1] / rows[0][1]:.1f}x the throughput on the same memory")
+"""),
+("md", r"""
+### The block-size trade-off
+
+Small blocks waste less (only the last block's tail), but a request needs more of them: longer block tables, more
+entries for the attention kernel to read, more allocator calls. Large blocks approach contiguous reservation.
+vLLM's default is 16.
+"""),
+("code", r"""
+sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+waste = [1 - tokens / reserved_paged(lens, b) for b in sizes]
+table = [sum(blocks_for(n, b) for n in lens) / len(lens) for b in sizes]
+fig, ax = plt.subplots(figsize=(7, 2.8))
+ax.plot(sizes, [100 * w for w in waste], "o-", color="#d62728", label="memory wasted (%)")
+ax.set_xscale("log", base=2); ax.set_xlabel("block_size (tokens)"); ax.set_ylabel("wasted %")
+ax2 = ax.twinx()
+ax2.plot(sizes, table, "s-", color="#4e79a7", label="blocks per request")
+ax2.set_yscale("log"); ax2.set_ylabel("block-table entries")
+fig.legend(loc="upper center", fontsize=8, ncol=2)
+plt.show()
+for b, w, t in zip(sizes, waste, table):
+    if b in (1, 16, 256, 2048):
+        print(f"block_size {b:5d}: {w:6.1%} wasted, {t:7.1f} blocks per request")
+"""),
+("md", r"""
+## 5. Your pool behind the real model
+
+The same `install_pool` works for the real engine with the bundled SmolLM2-135M: the model's attention reads and
+writes exactly the blocks your pool hands out. (On a GPU this runs on CUDA without changes.)
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (generated text and timing depend on the hardware)
+from minivllm import LLM
+
+llm = LLM(num_gpu_blocks_override=64, max_model_len=256, block_size=16)
+install_pool(llm.engine, as_engine_pool(Pool, 64))
+for prompt in ["The capital of France is", "Paging in operating systems means"]:
+    llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=12))
+for _ in range(4):
+    llm.engine.step()
+owners = widgets.block_owners(llm.engine)
+widgets.draw_block_pool(llm.engine.pool, owners, title="the real engine, mid-generation")
+plt.show()
+texts = {}
+while llm.engine.has_unfinished_requests():
+    for out in llm.engine.step():
+        if out.finished:
+            texts[out.request_id] = out.outputs[0].text
+print(texts, "| device:", llm.engine.config.device, "| free blocks:", llm.engine.pool.num_free)
+"""),
+("md", r"""
+## Retrieval check
+
+Answer from memory first, then check. In Jupyter the quiz below is interactive; the plain-text version (with
+every answer's *why*) follows it.
+"""),
+("code", r"""
+show_quiz(2)
+""", ["nbval-ignore-output"]),
+("code", r"""
+print_quiz(2)
+"""),
+]

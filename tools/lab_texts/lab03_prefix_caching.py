@@ -1,0 +1,341 @@
+CELLS = [
+("md", r"""
+# Lab 3 — Prefix caching
+
+**Goals.** After this lab you can
+
+1. explain why the KV of a shared prompt prefix can be reused, and why only whole blocks are;
+2. build the block-hash index vLLM uses (✏️ chained hashes, ✏️ prefix match with validation) and compare it with
+   SGLang's radix tree;
+3. measure hit rates on system-prompt, multi-turn and RAG workloads;
+4. choose what to evict (✏️ LRU leaf, never a locked one) and protect a tenant with a quota;
+5. show the cross-tenant timing leak (vLLM CVE-2025-46570, arXiv 2411.18191) and close it with a salt.
+
+**Time:** about 30 seconds to run; 45–60 minutes to work through. Everything here runs the engine's own prefix
+caches (`minivllm/radix_cache.py`, `minivllm/hash_index.py`) on the engine's `BlockPool`, admitting requests the
+way the engine does; TTFTs come from the engine's simulated cost model.
+"""),
+("code", r"""
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.block_pool import BlockPool
+from minivllm.hash_index import HashIndex
+from minivllm.labs import choose, widgets, workloads
+from minivllm.labs.check_lab03 import (LearnerHashCache, check_block_hashes, check_match_prefix,
+                                       check_pick_victim, engine_reference)
+from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.radix_cache import RadixCache
+
+ref_hashes, ref_match, ref_pick = engine_reference()   # the fallbacks, used until your code passes
+BLOCK = 16
+%matplotlib inline
+""", ["setup"]),
+("md", r"""
+## 1. The picture: the same prefix, computed once
+
+A token's K and V depend on that token **and every token before it**. So two prompts that start with the same
+tokens have identical KV for that shared beginning — a system prompt, few-shot examples, the earlier turns of a
+chat. A prefix cache keeps those KV blocks after a request finishes and hands them to the next request with the
+same beginning: its prefill skips them, so its **TTFT** drops.
+
+Sharing is block-granular: only *full* blocks are cached (a partial block is still being written). Two data
+structures find "the longest cached prefix":
+
+```
+ radix tree (SGLang)                          chained block-hash index (vLLM)
+ root                                          key0 = hash(None, tokens[0:16],  salt)
+  └─ [sys0 sys1 sys2]   ← one edge, 3 blocks   key1 = hash(key0, tokens[16:32])
+       ├─ [userA0]                             key2 = hash(key1, tokens[32:48])
+       └─ [userB0 userB1]                      index: {key -> (block id, tokens, parent key)}
+ walk down while blocks match; a new prompt    one dict lookup per block; stop at the first miss
+ leaving an edge midway splits it              (each block is its own entry, no splitting)
+```
+
+A real tree from the engine's `RadixCache` (three chats sharing a system prompt; drawn by `tools/make_figures.py`):
+
+![radix tree](../figures/radix_tree.png)
+
+Both structures keep **one pool reference** per
+cached block, so a cached block outlives its request, and a block some running request uses (refcount > 1) is
+*locked* — never evicted.
+"""),
+("md", r"""
+## ✏️ Exercise 1 — chained block hashes
+
+`block_hashes(token_ids, block_size, salt=None)`: one key per **full** block, where key *i* depends on block *i*'s
+tokens and on key *i−1* (so it identifies the whole prefix up to block *i*), and the salt enters the **first** key
+only (the chain carries it on). Any hashable key works — Python's `hash` of a tuple is fine.
+"""),
+("code", r"""
+def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list:
+    '''One chained key per full block: key_i = hash((key_{i-1}, tokens of block i, salt if i == 0)).'''
+    # TODO: loop over the full blocks only; hash a tuple of (previous key or None, the block's tokens as a tuple,
+    #   salt for the first block / None after); append each key
+    ### BEGIN SOLUTION
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash((parent, block, salt if i == 0 else None))
+        keys.append(parent)
+    return keys
+    ### END SOLUTION
+""", ["exercise:block_hashes"]),
+("code", r"""
+hash_check = check_block_hashes(block_hashes)
+hashes = choose(hash_check, block_hashes, ref_hashes, "block_hashes")
+"""),
+("md", r"""
+## ✏️ Exercise 2 — the longest cached prefix
+
+`match_prefix(token_ids, index, block_size, hasher, salt=None)` returns the block ids of the longest cached prefix.
+`index` maps a key to an `IndexEntry(block_id, tokens, parent)`. Three rules:
+
+1. look up `token_ids[:-1]`: even a fully cached prompt must run its **last** token through the model to get logits;
+2. stop at the **first miss** — a later block is useless without the ones before it;
+3. **validate** every hit: the entry's `tokens` must equal this block's tokens and its `parent` must be the previous
+   key (`None` for the first). Two different prefixes *can* hash to one key; serving the stored block then would
+   feed the model another prompt's KV.
+"""),
+("code", r"""
+def match_prefix(token_ids: list[int], index: dict, block_size: int, hasher, salt: str | None = None) -> list[int]:
+    '''Block ids of the longest validated, cached, block-aligned prefix of token_ids[:-1].'''
+    # TODO: walk hasher(token_ids[:-1], block_size, salt); stop at a missing key or a failed validation
+    #   (entry.tokens != this block's tokens, or entry.parent != previous key); collect entry.block_id
+    ### BEGIN SOLUTION
+    out, parent = [], None
+    for i, key in enumerate(hasher(token_ids[:-1], block_size, salt)):
+        entry = index.get(key)
+        if entry is None or entry.tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]):
+            break
+        if entry.parent != parent:
+            break
+        out.append(entry.block_id)
+        parent = key
+    return out
+    ### END SOLUTION
+""", ["exercise:match_prefix"]),
+("code", r"""
+match_check = check_match_prefix(match_prefix, hasher=ref_hashes)
+matcher = choose(match_check, match_prefix, ref_match, "match_prefix")
+"""),
+("md", r"""
+## 2. Hit rates on three workloads
+
+`LearnerHashCache` assembles your two functions into a prefix cache with the engine's methods (`match`, `insert`,
+`evict`). Each workload is replayed the way the engine admits requests: look up, take references on the hits,
+allocate the rest, insert the full blocks, finish. The hit rate is counted in tokens, like vLLM's
+`prefix_cache_hits / prefix_cache_queries`.
+
+* **system prompt**: 40 requests = one 256-token system prompt + a short question;
+* **multi-turn**: 8 chats × 5 turns, each turn's prompt = the whole history so far (interleaved);
+* **RAG**: instruction + 3 retrieved documents (popular ones repeat, in varying order) + question.
+"""),
+("code", r"""
+WORKLOADS = {"system prompt": workloads.system_prompt_workload(40),
+             "multi-turn": workloads.multi_turn_workload(8, 5),
+             "RAG": workloads.rag_workload(40)}
+CACHES = {"yours (hash index)": lambda pool: LearnerHashCache(pool, BLOCK, hashes, matcher, ref_pick),
+          "engine HashIndex": lambda pool: HashIndex(pool, BLOCK),
+          "engine RadixCache": lambda pool: RadixCache(pool, BLOCK)}
+print(f"{'':20s}" + "".join(f"{w:>15s}" for w in WORKLOADS))
+for cname, make in CACHES.items():
+    rates = []
+    for prompts in WORKLOADS.values():
+        pool = BlockPool(1024)
+        rates.append(workloads.hit_rate(workloads.replay_prefix_cache(make(pool), pool, prompts)))
+    print(f"{cname:20s}" + "".join(f"{r:15.1%}" for r in rates))
+"""),
+("md", r"""
+Same numbers for all three: they cache the same blocks; they differ in *how* they find them. The system prompt
+hits most (everybody shares 256 tokens); multi-turn hits the history; RAG only hits where the same documents come in
+the same order. Why not 100 % for the system prompt? The first request has nothing to hit, the question part never
+repeats, and the system prompt's partial last block is not cached (256 is a multiple of 16 here, so only the
+question's blocks miss).
+
+## 3. The radix tree, step by step
+
+A radix tree stores each shared beginning once. Below, three chats that share a 48-token system prompt send their
+turns one per step.
+Watch edges split when a new turn leaves an old edge, and the path of the request currently running outlined in red
+(**locked**: its blocks have refcount > 1, eviction must skip them).
+"""),
+("code", r"""
+pool = BlockPool(256)
+tree = RadixCache(pool, BLOCK)
+replay = workloads.PrefixReplay(tree, pool, workloads.shared_system_chats(3, 3, seed=2))
+for _ in range(5):
+    replay.step()
+widgets.draw_radix_tree(tree, title="radix tree after 5 requests (red = locked by the running request)")
+plt.show()
+print(widgets.describe_radix_tree(tree))
+print("hits per request (tokens):", [r["hit_tokens"] for r in replay.records])
+"""),
+("code", r"""
+stepper = widgets.Stepper(replay, draw=lambda r, ax: widgets.draw_radix_tree(r.cache, ax=ax),
+                          describe=lambda r: str(r.records[-1]), figsize=(11, 3.5))
+stepper.show()
+"""),
+("code", r"""
+print(stepper.step(10_000))
+evicted = tree.evict(10_000)     # evict everything evictable: the locked path survives
+print(f"evicted {evicted} blocks; {tree.num_cached_blocks} stay cached (locked by the running request)")
+print(widgets.describe_radix_tree(tree))
+"""),
+("md", r"""
+## ✏️ Exercise 3 — what to evict
+
+When the pool runs dry the cache frees blocks nobody uses. `pick_victim(nodes)` gets one dict per cached entry —
+`{"id", "last_access", "locks", "children"}` — and returns the id to evict, or `None`:
+
+* never a **locked** entry (`locks > 0`: a running request reads it — evicting it would corrupt that request);
+* only **leaves** (`children == 0`): a cached block without its prefix is useless;
+* among those, the **least recently used** (smallest `last_access`); ties to the first listed.
+
+The last checker case runs your function inside `LearnerHashCache` on a 32-block pool and compares every hit with
+the engine's `HashIndex`.
+"""),
+("code", r"""
+def pick_victim(nodes: list[dict]):
+    '''Id of the least recently used unlocked leaf, or None when nothing may be evicted.'''
+    # TODO: keep nodes with locks == 0 and children == 0; return the id of the one with the smallest
+    #   last_access (min() keeps the first of equal keys), or None if there is none
+    ### BEGIN SOLUTION
+    candidates = [n for n in nodes if n["locks"] == 0 and n["children"] == 0]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda n: n["last_access"])["id"]
+    ### END SOLUTION
+""", ["exercise:pick_victim"]),
+("code", r"""
+victim_check = check_pick_victim(pick_victim, hasher=hashes, matcher=matcher)
+picker = choose(victim_check, pick_victim, ref_pick, "pick_victim")
+"""),
+("md", r"""
+### Quotas: one noisy tenant must not flush another's cache
+
+Alice sends requests with a shared 128-token system prompt; between two of hers, Bob sends 8 long one-off prompts.
+On a 64-block pool, plain LRU lets Bob's never-reused blocks push Alice's system prompt out. A per-namespace quota
+(`quota_blocks`: at most that many cached blocks per tenant; over it, a tenant evicts *its own* LRU blocks first)
+keeps Bob's churn inside Bob's share.
+"""),
+("code", r"""
+import random
+
+rng = random.Random(1)
+prompts, tenants = [], []
+for alice_prompt in workloads.system_prompt_workload(20, seed=2, system_len=128):
+    prompts.append(alice_prompt); tenants.append("alice")
+    for _ in range(8):
+        prompts.append([rng.randrange(10, 900) for _ in range(rng.randint(100, 200))]); tenants.append("bob")
+
+for quota in (None, 24):
+    pool = BlockPool(64)
+    cache = RadixCache(pool, BLOCK, quota_blocks=quota)
+    recs = workloads.replay_prefix_cache(cache, pool, prompts, namespaces=tenants)
+    alice = [r for r, t in zip(recs, tenants) if t == "alice"]
+    print(f"quota {str(quota):>4s}: Alice's hit rate {workloads.hit_rate(alice):6.1%}, "
+          f"evictions {cache.stats.evicted_blocks} (by quota: {cache.stats.quota_evictions})")
+"""),
+("md", r"""
+## 4. Validation: what a hash collision would do
+
+Make collisions common on purpose with a hash of only 3 bits (8 possible keys). Your validated matcher turns
+a collision into a miss; a matcher that trusts the key would hand a request **blocks computed for other tokens** —
+the model would silently attend to someone else's text.
+"""),
+("code", r"""
+def weak(token_ids, block_size, salt=None):
+    '''A deliberately awful hash: 3 bits of (block index + sum of the block's tokens).'''
+    n = len(token_ids) // block_size
+    return [(i + sum(token_ids[i * block_size:(i + 1) * block_size])) % 8 for i in range(n)]
+
+
+def trusting_match(token_ids, index, block_size, hasher, salt=None):   # no validation: do not do this
+    out = []
+    for key in hasher(token_ids[:-1], block_size, salt):
+        if key not in index:
+            break
+        out.append(index[key].block_id)
+    return out
+
+
+prompts = workloads.rag_workload(40, seed=3)
+for name, m in [("validated (yours)", matcher), ("trusting", trusting_match)]:
+    pool = BlockPool(1024)
+    cache = LearnerHashCache(pool, BLOCK, weak, m, picker)
+    wrong = served = 0
+    for p in prompts:
+        for i, b in enumerate(cache.match(p[:-1])):
+            served += 1
+            stored = next(e.tokens for e in cache.index.values() if e.block_id == b)
+            wrong += stored != tuple(p[i * BLOCK:(i + 1) * BLOCK])
+        workloads.replay_prefix_cache(cache, pool, [p])
+    print(f"{name:18s}: {served:4d} blocks served from cache, {wrong:4d} of them hold OTHER tokens' KV")
+"""),
+("md", r"""
+The engine's `HashIndex` validates the same way (tokens, namespace and parent) and defaults to Python's 64-bit
+`hash`; `sha256_block_hash` is the collision-resistant option when keys must be stable across processes.
+
+## 5. The cross-tenant timing leak, and the salt
+
+A shared prefix cache is a side channel. Alice asks a question that starts with the service's system prompt and
+continues with something private. Bob, another tenant, guesses continuations and measures his own **TTFT**: a
+guess that matches what Alice sent hits her cached blocks and comes back faster. This is the attack of
+arXiv 2411.18191, reported against vLLM as **CVE-2025-46570**.
+
+The fix: a per-tenant **`cache_salt`** mixed into the first block's hash (exactly your `salt` argument), set by a
+*trusted gateway* from the authenticated tenant — never by the client, or Bob could simply send Alice's salt.
+Different salts never share blocks. TTFT here is the engine's simulated cost model
+(`10 ms + 0.4 ms per uncached prompt token`).
+"""),
+("code", r"""
+rng = random.Random(7)
+system = [rng.randrange(10, 900) for _ in range(64)]
+candidates = {f"guess {i}": [rng.randrange(10, 900) for _ in range(48)] for i in range(8)}
+secret = "guess 5"                                    # what Alice really asked
+
+
+def attack(salted: bool):
+    pool = BlockPool(256)
+    cache = LearnerHashCache(pool, BLOCK, hashes, matcher, picker)   # your hashing and matching
+    ns = (lambda tenant: tenant) if salted else (lambda tenant: "")
+    workloads.replay_prefix_cache(cache, pool, [system + candidates[secret] + [5, 6, 7]], namespaces=[ns("alice")])
+    warm_up = system + [rng.randrange(10, 900) for _ in range(48)] + [5, 6, 7]   # Bob warms his own system prompt
+    workloads.replay_prefix_cache(cache, pool, [warm_up], namespaces=[ns("bob")])
+    ttft = {}
+    for name, guess in candidates.items():            # Bob probes each guess
+        rec = workloads.replay_prefix_cache(cache, pool, [system + guess + [5, 6, 7]], namespaces=[ns("bob")])[0]
+        ttft[name] = rec["ttft"]
+    return ttft
+
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 2.6), sharey=True)
+for ax, salted in zip(axes, (False, True)):
+    ttft = attack(salted)
+    ax.bar(list(ttft), [1000 * t for t in ttft.values()],
+           color=["#d62728" if n == secret else "#4e79a7" for n in ttft])
+    ax.set_title("per-tenant salt: nothing to see" if salted else "shared cache: the secret stands out", fontsize=10)
+    ax.tick_params(axis="x", labelsize=7, rotation=45)
+    others = [t for n, t in ttft.items() if n != secret]
+    print(f"{'salted' if salted else 'shared'}: TTFT of the secret guess {1000 * ttft[secret]:.1f} ms, "
+          f"of the other guesses {1000 * min(others):.1f}-{1000 * max(others):.1f} ms")
+axes[0].set_ylabel("Bob's TTFT (ms)")
+plt.show()
+"""),
+("md", r"""
+Note what the salt costs: the system prompt Alice and Bob share is no longer shared across them either (each
+tenant warms its own copy). Per-tenant salts trade some hit rate for isolation; a provider can still share a public
+prefix deliberately, in a namespace where leaking "someone sent the system prompt" reveals nothing.
+
+## Retrieval check
+
+Answer from memory first. In Jupyter the quiz is interactive; the plain-text version with every *why* follows.
+"""),
+("code", r"""
+show_quiz(3)
+""", ["nbval-ignore-output"]),
+("code", r"""
+print_quiz(3)
+"""),
+]
