@@ -117,9 +117,11 @@ def _decode_attention(
     batch, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     table, pad = _decode_layout(meta, block_size, q.device)
-    # [B, max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
-    k = k_cache[table].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[table].reshape(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    # index_select on the flattened table is a plain gather of whole blocks (much faster
+    # on CPU than advanced indexing); [B*max_blocks, block_size, kv_heads, D] -> [B, kv_heads, L, D]
+    flat = table.reshape(-1)
+    k = k_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(batch, -1, kv_heads, head_dim).transpose(1, 2)
     group = num_heads // kv_heads
     # [B, kv_heads, group, D] @ [B, kv_heads, D, L] -> [B, kv_heads, group, L]
     qg = q.view(batch, kv_heads, group, head_dim)
