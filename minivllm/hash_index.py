@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from minivllm.prefix_cache import (
     InsertResult,
+    LeafIndex,
     LeafLru,
     LogicalClock,
     NamespaceCounts,
@@ -88,8 +89,7 @@ class HashIndex:
     _entry_of_block: dict[int, HashEntry] = field(default_factory=dict, repr=False)
     _counts: NamespaceCounts = field(init=False, repr=False)
     _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
-    _leaves: LeafLru[HashEntry] = field(default_factory=LeafLru, repr=False)
-    _leaves_by_ns: dict[str, LeafLru[HashEntry]] = field(default_factory=dict, repr=False)
+    _leaves: LeafIndex[HashEntry] = field(default_factory=LeafIndex, repr=False)
 
     def __post_init__(self) -> None:
         self._counts = NamespaceCounts(self.quota_blocks)
@@ -193,7 +193,7 @@ class HashIndex:
             if pin is not None:
                 self.pool.incref(pin)
             try:
-                freed = self._evict_with(self._ns_leaves(namespace), excess)
+                freed = self._evict_with(self._leaves.namespace(namespace), excess)
             finally:
                 if pin is not None:
                     self.pool.decref(pin)
@@ -223,7 +223,7 @@ class HashIndex:
         """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
         if num_blocks <= 0:
             return 0
-        return self._evict_with(self._leaves, num_blocks)
+        return self._evict_with(self._leaves.all, num_blocks)
 
     def reset(self) -> None:
         self.evict(self.num_cached_blocks)
@@ -241,7 +241,7 @@ class HashIndex:
         del self._entry_of_block[entry.block_id]
         self._unmark_leaf(entry)
         if not self._counts.remove(entry.namespace, 1):
-            self._leaves_by_ns.pop(entry.namespace, None)
+            self._leaves.drop_namespace(entry.namespace)
         parent = entry.parent
         if parent is not None:
             parent.num_children -= 1
@@ -260,19 +260,8 @@ class HashIndex:
         if path and path[-1].num_children == 0:
             self._mark_leaf(path[-1])
 
-    def _ns_leaves(self, namespace: str) -> LeafLru[HashEntry]:
-        leaves = self._leaves_by_ns.get(namespace)
-        if leaves is None:
-            leaves = LeafLru()
-            self._leaves_by_ns[namespace] = leaves
-        return leaves
-
     def _mark_leaf(self, entry: HashEntry) -> None:
-        self._leaves.touch(entry, entry.last_used)
-        self._ns_leaves(entry.namespace).touch(entry, entry.last_used)
+        self._leaves.mark(entry, entry.namespace, entry.last_used)
 
     def _unmark_leaf(self, entry: HashEntry) -> None:
-        self._leaves.discard(entry)
-        ns_leaves = self._leaves_by_ns.get(entry.namespace)
-        if ns_leaves is not None:
-            ns_leaves.discard(entry)
+        self._leaves.unmark(entry, entry.namespace)

@@ -393,3 +393,37 @@ class LeafLru(Generic[K]):
     def _compact(self) -> None:
         self._heap = [(tick, seq, leaf) for leaf, (tick, seq) in self._stamp.items()]
         heapq.heapify(self._heap)
+
+
+@dataclass
+class LeafIndex(Generic[K]):
+    """Eviction candidates kept in two orders at once.
+
+    ``all`` is LRU across every namespace (what :meth:`PrefixCache.evict` uses
+    when the pool runs dry); ``by_namespace`` holds one LRU per namespace (what
+    the quota path uses, so a tenant over quota only ever evicts its own
+    blocks).  Both structures index their leaves through this one class.
+    """
+
+    all: LeafLru[K] = field(default_factory=LeafLru)
+    by_namespace: dict[str, LeafLru[K]] = field(default_factory=dict)
+
+    def namespace(self, namespace: str) -> LeafLru[K]:
+        leaves = self.by_namespace.get(namespace)
+        if leaves is None:
+            leaves = self.by_namespace[namespace] = LeafLru()
+        return leaves
+
+    def mark(self, leaf: K, namespace: str, tick: int) -> None:
+        self.all.touch(leaf, tick)
+        self.namespace(namespace).touch(leaf, tick)
+
+    def unmark(self, leaf: K, namespace: str) -> None:
+        self.all.discard(leaf)
+        leaves = self.by_namespace.get(namespace)
+        if leaves is not None:
+            leaves.discard(leaf)
+
+    def drop_namespace(self, namespace: str) -> None:
+        self.by_namespace.pop(namespace, None)
+

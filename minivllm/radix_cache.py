@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from minivllm.prefix_cache import (
     InsertResult,
+    LeafIndex,
     LeafLru,
     LogicalClock,
     NamespaceCounts,
@@ -95,8 +96,7 @@ class RadixCache:
     _node_of_block: dict[int, RadixNode] = field(default_factory=dict, repr=False)
     _counts: NamespaceCounts = field(init=False, repr=False)
     _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
-    _leaves: LeafLru[RadixNode] = field(default_factory=LeafLru, repr=False)
-    _leaves_by_ns: dict[str, LeafLru[RadixNode]] = field(default_factory=dict, repr=False)
+    _leaves: LeafIndex[RadixNode] = field(default_factory=LeafIndex, repr=False)
 
     def __post_init__(self) -> None:
         self._counts = NamespaceCounts(self.quota_blocks)
@@ -191,7 +191,7 @@ class RadixCache:
             if pin is not None:
                 self.pool.incref(pin)
             try:
-                freed = self._evict_with(self._ns_leaves(namespace), excess)
+                freed = self._evict_with(self._leaves.namespace(namespace), excess)
             finally:
                 if pin is not None:
                     self.pool.decref(pin)
@@ -221,7 +221,7 @@ class RadixCache:
         """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
         if num_blocks <= 0:
             return 0
-        return self._evict_with(self._leaves, num_blocks)
+        return self._evict_with(self._leaves.all, num_blocks)
 
     def reset(self) -> None:
         self.evict(self.num_cached_blocks)
@@ -245,7 +245,7 @@ class RadixCache:
         if not node.block_ids:
             self._remove_node(node, first_block)
         if not left:
-            self._leaves_by_ns.pop(node.namespace, None)
+            self._leaves.drop_namespace(node.namespace)
         return freed
 
     def _remove_node(self, node: RadixNode, first_block: TokenBlock) -> None:
@@ -327,19 +327,8 @@ class RadixCache:
         if not node.children:
             self._mark_leaf(node)
 
-    def _ns_leaves(self, namespace: str) -> LeafLru[RadixNode]:
-        leaves = self._leaves_by_ns.get(namespace)
-        if leaves is None:
-            leaves = LeafLru()
-            self._leaves_by_ns[namespace] = leaves
-        return leaves
-
     def _mark_leaf(self, node: RadixNode) -> None:
-        self._leaves.touch(node, node.last_access)
-        self._ns_leaves(node.namespace).touch(node, node.last_access)
+        self._leaves.mark(node, node.namespace, node.last_access)
 
     def _unmark_leaf(self, node: RadixNode) -> None:
-        self._leaves.discard(node)
-        ns_leaves = self._leaves_by_ns.get(node.namespace)
-        if ns_leaves is not None:
-            ns_leaves.discard(node)
+        self._leaves.unmark(node, node.namespace)
