@@ -7,7 +7,6 @@ Fast (no model, no kernel): the notebooks themselves are executed by
 from __future__ import annotations
 
 import ast
-import importlib
 import io
 import json
 import sys

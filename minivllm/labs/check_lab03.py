@@ -8,7 +8,7 @@ methods, so they run the same replays as the engine's own caches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, NamedTuple, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 from minivllm.block_pool import BlockPool
 from minivllm.labs.checkers import Case, CheckResult, run_checks
