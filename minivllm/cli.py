@@ -1,8 +1,9 @@
 """Command line: ``minivllm generate "prompt" ...`` streams answers from the engine.
 
-With several prompts, all of them run in one continuously batched engine and
-their text streams interleaved, prefixed by the prompt number; a summary line
-(TTFT, tokens/s, KV blocks used) closes the run.
+With several prompts, all of them run together in one continuously batched
+engine; the answers are shown in prompt order, the current one streaming live
+while the later ones catch up.  A summary line (TTFT, tokens/s, KV blocks used)
+closes the run.
 """
 
 from __future__ import annotations
@@ -59,21 +60,33 @@ def generate(args: argparse.Namespace) -> int:
         source = prompt if args.no_chat or llm.tokenizer is None else llm.chat_prompt([{"role": "user", "content": prompt}])
         ids[engine.add_request(source, params)] = i
     peak_blocks = 0
-    finals = {}
-    current = None
+    finals: dict[int, object] = {}
+    pending = ["" for _ in prompts]  # text not yet shown, per prompt
+    shown = 0  # prompts are shown in order: the current one streams live, later ones catch up
+
+    def flush() -> None:
+        nonlocal shown
+        while shown < len(prompts):
+            if pending[shown]:
+                sys.stdout.write(pending[shown])
+                pending[shown] = ""
+            if shown not in finals:
+                break
+            shown += 1
+            if shown < len(prompts):
+                sys.stdout.write(f"\n\n[{shown}] {prompts[shown]}\n")
+        sys.stdout.flush()
+
+    if len(prompts) > 1:
+        sys.stdout.write(f"[0] {prompts[0]}\n")
     while engine.has_unfinished_requests():
         for out in engine.step():
             i = ids[out.request_id]
-            delta = out.outputs[0].delta_text
-            if delta:
-                if current != i:
-                    sys.stdout.write(f"\n[{i}] " if len(prompts) > 1 else "")
-                    current = i
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+            pending[i] += out.outputs[0].delta_text
             if out.finished:
                 finals[i] = out
         peak_blocks = max(peak_blocks, engine.pool.num_used)
+        flush()
     sys.stdout.write("\n")
     outs = [finals[i] for i in sorted(finals)]
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
