@@ -30,7 +30,7 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field: queues find and remove *this* request, fast
 class Request:
     request_id: str
     prompt_token_ids: list[int]
