@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 
 from minivllm.prefix_cache import (
     InsertResult,
+    LeafEviction,
     LeafIndex,
-    LeafLru,
     LogicalClock,
     NamespaceCounts,
     PrefixCacheStats,
@@ -77,7 +77,7 @@ class HashEntry:
 
 
 @dataclass(eq=False)
-class HashIndex:
+class HashIndex(LeafEviction):
     """A :class:`~minivllm.prefix_cache.PrefixCache` backed by a dict of chained hashes."""
 
     pool: BlockPool
@@ -181,25 +181,6 @@ class HashIndex:
             self._mark_leaf(added)  # only the deepest new entry is a leaf
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
-    def _make_room(self, namespace: str, wanted: int, pin: int | None) -> int:
-        """Apply the namespace quota; return how many new blocks may be cached.
-
-        The last matched block is pinned with an extra pool reference (what a
-        running request would hold) while the namespace evicts its own
-        blocks, so the chain being extended cannot disappear meanwhile.
-        """
-        excess = self._counts.excess(namespace, wanted)
-        if excess:
-            if pin is not None:
-                self.pool.incref(pin)
-            try:
-                freed = self._evict_with(self._leaves.namespace(namespace), excess)
-            finally:
-                if pin is not None:
-                    self.pool.decref(pin)
-            self.stats.quota_evictions += freed
-        return self._counts.room(namespace, wanted)
-
     def _add(
         self, parent: HashEntry | None, namespace: str, tokens: TokenBlock, block_id: int, tick: int
     ) -> HashEntry | None:
@@ -219,21 +200,7 @@ class HashIndex:
         return entry
 
     # -- eviction ----------------------------------------------------------------
-    def evict(self, num_blocks: int) -> int:
-        """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
-        if num_blocks <= 0:
-            return 0
-        return self._evict_with(self._leaves.all, num_blocks)
-
-    def reset(self) -> None:
-        self.evict(self.num_cached_blocks)
-
-    def _evict_with(self, leaves: LeafLru[HashEntry], budget: int) -> int:
-        freed = leaves.evict(budget, self._evict_entry, self._is_live_leaf)
-        self.stats.evicted_blocks += freed
-        return freed
-
-    def _evict_entry(self, entry: HashEntry, budget: int) -> int:
+    def _evict_leaf(self, entry: HashEntry, budget: int) -> int:
         """Remove a leaf entry unless its block is locked; return blocks freed."""
         if budget < 1 or self.pool.refcount(entry.block_id) != 1:
             return 0

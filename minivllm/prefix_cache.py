@@ -427,3 +427,46 @@ class LeafIndex(Generic[K]):
     def drop_namespace(self, namespace: str) -> None:
         self.by_namespace.pop(namespace, None)
 
+
+class LeafEviction:
+    """Eviction and quota logic shared by both caches (a mixin: methods only).
+
+    The host class provides ``pool``, ``stats``, ``num_cached_blocks``, a
+    :class:`NamespaceCounts` as ``_counts``, a :class:`LeafIndex` as ``_leaves``,
+    and two structure-specific hooks: ``_evict_leaf(leaf, budget) -> freed`` and
+    ``_is_live_leaf(leaf) -> bool``.
+    """
+
+    def evict(self, num_blocks: int) -> int:
+        """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
+        if num_blocks <= 0:
+            return 0
+        return self._evict_with(self._leaves.all, num_blocks)
+
+    def reset(self) -> None:
+        self.evict(self.num_cached_blocks)
+
+    def _evict_with(self, leaves: LeafLru, budget: int) -> int:
+        freed = leaves.evict(budget, self._evict_leaf, self._is_live_leaf)
+        self.stats.evicted_blocks += freed
+        return freed
+
+    def _make_room(self, namespace: str, wanted: int, pin: int | None) -> int:
+        """Apply the namespace quota; return how many new blocks may be cached.
+
+        The last matched block is pinned with an extra pool reference (what a
+        running request would hold) while the namespace evicts its own
+        blocks, so the prefix being extended cannot be evicted from under us.
+        """
+        excess = self._counts.excess(namespace, wanted)
+        if excess:
+            if pin is not None:
+                self.pool.incref(pin)
+            try:
+                freed = self._evict_with(self._leaves.namespace(namespace), excess)
+            finally:
+                if pin is not None:
+                    self.pool.decref(pin)
+            self.stats.quota_evictions += freed
+        return self._counts.room(namespace, wanted)
+

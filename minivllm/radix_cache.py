@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 
 from minivllm.prefix_cache import (
     InsertResult,
+    LeafEviction,
     LeafIndex,
-    LeafLru,
     LogicalClock,
     NamespaceCounts,
     PrefixCacheStats,
@@ -85,7 +85,7 @@ def common_block_prefix(edge: list[TokenBlock], blocks: list[TokenBlock], start:
 
 
 @dataclass(eq=False)
-class RadixCache:
+class RadixCache(LeafEviction):
     """A :class:`~minivllm.prefix_cache.PrefixCache` backed by radix trees."""
 
     pool: BlockPool
@@ -178,26 +178,6 @@ class RadixCache:
             self._attach(parent, blocks[num_cached : num_cached + num_new], new_ids[:num_new], tick)
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
-    def _make_room(self, namespace: str, wanted: int, pin: int | None) -> int:
-        """Apply the namespace quota; return how many new blocks may be cached.
-
-        The last block of the matched path is pinned (an extra pool
-        reference, exactly what a running request would hold) while the
-        namespace evicts its own blocks, so the path being extended cannot
-        be evicted from under us.
-        """
-        excess = self._counts.excess(namespace, wanted)
-        if excess:
-            if pin is not None:
-                self.pool.incref(pin)
-            try:
-                freed = self._evict_with(self._leaves.namespace(namespace), excess)
-            finally:
-                if pin is not None:
-                    self.pool.decref(pin)
-            self.stats.quota_evictions += freed
-        return self._counts.room(namespace, wanted)
-
     def _attach(
         self, parent: RadixNode, token_blocks: list[TokenBlock], block_ids: list[int], tick: int
     ) -> None:
@@ -217,21 +197,7 @@ class RadixCache:
         self._touch(node, tick)
 
     # -- eviction ----------------------------------------------------------------
-    def evict(self, num_blocks: int) -> int:
-        """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
-        if num_blocks <= 0:
-            return 0
-        return self._evict_with(self._leaves.all, num_blocks)
-
-    def reset(self) -> None:
-        self.evict(self.num_cached_blocks)
-
-    def _evict_with(self, leaves: LeafLru[RadixNode], budget: int) -> int:
-        freed = leaves.evict(budget, self._evict_tail, self._is_live_leaf)
-        self.stats.evicted_blocks += freed
-        return freed
-
-    def _evict_tail(self, node: RadixNode, budget: int) -> int:
+    def _evict_leaf(self, node: RadixNode, budget: int) -> int:
         """Free up to ``budget`` unlocked blocks from the end of ``node``'s edge."""
         first_block = node.token_blocks[0]
         freed = 0
