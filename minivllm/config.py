@@ -1,14 +1,22 @@
-"""Engine options, named as vLLM names them, validated once at construction.
+"""Engine options, named as vLLM names them, validated once and frozen.
 
-Everything the scheduler and the cache need to know about sizes lives here, so
-an impossible configuration (a KV pool too small for one max-length request, a
-token budget that could never hold a whole prompt with chunking off...) fails
-loudly before any request is accepted, instead of deadlocking later.
+Everything the scheduler and the memory manager need to know about sizes lives
+here, so an impossible configuration (a KV pool too small for one max-length
+request, a token budget that could never hold a whole prompt with chunking
+off, ``max_num_seqs=2.5``...) fails loudly before any request is accepted,
+instead of deadlocking later.
+
+The config is built in two steps and never changes afterwards:
+``EngineConfig(**options)`` checks what the caller gave; :meth:`EngineConfig.resolve`
+returns a *new* frozen config with the defaults that depend on the model
+(``max_model_len``, the token budget) filled in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,6 +25,10 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+PREEMPTION_MODES = ("recompute", "swap", "reject", "auto")
+PREFIX_CACHE_KINDS = ("radix", "hash")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -34,18 +46,48 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
-    except RuntimeError as exc:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
         raise ValueError(f"unknown device {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA GPU (use 'cpu' or 'auto')")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'auto'")
+    return dev
 
 
-@dataclass
+def check_type(name: str, value: Any, kind: type | tuple[type, ...], optional: bool = False) -> None:
+    """A clear ``ValueError`` for a value of the wrong type (``True`` is not an int here)."""
+    if value is None and optional:
+        return
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        names = " or ".join(k.__name__ for k in kinds) + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Options for :class:`~minivllm.engine.LLMEngine` (and ``LLM(**options)``).
 
     KV capacity: give ``num_gpu_blocks_override`` (blocks, vLLM's name) or
-    ``kv_cache_memory_bytes`` (bytes); otherwise 1 GiB on CPU and 40% of free
-    GPU memory on CUDA.
+    ``kv_cache_memory_bytes`` (bytes); otherwise 1 GiB on CPU and
+    ``gpu_memory_utilization`` of free GPU memory on CUDA.
+
+    Preemption (what happens when KV blocks run out, see
+    :mod:`minivllm.sched.scheduler`): ``preemption_mode`` is ``"recompute"``
+    (free the victim's blocks, prefill again later), ``"swap"`` (park them in a
+    host tier of ``swap_space`` GiB, or ``num_cpu_blocks_override`` blocks),
+    ``"reject"`` (never preempt: admit only what is sure to fit, reject the
+    rest with a retry hint) or ``"auto"`` (per victim, the cheaper of swap and
+    recompute by a cost model that uses ``swap_bandwidth_gbps`` and
+    ``prefill_tokens_per_s``; either is measured when not given).
+    A request preempted ``preemption_protect_after`` times is chosen as a
+    victim only when every running request is protected (anti-thrash).
+
+    The running set is capped at ``min(max_num_seqs, max_num_batched_tokens)``
+    with chunked prefill on, so that every running decode fits every step.
     """
 
     model: str | None = None
@@ -66,49 +108,91 @@ class EngineConfig:
     prefix_cache_quota_blocks: int | None = None
     share_prefix_cache_across_tenants: bool = False
     preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    num_cpu_blocks_override: int | None = None
+    swap_bandwidth_gbps: float | None = None
+    prefill_tokens_per_s: float | None = None
+    preemption_protect_after: int = 3
     attention_backend: str = "auto"
-    disable_log_stats: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_type("model", self.model, str, optional=True)
+        for name in ("seed", "block_size", "max_num_seqs", "long_prefill_token_threshold", "preemption_protect_after"):
+            check_type(name, getattr(self, name), int)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory_bytes", "prefix_cache_quota_blocks", "num_cpu_blocks_override"):
+            check_type(name, getattr(self, name), int, optional=True)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "share_prefix_cache_across_tenants"):
+            check_type(name, getattr(self, name), bool)
+        for name in ("gpu_memory_utilization", "swap_space"):
+            check_type(name, getattr(self, name), (int, float))
+        for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
+            check_type(name, getattr(self, name), (int, float), optional=True)
+        for name in ("prefix_cache", "preemption_mode", "attention_backend"):
+            check_type(name, getattr(self, name), str)
         bs = self.block_size
-        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+        if bs < 1 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two, got {bs!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 = no per-request cap)")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
-        if self.prefix_cache not in ("radix", "hash"):
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
+                     "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("long_prefill_token_threshold", "prefix_cache_quota_blocks", "num_cpu_blocks_override",
+                     "preemption_protect_after"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 <= self.swap_space < 1024:
+            raise ValueError(f"swap_space is in GiB and must be in [0, 1024), got {self.swap_space}")
+        for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or None to measure it), got {value}")
+        if self.prefix_cache not in PREFIX_CACHE_KINDS:
             raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {self.prefix_cache!r}")
-        if self.preemption_mode not in ("recompute",):
-            raise ValueError(f"preemption_mode {self.preemption_mode!r} is not supported (only 'recompute')")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        self.device = parse_device(self.device)
-        self.dtype = parse_dtype(self.dtype, self.device)
+        device = parse_device(self.device)
+        object.__setattr__(self, "device", device)
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype, device))
 
-    def finalize(self, model_max_len: int) -> None:
-        """Fill in defaults that depend on the model, then check the sizes fit together."""
-        if self.max_model_len is None:
-            self.max_model_len = model_max_len
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
-        if self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_num_seqs:
-            # Every running decode must fit in every step's budget, or decodes would starve.
-            self.max_num_seqs = self.max_num_batched_tokens
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The options ``LLM(**options)`` accepts (every field but ``model``)."""
+        return frozenset(f.name for f in dataclasses.fields(cls)) - {"model"}
+
+    @property
+    def uses_swap(self) -> bool:
+        return self.preemption_mode in ("swap", "auto")
+
+    def resolve(self, model_max_len: int) -> EngineConfig:
+        """A new config with the model-dependent defaults filled in, and the sizes checked together."""
+        max_len = self.max_model_len if self.max_model_len is not None else model_max_len
+        if max_len > model_max_len:
             raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({self.max_model_len}) or a long prompt could never be scheduled"
+                f"max_model_len={max_len} is beyond what the model was trained for ({model_max_len} positions); "
+                f"minivllm does not extend RoPE silently"
             )
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_len)
+        if not self.enable_chunked_prefill and budget < max_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({budget}) must be "
+                f">= max_model_len ({max_len}) or a long prompt could never be scheduled"
+            )
+        seats = min(self.max_num_seqs, budget) if self.enable_chunked_prefill else self.max_num_seqs
+        return dataclasses.replace(
+            self, max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=seats,
+            device=self.device, dtype=self.dtype,
+        )
 
     def check_kv_capacity(self, num_blocks: int) -> None:
         need = -(-self.max_model_len // self.block_size)

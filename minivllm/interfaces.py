@@ -1,24 +1,38 @@
-"""The seams of the engine: small protocols a learner's class can stand in for.
+"""Every seam of the engine, in one place: small protocols a learner's class can stand in for.
 
 Each protocol is the *whole* contract the engine relies on.  Pass your own
 object with these methods into :class:`~minivllm.engine.LLMEngine` (or ``LLM``)
 and the real serving loop runs with it:
 
-* :class:`AdmissionPolicy` — which waiting request to admit next (FCFS,
+* :class:`AdmissionPolicy` -- which waiting request to admit next (FCFS,
   priorities, weighted fair queueing, per-tenant caps...).
-* :class:`PreemptionPolicy` — who gives up its KV blocks when they run out.
-* :class:`Executor` — what "run the batch" means: the real model runner, or a
+* :class:`PreemptionPolicy` -- who gives up its KV blocks when they run out.
+* :class:`PreemptionCostModel` -- in ``preemption_mode="auto"``, whether a
+  victim is swapped out or recomputed.
+* :class:`Executor` -- what "run the batch" means: the real model runner, or a
   simulated executor with a virtual clock for fast what-if studies.
-* ``PrefixCache`` lives in :mod:`minivllm.prefix_cache`.
+* :class:`PrefixCache` -- which cached blocks hold the longest prefix of a
+  prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`).
+* :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
+  attends through block tables (plain torch or Triton kernels).
+
+Why one module?  A reader who wants to know "what can I replace?" reads one
+file, and no implementation module has to import another to learn a contract,
+so the package has no import cycles.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+
+    from minivllm.kv.prefix.base import InsertResult, PrefixCacheStats
+    from minivllm.model.attention import AttentionMetadata
     from minivllm.request import Request
-    from minivllm.scheduler import ScheduledBatch
+    from minivllm.sched.output import ScheduledBatch
 
 
 @runtime_checkable
@@ -27,7 +41,8 @@ class AdmissionPolicy(Protocol):
         """Waiting requests in the order to try admitting them.
 
         A request left out of the list is held back this step (a tenant over
-        its cap, say).  Preempted requests sit at the front of ``waiting``.
+        its cap, say).  Preempted and swapped-out requests sit at the front of
+        ``waiting``.
         """
         ...
 
@@ -37,19 +52,111 @@ class PreemptionPolicy(Protocol):
     def choose_victim(self, running: Sequence["Request"]) -> "Request":
         """The running request that gives up its blocks when the pool is empty.
 
-        ``running`` is in admission order and never empty.
+        ``running`` is in admission order and never empty.  (The scheduler has
+        already left out requests that the anti-thrash rule protects.)
         """
+        ...
+
+
+@runtime_checkable
+class PreemptionCostModel(Protocol):
+    def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        """Should a victim with ``num_tokens`` computed tokens in ``num_blocks`` blocks be swapped out
+        (True) rather than recomputed (False)?  Asked only when the host tier has room."""
         ...
 
 
 @runtime_checkable
 class Executor(Protocol):
     def execute(self, batch: "ScheduledBatch") -> dict[str, int]:
-        """Run one step: write K/V for every scheduled token, return the sampled
-        next token for each request whose last scheduled token was its last
-        uncomputed one (``request_id -> token id``)."""
+        """Run one step: perform the batch's block moves (swap in, swap out,
+        copy-on-write, in that order), write K/V for every scheduled token,
+        and return the sampled next token for each request whose last
+        scheduled token was its last uncomputed one (``request_id -> token``)."""
         ...
 
     def now(self) -> float:
         """The executor's clock in seconds (wall clock, or virtual in a simulator)."""
         ...
+
+
+Namespace = Hashable
+"""A prefix-cache namespace: an opaque, *structured* value (a tuple), never a joined string."""
+
+
+class PrefixCache(Protocol):
+    """What the KV cache manager may ask of *any* prefix cache.
+
+    Implementations are single-threaded (the scheduler's thread owns them).
+    Ownership rule: the cache holds exactly one pool reference on every block
+    it indexes; see :mod:`minivllm.kv.prefix.base`.
+    """
+
+    block_size: int
+    stats: "PrefixCacheStats"
+
+    def match(self, token_ids: Sequence[int], namespace: Namespace = ()) -> list[int]:
+        """Block ids of the longest cached, block-aligned prefix of ``token_ids``.
+
+        Takes no pool reference (the caller increfs what it uses) and marks
+        the hit blocks as recently used.  The caller passes ``token_ids[:-1]``
+        when the last token must be recomputed for its logits.
+        """
+        ...
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Namespace = ()) -> "InsertResult":
+        """Cache the full blocks ``token_ids[:len(block_ids)*block_size]``.
+
+        One pool reference is taken on each block that becomes newly cached;
+        a position already cached under another block keeps the cached one.
+        """
+        ...
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` evictable blocks, LRU first, leaves first; return how many."""
+        ...
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Number of blocks currently indexed."""
+        ...
+
+    def num_evictable_blocks(self) -> int:
+        """How many blocks repeated :meth:`evict` calls could free right now."""
+        ...
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether ``block_id`` is indexed by the cache."""
+        ...
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Add one lookup to :attr:`stats`."""
+        ...
+
+    def reset(self) -> None:
+        """Evict everything evictable (locked blocks stay)."""
+        ...
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation."""
+
+    name: str
+
+    def write_kv(
+        self,
+        k: "torch.Tensor",
+        v: "torch.Tensor",
+        k_cache: "torch.Tensor",
+        v_cache: "torch.Tensor",
+        meta: "AttentionMetadata",
+    ) -> None: ...
+
+    def attend(
+        self,
+        q: "torch.Tensor",
+        k_cache: "torch.Tensor",
+        v_cache: "torch.Tensor",
+        meta: "AttentionMetadata",
+        scale: float,
+    ) -> "torch.Tensor": ...

@@ -1,6 +1,6 @@
 """The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, params)``.
 
-``generate`` adds every prompt to an :class:`~minivllm.engine.LLMEngine` and
+``generate`` adds every prompt to an :class:`~minivllm.engine.llm_engine.LLMEngine` and
 steps it until all are done — continuous batching does the rest — then returns
 ``RequestOutput`` objects in the order the prompts were given.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class LLM:
     (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``,
     ``enable_chunked_prefill``, ``enable_prefix_caching``, ``dtype``, ``seed``, ...).
     Policies, a prefix cache or an executor of your own go in as keyword
-    arguments of the same names as :class:`~minivllm.engine.LLMEngine`'s
+    arguments of the same names as :class:`~minivllm.engine.llm_engine.LLMEngine`'s
     (``prefix_cache`` is either the option ``"radix"``/``"hash"`` or your object).
     """
 
@@ -34,6 +34,7 @@ class LLM:
         *,
         admission_policy: Any = None,
         preemption_policy: Any = None,
+        preemption_cost_model: Any = None,
         prefix_cache: Any = None,
         executor: Any = None,
         tokenizer: Any = None,
@@ -41,7 +42,7 @@ class LLM:
     ) -> None:
         if isinstance(prefix_cache, str):  # the option ("radix" | "hash"), not a cache object
             engine_options["prefix_cache"], prefix_cache = prefix_cache, None
-        known = set(EngineConfig.__dataclass_fields__) - {"model", "extra"}
+        known = EngineConfig.option_names()
         unknown = set(engine_options) - known
         if unknown:
             raise ValueError(f"unknown engine option(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -52,6 +53,7 @@ class LLM:
             tokenizer=tokenizer,
             admission_policy=admission_policy,
             preemption_policy=preemption_policy,
+            preemption_cost_model=preemption_cost_model,
             prefix_cache=prefix_cache,
         )
 

@@ -64,3 +64,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    retry_after_s: float | None = None  # finish_reason "rejected": seconds after which a retry may fit

@@ -20,14 +20,26 @@ from minivllm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # recompute: blocks freed, computed tokens forgotten
+    SWAPPED = "swapped"  # swap: KV parked in the host tier, computed tokens kept
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"  # reject mode: could not be served without preempting others
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_REJECTED,
+    }
+)
 
 
 @dataclass(eq=False)  # identity, not field-by-field: queues find and remove *this* request, fast
@@ -45,7 +57,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    # The block tables.  Only minivllm.kv writes them (the memory manager owns every block).
+    block_ids: list[int] = field(default_factory=list)  # device blocks, logical order
+    cpu_block_ids: list[int] = field(default_factory=list)  # host blocks while swapped out
     generator: torch.Generator | None = None
 
     # bookkeeping the metrics and the labs read
@@ -62,6 +76,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
     stop_reason: int | str | None = None
+    retry_after_s: float | None = None  # reject mode: when a retry might succeed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,8 +96,14 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        """Exactly one token (the last sampled) still lacks K/V."""
-        return self.num_uncomputed_tokens == 1 and bool(self.output_token_ids)
+        """The prompt is in the cache and exactly one token -- the last sampled -- still lacks K/V.
+
+        The one definition of "decode" in minivllm (the scheduler, the batch
+        and the step log all ask this property).  A one-token prefill chunk
+        (the last prompt token of a forked ``n > 1`` sample, say) is not a
+        decode, even though the attention kernels treat it as a one-token row.
+        """
+        return self.num_computed_tokens >= self.num_prompt_tokens and self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def finish_reason(self) -> str | None:

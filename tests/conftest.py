@@ -27,14 +27,14 @@ LONG_TEXT = (
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from minivllm.model_loader import resolve_model_dir
+    from minivllm.model.loader import resolve_model_dir
 
     return resolve_model_dir(None)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
-    from minivllm.model_loader import load_tokenizer
+    from minivllm.model.loader import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 

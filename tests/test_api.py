@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=8)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.block_pool import BlockPool
-from minivllm.kv_cache import KVCache
-from minivllm.kv_cache_manager import KVCacheManager
-from minivllm.model_runner import ModelRunner
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.kv_cache import KVCache
+from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.model.runner import ModelRunner
 from minivllm.request import Request
-from minivllm.scheduler import ScheduledBatch, ScheduledSeq
+from minivllm.sched.scheduler import ScheduledBatch, ScheduledSeq
 
 pytestmark = pytest.mark.slow
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -42,6 +42,34 @@ def test_greedy_under_preemption_matches_hf(parity_prompts, hf_reference_tokens)
     llm = LLM(dtype="float32", num_gpu_blocks_override=40, max_model_len=512, max_num_batched_tokens=512)
     assert _generate(llm, parity_prompts) == hf_reference_tokens
     assert llm.engine.scheduler.stats.num_preemptions > 0
+    assert llm.engine.pool.num_free == 40
+
+
+def test_greedy_under_swap_preemption_matches_hf(parity_prompts, hf_reference_tokens):
+    # the same tight pool as above, but victims' KV goes to a host tier and comes back by copy
+    llm = LLM(dtype="float32", num_gpu_blocks_override=40, max_model_len=512, max_num_batched_tokens=512,
+              preemption_mode="swap", num_cpu_blocks_override=64)
+    assert _generate(llm, parity_prompts) == hf_reference_tokens
+    st = llm.engine.stats()
+    assert st["num_swap_preemptions"] > 0, "the pool should force a swap"
+    assert st["swapped_out_blocks"] == st["swapped_in_blocks"] > 0 and st["recomputed_tokens"] == 0
+    assert llm.engine.pool.num_free == 40 and st["cpu_blocks_used"] == 0
+
+
+def test_reject_mode_rejects_some_and_serves_the_rest_exactly(parity_prompts, hf_reference_tokens):
+    llm = LLM(dtype="float32", num_gpu_blocks_override=40, max_model_len=512, max_num_batched_tokens=512,
+              preemption_mode="reject")
+    outs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts], GREEDY_32, use_tqdm=False)
+    served = 0
+    for out, ref in zip(outs, hf_reference_tokens):
+        done = out.outputs[0]
+        if done.finish_reason == "rejected":
+            assert done.token_ids == [] and out.retry_after_s > 0
+        else:
+            served += 1
+            assert done.token_ids == ref
+    assert 0 < served < len(parity_prompts)
+    assert llm.engine.stats()["num_preemptions"] == 0
     assert llm.engine.pool.num_free == 40
 
 

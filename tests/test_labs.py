@@ -341,8 +341,8 @@ def test_widgets_draw_real_engine_state():
 
 
 def test_radix_view_shows_locks():
-    from minivllm.block_pool import BlockPool
-    from minivllm.radix_cache import RadixCache
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.prefix.radix import RadixCache
 
     pool = BlockPool(64)
     cache = RadixCache(pool, 16)
@@ -371,8 +371,8 @@ def test_paging_beats_reservation_like_the_paper():
 
 
 def test_prefix_workloads_order_of_hit_rates():
-    from minivllm.block_pool import BlockPool
-    from minivllm.prefix_cache import make_prefix_cache
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.prefix import make_prefix_cache
 
     rates = {}
     for name, prompts in [("system", workloads.system_prompt_workload()), ("multi", workloads.multi_turn_workload()),

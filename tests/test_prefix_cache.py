@@ -9,7 +9,7 @@ prefix, so the clever structures are checked against the obvious one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -23,14 +23,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from minivllm.block_pool import BlockPool
-from minivllm.prefix_cache import (
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.prefix import (
     InsertResult,
     PrefixCache,
     make_prefix_cache,
     sha256_block_hash,
 )
-from minivllm.radix_cache import RadixCache
+from minivllm.kv.prefix.radix import RadixCache
 
 BS = 4
 KINDS = ["radix", "hash"]
@@ -45,7 +45,7 @@ def toks(*blocks: int, extra: Sequence[int] = ()) -> list[int]:
 
 
 def run_request(
-    cache: PrefixCache, pool: BlockPool, tokens: Sequence[int], namespace: str = ""
+    cache: PrefixCache, pool: BlockPool, tokens: Sequence[int], namespace: Hashable = ()
 ) -> list[int]:
     """Admit a request the way the engine does and return its block table.
 
@@ -70,7 +70,7 @@ def swap_duplicates(pool: BlockPool, table: list[int], result: InsertResult) -> 
     return table
 
 
-def cache_only(cache: PrefixCache, pool: BlockPool, tokens: Sequence[int], ns: str = "") -> list[int]:
+def cache_only(cache: PrefixCache, pool: BlockPool, tokens: Sequence[int], ns: Hashable = ()) -> list[int]:
     """Run a request to completion: afterwards only the cache holds its blocks."""
     table = run_request(cache, pool, tokens, ns)
     pool.free_all(table)
@@ -332,7 +332,7 @@ def test_sha256_hash_works_as_hash_fn() -> None:
 
 SBS = 2  # tiny blocks and a tiny alphabet make prefixes collide a lot
 POOL_BLOCKS = 16
-NAMESPACES = ("", "a", "b")
+NAMESPACES = ((), ("a", None), ("b", "salt"))
 NAMESPACE = st.sampled_from(NAMESPACES[:2]) | st.sampled_from(NAMESPACES)  # mostly two
 
 
@@ -345,7 +345,7 @@ SEQUENCES = st.builds(
 )
 
 
-Key = tuple[str, tuple[int, ...]]  # (namespace, token prefix ending at a block boundary)
+Key = tuple[Hashable, tuple[int, ...]]  # (namespace, token prefix ending at a block boundary)
 
 
 @dataclass
@@ -450,7 +450,7 @@ class BruteForceModel:
 
 @dataclass
 class Request:
-    namespace: str
+    namespace: Hashable
     tokens: tuple[int, ...]
     table: list[int]
 

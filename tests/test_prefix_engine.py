@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from minivllm.sim_executor import SimulatedExecutor
+from minivllm.sim.executor import SimulatedExecutor
 
 pytestmark = pytest.mark.slow
 SYSTEM = (

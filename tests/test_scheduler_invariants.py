@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
-from minivllm.block_pool import BlockPool, OutOfBlocksError
-from minivllm.sim_executor import SimulatedExecutor
+from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
+from minivllm.sim.executor import SimulatedExecutor
 
 
 def make_engine(num_blocks=24, block_size=4, budget=32, max_seqs=6, chunked=True, max_len=64, prefix=None):

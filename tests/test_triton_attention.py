@@ -13,7 +13,7 @@ to roughly 100 programs or fewer.
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # must precede any triton / minivllm.kernels import
+os.environ["TRITON_INTERPRET"] = "1"  # must precede any triton / minivllm.model.kernels import
 
 import math
 from dataclasses import dataclass
@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from minivllm.attention import (
+from minivllm.model.attention import (
     AttentionMetadata,
     TorchAttentionBackend,
     paged_attention_reference,
     write_kv,
 )
-from minivllm.attention_backends import get_attention_backend
-from minivllm.kernels import (
+from minivllm.model.backends import get_attention_backend
+from minivllm.model.kernels import (
     TritonAttentionBackend,
     choose_num_splits,
     paged_decode,

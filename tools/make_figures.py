@@ -23,13 +23,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from minivllm import SamplingParams  # noqa: E402
-from minivllm.block_pool import BlockPool  # noqa: E402
-from minivllm.kv_cache_manager import blocks_for  # noqa: E402
+from minivllm.kv.block_pool import BlockPool  # noqa: E402
+from minivllm.kv.kv_cache_manager import blocks_for  # noqa: E402
 from minivllm.labs import widgets, workloads  # noqa: E402
-from minivllm.policies import FCFSAdmission  # noqa: E402
-from minivllm.prefix_cache import make_prefix_cache  # noqa: E402
-from minivllm.radix_cache import RadixCache  # noqa: E402
-from minivllm.sim_executor import SimulatedExecutor  # noqa: E402
+from minivllm.sched.policies import FCFSAdmission  # noqa: E402
+from minivllm.kv.prefix import make_prefix_cache  # noqa: E402
+from minivllm.kv.prefix.radix import RadixCache  # noqa: E402
+from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 META = {"Software": None}  # no version/date stamps: reruns give identical files

@@ -2,7 +2,8 @@
 
 Names: ``offline`` (engine vs HF transformers throughput), ``attention`` (Triton
 kernels, GPU), ``prefix`` (prefix caching end to end), ``prefix_structures``
-(radix tree vs hash index cost).
+(radix tree vs hash index cost), ``preemption`` (recompute / swap / reject / auto
+on one overloaded workload).
 """
 
 import importlib
@@ -13,6 +14,7 @@ NAMES = {
     "attention": "minivllm.bench.attention",
     "prefix": "minivllm.bench.prefix",
     "prefix_structures": "minivllm.bench.prefix_structures",
+    "preemption": "minivllm.bench.preemption",
     "gpu_e2e": "minivllm.bench.gpu_e2e",
 }
 

@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from minivllm.attention import AttentionMetadata, paged_attention_reference, write_kv
+from minivllm.model.attention import AttentionMetadata, paged_attention_reference, write_kv
 
 PAGE_SIZE = 16
 L2_BYTES = 60 * 2**20
@@ -283,8 +283,8 @@ def bench_decode(
     shape: AttnShape, batch: int, ctx: int, copy_gbps: float, device: torch.device, plan: Plan
 ) -> Row:
     """Time one decode step (batch x ctx) with the Triton kernel and with SDPA on contiguous K/V."""
-    from minivllm.kernels import choose_num_splits, paged_decode
-    from minivllm.kernels.launch import num_compute_units
+    from minivllm.model.kernels import choose_num_splits, paged_decode
+    from minivllm.model.kernels.launch import num_compute_units
 
     row = Row("decode", shape.name, batch, ctx, 1)
     nbytes = kv_bytes(batch, ctx, shape, plan.dtype)
@@ -417,7 +417,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run(plan: Plan, device: torch.device, smoke: bool) -> tuple[dict[str, Any], list[Row]]:
     """All measurements of one plan; prints progress to stderr as it goes."""
-    from minivllm.attention_backends import get_attention_backend
+    from minivllm.model.backends import get_attention_backend
 
     backend = get_attention_backend("triton", device)
     rows = check_correctness(backend, device, plan)
@@ -441,7 +441,7 @@ def run(plan: Plan, device: torch.device, smoke: bool) -> tuple[dict[str, Any], 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before minivllm.kernels is imported
+        os.environ["TRITON_INTERPRET"] = "1"  # before minivllm.model.kernels is imported
         device, plan = torch.device("cpu"), SMOKE_PLAN
     elif torch.cuda.is_available():
         device, plan = torch.device("cuda"), GPU_PLAN

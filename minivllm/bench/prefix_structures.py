@@ -33,8 +33,11 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from minivllm.block_pool import BlockPool
-from minivllm.prefix_cache import PrefixCache, make_prefix_cache, sha256_block_hash
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.kv.prefix import PrefixCache, make_prefix_cache, sha256_block_hash
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 VOCAB = 32_000
@@ -71,7 +74,7 @@ class Timings:
 
     match_s: float = 0.0
     insert_s: float = 0.0
-    evict_s: float = 0.0
+    evict_s: float = 0.0  # allocation, evicting cached blocks when the free list is empty
     query_tokens: int = 0
     hit_tokens: int = 0
     requests: int = 0
@@ -80,35 +83,31 @@ class Timings:
         return 1e6 * seconds / max(1, self.requests)
 
 
+_PARAMS = SamplingParams(max_tokens=1)
+
+
 def serve(cache: PrefixCache, pool: BlockPool, tokens: list[int], timings: Timings) -> None:
-    """One request through match / evict / allocate / insert / finish."""
-    query = tokens[:-1]
+    """One request through the engine's memory manager: match / allocate (evicting) / insert / finish."""
+    kv = KVCacheManager(pool, BLOCK_SIZE, cache)  # stateless beyond pool and cache: cheap to make
+    req = Request("bench", tokens, _PARAMS, 0.0)
     t0 = time.perf_counter()
-    table = cache.match(query)
+    kv.share_prefix(req, kv.match_prefix(req))
     t1 = time.perf_counter()
-    hits = len(table)
-    for block_id in table:
-        pool.incref(block_id)
-    need = len(tokens) // BLOCK_SIZE - hits
+    hits = req.num_computed_tokens
+    need = len(tokens) // BLOCK_SIZE * BLOCK_SIZE - hits
     t2 = time.perf_counter()
-    if need > pool.num_free:
-        cache.evict(need - pool.num_free)
+    assert kv.allocate_slots(req, need), "the benchmark pool holds every prompt"
     t3 = time.perf_counter()
-    table += pool.allocate_many(need)
+    req.num_computed_tokens += need
     t4 = time.perf_counter()
-    result = cache.insert(tokens, table)
+    kv.cache_full_blocks(req)
     t5 = time.perf_counter()
-    for i, (own, canonical) in enumerate(zip(table, result.block_ids)):
-        if own != canonical:
-            pool.incref(canonical)
-            pool.decref(own)
-            table[i] = canonical
-    pool.free_all(table)
+    kv.free(req)
     timings.match_s += t1 - t0
     timings.evict_s += t3 - t2
     timings.insert_s += t5 - t4
-    timings.query_tokens += len(query)
-    timings.hit_tokens += hits * BLOCK_SIZE
+    timings.query_tokens += len(tokens) - 1
+    timings.hit_tokens += hits
     timings.requests += 1
 
 
@@ -201,7 +200,7 @@ def warmup_requests(size: int, workload: Workload) -> int:
 def print_table(rows: list[Row]) -> None:
     header = (
         f"{'cached blocks':>13} {'structure':>12} {'match us':>9} {'insert us':>10} "
-        f"{'evict us':>9} {'total us':>9} {'hit rate':>9} {'num_evictable us':>17}"
+        f"{'alloc us':>9} {'total us':>9} {'hit rate':>9} {'num_evictable us':>17}"
     )
     print(header)
     print("-" * len(header))

@@ -27,7 +27,7 @@ def lab01_prefill_steps_chunked() -> int:
 
 
 def lab02_blocks_for_33() -> int:
-    from minivllm.kv_cache_manager import blocks_for
+    from minivllm.kv.kv_cache_manager import blocks_for
 
     return blocks_for(33, 16)
 
@@ -36,10 +36,10 @@ def lab02_slot_of_token_37() -> int:
     """Slot of position 37 with block table [4, 9, 6, 7] and 16-token blocks, via the model runner."""
     import torch
 
-    from minivllm.model_runner import build_attention_metadata
+    from minivllm.model.runner import build_attention_metadata
     from minivllm.request import Request
     from minivllm.sampling_params import SamplingParams
-    from minivllm.scheduler import ScheduledSeq
+    from minivllm.sched.scheduler import ScheduledSeq
 
     req = Request("q", list(range(10, 48)), SamplingParams(), 0.0)
     req.block_ids = [4, 9, 6, 7]
@@ -56,9 +56,9 @@ def lab02_contiguous_utilization_pct() -> int:
 
 def lab03_system_prompt_hit_tokens() -> int:
     """Tokens served from cache for the 2nd request sharing a 100-token system prompt (block 16)."""
-    from minivllm.block_pool import BlockPool
+    from minivllm.kv.block_pool import BlockPool
     from minivllm.labs.workloads import replay_prefix_cache
-    from minivllm.radix_cache import RadixCache
+    from minivllm.kv.prefix.radix import RadixCache
 
     system = list(range(100, 200))
     prompts = [system + [7, 8, 9], system + [5, 6]]
@@ -69,9 +69,9 @@ def lab03_system_prompt_hit_tokens() -> int:
 
 def lab03_exact_repeat_hit_tokens() -> int:
     """Hit tokens when a 64-token prompt is sent twice (block 16): the last token is recomputed."""
-    from minivllm.block_pool import BlockPool
+    from minivllm.kv.block_pool import BlockPool
     from minivllm.labs.workloads import replay_prefix_cache
-    from minivllm.radix_cache import RadixCache
+    from minivllm.kv.prefix.radix import RadixCache
 
     prompt = list(range(300, 364))
     pool = BlockPool(64)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from minivllm.block_pool import BlockPool, OutOfBlocksError
+from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 
@@ -78,8 +78,7 @@ def install_pool(engine, pool: Any) -> None:
     adapter = pool if isinstance(pool, (BlockPool, PoolAdapter)) else PoolAdapter(pool, engine.pool.num_blocks)
     if adapter.num_blocks != engine.pool.num_blocks:
         raise ValueError(f"the engine has {engine.pool.num_blocks} blocks, this pool {adapter.num_blocks}")
-    engine.pool = adapter
-    engine.kv.pool = adapter
+    engine.kv.replace_pool(adapter)
 
 
 def _engine_trace(pool_cls: Callable[[int], Any] | None) -> tuple:
@@ -169,7 +168,7 @@ def check_slot_mapping(fn) -> CheckResult:
     """Check ``fn(block_table, start, num_tokens, block_size) -> list[int]``."""
     import torch
 
-    from minivllm.model_runner import build_attention_metadata
+    from minivllm.model.runner import build_attention_metadata
 
     def engine_case(f):
         eng = sim_engine(num_blocks=64, block_size=4, max_num_batched_tokens=32)

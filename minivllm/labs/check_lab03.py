@@ -1,7 +1,7 @@
 """Checkers for lab 3 (prefix caching): chained block hashes, prefix match, eviction choice.
 
 Also :class:`LearnerHashCache`, which assembles the three learner functions
-into an object with the engine's :class:`~minivllm.prefix_cache.PrefixCache`
+into an object with the engine's :class:`~minivllm.kv.prefix.base.PrefixCache`
 methods, so they run the same replays as the engine's own caches.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, NamedTuple, Sequence
 
-from minivllm.block_pool import BlockPool
+from minivllm.kv.block_pool import BlockPool
 from minivllm.labs.checkers import Case, CheckResult, run_checks
-from minivllm.prefix_cache import InsertResult, PrefixCacheStats
+from minivllm.kv.prefix.base import InsertResult, PrefixCacheStats
 
 
 class IndexEntry(NamedTuple):
@@ -140,7 +140,7 @@ def check_pick_victim(fn, hasher: Callable | None = None, matcher: Callable | No
     def replay_case(f):
         return replay(lambda pool: LearnerHashCache(pool, 16, hasher or _ref_hasher, matcher or _ref_matcher, f))
 
-    from minivllm.hash_index import HashIndex
+    from minivllm.kv.prefix.hash_index import HashIndex
 
     expected_replay = replay(lambda pool: HashIndex(pool, 16))
     cases = [

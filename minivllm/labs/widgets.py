@@ -5,7 +5,7 @@ Three views, reusable across labs:
 * :func:`draw_block_pool` -- every KV block as a cell, coloured by the request
   that holds it; a number shows the refcount where a block is shared; cached
   blocks nobody uses are hatched; free blocks are blank.
-* :func:`draw_radix_tree` -- a :class:`~minivllm.radix_cache.RadixCache`'s
+* :func:`draw_radix_tree` -- a :class:`~minivllm.kv.prefix.radix.RadixCache`'s
   trees: one box per node (its blocks), locked blocks (a running request
   holds them) outlined, and the LRU clock of each node.
 * :func:`draw_timeline` -- one row per request, one column per engine step:
@@ -167,12 +167,21 @@ def radix_nodes(cache) -> list[dict]:
     return out
 
 
+def namespace_label(namespace) -> str:
+    """A readable name for a cache namespace: the engine's ``(tenant, salt)`` tuple, or anything else."""
+    if isinstance(namespace, tuple) and len(namespace) == 2:
+        tenant, salt = namespace
+        parts = ([f"tenant={tenant}"] if tenant is not None else ["shared"]) + ([f"salt={salt}"] if salt else [])
+        return ", ".join(parts)
+    return repr(namespace) if namespace not in ((), "", None) else "public"
+
+
 def describe_radix_tree(cache) -> str:
     """Indented text version of :func:`draw_radix_tree`."""
     lines = []
     for n in radix_nodes(cache):
         if n["parent"] is None:
-            lines.append(f"root[namespace={n['namespace']!r}]")
+            lines.append(f"root[{namespace_label(n['namespace'])}]")
             continue
         lock = f" locked={n['locked']}" if n["locked"] else ""
         lines.append("  " * n["depth"] + f"└ blocks {n['blocks']} (t={n['last_access']}){lock}")
@@ -212,7 +221,7 @@ def draw_radix_tree(cache, *, ax=None, title: str | None = None):
         if n["parent"] is not None:
             ax.plot([xs[n["parent"]], x], [-n["depth"] + 1 - 0.2, y + 0.2], color="#888888", lw=1, zorder=1)
         if n["parent"] is None:
-            label = f"root {n['namespace']!r}" if n["namespace"] else "root"
+            label = f"root {namespace_label(n['namespace'])}"
             ax.text(x, y, label, ha="center", va="center", fontsize=8,
                     bbox=dict(boxstyle="round", fc="#dddddd", ec="#555555"))
             continue

@@ -12,12 +12,13 @@ from __future__ import annotations
 import random
 from typing import Any, Callable, Sequence
 
-from minivllm.block_pool import BlockPool
+from minivllm.kv.block_pool import BlockPool
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
-from minivllm.kv_cache_manager import blocks_for
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
+from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
-from minivllm.sim_executor import SimulatedExecutor
+from minivllm.sim.executor import SimulatedExecutor
 
 
 # -- simulated engine runs ---------------------------------------------------------
@@ -26,7 +27,8 @@ from minivllm.sim_executor import SimulatedExecutor
 def sim_engine(*, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 8,
                max_num_batched_tokens: int = 512, model_max_len: int = 2048,
                admission_policy: Any = None, preemption_policy: Any = None,
-               executor: SimulatedExecutor | None = None, **options: Any) -> LLMEngine:
+               executor: SimulatedExecutor | None = None, preemption_cost_model: Any = None,
+               **options: Any) -> LLMEngine:
     """A real :class:`LLMEngine` whose forward pass is a virtual-clock cost model."""
     options.setdefault("max_model_len", min(model_max_len, num_blocks * block_size))
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
@@ -34,7 +36,7 @@ def sim_engine(*, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int
                           num_gpu_blocks_override=num_blocks, device="cpu", **options)
     return LLMEngine(config, executor=executor or SimulatedExecutor(), model_max_len=model_max_len,
                      admission_policy=admission_policy, preemption_policy=preemption_policy,
-                     eos_token_ids=set())
+                     preemption_cost_model=preemption_cost_model, eos_token_ids=set())
 
 
 def random_requests(n: int, *, seed: int = 0, prompt_range=(16, 256), output_range=(8, 128),
@@ -181,30 +183,13 @@ def replay_prefix_cache(cache: Any, pool: BlockPool, prompts: Sequence[list[int]
     record per request: hit tokens, prompt tokens and a modelled TTFT.
     """
     prefill_cost = prefill_cost or (lambda uncached: 0.010 + 0.0004 * uncached)
+    replay = PrefixReplay(cache, pool, prompts, block_size, namespaces)
     records = []
-    for i, prompt in enumerate(prompts):
-        ns = namespaces[i] if namespaces is not None else ""
-        hits = cache.match(prompt[:-1], ns)
-        hit_tokens = len(hits) * block_size
-        cache.record_lookup(len(prompt) - 1, hit_tokens)
-        for b in hits:
-            pool.incref(b)
-        table = list(hits)
-        need = blocks_for(len(prompt), block_size) - len(table)
-        for _ in range(need):
-            if pool.num_free == 0:
-                cache.evict(1)
-            table.append(pool.allocate())
-        full = len(prompt) // block_size
-        res = cache.insert(prompt, table[:full], ns)
-        for j, canonical in enumerate(res.block_ids):  # swap duplicates for the cached copy
-            if canonical != table[j]:
-                pool.incref(canonical)
-                pool.decref(table[j])
-                table[j] = canonical
-        pool.free_all(table)
-        records.append({"prompt_tokens": len(prompt), "hit_tokens": hit_tokens,
-                        "ttft": prefill_cost(len(prompt) - hit_tokens)})
+    while replay.has_unfinished_requests():
+        rec = replay.step()
+        replay.finish()  # the request leaves at once; its full blocks stay cached
+        records.append({"prompt_tokens": rec["prompt_tokens"], "hit_tokens": rec["hit_tokens"],
+                        "ttft": prefill_cost(rec["prompt_tokens"] - rec["hit_tokens"])})
     return records
 
 
@@ -225,35 +210,35 @@ class PrefixReplay:
                  namespaces: Sequence[str] | None = None) -> None:
         self.cache, self.pool, self.prompts = cache, pool, list(prompts)
         self.block_size, self.namespaces = block_size, namespaces
+        self.kv = KVCacheManager(pool, block_size, cache)  # the one owner of blocks, as in the engine
         self.next = 0
-        self.held: list[int] = []
+        self.held: Request | None = None
         self.records: list[dict] = []
 
     def has_unfinished_requests(self) -> bool:
         return self.next < len(self.prompts)
 
+    def finish(self) -> None:
+        """The request admitted last finishes: it drops its references (cached blocks stay cached)."""
+        if self.held is not None:
+            self.kv.free(self.held)
+            self.held = None
+
     def step(self) -> dict:
-        self.pool.free_all(self.held)  # the previous request finishes
-        self.held = []
+        self.finish()  # the previous request finishes
         prompt = self.prompts[self.next]
-        ns = self.namespaces[self.next] if self.namespaces else ""
-        hits = self.cache.match(prompt[:-1], ns)
-        self.cache.record_lookup(len(prompt) - 1, len(hits) * self.block_size)
-        for b in hits:
-            self.pool.incref(b)
-        table = list(hits)
-        for _ in range(blocks_for(len(prompt), self.block_size) - len(table)):
-            if self.pool.num_free == 0:
-                self.cache.evict(1)
-            table.append(self.pool.allocate())
-        res = self.cache.insert(prompt, table[: len(prompt) // self.block_size], ns)
-        for j, canonical in enumerate(res.block_ids):
-            if canonical != table[j]:
-                self.pool.incref(canonical)
-                self.pool.decref(table[j])
-                table[j] = canonical
-        self.held = table
-        rec = {"request": self.next, "prompt_tokens": len(prompt), "hit_tokens": len(hits) * self.block_size}
+        ns = self.namespaces[self.next] if self.namespaces else None
+        req = Request(f"replay-{self.next}", list(prompt), SamplingParams(max_tokens=1), 0.0,
+                      tenant=ns or "default")
+        kv = self.kv
+        kv.share_prefix(req, kv.match_prefix(req))  # the engine's admission: reuse the cached prefix
+        hits = req.num_computed_tokens
+        self.cache.record_lookup(len(prompt) - 1, hits)
+        assert kv.allocate_slots(req, len(prompt) - hits), "the replay pool is too small for one prompt"
+        req.num_computed_tokens = len(prompt)
+        kv.cache_full_blocks(req)
+        self.held = req
+        rec = {"request": self.next, "prompt_tokens": len(prompt), "hit_tokens": hits}
         self.records.append(rec)
         self.next += 1
         return rec

@@ -22,8 +22,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab01 import check_split_step, check_static_batching
 from minivllm.labs.quiz import print_quiz, show_quiz
-from minivllm.policies import FCFSAdmission
-from minivllm.sim_executor import SimulatedExecutor
+from minivllm.sched.policies import FCFSAdmission
+from minivllm.sim.executor import SimulatedExecutor
 
 ON_GPU = torch.cuda.is_available()  # bigger measurements on a GPU, same code
 %matplotlib inline
@@ -141,13 +141,13 @@ batch = s.allocate(batch)                              # 3. allocate KV blocks
 print("3 allocate:    ", {r.request_id: r.block_ids for r in s.running})
 sampled = eng.executor.execute(batch)                  # 4. execute (the forward pass)
 print("4 execute:     ", "sampled", sampled, f"at t={eng.executor.now():.4f} s (virtual)")
-grew = eng._append(batch, sampled)                     # 5. append KV and tokens
+grew = eng.append(batch, sampled)                      # 5. append KV and tokens
 print("5 append:      ", {r.request_id: r.num_computed_tokens for r in s.running}, "computed tokens")
-outputs = eng._emit(grew)                              # 6. emit
+outputs = eng.emit(grew)                               # 6. emit
 print("6 emit:        ", [(o.request_id, o.outputs[0].token_ids) for o in outputs])
-eng._finish(outputs)                                   # 7. finish
+eng.finish(outputs, batch)                             # 7. finish
 print("7 finish:      ", [o.request_id for o in outputs if o.finished], "finished")
-eng._log_step(batch)
+eng.log_step(batch)
 """),
 ("md", r"""
 A, first in line, took the whole 16-token budget as a prefill chunk, so B and C were not admitted yet (no

@@ -18,8 +18,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from minivllm import SamplingParams
-from minivllm.block_pool import BlockPool, OutOfBlocksError
-from minivllm.kv_cache_manager import KVCacheManager, blocks_for
+from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
+from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab02 import as_engine_pool, check_block_pool, check_paged_slots, check_slot_mapping, install_pool
 from minivllm.labs.quiz import print_quiz, show_quiz
@@ -208,7 +208,7 @@ widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.blo
                         title="child writes: last block copied")
 plt.show()
 print("parent table:", parent.block_ids, " child table:", child.block_ids)
-print("copies the executor must do (src, dst):", kv.take_pending_copies())
+print("copies the executor must do (src, dst):", kv.take_block_moves().copies)
 """),
 ("md", r"""
 ## ✏️ Exercise 2 — slot mapping
@@ -281,7 +281,7 @@ where a decode step costs about the same for 1 or 30 sequences (it is memory-bou
 the batch means more tokens per second.
 """),
 ("code", r"""
-from minivllm.sim_executor import SimulatedExecutor
+from minivllm.sim.executor import SimulatedExecutor
 
 requests = workloads.random_requests(64, seed=0, prompt_range=(16, 512), output_range=(16, 256))
 KV_SLOTS = 16_384

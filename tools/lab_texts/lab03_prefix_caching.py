@@ -19,13 +19,13 @@ way the engine does; TTFTs come from the engine's simulated cost model.
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm.block_pool import BlockPool
-from minivllm.hash_index import HashIndex
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.prefix.hash_index import HashIndex
 from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab03 import (LearnerHashCache, check_block_hashes, check_match_prefix,
                                        check_pick_victim, engine_reference)
 from minivllm.labs.quiz import print_quiz, show_quiz
-from minivllm.radix_cache import RadixCache
+from minivllm.kv.prefix.radix import RadixCache
 
 ref_hashes, ref_match, ref_pick = engine_reference()   # the fallbacks, used until your code passes
 BLOCK = 16

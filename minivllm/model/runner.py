@@ -10,14 +10,54 @@ and only when the step reaches the end of what it has to compute.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from minivllm.attention import AttentionMetadata
-from minivllm.kv_cache import KVCache
-from minivllm.llama import LlamaForServing
-from minivllm.sampler import sample
-from minivllm.scheduler import ScheduledBatch, ScheduledSeq
+from minivllm.config import EngineConfig
+from minivllm.kv.kv_cache import KVCache, bytes_per_block, num_host_blocks, num_kv_blocks
+from minivllm.model.attention import AttentionMetadata
+from minivllm.model.llama import LlamaForServing
+from minivllm.model.loader import LoadedModel, load_model
+from minivllm.model.sampler import sample
+from minivllm.sched.output import ScheduledBatch, ScheduledSeq
+
+
+def load_for_serving(config: EngineConfig) -> LoadedModel:
+    """Load the model with the attention backend the config asks for (weights fused, eval mode)."""
+    from minivllm.model.backends import get_attention_backend
+
+    backend = get_attention_backend(config.attention_backend, config.device)
+    return load_model(config.model, dtype=config.dtype, device=config.device, backend=backend)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How KV memory is cut for one model: blocks on the device, blocks in the host tier."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int
+    num_cpu_blocks: int
+    bytes_per_block: int
+    config: EngineConfig
+
+    def make_cache(self) -> KVCache:
+        cfg = self.config
+        return KVCache(self.num_layers, self.num_blocks, cfg.block_size, self.num_kv_heads, self.head_dim,
+                       cfg.dtype, cfg.device, self.num_cpu_blocks)
+
+
+def kv_layout(model: LlamaForServing, config: EngineConfig) -> KVLayout:
+    """Size the KV cache for ``model``: the blocks a byte budget buys, and the host tier for swapping."""
+    args = model.args
+    per_block = bytes_per_block(args.num_layers, config.block_size, args.num_kv_heads, args.head_dim, config.dtype)
+    blocks = config.num_gpu_blocks_override or num_kv_blocks(
+        config.kv_cache_memory_bytes, per_block, config.device, config.gpu_memory_utilization
+    )
+    return KVLayout(args.num_layers, args.num_kv_heads, args.head_dim, blocks,
+                    num_host_blocks(config, per_block), per_block, config)
 
 
 def build_attention_metadata(
@@ -59,9 +99,9 @@ def build_attention_metadata(
 class ModelRunner:
     """Implements :class:`~minivllm.interfaces.Executor` with a real model and KV cache."""
 
-    def __init__(self, model: LlamaForServing, kv_cache: KVCache | None, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForServing, kv_cache: KVCache, seed: int = 0) -> None:
         self.model = model
-        self.kv_cache = kv_cache  # the engine sizes the cache after loading the model
+        self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         self.default_generator = torch.Generator().manual_seed(seed)
 
@@ -70,11 +110,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        self.kv_cache.copy_blocks(batch.block_copies)
+        self.kv_cache.apply(batch.moves)
         if not batch.seqs:
             return {}
-        # single-token rows first: the attention backends batch them together
-        seqs = sorted(batch.seqs, key=lambda s: s.num_tokens != 1)
+        seqs = batch.seqs  # one-token rows first, as the scheduler built it
         input_ids, positions, meta = build_attention_metadata(seqs, self.kv_cache.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         rows = [i for i, s in enumerate(seqs) if s.samples]
@@ -89,8 +128,8 @@ class ModelRunner:
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:
         """Teacher-forcing helper for tests: logits of *every* scheduled token."""
-        self.kv_cache.copy_blocks(batch.block_copies)
-        seqs = sorted(batch.seqs, key=lambda s: s.num_tokens != 1)
+        self.kv_cache.apply(batch.moves)
+        seqs = batch.seqs
         input_ids, positions, meta = build_attention_metadata(seqs, self.kv_cache.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         out = {}

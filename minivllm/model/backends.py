@@ -2,9 +2,9 @@
 
 Two implementations of the same interface (``write_kv`` + ``attend``) exist:
 
-* ``"torch"`` -- :class:`minivllm.attention.TorchAttentionBackend`, plain torch,
+* ``"torch"`` -- :class:`minivllm.model.attention.TorchAttentionBackend`, plain torch,
   runs anywhere and is the reference;
-* ``"triton"`` -- :class:`minivllm.kernels.TritonAttentionBackend`, paged
+* ``"triton"`` -- :class:`minivllm.model.kernels.TritonAttentionBackend`, paged
   kernels compiled for a CUDA GPU, or run by Triton's CPU interpreter.
 
 ``"auto"`` picks Triton exactly when it can run compiled: a CUDA device and an
@@ -19,37 +19,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Protocol
 
 import torch
 
-from minivllm.attention import AttentionMetadata, TorchAttentionBackend
+from minivllm.interfaces import AttentionBackend
+from minivllm.model.attention import TorchAttentionBackend
 
 BACKEND_NAMES = ("torch", "triton", "auto")
-
-
-class AttentionBackend(Protocol):
-    """What the engine needs from an attention backend."""
-
-    name: str
-
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None: ...
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
 
 
 def triton_available() -> bool:
@@ -69,10 +45,10 @@ def _make_triton_backend(device: torch.device) -> AttentionBackend:
     if device.type != "cuda" and not triton_interpreting():
         raise ValueError(
             f"attention backend 'triton' on device {device.type!r} needs Triton's CPU interpreter: "
-            "set the environment variable TRITON_INTERPRET=1 before minivllm.kernels is imported "
+            "set the environment variable TRITON_INTERPRET=1 before minivllm.model.kernels is imported "
             "(Triton reads it when the kernels are defined), or use attention_backend='torch'"
         )
-    from minivllm.kernels import TritonAttentionBackend
+    from minivllm.model.kernels import TritonAttentionBackend
 
     return TritonAttentionBackend()
 

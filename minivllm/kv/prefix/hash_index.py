@@ -25,12 +25,12 @@ a collision only costs a cache miss.
 The default ``hash_fn`` is Python's built-in ``hash``: fast, 64 bits wide, and
 deterministic within a process for ints and tuples (the namespace string is
 salted per process by ``PYTHONHASHSEED``, which only changes *which* rare
-collisions happen).  :func:`minivllm.prefix_cache.sha256_block_hash` is the
+collisions happen).  :func:`minivllm.kv.prefix.base.sha256_block_hash` is the
 stable, collision-resistant alternative; ``hash_fn`` is injectable so tests
 can force collisions.
 
 Locking and eviction follow the ownership rule in
-:mod:`minivllm.prefix_cache`: an entry is evictable when only the cache holds
+:mod:`minivllm.kv.prefix.base`: an entry is evictable when only the cache holds
 its block (``pool.refcount == 1``) and it has no children.
 """
 
@@ -40,7 +40,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minivllm.prefix_cache import (
+from minivllm.kv.prefix.base import (
+    PUBLIC_NAMESPACE,
     InsertResult,
     LeafEviction,
     LeafIndex,
@@ -52,7 +53,7 @@ from minivllm.prefix_cache import (
 )
 
 if TYPE_CHECKING:
-    from minivllm.block_pool import BlockPool
+    from minivllm.kv.block_pool import BlockPool
 
 TokenBlock = tuple[int, ...]
 HashFn = Callable[[object], Hashable]
@@ -70,7 +71,7 @@ class HashEntry:
     key: Hashable
     block_id: int
     token_ids: TokenBlock
-    namespace: str
+    namespace: Hashable
     parent: HashEntry | None
     num_children: int = 0
     last_used: int = 0
@@ -78,7 +79,7 @@ class HashEntry:
 
 @dataclass(eq=False)
 class HashIndex(LeafEviction):
-    """A :class:`~minivllm.prefix_cache.PrefixCache` backed by a dict of chained hashes."""
+    """A :class:`~minivllm.interfaces.PrefixCache` backed by a dict of chained hashes."""
 
     pool: BlockPool
     block_size: int = 16
@@ -115,8 +116,8 @@ class HashIndex(LeafEviction):
         return self.num_cached_blocks - len(pinned)
 
     # -- lookup ----------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
-        """See :meth:`PrefixCache.match`."""
+    def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
+        """See :meth:`~minivllm.interfaces.PrefixCache.match`."""
         path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
         self._touch_path(path, self._clock.tick())
         return [entry.block_id for entry in path]
@@ -125,13 +126,13 @@ class HashIndex(LeafEviction):
         self.stats.queries_tokens += query_tokens
         self.stats.hits_tokens += hit_tokens
 
-    def _key(self, parent: HashEntry | None, namespace: str, tokens: TokenBlock) -> Hashable:
+    def _key(self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock) -> Hashable:
         if parent is None:
             return self.hash_fn((None, tokens, namespace))
         return self.hash_fn((parent.key, tokens, None))
 
     def _lookup(
-        self, parent: HashEntry | None, namespace: str, tokens: TokenBlock
+        self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock
     ) -> HashEntry | None:
         """The entry for ``tokens`` right after ``parent``, or None.
 
@@ -144,7 +145,7 @@ class HashIndex(LeafEviction):
             return None
         return entry
 
-    def _walk(self, namespace: str, blocks: list[TokenBlock]) -> list[HashEntry]:
+    def _walk(self, namespace: Hashable, blocks: list[TokenBlock]) -> list[HashEntry]:
         path: list[HashEntry] = []
         parent: HashEntry | None = None
         for tokens in blocks:
@@ -157,9 +158,9 @@ class HashIndex(LeafEviction):
 
     # -- insertion -------------------------------------------------------------
     def insert(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = ""
+        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE
     ) -> InsertResult:
-        """See :meth:`PrefixCache.insert`."""
+        """See :meth:`~minivllm.interfaces.PrefixCache.insert`."""
         blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
         path = self._walk(namespace, blocks)
         tick = self._clock.tick()
@@ -182,7 +183,7 @@ class HashIndex(LeafEviction):
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
     def _add(
-        self, parent: HashEntry | None, namespace: str, tokens: TokenBlock, block_id: int, tick: int
+        self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock, block_id: int, tick: int
     ) -> HashEntry | None:
         key = self._key(parent, namespace, tokens)
         if key in self._table:

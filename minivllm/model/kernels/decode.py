@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.launch import (
+from minivllm.model.kernels.launch import (
     dot_precision,
     dot_tile,
     is_gpu,
@@ -48,7 +48,7 @@ from minivllm.kernels.launch import (
     next_power_of_2,
     num_compute_units,
 )
-from minivllm.kernels.tiles import load_paged_tile, online_softmax_step
+from minivllm.model.kernels.tiles import load_paged_tile, online_softmax_step
 
 LOG2E = 1.4426950408889634
 

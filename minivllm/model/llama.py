@@ -2,7 +2,7 @@
 
 Unlike a training model, this one never sees a ``[batch, seq_len]`` tensor.  It
 takes the flat batch the scheduler built — the new tokens of many requests, end
-to end — plus :class:`~minivllm.attention.AttentionMetadata`, and for every
+to end — plus :class:`~minivllm.model.attention.AttentionMetadata`, and for every
 layer writes each token's K/V into the paged cache before attending through
 the block tables.  Padding never exists, so no FLOP is wasted on it.
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.attention import AttentionMetadata, TorchAttentionBackend
+from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
 
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3", "mistral"}
 
@@ -214,14 +214,14 @@ class LlamaForServing(nn.Module):
     logits nobody samples from (all but the last token of a prefill chunk).
     """
 
-    def __init__(self, args: ModelArgs, hf_config) -> None:
+    def __init__(self, args: ModelArgs, hf_config, backend=None) -> None:
         super().__init__()
         self.args = args
         self.model = LlamaModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings)
-        self.backend = TorchAttentionBackend()
+        self.backend = backend if backend is not None else TorchAttentionBackend()  # an AttentionBackend
 
     def forward(
         self,

@@ -5,6 +5,7 @@ runner does, so every scheduling decision, block allocation and preemption is
 the real engine's — only the forward pass is replaced by a cost model::
 
     step time = fixed_overhead + per_token * tokens_in_batch + per_context_token * KV tokens read
+                + swapped bytes / swap bandwidth
 
 and the "sampled" token is a deterministic function of the request and its
 position, so runs are reproducible to the bit.  Tests use it to hammer the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minivllm.scheduler import ScheduledBatch
+from minivllm.sched.output import ScheduledBatch
 
 
 @dataclass
@@ -25,6 +26,8 @@ class SimulatedExecutor:
     per_token_s: float = 0.0004
     per_context_token_s: float = 0.000002
     vocab_size: int = 1000
+    kv_bytes_per_block: int = 16 * 1024
+    swap_bytes_per_s: float = 25e9  # a PCIe 4.0 x16 link, roughly
     clock: float = 0.0
 
     def now(self) -> float:
@@ -32,10 +35,12 @@ class SimulatedExecutor:
 
     def step_time(self, batch: ScheduledBatch) -> float:
         context = sum(s.start + s.num_tokens for s in batch.seqs)
-        return self.fixed_overhead_s + self.per_token_s * batch.num_tokens + self.per_context_token_s * context
+        compute = self.per_token_s * batch.num_tokens + self.per_context_token_s * context
+        swapped = len(batch.moves.swap_in) + len(batch.moves.swap_out)
+        return self.fixed_overhead_s + compute + swapped * self.kv_bytes_per_block / self.swap_bytes_per_s
 
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
-        if batch.seqs:
+        if batch.seqs or batch.moves:
             self.clock += self.step_time(batch)
         out = {}
         for s in batch.seqs:

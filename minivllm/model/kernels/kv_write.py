@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.launch import is_gpu, next_power_of_2
+from minivllm.model.kernels.launch import is_gpu, next_power_of_2
 
 
 @triton.jit

@@ -33,11 +33,12 @@ removed, and its parent may then become a leaf and a candidate itself.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from minivllm.prefix_cache import (
+from minivllm.kv.prefix.base import (
+    PUBLIC_NAMESPACE,
     InsertResult,
     LeafEviction,
     LeafIndex,
@@ -49,7 +50,7 @@ from minivllm.prefix_cache import (
 )
 
 if TYPE_CHECKING:
-    from minivllm.block_pool import BlockPool
+    from minivllm.kv.block_pool import BlockPool
 
 TokenBlock = tuple[int, ...]
 
@@ -63,7 +64,7 @@ class RadixNode:
     no parent.
     """
 
-    namespace: str
+    namespace: Hashable
     token_blocks: list[TokenBlock]
     block_ids: list[int]
     parent: RadixNode | None
@@ -86,7 +87,7 @@ def common_block_prefix(edge: list[TokenBlock], blocks: list[TokenBlock], start:
 
 @dataclass(eq=False)
 class RadixCache(LeafEviction):
-    """A :class:`~minivllm.prefix_cache.PrefixCache` backed by radix trees."""
+    """A :class:`~minivllm.interfaces.PrefixCache` backed by radix trees."""
 
     pool: BlockPool
     block_size: int = 16
@@ -137,8 +138,8 @@ class RadixCache(LeafEviction):
             n = len(node.block_ids)
 
     # -- lookup ----------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
-        """See :meth:`PrefixCache.match`.
+    def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
+        """See :meth:`~minivllm.interfaces.PrefixCache.match`.
 
         If the match ends inside an edge, the edge is split there, so that
         only the blocks actually used become recent; the unused tail keeps its
@@ -154,9 +155,9 @@ class RadixCache(LeafEviction):
 
     # -- insertion -------------------------------------------------------------
     def insert(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = ""
+        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE
     ) -> InsertResult:
-        """See :meth:`PrefixCache.insert`.
+        """See :meth:`~minivllm.interfaces.PrefixCache.insert`.
 
         Walks (and splits) like :meth:`match`; the blocks past the cached
         part become a new child edge, or extend the last edge when it is a
@@ -231,14 +232,14 @@ class RadixCache(LeafEviction):
         return bool(node.block_ids) and not node.children
 
     # -- tree plumbing ----------------------------------------------------------
-    def _root(self, namespace: str) -> RadixNode:
+    def _root(self, namespace: Hashable) -> RadixNode:
         root = self._roots.get(namespace)
         if root is None:
             root = RadixNode(namespace, [], [], None)
             self._roots[namespace] = root
         return root
 
-    def _walk(self, namespace: str, blocks: list[TokenBlock]) -> list[RadixNode]:
+    def _walk(self, namespace: Hashable, blocks: list[TokenBlock]) -> list[RadixNode]:
         """The nodes covering the longest cached prefix of ``blocks``.
 
         The last node is split if the prefix ends inside its edge, so the

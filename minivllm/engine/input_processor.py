@@ -1,0 +1,130 @@
+"""Input processing: from what a caller sends to :class:`~minivllm.request.Request` objects.
+
+Everything a caller can get wrong is checked here, at the boundary, so that a
+bad value is a ``ValueError`` for that caller and never an exception inside a
+running engine step: the prompt's form and token ids, the tenant and cache
+salt, the request id, the length against ``max_model_len`` and against the
+whole KV pool.  ``n > 1`` fans out here into one request per sample; the
+samples' ids live in their own space (``parent#i`` is never a valid user id
+while that parent exists, see :meth:`InputProcessor.sample_id`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._ids = itertools.count()
+
+    @staticmethod
+    def sample_id(parent_id: str, index: int) -> str:
+        return f"{parent_id}#{index}"
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def process(
+        self,
+        prompt: str | dict | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        tenant: str,
+        priority: int,
+        arrival_time: float,
+    ) -> list[Request]:
+        """One request per sample (``params.n``), validated; nothing is queued here."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids, cache_salt, tenant = self._prompt_to_tokens(prompt, tenant)
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        max_len = self.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: "
+                f"no room for even one output token"
+            )
+        max_tokens = min(params.max_tokens or max_len, max_len - len(token_ids))
+        samples: list[Request] = []
+        for i in range(params.n):
+            req = Request(
+                request_id=request_id if params.n == 1 else self.sample_id(request_id, i),
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                arrival_time=arrival_time,
+                prompt=text,
+                tenant=tenant,
+                cache_salt=cache_salt,
+                priority=priority,
+                max_tokens=max_tokens,
+                parent_id=None if params.n == 1 else request_id,
+                sample_index=i,
+                leader=samples[0] if samples else None,
+            )
+            if params.seed is not None:
+                req.generator = torch.Generator().manual_seed((params.seed + i) % 2**63)
+            samples.append(req)
+        return samples
+
+    def _prompt_to_tokens(self, prompt, tenant: str) -> tuple[str | None, list[int], str | None, str]:
+        cache_salt = None
+        if isinstance(prompt, dict):
+            if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "tenant"}
+            if unknown:
+                raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
+            if "prompt" in prompt and "prompt_token_ids" in prompt:
+                raise ValueError("a prompt dict takes 'prompt' or 'prompt_token_ids', not both")
+            cache_salt = prompt.get("cache_salt")
+            tenant = prompt.get("tenant", tenant)
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+                prompt = list(ids)
+            else:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            return (*self._encode(prompt), cache_salt, tenant)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("empty prompt: prompt_token_ids is empty")
+            vocab = self.vocab_size
+            for t in prompt:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+                    raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+            return None, list(prompt), cache_salt, tenant
+        raise ValueError(
+            f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
+        )
+
+    def _encode(self, text: str) -> tuple[str, list[int]]:
+        if not text:
+            raise ValueError("empty prompt")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the prompt is not valid Unicode text (a lone surrogate at {exc.start}?)") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=True)
+        if not ids:
+            raise ValueError("prompt encodes to zero tokens")
+        return text, ids

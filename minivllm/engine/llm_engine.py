@@ -1,0 +1,359 @@
+"""The serving loop.  :meth:`LLMEngine.step` is the whole lesson, seven steps in order.
+
+::
+
+    1. admit       waiting -> running, while seats, token budget and KV blocks allow
+    2. build batch decode tokens first, then prefill chunks, under the token budget
+    3. allocate    KV blocks for every scheduled token; preempt when the pool is dry
+    4. execute     block moves, then one forward pass over the flat ragged batch; sample
+    5. append KV   the step's K/V now count as computed; sampled tokens join the request
+    6. emit        incremental detokenization, stop checks, streamed deltas
+    7. finish      finished requests leave and give their blocks back
+
+Who owns what: the :class:`~minivllm.sched.scheduler.Scheduler` decides who
+runs (steps 1-3); the :class:`~minivllm.kv.kv_cache_manager.KVCacheManager`
+decides who *can* run and is the only owner of KV blocks; the executor runs
+the batch (step 4); :class:`~minivllm.engine.input_processor.InputProcessor`
+and :class:`~minivllm.engine.output_processor.OutputProcessor` face the
+caller.  This class wires them together and keeps the request table.
+
+Everything that can vary is a seam (see :mod:`minivllm.interfaces`): the
+admission and preemption policies, the prefix cache, the executor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine.input_processor import InputProcessor
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.kv_cache import num_host_blocks
+from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.outputs import RequestOutput
+from minivllm.request import Request, RequestStatus
+from minivllm.sampling_params import SamplingParams
+from minivllm.sched.output import ScheduledBatch
+from minivllm.sched.scheduler import PreemptionCosts, Scheduler
+
+SIM_BYTES_PER_TOKEN = 1024
+"""KV bytes per token assumed with an executor that does not say (sizes ``kv_cache_memory_bytes`` and swap)."""
+
+_EMA = 0.2  # weight of the newest step in the step-time and prefill-rate estimates
+
+
+class LLMEngine:
+    """The incremental engine: ``add_request`` / ``step`` / ``abort_request``."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        executor: Executor | None = None,
+        tokenizer: Any = None,
+        admission_policy: AdmissionPolicy | None = None,
+        preemption_policy: PreemptionPolicy | None = None,
+        prefix_cache: PrefixCache | None = None,
+        preemption_cost_model: PreemptionCostModel | None = None,
+        eos_token_ids: set[int] | None = None,
+        model_max_len: int = 8192,
+    ) -> None:
+        config = config or EngineConfig()
+        self.model_runner = None
+        self.loaded = None
+        vocab_size = None
+        if executor is None:
+            from minivllm.model.runner import load_for_serving
+
+            self.loaded = load_for_serving(config)
+            tokenizer = self.loaded.tokenizer
+            model_max_len = self.loaded.model.args.max_position_embeddings
+            vocab_size = self.loaded.model.args.vocab_size
+        self.config = config = config.resolve(model_max_len)
+        self.tokenizer = tokenizer
+
+        # -- memory: the pool (and host tier) sized once, owned by the KV cache manager
+        if self.loaded is not None:
+            from minivllm.model.runner import ModelRunner, kv_layout
+
+            layout = kv_layout(self.loaded.model, config)
+            num_blocks, num_cpu_blocks, bytes_per_block = layout.num_blocks, layout.num_cpu_blocks, layout.bytes_per_block
+        else:
+            bytes_per_block = getattr(executor, "kv_bytes_per_block", config.block_size * SIM_BYTES_PER_TOKEN)
+            num_blocks = config.num_gpu_blocks_override or (config.kv_cache_memory_bytes or 4096 * bytes_per_block) // bytes_per_block
+            num_cpu_blocks = num_host_blocks(config, bytes_per_block)
+        config.check_kv_capacity(num_blocks)
+        pool = BlockPool(num_blocks)
+        cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        if prefix_cache is None and config.enable_prefix_caching:
+            from minivllm.kv.prefix import make_prefix_cache
+
+            prefix_cache = make_prefix_cache(config.prefix_cache, pool, config.block_size, config.prefix_cache_quota_blocks)
+        self.kv = KVCacheManager(pool, config.block_size, prefix_cache, cpu_pool, config.share_prefix_cache_across_tenants)
+        if self.loaded is not None:
+            self.model_runner = executor = ModelRunner(self.loaded.model, layout.make_cache(), seed=config.seed)
+        self.executor = executor
+
+        # -- scheduling, with the cost model auto mode weighs victims by
+        costs = preemption_cost_model
+        if costs is None and config.preemption_mode == "auto":
+            swap_bw = config.swap_bandwidth_gbps * 1e9 if config.swap_bandwidth_gbps else None
+            if swap_bw is None:
+                measure = getattr(self.model_runner, "kv_cache", None)
+                swap_bw = measure.measure_swap_bandwidth() if measure is not None else getattr(executor, "swap_bytes_per_s", 25e9)
+            costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
+        self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs)
+        self.bytes_per_block = bytes_per_block
+
+        # -- the caller's side
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else self._eos_ids()
+        self.inputs = InputProcessor(tokenizer, vocab_size, config.max_model_len)
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples
+        self.step_log: list[dict] = []  # one small record per step, read by widgets and labs
+        self._last_step_time: float | None = None
+        self.step_time_s: float | None = None  # moving average of the wall (or virtual) time per step
+
+    # -- construction helpers ---------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            ids.add(int(tok.eos_token_id))
+        eos = getattr(getattr(self.loaded, "hf_config", None), "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+        return ids
+
+    @property
+    def pool(self) -> BlockPool:
+        """The device block pool (read it; only :mod:`minivllm.kv` changes it)."""
+        return self.kv.pool
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.kv.prefix_cache
+
+    # -- public API ---------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | dict | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        tenant: str = "default",
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue a request; returns its id.  Bad input raises ``ValueError``."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if request_id is None:
+            request_id = self.inputs.new_request_id()
+            while request_id in self.requests or request_id in self._groups:
+                request_id = self.inputs.new_request_id()
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests or request_id in self._groups:
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still in the engine")
+        arrival = self.executor.now() if arrival_time is None else arrival_time
+        samples = self.inputs.process(
+            prompt, params, request_id, tenant=tenant, priority=priority, arrival_time=arrival
+        )
+        if any(r.request_id in self.requests for r in samples):
+            raise ValueError(f"request id {request_id!r} clashes with a sample id of a request in the engine")
+        if not self.kv.could_ever_fit(samples[0]):
+            raise ValueError(
+                f"request {request_id!r} needs up to {samples[0].max_total_tokens} tokens of KV but the whole "
+                f"pool holds {self.pool.num_blocks * self.config.block_size}; it could never run"
+            )
+        if params.n > 1:
+            self._groups[request_id] = samples
+        self.outputs.add(samples)
+        for req in samples:
+            self.requests[req.request_id] = req
+            self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks (on both tiers) go back at once.  False if unknown."""
+        group = self._groups.pop(request_id, None)
+        self.outputs.forget_group(request_id)
+        targets = group if group is not None else [self.requests.get(request_id)]
+        found = False
+        for req in targets:
+            if req is None or req.request_id not in self.requests:
+                continue
+            self.scheduler.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finished_time = self.executor.now()
+            self._forget(req)
+            found = True
+        return found
+
+    def namespace(self, req: Request):
+        """The prefix-cache namespace of a request (see :meth:`KVCacheManager.namespace`)."""
+        return self.kv.namespace(req)
+
+    def stats(self) -> dict:
+        """Counters for metrics, labs and benchmarks (a plain dict, cheap to build)."""
+        pool, kv, sched = self.pool, self.kv, self.scheduler.stats
+        cache = self.prefix_cache
+        evictable = cache.num_evictable_blocks() if cache else 0
+        cpu_pool = kv.cpu_pool
+        out = {
+            "num_blocks": pool.num_blocks,
+            "free_blocks": pool.num_free,
+            "cached_blocks": cache.num_cached_blocks if cache else 0,
+            "used_blocks": pool.num_blocks - pool.num_free - evictable,
+            "kv_cache_usage": kv.usage(),
+            "num_cpu_blocks": cpu_pool.num_blocks if cpu_pool else 0,
+            "cpu_blocks_used": cpu_pool.num_used if cpu_pool else 0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": sum(1 for r in self.scheduler.waiting if r.status is RequestStatus.SWAPPED),
+            "num_preemptions": sched.num_preemptions,
+            "num_recompute_preemptions": sched.num_recompute_preemptions,
+            "num_swap_preemptions": sched.num_swap_preemptions,
+            "recomputed_tokens": sched.num_recomputed_tokens,
+            "swapped_out_blocks": kv.stats.swapped_out_blocks,
+            "swapped_in_blocks": kv.stats.swapped_in_blocks,
+            "swapped_out_bytes": kv.stats.swapped_out_blocks * self.bytes_per_block,
+            "swapped_in_bytes": kv.stats.swapped_in_blocks * self.bytes_per_block,
+            "num_rejected": sched.num_rejected,
+            "recompute_hit_tokens": kv.stats.recompute_hit_tokens,
+        }
+        if cache is not None:
+            st = cache.stats
+            out.update(
+                prefix_cache_queries=st.queries_tokens,
+                prefix_cache_hits=st.hits_tokens,
+                prefix_cache_hit_rate=st.hit_rate,
+                prefix_cache_evictions=st.evicted_blocks,
+                prefix_cache_quota_evictions=st.quota_evictions,
+            )
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration of the serving loop; returns what changed for each request."""
+        self.scheduler.admit()                                 # 1. admit
+        batch = self.scheduler.build_batch()                   # 2. build batch
+        batch = self.scheduler.allocate(batch)                 # 3. allocate KV blocks
+        sampled = self.executor.execute(batch)                 # 4. execute
+        grew = self.append(batch, sampled)                     # 5. append KV (and tokens)
+        outputs = self.emit(grew)                              # 6. emit / stream
+        outputs = self.finish(outputs, batch)                  # 7. finish
+        self.log_step(batch)
+        return outputs
+
+    def append(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """Step 5: the K/V written in this step is now part of each request; sampled tokens join it.
+
+        Newly filled blocks are offered to the prefix cache right away, so the
+        next request (or the next turn of this chat) can reuse them.
+        """
+        now = self.executor.now()
+        self._observe_step(batch, now)
+        grew: list[Request] = []
+        for seq in batch.seqs:
+            req = seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            req.num_computed_tokens += seq.num_tokens
+            self.kv.cache_full_blocks(req)
+            if req.request_id in sampled:
+                req.output_token_ids.append(sampled[req.request_id])
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.token_times.append(now)
+                grew.append(req)
+        return grew
+
+    def emit(self, grew: list[Request]) -> list[RequestOutput]:
+        """Step 6: detokenize, check stops, build the outputs a streaming caller reads."""
+        return self.outputs.emit(grew)
+
+    def finish(self, outputs: list[RequestOutput], batch: ScheduledBatch) -> list[RequestOutput]:
+        """Step 7: finished requests leave and free their blocks; ``n > 1`` samples fold into their parent."""
+        now = self.executor.now()
+        for req in batch.rejected:
+            req.finished_time = now
+            req.retry_after_s = self.retry_after(req)
+            outputs.append(self.outputs.final_output(req))
+        result: dict[str, RequestOutput] = {}
+        for out in outputs:
+            req = self.requests[out.request_id]
+            if out.finished:
+                req.finished_time = now
+                out.metrics.finished_time = now
+                self.scheduler.remove(req)
+                self._forget(req)
+            caller_id, folded = self.outputs.fold(req, out)
+            result[caller_id] = folded
+            if folded.finished:
+                self._groups.pop(caller_id, None)
+        return list(result.values())
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self.outputs.forget(req)
+
+    def log_step(self, batch: ScheduledBatch) -> None:
+        self.step_log.append(
+            {
+                "step": len(self.step_log),
+                "time": self.executor.now(),
+                "seqs": [(s.request.request_id, s.start, s.num_tokens) for s in batch.seqs],
+                "num_tokens": batch.num_tokens,
+                "preempted": [r.request_id for r in batch.preempted],
+                "swapped_out": len(batch.moves.swap_out),
+                "swapped_in": len(batch.moves.swap_in),
+                "rejected": [r.request_id for r in batch.rejected],
+                "free_blocks": self.pool.num_free,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+            }
+        )
+        if len(self.step_log) > 100_000:
+            del self.step_log[:50_000]
+
+    # -- estimates: step time, prefill rate, retry hints ---------------------------
+    def _observe_step(self, batch: ScheduledBatch, now: float) -> None:
+        """Moving averages of the step time and the prefill rate (what retry hints and auto mode use)."""
+        last, self._last_step_time = self._last_step_time, now
+        if last is None or not batch.seqs or now <= last:
+            return
+        dt = now - last
+        self.step_time_s = dt if self.step_time_s is None else (1 - _EMA) * self.step_time_s + _EMA * dt
+        costs = self.scheduler.costs
+        if isinstance(costs, PreemptionCosts) and self.config.prefill_tokens_per_s is None and batch.num_prefill_tokens > 0:
+            rate = batch.num_tokens / dt
+            costs.prefill_tokens_per_s = (1 - _EMA) * costs.prefill_tokens_per_s + _EMA * rate
+
+    def retry_after(self, req: Request) -> float:
+        """When a rejected request might fit: the time until running requests free enough blocks.
+
+        The request needs its worst case next to the worst cases reserved for
+        everything running.  Running requests are assumed to finish in order
+        of their remaining output tokens (each then gives back what it holds
+        and what was reserved for it), each step taking the measured average.
+        """
+        kv, running = self.kv, self.scheduler.running
+        step = self.step_time_s or 0.05
+        deficit = kv.worst_case_new_blocks(req) + sum(kv.worst_case_new_blocks(r) for r in running)
+        deficit -= kv.num_available_blocks
+        remaining = 1
+        for r in sorted(running, key=lambda r: r.max_tokens - len(r.output_token_ids)):
+            if deficit <= 0:
+                break
+            deficit -= len(r.block_ids) + kv.worst_case_new_blocks(r)
+            remaining = max(1, r.max_tokens - len(r.output_token_ids))
+        return round(step * remaining, 3)

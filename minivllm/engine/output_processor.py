@@ -1,0 +1,162 @@
+"""Output processing: steps 6 and 7 of the loop for the caller's side.
+
+For every request that gained a token this step: detokenize incrementally
+(never half a UTF-8 character), check the stop conditions (EOS, stop token
+ids, stop strings, ``max_tokens``), hold back text that might be the start of
+a stop string, and build the ``RequestOutput`` a streaming client reads.
+``n > 1`` samples are folded back into one output per parent (fan-in).
+
+The engine owns the requests and their blocks; this class owns only the
+per-request *output* state (:class:`_Stream`) and never frees anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.request import Request, RequestStatus
+
+
+@dataclass
+class _Stream:
+    """Per-request output state kept beside the request."""
+
+    detok: IncrementalDetokenizer
+    emitted_chars: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._streams: dict[str, _Stream] = {}
+        self._groups: dict[str, list[CompletionOutput]] = {}  # n > 1: parent id -> one slot per sample
+
+    def add(self, samples: list[Request]) -> None:
+        for req in samples:
+            params = req.sampling_params
+            self._streams[req.request_id] = _Stream(
+                IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+            )
+        first = samples[0]
+        if first.parent_id is not None:
+            self._groups[first.parent_id] = [
+                CompletionOutput(index=i, text="", token_ids=[]) for i in range(len(samples))
+            ]
+
+    def has_group(self, parent_id: str) -> bool:
+        return parent_id in self._groups
+
+    # -- step 6: emit --------------------------------------------------------
+    def emit(self, grew: list[Request]) -> list[RequestOutput]:
+        """Detokenize each request's new token, check stops, build its output."""
+        outputs: list[RequestOutput] = []
+        for req in grew:
+            token = req.output_token_ids[-1]
+            stream = self._streams[req.request_id]
+            stream.detok.add_token(token)
+            self._check_stop(req, token, stream)
+            outputs.append(self._make_output(req, stream, [token]))
+        return outputs
+
+    def final_output(self, req: Request) -> RequestOutput:
+        """The output of a request that finished without a new token (rejected or aborted)."""
+        stream = self._streams.get(req.request_id)
+        if stream is None:
+            stream = _Stream(IncrementalDetokenizer(None, []))
+        return self._make_output(req, stream, [])
+
+    def _check_stop(self, req: Request, token: int, stream: _Stream) -> None:
+        params = req.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif token in params.stop_token_ids:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif params.stop_strings and self._truncate_at_stop(req, stream):
+            req.status = RequestStatus.FINISHED_STOPPED
+        elif len(req.output_token_ids) >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    @staticmethod
+    def _truncate_at_stop(req: Request, stream: _Stream) -> bool:
+        text = stream.detok.text
+        params = req.sampling_params
+        # only the newest characters can complete a stop string
+        window = max(len(s) for s in params.stop_strings) + 16
+        from_char = max(0, len(text) - window)
+        for stop in params.stop_strings:
+            at = text.find(stop, from_char)
+            if at != -1:
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                stream.detok.text = text[:end]
+                req.stop_reason = stop
+                return True
+        return False
+
+    def _make_output(self, req: Request, stream: _Stream, new_tokens: list[int]) -> RequestOutput:
+        text = stream.detok.text
+        finished = req.status.finished
+        params = req.sampling_params
+        # hold back text that might be the start of a stop string until we know
+        hold = 0 if finished or not params.stop_strings else max(len(s) for s in params.stop_strings) - 1
+        visible = max(stream.emitted_chars, len(text) - hold)
+        delta = text[stream.emitted_chars : visible]
+        stream.emitted_chars = visible
+        completion = CompletionOutput(
+            index=req.sample_index,
+            text=text[:visible],
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            delta_text=delta,
+            delta_token_ids=new_tokens,
+        )
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            token_times=list(req.token_times),
+            finished_time=req.finished_time,
+            num_preemptions=req.num_preemptions,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=req.num_cached_tokens,
+            retry_after_s=req.retry_after_s,
+        )
+
+    # -- step 7: finish (the caller's side) -----------------------------------
+    def fold(self, req: Request, out: RequestOutput) -> tuple[str, RequestOutput]:
+        """``(id the caller knows, output)``: a sample's output folded into its parent's."""
+        if req.parent_id is None:
+            return out.request_id, out
+        completions = self._groups[req.parent_id]
+        completions[req.sample_index] = out.outputs[0]
+        finished = all(c.finish_reason is not None for c in completions)
+        grouped = RequestOutput(
+            request_id=req.parent_id,
+            prompt=out.prompt,
+            prompt_token_ids=out.prompt_token_ids,
+            outputs=list(completions),
+            finished=finished,
+            metrics=out.metrics,
+            num_cached_tokens=out.num_cached_tokens,
+            retry_after_s=out.retry_after_s,
+        )
+        if finished:
+            del self._groups[req.parent_id]
+        return req.parent_id, grouped
+
+    def forget(self, req: Request) -> None:
+        self._streams.pop(req.request_id, None)
+
+    def forget_group(self, parent_id: str) -> None:
+        self._groups.pop(parent_id, None)

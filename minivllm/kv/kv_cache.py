@@ -1,0 +1,152 @@
+"""The KV cache tensors: one K and one V tensor per layer, cut into fixed-size blocks.
+
+Layout per layer (the one the Triton kernels read)::
+
+    K, V: [num_blocks, block_size, num_kv_heads, head_dim]
+
+The *memory* is allocated once, up front; which request owns which block is the
+business of :class:`~minivllm.kv.block_pool.BlockPool` and the block tables,
+kept by :class:`~minivllm.kv.kv_cache_manager.KVCacheManager`.
+
+Swap preemption adds a second, slower tier with the same layout in host
+memory (pinned on CUDA, so copies can run asynchronously on a side stream).
+The manager decides which blocks move; this class only moves bytes, in the
+order the executor must respect: swap-ins, then swap-outs, then copy-on-write
+copies, all before the step's forward pass writes new K/V.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.kv.kv_cache_manager import BlockMoves
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+"""KV memory on a CPU device when no size is given (1 GiB)."""
+
+
+def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, one block: the unit in which KV memory is spent."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def num_kv_blocks(budget_bytes: int | None, per_block: int, device: torch.device, gpu_memory_utilization: float) -> int:
+    """How many blocks a KV budget buys: the given bytes, else a share of free GPU memory, else 1 GiB."""
+    if budget_bytes is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget_bytes = int(free * gpu_memory_utilization)
+        else:
+            budget_bytes = DEFAULT_CPU_KV_BYTES
+    return max(1, budget_bytes // per_block)
+
+
+def num_host_blocks(config, bytes_per_block: int) -> int:
+    """Host-tier blocks for swap preemption: 0 unless the preemption mode can swap."""
+    if not config.uses_swap:
+        return 0
+    if config.num_cpu_blocks_override is not None:
+        return config.num_cpu_blocks_override
+    return int(config.swap_space * (1 << 30)) // bytes_per_block
+
+
+@dataclass
+class KVCache:
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    num_cpu_blocks: int = 0
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+    cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.layers = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+        # The host tier: torch.empty, so untouched swap space costs address space, not RAM.
+        cpu_shape = (self.num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        pin = self.device.type == "cuda"
+        self.cpu_layers = [
+            (
+                torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin),
+                torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin),
+            )
+            for _ in range(self.num_layers if self.num_cpu_blocks else 0)
+        ]
+        self._stream = torch.cuda.Stream(self.device) if pin else None
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    def apply(self, moves: BlockMoves) -> None:
+        """Perform a step's block moves in the one safe order (see the module docstring)."""
+        if not (moves.swap_in or moves.swap_out or moves.copies):
+            return
+        if self._stream is None:
+            self._move(moves)
+            return
+        # CUDA: copy on a side stream; the forward pass (default stream) waits for it.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._move(moves)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def _move(self, moves: BlockMoves) -> None:
+        for (k, v), (ck, cv) in zip(self.layers, self.cpu_layers or [(None, None)] * self.num_layers):
+            for cpu, gpu in moves.swap_in:
+                k[gpu].copy_(ck[cpu], non_blocking=True)
+                v[gpu].copy_(cv[cpu], non_blocking=True)
+            for gpu, cpu in moves.swap_out:
+                ck[cpu].copy_(k[gpu], non_blocking=True)
+                cv[cpu].copy_(v[gpu], non_blocking=True)
+        self.copy_blocks(moves.copies)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate block ``src`` into ``dst`` in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def measure_swap_bandwidth(self, num_blocks: int = 8) -> float:
+        """Bytes per second of device -> host block copies (what auto mode weighs).
+
+        Only the outward direction is timed (it reads the still-empty device
+        blocks and overwrites nothing a request owns); the link is taken as
+        symmetric.  Call it before any request runs.
+        """
+        n = min(num_blocks, self.num_blocks, self.num_cpu_blocks)
+        if n == 0:
+            return float("inf")
+        pairs = [(i, i) for i in range(n)]
+        moves = BlockMoves(swap_out=pairs)
+        self.apply(moves)  # warm up
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self.apply(moves)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        return n * self.bytes_per_block / elapsed

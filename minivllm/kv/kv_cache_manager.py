@@ -1,0 +1,326 @@
+"""The memory manager: the one owner of every KV block.
+
+    *The scheduler decides who runs; the memory manager decides who can run.*
+
+The scheduler thinks in tokens and requests.  The pool thinks in block ids and
+reference counts.  This class stands between them and is the **only** code
+that changes a refcount or a block table (the prefix cache, which it owns,
+holds its own references by the same rule).  Its questions and verbs:
+
+* capacity -- :meth:`can_provide`, :meth:`num_new_blocks`,
+  :meth:`worst_case_new_blocks`: "could this request get room for N more tokens?"
+* sharing -- :meth:`match_prefix` (vLLM's ``get_computed_blocks``: which cached
+  blocks already hold this prompt's prefix), :meth:`share_prefix` (take them),
+  :meth:`fork` (``n > 1``: a sample shares its leader's prompt blocks) and
+  :meth:`cache_full_blocks` (offer newly filled blocks to the prefix cache);
+* growth -- :meth:`allocate_slots`: grow a table, copy-on-write a shared last block;
+* giving back -- :meth:`free` (finish, abort, recompute preemption),
+  :meth:`swap_out` / :meth:`swap_in` (swap preemption to and from a host tier).
+
+**Block tables are append-only while a request runs.**  A block is never
+replaced under a running request: if the request computes a block whose twin
+is already cached, it keeps its own copy and the cache keeps its own (vLLM
+does the same), so ids the executor already saw never change meaning.
+
+Data movement (swap copies, copy-on-write copies) is only *recorded* here as
+:class:`BlockMoves`; the executor performs them before the next forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from minivllm.interfaces import PrefixCache
+from minivllm.kv.block_pool import BlockPool
+from minivllm.request import Request
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """How many blocks ``num_tokens`` tokens occupy (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass
+class BlockMoves:
+    """Copies the executor performs before a step's forward pass, in this order.
+
+    ``swap_in`` are ``(cpu, gpu)`` pairs, ``swap_out`` ``(gpu, cpu)`` pairs and
+    ``copies`` ``(src, dst)`` device pairs (copy-on-write).  Swap-ins go first
+    because a host block freed by a swap-in may be reused by a swap-out in the
+    same step; swap-outs go before copies because a device block freed by a
+    swap-out may be handed out as a copy's destination.
+    """
+
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_in or self.swap_out or self.copies)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The cached blocks that already hold a prompt's first ``num_tokens`` tokens."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+
+@dataclass
+class KVStats:
+    """Counters the memory manager keeps (read by ``LLMEngine.stats()`` and the labs)."""
+
+    recompute_hit_tokens: int = 0  # tokens a preempted request got back from the cache (not hits)
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+
+
+class KVCacheManager:
+    """Owner of the block pool, the host (swap) tier, the prefix cache and every block table."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        prefix_cache: PrefixCache | None = None,
+        cpu_pool: BlockPool | None = None,
+        share_prefix_cache_across_tenants: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+        self.cpu_pool = cpu_pool
+        self.share_across_tenants = share_prefix_cache_across_tenants
+        self.stats = KVStats()
+        self._moves = BlockMoves()
+
+    def replace_pool(self, pool) -> None:
+        """Run on another pool object (lab 2's learner pool); only before any request is added."""
+        if self.pool.num_used:
+            raise ValueError("the pool can only be replaced while no block is in use")
+        self.pool = pool
+        if self.prefix_cache is not None:
+            self.prefix_cache.pool = pool
+
+    # -- capacity ------------------------------------------------------------
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus cached blocks nobody is using (they can be evicted)."""
+        evictable = self.prefix_cache.num_evictable_blocks() if self.prefix_cache else 0
+        return self.pool.num_free + evictable
+
+    def can_provide(self, num_blocks: int) -> bool:
+        """Could ``num_blocks`` blocks be handed out now (evicting cached ones if needed)?
+
+        Free blocks are checked first: counting evictable cached blocks walks the
+        cache, so it is only done when the free list alone is not enough.
+        """
+        return num_blocks <= self.pool.num_free or num_blocks <= self.num_available_blocks
+
+    def num_new_blocks(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks ``req`` must gain to hold ``num_new_tokens`` more tokens.
+
+        While a request is swapped out its device table is empty, so this also
+        counts the blocks a swap-in needs.
+        """
+        needed = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, needed - len(req.block_ids))
+
+    def worst_case_new_blocks(self, req: Request) -> int:
+        """Blocks ``req`` could still need if it ran to ``max_tokens`` (reject mode reserves these)."""
+        cow = int(self._last_block_is_shared(req))
+        return max(0, blocks_for(req.max_total_tokens, self.block_size) - len(req.block_ids)) + cow
+
+    def could_ever_fit(self, req: Request) -> bool:
+        """Would this request fit the whole pool if it were alone?"""
+        return blocks_for(req.max_total_tokens, self.block_size) <= self.pool.num_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-only blocks count as free)."""
+        return 1.0 - self.num_available_blocks / self.pool.num_blocks
+
+    # -- sharing ---------------------------------------------------------------
+    def namespace(self, req: Request) -> Hashable:
+        """The prefix-cache namespace of a request: ``(tenant, cache_salt)``.
+
+        A tuple, never a joined string: ``("a|salt=x", None)`` and
+        ``("a", "x")`` are different spaces whatever characters the names
+        hold.  Tenants do not share cached blocks by default, because a shared
+        cache leaks across users by timing: a fast first token tells an
+        attacker that somebody else recently sent the same prefix (vLLM
+        CVE-2025-46570).  The salt splits a space further on request.
+        """
+        tenant = None if self.share_across_tenants else req.tenant
+        return (tenant, req.cache_salt)
+
+    def match_prefix(self, req: Request) -> PrefixHit:
+        """The longest cached prefix of ``req``'s tokens (a lookup: no reference is taken).
+
+        The last token is never matched: the model must run on it to produce
+        the logits the next token is sampled from.
+        """
+        if self.prefix_cache is None:
+            return PrefixHit()
+        blocks = self.prefix_cache.match(req.all_token_ids[:-1], self.namespace(req))
+        return PrefixHit(tuple(blocks), len(blocks) * self.block_size)
+
+    def share_prefix(self, req: Request, hit: PrefixHit) -> None:
+        """``req`` (holding no blocks) takes a reference on each hit block and skips computing them."""
+        assert not req.block_ids, "a request shares a prefix only before it holds blocks"
+        for b in hit.block_ids:
+            self.pool.incref(b)
+        req.block_ids = list(hit.block_ids)
+        req.num_computed_tokens = hit.num_tokens
+        req.num_inserted_blocks = len(hit.block_ids)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """``n > 1``: ``child`` shares ``parent``'s prompt blocks and recomputes only the last prompt token.
+
+        The child writes that token's K/V into the last shared block, so
+        :meth:`allocate_slots` copies it first (copy-on-write) unless the token
+        starts a new block.
+        """
+        assert not child.block_ids, "a sample forks only before it holds blocks"
+        shared = blocks_for(child.num_prompt_tokens - 1, self.block_size)
+        child.block_ids = list(parent.block_ids[:shared])
+        for b in child.block_ids:
+            self.pool.incref(b)
+        child.num_computed_tokens = child.num_prompt_tokens - 1
+        child.num_inserted_blocks = 0
+
+    def record_admission(self, req: Request) -> None:
+        """Hit accounting, once a request is really admitted (never for tried-and-undone admissions).
+
+        Only a request's first admission counts as a lookup.  A preempted request
+        that finds its own blocks again saved recompute; that is reported apart
+        (``recompute_hit_tokens``) and never inflates the hit rate.  A sample
+        forked from its leader counts nothing (the leader's lookup did).
+        """
+        if self.prefix_cache is None or req.cpu_block_ids:
+            return
+        if req.prefix_lookup_recorded:
+            self.stats.recompute_hit_tokens += req.num_computed_tokens
+        elif req.leader is not None and req.num_computed_tokens:
+            req.prefix_lookup_recorded = True
+        else:
+            req.prefix_lookup_recorded = True
+            self.prefix_cache.record_lookup(req.num_prompt_tokens, req.num_computed_tokens)
+            req.num_cached_tokens = req.num_computed_tokens
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Offer every newly filled block of ``req`` to the prefix cache (prompt chunks and decodes alike).
+
+        Where the cache already holds the same tokens in another block, the
+        request keeps its own block (tables are append-only); the cache keeps
+        its copy, and later blocks of this request hang below the cached ones.
+        """
+        if self.prefix_cache is None:
+            return
+        bs = self.block_size
+        full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        if full <= req.num_inserted_blocks:
+            return
+        self.prefix_cache.insert(req.all_token_ids[: full * bs], req.block_ids[:full], self.namespace(req))
+        req.num_inserted_blocks = full
+
+    # -- growth ------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Grow ``req``'s block table to hold ``num_new_tokens`` more tokens.
+
+        All or nothing: returns False (and changes nothing) if the blocks are
+        not there.  Before the request writes into its current last block, a
+        shared last block is copied (copy-on-write), so a sibling sample or a
+        cached prefix never sees another request's tokens.
+        """
+        n = self.num_new_blocks(req, num_new_tokens)
+        cow = self._last_block_is_shared(req)
+        if not self.can_provide(n + int(cow)):
+            return False
+        if cow:
+            self._copy_on_write_last(req)
+        for _ in range(n):
+            req.block_ids.append(self._take_block())
+        return True
+
+    def _take_block(self) -> int:
+        if self.pool.num_free == 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(1)
+        return self.pool.allocate()
+
+    def _last_block_is_shared(self, req: Request) -> bool:
+        """True when the next token lands in a partly filled block that someone else holds."""
+        if not req.block_ids or req.num_computed_tokens % self.block_size == 0:
+            return False
+        if req.num_computed_tokens >= len(req.block_ids) * self.block_size:
+            return False
+        return self.pool.refcount(req.block_ids[-1]) > 1
+
+    def _copy_on_write_last(self, req: Request) -> None:
+        old = req.block_ids[-1]
+        if self.pool.num_free == 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(1)
+        new, needs_copy = self.pool.copy_on_write(old)
+        if needs_copy:
+            self._moves.copies.append((old, new))
+        req.block_ids[-1] = new
+
+    def take_block_moves(self) -> BlockMoves:
+        """The copies the executor must perform before this step's forward pass."""
+        moves, self._moves = self._moves, BlockMoves()
+        return moves
+
+    # -- giving back -------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        """Drop all of ``req``'s references, on both tiers; cached blocks stay alive in the prefix cache.
+
+        Also resets what the request had computed: a freed request starts over.
+        """
+        self._forget_pending_copies(req.block_ids)
+        self.pool.free_all(req.block_ids)
+        if req.cpu_block_ids:
+            self.cpu_pool.free_all(req.cpu_block_ids)
+        req.block_ids = []
+        req.cpu_block_ids = []
+        req.num_computed_tokens = 0
+        req.num_inserted_blocks = 0
+
+    def swap_out(self, req: Request) -> bool:
+        """Move ``req``'s computed KV to the host tier and free its device blocks.
+
+        Returns False (and changes nothing) when the host tier lacks room; the
+        scheduler then recomputes instead.  Blocks the request holds beyond its
+        computed tokens (allocated this step, never written) are just freed.
+        """
+        keep = blocks_for(req.num_computed_tokens, self.block_size)
+        if self.cpu_pool is None or keep == 0 or self.cpu_pool.num_free < keep:
+            return False
+        # A block copied-on-write in this very step is not written yet: swap its source instead.
+        pending = {dst: src for src, dst in self._moves.copies}
+        self._forget_pending_copies(req.block_ids)
+        for gpu in req.block_ids[:keep]:
+            req.cpu_block_ids.append(self.cpu_pool.allocate())
+            self._moves.swap_out.append((pending.get(gpu, gpu), req.cpu_block_ids[-1]))
+        self.pool.free_all(req.block_ids)
+        req.block_ids = []
+        self.stats.swapped_out_blocks += keep
+        return True
+
+    def swap_in(self, req: Request) -> None:
+        """Bring a swapped-out request's KV back into fresh device blocks (the caller checked room)."""
+        assert req.cpu_block_ids and not req.block_ids, "swap_in needs a swapped-out request"
+        if not self.can_provide(len(req.cpu_block_ids)):
+            raise RuntimeError("swap_in without room: the scheduler must check can_provide first")
+        for cpu in req.cpu_block_ids:
+            req.block_ids.append(self._take_block())
+            self._moves.swap_in.append((cpu, req.block_ids[-1]))
+        self.cpu_pool.free_all(req.cpu_block_ids)
+        self.stats.swapped_in_blocks += len(req.cpu_block_ids)
+        req.cpu_block_ids = []
+
+    def _forget_pending_copies(self, block_ids: list[int]) -> None:
+        """Copies into blocks that are being given back need not happen."""
+        if self._moves.copies and block_ids:
+            gone = set(block_ids)
+            self._moves.copies = [(s, d) for s, d in self._moves.copies if d not in gone]

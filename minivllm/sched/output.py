@@ -1,0 +1,59 @@
+"""What the scheduler hands the executor: the step's sequences and its block moves.
+
+Kept apart from the scheduler (as vLLM keeps ``sched/output.py``) so that the
+executor, the simulator and the seams module can name the batch without
+importing the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.kv.kv_cache_manager import BlockMoves
+from minivllm.request import Request
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step: ``num_tokens`` tokens starting at ``start``."""
+
+    request: Request
+    num_tokens: int
+    start: int  # == request.num_computed_tokens when scheduled
+    is_decode: bool = False  # request.is_decode when the batch was built
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the request's last token (so its logits are sampled)?"""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    """What the executor runs.
+
+    ``seqs`` are ordered one-token rows first (the attention backends batch
+    those together); ``moves`` are the block copies to perform before the
+    forward pass.  ``preempted`` and ``rejected`` are what the scheduler did
+    to make the step fit; the engine reports them.
+    """
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    moves: BlockMoves = field(default_factory=BlockMoves)
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    def __len__(self) -> int:
+        return len(self.seqs)

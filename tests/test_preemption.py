@@ -1,0 +1,354 @@
+"""Preemption by recompute, swap, reject and auto: block conservation on both tiers, no leaks,
+no starvation, the swap data path, the cost model and the anti-thrash rule.  No model needed
+(the simulated executor); the HF-parity versions on the real model are in test_hf_parity.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.kv import BlockPool, KVCacheManager
+from minivllm.kv.kv_cache import KVCache
+from minivllm.request import Request, RequestStatus
+from minivllm.sched.scheduler import PreemptionCosts
+from minivllm.sim import SimulatedExecutor
+
+MODES = ["recompute", "swap", "reject", "auto"]
+
+
+def make_engine(mode="recompute", num_blocks=24, cpu_blocks=16, block_size=4, budget=32, max_seqs=6,
+                max_len=64, prefix=None, chunked=True, **options):
+    cfg = EngineConfig(
+        enable_prefix_caching=prefix is not None,
+        prefix_cache=prefix or "radix",
+        num_gpu_blocks_override=num_blocks,
+        num_cpu_blocks_override=cpu_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=max_len,
+        enable_chunked_prefill=chunked,
+        preemption_mode=mode,
+        device="cpu",
+        **options,
+    )
+    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
+
+
+def check_both_tiers(engine: LLMEngine) -> None:
+    """Brute-force recount: every block's refcount equals its holders, on the device and the host tier."""
+    sched, kv = engine.scheduler, engine.kv
+    live = list(sched.running) + list(sched.waiting)
+    assert len({id(r) for r in live}) == len(live), "a request sits in two queues"
+    holders = Counter(b for r in live for b in r.block_ids)
+    cache = engine.prefix_cache
+    if cache is not None:
+        holders.update(b for b in range(kv.pool.num_blocks) if cache.is_cached(b))
+    for b in range(kv.pool.num_blocks):
+        assert kv.pool.refcount(b) == holders.get(b, 0), f"device block {b}"
+    assert kv.pool.num_free == sum(1 for b in range(kv.pool.num_blocks) if not holders.get(b))
+    if kv.cpu_pool is not None:
+        host = Counter(b for r in live for b in r.cpu_block_ids)
+        assert all(n == 1 for n in host.values()), "a host block is held twice"
+        for b in range(kv.cpu_pool.num_blocks):
+            assert kv.cpu_pool.refcount(b) == host.get(b, 0), f"host block {b}"
+    for r in live:
+        assert r.request_id in engine.requests
+        if r.status is RequestStatus.SWAPPED:
+            assert r in sched.waiting and not r.block_ids and r.cpu_block_ids
+            assert len(r.cpu_block_ids) == -(-r.num_computed_tokens // engine.config.block_size)
+        else:
+            assert not r.cpu_block_ids
+        if r in sched.running:
+            assert r.status is RequestStatus.RUNNING
+            assert len(r.block_ids) >= -(-r.num_computed_tokens // engine.config.block_size)
+
+
+def drain(engine: LLMEngine, max_steps: int = 3000) -> dict:
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        check_both_tiers(engine)
+    assert not engine.has_unfinished_requests(), "engine did not drain (starvation or deadlock)"
+    return finals
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.reset()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    if engine.kv.cpu_pool is not None:
+        assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
+
+
+# -- the state machine: random programs in every mode ------------------------------------------
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24)),
+    st.tuples(st.just("add_n"), st.integers(2, 30), st.integers(2, 3)),
+    st.tuples(st.just("step"), st.integers(1, 5), st.just(0)),
+    st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
+    st.tuples(st.just("abort_swapped"), st.integers(0, 30), st.just(0)),
+)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(op, min_size=1, max_size=40),
+    mode=st.sampled_from(MODES),
+    blocks=st.integers(16, 32),
+    cpu_blocks=st.integers(0, 24),
+    prefix=st.sampled_from([None, "radix", "hash"]),
+    protect=st.integers(0, 3),
+)
+def test_invariants_in_every_preemption_mode(ops, mode, blocks, cpu_blocks, prefix, protect):
+    engine = make_engine(mode, num_blocks=blocks, cpu_blocks=cpu_blocks, prefix=prefix,
+                         preemption_protect_after=protect, swap_bandwidth_gbps=1.0, prefill_tokens_per_s=2000.0)
+    added: list[str] = []
+    finished: set[str] = set()
+    for kind, a, b in ops:
+        prompt = ([5, 6, 7, 8] * 10)[: max(1, a - 3)] + [a % 3] * min(a, 3)
+        if kind == "add":
+            added.append(engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=b, ignore_eos=True)))
+        elif kind == "add_n":
+            params = SamplingParams(n=b, max_tokens=6, temperature=1.0, seed=a, ignore_eos=True)
+            added.append(engine.add_request({"prompt_token_ids": prompt}, params))
+        elif kind == "abort" and added:
+            if engine.abort_request(added[a % len(added)]):
+                finished.add(added[a % len(added)])
+        elif kind == "abort_swapped":
+            swapped = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
+            if swapped:
+                victim = swapped[a % len(swapped)]
+                assert engine.abort_request(victim.parent_id or victim.request_id)
+        else:
+            for _ in range(a):
+                for out in engine.step():
+                    if out.finished:
+                        finished.add(out.request_id)
+                        assert out.outputs and all(c.finish_reason for c in out.outputs)
+        check_both_tiers(engine)
+    drain(engine)
+    assert_no_leak(engine)
+    st_ = engine.stats()
+    if mode == "reject":
+        assert st_["num_preemptions"] == 0, "reject mode must never preempt running work"
+    if mode == "recompute" or cpu_blocks == 0:
+        assert st_["num_swap_preemptions"] == 0
+    assert st_["swapped_in_blocks"] <= st_["swapped_out_blocks"]
+
+
+# -- the modes, one by one ------------------------------------------------------------------------
+
+def overload(engine: LLMEngine, n: int = 10, max_tokens: int = 30) -> list[str]:
+    import random
+
+    rng = random.Random(0)
+    return [
+        engine.add_request(
+            {"prompt_token_ids": [rng.randrange(10, 900) for _ in range(rng.randrange(5, 30))]},
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        )
+        for _ in range(n)
+    ]
+
+
+def test_swap_mode_swaps_and_every_request_finishes_whole():
+    engine = make_engine("swap", num_blocks=40, cpu_blocks=64, max_len=128, budget=64)
+    ids = overload(engine)
+    finals = drain(engine)
+    st_ = engine.stats()
+    assert st_["num_swap_preemptions"] > 0 and st_["num_recompute_preemptions"] == 0
+    assert st_["swapped_out_blocks"] == st_["swapped_in_blocks"] > 0
+    assert st_["swapped_out_bytes"] == st_["swapped_out_blocks"] * engine.bytes_per_block
+    assert st_["recomputed_tokens"] == 0
+    assert all(len(finals[i].outputs[0].token_ids) == 30 for i in ids)
+    assert_no_leak(engine)
+
+
+def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
+    engine = make_engine("swap", num_blocks=40, cpu_blocks=12, max_len=128, budget=64)
+    overload(engine)
+    drain(engine)
+    st_ = engine.stats()
+    assert st_["num_swap_preemptions"] > 0 and st_["num_recompute_preemptions"] > 0
+    assert_no_leak(engine)
+
+
+def test_swapped_requests_come_back_ahead_of_new_admissions():
+    engine = make_engine("swap", num_blocks=20, cpu_blocks=32, max_len=64, budget=64, max_seqs=4)
+    overload(engine, n=6, max_tokens=40)
+    for _ in range(200):
+        engine.step()
+        swapped = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
+        if swapped:
+            break
+    assert swapped, "the workload should swap someone out"
+    victim = swapped[0]
+    assert engine.scheduler.waiting[0] is victim, "a swapped-out request waits at the front"
+    engine.add_request({"prompt_token_ids": [3] * 8}, SamplingParams(max_tokens=2, ignore_eos=True), "late")
+    while victim.status is RequestStatus.SWAPPED:
+        engine.step()
+        late = engine.requests.get("late")
+        assert late is None or late.status is RequestStatus.WAITING or victim.status is not RequestStatus.SWAPPED, \
+            "a new request was admitted before the swapped-out one came back"
+    drain(engine)
+    assert_no_leak(engine)
+
+
+def test_reject_mode_rejects_new_work_and_never_harms_running_requests():
+    engine = make_engine("reject", num_blocks=40, max_len=128, budget=64)
+    ids = overload(engine)
+    finals = drain(engine)
+    reasons = Counter(finals[i].outputs[0].finish_reason for i in ids)
+    assert reasons["rejected"] > 0 and reasons["length"] > 0
+    for i in ids:
+        out = finals[i]
+        if out.outputs[0].finish_reason == "rejected":
+            assert out.retry_after_s is not None and out.retry_after_s > 0 and not out.outputs[0].token_ids
+        else:
+            assert len(out.outputs[0].token_ids) == 30 and out.metrics.num_preemptions == 0
+    st_ = engine.stats()
+    assert st_["num_preemptions"] == 0 and st_["num_rejected"] == reasons["rejected"]
+    assert_no_leak(engine)
+
+
+def test_reject_mode_retry_hint_grows_with_the_work_ahead():
+    engine = make_engine("reject", num_blocks=20, max_len=80, budget=64)
+    engine.add_request({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=60, ignore_eos=True), "long")
+    engine.step()
+    engine.step()
+    engine.add_request({"prompt_token_ids": [2] * 8}, SamplingParams(max_tokens=60, ignore_eos=True), "r1")
+    out = [o for o in engine.step() if o.request_id == "r1"][0]
+    assert out.outputs[0].finish_reason == "rejected"
+    # the running request still has ~57 tokens to go, each a step of the measured length
+    assert out.retry_after_s == pytest.approx(engine.step_time_s * 57, rel=0.1)
+
+
+def test_auto_mode_follows_the_cost_model():
+    def run(gbps: float):
+        engine = make_engine("auto", num_blocks=40, cpu_blocks=64, max_len=128, budget=64,
+                             swap_bandwidth_gbps=gbps, prefill_tokens_per_s=1000.0)
+        overload(engine)
+        drain(engine)
+        assert_no_leak(engine)
+        return engine.stats()
+
+    fast, slow = run(1e3), run(1e-6)
+    assert fast["num_swap_preemptions"] > 0 and fast["num_recompute_preemptions"] == 0
+    assert slow["num_recompute_preemptions"] > 0 and slow["num_swap_preemptions"] == 0
+
+
+def test_cost_model_rule():
+    costs = PreemptionCosts(bytes_per_block=1_000_000, swap_bytes_per_s=10e9, prefill_tokens_per_s=5000)
+    # 64 blocks of 16 tokens: swap 2*64 MB over 10 GB/s = 12.8 ms; recompute 1024 tokens = 205 ms
+    assert costs.prefers_swap(1024, 64)
+    assert costs.swap_s(64) == pytest.approx(0.0128)
+    slow_link = PreemptionCosts(bytes_per_block=1_000_000, swap_bytes_per_s=0.1e9, prefill_tokens_per_s=5000)
+    assert not slow_link.prefers_swap(1024, 64)  # 1.28 s of copying vs 0.2 s of prefill
+
+
+def test_a_request_preempted_k_times_is_protected():
+    limit = 2
+    offered: list[tuple[list[int], int]] = []
+
+    class Recording:
+        """The default victim rule, recording the preemption counts of the candidates it is offered."""
+
+        def choose_victim(self, running):
+            offered.append(([r.num_preemptions for r in running], len(engine.scheduler.running)))
+            return running[-1]
+
+    cfg = EngineConfig(num_gpu_blocks_override=20, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                       max_model_len=64, preemption_protect_after=limit, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64, eos_token_ids=set(),
+                       preemption_policy=Recording())
+    overload(engine, n=10, max_tokens=40)
+    drain(engine)
+    assert offered, "the workload should preempt"
+    for counts, _ in offered:
+        protected = [c >= limit for c in counts]
+        assert all(protected) or not any(protected), f"a protected request was offered beside others: {counts}"
+    assert any(len(counts) < n_running for counts, n_running in offered), "protection never kicked in"
+    assert_no_leak(engine)
+
+
+# -- the data path: swapped bytes come back intact ------------------------------------------------
+
+def test_swap_round_trip_restores_kv_contents_and_redirects_pending_copies():
+    cache = KVCache(2, num_blocks=6, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                    device=torch.device("cpu"), num_cpu_blocks=6)
+    kv = KVCacheManager(BlockPool(6), 4, cpu_pool=BlockPool(6))
+    params = SamplingParams(max_tokens=4)
+    parent = Request("p", list(range(10)), params, 0.0)
+    assert kv.allocate_slots(parent, 10)
+    parent.num_computed_tokens = 10
+    for layer, (k, v) in enumerate(cache.layers):
+        for i, b in enumerate(parent.block_ids):
+            k[b] = 100 * layer + i
+            v[b] = -(100 * layer + i)
+    cache.apply(kv.take_block_moves())
+    child = Request("c", list(range(10)), params, 0.0)
+    kv.fork(parent, child)
+    assert kv.allocate_slots(child, 1)  # copy-on-write of the shared last block, pending until execute
+    assert kv.swap_out(child)  # the child's last block is not written yet: its source must be swapped
+    moves = kv.take_block_moves()
+    assert not moves.copies, "a copy into a block that left the device is dropped"
+    cache.apply(moves)
+    kv.free(parent)
+    # scribble over the freed device blocks, then bring the child back
+    for k, v in cache.layers:
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    kv.swap_in(child)
+    cache.apply(kv.take_block_moves())
+    for layer, (k, v) in enumerate(cache.layers):
+        for i, b in enumerate(child.block_ids):
+            assert torch.all(k[b] == 100 * layer + i) and torch.all(v[b] == -(100 * layer + i))
+    assert child.num_computed_tokens == 9 and not child.cpu_block_ids
+    kv.free(child)
+    assert kv.pool.num_free == 6 and kv.cpu_pool.num_free == 6
+
+
+def test_no_refcount_call_outside_the_kv_package():
+    """The memory manager is the one owner of blocks: nothing else increfs or decrefs."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "minivllm"
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("kv/") or rel.startswith("labs/"):
+            continue  # labs/ holds learner-facing stand-ins of the kv classes themselves
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\.(incref|decref|free_all|copy_on_write)\(", line):
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_package_has_no_import_cycles():
+    """Import every module in a fresh interpreter, each first, so a cycle would fail at import time."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    mods = []
+    for path in (root / "minivllm").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        if "kernels" in parts or parts[-1] == "__main__" or "bench" in parts:
+            continue
+        mods.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    code = "import importlib, sys\nfor m in sys.argv[1:]:\n    for k in [k for k in sys.modules if k.startswith('minivllm')]: del sys.modules[k]\n    importlib.import_module(m)\n"
+    subprocess.run([sys.executable, "-c", code, *sorted(mods)], check=True, cwd=root)
