@@ -86,6 +86,9 @@ class EngineConfig:
     A request preempted ``preemption_protect_after`` times is chosen as a
     victim only when every running request is protected (anti-thrash).
 
+    ``step_log_max_entries`` bounds the step log (a ring buffer) in scheduled
+    sequences, about 100 bytes each.
+
     The running set is capped at ``min(max_num_seqs, max_num_batched_tokens)``
     with chunked prefill on, so that every running decode fits every step.
     """
@@ -114,10 +117,12 @@ class EngineConfig:
     prefill_tokens_per_s: float | None = None
     preemption_protect_after: int = 3
     attention_backend: str = "auto"
+    step_log_max_entries: int = 500_000
 
     def __post_init__(self) -> None:
         check_type("model", self.model, str, optional=True)
-        for name in ("seed", "block_size", "max_num_seqs", "long_prefill_token_threshold", "preemption_protect_after"):
+        for name in ("seed", "block_size", "max_num_seqs", "long_prefill_token_threshold", "preemption_protect_after",
+                     "step_log_max_entries"):
             check_type(name, getattr(self, name), int)
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes", "prefix_cache_quota_blocks", "num_cpu_blocks_override"):
@@ -136,7 +141,7 @@ class EngineConfig:
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
-                     "kv_cache_memory_bytes"):
+                     "kv_cache_memory_bytes", "step_log_max_entries"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

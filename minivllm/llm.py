@@ -7,6 +7,8 @@ steps it until all are done — continuous batching does the rest — then retur
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from typing import Any, Iterator, Sequence
 
 from minivllm.config import EngineConfig
@@ -56,6 +58,7 @@ class LLM:
             preemption_cost_model=preemption_cost_model,
             prefix_cache=prefix_cache,
         )
+        self._router = _Router(self.engine)
 
     @property
     def tokenizer(self):
@@ -64,6 +67,17 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    # -- lifecycle -------------------------------------------------------------------
+    def close(self) -> None:
+        """Abort whatever is in flight and release the engine's requests; later calls raise."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- offline generation ----------------------------------------------------
     def generate(
         self,
@@ -71,24 +85,35 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order.
+
+        Safe to call from several threads at once, and while streams are open:
+        all callers share one engine, and every step's outputs are routed to
+        the caller that owns each request.
+        """
         prompts = self._as_list(prompts)
         params = self._params_for(prompts, sampling_params)
         ids = self._add_all(prompts, params)
         finals: dict[str, RequestOutput] = {}
         bar = self._progress(len(ids), use_tqdm)
         try:
-            while len(finals) < len(ids) and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in ids:
-                        finals[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            while len(finals) < len(ids):
+                if not self._router.pump(ids):
+                    missing = [rid for rid in ids if rid not in finals]
+                    raise RuntimeError(f"requests {missing} were aborted by another caller")
+                for rid in ids:
+                    for out in self._router.take(rid):
+                        if out.finished:
+                            finals[rid] = out
+                            if bar is not None:
+                                bar.update(1)
         except BaseException:
             for rid in ids:
-                self.engine.abort_request(rid)
+                if rid not in finals:
+                    self.engine.abort_request(rid)
             raise
         finally:
+            self._router.close(ids)
             if bar is not None:
                 bar.close()
         return [finals[rid] for rid in ids]
@@ -96,17 +121,24 @@ class LLM:
     def stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield each step's ``RequestOutput`` for one prompt (its ``delta_text`` is the new text)."""
+        """Yield each step's ``RequestOutput`` for one prompt (its ``delta_text`` is the new text).
+
+        Several streams (and ``generate`` calls) can be consumed side by side:
+        none loses another's deltas.
+        """
         rid = self._add_all([prompt], [sampling_params or SamplingParams()])[0]
+        done = False
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
+            while not done:
+                if not self._router.pump([rid]):
+                    return
+                for out in self._router.take(rid):
+                    yield out
+                    done = done or out.finished
         finally:
-            self.engine.abort_request(rid)
+            self._router.close([rid])
+            if not done:
+                self.engine.abort_request(rid)
 
     def chat(
         self,
@@ -123,9 +155,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                raise ValueError(f"a chat message's role and content must be strings, got {m!r}")
         ids = self.tokenizer.apply_chat_template(
             conversation, tokenize=True, add_generation_prompt=add_generation_prompt
         )
@@ -165,9 +201,11 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 added.append(self.engine.add_request(prompt, p))
+                self._router.open(added[-1])
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
+            self._router.close(added)
             raise
         return added
 
@@ -178,3 +216,46 @@ class LLM:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
+class _Router:
+    """Hands each step's outputs to the caller that owns the request: one engine, many consumers.
+
+    A consumer that has nothing to read *pumps*: it takes the stepping lock
+    and, unless another consumer's step already delivered something for it
+    meanwhile, runs one engine step and delivers every output to its owner's
+    mailbox.  Consumers on other threads wait on the lock, never spin; an
+    interleaved stream finds its deltas waiting in its mailbox.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._step_lock = threading.Lock()
+        self._boxes: dict[str, deque[RequestOutput]] = {}
+
+    def open(self, rid: str) -> None:
+        self._boxes[rid] = deque()
+
+    def close(self, ids) -> None:
+        for rid in ids:
+            self._boxes.pop(rid, None)
+
+    def take(self, rid: str) -> list[RequestOutput]:
+        box = self._boxes.get(rid)
+        out = []
+        while box:
+            out.append(box.popleft())
+        return out
+
+    def pump(self, ids) -> bool:
+        """Make sure one of ``ids`` has output waiting; False if the engine has no work left for them."""
+        with self._step_lock:
+            if any(self._boxes.get(rid) for rid in ids):
+                return True
+            if not self.engine.has_unfinished_requests():
+                return False
+            for out in self.engine.step():
+                box = self._boxes.get(out.request_id)
+                if box is not None:
+                    box.append(out)
+            return True

@@ -26,6 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_REJECTED = "rejected"  # reject mode: could not be served without preempting others
+    FINISHED_ERROR = "error"  # something failed for this request alone (its neighbours went on)
 
     @property
     def finished(self) -> bool:
@@ -38,6 +39,7 @@ _FINISHED = frozenset(
         RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED,
         RequestStatus.FINISHED_REJECTED,
+        RequestStatus.FINISHED_ERROR,
     }
 )
 
@@ -65,7 +67,7 @@ class Request:
     # bookkeeping the metrics and the labs read
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     prefix_lookup_recorded: bool = False  # first lookup counted in the hit rate; later ones are recompute
-    num_inserted_blocks: int = 0  # leading full blocks already offered to the prefix cache
+    num_inserted_blocks: int = 0  # leading full blocks already offered to the prefix cache (-1: no more)
     parent_id: str | None = None  # n > 1: the id the caller knows; this request is one sample of it
     sample_index: int = 0
     leader: "Request | None" = None  # n > 1: the sample whose prefill the others fork from
@@ -77,6 +79,7 @@ class Request:
     finished_time: float | None = None
     stop_reason: int | str | None = None
     retry_after_s: float | None = None  # reject mode: when a retry might succeed
+    error: str | None = None  # finish reason "error": what went wrong
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,17 +2,34 @@
 
 Names and defaults follow vLLM's ``SamplingParams`` so that what learners know
 transfers: ``temperature=1.0``, ``top_p=1.0``, ``top_k=-1`` (off; 0 also means
-off), ``max_tokens=16``.  Every field is validated here, at the boundary, so a
-bad value is a ``ValueError`` for the caller and never an exception deep in a
+off), ``max_tokens=16``.  Every field is validated here, at the boundary --
+types included (``True`` is not a count, ``"false"`` is not a bool) -- so a bad
+value is a ``ValueError`` for the caller and never an exception deep in a
 running engine step.
+
+The object is **frozen** once validated: the engine reads it while the request
+runs, and a caller that changed ``max_tokens`` afterwards would change a
+request the engine already sized.  Make a new one with :func:`dataclasses.replace`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+GREEDY_EPSILON = 1e-5
+"""Temperatures below this are greedy: dividing logits by ~0 overflows to inf/nan."""
 
-@dataclass
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -22,41 +39,54 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
+    _stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.stop, str):
+            stops: tuple = (self.stop,)
+        elif self.stop is None or isinstance(self.stop, (list, tuple)):
+            stops = tuple(self.stop or ())
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        self._stop_list = stops
-        ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in ids):
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        ids = tuple(self.stop_token_ids or ())
+        if any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+        # frozen: the validated, normalised forms are set once, here
+        object.__setattr__(self, "_stop_list", stops)
+        object.__setattr__(self, "stop_token_ids", ids)
+        if isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
-    def stop_strings(self) -> list[str]:
+    def stop_strings(self) -> tuple[str, ...]:
         return self._stop_list
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 means argmax: the only deterministic choice, used to compare with HF."""
-        return self.temperature == 0
+        """Argmax: temperature 0 (or below :data:`GREEDY_EPSILON`), the choice compared with HF."""
+        return self.temperature < GREEDY_EPSILON

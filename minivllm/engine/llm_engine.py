@@ -23,6 +23,8 @@ admission and preemption policies, the prefix cache, the executor.
 
 from __future__ import annotations
 
+import math
+import threading
 from typing import Any
 
 from minivllm.config import EngineConfig
@@ -32,6 +34,7 @@ from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.metrics.step_log import StepLog, StepRecord
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -45,7 +48,12 @@ _EMA = 0.2  # weight of the newest step in the step-time and prefill-rate estima
 
 
 class LLMEngine:
-    """The incremental engine: ``add_request`` / ``step`` / ``abort_request``."""
+    """The incremental engine: ``add_request`` / ``step`` / ``abort_request``.
+
+    Thread-safe: the three calls take one lock, so callers on several threads
+    can share an engine (each ``step`` runs whole; its outputs go to whoever
+    called it -- :class:`~minivllm.llm.LLM` routes them to their owners).
+    """
 
     def __init__(
         self,
@@ -113,9 +121,13 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples
-        self.step_log: list[dict] = []  # one small record per step, read by widgets and labs
+        self._finished_elsewhere: list[Request] = []  # aborted samples of live groups, reported next step
+        self.step_log = StepLog(config.step_log_max_entries)  # read by widgets, labs and benchmarks
+        self.num_errors = 0
         self._last_step_time: float | None = None
         self.step_time_s: float | None = None  # moving average of the wall (or virtual) time per step
+        self._lock = threading.RLock()
+        self.closed = False
 
     # -- construction helpers ---------------------------------------------
     def _eos_ids(self) -> set[int]:
@@ -151,6 +163,17 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate and queue a request; returns its id.  Bad input raises ``ValueError``."""
+        with self._lock:
+            return self._add_request(prompt, sampling_params, request_id, tenant, priority, arrival_time)
+
+    def _add_request(self, prompt, sampling_params, request_id, tenant, priority, arrival_time) -> str:
+        self._check_open()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
+        ):
+            raise ValueError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id is None:
             request_id = self.inputs.new_request_id()
@@ -180,20 +203,55 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks (on both tiers) go back at once.  False if unknown."""
+        """Stop a request wherever it is; its blocks (on both tiers) go back at once.  False if unknown.
+
+        Aborting a parent id of ``n > 1`` aborts every sample and nothing more
+        is reported for it.  Aborting one sample (``"g#1"``) finishes just that
+        sample as ``"abort"``; the group goes on, and its output reports the
+        aborted sample in the next step.
+        """
+        with self._lock:
+            return self._abort_request(request_id)
+
+    def _abort_request(self, request_id: str) -> bool:
+        sample = self.requests.get(request_id)
+        if sample is not None and sample.parent_id is not None and sample.parent_id in self._groups:
+            if sample.status.finished:
+                return False  # aborted already; its output is on its way
+            self._end(sample, RequestStatus.FINISHED_ABORTED)
+            self._finished_elsewhere.append(sample)
+            return True
         group = self._groups.pop(request_id, None)
         self.outputs.forget_group(request_id)
+        if group is not None:  # the caller gave up on the whole group: report none of it
+            self._finished_elsewhere = [r for r in self._finished_elsewhere if r.parent_id != request_id]
         targets = group if group is not None else [self.requests.get(request_id)]
         found = False
         for req in targets:
             if req is None or req.request_id not in self.requests:
                 continue
-            self.scheduler.remove(req)
-            req.status = RequestStatus.FINISHED_ABORTED
-            req.finished_time = self.executor.now()
+            self._end(req, RequestStatus.FINISHED_ABORTED)
             self._forget(req)
             found = True
         return found
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """Take a request out of the scheduler (its blocks go back) and mark how it ended."""
+        self.scheduler.remove(req)
+        req.status = status
+        req.finished_time = self.executor.now()
+
+    def close(self) -> None:
+        """Abort everything in flight and refuse new work.  Idempotent; ``LLM`` calls it on ``with`` exit."""
+        with self._lock:
+            for rid in list(self._groups) + list(self.requests):
+                self._abort_request(rid)
+            self._finished_elsewhere.clear()
+            self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed")
 
     def namespace(self, req: Request):
         """The prefix-cache namespace of a request (see :meth:`KVCacheManager.namespace`)."""
@@ -225,6 +283,7 @@ class LLMEngine:
             "swapped_out_bytes": kv.stats.swapped_out_blocks * self.bytes_per_block,
             "swapped_in_bytes": kv.stats.swapped_in_blocks * self.bytes_per_block,
             "num_rejected": sched.num_rejected,
+            "num_errors": self.num_errors,
             "recompute_hit_tokens": kv.stats.recompute_hit_tokens,
         }
         if cache is not None:
@@ -239,20 +298,31 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._finished_elsewhere)
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration of the serving loop; returns what changed for each request."""
-        self.scheduler.admit()                                 # 1. admit
-        batch = self.scheduler.build_batch()                   # 2. build batch
-        batch = self.scheduler.allocate(batch)                 # 3. allocate KV blocks
-        sampled = self.executor.execute(batch)                 # 4. execute
-        grew = self.append(batch, sampled)                     # 5. append KV (and tokens)
-        outputs = self.emit(grew)                              # 6. emit / stream
-        outputs = self.finish(outputs, batch)                  # 7. finish
-        self.log_step(batch)
-        return outputs
+        with self._lock:
+            self._check_open()
+            self.scheduler.admit()                             # 1. admit
+            batch = self.scheduler.build_batch()               # 2. build batch
+            batch = self.scheduler.allocate(batch)             # 3. allocate KV blocks
+            sampled = self.execute(batch)                      # 4. execute
+            grew = self.append(batch, sampled)                 # 5. append KV (and tokens)
+            outputs = self.emit(grew)                          # 6. emit / stream
+            outputs = self.finish(outputs, batch)              # 7. finish
+            self.log_step(batch)
+            return outputs
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        """Step 4, guarded: if the executor fails as a whole, the requests of this batch fail, not the engine."""
+        try:
+            return self.executor.execute(batch)
+        except Exception as exc:  # noqa: BLE001 - reported per request as finish_reason "error"
+            for seq in batch.seqs:
+                batch.errors.setdefault(seq.request.request_id, f"execution failed: {type(exc).__name__}: {exc}")
+            return {}
 
     def append(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
         """Step 5: the K/V written in this step is now part of each request; sampled tokens join it.
@@ -265,6 +335,9 @@ class LLMEngine:
         grew: list[Request] = []
         for seq in batch.seqs:
             req = seq.request
+            if req.request_id in batch.errors:
+                req.status, req.error = RequestStatus.FINISHED_ERROR, batch.errors[req.request_id]
+                continue
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.num_computed_tokens += seq.num_tokens
@@ -282,25 +355,39 @@ class LLMEngine:
         return self.outputs.emit(grew)
 
     def finish(self, outputs: list[RequestOutput], batch: ScheduledBatch) -> list[RequestOutput]:
-        """Step 7: finished requests leave and free their blocks; ``n > 1`` samples fold into their parent."""
+        """Step 7: finished requests leave and free their blocks; ``n > 1`` samples fold into their parent.
+
+        Besides the step's outputs, requests that ended without a new token get
+        their last output here: rejected ones (with a retry hint), failed ones
+        and samples aborted since the last step.
+        """
         now = self.executor.now()
         for req in batch.rejected:
             req.finished_time = now
             req.retry_after_s = self.retry_after(req)
             outputs.append(self.outputs.final_output(req))
-        result: dict[str, RequestOutput] = {}
+        for seq in batch.seqs:
+            if seq.request.request_id in batch.errors:  # failed in execution (emit reports its own failures)
+                outputs.append(self.outputs.final_output(seq.request))
+        for req in self._finished_elsewhere:
+            outputs.append(self.outputs.final_output(req))
+        self._finished_elsewhere = []
+        pairs = []
         for out in outputs:
             req = self.requests[out.request_id]
             if out.finished:
-                req.finished_time = now
-                out.metrics.finished_time = now
+                self.num_errors += req.status is RequestStatus.FINISHED_ERROR
+                if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
+                    req.finished_time = now
+                out.metrics.finished_time = req.finished_time
                 self.scheduler.remove(req)
                 self._forget(req)
-            caller_id, folded = self.outputs.fold(req, out)
-            result[caller_id] = folded
-            if folded.finished:
-                self._groups.pop(caller_id, None)
-        return list(result.values())
+            pairs.append((req, out))
+        folded = self.outputs.fold(pairs)
+        for out in folded:
+            if out.finished:
+                self._groups.pop(out.request_id, None)
+        return folded
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -308,22 +395,21 @@ class LLMEngine:
 
     def log_step(self, batch: ScheduledBatch) -> None:
         self.step_log.append(
-            {
-                "step": len(self.step_log),
-                "time": self.executor.now(),
-                "seqs": [(s.request.request_id, s.start, s.num_tokens) for s in batch.seqs],
-                "num_tokens": batch.num_tokens,
-                "preempted": [r.request_id for r in batch.preempted],
-                "swapped_out": len(batch.moves.swap_out),
-                "swapped_in": len(batch.moves.swap_in),
-                "rejected": [r.request_id for r in batch.rejected],
-                "free_blocks": self.pool.num_free,
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-            }
+            StepRecord(
+                step=self.scheduler.stats.num_steps - 1,
+                time=self.executor.now(),
+                seqs=tuple((s.request.request_id, s.start, s.num_tokens) for s in batch.seqs),
+                num_tokens=batch.num_tokens,
+                preempted=tuple(r.request_id for r in batch.preempted),
+                swapped_out=len(batch.moves.swap_out),
+                swapped_in=len(batch.moves.swap_in),
+                rejected=tuple(r.request_id for r in batch.rejected),
+                failed=tuple(batch.errors),
+                free_blocks=self.pool.num_free,
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+            )
         )
-        if len(self.step_log) > 100_000:
-            del self.step_log[:50_000]
 
     # -- estimates: step time, prefill rate, retry hints ---------------------------
     def _observe_step(self, batch: ScheduledBatch, now: float) -> None:

@@ -12,7 +12,7 @@ per-request *output* state (:class:`_Stream`) and never frees anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
@@ -52,22 +52,32 @@ class OutputProcessor:
 
     # -- step 6: emit --------------------------------------------------------
     def emit(self, grew: list[Request]) -> list[RequestOutput]:
-        """Detokenize each request's new token, check stops, build its output."""
+        """Detokenize each request's new token, check stops, build its output.
+
+        A failure here (a tokenizer that cannot decode a token, say) is that
+        request's alone: it finishes with ``finish_reason == "error"`` and the
+        other requests' outputs are built as usual.
+        """
         outputs: list[RequestOutput] = []
         for req in grew:
             token = req.output_token_ids[-1]
             stream = self._streams[req.request_id]
-            stream.detok.add_token(token)
-            self._check_stop(req, token, stream)
-            outputs.append(self._make_output(req, stream, [token]))
+            try:
+                stream.detok.add_token(token)
+                self._check_stop(req, token, stream)
+                outputs.append(self._make_output(req, stream, [token]))
+            except Exception as exc:  # noqa: BLE001 - isolated: reported as finish_reason "error"
+                req.status, req.error = RequestStatus.FINISHED_ERROR, f"output processing failed: {exc}"
+                outputs.append(self.final_output(req))
         return outputs
 
     def final_output(self, req: Request) -> RequestOutput:
-        """The output of a request that finished without a new token (rejected or aborted)."""
+        """The last output of a request that finished outside the normal path (rejected, failed, aborted sample)."""
         stream = self._streams.get(req.request_id)
-        if stream is None:
-            stream = _Stream(IncrementalDetokenizer(None, []))
-        return self._make_output(req, stream, [])
+        try:
+            return self._make_output(req, stream, [])
+        except Exception:  # noqa: BLE001 - the stream itself is broken: report the tokens without text
+            return self._make_output(req, None, [])
 
     def _check_stop(self, req: Request, token: int, stream: _Stream) -> None:
         params = req.sampling_params
@@ -96,15 +106,18 @@ class OutputProcessor:
                 return True
         return False
 
-    def _make_output(self, req: Request, stream: _Stream, new_tokens: list[int]) -> RequestOutput:
-        text = stream.detok.text
+    def _make_output(self, req: Request, stream: _Stream | None, new_tokens: list[int]) -> RequestOutput:
         finished = req.status.finished
         params = req.sampling_params
-        # hold back text that might be the start of a stop string until we know
-        hold = 0 if finished or not params.stop_strings else max(len(s) for s in params.stop_strings) - 1
-        visible = max(stream.emitted_chars, len(text) - hold)
-        delta = text[stream.emitted_chars : visible]
-        stream.emitted_chars = visible
+        if stream is None:
+            text, visible, delta = "", 0, ""
+        else:
+            text = stream.detok.text
+            # hold back text that might be the start of a stop string until we know
+            hold = 0 if finished or not params.stop_strings else max(len(s) for s in params.stop_strings) - 1
+            visible = max(stream.emitted_chars, len(text) - hold)
+            delta = text[stream.emitted_chars : visible]
+            stream.emitted_chars = visible
         completion = CompletionOutput(
             index=req.sample_index,
             text=text[:visible],
@@ -134,26 +147,39 @@ class OutputProcessor:
         )
 
     # -- step 7: finish (the caller's side) -----------------------------------
-    def fold(self, req: Request, out: RequestOutput) -> tuple[str, RequestOutput]:
-        """``(id the caller knows, output)``: a sample's output folded into its parent's."""
-        if req.parent_id is None:
-            return out.request_id, out
-        completions = self._groups[req.parent_id]
-        completions[req.sample_index] = out.outputs[0]
-        finished = all(c.finish_reason is not None for c in completions)
-        grouped = RequestOutput(
-            request_id=req.parent_id,
-            prompt=out.prompt,
-            prompt_token_ids=out.prompt_token_ids,
-            outputs=list(completions),
-            finished=finished,
-            metrics=out.metrics,
-            num_cached_tokens=out.num_cached_tokens,
-            retry_after_s=out.retry_after_s,
-        )
-        if finished:
-            del self._groups[req.parent_id]
-        return req.parent_id, grouped
+    def fold(self, outputs: list[tuple[Request, RequestOutput]]) -> list[RequestOutput]:
+        """One output per id the caller knows: ``n > 1`` samples folded into their parent's output.
+
+        A group's output lists every sample; only the samples that changed in
+        this step carry deltas, so a streaming client never sees a finished
+        sample's last delta twice.
+        """
+        result: dict[str, RequestOutput] = {}
+        changed: dict[str, dict[int, CompletionOutput]] = {}
+        for req, out in outputs:
+            if req.parent_id is None:
+                result[out.request_id] = out
+                continue
+            completions = self._groups.get(req.parent_id)
+            if completions is None:
+                continue  # the whole group was aborted
+            done = out.outputs[0]
+            completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
+            changed.setdefault(req.parent_id, {})[req.sample_index] = done
+            result[req.parent_id] = out  # the newest sample's output carries the group's metrics
+        for parent_id, fresh in changed.items():
+            completions = self._groups[parent_id]
+            last = result[parent_id]
+            finished = all(c.finish_reason is not None for c in completions)
+            result[parent_id] = replace(
+                last,
+                request_id=parent_id,
+                outputs=[fresh.get(i, c) for i, c in enumerate(completions)],
+                finished=finished,
+            )
+            if finished:
+                del self._groups[parent_id]
+        return list(result.values())
 
     def forget(self, req: Request) -> None:
         self._streams.pop(req.request_id, None)

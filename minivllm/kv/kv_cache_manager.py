@@ -153,7 +153,7 @@ class KVCacheManager:
         CVE-2025-46570).  The salt splits a space further on request.
         """
         tenant = None if self.share_across_tenants else req.tenant
-        return (tenant, req.cache_salt)
+        return (tenant, req.cache_salt or None)  # an empty salt is no salt
 
     def match_prefix(self, req: Request) -> PrefixHit:
         """The longest cached prefix of ``req``'s tokens (a lookup: no reference is taken).
@@ -214,15 +214,20 @@ class KVCacheManager:
 
         Where the cache already holds the same tokens in another block, the
         request keeps its own block (tables are append-only); the cache keeps
-        its copy, and later blocks of this request hang below the cached ones.
+        its copy, and the request caches nothing more (see the comment below).
         """
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or req.num_inserted_blocks < 0:
             return
         bs = self.block_size
         full = min(req.num_computed_tokens // bs, len(req.block_ids))
         if full <= req.num_inserted_blocks:
             return
-        self.prefix_cache.insert(req.all_token_ids[: full * bs], req.block_ids[:full], self.namespace(req))
+        result = self.prefix_cache.insert(req.all_token_ids[: full * bs], req.block_ids[:full], self.namespace(req))
+        if result.block_ids != req.block_ids[:full]:
+            # A twin of this request's prefix was cached first.  Caching our later blocks would hang
+            # them below the twin and pin blocks we do not hold, so this request caches no more.
+            req.num_inserted_blocks = -1
+            return
         req.num_inserted_blocks = full
 
     # -- growth ------------------------------------------------------------------

@@ -122,8 +122,18 @@ class ModelRunner:
         ends = meta.query_start_loc[1:].long() - 1
         logits = self.model.logits(hidden[ends[rows]])
         reqs = [seqs[i].request for i in rows]
-        tokens = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], self.default_generator)
-        return {r.request_id: t for r, t in zip(reqs, tokens)}
+        params, gens = [r.sampling_params for r in reqs], [r.generator for r in reqs]
+        try:
+            tokens = sample(logits, params, gens, self.default_generator)
+        except Exception:  # one bad row must not sink the batch: find it, fail only that request
+            tokens = []
+            for i, r in enumerate(reqs):
+                try:
+                    tokens.append(sample(logits[i : i + 1], params[i : i + 1], gens[i : i + 1], self.default_generator)[0])
+                except Exception as exc:  # noqa: BLE001 - reported to the caller as finish_reason "error"
+                    tokens.append(None)
+                    batch.errors[r.request_id] = f"sampling failed: {exc}"
+        return {r.request_id: t for r, t in zip(reqs, tokens) if t is not None}
 
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:

@@ -35,13 +35,17 @@ class ScheduledBatch:
     ``seqs`` are ordered one-token rows first (the attention backends batch
     those together); ``moves`` are the block copies to perform before the
     forward pass.  ``preempted`` and ``rejected`` are what the scheduler did
-    to make the step fit; the engine reports them.
+    to make the step fit; the engine reports them.  An executor that fails
+    for one request (a sampling error, say) records it in ``errors`` and
+    leaves that request out of its result: only that request finishes, with
+    ``finish_reason == "error"``.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     moves: BlockMoves = field(default_factory=BlockMoves)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> what failed (the executor fills it)
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,8 @@ and ``running`` (admitted, holding KV blocks) -- and exposes the first three
 steps of the serving loop as separate methods, so the engine step reads in order:
 
 1. :meth:`Scheduler.admit` moves waiting requests into ``running`` while there
-   is room: a seat (``max_num_seqs``), token budget and KV blocks.  It *asks*
+   is room: a seat (``max_num_seqs``), token budget and KV blocks for the
+   request's whole remaining prefill (not just its first chunk).  It *asks*
    the memory manager (:class:`~minivllm.kv.kv_cache_manager.KVCacheManager`)
    whether blocks are there; it never touches a block itself.
 2. :meth:`Scheduler.build_batch` gives each running request its tokens for the
@@ -138,10 +139,8 @@ class Scheduler:
         return sum(self._chunk_cap(r) for r in self.running)
 
     def _reserved_blocks(self) -> int:
-        """Blocks the running requests will claim: this step's chunk, or (reject mode) their worst case."""
-        if self.config.preemption_mode == "reject":
-            return sum(self.kv.worst_case_new_blocks(r) for r in self.running)
-        return sum(self.kv.num_new_blocks(r, self._chunk_cap(r)) for r in self.running)
+        """Blocks the running requests will claim: the rest of their prefill, or (reject mode) their worst case."""
+        return sum(self._reservation(r) for r in self.running)
 
     # -- step 1: admit -------------------------------------------------------
     def admit(self) -> list[Request]:
@@ -193,8 +192,9 @@ class Scheduler:
             if not kv.can_provide(reserved + blocks):
                 return None
             kv.swap_in(req)
-            return tokens, self._reservation(req, tokens)
-        if req.leader is not None and req.leader.block_ids and not req.leader.status.finished:
+            return tokens, self._reservation(req)
+        forked = req.leader is not None and bool(req.leader.block_ids) and not req.leader.status.finished
+        if forked:
             kv.fork(req.leader, req)
         else:
             kv.share_prefix(req, kv.match_prefix(req))
@@ -203,16 +203,26 @@ class Scheduler:
             kv.free(req)
             return None
         tokens = min(want, budget)
-        blocks = self._reservation(req, tokens)
+        blocks = self._reservation(req)
+        if forked and self.config.preemption_mode == "reject":
+            blocks += 1  # the leader's last block is shared now: its next write copies it
         if not kv.can_provide(reserved + blocks):
             kv.free(req)
             return None
         return tokens, blocks
 
-    def _reservation(self, req: Request, tokens: int) -> int:
+    def _reservation(self, req: Request) -> int:
+        """Blocks set aside for ``req`` at admission.
+
+        Its whole remaining prefill, not just this step's chunk: a prompt
+        admitted on the strength of its first chunk could run out of room
+        halfway, and as the newest request it would preempt itself and throw
+        its chunks away, again and again.  Reject mode sets aside the worst
+        case (prompt + ``max_tokens``), so nothing running is ever preempted.
+        """
         if self.config.preemption_mode == "reject":
             return self.kv.worst_case_new_blocks(req)
-        return self.kv.num_new_blocks(req, tokens)
+        return self.kv.num_new_blocks(req, req.num_uncomputed_tokens)
 
     def _should_reject(self, req: Request) -> bool:
         """Reject mode: a request that found no room is turned away, unless it is already in flight."""

@@ -1,0 +1,245 @@
+"""Prometheus metrics for a minivllm engine, named and bucketed like vLLM's.
+
+**Naming choice: the ``vllm:`` prefix.**  Every series that has a vLLM
+counterpart carries vLLM's exact name, type, unit and buckets
+(``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+``vllm:prefix_cache_queries_total``, ``vllm:time_to_first_token_seconds``, ...)
+and vLLM's ``model_name`` label, so Grafana dashboards, alert rules and
+PromQL written for vLLM work unchanged against ``minivllm serve`` -- the same
+reason ``minivllm bench``-style load tools speak only the OpenAI API.  Series
+vLLM does not have keep the same prefix so one ``{__name__=~"vllm:.*"}``
+selector finds them all; they are marked *(minivllm)* below.
+
+Gauges (refreshed from ``engine.stats()`` by whoever owns the engine loop):
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (0..1), and *(minivllm)*
+``vllm:kv_cache_used_blocks`` / ``vllm:kv_cache_free_blocks`` /
+``vllm:kv_cache_cached_blocks`` / ``vllm:kv_cache_num_blocks``.
+
+Counters (exposed with ``_total``): ``vllm:prefix_cache_queries`` and
+``vllm:prefix_cache_hits`` (tokens; the hit rate is
+``rate(hits)/rate(queries)``), ``vllm:num_preemptions{mode, tenant}``
+(``mode`` is ``recompute`` or ``swap``), ``vllm:prompt_tokens{tenant}``,
+``vllm:generation_tokens{tenant}``, ``vllm:request_success{finished_reason, tenant}``
+(every ending: stop, length, abort, rejected, error), and *(minivllm)*
+``vllm:num_recomputed_tokens`` and ``vllm:num_requests_rejected{tenant}``.
+
+Histograms: ``vllm:time_to_first_token_seconds{tenant}``,
+``vllm:inter_token_latency_seconds{tenant}``, ``vllm:e2e_request_latency_seconds``,
+``vllm:request_queue_time_seconds``, ``vllm:iteration_tokens_total`` (tokens per
+engine step).
+
+**The ``tenant`` label** is what neither vLLM nor SGLang exports: per-tenant
+token throughput, latency and preemptions.  Tenants come from the server's API
+key table (or ``"default"``), never from a client-chosen string, so the label's
+cardinality is bounded by configuration.  Queries that ignore it (``sum by
+(model_name)``) see exactly vLLM's series.
+
+Every :class:`EngineMetrics` owns its own :class:`~prometheus_client.CollectorRegistry`
+(no global state: two servers, or a test and a server, never share a
+counter).  It reads the engine only through its public surface:
+``engine.stats()``, ``engine.step_log[-1]`` and the ``RequestOutput`` objects.
+It works offline too: call :meth:`EngineMetrics.observe_step` after each
+``engine.step()`` and :meth:`EngineMetrics.observe_output` for each output.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _Tracked:
+    """What the metrics remember about one live request (for incremental TTFT/ITL/token counts)."""
+
+    __slots__ = ("tenant", "ttft_done", "itls_done", "prompt_done")
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.ttft_done = False
+        self.itls_done = 0
+        self.prompt_done = False
+
+
+class EngineMetrics:
+    """vLLM-named Prometheus series for one engine, in a registry of their own."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        mt = ["model_name", "tenant"]
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (or swapped out).", m, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", m, registry=r)
+        self.used_blocks = Gauge("vllm:kv_cache_used_blocks", "KV blocks held by requests (minivllm).", m, registry=r)
+        self.free_blocks = Gauge("vllm:kv_cache_free_blocks", "KV blocks on the free list (minivllm).", m, registry=r)
+        self.cached_blocks = Gauge("vllm:kv_cache_cached_blocks", "KV blocks in the prefix cache (minivllm).", m, registry=r)
+        self.num_blocks = Gauge("vllm:kv_cache_num_blocks", "KV blocks in the device pool (minivllm).", m, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", m, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", m, registry=r)
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Preemptions, by mode (recompute|swap) and tenant.", ["model_name", "mode", "tenant"], registry=r
+        )
+        self.recomputed = Counter("vllm:num_recomputed_tokens", "Tokens computed again after preemption (minivllm).", m, registry=r)
+        self.rejected = Counter("vllm:num_requests_rejected", "Requests turned away by reject mode (minivllm).", mt, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", mt, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", mt, registry=r)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason", "tenant"], registry=r
+        )
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", mt, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", mt, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", m, buckets=REQUEST_LATENCY_BUCKETS, registry=r
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", m, buckets=REQUEST_LATENCY_BUCKETS, registry=r
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", m, buckets=ITERATION_TOKEN_BUCKETS, registry=r
+        )
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_step = -1
+
+    # -- requests ---------------------------------------------------------------
+    def track(self, request_id: str, tenant: str) -> None:
+        """Remember a request's tenant (call when it is added)."""
+        with self._lock:
+            self._tracked[request_id] = _Tracked(tenant)
+
+    def tenant_of(self, request_id: str) -> str:
+        t = self._tracked.get(request_id)
+        if t is None and "#" in request_id:  # a sample of an n > 1 group
+            t = self._tracked.get(request_id.rpartition("#")[0])
+        return t.tenant if t is not None else "unknown"
+
+    def observe_output(self, out, tenant: str | None = None) -> None:
+        """One ``RequestOutput`` of a step: tokens, TTFT and new ITLs; latencies once it finishes."""
+        with self._lock:
+            t = self._tracked.get(out.request_id)
+            if t is None:
+                t = self._tracked[out.request_id] = _Tracked(tenant or "default")
+        name, tenant = self.model_name, t.tenant
+        new_tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+        if new_tokens:
+            self.generation_tokens.labels(name, tenant).inc(new_tokens)
+            if not t.prompt_done:
+                t.prompt_done = True
+                self.prompt_tokens.labels(name, tenant).inc(len(out.prompt_token_ids))
+        m = out.metrics
+        if not t.ttft_done and m.ttft is not None:
+            t.ttft_done = True
+            self.ttft.labels(name, tenant).observe(max(0.0, m.ttft))
+        itls = m.itls
+        if len(itls) > t.itls_done:
+            hist = self.itl.labels(name, tenant)
+            for gap in itls[t.itls_done:]:
+                hist.observe(max(0.0, gap))
+            t.itls_done = len(itls)
+        if out.finished:
+            reason = next((o.finish_reason for o in out.outputs if o.finish_reason), None) or "stop"
+            self.request_success.labels(name, reason, tenant).inc()
+            if reason == "rejected":
+                self.rejected.labels(name, tenant).inc()
+            else:
+                if m.e2e_latency is not None:
+                    self.e2e.labels(name).observe(max(0.0, m.e2e_latency))
+                if m.queue_time is not None:
+                    self.queue_time.labels(name).observe(max(0.0, m.queue_time))
+            with self._lock:
+                self._tracked.pop(out.request_id, None)
+
+    def observe_abort(self, request_id: str) -> None:
+        """A request the caller gave up on (the engine reports nothing more for it)."""
+        with self._lock:
+            t = self._tracked.pop(request_id, None)
+        if t is not None:
+            self.request_success.labels(self.model_name, "abort", t.tenant).inc()
+
+    # -- the engine ---------------------------------------------------------------
+    def observe_step(self, engine, stats: dict | None = None) -> None:
+        """After ``engine.step()``: iteration tokens, preemptions (by mode and tenant), then :meth:`sync`."""
+        stats = engine.stats() if stats is None else stats
+        log = engine.step_log
+        rec = log[-1] if len(log) else None
+        if rec is not None and rec.step != self._last_step:
+            self._last_step = rec.step
+            if rec.num_tokens:
+                self.iteration_tokens.labels(self.model_name).observe(rec.num_tokens)
+            self._count_preemptions(engine, rec.preempted, stats)
+        self.sync(stats)
+
+    def _count_preemptions(self, engine, preempted, stats: dict) -> None:
+        d_rec = stats.get("num_recompute_preemptions", 0) - self._last.get("num_recompute_preemptions", 0)
+        d_swap = stats.get("num_swap_preemptions", 0) - self._last.get("num_swap_preemptions", 0)
+        self._last["num_recompute_preemptions"] = stats.get("num_recompute_preemptions", 0)
+        self._last["num_swap_preemptions"] = stats.get("num_swap_preemptions", 0)
+        left = {"recompute": max(0, d_rec), "swap": max(0, d_swap)}
+        for rid in preempted:
+            if left["swap"] == 0:
+                mode = "recompute"
+            elif left["recompute"] == 0:
+                mode = "swap"
+            else:  # both modes in one step ("auto"): ask the request where its KV went
+                req = getattr(engine, "requests", {}).get(rid)
+                mode = "swap" if getattr(getattr(req, "status", None), "value", None) == "swapped" else "recompute"
+            if left[mode] == 0:
+                continue
+            left[mode] -= 1
+            self.preemptions.labels(self.model_name, mode, self.tenant_of(rid)).inc()
+        for mode, n in left.items():  # preemptions the step log did not name (should not happen)
+            if n:
+                self.preemptions.labels(self.model_name, mode, "unknown").inc(n)
+
+    def sync(self, stats: dict) -> None:
+        """Gauges from a ``stats()`` dict; cumulative engine counters become counter increments."""
+        name = self.model_name
+        self.running.labels(name).set(stats.get("num_running", 0))
+        self.waiting.labels(name).set(stats.get("num_waiting", 0))
+        self.kv_usage.labels(name).set(stats.get("kv_cache_usage", 0.0))
+        self.used_blocks.labels(name).set(stats.get("used_blocks", 0))
+        self.free_blocks.labels(name).set(stats.get("free_blocks", 0))
+        self.cached_blocks.labels(name).set(stats.get("cached_blocks", 0))
+        self.num_blocks.labels(name).set(stats.get("num_blocks", 0))
+        for key, counter in (
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+            ("recomputed_tokens", self.recomputed),
+        ):
+            value = stats.get(key)
+            if value is None:
+                counter.labels(name)  # exists at 0, so dashboards see the series
+                continue
+            delta = value - self._last.get(key, 0)
+            self._last[key] = value
+            if delta > 0:
+                counter.labels(name).inc(delta)
+
+    # -- exposition -----------------------------------------------------------------
+    def render(self) -> bytes:
+        """The text exposition format (what ``GET /metrics`` returns)."""
+        return generate_latest(self.registry)
+
+
+def observe_all(metrics: EngineMetrics, engine, outputs, tenant_of: Callable[[str], str] | None = None) -> None:
+    """Offline helper: after ``outputs = engine.step()``, record the step and its outputs."""
+    metrics.observe_step(engine)
+    for out in outputs:
+        metrics.observe_output(out, tenant_of(out.request_id) if tenant_of else None)

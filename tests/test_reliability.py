@@ -1,0 +1,520 @@
+"""Reliability: one bad request never breaks the engine; tenants never collide; many callers, one engine.
+
+Each test named ``test_defectN_...`` reproduces a defect of the reliability issue and failed on the
+engine before the fix.  Most run on the simulated executor (no model); those that need real text or
+the real sampler use the session's small default-model engine and are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import threading
+import weakref
+import zlib
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minivllm.request import RequestStatus
+from minivllm.sim import SimulatedExecutor
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+class HistoryExecutor(SimulatedExecutor):
+    """A stand-in model whose next token is a function of the whole context, like a real one.
+
+    So "the same tokens as running alone" checks that the engine feeds every request exactly its own
+    tokens, in order, whatever the batching, preemption or aborts around it.
+    """
+
+    def execute(self, batch):
+        out = super().execute(batch)
+        for s in batch.seqs:
+            if s.samples:
+                ctx = s.request.all_token_ids
+                out[s.request.request_id] = 10 + zlib.crc32(repr(ctx).encode()) % (self.vocab_size - 10)
+        return out
+
+
+def sim_engine(num_blocks=48, mode="recompute", prefix=None, executor=None, **options) -> LLMEngine:
+    cfg = EngineConfig(num_gpu_blocks_override=num_blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                       max_model_len=96, device="cpu", preemption_mode=mode, num_cpu_blocks_override=32,
+                       enable_prefix_caching=prefix is not None, prefix_cache=prefix or "radix", **options)
+    return LLMEngine(cfg, executor=executor or HistoryExecutor(), model_max_len=96, eos_token_ids=set())
+
+
+def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict:
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "engine did not drain"
+    return finals
+
+
+def no_leak(engine: LLMEngine) -> None:
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.reset()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    if engine.kv.cpu_pool is not None:
+        assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
+    assert not engine.requests and not engine._groups
+
+
+# -- defect 1: tenant isolation ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+@pytest.mark.parametrize("first,second", [
+    (("a", "x"), ("a|salt=x", None)),
+    (("a|salt=x", None), ("a", "x")),
+    (("a", "x|y"), ("a|salt=x", "y")),
+    (("a", None), ("a", "")),
+])
+def test_defect1_tenant_and_salt_never_share_a_namespace(kind, first, second):
+    engine = sim_engine(num_blocks=96, prefix=kind)
+    ids = [random.Random(1).randrange(100, 900) for _ in range(48)]
+    for i, (tenant, salt) in enumerate([first, second]):
+        prompt = {"prompt_token_ids": ids, "tenant": tenant}
+        if salt is not None:
+            prompt["cache_salt"] = salt
+        engine.add_request(prompt, GREEDY, f"r{i}")
+        out = run_all(engine)[f"r{i}"]
+    expected = 44 if first == (("a", None)) and second == ("a", "") else 0  # "" salt = no salt
+    assert out.num_cached_tokens == expected
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pairs=st.lists(st.tuples(st.sampled_from(["a", "a|salt=x", "x", "a|", "|", "salt"]),
+                                st.one_of(st.none(), st.sampled_from(["x", "salt=x", "|x", "a"]))),
+                      min_size=2, max_size=6))
+def test_distinct_tenant_salt_pairs_never_share_a_block(pairs):
+    engine = sim_engine(num_blocks=200, prefix="hash")
+    ids = list(range(100, 140))
+    seen = set()
+    for i, (tenant, salt) in enumerate(pairs):
+        prompt = {"prompt_token_ids": ids, "tenant": tenant}
+        if salt:
+            prompt["cache_salt"] = salt
+        engine.add_request(prompt, SamplingParams(max_tokens=1), f"r{i}")
+        out = run_all(engine)[f"r{i}"]
+        key = (tenant, salt or None)
+        assert (out.num_cached_tokens > 0) == (key in seen), f"{key} after {seen}"
+        seen.add(key)
+
+
+# -- defect 2: one bad request breaks every step --------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"n": True}, "n must"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"seed": "abc"}, "seed"),
+])
+def test_defect2_bad_sampling_params_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_defect2_sampling_params_are_immutable():
+    p = SamplingParams(max_tokens=5)
+    with pytest.raises(AttributeError):
+        p.max_tokens = 0
+    assert p.max_tokens == 5
+
+
+def test_defect2_tiny_temperature_is_greedy():
+    assert SamplingParams(temperature=1e-40).greedy
+    assert not SamplingParams(temperature=0.5).greedy
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"priority": "high"}, "priority"),
+    ({"priority": 1.5}, "priority"),
+    ({"arrival_time": "x"}, "arrival_time"),
+    ({"arrival_time": float("nan")}, "arrival_time"),
+    ({"tenant": 3}, "tenant"),
+])
+def test_defect2_bad_request_fields_fail_at_add(kwargs, match):
+    engine = sim_engine()
+    with pytest.raises(ValueError, match=match):
+        engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, **kwargs)
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, "ok")
+    assert run_all(engine)["ok"].outputs[0].finish_reason == "length"
+    no_leak(engine)
+
+
+def test_defect2_priority_policy_with_bad_priority_cannot_break_steps():
+    from minivllm.sched.policies import PriorityAdmission
+
+    cfg = EngineConfig(num_gpu_blocks_override=48, block_size=4, max_model_len=96, device="cpu")
+    engine = LLMEngine(cfg, executor=HistoryExecutor(), model_max_len=96, eos_token_ids=set(),
+                       admission_policy=PriorityAdmission())
+    with pytest.raises(ValueError):
+        engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY, priority="high")
+    engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY, "a", priority=2)
+    engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY, "b", priority=-1)
+    assert set(run_all(engine)) == {"a", "b"}
+
+
+class FailingExecutor(HistoryExecutor):
+    """Sampling fails for one request (as a NaN row would): only that request may suffer."""
+
+    def __init__(self, bad: str):
+        super().__init__()
+        self.bad = bad
+
+    def execute(self, batch):
+        out = super().execute(batch)
+        if self.bad in out:
+            del out[self.bad]
+            batch.errors[self.bad] = "sampling failed: probability tensor contains nan"
+        return out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_defect2_a_failing_request_finishes_with_error_and_others_go_on(mode):
+    engine = sim_engine(num_blocks=24, mode=mode, executor=FailingExecutor("bad"))
+    alone = {}
+    for rid in ["a", "b", "c"]:
+        solo = sim_engine()
+        solo.add_request({"prompt_token_ids": [ord(rid)] * 20}, SamplingParams(max_tokens=30, ignore_eos=True), rid)
+        alone[rid] = run_all(solo)[rid].outputs[0].token_ids
+    for rid in ["a", "bad", "b", "c"]:
+        engine.add_request({"prompt_token_ids": [ord(rid[0])] * 20}, SamplingParams(max_tokens=30, ignore_eos=True), rid)
+    finals = run_all(engine)
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    for rid in ["a", "b", "c"]:
+        assert finals[rid].outputs[0].token_ids == alone[rid]
+    assert engine.stats()["num_errors"] == 1
+    no_leak(engine)
+
+
+class BadTokenizer:
+    """Decodes everything, except that any text containing token 666 raises (like a broken vocab entry)."""
+
+    eos_token_id = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        if 666 in ids:
+            raise RuntimeError("cannot decode token 666")
+        return "".join(chr(65 + i % 26) for i in ids)
+
+
+class ScriptedExecutor(SimulatedExecutor):
+    def __init__(self, script):
+        super().__init__()
+        self.script = script
+
+    def execute(self, batch):
+        out = super().execute(batch)
+        for rid in out:
+            req = next(s.request for s in batch.seqs if s.request.request_id == rid)
+            out[rid] = self.script[rid][len(req.output_token_ids)]
+        return out
+
+
+def test_defect2_output_stage_failure_is_isolated_and_neighbours_text_is_right():
+    script = {"bad": [1, 2, 666, 3, 4], "good": [5, 6, 7, 8, 9]}
+    cfg = EngineConfig(num_gpu_blocks_override=48, block_size=4, max_model_len=96, device="cpu")
+    engine = LLMEngine(cfg, executor=ScriptedExecutor(script), tokenizer=BadTokenizer(), model_max_len=96,
+                       eos_token_ids=set())
+    for rid in ["bad", "good"]:
+        engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5, ignore_eos=True), rid)
+    finals = run_all(engine)
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    good = finals["good"].outputs[0]
+    assert good.token_ids == [5, 6, 7, 8, 9] and good.text == BadTokenizer().decode([5, 6, 7, 8, 9])
+    no_leak(engine)
+
+
+# -- defect 3: many callers, one engine ---------------------------------------------------------------
+
+@pytest.mark.slow
+def test_defect3_threads_and_interleaved_streams_share_one_engine(small_llm):
+    prompts = [f"Question {i}: what is {i} plus {i}?" for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sequential = {p: small_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts}
+    results: dict[tuple[int, int], list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for k in range(10):
+                p = prompts[(t + k) % len(prompts)]
+                results[(t, k)] = (p, small_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+        except BaseException as exc:  # noqa: BLE001 - report any failure from the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(8)]
+    for th in threads:
+        th.start()
+    # meanwhile, four streams consumed side by side on this thread
+    streams = {p: small_llm.stream(p, params) for p in prompts[:4]}
+    got = {p: [] for p in streams}
+    live = dict(streams)
+    while live:
+        for p, it in list(live.items()):
+            out = next(it, None)
+            if out is None:
+                del live[p]
+            else:
+                got[p] += out.outputs[0].delta_token_ids
+    for th in threads:
+        th.join(timeout=300)
+    assert not any(th.is_alive() for th in threads), "a generate() call hung"
+    assert not errors, errors
+    assert len(results) == 80
+    for p, toks in results.values():
+        assert toks == sequential[p]
+    for p, toks in got.items():
+        assert toks == sequential[p], "a stream lost or duplicated deltas"
+    assert small_llm.engine.pool.num_free == small_llm.engine.pool.num_blocks
+
+
+def test_defect3_interleaved_streams_and_generate_on_sim():
+    llm = LLM(executor=HistoryExecutor(), tokenizer=None, num_gpu_blocks_override=64, block_size=4, max_model_len=96)
+    llm.engine.eos_token_ids = set()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [i] * (5 + i)} for i in range(1, 5)]
+    alone = [LLM(executor=HistoryExecutor(), tokenizer=None, num_gpu_blocks_override=64, block_size=4,
+                 max_model_len=96).generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    streams = [llm.stream(p, params) for p in prompts[:2]]
+    got = [[], []]
+    first = [next(s) for s in streams]
+    for i, out in enumerate(first):
+        got[i] += out.outputs[0].delta_token_ids
+    mid = llm.generate(prompts[2:], params, use_tqdm=False)  # steps the engine while the streams are open
+    for i, s in enumerate(streams):
+        for out in s:
+            got[i] += out.outputs[0].delta_token_ids
+    assert got == alone[:2]
+    assert [o.outputs[0].token_ids for o in mid] == alone[2:]
+
+
+# -- defect 4: ids ------------------------------------------------------------------------------------
+
+def test_defect4_user_id_cannot_collide_with_sample_ids():
+    engine = sim_engine()
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, "x#0")
+    with pytest.raises(ValueError, match="clashes"):
+        engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2, max_tokens=4), "x")
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2, max_tokens=4), "y")
+    with pytest.raises(ValueError, match="duplicate|clashes"):
+        engine.add_request({"prompt_token_ids": [1, 2, 3]}, GREEDY, "y#1")
+    finals = run_all(engine)
+    assert set(finals) == {"x#0", "y"}
+    assert engine.abort_request("x#0") is False
+    no_leak(engine)
+
+
+def test_defect4_automatic_ids_skip_user_ids():
+    engine = sim_engine()
+    engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY, "req-0")
+    engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY, "req-1")
+    auto = {engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY) for _ in range(3)}
+    assert not auto & {"req-0", "req-1"} and len(auto) == 3
+    assert len(run_all(engine)) == 5
+
+
+# -- defect 5: n > 1 lifecycle ------------------------------------------------------------------------
+
+def test_defect5_aborting_one_sample_finishes_it_and_the_group_finishes():
+    engine = sim_engine()
+    engine.add_request({"prompt_token_ids": [1] * 9}, SamplingParams(n=3, max_tokens=10, ignore_eos=True), "g")
+    engine.step()
+    engine.step()
+    assert engine.abort_request("g#1")
+    finals = run_all(engine)
+    reasons = [c.finish_reason for c in finals["g"].outputs]
+    assert reasons == ["length", "abort", "length"]
+    engine.add_request({"prompt_token_ids": [1] * 9}, GREEDY, "g")  # the id is free again
+    run_all(engine)
+    no_leak(engine)
+
+
+def test_defect5_aborting_the_leader_before_it_runs_lets_the_others_finish():
+    engine = sim_engine()
+    engine.add_request({"prompt_token_ids": [1] * 9}, SamplingParams(n=2, max_tokens=5, ignore_eos=True), "h")
+    assert engine.abort_request("h#0")
+    finals = run_all(engine)
+    assert [c.finish_reason for c in finals["h"].outputs] == ["abort", "length"]
+    assert len(finals["h"].outputs[1].token_ids) == 5
+    no_leak(engine)
+
+
+def test_defect5_streaming_n_samples_sends_each_delta_once():
+    llm = LLM(executor=HistoryExecutor(), tokenizer=None, num_gpu_blocks_override=64, block_size=4, max_model_len=96)
+    llm.engine.eos_token_ids = set()
+    lengths = [3, 9, 5, 2]
+    total = Counter()
+    final = None
+    params = SamplingParams(n=4, max_tokens=9, ignore_eos=True, stop_token_ids=[])
+    for out in llm.stream({"prompt_token_ids": [7] * 6}, params):
+        for c in out.outputs:
+            total[c.index] += len(c.delta_token_ids)
+        final = out
+    assert final.finished
+    assert all(total[c.index] == len(c.token_ids) for c in final.outputs)
+    assert sum(total.values()) == sum(len(c.token_ids) for c in final.outputs) == 4 * 9
+    del lengths
+
+
+# -- defect 6: memory -----------------------------------------------------------------------------------
+
+def test_defect6_an_engine_is_freed_without_the_cycle_collector():
+    gc.collect()
+    gc.disable()
+    try:
+        llm = LLM(executor=HistoryExecutor(), tokenizer=None, num_gpu_blocks_override=64, block_size=4,
+                  max_model_len=96)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(n=2, max_tokens=4), use_tqdm=False)
+        ref = weakref.ref(llm.engine)
+        del llm
+        assert ref() is None, "the engine sits in a reference cycle"
+    finally:
+        gc.enable()
+
+
+def test_defect6_step_log_is_bounded_in_entries():
+    engine = sim_engine(num_blocks=400, step_log_max_entries=2000)
+    for i in range(30):
+        engine.add_request({"prompt_token_ids": [i + 1] * 8}, SamplingParams(max_tokens=60, ignore_eos=True))
+    run_all(engine)
+    log = engine.step_log
+    assert log.num_entries <= 2000
+    assert log[-1]["step"] == engine.scheduler.stats.num_steps - 1  # the newest records are kept
+    assert len(log) < engine.scheduler.stats.num_steps
+
+
+def test_defect6_close_and_context_manager():
+    with LLM(executor=HistoryExecutor(), tokenizer=None, num_gpu_blocks_override=64, block_size=4,
+             max_model_len=96) as llm:
+        llm.engine.add_request({"prompt_token_ids": [1, 2]}, GREEDY, "left-running")
+        llm.engine.step()
+    assert llm.engine.pool.num_free == 64 and not llm.engine.requests
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([{"prompt_token_ids": [1, 2]}], GREEDY)
+
+
+# -- defect 7: raw internal errors ------------------------------------------------------------------
+
+def test_defect7_config_errors_are_clear():
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA"):
+            EngineConfig(device="cuda")
+    with pytest.raises(ValueError, match="seed"):
+        EngineConfig(seed="abc")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=2.5)
+    with pytest.raises(ValueError, match="RoPE|trained"):
+        EngineConfig(max_model_len=10**6).resolve(8192)
+
+
+def test_defect7_prompt_errors_are_clear():
+    engine = sim_engine()
+    with pytest.raises(ValueError, match="not both"):
+        engine.add_request({"prompt": "hi", "prompt_token_ids": [1, 2]}, GREEDY)
+    assert not engine.requests
+
+
+@pytest.mark.slow
+def test_defect7_text_errors_are_clear(small_llm):
+    with pytest.raises(ValueError, match="surrogate|Unicode"):
+        small_llm.generate(["bad \ud800 text"], GREEDY)
+    with pytest.raises(ValueError, match="content"):
+        small_llm.chat([{"role": "user", "content": None}], GREEDY)
+    out = small_llm.generate(["fine"], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    assert small_llm.engine.pool.num_free == small_llm.engine.pool.num_blocks
+
+
+# -- the property: random programs of valid and invalid operations ----------------------------------
+
+valid_params = st.builds(
+    SamplingParams,
+    n=st.integers(1, 3),
+    max_tokens=st.integers(1, 12),
+    temperature=st.sampled_from([0.0, 0.7, 1e-12]),
+    seed=st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+    ignore_eos=st.just(True),
+)
+bad_param_kwargs = st.sampled_from([
+    {"n": 0}, {"n": True}, {"max_tokens": 0}, {"max_tokens": True}, {"temperature": float("nan")},
+    {"temperature": -1.0}, {"top_p": 0.0}, {"top_k": -5}, {"seed": 2**64}, {"ignore_eos": "no"},
+    {"stop": [""]}, {"stop_token_ids": [-1]}, {"min_p": 2.0},
+])
+ids = st.sampled_from(["a", "b", "a#0", "a#1", "b#0", "req-0", "req-1", None, ""])
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), ids, valid_params, st.integers(1, 30)),
+    st.tuples(st.just("add_bad"), ids, bad_param_kwargs, st.integers(1, 30)),
+    st.tuples(st.just("add_bad_prompt"), ids, st.sampled_from([[], [-1], ["x"], [True], "12"]), st.just(0)),
+    st.tuples(st.just("step"), st.just(None), st.integers(1, 6), st.just(0)),
+    st.tuples(st.just("abort"), ids, st.just(None), st.just(0)),
+), min_size=1, max_size=30)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=ops, mode=st.sampled_from(["recompute", "swap", "reject"]), prefix=st.sampled_from([None, "radix"]))
+def test_random_programs_of_valid_and_invalid_operations(program, mode, prefix):
+    engine = sim_engine(num_blocks=28, mode=mode, prefix=prefix)
+    added: dict[str, tuple[list[int], SamplingParams]] = {}
+    aborted: set[str] = set()
+    finals: dict = {}
+    for kind, rid, arg, length in program:
+        if kind == "add":
+            prompt = [length % 7 + 1] * length
+            try:
+                got = engine.add_request({"prompt_token_ids": prompt}, arg, rid)
+            except ValueError:
+                assert rid == "" or rid in engine.requests or rid in engine._groups or any(
+                    r.startswith(f"{rid}#") or rid.startswith(f"{r}#") for r in engine.requests
+                ) or any(rid.startswith(f"{g}#") for g in engine._groups), "a valid request was refused"
+                continue
+            added[got] = (prompt, arg)
+        elif kind == "add_bad":
+            with pytest.raises(ValueError):
+                engine.add_request({"prompt_token_ids": [1] * length}, SamplingParams(**arg), rid)
+        elif kind == "add_bad_prompt":
+            with pytest.raises(ValueError):
+                engine.add_request({"prompt_token_ids": arg}, GREEDY, rid)
+        elif kind == "step":
+            for _ in range(arg):
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        elif kind == "abort" and rid:
+            if engine.abort_request(rid):
+                aborted.add(rid)
+        pool = engine.pool
+        held = sum(1 for b in range(pool.num_blocks) if pool.refcount(b))
+        assert held == pool.num_blocks - pool.num_free
+    finals.update(run_all(engine))
+    no_leak(engine)
+    for rid, (prompt, params) in added.items():
+        if rid in aborted or rid not in finals:
+            continue
+        solo = sim_engine(num_blocks=28)
+        solo.add_request({"prompt_token_ids": prompt}, params, rid)
+        ref = run_all(solo)[rid]
+        for got, want in zip(finals[rid].outputs, ref.outputs):
+            if got.finish_reason in ("length", "stop"):
+                assert got.token_ids == want.token_ids, f"{rid} differs from running alone"
