@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import make_labs  # noqa: E402
 
 from minivllm.labs import check_lab01, check_lab02, check_lab03, quiz, widgets, workloads  # noqa: E402
+from minivllm.labs import check_lab05  # noqa: E402
+from minivllm.labs import check_lab04  # noqa: E402
 from minivllm.labs.mutants import MUTANTS  # noqa: E402
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.ipynb"))
@@ -63,6 +65,12 @@ EXERCISES = {
     "block_hashes": ("lab03", "block_hashes", lambda obj: check_lab03.check_block_hashes(obj)),
     "match_prefix": ("lab03", "match_prefix", lambda obj: check_lab03.check_match_prefix(obj, hasher=_hasher())),
     "pick_victim": ("lab03", "pick_victim", lambda obj: check_lab03.check_pick_victim(obj)),
+    "build_batch": ("lab04", "build_batch", lambda obj: check_lab04.check_build_batch(obj)),
+    "itl_stats": ("lab04", "itl_stats", lambda obj: check_lab04.check_itl_stats(obj)),
+    "pick_budget": ("lab04", "pick_budget", lambda obj: check_lab04.check_pick_budget(obj)),
+    "victim_policy": ("lab05", "ProtectInteractive", lambda obj: check_lab05.check_victim_policy(obj)),
+    "swap_or_recompute": ("lab05", "swap_or_recompute", lambda obj: check_lab05.check_swap_or_recompute(obj)),
+    "door_rule": ("lab05", "should_reject", lambda obj: check_lab05.check_should_reject(obj)),
 }
 
 

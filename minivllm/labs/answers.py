@@ -77,3 +77,51 @@ def lab03_exact_repeat_hit_tokens() -> int:
     pool = BlockPool(64)
     recs = replay_prefix_cache(RadixCache(pool, 16), pool, [prompt, prompt], block_size=16)
     return recs[1]["hit_tokens"]
+
+
+def lab04_steps_to_first_token() -> int:
+    """Steps from admission to the first token of a 1,000-token prompt while 3 requests decode (budget 256)."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sampling_params import SamplingParams
+
+    eng = sim_engine(block_size=16, max_num_batched_tokens=256, max_num_seqs=8)
+    for i in range(3):
+        eng.add_request({"prompt_token_ids": [20 + i] * 8}, SamplingParams(max_tokens=50, ignore_eos=True), f"c{i}")
+    eng.step()  # the three short prompts prefill (and sample their first tokens): from now on they decode
+    eng.add_request({"prompt_token_ids": [11] * 1000}, SamplingParams(max_tokens=1, ignore_eos=True), "L")
+    for steps in range(1, 100):
+        if any(o.request_id == "L" and o.finished for o in eng.step()):
+            return steps
+    raise AssertionError("the long prompt never finished")
+
+
+def lab04_stalls_p99_sees() -> int:
+    """Fewest 180 ms stalls among 200 gaps (the rest 15 ms) for the nearest-rank p99 to be a stall."""
+    from minivllm.labs.check_lab04 import percentile
+
+    return next(k for k in range(201) if percentile([0.015] * (200 - k) + [0.180] * k, 99) == 0.180)
+
+
+def lab05_swapped_blocks_for_100_tokens() -> int:
+    """Host blocks a swap preemption fills for a victim with 100 computed tokens (block 16), via the KV manager."""
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.kv_cache_manager import KVCacheManager
+    from minivllm.request import Request
+    from minivllm.sampling_params import SamplingParams
+
+    kv = KVCacheManager(BlockPool(16), 16, cpu_pool=BlockPool(16))
+    req = Request("victim", list(range(10, 110)), SamplingParams(), 0.0)
+    assert kv.allocate_slots(req, 100)
+    req.num_computed_tokens = 100
+    assert kv.swap_out(req)
+    return len(req.cpu_block_ids)
+
+
+def lab05_crossover_gbps() -> float:
+    """Link bandwidth (GB/s, 1 decimal) at which the engine's cost model is indifferent, for lab 5's GPU:
+    2 MiB blocks of 16 tokens, prefill at 50,000 tokens/s."""
+    from minivllm.labs.check_lab05 import BLOCK_SIZE, KV_BYTES_PER_BLOCK, PREFILL_TOKENS_PER_S
+    from minivllm.sched.scheduler import PreemptionCosts
+
+    at_1_byte_per_s = PreemptionCosts(KV_BYTES_PER_BLOCK, 1.0, PREFILL_TOKENS_PER_S)
+    return round(at_1_byte_per_s.swap_s(1) / at_1_byte_per_s.recompute_s(BLOCK_SIZE) / 1e9, 1)

@@ -320,3 +320,347 @@ try:
             return bundle
 except ImportError:  # pragma: no cover
     _Controls = None  # type: ignore[assignment]
+
+
+# -- two tiers: the device pool and the host (swap) tier (lab 5) --------------------------
+
+
+def tier_owners(engine) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """``({request_id: device blocks}, {request_id: host blocks})`` of every request in the engine."""
+    sched = engine.scheduler
+    live = list(sched.running) + list(sched.waiting)
+    device = {r.request_id: list(r.block_ids) for r in live if r.block_ids}
+    host = {r.request_id: list(r.cpu_block_ids) for r in live if r.cpu_block_ids}
+    return device, host
+
+
+def draw_kv_tiers(engine, fig=None, *, colours: dict[str, int] | None = None, cols: int = 12,
+                  title: str | None = None):
+    """The device block pool (left) and the host tier (right) on one figure, coloured by request.
+
+    A request parked in the host tier (status SWAPPED) has its colour on the
+    right and none on the left; after a swap-in it is back on the left.  The
+    title counts what moved in the last step.  ``fig`` is a
+    :class:`matplotlib.figure.Figure` the caller owns (a new one if None);
+    ``colours`` keeps a request's colour stable across redraws.
+    """
+    from matplotlib.figure import Figure
+
+    device, host = tier_owners(engine)
+    colours = {} if colours is None else colours
+    for rid in list(device) + list(host):
+        colours.setdefault(rid, len(colours))
+    gpu, cpu = engine.kv.pool, engine.kv.cpu_pool
+    if fig is None:
+        fig = Figure(figsize=(11, 2.6))
+    fig.clear()
+    ax_gpu, ax_cpu = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    for ax, pool, tables, name in ((ax_gpu, gpu, device, "device (GPU) pool"), (ax_cpu, cpu, host, "host (CPU) tier")):
+        n = pool.num_blocks if pool is not None else 0
+        ncols = min(cols, max(n, 1))
+        rows = max(1, -(-n // ncols))
+        owner = {b: rid for rid, t in tables.items() for b in t}
+        for b in range(n):
+            r, c = divmod(b, ncols)
+            rid = owner.get(b)
+            face = _colour(colours[rid]) if rid is not None else "white"
+            ax.add_patch(Rectangle((c, -r), 0.92, 0.92, facecolor=face, edgecolor="#555555", lw=0.8))
+            ax.text(c + 0.46, -r + 0.46, str(b), ha="center", va="center", fontsize=6)
+        ax.set_xlim(-0.1, ncols)
+        ax.set_ylim(-rows + 0.9, 1.05)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        free = pool.num_free if pool is not None else 0
+        ax.set_title(f"{name}: {free}/{n} free", fontsize=9)
+    names = sorted(colours, key=colours.get)
+    shown = [rid for rid in names if rid in device or rid in host]
+    handles = [Rectangle((0, 0), 1, 1, facecolor=_colour(colours[r])) for r in shown]
+    labels = [r + (" (swapped)" if r in host else "") for r in shown]
+    ax_cpu.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=7, frameon=False)
+    last = engine.step_log[-1] if engine.step_log else None
+    if title is None:
+        title = "before the first step" if last is None else (
+            f"step {last['step']}: preempted {', '.join(last['preempted']) or '-'}, "
+            f"{last['swapped_out']} blocks out, {last['swapped_in']} blocks in")
+    fig.suptitle(title, fontsize=10)
+    fig.subplots_adjust(left=0.01, right=0.87, top=0.8, bottom=0.02, wspace=0.06)
+    return fig
+
+
+def describe_kv_tiers(engine) -> str:
+    """The text fallback of :func:`draw_kv_tiers`: one line per step of what moved, then who holds what."""
+    device, host = tier_owners(engine)
+    last = engine.step_log[-1] if engine.step_log else None
+    head = "before the first step" if last is None else (
+        f"step {last['step']:3d}: preempted {', '.join(last['preempted']) or '-'}, {last['swapped_out']} out, "
+        f"{last['swapped_in']} in")
+    cpu = engine.kv.cpu_pool
+    return (f"{head} | device {engine.pool.num_free}/{engine.pool.num_blocks} free, host "
+            f"{cpu.num_free if cpu else 0}/{cpu.num_blocks if cpu else 0} free | swapped: {sorted(host) or '-'}")
+
+
+def figure_png(fig) -> bytes:
+    """PNG bytes of a Figure the caller owns (no pyplot state involved)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+class TierStepper:
+    """"next step" / "run to end" buttons around an engine with a host tier, redrawing :func:`draw_kv_tiers`.
+
+    The picture is drawn on one :class:`~matplotlib.figure.Figure` this object
+    owns (never pyplot's current figure) and shown as PNG bytes in an
+    ``ipywidgets.Image``.  Without a live kernel (GitHub, nbval, an HTML
+    export) the same PNG is the output's static fallback, with a short text line.
+    """
+
+    def __init__(self, engine, figsize=(11, 2.3), stop: Callable[[Any], bool] | None = None) -> None:
+        from matplotlib.figure import Figure
+
+        self.engine = engine
+        self.fig = Figure(figsize=figsize)
+        self.colours: dict[str, int] = {}
+        self.stop = stop
+        self.widget = None
+        self._image = None
+
+    def png(self) -> bytes:
+        draw_kv_tiers(self.engine, self.fig, colours=self.colours)
+        return figure_png(self.fig)
+
+    def step(self, n: int = 1) -> str:
+        """Run up to ``n`` steps (stopping early when ``stop(engine)`` is true); one text line per step."""
+        lines = []
+        for _ in range(n):
+            if not self.engine.has_unfinished_requests():
+                lines.append("no work left")
+                break
+            self.engine.step()
+            lines.append(describe_kv_tiers(self.engine))
+            if self.stop is not None and self.stop(self.engine):
+                break
+        return "\n".join(lines)
+
+    def show(self):
+        from IPython.display import display
+
+        png = self.png()
+        try:
+            import ipywidgets as w
+        except ImportError:  # static picture only
+            from IPython.display import Image
+
+            display(Image(data=png))
+            return None
+        self._image = w.Image(value=png, format="png")
+        log = w.Output(layout={"max_height": "8em", "overflow": "auto"})
+        buttons = [w.Button(description=d) for d in ("next step", "next swap", "run to end")]
+
+        def refresh(text):
+            with log:
+                print(text)
+            self._image.value = self.png()
+
+        def until_swap(_):
+            out = []
+            for _ in range(10_000):
+                line = self.step(1)
+                out.append(line)
+                last = self.engine.step_log[-1] if self.engine.step_log else {}
+                if line == "no work left" or last.get("swapped_out") or last.get("swapped_in"):
+                    break
+            refresh("\n".join(out[-3:]))
+
+        buttons[0].on_click(lambda _: refresh(self.step(1)))
+        buttons[1].on_click(until_swap)
+        buttons[2].on_click(lambda _: refresh("\n".join(self.step(10_000).splitlines()[-2:])))
+        self.widget = _PictureControls([w.HBox(buttons), self._image, log], png,
+                                       "[KV tiers with step controls: run this notebook in Jupyter to click through]")
+        display(self.widget)
+        return None
+
+
+try:
+    import ipywidgets as _w2
+
+    class _PictureControls(_w2.VBox):
+        """A VBox of controls whose static fallback (no live kernel) is the picture itself (PNG) plus one stable line."""
+
+        def __init__(self, children, png: bytes, caption: str):
+            super().__init__(children)
+            self._png = png
+            self._caption = caption
+
+        def _repr_mimebundle_(self, **kwargs):
+            import base64
+
+            bundle = super()._repr_mimebundle_(**kwargs)
+            if isinstance(bundle, tuple):
+                bundle = bundle[0]
+            bundle = dict(bundle or {})
+            bundle["image/png"] = base64.b64encode(self._png).decode("ascii")
+            bundle["text/plain"] = self._caption
+            return bundle
+except ImportError:  # pragma: no cover
+    _PictureControls = None  # type: ignore[assignment]
+
+
+# -- chunked prefill: time timeline, ITL histogram, budget/threshold sliders (lab 4) ------------
+
+
+def draw_time_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax, starts: Sequence[float] | None = None,
+                       title: str | None = None, max_rows: int = 24):
+    """One row per request, x = time: a prefill chunk is a bar as long as its step; a decode is a tick when
+    its token comes out.
+
+    ``starts[i]`` is the clock before step ``i`` (default: the previous step's
+    end).  A long prefill in one step shows as one long orange bar, and as a
+    white gap of the same length in every decoding row: the stall.
+    """
+    from matplotlib.collections import PolyCollection
+
+    spans: list[tuple[float, float]] = []
+    prev = 0.0
+    for i, e in enumerate(step_log):
+        spans.append((starts[i] if starts is not None else prev, e["time"]))
+        prev = e["time"]
+    end = spans[-1][1] if spans else 1.0
+    tick = 0.005 * (end - (spans[0][0] if spans else 0.0) or 1.0)
+    bars: dict[str, dict[str, list]] = {}
+    first_seen: dict[str, float] = {}
+    for e, (t0, t1) in zip(step_log, spans):
+        for rid, s, n in e["seqs"]:
+            if s >= prompt_lens[rid]:
+                bars.setdefault(rid, {"prefill": [], "decode": []})["decode"].append((t1 - min(tick, t1 - t0), t1))
+            else:
+                bars.setdefault(rid, {"prefill": [], "decode": []})["prefill"].append((t0, t0 + 0.85 * (t1 - t0)))
+            first_seen.setdefault(rid, t0)
+    names = sorted(bars, key=lambda r: (first_seen[r], r))[:max_rows]
+    colours = {"prefill": "#f28e2b", "decode": "#4e79a7"}
+    for kind in ("decode", "prefill"):
+        polys = [[(a, -y - 0.4), (b, -y - 0.4), (b, -y + 0.4), (a, -y + 0.4)]
+                 for y, rid in enumerate(names) for a, b in bars[rid][kind]]
+        ax.add_collection(PolyCollection(polys, facecolors=colours[kind], edgecolors="none"))
+    ax.set_xlim(0, end)
+    ax.set_ylim(-len(names) + 0.4, 0.6)
+    ax.set_yticks([-y for y in range(len(names))], names, fontsize=6)
+    ax.set_xlabel("time (s)")
+    ax.legend([Rectangle((0, 0), 1, 1, color=colours["prefill"]), Rectangle((0, 0), 1, 1, color=colours["decode"])],
+              ["prefill step", "decode token"], loc="upper left", bbox_to_anchor=(1.01, 1),
+              fontsize=7, frameon=False)
+    ax.set_title(title or "who computed what, in time (a white gap in a row = that stream waits)", fontsize=9)
+    return ax
+
+
+def draw_itl_histogram(itls: Sequence[float], *, ax, target: float | None = None, title: str | None = None,
+                       max_ms: float | None = None):
+    """Histogram of inter-token latencies (ms, log count) with p50 / p99 / worst marked."""
+    ms = sorted(1000 * g for g in itls)
+    if not ms:
+        ax.text(0.5, 0.5, "no gaps", ha="center", va="center", transform=ax.transAxes)
+        return ax
+    top = max_ms or max(ms) * 1.05
+    ax.hist(ms, bins=40, range=(0, top), color="#4e79a7", log=True)
+
+    def rank(q):
+        return ms[max(1, -(-len(ms) * q // 100)) - 1]
+
+    for value, label, style, y in ((rank(50), "p50", ":", 0.97), (rank(99), "p99", "--", 0.87),
+                                   (ms[-1], "worst", "-", 0.77)):
+        ax.axvline(value, color="#333333", ls=style, lw=1)
+        ax.text(value, y, f" {label}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+    ax.set_ylim(bottom=0.7)
+    if target is not None:
+        ax.axvline(1000 * target, color="#d62728", lw=1.5)
+        ax.text(1000 * target, 0.6, " target", color="#d62728", transform=ax.get_xaxis_transform(), fontsize=7)
+    ax.set_xlim(0, top)
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("gaps (log)")
+    ax.set_title(title or f"decoders' ITL: p50 {rank(50):.0f} ms, p99 {rank(99):.0f} ms, worst {ms[-1]:.0f} ms",
+                 fontsize=9)
+    return ax
+
+
+def draw_chunking(run: dict, fig=None, *, target: float | None = None, max_ms: float | None = None):
+    """Time timeline (left) and ITL histogram (right) of one run on a Figure the caller owns.
+
+    ``run`` has ``step_log``, ``prompt_lens``, ``itls`` (seconds), ``title`` and optionally ``starts``
+    (see :func:`draw_time_timeline`).
+    """
+    from matplotlib.figure import Figure
+
+    if fig is None:
+        fig = Figure(figsize=(11, 3.4))
+    fig.clear()
+    ax_t, ax_h = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    draw_time_timeline(run["step_log"], run["prompt_lens"], ax=ax_t, starts=run.get("starts"))
+    draw_itl_histogram(run["itls"], ax=ax_h, target=target, max_ms=max_ms)
+    fig.suptitle(run.get("title", ""), fontsize=10)
+    fig.subplots_adjust(left=0.05, right=0.98, top=0.82, bottom=0.15, wspace=0.5)
+    return fig
+
+
+class BudgetExplorer:
+    """Two sliders -- ``max_num_batched_tokens`` and ``long_prefill_token_threshold`` -- that rerun a
+    simulation and redraw :func:`draw_chunking`.
+
+    ``simulate(budget, threshold)`` returns the ``run`` dict :func:`draw_chunking`
+    takes (plus ``summary``, one line of text).  The picture is drawn on a
+    :class:`~matplotlib.figure.Figure` this object owns and shown as PNG bytes
+    in an ``ipywidgets.Image``; without a live kernel the same PNG (and the
+    summary line) is the static fallback.
+    """
+
+    def __init__(self, simulate: Callable[[int, int], dict], *, budget=(64, 4096, 64, 512),
+                 threshold=(0, 2048, 64, 0), target: float | None = None, max_ms: float | None = None,
+                 figsize=(11, 3.4)) -> None:
+        from matplotlib.figure import Figure
+
+        self.simulate = simulate
+        self.budget, self.threshold = budget, threshold
+        self.target, self.max_ms = target, max_ms
+        self.fig = Figure(figsize=figsize)
+        self.widget = None
+
+    def render(self, budget: int, threshold: int) -> tuple[bytes, str]:
+        run = self.simulate(budget, threshold)
+        draw_chunking(run, self.fig, target=self.target, max_ms=self.max_ms)
+        return figure_png(self.fig), run.get("summary", "")
+
+    def show(self):
+        from IPython.display import Image, display
+
+        b, t = self.budget[3], self.threshold[3]
+        png, summary = self.render(b, t)
+        try:
+            import ipywidgets as w
+        except ImportError:  # static picture only
+            display(Image(data=png))
+            print(summary)
+            return None
+        sliders = [w.IntSlider(value=v, min=lo, max=hi, step=st, description=d, continuous_update=False,
+                               style={"description_width": "initial"}, layout={"width": "420px"})
+                   for d, (lo, hi, st, v) in (("max_num_batched_tokens", self.budget),
+                                              ("long_prefill_token_threshold", self.threshold))]
+        image = w.Image(value=png, format="png")
+        label = w.Label(value=summary)
+
+        def redraw(_=None):
+            png2, text = self.render(sliders[0].value, sliders[1].value)
+            image.value, label.value = png2, text
+
+        for s in sliders:
+            s.observe(redraw, names="value")
+        self.widget = _PictureControls([w.VBox(sliders), image, label], png,
+                                       "[budget and threshold sliders: run this notebook in Jupyter to move them]")
+        display(self.widget)
+        print(summary)
+        return None
+
+

@@ -1,0 +1,489 @@
+"""Checkers for lab 4 (chunked prefill): a batch builder, ITL percentiles, a budget sweep.
+
+Also the lab's measurement harness, so the notebook, the quiz answers and the
+tests compute the same numbers:
+
+* :func:`install_batch_builder` -- the seam: a learner's
+  ``build_batch(running, budget, threshold) -> [(request, num_tokens), ...]``
+  replaces step 2 of the engine's loop (:meth:`Scheduler.build_batch`);
+* :func:`mixed_arrivals` / :func:`serve` -- chat requests decoding while long
+  prompts (the lesson's "64K-token prompt", scaled down to 8K) keep arriving,
+  run on the engine's virtual clock;
+* :func:`summarize`, :func:`throughput_run` -- what the sweeps print.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from minivllm.config import EngineConfig
+from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.workloads import random_requests, run_engine, sim_engine
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
+from minivllm.sched.output import ScheduledBatch, ScheduledSeq
+from minivllm.sched.scheduler import Scheduler
+from minivllm.sim.executor import SimulatedExecutor
+
+# A GPU-like step cost (as in labs 1 and 5): 15 ms per step + 0.02 ms per token in it.
+GPU_LIKE = dict(fixed_overhead_s=0.015, per_token_s=0.00002, per_context_token_s=0.0)
+LONG_PROMPT = 8192  # the lesson's 64K-token prompt, scaled down 8x
+NO_CHUNKING = 16384  # a budget above every step's demand (and chunked prefill off): whole prompts in one step
+
+BuildBatch = Callable[[list, int, int], list]
+
+
+# -- the seam: a learner's batch builder inside the engine ---------------------------------
+
+
+class BatchBuilderScheduler(Scheduler):
+    """The engine's scheduler with step 2 (build the batch) done by ``fn``.
+
+    Admission (step 1) and allocation (step 3) stay the engine's.  ``budget``
+    and ``threshold`` default to the engine's ``max_num_batched_tokens`` and
+    ``long_prefill_token_threshold``; giving them lets one loaded model run
+    under another budget.  Assumes chunked prefill is on.
+    """
+
+    def __init__(self, base: Scheduler, fn: BuildBatch, budget: int | None = None,
+                 threshold: int | None = None) -> None:
+        self.__dict__.update(base.__dict__)  # same queues, config, KV manager, policies
+        self.fn = fn
+        self.budget = budget if budget is not None else base.config.max_num_batched_tokens
+        self.threshold = threshold if threshold is not None else base.config.long_prefill_token_threshold
+
+    def build_batch(self) -> ScheduledBatch:
+        batch = ScheduledBatch(rejected=self._rejected)
+        self._rejected = []
+        seen = set()
+        total = 0
+        for req, n in self.fn(list(self.running), self.budget, self.threshold):
+            if req not in self.running or id(req) in seen:
+                raise ValueError(f"build_batch returned {getattr(req, 'request_id', req)!r}, which is not "
+                                 f"a running request or appears twice")
+            if not 1 <= n <= req.num_uncomputed_tokens:
+                raise ValueError(f"build_batch gave {req.request_id!r} {n} tokens; it has "
+                                 f"{req.num_uncomputed_tokens} to compute (give 1 .. that many, or leave it out)")
+            seen.add(id(req))
+            total += n
+            batch.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
+        if total > self.budget:
+            raise ValueError(f"build_batch scheduled {total} tokens, over the budget of {self.budget}")
+        batch.seqs.sort(key=lambda s: s.num_tokens != 1)  # one-token rows first: the attention backends' layout
+        return batch
+
+
+def install_batch_builder(engine, fn: BuildBatch, *, budget: int | None = None, threshold: int | None = None):
+    """Make ``engine`` build every batch with ``fn`` (call before adding requests); returns the engine."""
+    engine.scheduler = BatchBuilderScheduler(engine.scheduler, fn, budget, threshold)
+    return engine
+
+
+def _scheduler(budget: int, threshold: int) -> Scheduler:
+    config = EngineConfig(max_num_batched_tokens=budget, long_prefill_token_threshold=threshold, device="cpu")
+    return Scheduler(config, kv=None)  # build_batch never touches the KV manager
+
+
+def engine_build_batch(running: list, budget: int, threshold: int) -> list:
+    """The engine's own step 2 (``Scheduler.build_batch``) on ``running``: the fallback and the oracle."""
+    s = _scheduler(budget, threshold)
+    s.running = list(running)
+    return [(q.request, q.num_tokens) for q in s.build_batch().seqs]
+
+
+# -- request states for the checker ----------------------------------------------------------
+
+
+def _req(rid: str, prompt: int, computed: int = 0, outputs: int = 0) -> Request:
+    r = Request(rid, list(range(10, 10 + prompt)), SamplingParams(max_tokens=max(outputs, 1) + 64), 0.0)
+    r.output_token_ids = [5] * outputs
+    r.num_computed_tokens = computed
+    return r
+
+
+def decode(rid: str, prompt: int = 12, outputs: int = 3) -> Request:
+    """A request whose only uncomputed token is its last sampled one."""
+    return _req(rid, prompt, prompt + outputs - 1, outputs)
+
+
+def prefill(rid: str, prompt: int, computed: int = 0) -> Request:
+    return _req(rid, prompt, computed)
+
+
+def random_running(rng: random.Random, n_max: int = 8) -> list:
+    """A running set mixing decodes, fresh and part-done prefills, last-token prefills and recomputes."""
+    out = []
+    for i in range(rng.randint(0, n_max)):
+        kind = rng.choice(["decode", "decode", "fresh", "partial", "last", "recompute"])
+        p = rng.randint(2, 80)
+        if kind == "decode":
+            out.append(decode(f"d{i}", p, rng.randint(1, 9)))
+        elif kind == "fresh":
+            out.append(prefill(f"f{i}", p))
+        elif kind == "partial":
+            out.append(prefill(f"p{i}", p, rng.randint(1, p - 1)))
+        elif kind == "last":
+            out.append(prefill(f"l{i}", p, p - 1))
+        else:
+            out.append(_req(f"r{i}", p, 0, rng.randint(1, 9)))
+    return out
+
+
+def _as_dict(pairs) -> dict:
+    """``{request_id: num_tokens}``; a request listed twice shows as ``('twice', n1, n2)``."""
+    out: dict = {}
+    for req, n in pairs:
+        rid = req.request_id
+        out[rid] = ("twice", out[rid], n) if rid in out else n
+    return out
+
+
+def _random_states_match(fn: BuildBatch, n: int = 300, seed: int = 4) -> str:
+    rng = random.Random(seed)
+    for i in range(n):
+        running = random_running(rng)
+        budget = rng.randint(1, 96)
+        threshold = rng.choice([0, 0, rng.randint(1, 40)])
+        before = [(r.num_computed_tokens, r.num_tokens) for r in running]
+        got = _as_dict(fn(list(running), budget, threshold))
+        if [(r.num_computed_tokens, r.num_tokens) for r in running] != before:
+            return f"state {i}: your function changed a request (num_computed_tokens or its tokens)"
+        want = _as_dict(engine_build_batch(running, budget, threshold))
+        if got != want:
+            state = [(r.request_id, "decode" if r.is_decode else "prefill", r.num_uncomputed_tokens) for r in running]
+            return (f"state {i}: budget={budget}, threshold={threshold}, running (id, kind, uncomputed)={state}: "
+                    f"engine {want}, yours {got}")
+    return f"all {n} match"
+
+
+def _sim_trace(fn: BuildBatch | None):
+    """A small mixed run (chats decoding, long prompts arriving) with the engine's or ``fn``'s step 2."""
+    eng = sim_engine(num_blocks=128, block_size=8, max_num_seqs=6, max_num_batched_tokens=40, model_max_len=512,
+                     long_prefill_token_threshold=24)
+    if fn is not None:
+        install_batch_builder(eng, fn)
+    reqs = random_requests(10, seed=7, prompt_range=(3, 150), output_range=(2, 20))
+    finals = run_engine(eng, reqs, max_steps=3000)
+    return len(finals), [e["seqs"] for e in eng.step_log]
+
+
+# -- exercise 1: the batch builder --------------------------------------------------------------
+
+
+def check_build_batch(fn: BuildBatch) -> CheckResult:
+    """Check ``fn(running, budget, threshold) -> [(request, num_tokens), ...]`` (chunked prefill on)."""
+    def run(running, budget, threshold=0):
+        return lambda f: _as_dict(f(list(running), budget, threshold))
+
+    d1, d2, d3 = decode("d1"), decode("d2"), decode("d3")
+    P = prefill("P", 100)
+    expected_trace = _sim_trace(None)
+    cases = [
+        Case("nothing running", run([], 64), {}, "no running requests: return an empty list"),
+        Case("three decodes, ample budget", run([d1, d2, d3], 64), {"d1": 1, "d2": 1, "d3": 1},
+             "a decode (req.is_decode) computes exactly one token"),
+        Case("a short prompt fits whole", run([prefill("a", 20)], 64), {"a": 20},
+             "a prefill asks for req.num_uncomputed_tokens"),
+        Case("a long prompt is chunked to the budget", run([P], 16), {"P": 16},
+             "never schedule more tokens than the budget left: a chunk is min(what it wants, budget left)"),
+        Case("a chunk continues where the last one stopped", run([prefill("b", 100, 90)], 64), {"b": 10},
+             "ask for num_uncomputed_tokens (tokens - computed), not the whole prompt"),
+        Case("decodes first, even when listed after a prefill", run([P, d1, d2], 10), {"d1": 1, "d2": 1, "P": 8},
+             "take every decode before any prefill, so a running stream never stalls; prefills share what is left"),
+        Case("decodes alone use up the budget", run([d1, d2, d3], 2), {"d1": 1, "d2": 1},
+             "stop when the budget is spent (in running order); never add a row with 0 tokens"),
+        Case("prefills share what is left, in running order", run([prefill("x", 40), prefill("y", 40)], 50),
+             {"x": 40, "y": 10}, "subtract each row's num_tokens (not 1 per row) from the budget"),
+        Case("the threshold caps a long prefill", run([P, prefill("s", 30)], 100, 16), {"P": 16, "s": 16},
+             "long_prefill_token_threshold: no single request takes more than `threshold` tokens in one step"),
+        Case("threshold 0 means no cap", run([P], 64, 0), {"P": 64}, "treat threshold == 0 as 'no per-request cap'"),
+        Case("the threshold never raises a chunk", run([prefill("c", 100, 95)], 64, 16), {"c": 5},
+             "the cap is min(uncomputed, threshold), not the threshold itself"),
+        Case("the last prompt token is prefill, not decode", run([prefill("L", 20, 19), d1, d2], 2),
+             {"d1": 1, "d2": 1}, "classify with req.is_decode, not 'one token left': a 1-token prefill chunk "
+                                 "still waits behind the decodes"),
+        Case("a preempted request recomputes its outputs too", run([_req("R", 20, 0, 5)], 64), {"R": 25},
+             "after preemption (recompute) prompt AND generated tokens lack KV: use num_uncomputed_tokens"),
+        Case("300 random states vs the engine's Scheduler.build_batch", _random_states_match, "all 300 match",
+             "the first differing state is shown; compare it with the rules above"),
+        Case("the real engine with your builder runs step for step like its own", _sim_trace, expected_trace,
+             "install_batch_builder(engine, fn) runs your function as step 2 of every engine step",
+             show_expected=f"{expected_trace[0]} requests finished, the same step log as the engine's"),
+    ]
+    return run_checks("build_batch", fn, cases)
+
+
+# -- exercise 2: ITL percentile and worst gap --------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least ``q`` % of the values at or below it (0.0 for none)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+
+
+def engine_itl_stats(token_times: dict, q: float = 99) -> tuple[float, float]:
+    """``(q-th percentile ITL, worst ITL)`` over every request's gaps: the fallback."""
+    gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+    return (percentile(gaps, q), max(gaps)) if gaps else (0.0, 0.0)
+
+
+def _times(gaps: Sequence[float], start: float = 0.0) -> list[float]:
+    out = [start]
+    for g in gaps:
+        out.append(out[-1] + g)
+    return out
+
+
+def check_itl_stats(fn) -> CheckResult:
+    """Check ``fn(token_times: {request_id: [times]}, q=99) -> (p_q ITL, worst ITL)``."""
+    hundred = {"a": _times(range(1, 51)), "b": _times(range(51, 101), 1000)}
+    one_fifty = {"a": _times(range(150, 0, -1))}
+    one_stall = {"a": _times([1] * 199 + [10])}
+    three_stalls = {f"r{i}": _times([1] * 66 + [10]) for i in range(3)}
+
+    def real(f):
+        eng = sim_engine(block_size=8, max_num_batched_tokens=32, max_num_seqs=4, model_max_len=512)
+        finals = run_engine(eng, random_requests(6, seed=1, prompt_range=(4, 120), output_range=(3, 30)))
+        times = {rid: o.metrics.token_times for rid, o in finals.items()}
+        return f(times, 90) == engine_itl_stats(times, 90) and f(times) == engine_itl_stats(times)
+
+    cases = [
+        Case("no requests", lambda f: f({}), (0.0, 0.0), "no gaps at all: return (0.0, 0.0)"),
+        Case("one token each: no gaps", lambda f: f({"a": [1.0], "b": [2.0]}), (0.0, 0.0),
+             "a request with a single token has no inter-token gap (its first token is TTFT, not ITL)"),
+        Case("gaps are per request, never across requests", lambda f: f({"a": [0, 4, 8], "b": [1, 5, 9]}, 50),
+             (4, 4), "take differences of consecutive times WITHIN each request's list; two streams interleaved "
+                     "in time do not shorten each other's gaps"),
+        Case("q is a percentage: q=50 of 1,2,3,4 is 2", lambda f: f({"a": _times([3, 1, 4, 2])}, 50), (2, 4),
+             "sort the gaps first; nearest rank: the value at position ceil(q/100 * n) counting from 1"),
+        Case("p99 of 100 gaps is the 99th smallest", lambda f: f(hundred), (99, 100),
+             "nearest rank counts from 1: index ceil(0.99 * 100) - 1 = 98 in a 0-based sorted list"),
+        Case("p99 of 150 gaps rounds the rank up", lambda f: f(one_fifty), (149, 150),
+             "0.99 * 150 = 148.5: round UP to rank 149 (math.ceil), i.e. index 148"),
+        Case("one stall in 200 gaps: p99 misses it, the worst gap does not", lambda f: f(one_stall), (1, 10),
+             "worst = the largest gap, whatever the percentile is"),
+        Case("three stalls in 201 gaps: p99 sees them", lambda f: f(three_stalls), (10, 10),
+             "ceil(0.99 * 201) = 199: the 199th smallest gap is a stall"),
+        Case("q=100 is the worst gap", lambda f: f(hundred, 100), (100, 100), "rank ceil(1.0 * n) = n: the largest"),
+        Case("token times from a real engine run", real, True, "per request: token_times[i+1] - token_times[i]"),
+    ]
+    return run_checks("itl_stats", fn, cases)
+
+
+# -- exercise 3: pick the budget ---------------------------------------------------------------------
+
+
+def engine_pick_budget(measure: Callable[[int], dict], budgets: Sequence[int], itl_target_s: float):
+    """The largest budget whose p99 ITL meets the target, or None: the fallback."""
+    ok = [b for b in budgets if measure(b)["itl_p99"] <= itl_target_s]
+    return max(ok) if ok else None
+
+
+class _Measure:
+    """A fake sweep: ``{budget: (p99, worst)}``; counts calls."""
+
+    def __init__(self, table: dict) -> None:
+        self.table, self.calls = table, 0
+
+    def __call__(self, budget: int) -> dict:
+        self.calls += 1
+        p99, worst = self.table[budget]
+        return {"itl_p99": p99, "itl_worst": worst, "itl_p50": p99 / 4, "ttft_long": 1.0 / budget,
+                "tokens_per_s": float(budget)}
+
+
+def check_pick_budget(fn) -> CheckResult:
+    """Check ``fn(measure, budgets, itl_target_s) -> budget or None``."""
+    curve = {128: (0.010, 0.011), 256: (0.020, 0.030), 512: (0.030, 0.045), 1024: (0.040, 0.060)}
+
+    def pick(table, budgets, target):
+        return lambda f: f(_Measure(table), list(budgets), target)
+
+    def calls(f):
+        m = _Measure(curve)
+        f(m, list(curve), 0.030)
+        return m.calls
+
+    def sim(f):
+        def measure(budget):
+            return summarize(serve(mixed_arrivals(num_long=2, seed=3), budget)[1])
+        budgets = [256, 1024, 4096, NO_CHUNKING]
+        return f(measure, budgets, 0.040) == engine_pick_budget(measure, budgets, 0.040)
+
+    cases = [
+        Case("one budget, and it meets the target", pick({256: (0.02, 0.03)}, [256], 0.05), 256,
+             "return the budget when its measure(b)['itl_p99'] <= the target"),
+        Case("no budget meets the target", pick(curve, list(curve), 0.005), None,
+             "return None when nothing qualifies (don't fall back to some budget)"),
+        Case("the largest budget that meets the target", pick(curve, list(curve), 0.035), 512,
+             "a bigger budget means more throughput and a faster long prompt: keep the LARGEST that qualifies"),
+        Case("exactly on target counts as meeting it", pick(curve, list(curve), 0.030), 512,
+             "meets = p99 <= target (not <)"),
+        Case("budgets in any order", pick(curve, [1024, 128, 512, 256], 0.030), 512,
+             "don't assume the list is sorted: take the max of those that qualify"),
+        Case("judged on p99, not on the worst gap", pick(curve, list(curve), 0.041), 1024,
+             "the target is on measure(b)['itl_p99']; the worst gap is reported, not the criterion"),
+        Case("each budget measured once", calls, 4,
+             "a measurement is a whole run: call measure(b) once per budget and keep the result"),
+        Case("a real sweep on the simulated engine", sim, True, "measure(b) runs the engine; compare its 'itl_p99'"),
+    ]
+    return run_checks("pick_budget", fn, cases)
+
+
+def engine_reference() -> tuple[Callable, Callable, Callable]:
+    """``(build_batch, itl_stats, pick_budget)`` as the engine does them: the fallbacks."""
+    return engine_build_batch, engine_itl_stats, engine_pick_budget
+
+
+# -- the measurement harness -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float
+    request_id: str
+    prompt: tuple
+    max_tokens: int
+
+
+def mixed_arrivals(*, num_long: int = 5, long_len: int = LONG_PROMPT, long_every_s: float = 1.0,
+                   first_long_s: float = 0.5, chat_every_s: float = 0.12, chat_prompt=(32, 96),
+                   chat_output=(60, 120), seed: int = 0, shared_long_prefix: bool = False) -> list[Arrival]:
+    """Chat requests (``c*``: short prompt, long answer) arriving all along, and ``num_long`` long prompts
+    (``L*``, 8 output tokens) every ``long_every_s``.  With ``shared_long_prefix`` every long prompt is the
+    same document followed by its own 32-token question (a prefix-cache workload)."""
+    rng = random.Random(seed)
+    out = []
+    t, i = 0.0, 0
+    horizon = first_long_s + num_long * long_every_s
+    while t < horizon:
+        prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(*chat_prompt)))
+        out.append(Arrival(round(t, 6), f"c{i}", prompt, rng.randint(*chat_output)))
+        t += rng.expovariate(1 / chat_every_s)
+        i += 1
+    doc = tuple(rng.randrange(10, 900) for _ in range(long_len))
+    for k in range(num_long):
+        if shared_long_prefix:
+            prompt = doc + tuple(rng.randrange(10, 900) for _ in range(32))
+        else:
+            prompt = tuple(rng.randrange(10, 900) for _ in range(long_len))
+        out.append(Arrival(round(first_long_s + k * long_every_s, 6), f"L{k}", prompt, 8))
+    return sorted(out, key=lambda a: (a.time, a.request_id))
+
+
+def lab_engine(budget: int, threshold: int = 0, *, builder: BuildBatch | None = None, **options: Any):
+    """The lab's simulated engine: GPU-like step cost, room for 8K prompts; ``budget >= NO_CHUNKING``
+    turns chunked prefill off (every prompt in one step)."""
+    chunked = budget < NO_CHUNKING
+    eng = sim_engine(num_blocks=4096, block_size=16, max_num_seqs=32, model_max_len=16384,
+                     max_num_batched_tokens=budget, long_prefill_token_threshold=threshold if chunked else 0,
+                     enable_chunked_prefill=chunked, executor=SimulatedExecutor(**GPU_LIKE), **options)
+    if builder is not None and chunked:
+        install_batch_builder(eng, builder)
+    return eng
+
+
+def run_arrivals(engine, arrivals: Sequence[Arrival], *, max_steps: int = 200_000) -> dict:
+    """Step ``engine``, adding each request once its virtual clock reaches the arrival time.
+
+    When the engine is idle the clock jumps to the next arrival.  The clock
+    before each step is kept in ``engine.lab_step_starts`` (aligned with
+    ``engine.step_log``; see :func:`step_durations`).  Returns
+    ``{request_id: final RequestOutput}``.
+    """
+    clock = engine.executor
+    starts = engine.__dict__.setdefault("lab_step_starts", [])
+    finals: dict = {}
+    k = 0
+    for _ in range(max_steps):
+        if k >= len(arrivals) and not engine.has_unfinished_requests():
+            break
+        if not engine.has_unfinished_requests() and k < len(arrivals) and arrivals[k].time > clock.now():
+            clock.clock = arrivals[k].time  # idle: nothing happens until the next arrival
+        while k < len(arrivals) and arrivals[k].time <= clock.now():
+            a = arrivals[k]
+            engine.add_request({"prompt_token_ids": list(a.prompt)},
+                               SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id,
+                               arrival_time=a.time)
+            k += 1
+        starts.append(clock.now())
+        for o in engine.step():
+            if o.finished:
+                finals[o.request_id] = o
+    return finals
+
+
+def step_starts(engine) -> list[float]:
+    """The clock before each step of ``engine.step_log`` (recorded by :func:`run_arrivals`; else the
+    previous step's end)."""
+    recorded = getattr(engine, "lab_step_starts", None)
+    if recorded is not None and len(recorded) == len(engine.step_log):
+        return list(recorded)
+    out, prev = [], 0.0
+    for e in engine.step_log:
+        out.append(prev)
+        prev = e["time"]
+    return out
+
+
+def step_durations(engine) -> list[float]:
+    """Seconds each step of ``engine.step_log`` took."""
+    return [e["time"] - s for e, s in zip(engine.step_log, step_starts(engine))]
+
+
+def serve(arrivals: Sequence[Arrival], budget: int, threshold: int = 0, *, builder: BuildBatch | None = None,
+          **options: Any):
+    """``(engine, finals)``: ``arrivals`` served by :func:`lab_engine` (``budget``, ``threshold``, ``builder``)."""
+    eng = lab_engine(budget, threshold, builder=builder, **options)
+    return eng, run_arrivals(eng, arrivals)
+
+
+def decoder_times(finals: dict) -> dict:
+    """Token times of the chat requests (the streams a long prompt can stall)."""
+    return {rid: o.metrics.token_times for rid, o in finals.items() if rid.startswith("c")}
+
+
+def summarize(finals: dict, itl_stats: Callable = engine_itl_stats) -> dict:
+    """The numbers the lab prints: decoders' ITL p50/p99/worst, TTFTs (seconds)."""
+    times = decoder_times(finals)
+    p50, _ = itl_stats(times, 50)
+    p99, worst = itl_stats(times, 99)
+    long_ttft = [o.metrics.ttft for rid, o in finals.items() if rid.startswith("L")]
+    chat_ttft = [o.metrics.ttft for rid, o in finals.items() if rid.startswith("c")]
+    return {"itl_p50": p50, "itl_p99": p99, "itl_worst": worst,
+            "ttft_long": sum(long_ttft) / len(long_ttft) if long_ttft else 0.0,
+            "ttft_chat_p99": percentile(chat_ttft, 99)}
+
+
+def throughput_run(budget: int, threshold: int = 0, *, builder: BuildBatch | None = None, n: int = 64,
+                   seed: int = 3) -> float:
+    """Tokens (prompt + output) per second of a saturated backlog: ``n`` requests queued at t=0."""
+    eng = lab_engine(budget, threshold, builder=builder)
+    reqs = random_requests(n, seed=seed, prompt_range=(256, 2048), output_range=(16, 64))
+    run_engine(eng, reqs)
+    return sum(len(p) + m for p, m in reqs) / eng.executor.now()
+
+
+def prefill_block(engine, request_id: str, prompt_len: int) -> tuple[int, float]:
+    """``(steps that carried request_id's prefill, the longest of those steps in seconds)``."""
+    longest, steps = 0.0, 0
+    for e, dt in zip(engine.step_log, step_durations(engine)):
+        if any(rid == request_id and s < prompt_len for rid, s, _ in e["seqs"]):
+            steps += 1
+            longest = max(longest, dt)
+    return steps, longest
+
+
+__all__ = [
+    "Arrival", "BatchBuilderScheduler", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "check_build_batch",
+    "check_itl_stats", "check_pick_budget", "decoder_times", "engine_build_batch", "engine_itl_stats",
+    "engine_pick_budget", "engine_reference", "install_batch_builder", "lab_engine", "mixed_arrivals",
+    "percentile", "prefill_block", "run_arrivals", "serve", "step_durations", "step_starts", "summarize",
+    "throughput_run",
+]

@@ -1,0 +1,404 @@
+"""Checkers for lab 5 (preemption): a victim chooser, the swap-or-recompute rule, a reject rule at the door.
+
+Also the lab's shared measurement harness: one seeded, overloaded, multi-tenant
+workload (:func:`overload_workload`), an arrival loop on the engine's virtual
+clock that asks a *door* rule before every ``add_request`` (:func:`serve`), and
+the summary the lab prints (:class:`ServeResult`).  The quiz answers and the
+tests call the same functions, so the numbers in the notebook cannot drift.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.sampling_params import SamplingParams
+from minivllm.sched.scheduler import PreemptionCosts
+from minivllm.sim.executor import SimulatedExecutor
+
+# A GPU-like step cost (as in lab 1) and a Llama-8B-like KV block: 16 tokens x 128 KiB per token (fp16) = 2 MiB.
+GPU_LIKE = dict(fixed_overhead_s=0.015, per_token_s=0.00002, per_context_token_s=0.0)
+PREFILL_TOKENS_PER_S = 1 / GPU_LIKE["per_token_s"]  # 50,000 prompt tokens per second
+BLOCK_SIZE = 16
+KV_BYTES_PER_BLOCK = 16 * 128 * 1024
+PCIE4_BYTES_PER_S = 25e9
+
+
+def executor(link_bytes_per_s: float = PCIE4_BYTES_PER_S) -> SimulatedExecutor:
+    """The simulated GPU of this lab, with a host link of ``link_bytes_per_s``."""
+    return SimulatedExecutor(**GPU_LIKE, kv_bytes_per_block=KV_BYTES_PER_BLOCK, swap_bytes_per_s=link_bytes_per_s)
+
+
+# -- the workload and the arrival loop ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float
+    request_id: str
+    tenant: str
+    prompt: tuple
+    max_tokens: int
+
+
+TENANTS = {  # tenant: (share of arrivals, prompt tokens, output tokens)
+    "chat": (0.5, (32, 192), (32, 160)),
+    "agent": (0.3, (256, 640), (64, 192)),
+    "batch": (0.2, (512, 1024), (128, 320)),
+}
+
+
+def overload_workload(n: int = 96, *, rate_per_s: float = 24.0, seed: int = 0) -> list[Arrival]:
+    """``n`` requests from three tenants arriving as a Poisson process of ``rate_per_s``, reproducible."""
+    rng = random.Random(seed)
+    names = list(TENANTS)
+    weights = [TENANTS[t][0] for t in names]
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate_per_s)
+        tenant = rng.choices(names, weights)[0]
+        _, (p_lo, p_hi), (o_lo, o_hi) = TENANTS[tenant]
+        prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(p_lo, p_hi)))
+        out.append(Arrival(round(t, 6), f"{tenant}-{i}", tenant, prompt, rng.randint(o_lo, o_hi)))
+    return out
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank), 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = max(0, min(len(ordered) - 1, -(-len(ordered) * q // 100) - 1))
+    return ordered[int(k)]
+
+
+@dataclass
+class ServeResult:
+    """What one run of :func:`serve` measured."""
+
+    stats: dict
+    latency: dict[str, float] = field(default_factory=dict)  # request id -> arrival to last token (s)
+    ttft: dict[str, float] = field(default_factory=dict)
+    preemptions: dict[str, int] = field(default_factory=dict)  # request id -> times preempted
+    tenant_of: dict[str, str] = field(default_factory=dict)
+    rejected_at_door: list[str] = field(default_factory=list)
+    rejected_by_engine: list[str] = field(default_factory=list)
+    makespan: float = 0.0
+    output_tokens: int = 0
+    steps: int = 0
+    mean_running: float = 0.0  # requests in the batch, averaged over steps
+
+    @property
+    def num_rejected(self) -> int:
+        return len(self.rejected_at_door) + len(self.rejected_by_engine)
+
+    def p99(self) -> float:
+        return percentile(list(self.latency.values()), 99)
+
+    def ttft_p99(self) -> float:
+        return percentile(list(self.ttft.values()), 99)
+
+    def preemption_rate(self, tenant: str) -> float:
+        """Preemptions per served request of ``tenant``."""
+        served = [r for r in self.latency if self.tenant_of[r] == tenant]
+        return sum(self.preemptions[r] for r in served) / len(served) if served else 0.0
+
+    def row(self) -> dict:
+        s = self.stats
+        return {"preemptions": s["num_preemptions"], "recomputed tok": s["recomputed_tokens"],
+                "swap MB": (s["swapped_out_bytes"] + s["swapped_in_bytes"]) / 1e6, "rejected": self.num_rejected,
+                "p99 latency s": self.p99(), "tokens/s": self.output_tokens / self.makespan if self.makespan else 0.0}
+
+
+def serve(engine, arrivals: Sequence[Arrival], door: Callable[[dict], bool] | None = None,
+          max_steps: int = 200_000) -> ServeResult:
+    """Feed ``arrivals`` to ``engine`` on its virtual clock; ``door(engine.stats())`` may turn one away.
+
+    Each arrival is offered when the engine's clock reaches its time (an idle
+    engine's clock jumps to the next arrival).  ``door`` returning True is a
+    429: the request is never added.  Returns latencies, preemptions per
+    request and the engine's counters at the end.
+    """
+    ex = engine.executor
+    res = ServeResult(stats={})
+    pending = list(arrivals)
+    i = 0
+    for _ in range(max_steps):
+        if i < len(pending) and not engine.has_unfinished_requests() and ex.clock < pending[i].time:
+            ex.clock = pending[i].time  # idle: jump to the next arrival
+        while i < len(pending) and pending[i].time <= ex.clock:
+            a = pending[i]
+            i += 1
+            res.tenant_of[a.request_id] = a.tenant
+            if door is not None and door(engine.stats()):
+                res.rejected_at_door.append(a.request_id)
+                continue
+            engine.add_request({"prompt_token_ids": list(a.prompt)},
+                               SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                               a.request_id, tenant=a.tenant, arrival_time=a.time)
+        if not engine.has_unfinished_requests():
+            if i >= len(pending):
+                break
+            continue
+        for out in engine.step():
+            if not out.finished:
+                continue
+            if out.outputs[0].finish_reason == "rejected":
+                res.rejected_by_engine.append(out.request_id)
+                continue
+            m = out.metrics
+            res.latency[out.request_id] = m.finished_time - m.arrival_time
+            res.ttft[out.request_id] = m.ttft
+            res.preemptions[out.request_id] = m.num_preemptions
+            res.output_tokens += len(out.outputs[0].token_ids)
+    res.stats = engine.stats()
+    res.steps = len(engine.step_log)
+    res.mean_running = sum(e["running"] for e in engine.step_log) / max(1, len(engine.step_log))
+    res.makespan = ex.clock - (arrivals[0].time if arrivals else 0.0)
+    return res
+
+
+def lab_engine(*, num_blocks: int = 384, preemption_mode: str = "recompute", num_cpu_blocks: int = 2048,
+               link_bytes_per_s: float = PCIE4_BYTES_PER_S, max_num_seqs: int = 48,
+               max_num_batched_tokens: int = 1024, **options: Any):
+    """The lab's simulated engine: a real ``LLMEngine`` on :func:`executor`."""
+    from minivllm.labs.workloads import sim_engine
+
+    if preemption_mode in ("swap", "auto"):
+        options.setdefault("num_cpu_blocks_override", num_cpu_blocks)
+    return sim_engine(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, model_max_len=2048,
+                      preemption_mode=preemption_mode, executor=executor(link_bytes_per_s), **options)
+
+
+# -- the engine-side fallbacks (used by the lab until a checker passes) -------------------
+
+
+class ReferenceVictim:
+    """Exercise 1's rule, written once here: spare protected tenants, then the least work lost, newest on ties."""
+
+    def __init__(self, protected_tenants: Sequence[str] = ("chat",)) -> None:
+        self.protected = set(protected_tenants)
+
+    def choose_victim(self, running):
+        pool = [r for r in running if r.tenant not in self.protected] or list(running)
+        best = pool[-1]
+        for r in reversed(pool):
+            if r.num_computed_tokens < best.num_computed_tokens:
+                best = r
+        return best
+
+
+def reference_swap_or_recompute(num_tokens: int, num_blocks: int, *, bytes_per_block: int, link_bytes_per_s: float,
+                                prefill_tokens_per_s: float) -> str:
+    """The engine's :class:`PreemptionCosts` rule, as exercise 2 asks for it."""
+    costs = PreemptionCosts(bytes_per_block, link_bytes_per_s, prefill_tokens_per_s)
+    return "swap" if costs.prefers_swap(num_tokens, num_blocks) else "recompute"
+
+
+def reference_should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
+    waiting = stats["num_waiting"]
+    return waiting >= max_waiting or (waiting > 0 and stats["free_blocks"] < min_free_blocks)
+
+
+class RuleCosts:
+    """A :class:`~minivllm.interfaces.PreemptionCostModel` around a ``swap_or_recompute`` function."""
+
+    def __init__(self, rule: Callable[..., str], *, bytes_per_block: int = KV_BYTES_PER_BLOCK,
+                 link_bytes_per_s: float = PCIE4_BYTES_PER_S, prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S):
+        self.rule = rule
+        self.link = dict(bytes_per_block=bytes_per_block, link_bytes_per_s=link_bytes_per_s,
+                         prefill_tokens_per_s=prefill_tokens_per_s)
+        self.decisions: list[tuple[int, int, str]] = []
+
+    def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        choice = self.rule(num_tokens, num_blocks, **self.link)
+        self.decisions.append((num_tokens, num_blocks, choice))
+        return choice == "swap"
+
+
+# -- exercise 1: the victim chooser ------------------------------------------------------
+
+
+class _R:
+    """A stand-in running request: the policy reads only these fields."""
+
+    def __init__(self, request_id: str, tenant: str, computed: int, prompt: int | None = None):
+        self.request_id, self.tenant, self.num_computed_tokens = request_id, tenant, computed
+        self.num_prompt_tokens = prompt if prompt is not None else computed
+        self.num_tokens = max(self.num_prompt_tokens, computed + 1)
+
+    def __repr__(self) -> str:
+        return self.request_id
+
+
+def _victim_run(cls) -> tuple:
+    """Victims chosen in a small overloaded engine run (swap mode), and whether every request finished."""
+    from minivllm.labs.workloads import sim_engine
+
+    eng = sim_engine(num_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, model_max_len=128,
+                     preemption_mode="swap", num_cpu_blocks_override=64, preemption_policy=cls(("chat",)))
+    rng = random.Random(5)
+    for i in range(10):
+        tenant = "chat" if i % 2 == 0 else "batch"
+        prompt = [rng.randrange(10, 900) for _ in range(rng.randint(6, 30))]
+        eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, ignore_eos=True),
+                        f"{tenant}{i}", tenant=tenant)
+    finished = 0
+    for _ in range(2000):
+        if not eng.has_unfinished_requests():
+            break
+        finished += sum(1 for o in eng.step() if o.finished)
+    victims = [v for e in eng.step_log for v in e["preempted"]]
+    return finished, victims
+
+
+_EXPECTED_VICTIM_RUN: tuple | None = None
+
+
+def check_victim_policy(cls) -> CheckResult:
+    """Check a PreemptionPolicy class ``cls(protected_tenants)`` with ``choose_victim(running)``."""
+    global _EXPECTED_VICTIM_RUN
+    if _EXPECTED_VICTIM_RUN is None:
+        _EXPECTED_VICTIM_RUN = _victim_run(ReferenceVictim)
+    a, b, c = _R("a", "batch", 40), _R("b", "batch", 12), _R("c", "batch", 25)
+    chat_small, batch_big = _R("chat", "chat", 4), _R("big", "batch", 300)
+
+    def pick(k, running, protected=("chat",)):
+        return k(protected).choose_victim(running)
+
+    def untouched(k):
+        running = [a, b, c]
+        pick(k, running)
+        return running == [a, b, c]
+
+    def same_object(k):
+        running = [_R("x", "batch", 9), _R("y", "batch", 3)]
+        return pick(k, running) is running[1]
+
+    tie = [_R("old", "batch", 16), _R("mid", "batch", 16), _R("new", "batch", 16)]
+    prefill = [_R("long-prompt", "batch", 16, prompt=400), _R("short", "batch", 30, prompt=20)]
+    cases = [
+        Case("one running request is the victim", lambda k: pick(k, [a]).request_id, "a",
+             "with a single candidate there is no choice to make"),
+        Case("the least work lost", lambda k: pick(k, [a, b, c]).request_id, "b",
+             "recompute throws away num_computed_tokens; pick the request with the FEWEST"),
+        Case("a tie goes to the newest", lambda k: pick(k, tie).request_id, "new",
+             "running is in admission order: among equals, the LAST one (it has waited least)"),
+        Case("computed tokens, not prompt length", lambda k: pick(k, prefill).request_id, "long-prompt",
+             "a long prompt still in chunked prefill has computed few tokens: read num_computed_tokens"),
+        Case("a protected tenant is spared", lambda k: pick(k, [chat_small, batch_big]).request_id, "big",
+             "drop requests whose tenant is protected BEFORE looking for the least work"),
+        Case("other tenants can be protected", lambda k: pick(k, [chat_small, batch_big], ("batch",)).request_id, "chat",
+             "use the tenants given to __init__, not a hard-coded name"),
+        Case("everyone protected: still a victim", lambda k: pick(k, [_R("p", "chat", 50), _R("q", "chat", 20)]).request_id,
+             "q", "the engine needs a victim: when all are protected, choose among all of them"),
+        Case("returns one of the running requests, unchanged", lambda k: (same_object(k), untouched(k)), (True, True),
+             "return the request object itself, and don't sort or pop the list the engine passed you"),
+        Case("the real engine: victims of a swap-mode run", lambda k: _victim_run(k), _EXPECTED_VICTIM_RUN,
+             "plugged into the engine, the same rule must pick the same victims step by step",
+             show_expected=f"all 10 finish; victims {_EXPECTED_VICTIM_RUN[1]}"),
+    ]
+    return run_checks("victim policy", cls, cases)
+
+
+# -- exercise 2: swap or recompute -------------------------------------------------------
+
+
+def _auto_run(rule, gbps: float) -> dict:
+    eng = lab_engine(num_blocks=96, preemption_mode="auto", link_bytes_per_s=gbps * 1e9, max_num_seqs=16,
+                     max_num_batched_tokens=512,
+                     preemption_cost_model=RuleCosts(rule, link_bytes_per_s=gbps * 1e9))
+    res = serve(eng, overload_workload(16, rate_per_s=50.0, seed=3))
+    s = res.stats
+    return {k: s[k] for k in ("num_swap_preemptions", "num_recompute_preemptions", "swapped_out_blocks",
+                              "recomputed_tokens")}
+
+
+def check_swap_or_recompute(fn) -> CheckResult:
+    """Check ``fn(num_tokens, num_blocks, *, bytes_per_block, link_bytes_per_s, prefill_tokens_per_s) -> str``."""
+    MB = 1_000_000
+
+    def call(f, tokens, blocks, bpb, link, rate):
+        return f(tokens, blocks, bytes_per_block=bpb, link_bytes_per_s=link, prefill_tokens_per_s=rate)
+
+    rng = random.Random(0)
+    grid = []
+    for _ in range(300):
+        tokens = rng.randint(1, 4096)
+        bs = rng.choice([8, 16, 32])
+        grid.append((tokens, -(-tokens // bs), rng.choice([256 * 1024, MB, 2 * MB]),
+                     rng.choice([1e9, 4e9, 12e9, 25e9, 64e9]), rng.choice([2e3, 1e4, 5e4])))
+
+    def agrees(f):
+        return [call(f, *g) for g in grid] == [call(reference_swap_or_recompute, *g) for g in grid]
+
+    expected_runs = (_auto_run(reference_swap_or_recompute, 100.0), _auto_run(reference_swap_or_recompute, 0.5))
+    cases = [
+        Case("a long context on a fast link swaps", lambda f: call(f, 1024, 64, MB, 10e9, 5000), "swap",
+             "swapping 64 MB twice over 10 GB/s takes ~13 ms; recomputing 1024 tokens at 5000/s takes 205 ms"),
+        Case("a slow link recomputes", lambda f: call(f, 1024, 64, MB, 0.1e9, 5000), "recompute",
+             "at 0.1 GB/s the same 64 MB take over a second each way: recompute is cheaper"),
+        Case("the KV crosses the link twice", lambda f: call(f, 75, 10, MB, 1e9, 5000), "recompute",
+             "out now AND back in later: 2 x 10 MB at 1 GB/s = 20 ms > 15 ms of prefill"),
+        Case("a tie recomputes", lambda f: call(f, 2, 1, 1000, 1000, 1.0), "recompute",
+             "swap only when it is strictly cheaper: it also holds host memory while the request waits"),
+        Case("blocks carry the bytes, tokens the compute", lambda f: call(f, 160, 5, MB, 1e9, 1000), "swap",
+             "swap time depends on num_blocks x bytes_per_block; recompute time on num_tokens / prefill rate"),
+        Case("the answer is the string 'swap' or 'recompute'", lambda f: call(f, 16, 1, 1000, 1e9, 1000),
+             "swap", "return one of the two strings, not a bool or a number"),
+        Case("agrees with the engine's cost model on 300 cases", agrees, True,
+             "compare seconds with seconds: bytes / (bytes per second), tokens / (tokens per second)"),
+        Case("the real engine in auto mode: fast link swaps, slow link recomputes",
+             lambda f: (_auto_run(f, 100.0), _auto_run(f, 0.5)), expected_runs,
+             "wrapped as a PreemptionCostModel, your rule decides every preemption of the run"),
+    ]
+    return run_checks("swap_or_recompute", fn, cases)
+
+
+# -- exercise 3: the door rule -----------------------------------------------------------
+
+
+def _stats(waiting: int = 0, free: int = 100, running: int = 0, num_blocks: int = 100) -> dict:
+    return {"num_waiting": waiting, "free_blocks": free, "num_running": running, "num_blocks": num_blocks,
+            "num_swapped": 0, "num_preemptions": 0}
+
+
+def _door_run(fn) -> tuple[int, int]:
+    res = serve(lab_engine(num_blocks=192), overload_workload(40, rate_per_s=30.0, seed=4),
+                door=lambda s: fn(s, 4, 16))
+    return len(res.rejected_at_door), res.stats["num_preemptions"]
+
+
+def check_should_reject(fn) -> CheckResult:
+    """Check ``fn(stats, max_waiting, min_free_blocks) -> bool`` (True: answer 429, do not add the request)."""
+    expected_run = _door_run(reference_should_reject)
+
+    def frozen(f):
+        s = _stats(waiting=3, free=5)
+        before = dict(s)
+        f(s, 4, 16)
+        return s == before
+
+    cases = [
+        Case("an idle engine accepts", lambda f: f(_stats(), 4, 16), False, "nobody waits and the pool is free"),
+        Case("a short queue accepts", lambda f: f(_stats(waiting=3), 4, 16), False,
+             "3 waiting with max_waiting=4: there is still room in the queue"),
+        Case("a full queue rejects", lambda f: f(_stats(waiting=4), 4, 16), True,
+             "the queue is full when num_waiting has REACHED max_waiting"),
+        Case("running requests are not the queue", lambda f: f(_stats(running=50), 4, 16), False,
+             "read stats['num_waiting'], not num_running: running requests already have their seats"),
+        Case("a full pool with nobody waiting accepts", lambda f: f(_stats(waiting=0, free=0), 4, 16), False,
+             "with no queue the newcomer is next in line: let it wait for the blocks"),
+        Case("pressure and a queue reject", lambda f: f(_stats(waiting=1, free=15), 4, 16), True,
+             "fewer than min_free_blocks free AND someone already waiting: the newcomer would only queue behind them"),
+        Case("exactly min_free_blocks free is not pressure", lambda f: f(_stats(waiting=1, free=16), 4, 16), False,
+             "pressure means FEWER than min_free_blocks free"),
+        Case("the stats are only read", frozen, True, "don't change the dict: the engine's counters are not yours"),
+        Case("in the arrival loop: how many turned away", _door_run, expected_run,
+             "the same rule, asked before every add_request of an overloaded run",
+             show_expected=f"{expected_run[0]} rejected at the door, {expected_run[1]} preemptions"),
+    ]
+    return run_checks("should_reject", fn, cases)

@@ -1,0 +1,483 @@
+CELLS = [
+("md", r"""
+# Lab 5 — Preemption
+
+**Goals.** After this lab you can
+
+1. say what an engine can do when its KV blocks run out — **recompute**, **swap** or **reject** — and what each
+   one costs, and watch blocks leave the device for the host tier and come back;
+2. choose *who* gives way: a victim policy that spares an interactive tenant (✏️ exercise 1, plugged into the real
+   engine);
+3. decide *how* a victim gives way from a cost model — swap when the link is fast relative to prefill, recompute
+   otherwise — and find the crossover (✏️ exercise 2);
+4. turn requests away at the door on queue depth and cache pressure, the way a server answers HTTP 429, and read
+   the reject rate as an autoscaling signal (✏️ exercise 3);
+5. explain why more KV memory means more concurrent sequences and fewer preemptions.
+
+**Time:** about a minute to run on a CPU laptop (the real model is used once, at the end); 45–60 minutes to work
+through. Every other measurement runs the real engine — scheduler, KV cache manager, host tier, preemption — on a
+simulated forward pass with a virtual clock (`SimulatedExecutor`), so the numbers are exact and reproducible.
+Exercises are marked ✏️; until your checker passes, later cells use the engine's own rule.
+"""),
+("code", r"""
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm import SamplingParams
+from minivllm.labs import choose, widgets, workloads
+from minivllm.labs.check_lab05 import (BLOCK_SIZE, KV_BYTES_PER_BLOCK, PCIE4_BYTES_PER_S, PREFILL_TOKENS_PER_S,
+                                       TENANTS, ReferenceVictim, RuleCosts, check_should_reject,
+                                       check_swap_or_recompute, check_victim_policy, lab_engine, overload_workload,
+                                       percentile, reference_should_reject, reference_swap_or_recompute, serve)
+from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.request import RequestStatus
+
+ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when there is one
+%matplotlib inline
+"""
+, ["setup"]),
+("md", r"""
+## 1. The picture: the pool is empty and a running request needs one more block
+
+Admission (lab 1) only checks that a request's *next chunk* fits. Then every running request grows by one token
+per step, and every `block_size` tokens it needs a new block. Sooner or later the pool is empty while a running
+request must write its next token. Someone has to give blocks back:
+
+```
+ device (GPU) pool: full                      who gives way?   the PreemptionPolicy picks a victim (✏️ 1)
+ ┌──┬──┬──┬──┬──┬──┬──┬──┐                   how?             recompute or swap (the cost model, ✏️ 2)
+ │A │A │B │B │B │C │C │C │ ← A needs a block
+ └──┴──┴──┴──┴──┴──┴──┴──┘
+   recompute: free C's blocks, forget its KV;      C waits at the FRONT of the queue and prefills
+              cost = C's tokens of prefill again    prompt + generated tokens again when readmitted
+   swap:      copy C's blocks to the host tier;    C waits at the front and is copied back
+              cost = 2 x C's KV bytes over the link (out now, in later); host memory while it waits
+   reject:    never preempt anyone: admit a request only if its WORST case (prompt + max_tokens) fits
+              next to everyone's worst case; turn the rest away with a retry hint
+```
+
+Recompute wastes **compute**, swap wastes **link bandwidth** (PCIe) and host memory, reject wastes **availability**
+— but it is honest, and a rising reject rate is exactly what an autoscaler wants to see. Preemption also has a
+fairness side: a request preempted again and again has unbounded latency even though the system is "up", so we
+track preemptions **per tenant**. (Two engine rules keep it from thrashing: nothing is admitted in the step right
+after a preemption, and a request preempted `preemption_protect_after` times is chosen only when everyone is.)
+
+## 2. Watch blocks leave and come back
+
+A tiny engine in `preemption_mode="swap"`: a 24-block device pool of 4-token blocks, a 16-block host tier, six
+requests that together need more than 24 blocks. Each colour is one request; the engine stops at the first swap-out.
+"""),
+("code", r"""
+import random
+
+tiny = workloads.sim_engine(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, model_max_len=64,
+                            preemption_mode="swap", num_cpu_blocks_override=16)
+rng = random.Random(3)
+for i in range(6):
+    prompt = [rng.randrange(10, 900) for _ in range(rng.randint(6, 16))]
+    tiny.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=rng.randint(12, 30), ignore_eos=True), f"r{i}")
+
+tiers = widgets.TierStepper(tiny, stop=lambda e: e.step_log[-1]["swapped_out"] > 0)
+print(tiers.step(100))     # run until the first swap-out
+tiers.show()               # in Jupyter: buttons; elsewhere: the same picture, static
+"""),
+("md", r"""
+The newest request (`r5`, the default victim: it has done the least work) left the device; its computed KV now sits
+in the host tier and it waits at the **front** of the queue, with status `SWAPPED`. It keeps its computed tokens,
+so when it comes back it does not prefill again. Step on until it is swapped back in:
+"""),
+("code", r"""
+victim = tiny.requests["r5"]
+print("r5:", victim.status.value, "| host blocks:", victim.cpu_block_ids, "| computed tokens kept:", victim.num_computed_tokens)
+tiers.stop = lambda e: victim.status is not RequestStatus.SWAPPED
+print(tiers.step(100))
+print("r5:", victim.status.value, "| device blocks now:", victim.block_ids)
+tiers.stop = None
+print(tiers.step(10_000).splitlines()[-1])
+s = tiny.stats()
+print(f"swap preemptions {s['num_swap_preemptions']}, blocks out {s['swapped_out_blocks']}, in {s['swapped_in_blocks']}, "
+      f"recomputed tokens {s['recomputed_tokens']}, free device blocks {s['free_blocks']}/24, host {s['num_cpu_blocks'] - s['cpu_blocks_used']}/16")
+"""),
+("md", r"""
+Every block that went out came back in, nothing was recomputed, and both tiers are empty at the end.
+
+### The three modes on one overloaded workload
+
+Now a bigger picture. `overload_workload()` is 96 requests from three tenants arriving in about 4 seconds —
+far more than the engine can serve that fast:
+
+| tenant | share | prompt tokens | output tokens |
+|---|---|---|---|
+| `chat` (interactive) | 50 % | 32–192 | 32–160 |
+| `agent` | 30 % | 256–640 | 64–192 |
+| `batch` | 20 % | 512–1024 | 128–320 |
+
+The engine models a GPU serving a Llama-8B-sized model: a step costs 15 ms plus 20 µs per token (prefill runs at
+50,000 tokens/s), a 16-token KV block is 2 MiB, the host link is PCIe 4.0 (25 GB/s), and the device pool holds 384
+blocks (6,144 tokens). `serve()` is the arrival loop: it adds each request when the virtual clock reaches its
+arrival time and steps the engine. Latency is arrival to last token.
+"""),
+("code", r"""
+arrivals = overload_workload()
+MODES = {"recompute": {}, "swap": {}, "reject": {}}
+
+
+def show(results):
+    print(f"{'':22s}{'preempt':>8s}{'recomputed':>11s}{'swap MB':>9s}{'rejected':>9s}{'p99 s':>7s}{'tok/s':>7s}   "
+          + "  ".join(f"{t} preempt/req" for t in TENANTS))
+    for name, r in results.items():
+        row = r.row()
+        rates = "  ".join(f"{r.preemption_rate(t):{len(t) + 13}.2f}" for t in TENANTS)
+        print(f"{name:22s}{row['preemptions']:8d}{row['recomputed tok']:11d}{row['swap MB']:9.0f}{row['rejected']:9d}"
+              f"{row['p99 latency s']:7.2f}{row['tokens/s']:7.0f}   {rates}")
+
+
+modes = {m: serve(lab_engine(preemption_mode=m, **o), arrivals) for m, o in MODES.items()}
+show(modes)
+"""),
+("md", r"""
+Read the table row by row:
+
+* **recompute** threw away and recomputed thousands of tokens; **swap** moved the same kind of work over the link
+  instead (GBs of traffic, zero recomputed tokens). Both serve everybody, eventually: the p99 latency is the
+  queueing of an overloaded server.
+* **reject** never preempts (its running requests reserve their worst case), so no work is wasted — and about half
+  the requests are turned away. Those it serves finish much sooner.
+* The preemption rate per tenant is not equal: the default victim is the *newest* request, whoever it belongs to.
+
+## ✏️ Exercise 1 — who gives way?
+
+The engine asks its `PreemptionPolicy` for a victim whenever the pool is dry: `choose_victim(running)`, where
+`running` is in admission order. The default (`running[-1]`) ignores tenants. Write `ProtectInteractive`:
+
+1. requests of a **protected tenant** (`request.tenant` in the tenants given to `__init__`) are spared while anyone
+   else could give way;
+2. among the rest, preempt the request that **loses the least work** if it is recomputed;
+3. among equals, the **newest**.
+
+If everyone running is protected, the engine still needs a victim: apply rules 2–3 to all of them.
+
+<details><summary>Hint 1</summary>
+
+What does a recompute throw away? Look at the fields of a `minivllm.request.Request`: one of them counts the
+tokens whose K/V are in the cache right now. A prompt still in chunked prefill has *fewer* of those than its length.
+</details>
+<details><summary>Hint 2</summary>
+
+Build the candidate list first (a list comprehension with a fallback: `candidates or list(running)`), then pick
+from it. Don't sort or pop the list the engine gave you.
+</details>
+<details><summary>Hint 3</summary>
+
+`min()` returns the *first* of several equal items. Which order should it look at them in so that the newest wins
+a tie?
+</details>
+"""),
+("code", r"""
+class ProtectInteractive:
+    '''Spare protected tenants; otherwise preempt the request with the least computed work, newest on ties.'''
+
+    def __init__(self, protected_tenants=("chat",)):
+        # TODO: remember the protected tenants (a set)
+        ### BEGIN SOLUTION
+        self.protected = set(protected_tenants)
+        ### END SOLUTION
+
+    def choose_victim(self, running):
+        # TODO: the candidates are the unprotected requests (all of them if none is unprotected);
+        #   return the candidate that loses the least work, the newest one on a tie
+        ### BEGIN SOLUTION
+        candidates = [r for r in running if r.tenant not in self.protected] or list(running)
+        return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
+        ### END SOLUTION
+""", ["exercise:victim_policy"]),
+("code", r"""
+victim_check = check_victim_policy(ProtectInteractive)
+Victim = choose(victim_check, ProtectInteractive, ReferenceVictim, "victim policy")
+"""),
+("md", r"""
+The measurement: the same overloaded workload, recompute mode, with the default victim and with yours.
+"""),
+("code", r"""
+policies = {"default (newest)": serve(lab_engine(), arrivals),
+            "protect chat": serve(lab_engine(preemption_policy=Victim(("chat",))), arrivals)}
+show(policies)
+for name, r in policies.items():
+    p99 = {t: percentile([v for k, v in r.ttft.items() if r.tenant_of[k] == t], 99) for t in TENANTS}
+    print(f"{name:22s} TTFT p99 per tenant: " + ", ".join(f"{t} {v:.2f} s" for t, v in p99.items()))
+"""),
+("md", r"""
+The chat tenant's preemption rate drops to zero; the preemptions did not disappear, they moved to the tenants that
+can afford them (mostly `agent`, whose long prompts in chunked prefill have the least computed work at any moment).
+Total recomputed work even grows a little. Notice also what *did not* improve much: chat latency. In an overloaded
+server the queue, not preemption, dominates latency — which is what exercise 3 addresses.
+
+## ✏️ Exercise 2 — swap or recompute?
+
+Both cost time, in different currencies:
+
+* **recompute** a victim with `num_tokens` computed tokens: prefill them again, at `prefill_tokens_per_s`;
+* **swap** a victim holding `num_blocks` blocks of `bytes_per_block` bytes: copy them over the host link at
+  `link_bytes_per_s` — and remember they come back later over the same link.
+
+Write `swap_or_recompute(...)`: return `"swap"` when swapping is strictly cheaper, else `"recompute"` (a tie
+recomputes: swap also holds host memory while the request waits).
+
+<details><summary>Hint 1</summary>
+
+Turn both options into **seconds**. Bytes divided by bytes-per-second is seconds; so are tokens divided by
+tokens-per-second.
+</details>
+<details><summary>Hint 2</summary>
+
+How many times does a swapped victim's KV cross the link before it decodes again?
+</details>
+<details><summary>Hint 3</summary>
+
+Check your units on the first checker case by hand: 64 blocks of 1 MB over 10 GB/s, against 1024 tokens at 5000
+tokens/s. Which is bigger, and by how much?
+</details>
+"""),
+("code", r"""
+def swap_or_recompute(num_tokens: int, num_blocks: int, *, bytes_per_block: int, link_bytes_per_s: float,
+                      prefill_tokens_per_s: float) -> str:
+    '''"swap" if moving the victim's KV out and back costs less time than recomputing it, else "recompute".'''
+    # TODO: the seconds a swap costs (the KV goes out now and comes back later) and the seconds a recompute
+    #   costs; "swap" only when swapping is strictly cheaper
+    ### BEGIN SOLUTION
+    swap_s = 2 * num_blocks * bytes_per_block / link_bytes_per_s
+    recompute_s = num_tokens / prefill_tokens_per_s
+    return "swap" if swap_s < recompute_s else "recompute"
+    ### END SOLUTION
+""", ["exercise:swap_or_recompute"]),
+("code", r"""
+cost_check = check_swap_or_recompute(swap_or_recompute)
+rule = choose(cost_check, swap_or_recompute, reference_swap_or_recompute, "swap_or_recompute")
+"""),
+("md", r"""
+### The crossover, measured
+
+Your rule becomes a `PreemptionCostModel` (the engine's seam: `prefers_swap(num_tokens, num_blocks) -> bool`) in
+two lines — `RuleCosts` in `check_lab05.py` does exactly that — and goes into the engine with
+`preemption_mode="auto"`. Now sweep the host link's bandwidth from 1 to 64 GB/s and run the overloaded workload
+three ways: always recompute, always swap, and auto with your rule. Per block, swapping costs
+`2 × 2 MiB / link`, recomputing costs `16 tokens / 50,000 per s` = 320 µs: the rule predicts a crossover where they
+are equal.
+"""),
+("code", r"""
+GBPS = [1, 2, 4, 8, 13, 16, 25, 50]
+crossover = 2 * KV_BYTES_PER_BLOCK * PREFILL_TOKENS_PER_S / BLOCK_SIZE / 1e9
+runs = {"recompute": [], "swap": [], "auto (your rule)": []}
+for g in GBPS:
+    link = g * 1e9
+    runs["recompute"].append(serve(lab_engine(link_bytes_per_s=link), arrivals))
+    runs["swap"].append(serve(lab_engine(preemption_mode="swap", link_bytes_per_s=link), arrivals))
+    costs = RuleCosts(rule, link_bytes_per_s=link)
+    runs["auto (your rule)"].append(serve(lab_engine(preemption_mode="auto", link_bytes_per_s=link,
+                                                     preemption_cost_model=costs), arrivals))
+
+fig, ax = plt.subplots(figsize=(7, 3))
+for (name, rs), style in zip(runs.items(), ["o-", "s-", "x--"]):
+    ax.plot(GBPS, [r.makespan for r in rs], style, label=name)
+ax.axvline(crossover, color="#888888", ls=":", label=f"predicted crossover {crossover:.1f} GB/s")
+ax.set_xscale("log", base=2); ax.set_xlabel("host link bandwidth (GB/s)"); ax.set_ylabel("time to serve all (s)")
+ax.legend(fontsize=8)
+plt.show()
+print(f"{'GB/s':>5s}" + "".join(f"{n:>18s}" for n in runs) + "   auto: swapped / recomputed victims")
+for i, g in enumerate(GBPS):
+    a = runs["auto (your rule)"][i].stats
+    print(f"{g:5d}" + "".join(f"{rs[i].makespan:17.3f}s" for rs in runs.values())
+          + f"   {a['num_swap_preemptions']:3d} / {a['num_recompute_preemptions']:3d}")
+"""),
+("md", r"""
+Below the crossover every swap costs more than the recompute it replaces, so the swap line sits above the
+recompute line; above it, the order flips. Auto follows whichever is cheaper, victim by victim, and it switches
+where the cost model predicts — the lines really cross near 13 GB/s. So: on PCIe 4.0 and faster, swap; on a slow
+or shared link (or a small model whose prefill is very fast), recompute. The ratio does not depend on context
+length — both costs grow linearly with it — except that a swap moves whole blocks, which makes very short victims
+relatively cheaper to recompute. (Real attention makes prefill cost grow faster than linearly with context, which
+is why "swap long contexts" is the usual advice.)
+
+## ✏️ Exercise 3 — reject at the door
+
+The engine's `reject` mode decides inside the scheduler. A server can also decide at the door, before a request
+enters the queue at all: answer **429 Too Many Requests** and let the client (or the load balancer) go elsewhere.
+Write `should_reject(stats, max_waiting, min_free_blocks)`, called with `engine.stats()` before every
+`add_request` in the arrival loop. Turn a request away when
+
+1. the **queue is full**: `max_waiting` requests are already waiting (`stats["num_waiting"]`; preempted and swapped
+   requests count, they are ahead of the newcomer), or
+2. the **cache is under pressure and there is a queue**: fewer than `min_free_blocks` device blocks are free
+   (`stats["free_blocks"]`) *and* someone is already waiting — the newcomer would only queue behind them.
+
+Otherwise accept. An idle engine must never reject.
+
+<details><summary>Hint 1</summary>
+
+Two conditions joined by *or*; the second is itself two conditions joined by *and*.
+</details>
+<details><summary>Hint 2</summary>
+
+Boundaries: is a queue of exactly `max_waiting` full? Is exactly `min_free_blocks` free blocks "fewer than"?
+</details>
+"""),
+("code", r"""
+def should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
+    '''True: answer 429 and do not add the arriving request.'''
+    # TODO: reject when the queue already holds max_waiting requests, or when fewer than min_free_blocks
+    #   blocks are free while someone is already waiting; read the stats, never change them
+    ### BEGIN SOLUTION
+    waiting = stats["num_waiting"]
+    return waiting >= max_waiting or (waiting > 0 and stats["free_blocks"] < min_free_blocks)
+    ### END SOLUTION
+""", ["exercise:door_rule"]),
+("code", r"""
+door_check = check_should_reject(should_reject)
+reject_rule = choose(door_check, should_reject, reference_should_reject, "should_reject")
+"""),
+("md", r"""
+Add it to the table: the door (queue of at most 8, pressure below 16 free blocks) in front of the recompute engine.
+"""),
+("code", r"""
+door = lambda stats: reject_rule(stats, 8, 16)
+modes["door + recompute"] = serve(lab_engine(), arrivals, door=door)
+show(modes)
+"""),
+("md", r"""
+The door rejects about as many requests as the engine's reject mode, but for another reason — the queue, not the
+worst case — so the requests it admits can still be preempted (less often than without it, since fewer run at once). Both keep the p99 latency of what they
+serve at a few seconds instead of 17.
+
+### Reject as an autoscaling signal
+
+Serving more requests than the machine can handle does not make it faster; it makes the queue longer. Now vary the
+offered load (arrivals per second, 12 seconds of arrivals each) and watch what the door does.
+"""),
+("code", r"""
+RATES = [2, 4, 6, 8, 12, 16, 24, 32]
+offered = [12 * rate for rate in RATES]
+loads = [serve(lab_engine(), overload_workload(n, rate_per_s=rate), door=door) for n, rate in zip(offered, RATES)]
+reject_rate = [r.num_rejected / n for r, n in zip(loads, offered)]
+served_per_s = [(n - r.num_rejected) / r.makespan for r, n in zip(loads, offered)]
+
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.plot(RATES, [100 * x for x in reject_rate], "o-", color="#d62728", label="rejected (%)")
+ax.set_xlabel("offered load (requests/s)"); ax.set_ylabel("rejected (%)")
+ax2 = ax.twinx()
+ax2.plot(RATES, served_per_s, "s-", color="#4e79a7", label="served (requests/s)")
+ax2.set_ylabel("served requests/s")
+fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
+plt.show()
+for rate, r, x, s in zip(RATES, loads, reject_rate, served_per_s):
+    print(f"offered {rate:3d}/s: rejected {x:6.1%}, served {s:5.2f}/s, p99 latency of served {r.p99():5.2f} s, "
+          f"{r.mean_running:4.1f} requests in the batch on average")
+"""),
+("md", r"""
+At low load nothing is rejected. Past the machine's capacity the *served* rate flattens while the reject rate keeps
+climbing, and the latency of what is served stays bounded. That makes the reject rate a clean signal for an
+autoscaler: offered / served ≈ how many replicas you need. Scaling on utilisation instead would be blind: the batch
+is about as full at 12 requests/s as at 32, so a utilisation metric cannot tell "just at capacity" from "far past it". Rejection must be deliberate, though: the threshold *is* a latency
+promise (a queue of 8 is about the wait you are willing to let a request see).
+
+## 3. The KV memory share
+
+The third row of the tuning table: *cache memory share — more cache means more concurrent sequences, less room for
+activations.* On a real GPU, `gpu_memory_utilization` (or `kv_cache_memory_bytes`) sets how much memory is left for
+KV after the weights and the activation workspace. Sweep the device pool from 192 blocks (3,072 tokens) to 1,536
+(24,576 tokens), recompute mode, same workload:
+"""),
+("code", r"""
+POOLS = [192, 256, 384, 512, 768, 1024, 1536]
+share = [serve(lab_engine(num_blocks=n), arrivals) for n in POOLS]
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.plot([n * 2 / 1024 for n in POOLS], [r.stats["num_preemptions"] for r in share], "o-", color="#d62728",
+        label="preemptions")
+ax.set_xlabel("KV cache (GiB, 2 MiB blocks)"); ax.set_ylabel("preemptions")
+ax2 = ax.twinx()
+ax2.plot([n * 2 / 1024 for n in POOLS], [r.mean_running for r in share], "s-", color="#4e79a7",
+         label="requests in the batch (mean)")
+ax2.set_ylabel("concurrent sequences")
+fig.legend(loc="upper center", bbox_to_anchor=(0.5, 0.88), fontsize=8)
+plt.show()
+for n, r in zip(POOLS, share):
+    print(f"{n:5d} blocks: {r.mean_running:5.1f} running on average, {r.stats['num_preemptions']:3d} preemptions, "
+          f"{r.stats['recomputed_tokens']:6d} tokens recomputed, {r.output_tokens / r.makespan:6.0f} tokens/s, "
+          f"p99 {r.p99():5.2f} s")
+"""),
+("md", r"""
+More cache, more sequences decoding together (each decode step is memory-bound, so a bigger batch is nearly free
+throughput — lab 1), and a downward trend in preemptions and recomputed work; at 1,536 blocks the working set fits
+and nothing is preempted at all. The trend is not step by step: at a small pool fewer requests fit at all, so fewer
+are running to be preempted, and which requests happen to collide moves the count around — read preemption counts
+next to throughput and latency, never alone. The price is the other half of the row: memory given to KV is not
+available for activations — a smaller `max_num_batched_tokens`, or no room for CUDA graphs — so the knob is tuned,
+not maxed, watching preemption counts and latency percentiles together.
+
+## 4. The real model: swapping does not change a single token
+
+Everything above ran on the simulated executor. Does swap preemption really preserve the KV cache? On the bundled
+SmolLM2-135M, a device pool of 4 blocks (64 tokens) is too small for three requests of ~32 tokens each: the engine
+preempts. Greedy outputs with recompute and with swap must be identical.
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (wall-clock timings)
+import time
+
+from minivllm import LLM
+
+prompts = ["The capital of France is a city that", "Paging in operating systems means that memory",
+           "Three planets of the solar system are"]
+params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+texts, report = {}, {}
+for mode in ("recompute", "swap"):
+    t0 = time.perf_counter()
+    llm = LLM(max_model_len=64, num_gpu_blocks_override=4, num_cpu_blocks_override=16, preemption_mode=mode)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    texts[mode] = [o.outputs[0].token_ids for o in outs]
+    s = llm.engine.stats()
+    report[mode] = (time.perf_counter() - t0, s["num_preemptions"], s["num_swap_preemptions"], s["swapped_in_blocks"],
+                    s["recomputed_tokens"])
+for mode, (secs, pre, swp, back, rec) in report.items():
+    print(f"{mode:9s}: {secs:5.1f} s, {pre} preemptions ({swp} by swap, {back} blocks swapped back in), "
+          f"{rec} tokens recomputed")
+print("swap == recompute, token for token:", texts["swap"] == texts["recompute"])
+print(repr(llm.tokenizer.decode(texts["swap"][0])))
+"""),
+("md", r"""
+## Retrieval check
+
+Answer from memory first. In Jupyter the quiz is interactive; the plain-text version with every *why* follows.
+The last two questions come from labs 1 and 2.
+"""),
+("code", r"""
+show_quiz(5)
+""", ["nbval-ignore-output"]),
+("code", r"""
+print_quiz(5)
+"""),
+("md", r"""
+## What you should now be able to explain
+
+* Why a continuous-batching engine runs out of KV *after* admitting a request, and the three ways out: recompute
+  (costs prefill compute), swap (costs 2 × the victim's KV bytes of link traffic and host memory), reject (costs
+  availability, wastes nothing).
+* Why the default victim is the newest request, and how a victim policy moves preemptions away from an interactive
+  tenant without reducing them — and why that barely helps its latency when the queue dominates.
+* The swap-or-recompute rule in seconds, where its crossover lies (link bandwidth vs prefill rate per block), and
+  why it hardly depends on context length in a linear cost model.
+* Why a reject rule at the door keeps latency bounded, and why the reject rate (not GPU utilisation) is what an
+  autoscaler should scale on.
+* What a bigger KV memory share buys (concurrency, fewer preemptions) and what it costs (activation room).
+
+## Go further
+
+* **Preempt by deadline.** Give each tenant a latency target (chat 2 s, agent 10 s, batch none) and write a victim
+  policy that preempts the request with the most *slack* (target minus time already spent). Measure per-tenant p99
+  against the targets. Does it beat `ProtectInteractive`?
+* **A better door.** Replace the fixed `max_waiting` with an estimate of the newcomer's wait: queued tokens divided by
+  the measured token rate (`engine.step_time_s`), rejecting when it exceeds a TTFT target. Send `retry_after_s` back
+  like the engine's reject mode does. Plot served p99 TTFT against offered load for both doors.
+* **A non-linear cost model.** Prefill attention grows with context. Make `recompute_s` grow faster than linearly
+  (e.g. add a `tokens²` term) and find the context length above which a PCIe 3 link (12 GB/s) starts to swap.
+"""),
+]
