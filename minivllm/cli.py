@@ -1,4 +1,5 @@
-"""Command line: ``minivllm generate "prompt" ...`` streams answers from the engine.
+"""Command line: ``minivllm generate "prompt" ...`` streams answers from the engine;
+``minivllm serve [MODEL] --port 8000`` serves it over an OpenAI-compatible HTTP API.
 
 With several prompts, all of them run together in one continuously batched
 engine; the answers are shown in prompt order, the current one streaming live
@@ -35,6 +36,22 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")
+    s.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use in 'model' (default: the model's)")
+    s.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant"}; else $MINIVLLM_API_KEYS; none: one tenant, no auth')
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--enable-prefix-caching", action="store_true")
+    s.add_argument("--preemption-mode", default=None, choices=["recompute", "swap", "reject", "auto"])
+    s.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
 
@@ -100,11 +117,51 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """``minivllm serve``: load the model, then run uvicorn until SIGINT/SIGTERM (which aborts in-flight requests)."""
+    import uvicorn
+
+    from minivllm import LLM
+    from minivllm.server import build_app, load_api_keys
+
+    options = {
+        name: getattr(args, name)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "preemption_mode",
+                     "num_gpu_blocks_override", "dtype", "attention_backend")
+        if getattr(args, name) is not None
+    }
+    if args.enable_prefix_caching:
+        options["enable_prefix_caching"] = True
+    api_keys = load_api_keys(args.api_keys_file)
+    llm = LLM(args.model, **options)
+    app = build_app(llm.engine, args.served_model_name, api_keys)
+    async_engine = app.state.async_engine
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # abort in-flight requests first, so open streams end now
+            async_engine.begin_shutdown()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    tenants = sorted(set(api_keys.values())) or ["default (no API keys)"]
+    print(f"minivllm: serving {app.state.handlers.model_names} on http://{args.host}:{args.port} "
+          f"| tenants: {', '.join(tenants)} | KV blocks: {llm.engine.pool.num_blocks}", file=sys.stderr, flush=True)
+    try:
+        _Server(config).run()  # uvicorn re-raises the signal once shut down: Ctrl-C lands here
+    except KeyboardInterrupt:
+        pass
+    finally:
+        llm.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "serve":
+            return serve(args)
     except ValueError as exc:
         print(f"minivllm: error: {exc}", file=sys.stderr)
         return 2

@@ -223,14 +223,14 @@ class EngineMetrics:
             ("prefix_cache_hits", self.prefix_hits),
             ("recomputed_tokens", self.recomputed),
         ):
+            child = counter.labels(name)  # exists from the start (at 0), so dashboards see the series
             value = stats.get(key)
             if value is None:
-                counter.labels(name)  # exists at 0, so dashboards see the series
                 continue
             delta = value - self._last.get(key, 0)
             self._last[key] = value
             if delta > 0:
-                counter.labels(name).inc(delta)
+                child.inc(delta)
 
     # -- exposition -----------------------------------------------------------------
     def render(self) -> bytes:

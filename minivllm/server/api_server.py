@@ -1,0 +1,621 @@
+"""An OpenAI-compatible HTTP server for minivllm (FastAPI + uvicorn).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
+non-streaming and SSE streaming: ``data: {...}`` chunks, then ``data: [DONE]``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM names:
+see :mod:`minivllm.metrics.prometheus`).  The official ``openai`` client works
+against it unchanged.
+
+Behaviour worth knowing:
+
+* **Errors** have OpenAI's body, ``{"error": {"message", "type", "param",
+  "code"}}``.  Bad input (malformed JSON, wrong types, values the engine's
+  ``SamplingParams`` or ``add_request`` refuse, an oversize prompt) is a 400,
+  an unknown model a 404, a missing or wrong API key a 401 -- never a 5xx.
+* **Tenants.** API keys map to tenants (``--api-keys-file keys.json`` with
+  ``{"key": "tenant"}``, or ``MINIVLLM_API_KEYS`` holding the same JSON or
+  ``key=tenant,key2=tenant2``).  With no keys configured everyone is tenant
+  ``"default"``; with keys, a request without a valid ``Authorization: Bearer``
+  key gets 401.  The tenant is the request's prefix-cache namespace (the
+  engine keys cached blocks by ``(tenant, cache_salt)``), so tenants never
+  share cached blocks and cannot probe each other's prompts by timing.
+* **``cache_salt``** (vLLM's extra field) is *accepted but scoped*: the server
+  passes ``json.dumps([tenant, cache_salt])`` to the engine, so a client's
+  salt can only split its own tenant's space further and can never name
+  another tenant's namespace (not even with ``share_prefix_cache_across_tenants``).
+* **Overload.** A request the engine turns away (``preemption_mode="reject"``,
+  ``finish_reason == "rejected"``) is a 429 with ``Retry-After`` (whole seconds,
+  from the engine's ``retry_after_s``).  A streamed request answers only once
+  its first output exists, so a rejection is a 429 before any byte of a stream.
+* **Disconnects.** A client that goes away (streaming or not) has its
+  request aborted; its KV blocks go back before the next engine step.
+* **Shutdown** aborts in-flight requests (streams end with an error event and
+  ``[DONE]``; waiting non-streamed requests get 503) and stops the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import os
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.server.async_engine import AsyncEngine, EngineDead, EngineShutdown, RequestStream
+from minivllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+
+log = logging.getLogger("minivllm.server")
+
+DEFAULT_TENANT = "default"
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | int | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | int | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code if code is not None else status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _api_error_response(exc: APIError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+
+_PARAM_NAMES = {
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
+    "prompt", "prompt_token_ids", "messages", "cache_salt",
+}
+
+
+def _bad_value(exc: Exception) -> APIError:
+    """A ``ValueError`` from the engine as a 400, naming the parameter when the message starts with it."""
+    msg = str(exc) or type(exc).__name__
+    first = msg.split(" ", 1)[0].strip("'\":,")
+    param = first if first in _PARAM_NAMES else ("prompt" if "prompt" in msg else None)
+    return APIError(400, msg, "invalid_request_error", param, "invalid_value")
+
+
+_TYPE_TAG = re.compile(r"^(int|float|str|bool|bytes|none|[\w-]*\[.*\])$")
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    # drop pydantic's union-member tags ("int", "list[int]", "function-after[...]") from the location
+    loc = [str(p) for p in e.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
+    where = ".".join(loc)
+    if e.get("type") == "json_invalid":
+        return f"malformed JSON body: {e.get('msg', '')}", None
+    msg = e.get("msg", "invalid")
+    if "input" in e and e.get("type") != "missing":
+        got = repr(e["input"])
+        msg += f", got {got[:60] + '...' if len(got) > 60 else got}"
+    return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
+
+
+# -- API keys -> tenants ------------------------------------------------------------------
+
+
+def load_api_keys(path: str | None = None, env: str | None = None) -> dict[str, str]:
+    """``{key: tenant}`` from a JSON file, else from ``$MINIVLLM_API_KEYS`` (JSON or ``k=t,k2=t2``); {} if neither."""
+    raw = None
+    if path:
+        with open(path, encoding="utf-8") as f:
+            raw = f.read()
+    elif env is not None or os.environ.get("MINIVLLM_API_KEYS"):
+        raw = env if env is not None else os.environ["MINIVLLM_API_KEYS"]
+    if not raw or not raw.strip():
+        return {}
+    raw = raw.strip()
+    if raw.startswith("{"):
+        keys = json.loads(raw)
+    else:
+        keys = {}
+        for part in raw.split(","):
+            key, sep, tenant = part.strip().partition("=")
+            if not sep:
+                raise ValueError(f"MINIVLLM_API_KEYS entries are key=tenant, got {part.strip()!r}")
+            keys[key.strip()] = tenant.strip()
+    if not isinstance(keys, dict) or not all(isinstance(k, str) and k and isinstance(t, str) and t for k, t in keys.items()):
+        raise ValueError("API keys must map non-empty key strings to non-empty tenant names")
+    return keys
+
+
+class _AuthMiddleware:
+    """Pure ASGI: ``/v1/*`` needs a configured key (when any are); sets ``request.state.tenant``."""
+
+    def __init__(self, app, api_keys: dict[str, str]) -> None:
+        self.app = app
+        self.keys = [(k.encode(), t) for k, t in api_keys.items()]
+
+    def tenant_for(self, headers: list[tuple[bytes, bytes]]) -> str | None:
+        if not self.keys:
+            return DEFAULT_TENANT
+        auth = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        scheme, _, key = auth.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not key.strip():
+            return None
+        key, found = key.strip(), None
+        for k, tenant in self.keys:  # compare against every key in constant time each
+            if hmac.compare_digest(k, key):
+                found = tenant
+        return found
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
+            tenant = self.tenant_for(scope.get("headers", []))
+            if tenant is None:
+                resp = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                      "authentication_error", None, "invalid_api_key")
+                await resp(scope, receive, send)
+                return
+            scope.setdefault("state", {})["tenant"] = tenant
+        await self.app(scope, receive, send)
+
+
+# -- streaming response that notices a disconnect at any time -------------------------
+
+
+class SSEResponse(Response):
+    """``text/event-stream`` from an async iterator of ``data: ...`` strings.
+
+    Unlike Starlette's ``StreamingResponse`` under ASGI 2.4 (which notices a
+    gone client only on its next write), this one listens for
+    ``http.disconnect`` the whole time, so a client that leaves while its
+    request waits in the queue is aborted at once.  The request stream is
+    closed (aborting the request if unfinished) however the response ends.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[str], stream: RequestStream) -> None:
+        # like StreamingResponse: no body attribute, so no Content-Length header
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.body_iter = body
+        self.stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def listen() -> None:
+            while True:
+                if (await receive())["type"] == "http.disconnect":
+                    return
+
+        async def write() -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iter:
+                await send({"type": "http.response.body", "body": chunk.encode("utf-8"), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        try:
+            async with anyio.create_task_group() as tg:
+                async def run(fn) -> None:
+                    await fn()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(run, write)
+                await run(listen)
+        except Exception:  # noqa: BLE001 - the client went away mid-write (OSError and friends)
+            pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.body_iter.aclose()  # type: ignore[attr-defined]
+                except Exception:  # noqa: BLE001
+                    pass
+            self.stream.close()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await ``coro`` unless the client disconnects first (then cancel it and raise ``_ClientGone``)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    raise _ClientGone()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+def _finish_reason(out: RequestOutput) -> str | None:
+    return next((o.finish_reason for o in out.outputs if o.finish_reason), None)
+
+
+def _usage(out: RequestOutput) -> dict:
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(out.num_cached_tokens or 0)},
+    }
+
+
+def _retry_after(out: RequestOutput) -> str:
+    s = out.retry_after_s
+    return str(max(1, math.ceil(s))) if isinstance(s, (int, float)) and math.isfinite(s) else "1"
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class OpenAIServer:
+    """The request handlers; :func:`build_app` wires them into a FastAPI app."""
+
+    def __init__(self, async_engine: AsyncEngine, model_names: list[str], max_model_len: int | None = None) -> None:
+        self.engine = async_engine
+        self.model_names = list(model_names)
+        self.max_model_len = max_model_len
+        self.tokenizer = getattr(async_engine.engine, "tokenizer", None)
+
+    # -- helpers --------------------------------------------------------------
+    def _check_model(self, name: str | None) -> str:
+        if name is None or name == "":
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_names}",
+                           "invalid_request_error", "model", "model_not_found")
+        return name
+
+    @staticmethod
+    async def _parse(request: Request, model_cls):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON body: {exc}", "invalid_request_error", None, "invalid_json")
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object", "invalid_request_error", None, "invalid_json")
+        try:
+            req = model_cls.model_validate(data)
+        except ValidationError as exc:
+            msg, param = _validation_message(exc.errors(include_url=False))
+            raise APIError(400, msg, "invalid_request_error", param, "invalid_type")
+        bad = req.unsupported()
+        if bad:
+            raise APIError(400, f"{bad} is not supported by minivllm", "invalid_request_error", bad, "unsupported")
+        return req
+
+    @staticmethod
+    def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
+        kw: dict[str, Any] = {"max_tokens": max_tokens}
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = float(v)
+        for name in ("n", "top_k", "seed", "ignore_eos"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        if req.stop is not None:
+            kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if req.stop_token_ids is not None:
+            kw["stop_token_ids"] = list(req.stop_token_ids)
+        try:
+            return SamplingParams(**kw)
+        except ValueError as exc:
+            raise _bad_value(exc)
+
+    @staticmethod
+    def _with_salt(prompt: dict, tenant: str, salt: str | None) -> dict:
+        if salt:
+            prompt["cache_salt"] = json.dumps([tenant, salt])  # scoped to the caller's own tenant
+        return prompt
+
+    async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str) -> tuple[str, RequestStream]:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
+        except ValueError as exc:
+            raise _bad_value(exc)
+        except EngineShutdown as exc:
+            raise APIError(503, str(exc), "service_unavailable", None, "shutting_down")
+        except EngineDead as exc:
+            raise APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+        return request_id, stream
+
+    async def _first_or_final(self, request: Request, stream: RequestStream, until_final: bool) -> RequestOutput:
+        async def collect() -> RequestOutput:
+            out = await stream.get()
+            while until_final and not out.finished:
+                out = await stream.get()
+            return out
+
+        try:
+            out = await _unless_disconnected(request, collect())
+        except (EngineShutdown, EngineDead) as exc:
+            raise APIError(503, str(exc), "service_unavailable", None, "unavailable")
+        if out.finished and _finish_reason(out) == "rejected":
+            raise APIError(429, "the server is at capacity (KV cache); retry later", "rate_limit_error", None,
+                           "rate_limit_exceeded", {"Retry-After": _retry_after(out)})
+        if out.finished and _finish_reason(out) == "error":
+            raise APIError(500, "the request failed inside the engine", "internal_error", None, "engine_error")
+        return out
+
+    async def _run(self, request: Request, prompt, params: SamplingParams, tenant: str, prefix: str,
+                   stream_mode: bool, make_body):
+        """Submit; non-streaming: wait for the final output; streaming: wait for the first, then stream."""
+        request_id, stream = await self._submit(prompt, params, tenant, prefix)
+        handed_over = False
+        try:
+            try:
+                out = await self._first_or_final(request, stream, until_final=not stream_mode)
+            except _ClientGone:
+                return Response(status_code=499)
+            if not stream_mode:
+                return JSONResponse(make_body(request_id, out))
+            handed_over = True
+            return SSEResponse(make_body(request_id, out, stream), stream)
+        finally:
+            if not handed_over:
+                stream.close()
+
+    # -- endpoints ------------------------------------------------------------------
+    async def completions(self, request: Request):
+        req: CompletionRequest = await self._parse(request, CompletionRequest)
+        model = self._check_model(req.model)
+        tenant = request.state.tenant
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "batched prompts (a list of several prompts) are not supported; send one per request",
+                               "invalid_request_error", "prompt", "unsupported")
+            p = p[0]
+        prompt = self._with_salt({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}, tenant, req.cache_salt)
+        params = self._sampling_params(req, req.max_tokens)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = int(time.time())
+
+        def body(request_id: str, out: RequestOutput, stream: RequestStream | None = None):
+            if stream is None:
+                return {
+                    "id": request_id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": o.index, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                                for o in sorted(out.outputs, key=lambda o: o.index)],
+                    "usage": _usage(out),
+                }
+            return self._stream_completion(request_id, model, created, out, stream, include_usage)
+
+        return await self._run(request, prompt, params, tenant, "cmpl", bool(req.stream), body)
+
+    async def chat_completions(self, request: Request):
+        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+        model = self._check_model(req.model)
+        tenant = request.state.tenant
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template", "invalid_request_error", "messages")
+        conversation = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "only text content parts are supported", "invalid_request_error", "messages", "unsupported")
+                content = "".join(part.text or "" for part in content)
+            conversation.append({"role": m.role, "content": content or ""})
+        try:
+            ids = await asyncio.to_thread(self._apply_template, conversation, bool(req.add_generation_prompt))
+        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages is the caller's input
+            raise APIError(400, f"cannot apply the chat template to these messages: {exc}", "invalid_request_error",
+                           "messages", "invalid_value")
+        prompt = self._with_salt({"prompt_token_ids": ids}, tenant, req.cache_salt)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self._sampling_params(req, max_tokens)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = int(time.time())
+
+        def body(request_id: str, out: RequestOutput, stream: RequestStream | None = None):
+            if stream is None:
+                return {
+                    "id": request_id, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                                 "logprobs": None, "finish_reason": o.finish_reason}
+                                for o in sorted(out.outputs, key=lambda o: o.index)],
+                    "usage": _usage(out),
+                }
+            return self._stream_chat(request_id, model, created, out, stream, include_usage)
+
+        return await self._run(request, prompt, params, tenant, "chatcmpl", bool(req.stream), body)
+
+    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError("the conversation encodes to zero tokens")
+        return list(ids)
+
+    # -- streaming bodies -------------------------------------------------------------
+    async def _outputs(self, first: RequestOutput, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        yield first
+        while not first.finished and not stream.finished:
+            yield await stream.get()
+
+    async def _stream_chat(self, rid, model, created, first, stream, include_usage) -> AsyncIterator[str]:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        extra = {"usage": None} if include_usage else {}
+        n = max(1, len(first.outputs))
+        done: set[int] = set()
+        for i in range(n):
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+        last = first
+        try:
+            async for out in self._outputs(first, stream):
+                last = out
+                for o in out.outputs:
+                    if o.index in done or not (o.delta_text or o.finish_reason):
+                        continue
+                    if o.finish_reason:
+                        done.add(o.index)
+                    yield _sse({**base, "choices": [{"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                                                     "logprobs": None, "finish_reason": o.finish_reason}], **extra})
+        except (EngineShutdown, EngineDead) as exc:
+            yield _sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(last)})
+        yield "data: [DONE]\n\n"
+
+    async def _stream_completion(self, rid, model, created, first, stream, include_usage) -> AsyncIterator[str]:
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        extra = {"usage": None} if include_usage else {}
+        done: set[int] = set()
+        last = first
+        try:
+            async for out in self._outputs(first, stream):
+                last = out
+                for o in out.outputs:
+                    if o.index in done or not (o.delta_text or o.finish_reason):
+                        continue
+                    if o.finish_reason:
+                        done.add(o.index)
+                    yield _sse({**base, "choices": [{"index": o.index, "text": o.delta_text, "logprobs": None,
+                                                     "finish_reason": o.finish_reason}], **extra})
+        except (EngineShutdown, EngineDead) as exc:
+            yield _sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(last)})
+        yield "data: [DONE]\n\n"
+
+    async def models(self, request: Request):
+        return ModelList(data=[ModelCard(id=name, max_model_len=self.max_model_len) for name in self.model_names]).model_dump()
+
+    async def metrics(self, request: Request):
+        m = self.engine.metrics
+        if m is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        try:
+            if self.engine.is_running:
+                m.sync(await asyncio.wait_for(self.engine.stats(), timeout=5.0))
+        except Exception:  # noqa: BLE001 - serve the last values rather than fail a scrape
+            pass
+        return Response(m.render(), media_type=CONTENT_TYPE)
+
+    async def health(self, request: Request):
+        if self.engine.is_running and not self.engine.shutting_down:
+            return JSONResponse({"status": "ok"})
+        return error_response(503, "the engine loop is not running", "service_unavailable", None, "unhealthy")
+
+
+def build_app(
+    engine,
+    model_names: list[str] | str | None = None,
+    api_keys: dict[str, str] | None = None,
+    metrics: EngineMetrics | None = None,
+) -> FastAPI:
+    """A FastAPI app serving ``engine`` (an :class:`~minivllm.engine.llm_engine.LLMEngine`).
+
+    The app's lifespan starts the engine loop thread and, on shutdown, aborts
+    what is in flight and stops it.  ``app.state.async_engine`` and
+    ``app.state.metrics`` are there for tests and for the CLI.
+    """
+    if model_names is None:
+        model_names = [_default_model_name(engine)]
+    elif isinstance(model_names, str):
+        model_names = [model_names]
+    if not model_names:
+        raise ValueError("at least one served model name is needed")
+    metrics = metrics if metrics is not None else EngineMetrics(model_names[0])
+    async_engine = AsyncEngine(engine, metrics)
+    handlers = OpenAIServer(async_engine, model_names, getattr(getattr(engine, "config", None), "max_model_len", None))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="minivllm", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    app.state.handlers = handlers
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _api_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(list(exc.errors()))
+        return error_response(400, msg, "invalid_request_error", param, "invalid_type")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", None, exc.status_code,
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error serving %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal_error", None, 500)
+
+    app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+    app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
+    app.add_api_route("/health", handlers.health, methods=["GET"])
+    app.add_middleware(_AuthMiddleware, api_keys=dict(api_keys or {}))
+    return app
+
+
+def _default_model_name(engine) -> str:
+    model = getattr(getattr(engine, "config", None), "model", None)
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(str(model).rstrip("/\\")) or str(model)

@@ -1,0 +1,217 @@
+"""OpenAI API request and response models (the subset minivllm serves), as pydantic models.
+
+Requests accept OpenAI's fields plus a few of vLLM's extras (``top_k``,
+``min_p``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``).  Unknown fields
+are ignored, as OpenAI's clients send fields a server may not know; fields
+whose non-default values minivllm cannot honour (``logprobs``, ``echo``,
+``best_of``, penalties, ``tools``...) are refused with a 400, never silently
+dropped.  Types are checked strictly for counts (``max_tokens: "7"`` or
+``true`` is a 400), the engine's :class:`~minivllm.sampling_params.SamplingParams`
+checks every value.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: Optional[StrictBool] = False
+    continuous_usage_stats: Optional[StrictBool] = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[StrictStr] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[Number] = None
+    top_p: Optional[Number] = None
+    n: Optional[StrictInt] = 1
+    seed: Optional[StrictInt] = None
+    stop: Optional[Union[StrictStr, list[StrictStr]]] = None
+    stream: Optional[StrictBool] = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[StrictStr] = None
+    # vLLM extras
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[Number] = None
+    ignore_eos: Optional[StrictBool] = None
+    stop_token_ids: Optional[list[StrictInt]] = None
+    cache_salt: Optional[StrictStr] = None
+    # OpenAI fields minivllm does not implement: refused unless left at their defaults
+    logprobs: Optional[Any] = None
+    top_logprobs: Optional[Any] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    logit_bias: Optional[dict] = None
+
+    def unsupported(self) -> Optional[str]:
+        """The first field set to something minivllm cannot do, or None."""
+        if self.logprobs not in (None, False, 0):
+            return "logprobs"
+        if self.top_logprobs not in (None, 0):
+            return "top_logprobs"
+        if self.presence_penalty not in (None, 0):
+            return "presence_penalty"
+        if self.frequency_penalty not in (None, 0):
+            return "frequency_penalty"
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
+    max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
+    echo: Optional[StrictBool] = False
+    suffix: Optional[StrictStr] = None
+    best_of: Optional[StrictInt] = None
+
+    def unsupported(self) -> Optional[str]:
+        if self.echo:
+            return "echo"
+        if self.suffix:
+            return "suffix"
+        if self.best_of not in (None, 1):
+            return "best_of"
+        return super().unsupported()
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: StrictStr
+    text: Optional[StrictStr] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: StrictStr
+    content: Optional[Union[StrictStr, list[ContentPart]]] = None
+    name: Optional[StrictStr] = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[StrictInt] = None
+    tools: Optional[list] = None
+    response_format: Optional[dict] = None
+    add_generation_prompt: Optional[StrictBool] = True
+
+    def unsupported(self) -> Optional[str]:
+        if self.tools:
+            return "tools"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        return super().unsupported()
+
+
+# -- responses -----------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[Union[str, int]] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "minivllm"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
