@@ -518,3 +518,27 @@ def test_random_programs_of_valid_and_invalid_operations(program, mode, prefix):
         for got, want in zip(finals[rid].outputs, ref.outputs):
             if got.finish_reason in ("length", "stop"):
                 assert got.token_ids == want.token_ids, f"{rid} differs from running alone"
+
+
+@pytest.mark.slow
+def test_defect6_real_model_engines_are_freed_on_del_in_a_fresh_process():
+    """The first model load of a process used to pin its engine in a third-party frame cycle."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+gc.disable()
+from minivllm import LLM, SamplingParams
+alive = []
+for _ in range(2):
+    llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    llm.generate(["hi"], SamplingParams(max_tokens=2, n=2), use_tqdm=False)
+    ref = weakref.ref(llm.engine)
+    del llm
+    alive.append(ref() is not None)
+print(alive)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[False, False]"

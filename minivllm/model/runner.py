@@ -23,9 +23,31 @@ from minivllm.model.sampler import sample
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 
 
+def _import_off_stack(module: str) -> None:
+    """Import ``module`` on a short-lived thread, so no caller's frame is on the stack while it runs.
+
+    Loading a model makes transformers import ``torch._dynamo`` lazily, and that
+    import calls ``torch.fx.wrap``, whose frame holds a reference to itself: a
+    cycle that keeps every frame below it alive -- including ``LLM.__init__``
+    and its ``self`` -- until the cyclic garbage collector happens to run.
+    Importing it from a clean thread first means ``del llm`` frees the engine
+    at once, also for the first engine of a process.
+    """
+    import importlib
+    import sys
+    import threading
+
+    if module not in sys.modules:
+        worker = threading.Thread(target=importlib.import_module, args=(module,), daemon=True)
+        worker.start()
+        worker.join()
+
+
 def load_for_serving(config: EngineConfig) -> LoadedModel:
     """Load the model with the attention backend the config asks for (weights fused, eval mode)."""
     from minivllm.model.backends import get_attention_backend
+
+    _import_off_stack("torch._dynamo")
 
     backend = get_attention_backend(config.attention_backend, config.device)
     return load_model(config.model, dtype=config.dtype, device=config.device, backend=backend)
