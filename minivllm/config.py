@@ -29,6 +29,98 @@ _DTYPES = {
 PREEMPTION_MODES = ("recompute", "swap", "reject", "auto")
 PREFIX_CACHE_KINDS = ("radix", "hash")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+SCHEDULING_POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline", "three_class")
+PRIORITY_CLASSES = ("interactive", "agent", "batch")
+
+
+def _check_share(name: str, value: Any, optional: bool = True) -> None:
+    check_type(name, value, (int, float), optional=optional)
+    if value is not None and not 0 < value <= 1:
+        raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant's scheduling settings (``LLM(tenants={"alice": TenantConfig(...)})``).
+
+    * ``weight`` -- its share under ``scheduling_policy="wfq"`` (a tenant of weight 2
+      is served twice the tokens of a tenant of weight 1 when both are backlogged).
+    * ``max_running`` -- at most this many of its requests hold a seat at once.
+    * ``max_tokens_per_step`` -- at most this many of its tokens in one step's batch.
+    * ``max_kv_share`` -- at most this fraction of the KV pool's blocks held by its
+      running requests (a request that could never fit under it is refused at
+      ``add_request``; one that would grow past it preempts its own tenant's work).
+    * ``priority_class`` -- ``"interactive"``, ``"agent"`` or ``"batch"`` under
+      ``scheduling_policy="three_class"`` (``None``: interactive).
+
+    Caps (``max_*``) are enforced under *every* scheduling policy: a tenant over
+    a cap waits, its neighbours do not.
+    """
+
+    weight: float = 1.0
+    max_running: int | None = None
+    max_tokens_per_step: int | None = None
+    max_kv_share: float | None = None
+    priority_class: str | None = None
+
+    def __post_init__(self) -> None:
+        check_type("TenantConfig.weight", self.weight, (int, float))
+        if not (self.weight > 0 and self.weight < float("inf")):
+            raise ValueError(f"TenantConfig.weight must be a finite number > 0, got {self.weight!r}")
+        for name in ("max_running", "max_tokens_per_step"):
+            value = getattr(self, name)
+            check_type(f"TenantConfig.{name}", value, int, optional=True)
+            if value is not None and value < 1:
+                raise ValueError(f"TenantConfig.{name} must be >= 1 (or None for no cap), got {value}")
+        _check_share("TenantConfig.max_kv_share", self.max_kv_share)
+        if self.priority_class is not None and self.priority_class not in PRIORITY_CLASSES:
+            raise ValueError(f"TenantConfig.priority_class must be one of {', '.join(PRIORITY_CLASSES)} or None, "
+                             f"got {self.priority_class!r}")
+
+    @property
+    def has_caps(self) -> bool:
+        return any(v is not None for v in (self.max_running, self.max_tokens_per_step, self.max_kv_share))
+
+
+@dataclass(frozen=True)
+class ThreeClassConfig:
+    """Knobs of the ``scheduling_policy="three_class"`` preset (the seed lesson's worked policy).
+
+    * ``interactive_kv_reserve`` -- fraction of the KV pool agent and batch work may never hold
+      (rule ``reserve_kv_for_interactive``);
+    * ``agent_kv_share`` / ``agent_max_running_share`` -- the agent queue's bounded share of
+      blocks and seats (rule ``bounded_agent_queue``);
+    * ``batch_max_interactive_queue`` -- batch work is admitted only while fewer interactive
+      requests than this wait (rule ``batch_only_when_interactive_idle``);
+    * ``tenant_cache_share`` -- prefix caching is on, each tenant's namespace may keep at most
+      this fraction of the pool cached (rule ``capped_prefix_cache``; an explicit
+      ``prefix_cache_quota_blocks`` wins);
+    * ``long_prefill_tokens`` -- prefills are chunked above this many tokens (rule
+      ``chunk_long_prefills``; an explicit ``long_prefill_token_threshold`` wins);
+    * ``swap_min_tokens`` -- a victim with at least this many computed tokens is swapped, a
+      shorter one recomputed; batch is preempted before agent before interactive (rule
+      ``preempt_batch_first_swap_long``).
+    """
+
+    interactive_kv_reserve: float = 0.25
+    agent_kv_share: float = 0.4
+    agent_max_running_share: float = 0.5
+    batch_max_interactive_queue: int = 1
+    tenant_cache_share: float = 0.25
+    long_prefill_tokens: int = 8192
+    swap_min_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        _check_share("ThreeClassConfig.agent_kv_share", self.agent_kv_share, optional=False)
+        _check_share("ThreeClassConfig.agent_max_running_share", self.agent_max_running_share, optional=False)
+        _check_share("ThreeClassConfig.tenant_cache_share", self.tenant_cache_share, optional=False)
+        check_type("ThreeClassConfig.interactive_kv_reserve", self.interactive_kv_reserve, (int, float))
+        if not 0 <= self.interactive_kv_reserve < 1:
+            raise ValueError(f"ThreeClassConfig.interactive_kv_reserve must be in [0, 1), got {self.interactive_kv_reserve}")
+        for name in ("batch_max_interactive_queue", "long_prefill_tokens", "swap_min_tokens"):
+            check_type(f"ThreeClassConfig.{name}", getattr(self, name), int)
+            if getattr(self, name) < 1:
+                raise ValueError(f"ThreeClassConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -91,6 +183,14 @@ class EngineConfig:
 
     The running set is capped at ``min(max_num_seqs, max_num_batched_tokens)``
     with chunked prefill on, so that every running decode fits every step.
+
+    Scheduling (see :mod:`minivllm.sched.fairness`): ``scheduling_policy`` is
+    ``"fcfs"``, ``"priority"``, ``"caps"``, ``"wfq"`` (token-weighted fair queueing,
+    charging ``wfq_prefill_weight`` per prefill token and ``wfq_decode_weight`` per
+    output token), ``"deadline"`` (earliest deadline first; no request is passed by
+    one that arrived more than ``deadline_aging_s`` after it) or ``"three_class"``
+    (the preset in :class:`ThreeClassConfig`).  ``tenants`` maps tenant names to
+    :class:`TenantConfig` (the key ``"*"`` sets every unlisted tenant).
     """
 
     model: str | None = None
@@ -118,8 +218,15 @@ class EngineConfig:
     preemption_protect_after: int = 3
     attention_backend: str = "auto"
     step_log_max_entries: int = 500_000
+    scheduling_policy: str = "fcfs"
+    tenants: Any = None  # {name: TenantConfig}; stored as a sorted tuple of pairs (hashable, frozen)
+    wfq_prefill_weight: float = 1.0
+    wfq_decode_weight: float = 2.0
+    deadline_aging_s: float = 30.0
+    three_class: ThreeClassConfig = ThreeClassConfig()
 
     def __post_init__(self) -> None:
+        self._check_scheduling()
         check_type("model", self.model, str, optional=True)
         for name in ("seed", "block_size", "max_num_seqs", "long_prefill_token_threshold", "preemption_protect_after",
                      "step_log_max_entries"):
@@ -168,6 +275,45 @@ class EngineConfig:
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, device))
 
+    def _check_scheduling(self) -> None:
+        check_type("scheduling_policy", self.scheduling_policy, str)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        tenants = self.tenants
+        if tenants is None:
+            tenants = ()
+        elif isinstance(tenants, dict):
+            tenants = tuple(tenants.items())
+        elif not (isinstance(tenants, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in tenants)):
+            raise ValueError(f"tenants must be a dict {{name: TenantConfig}}, got {type(tenants).__name__}")
+        for name, tc in tenants:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tenant names must be non-empty strings, got {name!r}")
+            if not isinstance(tc, TenantConfig):
+                raise ValueError(f"tenants[{name!r}] must be a TenantConfig, got {type(tc).__name__}")
+        object.__setattr__(self, "tenants", tuple(sorted(tenants)))
+        for name in ("wfq_prefill_weight", "wfq_decode_weight", "deadline_aging_s"):
+            value = getattr(self, name)
+            check_type(name, value, (int, float))
+            if not (value > 0 and value < float("inf")):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.three_class, ThreeClassConfig):
+            raise ValueError(f"three_class must be a ThreeClassConfig, got {type(self.three_class).__name__}")
+        if self.scheduling_policy == "caps" and not any(tc.has_caps for _, tc in tenants):
+            raise ValueError("scheduling_policy='caps' needs at least one TenantConfig with max_running, "
+                             "max_tokens_per_step or max_kv_share (use the key '*' for every tenant)")
+
+    def tenant_config(self, tenant: str) -> TenantConfig:
+        """The settings of ``tenant``: its own entry, else the ``"*"`` entry, else ``TenantConfig()``."""
+        for name, tc in self.tenants:
+            if name == tenant:
+                return tc
+        for name, tc in self.tenants:
+            if name == "*":
+                return tc
+        return _DEFAULT_TENANT
+
     @classmethod
     def option_names(cls) -> frozenset[str]:
         """The options ``LLM(**options)`` accepts (every field but ``model``)."""
@@ -194,9 +340,24 @@ class EngineConfig:
                 f">= max_model_len ({max_len}) or a long prompt could never be scheduled"
             )
         seats = min(self.max_num_seqs, budget) if self.enable_chunked_prefill else self.max_num_seqs
+        preset = {}
+        if self.scheduling_policy == "three_class":
+            # The preset's clauses that are engine options (documented in ThreeClassConfig):
+            # prefix caching on; long prefills chunked; swap for long contexts ("auto" + a length rule).
+            preset["enable_prefix_caching"] = True
+            if self.long_prefill_token_threshold == 0:
+                preset["long_prefill_token_threshold"] = self.three_class.long_prefill_tokens
+            if self.preemption_mode == "recompute":
+                preset["preemption_mode"] = "auto"
+        for _, tc in self.tenants:
+            if tc.max_tokens_per_step is not None and not self.enable_chunked_prefill and tc.max_tokens_per_step < max_len:
+                raise ValueError(
+                    f"with chunked prefill off, a tenant's max_tokens_per_step ({tc.max_tokens_per_step}) must be "
+                    f">= max_model_len ({max_len}) or its long prompts could never be scheduled"
+                )
         return dataclasses.replace(
             self, max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=seats,
-            device=self.device, dtype=self.dtype,
+            device=self.device, dtype=self.dtype, **preset,
         )
 
     def check_kv_capacity(self, num_blocks: int) -> None:
@@ -207,3 +368,6 @@ class EngineConfig:
                 f"max_model_len={self.max_model_len} tokens ({need} blocks); give more KV memory or a "
                 f"smaller max_model_len"
             )
+
+
+_DEFAULT_TENANT = TenantConfig()

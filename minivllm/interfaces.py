@@ -37,6 +37,29 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class AdmissionPolicy(Protocol):
+    """Which waiting request to admit next.  ``order`` is the whole required contract.
+
+    Optional hooks (the scheduler looks them up with ``getattr`` once; a policy
+    without them behaves exactly as FCFS-style policies always have):
+
+    * ``rank(req) -> sortable`` -- the policy's preference (smaller is better).
+      With it the scheduler gives a batch's prefill chunks to better-ranked
+      requests first and, when admitting ``req``, counts against the token
+      budget only the running prefills ranked at or ahead of ``req``.
+    * ``may_preempt_for(req, victim) -> bool`` -- (with ``rank``) may waiting
+      ``req`` preempt running ``victim`` when no seat (``max_num_seqs``) or no
+      KV is left for it?  The victim among those allowed is chosen by the
+      :class:`PreemptionPolicy`; requests protected by the anti-thrash rule are
+      never preempted this way.
+    * ``observe(batch, now) -> None`` -- called once per step after execution
+      with the :class:`~minivllm.sched.output.ScheduledBatch` that ran (tokens
+      served per request: ``seq.num_tokens``, ``seq.is_decode``,
+      ``seq.samples``); weighted fair queueing charges its counters here.
+    * ``head_of_line = "global" | "tenant"`` -- when a request cannot start,
+      stop admitting (``"global"``, the default) or skip only the rest of its
+      tenant's requests (``"tenant"``).
+    """
+
     def order(self, waiting: Sequence["Request"], running: Sequence["Request"]) -> list["Request"]:
         """Waiting requests in the order to try admitting them.
 

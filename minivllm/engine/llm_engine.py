@@ -38,6 +38,8 @@ from minivllm.metrics.step_log import StepLog, StepRecord
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.kv.kv_cache_manager import blocks_for
+from minivllm.sched.fairness import CapTable, make_policies
 from minivllm.sched.output import ScheduledBatch
 from minivllm.sched.scheduler import PreemptionCosts, Scheduler
 
@@ -98,21 +100,28 @@ class LLMEngine:
         if prefix_cache is None and config.enable_prefix_caching:
             from minivllm.kv.prefix import make_prefix_cache
 
-            prefix_cache = make_prefix_cache(config.prefix_cache, pool, config.block_size, config.prefix_cache_quota_blocks)
+            quota = config.prefix_cache_quota_blocks
+            if quota is None and config.scheduling_policy == "three_class":  # rule capped_prefix_cache
+                quota = max(1, int(config.three_class.tenant_cache_share * num_blocks))
+            prefix_cache = make_prefix_cache(config.prefix_cache, pool, config.block_size, quota)
         self.kv = KVCacheManager(pool, config.block_size, prefix_cache, cpu_pool, config.share_prefix_cache_across_tenants)
         if self.loaded is not None:
             self.model_runner = executor = ModelRunner(self.loaded.model, layout.make_cache(), seed=config.seed)
         self.executor = executor
 
-        # -- scheduling, with the cost model auto mode weighs victims by
-        costs = preemption_cost_model
+        # -- scheduling: the named policy (unless the caller passed its own), caps, the auto-mode cost model
+        named_admission, named_preemption, named_costs = make_policies(config)
+        admission_policy = admission_policy or named_admission
+        preemption_policy = preemption_policy or named_preemption
+        costs = preemption_cost_model or named_costs
         if costs is None and config.preemption_mode == "auto":
             swap_bw = config.swap_bandwidth_gbps * 1e9 if config.swap_bandwidth_gbps else None
             if swap_bw is None:
                 measure = getattr(self.model_runner, "kv_cache", None)
                 swap_bw = measure.measure_swap_bandwidth() if measure is not None else getattr(executor, "swap_bytes_per_s", 25e9)
             costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
-        self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs)
+        self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
+                                   CapTable(config, num_blocks))
         self.bytes_per_block = bytes_per_block
 
         # -- the caller's side
@@ -161,15 +170,26 @@ class LLMEngine:
         tenant: str = "default",
         priority: int = 0,
         arrival_time: float | None = None,
+        deadline: float | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id.  Bad input raises ``ValueError``."""
-        with self._lock:
-            return self._add_request(prompt, sampling_params, request_id, tenant, priority, arrival_time)
+        """Validate and queue a request; returns its id.  Bad input raises ``ValueError``.
 
-    def _add_request(self, prompt, sampling_params, request_id, tenant, priority, arrival_time) -> str:
+        ``tenant`` names who sent it (its caps, weight and class come from
+        ``EngineConfig.tenants``); ``priority`` (lower first) and ``deadline`` (seconds
+        on the executor's clock, like ``arrival_time``) are read by the
+        ``"priority"`` and ``"deadline"`` scheduling policies.
+        """
+        with self._lock:
+            return self._add_request(prompt, sampling_params, request_id, tenant, priority, arrival_time, deadline)
+
+    def _add_request(self, prompt, sampling_params, request_id, tenant, priority, arrival_time, deadline=None) -> str:
         self._check_open()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
+        ):
+            raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {deadline!r}")
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
         ):
@@ -194,6 +214,14 @@ class LLMEngine:
                 f"request {request_id!r} needs up to {samples[0].max_total_tokens} tokens of KV but the whole "
                 f"pool holds {self.pool.num_blocks * self.config.block_size}; it could never run"
             )
+        cap = self.scheduler.caps.max_blocks(samples[0]) if self.scheduler.caps is not None else None
+        if cap is not None and blocks_for(samples[0].max_total_tokens, self.config.block_size) > cap:
+            raise ValueError(
+                f"request {request_id!r} needs up to {samples[0].max_total_tokens} tokens of KV but tenant "
+                f"{samples[0].tenant!r} may hold at most {cap * self.config.block_size} (its KV cap); it could never run"
+            )
+        for req in samples:
+            req.deadline = None if deadline is None else float(deadline)
         if params.n > 1:
             self._groups[request_id] = samples
         self.outputs.add(samples)
@@ -295,6 +323,7 @@ class LLMEngine:
                 prefix_cache_evictions=st.evicted_blocks,
                 prefix_cache_quota_evictions=st.quota_evictions,
             )
+        out["per_tenant"] = self.tenant_stats()
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -332,6 +361,7 @@ class LLMEngine:
         """
         now = self.executor.now()
         self._observe_step(batch, now)
+        self.scheduler.observe(batch, sampled, now)
         grew: list[Request] = []
         for seq in batch.seqs:
             req = seq.request
@@ -376,6 +406,7 @@ class LLMEngine:
         for out in outputs:
             req = self.requests[out.request_id]
             if out.finished:
+                self._account_finished(req)
                 self.num_errors += req.status is RequestStatus.FINISHED_ERROR
                 if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
                     req.finished_time = now
@@ -388,6 +419,52 @@ class LLMEngine:
             if out.finished:
                 self._groups.pop(out.request_id, None)
         return folded
+
+    def _account_finished(self, req: Request) -> None:
+        """Per-tenant latency samples of a finished request (kept in bounded deques)."""
+        ts = self.scheduler.tenant(req.tenant)
+        ts.finished += 1
+        ts.percentiles = None
+        if req.first_scheduled_time is not None:
+            ts.queue_time_s += req.first_scheduled_time - req.arrival_time
+        if req.first_token_time is not None:
+            ts.ttft.append(req.first_token_time - req.arrival_time)
+            times = req.token_times
+            ts.itl.extend(b - a for a, b in zip(times, times[1:]))
+
+    def tenant_stats(self) -> dict[str, dict]:
+        """Per-tenant accounting: tokens in/out, KV blocks held, running/waiting, queue time, preemptions,
+        rejects, and TTFT/ITL percentiles (seconds) of the newest finished requests."""
+        live: dict[str, list[int]] = {}
+        for r in self.scheduler.running:
+            row = live.setdefault(r.tenant, [0, 0, 0])
+            row[0] += 1
+            row[2] += len(r.block_ids)
+        for r in self.scheduler.waiting:
+            live.setdefault(r.tenant, [0, 0, 0])[1] += 1
+        out = {}
+        for name in sorted(set(self.scheduler.tenant_stats) | set(live)):
+            ts = self.scheduler.tenant(name)
+            running, waiting, blocks = live.get(name, (0, 0, 0))
+            if ts.percentiles is None:  # sorted once per change, not once per stats() call
+                ts.percentiles = {
+                    "ttft_p50_s": _nearest_rank(ts.ttft, 50), "ttft_p95_s": _nearest_rank(ts.ttft, 95),
+                    "itl_p50_s": _nearest_rank(ts.itl, 50), "itl_p95_s": _nearest_rank(ts.itl, 95),
+                }
+            out[name] = {
+                "prompt_tokens": ts.prompt_tokens,
+                "output_tokens": ts.output_tokens,
+                "kv_blocks": blocks,
+                "kv_share": blocks / self.pool.num_blocks,
+                "num_running": running,
+                "num_waiting": waiting,
+                "num_finished": ts.finished,
+                "queue_time_s": ts.queue_time_s,
+                "num_preemptions": ts.preemptions,
+                "num_rejected": ts.rejected,
+                **ts.percentiles,
+            }
+        return out
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)
@@ -443,3 +520,11 @@ class LLMEngine:
             deficit -= len(r.block_ids) + kv.worst_case_new_blocks(r)
             remaining = max(1, r.max_tokens - len(r.output_token_ids))
         return round(step * remaining, 3)
+
+
+def _nearest_rank(values, pct: float) -> float | None:
+    """Nearest-rank percentile (None when there are no samples)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]

@@ -32,10 +32,23 @@ class RecomputeLatestPreemption:
 
 
 class PriorityAdmission:
-    """Lower ``priority`` value first, ties by arrival (vLLM's priority policy)."""
+    """Lower ``priority`` value first, ties by arrival (vLLM's priority policy).
+
+    A waiting request may preempt a running one of strictly lower priority
+    (larger value) to get a seat or blocks, as vLLM does when ``max_num_seqs``
+    is the limit (vLLM #40004); see the optional hooks in :mod:`minivllm.interfaces`.
+    """
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        return sorted(waiting, key=lambda r: (r.priority, r.arrival_time))
+        return sorted(waiting, key=self.rank)
+
+    @staticmethod
+    def rank(req: Request) -> tuple:
+        return (req.priority, req.arrival_time)
+
+    @staticmethod
+    def may_preempt_for(req: Request, victim: Request) -> bool:
+        return victim.priority > req.priority
 
 
 class PriorityPreemption:

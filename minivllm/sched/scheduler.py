@@ -43,19 +43,37 @@ preempted "every step" (cf. vLLM issue #25538) while others could give way.
 A request that could never fit the pool is rejected when it is added, so
 "preempt until it fits" always terminates: alone in the engine, any accepted
 request fits.
+
+Fairness (:mod:`minivllm.sched.fairness`)
+-----------------------------------------
+Per-tenant (and, under the three-class preset, per-class) caps are enforced here
+for every policy, through a :class:`~minivllm.sched.fairness.CapTable`: a request
+whose group is at ``max_running`` or would pass its KV cap is held back at
+admission; a group's tokens in one batch never pass ``max_tokens``; a running
+request that would grow its group past the KV cap preempts within its own
+group.  Policies with a ``rank`` also order the prefill chunks of a batch by
+rank, count against an admission's token budget only the running prefills
+ranked ahead of it, and (with ``may_preempt_for``) preempt a worse-ranked
+running request to seat a better-ranked one.  Once a victim has been swapped
+out to seat another, no swapped request is swapped back in during the same
+admission (the victim's freed device blocks could be overwritten before the
+executor copies them out).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, PreemptionCostModel, PreemptionPolicy
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.request import Request, RequestStatus
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
+from minivllm.sched.fairness import CapTable
 from minivllm.sched.policies import FCFSAdmission, RecomputeLatestPreemption
+
+_SAMPLES_KEPT = 2048  # per tenant: the newest finished requests' TTFTs and ITLs kept for percentiles
 
 
 @dataclass
@@ -92,6 +110,21 @@ class SchedulerStats:
     num_rejected: int = 0
 
 
+@dataclass
+class TenantCounters:
+    """Per-tenant counters, updated in O(1) per scheduled sequence (``LLMEngine.stats()["per_tenant"]``)."""
+
+    prompt_tokens: int = 0  # prefill tokens computed (recomputation included: it is cost)
+    output_tokens: int = 0
+    preemptions: int = 0
+    rejected: int = 0
+    finished: int = 0
+    queue_time_s: float = 0.0  # summed over finished requests: first scheduled - arrival
+    ttft: deque = field(default_factory=lambda: deque(maxlen=_SAMPLES_KEPT))
+    itl: deque = field(default_factory=lambda: deque(maxlen=_SAMPLES_KEPT))
+    percentiles: dict | None = None  # cached by LLMEngine.tenant_stats(); reset when a request finishes
+
+
 class Scheduler:
     def __init__(
         self,
@@ -100,17 +133,33 @@ class Scheduler:
         admission_policy: AdmissionPolicy | None = None,
         preemption_policy: PreemptionPolicy | None = None,
         costs: PreemptionCostModel | None = None,
+        caps: CapTable | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.admission_policy = admission_policy or FCFSAdmission()
         self.preemption_policy = preemption_policy or RecomputeLatestPreemption()
         self.costs = costs
+        self.caps = caps if caps is not None and caps.active else None
+        pol = self.admission_policy
+        self._rank = getattr(pol, "rank", None)  # optional hooks, see minivllm.interfaces
+        self._may_preempt_for = getattr(pol, "may_preempt_for", None) if self._rank is not None else None
+        self._observe = getattr(pol, "observe", None)
+        self._hol_per_tenant = getattr(pol, "head_of_line", "global") == "tenant"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self.tenant_stats: dict[str, TenantCounters] = {}
         self._preempted_last_step = False
         self._rejected: list[Request] = []
+        self._admission_preempted: list[Request] = []
+        self._held: dict | None = None  # during allocate: KV blocks held per cap group
+
+    def tenant(self, name: str) -> TenantCounters:
+        ts = self.tenant_stats.get(name)
+        if ts is None:
+            ts = self.tenant_stats[name] = TenantCounters()
+        return ts
 
     # -- queue management ----------------------------------------------------
     def add(self, req: Request) -> None:
@@ -136,7 +185,80 @@ class Scheduler:
         return remaining
 
     def _running_demand(self) -> int:
-        return sum(self._chunk_cap(r) for r in self.running)
+        return self._demand(self.running)
+
+    def _demand(self, reqs) -> int:
+        """Tokens ``reqs`` will take this step (a capped group's share counted at most up to its cap)."""
+        if self.caps is None:
+            return sum(self._chunk_cap(r) for r in reqs)
+        total, grouped, cap = 0, {}, {}
+        for r in reqs:
+            c = self._chunk_cap(r)
+            g = next((g for g in self.caps.groups(r) if g.max_tokens is not None), None)
+            if g is None:
+                total += c
+            else:
+                grouped[g.key] = grouped.get(g.key, 0) + c
+                cap[g.key] = g.max_tokens
+        return total + sum(min(v, cap[k]) for k, v in grouped.items())
+
+    def _admission_budget(self, req: Request) -> int:
+        """Token budget left for ``req``: with a ranking policy, only running prefills ranked ahead count."""
+        if self._rank is None:
+            ahead = self.running
+        else:
+            key = self._rank(req)
+            ahead = [r for r in self.running if r.is_decode or self._rank(r) <= key]
+        return self.config.max_num_batched_tokens - self._demand(ahead)
+
+    # -- caps -----------------------------------------------------------------
+    def _need_blocks(self, req: Request) -> int:
+        """Blocks ``req`` counts against its KV caps when admitted (its tokens so far, or its worst case)."""
+        if self.config.preemption_mode == "reject":
+            return -(-req.max_total_tokens // self.kv.block_size)
+        return -(-req.num_tokens // self.kv.block_size)
+
+    def _group_usage(self) -> dict:
+        """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``."""
+        usage: dict = {}
+        for r in self.running:
+            for g in self.caps.groups(r):
+                u = usage.setdefault(g.key, [0, 0, 0])
+                u[0] += 1
+                u[1] += len(r.block_ids) + self._reservation(r)
+                u[2] += self._chunk_cap(r)
+        return usage
+
+    def _within_caps(self, req: Request, usage: dict) -> bool:
+        for g in self.caps.groups(req):
+            u = usage.get(g.key, (0, 0, 0))
+            if g.max_running is not None and u[0] >= g.max_running:
+                return False
+            if g.max_blocks is not None and u[1] + self._need_blocks(req) > g.max_blocks:
+                return False
+            if g.max_tokens is not None and u[2] >= g.max_tokens:
+                return False
+        return True
+
+    def _cap_budget(self, req: Request, usage: dict, budget: int) -> int:
+        for g in self.caps.groups(req):
+            if g.max_tokens is not None:
+                budget = min(budget, g.max_tokens - usage.get(g.key, (0, 0, 0))[2])
+        return budget
+
+    def _preempt_to_admit(self, req: Request, admitted: list[Request]) -> bool:
+        """Preempt one running request the policy ranks below ``req`` (never one protected by anti-thrash)."""
+        if self._may_preempt_for is None:
+            return False
+        limit = self.config.preemption_protect_after
+        cands = [r for r in self.running
+                 if r not in admitted and (not limit or r.num_preemptions < limit) and self._may_preempt_for(req, r)]
+        if not cands:
+            return False
+        victim = self.preemption_policy.choose_victim(cands)
+        self._preempt(victim)
+        self._admission_preempted.append(victim)
+        return True
 
     def _reserved_blocks(self) -> int:
         """Blocks the running requests will claim: the rest of their prefill, or (reject mode) their worst case."""
@@ -151,28 +273,56 @@ class Scheduler:
         """
         if self._preempted_last_step or not self.waiting:
             return []
-        budget = self.config.max_num_batched_tokens - self._running_demand()
+        caps = self.caps
+        usage = self._group_usage() if caps is not None else None
         reserved = self._reserved_blocks()
+        unranked_budget = self.config.max_num_batched_tokens - self._running_demand() if self._rank is None else 0
         admitted: list[Request] = []
+        blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
+        swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
         for req in self.admission_policy.order(self.waiting, self.running):
-            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
-                break
+            if req.tenant in blocked:
+                continue
             if not self._leader_ready(req):
                 continue  # n > 1: a sibling sample forks once its leader has prefilled the prompt
-            fit = self._try_admit(req, budget, reserved)
+            if caps is not None and not self._within_caps(req, usage):
+                continue  # its tenant (or class) is at a cap: it waits, the others do not
+            while True:
+                budget = unranked_budget if self._rank is None else self._admission_budget(req)
+                if caps is not None:
+                    budget = self._cap_budget(req, usage, budget)
+                seated = len(self.running) < self.config.max_num_seqs
+                fit = None
+                if seated and budget > 0 and not (swapped_out and req.status is RequestStatus.SWAPPED):
+                    fit = self._try_admit(req, budget, reserved)
+                if fit is not None or not self._preempt_to_admit(req, admitted):
+                    break
+                swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
+                reserved = self._reserved_blocks()
+                if caps is not None:
+                    usage = self._group_usage()
             if fit is None:
-                if self._should_reject(req):
+                if seated and budget > 0 and self._should_reject(req):
                     self._reject(req)
+                    continue
+                if self._hol_per_tenant:
+                    blocked.add(req.tenant)
                     continue
                 break
             tokens, blocks = fit
             reserved += blocks
-            budget -= tokens
+            unranked_budget -= tokens
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.kv.record_admission(req)
             admitted.append(req)
+            if caps is not None:
+                for g in caps.groups(req):
+                    u = usage.setdefault(g.key, [0, 0, 0])
+                    u[0] += 1
+                    u[1] += len(req.block_ids) + self._reservation(req)
+                    u[2] += self._chunk_cap(req)
         return admitted
 
     @staticmethod
@@ -232,6 +382,7 @@ class Scheduler:
         self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_REJECTED
         self.stats.num_rejected += 1
+        self.tenant(req.tenant).rejected += 1
         self._rejected.append(req)
 
     # -- step 2: build the batch ---------------------------------------------
@@ -242,18 +393,33 @@ class Scheduler:
         attention backends expect (a stable sort, so decodes keep their order).
         """
         budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch(rejected=self._rejected)
+        batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
         self._rejected = []
+        self._admission_preempted = []
         decodes = [r for r in self.running if r.is_decode]
         prefills = [r for r in self.running if not r.is_decode]
+        if self._rank is not None:
+            prefills.sort(key=self._rank)  # better-ranked prefills get the budget first
+        caps = self.caps
+        used: dict = {}
         for req in decodes + prefills:
             if budget <= 0:
                 break
             n = min(self._chunk_cap(req), budget)
+            if caps is not None:
+                for g in caps.groups(req):
+                    if g.max_tokens is not None:
+                        n = min(n, g.max_tokens - used.get(g.key, 0))
+                if n <= 0:
+                    continue  # its group used its tokens for this step
             if n < req.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
             batch.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
             budget -= n
+            if caps is not None:
+                for g in caps.groups(req):
+                    if g.max_tokens is not None:
+                        used[g.key] = used.get(g.key, 0) + n
         batch.seqs.sort(key=lambda s: s.num_tokens != 1)
         return batch
 
@@ -261,34 +427,89 @@ class Scheduler:
     def allocate(self, batch: ScheduledBatch) -> ScheduledBatch:
         """Get KV blocks for every scheduled token, preempting when the pool is dry."""
         self._preempted_last_step = False
+        self._held = self._group_held() if self.caps is not None else None
         for seq in batch.seqs:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._held is not None and not self._fit_group_kv(req, seq.num_tokens, batch):
+                continue  # it gave way to its own group's cap
+            before = len(req.block_ids)
             while not self.kv.allocate_slots(req, seq.num_tokens):
                 victim = self.preemption_policy.choose_victim(self._victim_candidates())
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
                     break
+            if self._held is not None and req.status is RequestStatus.RUNNING:
+                for g in self.caps.groups(req):
+                    if g.max_blocks is not None:
+                        self._held[g.key] += len(req.block_ids) - before
+        self._held = None
         batch.seqs = [s for s in batch.seqs if s.request.status is RequestStatus.RUNNING]
         batch.moves = self.kv.take_block_moves()
         self.stats.num_steps += 1
         return batch
 
-    def _victim_candidates(self) -> list[Request]:
+    def _group_held(self) -> dict:
+        held: dict = {}
+        for r in self.running:
+            for g in self.caps.groups(r):
+                if g.max_blocks is not None:
+                    held[g.key] = held.get(g.key, 0) + len(r.block_ids)
+        return held
+
+    def _fit_group_kv(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Make room under ``req``'s KV caps for ``num_tokens`` more tokens by preempting within each group.
+
+        Returns False when ``req`` itself was the victim.  Terminates: a request
+        whose worst case exceeds a cap is refused at ``add_request``, so alone in
+        its group any request fits.
+        """
+        grow = self.kv.num_new_blocks(req, num_tokens)
+        for g in self.caps.groups(req):
+            if g.max_blocks is None:
+                continue
+            while self._held.get(g.key, 0) + grow > g.max_blocks:
+                members = [r for r in self.running if g in self.caps.groups(r)]
+                victim = self.preemption_policy.choose_victim(self._victim_candidates(members))
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    return False
+        return True
+
+    def _victim_candidates(self, pool: list[Request] | None = None) -> list[Request]:
         """Running requests the anti-thrash rule allows as victims (all of them if all are protected)."""
+        pool = self.running if pool is None else pool
         limit = self.config.preemption_protect_after
-        unprotected = [r for r in self.running if r.num_preemptions < limit] if limit else []
-        return unprotected or self.running
+        unprotected = [r for r in pool if r.num_preemptions < limit] if limit else []
+        return unprotected or pool
+
+    # -- per-step accounting ----------------------------------------------------
+    def observe(self, batch: ScheduledBatch, sampled: dict[str, int], now: float) -> None:
+        """After a step ran: per-tenant token counts, then the policy's optional ``observe`` hook."""
+        for s in batch.seqs:
+            ts = self.tenant(s.request.tenant)
+            if not s.is_decode:
+                ts.prompt_tokens += s.num_tokens
+            if s.request.request_id in sampled:
+                ts.output_tokens += 1
+        if self._observe is not None:
+            self._observe(batch, now)
 
     def _preempt(self, req: Request) -> None:
         """Give back ``req``'s device blocks by swap (if the mode and the host tier allow) or recompute."""
         self.running.remove(req)
+        if self._held is not None:
+            for g in self.caps.groups(req):
+                if g.max_blocks is not None:
+                    self._held[g.key] -= len(req.block_ids)
         computed = req.num_computed_tokens
         if computed > 0:
             self._preempted_last_step = True
             self.stats.num_preemptions += 1
+            self.tenant(req.tenant).preemptions += 1
             req.num_preemptions += 1
         if computed > 0 and self._wants_swap(req) and self.kv.swap_out(req):
             self.stats.num_swap_preemptions += 1

@@ -1,0 +1,308 @@
+"""Fairness: a noisy tenant against a quiet one, per scheduling policy, on the simulated executor.
+
+Three workloads, each run with the same arrivals for every policy (virtual clock,
+:class:`~minivllm.sim.SimulatedExecutor`, the real scheduler and memory manager):
+
+1. **noisy vs quiet** -- the quiet tenant sends short chats; the noisy one sends
+   about 10x its tokens in long prompts, more than the engine can serve, so a
+   backlog builds.  Per policy x tenant: p50/p95 TTFT, p95 ITL, tokens/s (prompt +
+   output tokens served per second while both send), mean KV share, preemptions.
+   The quiet tenant is also run alone for its solo p95 TTFT.
+2. **backlogged, equal weights** -- three tenants with very different request
+   shapes, all backlogged; Jain's index of their weighted token service
+   (prefill x ``wfq_prefill_weight`` + output x ``wfq_decode_weight``) over the
+   window in which all three stay backlogged.
+3. **three classes** -- interactive chats, agents making sequential calls on a
+   growing shared context, and a batch backlog with prompts up to 12K tokens;
+   ``three_class`` against ``fcfs``: the share of interactive (TTFT < 700 ms, ITL
+   p95 < 60 ms) and agent (TTFT < 2 s, ITL p95 < 120 ms) requests meeting their
+   SLOs, and whether batch finished.
+
+    python -m minivllm.bench fairness [--out benchmarks/results/2026-11-30_cpu-2core_fairness_sim.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
+
+# Step-time constants of the simulated executor (seconds): fixed + per token + per KV token read.
+FAIR_STEP = dict(fixed_overhead_s=0.010, per_token_s=0.0001, per_context_token_s=1e-7)
+CLASS_STEP = dict(fixed_overhead_s=0.008, per_token_s=0.00003, per_context_token_s=2e-8)
+
+
+@dataclass
+class Arrival:
+    time: float
+    tenant: str
+    prompt: list[int]
+    max_tokens: int
+    priority: int = 0
+    deadline: float | None = None
+    session: int | None = None  # agent session (closed loop): the next call follows this one's finish
+
+
+@dataclass
+class Run:
+    outputs: dict = field(default_factory=dict)  # request id -> (tenant, RequestOutput)
+    stats: dict = field(default_factory=dict)
+    window_stats: dict = field(default_factory=dict)  # per-tenant stats when the arrival window closed
+    kv_share: dict = field(default_factory=dict)  # tenant -> mean share of the pool held over the window
+    clock: float = 0.0
+    steps: int = 0
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(10, 990) for _ in range(n)]
+
+
+def _poisson(rng: random.Random, rate: float, until: float):
+    t = rng.expovariate(rate)
+    while t < until:
+        yield t
+        t += rng.expovariate(rate)
+
+
+def noisy_quiet_workload(seed: int, duration: float, quiet_alone: bool = False) -> list[Arrival]:
+    rng = random.Random(seed)
+    out = [Arrival(t, "quiet", _tokens(rng, rng.randint(150, 450)), rng.randint(20, 60), priority=0, deadline=t + 1.0)
+           for t in _poisson(rng, 4.0, duration)]
+    if not quiet_alone:
+        out += [Arrival(t, "noisy", _tokens(rng, rng.randint(3000, 5000)), rng.randint(40, 120), priority=1,
+                        deadline=t + 30.0)
+                for t in _poisson(rng, 2.5, duration)]
+    return sorted(out, key=lambda a: a.time)
+
+
+def backlogged_workload(seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    shapes = {"long": ((2500, 3500), (20, 40)), "medium": ((600, 1000), (100, 200)), "short": ((50, 150), (200, 400))}
+    out = []
+    for i in range(60):
+        for name, (p, o) in shapes.items():
+            out.append(Arrival(0.001 * i, name, _tokens(rng, rng.randint(*p)), rng.randint(*o)))
+    return out
+
+
+def three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dict]:
+    rng = random.Random(seed)
+    out = [Arrival(t, "chat", _tokens(rng, rng.randint(100, 1000)), rng.randint(50, 150))
+           for t in _poisson(rng, 3.0, duration)]
+    out += [Arrival(0.002 * i, "bulk", _tokens(rng, rng.randint(2000, 12000)), rng.randint(100, 300))
+            for i in range(80)]
+    sessions = {}
+    for s in range(6):
+        system = _tokens(rng, 1500)
+        sessions[s] = {"context": system, "calls_left": 12, "rng": random.Random(seed * 100 + s)}
+        out.append(Arrival(rng.uniform(0, 2), "agent", system + _tokens(rng, 100), rng.randint(40, 100), session=s))
+    return sorted(out, key=lambda a: a.time), sessions
+
+
+def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
+        blocks: int = 1024, budget: int = 2048, max_seqs: int = 128, chunk: int = 512, max_len: int = 16384,
+        max_steps: int = 200_000, **options) -> Run:
+    from minivllm import EngineConfig, LLMEngine, SamplingParams
+    from minivllm.sim import SimulatedExecutor
+
+    cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_num_batched_tokens=budget,
+                       max_num_seqs=max_seqs, max_model_len=max_len, long_prefill_token_threshold=chunk,
+                       scheduling_policy=policy, tenants=tenants, device="cpu", num_cpu_blocks_override=4 * blocks,
+                       **options)
+    executor = SimulatedExecutor(**step)
+    engine = LLMEngine(cfg, executor=executor, model_max_len=max_len, eos_token_ids=set())
+    pending = list(reversed(arrivals))  # a stack: the next arrival on top
+    res, owner, held = Run(), {}, {}
+    n_window = 0
+    sessions = {k: dict(v) for k, v in (sessions or {}).items()}
+    for k in sessions:
+        sessions[k]["rng"] = random.Random(k + 7)
+
+    def add(a: Arrival) -> None:
+        rid = engine.add_request({"prompt_token_ids": a.prompt},
+                                 SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                                 tenant=a.tenant, priority=a.priority, arrival_time=a.time, deadline=a.deadline)
+        owner[rid] = a
+
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and pending and pending[-1].time > executor.clock:
+            executor.clock = pending[-1].time
+        while pending and pending[-1].time <= executor.clock:
+            add(pending.pop())
+        for out in engine.step():
+            if out.finished:
+                a = owner[out.request_id]
+                res.outputs[out.request_id] = (a.tenant, out)
+                if a.session is not None and sessions[a.session]["calls_left"] > 0:
+                    s = sessions[a.session]
+                    s["calls_left"] -= 1
+                    ctx = a.prompt + list(out.outputs[0].token_ids) + _tokens(s["rng"], 80)
+                    if len(ctx) + 100 < max_len:
+                        pending.append(Arrival(executor.clock + 0.05, a.tenant, ctx, s["rng"].randint(40, 100),
+                                               session=a.session))
+                        pending.sort(key=lambda x: -x.time)
+        res.steps += 1
+        if executor.clock <= window:
+            n_window += 1
+            for r in engine.scheduler.running:
+                held[r.tenant] = held.get(r.tenant, 0) + len(r.block_ids)
+        elif not res.window_stats:
+            res.window_stats = engine.tenant_stats()
+        if res.steps >= max_steps:
+            raise RuntimeError(f"{policy}: did not drain in {max_steps} steps")
+    if not res.window_stats:
+        res.window_stats = engine.tenant_stats()
+    res.kv_share = {t: h / max(1, n_window) / blocks for t, h in held.items()}
+    res.stats = engine.stats()
+    res.clock = executor.clock
+    return res
+
+
+def pct(values, p: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def jain(xs: list[float]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else float("nan")
+
+
+def tenant_rows(policy: str, res: Run, window: float) -> list[dict]:
+    rows = []
+    for tenant in sorted({t for t, _ in res.outputs.values()}):
+        outs = [o for t, o in res.outputs.values() if t == tenant]
+        ttft = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
+        itl = [g for o in outs for g in o.metrics.itls]
+        w = res.window_stats.get(tenant, {})
+        rows.append({
+            "policy": policy, "tenant": tenant, "requests": len(outs),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95), "itl_p95_s": pct(itl, 95),
+            "tokens_per_s": (w.get("prompt_tokens", 0) + w.get("output_tokens", 0)) / window,
+            "kv_share": res.kv_share.get(tenant, 0.0),
+            "preemptions": res.stats["per_tenant"].get(tenant, {}).get("num_preemptions", 0),
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'policy':<9} {'tenant':<7} {'reqs':>5} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p95':>8} "
+            f"{'tok/s':>7} {'KV share':>8} {'preempt':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['policy']:<9} {r['tenant']:<7} {r['requests']:>5} {r['ttft_p50_s']:>8.2f}s "
+                     f"{r['ttft_p95_s']:>8.2f}s {1e3 * r['itl_p95_s']:>6.0f}ms {r['tokens_per_s']:>7.0f} "
+                     f"{r['kv_share']:>8.0%} {r['preemptions']:>7}")
+    return "\n".join(lines)
+
+
+CAPS = {"*": None}  # filled in main() (needs the budget)
+
+
+def slo_report(res: Run, slos: dict) -> dict:
+    out = {}
+    for cls, (ttft_slo, itl_slo) in slos.items():
+        outs = [o for t, o in res.outputs.values() if t == cls]
+        if not outs:
+            continue
+        ttft = [o.metrics.ttft for o in outs]
+        itl = [g for o in outs for g in o.metrics.itls]
+        ok = [o for o in outs if o.metrics.ttft < ttft_slo and pct(o.metrics.itls, 95) < itl_slo] if itl_slo else \
+            [o for o in outs if o.metrics.ttft < ttft_slo]
+        out[cls] = {"requests": len(outs), "ttft_p95_s": pct(ttft, 95), "itl_p95_s": pct(itl, 95),
+                    "slo_attainment": len(ok) / len(outs),
+                    "finished": sum(o.outputs[0].finish_reason == "length" for o in outs),
+                    "last_finish_s": max(o.metrics.finished_time for o in outs)}
+    return out
+
+
+def main() -> int:
+    from minivllm.config import TenantConfig
+
+    ap = argparse.ArgumentParser(prog="python -m minivllm.bench fairness", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals (virtual clock)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    budget, blocks = 2048, 1024
+    caps = {"*": TenantConfig(max_kv_share=0.5, max_tokens_per_step=budget // 2, max_running=64)}
+    tenants = {"caps": caps}
+
+    # 1. noisy vs quiet
+    arrivals = noisy_quiet_workload(args.seed, args.duration)
+    quiet_tok = sum(len(a.prompt) + a.max_tokens for a in arrivals if a.tenant == "quiet")
+    noisy_tok = sum(len(a.prompt) + a.max_tokens for a in arrivals if a.tenant == "noisy")
+    print(f"1. noisy vs quiet: {args.duration:.0f} s of arrivals; quiet {quiet_tok} tokens, noisy {noisy_tok} tokens "
+          f"({noisy_tok / quiet_tok:.1f}x, prompts 3000-5000); KV {blocks} blocks of 16, budget {budget}, "
+          f"chunks <= 512; step = {FAIR_STEP}")
+    solo = run("fcfs", noisy_quiet_workload(args.seed, args.duration, quiet_alone=True), step=FAIR_STEP,
+               window=args.duration, blocks=blocks, budget=budget)
+    solo_rows = tenant_rows("solo", solo, args.duration)
+    longest_step = FAIR_STEP["fixed_overhead_s"] + FAIR_STEP["per_token_s"] * budget
+    rows, runs = list(solo_rows), {}
+    for policy in args.policies:
+        runs[policy] = run(policy, arrivals, step=FAIR_STEP, window=args.duration, tenants=tenants.get(policy),
+                           blocks=blocks, budget=budget)
+        rows += tenant_rows(policy, runs[policy], args.duration)
+    print(format_rows(rows))
+    solo_p95 = solo_rows[0]["ttft_p95_s"]
+    target = solo_p95 + 2 * longest_step
+    print(f"quiet solo p95 TTFT {solo_p95:.3f} s; target for wfq/caps: <= solo + 2 x full step "
+          f"({longest_step * 1e3:.0f} ms) = {target:.3f} s")
+    for r in rows:
+        if r["tenant"] == "quiet" and r["policy"] in ("wfq", "caps"):
+            print(f"  {r['policy']}: quiet p95 TTFT {r['ttft_p95_s']:.3f} s -> {'MET' if r['ttft_p95_s'] <= target else 'MISSED'}")
+
+    # 2. equal-weight backlogged tenants: Jain's index of weighted token service
+    back = backlogged_workload(args.seed)
+    window2 = 20.0
+    jains = {}
+    print(f"\n2. three backlogged equal-weight tenants (prompts ~3000/~800/~100, outputs ~30/~150/~300), "
+          f"service = prefill + 2 x output tokens in the first {window2:.0f} s")
+    for policy in args.policies:
+        res = run(policy, back, step=FAIR_STEP, window=window2, tenants=tenants.get(policy), blocks=blocks, budget=budget)
+        service = {t: s["prompt_tokens"] + 2 * s["output_tokens"] for t, s in res.window_stats.items()}
+        jains[policy] = {"jain": jain(list(service.values())), "service": service}
+        print(f"  {policy:<9} Jain {jains[policy]['jain']:.3f}  " +
+              "  ".join(f"{t} {v}" for t, v in sorted(service.items())))
+
+    # 3. three classes
+    cls_tenants = {"chat": TenantConfig(priority_class="interactive"), "agent": TenantConfig(priority_class="agent"),
+                   "bulk": TenantConfig(priority_class="batch")}
+    slos = {"chat": (0.7, 0.060), "agent": (2.0, 0.120), "bulk": (float("inf"), None)}
+    arr3, sessions = three_class_workload(args.seed, args.duration)
+    print(f"\n3. three classes: interactive chats 3/s (prompts 100-1000), 6 agents x 13 sequential calls on a growing "
+          f"context, 80 batch prompts of 2K-12K at t=0; KV 4096 blocks, budget 1024; step = {CLASS_STEP}")
+    classes = {}
+    for policy in ("fcfs", "three_class"):
+        res = run(policy, arr3, step=CLASS_STEP, window=args.duration, tenants=cls_tenants, sessions=sessions,
+                  blocks=4096, budget=1024, chunk=0, max_seqs=128)
+        classes[policy] = slo_report(res, slos)
+        for cls, r in classes[policy].items():
+            print(f"  {policy:<11} {cls:<6} reqs {r['requests']:>4}  TTFT p95 {r['ttft_p95_s']:>7.3f} s  "
+                  f"ITL p95 {1e3 * r['itl_p95_s']:>5.0f} ms  SLO met {r['slo_attainment']:>5.1%}  "
+                  f"finished {r['finished']}/{r['requests']} (last at {r['last_finish_s']:.1f} s)")
+    print(f"({time.perf_counter() - t0:.1f} s of wall time)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({
+            "executor": "sim", "fair_step": FAIR_STEP, "class_step": CLASS_STEP, "duration_s": args.duration,
+            "noisy_quiet": {"rows": rows, "quiet_solo_p95_s": solo_p95, "target_s": target,
+                            "quiet_tokens": quiet_tok, "noisy_tokens": noisy_tok},
+            "backlogged_jain": jains, "three_class": classes,
+        }, indent=2, default=float))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

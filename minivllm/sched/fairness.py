@@ -1,0 +1,318 @@
+"""Fairness and multi-tenancy: per-tenant caps, weighted fair queueing, deadlines, priority classes.
+
+*"Be fair" is not a policy until you name a metric and an enforcement.*  Each
+policy here is a pair behind the two existing seams
+(:class:`~minivllm.interfaces.AdmissionPolicy`,
+:class:`~minivllm.interfaces.PreemptionPolicy`) plus, where it needs them, the
+optional hooks the scheduler looks for (``rank``, ``may_preempt_for``,
+``observe``, ``head_of_line``; see :mod:`minivllm.interfaces`).  Pick one by
+name with ``LLM(scheduling_policy=...)``:
+
+========================  ==============================================================
+``"fcfs"``                arrival order; preempt the newest (today's behaviour)
+``"priority"``            lower ``priority`` first, ties by arrival; preempt the lowest
+                          priority, also to seat a higher-priority request when
+                          ``max_num_seqs`` or KV is the limit (cf. vLLM #40004)
+``"caps"``                FCFS plus per-tenant caps (``TenantConfig.max_*``); a tenant
+                          whose head request cannot start does not block other tenants
+``"wfq"``                 weighted fair queueing over tokens (VTC, OSDI 2024): a virtual
+                          token counter per tenant
+``"deadline"``            earliest deadline first, with aging
+``"three_class"``         the seed lesson's worked policy (interactive / agent / batch)
+========================  ==============================================================
+
+**Caps compose with every policy**: ``TenantConfig(max_running=..., max_tokens_per_step=...,
+max_kv_share=...)`` are enforced by the scheduler whatever the order (a
+:class:`CapTable` maps each request to the cap groups it counts against).  A
+tenant at a cap waits; a running tenant that would grow past its KV share
+preempts *its own* newest work, never a neighbour's, so it cannot pin the cache.
+
+**WFQ** (:class:`WFQAdmission`).  Each tenant ``t`` has a counter
+``c[t] += (wfq_prefill_weight * prefill tokens + wfq_decode_weight * output tokens) / weight[t]``,
+charged from the tokens each step really served (the ``observe`` hook).  Waiting
+requests are interleaved lowest counter first.  A tenant that becomes active
+(had nothing waiting or running) starts at ``max(c[t], min of the active
+tenants' counters)`` -- or, when no tenant is active, at the counter of the last
+tenant that went idle -- so idling banks no credit.  A waiting request may preempt a
+running request of a tenant whose counter is more than one step's budget
+(``max_num_batched_tokens * wfq_prefill_weight``) ahead: that margin keeps two
+backlogged tenants from preempting each other back and forth.
+
+**Deadline** (:class:`DeadlineAdmission`).  The sort key of a request is
+``max(arrival, min(deadline, arrival + deadline_aging_s))`` (no deadline: ``arrival +
+deadline_aging_s``).  *Bound:* a request that arrived at ``a`` is never admitted
+after a request that arrived later than ``a + deadline_aging_s`` (that request's
+key is past ``a + deadline_aging_s``, this one's is not, and admission stops at the
+first request that does not fit).  So its wait is at most ``deadline_aging_s``
+plus the time to serve what arrived before ``a + deadline_aging_s``; nothing is
+starved by an endless stream of tighter deadlines.
+
+**Three classes** (:class:`ThreeClassAdmission`, knobs in
+:class:`~minivllm.config.ThreeClassConfig`), one named rule per clause of the worked policy
+(:data:`THREE_CLASS_RULES`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from minivllm.config import EngineConfig
+from minivllm.request import Request
+from minivllm.sched.policies import (
+    FCFSAdmission,
+    PriorityAdmission,
+    PriorityPreemption,
+    RecomputeLatestPreemption,
+)
+
+CLASS_RANK = {"interactive": 0, "agent": 1, "batch": 2}
+
+THREE_CLASS_RULES = {
+    "reserve_kv_for_interactive": "agent and batch requests together never hold more than "
+                                  "(1 - interactive_kv_reserve) of the KV blocks",
+    "bounded_agent_queue": "agent requests are ordered after interactive ones and hold at most agent_kv_share "
+                           "of the blocks and agent_max_running_share of the seats",
+    "batch_only_when_interactive_idle": "batch requests are admitted only while fewer than "
+                                        "batch_max_interactive_queue interactive requests wait",
+    "capped_prefix_cache": "prefix caching is on and each tenant's namespace keeps at most tenant_cache_share "
+                           "of the pool cached (prefix_cache_quota_blocks)",
+    "chunk_long_prefills": "prefills are chunked above long_prefill_tokens tokens (long_prefill_token_threshold)",
+    "preempt_batch_first_swap_long": "victims are batch before agent before interactive; a victim with at least "
+                                     "swap_min_tokens computed tokens is swapped, a shorter one recomputed",
+}
+
+
+def class_of(config: EngineConfig, tenant: str) -> str:
+    """A tenant's priority class under the three-class preset (unclassed tenants are interactive)."""
+    return config.tenant_config(tenant).priority_class or "interactive"
+
+
+# -- caps ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CapGroup:
+    """A set of requests that share caps: one tenant, or a class of tenants under the preset."""
+
+    key: tuple
+    rule: str
+    max_running: int | None = None
+    max_blocks: int | None = None
+    max_tokens: int | None = None
+
+
+class CapTable:
+    """Which cap groups each request counts against (built once per tenant name, then looked up).
+
+    ``active`` is False when no cap is configured: the scheduler then skips all cap
+    bookkeeping, so a run without tenants costs what it did before.
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self._groups: dict[str, tuple[CapGroup, ...]] = {}
+        self.active = config.scheduling_policy == "three_class" or any(tc.has_caps for _, tc in config.tenants)
+
+    def groups(self, req: Request) -> tuple[CapGroup, ...]:
+        g = self._groups.get(req.tenant)
+        if g is None:
+            g = self._groups[req.tenant] = self._build(req.tenant)
+        return g
+
+    def _build(self, tenant: str) -> tuple[CapGroup, ...]:
+        config, n = self.config, self.num_blocks
+        tc = config.tenant_config(tenant)
+        out = []
+        if tc.has_caps:
+            blocks = None if tc.max_kv_share is None else max(1, math.floor(tc.max_kv_share * n))
+            out.append(CapGroup(("tenant", tenant), "tenant_caps", tc.max_running, blocks, tc.max_tokens_per_step))
+        if config.scheduling_policy == "three_class":
+            cls, knobs = class_of(config, tenant), config.three_class
+            if cls != "interactive":
+                out.append(CapGroup(("class", "agent+batch"), "reserve_kv_for_interactive",
+                                    max_blocks=max(1, math.floor((1 - knobs.interactive_kv_reserve) * n))))
+            if cls == "agent":
+                out.append(CapGroup(("class", "agent"), "bounded_agent_queue",
+                                    max_running=max(1, math.floor(knobs.agent_max_running_share * config.max_num_seqs)),
+                                    max_blocks=max(1, math.floor(knobs.agent_kv_share * n))))
+        return tuple(out)
+
+    def max_blocks(self, req: Request) -> int | None:
+        """The most blocks ``req`` may ever hold under its caps (None: no KV cap)."""
+        caps = [g.max_blocks for g in self.groups(req) if g.max_blocks is not None]
+        return min(caps) if caps else None
+
+
+# -- policies ---------------------------------------------------------------------------------------
+
+class RankPreemption:
+    """Preempt the running request the admission policy ranks worst (newest among ties)."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+
+    def choose_victim(self, running: Sequence[Request]) -> Request:
+        return max(reversed(running), key=self.policy.rank)
+
+
+class CapsAdmission(FCFSAdmission):
+    """FCFS order; a tenant whose head request cannot start does not hold up other tenants."""
+
+    head_of_line = "tenant"
+
+
+class WFQAdmission:
+    """Weighted fair queueing over tokens: a virtual token counter per tenant (VTC).
+
+    Admission stops at the first request that cannot start (as VTC does): a
+    tenant with the lowest counter whose long prompt waits for blocks is not
+    overtaken by tenants that are already ahead in service.
+    """
+
+    head_of_line = "global"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.prefill_weight = float(config.wfq_prefill_weight)
+        self.decode_weight = float(config.wfq_decode_weight)
+        self.margin = (config.max_num_batched_tokens or 2048) * self.prefill_weight
+        self.counters: dict[str, float] = {}
+        self._active: set[str] = set()
+        self._last_left: float | None = None  # counter of the tenant(s) that went idle last
+
+    def weight(self, tenant: str) -> float:
+        return float(self.config.tenant_config(tenant).weight)
+
+    def counter(self, tenant: str) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def _activate(self, waiting: Sequence[Request], running: Sequence[Request]) -> None:
+        """A newly active tenant starts at the minimum of the tenants already active (or, when none is,
+        at the counter of the last tenant that went idle), as in VTC: idling banks no credit."""
+        active = {r.tenant for r in waiting}
+        active.update(r.tenant for r in running)
+        left = self._active - active
+        if left:
+            self._last_left = max(self.counter(t) for t in left)
+        new = active - self._active
+        if new:
+            still = [self.counter(t) for t in active & self._active]
+            floor = min(still) if still else self._last_left
+            if floor is not None:
+                for t in new:
+                    self.counters[t] = max(self.counter(t), floor)
+        self._active = active
+
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+        self._activate(waiting, running)
+        queues: dict[str, list[Request]] = {}
+        for r in waiting:
+            queues.setdefault(r.tenant, []).append(r)
+        heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
+        heapq.heapify(heap)
+        heads = dict.fromkeys(queues, 0)
+        out: list[Request] = []
+        while heap:
+            vc, i, t = heapq.heappop(heap)
+            req = queues[t][heads[t]]
+            heads[t] += 1
+            out.append(req)
+            if heads[t] < len(queues[t]):  # provisionally charge the prompt it will prefill
+                heapq.heappush(heap, (vc + self.prefill_weight * req.num_uncomputed_tokens / self.weight(t), i, t))
+        return out
+
+    def rank(self, req: Request) -> tuple:
+        return (self.counter(req.tenant), req.arrival_time)
+
+    def may_preempt_for(self, req: Request, victim: Request) -> bool:
+        return victim.tenant != req.tenant and self.counter(victim.tenant) - self.counter(req.tenant) > self.margin
+
+    def observe(self, batch, now: float) -> None:
+        for s in batch.seqs:
+            t = s.request.tenant
+            cost = (0.0 if s.is_decode else self.prefill_weight * s.num_tokens) + (self.decode_weight if s.samples else 0.0)
+            self.counters[t] = self.counter(t) + cost / self.weight(t)
+
+
+class DeadlineAdmission:
+    """Earliest deadline first, with aging: see the module docstring for the bound."""
+
+    head_of_line = "global"
+
+    def __init__(self, aging_s: float) -> None:
+        self.aging_s = float(aging_s)
+
+    def key(self, req: Request) -> float:
+        latest = req.arrival_time + self.aging_s
+        d = latest if req.deadline is None else min(req.deadline, latest)
+        return max(req.arrival_time, d)
+
+    def rank(self, req: Request) -> tuple:
+        return (self.key(req), req.arrival_time)
+
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+        return sorted(waiting, key=self.rank)
+
+
+class ThreeClassAdmission:
+    """Interactive before agent before batch; batch only while the interactive queue is short."""
+
+    head_of_line = "tenant"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.threshold = config.three_class.batch_max_interactive_queue
+        self._class: dict[str, int] = {}
+
+    def class_rank(self, req: Request) -> int:
+        c = self._class.get(req.tenant)
+        if c is None:
+            c = self._class[req.tenant] = CLASS_RANK[class_of(self.config, req.tenant)]
+        return c
+
+    def rank(self, req: Request) -> tuple:
+        return (self.class_rank(req), req.priority, req.arrival_time)
+
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+        ordered = sorted(waiting, key=self.rank)
+        interactive_waiting = sum(1 for r in waiting if self.class_rank(r) == 0)
+        if interactive_waiting >= self.threshold:  # rule batch_only_when_interactive_idle
+            ordered = [r for r in ordered if self.class_rank(r) < 2]
+        return ordered
+
+    def may_preempt_for(self, req: Request, victim: Request) -> bool:
+        return self.class_rank(victim) > self.class_rank(req)
+
+
+@dataclass
+class LongContextSwap:
+    """A :class:`~minivllm.interfaces.PreemptionCostModel`: swap victims with long contexts, recompute short ones."""
+
+    min_tokens: int
+
+    def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        return num_tokens >= self.min_tokens
+
+
+def make_policies(config: EngineConfig):
+    """``(admission, preemption, cost_model or None)`` for ``config.scheduling_policy``."""
+    name = config.scheduling_policy
+    if name == "fcfs":
+        return FCFSAdmission(), RecomputeLatestPreemption(), None
+    if name == "priority":
+        return PriorityAdmission(), PriorityPreemption(), None
+    if name == "caps":
+        return CapsAdmission(), RecomputeLatestPreemption(), None
+    if name == "wfq":
+        adm = WFQAdmission(config)
+        return adm, RankPreemption(adm), None
+    if name == "deadline":
+        adm = DeadlineAdmission(config.deadline_aging_s)
+        return adm, RankPreemption(adm), None
+    if name == "three_class":
+        adm = ThreeClassAdmission(config)
+        return adm, RankPreemption(adm), LongContextSwap(config.three_class.swap_min_tokens)
+    raise ValueError(f"unknown scheduling_policy {name!r}")

@@ -1,0 +1,533 @@
+"""Fairness and multi-tenancy: tenant settings, the named scheduling policies, caps that are never
+exceeded, the deadline policy's aging bound, the three-class preset's six rules, per-tenant
+accounting, and (slow) token-identical greedy outputs on the real model whatever the policy.
+Everything but the last test runs on the simulated executor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.config import TenantConfig, ThreeClassConfig
+from minivllm.request import Request, RequestStatus
+from minivllm.sched.fairness import (
+    THREE_CLASS_RULES,
+    DeadlineAdmission,
+    LongContextSwap,
+    RankPreemption,
+    ThreeClassAdmission,
+    WFQAdmission,
+)
+from minivllm.sim import SimulatedExecutor
+
+
+def check_both_tiers(engine) -> None:
+    """Every block's refcount equals its holders (requests and the prefix cache), on both tiers."""
+    sched, kv = engine.scheduler, engine.kv
+    live = list(sched.running) + list(sched.waiting)
+    assert len({id(r) for r in live}) == len(live), "a request sits in two queues"
+    holders = Counter(b for r in live for b in r.block_ids)
+    cache = engine.prefix_cache
+    if cache is not None:
+        holders.update(b for b in range(kv.pool.num_blocks) if cache.is_cached(b))
+    for b in range(kv.pool.num_blocks):
+        assert kv.pool.refcount(b) == holders.get(b, 0), f"device block {b}"
+    if kv.cpu_pool is not None:
+        host = Counter(b for r in live for b in r.cpu_block_ids)
+        for b in range(kv.cpu_pool.num_blocks):
+            assert kv.cpu_pool.refcount(b) == host.get(b, 0), f"host block {b}"
+    for r in sched.running:
+        assert r.status is RequestStatus.RUNNING
+
+
+def assert_no_leak(engine) -> None:
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.reset()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    if engine.kv.cpu_pool is not None:
+        assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
+
+POLICIES = ["fcfs", "priority", "caps", "wfq", "deadline", "three_class"]
+
+
+def make_engine(policy="fcfs", tenants=None, num_blocks=48, block_size=4, budget=32, max_seqs=6, max_len=64,
+                mode="recompute", **options):
+    cfg = EngineConfig(num_gpu_blocks_override=num_blocks, num_cpu_blocks_override=32, block_size=block_size,
+                       max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
+                       preemption_mode=mode, scheduling_policy=policy, tenants=tenants, device="cpu", **options)
+    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def add(engine, tenant, prompt_len, max_tokens, rid=None, **kw):
+    return engine.add_request({"prompt_token_ids": [7 + prompt_len % 5] * prompt_len}, greedy(max_tokens), rid,
+                              tenant=tenant, **kw)
+
+
+def run_all(engine, max_steps=5000, each=None):
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        check_both_tiers(engine)
+        if each is not None:
+            each(engine)
+    assert not engine.has_unfinished_requests(), "engine did not drain"
+    return finals
+
+
+# -- tenant settings --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(weight=0), "weight"), (dict(weight=float("inf")), "weight"), (dict(weight="2"), "weight"),
+    (dict(max_running=0), "max_running"), (dict(max_running=1.5), "max_running"),
+    (dict(max_tokens_per_step=0), "max_tokens_per_step"), (dict(max_kv_share=0), "max_kv_share"),
+    (dict(max_kv_share=1.5), "max_kv_share"), (dict(priority_class="vip"), "priority_class"),
+])
+def test_bad_tenant_configs_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TenantConfig(**kwargs)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(scheduling_policy="lottery"), "scheduling_policy"),
+    (dict(scheduling_policy="caps"), "needs at least one"),
+    (dict(tenants={"a": {"weight": 2}}), "TenantConfig"),
+    (dict(tenants=[("a", TenantConfig())]), "dict"),
+    (dict(tenants={"": TenantConfig()}), "non-empty"),
+    (dict(wfq_decode_weight=-1), "wfq_decode_weight"),
+    (dict(deadline_aging_s=0), "deadline_aging_s"),
+    (dict(three_class={"interactive_kv_reserve": 0.2}), "ThreeClassConfig"),
+])
+def test_bad_scheduling_options_are_clear_errors(options, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(device="cpu", **options)
+    with pytest.raises(ValueError):
+        ThreeClassConfig(interactive_kv_reserve=1.0)
+
+
+def test_unknown_tenants_get_the_star_or_the_default_config():
+    cfg = EngineConfig(device="cpu", tenants={"a": TenantConfig(weight=3), "*": TenantConfig(max_running=2)})
+    assert cfg.tenant_config("a").weight == 3
+    assert cfg.tenant_config("zed").max_running == 2
+    assert EngineConfig(device="cpu").tenant_config("zed") == TenantConfig()
+    hash(cfg)  # still frozen and hashable
+
+
+def test_bad_deadline_and_a_request_over_its_tenant_cap_are_refused():
+    engine = make_engine("caps", tenants={"small": TenantConfig(max_kv_share=0.25)})
+    with pytest.raises(ValueError, match="deadline"):
+        add(engine, "a", 4, 2, deadline="soon")
+    with pytest.raises(ValueError, match="KV cap"):
+        add(engine, "small", 40, 20)  # 60 tokens = 15 blocks > 12
+    add(engine, "small", 20, 20, "ok")
+    assert run_all(engine)["ok"].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)
+
+
+# -- every policy keeps the engine's invariants, and caps hold -----------------------------------------
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from("abc"), st.integers(1, 40), st.integers(1, 20)),
+    st.tuples(st.just("step"), st.just("a"), st.integers(1, 6), st.just(0)),
+    st.tuples(st.just("abort"), st.just("a"), st.integers(0, 40), st.just(0)),
+)
+caps_strategy = st.fixed_dictionaries({
+    "max_running": st.one_of(st.none(), st.integers(1, 4)),
+    "max_tokens_per_step": st.one_of(st.none(), st.integers(1, 24)),
+    "max_kv_share": st.one_of(st.none(), st.sampled_from([0.4, 0.6, 0.9])),
+    "weight": st.sampled_from([0.5, 1.0, 3.0]),
+    "priority_class": st.sampled_from([None, "interactive", "agent", "batch"]),
+})
+
+
+def check_caps(engine, tenants, ids_tenant):
+    sched, budget = engine.scheduler, engine.config.max_num_batched_tokens
+    rec = engine.step_log[-1] if len(engine.step_log) else None
+    if rec is not None:
+        assert rec.num_tokens <= budget
+        tokens = Counter()
+        for rid, _, n in rec.seqs:
+            tokens[ids_tenant[rid]] += n
+        for t, n in tokens.items():
+            cap = engine.config.tenant_config(t).max_tokens_per_step
+            assert cap is None or n <= cap, f"tenant {t} took {n} tokens in a step, cap {cap}"
+    running, held = Counter(), Counter()
+    for r in sched.running:
+        running[r.tenant] += 1
+        held[r.tenant] += len(r.block_ids)
+    for t in set(running) | set(tenants):
+        tc = engine.config.tenant_config(t)
+        if tc.max_running is not None:
+            assert running[t] <= tc.max_running
+        if tc.max_kv_share is not None:
+            assert held[t] <= int(tc.max_kv_share * engine.pool.num_blocks), f"tenant {t} holds {held[t]} blocks"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=30), policy=st.sampled_from(POLICIES),
+       caps=st.lists(caps_strategy, min_size=3, max_size=3), mode=st.sampled_from(["recompute", "swap"]),
+       blocks=st.integers(40, 64), prefix=st.booleans())
+def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, caps, mode, blocks, prefix):
+    tenants = {t: TenantConfig(**c) for t, c in zip("abc", caps)}
+    if policy == "caps" and not any(tc.has_caps for tc in tenants.values()):
+        tenants["a"] = TenantConfig(max_running=2)
+    engine = make_engine(policy, tenants, num_blocks=blocks, mode=mode, enable_prefix_caching=prefix,
+                         three_class=ThreeClassConfig(interactive_kv_reserve=0.1, agent_kv_share=0.9))
+    ids_tenant, added = {}, []
+    for i, (kind, tenant, a, b) in enumerate(ops):
+        if kind == "add":
+            try:
+                rid = add(engine, tenant, a, b, priority=a % 3, deadline=(i * 0.01 if a % 2 else None))
+            except ValueError as exc:  # over its tenant's KV cap: refused at the door, nothing held
+                assert "KV cap" in str(exc)
+                continue
+            ids_tenant[rid] = tenant
+            added.append(rid)
+        elif kind == "abort" and added:
+            engine.abort_request(added[a % len(added)])
+        else:
+            for _ in range(a):
+                engine.step()
+                check_both_tiers(engine)
+                check_caps(engine, tenants, ids_tenant)
+    run_all(engine, each=lambda e: check_caps(e, tenants, ids_tenant))
+    assert_no_leak(engine)
+    per = engine.stats()["per_tenant"]
+    assert all(row["num_running"] == row["num_waiting"] == row["kv_blocks"] == 0 for row in per.values())
+
+
+# -- deadline: the aging bound ---------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=st.lists(st.tuples(st.floats(0, 3), st.one_of(st.none(), st.floats(-1, 5)), st.integers(1, 40),
+                               st.integers(1, 12)), min_size=2, max_size=25),
+       aging=st.sampled_from([0.05, 0.3, 1.0]), seats=st.integers(1, 4))
+def test_deadline_no_request_is_passed_by_one_that_arrived_more_than_aging_s_later(reqs, aging, seats):
+    engine = make_engine("deadline", num_blocks=40, max_seqs=seats, deadline_aging_s=aging)
+    pending = sorted(((a, None if d is None else a + d, p, m) for a, d, p, m in reqs), key=lambda x: x[0])
+    arrival, first_step = {}, {}
+    i = step = 0
+    while pending[i:] or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and engine.executor.clock < pending[i][0]:
+            engine.executor.clock = pending[i][0]
+        while i < len(pending) and pending[i][0] <= engine.executor.clock:
+            a, d, p, m = pending[i]
+            rid = add(engine, "t", p, m, f"r{i}", arrival_time=a, deadline=d)
+            arrival[rid] = a
+            i += 1
+        engine.step()
+        for rid, _, _ in engine.step_log[-1].seqs:
+            first_step.setdefault(rid, step)
+        step += 1
+        assert step < 5000
+    for r in arrival:
+        for s in arrival:
+            if arrival[s] > arrival[r] + aging:
+                assert first_step[r] <= first_step[s], f"{s} (arrived {arrival[s]:.2f}) passed {r} ({arrival[r]:.2f})"
+
+
+def test_deadline_aging_serves_a_request_under_an_endless_stream_of_tighter_deadlines():
+    """Without aging, EDF starves the request without a deadline; with it, it runs within the bound."""
+    waits = {}
+    for aging in (1000.0, 0.5):
+        engine = make_engine("deadline", num_blocks=40, max_seqs=1, budget=16, deadline_aging_s=aging)
+        add(engine, "batch", 8, 4, "old", arrival_time=0.0)
+        n = 0
+        while "old" not in waits.get(aging, {}) and engine.executor.clock < 6.0:
+            while n * 0.02 <= engine.executor.clock:  # an urgent request every 20 ms, overloading one seat
+                add(engine, "chat", 8, 4, f"u{n}", arrival_time=n * 0.02, deadline=n * 0.02 + 0.01)
+                n += 1
+            for out in engine.step():
+                if out.request_id == "old" and out.metrics.first_scheduled_time is not None:
+                    waits.setdefault(aging, {})["old"] = out.metrics.first_scheduled_time
+            old = engine.requests.get("old")
+            if old is not None and old.first_scheduled_time is not None:
+                waits.setdefault(aging, {})["old"] = old.first_scheduled_time
+    assert "old" not in waits.get(1000.0, {}), "plain EDF should starve it in this workload"
+    # bound: aging_s, plus serving what arrived before 0 + aging_s with an earlier key (the one running request
+    # and the urgent ones that arrived in the first 0.5 s), plus a step
+    assert waits[0.5]["old"] <= 0.5 + 3.0
+
+
+# -- priority -------------------------------------------------------------------------------------------
+
+def test_priority_preempts_the_lowest_priority_when_max_num_seqs_is_the_limit():
+    engine = make_engine("priority", max_seqs=2, num_blocks=64)
+    add(engine, "t", 8, 30, "low1", priority=5)
+    add(engine, "t", 8, 30, "low2", priority=3)
+    for _ in range(3):
+        engine.step()
+    assert {r.request_id for r in engine.scheduler.running} == {"low1", "low2"}
+    add(engine, "t", 8, 4, "vip", priority=0)
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert "vip" in running and "low1" not in running and "low2" in running  # the lowest priority gave way
+    assert engine.stats()["num_preemptions"] == 1
+    finals = run_all(engine)
+    assert all(len(finals[r].outputs[0].token_ids) == n for r, n in [("low1", 30), ("low2", 30), ("vip", 4)])
+
+
+def test_equal_priority_never_preempts_to_admit():
+    engine = make_engine("priority", max_seqs=1, num_blocks=64)
+    add(engine, "t", 8, 10, "a", priority=1)
+    engine.step()
+    add(engine, "t", 8, 10, "b", priority=1)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.running] == ["a"]
+    run_all(engine)
+    assert engine.stats()["num_preemptions"] == 0
+
+
+# -- WFQ -------------------------------------------------------------------------------------------------
+
+def test_wfq_a_newly_active_tenant_starts_at_the_minimum_and_cannot_bank_credit():
+    engine = make_engine("wfq", num_blocks=64, budget=32)
+    wfq = engine.scheduler.admission_policy
+    assert isinstance(wfq, WFQAdmission)
+    for i in range(4):
+        add(engine, "busy", 20, 10, f"b{i}")
+    for _ in range(10):
+        engine.step()
+    busy = wfq.counter("busy")
+    assert busy > 0 and wfq.counter("idle") == 0
+    add(engine, "idle", 4, 2, "i0")
+    engine.step()
+    assert wfq.counter("idle") >= busy  # lifted to the running minimum (then charged for what it ran)
+    run_all(engine)
+
+
+def test_wfq_a_tenant_arriving_after_an_idle_gap_starts_at_the_last_counter():
+    engine = make_engine("wfq", num_blocks=64, budget=32)
+    wfq = engine.scheduler.admission_policy
+    add(engine, "a", 20, 10)
+    run_all(engine)
+    engine.step()  # idle step: "a" goes inactive
+    a_counter = wfq.counter("a")
+    add(engine, "b", 4, 2, "b0")
+    engine.step()
+    assert wfq.counter("b") >= a_counter
+    run_all(engine)
+
+
+def test_wfq_weights_share_token_service_when_backlogged():
+    tenants = {"heavy": TenantConfig(weight=2.0), "light": TenantConfig(weight=1.0)}
+    engine = make_engine("wfq", tenants, num_blocks=200, budget=64, max_seqs=8, max_len=128)
+    for i in range(60):
+        add(engine, "heavy", 30, 20, f"h{i}")
+        add(engine, "light", 30, 20, f"l{i}")
+    for _ in range(100):
+        engine.step()
+    per = engine.stats()["per_tenant"]
+    service = {t: per[t]["prompt_tokens"] + 2 * per[t]["output_tokens"] for t in per}
+    assert per["heavy"]["num_waiting"] and per["light"]["num_waiting"], "both should still be backlogged"
+    assert 1.6 <= service["heavy"] / service["light"] <= 2.5
+    run_all(engine)
+    assert_no_leak(engine)
+
+
+def test_noisy_tenant_backlog_hurts_the_quiet_one_under_fcfs_but_not_under_wfq_or_caps():
+    from minivllm.bench.fairness import FAIR_STEP, noisy_quiet_workload, pct, run
+
+    arrivals = noisy_quiet_workload(1, 12.0)
+    caps = {"*": TenantConfig(max_kv_share=0.5, max_tokens_per_step=1024, max_running=64)}
+    p95 = {}
+    for policy, tenants in [("solo", None), ("fcfs", None), ("wfq", None), ("caps", caps)]:
+        work = noisy_quiet_workload(1, 12.0, quiet_alone=True) if policy == "solo" else arrivals
+        res = run("fcfs" if policy == "solo" else policy, work, step=FAIR_STEP, window=12.0, tenants=tenants)
+        p95[policy] = pct([o.metrics.ttft for t, o in res.outputs.values() if t == "quiet"], 95)
+    full_step = FAIR_STEP["fixed_overhead_s"] + FAIR_STEP["per_token_s"] * 2048
+    assert p95["fcfs"] > 3 * (p95["solo"] + 2 * full_step)
+    assert p95["wfq"] <= p95["solo"] + 2 * full_step
+    assert p95["caps"] <= p95["solo"] + 2 * full_step
+
+
+# -- caps ------------------------------------------------------------------------------------------------
+
+def test_caps_a_capped_tenant_cannot_pin_the_cache_and_the_other_is_served():
+    tenants = {"bulk": TenantConfig(max_kv_share=0.5, max_running=3)}
+    engine = make_engine("caps", tenants, num_blocks=64, budget=64, max_seqs=8, max_len=128)
+    for i in range(10):
+        add(engine, "bulk", 60, 40, f"b{i}")
+    for _ in range(5):
+        engine.step()
+    add(engine, "chat", 8, 4, "c0")
+    engine.step()
+    assert engine.requests["c0"].status is RequestStatus.RUNNING
+    held = sum(len(r.block_ids) for r in engine.scheduler.running if r.tenant == "bulk")
+    assert held <= 32
+    run_all(engine)
+    assert_no_leak(engine)
+
+
+# -- the three-class preset: one test per rule -----------------------------------------------------------
+
+CLASSES = {"chat": TenantConfig(priority_class="interactive"), "agent": TenantConfig(priority_class="agent"),
+           "bulk": TenantConfig(priority_class="batch")}
+
+
+def three_class_engine(**kw):
+    options = dict(num_blocks=80, budget=64, max_seqs=8, max_len=128)
+    options.update(kw)
+    return make_engine("three_class", CLASSES, **options)
+
+
+def test_three_class_rules_are_named_and_documented():
+    assert set(THREE_CLASS_RULES) == {"reserve_kv_for_interactive", "bounded_agent_queue",
+                                      "batch_only_when_interactive_idle", "capped_prefix_cache",
+                                      "chunk_long_prefills", "preempt_batch_first_swap_long"}
+
+
+def test_rule_reserve_kv_for_interactive():
+    engine = three_class_engine()
+    limit = int((1 - engine.config.three_class.interactive_kv_reserve) * engine.pool.num_blocks)
+    for i in range(12):
+        add(engine, "bulk", 60, 40, f"b{i}")
+    for i in range(4):
+        add(engine, "agent", 40, 30, f"a{i}")
+
+    def check(e):
+        held = sum(len(r.block_ids) for r in e.scheduler.running if r.tenant != "chat")
+        assert held <= limit
+
+    for _ in range(20):
+        engine.step()
+        check(engine)
+    add(engine, "chat", 30, 10, "c0")
+    engine.step()
+    assert engine.requests["c0"].status is RequestStatus.RUNNING, "interactive work always finds blocks"
+    run_all(engine, each=check)
+
+
+def test_rule_bounded_agent_queue():
+    engine = three_class_engine()
+    knobs = engine.config.three_class
+    max_blocks = int(knobs.agent_kv_share * engine.pool.num_blocks)
+    max_running = int(knobs.agent_max_running_share * engine.config.max_num_seqs)
+
+    def check(e):
+        agents = [r for r in e.scheduler.running if r.tenant == "agent"]
+        assert len(agents) <= max_running and sum(len(r.block_ids) for r in agents) <= max_blocks
+
+    for i in range(10):
+        add(engine, "agent", 40, 30, f"a{i}")
+    add(engine, "chat", 10, 5, "c0")
+    order = engine.scheduler.admission_policy.order(engine.scheduler.waiting, [])
+    assert order[0].request_id == "c0"  # a separate, later queue
+    run_all(engine, each=check)
+
+
+def test_rule_batch_only_when_interactive_idle():
+    engine = three_class_engine()
+    policy = engine.scheduler.admission_policy
+    assert isinstance(policy, ThreeClassAdmission)
+    add(engine, "bulk", 10, 5, "b0")
+    add(engine, "agent", 10, 5, "a0")
+    add(engine, "chat", 10, 5, "c0")
+    waiting = list(engine.scheduler.waiting)
+    assert [r.request_id for r in policy.order(waiting, [])] == ["c0", "a0"]  # 1 interactive waiting: no batch
+    no_chat = [r for r in waiting if r.tenant != "chat"]
+    assert [r.request_id for r in policy.order(no_chat, [])] == ["a0", "b0"]
+    run_all(engine)
+
+
+def test_rule_capped_prefix_cache():
+    engine = three_class_engine()
+    assert engine.config.enable_prefix_caching and engine.prefix_cache is not None
+    quota = engine.prefix_cache._counts.quota_blocks
+    assert quota == int(engine.config.three_class.tenant_cache_share * engine.pool.num_blocks)
+    explicit = make_engine("three_class", CLASSES, num_blocks=80, prefix_cache_quota_blocks=7)
+    assert explicit.prefix_cache._counts.quota_blocks == 7
+
+
+def test_rule_chunk_long_prefills():
+    cfg = EngineConfig(device="cpu", scheduling_policy="three_class").resolve(32768)
+    assert cfg.long_prefill_token_threshold == 8192
+    assert EngineConfig(device="cpu", scheduling_policy="three_class",
+                        long_prefill_token_threshold=512).resolve(32768).long_prefill_token_threshold == 512
+    engine = three_class_engine(num_blocks=1100, budget=4096, max_len=4000,
+                                three_class=ThreeClassConfig(long_prefill_tokens=1000))
+    add(engine, "bulk", 3000, 2, "long")
+    run_all(engine)
+    assert max(n for rec in engine.step_log for _, _, n in rec.seqs) <= 1000
+
+
+def test_rule_preempt_batch_first_swap_long():
+    policy = ThreeClassAdmission(EngineConfig(device="cpu", scheduling_policy="three_class", tenants=CLASSES))
+    mk = lambda rid, tenant: Request(rid, [1, 2], greedy(1), 0.0, tenant=tenant)  # noqa: E731
+    running = [mk("c", "chat"), mk("b", "bulk"), mk("a", "agent")]
+    assert RankPreemption(policy).choose_victim(running).request_id == "b"
+    assert policy.may_preempt_for(running[0], running[1]) and not policy.may_preempt_for(running[1], running[0])
+    assert LongContextSwap(100).prefers_swap(150, 10) and not LongContextSwap(100).prefers_swap(50, 4)
+    engine = three_class_engine(num_blocks=40, max_len=128, three_class=ThreeClassConfig(swap_min_tokens=32))
+    assert engine.config.preemption_mode == "auto"
+    for i in range(6):
+        add(engine, "bulk", 60, 60, f"b{i}")
+    for _ in range(8):
+        engine.step()
+    add(engine, "chat", 20, 20, "c0")
+    finals = run_all(engine)
+    st_ = engine.stats()
+    assert st_["per_tenant"]["chat"]["num_preemptions"] == 0
+    assert st_["per_tenant"]["bulk"]["num_preemptions"] > 0 and st_["num_swap_preemptions"] > 0
+    assert all(len(finals[f"b{i}"].outputs[0].token_ids) == 60 for i in range(6))
+
+
+# -- accounting ------------------------------------------------------------------------------------------
+
+def test_per_tenant_stats_add_up():
+    engine = make_engine("wfq", num_blocks=64)
+    for i in range(6):
+        add(engine, "ab"[i % 2], 10 + i, 5)
+    for _ in range(3):
+        engine.step()
+    per = engine.stats()["per_tenant"]
+    assert sum(r["num_running"] + r["num_waiting"] for r in per.values()) == 6
+    assert sum(r["kv_blocks"] for r in per.values()) == sum(len(r.block_ids) for r in engine.scheduler.running)
+    run_all(engine)
+    per = engine.stats()["per_tenant"]
+    assert per["a"]["output_tokens"] == per["b"]["output_tokens"] == 15
+    assert per["a"]["prompt_tokens"] == 10 + 12 + 14 and per["b"]["prompt_tokens"] == 11 + 13 + 15
+    for row in per.values():
+        assert row["num_finished"] == 3 and row["ttft_p50_s"] <= row["ttft_p95_s"]
+        assert row["itl_p95_s"] > 0 and row["queue_time_s"] >= 0
+
+
+def test_default_policy_is_unchanged_fcfs():
+    engine = make_engine()
+    assert engine.scheduler.caps is None
+    assert type(engine.scheduler.admission_policy).__name__ == "FCFSAdmission"
+    assert isinstance(DeadlineAdmission(1.0).key(Request("x", [1], greedy(1), 5.0, deadline=2.0)), float)
+
+
+# -- the real model: policies change *when*, never *which* ----------------------------------------------
+
+@pytest.mark.slow
+def test_greedy_outputs_are_token_identical_across_policies(parity_prompts):
+    from minivllm import LLM
+
+    prompts = [{"prompt_token_ids": p[: 40 + 8 * i], "tenant": "ab"[i % 2]} for i, p in enumerate(parity_prompts[:6])]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results, preemptions = {}, {}
+    for policy in ("fcfs", "priority", "wfq", "caps"):
+        tenants = {"*": TenantConfig(max_running=2, max_kv_share=0.7)} if policy == "caps" else None
+        # 9 blocks of 16 for 6 requests of up to 90 tokens: the pool is short, so requests are preempted
+        with LLM(dtype="float32", max_model_len=128, num_gpu_blocks_override=9, max_num_batched_tokens=64,
+                 scheduling_policy=policy, tenants=tenants) as llm:
+            results[policy] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            preemptions[policy] = llm.engine.stats()["num_preemptions"]
+            assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+    assert any(preemptions.values()), preemptions
+    for policy, toks in results.items():
+        assert toks == results["fcfs"], f"{policy} changed which tokens were generated"
