@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import replace
 from typing import Any, Iterator, Sequence
 
 from minivllm.config import EngineConfig
@@ -28,6 +29,10 @@ class LLM:
     Policies, a prefix cache or an executor of your own go in as keyword
     arguments of the same names as :class:`~minivllm.engine.llm_engine.LLMEngine`'s
     (``prefix_cache`` is either the option ``"radix"``/``"hash"`` or your object).
+
+    Multi-tenant scheduling: ``LLM(scheduling_policy="wfq", tenants={"alice":
+    TenantConfig(weight=2, max_kv_share=0.5), "*": TenantConfig(max_running=8)})``
+    (see :mod:`minivllm.sched.fairness`); a prompt dict's ``"tenant"`` names the tenant.
     """
 
     def __init__(
@@ -93,6 +98,8 @@ class LLM:
         """
         prompts = self._as_list(prompts)
         params = self._params_for(prompts, sampling_params)
+        # only the final output is returned, so the engine builds no per-step outputs at all
+        params = [replace(p, output_kind="final_only") if p.output_kind == "cumulative" else p for p in params]
         ids = self._add_all(prompts, params)
         finals: dict[str, RequestOutput] = {}
         bar = self._progress(len(ids), use_tqdm)

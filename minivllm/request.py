@@ -54,6 +54,7 @@ class Request:
     tenant: str = "default"
     cache_salt: str | None = None
     priority: int = 0
+    deadline: float | None = None  # seconds on the executor's clock (scheduling_policy="deadline")
     max_tokens: int = 16  # resolved: never past max_model_len
 
     status: RequestStatus = RequestStatus.WAITING
@@ -92,6 +93,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode reads one token)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -20,6 +20,16 @@ from dataclasses import dataclass, field
 GREEDY_EPSILON = 1e-5
 """Temperatures below this are greedy: dividing logits by ~0 overflows to inf/nan."""
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+"""vLLM's ``RequestOutputKind``: what each ``RequestOutput`` of a request carries.
+
+``cumulative`` (default): every step's output holds all text and token ids so
+far (and the step's delta) -- convenient, but building it costs time that
+grows with the output's length.  ``delta``: only the step's new text and
+tokens.  ``final_only``: one output, when the request finishes (what
+``LLM.generate`` uses: no per-step output work at all).
+"""
+
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
@@ -43,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: str = "cumulative"
     _stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
@@ -63,6 +74,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         if isinstance(self.stop, str):
             stops: tuple = (self.stop,)
         elif self.stop is None or isinstance(self.stop, (list, tuple)):

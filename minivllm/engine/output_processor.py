@@ -26,6 +26,7 @@ class _Stream:
 
     detok: IncrementalDetokenizer
     emitted_chars: int = 0
+    undecoded: int = 0  # final_only without stop strings: tokens not detokenized yet (done once, at the end)
 
 
 class OutputProcessor:
@@ -62,19 +63,35 @@ class OutputProcessor:
         for req in grew:
             token = req.output_token_ids[-1]
             stream = self._streams[req.request_id]
+            params = req.sampling_params
             try:
-                stream.detok.add_token(token)
+                if params.output_kind == "final_only" and not params.stop_strings:
+                    stream.undecoded += 1  # nobody reads the text before the end: decode it once, then
+                else:
+                    stream.detok.add_token(token)
                 self._check_stop(req, token, stream)
-                outputs.append(self._make_output(req, stream, [token]))
+                if req.status.finished:
+                    self._catch_up(req, stream)
+                if params.output_kind != "final_only" or req.status.finished:
+                    outputs.append(self._make_output(req, stream, [token]))
             except Exception as exc:  # noqa: BLE001 - isolated: reported as finish_reason "error"
                 req.status, req.error = RequestStatus.FINISHED_ERROR, f"output processing failed: {exc}"
                 outputs.append(self.final_output(req))
         return outputs
 
+    @staticmethod
+    def _catch_up(req: Request, stream: _Stream) -> None:
+        """Detokenize the tokens a final-only request skipped, through the same incremental path."""
+        pending, stream.undecoded = stream.undecoded, 0
+        for token in req.output_token_ids[len(req.output_token_ids) - pending :]:
+            stream.detok.add_token(token)
+
     def final_output(self, req: Request) -> RequestOutput:
         """The last output of a request that finished outside the normal path (rejected, failed, aborted sample)."""
         stream = self._streams.get(req.request_id)
         try:
+            if stream is not None:
+                self._catch_up(req, stream)
             return self._make_output(req, stream, [])
         except Exception:  # noqa: BLE001 - the stream itself is broken: report the tokens without text
             return self._make_output(req, None, [])
@@ -118,10 +135,11 @@ class OutputProcessor:
             visible = max(stream.emitted_chars, len(text) - hold)
             delta = text[stream.emitted_chars : visible]
             stream.emitted_chars = visible
+        delta_kind = params.output_kind == "delta"
         completion = CompletionOutput(
             index=req.sample_index,
-            text=text[:visible],
-            token_ids=list(req.output_token_ids),
+            text=delta if delta_kind else text[:visible],
+            token_ids=list(new_tokens) if delta_kind else list(req.output_token_ids),
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             delta_text=delta,
@@ -131,7 +149,8 @@ class OutputProcessor:
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
-            token_times=list(req.token_times),
+            token_times=req.token_times[-len(new_tokens):] if delta_kind and new_tokens else (
+                [] if delta_kind else list(req.token_times)),
             finished_time=req.finished_time,
             num_preemptions=req.num_preemptions,
         )
@@ -164,7 +183,10 @@ class OutputProcessor:
             if completions is None:
                 continue  # the whole group was aborted
             done = out.outputs[0]
-            completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
+            if req.sampling_params.output_kind == "delta":  # a delta is reported once, then only its end
+                completions[req.sample_index] = replace(done, text="", token_ids=[], delta_text="", delta_token_ids=[])
+            else:
+                completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
             changed.setdefault(req.parent_id, {})[req.sample_index] = done
             result[req.parent_id] = out  # the newest sample's output carries the group's metrics
         for parent_id, fresh in changed.items():

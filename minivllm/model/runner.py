@@ -88,18 +88,18 @@ def build_attention_metadata(
     """``input_ids``, ``positions`` and the attention metadata for a batch (single-token rows first)."""
     ids: list[int] = []
     pos: list[int] = []
-    for s in seqs:
-        ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
-        pos.extend(range(s.start, s.start + s.num_tokens))
+    for s in seqs:  # slices of the prompt or the outputs: a decode costs one token, whatever its length
+        ids += s.request.token_ids_slice(s.start, s.start + s.num_tokens)
+        pos += range(s.start, s.start + s.num_tokens)
     max_blocks = max(len(s.request.block_ids) for s in seqs)
-    tables = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.request.block_ids)] = torch.tensor(s.request.block_ids, dtype=torch.int32)
+    # one padded nested list -> one tensor (one row at a time would be one small tensor per sequence)
+    tables = torch.tensor([s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in seqs],
+                          dtype=torch.int32)
     positions = torch.tensor(pos, dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))
-    slots = tables[owner, positions // block_size].long() * block_size + positions % block_size
     query_lens = [s.num_tokens for s in seqs]
     context_lens = [s.start for s in seqs]
+    owner = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(query_lens))
+    slots = tables[owner, positions // block_size].long() * block_size + positions % block_size
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
