@@ -1,5 +1,6 @@
 """Command line: ``minivllm generate "prompt" ...`` streams answers from the engine;
-``minivllm serve [MODEL] --port 8000`` serves it over an OpenAI-compatible HTTP API.
+``minivllm serve [MODEL] --port 8000`` serves it over an OpenAI-compatible HTTP API;
+``minivllm bench serve --base-url URL`` load-tests such a server (any OpenAI-compatible one).
 
 With several prompts, all of them run together in one continuously batched
 engine; the answers are shown in prompt order, the current one streaming live
@@ -52,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default=None)
     s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server",
+                       add_help=False)
+    b.add_argument("name", choices=["serve"], help="serve: the load generator (minivllm/bench/loadgen.py)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="its options (minivllm bench serve --help)")
     return p
 
 
@@ -162,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "serve":
             return serve(args)
+        if args.command == "bench":
+            from minivllm.bench.loadgen import main as bench_serve
+
+            return bench_serve(args.args)
     except ValueError as exc:
         print(f"minivllm: error: {exc}", file=sys.stderr)
         return 2

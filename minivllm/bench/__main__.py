@@ -3,7 +3,9 @@
 Names: ``offline`` (engine vs HF transformers throughput), ``attention`` (Triton
 kernels, GPU), ``prefix`` (prefix caching end to end), ``prefix_structures``
 (radix tree vs hash index cost), ``preemption`` (recompute / swap / reject / auto
-on one overloaded workload).
+on one overloaded workload), ``serve`` (load generator for any OpenAI-compatible
+server: ``--base-url URL``; also ``minivllm bench serve``), ``host_overhead`` (engine cost per decode
+step without a model).
 """
 
 import importlib
@@ -15,7 +17,10 @@ NAMES = {
     "prefix": "minivllm.bench.prefix",
     "prefix_structures": "minivllm.bench.prefix_structures",
     "preemption": "minivllm.bench.preemption",
+    "host_overhead": "minivllm.bench.host_overhead",
     "gpu_e2e": "minivllm.bench.gpu_e2e",
+    "fairness": "minivllm.bench.fairness",
+    "serve": "minivllm.bench.loadgen",
 }
 
 

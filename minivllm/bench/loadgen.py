@@ -1,0 +1,955 @@
+"""``minivllm bench serve --base-url URL`` — an open-loop load generator for OpenAI-compatible servers.
+
+It speaks only the OpenAI HTTP API (streaming ``/v1/completions`` or
+``/v1/chat/completions``, parsed as server-sent events with httpx), so the same
+command measures ``minivllm serve``, vLLM or SGLang.
+
+* **Arrivals** are open loop: Poisson at ``--request-rate`` (req/s), or gamma
+  with ``--burstiness`` as the shape (1 = Poisson, < 1 burstier, > 1 smoother;
+  vLLM's convention), or the timestamps of a ``--trace`` JSONL file (one request
+  a line: ``{"timestamp": s, "tenant": "alice", "prompt": "..." | "prompt_len": n,
+  "max_tokens": m}``).  A request is sent at its arrival time whether or not
+  earlier ones have finished (``--max-concurrency`` caps requests in flight).
+* **Tenants** (``--tenant name=alice,key=KEY,share=2,input=uniform:32:128,output=fixed:16,prefix=sys:256``,
+  repeatable): a share of the arrivals, prompt and output length distributions
+  (``fixed:N`` / ``N``, ``uniform:LO:HI``, ``lognormal:MEDIAN:SIGMA[:MAX]``), a
+  shared-prefix group (tenants and requests of a group share one system prompt
+  of that many tokens) and an API key, so tenants map onto the server's.
+  Prompts are made of common English words (about one token each); the report
+  uses the server's own token counts (``usage``).  Everything is seeded.
+* **Measured per request**: TTFT, every inter-token gap (ITL, one per streamed
+  chunk after the first), end-to-end latency, tokens, HTTP status; a 429 is a
+  reject (its ``Retry-After`` kept), other failures are errors.
+* **Report**: p50/p90/p99 of TTFT, ITL and e2e per tenant and overall,
+  throughput, and goodput under ``--slo-ttft-ms`` / ``--slo-itl-ms``; ``--out``
+  writes JSON, ``--figures DIR`` latency CDFs, ITL over time and (with
+  ``--rates 1,2,4``) goodput and p99 ITL vs rate, plus the highest rate that
+  meets the SLO.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+# Common English words; with a leading space each is a single token for most BPE vocabularies
+# (SmolLM2, Llama, Qwen), so ``n`` words make a prompt of about ``n`` tokens.
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this which are have had one "
+    "not but all were when there can been has more if will would who so out up into them some could "
+    "time two first then like now people other than only its over also new after way many these just "
+    "work day may most any back where year much good well should long city part world still under last "
+    "water state made between life both few house place while school end found same number another "
+    "small each high own great old right large point land group hand power light night line game room "
+    "river head body money story order music form name book road field paper market sound table garden"
+).split()
+
+OUTCOMES = ("ok", "rejected", "error", "timeout", "unsent")
+
+
+# -- workload ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A token-length distribution: ``fixed:N`` (or ``N``), ``uniform:LO:HI``, ``lognormal:MEDIAN:SIGMA[:MAX]``."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+    hi: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str | int) -> "LengthDist":
+        s = str(spec).strip()
+        parts = s.split(":")
+        try:
+            if len(parts) == 1 or (parts[0] == "fixed" and len(parts) == 2):
+                n = int(parts[-1])
+                if n < 1:
+                    raise ValueError
+                return cls("fixed", n)
+            if parts[0] == "uniform" and len(parts) == 3:
+                lo, hi = int(parts[1]), int(parts[2])
+                if not 1 <= lo <= hi:
+                    raise ValueError
+                return cls("uniform", lo, hi)
+            if parts[0] == "lognormal" and len(parts) in (3, 4):
+                median, sigma = float(parts[1]), float(parts[2])
+                hi = int(parts[3]) if len(parts) == 4 else None
+                if median < 1 or sigma < 0 or (hi is not None and hi < 1):
+                    raise ValueError
+                return cls("lognormal", median, sigma, hi)
+        except ValueError:
+            pass
+        raise ValueError(f"bad length distribution {spec!r}: use N, fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA[:MAX]")
+
+    def sample(self, rng: np.random.Generator) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return int(rng.integers(int(self.a), int(self.b) + 1))
+        n = max(1, int(round(self.a * math.exp(self.b * rng.standard_normal()))))
+        return min(n, self.hi) if self.hi is not None else n
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{int(self.a)}"
+        if self.kind == "uniform":
+            return f"uniform:{int(self.a)}:{int(self.b)}"
+        return f"lognormal:{self.a:g}:{self.b:g}" + (f":{self.hi}" if self.hi is not None else "")
+
+
+@dataclass
+class Tenant:
+    name: str
+    api_key: str | None = None
+    share: float = 1.0
+    input_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 64))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 16))
+    prefix_group: str | None = None
+    prefix_len: int = 0
+
+    def describe(self) -> dict:
+        return {"name": self.name, "api_key": "***" if self.api_key else None, "share": self.share,
+                "input_len": str(self.input_len), "output_len": str(self.output_len),
+                "prefix_group": self.prefix_group, "prefix_len": self.prefix_len}
+
+
+def parse_tenant(spec: str, default_input: str = "fixed:64", default_output: str = "fixed:16",
+                 default_key: str | None = None) -> Tenant:
+    """``name=alice,key=KEY,share=2,input=uniform:32:128,output=fixed:16,prefix=GROUP:LEN``."""
+    fields: dict[str, str] = {}
+    for part in spec.split(","):
+        k, sep, v = part.partition("=")
+        k = k.strip()
+        if not sep or k not in ("name", "key", "share", "input", "output", "prefix"):
+            raise ValueError(f"bad tenant field {part!r} in {spec!r} (fields: name, key, share, input, output, prefix)")
+        fields[k] = v.strip()
+    if not fields.get("name"):
+        raise ValueError(f"tenant {spec!r} needs name=...")
+    share = float(fields.get("share", 1.0))
+    if not share > 0 or not math.isfinite(share):
+        raise ValueError(f"tenant {fields['name']!r}: share must be > 0")
+    group, plen = None, 0
+    if "prefix" in fields:
+        g, sep, n = fields["prefix"].rpartition(":")
+        if not sep or not g or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"tenant {fields['name']!r}: prefix must be GROUP:LEN, got {fields['prefix']!r}")
+        group, plen = g, int(n)
+    return Tenant(fields["name"], fields.get("key", default_key), share, LengthDist.parse(fields.get("input", default_input)),
+                  LengthDist.parse(fields.get("output", default_output)), group, plen)
+
+
+@dataclass
+class PlannedRequest:
+    index: int
+    arrival: float  # seconds after the start of the run
+    tenant: str
+    prompt: str
+    prompt_len: int  # intended prompt tokens (approximate: words)
+    max_tokens: int
+
+
+def words_text(rng: np.random.Generator, n: int) -> str:
+    return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), n))
+
+
+def prefix_text(group: str, n: int, seed: int) -> str:
+    """The shared system prompt of a prefix group: the same text for every tenant and request of the group."""
+    rng = np.random.default_rng([seed, zlib.crc32(group.encode())])
+    return words_text(rng, n)
+
+
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, rng: np.random.Generator | None = None) -> np.ndarray:
+    """``n`` arrival times (s) of a gamma renewal process with mean rate ``rate`` and shape ``burstiness``.
+
+    Inter-arrival gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate,
+    coefficient of variation 1/sqrt(burstiness), so burstiness 1 is Poisson.  The first
+    request arrives at 0; ``rate=inf`` sends everything at once.
+    """
+    if n <= 0:
+        return np.zeros(0)
+    if not rate > 0:
+        raise ValueError("rate must be > 0")
+    if not burstiness > 0:
+        raise ValueError("burstiness must be > 0")
+    if math.isinf(rate):
+        return np.zeros(n)
+    rng = rng if rng is not None else np.random.default_rng(0)
+    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def plan_requests(tenants: list[Tenant], n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[PlannedRequest]:
+    """The synthetic workload: arrivals, a tenant per arrival by share, prompt and output lengths; seeded."""
+    if not tenants:
+        raise ValueError("no tenants")
+    rng = np.random.default_rng(seed)
+    times = arrival_times(n, rate, burstiness, np.random.default_rng([seed, 1]))
+    shares = np.array([t.share for t in tenants], dtype=float)
+    who = rng.choice(len(tenants), size=n, p=shares / shares.sum())
+    out = []
+    for i in range(n):
+        t = tenants[int(who[i])]
+        k = t.input_len.sample(rng)
+        prompt = words_text(rng, k)
+        if t.prefix_len:
+            prompt = prefix_text(t.prefix_group or t.name, t.prefix_len, seed) + "\n" + prompt
+        out.append(PlannedRequest(i, float(times[i]), t.name, prompt, k + t.prefix_len, t.output_len.sample(rng)))
+    return out
+
+
+@dataclass
+class TraceEntry:
+    timestamp: float
+    tenant: str | None = None
+    prompt: str | None = None
+    prompt_len: int | None = None
+    max_tokens: int | None = None
+
+
+def parse_trace(lines: Iterable[str]) -> list[TraceEntry]:
+    """JSONL: ``timestamp`` (or ``arrival`` / ``time``, seconds), optional ``tenant``, ``prompt`` or
+    ``prompt_len`` (or ``input_len``), ``max_tokens`` (or ``output_len``).  Blank lines and ``#``
+    comments are skipped; entries are returned sorted by time, shifted to start at 0."""
+    out: list[TraceEntry] = []
+    for no, line in enumerate(lines, 1):
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"trace line {no}: not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"trace line {no}: expected an object")
+        ts = next((obj[k] for k in ("timestamp", "arrival", "time") if k in obj), None)
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            raise ValueError(f"trace line {no}: needs a non-negative number 'timestamp'")
+        prompt = obj.get("prompt")
+        plen = obj.get("prompt_len", obj.get("input_len"))
+        if prompt is not None and (not isinstance(prompt, str) or not prompt):
+            raise ValueError(f"trace line {no}: 'prompt' must be a non-empty string")
+        if plen is not None and (isinstance(plen, bool) or not isinstance(plen, int) or plen < 1):
+            raise ValueError(f"trace line {no}: 'prompt_len' must be a positive integer")
+        if prompt is None and plen is None:
+            raise ValueError(f"trace line {no}: needs 'prompt' or 'prompt_len'")
+        mt = obj.get("max_tokens", obj.get("output_len"))
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+            raise ValueError(f"trace line {no}: 'max_tokens' must be a positive integer")
+        tenant = obj.get("tenant")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"trace line {no}: 'tenant' must be a non-empty string")
+        out.append(TraceEntry(float(ts), tenant, prompt, plen, mt))
+    if not out:
+        raise ValueError("the trace has no requests")
+    out.sort(key=lambda e: e.timestamp)
+    t0 = out[0].timestamp
+    for e in out:
+        e.timestamp -= t0
+    return out
+
+
+def plan_from_trace(entries: list[TraceEntry], tenants: list[Tenant], rate: float | None = None,
+                    seed: int = 0) -> list[PlannedRequest]:
+    """Requests from a parsed trace; with ``rate``, timestamps are scaled so the mean rate is ``rate``."""
+    by_name = {t.name: t for t in tenants}
+    scale = 1.0
+    span = entries[-1].timestamp
+    if rate is not None and len(entries) > 1 and span > 0:
+        scale = ((len(entries) - 1) / span) / rate if not math.isinf(rate) else 0.0
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, e in enumerate(entries):
+        name = e.tenant or tenants[0].name
+        if name not in by_name:
+            raise ValueError(f"trace tenant {name!r} is not declared (add --tenant name={name},key=...)")
+        t = by_name[name]
+        if e.prompt is not None:
+            prompt, plen = e.prompt, len(e.prompt.split())
+        else:
+            prompt, plen = words_text(rng, e.prompt_len), e.prompt_len
+            if t.prefix_len:
+                prompt = prefix_text(t.prefix_group or t.name, t.prefix_len, seed) + "\n" + prompt
+                plen += t.prefix_len
+        mt = e.max_tokens if e.max_tokens is not None else t.output_len.sample(rng)
+        out.append(PlannedRequest(i, e.timestamp * scale, name, prompt, plen, mt))
+    return out
+
+
+# -- SSE -----------------------------------------------------------------------------------
+
+
+class SSEDecoder:
+    """Incremental server-sent-events decoder (the WHATWG rules that matter here).
+
+    Feed it lines without their terminators; it returns an event's data (its
+    ``data:`` lines joined by newlines) at the blank line that ends the event.
+    Comment lines (``:``) and other fields (``event:``, ``id:``, ``retry:``) are skipped.
+    """
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        line = line.rstrip("\r\n")
+        if not line:
+            if not self._data:
+                return None
+            data, self._data = "\n".join(self._data), []
+            return data
+        if line.startswith(":"):
+            return None
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        return None
+
+    def flush(self) -> str | None:
+        """Data of an event left unterminated at end of stream, if any."""
+        return self.feed("")
+
+
+def iter_sse(lines: Iterable[str]) -> Iterator[str]:
+    dec = SSEDecoder()
+    for line in lines:
+        data = dec.feed(line)
+        if data is not None:
+            yield data
+    data = dec.flush()
+    if data is not None:
+        yield data
+
+
+# -- the client ----------------------------------------------------------------------------
+
+
+@dataclass
+class RequestResult:
+    index: int
+    tenant: str
+    arrival: float  # scheduled, s after start
+    prompt_len: int
+    max_tokens: int
+    outcome: str = "unsent"
+    status: int | None = None
+    start: float | None = None  # sent, s after start
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    chunks: int = 0
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    retry_after: float | None = None
+    error: str | None = None
+
+    @property
+    def token_times(self) -> list[float]:
+        """When each chunk arrived (s after start of the run)."""
+        if self.ttft is None or self.start is None:
+            return []
+        t = self.start + self.ttft
+        out = [t]
+        for g in self.itl:
+            t += g
+            out.append(t)
+        return out
+
+
+def _retry_after(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+async def send_request(client, endpoint: str, model: str, req: PlannedRequest, res: RequestResult, t0: float,
+                       api_key: str | None, request_timeout: float, ignore_eos: bool = True,
+                       temperature: float = 0.0) -> None:
+    """Send one streaming request and fill ``res``; never raises except on cancellation."""
+    chat = endpoint == "chat"
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict = {"model": model, "max_tokens": req.max_tokens, "stream": True, "temperature": temperature,
+                  "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if chat:
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start = time.perf_counter()
+    res.start, res.outcome = start - t0, "timeout"  # until it finishes one way or another
+    last = start
+    usage = None
+    try:
+        async with asyncio.timeout(request_timeout) if hasattr(asyncio, "timeout") else _nullctx():
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                res.status = r.status_code
+                if r.status_code != 200:
+                    text = (await r.aread()).decode("utf-8", "replace")
+                    if r.status_code == 429:
+                        res.outcome = "rejected"
+                        res.retry_after = _retry_after(r.headers.get("retry-after"))
+                    else:
+                        res.outcome = "error"
+                    res.error = f"HTTP {r.status_code}: {text[:200]}"
+                    res.e2e = time.perf_counter() - start
+                    return
+                dec = SSEDecoder()
+                done = False
+                async for line in r.aiter_lines():
+                    data = dec.feed(line)
+                    if data is None:
+                        continue
+                    if data.strip() == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        obj = json.loads(data)
+                    except json.JSONDecodeError:
+                        res.outcome, res.error = "error", f"bad SSE data: {data[:100]!r}"
+                        return
+                    if "error" in obj:
+                        res.outcome, res.error = "error", f"stream error: {json.dumps(obj['error'])[:200]}"
+                        return
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    for ch in obj.get("choices") or []:
+                        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                        if text:
+                            now = time.perf_counter()
+                            if res.ttft is None:
+                                res.ttft = now - start
+                            else:
+                                res.itl.append(now - last)
+                            last = now
+                            res.chunks += 1
+                res.e2e = time.perf_counter() - start
+                if not done:
+                    res.outcome, res.error = "error", "stream ended without [DONE]"
+                    return
+        res.output_tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else res.chunks
+        if usage and "prompt_tokens" in usage:
+            res.prompt_tokens = int(usage["prompt_tokens"])
+        res.outcome = "ok"
+    except (TimeoutError, asyncio.TimeoutError):
+        res.outcome, res.error = "timeout", f"no answer within --request-timeout {request_timeout:g}s"
+    except asyncio.CancelledError:
+        res.outcome, res.error = "timeout", "cancelled at the overall --timeout"
+        raise
+    except Exception as exc:  # noqa: BLE001 - httpx errors, connection resets: count, go on
+        res.outcome, res.error = "error", f"{type(exc).__name__}: {exc}"[:200]
+        res.e2e = time.perf_counter() - start
+
+
+class _nullctx:
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+
+@dataclass
+class RunResult:
+    rate: float
+    duration: float
+    results: list[RequestResult]
+
+
+async def run_load(base_url: str, plan: list[PlannedRequest], tenants: list[Tenant], model: str,
+                   endpoint: str = "completions", max_concurrency: int | None = None, timeout: float = 600.0,
+                   request_timeout: float = 120.0, progress: bool = True, ignore_eos: bool = True,
+                   temperature: float = 0.0, rate: float = float("nan"), desc: str = "requests",
+                   transport=None) -> RunResult:
+    """Send ``plan`` open loop and record every request; everything stops at ``timeout`` seconds.
+
+    ``transport`` (an httpx transport) is for tests."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    keys = {t.name: t.api_key for t in tenants}
+    results = [RequestResult(p.index, p.tenant, p.arrival, p.prompt_len, p.max_tokens) for p in plan]
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    limits = httpx.Limits(max_connections=max_concurrency or max(1, len(plan)), max_keepalive_connections=64)
+    to = httpx.Timeout(request_timeout, connect=min(10.0, request_timeout), pool=None)
+    bar = tqdm(total=len(plan), desc=desc, unit="req", disable=not progress, file=sys.stderr, leave=False)
+    tasks: list[asyncio.Task] = []
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=to, limits=limits, trust_env=False,
+                                 transport=transport) as client:
+        t0 = time.perf_counter()
+
+        async def fire(p: PlannedRequest, res: RequestResult) -> None:
+            try:
+                if sem is None:
+                    await send_request(client, endpoint, model, p, res, t0, keys.get(p.tenant), request_timeout,
+                                       ignore_eos, temperature)
+                else:
+                    async with sem:
+                        await send_request(client, endpoint, model, p, res, t0, keys.get(p.tenant), request_timeout,
+                                           ignore_eos, temperature)
+            except asyncio.CancelledError:
+                if res.outcome == "unsent":
+                    res.outcome, res.error = "timeout", "waited for a --max-concurrency slot past --timeout"
+                raise
+            finally:
+                bar.update(1)
+
+        async def everything() -> None:
+            for p, res in zip(plan, results):
+                delay = t0 + p.arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(fire(p, res)))
+            await asyncio.gather(*tasks)
+
+        main = asyncio.create_task(everything())
+        try:
+            await asyncio.wait_for(asyncio.shield(main), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            main.cancel()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(main, *tasks, return_exceptions=True)
+        ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
+        duration = max(ends) if ends else time.perf_counter() - t0
+    bar.close()
+    return RunResult(rate, duration, results)
+
+
+# -- statistics ----------------------------------------------------------------------------
+
+
+def percentile(xs, p: float) -> float:
+    """The ``p``-th percentile with linear interpolation between order statistics (numpy's default)."""
+    v = sorted(float(x) for x in xs)
+    if not v:
+        return float("nan")
+    k = (len(v) - 1) * p / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+def request_itl(r: RequestResult, stat: str = "p99") -> float | None:
+    """A request's own ITL figure for its SLO check: ``p99`` (of its gaps), ``max`` or ``mean``; None with < 2 chunks."""
+    if not r.itl:
+        return None
+    if stat == "max":
+        return max(r.itl)
+    if stat == "mean":
+        return sum(r.itl) / len(r.itl)
+    return percentile(r.itl, 99)
+
+
+def is_good(r: RequestResult, slo_ttft: float | None, slo_itl: float | None, itl_stat: str = "p99") -> bool:
+    """Served, and within both SLOs (seconds; None = no constraint).  A request with one chunk has no gap to miss."""
+    if r.outcome != "ok":
+        return False
+    if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
+        return False
+    if slo_itl is not None:
+        v = request_itl(r, itl_stat)
+        if v is not None and v > slo_itl:
+            return False
+    return True
+
+
+def _pcts(xs: list[float], scale: float = 1.0) -> dict:
+    return {f"p{p}": (percentile(xs, p) * scale if xs else None) for p in (50, 90, 99)} | {
+        "mean": (sum(xs) / len(xs) * scale if xs else None), "n": len(xs)}
+
+
+def summarize_group(results: list[RequestResult], duration: float, slo_ttft: float | None = None,
+                    slo_itl: float | None = None, itl_stat: str = "p99") -> dict:
+    ok = [r for r in results if r.outcome == "ok"]
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    good = sum(is_good(r, slo_ttft, slo_itl, itl_stat) for r in results)
+    out_tokens = sum(r.output_tokens for r in ok)
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [g for r in ok for g in r.itl]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    ra = [r.retry_after for r in results if r.outcome == "rejected" and r.retry_after is not None]
+    waits = [r.start - r.arrival for r in results if r.start is not None]
+    dur = duration if duration > 0 else float("nan")
+    return {
+        "requests": len(results), **counts,
+        "ttft_ms": _pcts(ttft, 1000), "itl_ms": _pcts(itl, 1000), "e2e_s": _pcts(e2e),
+        "client_wait_ms_p99": percentile(waits, 99) * 1000 if waits else None,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "request_throughput": len(ok) / dur, "output_throughput": out_tokens / dur,
+        "good": good, "goodput_fraction": good / len(results) if results else None, "goodput_rps": good / dur,
+        "retry_after_s_mean": sum(ra) / len(ra) if ra else None,
+    }
+
+
+def summarize(run: RunResult, slo_ttft: float | None = None, slo_itl: float | None = None, itl_stat: str = "p99") -> dict:
+    tenants = sorted({r.tenant for r in run.results})
+    return {
+        "rate": run.rate, "duration_s": run.duration,
+        "overall": summarize_group(run.results, run.duration, slo_ttft, slo_itl, itl_stat),
+        "tenants": {t: summarize_group([r for r in run.results if r.tenant == t], run.duration, slo_ttft, slo_itl, itl_stat)
+                    for t in tenants},
+    }
+
+
+def _f(x, fmt="{:.0f}") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def format_table(summary: dict, slo_text: str = "") -> str:
+    head = (f"{'tenant':<10} {'sent':>4} {'ok':>4} {'429':>4} {'err':>4} | {'TTFT ms p50/p90/p99':>20} | "
+            f"{'ITL ms p50/p90/p99':>20} | {'e2e s p50/p90/p99':>18} | {'req/s':>6} {'tok/s':>7} | {'good':>5} {'good/s':>6}")
+    lines = [head, "-" * len(head)]
+    rows = list(summary["tenants"].items()) + [("overall", summary["overall"])]
+    for name, s in rows:
+        if name == "overall" and len(rows) > 2:
+            lines.append("-" * len(head))
+        elif name == "overall":
+            continue
+        t, i, e = s["ttft_ms"], s["itl_ms"], s["e2e_s"]
+        sent = s["requests"] - s["unsent"]
+        lines.append(
+            f"{name[:10]:<10} {sent:>4} {s['ok']:>4} {s['rejected']:>4} {s['error'] + s['timeout']:>4} | "
+            f"{_f(t['p50']) + '/' + _f(t['p90']) + '/' + _f(t['p99']):>20} | "
+            f"{_f(i['p50']) + '/' + _f(i['p90']) + '/' + _f(i['p99']):>20} | "
+            f"{_f(e['p50'], '{:.2f}') + '/' + _f(e['p90'], '{:.2f}') + '/' + _f(e['p99'], '{:.2f}'):>18} | "
+            f"{_f(s['request_throughput'], '{:.2f}'):>6} {_f(s['output_throughput'], '{:.1f}'):>7} | "
+            f"{_f(100 * s['goodput_fraction'] if s['goodput_fraction'] is not None else None, '{:.0f}%'):>5} "
+            f"{_f(s['goodput_rps'], '{:.2f}'):>6}")
+    o = summary["overall"]
+    rate = summary["rate"]
+    lines.append(f"offered {_f(rate, '{:g}')} req/s | {summary['duration_s']:.1f} s | {o['output_tokens']} output tokens"
+                 + (f" | rejects {o['rejected']} (Retry-After mean {o['retry_after_s_mean']:.1f} s)" if o["rejected"]
+                    and o["retry_after_s_mean"] is not None else f" | rejects {o['rejected']}")
+                 + (f" | errors {o['error']}" if o["error"] else "") + (f" | timeouts {o['timeout']}" if o["timeout"] else "")
+                 + (f" | unsent {o['unsent']}" if o["unsent"] else "")
+                 + (f" | client wait p99 {o['client_wait_ms_p99']:.0f} ms" if (o["client_wait_ms_p99"] or 0) >= 1 else "")
+                 + (f" | {slo_text}" if slo_text else ""))
+    return "\n".join(lines)
+
+
+def meets(summary: dict, criterion: str, slo_ttft: float | None, slo_itl: float | None, min_goodput: float) -> bool:
+    o = summary["overall"]
+    if criterion == "goodput":
+        return (o["goodput_fraction"] or 0.0) >= min_goodput
+    if slo_itl is None:
+        raise ValueError("the itl sweep criterion needs --slo-itl-ms")
+    p99 = o["itl_ms"]["p99"]
+    ok = p99 is not None and p99 <= slo_itl * 1000 and o["ok"] > 0
+    if slo_ttft is not None:
+        t = o["ttft_ms"]["p99"]
+        ok = ok and t is not None and t <= slo_ttft * 1000
+    return ok
+
+
+def sweep_verdict(summaries: list[dict], criterion: str, slo_ttft: float | None, slo_itl: float | None,
+                  min_goodput: float) -> dict:
+    """The highest swept rate meeting the criterion, and where the curve crosses it above that rate.
+
+    ``crossing_rate`` interpolates linearly between that rate and the next (failing) one, on p99
+    ITL for the ``itl`` criterion and on the goodput fraction for ``goodput``.  Lower rates that
+    fail anyway are listed in ``failing_below``: latency should not fall as load rises, so they
+    point at noise (a shared machine) or too few requests per rate.
+    """
+    rows = sorted(summaries, key=lambda s: s["rate"])
+    passes = [meets(s, criterion, slo_ttft, slo_itl, min_goodput) for s in rows]
+    idx = max((i for i, ok in enumerate(passes) if ok), default=None)
+    best, crossing, first_fail = None, None, None
+    if idx is None:
+        first_fail = rows[0]["rate"] if rows else None
+    else:
+        best = rows[idx]["rate"]
+        if idx + 1 < len(rows):
+            a, b = rows[idx], rows[idx + 1]
+            first_fail = b["rate"]
+            if criterion == "goodput":
+                ya, yb, target = a["overall"]["goodput_fraction"], b["overall"]["goodput_fraction"], min_goodput
+            else:
+                ya, yb, target = a["overall"]["itl_ms"]["p99"], b["overall"]["itl_ms"]["p99"], slo_itl * 1000
+            if ya is not None and yb is not None and yb != ya and math.isfinite(b["rate"]):
+                frac = min(1.0, max(0.0, (target - ya) / (yb - ya)))
+                crossing = a["rate"] + frac * (b["rate"] - a["rate"])
+    failing_below = [s["rate"] for s, ok in zip(rows[:idx or 0], passes) if not ok]
+    return {"criterion": criterion, "passes": dict(zip([s["rate"] for s in rows], passes)),
+            "max_rate_meeting_slo": best, "first_failing_rate": first_fail, "crossing_rate": crossing,
+            "failing_below": failing_below}
+
+
+# -- figures -------------------------------------------------------------------------------
+
+
+def _cdf(ax, xs, label):
+    if xs:
+        v = np.sort(np.asarray(xs, dtype=float))
+        ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=label, drawstyle="steps-post")
+
+
+def write_figures(runs: list[RunResult], summaries: list[dict], directory: str, slo_ttft: float | None,
+                  slo_itl: float | None, verdict: dict | None = None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    # 1. latency CDFs: per tenant for one run, per rate (all tenants) for a sweep
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    groups: list[tuple[str, list[RequestResult]]] = []
+    if len(runs) == 1:
+        tenants = sorted({r.tenant for r in runs[0].results})
+        groups = [(t, [r for r in runs[0].results if r.tenant == t and r.outcome == "ok"]) for t in tenants]
+        if len(tenants) > 1:
+            groups.append(("all", [r for r in runs[0].results if r.outcome == "ok"]))
+    else:
+        groups = [(f"{run.rate:g} req/s", [r for r in run.results if r.outcome == "ok"]) for run in runs]
+    for label, rs in groups:
+        _cdf(axes[0], [r.ttft * 1000 for r in rs if r.ttft is not None], label)
+        _cdf(axes[1], [g * 1000 for r in rs for g in r.itl], label)
+        _cdf(axes[2], [r.e2e for r in rs if r.e2e is not None], label)
+    for ax, title, slo in zip(axes, ("TTFT (ms)", "ITL (ms)", "end-to-end (s)"),
+                              (slo_ttft and slo_ttft * 1000, slo_itl and slo_itl * 1000, None)):
+        ax.set_title(title)
+        ax.set_ylabel("fraction of requests" if title != "ITL (ms)" else "fraction of gaps")
+        ax.grid(alpha=0.3)
+        if slo:
+            ax.axvline(slo, color="red", ls="--", lw=1, label="SLO")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(directory, "latency_cdf.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # 2. ITL over time: every gap at the time its token arrived, coloured by tenant; one panel per run
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs) + 0.6), squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        for t in sorted({r.tenant for r in run.results}):
+            xs, ys = [], []
+            for r in run.results:
+                if r.tenant == t and r.outcome == "ok":
+                    tt = r.token_times
+                    xs += tt[1:]
+                    ys += [g * 1000 for g in r.itl]
+            ax.scatter(xs, ys, s=6, alpha=0.6, label=t)
+        if slo_itl:
+            ax.axhline(slo_itl * 1000, color="red", ls="--", lw=1, label="SLO")
+        ax.set_ylabel("ITL (ms)")
+        ax.set_title(f"offered {run.rate:g} req/s", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1, 0].set_xlabel("time since start (s)")
+    fig.tight_layout()
+    paths.append(os.path.join(directory, "itl_over_time.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    # 3. goodput and p99 ITL vs offered rate (sweeps)
+    if len(summaries) > 1:
+        rows = sorted(summaries, key=lambda s: s["rate"])
+        rates = [s["rate"] for s in rows]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        a1.plot(rates, [s["overall"]["request_throughput"] for s in rows], "o-", label="throughput (req/s)")
+        a1.plot(rates, [s["overall"]["goodput_rps"] for s in rows], "s-", label="goodput (req/s)")
+        a1.plot(rates, rates, ":", color="gray", label="offered")
+        a1.set_xlabel("offered rate (req/s)")
+        a1.set_ylabel("req/s")
+        a1.legend(fontsize=8)
+        a1.grid(alpha=0.3)
+        a2.plot(rates, [s["overall"]["itl_ms"]["p99"] for s in rows], "o-", label="p99 ITL")
+        a2.plot(rates, [s["overall"]["ttft_ms"]["p99"] for s in rows], "s-", label="p99 TTFT")
+        if slo_itl:
+            a2.axhline(slo_itl * 1000, color="red", ls="--", lw=1, label="ITL SLO")
+        if verdict and verdict.get("crossing_rate"):
+            a2.axvline(verdict["crossing_rate"], color="gray", ls=":", lw=1, label="crossing")
+        a2.set_xlabel("offered rate (req/s)")
+        a2.set_ylabel("ms")
+        finite = [r for r in rates if math.isfinite(r)]
+        if finite and max(finite) / min(finite) >= 8:
+            for ax in (a1, a2):
+                ax.set_xscale("log", base=2)
+        a2.set_yscale("log")
+        a2.legend(fontsize=8)
+        a2.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(os.path.join(directory, "goodput_vs_rate.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+# -- command line --------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="minivllm bench serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    ap.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    ap.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    ap.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                    help="key for tenants without key= (default $OPENAI_API_KEY)")
+    ap.add_argument("--tenant", action="append", default=[], metavar="SPEC",
+                    help="name=N[,key=K][,share=S][,input=DIST][,output=DIST][,prefix=GROUP:LEN]; repeatable")
+    ap.add_argument("--input-len", default="uniform:32:128", help="prompt tokens (beyond any shared prefix) for tenants without input=")
+    ap.add_argument("--output-len", default="fixed:16", help="max_tokens for tenants without output=")
+    ap.add_argument("--num-requests", type=int, default=64, help="requests per run (per rate when sweeping); a --trace sends all its lines")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="mean arrival rate, req/s (inf: all at once)")
+    ap.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.5,1,2,4")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 = Poisson")
+    ap.add_argument("--trace", default=None, help="JSONL trace (timestamp, tenant, prompt|prompt_len, max_tokens)")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="hard limit for one run, s")
+    ap.add_argument("--request-timeout", type=float, default=120.0, help="limit per request, s")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="ask for exactly max_tokens (vLLM/SGLang/minivllm extra field)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=None)
+    ap.add_argument("--slo-itl-ms", type=float, default=None)
+    ap.add_argument("--slo-itl-stat", choices=("p99", "max", "mean"), default="p99",
+                    help="a request meets the ITL SLO if this statistic of its own gaps does")
+    ap.add_argument("--sweep-criterion", choices=("itl", "goodput"), default="itl",
+                    help="itl: overall p99 ITL (and p99 TTFT if given) within the SLO; goodput: fraction >= --min-goodput")
+    ap.add_argument("--min-goodput", type=float, default=0.9)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-requests-in-json", action="store_true", help="leave the per-request records out of --out")
+    ap.add_argument("--figures", default=None, help="write PNG figures into this directory")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def _model_name(base_url: str, api_key: str | None, timeout: float) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout, trust_env=False)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
+    """Everything ``main`` does, returning the JSON document."""
+    tenants = [parse_tenant(s, args.input_len, args.output_len, args.api_key) for s in args.tenant] or [
+        Tenant("default", args.api_key, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))]
+    if len({t.name for t in tenants}) != len(tenants):
+        raise ValueError("tenant names must be distinct")
+    rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.request_rate]
+    if any(not r > 0 for r in rates):
+        raise ValueError("rates must be > 0")
+    slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
+    slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
+    trace = None
+    if args.trace:
+        with open(args.trace, encoding="utf-8") as fh:
+            trace = parse_trace(fh)
+    model = args.model or _model_name(args.base_url, next((t.api_key for t in tenants if t.api_key), None),
+                                      min(30.0, args.request_timeout))
+    slo_text = ", ".join(x for x in (f"TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "",
+                                     f"{args.slo_itl_stat} ITL <= {args.slo_itl_ms:g} ms" if slo_itl else "") if x)
+    slo_text = f"SLO {slo_text}" if slo_text else ""
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    runs, summaries = [], []
+    for rate in rates:
+        if trace is not None:
+            plan = plan_from_trace(trace, tenants, None if (args.rates is None and math.isinf(rate)) else rate, args.seed)
+        else:
+            plan = plan_requests(tenants, args.num_requests, rate, args.burstiness, args.seed)
+        run = asyncio.run(run_load(args.base_url, plan, tenants, model, args.endpoint, args.max_concurrency,
+                                   args.timeout, args.request_timeout, not args.no_progress, args.ignore_eos,
+                                   args.temperature, rate, desc=f"{rate:g} req/s"))
+        s = summarize(run, slo_ttft, slo_itl, args.slo_itl_stat)
+        runs.append(run)
+        summaries.append(s)
+        print(f"\n== {args.base_url} | model {model} | {args.endpoint} | {len(plan)} requests | offered {rate:g} req/s"
+              f"{'' if args.burstiness == 1 or trace else f' (gamma, burstiness {args.burstiness:g})'}"
+              f"{' | trace ' + args.trace if trace else ''}", file=out)
+        print(format_table(s, slo_text), file=out, flush=True)
+    verdict = None
+    if len(rates) > 1 and (slo_itl is not None or args.sweep_criterion == "goodput"):
+        verdict = sweep_verdict(summaries, args.sweep_criterion, slo_ttft, slo_itl, args.min_goodput)
+        rows = sorted(summaries, key=lambda s: s["rate"])
+        print("\nrate sweep", file=out)
+        print(f"{'rate':>6} {'ok':>4} {'429':>4} {'req/s':>6} {'tok/s':>7} {'p99 TTFT ms':>11} {'p99 ITL ms':>10} "
+              f"{'goodput':>7}  meets", file=out)
+        for s in rows:
+            o = s["overall"]
+            print(f"{s['rate']:>6g} {o['ok']:>4} {o['rejected']:>4} {_f(o['request_throughput'], '{:.2f}'):>6} "
+                  f"{_f(o['output_throughput'], '{:.1f}'):>7} {_f(o['ttft_ms']['p99']):>11} {_f(o['itl_ms']['p99']):>10} "
+                  f"{_f(100 * o['goodput_fraction'] if o['goodput_fraction'] is not None else None, '{:.0f}%'):>7}  "
+                  f"{'yes' if verdict['passes'][s['rate']] else 'no'}", file=out)
+        what = (f"p99 ITL <= {args.slo_itl_ms:g} ms" + (f" and p99 TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "")
+                if args.sweep_criterion == "itl" else f"goodput >= {100 * args.min_goodput:g}% ({slo_text})")
+        line = f"max rate meeting {what}: {_f(verdict['max_rate_meeting_slo'], '{:g}')} req/s"
+        if verdict["first_failing_rate"] is not None:
+            line += f"; fails at {verdict['first_failing_rate']:g} req/s"
+        if verdict["crossing_rate"] is not None:
+            line += f"; crossing (linear interpolation) ~ {verdict['crossing_rate']:.2f} req/s"
+        if verdict["failing_below"]:
+            line += (f"; not monotone: {', '.join(f'{r:g}' for r in verdict['failing_below'])} req/s failed too"
+                     " (noise? more --num-requests per rate)")
+        print(line, file=out, flush=True)
+    doc = {
+        "tool": "minivllm bench serve",
+        "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": args.num_requests,
+                   "rates": rates, "burstiness": args.burstiness, "trace": args.trace, "seed": args.seed,
+                   "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+                   "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "slo_itl_stat": args.slo_itl_stat,
+                   "sweep_criterion": args.sweep_criterion, "min_goodput": args.min_goodput,
+                   "tenants": [t.describe() for t in tenants]},
+        "client_host": {"cpus": os.cpu_count(), "loadavg_at_start": load_start,
+                        "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "runs": [{"summary": s, **({} if args.no_requests_in_json else {"requests": [asdict(r) for r in run.results]})}
+                 for s, run in zip(summaries, runs)],
+        "sweep": verdict,
+    }
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(_json_safe(doc), fh, indent=1)
+        print(f"wrote {args.out}", file=out)
+    if args.figures:
+        for p in write_figures(runs, summaries, args.figures, slo_ttft, slo_itl, verdict):
+            print(f"wrote {p}", file=out)
+    return doc
+
+
+def _json_safe(x):
+    """inf -> "inf", nan -> None, recursively (strict JSON has neither)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {(k if isinstance(k, str) else str(_json_safe(k))): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        run_benchmark(args)
+    except ValueError as exc:
+        print(f"minivllm bench serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
