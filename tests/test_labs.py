@@ -52,10 +52,6 @@ def _setup_source(nb) -> str:
 
 
 # exercise name -> (notebook stem, object name defined by the cell, checker call)
-def _hasher():
-    return check_lab03.engine_reference()[0]
-
-
 EXERCISES = {
     "block_pool": ("lab02", "MyBlockPool", lambda obj: check_lab02.check_block_pool(obj)),
     "slot_mapping": ("lab02", "slot_mapping", lambda obj: check_lab02.check_slot_mapping(obj)),
@@ -63,7 +59,7 @@ EXERCISES = {
     "split_step": ("lab01", "split_step", lambda obj: check_lab01.check_split_step(obj)),
     "static_batching": ("lab01", "StaticBatching", lambda obj: check_lab01.check_static_batching(obj)),
     "block_hashes": ("lab03", "block_hashes", lambda obj: check_lab03.check_block_hashes(obj)),
-    "match_prefix": ("lab03", "match_prefix", lambda obj: check_lab03.check_match_prefix(obj, hasher=_hasher())),
+    "match_prefix": ("lab03", "match_prefix", lambda obj: check_lab03.check_match_prefix(obj)),
     "pick_victim": ("lab03", "pick_victim", lambda obj: check_lab03.check_pick_victim(obj)),
     "build_batch": ("lab04", "build_batch", lambda obj: check_lab04.check_build_batch(obj)),
     "itl_stats": ("lab04", "itl_stats", lambda obj: check_lab04.check_itl_stats(obj)),
@@ -309,12 +305,80 @@ def test_numeric_answers_match_the_engine(bank):
 
 @pytest.mark.parametrize("bank", BANKS, ids=lambda p: p.stem)
 def test_quiz_renders_both_ways(bank):
+    questions = json.loads(bank.read_text())
     text = quiz.format_quiz(bank.stem)
-    assert text.count("why:") == len(json.loads(bank.read_text()))
+    assert "why:" not in text.lower(), "the questions' output must not give the answers away"
+    assert "Answer key" not in text
+    key = quiz.format_answers(bank.stem)
+    assert key.count("why:") == len(questions)
     items = quiz.jupyterquiz_questions(bank.stem)
-    for item in items:
+    for item, q in zip(items, questions):
         assert set(item) <= {"question", "type", "answers", "precision"}
         assert any("Why:" in a["feedback"] for a in item["answers"] if a["correct"])
+        if q["type"] == "multiple_choice":  # the interactive quiz shows the same shuffled order as the text
+            assert [a["answer"] for a in item["answers"]] == [a["answer"] for a in quiz.shuffled_answers(q)]
+
+
+@pytest.mark.parametrize("bank", BANKS, ids=lambda p: p.stem)
+def test_quiz_options_are_shuffled_deterministically(bank):
+    """Correct answers are not all in one position; the order is a function of the question text alone."""
+    positions = quiz.correct_positions(bank.stem)
+    assert len(positions) >= 2 and len(set(positions)) > 1, f"{bank.stem}: every correct answer at {positions}"
+    for q in json.loads(bank.read_text()):
+        once, again = quiz.shuffled_answers(q), quiz.shuffled_answers(json.loads(json.dumps(q)))
+        assert once == again
+        assert sorted(a["answer"] if "answer" in a else str(a) for a in once) == sorted(
+            a["answer"] if "answer" in a else str(a) for a in q["answers"])
+        assert all(a["feedback"] for a in once), "every option keeps its own why"
+
+
+def test_quiz_cells_keep_answers_out_of_the_question_output():
+    """Each lab prints the questions in one cell and the answer key in a later, separate cell."""
+    for path in SOLUTIONS:
+        cells = [c.source for c in _nb(path).cells if c.cell_type == "code"]
+        q = next(i for i, src in enumerate(cells) if "print_quiz(" in src)
+        a = next(i for i, src in enumerate(cells) if "print_answers(" in src)
+        assert a > q and "print_answers(" not in cells[q], path.name
+
+
+def test_lab02_quiz_asks_the_seed_question():
+    assert any(q["question"] == "What problem does PagedAttention primarily solve?" for q in quiz.load_bank(2))
+
+
+@pytest.mark.parametrize("lab", [2, 3, 4, 5])
+def test_later_quizzes_bring_back_earlier_labs(lab):
+    assert any(q["question"].startswith(("(From lab", "(Lab")) for q in quiz.load_bank(lab)), lab
+
+
+def _solution_lines(source: str) -> list[str]:
+    """Code lines inside BEGIN/END SOLUTION regions, stripped, longer than 25 characters."""
+    out, inside = [], False
+    for line in source.splitlines():
+        s = line.strip()
+        if s.startswith(make_labs.BEGIN):
+            inside = True
+        elif s.startswith(make_labs.END):
+            inside = False
+        elif inside and len(s) > 25:
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_student_notebooks_hold_no_solution_code(path):
+    """No line of a solution region may appear in any student notebook (fallbacks, hints, TODOs)."""
+    lines = {x for c in _nb(path).cells if c.cell_type == "code" for x in _solution_lines(c.source)}
+    assert lines, path.name
+    raw = "\n".join(p.read_text() for p in sorted(LABS.glob("*.ipynb")))
+    student = "\n".join(c.source for p in sorted(LABS.glob("*.ipynb")) for c in _nb(p).cells)
+    leaks = sorted(x for x in lines if x in student or json.dumps(x)[1:-1] in raw)
+    assert not leaks, f"{path.name}: solution code in the student notebook: {leaks}"
+
+
+def test_lab03_fallback_is_the_engine_not_a_solution_copy():
+    assert not hasattr(check_lab03, "engine_reference")
+    source = (ROOT / "tools" / "lab_texts" / "lab03_prefix_caching.py").read_text()
+    assert "from minivllm.kv.prefix.hash_index import HashIndex" in source
 
 
 # -- widgets and workloads ---------------------------------------------------------------------

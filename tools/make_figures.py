@@ -77,14 +77,10 @@ def radix_tree(out: Path) -> None:
 
 
 def timelines(out: Path) -> None:
-    class Static:
-        def order(self, waiting, running):
-            return [] if running else list(waiting)
-
     requests = workloads.random_requests(16, seed=5, prompt_range=(32, 256), output_range=(4, 64))
     lens = {f"r{i}": len(p) for i, (p, _) in enumerate(requests)}
     fig, axes = plt.subplots(2, 1, figsize=(10, 6))
-    for ax, (name, policy) in zip(axes, [("static", Static()), ("continuous", FCFSAdmission())]):
+    for ax, (name, policy) in zip(axes, [("static", workloads.StaticBatchAdmission()), ("continuous", FCFSAdmission())]):
         eng = workloads.sim_engine(max_num_seqs=4, max_num_batched_tokens=256, admission_policy=policy,
                                    executor=SimulatedExecutor(fixed_overhead_s=0.015, per_token_s=0.00002))
         finals = workloads.run_engine(eng, requests)

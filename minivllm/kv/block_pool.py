@@ -29,9 +29,16 @@ class OutOfBlocksError(RuntimeError):
 class BlockPool:
     """A fixed set of ``num_blocks`` KV blocks with a FIFO free list and refcounts.
 
-    Block ids are ``0 .. num_blocks-1``.  Freed blocks go to the *back* of the
-    free list, so recently freed blocks (whose contents the prefix cache might
-    still want) are reused last.
+    Block ids are ``0 .. num_blocks-1``.  ``allocate`` takes the *front* of the
+    free list and a freed block goes to the *back* (FIFO).  In minivllm that
+    order carries no caching meaning: the prefix cache holds its own reference
+    on every block it indexes, so a block on the free list is never cached and
+    its contents are garbage.  (vLLM differs: its free queue doubles as the
+    prefix cache's LRU list, so there the order matters for hit rates.)  FIFO
+    is an arbitrary but deterministic choice; what it buys is that block ids
+    are a pure function of the allocate/free history, so runs, step logs and
+    pictures are reproducible and a learner's pool can be compared with this
+    one step by step.
     """
 
     num_blocks: int
@@ -94,8 +101,9 @@ class BlockPool:
     def free_all(self, block_ids: list[int]) -> None:
         """Drop one reference on each block, last block first.
 
-        Freeing a table tail-first puts its *last* block at the front of the
-        reuse order, so the shared head of a prefix stays in memory longest.
+        Tail-first is a fixed convention (the reverse of allocation order), so
+        the ids a later request receives are deterministic.  A block the prefix
+        cache also holds is not freed here: the cache's reference keeps it.
         """
         for block_id in reversed(block_ids):
             self.decref(block_id)

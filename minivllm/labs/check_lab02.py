@@ -150,7 +150,7 @@ def check_block_pool(cls) -> CheckResult:
         Case("decref of the only holder frees the block", free_one, (True, 3, 0),
              "decrement first; when the count reaches 0 append the block to the free list and return True"),
         Case("a freed block goes to the BACK of the free list", fifo, [2, 3, 0],
-             "append freed blocks at the back: recently freed blocks may still be wanted by the prefix cache"),
+             "append freed blocks at the back (FIFO): the engine's pool does, so block ids stay reproducible and match it step for step"),
         Case("a shared block survives one decref", shared, (False, (1, 3), True, 4),
              "with two holders, one decref leaves the block in use (count 1) and returns False"),
         Case("double free raises ValueError", double_free, "ValueError",

@@ -5,15 +5,19 @@ correct choice, a *why* for every answer) and recompute each numeric answer
 from the engine's own functions (``"compute": "module:function"``), so an
 answer cannot drift when the engine changes.
 
-Two renderings: :func:`print_quiz` (plain text, works everywhere, answers
-with their *why* at the end) and :func:`show_quiz` (interactive, via
+Options are shuffled per question, deterministically (seeded by the question
+text), in every rendering.  Three renderings: :func:`print_quiz` (plain text,
+questions only), :func:`print_answers` (the key, with every *why*; a separate
+cell, run after answering) and :func:`show_quiz` (interactive, via
 jupyterquiz, when a browser renders the notebook).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -33,28 +37,59 @@ def compute_answer(question: dict) -> Any:
     return getattr(importlib.import_module(module), func)()
 
 
+def shuffled_answers(question: dict) -> list[dict]:
+    """The options of a multiple-choice question in a fixed shuffled order.
+
+    The banks list the correct answer first (easy to review); learners must not
+    be able to rely on that.  The order is seeded by the question text
+    (sha256, not Python's per-process ``hash``), so it is the same on every
+    machine and every run, and strict nbval can compare the printed quiz.
+    Numeric questions keep their order (their answers are feedback ranges).
+    """
+    answers = list(question["answers"])
+    if question["type"] != "multiple_choice":
+        return answers
+    seed = int.from_bytes(hashlib.sha256(question["question"].encode()).digest()[:8], "big")
+    random.Random(seed).shuffle(answers)
+    return answers
+
+
 def correct_answer(question: dict) -> str:
     if question["type"] == "numeric":
         return str(next(a["value"] for a in question["answers"] if a.get("correct")))
-    return next(f"{LETTERS[i]}) {a['answer']}" for i, a in enumerate(question["answers"]) if a["correct"])
+    return next(f"{LETTERS[i]}) {a['answer']}" for i, a in enumerate(shuffled_answers(question)) if a["correct"])
+
+
+def correct_positions(lab: str | int) -> list[int]:
+    """Index of the correct option of every multiple-choice question, as shown."""
+    return [next(i for i, a in enumerate(shuffled_answers(q)) if a["correct"])
+            for q in load_bank(lab) if q["type"] == "multiple_choice"]
 
 
 def format_quiz(lab: str | int) -> str:
-    """Questions first, then the answers, each with its *why*."""
-    bank = load_bank(lab)
+    """The questions only, options shuffled; the answers are in :func:`format_answers`."""
     lines = []
-    for n, q in enumerate(bank, 1):
+    for n, q in enumerate(load_bank(lab), 1):
         lines.append(f"Q{n}. {q['question']}")
         if q["type"] == "multiple_choice":
-            for i, a in enumerate(q["answers"]):
+            for i, a in enumerate(shuffled_answers(q)):
                 lines.append(f"    {LETTERS[i]}) {a['answer']}")
         else:
             lines.append("    (a number)")
         lines.append("")
-    lines.append("Answers (try first, then read on)")
-    lines.append("-" * 33)
-    for n, q in enumerate(bank, 1):
+    lines.append(f"Write your answers down, then run print_answers({lab!r}) to check them.")
+    return "\n".join(lines)
+
+
+def format_answers(lab: str | int) -> str:
+    """The answer key: the right option, why it is right, and why each wrong option is wrong."""
+    lines = ["Answer key", "-" * 10]
+    for n, q in enumerate(load_bank(lab), 1):
         lines.append(f"Q{n}: {correct_answer(q)} -- why: {q['why']}")
+        if q["type"] == "multiple_choice":
+            for i, a in enumerate(shuffled_answers(q)):
+                if not a["correct"]:
+                    lines.append(f"    not {LETTERS[i]}: {a['feedback']}")
     return "\n".join(lines)
 
 
@@ -62,12 +97,16 @@ def print_quiz(lab: str | int) -> None:
     print(format_quiz(lab))
 
 
+def print_answers(lab: str | int) -> None:
+    print(format_answers(lab))
+
+
 def jupyterquiz_questions(lab: str | int) -> list[dict]:
     """The bank in jupyterquiz's format (extra keys dropped, the why added to the right answer)."""
     out = []
     for q in load_bank(lab):
         answers = []
-        for a in q["answers"]:
+        for a in shuffled_answers(q):
             a = dict(a)
             if a.get("correct"):
                 a["feedback"] = (a.get("feedback", "Correct.") + " Why: " + q["why"]).strip()

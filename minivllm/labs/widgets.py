@@ -109,6 +109,14 @@ def timeline_rows(step_log: Sequence[dict], prompt_lens: dict[str, int]) -> dict
     return rows
 
 
+def step_composition(seqs: Sequence[tuple[str, int, int]], prompt_lens: dict[str, int]) -> tuple[int, int]:
+    """``(prefill tokens, decode tokens)`` of one step-log entry's ``seqs``: how the timeline colours a step."""
+    rows = timeline_rows([{"step": 0, "seqs": seqs}], prompt_lens)
+    prefill = sum(n for r in rows.values() for _, kind, n in r if kind == "prefill")
+    decode = sum(n for r in rows.values() for _, kind, n in r if kind == "decode")
+    return prefill, decode
+
+
 def draw_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax=None, title: str | None = None,
                   annotate: bool = True):
     """One row per request, one column per step: orange = prefill chunk (tokens written), blue = decode."""

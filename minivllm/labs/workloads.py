@@ -242,3 +242,15 @@ class PrefixReplay:
         self.records.append(rec)
         self.next += 1
         return rec
+
+
+class StaticBatchAdmission:
+    """Pre-Orca static batching as an ``AdmissionPolicy``: admit a new batch only when nothing runs.
+
+    Used by ``tools/make_figures.py`` for the static-vs-continuous timeline, and by lab 1 until the
+    learner's own policy passes its checker.
+    """
+
+    def order(self, waiting, running):
+        return list(waiting) if not running else []
+

@@ -21,7 +21,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab01 import check_split_step, check_static_batching
-from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.sched.policies import FCFSAdmission
 from minivllm.sim.executor import SimulatedExecutor
 
@@ -100,10 +100,12 @@ print("per token, prefill is cheaper than an unbatched decode:", prefill_s / PRO
 print(f"batched decode is cheaper per token than single decode:", decode_b_s / BATCH < decode_1_s)
 """),
 ("md", r"""
-Why? Count bytes. SmolLM2-135M has ~135 M parameters, 540 MB in fp32. A decode step of one request reads all of
-them to compute one token: ~2 floating-point operations per parameter per byte-pair read — far below what a CPU
-or GPU can do per byte of memory bandwidth. A prefill of 256 tokens reads the weights once and reuses each 256
-times. Batching decodes is the same trick: one read of the weights, many tokens.
+Why? Count bytes. SmolLM2-135M has ~135 M parameters, 540 MB in fp32 (4 bytes each). To compute one token, a
+decode step reads every parameter once and does one multiply and one add with it: 2 floating-point operations per
+4 bytes read, i.e. **0.5 FLOP per byte**. A chip can do far more than that — a modern GPU does hundreds of FLOPs
+in the time it reads one byte from memory, a CPU tens — so the arithmetic units mostly wait for memory. A prefill
+of 256 tokens reads the weights once and uses each of them 256 times (~128 FLOP per byte), so it keeps the
+arithmetic busy instead. Batching decodes is the same trick: one read of the weights, many tokens.
 
 The engine's what-if tool, `SimulatedExecutor`, models a step as
 `fixed_overhead + per_token * tokens + per_context_token * KV tokens read`. Your measurements calibrate it:
@@ -117,7 +119,7 @@ print({k: f"{v * 1000:.3f} ms" for k, v in calibrated.items()})
 ("md", r"""
 ## 3. The seven steps, one at a time
 
-`LLMEngine.step()` is seven lines (`minivllm/engine.py`). Below we run those seven lines by hand on a small engine
+`LLMEngine.step()` is seven lines (`minivllm/engine/llm_engine.py`). Below we run those seven lines by hand on a small engine
 (a simulated forward pass, so it is instant and every number is reproducible): three requests, a budget of 16
 tokens per step, so the longest prompt is **chunked** over several steps.
 """),
@@ -167,14 +169,29 @@ stepper.show()
 
 Each entry of `engine.step_log` lists the sequences of a step as `(request_id, start, num_tokens)`: the request ran
 `num_tokens` tokens starting at position `start`. Write `split_step(seqs, prompt_lens)` that returns
-`(prefill_tokens, decode_tokens)` for one step. A sequence is decode when the token at `start` is an *output*
-token, i.e. `start >= prompt_len`. Careful: a chunked prefill can end with a 1-token chunk.
+`(prefill_tokens, decode_tokens)` for one step. Careful: a chunked prefill can end with a 1-token chunk.
+
+Try it without help first; open the hints one at a time.
+
+<details><summary>Hint 1</summary>
+
+Decide per sequence, then add up tokens, not sequences: one entry of `seqs` can carry many prefill tokens.
+</details>
+<details><summary>Hint 2</summary>
+
+What a sequence is doing depends on *where* it starts, not on how many tokens it runs: is the token at `start` still
+part of the prompt, or an output token the model sampled earlier?
+</details>
+<details><summary>Hint 3</summary>
+
+Positions `0 .. prompt_len - 1` are the prompt. Watch the boundary: the step that runs the last prompt token is
+still a prefill (it samples the first output token), and the next step starts exactly at `prompt_len`.
+</details>
 """),
 ("code", r"""
 def split_step(seqs: list[tuple[str, int, int]], prompt_lens: dict[str, int]) -> tuple[int, int]:
     '''(prefill tokens, decode tokens) in one step of the engine's step log.'''
-    # TODO: add num_tokens to the prefill count when start < prompt_lens[request_id],
-    #   else to the decode count
+    # TODO: return (prefill tokens, decode tokens) of this step -- see the hints above
     ### BEGIN SOLUTION
     prefill = decode = 0
     for request_id, start, num_tokens in seqs:
@@ -187,8 +204,8 @@ def split_step(seqs: list[tuple[str, int, int]], prompt_lens: dict[str, int]) ->
 """, ["exercise:split_step"]),
 ("code", r"""
 split_check = check_split_step(split_step)
-split = choose(split_check, split_step, lambda seqs, lens: (
-    sum(n for r, s, n in seqs if s < lens[r]), sum(n for r, s, n in seqs if s >= lens[r])), "split_step")
+# until yours passes: widgets.step_composition, what the timeline widget uses (minivllm/labs/widgets.py)
+split = choose(split_check, split_step, widgets.step_composition, "split_step")
 """),
 ("md", r"""
 With it, the composition of every step of a bigger run: 12 requests, budget 64 tokens. Early steps are all
@@ -218,8 +235,38 @@ Every `RequestOutput` carries `metrics`: **TTFT** (time to first token: queueing
 ("code", r"""
 for rid in ("r0", "r5", "r11"):
     m = finals[rid].metrics
-    print(f"{rid}: prompt {lens[rid]:3d} tokens, TTFT {m.ttft * 1000:6.1f} ms, "
-          f"mean ITL {sum(m.itls) / len(m.itls) * 1000:5.1f} ms, max ITL {max(m.itls) * 1000:5.1f} ms")
+    print(f"{rid}: prompt {lens[rid]:3d} tokens, TTFT {m.ttft * 1000:6.1f} ms, {len(m.itls)} gaps")
+"""),
+("md", r"""
+How should we summarise the gaps? A user does not feel the *mean* gap; they feel the stream freezing. So look at
+the distribution of all gaps of all requests, and report **percentiles** (p50, p90, p99 by nearest rank: sort the
+gaps, take the one at rank ⌈q/100 · n⌉) next to the mean. In this run the early decodes share their steps with
+prefill chunks, and those gaps are several times longer than a decode-only step:
+"""),
+("code", r"""
+import math
+
+
+def nearest_rank(values, q):
+    values = sorted(values)
+    return values[max(math.ceil(q / 100 * len(values)), 1) - 1]
+
+
+gaps = [g for o in finals.values() for g in o.metrics.itls]
+print(f"{len(gaps)} gaps: mean {sum(gaps) / len(gaps) * 1000:5.1f} ms | "
+      + " | ".join(f"p{q} {nearest_rank(gaps, q) * 1000:5.1f} ms" for q in (50, 90, 99))
+      + f" | worst {max(gaps) * 1000:5.1f} ms")
+plt.figure(figsize=(7, 2.2))
+plt.hist([g * 1000 for g in gaps], bins=40, color="#4e79a7")
+for q, c in ((50, "#59a14f"), (99, "#d62728")):
+    plt.axvline(nearest_rank(gaps, q) * 1000, color=c, ls="--", label=f"p{q}")
+plt.xlabel("inter-token gap (ms)"); plt.ylabel("gaps"); plt.legend(fontsize=8)
+plt.show()
+"""),
+("md", r"""
+The mean sits between the typical gap and the slow ones and describes neither; the median says what most tokens
+feel, p99 what the unlucky ones feel. The worst gap is one sample — report it, but set targets on a percentile
+(lab 4 builds its chunking policy on exactly that).
 """),
 ("md", r"""
 ## 4. Static vs continuous batching
@@ -235,13 +282,24 @@ step loop above does) admits a waiting request into any free seat at the next st
 The engine asks its `AdmissionPolicy` every step: *in which order should I try the waiting requests?*
 (`order(waiting, running) -> list`). Leaving a request out holds it back this step. Static batching is then one
 rule: admit only when nothing is running. The engine's `max_num_seqs` caps the batch size.
+
+<details><summary>Hint 1</summary>
+
+`order` returns the requests the engine may *try* to admit, in order; it does not admit them itself, and
+`max_num_seqs` is the engine's business, not yours.
+</details>
+<details><summary>Hint 2</summary>
+
+Two situations: something is still running (then nobody new may start), or nothing is (then everybody waiting may
+try, first come first served). Return a *list* in both.
+</details>
 """),
 ("code", r"""
 class StaticBatching:
     '''Admit a new batch only when the previous one has completely finished.'''
 
     def order(self, waiting, running):
-        # TODO: return the waiting requests in queue order when nothing runs, else an empty list
+        # TODO: which waiting requests may the engine try to admit this step? -- see the hints above
         ### BEGIN SOLUTION
         return [] if running else list(waiting)
         ### END SOLUTION
@@ -249,13 +307,8 @@ class StaticBatching:
 ("code", r"""
 static_check = check_static_batching(StaticBatching)
 
-
-class _Static:  # the engine-side fallback: the same rule
-    def order(self, waiting, running):
-        return [] if running else list(waiting)
-
-
-Static = choose(static_check, StaticBatching, _Static, "static batching policy")
+# until yours passes: workloads.StaticBatchAdmission (minivllm/labs/workloads.py), which also draws the figure above
+Static = choose(static_check, StaticBatching, workloads.StaticBatchAdmission, "static batching policy")
 """),
 ("md", r"""
 Now the measurement: 32 requests with very different output lengths (4 to 128 tokens), at most 8 running. The
@@ -305,12 +358,38 @@ for name, policy in [("static", Static()), ("continuous", FCFSAdmission())]:
 ("md", r"""
 ## Retrieval check
 
-Answer from memory first. In Jupyter the quiz is interactive; the plain-text version with every *why* follows.
+Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
+questions follow, and the answer key, with every *why*, is in a separate cell: run it once you have answered.
 """),
 ("code", r"""
 show_quiz(1)
 """, ["nbval-ignore-output"]),
 ("code", r"""
 print_quiz(1)
+"""),
+("code", r"""
+print_answers(1)   # the answer key: run it after you have answered
+"""),
+("md", r"""
+## What you should now be able to explain
+
+* Why a prefill token is cheap and a lone decode token expensive on the same model (FLOPs per byte of weights
+  read), and why batching decodes is almost free until the arithmetic units are busy — with your measured ratios.
+* The seven steps of `LLMEngine.step()` in order, and which of them samples a request's first token (the step
+  that prefills its last prompt token) and which frees its blocks (finish).
+* How to read the step log: prefill chunk vs decode by the position a sequence starts at, and why a 1-token chunk
+  can still be prefill.
+* TTFT vs ITL, and why ITL is reported as percentiles (p50/p99) with the worst gap, not as a mean.
+* Why continuous batching beats static batching when output lengths differ (empty seats), and what the gain
+  depends on (how much a step's cost grows with its batch).
+
+## Go further
+
+Static batching wastes seats; continuous batching can hurt the *running* requests instead: every admitted
+newcomer's prefill lands in a step the decoders wait for. Write an `AdmissionPolicy` that admits at most one new
+request per step (return at most one waiting request), run it next to `FCFSAdmission` on the 32 requests of
+section 4, and compare throughput, mean TTFT and the p99 of all ITL gaps (with `nearest_rank`). Which metric
+does each policy win, and why? Lab 4 gives the engine a better tool for the same problem: chunked prefill
+under a token budget.
 """),
 ]

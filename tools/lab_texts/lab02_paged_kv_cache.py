@@ -22,7 +22,7 @@ from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab02 import as_engine_pool, check_block_pool, check_paged_slots, check_slot_mapping, install_pool
-from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.request import Request
 
 ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when there is one
@@ -70,6 +70,13 @@ are the engine's:
 | `decref(b)` | one holder fewer; `ValueError` if already free (double free); at 0 the block goes to the **back** of the free list and `decref` returns `True`, else `False` |
 
 *Hint:* `collections.deque` has `popleft()` and `append()`.
+
+**Why FIFO?** Not for caching. (vLLM's free queue doubles as its prefix cache's LRU list, so there a freed block
+keeps its KV and the order decides what is forgotten first.) In minivllm the prefix cache holds its **own**
+reference on every block it indexes, so a block on the free list is never cached and its contents are garbage:
+any order would be correct. FIFO is an arbitrary but **deterministic** choice, and that is what it buys: the block
+ids the engine hands out are a pure function of the allocate/free history, so runs, step logs and pictures are
+reproducible, and the checker can run the engine on your pool and compare it with the engine's own, step by step.
 """),
 ("code", r"""
 from collections import deque
@@ -100,7 +107,7 @@ class MyBlockPool:
 
     def allocate(self) -> int:
         # TODO: pop the FRONT of the free list, set its count to 1, return it;
-        #   raise OutOfBlocksError("no free KV blocks") when the free list is empty
+        #   OutOfBlocksError when the free list is empty
         ### BEGIN SOLUTION
         if not self.free:
             raise OutOfBlocksError("no free KV blocks")
@@ -217,13 +224,28 @@ The attention kernel writes each new token's K and V into one **slot** of the fl
 `= physical_block * block_size + offset`. Given a request's block table, the position of its first new token
 (`start`) and how many tokens it runs this step, return the slot of every one of them.
 
-This is exactly what the model runner computes for every step (`minivllm/model_runner.py`); the last checker case
+This is exactly what the model runner computes for every step (`minivllm/model/runner.py`); the last checker case
 compares your function with it on a real batch.
+
+<details><summary>Hint 1</summary>
+
+Work one position `p` at a time, for `p` from `start` to `start + num_tokens - 1`. Two questions per position:
+which *logical* block of the request holds it, and where inside that block it sits.
+</details>
+<details><summary>Hint 2</summary>
+
+Logical block and offset come from integer division and remainder by `block_size`. The block table turns the
+logical block into a physical one.
+</details>
+<details><summary>Hint 3</summary>
+
+Physical block `b` owns slots `b * block_size` to `b * block_size + block_size - 1` of the flat cache.
+</details>
 """),
 ("code", r"""
 def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
     '''Physical KV slot of positions start .. start+num_tokens-1 of one request.'''
-    # TODO: for each position p: block_table[p // block_size] * block_size + p % block_size
+    # TODO: one slot per position start .. start+num_tokens-1 -- see the hints above
     ### BEGIN SOLUTION
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + num_tokens)]
     ### END SOLUTION
@@ -243,11 +265,20 @@ systems; paging wastes only the tail of each request's last block.
 
 `paged_slots(seq_lens, block_size)`: the total number of KV slots (tokens of capacity) that paging reserves for
 these sequences — each gets whole blocks, as few as hold its tokens.
+
+<details><summary>Hint 1</summary>
+
+A 1-token sequence still holds one whole block; a sequence of exactly `block_size` tokens holds one, not two.
+</details>
+<details><summary>Hint 2</summary>
+
+Blocks per sequence is a division rounded **up**. In integers: `-(-a // b)` or `(a + b - 1) // b`.
+</details>
 """),
 ("code", r"""
 def paged_slots(seq_lens: list[int], block_size: int) -> int:
     '''KV slots reserved when each sequence holds ceil(len / block_size) whole blocks.'''
-    # TODO: sum over sequences of (blocks needed) * block_size; blocks needed is a ceiling division
+    # TODO: total slots paging reserves for these sequences -- see the hints above
     ### BEGIN SOLUTION
     return sum(-(-n // block_size) * block_size for n in seq_lens)
     ### END SOLUTION
@@ -273,6 +304,23 @@ plt.xlabel("sequence length (tokens)"); plt.ylabel("requests"); plt.legend(fonts
 plt.show()
 """),
 ("md", r"""
+### Where paging's waste goes: half a block per sequence
+
+Paging wastes only the empty tail of each sequence's last block. If lengths end anywhere, that tail is equally
+likely to be 0, 1, ..., `block_size − 1` slots, so the expected waste is about **half a block per sequence**
+(`(block_size − 1) / 2`). Measured on the same 2,000 lengths:
+"""),
+("code", r"""
+for b in (4, 16, 64, 256):
+    per_seq = (reserved_paged(lens, b) - tokens) / len(lens)
+    print(f"block_size {b:3d}: {per_seq:6.1f} empty slots per sequence (half a block = {(b - 1) / 2:5.1f}), "
+          f"{1 - tokens / reserved_paged(lens, b):5.1%} of reserved memory")
+"""),
+("md", r"""
+The waste per sequence grows linearly with the block size and does not depend on `max_model_len` at all; as a
+share of memory it stays small while sequences are much longer than a block. With thousands of sequences in
+flight it adds up — but to blocks, not to whole reservations.
+
 ### Measured on the engine: what the waste costs in throughput
 
 Reserving `max_model_len` per request *is* paging with one giant block: `block_size = 2048`. So the same engine can
@@ -349,13 +397,39 @@ print(texts, "| device:", llm.engine.config.device, "| free blocks:", llm.engine
 ("md", r"""
 ## Retrieval check
 
-Answer from memory first, then check. In Jupyter the quiz below is interactive; the plain-text version (with
-every answer's *why*) follows it.
+Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
+questions follow, and the answer key, with every *why*, is in a separate cell: run it once you have answered.
+The last question comes back from lab 1.
 """),
 ("code", r"""
 show_quiz(2)
 """, ["nbval-ignore-output"]),
 ("code", r"""
 print_quiz(2)
+"""),
+("code", r"""
+print_answers(2)   # the answer key: run it after you have answered
+"""),
+("md", r"""
+## What you should now be able to explain
+
+* What problem paging solves (reservation waste and fragmentation) and what it costs (block tables, a gather in the
+  attention kernel, a little tail waste).
+* The block pool's rules — free list, refcounts, double free — and why a block returns to the free list only when
+  its last holder lets go; why the free-list order does not matter for caching in minivllm but makes runs
+  reproducible.
+* How a token's position becomes a physical slot through the block table.
+* Why paging wastes about half a block per sequence, how that grows with `block_size`, and what a bigger block buys
+  instead (fewer table entries, fewer allocations).
+* Why less waste means more throughput on the same memory (a bigger batch; lab 1's memory-bound decode).
+* Copy-on-write: when a shared block must become private, and why full blocks never need to.
+
+## Go further
+
+The block size trades tail waste against table length. Run the throughput experiment of section 4 with
+`block_size` 4, 16, 64 and 256 on the same 16,384 KV slots, and add a cost per block-table entry to the simulated
+executor (`per_context_token_s` is per token; model a table read as, say, 2 µs per block per sequence per step).
+Where is the throughput optimum, and how does it move when requests are short (`output_range=(4, 16)`) or long?
+Compare with vLLM's default of 16 and explain the difference you find.
 """),
 ]

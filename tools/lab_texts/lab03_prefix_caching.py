@@ -11,9 +11,10 @@ CELLS = [
 4. choose what to evict (✏️ LRU leaf, never a locked one) and protect a tenant with a quota;
 5. show the cross-tenant timing leak (vLLM CVE-2025-46570, arXiv 2411.18191) and close it with a salt.
 
-**Time:** about 30 seconds to run; 45–60 minutes to work through. Everything here runs the engine's own prefix
-caches (`minivllm/radix_cache.py`, `minivllm/hash_index.py`) on the engine's `BlockPool`, admitting requests the
-way the engine does; TTFTs come from the engine's simulated cost model.
+**Time:** about a minute to run; 45–60 minutes to work through. Everything here runs the engine's own prefix
+caches (`minivllm/kv/prefix/radix.py`, `minivllm/kv/prefix/hash_index.py`) on the engine's `BlockPool`, admitting requests the
+way the engine does; TTFTs come from the engine's simulated cost model, except in section 5, which measures a hit
+and a miss on the real engine.
 """),
 ("code", r"""
 import matplotlib.pyplot as plt
@@ -21,13 +22,11 @@ import torch
 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix.hash_index import HashIndex
-from minivllm.labs import choose, widgets, workloads
-from minivllm.labs.check_lab03 import (LearnerHashCache, check_block_hashes, check_match_prefix,
-                                       check_pick_victim, engine_reference)
-from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.labs import widgets, workloads
+from minivllm.labs.check_lab03 import LearnerHashCache, check_block_hashes, check_match_prefix, check_pick_victim
+from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.kv.prefix.radix import RadixCache
 
-ref_hashes, ref_match, ref_pick = engine_reference()   # the fallbacks, used until your code passes
 BLOCK = 16
 %matplotlib inline
 """, ["setup"]),
@@ -66,12 +65,26 @@ cached block, so a cached block outlives its request, and a block some running r
 `block_hashes(token_ids, block_size, salt=None)`: one key per **full** block, where key *i* depends on block *i*'s
 tokens and on key *i−1* (so it identifies the whole prefix up to block *i*), and the salt enters the **first** key
 only (the chain carries it on). Any hashable key works — Python's `hash` of a tuple is fine.
+
+<details><summary>Hint 1</summary>
+
+How many keys? One per *full* block: the tokens after the last full block get none.
+</details>
+<details><summary>Hint 2</summary>
+
+Keep the previous key in a variable as you walk the blocks (nothing before the first). Each new key hashes a tuple
+of that previous key and the block's tokens (a tuple, so it is hashable).
+</details>
+<details><summary>Hint 3</summary>
+
+The salt goes into the first block's tuple only; later blocks put `None` in its place. The chain carries the salt
+on, so two tenants' keys differ at every block. The engine does the same in `HashIndex._key`.
+</details>
 """),
 ("code", r"""
 def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list:
     '''One chained key per full block: key_i = hash((key_{i-1}, tokens of block i, salt if i == 0)).'''
-    # TODO: loop over the full blocks only; hash a tuple of (previous key or None, the block's tokens as a tuple,
-    #   salt for the first block / None after); append each key
+    # TODO: one chained key per full block -- see the hints above
     ### BEGIN SOLUTION
     keys, parent = [], None
     for i in range(len(token_ids) // block_size):
@@ -83,7 +96,6 @@ def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None)
 """, ["exercise:block_hashes"]),
 ("code", r"""
 hash_check = check_block_hashes(block_hashes)
-hashes = choose(hash_check, block_hashes, ref_hashes, "block_hashes")
 """),
 ("md", r"""
 ## ✏️ Exercise 2 — the longest cached prefix
@@ -96,12 +108,29 @@ hashes = choose(hash_check, block_hashes, ref_hashes, "block_hashes")
 3. **validate** every hit: the entry's `tokens` must equal this block's tokens and its `parent` must be the previous
    key (`None` for the first). Two different prefixes *can* hash to one key; serving the stored block then would
    feed the model another prompt's KV.
+
+The checker judges your matching with its own correct `hasher`, so this exercise does not depend on exercise 1.
+
+<details><summary>Hint 1</summary>
+
+Get the keys of `token_ids[:-1]` from `hasher`, then look them up one by one in order; the first key that is not
+in `index` ends the walk.
+</details>
+<details><summary>Hint 2</summary>
+
+Keep the previous key as you go (`None` before the first block). A hit must pass two comparisons with what the
+entry stores before you take its `block_id`.
+</details>
+<details><summary>Hint 3</summary>
+
+`entry.tokens` is a tuple; a slice of `token_ids` is a list, and a tuple never equals a list. The engine's version
+is `HashIndex._lookup` / `_walk` in `minivllm/kv/prefix/hash_index.py`.
+</details>
 """),
 ("code", r"""
 def match_prefix(token_ids: list[int], index: dict, block_size: int, hasher, salt: str | None = None) -> list[int]:
     '''Block ids of the longest validated, cached, block-aligned prefix of token_ids[:-1].'''
-    # TODO: walk hasher(token_ids[:-1], block_size, salt); stop at a missing key or a failed validation
-    #   (entry.tokens != this block's tokens, or entry.parent != previous key); collect entry.block_id
+    # TODO: block ids of the longest validated cached prefix -- see the hints above
     ### BEGIN SOLUTION
     out, parent = [], None
     for i, key in enumerate(hasher(token_ids[:-1], block_size, salt)):
@@ -116,8 +145,17 @@ def match_prefix(token_ids: list[int], index: dict, block_size: int, hasher, sal
     ### END SOLUTION
 """, ["exercise:match_prefix"]),
 ("code", r"""
-match_check = check_match_prefix(match_prefix, hasher=ref_hashes)
-matcher = choose(match_check, match_prefix, ref_match, "match_prefix")
+match_check = check_match_prefix(match_prefix)
+
+
+def yours_or_engine(pool, hasher=None, picker=None):
+    # your hash index once exercises 1 and 2 pass; until then the engine's HashIndex (minivllm/kv/prefix/hash_index.py)
+    if hash_check and match_check:
+        return LearnerHashCache(pool, BLOCK, hasher or block_hashes, match_prefix, picker)
+    return HashIndex(pool, BLOCK)
+
+
+print("section 2 replays", "your functions" if hash_check and match_check else "the engine's HashIndex")
 """),
 ("md", r"""
 ## 2. Hit rates on three workloads
@@ -129,13 +167,15 @@ allocate the rest, insert the full blocks, finish. The hit rate is counted in to
 
 * **system prompt**: 40 requests = one 256-token system prompt + a short question;
 * **multi-turn**: 8 chats × 5 turns, each turn's prompt = the whole history so far (interleaved);
-* **RAG**: instruction + 3 retrieved documents (popular ones repeat, in varying order) + question.
+* **RAG**: instruction + 3 retrieved documents (popular ones repeat, in varying order) + question;
+* **unique prompts**: 40 one-off prompts that share nothing — the baseline.
 """),
 ("code", r"""
 WORKLOADS = {"system prompt": workloads.system_prompt_workload(40),
              "multi-turn": workloads.multi_turn_workload(8, 5),
-             "RAG": workloads.rag_workload(40)}
-CACHES = {"yours (hash index)": lambda pool: LearnerHashCache(pool, BLOCK, hashes, matcher, ref_pick),
+             "RAG": workloads.rag_workload(40),
+             "unique": [p for p, _ in workloads.random_requests(40, seed=3, prompt_range=(64, 400))]}
+CACHES = {"yours (hash index)": yours_or_engine,
           "engine HashIndex": lambda pool: HashIndex(pool, BLOCK),
           "engine RadixCache": lambda pool: RadixCache(pool, BLOCK)}
 print(f"{'':20s}" + "".join(f"{w:>15s}" for w in WORKLOADS))
@@ -149,9 +189,13 @@ for cname, make in CACHES.items():
 ("md", r"""
 Same numbers for all three: they cache the same blocks; they differ in *how* they find them. The system prompt
 hits most (everybody shares 256 tokens); multi-turn hits the history; RAG only hits where the same documents come in
-the same order. Why not 100 % for the system prompt? The first request has nothing to hit, the question part never
-repeats, and the system prompt's partial last block is not cached (256 is a multiple of 16 here, so only the
-question's blocks miss).
+the same order. Unique prompts hit **0 %**: a block's key covers every token before it, so nothing is shared, and
+turning the cache on only adds lookup and bookkeeping. Measure your own traffic before expecting a win.
+
+Why not 100 % for the system prompt? The first request has nothing to hit, and every request's question is new,
+so its tokens are always computed. (Had the system prompt been, say, 250 tokens, its last 10 tokens would share a
+block with the question: that block differs per request, so those 10 tokens would miss too. Here 256 = 16 × 16
+blocks, so the system prompt ends exactly on a block boundary and all of it hits.)
 
 ## 3. The radix tree, step by step
 
@@ -194,12 +238,21 @@ When the pool runs dry the cache frees blocks nobody uses. `pick_victim(nodes)` 
 
 The last checker case runs your function inside `LearnerHashCache` on a 32-block pool and compares every hit with
 the engine's `HashIndex`.
+
+<details><summary>Hint 1</summary>
+
+First filter, then choose: which entries may go at all? Then, among those, which one?
+</details>
+<details><summary>Hint 2</summary>
+
+`min` with a `key=` picks the smallest by one field and keeps the first of equal ones. An empty candidate list
+has no minimum: handle it before calling `min`.
+</details>
 """),
 ("code", r"""
 def pick_victim(nodes: list[dict]):
     '''Id of the least recently used unlocked leaf, or None when nothing may be evicted.'''
-    # TODO: keep nodes with locks == 0 and children == 0; return the id of the one with the smallest
-    #   last_access (min() keeps the first of equal keys), or None if there is none
+    # TODO: the id of the entry to evict, or None -- see the rules and hints above
     ### BEGIN SOLUTION
     candidates = [n for n in nodes if n["locks"] == 0 and n["children"] == 0]
     if not candidates:
@@ -208,8 +261,8 @@ def pick_victim(nodes: list[dict]):
     ### END SOLUTION
 """, ["exercise:pick_victim"]),
 ("code", r"""
-victim_check = check_pick_victim(pick_victim, hasher=hashes, matcher=matcher)
-picker = choose(victim_check, pick_victim, ref_pick, "pick_victim")
+victim_check = check_pick_victim(pick_victim)
+picker = pick_victim if victim_check else None   # None: your cache never evicts until this passes (pools are big)
 """),
 ("md", r"""
 ### Quotas: one noisy tenant must not flush another's cache
@@ -238,6 +291,32 @@ for quota in (None, 24):
           f"evictions {cache.stats.evicted_blocks} (by quota: {cache.stats.quota_evictions})")
 """),
 ("md", r"""
+### Stale entries and invalidation
+
+A cache entry is a promise: *block b holds the KV of these tokens after this prefix*. It goes **stale** if block b
+is reused for other tokens while the entry still points at it — a lookup would then serve garbage. minivllm makes
+that impossible by ownership rather than by checks: the cache holds its own reference on every block it indexes
+(so nobody can allocate it), and eviction **removes the entry first, then drops the reference**. Watch it on the
+engine's `HashIndex`:
+"""),
+("code", r"""
+pool = BlockPool(8)
+cache = HashIndex(pool, BLOCK)
+doc = list(range(100, 164))                        # 4 full blocks of tokens
+blocks = [pool.allocate() for _ in range(4)]       # a request computes their KV into 4 blocks
+cache.insert(doc, blocks)                          # the cache takes its own reference on each
+for b in blocks:
+    pool.decref(b)                                 # the request finishes
+print("cached:", cache.match(doc), "refcounts", [pool.refcount(b) for b in blocks], "| free blocks:", pool.num_free)
+print("evicted", cache.evict(8), "blocks | free blocks:", pool.num_free)
+reused = [pool.allocate() for _ in range(pool.num_free)]   # every block now belongs to someone else
+print("blocks reused by others:", sorted(reused), "| lookup of the same tokens now:", cache.match(doc))
+"""),
+("md", r"""
+The other source of staleness is a change of *what the KV means*: new model weights, another dtype or RoPE
+scaling. The key does not include those, so a serving stack invalidates the whole cache on such a change (in
+minivllm a cache lives and dies with its engine). Hash collisions, the last way to serve the wrong KV, are next.
+
 ## 4. Validation: what a hash collision would do
 
 Make collisions common on purpose with a hash of only 3 bits (8 possible keys). Your validated matcher turns
@@ -260,16 +339,28 @@ def trusting_match(token_ids, index, block_size, hasher, salt=None):   # no vali
     return out
 
 
+def stored_tokens(cache, block_id):
+    # the tokens a cached block was computed for (your cache's index, or the engine's HashIndex)
+    if isinstance(cache, HashIndex):
+        return cache._entry_of_block[block_id].token_ids
+    return next(e.tokens for e in cache.index.values() if e.block_id == block_id)
+
+
+def weak_engine_hash(key):   # the same 3 bits for the engine's HashIndex, whose hash_fn sees (parent, tokens, salt)
+    return hash(key) % 8
+
+
 prompts = workloads.rag_workload(40, seed=3)
-for name, m in [("validated (yours)", matcher), ("trusting", trusting_match)]:
+validated = (("validated (yours)", lambda pool: LearnerHashCache(pool, BLOCK, weak, match_prefix, picker))
+             if match_check else ("validated (engine)", lambda pool: HashIndex(pool, BLOCK, hash_fn=weak_engine_hash)))
+for name, make in [validated, ("trusting", lambda pool: LearnerHashCache(pool, BLOCK, weak, trusting_match, picker))]:
     pool = BlockPool(1024)
-    cache = LearnerHashCache(pool, BLOCK, weak, m, picker)
+    cache = make(pool)
     wrong = served = 0
     for p in prompts:
         for i, b in enumerate(cache.match(p[:-1])):
             served += 1
-            stored = next(e.tokens for e in cache.index.values() if e.block_id == b)
-            wrong += stored != tuple(p[i * BLOCK:(i + 1) * BLOCK])
+            wrong += stored_tokens(cache, b) != tuple(p[i * BLOCK:(i + 1) * BLOCK])
         workloads.replay_prefix_cache(cache, pool, [p])
     print(f"{name:18s}: {served:4d} blocks served from cache, {wrong:4d} of them hold OTHER tokens' KV")
 """),
@@ -277,7 +368,39 @@ for name, m in [("validated (yours)", matcher), ("trusting", trusting_match)]:
 The engine's `HashIndex` validates the same way (tokens, namespace and parent) and defaults to Python's 64-bit
 `hash`; `sha256_block_hash` is the collision-resistant option when keys must be stable across processes.
 
-## 5. The cross-tenant timing leak, and the salt
+## 5. Measured on the real engine: TTFT of a hit vs a miss
+
+Everything so far used a cost model. Now the real engine with the bundled SmolLM2-135M and
+`LLM(enable_prefix_caching=True)`: a 256-token "system prompt" plus a 16-token question is sent once to fill the
+cache; then the same system prompt with new questions (hits) and prompts of the same length that share nothing
+(misses). Wall-clock numbers vary from machine to machine; the ratio is the lesson.
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (wall-clock timings)
+import random
+
+from minivllm import LLM, SamplingParams
+
+llm = LLM(enable_prefix_caching=True, max_model_len=1024, num_gpu_blocks_override=128)
+rng = random.Random(0)
+system_prompt = [rng.randrange(100, 5000) for _ in range(256)]
+once = SamplingParams(temperature=0, max_tokens=1)
+tokens = lambda n: [rng.randrange(100, 5000) for _ in range(n)]
+llm.generate([{"prompt_token_ids": tokens(64)}], once)      # warm-up: the first call pays one-off costs
+llm.generate([{"prompt_token_ids": system_prompt + tokens(16)}], once)   # the first request: a miss that fills the cache
+trials = {"hit:  same system prompt, new question": lambda: system_prompt + tokens(16),
+          "miss: a prompt that shares nothing    ": lambda: tokens(272)}
+for label, make in trials.items():
+    runs = [llm.generate([{"prompt_token_ids": make()}], once)[0] for _ in range(3)]   # best of 3 (a busy machine is noisy)
+    best = min(runs, key=lambda o: o.metrics.ttft)
+    print(f"{label}: 272 prompt tokens, {best.num_cached_tokens:3d} from the cache, "
+          f"TTFT {best.metrics.ttft * 1000:6.1f} ms")
+"""),
+("md", r"""
+The hit computes only the 16 new tokens, not the 256 cached ones, so its TTFT is a fraction of a miss's. A miss
+with the cache on costs about the same as with caching off: the lookup is one dict access per block.
+
+## 6. The cross-tenant timing leak, and the salt
 
 A shared prefix cache is a side channel. Alice asks a question that starts with the service's system prompt and
 continues with something private. Bob, another tenant, guesses continuations and measures his own **TTFT**: a
@@ -298,7 +421,7 @@ secret = "guess 5"                                    # what Alice really asked
 
 def attack(salted: bool):
     pool = BlockPool(256)
-    cache = LearnerHashCache(pool, BLOCK, hashes, matcher, picker)   # your hashing and matching
+    cache = yours_or_engine(pool, picker=picker)      # your hashing and matching (or the engine's HashIndex)
     ns = (lambda tenant: tenant) if salted else (lambda tenant: "")
     workloads.replay_prefix_cache(cache, pool, [system + candidates[secret] + [5, 6, 7]], namespaces=[ns("alice")])
     warm_up = system + [rng.randrange(10, 900) for _ in range(48)] + [5, 6, 7]   # Bob warms his own system prompt
@@ -330,12 +453,40 @@ prefix deliberately, in a namespace where leaking "someone sent the system promp
 
 ## Retrieval check
 
-Answer from memory first. In Jupyter the quiz is interactive; the plain-text version with every *why* follows.
+Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
+questions follow, and the answer key, with every *why*, is in a separate cell: run it once you have answered.
+The last two questions come back from labs 2 and 1.
 """),
 ("code", r"""
 show_quiz(3)
 """, ["nbval-ignore-output"]),
 ("code", r"""
 print_quiz(3)
+"""),
+("code", r"""
+print_answers(3)   # the answer key: run it after you have answered
+"""),
+("md", r"""
+## What you should now be able to explain
+
+* Why a shared prefix's KV can be reused (a token's KV depends only on it and the tokens before it), why only full
+  blocks are cached, and why even a fully cached prompt recomputes its last token.
+* How a chained block hash identifies a whole prefix, where the salt enters, and how a radix tree finds the same
+  blocks by walking edges instead.
+* Which workloads hit (system prompts, multi-turn, RAG in a stable order) and which do not (unique prompts: 0 %).
+* What a hit saves (prefill of the cached tokens: TTFT, measured on the real engine) and what it does not (queueing,
+  decode).
+* Why eviction takes unlocked leaves in LRU order, how a quota keeps one tenant from flushing another, and why an
+  entry cannot go stale in minivllm (the cache's own reference; entry removed before the block is freed).
+* Why every hit is validated (collisions cost a miss, never wrong output), and how a shared cache leaks across
+  tenants through TTFT unless a trusted gateway sets a per-tenant `cache_salt`.
+
+## Go further
+
+LRU treats a block used once like a block used a thousand times. Write an eviction rule that also weighs how often
+an entry was hit (count hits per key in a subclass of `LearnerHashCache`), for example LFU with ageing or "LRU among
+entries hit at most once". Replay the quota workload and a mix of the system-prompt and RAG workloads on a pool
+small enough to evict (64 blocks), and compare hit rates with plain LRU. When does your rule lose? (Think of a
+popular prefix that suddenly falls out of use.)
 """),
 ]

@@ -31,7 +31,7 @@ from minivllm.labs.check_lab04 import (NO_CHUNKING, check_build_batch, check_itl
                                        check_pick_budget, engine_reference, install_batch_builder,
                                        mixed_arrivals, prefill_block, serve, step_durations, summarize,
                                        throughput_run)
-from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 
 ref_build_batch, ref_itl_stats, ref_pick_budget = engine_reference()   # the fallbacks, used until yours pass
 ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when there is one
@@ -454,7 +454,8 @@ else the machine does); the median step is the robust number.
 
 ## Retrieval check
 
-Answer from memory first. In Jupyter the quiz is interactive; the plain-text version with every *why* follows.
+Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
+questions follow, and the answer key, with every *why*, is in a separate cell: run it once you have answered.
 Two questions come back from earlier labs.
 """),
 ("code", r"""
@@ -462,6 +463,9 @@ show_quiz(4)
 """, ["nbval-ignore-output"]),
 ("code", r"""
 print_quiz(4)
+"""),
+("code", r"""
+print_answers(4)   # the answer key: run it after you have answered
 """),
 ("md", r"""
 ## What you should now be able to explain

@@ -29,7 +29,7 @@ from minivllm.labs.check_lab05 import (BLOCK_SIZE, KV_BYTES_PER_BLOCK, PCIE4_BYT
                                        TENANTS, ReferenceVictim, RuleCosts, check_should_reject,
                                        check_swap_or_recompute, check_victim_policy, lab_engine, overload_workload,
                                        percentile, reference_should_reject, reference_swap_or_recompute, serve)
-from minivllm.labs.quiz import print_quiz, show_quiz
+from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.request import RequestStatus
 
 ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when there is one
@@ -446,7 +446,8 @@ print(repr(llm.tokenizer.decode(texts["swap"][0])))
 ("md", r"""
 ## Retrieval check
 
-Answer from memory first. In Jupyter the quiz is interactive; the plain-text version with every *why* follows.
+Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
+questions follow, and the answer key, with every *why*, is in a separate cell: run it once you have answered.
 The last two questions come from labs 1 and 2.
 """),
 ("code", r"""
@@ -454,6 +455,9 @@ show_quiz(5)
 """, ["nbval-ignore-output"]),
 ("code", r"""
 print_quiz(5)
+"""),
+("code", r"""
+print_answers(5)   # the answer key: run it after you have answered
 """),
 ("md", r"""
 ## What you should now be able to explain
