@@ -25,32 +25,8 @@ from minivllm.sched.fairness import (
 )
 from minivllm.sim import SimulatedExecutor
 
+from invariants import assert_no_leak, check_both_tiers  # noqa: E402  (tests/ is on sys.path)
 
-def check_both_tiers(engine) -> None:
-    """Every block's refcount equals its holders (requests and the prefix cache), on both tiers."""
-    sched, kv = engine.scheduler, engine.kv
-    live = list(sched.running) + list(sched.waiting)
-    assert len({id(r) for r in live}) == len(live), "a request sits in two queues"
-    holders = Counter(b for r in live for b in r.block_ids)
-    cache = engine.prefix_cache
-    if cache is not None:
-        holders.update(b for b in range(kv.pool.num_blocks) if cache.is_cached(b))
-    for b in range(kv.pool.num_blocks):
-        assert kv.pool.refcount(b) == holders.get(b, 0), f"device block {b}"
-    if kv.cpu_pool is not None:
-        host = Counter(b for r in live for b in r.cpu_block_ids)
-        for b in range(kv.cpu_pool.num_blocks):
-            assert kv.cpu_pool.refcount(b) == host.get(b, 0), f"host block {b}"
-    for r in sched.running:
-        assert r.status is RequestStatus.RUNNING
-
-
-def assert_no_leak(engine) -> None:
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()
-    assert engine.pool.num_free == engine.pool.num_blocks
-    if engine.kv.cpu_pool is not None:
-        assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
 
 POLICIES = ["fcfs", "priority", "caps", "wfq", "deadline", "three_class"]
 

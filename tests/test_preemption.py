@@ -19,6 +19,8 @@ from minivllm.request import Request, RequestStatus
 from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim import SimulatedExecutor
 
+from invariants import assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+
 MODES = ["recompute", "swap", "reject", "auto"]
 
 
@@ -39,56 +41,6 @@ def make_engine(mode="recompute", num_blocks=24, cpu_blocks=16, block_size=4, bu
         **options,
     )
     return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
-
-
-def check_both_tiers(engine: LLMEngine) -> None:
-    """Brute-force recount: every block's refcount equals its holders, on the device and the host tier."""
-    sched, kv = engine.scheduler, engine.kv
-    live = list(sched.running) + list(sched.waiting)
-    assert len({id(r) for r in live}) == len(live), "a request sits in two queues"
-    holders = Counter(b for r in live for b in r.block_ids)
-    cache = engine.prefix_cache
-    if cache is not None:
-        holders.update(b for b in range(kv.pool.num_blocks) if cache.is_cached(b))
-    for b in range(kv.pool.num_blocks):
-        assert kv.pool.refcount(b) == holders.get(b, 0), f"device block {b}"
-    assert kv.pool.num_free == sum(1 for b in range(kv.pool.num_blocks) if not holders.get(b))
-    if kv.cpu_pool is not None:
-        host = Counter(b for r in live for b in r.cpu_block_ids)
-        assert all(n == 1 for n in host.values()), "a host block is held twice"
-        for b in range(kv.cpu_pool.num_blocks):
-            assert kv.cpu_pool.refcount(b) == host.get(b, 0), f"host block {b}"
-    for r in live:
-        assert r.request_id in engine.requests
-        if r.status is RequestStatus.SWAPPED:
-            assert r in sched.waiting and not r.block_ids and r.cpu_block_ids
-            assert len(r.cpu_block_ids) == -(-r.num_computed_tokens // engine.config.block_size)
-        else:
-            assert not r.cpu_block_ids
-        if r in sched.running:
-            assert r.status is RequestStatus.RUNNING
-            assert len(r.block_ids) >= -(-r.num_computed_tokens // engine.config.block_size)
-
-
-def drain(engine: LLMEngine, max_steps: int = 3000) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        check_both_tiers(engine)
-    assert not engine.has_unfinished_requests(), "engine did not drain (starvation or deadlock)"
-    return finals
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()
-    assert engine.pool.num_free == engine.pool.num_blocks
-    if engine.kv.cpu_pool is not None:
-        assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
 
 
 # -- the state machine: random programs in every mode ------------------------------------------

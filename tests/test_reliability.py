@@ -22,6 +22,8 @@ from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.request import RequestStatus
 from minivllm.sim import SimulatedExecutor
 
+from invariants import assert_no_leak, drain  # noqa: E402  (tests/ is on sys.path)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -48,24 +50,13 @@ def sim_engine(num_blocks=48, mode="recompute", prefix=None, executor=None, **op
     return LLMEngine(cfg, executor=executor or HistoryExecutor(), model_max_len=96, eos_token_ids=set())
 
 
-def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    assert not engine.has_unfinished_requests(), "engine did not drain"
-    return finals
+def run_all(engine: LLMEngine) -> dict:
+    """Step until the engine drains (checking block conservation after every step); the finished outputs."""
+    return drain(engine, max_steps=5000)
 
 
 def no_leak(engine: LLMEngine) -> None:
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()
-    assert engine.pool.num_free == engine.pool.num_blocks
-    if engine.kv.cpu_pool is not None:
-        assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
+    assert_no_leak(engine)
     assert not engine.requests and not engine._groups
 
 

@@ -484,33 +484,33 @@ class OpenAIServer:
     async def _stream_chat(self, rid, model, created, first, stream, include_usage) -> AsyncIterator[str]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
-        n = max(1, len(first.outputs))
-        done: set[int] = set()
-        for i in range(n):
+        for i in range(max(1, len(first.outputs))):  # OpenAI opens each choice with the role
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}], **extra})
-        last = first
-        try:
-            async for out in self._outputs(first, stream):
-                last = out
-                for o in out.outputs:
-                    if o.index in done or not (o.delta_text or o.finish_reason):
-                        continue
-                    if o.finish_reason:
-                        done.add(o.index)
-                    yield _sse({**base, "choices": [{"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
-                                                     "logprobs": None, "finish_reason": o.finish_reason}], **extra})
-        except (EngineShutdown, EngineDead) as exc:
-            yield _sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
-            yield "data: [DONE]\n\n"
-            return
-        if include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(last)})
-        yield "data: [DONE]\n\n"
+
+        def choice(o) -> dict:
+            return {"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                    "logprobs": None, "finish_reason": o.finish_reason}
+
+        async for chunk in self._stream_choices(base, extra, first, stream, include_usage, choice):
+            yield chunk
 
     async def _stream_completion(self, rid, model, created, first, stream, include_usage) -> AsyncIterator[str]:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         extra = {"usage": None} if include_usage else {}
+
+        def choice(o) -> dict:
+            return {"index": o.index, "text": o.delta_text, "logprobs": None, "finish_reason": o.finish_reason}
+
+        async for chunk in self._stream_choices(base, extra, first, stream, include_usage, choice):
+            yield chunk
+
+    async def _stream_choices(self, base, extra, first, stream, include_usage, choice) -> AsyncIterator[str]:
+        """The SSE body both endpoints share: one chunk per choice that changed, usage, ``[DONE]``.
+
+        ``choice(completion)`` shapes one choice the endpoint's way (chat deltas or completion text).
+        A choice that finished is never sent again; a shutdown ends the stream with an error event.
+        """
         done: set[int] = set()
         last = first
         try:
@@ -521,8 +521,7 @@ class OpenAIServer:
                         continue
                     if o.finish_reason:
                         done.add(o.index)
-                    yield _sse({**base, "choices": [{"index": o.index, "text": o.delta_text, "logprobs": None,
-                                                     "finish_reason": o.finish_reason}], **extra})
+                    yield _sse({**base, "choices": [choice(o)], **extra})
         except (EngineShutdown, EngineDead) as exc:
             yield _sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
             yield "data: [DONE]\n\n"
