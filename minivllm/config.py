@@ -28,7 +28,7 @@ _DTYPES = {
 
 PREEMPTION_MODES = ("recompute", "swap", "reject", "auto")
 PREFIX_CACHE_KINDS = ("radix", "hash")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 SCHEDULING_POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline", "three_class")
 PRIORITY_CLASSES = ("interactive", "agent", "batch")
 
@@ -52,9 +52,16 @@ class TenantConfig:
       ``add_request``; one that would grow past it preempts its own tenant's work).
     * ``priority_class`` -- ``"interactive"``, ``"agent"`` or ``"batch"`` under
       ``scheduling_policy="three_class"`` (``None``: interactive).
+    * ``over_cap`` -- ``"wait"`` (default) or ``"reject"``: a *new* request that finds
+      its tenant at ``max_running`` or ``max_kv_share`` finishes ``"rejected"`` with a
+      ``retry_after_s`` hint (the server's 429 + ``Retry-After``) instead of queueing.
+      ``max_tokens_per_step`` is a per-step limit and always waits.
+    * ``max_cache_share`` -- at most this fraction of the pool kept in the prefix cache
+      for this tenant (all its salts together); over it, its *own* least recently used
+      cached blocks go first.  ``None``: the engine-wide quota.
 
     Caps (``max_*``) are enforced under *every* scheduling policy: a tenant over
-    a cap waits, its neighbours do not.
+    a cap waits (or is rejected), its neighbours do not.
     """
 
     weight: float = 1.0
@@ -62,6 +69,8 @@ class TenantConfig:
     max_tokens_per_step: int | None = None
     max_kv_share: float | None = None
     priority_class: str | None = None
+    over_cap: str = "wait"
+    max_cache_share: float | None = None
 
     def __post_init__(self) -> None:
         check_type("TenantConfig.weight", self.weight, (int, float))
@@ -73,6 +82,9 @@ class TenantConfig:
             if value is not None and value < 1:
                 raise ValueError(f"TenantConfig.{name} must be >= 1 (or None for no cap), got {value}")
         _check_share("TenantConfig.max_kv_share", self.max_kv_share)
+        _check_share("TenantConfig.max_cache_share", self.max_cache_share)
+        if self.over_cap not in ("wait", "reject"):
+            raise ValueError(f"TenantConfig.over_cap must be 'wait' or 'reject', got {self.over_cap!r}")
         if self.priority_class is not None and self.priority_class not in PRIORITY_CLASSES:
             raise ValueError(f"TenantConfig.priority_class must be one of {', '.join(PRIORITY_CLASSES)} or None, "
                              f"got {self.priority_class!r}")
@@ -217,6 +229,7 @@ class EngineConfig:
     prefill_tokens_per_s: float | None = None
     preemption_protect_after: int = 3
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (vLLM's flag); no effect on a CPU
     step_log_max_entries: int = 500_000
     scheduling_policy: str = "fcfs"
     tenants: Any = None  # {name: TenantConfig}; stored as a sorted tuple of pairs (hashable, frozen)
@@ -234,7 +247,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes", "prefix_cache_quota_blocks", "num_cpu_blocks_override"):
             check_type(name, getattr(self, name), int, optional=True)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "share_prefix_cache_across_tenants"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "share_prefix_cache_across_tenants",
+                     "enforce_eager"):
             check_type(name, getattr(self, name), bool)
         for name in ("gpu_memory_utilization", "swap_space"):
             check_type(name, getattr(self, name), (int, float))
@@ -270,7 +284,7 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
         device = parse_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, device))

@@ -3,24 +3,37 @@
 On a GPU a decode step of a small model takes a few milliseconds, so whatever
 the engine does on the host -- scheduling, building the batch's tensors,
 turning sampled tokens into outputs -- *is* the step.  This benchmark runs the
-real engine with the simulated executor (no model) at ``--seqs`` decoding
-sequences, block size 16, and reports the median and p90 wall time of:
+real engine at ``--seqs`` decoding sequences, block size 16, with the simulated
+executor (no model) wrapped so that every step also does the real executor's
+batch preparation (:class:`~minivllm.model.runner.BatchPreparer`), and splits
+each step's wall time into:
 
-* ``engine.step()`` as a whole (scheduler + output processing; the executor is free);
-* ``build_attention_metadata`` alone (the batch preparation a real executor does),
+* **host** -- scheduler + output processing: ``engine.step()`` minus the two below
+  (the figure to hold against nano-vllm's "scheduler + postprocess");
+* **prep** -- batch preparation (``input_ids``, positions, slot mapping, block
+  tables), incremental as the executor does it; the stateless reference
+  :func:`~minivllm.model.runner.build_attention_metadata` is timed beside it;
+* the simulated executor itself (a hash per sequence), reported, not counted.
 
-after the sequences have decoded ``--warmup`` tokens, and again after more
-tokens, so one sees whether the cost grows with output length (it should not).
-nano-vllm's figures for the same step on this machine class, from the issue:
+Each is measured after the sequences have decoded ``--warmup`` tokens and again
+``--later`` steps on, so one sees whether the cost grows with output length (it
+should not), for each output kind: ``final_only`` (what ``LLM.generate`` asks
+for), ``delta`` (streaming), ``cumulative`` (every output carries the whole
+text so far, so it grows with length by definition).  Medians of wall time and
+of thread CPU time are both reported: CPU time is what to compare on a shared
+machine, where wall time also counts waiting for a core.
+nano-vllm's figures for the same step on this machine class, from issue 12:
 scheduler + postprocess 250-370 us, decode preparation 3.0 ms at 256 sequences.
 
-    python -m minivllm.bench host_overhead
+    python -m minivllm.bench host_overhead [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -29,65 +42,124 @@ import torch
 
 NANO_VLLM_STEP_US = (250, 370)
 NANO_VLLM_PREP_US = 3000
+KINDS = ("final_only", "delta", "cumulative")
 
 
-def _engine(seqs: int, max_tokens: int, output_kind: str | None):
+class _TimedExecutor:
+    """The simulated executor plus the real executor's batch preparation, each timed (wall and CPU)."""
+
+    def __init__(self, block_size: int) -> None:
+        from minivllm.model.runner import BatchPreparer
+        from minivllm.sim import SimulatedExecutor
+
+        self.sim = SimulatedExecutor(vocab_size=32000)
+        self.prep = BatchPreparer(block_size, "cpu")
+        self.now = self.sim.now
+        self.last = (0, 0, 0, 0)  # prep wall, prep cpu, executor wall, executor cpu (ns) of the newest step
+
+    def execute(self, batch):
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        if batch.seqs:
+            self.prep.prepare(batch.seqs)
+        w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        out = self.sim.execute(batch)
+        w2, c2 = time.perf_counter_ns(), time.thread_time_ns()
+        self.last = (w1 - w0, c1 - c0, w2 - w1, c2 - c1)
+        return out
+
+
+def _engine(seqs: int, max_tokens: int, output_kind: str):
     from minivllm import EngineConfig, LLMEngine, SamplingParams
-    from minivllm.sim import SimulatedExecutor
 
     cfg = EngineConfig(num_gpu_blocks_override=seqs * (-(-(64 + max_tokens) // 16) + 1), block_size=16,
                        max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs), max_model_len=64 + max_tokens + 16,
                        device="cpu")
-    engine = LLMEngine(cfg, executor=SimulatedExecutor(vocab_size=32000), model_max_len=64 + max_tokens + 16,
-                       eos_token_ids=set())
-    kw = {} if output_kind is None else {"output_kind": output_kind}
+    engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=64 + max_tokens + 16, eos_token_ids=set())
     for i in range(seqs):
         engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(64)]},
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind))
     return engine
 
 
-def _time_steps(engine, n: int) -> list[float]:
-    out = []
+def _time_steps(engine, n: int) -> dict[str, list[float]]:
+    """Per step, in microseconds: host (step minus prep minus executor), prep and executor; wall and CPU."""
+    rows: dict[str, list[float]] = {k: [] for k in ("host", "host_cpu", "prep", "prep_cpu", "exec", "exec_cpu")}
+    ex = engine.executor
     for _ in range(n):
-        t0 = time.perf_counter()
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
         engine.step()
-        out.append(time.perf_counter() - t0)
-    return out
+        w1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+        pw, pc, ew, ec = ex.last
+        for key, value in (("host", w1 - w0 - pw - ew), ("host_cpu", c1 - c0 - pc - ec), ("prep", pw),
+                           ("prep_cpu", pc), ("exec", ew), ("exec_cpu", ec)):
+            rows[key].append(value / 1e3)
+    return rows
 
 
-def _time_prep(engine, n: int) -> list[float]:
+def _count_opcodes(engine, steps: int = 16) -> int:
+    """Python bytecodes executed per step (mean over ``steps``; 16 = one block boundary per sequence).
+
+    A machine-independent measure: unlike times it does not move with the load
+    of a shared machine, so "flat in output length" can be checked exactly.
+    It counts the engine's Python work (and the simulated executor's), not C
+    work such as a list copy.
+    """
+    import sys
+
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        sys.settrace(None)
+    return count // steps
+
+
+def _time_reference_prep(engine, n: int) -> list[float]:
+    """The stateless reference on the current decode batch (blocks allocated, as the executor sees it)."""
     from minivllm.model.runner import build_attention_metadata
 
-    batch = engine.scheduler.build_batch()
+    batch = engine.scheduler.allocate(engine.scheduler.build_batch())
     out = []
     for _ in range(n):
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         build_attention_metadata(batch.seqs, 16, torch.device("cpu"))
-        out.append(time.perf_counter() - t0)
+        out.append((time.perf_counter_ns() - t0) / 1e3)
     return out
 
 
-def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str | None) -> dict:
-    engine = _engine(seqs, warmup + later + 2 * samples + 64, output_kind)
+def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) -> dict:
+    engine = _engine(seqs, warmup + later + 2 * samples + 128, output_kind)
     while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()  # prefill everyone
     for _ in range(warmup):
         engine.step()
-    early_step, early_prep = _time_steps(engine, samples), _time_prep(engine, samples)
+    early, early_ref = _time_steps(engine, samples), _time_reference_prep(engine, max(5, samples // 5))
+    ops_early = _count_opcodes(engine)
     for _ in range(later):
         engine.step()
-    late_step, late_prep = _time_steps(engine, samples), _time_prep(engine, samples)
-    decoding = len(engine.scheduler.running)
-    us = lambda xs: round(1e6 * statistics.median(xs), 1)  # noqa: E731
-    p90 = lambda xs: round(1e6 * sorted(xs)[int(0.9 * len(xs))], 1)  # noqa: E731
-    return {
-        "seqs": decoding, "output_kind": output_kind or "cumulative",
-        "step_us_median_early": us(early_step), "step_us_p90_early": p90(early_step),
-        "step_us_median_late": us(late_step), "step_us_p90_late": p90(late_step),
-        "prep_us_median_early": us(early_prep), "prep_us_median_late": us(late_prep),
-        "tokens_early": warmup, "tokens_late": warmup + samples + later,
-    }
+    late, late_ref = _time_steps(engine, samples), _time_reference_prep(engine, max(5, samples // 5))
+    ops_late = _count_opcodes(engine)
+    med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
+    p90 = lambda xs: round(sorted(xs)[int(0.9 * len(xs))], 1)  # noqa: E731
+    row = {"seqs": len(engine.scheduler.running), "output_kind": output_kind,
+           "tokens_early": warmup, "tokens_late": warmup + samples + 16 + later,
+           "python_opcodes_per_step_early": ops_early, "python_opcodes_per_step_late": ops_late}
+    for when, rows, ref in (("early", early, early_ref), ("late", late, late_ref)):
+        for key, xs in rows.items():
+            row[f"{key}_us_median_{when}"] = med(xs)
+        row[f"host_us_p90_{when}"] = p90(rows["host"])
+        row[f"reference_prep_us_median_{when}"] = med(ref)
+    return row
 
 
 def main() -> int:
@@ -96,22 +168,35 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=16, help="decode steps before the first measurement")
     ap.add_argument("--later", type=int, default=400, help="decode steps between the two measurements")
     ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="output kinds to measure, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    rows = [measure(args.seqs, args.warmup, args.later, args.samples, kind) for kind in (None, "final_only")]
-    print(f"host overhead per decode step, {args.seqs} sequences, block 16, simulated executor (no model)")
-    print(f"{'outputs':<12} {'step p50 @' + str(rows[0]['tokens_early']) + ' tok':>18} {'step p50 @' + str(rows[0]['tokens_late']) + ' tok':>18} "
-          f"{'step p90 late':>14} {'prep p50 early':>15} {'prep p50 late':>14}")
+    rows = [measure(args.seqs, args.warmup, args.later, args.samples, kind) for kind in args.kinds.split(",")]
+    early, late = rows[0]["tokens_early"], rows[0]["tokens_late"]
+    print(f"host overhead per decode step, {args.seqs} sequences, block 16, simulated executor (no model); "
+          f"medians in us, wall (cpu)")
+    print(f"{'outputs':<11} {'host @' + str(early):>15} {'host @' + str(late):>15} {'prep @' + str(early):>15} "
+          f"{'prep @' + str(late):>15} {'ref prep @' + str(late):>12} {'sim exec':>9} {'opcodes/step early, late':>25}")
     for r in rows:
-        print(f"{r['output_kind']:<12} {r['step_us_median_early']:>15.0f} us {r['step_us_median_late']:>15.0f} us "
-              f"{r['step_us_p90_late']:>11.0f} us {r['prep_us_median_early']:>12.0f} us {r['prep_us_median_late']:>11.0f} us")
+        cell = lambda k, w: f"{r[k + '_us_median_' + w]:.0f} ({r[k + '_cpu_us_median_' + w]:.0f})"  # noqa: E731
+        ops = f"{r['python_opcodes_per_step_early']}, {r['python_opcodes_per_step_late']}"
+        print(f"{r['output_kind']:<11} {cell('host', 'early'):>15} {cell('host', 'late'):>15} "
+              f"{cell('prep', 'early'):>15} {cell('prep', 'late'):>15} {r['reference_prep_us_median_late']:>12.0f} "
+              f"{r['exec_us_median_late']:>9.0f} {ops:>25}")
     print(f"nano-vllm, same step, this machine class (issue 12): scheduler+postprocess {NANO_VLLM_STEP_US[0]}-"
-          f"{NANO_VLLM_STEP_US[1]} us, decode preparation {NANO_VLLM_PREP_US} us; target: half of those")
+          f"{NANO_VLLM_STEP_US[1]} us, decode preparation {NANO_VLLM_PREP_US} us; target: half of those "
+          f"(<= {NANO_VLLM_STEP_US[0] // 2}-{NANO_VLLM_STEP_US[1] // 2} us, <= {NANO_VLLM_PREP_US // 2} us)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"rows": rows, "nano_vllm_step_us": NANO_VLLM_STEP_US,
-                                        "nano_vllm_prep_us": NANO_VLLM_PREP_US}, indent=2))
+        args.out.write_text(json.dumps({
+            "command": "python -m minivllm.bench host_overhead " + " ".join(
+                f"--{k} {v}" for k, v in (("seqs", args.seqs), ("warmup", args.warmup), ("later", args.later),
+                                          ("samples", args.samples))),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                        "torch": torch.__version__, "load_average_at_end": os.getloadavg()},
+            "rows": rows, "nano_vllm_step_us": NANO_VLLM_STEP_US, "nano_vllm_prep_us": NANO_VLLM_PREP_US,
+        }, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -84,11 +84,15 @@ def run_minivllm(llm, requests):
     ttft = [o.metrics.ttft for o in outs]
     itl = [x for o in outs for x in o.metrics.itls]
     peak_blocks = max(engine.pool.num_blocks - s["free_blocks"] for s in engine.step_log[-2000:])
-    return elapsed, ttft, itl, peak_blocks
+    return elapsed, ttft, itl, peak_blocks, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def run_hf(model, requests, batch_size: int, pad_id: int):
-    """Static batching: left-pad each batch of 8, run it until its longest output is done."""
+    """Static batching: left-pad each batch of 8, run it until its longest output is done.
+
+    Returns the wall time and each request's first ``max_tokens`` generated ids.
+    """
+    outputs = []
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(requests), batch_size):
@@ -100,11 +104,44 @@ def run_hf(model, requests, batch_size: int, pad_id: int):
                 ids[r, width - len(p):] = torch.tensor(p)
                 mask[r, width - len(p):] = 1
             longest = max(n for _, n in chunk)
-            model.generate(
+            gen = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
                 do_sample=False, pad_token_id=pad_id,
             )
-    return time.perf_counter() - start
+            outputs += [gen[r, width : width + n].tolist() for r, (_, n) in enumerate(chunk)]
+    return time.perf_counter() - start, outputs
+
+
+def run_vllm(python: str, model_dir: str, requests, max_num_batched_tokens: int, threads: int) -> dict:
+    """vLLM's CPU build on the same token ids, in its own interpreter (see :mod:`minivllm.bench.vllm_runner`).
+
+    ``VLLM_CPU_OMP_THREADS_BIND`` pins vLLM's OpenMP threads to the cores
+    minivllm uses here (0..threads-1), so neither side gets more of the machine.
+    """
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    runner = Path(__file__).with_name("vllm_runner.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        work, result = Path(tmp) / "workload.json", Path(tmp) / "result.json"
+        work.write_text(json.dumps({
+            "prompts": [p for p, _ in requests], "max_tokens": [n for _, n in requests],
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max(len(p) + n for p, n in requests) + 16,
+        }))
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        proc = subprocess.run([python, str(runner), model_dir, str(work), str(result)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(result.read_text())
+
+
+def count_identical(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
 
 
 def main() -> int:
@@ -115,6 +152,8 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vLLM's CPU build (tools/install_vllm_cpu.sh): also run vLLM, same run")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
 
@@ -131,7 +170,7 @@ def main() -> int:
           f"(ignore_eos), torch threads {torch.get_num_threads()}")
 
     run_minivllm(llm, requests[:4])  # warm-up
-    mv_s, ttft, itl, peak_blocks = run_minivllm(llm, requests)
+    mv_s, ttft, itl, peak_blocks, mv_ids = run_minivllm(llm, requests)
     mv_tps = out_tokens / mv_s
     roof = matmul_flops()
     flops = workload_flops(llm.engine.model_runner.model.args, requests)
@@ -150,13 +189,27 @@ def main() -> int:
         hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.loaded.path), dtype=torch.float32).eval()
         pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
         run_hf(hf, requests[:2], a.hf_batch, pad)  # warm-up
-        hf_s = run_hf(hf, requests, a.hf_batch, pad)
-        results.update(hf_s=hf_s, hf_tok_s=out_tokens / hf_s, speedup=hf_s / mv_s)
+        hf_s, hf_ids = run_hf(hf, requests, a.hf_batch, pad)
+        results.update(hf_s=hf_s, hf_tok_s=out_tokens / hf_s, speedup=hf_s / mv_s,
+                       minivllm_identical_to_hf=count_identical(mv_ids, hf_ids))
+        del hf
+    if a.vllm_python:
+        v = run_vllm(a.vllm_python, str(llm.engine.loaded.path), requests, a.max_num_batched_tokens,
+                     torch.get_num_threads())
+        results.update(vllm_s=v["elapsed_s"], vllm_tok_s=out_tokens / v["elapsed_s"], vllm_load_s=v["load_s"],
+                       vllm_peak_rss_mb=v.get("peak_rss_mb"), minivllm_vs_vllm=v["elapsed_s"] / mv_s,
+                       vllm_identical_to_minivllm=count_identical(v["token_ids"], mv_ids))
 
     print(f"\nminivllm   {mv_s:7.1f} s  {mv_tps:7.1f} output tok/s")
     if "hf_s" in results:
         print(f"HF static  {results['hf_s']:7.1f} s  {results['hf_tok_s']:7.1f} output tok/s  (batches of {a.hf_batch}, left padding)")
-        print(f"ratio      minivllm / HF = {results['speedup']:.2f}x")
+        print(f"ratio      minivllm / HF = {results['speedup']:.2f}x   "
+              f"(token-identical to HF: {results['minivllm_identical_to_hf']}/{len(requests)})")
+    if "vllm_s" in results:
+        print(f"vLLM CPU   {results['vllm_s']:7.1f} s  {results['vllm_tok_s']:7.1f} output tok/s  (eager; load "
+              f"{results['vllm_load_s']:.0f} s, peak RSS {results['vllm_peak_rss_mb'] or 0:.0f} MB)")
+        print(f"ratio      minivllm / vLLM = {results['minivllm_vs_vllm']:.2f}x   "
+              f"(vLLM token-identical to minivllm: {results['vllm_identical_to_minivllm']}/{len(requests)})")
     print(f"TTFT p50 {results['ttft_p50_ms']:.0f} ms  p95 {results['ttft_p95_ms']:.0f} ms | "
           f"ITL p50 {results['itl_p50_ms']:.0f} ms  p95 {results['itl_p95_ms']:.0f} ms  p99 {results['itl_p99_ms']:.0f} ms")
     print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} | peak RSS {results['peak_rss_mb']:.0f} MB")

@@ -34,12 +34,12 @@ from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
-from minivllm.metrics.step_log import StepLog, StepRecord
+from minivllm.metrics.step_log import StepLog, StepRecord, tenant_fields
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 from minivllm.kv.kv_cache_manager import blocks_for
-from minivllm.sched.fairness import CapTable, make_policies
+from minivllm.sched.fairness import CapTable, make_policies, tenant_cache_quota
 from minivllm.sched.output import ScheduledBatch
 from minivllm.sched.scheduler import PreemptionCosts, Scheduler
 
@@ -100,13 +100,16 @@ class LLMEngine:
         if prefix_cache is None and config.enable_prefix_caching:
             from minivllm.kv.prefix import make_prefix_cache
 
-            quota = config.prefix_cache_quota_blocks
-            if quota is None and config.scheduling_policy == "three_class":  # rule capped_prefix_cache
-                quota = max(1, int(config.three_class.tenant_cache_share * num_blocks))
-            prefix_cache = make_prefix_cache(config.prefix_cache, pool, config.block_size, quota)
+            tenant_quota = tenant_cache_quota(config, num_blocks)  # per-tenant cache shares (rule capped_prefix_cache)
+            prefix_cache = make_prefix_cache(
+                config.prefix_cache, pool, config.block_size, config.prefix_cache_quota_blocks,
+                quota_group=KVCacheManager.namespace_tenant if tenant_quota else None, quota_for=tenant_quota,
+            )
         self.kv = KVCacheManager(pool, config.block_size, prefix_cache, cpu_pool, config.share_prefix_cache_across_tenants)
         if self.loaded is not None:
-            self.model_runner = executor = ModelRunner(self.loaded.model, layout.make_cache(), seed=config.seed)
+            self.model_runner = executor = ModelRunner(
+                self.loaded.model, layout.make_cache(), seed=config.seed, max_model_len=config.max_model_len,
+                cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs)
         self.executor = executor
 
         # -- scheduling: the named policy (unless the caller passed its own), caps, the auto-mode cost model
@@ -205,7 +208,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still in the engine")
         arrival = self.executor.now() if arrival_time is None else arrival_time
         samples = self.inputs.process(
-            prompt, params, request_id, tenant=tenant, priority=priority, arrival_time=arrival
+            prompt, params, request_id, tenant=tenant, priority=priority, arrival_time=arrival, deadline=deadline
         )
         if any(r.request_id in self.requests for r in samples):
             raise ValueError(f"request id {request_id!r} clashes with a sample id of a request in the engine")
@@ -220,8 +223,6 @@ class LLMEngine:
                 f"request {request_id!r} needs up to {samples[0].max_total_tokens} tokens of KV but tenant "
                 f"{samples[0].tenant!r} may hold at most {cap * self.config.block_size} (its KV cap); it could never run"
             )
-        for req in samples:
-            req.deadline = None if deadline is None else float(deadline)
         if params.n > 1:
             self._groups[request_id] = samples
         self.outputs.add(samples)
@@ -363,17 +364,21 @@ class LLMEngine:
         self._observe_step(batch, now)
         self.scheduler.observe(batch, sampled, now)
         grew: list[Request] = []
-        for seq in batch.seqs:
+        errors = batch.errors
+        cache_full_blocks = self.kv.cache_full_blocks if self.kv.prefix_cache is not None else None
+        for seq in batch.seqs:  # once per scheduled request every step: kept to plain attribute work
             req = seq.request
-            if req.request_id in batch.errors:
-                req.status, req.error = RequestStatus.FINISHED_ERROR, batch.errors[req.request_id]
+            if errors and req.request_id in errors:
+                req.status, req.error = RequestStatus.FINISHED_ERROR, errors[req.request_id]
                 continue
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             req.num_computed_tokens += seq.num_tokens
-            self.kv.cache_full_blocks(req)
-            if req.request_id in sampled:
-                req.output_token_ids.append(sampled[req.request_id])
+            if cache_full_blocks is not None:
+                cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is not None:
+                req.output_token_ids.append(token)
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.token_times.append(now)
@@ -471,11 +476,16 @@ class LLMEngine:
         self.outputs.forget(req)
 
     def log_step(self, batch: ScheduledBatch) -> None:
+        sched = self.scheduler
+        per_tenant = {}  # per-tenant fields only once a named tenant (or tenant settings) exists: see step_log
+        seen = sched.tenant_stats
+        if self.config.tenants or len(seen) > 1 or (seen and "default" not in seen):
+            per_tenant = dict(zip(("seq_tenants", "tenants"), tenant_fields(batch.seqs, sched.running, sched.waiting)))
         self.step_log.append(
             StepRecord(
                 step=self.scheduler.stats.num_steps - 1,
                 time=self.executor.now(),
-                seqs=tuple((s.request.request_id, s.start, s.num_tokens) for s in batch.seqs),
+                seqs=tuple([(s.request.request_id, s.start, s.num_tokens) for s in batch.seqs]),
                 num_tokens=batch.num_tokens,
                 preempted=tuple(r.request_id for r in batch.preempted),
                 swapped_out=len(batch.moves.swap_out),
@@ -485,6 +495,7 @@ class LLMEngine:
                 free_blocks=self.pool.num_free,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
+                **per_tenant,
             )
         )
 
@@ -511,6 +522,9 @@ class LLMEngine:
         """
         kv, running = self.kv, self.scheduler.running
         step = self.step_time_s or 0.05
+        cap_steps = self.scheduler.cap_retry_steps(req)  # turned away by its tenant's cap, not by the pool
+        if cap_steps is not None:
+            return round(step * cap_steps, 3)
         deficit = kv.worst_case_new_blocks(req) + sum(kv.worst_case_new_blocks(r) for r in running)
         deficit -= kv.num_available_blocks
         remaining = 1

@@ -25,8 +25,10 @@ class _Stream:
     """Per-request output state kept beside the request."""
 
     detok: IncrementalDetokenizer
+    defer_text: bool = False  # final_only without stop strings: nobody reads the text before the end
+    every_step: bool = True  # an output every step (cumulative, delta), not only the final one
     emitted_chars: int = 0
-    undecoded: int = 0  # final_only without stop strings: tokens not detokenized yet (done once, at the end)
+    undecoded: int = 0  # defer_text: tokens not detokenized yet (done once, at the end)
 
 
 class OutputProcessor:
@@ -39,8 +41,11 @@ class OutputProcessor:
     def add(self, samples: list[Request]) -> None:
         for req in samples:
             params = req.sampling_params
+            final_only = params.output_kind == "final_only"
             self._streams[req.request_id] = _Stream(
-                IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+                IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens),
+                defer_text=final_only and not params.stop_strings,  # the params are frozen: decided once
+                every_step=not final_only,
             )
         first = samples[0]
         if first.parent_id is not None:
@@ -60,19 +65,23 @@ class OutputProcessor:
         other requests' outputs are built as usual.
         """
         outputs: list[RequestOutput] = []
-        for req in grew:
+        streams, eos = self._streams, self.eos_token_ids
+        for req in grew:  # once per request per step: only attribute reads unless something happens
             token = req.output_token_ids[-1]
-            stream = self._streams[req.request_id]
+            stream = streams[req.request_id]
             params = req.sampling_params
             try:
-                if params.output_kind == "final_only" and not params.stop_strings:
+                if stream.defer_text:
                     stream.undecoded += 1  # nobody reads the text before the end: decode it once, then
                 else:
                     stream.detok.add_token(token)
-                self._check_stop(req, token, stream)
-                if req.status.finished:
+                if (token in eos or token in params.stop_token_ids or params.stop_strings
+                        or len(req.output_token_ids) >= req.max_tokens):  # otherwise no stop can fire
+                    self._check_stop(req, token, stream)
+                finished = req.status.finished
+                if finished:
                     self._catch_up(req, stream)
-                if params.output_kind != "final_only" or req.status.finished:
+                if stream.every_step or finished:
                     outputs.append(self._make_output(req, stream, [token]))
             except Exception as exc:  # noqa: BLE001 - isolated: reported as finish_reason "error"
                 req.status, req.error = RequestStatus.FINISHED_ERROR, f"output processing failed: {exc}"

@@ -175,14 +175,19 @@ def paged_attention_reference(
     nd = meta.num_decodes
     if nd:
         out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
-    start = nd
-    for i in range(nd, meta.num_seqs):
+    prefill_rows(q, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def prefill_rows(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Attention for the non-decode sequences of the batch (one SDPA per chunk), written into ``out``."""
+    start = meta.num_decodes
+    for i in range(meta.num_decodes, meta.num_seqs):
         q_len = meta.query_lens[i]
         out[start : start + q_len] = _prefill_attention(
             q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], meta.context_lens[i], scale
         )
         start += q_len
-    return out
 
 
 class TorchAttentionBackend:

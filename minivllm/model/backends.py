@@ -4,12 +4,16 @@ Two implementations of the same interface (``write_kv`` + ``attend``) exist:
 
 * ``"torch"`` -- :class:`minivllm.model.attention.TorchAttentionBackend`, plain torch,
   runs anywhere and is the reference;
+* ``"cpu"`` -- :class:`minivllm.model.cpu_attention.CpuAttentionBackend`, decode
+  rows through a small C kernel built on first use with gcc (reads K/V in place
+  through the block table), prefill rows as torch;
 * ``"triton"`` -- :class:`minivllm.model.kernels.TritonAttentionBackend`, paged
   kernels compiled for a CUDA GPU, or run by Triton's CPU interpreter.
 
 ``"auto"`` picks Triton exactly when it can run compiled: a CUDA device and an
 importable ``triton``.  On a CPU the interpreter is correct but orders of
-magnitude slower than torch, so ``auto`` never picks it there.
+magnitude slower than torch, so ``auto`` never picks it there: it picks ``"cpu"``
+when the C kernel builds (a compiler is present) and ``"torch"`` otherwise.
 
 Triton is imported lazily, inside :func:`get_attention_backend`, so
 ``import minivllm`` works on machines without Triton.
@@ -25,7 +29,7 @@ import torch
 from minivllm.interfaces import AttentionBackend
 from minivllm.model.attention import TorchAttentionBackend
 
-BACKEND_NAMES = ("torch", "triton", "auto")
+BACKEND_NAMES = ("torch", "cpu", "triton", "auto")
 
 
 def triton_available() -> bool:
@@ -54,15 +58,29 @@ def _make_triton_backend(device: torch.device) -> AttentionBackend:
 
 
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """The backend called ``name`` (``"torch"``, ``"triton"`` or ``"auto"``) for ``device``.
+    """The backend called ``name`` (``"torch"``, ``"cpu"``, ``"triton"`` or ``"auto"``) for ``device``.
 
-    Raises ``ValueError`` for an unknown name, or for ``"triton"`` where it cannot run.
+    Raises ``ValueError`` for an unknown name, or for ``"triton"`` / ``"cpu"`` where it cannot run.
     """
     device = torch.device(device)
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            name = "triton" if triton_available() else "torch"
+        else:
+            from minivllm.model.cpu_attention import load_kernel
+
+            name = "cpu" if device.type == "cpu" and load_kernel() is not None else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention backend 'cpu' runs on the CPU, not on {device.type!r}")
+        from minivllm.model.cpu_attention import CpuAttentionBackend, load_kernel
+
+        if load_kernel() is None:
+            raise ValueError("attention backend 'cpu' needs a C compiler (gcc) to build its decode kernel; "
+                             "use attention_backend='torch'")
+        return CpuAttentionBackend()
     return _make_triton_backend(device)

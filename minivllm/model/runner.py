@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minivllm.config import EngineConfig
@@ -20,6 +21,7 @@ from minivllm.model.attention import AttentionMetadata
 from minivllm.model.llama import LlamaForServing
 from minivllm.model.loader import LoadedModel, load_model
 from minivllm.model.sampler import sample
+from minivllm.request import Request
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 
 
@@ -85,7 +87,12 @@ def kv_layout(model: LlamaForServing, config: EngineConfig) -> KVLayout:
 def build_attention_metadata(
     seqs: list[ScheduledSeq], block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """``input_ids``, ``positions`` and the attention metadata for a batch (single-token rows first)."""
+    """``input_ids``, ``positions`` and the attention metadata for a batch (single-token rows first).
+
+    The reference: built from scratch every call, in the plainest form.  The
+    executor uses :class:`BatchPreparer`, which must return the same tensors
+    (a test compares the two) without rebuilding every block table each step.
+    """
     ids: list[int] = []
     pos: list[int] = []
     for s in seqs:  # slices of the prompt or the outputs: a decode costs one token, whatever its length
@@ -118,14 +125,145 @@ def build_attention_metadata(
     return torch.tensor(ids, dtype=torch.int64, device=device), positions.to(device), meta
 
 
+class BatchPreparer:
+    """A step's ``input_ids``, ``positions`` and attention metadata, from persistent buffers.
+
+    Same result as :func:`build_attention_metadata`, at a cost that does not grow
+    with output length.  The reference copies every sequence's whole block table
+    into a fresh nested list each step -- a 1,000-token sequence has 63 blocks at
+    block size 16 -- although between two steps a decode's table changes only
+    when it crosses a block boundary (1 step in 16).  Here every scheduled
+    request keeps a row of one preallocated ``int32`` array, a step rewrites only
+    the rows whose tables changed, and positions, slots and lengths are numpy
+    expressions over the whole batch.  What is left per sequence in Python is
+    reading a few integers.
+
+    A row is trusted while its request's table is the same list object with the
+    same length and the same last block.  That check is enough because tables are
+    append-only while a request runs (:mod:`minivllm.kv.kv_cache_manager`); the
+    one in-place change, copy-on-write, replaces the *last* block.  Preemption and
+    swapping give the request a new list.  Rows of requests that left are reused
+    once the array is full (and it grows when every row is in use).
+    """
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", rows: int = 64, width: int = 16) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._table = np.zeros((rows, width), dtype=np.int32)
+        self._row: dict[Request, int] = {}  # requests hash by identity
+        self._seen: list[tuple | None] = [None] * rows  # per row: (table list, its length, its last block)
+        self._free: list[int] = list(range(rows - 1, -1, -1))
+
+    def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        row_of, seen = self._row, self._seen
+        rows: list[int] = []
+        ids: list[int] = []
+        width = 0
+        for s in seqs:  # the only per-sequence Python loop: a few integer reads, a write 1 step in 16
+            req = s.request
+            blocks = req.block_ids
+            row = row_of.get(req)
+            if row is None:
+                row = self._assign(req, seqs)
+            n = len(blocks)
+            mark = seen[row]
+            if mark is None or mark[0] is not blocks or mark[1] != n or (n and mark[2] != blocks[-1]):
+                self._write(row, blocks)
+            rows.append(row)
+            if n > width:
+                width = n
+            if s.is_decode:  # its one token is the newest sampled one
+                ids.append(req.output_token_ids[-1])
+            else:
+                ids += req.token_ids_slice(s.start, s.start + s.num_tokens)
+        query_lens = [s.num_tokens for s in seqs]
+        context_lens = [s.start for s in seqs]
+        num_decodes = 0
+        while num_decodes < len(seqs) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+        bs = self.block_size
+        rows_np = np.array(rows, dtype=np.int64)
+        starts = np.array(context_lens, dtype=np.int64)
+        qlens = np.array(query_lens, dtype=np.int64)
+        loc = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=loc[1:])
+        if num_decodes == len(seqs):  # all one-token rows: each position is its sequence's start
+            owner, positions = np.arange(len(seqs)), starts
+        else:
+            owner = np.repeat(np.arange(len(seqs)), qlens)
+            positions = starts[owner] + np.arange(int(loc[-1])) - loc[owner]
+        slots = self._table[rows_np[owner], positions // bs].astype(np.int64) * bs + positions % bs
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(loc.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy((starts + qlens).astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(self._table[rows_np, :width]).to(dev),  # fancy indexing copies
+            num_decodes=num_decodes,
+            query_lens=query_lens,
+            context_lens=context_lens,
+        )
+        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(positions.copy()).to(dev), meta
+
+    def _write(self, row: int, blocks: list[int]) -> None:
+        """Copy one request's table into its row (zeroing what a longer old table left behind)."""
+        n = len(blocks)
+        if n > self._table.shape[1]:
+            grown = np.zeros((self._table.shape[0], max(n, 2 * self._table.shape[1])), dtype=np.int32)
+            grown[:, : self._table.shape[1]] = self._table
+            self._table = grown
+        mark = self._seen[row]
+        old = mark[1] if mark is not None else 0
+        self._table[row, :n] = blocks
+        if old > n:
+            self._table[row, n:old] = 0
+        self._seen[row] = (blocks, n, blocks[-1] if n else None)
+
+    def _assign(self, req: Request, seqs: list[ScheduledSeq]) -> int:
+        """A row for ``req``: a free one, else one of a request not in this batch, else a new one."""
+        if not self._free:
+            keep = {s.request for s in seqs}
+            for other, row in list(self._row.items()):
+                if other not in keep:
+                    del self._row[other]
+                    mark = self._seen[row]
+                    self._table[row, : mark[1] if mark is not None else 0] = 0
+                    self._seen[row] = None
+                    self._free.append(row)
+        if not self._free:
+            old = self._table.shape[0]
+            self._table = np.concatenate([self._table, np.zeros_like(self._table)])
+            self._seen += [None] * old
+            self._free = list(range(2 * old - 1, old - 1, -1))
+        row = self._row[req] = self._free.pop()
+        return row
+
+
 class ModelRunner:
     """Implements :class:`~minivllm.interfaces.Executor` with a real model and KV cache."""
 
-    def __init__(self, model: LlamaForServing, kv_cache: KVCache, seed: int = 0) -> None:
+    def __init__(self, model: LlamaForServing, kv_cache: KVCache, seed: int = 0, *,
+                 cuda_graph_max_batch: int = 0, max_model_len: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
         self.default_generator = torch.Generator().manual_seed(seed)
+        self.prep = BatchPreparer(kv_cache.block_size, self.device)
+        self.graphs = None  # a DecodeGraphRunner: CUDA graphs for decode-only steps (GPU, graph-safe backend)
+        if (cuda_graph_max_batch and self.device.type == "cuda" and max_model_len
+                and getattr(model.backend, "cuda_graph_safe", False)):
+            self.graphs = self.decode_graphs(cuda_graph_max_batch, max_model_len)
+            self.graphs.capture_all()
+
+    def decode_graphs(self, max_batch: int, max_model_len: int, capture: bool | None = None):
+        """A :class:`~minivllm.model.cuda_graphs.DecodeGraphRunner` over this model and cache."""
+        from minivllm.model.cuda_graphs import DecodeGraphRunner
+
+        model, layers = self.model, self.kv_cache.layers
+        return DecodeGraphRunner(lambda ids, pos, meta: model(ids, pos, layers, meta),
+                                 max_batch=min(max_batch, 512), max_seq_len=max_model_len,
+                                 max_blocks=-(-max_model_len // self.kv_cache.block_size),
+                                 device=self.device, capture=capture)
 
     def now(self) -> float:
         return time.perf_counter()
@@ -136,8 +274,11 @@ class ModelRunner:
         if not batch.seqs:
             return {}
         seqs = batch.seqs  # one-token rows first, as the scheduler built it
-        input_ids, positions, meta = build_attention_metadata(seqs, self.kv_cache.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
+        input_ids, positions, meta = self.prep.prepare(seqs)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)  # one replay instead of ~300 launches
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         rows = [i for i, s in enumerate(seqs) if s.samples]
         if not rows:
             return {}

@@ -8,14 +8,19 @@ importing the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from minivllm.kv.kv_cache_manager import BlockMoves
 from minivllm.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of a step: ``num_tokens`` tokens starting at ``start``."""
+    """One request's share of a step: ``num_tokens`` tokens starting at ``start``.
+
+    Slotted: a decode step builds one per running request, and a slotted
+    dataclass is built in half the time of a plain one (host overhead).
+    """
 
     request: Request
     num_tokens: int
@@ -49,11 +54,11 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.seqs)
+        return sum(map(_NUM_TOKENS, self.seqs))  # map + attrgetter: no Python frame per sequence
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        return sum(map(_IS_DECODE, self.seqs))
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -61,3 +66,7 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+
+_NUM_TOKENS = attrgetter("num_tokens")
+_IS_DECODE = attrgetter("is_decode")

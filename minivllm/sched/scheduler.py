@@ -152,6 +152,7 @@ class Scheduler:
         self.tenant_stats: dict[str, TenantCounters] = {}
         self._preempted_last_step = False
         self._rejected: list[Request] = []
+        self._cap_rejected: set[Request] = set()  # rejected by a tenant cap (their hint: cap_retry_steps)
         self._admission_preempted: list[Request] = []
         self._held: dict | None = None  # during allocate: KV blocks held per cap group
 
@@ -190,7 +191,13 @@ class Scheduler:
     def _demand(self, reqs) -> int:
         """Tokens ``reqs`` will take this step (a capped group's share counted at most up to its cap)."""
         if self.caps is None:
-            return sum(self._chunk_cap(r) for r in reqs)
+            # _chunk_cap written out in one loop: admission asks this every step a request waits.
+            threshold = self.config.long_prefill_token_threshold
+            total = 0
+            for r in reqs:
+                rest = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+                total += rest if not threshold or rest <= threshold else threshold
+            return total
         total, grouped, cap = 0, {}, {}
         for r in reqs:
             c = self._chunk_cap(r)
@@ -262,7 +269,9 @@ class Scheduler:
 
     def _reserved_blocks(self) -> int:
         """Blocks the running requests will claim: the rest of their prefill, or (reject mode) their worst case."""
-        return sum(self._reservation(r) for r in self.running)
+        if self.config.preemption_mode == "reject":
+            return sum(self._reservation(r) for r in self.running)
+        return self.kv.num_new_blocks_all(self.running)  # the same sum, in one loop inside the KV manager
 
     # -- step 1: admit -------------------------------------------------------
     def admit(self) -> list[Request]:
@@ -272,6 +281,11 @@ class Scheduler:
         full, and admitting would only preempt again (thrash).
         """
         if self._preempted_last_step or not self.waiting:
+            return []
+        if len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None:
+            # Every seat is taken and no policy may free one: nothing below could admit or reject anyone
+            # (with caps it could: an over-cap request is rejected whatever the seats).  Returning here
+            # keeps a saturated step from walking the running set and the waiting queue.
             return []
         caps = self.caps
         usage = self._group_usage() if caps is not None else None
@@ -286,6 +300,9 @@ class Scheduler:
             if not self._leader_ready(req):
                 continue  # n > 1: a sibling sample forks once its leader has prefilled the prompt
             if caps is not None and not self._within_caps(req, usage):
+                if req.status is RequestStatus.WAITING and caps.rejecting_group(req, usage, self._need_blocks(req)):
+                    self._reject(req)  # TenantConfig(over_cap="reject"): turned away with a retry hint
+                    self._cap_rejected.add(req)
                 continue  # its tenant (or class) is at a cap: it waits, the others do not
             while True:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
@@ -378,6 +395,13 @@ class Scheduler:
         """Reject mode: a request that found no room is turned away, unless it is already in flight."""
         return self.config.preemption_mode == "reject" and req.status is RequestStatus.WAITING
 
+    def cap_retry_steps(self, req: Request) -> int | None:
+        """Steps until the tenant cap that rejected ``req`` has room (None: a cap did not reject it)."""
+        if req not in self._cap_rejected:
+            return None
+        self._cap_rejected.discard(req)
+        return self.caps.retry_steps(req, self.running, self._need_blocks(req)) or 1
+
     def _reject(self, req: Request) -> None:
         self.waiting.remove(req)
         req.status = RequestStatus.FINISHED_REJECTED
@@ -396,11 +420,18 @@ class Scheduler:
         batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
         self._rejected = []
         self._admission_preempted = []
-        decodes = [r for r in self.running if r.is_decode]
-        prefills = [r for r in self.running if not r.is_decode]
+        decodes, prefills = Request.split_decodes(self.running)
         if self._rank is not None:
             prefills.sort(key=self._rank)  # better-ranked prefills get the budget first
         caps = self.caps
+        seqs = batch.seqs
+        if caps is None:
+            # Decodes take one token each, in running order, while the budget lasts: the hot path of a
+            # decode step, so it is one comprehension rather than the general loop below.
+            seqs += [ScheduledSeq(r, 1, r.num_computed_tokens, True) for r in decodes[:max(budget, 0)]]
+            budget -= len(seqs)
+            decodes = []
+        first_prefill = len(seqs)
         used: dict = {}
         for req in decodes + prefills:
             if budget <= 0:
@@ -414,13 +445,15 @@ class Scheduler:
                     continue  # its group used its tokens for this step
             if n < req.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
-            batch.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
+            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
             budget -= n
             if caps is not None:
                 for g in caps.groups(req):
                     if g.max_tokens is not None:
                         used[g.key] = used.get(g.key, 0) + n
-        batch.seqs.sort(key=lambda s: s.num_tokens != 1)
+        # One-token rows first.  Everything before ``first_prefill`` is a decode (one token), so only the
+        # tail needs sorting; a stable sort keeps each part in scheduling order.
+        seqs[first_prefill:] = sorted(seqs[first_prefill:], key=lambda s: s.num_tokens != 1)
         return batch
 
     # -- step 3: allocate ----------------------------------------------------
@@ -428,7 +461,11 @@ class Scheduler:
         """Get KV blocks for every scheduled token, preempting when the pool is dry."""
         self._preempted_last_step = False
         self._held = self._group_held() if self.caps is not None else None
-        for seq in batch.seqs:
+        preempted_before = len(batch.preempted)
+        # Without KV caps only the sequences that need a new block (or a private copy of their last one)
+        # can run the pool dry; the others fit their tables as they stand (15 of 16 decodes at block 16).
+        todo = batch.seqs if self._held is not None else self.kv.seqs_needing_blocks(batch.seqs)
+        for seq in todo:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -446,7 +483,8 @@ class Scheduler:
                     if g.max_blocks is not None:
                         self._held[g.key] += len(req.block_ids) - before
         self._held = None
-        batch.seqs = [s for s in batch.seqs if s.request.status is RequestStatus.RUNNING]
+        if len(batch.preempted) > preempted_before:  # someone gave way: drop the victims' rows
+            batch.seqs = [s for s in batch.seqs if s.request.status is RequestStatus.RUNNING]
         batch.moves = self.kv.take_block_moves()
         self.stats.num_steps += 1
         return batch
@@ -489,12 +527,20 @@ class Scheduler:
     # -- per-step accounting ----------------------------------------------------
     def observe(self, batch: ScheduledBatch, sampled: dict[str, int], now: float) -> None:
         """After a step ran: per-tenant token counts, then the policy's optional ``observe`` hook."""
+        # Counted per tenant in local dicts first, then added once per tenant: at 256 decodes this loop
+        # runs every step, so it does no method call per sequence.
+        prompt: dict[str, int] = {}
+        output: dict[str, int] = {}
         for s in batch.seqs:
-            ts = self.tenant(s.request.tenant)
+            req = s.request
             if not s.is_decode:
-                ts.prompt_tokens += s.num_tokens
-            if s.request.request_id in sampled:
-                ts.output_tokens += 1
+                prompt[req.tenant] = prompt.get(req.tenant, 0) + s.num_tokens
+            if req.request_id in sampled:
+                output[req.tenant] = output.get(req.tenant, 0) + 1
+        for name, n in prompt.items():
+            self.tenant(name).prompt_tokens += n
+        for name, n in output.items():
+            self.tenant(name).output_tokens += n
         if self._observe is not None:
             self._observe(batch, now)
 

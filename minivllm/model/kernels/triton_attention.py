@@ -37,6 +37,9 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels (compiled on CUDA, interpreted on CPU)."""
 
     name = "triton"
+    # Lengths, tables and slots are read from device tensors; the host lists only size grids
+    # (fixed at capture), so a decode step can be recorded once and replayed (model/cuda_graphs.py).
+    cuda_graph_safe = True
 
     def write_kv(
         self,

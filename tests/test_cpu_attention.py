@@ -1,0 +1,105 @@
+"""The C decode kernel (attention_backend="cpu") against the torch reference, the oracle.
+
+Every case poisons the cache slots a sequence does not own with NaN for the
+kernel (the reference, which multiplies masked padding by zero, sees zeros there), scatters
+each sequence's blocks in random order, and puts lengths at block boundaries, so
+a kernel that reads one slot too many, follows the table wrongly or maps query
+heads to the wrong KV head produces NaN or a visible difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.model.attention import AttentionMetadata, paged_attention_reference
+from minivllm.model.backends import get_attention_backend
+from minivllm.model.cpu_attention import CpuAttentionBackend, load_kernel, paged_decode
+
+pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the CPU kernel cannot be built")
+
+
+def _paged(lens, block_size, kv_heads, head_dim, seed, extra_blocks=3):
+    """Random K/V for sequences of ``lens``, blocks scattered, every unowned slot NaN."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + extra_blocks
+    k = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(lens), max(need) + 2, dtype=torch.int32)  # wider than needed: padding is never read
+    used = 0
+    for i, (n, nb) in enumerate(zip(lens, need)):
+        blocks = perm[used: used + nb]
+        used += nb
+        table[i, :nb] = blocks.to(torch.int32)
+        for j, blk in enumerate(blocks.tolist()):
+            rows = min(block_size, n - j * block_size)
+            k[blk, :rows] = torch.randn(rows, kv_heads, head_dim, generator=g)
+            v[blk, :rows] = torch.randn(rows, kv_heads, head_dim, generator=g)
+    return k, v, table
+
+
+def _meta(lens, table, query_lens=None):
+    query_lens = query_lens or [1] * len(lens)
+    num_decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+    loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0).tolist()), dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long), query_start_loc=loc,
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=table, num_decodes=num_decodes,
+        query_lens=list(query_lens), context_lens=[n - q for n, q in zip(lens, query_lens)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 2, 4, 16, 32]),
+    group=st.sampled_from([1, 3, 4]),
+    kv_heads=st.integers(1, 3),
+    head_dim=st.sampled_from([8, 64]),
+    seed=st.integers(0, 10_000),
+)
+def test_decode_kernel_matches_reference(lens, block_size, group, kv_heads, head_dim, seed):
+    k, v, table = _paged(lens, block_size, kv_heads, head_dim, seed)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    meta = _meta(lens, table)
+    expected = paged_attention_reference(q, k.nan_to_num(0), v.nan_to_num(0), meta, 0.3)
+    got = paged_decode(q, k, v, table, meta.seq_lens, 0.3)
+    assert not got.isnan().any(), "read a slot the sequence does not own"
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [[15, 16, 17, 32, 33], [1], [200, 3]])
+def test_block_boundaries_and_long_rows(lens):
+    k, v, table = _paged(lens, 16, 3, 64, seed=len(lens))
+    q = torch.randn(len(lens), 9, 64)
+    meta = _meta(lens, table)
+    torch.testing.assert_close(paged_decode(q, k, v, table, meta.seq_lens, 0.125),
+                               paged_attention_reference(q, k.nan_to_num(0), v.nan_to_num(0), meta, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_batch_through_the_backend():
+    """Decodes by the kernel, a prefill chunk by torch: the whole batch equals the reference."""
+    lens = [17, 40, 9 + 12]  # two decodes, then a 12-token chunk on a 9-token context
+    query_lens = [1, 1, 12]
+    k, v, table = _paged(lens, 4, 2, 16, seed=7)
+    q = torch.randn(sum(query_lens), 6, 16)
+    meta = _meta(lens, table, query_lens)
+    k, v = k.nan_to_num(0), v.nan_to_num(0)  # the prefill rows run through torch, which reads padding
+    got = CpuAttentionBackend().attend(q, k, v, meta, 0.25)
+    torch.testing.assert_close(got, paged_attention_reference(q, k.nan_to_num(0), v.nan_to_num(0), meta, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_auto_picks_cpu_kernel_and_bad_inputs_are_refused():
+    assert get_attention_backend("auto", "cpu").name == "cpu"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    k, v, table = _paged([5], 4, 1, 8, seed=0)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode(torch.randn(1, 1, 8).double(), k, v, table, torch.tensor([5]), 1.0)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode(torch.randn(1, 1, 8), k, v, table.long(), torch.tensor([5]), 1.0)
+    with pytest.raises(ValueError, match="unsupported shape"):  # 5 query heads cannot share 2 KV heads
+        k2, v2, t2 = _paged([5], 4, 2, 8, seed=0)
+        paged_decode(torch.randn(1, 5, 8), k2, v2, t2, torch.tensor([5]), 1.0)
