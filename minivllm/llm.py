@@ -32,7 +32,10 @@ class LLM:
 
     Multi-tenant scheduling: ``LLM(scheduling_policy="wfq", tenants={"alice":
     TenantConfig(weight=2, max_kv_share=0.5), "*": TenantConfig(max_running=8)})``
-    (see :mod:`minivllm.sched.fairness`); a prompt dict's ``"tenant"`` names the tenant.
+    (see :mod:`minivllm.sched.fairness`); a prompt dict's ``"tenant"`` names the tenant,
+    its ``"priority"`` (int, lower first) and ``"deadline"`` (seconds on the engine's
+    clock) feed the ``"priority"``, ``"deadline"`` and ``"three_class"`` policies:
+    ``llm.generate([{"prompt": "hi", "tenant": "alice", "deadline": 2.0}])``.
     """
 
     def __init__(

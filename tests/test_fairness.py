@@ -125,6 +125,7 @@ caps_strategy = st.fixed_dictionaries({
     "max_kv_share": st.one_of(st.none(), st.sampled_from([0.4, 0.6, 0.9])),
     "weight": st.sampled_from([0.5, 1.0, 3.0]),
     "priority_class": st.sampled_from([None, "interactive", "agent", "batch"]),
+    "over_cap": st.sampled_from(["wait", "reject"]),
 })
 
 
@@ -178,7 +179,10 @@ def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, 
                 engine.step()
                 check_both_tiers(engine)
                 check_caps(engine, tenants, ids_tenant)
-    run_all(engine, each=lambda e: check_caps(e, tenants, ids_tenant))
+    finals = run_all(engine, each=lambda e: check_caps(e, tenants, ids_tenant))
+    for rid, out in finals.items():  # only a request that never started may be turned away by its cap
+        if out.outputs[0].finish_reason == "rejected":
+            assert not out.outputs[0].token_ids and out.retry_after_s is not None
     assert_no_leak(engine)
     per = engine.stats()["per_tenant"]
     assert all(row["num_running"] == row["num_waiting"] == row["kv_blocks"] == 0 for row in per.values())
@@ -421,10 +425,10 @@ def test_rule_batch_only_when_interactive_idle():
 def test_rule_capped_prefix_cache():
     engine = three_class_engine()
     assert engine.config.enable_prefix_caching and engine.prefix_cache is not None
-    quota = engine.prefix_cache._counts.quota_blocks
+    quota = engine.prefix_cache._counts.quota(("chat", None))
     assert quota == int(engine.config.three_class.tenant_cache_share * engine.pool.num_blocks)
     explicit = make_engine("three_class", CLASSES, num_blocks=80, prefix_cache_quota_blocks=7)
-    assert explicit.prefix_cache._counts.quota_blocks == 7
+    assert explicit.prefix_cache._counts.quota(("chat", None)) == 7
 
 
 def test_rule_chunk_long_prefills():
@@ -507,3 +511,224 @@ def test_greedy_outputs_are_token_identical_across_policies(parity_prompts):
     assert any(preemptions.values()), preemptions
     for policy, toks in results.items():
         assert toks == results["fcfs"], f"{policy} changed which tokens were generated"
+
+
+# -- the step log's per-tenant fields ----------------------------------------------------------------------
+
+def test_step_log_per_tenant_fields_match_a_recount_of_the_queues():
+    tenants = {"a": TenantConfig(max_running=2), "b": TenantConfig()}
+    engine = make_engine("caps", tenants, num_blocks=40, budget=24)
+    owner = {}
+    for i in range(6):
+        for t in "ab":
+            owner[add(engine, t, 10 + 3 * i, 6, f"{t}{i}")] = t
+    while engine.has_unfinished_requests():
+        engine.step()
+        rec, sched = engine.step_log[-1], engine.scheduler
+        assert rec.seq_tenants == tuple(owner[rid] for rid, _, _ in rec.seqs)
+        for t in "ab":  # brute force from the scheduler's queues as they stand after the step
+            row = rec.tenant(t)
+            assert row.tokens == sum(n for rid, _, n in rec.seqs if owner[rid] == t)
+            assert row.kv_blocks == sum(len(r.block_ids) for r in sched.running if r.tenant == t)
+            assert row.running == sum(r.tenant == t for r in sched.running)
+            assert row.waiting == sum(r.tenant == t for r in sched.waiting)
+    assert max(r.tenant("a").running for r in engine.step_log) == 2  # the cap, visible in the log
+    from minivllm.metrics.step_log import tenant_series
+
+    series = tenant_series(engine.step_log, engine.pool.num_blocks)
+    assert set(series) == {"time", "step", "a", "b"} and len(series["a"]["kv_share"]) == len(engine.step_log)
+    assert max(series["b"]["kv_share"]) > 0
+
+
+def test_a_single_tenant_run_logs_no_per_tenant_fields():
+    engine = make_engine()
+    add(engine, "default", 8, 3)
+    run_all(engine)
+    assert all(r.seq_tenants == () and r.tenants == () for r in engine.step_log)
+
+
+# -- priority and deadline in the prompt dict ---------------------------------------------------------------
+
+def test_prompt_dict_carries_tenant_priority_and_deadline():
+    engine = make_engine("deadline")
+    rid = engine.add_request({"prompt_token_ids": [5] * 8, "tenant": "t", "priority": 2, "deadline": 1.5},
+                             greedy(2), priority=0, deadline=9.0)
+    req = engine.requests[rid]
+    assert (req.tenant, req.priority, req.deadline) == ("t", 2, 1.5)  # the dict wins over the keywords
+    kw = engine.requests[engine.add_request([5] * 8, greedy(2), priority=1, deadline=3)]
+    assert (kw.priority, kw.deadline) == (1, 3.0)
+    for bad, match in [({"priority": 1.5}, "priority"), ({"priority": True}, "priority"),
+                       ({"deadline": "soon"}, "deadline"), ({"deadline": float("nan")}, "deadline"),
+                       ({"deadline": float("inf")}, "deadline"), ({"urgency": 1}, "unknown")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request({"prompt_token_ids": [5] * 8, **bad}, greedy(2))
+    run_all(engine)
+    assert_no_leak(engine)
+
+
+def test_deadline_from_the_prompt_dict_orders_admission():
+    engine = make_engine("deadline", max_seqs=1, deadline_aging_s=100.0)
+    for i, d in enumerate([5.0, 1.0, 3.0]):
+        engine.add_request({"prompt_token_ids": [5] * 8, "deadline": d}, greedy(2), f"r{i}", arrival_time=0.0)
+    first = {}
+    for step in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        for rid, _, _ in engine.step_log[-1].seqs:
+            first.setdefault(rid, step)
+    assert sorted(first, key=first.get) == ["r1", "r2", "r0"]
+
+
+# -- a tenant over its cap can be rejected with a retry hint ----------------------------------------------
+
+def test_over_cap_reject_turns_new_requests_away_with_a_hint_and_spares_other_tenants():
+    tenants = {"bulk": TenantConfig(max_running=1, over_cap="reject"), "chat": TenantConfig(max_running=1)}
+    engine = make_engine("caps", tenants, num_blocks=60, budget=32)
+    add(engine, "bulk", 8, 10, "b0")
+    engine.step()
+    engine.step()  # b0 decodes: 9 output tokens left
+    add(engine, "bulk", 8, 4, "b1")
+    add(engine, "chat", 8, 4, "c0")
+    add(engine, "chat", 8, 4, "c1")  # chat is capped too but waits (over_cap="wait")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["b1"].finished and outs["b1"].outputs[0].finish_reason == "rejected"
+    step_s = engine.step_time_s
+    b0 = engine.requests["b0"]
+    assert outs["b1"].retry_after_s == pytest.approx(round(step_s * (b0.max_tokens - len(b0.output_token_ids)), 3))
+    finals = run_all(engine)
+    assert {r: finals[r].outputs[0].finish_reason for r in ("b0", "c0", "c1")} == dict.fromkeys(("b0", "c0", "c1"),
+                                                                                              "length")
+    per = engine.stats()["per_tenant"]
+    assert per["bulk"]["num_rejected"] == 1 and per["chat"]["num_rejected"] == 0
+    assert_no_leak(engine)
+
+
+def test_over_cap_reject_on_the_kv_share_and_a_preempted_request_is_never_rejected():
+    tenants = {"bulk": TenantConfig(max_kv_share=0.5, over_cap="reject")}
+    engine = make_engine("caps", tenants, num_blocks=40, budget=64, max_len=64)
+    add(engine, "bulk", 40, 20, "b0")  # 10 blocks of its 20 at admission, growing to 15
+    engine.step()
+    add(engine, "bulk", 40, 10, "b1")  # 10 more would pass 20 -> rejected at once
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["b1"].outputs[0].finish_reason == "rejected" and outs["b1"].retry_after_s is not None
+    assert run_all(engine)["b0"].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)
+
+
+# -- per-tenant prefix-cache quotas, against a brute-force recount -----------------------------------------
+
+def cached_by_tenant(cache) -> Counter:
+    index = cache._node_of_block if hasattr(cache, "_node_of_block") else cache._entry_of_block
+    return Counter(node.namespace[0] for node in index.values())
+
+
+def cached_blocks_of(cache, tenant) -> set[int]:
+    index = cache._node_of_block if hasattr(cache, "_node_of_block") else cache._entry_of_block
+    return {b for b, node in index.items() if node.namespace[0] == tenant}
+
+
+QUOTAS = {"a": 3, "b": 6, "c": None}  # c falls back to the engine-wide quota below (None: unbounded)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["radix", "hash"]), fallback=st.sampled_from([None, 5]),
+       ops=st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from([None, "s"]), st.integers(0, 3),
+                              st.integers(1, 5), st.booleans()), min_size=1, max_size=40))
+def test_per_tenant_cache_quota_against_a_brute_force_count(kind, fallback, ops):
+    """Each tenant (all its salts together) keeps at most its quota; an insert over quota evicts only the
+    inserting tenant's blocks; with all its blocks unlocked and a fresh prompt it keeps exactly
+    min(quota, before + new) blocks."""
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.kv_cache_manager import KVCacheManager
+    from minivllm.kv.prefix import make_prefix_cache
+
+    pool = BlockPool(400)
+    cache = make_prefix_cache(kind, pool, 2, fallback, quota_group=KVCacheManager.namespace_tenant,
+                              quota_for=QUOTAS.get)
+    held: list[int] = []  # blocks a "request" still holds (locked in the cache)
+    fresh = 1000
+    for tenant, salt, stem, n, keep in ops:
+        ns = (tenant, salt)
+        quota = QUOTAS[tenant] if QUOTAS[tenant] is not None else fallback
+        tokens = [stem, stem] + [fresh + i for i in range(2 * n)]  # one shared first block, then new ones
+        fresh += 2 * n
+        before = cached_by_tenant(cache)
+        others = {t: cached_blocks_of(cache, t) for t in "abc" if t != tenant}
+        all_unlocked = all(pool.refcount(b) == 1 for b in cached_blocks_of(cache, tenant))
+        hit = cache.match(tokens, ns)
+        blocks = list(hit) + pool.allocate_many(n + 1 - len(hit))
+        for b in hit:
+            pool.incref(b)
+        result = cache.insert(tokens, blocks, ns)
+        after = cached_by_tenant(cache)
+        for t in others:  # the quota path never touches a neighbour
+            assert others[t] <= cached_blocks_of(cache, t)
+        if quota is not None:
+            assert after[tenant] <= quota
+            if all_unlocked and not hit:
+                assert after[tenant] == min(quota, before[tenant] + n + 1)
+        else:
+            assert after[tenant] == before[tenant] + n + 1 - len(hit)
+        assert cache._counts.count(ns) == after[tenant]
+        assert len(result.block_ids) == n + 1
+        if keep:
+            held.extend(blocks)
+        else:
+            for b in blocks:
+                pool.decref(b)
+    for b in held:
+        pool.decref(b)
+    cache.reset()
+    assert cache.num_cached_blocks == 0 and pool.num_free == pool.num_blocks
+
+
+def test_engine_tenant_cache_share_caps_one_tenant_and_not_the_other():
+    tenants = {"noisy": TenantConfig(max_cache_share=0.25)}
+    engine = make_engine("fcfs", tenants, num_blocks=64, budget=64, max_len=64, enable_prefix_caching=True)
+    for i in range(12):
+        for t in ("noisy", "quiet"):
+            engine.add_request({"prompt_token_ids": [100 + i] * 24, "tenant": t,
+                                "cache_salt": "x" if i % 2 and t == "noisy" else None}, greedy(2))
+    peak = Counter()
+
+    def each(e):
+        for t, n in cached_by_tenant(e.prefix_cache).items():
+            peak[t] = max(peak[t], n)
+            assert t != "noisy" or n <= 16, f"noisy keeps {n} cached blocks, quota 16"
+
+    run_all(engine, each=each)
+    assert peak["noisy"] == 16 and peak["quiet"] > 16
+    assert engine.stats()["prefix_cache_quota_evictions"] > 0
+    assert_no_leak(engine)
+
+
+def test_server_answers_429_with_retry_after_to_a_tenant_over_its_cap():
+    """Through the HTTP server: alice (max_running=1, over_cap="reject") gets 429 + Retry-After for a second
+    concurrent request, while bob, uncapped, is served."""
+    import asyncio
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_server_sim import _paced_engine, _Served
+
+    engine = _paced_engine(blocks=64, max_len=128, tenants={"alice": TenantConfig(max_running=1, over_cap="reject")},
+                           fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
+        body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 60, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                def post(key, **extra):
+                    return client.post(srv.base + "/v1/completions", json={**body, **extra},
+                                       headers={"Authorization": f"Bearer {key}"})
+                first = asyncio.ensure_future(post("ka"))
+                await asyncio.sleep(0.15)
+                over = await post("ka", max_tokens=5)
+                other = await post("kb", max_tokens=5)
+                return await first, over, other
+
+        first, over, other = asyncio.run(main())
+    assert first.status_code == other.status_code == 200, (first.text, other.text)
+    assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1, over.text
+    assert engine.stats()["per_tenant"]["alice"]["num_rejected"] == 1

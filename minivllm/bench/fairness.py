@@ -35,7 +35,25 @@ POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
 
 # Step-time constants of the simulated executor (seconds): fixed + per token + per KV token read.
 FAIR_STEP = dict(fixed_overhead_s=0.010, per_token_s=0.0001, per_context_token_s=1e-7)
-CLASS_STEP = dict(fixed_overhead_s=0.008, per_token_s=0.00003, per_context_token_s=2e-8)
+# The three-class workload's step time on THIS machine: the real engine (SmolLM2-135M, fp32, one CPU thread,
+# process CPU time) measured by ``calibrate_step()`` on 2026-11-30 and fitted to the simulator's cost model
+# (max relative error 15%).  A single decode step costs 70 ms here: more than the interactive ITL SLO.
+CLASS_STEP = dict(fixed_overhead_s=0.0662, per_token_s=0.00307,
+                  per_context_token_s=2.98e-05)
+CLASS_STEP_GPU_LIKE = dict(fixed_overhead_s=0.008, per_token_s=0.00003, per_context_token_s=2e-8)  # the earlier guess
+CALIBRATION = {  # (kind, sequences, context, measured s, fitted s) per shape
+    "samples": [
+    ("decode", 1, 128, 0.0702, 0.0731),
+    ("decode", 8, 128, 0.1431, 0.1215),
+    ("decode", 8, 512, 0.2055, 0.2130),
+    ("decode", 16, 256, 0.2340, 0.2378),
+    ("prefill", 1, 64, 0.2508, 0.2644),
+    ("prefill", 1, 256, 0.8360, 0.8593),
+    ("prefill", 1, 512, 1.8530, 1.6523),
+    ("prefill", 2, 256, 1.5890, 1.6523),
+    ],
+    "threads": 1, "clock": "time.process_time", "max_rel_error": 0.151,
+}
 
 
 @dataclass
@@ -105,6 +123,28 @@ def three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dic
     return sorted(out, key=lambda a: a.time), sessions
 
 
+def cpu_three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dict]:
+    """The three-class mix sized for this CPU machine's calibrated step time (``CLASS_STEP``).
+
+    The GPU-sized mix (:func:`three_class_workload`) offers far more tokens than a
+    135M model on one CPU core prefills, so every class would queue without end.
+    This one keeps the shape -- chats, agents making sequential calls on a growing
+    shared context, a batch backlog at t = 0 -- at CPU scale: chats 0.5/s with
+    prompts of 30-120 tokens, 3 agents x 6 calls on a 400-token preamble, 8 batch
+    prompts of 600-1200 tokens.
+    """
+    rng = random.Random(seed)
+    out = [Arrival(t, "chat", _tokens(rng, rng.randint(20, 60)), rng.randint(8, 24))
+           for t in _poisson(rng, 0.5, duration)]
+    out += [Arrival(0.002 * i, "bulk", _tokens(rng, rng.randint(300, 600)), rng.randint(32, 64)) for i in range(8)]
+    sessions = {}
+    for s in range(3):
+        system = _tokens(rng, 300)
+        sessions[s] = {"context": system, "calls_left": 5, "rng": random.Random(seed * 100 + s)}
+        out.append(Arrival(rng.uniform(0, 2), "agent", system + _tokens(rng, 40), rng.randint(8, 24), session=s))
+    return sorted(out, key=lambda a: a.time), sessions
+
+
 def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
         blocks: int = 1024, budget: int = 2048, max_seqs: int = 128, chunk: int = 512, max_len: int = 16384,
         max_steps: int = 200_000, **options) -> Run:
@@ -164,6 +204,77 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
     return res
 
 
+CALIBRATION_SHAPES = (("decode", 1, 128), ("decode", 4, 128), ("decode", 16, 128), ("decode", 4, 512),
+                      ("prefill", 1, 64), ("prefill", 1, 256), ("prefill", 1, 512), ("prefill", 4, 128))
+
+
+def calibrate_step(shapes=CALIBRATION_SHAPES, repeats: int = 3, threads: int | None = 1) -> dict:
+    """Fit ``fixed + per_token * tokens + per_context_token * KV tokens read`` to the real engine's step times.
+
+    Each shape is ``(kind, sequences, context)``: ``prefill`` times the step that
+    prefills ``sequences`` prompts of ``context`` tokens; ``decode`` times a step of
+    ``sequences`` decodes at ``context`` tokens each.  The median of ``repeats``
+    runs per shape goes into a least-squares fit on relative error (negative terms
+    clipped to 0): the cost model :class:`~minivllm.sim.SimulatedExecutor` uses, so
+    the simulated runs stand for this machine, not for a GPU.
+
+    Why CPU time of one thread (``threads=1``, ``time.process_time``) and not wall
+    time?  On a shared machine wall time measures the neighbours' load (a load
+    average of 20 on 2 cores inflates it about tenfold), while the process's own
+    CPU time on one thread is what a step costs on one core of this machine.  It is
+    conservative: an idle second core speeds the matmuls up, by at most 2x.
+    """
+    import numpy as np
+    import torch
+
+    from minivllm import EngineConfig, LLMEngine, SamplingParams
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _calibrate(shapes, repeats, np, EngineConfig, LLMEngine, SamplingParams)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(shapes, repeats, np, EngineConfig, LLMEngine, SamplingParams) -> dict:
+    clock = time.process_time
+
+    engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=2048, max_num_seqs=32,
+                                    num_gpu_blocks_override=1024, max_model_len=1024))
+    rng = random.Random(0)
+    rows, times = [], []
+    for kind, n, ctx in shapes:
+        samples = []
+        for _ in range(repeats):
+            for i in range(n):
+                engine.add_request({"prompt_token_ids": _tokens(rng, ctx)},
+                                   SamplingParams(max_tokens=8 if kind == "decode" else 1, ignore_eos=True))
+            sched = engine.scheduler
+            if kind == "decode":  # prefill (in as many steps as the budget needs), then time one pure decode step
+                while sched.waiting or not all(r.is_decode for r in sched.running):
+                    engine.step()
+            t0 = clock()
+            engine.step()
+            samples.append(clock() - t0)
+            while engine.has_unfinished_requests():
+                engine.step()
+        tokens = n if kind == "decode" else n * ctx
+        context = n * (ctx + 1) if kind == "decode" else n * ctx
+        rows.append([1.0, tokens, context])
+        times.append(sorted(samples)[len(samples) // 2])
+    a, b = np.array(rows), np.array(times)
+    coef = np.clip(np.linalg.lstsq(a / b[:, None], np.ones_like(b), rcond=None)[0], 0, None)  # relative error
+    fitted = a @ coef
+    return {
+        "step": dict(fixed_overhead_s=float(coef[0]), per_token_s=float(coef[1]), per_context_token_s=float(coef[2])),
+        "samples": [{"kind": k, "seqs": n, "context": c, "measured_s": t, "fitted_s": float(f)}
+                    for (k, n, c), t, f in zip(shapes, times, fitted)],
+        "max_rel_error": float(np.max(np.abs(fitted - b) / b)),
+    }
+
+
 def pct(values, p: float) -> float:
     if not values:
         return float("nan")
@@ -218,6 +329,7 @@ def slo_report(res: Run, slos: dict) -> dict:
             [o for o in outs if o.metrics.ttft < ttft_slo]
         out[cls] = {"requests": len(outs), "ttft_p95_s": pct(ttft, 95), "itl_p95_s": pct(itl, 95),
                     "slo_attainment": len(ok) / len(outs),
+                    "ttft_slo_attainment": sum(o.metrics.ttft < ttft_slo for o in outs) / len(outs),
                     "finished": sum(o.outputs[0].finish_reason == "length" for o in outs),
                     "last_finish_s": max(o.metrics.finished_time for o in outs)}
     return out
@@ -279,23 +391,36 @@ def main() -> int:
     cls_tenants = {"chat": TenantConfig(priority_class="interactive"), "agent": TenantConfig(priority_class="agent"),
                    "bulk": TenantConfig(priority_class="batch")}
     slos = {"chat": (0.7, 0.060), "agent": (2.0, 0.120), "bulk": (float("inf"), None)}
-    arr3, sessions = three_class_workload(args.seed, args.duration)
-    print(f"\n3. three classes: interactive chats 3/s (prompts 100-1000), 6 agents x 13 sequential calls on a growing "
-          f"context, 80 batch prompts of 2K-12K at t=0; KV 4096 blocks, budget 1024; step = {CLASS_STEP}")
     classes = {}
-    for policy in ("fcfs", "three_class"):
-        res = run(policy, arr3, step=CLASS_STEP, window=args.duration, tenants=cls_tenants, sessions=sessions,
-                  blocks=4096, budget=1024, chunk=0, max_seqs=128)
-        classes[policy] = slo_report(res, slos)
-        for cls, r in classes[policy].items():
-            print(f"  {policy:<11} {cls:<6} reqs {r['requests']:>4}  TTFT p95 {r['ttft_p95_s']:>7.3f} s  "
-                  f"ITL p95 {1e3 * r['itl_p95_s']:>5.0f} ms  SLO met {r['slo_attainment']:>5.1%}  "
-                  f"finished {r['finished']}/{r['requests']} (last at {r['last_finish_s']:.1f} s)")
+    setups = {
+        "gpu_like": (CLASS_STEP_GPU_LIKE, three_class_workload, dict(blocks=4096, budget=1024, max_seqs=128),
+                     "interactive chats 3/s (prompts 100-1000), 6 agents x 13 sequential calls on a growing context, "
+                     "80 batch prompts of 2K-12K at t=0; KV 4096 blocks, budget 1024"),
+        "cpu_calibrated": (CLASS_STEP, cpu_three_class_workload,
+                           dict(blocks=1024, budget=64, max_seqs=32, enable_prefix_caching=True),
+                           "chats 0.5/s (prompts 20-60), 3 agents x 6 sequential calls on a 300-token preamble, "
+                           "8 batch prompts of 300-600 at t=0; KV 1024 blocks, budget 64, prefix caching on for both "
+                           "policies; ITL floor = one decode step = 70 ms"),
+    }
+    for setup, (step, workload, sizes, what) in setups.items():
+        arr3, sessions = workload(args.seed, args.duration)
+        print(f"\n3. three classes, {setup} step = {step}\n   {what}")
+        classes[setup] = {"step": step}
+        for policy in ("fcfs", "three_class"):
+            res = run(policy, arr3, step=step, window=args.duration, tenants=cls_tenants, sessions=sessions, chunk=0,
+                      **sizes)
+            classes[setup][policy] = slo_report(res, slos)
+            for cls, r in classes[setup][policy].items():
+                print(f"  {policy:<11} {cls:<6} reqs {r['requests']:>4}  TTFT p95 {r['ttft_p95_s']:>7.3f} s  "
+                      f"ITL p95 {1e3 * r['itl_p95_s']:>5.0f} ms  SLO met {r['slo_attainment']:>5.1%} "
+                      f"(TTFT alone {r['ttft_slo_attainment']:>5.1%})  "
+                      f"finished {r['finished']}/{r['requests']} (last at {r['last_finish_s']:.1f} s)")
     print(f"({time.perf_counter() - t0:.1f} s of wall time)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({
-            "executor": "sim", "fair_step": FAIR_STEP, "class_step": CLASS_STEP, "duration_s": args.duration,
+            "executor": "sim", "fair_step": FAIR_STEP, "class_step": CLASS_STEP, "class_step_gpu_like": CLASS_STEP_GPU_LIKE,
+            "calibration": CALIBRATION, "duration_s": args.duration,
             "noisy_quiet": {"rows": rows, "quiet_solo_p95_s": solo_p95, "target_s": target,
                             "quiet_tokens": quiet_tok, "noisy_tokens": noisy_tok},
             "backlogged_jain": jains, "three_class": classes,

@@ -12,12 +12,23 @@ while that parent exists, see :meth:`InputProcessor.sample_id`).
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import torch
 
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
+
+
+def check_priority_deadline(priority, deadline) -> None:
+    """The scheduling fields a caller sets, checked at the boundary (``ValueError``)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+    if deadline is not None and (
+        isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
+    ):
+        raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {deadline!r}")
 
 
 class InputProcessor:
@@ -43,13 +54,23 @@ class InputProcessor:
         tenant: str,
         priority: int,
         arrival_time: float,
+        deadline: float | None = None,
     ) -> list[Request]:
-        """One request per sample (``params.n``), validated; nothing is queued here."""
+        """One request per sample (``params.n``), validated; nothing is queued here.
+
+        A prompt dict may carry ``"tenant"``, ``"priority"`` and ``"deadline"``; they win
+        over the keyword arguments, so a caller holding only prompts (``LLM.generate``)
+        can schedule each one differently.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, dict):
+            priority = prompt.get("priority", priority)
+            deadline = prompt.get("deadline", deadline)
         text, token_ids, cache_salt, tenant = self._prompt_to_tokens(prompt, tenant)
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+        check_priority_deadline(priority, deadline)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         max_len = self.max_model_len
@@ -70,6 +91,7 @@ class InputProcessor:
                 tenant=tenant,
                 cache_salt=cache_salt,
                 priority=priority,
+                deadline=None if deadline is None else float(deadline),
                 max_tokens=max_tokens,
                 parent_id=None if params.n == 1 else request_id,
                 sample_index=i,
@@ -85,7 +107,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt" not in prompt and "prompt_token_ids" not in prompt:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "tenant"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "tenant", "priority", "deadline"}
             if unknown:
                 raise ValueError(f"unknown prompt field(s) {sorted(unknown)}")
             if "prompt" in prompt and "prompt_token_ids" in prompt:

@@ -12,13 +12,59 @@ benchmarks read peak block usage from it.  Two things keep it cheap:
 
 Records also answer ``record["seqs"]`` like the dicts they replace, so notebook
 code that reads them stays short.
+
+Per-tenant fields (fairness, lab 6) are filled once the engine has tenant
+settings or has served a tenant other than ``"default"``, so a run without
+tenants pays nothing for them: ``seq_tenants`` names the tenant of each entry of ``seqs`` (same order),
+and ``tenants`` holds one :class:`TenantStep` per tenant with work in the engine
+after the step (tokens scheduled, KV blocks held by its running requests,
+running and waiting counts).  Per-tenant queues and KV shares over time are a
+loop over the log (:func:`tenant_series`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator, NamedTuple
+
+
+class TenantStep(NamedTuple):
+    """One tenant's share of one step."""
+
+    tenant: str
+    tokens: int  # tokens of its requests in this step's batch (prefill chunks + decodes)
+    kv_blocks: int  # device blocks held by its running requests after the step
+    running: int
+    waiting: int  # waiting, preempted or swapped out
+
+
+def tenant_fields(seqs, running: Iterable, waiting: Iterable) -> tuple[tuple[str, ...], tuple[TenantStep, ...]]:
+    """``(seq_tenants, tenants)`` for a :class:`StepRecord`: one pass over the batch and the two queues.
+
+    ``seqs`` are the step's scheduled sequences (``.request``, ``.num_tokens``),
+    ``running``/``waiting`` the scheduler's queues after the step.  Tenants come out
+    sorted by name, so two runs of the same workload log identical records.
+    """
+    seq_tenants = tuple([s.request.tenant for s in seqs])
+    rows: dict[str, list[int]] = {}
+    for s, t in zip(seqs, seq_tenants):
+        row = rows.get(t)
+        if row is None:
+            row = rows[t] = [0, 0, 0, 0]
+        row[0] += s.num_tokens
+    for r in running:
+        row = rows.get(r.tenant)
+        if row is None:
+            row = rows[r.tenant] = [0, 0, 0, 0]
+        row[1] += len(r.block_ids)
+        row[2] += 1
+    for r in waiting:
+        row = rows.get(r.tenant)
+        if row is None:
+            row = rows[r.tenant] = [0, 0, 0, 0]
+        row[3] += 1
+    return seq_tenants, tuple(TenantStep(t, *rows[t]) for t in sorted(rows))
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,6 +81,15 @@ class StepRecord:
     free_blocks: int
     running: int
     waiting: int
+    seq_tenants: tuple[str, ...] = ()  # the tenant of each entry of ``seqs`` (empty: single-tenant run)
+    tenants: tuple[TenantStep, ...] = ()  # per tenant with work in the engine (empty: single-tenant run)
+
+    def tenant(self, name: str) -> TenantStep:
+        """``name``'s row in this step (zeros when it had no work, or tenants were not logged)."""
+        for row in self.tenants:
+            if row.tenant == name:
+                return row
+        return TenantStep(name, 0, 0, 0, 0)
 
     def __getitem__(self, key: str):
         return getattr(self, key)
@@ -45,7 +100,7 @@ class StepRecord:
     @property
     def size(self) -> int:
         """Entries this record counts against the log's budget."""
-        return 1 + len(self.seqs)
+        return 1 + len(self.seqs) + len(self.tenants)
 
 
 class StepLog:
@@ -78,3 +133,25 @@ class StepLog:
     def clear(self) -> None:
         self._records.clear()
         self.num_entries = 0
+
+
+def tenant_series(records: Iterable[StepRecord], num_blocks: int, tenants: Iterable[str] | None = None) -> dict:
+    """Per-tenant time series from step records, for plots: ``{"time": [...], "step": [...],
+    tenant: {"waiting": [...], "running": [...], "tokens": [...], "kv_share": [...]}}``.
+
+    ``kv_share`` is blocks held / ``num_blocks``.  ``tenants`` fixes which tenants
+    appear (default: every tenant seen in the records), so a tenant with no work
+    in a step reads 0 there rather than being skipped.
+    """
+    records = list(records)
+    names = sorted({row.tenant for r in records for row in r.tenants}) if tenants is None else list(tenants)
+    out: dict = {"time": [r.time for r in records], "step": [r.step for r in records]}
+    for name in names:
+        rows = [r.tenant(name) for r in records]
+        out[name] = {
+            "waiting": [row.waiting for row in rows],
+            "running": [row.running for row in rows],
+            "tokens": [row.tokens for row in rows],
+            "kv_share": [row.kv_blocks / num_blocks for row in rows],
+        }
+    return out

@@ -24,8 +24,14 @@ name with ``LLM(scheduling_policy=...)``:
 **Caps compose with every policy**: ``TenantConfig(max_running=..., max_tokens_per_step=...,
 max_kv_share=...)`` are enforced by the scheduler whatever the order (a
 :class:`CapTable` maps each request to the cap groups it counts against).  A
-tenant at a cap waits; a running tenant that would grow past its KV share
-preempts *its own* newest work, never a neighbour's, so it cannot pin the cache.
+tenant at a cap waits -- or, with ``TenantConfig(over_cap="reject")``, a new request
+of a tenant at its seat or KV cap finishes ``"rejected"`` with a ``retry_after_s``
+hint (:meth:`CapTable.retry_steps`: the steps until its running requests free
+enough room; the server answers 429 + ``Retry-After``); a running tenant that would
+grow past its KV share preempts *its own* newest work, never a neighbour's, so it
+cannot pin the cache.  Nor can it fill the prefix cache: ``TenantConfig(max_cache_share=...)``
+(and the three-class preset's ``tenant_cache_share``) bound what one tenant keeps
+cached, all its cache salts together (:func:`tenant_cache_quota`).
 
 **WFQ** (:class:`WFQAdmission`).  Each tenant ``t`` has a counter
 ``c[t] += (wfq_prefill_weight * prefill tokens + wfq_decode_weight * output tokens) / weight[t]``,
@@ -77,8 +83,9 @@ THREE_CLASS_RULES = {
                            "of the blocks and agent_max_running_share of the seats",
     "batch_only_when_interactive_idle": "batch requests are admitted only while fewer than "
                                         "batch_max_interactive_queue interactive requests wait",
-    "capped_prefix_cache": "prefix caching is on and each tenant's namespace keeps at most tenant_cache_share "
-                           "of the pool cached (prefix_cache_quota_blocks)",
+    "capped_prefix_cache": "prefix caching is on and each tenant (all its cache salts together) keeps at most "
+                           "tenant_cache_share of the pool cached, evicting its own blocks first "
+                           "(TenantConfig.max_cache_share or prefix_cache_quota_blocks win)",
     "chunk_long_prefills": "prefills are chunked above long_prefill_tokens tokens (long_prefill_token_threshold)",
     "preempt_batch_first_swap_long": "victims are batch before agent before interactive; a victim with at least "
                                      "swap_min_tokens computed tokens is swapped, a shorter one recomputed",
@@ -101,6 +108,7 @@ class CapGroup:
     max_running: int | None = None
     max_blocks: int | None = None
     max_tokens: int | None = None
+    over_cap: str = "wait"  # "reject": a new request finding the group at max_running / max_blocks is turned away
 
 
 class CapTable:
@@ -128,7 +136,8 @@ class CapTable:
         out = []
         if tc.has_caps:
             blocks = None if tc.max_kv_share is None else max(1, math.floor(tc.max_kv_share * n))
-            out.append(CapGroup(("tenant", tenant), "tenant_caps", tc.max_running, blocks, tc.max_tokens_per_step))
+            out.append(CapGroup(("tenant", tenant), "tenant_caps", tc.max_running, blocks, tc.max_tokens_per_step,
+                                tc.over_cap))
         if config.scheduling_policy == "three_class":
             cls, knobs = class_of(config, tenant), config.three_class
             if cls != "interactive":
@@ -140,10 +149,88 @@ class CapTable:
                                     max_blocks=max(1, math.floor(knobs.agent_kv_share * n))))
         return tuple(out)
 
+    def rejecting_group(self, req: Request, usage: dict, need_blocks: int) -> CapGroup | None:
+        """The ``over_cap="reject"`` group whose seat or KV cap keeps ``req`` out now, if any.
+
+        ``usage`` is the scheduler's per-group ``[running, blocks, tokens]``.  The
+        per-step token cap never rejects: it frees up at the next step.
+        """
+        for g in self.groups(req):
+            if g.over_cap != "reject":
+                continue
+            u = usage.get(g.key, (0, 0, 0))
+            if g.max_running is not None and u[0] >= g.max_running:
+                return g
+            if g.max_blocks is not None and u[1] + need_blocks > g.max_blocks:
+                return g
+        return None
+
+    def retry_steps(self, req: Request, running: Sequence[Request], need_blocks: int) -> int | None:
+        """Engine steps until the group that rejected ``req`` has room for it (None: it has room now).
+
+        Its running members are assumed to finish in order of the steps they still
+        need (the rest of their prompt in chunks of ``long_prefill_token_threshold``
+        or the token budget, then one step per remaining output token); each gives
+        back its seat and its blocks.  An estimate, like reject mode's hint: members
+        can also be preempted, or stop early at EOS.
+        """
+        chunk = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens or 2048
+        for g in self.groups(req):
+            if g.over_cap != "reject":
+                continue
+            members = [r for r in running if g in self.groups(r)]
+            seats, blocks = len(members), sum(len(r.block_ids) for r in members)
+
+            def fits(seats: int, blocks: int) -> bool:
+                return ((g.max_running is None or seats < g.max_running)
+                        and (g.max_blocks is None or blocks + need_blocks <= g.max_blocks))
+
+            if fits(seats, blocks):
+                continue
+            steps = 1
+            for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
+                steps = _steps_left(r, chunk)
+                seats, blocks = seats - 1, blocks - len(r.block_ids)
+                if fits(seats, blocks):
+                    break
+            return max(1, steps)
+        return None
+
     def max_blocks(self, req: Request) -> int | None:
         """The most blocks ``req`` may ever hold under its caps (None: no KV cap)."""
         caps = [g.max_blocks for g in self.groups(req) if g.max_blocks is not None]
         return min(caps) if caps else None
+
+
+def _steps_left(req: Request, chunk: int) -> int:
+    """Steps ``req`` still needs if it runs every step: prompt chunks, then one per output token."""
+    prefill = max(0, req.num_prompt_tokens - req.num_computed_tokens)
+    return -(-prefill // chunk) + max(1, req.max_tokens - len(req.output_token_ids))
+
+
+def tenant_cache_quota(config: EngineConfig, num_blocks: int):
+    """``tenant -> blocks`` it may keep in the prefix cache, or None when no tenant has its own quota.
+
+    A tenant's ``TenantConfig.max_cache_share`` wins; under the three-class preset every
+    other tenant gets ``ThreeClassConfig.tenant_cache_share`` (rule ``capped_prefix_cache``),
+    unless ``prefix_cache_quota_blocks`` is set; everyone else falls back to the
+    engine-wide ``prefix_cache_quota_blocks`` (the function returns None for them).
+    Cached blocks shared across tenants (``share_prefix_cache_across_tenants``) count
+    under the group ``None``, which has no tenant quota.
+    """
+    preset = None
+    if config.scheduling_policy == "three_class" and config.prefix_cache_quota_blocks is None:
+        preset = max(1, math.floor(config.three_class.tenant_cache_share * num_blocks))
+    if preset is None and not any(tc.max_cache_share is not None for _, tc in config.tenants):
+        return None
+
+    def quota(tenant) -> int | None:
+        if tenant is None:
+            return None
+        share = config.tenant_config(tenant).max_cache_share
+        return max(1, math.floor(share * num_blocks)) if share is not None else preset
+
+    return quota
 
 
 # -- policies ---------------------------------------------------------------------------------------

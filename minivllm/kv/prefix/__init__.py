@@ -32,11 +32,15 @@ def make_prefix_cache(
     block_size: int,
     quota_blocks: int | None = None,
     hash_fn: Callable[[object], Hashable] | None = None,
+    quota_group: Callable[[Hashable], Hashable] | None = None,
+    quota_for: Callable[[Hashable], int | None] | None = None,
 ) -> PrefixCache:
     """Build a prefix cache of the given ``kind`` (``"radix"`` or ``"hash"``).
 
     ``hash_fn`` only makes sense for the hash index; passing it for the radix
-    tree is an error rather than silently ignored.
+    tree is an error rather than silently ignored.  ``quota_group`` and
+    ``quota_for`` turn the per-namespace quota into per-group quotas (the
+    engine groups by tenant, see :mod:`minivllm.kv.prefix.base`).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -45,9 +49,9 @@ def make_prefix_cache(
     if kind == "radix":
         if hash_fn is not None:
             raise ValueError("hash_fn only applies to kind='hash'")
-        return RadixCache(pool, block_size, quota_blocks)
+        return RadixCache(pool, block_size, quota_blocks, quota_group=quota_group, quota_for=quota_for)
     if kind == "hash":
-        return HashIndex(pool, block_size, quota_blocks, hash_fn or default_block_hash)
+        return HashIndex(pool, block_size, quota_blocks, hash_fn or default_block_hash, quota_group, quota_for)
     raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {CACHE_KINDS}")
 
 

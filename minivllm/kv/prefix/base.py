@@ -43,7 +43,12 @@ tuple such as ``("tenant", "alice", "salt", "x")``, never a joined string
 A block cached under one namespace is never matched under another, so one
 tenant cannot learn from timing whether another tenant sent some prompt.
 
-``quota_blocks`` bounds how many blocks each namespace may keep cached.  An
+``quota_blocks`` bounds how many blocks each namespace may keep cached.
+Per-tenant quotas refine it: ``quota_group`` maps a namespace to the key its
+blocks are counted under (the KV manager passes "the tenant", so all of a
+tenant's salted namespaces share one budget and a client cannot multiply its
+share by inventing salts), and ``quota_for(group)`` gives that group's quota
+(``None``: ``quota_blocks``).  An
 insert that would go over the quota first evicts that namespace's *own*
 least-recently-used evictable blocks; when nothing more can go, the extra
 blocks are simply not cached.  So no tenant can push out another tenant's
@@ -185,39 +190,64 @@ class LogicalClock:
         return self.now
 
 
+QuotaGroup = Callable[[Hashable], Hashable]
+QuotaFor = Callable[[Hashable], "int | None"]
+
+
 @dataclass
 class NamespaceCounts:
-    """How many blocks each namespace has cached, against an optional quota."""
+    """How many blocks each quota group has cached, against an optional quota.
+
+    Every method takes a *namespace* and counts it under ``group_of(namespace)``
+    (the namespace itself by default), so callers never handle group keys.
+    """
 
     quota_blocks: int | None = None
+    group_of: QuotaGroup | None = None
+    quota_for: QuotaFor | None = None
     _counts: dict[Hashable, int] = field(default_factory=dict)
 
+    def key(self, namespace: Hashable) -> Hashable:
+        return namespace if self.group_of is None else self.group_of(namespace)
+
+    def quota(self, namespace: Hashable) -> int | None:
+        """The quota of ``namespace``'s group (its own, else ``quota_blocks``; None: unbounded)."""
+        if self.quota_for is not None:
+            q = self.quota_for(self.key(namespace))
+            if q is not None:
+                return q
+        return self.quota_blocks
+
     def count(self, namespace: Hashable) -> int:
-        return self._counts.get(namespace, 0)
+        return self._counts.get(self.key(namespace), 0)
 
     def add(self, namespace: Hashable, n: int) -> None:
-        self._counts[namespace] = self.count(namespace) + n
+        k = self.key(namespace)
+        self._counts[k] = self._counts.get(k, 0) + n
 
     def remove(self, namespace: Hashable, n: int) -> int:
-        """Subtract ``n``; return what is left (empty namespaces are forgotten)."""
-        left = self.count(namespace) - n
+        """Subtract ``n``; return what is left in the group (empty groups are forgotten)."""
+        k = self.key(namespace)
+        left = self._counts.get(k, 0) - n
         if left:
-            self._counts[namespace] = left
+            self._counts[k] = left
         else:
-            self._counts.pop(namespace, None)
+            self._counts.pop(k, None)
         return left
 
     def excess(self, namespace: Hashable, wanted: int) -> int:
         """How many blocks must go before ``wanted`` more fit in the quota."""
-        if self.quota_blocks is None:
+        quota = self.quota(namespace)
+        if quota is None:
             return 0
-        return max(0, self.count(namespace) + wanted - self.quota_blocks)
+        return max(0, self.count(namespace) + wanted - quota)
 
     def room(self, namespace: Hashable, wanted: int) -> int:
         """How many of ``wanted`` new blocks the quota lets in now."""
-        if self.quota_blocks is None:
+        quota = self.quota(namespace)
+        if quota is None:
             return wanted
-        return max(0, min(wanted, self.quota_blocks - self.count(namespace)))
+        return max(0, min(wanted, quota - self.count(namespace)))
 
 
 K = TypeVar("K", bound=Hashable)
@@ -312,11 +342,14 @@ class LeafIndex(Generic[K]):
 
     all: LeafLru[K] = field(default_factory=LeafLru)
     by_namespace: dict[Hashable, LeafLru[K]] = field(default_factory=dict)
+    group_of: QuotaGroup | None = None  # same grouping as the quota counts (per tenant, say)
 
     def namespace(self, namespace: Hashable) -> LeafLru[K]:
-        leaves = self.by_namespace.get(namespace)
+        """The LRU of ``namespace``'s quota group."""
+        key = namespace if self.group_of is None else self.group_of(namespace)
+        leaves = self.by_namespace.get(key)
         if leaves is None:
-            leaves = self.by_namespace[namespace] = LeafLru()
+            leaves = self.by_namespace[key] = LeafLru()
         return leaves
 
     def mark(self, leaf: K, namespace: Hashable, tick: int) -> None:
@@ -325,12 +358,14 @@ class LeafIndex(Generic[K]):
 
     def unmark(self, leaf: K, namespace: Hashable) -> None:
         self.all.discard(leaf)
-        leaves = self.by_namespace.get(namespace)
+        key = namespace if self.group_of is None else self.group_of(namespace)
+        leaves = self.by_namespace.get(key)
         if leaves is not None:
             leaves.discard(leaf)
 
     def drop_namespace(self, namespace: Hashable) -> None:
-        self.by_namespace.pop(namespace, None)
+        """Forget the LRU of ``namespace``'s group (call once the group holds no block)."""
+        self.by_namespace.pop(namespace if self.group_of is None else self.group_of(namespace), None)
 
 
 class LeafEviction:

@@ -48,6 +48,8 @@ from minivllm.kv.prefix.base import (
     LogicalClock,
     NamespaceCounts,
     PrefixCacheStats,
+    QuotaFor,
+    QuotaGroup,
     check_new_blocks,
     split_into_blocks,
 )
@@ -85,6 +87,8 @@ class HashIndex(LeafEviction):
     block_size: int = 16
     quota_blocks: int | None = None
     hash_fn: HashFn = default_block_hash
+    quota_group: QuotaGroup | None = None  # namespace -> the key its quota is counted under (see base)
+    quota_for: QuotaFor | None = None  # group -> its quota in blocks (None: quota_blocks)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _table: dict[Hashable, HashEntry] = field(default_factory=dict, repr=False)
     _entry_of_block: dict[int, HashEntry] = field(default_factory=dict, repr=False)
@@ -93,7 +97,8 @@ class HashIndex(LeafEviction):
     _leaves: LeafIndex[HashEntry] = field(default_factory=LeafIndex, repr=False)
 
     def __post_init__(self) -> None:
-        self._counts = NamespaceCounts(self.quota_blocks)
+        self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
+        self._leaves.group_of = self.quota_group
 
     # -- queries -------------------------------------------------------------
     @property

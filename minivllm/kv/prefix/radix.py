@@ -45,6 +45,8 @@ from minivllm.kv.prefix.base import (
     LogicalClock,
     NamespaceCounts,
     PrefixCacheStats,
+    QuotaFor,
+    QuotaGroup,
     check_new_blocks,
     split_into_blocks,
 )
@@ -92,6 +94,8 @@ class RadixCache(LeafEviction):
     pool: BlockPool
     block_size: int = 16
     quota_blocks: int | None = None
+    quota_group: QuotaGroup | None = None  # namespace -> the key its quota is counted under (see base)
+    quota_for: QuotaFor | None = None  # group -> its quota in blocks (None: quota_blocks)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _roots: dict[str, RadixNode] = field(default_factory=dict, repr=False)
     _node_of_block: dict[int, RadixNode] = field(default_factory=dict, repr=False)
@@ -100,7 +104,8 @@ class RadixCache(LeafEviction):
     _leaves: LeafIndex[RadixNode] = field(default_factory=LeafIndex, repr=False)
 
     def __post_init__(self) -> None:
-        self._counts = NamespaceCounts(self.quota_blocks)
+        self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
+        self._leaves.group_of = self.quota_group
 
     # -- queries -------------------------------------------------------------
     @property

@@ -1,0 +1,704 @@
+"""Checkers for lab 6 (fairness): a per-tenant cap, a WFQ virtual token counter, a deadline order with aging.
+
+Also the lab's measurement harness: a seeded noisy-vs-quiet workload
+(:func:`noisy_quiet`), a mixed three-class workload (:func:`mixed_classes`), an
+arrival loop on the engine's virtual clock (:func:`serve`) returning a
+:class:`ServeResult` with per-tenant TTFT, throughput, KV share and the step
+log's per-tenant rows, and :class:`TenantTimeline`, the widget of per-tenant
+queues and KV shares over time.  Every learner object is plugged into the
+*real* engine through its policy seams (``admission_policy`` and
+``preemption_policy``, see :mod:`minivllm.interfaces`); until a checker passes,
+the lab falls back to the engine's own policy of the same name
+(``scheduling_policy="caps"``, ``"wfq"``, ``"deadline"``).  The module ends with
+the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP
+from minivllm.config import EngineConfig, TenantConfig
+from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.registry import Exercise, Lab
+from minivllm.labs.widgets import PictureWidget
+from minivllm.sampling_params import SamplingParams
+from minivllm.sched.fairness import RankPreemption, WFQAdmission
+from minivllm.sim.executor import SimulatedExecutor
+
+BLOCK_SIZE = 16
+TENANT_COLORS = {"quiet": "#4e79a7", "noisy": "#e15759", "chat": "#4e79a7", "agent": "#f28e2b", "bulk": "#76b7b2"}
+SLOS = {"chat": (0.7, 0.060), "agent": (2.0, 0.120)}  # the seed lesson's interactive and agent SLOs (TTFT, ITL p95)
+
+
+# -- workloads ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arrival:
+    time: float
+    request_id: str
+    tenant: str
+    prompt: tuple
+    max_tokens: int
+    deadline: float | None = None
+
+
+def _poisson(rng: random.Random, rate: float, until: float):
+    t = rng.expovariate(rate)
+    while t < until:
+        yield t
+        t += rng.expovariate(rate)
+
+
+def noisy_quiet(duration: float = 8.0, *, seed: int = 0, quiet_alone: bool = False) -> list[Arrival]:
+    """A quiet tenant's short chats (4/s, prompts 150-450) and a noisy bulk importer (2.5/s, prompts 3000-5000):
+    about 10x the quiet tenant's tokens, more than the engine serves, so its backlog grows for ``duration`` s.
+    Quiet requests carry a 1 s deadline, noisy ones 30 s."""
+    rng = random.Random(seed)
+    out = []
+    for i, t in enumerate(_poisson(rng, 4.0, duration)):
+        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(150, 450)))
+        out.append(Arrival(round(t, 6), f"quiet-{i}", "quiet", prompt, rng.randint(20, 60), round(t + 1.0, 6)))
+    if not quiet_alone:
+        for i, t in enumerate(_poisson(rng, 2.5, duration)):
+            prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(3000, 5000)))
+            out.append(Arrival(round(t, 6), f"noisy-{i}", "noisy", prompt, rng.randint(40, 120), round(t + 30.0, 6)))
+    return sorted(out, key=lambda a: a.time)
+
+
+def mixed_classes(duration: float = 30.0, *, seed: int = 0) -> list[Arrival]:
+    """Interactive chats (0.5/s, prompts 20-60), agent calls on a shared 300-token preamble (0.25/s) and a
+    batch backlog of 6 prompts at t=0: sized for the calibrated CPU step time
+    (:data:`~minivllm.bench.fairness.CLASS_STEP`, about 300 prompt tokens per second)."""
+    rng = random.Random(seed)
+    system = tuple(rng.randrange(10, 990) for _ in range(300))  # the agents' shared tool preamble
+    out = []
+    for i, t in enumerate(_poisson(rng, 0.5, duration)):
+        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
+        out.append(Arrival(round(t, 6), f"chat-{i}", "chat", prompt, rng.randint(8, 24)))
+    for i, t in enumerate(_poisson(rng, 0.25, duration)):
+        prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
+        out.append(Arrival(round(t, 6), f"agent-{i}", "agent", prompt, rng.randint(8, 24)))
+    for i in range(6):
+        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
+        out.append(Arrival(0.001 * i, f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
+    return sorted(out, key=lambda a: a.time)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def jain(xs: Sequence[float]) -> float:
+    """Jain's fairness index: 1 when all equal, 1/n when one gets everything."""
+    xs = list(xs)
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else float("nan")
+
+
+# -- the engine and the arrival loop ------------------------------------------------------------------
+
+
+def lab_engine(policy: dict | None = None, *, num_blocks: int = 1024, budget: int = 2048, max_seqs: int = 128,
+               chunk: int = 512, step: dict | None = None, max_len: int = 8192, **options):
+    """The lab's engine: a real ``LLMEngine`` on a simulated forward pass (virtual clock).
+
+    ``policy`` is engine keyword arguments: ``{"scheduling_policy": "wfq"}``, ``{"admission_policy": obj}``,
+    ``{"scheduling_policy": "caps", "tenants": {...}}`` ...
+    """
+    from minivllm.engine.llm_engine import LLMEngine
+
+    policy = dict(policy or {})
+    objects = {k: policy.pop(k) for k in ("admission_policy", "preemption_policy") if k in policy}
+    cfg = EngineConfig(num_gpu_blocks_override=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
+                       max_num_seqs=max_seqs, max_model_len=max_len, long_prefill_token_threshold=chunk,
+                       device="cpu", **policy, **options)
+    return LLMEngine(cfg, executor=SimulatedExecutor(**(step or FAIR_STEP)), model_max_len=max_len,
+                     eos_token_ids=set(), **objects)
+
+
+def class_engine(policy: str, classes: dict, knobs=None):
+    """The three-class experiment's engine: ``policy`` by name, tenants mapped to classes, on the calibrated
+    CPU step time (:data:`~minivllm.bench.fairness.CLASS_STEP`), prefix caching on whatever the policy."""
+    from minivllm.config import ThreeClassConfig
+
+    return lab_engine({"scheduling_policy": policy, "tenants": classes, "three_class": knobs or ThreeClassConfig()},
+                      num_blocks=512, budget=64, max_seqs=32, chunk=0, step=CLASS_STEP, max_len=4096,
+                      enable_prefix_caching=True)  # on for every policy: the comparison is about scheduling
+
+
+@dataclass
+class ServeResult:
+    """Per-tenant numbers of one run; ``records`` is the engine's step log (with its per-tenant rows)."""
+
+    ttft: dict = field(default_factory=dict)  # request id -> seconds
+    itl_p95: dict = field(default_factory=dict)  # request id -> seconds
+    tenant_of: dict = field(default_factory=dict)
+    first_step: dict = field(default_factory=dict)  # request id -> step of its first scheduled token
+    arrival: dict = field(default_factory=dict)
+    records: list = field(default_factory=list)
+    num_blocks: int = 0
+    window: float = 0.0
+    makespan: float = 0.0
+    stats: dict = field(default_factory=dict)
+    window_tokens: dict = field(default_factory=dict)  # tenant -> (prompt, output) tokens served in the window
+
+    def tenants(self) -> list[str]:
+        return sorted(set(self.tenant_of.values()))
+
+    def p95_ttft(self, tenant: str) -> float:
+        return percentile([v for k, v in self.ttft.items() if self.tenant_of[k] == tenant], 95)
+
+    def p50_ttft(self, tenant: str) -> float:
+        return percentile([v for k, v in self.ttft.items() if self.tenant_of[k] == tenant], 50)
+
+    def kv_share(self, tenant: str) -> float:
+        """Mean share of the pool its running requests held, over the steps of the arrival window."""
+        rows = [r.tenant(tenant).kv_blocks for r in self.records if r.time <= self.window]
+        return sum(rows) / max(1, len(rows)) / self.num_blocks
+
+    def tokens_per_s(self, tenant: str) -> float:
+        """Prompt + output tokens served per second while arrivals lasted."""
+        return sum(self.window_tokens.get(tenant, (0, 0))) / self.window
+
+    def service(self, tenant: str, prefill_weight: float = 1.0, decode_weight: float = 2.0) -> float:
+        """Weighted token service in the window (what WFQ equalises): prefill x 1 + output x 2 by default."""
+        p, o = self.window_tokens.get(tenant, (0, 0))
+        return prefill_weight * p + decode_weight * o
+
+    def slo_met(self, tenant: str, ttft_slo: float, itl_slo: float | None = None) -> float:
+        """Share of the tenant's requests with TTFT under ``ttft_slo`` (and, if given, their p95 ITL under ``itl_slo``)."""
+        ids = [k for k in self.ttft if self.tenant_of[k] == tenant]
+        ok = [k for k in ids if self.ttft[k] < ttft_slo and (itl_slo is None or self.itl_p95[k] < itl_slo)]
+        return len(ok) / max(1, len(ids))
+
+    def itl_p95_all(self, tenant: str) -> float:
+        """p95 over the tenant's requests of their own p95 inter-token latency."""
+        return percentile([v for k, v in self.itl_p95.items() if self.tenant_of[k] == tenant], 95)
+
+    def row(self, tenant: str) -> dict:
+        return {"p50 TTFT s": self.p50_ttft(tenant), "p95 TTFT s": self.p95_ttft(tenant),
+                "tok/s": self.tokens_per_s(tenant), "KV share": self.kv_share(tenant),
+                "preemptions": self.stats["per_tenant"].get(tenant, {}).get("num_preemptions", 0)}
+
+
+def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_steps: int = 100_000) -> ServeResult:
+    """Add each request when the virtual clock reaches its arrival, step until all finish."""
+    ex = engine.executor
+    res = ServeResult(num_blocks=engine.pool.num_blocks)
+    res.window = window if window is not None else (max(a.time for a in arrivals) if arrivals else 0.0)
+    pending = list(reversed(arrivals))
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and pending and pending[-1].time > ex.clock:
+            ex.clock = pending[-1].time
+        while pending and pending[-1].time <= ex.clock:
+            a = pending.pop()
+            engine.add_request({"prompt_token_ids": list(a.prompt), "tenant": a.tenant, "deadline": a.deadline},
+                               SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id,
+                               arrival_time=a.time)
+            res.tenant_of[a.request_id] = a.tenant
+            res.arrival[a.request_id] = a.time
+        for out in engine.step():
+            if out.finished and out.metrics.ttft is not None:
+                res.ttft[out.request_id] = out.metrics.ttft
+                res.itl_p95[out.request_id] = percentile(out.metrics.itls, 95) if out.metrics.itls else 0.0
+        for rid, _, _ in engine.step_log[-1].seqs:
+            res.first_step.setdefault(rid, step)
+        if ex.clock <= res.window:
+            res.window_tokens = {t: (c.prompt_tokens, c.output_tokens) for t, c in engine.scheduler.tenant_stats.items()}
+        step += 1
+        if step >= max_steps:
+            raise RuntimeError(f"the engine did not drain in {max_steps} steps")
+    res.records = list(engine.step_log)
+    res.makespan = ex.clock
+    res.stats = engine.stats()
+    return res
+
+
+def table(results: dict[str, ServeResult], tenants: Sequence[str]) -> str:
+    """policy x tenant: p50/p95 TTFT, tokens/s in the window, mean KV share, preemptions."""
+    width = max([len("policy")] + [len(name) for name in results]) + 2
+    lines = [f"{'policy':<{width}}{'tenant':<8}{'TTFT p50':>9}{'TTFT p95':>9}{'tok/s':>8}{'KV share':>9}{'preempt':>8}"]
+    for name, res in results.items():
+        for t in tenants:
+            r = res.row(t)
+            lines.append(f"{name:<{width}}{t:<8}{r['p50 TTFT s']:8.2f}s{r['p95 TTFT s']:8.2f}s{r['tok/s']:8.0f}"
+                         f"{r['KV share']:9.0%}{r['preemptions']:8d}")
+    return "\n".join(lines)
+
+
+# -- the widget: per-tenant queues and KV shares over time ---------------------------------------------
+
+
+class TenantTimeline(PictureWidget):
+    """Per-tenant waiting queues (top) and KV shares (bottom) over virtual time, one run per choice.
+
+    Reads only finished runs' step logs (their per-tenant rows), so the cells
+    after it cannot change what it shows; a dropdown picks the run, a slider
+    moves the cursor, and the log says who held what at that moment.
+    """
+
+    caption = "[timeline controls: run this notebook in Jupyter to pick a policy and move through time]"
+
+    def __init__(self, runs: dict[str, ServeResult], tenants: Sequence[str]) -> None:
+        super().__init__(figsize=(11, 4.2))
+        self.runs, self.tenants = runs, list(tenants)
+        self.current = next(iter(runs))
+        self.cursor = 0.0
+
+    def paint(self, fig) -> None:
+        res = self.runs[self.current]
+        times = [r.time for r in res.records]
+        top, bottom = fig.subplots(2, 1, sharex=True)
+        for t in self.tenants:
+            color = TENANT_COLORS.get(t)
+            top.plot(times, [r.tenant(t).waiting for r in res.records], color=color, label=f"{t} waiting")
+            bottom.plot(times, [r.tenant(t).kv_blocks / res.num_blocks for r in res.records], color=color,
+                        label=f"{t} KV share")
+        for ax in (top, bottom):
+            ax.axvline(self.cursor, color="#555555", ls=":")
+            ax.legend(fontsize=8, loc="upper left")
+        top.set_ylabel("requests waiting")
+        bottom.set_ylabel("share of KV blocks")
+        bottom.set_ylim(0, 1)
+        bottom.set_xlabel("virtual time (s)")
+        top.set_title(f"{self.current}: per-tenant queue and KV share")
+        fig.tight_layout()
+
+    def at(self, time_s: float) -> str:
+        """Move the cursor; one line per tenant describing that moment."""
+        self.cursor = time_s
+        res = self.runs[self.current]
+        rec = min(res.records, key=lambda r: abs(r.time - time_s))
+        return f"t = {rec.time:.2f} s, step {rec.step}: " + "; ".join(
+            f"{t} {rec.tenant(t).running} running / {rec.tenant(t).waiting} waiting / "
+            f"{rec.tenant(t).kv_blocks / res.num_blocks:.0%} KV" for t in self.tenants)
+
+    def pick(self, name: str) -> str:
+        self.current = name
+        return self.at(self.cursor)
+
+    def controls(self, w) -> list:
+        end = max(r.records[-1].time for r in self.runs.values())
+        choice = w.Dropdown(options=list(self.runs), value=self.current, description="policy")
+        slider = w.FloatSlider(value=0.0, min=0.0, max=round(end, 2), step=0.1, description="time (s)",
+                               continuous_update=False)
+
+        def on_choice(change):
+            with self._lock:
+                self.refresh(self.pick(change["new"]))
+
+        def on_slider(change):
+            with self._lock:
+                self.refresh(self.at(change["new"]))
+
+        choice.observe(on_choice, names="value")
+        slider.observe(on_slider, names="value")
+        return [w.HBox([choice, slider])]
+
+
+# -- the engine-side adapters (the seams the learner's objects plug into) ----------------------------------
+
+
+class CounterWFQ(WFQAdmission):
+    """The engine's WFQ order (interleave tenants, lowest counter first) with the counter arithmetic delegated
+    to ``vtc`` (a learner's ``VirtualTokenCounter``: ``counters``, ``weight``, ``charge``, ``activate``)."""
+
+    def __init__(self, vtc, budget: int = 2048) -> None:
+        super().__init__(EngineConfig(device="cpu", max_num_batched_tokens=budget,
+                                      wfq_prefill_weight=vtc.prefill_weight, wfq_decode_weight=vtc.decode_weight))
+        self.vtc = vtc
+
+    def counter(self, tenant: str) -> float:
+        return self.vtc.counters.get(tenant, 0.0)
+
+    def weight(self, tenant: str) -> float:
+        return self.vtc.weight(tenant)
+
+    def _activate(self, waiting, running) -> None:
+        active = {r.tenant for r in waiting} | {r.tenant for r in running}
+        already = active & self._active
+        for t in sorted(active - self._active):
+            self.vtc.activate(t, set(already))
+        self._active = active
+
+    def observe(self, batch, now: float) -> None:
+        for s in batch.seqs:
+            self.vtc.charge(s.request.tenant, 0 if s.is_decode else s.num_tokens, 1 if s.samples else 0)
+
+
+def wfq_policy(vtc_or_none, weights: dict | None = None, budget: int = 2048) -> dict:
+    """Engine keyword arguments for WFQ: the learner's counter plugged in, or the engine's own ``"wfq"``
+    (``budget`` must be the engine's ``max_num_batched_tokens``: WFQ's preemption margin is one step's budget)."""
+    if vtc_or_none is None:
+        tenants = {t: TenantConfig(weight=w) for t, w in (weights or {}).items()} or None
+        return {"scheduling_policy": "wfq", "tenants": tenants}
+    adm = CounterWFQ(vtc_or_none, budget)
+    return {"admission_policy": adm, "preemption_policy": RankPreemption(adm)}
+
+
+def cap_policy(cap_or_none, max_running: dict) -> dict:
+    """Engine keyword arguments for per-tenant seat caps (``{tenant: max running}``): the learner's order, or
+    the engine's ``"caps"`` with the same caps as ``TenantConfig(max_running=...)``."""
+    if cap_or_none is None:
+        return {"scheduling_policy": "caps", "tenants": {t: TenantConfig(max_running=n) for t, n in max_running.items()}}
+    return {"admission_policy": cap_or_none}
+
+
+def deadline_policy(order_or_none, aging_s: float) -> dict:
+    """Engine keyword arguments for deadline-with-aging: the learner's order, or the engine's ``"deadline"``."""
+    if order_or_none is None:
+        return {"scheduling_policy": "deadline", "deadline_aging_s": aging_s}
+    return {"admission_policy": order_or_none, "preemption_policy": RankPreemption(order_or_none)}
+
+
+# -- test doubles ------------------------------------------------------------------------------------------
+
+
+class _R:
+    """A stand-in request: what the policies read."""
+
+    def __init__(self, rid: str, tenant: str, arrival: float = 0.0, deadline: float | None = None) -> None:
+        self.request_id, self.tenant, self.arrival_time, self.deadline = rid, tenant, arrival, deadline
+        self.priority = 0
+
+    def __repr__(self) -> str:
+        return self.request_id
+
+
+def _ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+# -- exercise 1: a per-tenant cap --------------------------------------------------------------------------
+
+
+def _cap_engine_run(policy: dict, seed: int = 1) -> tuple:
+    """Per-step running counts of two tenants on a pool and budget too large to bind: only the seat cap does."""
+    rng = random.Random(seed)
+    engine = lab_engine(policy, num_blocks=2048, budget=4096, max_seqs=64)
+    arrivals = []
+    for i in range(18):
+        tenant = "noisy" if i % 3 else "quiet"
+        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 200)))
+        arrivals.append(Arrival(0.004 * i, f"{tenant}-{i}", tenant, prompt, rng.randint(4, 30)))
+    res = serve(engine, arrivals)
+    return (len(res.ttft), tuple((r.tenant("noisy").running, r.tenant("quiet").running) for r in res.records))
+
+
+_EXPECTED_CAP: tuple | None = None
+_CAPS = {"noisy": 2}
+
+
+def check_tenant_cap(cls) -> CheckResult:
+    """Check ``cls(max_running: dict)`` with ``order(waiting, running) -> list`` (an AdmissionPolicy)."""
+    global _EXPECTED_CAP
+    if _EXPECTED_CAP is None:
+        _EXPECTED_CAP = _cap_engine_run(cap_policy(None, _CAPS))
+    a = [_R(f"a{i}", "a", i) for i in range(4)]
+    b = [_R(f"b{i}", "b", 10 + i) for i in range(3)]
+
+    def order(k, waiting, running, caps=None):
+        return _ids(k({"a": 2, "b": 2} if caps is None else caps).order(list(waiting), list(running)))
+
+    def untouched(k):
+        waiting = a + b
+        k({"a": 2, "b": 2}).order(waiting, [])
+        return _ids(waiting)
+
+    cases = [
+        Case("no one running: each tenant's first max_running, in queue order",
+             lambda k: order(k, a + b, []), ["a0", "a1", "b0", "b1"],
+             "walk the queue in order; let a request through while its tenant has fewer than its cap"),
+        Case("running requests take seats", lambda k: order(k, a + b, [_R("ra", "a")]), ["a0", "b0", "b1"],
+             "count each tenant's RUNNING requests first: they hold seats already"),
+        Case("a tenant at its cap waits, the other goes ahead", lambda k: order(k, a + b, [_R("x", "a"), _R("y", "a")]),
+             ["b0", "b1"], "tenant a already has its cap running: none of its waiting requests may start"),
+        Case("a tenant without a cap is not limited", lambda k: order(k, a + b, [_R("x", "b")], caps={"b": 1}),
+             ["a0", "a1", "a2", "a3"], "only the tenants in max_running are capped; the others pass untouched"),
+        Case("caps differ per tenant", lambda k: order(k, b + a, [], caps={"a": 1, "b": 3}), ["b0", "b1", "b2", "a0"],
+             "look up the cap of each request's own tenant"),
+        Case("queue order is kept (preempted requests wait at the front)",
+             lambda k: order(k, [b[2], a[3], b[0]], [], caps={"a": 3, "b": 3}), ["b2", "a3", "b0"],
+             "don't sort: the engine's queue order already puts preempted requests first"),
+        Case("the engine's queue is not changed", untouched, _ids(a + b),
+             "build a new list; never remove from or sort the list the engine passes you"),
+        Case("the real engine: per-step running counts equal the engine's caps policy",
+             lambda k: _cap_engine_run(cap_policy(k(dict(_CAPS)), _CAPS)), _EXPECTED_CAP,
+             "plugged in as admission_policy, your order must admit exactly what the engine's cap admits",
+             show_expected=f"all {_EXPECTED_CAP[0]} finish, never more than 2 noisy requests running"),
+    ]
+    return run_checks("per-tenant cap", cls, cases)
+
+
+def hidden_tenant_cap(cls, seed: int) -> CheckResult:
+    rng = random.Random(seed)
+    caps = {t: rng.randint(1, 3) for t in "ab"}  # c is uncapped
+    waiting = [_R(f"w{i}", rng.choice("abc"), i) for i in range(rng.randint(4, 12))]
+    running = [_R(f"r{i}", rng.choice("abc")) for i in range(rng.randint(0, 4))]
+    seats = {t: sum(r.tenant == t for r in running) for t in "abc"}
+    expected = []
+    for r in waiting:
+        if r.tenant not in caps or seats[r.tenant] < caps[r.tenant]:
+            expected.append(r.request_id)
+            seats[r.tenant] += 1
+    return run_checks("per-tenant cap (hidden)", cls, [
+        Case(f"random queue, caps {caps}", lambda k: _ids(k(dict(caps)).order(list(waiting), list(running))), expected)])
+
+
+# -- exercise 2: the WFQ virtual token counter ---------------------------------------------------------------
+
+
+def _wfq_engine_run(policy: dict, seed: int = 2) -> tuple:
+    """Three backlogged tenants of very different request sizes (each sends about the same tokens): who gets
+    each step's tokens, and each tenant's weighted service in the first 1.5 s."""
+    rng = random.Random(seed)
+    shapes = {"long": (12, (1200, 1600), (10, 20)), "medium": (36, (300, 500), (10, 30)),
+              "short": (120, (60, 150), (4, 12))}
+    arrivals = []
+    for i in range(120):
+        for name, (n, p, o) in shapes.items():
+            if i >= n:
+                continue
+            prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(*p)))
+            arrivals.append(Arrival(0.0005 * len(arrivals), f"{name}-{i}", name, prompt, rng.randint(*o)))
+    engine = lab_engine(policy, num_blocks=1024, budget=512, max_seqs=24)
+    res = serve(engine, arrivals, window=1.5)
+    service = {t: res.service(t) for t in res.tenants()}
+    per_step = tuple(r.seqs for r in res.records[:400])
+    return per_step, service
+
+
+def backlogged(policy: dict) -> dict:
+    """Weighted token service of three backlogged tenants (12 long / 36 medium / 120 short requests, all sent
+    at once) in the first 1.5 s."""
+    return _wfq_engine_run(policy)[1]
+
+
+def aging_run(policy: dict) -> ServeResult:
+    """Three no-deadline bulk jobs under a stream of 60 chats due 50 ms after arrival, on two seats."""
+    return _deadline_engine_run(policy, result=True)
+
+
+_EXPECTED_WFQ: tuple | None = None
+
+
+def check_virtual_token_counter(cls) -> CheckResult:
+    """Check ``cls(weights, prefill_weight, decode_weight)`` with ``counters``, ``weight``, ``charge``, ``activate``."""
+    global _EXPECTED_WFQ
+    if _EXPECTED_WFQ is None:
+        _EXPECTED_WFQ = _wfq_engine_run(wfq_policy(None, budget=512))
+
+    def charged(k):
+        v = k({"a": 2.0}, prefill_weight=1.0, decode_weight=2.0)
+        v.charge("a", 100, 0)
+        v.charge("b", 100, 0)
+        v.charge("b", 0, 3)
+        return round(v.counters["a"], 6), round(v.counters["b"], 6)
+
+    def weighted_decode(k):
+        v = k({"a": 4.0}, prefill_weight=0.5, decode_weight=3.0)
+        v.charge("a", 40, 2)
+        return round(v.counters["a"], 6)
+
+    def lift(k, own, others):
+        v = k({}, prefill_weight=1.0, decode_weight=2.0)
+        for t, c in others.items():
+            v.counters[t] = c
+        if own is not None:
+            v.counters["new"] = own
+        v.activate("new", set(others))
+        return round(v.counters["new"], 6), {t: v.counters[t] for t in others}
+
+    cases = [
+        Case("prefill tokens, divided by the weight", charged, (50.0, 106.0),
+             "counter += (prefill_weight x prefill tokens + decode_weight x output tokens) / the tenant's weight; "
+             "an unlisted tenant has weight 1"),
+        Case("both token weights", weighted_decode, 6.5, "0.5 x 40 + 3 x 2 = 26, divided by weight 4"),
+        Case("a newcomer starts at the minimum of the active tenants", lambda k: lift(k, None, {"x": 500, "y": 300}),
+             (300.0, {"x": 500, "y": 300}), "not 0 (it would get the whole engine until it caught up), not the maximum"),
+        Case("a returning tenant keeps a counter that is already higher", lambda k: lift(k, 900.0, {"x": 500}),
+             (900.0, {"x": 500}), "activation only ever raises a counter: take the larger of its own and the minimum"),
+        Case("alone: nothing to catch up with", lambda k: lift(k, 42.0, {}), (42.0, {}),
+             "with no other active tenant there is no minimum; leave the counter as it is"),
+        Case("the real engine: the same steps and service as the engine's WFQ", lambda k: _wfq_engine_run(
+            wfq_policy(k({}, prefill_weight=1.0, decode_weight=2.0), budget=512)), _EXPECTED_WFQ,
+             "plugged into the engine's WFQ order, your counter must produce the engine's schedule, step by step",
+             show_expected=f"service per tenant {_EXPECTED_WFQ[1]}"),
+    ]
+    return run_checks("virtual token counter", cls, cases)
+
+
+def hidden_virtual_token_counter(cls, seed: int) -> CheckResult:
+    rng = random.Random(seed)
+    weights = {t: rng.choice([0.5, 1.0, 2.0, 3.0]) for t in "ab"}
+    ops = [(rng.choice("abc"), rng.randint(0, 300), rng.randint(0, 5)) for _ in range(8)]
+    expected: dict = {}
+    for t, p, d in ops:
+        expected[t] = expected.get(t, 0.0) + (1.5 * p + 2.5 * d) / weights.get(t, 1.0)
+
+    def run(k):
+        v = k(weights, prefill_weight=1.5, decode_weight=2.5)
+        for t, p, d in ops:
+            v.charge(t, p, d)
+        return {t: round(c, 6) for t, c in v.counters.items()}
+
+    return run_checks("virtual token counter (hidden)", cls, [
+        Case("random charges", run, {t: round(c, 6) for t, c in expected.items()})])
+
+
+# -- exercise 3: deadline order with aging ---------------------------------------------------------------
+
+
+def _deadline_engine_run(policy: dict, seed: int = 3, result: bool = False):
+    """A stream of tight-deadline chats over a few no-deadline bulk jobs on four seats: the start order."""
+    rng = random.Random(seed)
+    arrivals = [Arrival(0.0, f"bulk-{i}", "bulk", tuple(rng.randrange(10, 990) for _ in range(300)), 40)
+                for i in range(3)]
+    for i in range(60):
+        t = round(0.02 * i, 6)
+        arrivals.append(Arrival(t, f"chat-{i}", "chat", tuple(rng.randrange(10, 990) for _ in range(60)), 20,
+                                round(t + 0.05, 6)))
+    engine = lab_engine(policy, num_blocks=512, budget=512, max_seqs=2)
+    res = serve(engine, arrivals)
+    if result:
+        return res
+    return tuple(sorted(res.first_step, key=lambda k: (res.first_step[k], k))), len(res.ttft)
+
+
+_EXPECTED_DEADLINE: dict = {}
+
+
+def check_deadline_aging(cls) -> CheckResult:
+    """Check ``cls(aging_s)`` with ``key(req)``, ``rank(req)`` and ``order(waiting, running)``."""
+    if not _EXPECTED_DEADLINE:
+        _EXPECTED_DEADLINE[0.5] = _deadline_engine_run(deadline_policy(None, 0.5))
+
+    def keys(k, reqs, aging=10.0):
+        return [round(k(aging).key(r), 6) for r in reqs]
+
+    def order(k, reqs, aging=10.0):
+        return _ids(k(aging).order(list(reqs), []))
+
+    tight = _R("tight", "chat", 1.0, deadline=1.5)
+    loose = _R("loose", "bulk", 0.0, deadline=40.0)
+    none = _R("none", "bulk", 0.5)
+    expired = _R("expired", "chat", 2.0, deadline=-3.0)
+
+    def untouched(k):
+        waiting = [loose, tight, none]
+        k(10.0).order(waiting, [])
+        return _ids(waiting)
+
+    cases = [
+        Case("the key is the deadline", lambda k: keys(k, [tight]), [1.5],
+             "a request with a deadline inside the aging window is ordered by its deadline"),
+        Case("no deadline: arrival + aging_s", lambda k: keys(k, [none]), [10.5],
+             "a request without a deadline is due aging_s after it arrived"),
+        Case("a far deadline is pulled in to arrival + aging_s", lambda k: keys(k, [loose]), [10.0],
+             "aging: nobody's key is later than its arrival + aging_s (take the smaller of the two)"),
+        Case("an expired deadline does not jump ahead of its own arrival", lambda k: keys(k, [expired]), [2.0],
+             "a deadline already past when the request arrived counts as its arrival time (the larger of the two)"),
+        Case("earliest key first", lambda k: order(k, [loose, tight, none]), ["tight", "loose", "none"],
+             "sort the waiting requests by key, smallest first"),
+        Case("aging_s is the one given to __init__", lambda k: order(k, [loose, none], aging=0.1), ["loose", "none"],
+             "with aging 0.1 s, loose is due at 0.1 and none at 0.6"),
+        Case("ties go to the earlier arrival", lambda k: order(k, [_R("late", "x", 3.0, 5.0), _R("early", "x", 1.0, 5.0)]),
+             ["early", "late"], "rank = (key, arrival time): equal keys keep first come, first served"),
+        Case("the engine's queue is not changed", untouched, ["loose", "tight", "none"],
+             "return a new sorted list (sorted(...)), don't sort the engine's list in place"),
+        Case("the real engine: start order under a stream of tight deadlines",
+             lambda k: _deadline_engine_run(deadline_policy(k(0.5), 0.5)), _EXPECTED_DEADLINE[0.5],
+             "plugged in as admission_policy (with RankPreemption), your order must start requests as the engine does",
+             show_expected="the engine's start order; all 63 finish"),
+    ]
+    return run_checks("deadline with aging", cls, cases)
+
+
+def hidden_deadline_aging(cls, seed: int) -> CheckResult:
+    rng = random.Random(seed)
+    aging = rng.choice([0.2, 1.0, 5.0])
+    reqs = [_R(f"q{i}", "t", round(rng.uniform(0, 3), 3), rng.choice([None, round(rng.uniform(-1, 8), 3)]))
+            for i in range(10)]
+
+    def key(r):
+        latest = r.arrival_time + aging
+        return max(r.arrival_time, latest if r.deadline is None else min(r.deadline, latest))
+
+    expected = _ids(sorted(reqs, key=lambda r: (key(r), r.arrival_time)))
+    return run_checks("deadline with aging (hidden)", cls, [
+        Case(f"random queue, aging {aging}", lambda k: _ids(k(aging).order(list(reqs), [])), expected)])
+
+
+# -- quiz helpers --------------------------------------------------------------------------------------------
+
+
+def quiz_vtc_after_prefill() -> float:
+    """The engine's WFQ counter of a weight-2 tenant after a 600-token prefill (which samples the first token)
+    and 9 decode steps, with the default weights (prefill 1, decode 2)."""
+    from types import SimpleNamespace as NS
+
+    adm = WFQAdmission(EngineConfig(device="cpu", tenants={"t": TenantConfig(weight=2.0)}))
+    req = NS(tenant="t")
+    adm.observe(NS(seqs=[NS(request=req, is_decode=False, num_tokens=600, samples=True)]), 0.0)
+    for _ in range(9):
+        adm.observe(NS(seqs=[NS(request=req, is_decode=True, num_tokens=1, samples=True)]), 0.0)
+    return adm.counter("t")
+
+
+def quiz_jain_two_to_one() -> float:
+    """Jain's index when one of two tenants gets twice the other's service."""
+    return round(jain([2.0, 1.0]), 2)
+
+
+LAB = Lab(6, "lab06_fairness", "Fairness", quiz="lab06", widgets=(), exercises=(
+    Exercise("tenant_cap", "TenantCap", check_tenant_cap, points=1, hidden=hidden_tenant_cap, mutants=(
+        ("off by one: cap + 1 seats", "seats.get(r.tenant, 0) < cap:", "seats.get(r.tenant, 0) <= cap:"),
+        ("ignores the running requests", "for r in running:\n            seats[r.tenant]",
+         "for r in []:\n            seats[r.tenant]"),
+        ("does not count what it lets through",
+         "                out.append(r)\n                seats[r.tenant] = seats.get(r.tenant, 0) + 1",
+         "                out.append(r)"),
+        ("one count for the whole engine", "seats.get(r.tenant, 0) < cap:", "sum(seats.values()) < cap:"),
+        ("uncapped tenants are blocked", "if cap is None or ", "if cap is not None and "),
+        ("a missing cap means zero seats", "self.max_running.get(r.tenant)", "self.max_running.get(r.tenant, 0)"),
+        ("the same cap for everyone", "cap = self.max_running.get(r.tenant)",
+         "cap = min(self.max_running.values())"),
+        ("sorts by arrival", "for r in waiting:", "for r in sorted(waiting, key=lambda r: r.arrival_time):"),
+        ("changes the engine's queue", "        out = []\n", "        out = waiting\n        waiting = list(waiting)\n"),
+    )),
+    Exercise("virtual_token_counter", "VirtualTokenCounter", check_virtual_token_counter, points=2,
+             hidden=hidden_virtual_token_counter, mutants=(
+        ("no weight", "cost / self.weight(tenant)", "cost"),
+        ("multiplies by the weight", "cost / self.weight(tenant)", "cost * self.weight(tenant)"),
+        ("decode weight on prefill tokens", "self.prefill_weight * prefill_tokens", "self.decode_weight * prefill_tokens"),
+        ("ignores output tokens", " + self.decode_weight * output_tokens", ""),
+        ("overwrites instead of adding", "self.counters.get(tenant, 0.0) + cost", "cost"),
+        ("newcomer starts at the maximum", "max(self.counters.get(tenant, 0.0), min(others))",
+         "max(self.counters.get(tenant, 0.0), max(others))"),
+        ("activation can lower a counter", "max(self.counters.get(tenant, 0.0), min(others))", "min(others)"),
+        ("no activation at all", "        if others:\n", "        if False:\n"),
+        ("unlisted tenants weigh 0.5", "self.weights.get(tenant, 1.0)", "self.weights.get(tenant, 0.5)"),
+    )),
+    Exercise("deadline_aging", "AgingDeadline", check_deadline_aging, points=2, hidden=hidden_deadline_aging, mutants=(
+        ("no aging", "latest if req.deadline is None else min(req.deadline, latest)",
+         "math.inf if req.deadline is None else req.deadline"),
+        ("a far deadline is not pulled in", "min(req.deadline, latest)", "req.deadline"),
+        ("later of deadline and aging", "min(req.deadline, latest)", "max(req.deadline, latest)"),
+        ("no-deadline requests jump the queue", "latest if req.deadline is None", "req.arrival_time if req.deadline is None"),
+        ("expired deadlines jump ahead", "return max(req.arrival_time, due)", "return due"),
+        ("latest first", "sorted(waiting, key=self.rank)", "sorted(waiting, key=self.rank, reverse=True)"),
+        ("ties by the newest", "return (self.key(req), req.arrival_time)", "return (self.key(req), -req.arrival_time)"),
+        ("hard-coded aging", "self.aging_s = aging_s", "self.aging_s = 30.0"),
+        ("sorts the engine's queue in place", "return sorted(waiting, key=self.rank)",
+         "waiting.sort(key=self.rank)\n        return waiting"),
+    )),
+))
