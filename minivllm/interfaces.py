@@ -15,6 +15,8 @@ and the real serving loop runs with it:
   prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`).
 * :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
   attends through block tables (plain torch or Triton kernels).
+* :class:`Router` -- which replica of a fleet serves a request (round-robin,
+  least outstanding tokens, prefix affinity; see :mod:`minivllm.sim.router`).
 
 Why one module?  A reader who wants to know "what can I replace?" reads one
 file, and no implementation module has to import another to learn a contract,
@@ -183,3 +185,17 @@ class AttentionBackend(Protocol):
         meta: "AttentionMetadata",
         scale: float,
     ) -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class Router(Protocol):
+    """Which replica of a fleet serves the next request (see :mod:`minivllm.sim.router`).
+
+    A router sees only what a load balancer in front of the engines sees: the
+    prompt and each replica's outstanding tokens (sent there, not yet streamed
+    back).  It may keep state (a round-robin counter, a hash ring).
+    """
+
+    def route(self, prompt_token_ids: Sequence[int], loads: Sequence[int]) -> int:
+        """Index into ``loads`` (one entry per replica, outstanding tokens) of the replica to use."""
+        ...

@@ -33,6 +33,11 @@ class SimulatedExecutor:
     def now(self) -> float:
         return self.clock
 
+    def advance_to(self, t: float) -> None:
+        """Idle until ``t`` on the virtual clock (an open-loop driver calls it between arrivals)."""
+        if t > self.clock:
+            self.clock = t
+
     def step_time(self, batch: ScheduledBatch) -> float:
         context = sum(s.start + s.num_tokens for s in batch.seqs)
         compute = self.per_token_s * batch.num_tokens + self.per_context_token_s * context

@@ -1,0 +1,174 @@
+"""``python -m minivllm.bench fleet``: capacity planning for a fleet of replicas behind a router, simulated.
+
+Two questions a learner has once one engine is not enough:
+
+(a) **How many replicas for X requests/s under an SLO?**  Sweep the number of
+    replicas at a fixed offered load; the answer is the smallest N whose
+    goodput (the fraction of requests meeting both the TTFT and the ITL SLO)
+    reaches the target.
+(b) **How much does prefix-aware routing buy?**  The same sweep for every
+    router on a chat mix (shared system prompts, multi-turn sessions whose
+    history grows): replicas x router -> goodput, p99 TTFT and the fleet's
+    prefix-cache hit rate.
+
+Every replica is the real engine (scheduler, KV manager, prefix cache) on a
+simulated forward pass: by default the roofline cost model of a Llama-3-8B
+shape on an L4 (datasheet preset, :mod:`minivllm.sim.presets`; ``--hardware h100``
+for an H100), or
+``--hardware linear`` for the three-constant :data:`~minivllm.sim.fleet.GPU_LIKE`
+model; see :mod:`minivllm.sim.fleet`.  Runs on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, roofline_factory, run_fleet
+from minivllm.sim.executor import SimulatedExecutor
+from minivllm.sim.router import ROUTERS
+
+DEFAULT_OUT = "benchmarks/results/2026-11-30_cpu-2core_fleet_sim.json"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("replica counts must be >= 1")
+    return sorted(set(values))
+
+
+def _routers(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in ROUTERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown router(s) {bad}; choose from {', '.join(ROUTERS)}")
+    return names
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m minivllm.bench fleet", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=30.0, help="offered load while sessions overlap, requests/s (default 30)")
+    ap.add_argument("--duration", type=float, default=6.0, help="seconds measured after the warm-up (virtual, default 6)")
+    ap.add_argument("--hardware", default="l4", help="roofline hardware preset (l4, a100, h100, h200) or 'linear' "
+                    "(default l4: an H100 serves this mix at ~100 requests/s per replica, and simulating a fleet of them "
+                    "takes minutes on a laptop; try --hardware h100 --rate 200)")
+    ap.add_argument("--model", default="llama-3-8b", help="roofline model preset (default llama-3-8b)")
+    ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4], help="replica counts to sweep (default 1,2,3,4)")
+    ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help="routers (default all three)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
+    ap.add_argument("--slo-itl-ms", type=float, default=100.0, help="per-request p99 ITL bound")
+    ap.add_argument("--min-goodput", type=float, default=0.95, help="fraction of requests within both SLOs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results ('' to skip)")
+    return ap
+
+
+def sweep(workload: ChatMix, replicas: list[int], routers: list[str], slo_ttft: float, slo_itl: float,
+          executor_factory=None) -> list[dict]:
+    """One row per (replicas, router); with one replica every router makes the same choice, so it runs once."""
+    rows = []
+    for n in replicas:
+        single = None
+        for name in routers:
+            if n == 1 and single is not None:
+                rows.append({**single, "router": name})
+                continue
+            t0 = time.perf_counter()
+            res = run_fleet(workload, n, name, executor_factory=executor_factory)
+            s = res.summary(slo_ttft, slo_itl, window=workload.window)
+            row = {"replicas": n, "router": name, "requests": s["requests"], "offered_rps": s["offered_rps"], "good": s["good"],
+                   "goodput_fraction": s["goodput_fraction"], "goodput_rps": s["goodput_rps"],
+                   "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"], "e2e_s": s["e2e_s"],
+                   "prefix_hit_rate": s["prefix_hit_rate"], "replica_requests": s["replica_requests"],
+                   "replica_hit_rate": s["replica_hit_rate"], "spilled": s["spilled"],
+                   "preemptions": s["preemptions"], "duration_s": res.duration,
+                   "wall_s": time.perf_counter() - t0}
+            rows.append(row)
+            if n == 1:
+                single = row
+    return rows
+
+
+def smallest_meeting(rows: list[dict], router: str, min_goodput: float) -> int | None:
+    """The fewest replicas whose goodput fraction reaches ``min_goodput`` with ``router`` (None: none swept)."""
+    ok = [r["replicas"] for r in rows if r["router"] == router and (r["goodput_fraction"] or 0) >= min_goodput]
+    return min(ok) if ok else None
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'replicas':>8} {'router':<18} {'req/s':>6} {'goodput':>8} {'good/s':>7} {'TTFT p50/p99 ms':>16} {'ITL p99 ms':>10} {'hit rate':>8} {'spill':>5} {'preempt':>7}  requests per replica"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t = r["ttft_ms"]
+        lines.append(f"{r['replicas']:>8} {r['router']:<18} {r['offered_rps']:>6.1f} {r['goodput_fraction']:>8.1%} {r['goodput_rps']:>7.1f} "
+                     f"{t['p50']:>7.0f}/{t['p99']:<8.0f} {r['itl_ms']['p99']:>10.0f} {r['prefix_hit_rate']:>8.1%} "
+                     f"{r['spilled']:>5} {r['preemptions']:>7}  {r['replica_requests']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not args.rate > 0 or not args.duration > 0 or not 0 < args.min_goodput <= 1:
+        print("--rate and --duration must be > 0 and --min-goodput in (0, 1]", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    workload = ChatMix(args.rate, args.duration, seed=args.seed)
+    slo_ttft, slo_itl = args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
+    if args.hardware == "linear":
+        factory, cost = (lambda: SimulatedExecutor(**GPU_LIKE)), f"linear step cost {GPU_LIKE}"
+    else:
+        try:
+            factory = roofline_factory(args.hardware, args.model)
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        cost = f"roofline, {args.model} on {args.hardware}"
+    print(f"fleet (simulated: real engines; {cost}; {REPLICA['num_blocks']} KV blocks of 16 tokens per replica)")
+    print(f"chat mix: {len(workload.arrivals())} sessions ({workload.num_requests()} requests, {workload.warmup:g} s of "
+          f"warm-up), measured over {args.duration:g} s; nominal ~{args.rate:g} requests/s (closed loop: measured per row); "
+          f"SLO TTFT <= {args.slo_ttft_ms:g} ms, p99 ITL <= {args.slo_itl_ms:g} ms, goal {args.min_goodput:.0%} of requests")
+    rows = sweep(workload, args.replicas, args.routers, slo_ttft, slo_itl, factory)
+    print(format_table(rows))
+    answers = {r: smallest_meeting(rows, r, args.min_goodput) for r in args.routers}
+    print("(a) smallest fleet meeting the SLO: " + ", ".join(
+        f"{r} {'> ' + str(max(args.replicas)) if n is None else n}" for r, n in answers.items()))
+    n_max = max(args.replicas)
+    by = {(r["replicas"], r["router"]): r for r in rows}
+    if n_max > 1 and {"round_robin", "prefix_affinity"} <= set(args.routers):
+        a, b = by[(n_max, "round_robin")], by[(n_max, "prefix_affinity")]
+        print(f"(b) at {n_max} replicas prefix affinity: hit rate {a['prefix_hit_rate']:.1%} -> {b['prefix_hit_rate']:.1%}, "
+              f"p99 TTFT {a['ttft_ms']['p99']:.0f} -> {b['ttft_ms']['p99']:.0f} ms, goodput "
+              f"{a['goodput_fraction']:.1%} -> {b['goodput_fraction']:.1%} (vs round robin)")
+    wall = time.perf_counter() - t0
+    print(f"{len(rows)} fleet runs in {wall:.1f} s wall")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "benchmark": "fleet", "simulated": True, "machine": f"{platform.machine()} cpu x{_cpus()}",
+            "executor": cost, "replica": REPLICA, "key_blocks": KEY_BLOCKS,
+            "workload": {"kind": "ChatMix", "rate": args.rate, "duration_s": args.duration, "seed": args.seed,
+                         "sessions": len(workload.arrivals()), "requests": workload.num_requests()},
+            "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "min_goodput": args.min_goodput},
+            "rows": rows, "smallest_fleet_meeting_slo": answers, "wall_s": wall,
+        }, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

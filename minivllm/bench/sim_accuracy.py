@@ -1,0 +1,157 @@
+"""``python -m minivllm.bench sim_accuracy`` — does the calibrated simulator predict the real engine?
+
+Protocol (the issue's, after Vidur's): calibrate the roofline on one set of
+workloads -- the grid of batch shapes of :mod:`minivllm.sim.calibrate` -- then,
+on three *held-out* open-loop workloads, run the real engine on this machine
+(bundled SmolLM2-135M) and the simulator (same engine, same config, roofline
+executor with the fitted spec) on the very same arrivals and token ids, and
+compare p50/p99 TTFT, p50/p99 ITL and the total time of the run.  Relative error
+= (simulated - real) / real; the target is within 10% each (goal 5%).
+
+The held-out workloads: steady decode-heavy (Poisson, long outputs), bursty
+mixed (gamma arrivals with burstiness 0.2, short chats plus long batch prompts),
+and long prompts with chunked prefill (prompts longer than the token budget).
+
+Real timings are only as good as the machine is quiet: the JSON records the
+load average before and after, and the calibration fit's own error.  On a
+machine shared with other busy processes, ``--clock cpu`` times the real engine
+by its serving thread's CPU time (one torch thread; idle gaps skipped), which
+is what the run would take on a quiet machine -- calibration and validation
+then both use that clock (see :class:`minivllm.sim.calibrate.RecordingExecutor`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from minivllm.bench.loadgen import _json_safe, parse_tenant, percentile, plan_requests
+
+WORKLOADS = {
+    # name: (tenant specs, requests, rate req/s, burstiness)
+    "decode_heavy": (["name=gen,input=uniform:16:64,output=uniform:48:80"], 16, 1.0, 1.0),
+    "bursty_mixed": (["name=chat,share=3,input=uniform:32:128,output=uniform:16:32",
+                      "name=batch,share=1,input=uniform:256:400,output=uniform:8:16"], 20, 1.5, 0.2),
+    "long_prompt_chunked": (["name=docs,input=uniform:600:1200,output=uniform:8:16"], 8, 0.4, 1.0),
+}
+METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "total_s")
+ENGINE = dict(max_num_batched_tokens=512, max_num_seqs=32, num_blocks=512, max_model_len=4096)
+
+
+def metrics(rec) -> dict:
+    ok = [r for r in rec.results if r.outcome == "ok"]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    itl = [g for r in ok for g in r.itl]
+    return {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
+            "itl_p99": percentile(itl, 99), "total_s": rec.duration, "ok": len(ok), "requests": len(rec.results)}
+
+
+def workload_requests(name: str, tokenizer, scale: float = 1.0, seed: int = 0):
+    from minivllm.sim.run import requests_from_plan
+
+    specs, n, rate, burst = WORKLOADS[name]
+    tenants = [parse_tenant(s) for s in specs]
+    plan = plan_requests(tenants, max(3, int(round(n * scale))), rate, burst, seed)
+    return requests_from_plan(plan, tokenize=lambda text: tokenizer.encode(text))
+
+
+def sim_engine(real, spec, shape):
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.roofline import RooflineExecutor
+
+    cfg = real.config
+    sim_cfg = EngineConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                           num_gpu_blocks_override=real.pool.num_blocks, max_model_len=cfg.max_model_len,
+                           block_size=cfg.block_size, device="cpu")
+    return LLMEngine(sim_cfg, executor=RooflineExecutor(shape, spec, block_size=cfg.block_size),
+                     model_max_len=cfg.max_model_len, eos_token_ids=set())
+
+
+def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall") -> dict:
+    out = out or sys.stdout
+    from minivllm.sim.calibrate import calibrate, format_profile, real_engine
+    from minivllm.sim.presets import bundled_shape, hardware_preset, load_profile
+    from minivllm.sim.run import drive
+
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    real = real_engine(clock=clock, **ENGINE)
+    if profile:
+        doc = load_profile(profile)
+        spec = hardware_preset(profile)
+    else:
+        print("calibrating on the grid of batch shapes (the training set)...", file=out, flush=True)
+        doc = calibrate(real, scale=0.6 if scale < 1 else 1.0, out=out)
+        from minivllm.sim.roofline import HardwareSpec
+
+        spec = HardwareSpec.from_dict(doc["hardware"])
+    print(format_profile(doc), file=out, flush=True)
+    shape = bundled_shape().with_dtype(doc["model"]["dtype_bytes"])
+    rows = {}
+    for name in names or WORKLOADS:
+        reqs = workload_requests(name, real.tokenizer, scale)
+        rec_real = drive(real, reqs)
+        rec_sim = drive(sim_engine(real, spec, shape), reqs)
+        m_real, m_sim = metrics(rec_real), metrics(rec_sim)
+        err = {k: (m_sim[k] - m_real[k]) / m_real[k] if m_real[k] else None for k in METRICS}
+        rows[name] = {"real": m_real, "sim": m_sim, "rel_error": err, "requests": len(reqs),
+                      "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
+                      "real_steps": len(rec_real.step_ends), "sim_steps": len(rec_sim.step_ends)}
+        print(f"  {name}: {len(reqs)} requests, real run {rec_real.wall_s:.1f} s", file=out, flush=True)
+    print("\n" + format_table(rows), file=out)
+    within = [abs(e) <= 0.10 for r in rows.values() for e in r["rel_error"].values() if e is not None]
+    print(f"{sum(within)}/{len(within)} metrics within 10%", file=out)
+    return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "clock": clock, "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                     "note": "real timings on a shared machine: other processes were running"},
+            "engine": ENGINE, "scale": scale, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
+            "workloads": rows, "within_10pct": f"{sum(within)}/{len(within)}",
+            "seconds": time.perf_counter() - t_start, "_profile": doc}
+
+
+def format_table(rows: dict) -> str:
+    head = f"{'workload':<20} {'metric':<9} {'real':>9} {'sim':>9} {'error':>7}"
+    lines = [head, "-" * len(head)]
+    for name, r in rows.items():
+        for k in METRICS:
+            unit = 1.0 if k == "total_s" else 1000.0
+            e = r["rel_error"][k]
+            lines.append(f"{name:<20} {k + ('' if k == 'total_s' else '_ms'):<9} {r['real'][k] * unit:>9.1f} "
+                         f"{r['sim'][k] * unit:>9.1f} {'-' if e is None else f'{100 * e:+.1f}%':>7}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minivllm.bench sim_accuracy", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests (quick: 0.5)")
+    ap.add_argument("--profile", default=None, help="use this calibration profile instead of calibrating now")
+    ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: the real engine's clock is its thread's CPU time (one torch thread), immune to other "
+                         "processes on a shared machine")
+    ap.add_argument("--save-profile", default=None, help="also write the fresh calibration as a profile JSON here")
+    ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json)")
+    args = ap.parse_args(argv)
+    doc = run(args.scale, args.profile, args.workload, clock=args.clock)
+    if args.save_profile and not args.profile:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
+        with open(args.save_profile, "w", encoding="utf-8") as fh:
+            json.dump(doc.pop("_profile"), fh, indent=1)
+        print(f"wrote {args.save_profile}")
+    doc.pop("_profile", None)
+    suffix = "" if args.clock == "wall" else "_cputime"
+    path = args.out or os.path.join("benchmarks", "results",
+                                    f"{time.strftime('%Y-%m-%d')}_cpu-{os.cpu_count()}core_sim_accuracy{suffix}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(_json_safe(doc), fh, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

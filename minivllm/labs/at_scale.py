@@ -1,0 +1,144 @@
+"""At-scale what-ifs for the labs: the same policies on a datasheet GPU running a real model shape.
+
+Why a separate module?  Labs 4 and 5 teach with a 3-constant cost model
+(:class:`~minivllm.sim.executor.SimulatedExecutor`: a fixed cost per step plus
+a cost per token), which is easy to reason about but linear: it cannot show
+that a decode step is memory bound (extra prompt tokens ride almost free), nor
+that attention makes a long prefill grow faster than its length.  Both facts
+move the answers of those labs.  The functions here rerun each lab's key
+experiment on :class:`~minivllm.sim.roofline.RooflineExecutor` with a preset
+from :mod:`minivllm.sim.presets` (default: Llama-3-8B in bf16 on the H100
+datasheet preset), so a notebook cell stays a few lines and the numbers it
+prints are the ones a test can recompute.
+
+Everything here is simulated: the scheduler, KV manager and preemption are the
+real engine's, the step times are the roofline's, and the hardware numbers are
+datasheet peaks times assumed utilisations (see ``minivllm/sim/presets.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+from minivllm.sim.presets import hardware_preset, model_preset
+from minivllm.sim.roofline import HardwareSpec, ModelShape, RooflineExecutor, roofline_time, step_cost
+
+MODEL = "llama-3-8b"
+HARDWARE = "h100"
+BLOCK_SIZE = 16
+
+
+def presets(model: str = MODEL, hardware: str = HARDWARE) -> tuple[ModelShape, HardwareSpec]:
+    """The model shape (bf16) and the hardware spec by preset name."""
+    return model_preset(model, 2), hardware_preset(hardware)
+
+
+def label(model: str = MODEL, hardware: str = HARDWARE) -> str:
+    """The one-line provenance every at-scale cell prints: simulated, which executor, which presets."""
+    shape, hw = presets(model, hardware)
+    return (f"simulated: RooflineExecutor, {shape.name} (bf16, {shape.num_params / 1e9:.1f} B params) on the "
+            f"'{hw.name}' datasheet preset ({hw.peak_flops / 1e12:.0f} TFLOP/s x {hw.flops_util:.0%}, "
+            f"{hw.mem_bandwidth / 1e12:.2f} TB/s x {hw.bw_util:.0%}, host link {hw.swap_bandwidth / 1e9:.0f} GB/s)")
+
+
+def step_s(seqs: Sequence[tuple[int, int, bool]], model: str = MODEL, hardware: str = HARDWARE) -> float:
+    """Roofline seconds of one step over ``(start, num_tokens, samples)`` per sequence (the executor's own rule)."""
+    shape, hw = presets(model, hardware)
+    return roofline_time(step_cost(shape, seqs, block_size=BLOCK_SIZE), shape, hw).total
+
+
+# -- lab 4: chunk budget vs ITL and the long prompt's TTFT ------------------------------------------
+
+
+def chunk_engine(budget: int | None, *, model: str = MODEL, hardware: str = HARDWARE, max_len: int = 32768 + 256,
+                 num_blocks: int = 8192, max_num_seqs: int = 64, **options: Any):
+    """A real engine on the roofline executor; ``budget=None`` turns chunked prefill off (whole prompts)."""
+    from minivllm.labs.workloads import sim_engine
+
+    shape, hw = presets(model, hardware)
+    chunked = budget is not None
+    return sim_engine(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs, model_max_len=max_len,
+                      max_num_batched_tokens=budget if chunked else max_len, enable_chunked_prefill=chunked,
+                      executor=RooflineExecutor(shape, hw, block_size=BLOCK_SIZE), **options)
+
+
+def chunk_sweep(budgets: Sequence[int | None], arrivals, *, builder=None, itl_stats=None,
+                **engine_options: Any) -> dict:
+    """``{budget: summary}`` for ``arrivals`` (lab 4's :class:`Arrival` list) served at each budget.
+
+    ``builder`` (a lab-4 batch builder) replaces the engine's step 2 in the chunked runs and
+    ``itl_stats`` measures the gaps, so a learner's own functions run at scale.  The summary is lab 4's
+    :func:`~minivllm.labs.check_lab04.summarize` (decoders' ITL p50/p99/worst, mean TTFT of the long
+    prompts, chat TTFT p99, seconds) plus ``tokens_per_s`` (prompt and output
+    tokens over the run's virtual time), the keys lab 4's ``pick_budget`` reads.
+    """
+    from minivllm.labs.check_lab04 import install_batch_builder, run_arrivals, summarize
+
+    out = {}
+    tokens = sum(len(a.prompt) + a.max_tokens for a in arrivals)
+    for b in budgets:
+        eng = chunk_engine(b, **engine_options)
+        if builder is not None and b is not None:
+            install_batch_builder(eng, builder)
+        finals = run_arrivals(eng, arrivals)
+        out[b] = summarize(finals, itl_stats) if itl_stats is not None else summarize(finals)
+        out[b]["tokens_per_s"] = tokens / eng.executor.now()  # served over the run's virtual time
+    return out
+
+
+# -- lab 5: recompute vs swap, as a function of the victim's context ----------------------------------
+
+
+def swap_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE) -> float:
+    """Seconds of link traffic to swap a victim of ``num_tokens`` out and back in (whole blocks, twice)."""
+    shape, hw = presets(model, hardware)
+    blocks = math.ceil(num_tokens / BLOCK_SIZE)
+    return 2 * blocks * BLOCK_SIZE * shape.kv_bytes_per_token / hw.swap_bandwidth
+
+
+def recompute_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE, *, chunk: int = 2048,
+                decodes: int = 32, decode_context: int = 2048) -> float:
+    """Extra seconds a busy engine spends prefilling a victim's ``num_tokens`` again.
+
+    The victim's prompt is recomputed in chunks of ``chunk`` tokens that ride in steps which also
+    decode ``decodes`` sequences of ``decode_context`` tokens (a server under memory pressure is busy
+    by definition), so the cost is the *marginal* time: step with the chunk minus the step without.
+    That is what the roofline adds over a linear model: while the step is memory bound (reading
+    weights), a short chunk is almost free; a long context pays attention over everything before it.
+    """
+    shape, hw = presets(model, hardware)
+    dec = [(decode_context, 1, True)] * decodes
+    base = roofline_time(step_cost(shape, dec, block_size=BLOCK_SIZE), shape, hw).total
+    total, start = 0.0, 0
+    while start < num_tokens:
+        n = min(chunk, num_tokens - start)
+        seqs = dec + [(start, n, start + n == num_tokens)]
+        total += roofline_time(step_cost(shape, seqs, block_size=BLOCK_SIZE), shape, hw).total - base
+        start += n
+    return total
+
+
+def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequence[int] | None = None,
+                     **recompute_options: Any) -> int | None:
+    """The shortest context (on ``lengths``, default 16..131072 on a geometric grid) from which swapping
+    is cheaper than recomputing at every longer length on the grid, or None if swap never wins."""
+    grid = list(lengths) if lengths is not None else context_grid()
+    swap_wins = [swap_s(n, model, hardware) < recompute_s(n, model, hardware, **recompute_options) for n in grid]
+    if not swap_wins[-1]:
+        return None
+    k = len(grid) - 1
+    while k > 0 and swap_wins[k - 1]:
+        k -= 1
+    return grid[k]
+
+
+def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[int]:
+    """Context lengths from ``lo`` to ``hi`` on a geometric grid, whole blocks."""
+    n_pts = int(round(math.log2(hi / lo) * per_octave)) + 1
+    vals = {max(BLOCK_SIZE, int(round(lo * 2 ** (i / per_octave) / BLOCK_SIZE)) * BLOCK_SIZE) for i in range(n_pts)}
+    return sorted(vals)
+
+
+__all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "context_grid", "crossover_tokens",
+           "label", "presets", "recompute_s", "step_s", "swap_s"]

@@ -1,0 +1,396 @@
+"""A fleet: N replicas, each a full engine on a simulated executor, behind a router, on one virtual clock.
+
+Why simulate a fleet with *real* engines?  The questions a learner has once
+one machine is not enough -- how many replicas for X requests/s under an SLO,
+and what cache-aware routing buys -- depend on what each engine does with
+the traffic it gets: its prefix cache, its batching, its preemptions.  Here
+every replica is an unmodified :class:`~minivllm.engine.LLMEngine` (the real
+scheduler, KV manager and prefix cache); only the forward pass is a cost
+model (:class:`~minivllm.sim.executor.SimulatedExecutor`, or anything an
+``executor_factory`` returns, e.g. a roofline executor).
+
+One virtual clock: each replica's executor keeps its own clock (the time its
+last step ended), and the fleet always advances the busy replica whose clock
+is earliest, after dispatching every arrival up to that time -- a discrete-
+event simulation in which no replica ever runs ahead of an arrival it should
+have seen.  An idle replica's clock jumps to the arrival routed to it.
+
+The router (:class:`~minivllm.interfaces.Router`) sees per replica the
+*outstanding tokens* a load balancer can count: prompt tokens until the first
+token streams back, then the output tokens still to come.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minivllm.bench.loadgen import RequestResult, summarize_group
+from minivllm.interfaces import Router
+from minivllm.sampling_params import SamplingParams
+from minivllm.sim.executor import SimulatedExecutor
+
+# One replica's step cost: a Llama-3-8B-class model (fp16) on an L4-class GPU (~120 TFLOP/s, 300 GB/s):
+# a step reads the 16 GB of weights (~50 ms), prefill runs at ~6,700 tokens/s, and each context token's
+# 128 KiB of KV costs ~0.4 us to read.  Slow enough that a few replicas matter at tens of requests/s.
+GPU_LIKE = dict(fixed_overhead_s=0.05, per_token_s=0.00015, per_context_token_s=4e-7)
+# The prefix-affinity key for ChatMix: its 16-block system prompt plus 4 blocks of the first question, so a
+# key tells conversations apart (a key inside the system prompt would send a whole app to one replica).
+KEY_BLOCKS = 20
+# One replica: 4,096 blocks of 16 tokens (64K tokens of KV: 8 GiB at Llama-3-8B's 128 KiB per token), 64 sequences,
+# 512 tokens per step (a chunk of prefill adds a bounded slice to the decoders' step).
+REPLICA = dict(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, model_max_len=8192)
+
+
+@dataclass(frozen=True)
+class FleetArrival:
+    """One request: when it arrives, what it asks, who sent it (``conversation``/``turn`` for chats)."""
+
+    time: float
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    tenant: str = "default"
+    conversation: int | None = None
+    turn: int = 0
+
+
+class ChatMix:
+    """A chat app's traffic: sessions of several turns and single questions, all under shared system prompts.
+
+    Sessions start as a Poisson process during ``[0, warmup + duration)``, at a
+    rate that makes about ``rate`` requests per second once sessions overlap;
+    the ``warmup`` (about one session's length) brings the fleet to that steady
+    state, and ``window = (warmup, warmup + duration)`` is what
+    :meth:`FleetResult.summary` should measure.  Every prompt starts with one of
+    ``num_system_prompts`` system prompts.  A chat's next turn is *closed
+    loop*: it arrives a think time after the previous answer finished, and its
+    prompt is the whole conversation so far -- the previous prompt, the answer
+    the engine actually generated, and a new question -- so the KV of every
+    earlier turn, answers included, is a prefix of the next one.  That history
+    is what prefix-aware routing keeps on one replica.
+
+    :meth:`arrivals` are the first turns (and single questions); the fleet asks
+    :meth:`follow_up` for the next turn each time a request finishes.  New
+    questions come from a random stream per (seed, session, turn), so runs are
+    reproducible whatever order replicas finish in.
+    """
+
+    def __init__(self, rate: float = 20.0, duration: float = 10.0, *, seed: int = 0, num_system_prompts: int = 2,
+                 system_len: int = 256, turns: int = 4, single_shot_share: float = 0.3,
+                 user_range=(64, 256), output_range=(32, 160), think_s=(1.0, 3.0), vocab: int = 900) -> None:
+        if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+            raise ValueError(f"rate must be a positive finite number, got {rate!r}")
+        if not (isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration)):
+            raise ValueError(f"duration must be a positive finite number, got {duration!r}")
+        if not isinstance(turns, int) or turns < 1 or not 0.0 <= single_shot_share <= 1.0:
+            raise ValueError("turns must be an int >= 1 and 0 <= single_shot_share <= 1")
+        self.rate, self.duration, self.seed, self.turns = rate, duration, seed, turns
+        self.user_range, self.output_range, self.think_s, self.vocab = user_range, output_range, think_s, vocab
+        rng = random.Random(seed)
+        self.systems = [self._tokens(rng, system_len) for _ in range(num_system_prompts)]
+        session_rate = rate / (single_shot_share + (1 - single_shot_share) * turns)
+        self.session_turns: dict[int, int] = {}
+        self._first: list[FleetArrival] = []
+        self.warmup = (turns - 1) * (sum(think_s) / 2 + 1.0)  # about one session: turns, answers, thinking
+        self.window = (self.warmup, self.warmup + duration)
+        t = rng.expovariate(session_rate)
+        while t < self.window[1]:
+            s = len(self.session_turns)
+            k_turns = 1 if rng.random() < single_shot_share else turns
+            self.session_turns[s] = k_turns
+            prompt = self.systems[rng.randrange(num_system_prompts)] + self._question(s, 0)
+            self._first.append(FleetArrival(round(t, 6), f"s{s}t0", tuple(prompt), self._max_tokens(s, 0),
+                                            "chat" if k_turns > 1 else "single", s, 0))
+            t += rng.expovariate(session_rate)
+
+    def _tokens(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(10, self.vocab) for _ in range(n)]
+
+    def _rng(self, session: int, turn: int) -> random.Random:
+        return random.Random(f"{self.seed}/{session}/{turn}")
+
+    def _question(self, session: int, turn: int) -> list[int]:
+        rng = self._rng(session, turn)
+        return self._tokens(rng, rng.randint(*self.user_range))
+
+    def _max_tokens(self, session: int, turn: int) -> int:
+        return random.Random(f"{self.seed}/{session}/{turn}/out").randint(*self.output_range)
+
+    def num_requests(self) -> int:
+        """Requests the workload will send: every turn of every session."""
+        return sum(self.session_turns.values())
+
+    def arrivals(self) -> list[FleetArrival]:
+        """The first turn of every session, sorted by time."""
+        return list(self._first)
+
+    def follow_up(self, arrival: FleetArrival, output_token_ids: Sequence[int], finished_at: float) -> FleetArrival | None:
+        """The next turn of ``arrival``'s chat, or None when the chat is over."""
+        s, k = arrival.conversation, arrival.turn + 1
+        if s is None or k >= self.session_turns.get(s, 1):
+            return None
+        think = self._rng(s, k).uniform(*self.think_s)
+        prompt = tuple(arrival.prompt) + tuple(output_token_ids) + tuple(self._question(s, k))
+        return FleetArrival(round(finished_at + think, 6), f"s{s}t{k}", prompt, self._max_tokens(s, k),
+                            arrival.tenant, s, k)
+
+
+def roofline_factory(hardware: str = "h100", model: str = "llama-3-8b", block_size: int = 16) -> Callable[[], Any]:
+    """Executors for :class:`Fleet`: the roofline cost model (:mod:`minivllm.sim.roofline`) of ``model`` on ``hardware``."""
+    from minivllm.sim.presets import hardware_preset, model_preset
+    from minivllm.sim.roofline import RooflineExecutor
+
+    hw, shape = hardware_preset(hardware), model_preset(model)
+    return lambda: RooflineExecutor(shape, hw, block_size)
+
+
+def sim_replica(executor: Any = None, *, enable_prefix_caching: bool = True, prefix_cache: str = "hash", **options: Any):
+    """One replica: a real ``LLMEngine`` on a virtual-clock executor (:data:`REPLICA` sizes by default)."""
+    from minivllm.labs.workloads import sim_engine
+
+    sizes = {**REPLICA, **options}
+    return sim_engine(executor=executor if executor is not None else SimulatedExecutor(**GPU_LIKE),
+                      enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache, **sizes)
+
+
+@dataclass
+class ReplicaStats:
+    """What one replica did in a run."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    peak_outstanding: int = 0
+    preemptions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass
+class FleetResult:
+    """Per-request results (loadgen's :class:`~minivllm.bench.loadgen.RequestResult`) and per-replica load."""
+
+    results: list[RequestResult]
+    replicas: list[ReplicaStats]
+    placement: dict[str, int]  # request id -> replica index
+    outputs: dict[str, list[int]]  # request id -> generated token ids
+    duration: float  # first arrival to last finish, virtual seconds
+    spilled: int = 0
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens served from cache
+    _index: dict[str, int] = field(default_factory=dict)  # request id -> RequestResult.index
+
+    @property
+    def hit_rate(self) -> float:
+        """Fleet prefix-cache hit rate: hit tokens over looked-up tokens, summed over replicas."""
+        q = sum(r.query_tokens for r in self.replicas)
+        return sum(r.hit_tokens for r in self.replicas) / q if q else 0.0
+
+    def result(self, request_id: str) -> RequestResult:
+        """The result of one request, by its id."""
+        return self.results[self._index[request_id]]
+
+    def summary(self, slo_ttft: float | None = None, slo_itl: float | None = None,
+                window: tuple[float, float] | None = None) -> dict:
+        """Loadgen's summary (TTFT/ITL/e2e percentiles, goodput under the SLOs) plus the fleet's hit rate and load.
+
+        With ``window=(t0, t1)`` only requests arriving in it count, rates are per
+        second of the window, and the hit rate is theirs (cached prompt tokens over
+        looked-up ones): the steady state, without warm-up and drain.
+        """
+        if window is None:
+            out = summarize_group(self.results, self.duration, slo_ttft, slo_itl)
+            out["prefix_hit_rate"] = self.hit_rate
+        else:
+            t0, t1 = window
+            ids = {r.index for r in self.results if t0 <= r.arrival < t1}
+            chosen = [r for r in self.results if r.index in ids]
+            out = summarize_group(chosen, t1 - t0, slo_ttft, slo_itl)
+            rid = {i: k for k, i in self._index.items()}
+            looked = sum(max(0, r.prompt_len - 1) for r in chosen)
+            out["prefix_hit_rate"] = sum(self.cached_tokens.get(rid[r.index], 0) for r in chosen) / looked if looked else 0.0
+            out["offered_rps"] = len(chosen) / (t1 - t0)
+        out["replica_requests"] = [r.requests for r in self.replicas]
+        out["replica_busy_fraction"] = [r.busy_s / self.duration if self.duration else 0.0 for r in self.replicas]
+        out["replica_hit_rate"] = [r.hit_rate for r in self.replicas]
+        out["spilled"] = self.spilled
+        out["preemptions"] = sum(r.preemptions for r in self.replicas)
+        return out
+
+
+class Fleet:
+    """``num_replicas`` engines behind ``router``, driven on one virtual clock by :meth:`run`.
+
+    ``engine_factory(executor)`` builds a replica (default :func:`sim_replica`);
+    ``executor_factory()`` builds each replica's executor (default: a
+    :class:`SimulatedExecutor` with :data:`GPU_LIKE` costs).  The executor must
+    keep its virtual clock in a writable ``clock`` attribute (seconds), as
+    ``SimulatedExecutor`` does, so an idle replica can jump to an arrival.
+    """
+
+    def __init__(self, num_replicas: int, router: Router, *, executor_factory: Callable[[], Any] | None = None,
+                 engine_factory: Callable[[Any], Any] | None = None) -> None:
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        if not callable(getattr(router, "route", None)):
+            raise ValueError("router must have a route(prompt_token_ids, loads) method")
+        self.router = router
+        make_exec = executor_factory or (lambda: SimulatedExecutor(**GPU_LIKE))
+        make_engine = engine_factory or sim_replica
+        self.engines = [make_engine(make_exec()) for _ in range(num_replicas)]
+        for e in self.engines:
+            if not hasattr(e.executor, "clock"):
+                raise ValueError("each replica's executor needs a virtual 'clock' attribute")
+        self.loads = [0] * num_replicas  # outstanding tokens, the router's view
+
+    def run(self, arrivals: Sequence[FleetArrival], *,
+            follow_up: Callable[[FleetArrival, list[int], float], FleetArrival | None] | None = None,
+            max_steps: int = 2_000_000) -> FleetResult:
+        """Serve ``arrivals`` to the end; every request finishes exactly once.
+
+        ``follow_up(arrival, output_token_ids, finished_at)`` (e.g.
+        :meth:`ChatMix.follow_up`) may return a new request when one finishes:
+        the next turn of a chat, arriving at or after ``finished_at``.
+        """
+        pending: list[tuple[float, int, FleetArrival]] = []
+        seen: set[str] = set()
+        seq = 0
+
+        def push(a: FleetArrival) -> None:
+            nonlocal seq
+            if a.request_id in seen:
+                raise ValueError(f"request id {a.request_id!r} is used twice")
+            if not (isinstance(a.time, (int, float)) and math.isfinite(a.time)):
+                raise ValueError(f"arrival time must be a finite number, got {a.time!r}")
+            seen.add(a.request_id)
+            heapq.heappush(pending, (a.time, seq, a))
+            seq += 1
+
+        for a in arrivals:
+            push(a)
+        if pending and pending[0][0] < min(e.executor.clock for e in self.engines):
+            raise ValueError(f"the first arrival (t={pending[0][0]}) precedes the replicas' clocks; "
+                             "arrival times are seconds on the executors' virtual clock, which starts at 0")
+        engines, loads = self.engines, self.loads
+        stats = [ReplicaStats() for _ in engines]
+        placement: dict[str, int] = {}
+        by_id: dict[str, FleetArrival] = {}
+        order: dict[str, int] = {}
+        remaining: dict[str, int] = {}  # outstanding tokens of each request in flight (the router's view)
+        streamed: dict[str, int] = {}
+        results: dict[str, RequestResult] = {}
+        outputs: dict[str, list[int]] = {}
+        cached: dict[str, int] = {}
+        steps = 0
+        t0 = pending[0][0] if pending else 0.0
+        while True:
+            busy = [k for k, e in enumerate(engines) if e.has_unfinished_requests()]
+            k_min = min(busy, key=lambda k: (engines[k].executor.clock, k)) if busy else None
+            if pending and (k_min is None or pending[0][0] <= engines[k_min].executor.clock):
+                a = heapq.heappop(pending)[2]
+                k = self.router.route(a.prompt, list(loads))
+                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(engines):
+                    raise ValueError(f"router returned {k!r}; expected a replica index in [0, {len(engines)})")
+                ex = engines[k].executor
+                if not engines[k].has_unfinished_requests() and ex.clock < a.time:
+                    ex.clock = a.time  # an idle replica waits for the arrival
+                engines[k].add_request({"prompt_token_ids": list(a.prompt)},
+                                       SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                                       a.request_id, tenant=a.tenant, arrival_time=a.time)
+                placement[a.request_id], by_id[a.request_id], order[a.request_id] = k, a, len(order)
+                remaining[a.request_id] = len(a.prompt) + a.max_tokens
+                streamed[a.request_id] = 0
+                loads[k] += remaining[a.request_id]
+                stats[k].requests += 1
+                stats[k].prompt_tokens += len(a.prompt)
+                stats[k].peak_outstanding = max(stats[k].peak_outstanding, loads[k])
+                continue
+            if k_min is None:
+                break
+            steps += 1
+            if steps > max_steps:
+                raise RuntimeError(f"the fleet did not drain in {max_steps} steps")
+            eng = engines[k_min]
+            before = eng.executor.clock
+            outs = eng.step()
+            stats[k_min].steps += 1
+            stats[k_min].busy_s += eng.executor.clock - before
+            for out in outs:
+                rid = out.request_id
+                a = by_id[rid]
+                n_out = len(out.outputs[0].token_ids)
+                # the prompt leaves the router's count with the first token, each output token as it streams
+                done = (len(a.prompt) if streamed[rid] == 0 and n_out > 0 else 0) + n_out - streamed[rid]
+                streamed[rid] = n_out
+                if out.finished:
+                    done = remaining[rid]
+                    if rid in results:
+                        raise RuntimeError(f"request {rid} finished twice")
+                    m = out.metrics
+                    reason = out.outputs[0].finish_reason
+                    outcome = "ok" if reason not in ("rejected", "error", "abort") else (
+                        "rejected" if reason == "rejected" else "error")
+                    results[rid] = RequestResult(
+                        order[rid], a.tenant, a.time, len(a.prompt), a.max_tokens, outcome=outcome,
+                        start=a.time, ttft=m.ttft, itl=m.itls,
+                        e2e=(m.finished_time - m.arrival_time) if m.finished_time is not None else None,
+                        chunks=n_out, output_tokens=n_out, prompt_tokens=len(a.prompt))
+                    outputs[rid] = list(out.outputs[0].token_ids)
+                    cached[rid] = out.num_cached_tokens
+                    stats[k_min].output_tokens += n_out
+                    if follow_up is not None and outcome == "ok":
+                        nxt = follow_up(a, outputs[rid], eng.executor.clock)
+                        if nxt is not None:
+                            if nxt.time < eng.executor.clock:
+                                raise ValueError("a follow-up cannot arrive before the request it follows finished")
+                            push(nxt)
+                remaining[rid] -= done
+                loads[k_min] -= done
+                if out.finished:
+                    assert remaining.pop(rid) == 0
+        for k, e in enumerate(engines):
+            s = e.stats()
+            stats[k].hit_tokens = s.get("prefix_cache_hits", 0)
+            stats[k].query_tokens = s.get("prefix_cache_queries", 0)
+            stats[k].preemptions = s["num_preemptions"]
+        missing = [rid for rid in by_id if rid not in results]
+        if missing:
+            raise RuntimeError(f"{len(missing)} requests never finished: {missing[:5]}")
+        ends = [r.arrival + r.e2e for r in results.values() if r.e2e is not None]
+        duration = (max(ends) - t0) if ends else 0.0
+        return FleetResult(sorted(results.values(), key=lambda r: r.index), stats, placement, outputs, duration,
+                           spilled=getattr(self.router, "num_spilled", 0), cached_tokens=cached, _index=order)
+
+
+def run_fleet(workload: "ChatMix | Sequence[FleetArrival]", num_replicas: int, router: Router | str, *,
+              executor_factory: Callable[[], Any] | None = None, engine_factory: Callable[[Any], Any] | None = None,
+              **router_options: Any) -> FleetResult:
+    """Build a fleet and serve ``workload`` (a :class:`ChatMix`, closed loop, or a list of arrivals).
+
+    ``router`` is a router object or a name for :func:`~minivllm.sim.router.make_router`; a named
+    ``prefix_affinity`` router keys on :data:`KEY_BLOCKS` blocks unless ``key_blocks`` is given.
+    """
+    from minivllm.sim.router import make_router
+
+    if isinstance(router, str):
+        if router == "prefix_affinity":
+            router_options.setdefault("key_blocks", KEY_BLOCKS)
+        router = make_router(router, num_replicas, **router_options)
+    fleet = Fleet(num_replicas, router, executor_factory=executor_factory, engine_factory=engine_factory)
+    if isinstance(workload, ChatMix):
+        return fleet.run(workload.arrivals(), follow_up=workload.follow_up)
+    return fleet.run(workload)
+
+
+__all__ = ["KEY_BLOCKS", "Fleet", "FleetArrival", "FleetResult", "ReplicaStats", "GPU_LIKE", "REPLICA", "ChatMix",
+           "run_fleet", "sim_replica", "roofline_factory"]

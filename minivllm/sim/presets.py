@@ -1,0 +1,131 @@
+"""Hardware and model presets for the roofline simulator, each number with its source.
+
+Hardware peaks are datasheet numbers (dense, i.e. *without* 2:4 sparsity; the
+datasheets print the sparse figure first).  ``flops_util`` / ``bw_util`` are
+the fractions real kernels reach -- an assumption, not a datasheet number:
+large BF16 GEMMs typically reach ~70% of peak and streaming kernels ~80-90% of
+HBM bandwidth; the overheads are typical of a CUDA-graph'ed engine (vLLM-like)
+and are also assumptions.  Calibrate (``minivllm sim calibrate``) on the real
+device to replace all of them with measured values.
+
+Model shapes come from each model's published ``config.json`` on the Hugging
+Face hub; the bundled SmolLM2-135M is read from its own config file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import lru_cache
+
+from minivllm.sim.roofline import HardwareSpec, ModelShape
+
+GB = 1e9
+TB = 1e12
+GIB = 1024**3
+
+# Typical host/launch costs of a GPU engine (assumptions, see the module docstring).
+_GPU_STEP_OVERHEAD_S = 2e-3
+_GPU_LAYER_OVERHEAD_S = 10e-6
+_GPU_SEQ_OVERHEAD_S = 5e-6
+_GEMM_UTIL = 0.7
+_HBM_UTIL = 0.85
+
+HARDWARE: dict[str, HardwareSpec] = {
+    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), nvidia.com/en-us/data-center/h100/:
+    # BF16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense; GPU memory 80 GB;
+    # memory bandwidth 3.35 TB/s; interconnect PCIe Gen5 128 GB/s (both directions) -> 64 GB/s one way.
+    "h100": HardwareSpec("h100", peak_flops=989.5 * TB, mem_bandwidth=3.35 * TB, memory_bytes=80 * GB,
+                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
+                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=64 * GB,
+                         flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="H100 SXM5 80GB, datasheet peaks"),
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column), nvidia.com/en-us/data-center/h200/:
+    # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 dense; GPU memory 141 GB;
+    # memory bandwidth 4.8 TB/s; PCIe Gen5 128 GB/s (both directions) -> 64 GB/s one way.
+    "h200": HardwareSpec("h200", peak_flops=989.5 * TB, mem_bandwidth=4.8 * TB, memory_bytes=141 * GB,
+                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
+                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=64 * GB,
+                         flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="H200 SXM 141GB, datasheet peaks"),
+    # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column), nvidia.com/en-us/data-center/a100/:
+    # BF16 Tensor Core 312 TFLOPS (624 with sparsity); GPU memory 80 GB HBM2e; memory bandwidth 2,039 GB/s;
+    # PCIe Gen4 64 GB/s (both directions) -> 32 GB/s one way.
+    "a100": HardwareSpec("a100", peak_flops=312 * TB, mem_bandwidth=2039 * GB, memory_bytes=80 * GB,
+                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
+                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=32 * GB,
+                         flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="A100 SXM4 80GB, datasheet peaks"),
+    # NVIDIA L4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/l4/:
+    # BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense; GPU memory 24 GB GDDR6; memory bandwidth 300 GB/s;
+    # PCIe Gen4 x16 64 GB/s (both directions) -> 32 GB/s one way.
+    "l4": HardwareSpec("l4", peak_flops=121 * TB, mem_bandwidth=300 * GB, memory_bytes=24 * GB,
+                       step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
+                       seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=32 * GB,
+                       flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="L4 24GB, datasheet peaks"),
+}
+
+MODELS: dict[str, ModelShape] = {
+    # meta-llama/Meta-Llama-3-8B config.json: hidden_size 4096, intermediate_size 14336, num_hidden_layers 32,
+    # num_attention_heads 32, num_key_value_heads 8 (head_dim 4096/32 = 128), vocab_size 128256, untied.
+    "llama-3-8b": ModelShape("llama-3-8b", num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
+                             num_kv_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    # meta-llama/Llama-3.2-1B config.json: hidden_size 2048, intermediate_size 8192, num_hidden_layers 16,
+    # num_attention_heads 32, num_key_value_heads 8, head_dim 64, vocab_size 128256, tie_word_embeddings true.
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32,
+                               num_kv_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    # Qwen/Qwen3-0.6B config.json: hidden_size 1024, intermediate_size 3072, num_hidden_layers 28,
+    # num_attention_heads 16, num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings true.
+    "qwen3-0.6b": ModelShape("qwen3-0.6b", num_layers=28, hidden_size=1024, intermediate_size=3072, num_heads=16,
+                             num_kv_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
+
+# Published parameter counts, for a sanity check of the shapes (tests compare ModelShape.num_params to these).
+PUBLISHED_PARAMS = {"llama-3-8b": 8.03e9, "llama-3.2-1b": 1.24e9, "qwen3-0.6b": 0.6e9, "smollm2-135m": 0.135e9}
+
+PROFILE_DIR = os.path.join(os.path.dirname(__file__), "profiles")
+
+
+@lru_cache(maxsize=None)
+def bundled_shape() -> ModelShape:
+    """SmolLM2-135M read from the bundled model's ``config.json`` (fp32: the engine's CPU default)."""
+    from minivllm.model.loader import resolve_model_dir
+
+    with open(os.path.join(resolve_model_dir(None), "config.json"), encoding="utf-8") as fh:
+        return ModelShape.from_hf_config(json.load(fh), name="smollm2-135m", dtype_bytes=4)
+
+
+def model_preset(name: str, dtype_bytes: int | None = None) -> ModelShape:
+    """A model shape by name (``smollm2-135m`` is fp32 by default, the others bf16)."""
+    key = name.lower()
+    if key in ("smollm2-135m", "smollm2", "bundled"):
+        shape = bundled_shape()
+    elif key in MODELS:
+        shape = MODELS[key]
+    else:
+        raise ValueError(f"unknown model preset {name!r}; known: smollm2-135m, {', '.join(MODELS)}")
+    return shape.with_dtype(dtype_bytes) if dtype_bytes else shape
+
+
+def profile_names() -> list[str]:
+    if not os.path.isdir(PROFILE_DIR):
+        return []
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
+
+
+def load_profile(path_or_name: str) -> dict:
+    """A calibration profile (JSON written by ``minivllm sim calibrate``): a path, or a name under ``sim/profiles``."""
+    path = path_or_name if os.path.exists(path_or_name) else os.path.join(PROFILE_DIR, f"{path_or_name}.json")
+    if not os.path.exists(path):
+        raise ValueError(f"no calibration profile {path_or_name!r} (known: {', '.join(profile_names()) or 'none'})")
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def hardware_preset(name: str) -> HardwareSpec:
+    """A hardware spec: a datasheet preset (h100, h200, a100, l4) or a calibration profile by name or path."""
+    key = name.lower()
+    if key in HARDWARE:
+        return HARDWARE[key]
+    try:
+        return HardwareSpec.from_dict(load_profile(name)["hardware"])
+    except ValueError:
+        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
+                         f"profiles: {', '.join(profile_names()) or 'none'}") from None

@@ -1,0 +1,315 @@
+"""A roofline cost model for one engine step, and an executor that runs the real engine on it.
+
+Why a roofline?  A transformer step is a handful of big kernels, and each is
+limited either by arithmetic (FLOPs / peak FLOP/s) or by memory traffic
+(bytes / bandwidth), whichever is slower.  That one rule explains the facts the
+course is about: a decode step costs about the same for 1 or 64 sequences
+(reading the weights dominates), a 2,000-token prefill is compute bound, and
+long contexts make attention memory bound.  The model needs only numbers a
+datasheet or a model's ``config.json`` gives, plus a few overheads a short
+calibration fits (:mod:`minivllm.sim.calibrate`), so it transfers to hardware
+nobody in the course has (an H100 from a laptop).
+
+A step is split into *phases*, each its own set of kernels that run one after
+another, and each phase is timed by its own roofline::
+
+    time = step_overhead + num_layers * layer_overhead + num_seqs * seq_overhead
+         + max(dense FLOPs / peak FLOP/s,        dense bytes / bandwidth)      # the GEMMs + lm_head
+         + max(attention FLOPs / attention FLOP/s, attention bytes / attention B/s)  # reading/writing K/V
+         + swapped bytes / swap bandwidth                                      # block moves over PCIe
+
+What it ignores, knowingly: kernel-level inefficiencies beyond one achievable
+fraction per roof (tile quantization, wave effects, small-GEMM shapes), the
+re-reading of K/V by each query tile of a long prefill, norms, rotary and other
+element-wise ops (a few % of bytes), overlap *between* phases or with the host
+(the host's per-step cost is the ``*_overhead`` terms), communication for
+tensor parallelism, and caches (on a CPU the weights of a small model may
+partly stay in the last-level cache; the calibration absorbs that into the
+fitted bandwidth).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs to know about a decoder-only (Llama-style) model."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "dtype_bytes"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelShape.{k} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str | None = None, dtype_bytes: int = 2) -> "ModelShape":
+        """From a Hugging Face ``config.json`` dict (Llama, Qwen2/3, Mistral field names)."""
+        heads = cfg["num_attention_heads"]
+        return cls(
+            name=name or cfg.get("_name_or_path", "model"),
+            num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"], dtype_bytes=dtype_bytes,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    def with_dtype(self, dtype_bytes: int) -> "ModelShape":
+        return replace(self, dtype_bytes=dtype_bytes)
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of the GEMMs of one layer: q, k, v, o projections and the gated MLP (norms left out)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * self.num_heads * d + 2 * h * self.num_kv_heads * d + self.num_heads * d * h
+        return attn + 3 * h * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        """All weights (embedding, and a separate lm_head unless tied; norms are < 0.1% and left out)."""
+        emb = self.vocab_size * self.hidden_size
+        return self.num_layers * self.layer_params + emb * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Weights one forward pass reads: every layer's GEMMs and the lm_head (embedding rows are a gather)."""
+        return (self.num_layers * self.layer_params + self.vocab_size * self.hidden_size) * self.dtype_bytes
+
+    @property
+    def act_elems_per_token_layer(self) -> int:
+        """Activation elements one token moves through one layer's GEMMs: each reads its input, writes its output."""
+        h, d = self.hidden_size, self.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * d
+        return (h + qkv_out) + (self.num_heads * d + h) + (h + 2 * self.intermediate_size) + (self.intermediate_size + h)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """A device as the roofline sees it.
+
+    ``peak_flops`` and ``mem_bandwidth`` are datasheet peaks; ``flops_util`` and
+    ``bw_util`` are the fractions kernels achieve (the product is the roof the
+    model uses).  A calibrated spec stores fitted effective values with utils 1.
+    ``attention_flops`` and ``attention_bandwidth`` are the roofs for attention
+    kernels when they reach a different fraction of peak than GEMMs (None: the
+    same as the GEMMs).  Why separate: attention reads K/V through block tables
+    (gathers of 16-token blocks), which on a CPU streams far slower than a
+    weight matrix; on a GPU a paged-attention kernel is close to the GEMM roofs.
+    """
+
+    name: str
+    peak_flops: float
+    mem_bandwidth: float  # bytes/s
+    memory_bytes: float = 0.0  # device memory (sizes the KV pool in ``minivllm sim run``)
+    step_overhead_s: float = 0.0  # host scheduling, input preparation, sampling: once per step
+    layer_overhead_s: float = 0.0  # kernel launches: once per layer per step
+    seq_overhead_s: float = 0.0  # per scheduled sequence per step (metadata, sampling)
+    swap_bandwidth: float = 25e9  # bytes/s between device and host tier
+    flops_util: float = 1.0
+    bw_util: float = 1.0
+    attention_flops: float | None = None
+    attention_bandwidth: float | None = None  # bytes/s
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        for k in ("peak_flops", "mem_bandwidth", "swap_bandwidth", "flops_util", "bw_util"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"HardwareSpec.{k} must be > 0, got {getattr(self, k)!r}")
+        for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "memory_bytes"):
+            if not getattr(self, k) >= 0:
+                raise ValueError(f"HardwareSpec.{k} must be >= 0, got {getattr(self, k)!r}")
+
+    @property
+    def flops(self) -> float:
+        return self.peak_flops * self.flops_util
+
+    @property
+    def attn_flops(self) -> float:
+        return (self.attention_flops if self.attention_flops is not None else self.peak_flops) * self.flops_util
+
+    @property
+    def bandwidth(self) -> float:
+        return self.mem_bandwidth * self.bw_util
+
+    @property
+    def attn_bandwidth(self) -> float:
+        return (self.attention_bandwidth if self.attention_bandwidth is not None else self.mem_bandwidth) * self.bw_util
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareSpec":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class StepCost:
+    """The roofline terms of one step (FLOPs, bytes), before any hardware is applied."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_sampled: int = 0
+    dense_flops: float = 0.0
+    dense_bytes: float = 0.0
+    attn_flops: float = 0.0
+    attn_bytes: float = 0.0
+    swap_bytes: float = 0.0
+
+
+def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 16) -> StepCost:
+    """The terms for a batch given as ``(start, num_tokens, samples)`` per scheduled sequence.
+
+    * dense: ``2 * layer_params`` FLOPs per token per layer, plus ``2 * hidden * vocab``
+      per *sampled* row (the engine computes logits only there); bytes = the weights
+      once, plus each GEMM's input and output activations.
+    * attention: token ``i`` of a chunk starting at ``s`` attends ``s + i + 1``
+      keys; QK^T and PV are ``2 * head_dim`` FLOPs per head per key each.  Bytes:
+      the sequence's whole context of K/V read once, the new K/V written, Q read
+      and the output written.
+    """
+    L, H, d, b = shape.num_layers, shape.num_heads, shape.head_dim, shape.dtype_bytes
+    n_tok = n_seq = n_samp = 0
+    pairs = 0  # sum over scheduled tokens of the keys each attends
+    ctx = 0  # sum over sequences of their context after this step
+    for start, n, samples in seqs:
+        n_seq += 1
+        n_tok += n
+        n_samp += 1 if samples else 0
+        pairs += n * start + n * (n + 1) // 2
+        ctx += start + n
+    c = StepCost(num_seqs=n_seq, num_tokens=n_tok, num_sampled=n_samp)
+    if n_seq:
+        c.dense_flops = 2.0 * L * shape.layer_params * n_tok + 2.0 * shape.hidden_size * shape.vocab_size * n_samp
+        c.dense_bytes = (shape.weight_bytes_per_step + L * shape.act_elems_per_token_layer * n_tok * b
+                         + n_samp * shape.vocab_size * 4)  # fp32 logits out
+        c.attn_flops = 4.0 * L * H * d * pairs
+        c.attn_bytes = float(shape.kv_bytes_per_token * (ctx + n_tok) + 2 * L * H * d * b * n_tok)
+    c.swap_bytes = float(swap_blocks * block_size * shape.kv_bytes_per_token)
+    return c
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's time, phase by phase (seconds), and which roof bound each phase."""
+
+    overhead: float
+    dense: float
+    attention: float
+    swap: float
+    dense_bound: str  # "compute" or "memory"
+    attention_bound: str
+
+    @property
+    def total(self) -> float:
+        return self.overhead + self.dense + self.attention + self.swap
+
+
+def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTime:
+    """Apply ``hw`` to the terms: overheads plus one roofline per phase (see the module docstring)."""
+    if cost.num_seqs == 0:
+        return StepTime(hw.step_overhead_s if cost.swap_bytes else 0.0, 0.0, 0.0, cost.swap_bytes / hw.swap_bandwidth,
+                        "-", "-")
+    overhead = hw.step_overhead_s + shape.num_layers * hw.layer_overhead_s + cost.num_seqs * hw.seq_overhead_s
+    dc, dm = cost.dense_flops / hw.flops, cost.dense_bytes / hw.bandwidth
+    ac, am = cost.attn_flops / hw.attn_flops, cost.attn_bytes / hw.attn_bandwidth
+    return StepTime(overhead, max(dc, dm), max(ac, am), cost.swap_bytes / hw.swap_bandwidth,
+                    "compute" if dc >= dm else "memory", "compute" if ac >= am else "memory")
+
+
+def fake_token(request_id: str, position: int, vocab_size: int) -> int:
+    """A deterministic "sampled" token (the same in every process, unlike ``hash`` of a str); never 0-9."""
+    return (zlib.crc32(request_id.encode()) + 2654435761 * position) % (vocab_size - 10) + 10
+
+
+@dataclass
+class RooflineExecutor:
+    """An :class:`~minivllm.interfaces.Executor` on a virtual clock that advances by the roofline step time.
+
+    The engine around it is the real one (scheduler, policies, KV manager,
+    prefix cache); only the forward pass is replaced.  Tokens are a
+    deterministic function of the request id and position, so a run is
+    reproducible to the bit.  ``kv_bytes_per_block`` and ``swap_bytes_per_s``
+    are read by the engine (pool sizing, the auto preemption mode).
+    """
+
+    shape: ModelShape
+    hardware: HardwareSpec
+    block_size: int = 16
+    clock: float = 0.0
+    busy_s: float = 0.0  # virtual seconds spent in steps (the rest is idle time between arrivals)
+    num_steps: int = 0
+    bound_steps: dict = field(default_factory=lambda: {"compute": 0, "memory": 0})  # by the dense phase
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.shape.kv_bytes_per_token * self.block_size
+
+    @property
+    def swap_bytes_per_s(self) -> float:
+        return self.hardware.swap_bandwidth
+
+    @property
+    def vocab_size(self) -> int:
+        return self.shape.vocab_size
+
+    def now(self) -> float:
+        return self.clock
+
+    def advance_to(self, t: float) -> None:
+        """Idle until ``t`` (the driver calls it when nothing is running and the next request is in the future)."""
+        if t > self.clock:
+            self.clock = t
+
+    def breakdown(self, batch, sampled: list | None = None) -> StepTime:
+        """The step's time by phase; with ``sampled`` (a list), also collects the requests whose logits are sampled.
+
+        One pass over the batch (the executor's only per-sequence work besides
+        the fake tokens): a 10,000-request simulation runs this ~10^6 times.
+        """
+        seqs = []
+        for s in batch.seqs:
+            samples = s.start + s.num_tokens == s.request.num_tokens
+            seqs.append((s.start, s.num_tokens, samples))
+            if samples and sampled is not None:
+                sampled.append(s.request)
+        swapped = len(batch.moves.swap_in) + len(batch.moves.swap_out)
+        return roofline_time(step_cost(self.shape, seqs, swapped, self.block_size), self.shape, self.hardware)
+
+    def step_time(self, batch) -> float:
+        return self.breakdown(batch).total
+
+    def execute(self, batch) -> dict[str, int]:
+        sampled: list = []
+        if batch.seqs or batch.moves:
+            t = self.breakdown(batch, sampled)
+            self.clock += t.total
+            self.busy_s += t.total
+            self.num_steps += 1
+            if t.dense_bound in self.bound_steps:
+                self.bound_steps[t.dense_bound] += 1
+        vocab = self.shape.vocab_size
+        return {req.request_id: fake_token(req.request_id, req.num_tokens, vocab) for req in sampled}

@@ -1,0 +1,380 @@
+"""``minivllm sim run``: the real engine, a roofline clock, open-loop arrivals, the load generator's SLO report.
+
+The engine is the one that serves real requests -- same scheduler, policies,
+KV manager and prefix cache -- with a :class:`~minivllm.sim.roofline.RooflineExecutor`
+in place of the model.  Arrivals use the load generator's workload format
+(``--tenant`` specs, Poisson/gamma rates or a JSONL ``--trace``; see
+:mod:`minivllm.bench.loadgen`), and the report is the load generator's table,
+built from the engine's own timestamps, so a simulated run and a measured one
+read the same way.
+
+:func:`drive` is the loop both the simulator and the real-engine validation
+use: inject every request whose arrival time has passed, step, collect.  Its
+own work per step is proportional to what changed (new arrivals, requests
+that produced a token), never to everything running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, _json_safe, format_table,
+                                    parse_tenant, parse_trace, plan_from_trace, plan_requests, summarize)
+
+_WORD_IDS = {w: i + 10 for i, w in enumerate(WORDS)}
+
+
+@dataclass
+class SimRequest:
+    """One request of a workload, already as token ids (so the real and the simulated engine get the same ones)."""
+
+    index: int
+    arrival: float  # seconds after the start of the run
+    tenant: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def word_token_ids(text: str, vocab_size: int = 49152) -> list[int]:
+    """Token ids for the load generator's word prompts without a tokenizer: one id per word, stable across runs.
+
+    The load generator's words are about one token each, and equal texts map
+    to equal ids, so a shared system prompt still hits the prefix cache.
+    """
+    top = max(11, vocab_size - 10)
+    return [_WORD_IDS.get(w) or zlib.crc32(w.encode()) % top + 10 for w in text.split()]
+
+
+def requests_from_plan(plan, tokenize=None, vocab_size: int = 49152) -> list[SimRequest]:
+    """``PlannedRequest`` s (from ``plan_requests`` / ``plan_from_trace``) -> token-id requests sorted by arrival."""
+    enc = tokenize or (lambda text: word_token_ids(text, vocab_size))
+    out = [SimRequest(p.index, p.arrival, p.tenant, enc(p.prompt), p.max_tokens) for p in plan]
+    out.sort(key=lambda r: (r.arrival, r.index))
+    return out
+
+
+@dataclass
+class DriveRecord:
+    """What :func:`drive` saw: one result per request, the step boundaries, KV usage over time."""
+
+    results: list[RequestResult]
+    step_starts: list[float] = field(default_factory=list)  # clock (s after t0) before each step
+    step_ends: list[float] = field(default_factory=list)  # clock (s after t0) after each step
+    check_after_step: list[float] = field(default_factory=list)  # clock at the first arrival check after each step
+    kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (s after t0, fraction of blocks held)
+    injected_before_step: list[int] = field(default_factory=list)  # requests added so far, before each step
+    duration: float = 0.0
+    wall_s: float = 0.0
+
+
+def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_samples: int = 200,
+          max_idle_steps: int = 1000) -> DriveRecord:
+    """Run ``requests`` open loop through ``engine`` until all are done; works on a real or a virtual clock.
+
+    A request joins the engine at the first step boundary at or after its
+    arrival (an engine adds requests between steps).  When nothing is in
+    flight the loop waits for the next arrival: ``executor.advance_to(t)`` on
+    a virtual clock, ``time.sleep`` on a real one.
+    """
+    from minivllm.sampling_params import SamplingParams
+
+    ex = engine.executor
+    advance = getattr(ex, "advance_to", None)
+    wall0 = time.perf_counter()
+    t0 = ex.now()
+    n = len(requests)
+    results = [RequestResult(r.index, r.tenant, r.arrival, len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    by_id: dict[str, tuple[RequestResult, list[float]]] = {}
+    rec = DriveRecord(results)
+    span_hint = max((r.arrival for r in requests), default=0.0)
+    sample_every = max(span_hint, 1e-3) / max(1, kv_samples)
+    next_sample = 0.0
+    i = 0
+    idle = 0
+    while True:
+        now = ex.now()
+        if len(rec.check_after_step) < len(rec.step_ends):
+            rec.check_after_step.append(now - t0)
+        while i < n and t0 + requests[i].arrival <= now:
+            r = requests[i]
+            rid = f"r{r.index}"
+            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature,
+                                    output_kind="delta")
+            res = results[i]
+            res.start = r.arrival
+            try:
+                engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params, request_id=rid, tenant=r.tenant,
+                                   arrival_time=t0 + r.arrival)
+            except ValueError as exc:  # refused at the door (too long, over a tenant's cap): an error, as HTTP 400 is
+                res.outcome, res.error = "error", str(exc)
+            else:
+                by_id[rid] = (res, [])
+            i += 1
+        if not engine.has_unfinished_requests():
+            if i >= n:
+                break
+            nxt = t0 + requests[i].arrival
+            if advance is not None:
+                advance(nxt)
+            else:
+                time.sleep(max(0.0, nxt - ex.now()))
+            continue
+        rec.step_starts.append(now - t0)
+        rec.injected_before_step.append(i)
+        outputs = engine.step()
+        end = ex.now() - t0
+        rec.step_ends.append(end)
+        last = engine.step_log[-1] if len(engine.step_log) else None
+        if last is not None and not last.seqs and not (last.swapped_in or last.swapped_out):
+            idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
+            if i < n and advance is not None:
+                advance(t0 + requests[i].arrival)
+            elif idle > max_idle_steps:
+                break
+        else:
+            idle = 0
+        for out in outputs:
+            entry = by_id.get(out.request_id)
+            if entry is None:
+                continue
+            res, times = entry
+            m = out.metrics
+            times.extend(m.token_times)
+            if out.finished:
+                _finish(res, out, times, t0)
+                del by_id[out.request_id]
+        if end >= next_sample:
+            rec.kv_usage.append((end, engine.kv.usage()))
+            next_sample = end + sample_every
+    for res, times in by_id.values():  # left unfinished (a policy that never admits them)
+        res.outcome, res.error = "timeout", "not finished when the run stopped"
+    ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
+    rec.duration = max(ends) if ends else ex.now() - t0
+    rec.wall_s = time.perf_counter() - wall0
+    return rec
+
+
+def _finish(res: RequestResult, out, times: list[float], t0: float) -> None:
+    m = out.metrics
+    reason = out.outputs[0].finish_reason if out.outputs else None
+    res.prompt_tokens = len(out.prompt_token_ids or ())
+    res.output_tokens = len(times)
+    res.chunks = len(times)
+    if reason == "rejected":
+        res.outcome, res.retry_after = "rejected", getattr(out, "retry_after_s", None)
+        return
+    if reason in ("error", "abort"):
+        res.outcome, res.error = "error", reason
+        return
+    res.outcome = "ok"
+    arrival = m.arrival_time
+    res.ttft = times[0] - arrival if times else None
+    res.itl = [b - a for a, b in zip(times, times[1:])]
+    end = m.finished_time if m.finished_time is not None else (times[-1] if times else arrival)
+    res.e2e = end - arrival
+
+
+# -- workloads ---------------------------------------------------------------------------------
+
+WORKLOADS = {
+    # name: (tenant specs, default rate req/s, burstiness)
+    "chat": (["name=chat,input=uniform:16:128,output=uniform:8:48"], 200.0, 1.0),
+    "decode-heavy": (["name=gen,input=uniform:16:64,output=uniform:128:256"], 20.0, 1.0),
+    "bursty": (["name=chat,share=3,input=uniform:32:256,output=uniform:16:64",
+                "name=batch,share=1,input=uniform:512:1024,output=uniform:32:128"], 50.0, 0.25),
+    "long-prompt": (["name=docs,input=uniform:2048:8192,output=uniform:16:64"], 5.0, 1.0),
+    "shared-prefix": (["name=app,input=uniform:16:64,output=uniform:16:64,prefix=sys:1024"], 50.0, 1.0),
+}
+
+
+def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list[Tenant]]:
+    """The workload of ``args``: a JSONL trace, a named workload, or ``--tenant`` specs."""
+    if args.workload in WORKLOADS:
+        specs, rate, burst = WORKLOADS[args.workload]
+    elif args.workload is None:
+        specs, rate, burst = [], 10.0, 1.0
+    elif os.path.exists(args.workload):
+        specs, rate, burst = [], None, 1.0
+    else:
+        raise ValueError(f"unknown workload {args.workload!r}: a JSONL trace path or one of {', '.join(WORKLOADS)}")
+    specs = args.tenant or specs
+    tenants = [parse_tenant(s, args.input_len, args.output_len) for s in specs] or [
+        Tenant("default", None, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))]
+    rate = args.request_rate if args.request_rate is not None else rate
+    burst = args.burstiness if args.burstiness is not None else burst
+    if args.workload and args.workload not in WORKLOADS:
+        with open(args.workload, encoding="utf-8") as fh:
+            entries = parse_trace(fh)
+        names = {e.tenant for e in entries if e.tenant} - {t.name for t in tenants}
+        tenants += [Tenant(name, None, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))
+                    for name in sorted(names)]
+        plan = plan_from_trace(entries, tenants, rate, args.seed)
+        rate = rate if rate is not None else float("nan")
+    else:
+        if rate is None or not rate > 0:
+            raise ValueError("--request-rate must be > 0")
+        plan = plan_requests(tenants, args.num_requests, rate, burst, args.seed)
+    return requests_from_plan(plan, vocab_size=vocab_size), rate, tenants
+
+
+# -- one simulation ----------------------------------------------------------------------------
+
+
+def kv_pool_bytes(shape, hw, utilization: float) -> int:
+    """KV memory on ``hw``: what ``utilization`` of device memory leaves after the weights."""
+    if not hw.memory_bytes:
+        raise ValueError(f"hardware {hw.name!r} has no memory_bytes; pass --num-gpu-blocks-override")
+    free = hw.memory_bytes * utilization - shape.num_params * shape.dtype_bytes
+    if free <= 0:
+        raise ValueError(f"{shape.name} ({shape.num_params * shape.dtype_bytes / 1e9:.1f} GB of weights) does not fit "
+                         f"in {utilization:.0%} of {hw.name}'s {hw.memory_bytes / 1e9:.0f} GB")
+    return int(free)
+
+
+def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: float = 0.9, **options):
+    """A real :class:`LLMEngine` on a :class:`RooflineExecutor` whose pool is sized like the device's."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.roofline import RooflineExecutor
+
+    ex = RooflineExecutor(shape, hw, block_size=block_size)
+    if options.get("num_gpu_blocks_override") is None and options.get("kv_cache_memory_bytes") is None:
+        options["kv_cache_memory_bytes"] = kv_pool_bytes(shape, hw, gpu_memory_utilization)
+    model_max_len = options.pop("model_max_len", 131072)
+    blocks = options.get("num_gpu_blocks_override") or options["kv_cache_memory_bytes"] // ex.kv_bytes_per_block
+    if options.get("max_model_len") is None:
+        options["max_model_len"] = min(model_max_len, blocks * block_size)
+    config = EngineConfig(block_size=block_size, device="cpu", **options)
+    return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set())
+
+
+def report_extras(engine, rec: DriveRecord) -> dict:
+    st = engine.stats()
+    ex = engine.executor
+    usage = [u for _, u in rec.kv_usage]
+    return {
+        "steps": len(rec.step_ends),
+        "preemptions": st["num_preemptions"],
+        "prefix_cache_hit_rate": st.get("prefix_cache_hit_rate"),
+        "kv_blocks": st["num_blocks"],
+        "kv_usage_peak": max(usage) if usage else 0.0,
+        "kv_usage_mean": sum(usage) / len(usage) if usage else 0.0,
+        "kv_usage_over_time": rec.kv_usage,
+        "busy_fraction": getattr(ex, "busy_s", 0.0) / rec.duration if rec.duration else None,
+        "dense_bound_steps": getattr(ex, "bound_steps", None),
+        "wall_s": rec.wall_s,
+    }
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """KV usage over time in one line of block characters (0..1)."""
+    if not values:
+        return ""
+    bars = " ▁▂▃▄▅▆▇█"
+    step = max(1, math.ceil(len(values) / width))
+    cols = [max(values[k:k + step]) for k in range(0, len(values), step)]
+    return "".join(bars[min(8, int(round(v * 8)))] for v in cols)
+
+
+def format_extras(x: dict) -> str:
+    hit = x["prefix_cache_hit_rate"]
+    bound = x["dense_bound_steps"] or {}
+    return (f"steps {x['steps']} | preemptions {x['preemptions']} | prefix hit rate "
+            f"{'-' if hit is None else f'{100 * hit:.1f}%'} | KV blocks {x['kv_blocks']} (peak {100 * x['kv_usage_peak']:.0f}%,"
+            f" mean {100 * x['kv_usage_mean']:.0f}%) | busy {100 * (x['busy_fraction'] or 0):.0f}% | dense phase "
+            f"memory-bound {bound.get('memory', 0)} / compute-bound {bound.get('compute', 0)} steps\n"
+            f"KV usage over time |{sparkline([u for _, u in x['kv_usage_over_time']])}|")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="minivllm sim run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="chat", help=f"a JSONL trace path or one of {', '.join(WORKLOADS)}")
+    ap.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, or a calibration profile (name or path)")
+    ap.add_argument("--model", default="llama-3-8b", help="llama-3-8b, llama-3.2-1b, qwen3-0.6b, smollm2-135m")
+    ap.add_argument("--dtype-bytes", type=int, default=None, help="bytes per weight/KV element (default: the preset's)")
+    ap.add_argument("--tenant", action="append", default=[], metavar="SPEC", help="as minivllm bench serve --tenant")
+    ap.add_argument("--input-len", default="uniform:32:128")
+    ap.add_argument("--output-len", default="fixed:16")
+    ap.add_argument("--num-requests", type=int, default=1000)
+    ap.add_argument("--request-rate", type=float, default=None, help="req/s (default: the workload's)")
+    ap.add_argument("--burstiness", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "reject", "auto"])
+    ap.add_argument("--scheduling-policy", default="fcfs")
+    ap.add_argument("--slo-ttft-ms", type=float, default=None)
+    ap.add_argument("--slo-itl-ms", type=float, default=None)
+    ap.add_argument("--out", default=None, help="write the summary (and per-request results) as JSON here")
+    ap.add_argument("--profile", action="store_true", help="run under cProfile and print the top functions")
+    return ap
+
+
+def run_sim(args, out=None) -> dict:
+    out = out or sys.stdout
+    from minivllm.sim.presets import hardware_preset, model_preset
+
+    shape = model_preset(args.model, args.dtype_bytes)
+    hw = hardware_preset(args.hardware)
+    reqs, rate, tenants = build_requests(args, shape.vocab_size)
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+    engine = make_engine(shape, hw, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                         num_gpu_blocks_override=args.num_gpu_blocks_override,
+                         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+                         scheduling_policy=args.scheduling_policy, max_model_len=max(longest, 2048))
+    rec = drive(engine, reqs)
+    slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
+    slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
+    summary = summarize(RunResult(rate, rec.duration, rec.results), slo_ttft, slo_itl)
+    extras = report_extras(engine, rec)
+    tokens = sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+    print(f"== simulated: {shape.name} on {hw.name} | {len(reqs)} requests, {tokens} tokens | workload {args.workload}"
+          f" | offered {rate:g} req/s | {rec.duration:.1f} s simulated in {rec.wall_s:.1f} s wall", file=out)
+    slo = ", ".join(x for x in (f"TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "",
+                                f"p99 ITL <= {args.slo_itl_ms:g} ms" if slo_itl else "") if x)
+    print(format_table(summary, f"SLO {slo}" if slo else ""), file=out)
+    print(format_extras(extras), file=out, flush=True)
+    doc = {"tool": "minivllm sim run", "model": asdict(shape), "hardware": hw.to_dict(), "workload": args.workload,
+           "tenants": [t.describe() for t in tenants], "num_requests": len(reqs), "total_tokens": tokens,
+           "summary": summary, "sim": extras}
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(_json_safe(doc), fh, indent=1)
+        print(f"wrote {args.out}", file=out)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.profile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.runcall(run_sim, args)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        else:
+            run_sim(args)
+    except ValueError as exc:
+        print(f"minivllm sim run: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

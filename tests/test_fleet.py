@@ -1,0 +1,272 @@
+"""A fleet of simulated replicas behind a router: each router against a brute-force oracle, the fleet's
+conservation (every request once, no leaked blocks, the same tokens as one engine), its virtual clock
+against lab 5's independent single-engine arrival loop, and prefix affinity's higher hit rate.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from minivllm.interfaces import Router
+from minivllm.labs.check_lab05 import Arrival, serve
+from minivllm.labs.workloads import sim_engine
+from minivllm.sampling_params import SamplingParams
+from minivllm.sim.executor import SimulatedExecutor
+from minivllm.sim.fleet import GPU_LIKE, ChatMix, Fleet, FleetArrival, run_fleet, sim_replica
+from minivllm.sim.router import (
+    HashRing,
+    LeastOutstandingRouter,
+    PrefixAffinityRouter,
+    RoundRobinRouter,
+    make_router,
+    prefix_key,
+    stable_hash,
+)
+
+from invariants import assert_no_leak, check_both_tiers  # noqa: E402  (tests/ is on sys.path)
+
+SMALL = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
+
+
+def small_replica(executor):
+    return sim_replica(executor, **SMALL)
+
+
+def small_mix(rate=6.0, duration=3.0, seed=1):
+    return ChatMix(rate, duration, seed=seed, system_len=64, user_range=(32, 64), output_range=(4, 16), turns=3,
+                   think_s=(0.2, 0.6))
+
+
+# -- routers against brute force ------------------------------------------------------------------------
+
+
+def test_routers_implement_the_protocol():
+    for r in (RoundRobinRouter(), LeastOutstandingRouter(), PrefixAffinityRouter(3)):
+        assert isinstance(r, Router)
+
+
+def test_round_robin_cycles():
+    r = RoundRobinRouter()
+    assert [r.route([1, 2], [5, 0, 9]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_least_outstanding_is_the_argmin_lowest_index_on_ties():
+    rng = random.Random(0)
+    r = LeastOutstandingRouter()
+    for _ in range(500):
+        loads = [rng.randrange(0, 6) * 100 for _ in range(rng.randint(1, 6))]
+        best = min(loads)
+        assert r.route([1], loads) == loads.index(best)  # brute force: first index holding the minimum
+
+
+def _brute_owner(num_replicas: int, vnodes: int, key: int) -> int:
+    """The ring by definition: every point, the first clockwise at or after the key, wrapping around."""
+    points = [(stable_hash(f"replica-{r}#{v}"), r) for r in range(num_replicas) for v in range(vnodes)]
+    after = [p for p in points if p[0] >= key]
+    return min(after)[1] if after else min(points)[1]
+
+
+def test_hash_ring_matches_brute_force():
+    rng = random.Random(1)
+    for n in (1, 2, 5):
+        ring = HashRing(n, vnodes=16)
+        keys = [rng.getrandbits(64) for _ in range(300)] + [0, 2**64 - 1, ring.hashes[0], ring.hashes[-1]]
+        assert [ring.owner(k) for k in keys] == [_brute_owner(n, 16, k) for k in keys]
+
+
+def test_adding_a_replica_moves_only_its_share_of_keys():
+    rng = random.Random(2)
+    keys = [rng.getrandbits(64) for _ in range(4000)]
+    for n in (3, 4, 8):
+        old, new = HashRing(n), HashRing(n + 1)
+        moved = [k for k in keys if old.owner(k) != new.owner(k)]
+        assert all(new.owner(k) == n for k in moved), "a moved key may only move to the new replica"
+        assert 0.5 / (n + 1) < len(moved) / len(keys) < 1.6 / (n + 1), (n, len(moved) / len(keys))
+        modulo_moved = sum(k % n != k % (n + 1) for k in keys) / len(keys)
+        assert modulo_moved > 0.6, "hash % N would move most keys: the contrast the ring exists for"
+
+
+def test_ring_spreads_keys_evenly():
+    rng = random.Random(3)
+    ring = HashRing(4)
+    counts = [0] * 4
+    for _ in range(8000):
+        counts[ring.owner(rng.getrandbits(64))] += 1
+    assert min(counts) > 0.6 * 2000 and max(counts) < 1.4 * 2000, counts
+
+
+def test_prefix_key_reads_only_the_first_full_blocks():
+    rng = random.Random(4)
+    head = [rng.randrange(10, 900) for _ in range(64)]
+    a = head + [rng.randrange(10, 900) for _ in range(40)]
+    b = head + [rng.randrange(10, 900) for _ in range(7)]
+    assert prefix_key(a, 16, 4) == prefix_key(b, 16, 4) == prefix_key(head, 16, 4)
+    c = list(a)
+    c[63] += 1  # the last token of the 4th block
+    assert prefix_key(c, 16, 4) != prefix_key(a, 16, 4)
+    assert prefix_key(head[:40], 16, 4) == stable_hash(head[:32])  # only full blocks count
+    assert prefix_key(head[:5], 16, 4) == stable_hash(head[:5])  # shorter than a block: the whole prompt
+
+
+def test_prefix_affinity_same_prefix_same_replica_unless_overloaded():
+    rng = random.Random(5)
+    router = PrefixAffinityRouter(4, block_size=16, key_blocks=2, spill_factor=1.5, min_spill_tokens=1000)
+    for _ in range(200):
+        head = [rng.randrange(10, 900) for _ in range(32)]
+        prompts = [head + [rng.randrange(10, 900) for _ in range(rng.randint(0, 50))] for _ in range(3)]
+        ring_owner = _brute_owner(4, 64, stable_hash(head))
+        loads = [rng.randrange(0, 3000) for _ in range(4)]
+        bound = max(1000, 1.5 * sum(loads) / 4)
+        expected = ring_owner if loads[ring_owner] <= bound else loads.index(min(loads))
+        assert {router.route(p, loads) for p in prompts} == {expected}
+        assert {router.route(p, [0, 0, 0, 0]) for p in prompts} == {ring_owner}  # idle fleet: the owner
+
+
+def test_router_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown router"):
+        make_router("random", 2)
+    with pytest.raises(ValueError, match="num_replicas"):
+        PrefixAffinityRouter(0)
+    with pytest.raises(ValueError, match="spill_factor"):
+        PrefixAffinityRouter(2, spill_factor=0.5)
+    with pytest.raises(ValueError, match="ring has 2"):
+        PrefixAffinityRouter(2).route([1, 2, 3], [0, 0, 0])
+    with pytest.raises(ValueError, match="at least one replica"):
+        LeastOutstandingRouter().route([1], [])
+
+
+# -- the fleet -----------------------------------------------------------------------------------------
+
+
+def _fixed_arrivals(n=40, seed=6):
+    rng = random.Random(seed)
+    system = [rng.randrange(10, 900) for _ in range(48)]
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(8.0)
+        prompt = system + [rng.randrange(10, 900) for _ in range(rng.randint(4, 60))]
+        out.append(FleetArrival(round(t, 6), f"r{i}", tuple(prompt), rng.randint(1, 20)))
+    return out
+
+
+@pytest.mark.parametrize("router", ["round_robin", "least_outstanding", "prefix_affinity"])
+def test_fleet_conservation_and_outputs_match_one_engine(router):
+    arrivals = _fixed_arrivals()
+    fleet = Fleet(3, make_router(router, 3, key_blocks=3), executor_factory=lambda: SimulatedExecutor(**GPU_LIKE),
+                  engine_factory=small_replica)
+    res = fleet.run(arrivals)
+    assert sorted(r.index for r in res.results) == list(range(len(arrivals)))  # each finished exactly once
+    assert set(res.outputs) == {a.request_id for a in arrivals}
+    assert sum(s.requests for s in res.replicas) == len(arrivals)
+    assert fleet.loads == [0, 0, 0], "outstanding tokens must return to zero"
+    for e in fleet.engines:
+        assert not e.has_unfinished_requests()
+        check_both_tiers(e)
+        assert_no_leak(e)
+    # oracle: one plain engine, all requests at once; fake tokens depend only on (request id, position)
+    one = sim_engine(executor=SimulatedExecutor(), **SMALL)
+    for a in arrivals:
+        one.add_request({"prompt_token_ids": list(a.prompt)}, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                        a.request_id)
+    expected = {}
+    while one.has_unfinished_requests():
+        for out in one.step():
+            if out.finished:
+                expected[out.request_id] = list(out.outputs[0].token_ids)
+    assert res.outputs == expected
+    assert all(len(res.outputs[a.request_id]) == a.max_tokens for a in arrivals)
+
+
+def test_one_replica_fleet_matches_an_independent_arrival_loop():
+    """Lab 5's ``serve`` loop (its own code) on one engine gives the same TTFT and latency for every request."""
+    arrivals = _fixed_arrivals(30, seed=7)
+    res = Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run(arrivals)
+    eng = small_replica(SimulatedExecutor(**GPU_LIKE))
+    ref = serve(eng, [Arrival(a.time, a.request_id, a.tenant, a.prompt, a.max_tokens) for a in arrivals])
+    ids = [a.request_id for a in arrivals]
+    assert [round(r.ttft, 9) for r in res.results] == [round(ref.ttft[i], 9) for i in ids]
+    assert [round(r.e2e, 9) for r in res.results] == [round(ref.latency[i], 9) for i in ids]
+
+
+def test_replicas_never_run_ahead_of_an_arrival():
+    """Every request's first step starts at or after its arrival, on whichever replica it landed."""
+    arrivals = _fixed_arrivals(40, seed=8)
+    res = Fleet(3, LeastOutstandingRouter(), engine_factory=small_replica).run(arrivals)
+    for r in res.results:
+        assert r.ttft > 0 and r.e2e >= r.ttft
+        assert all(g > 0 for g in r.itl)
+
+
+def test_closed_loop_chats_finish_every_turn():
+    mix = small_mix()
+    res = run_fleet(mix, 2, "least_outstanding", engine_factory=small_replica)
+    assert len(res.results) == sum(mix.session_turns.values())
+    by_id = {f"s{s}t{k}" for s, n in mix.session_turns.items() for k in range(n)}
+    assert set(res.outputs) == by_id
+    # turn k+1's prompt starts with turn k's prompt and its generated answer
+    arrivals = {a.request_id: a for a in mix.arrivals()}
+    first = next(s for s, n in mix.session_turns.items() if n > 1)
+    a0 = arrivals[f"s{first}t0"]
+    nxt = mix.follow_up(a0, res.outputs[a0.request_id], 10.0)
+    assert nxt.prompt[: len(a0.prompt) + len(res.outputs[a0.request_id])] == a0.prompt + tuple(res.outputs[a0.request_id])
+    assert nxt.time >= 10.0 and nxt.turn == 1
+
+
+def test_prefix_affinity_beats_round_robin_on_shared_prefixes():
+    mix = small_mix(rate=8.0, duration=4.0, seed=2)
+    hits = {r: run_fleet(mix, 3, r, engine_factory=small_replica, **({"key_blocks": 5} if r == "prefix_affinity" else {})
+                         ).hit_rate for r in ("round_robin", "prefix_affinity")}
+    assert hits["prefix_affinity"] > hits["round_robin"] + 0.1, hits
+
+
+def test_fleet_rejects_bad_routers_and_sizes():
+    class Bad:
+        def route(self, prompt, loads):
+            return len(loads)
+
+    with pytest.raises(ValueError, match="replica index"):
+        Fleet(2, Bad(), engine_factory=small_replica).run(_fixed_arrivals(3))
+    with pytest.raises(ValueError, match="num_replicas"):
+        Fleet(0, RoundRobinRouter())
+    with pytest.raises(ValueError, match="route"):
+        Fleet(2, object())
+    a = _fixed_arrivals(2)
+    with pytest.raises(ValueError, match="used twice"):
+        Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run([a[0], a[0]])
+    with pytest.raises(ValueError, match="rate"):
+        ChatMix(0, 5)
+
+
+def test_bench_writes_its_table(tmp_path, capsys):
+    from minivllm.bench import fleet as bench
+
+    out = tmp_path / "fleet.json"
+    assert bench.main(["--rate", "3", "--duration", "2", "--replicas", "1,2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {(r["replicas"], r["router"]) for r in data["rows"]} == {(n, p) for n in (1, 2) for p in
+                                                                    ("round_robin", "least_outstanding", "prefix_affinity")}
+    assert "(a) smallest fleet" in capsys.readouterr().out
+
+
+def test_arrivals_before_the_clock_starts_are_refused():
+    a = FleetArrival(-1.0, "early", (1, 2, 3), 2)
+    with pytest.raises(ValueError, match="precedes the replicas' clocks"):
+        Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run([a])
+
+
+def test_windowed_summary_counts_only_the_window():
+    mix = small_mix(rate=8.0, duration=2.0, seed=4)
+    res = run_fleet(mix, 2, "round_robin", engine_factory=small_replica)
+    t0, t1 = mix.window
+    inside = [r for r in res.results if t0 <= r.arrival < t1]
+    s = res.summary(window=mix.window)
+    assert s["requests"] == len(inside) and 0 < len(inside) < len(res.results)
+    assert s["offered_rps"] == pytest.approx(len(inside) / (t1 - t0))
+    ids = {r.index: rid for rid, r in ((rid, res.result(rid)) for rid in res.outputs)}
+    hits = sum(res.cached_tokens[ids[r.index]] for r in inside)
+    assert s["prefix_hit_rate"] == pytest.approx(hits / sum(r.prompt_len - 1 for r in inside))
+    # over the whole run, the per-request cached tokens add up to the engines' own hit counters
+    assert sum(res.cached_tokens.values()) == sum(st.hit_tokens for st in res.replicas)

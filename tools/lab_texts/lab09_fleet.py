@@ -1,0 +1,368 @@
+CELLS = [
+("md", r"""
+# Lab 9 — From one engine to a fleet
+
+**Goals.** After this lab you can
+
+1. draw the path of a request through a fleet — client, router, one of N replicas, that replica's own KV cache —
+   and say what a router can and cannot know about the replicas behind it;
+2. route on **outstanding tokens**, the load signal a router can count itself (✏️ exercise 1, plugged into a
+   simulated fleet of real engines);
+3. route on **prefix affinity** with **consistent hashing**: a hash ring with virtual nodes, keyed on a prompt's
+   first KV blocks, that spills over to the least-loaded replica when the owner is overloaded (✏️ exercise 2);
+4. answer the two capacity questions of someone who outgrew one machine: *how many replicas for X requests/s under
+   an SLO*, and *how much does prefix-aware routing raise the hit rate and the goodput* — with plots.
+
+**Time:** about two minutes to run on a CPU laptop; 45–60 minutes to work through. **Everything here is simulated:**
+every replica is the real engine (scheduler, KV cache manager, prefix cache — the code of labs 1–5), and only the
+forward pass is replaced by a cost model on a virtual clock. Cells that report latencies say which model: the
+**roofline** cost model of a **Llama-3-8B** shape on an **H100** or an **L4** (datasheet presets,
+`minivllm.sim.presets`). The capacity study uses the L4: an H100 serves this lab's chat mix at about 100 requests/s
+per replica, and simulating a fleet of them at several hundred requests/s takes minutes on a laptop; on an L4 the
+same questions appear at tens of requests/s. The exercise checkers use a simpler linear cost model, because they
+check routing decisions, not latencies.
+Exercises are marked ✏️; until your checker passes, later cells use the engine's own router.
+"""),
+("code", r"""
+import matplotlib.pyplot as plt
+import numpy as np
+
+from minivllm.bench.fleet import smallest_meeting, sweep
+from minivllm.labs import choose
+from minivllm.labs.check_lab09 import check_least_outstanding, check_prefix_affinity
+from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
+from minivllm.sim.fleet import ChatMix, Fleet, roofline_factory
+from minivllm.sim.router import LeastOutstandingRouter, PrefixAffinityRouter, RoundRobinRouter, stable_hash
+
+H100_LLAMA8B = roofline_factory("h100", "llama-3-8b")  # each replica's executor: roofline, Llama-3-8B on an H100
+L4_LLAMA8B = roofline_factory("l4", "llama-3-8b")  # the same model on an L4 (121 TFLOP/s, 300 GB/s)
+%matplotlib inline
+"""
+, ["setup"]),
+("md", r"""
+## 1. The picture: one router, N engines, N separate caches
+
+One engine has a ceiling (lab 5 ended on it: past capacity the queue only grows, and the reject rate says by how
+much). The next step is more engines — *replicas*, each a full copy of the model on its own GPU — behind a
+**router** that picks one replica per request:
+
+```
+                                   ┌──────────── replica 0 ─────────────┐
+                                   │ scheduler, KV pool, prefix cache   │  holds the KV of the requests it served
+ clients ──► router ──────────────►├──────────── replica 1 ─────────────┤
+   (requests)  │ sees: the prompt  │ scheduler, KV pool, prefix cache   │  ← this request's path: queue, prefill
+               │ and, per replica, ├──────────── replica 2 ─────────────┤     (minus its cache hit), decode, stream
+               │ the tokens it has │ scheduler, KV pool, prefix cache   │     back through the router
+               │ sent there and not└────────────────────────────────────┘
+               │ yet seen streamed back ("outstanding tokens")
+```
+
+Two facts shape everything in this lab:
+
+* **The router is outside the engines.** It does not see their queues or block pools; what it can count is what
+  passes through it — how many tokens it has sent to each replica that have not yet come back. A prompt counts until
+  its first token streams back; each output token still to come counts until it arrives.
+* **Every replica has its own prefix cache.** Lab 3's cache hit needs the *same replica* to have seen the prefix. A
+  chat's turn 3 contains turns 1 and 2, answers included; if the router sends turn 3 elsewhere, that replica
+  prefills the whole history again.
+
+The workload is a chat app (`ChatMix`): two 256-token system prompts, 70% of sessions are chats of four turns and 30%
+single questions; each next turn arrives one to three seconds after the previous answer finished and carries the
+whole conversation. Follow one chat through a three-replica fleet with a blind router and with a prefix-aware one:
+"""),
+("code", r"""
+mix = ChatMix(rate=10, duration=4, seed=3)
+paths = {}
+for name, router in (("round robin", RoundRobinRouter()), ("prefix affinity", PrefixAffinityRouter(3, key_blocks=20))):
+    res = Fleet(3, router, executor_factory=H100_LLAMA8B).run(mix.arrivals(), follow_up=mix.follow_up)
+    paths[name] = res
+chat = next(s for s, n in mix.session_turns.items() if n == 4)
+print(f"simulated: roofline, Llama-3-8B on an H100 per replica. Chat s{chat}, four turns (prompt tokens cached/total):")
+for name, res in paths.items():
+    steps = []
+    for k in range(4):
+        rid = f"s{chat}t{k}"
+        steps.append(f"t{k} -> replica {res.placement[rid]} ({res.cached_tokens[rid]:4d}/{res.result(rid).prompt_len})")
+    print(f"{name:16s}: " + " | ".join(steps))
+"""),
+("md", r"""
+Round robin scatters the turns: a turn that lands on a replica that never saw the chat reuses at most the system
+prompt (256 tokens, if that replica cached it) and prefills the rest. Prefix affinity keeps the chat on one replica,
+so every turn after the first finds its whole history cached. The rest of the lab builds both halves of such a
+router and then measures what it is worth.
+
+## ✏️ Exercise 1 — least outstanding tokens
+
+Round robin ignores load. The simplest load-aware router sends each request to the replica with the **fewest
+outstanding tokens**. Why tokens, not requests? One request with an 8,000-token prompt is more work than ten chat
+turns; a request count cannot tell them apart.
+
+Write `LeastOutstanding.route(prompt_token_ids, loads)`: `loads[i]` is replica `i`'s outstanding tokens; return the
+index of the smallest load. On ties, the **lowest index** (so the choice is deterministic). An empty `loads` is a
+`ValueError`. Do not change `loads`: it is the fleet's bookkeeping. (The prompt is unused here; exercise 2 needs it.)
+
+<details><summary>Hint 1</summary>
+
+Keep the index of the best replica so far and walk the others once.
+</details>
+<details><summary>Hint 2</summary>
+
+Ties: which comparison keeps the *earlier* replica when two loads are equal?
+</details>
+"""),
+("code", r"""
+class LeastOutstanding:
+    '''Route to the replica with the fewest outstanding tokens (lowest index on ties).'''
+
+    def route(self, prompt_token_ids, loads):
+        # TODO: return the index of the smallest load, the lowest index on ties;
+        #   raise ValueError when there are no replicas; never change loads
+        ### BEGIN SOLUTION
+        if not loads:
+            raise ValueError("no replicas to route to")
+        best = 0
+        for i in range(1, len(loads)):
+            if loads[i] < loads[best]:
+                best = i
+        return best
+        ### END SOLUTION
+""", ["exercise:least_outstanding"]),
+("code", r"""
+lot_check = check_least_outstanding(LeastOutstanding)
+LOT = choose(lot_check, LeastOutstanding, LeastOutstandingRouter, "least-outstanding router")
+"""),
+("md", r"""
+Does load awareness matter on this chat mix? Two replicas near their capacity, the same arrivals for both routers
+(the last column is how many requests each replica got):
+"""),
+("code", r"""
+busy = ChatMix(rate=14, duration=4, seed=5)
+print("simulated: roofline, Llama-3-8B on an L4 per replica; 2 replicas")
+for name, router in (("round robin", RoundRobinRouter()), ("least outstanding", LOT())):
+    res = Fleet(2, router, executor_factory=L4_LLAMA8B).run(busy.arrivals(), follow_up=busy.follow_up)
+    s = res.summary(slo_ttft=0.5, slo_itl=0.1, window=busy.window)
+    print(f"{name:18s} TTFT p50 {s['ttft_ms']['p50']:5.0f} ms, p99 {s['ttft_ms']['p99']:5.0f} ms | "
+          f"requests per replica {s['replica_requests']}")
+"""),
+("md", r"""
+No better — in this run the tail is even a little longer. On a mix of many similar requests round robin is already
+nearly balanced, and the outstanding-token count adds little (it can even send a chat's next turn to the replica
+that just happened to drain, breaking up nothing useful but also gaining nothing). Load awareness pays when sizes vary a lot — one replica stuck with two long-context requests
+while round robin keeps feeding it — and when replicas differ (a slower GPU, a replica still warming up).
+Neither router knows anything about the caches, though.
+
+## ✏️ Exercise 2 — prefix affinity on a consistent-hash ring
+
+Send requests that share a prefix to the replica that has it cached. The key of a prompt is the hash of its first
+`key_blocks` **full** KV blocks (lab 3: only full blocks can be cached); two prompts with the same first
+`key_blocks × block_size` tokens get the same key. A prompt shorter than one block is keyed on all of it.
+
+Which replica owns a key? Not `hash % N`: adding a replica would remap almost every key and turn every cache cold
+at once. Use a **ring**: each replica `r` gets `vnodes` points at `stable_hash(f"replica-{r}#{v}")` for
+`v = 0 … vnodes-1`; all points sorted; a key belongs to the **first point at or after** `stable_hash(key tokens)`,
+wrapping past the top back to the smallest point. Adding a replica then moves only the keys that fall just before
+its new points — about 1/(N+1) of them — and many virtual nodes even out each replica's share of the ring.
+
+Finally, **spill-over**: a hot prefix must not melt one machine. If the owner's outstanding tokens exceed
+`max(min_spill_tokens, spill_factor × mean load)`, route to the least-loaded replica instead (lowest index on ties).
+Exactly at the bound still goes to the owner.
+
+`stable_hash` (imported) is a 64-bit hash that is the same in every process (Python's own `hash` of a string is
+not); it takes a list of token ids or a string. `bisect.bisect_left` finds a position in a sorted list.
+
+<details><summary>Hint 1</summary>
+
+In `__init__`, build the sorted list of (point, replica) pairs once and keep two parallel lists: the points (for
+bisect) and their replicas.
+</details>
+<details><summary>Hint 2</summary>
+
+The number of full blocks is `len(prompt) // block_size`, capped at `key_blocks`. Zero full blocks: the whole prompt.
+</details>
+<details><summary>Hint 3</summary>
+
+Wrap-around: a bisect position equal to the number of points means "past the top": take it modulo that number.
+</details>
+"""),
+("code", r"""
+import bisect
+
+
+class PrefixAffinity:
+    '''Consistent hashing of the first KV blocks onto a ring with virtual nodes, with load-aware spill-over.'''
+
+    def __init__(self, num_replicas, *, block_size=16, key_blocks=20, vnodes=64, spill_factor=1.5,
+                 min_spill_tokens=4096):
+        self.num_replicas, self.block_size, self.key_blocks = num_replicas, block_size, key_blocks
+        self.spill_factor, self.min_spill_tokens = spill_factor, min_spill_tokens
+        # TODO: the ring: a point per (replica, virtual node) at stable_hash(f"replica-{r}#{v}"), sorted,
+        #   kept as two parallel lists self.points (the hashes) and self.owners (their replicas)
+        ### BEGIN SOLUTION
+        ring = sorted((stable_hash(f"replica-{r}#{v}"), r) for r in range(num_replicas) for v in range(vnodes))
+        self.points = [h for h, _ in ring]
+        self.owners = [r for _, r in ring]
+        ### END SOLUTION
+
+    def owner(self, prompt_token_ids):
+        '''The replica whose arc of the ring holds this prompt's key (load ignored).'''
+        # TODO: key = stable_hash of the first key_blocks FULL blocks (the whole prompt if it has none);
+        #   the owner of the first point at or after the key, wrapping around
+        ### BEGIN SOLUTION
+        full = min(self.key_blocks, len(prompt_token_ids) // self.block_size)
+        head = prompt_token_ids[: full * self.block_size] if full else prompt_token_ids
+        i = bisect.bisect_left(self.points, stable_hash(head))
+        return self.owners[i % len(self.points)]
+        ### END SOLUTION
+
+    def route(self, prompt_token_ids, loads):
+        # TODO: the owner, unless its load exceeds max(min_spill_tokens, spill_factor x mean load):
+        #   then the least-loaded replica (lowest index on ties); never change loads
+        ### BEGIN SOLUTION
+        owner = self.owner(prompt_token_ids)
+        bound = max(self.min_spill_tokens, self.spill_factor * sum(loads) / len(loads))
+        if loads[owner] <= bound:
+            return owner
+        return min(range(len(loads)), key=lambda i: (loads[i], i))
+        ### END SOLUTION
+""", ["exercise:prefix_affinity"]),
+("code", r"""
+pa_check = check_prefix_affinity(PrefixAffinity)
+Affinity = choose(pa_check, PrefixAffinity, PrefixAffinityRouter, "prefix-affinity router")
+"""),
+("md", r"""
+### The ring, and what adding a replica moves
+
+Left: the ring of a three-replica fleet with 8 virtual nodes each (one colour per replica; the arc *ending* at a point
+belongs to that point's replica; the small dots inside are keys, coloured by owner). Right: the share of 1,500 random
+keys that change owner when the fleet grows by one replica — on your ring, and with `hash % N`.
+"""),
+("code", r"""
+ring = Affinity(3, vnodes=8)
+rng = np.random.default_rng(0)
+keys = [[int(x) for x in rng.integers(10, 900, 40)] for _ in range(300)]
+colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f"]
+fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+angles = [2 * np.pi * p / 2**64 for p in ring.points]
+ax.scatter(np.cos(angles), np.sin(angles), c=[colors[o] for o in ring.owners], s=60, zorder=3)
+ka = [2 * np.pi * stable_hash(k[:32]) / 2**64 for k in keys]  # the key: the first 2 full blocks of 16
+owners = [ring.owner(k) for k in keys]
+ax.scatter(0.85 * np.cos(ka), 0.85 * np.sin(ka), c=[colors[o] for o in owners], s=4, alpha=0.6)
+ax.add_patch(plt.Circle((0, 0), 1, fill=False, color="#999"))
+ax.set_aspect("equal"); ax.axis("off"); ax.set_title("3 replicas x 8 virtual nodes; dots: 300 keys")
+
+probe = [[int(x) for x in rng.integers(10, 900, 32)] for _ in range(1500)]
+probe_hashes = [stable_hash(p) for p in probe]
+ns = list(range(2, 9))
+ring_moved, mod_moved = [], []
+for n in ns:
+    old, new = Affinity(n), Affinity(n + 1)
+    ring_moved.append(sum(old.owner(p) != new.owner(p) for p in probe) / len(probe))
+    mod_moved.append(sum(h % n != h % (n + 1) for h in probe_hashes) / len(probe))
+bx.plot(ns, ring_moved, "o-", label="your ring (64 virtual nodes)")
+bx.plot(ns, [1 / (n + 1) for n in ns], "k--", lw=1, label="1/(N+1)")
+bx.plot(ns, mod_moved, "s-", color="#e15759", label="hash % N")
+bx.set_xlabel("replicas before adding one (N)"); bx.set_ylabel("share of keys that move"); bx.set_ylim(0, 1)
+bx.legend(fontsize=8)
+plt.show()
+print("share of each replica's keys on the 3-replica ring:",
+      [round(owners.count(r) / len(owners), 2) for r in range(3)])
+print("keys moved going 4 -> 5 replicas: ring", f"{ring_moved[2]:.2f},", "hash % N", f"{mod_moved[2]:.2f}")
+"""),
+("md", r"""
+The ring moves about 1/(N+1) of the keys — exactly the share the new replica should take over — while `hash % N`
+moves most of them: after an autoscaler adds one replica, a modulo router would send nearly every conversation to a
+replica that has never seen it. With only 8 virtual nodes per replica the arcs are uneven (look at the left plot);
+with 64 they even out.
+
+## 2. The capacity study
+
+Simulated: every replica is the real engine on the **roofline cost model of a Llama-3-8B shape on an L4** (4,096 KV
+blocks of 16 tokens per replica; see the top of the lab for why not the H100). The SLO is a chat SLO — time to first
+token ≤ 500 ms and each request's p99 inter-token latency ≤ 100 ms — and **goodput** is the fraction of requests that meet both (the load generator's definition, `minivllm bench serve`).
+Only requests arriving in the measured window count; the sessions before it warm the fleet up. The question for
+a fixed offered load: how many replicas, with which router?
+"""),
+("code", r"""
+# simulated: roofline, Llama-3-8B on an L4 per replica
+study = ChatMix(rate=30, duration=6, seed=0)
+REPLICAS = [1, 2, 3, 4]
+rows = sweep(study, REPLICAS, ["round_robin", "least_outstanding", "prefix_affinity"], 0.5, 0.1, L4_LLAMA8B)
+by = {(r["replicas"], r["router"]): r for r in rows}
+routers = ["round_robin", "least_outstanding", "prefix_affinity"]
+fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
+for i, name in enumerate(routers):
+    ax.plot(REPLICAS, [100 * by[(n, name)]["goodput_fraction"] for n in REPLICAS], "o-", label=name, color=colors[i])
+    bx.bar(np.array(REPLICAS) + (i - 1) * 0.27, [100 * by[(n, name)]["prefix_hit_rate"] for n in REPLICAS],
+           width=0.27, label=name, color=colors[i])
+ax.axhline(95, color="#999", ls="--", lw=1); ax.text(REPLICAS[0], 96, "goal: 95% within the SLO", fontsize=8)
+ax.set_xlabel("replicas"); ax.set_ylabel("goodput (% of requests within SLO)"); ax.set_xticks(REPLICAS)
+ax.set_title(f"~{rows[-1]['offered_rps']:.0f} requests/s (simulated: Llama-3-8B on L4s)", fontsize=9)
+bx.set_xlabel("replicas"); bx.set_ylabel("prefix-cache hit rate (%)"); bx.set_xticks(REPLICAS); bx.legend(fontsize=8)
+plt.show()
+for name in routers:
+    n = smallest_meeting(rows, name, 0.95)
+    print(f"{name:18s}: smallest fleet meeting the SLO: {n if n else '> ' + str(max(REPLICAS))}; "
+          + ", ".join(f"{r}x: TTFT p99 {by[(r, name)]['ttft_ms']['p99']:.0f} ms" for r in REPLICAS))
+"""),
+("md", r"""
+Read the two plots together:
+
+* **Goodput vs replicas** is a cliff, not a slope: one replica is far past capacity (its queue grows for as long as
+  the load lasts and nearly every request misses the TTFT SLO); with enough replicas nearly every request meets both
+  SLOs. In between, the binding SLO is the inter-token one: each step that carries a chunk of someone's prefill is
+  longer for every decoder in the batch (lab 4), so a replica's p99 ITL rises with the prefill tokens it has to do.
+  That is why capacity is planned at the SLO, not at average utilisation.
+* **Hit rate by router:** with one replica every router is the same. From two replicas on, round robin and least
+  outstanding scatter each chat's turns and the hit rate falls towards "the system prompt only"; prefix affinity
+  keeps it where a single replica had it, because each chat's history stays in one cache.
+* **Hit rate is capacity here.** Every cached prompt token is a prefill token no step has to carry, so affinity's
+  replicas run shorter steps and meet the ITL SLO with **one replica fewer** in this run (the printed lines below the
+  plots). Well above the cliff the SLO is met anyway and the gain shows only as a shorter TTFT tail. Spill-over (the
+  `spilled` count in `rows`) is what keeps affinity safe when one app's traffic is hot.
+
+What the simulation leaves out: routing takes no time, replicas never fail or restart cold, and the router's view
+of load is exact. Real routers (vLLM's production stack, SGLang's router, llm-d) approximate each replica's cache
+with their own radix trees or block-hash indexes and read load from metrics that lag.
+
+## Retrieval check
+
+Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
+questions follow, and the answer key, with every *why*, is in a separate cell: run it once you have answered.
+The last two questions come from labs 3 and 5.
+"""),
+("code", r"""
+show_quiz(9)
+""", ["nbval-ignore-output"]),
+("code", r"""
+print_quiz(9)
+"""),
+("code", r"""
+print_answers(9)   # the answer key: run it after you have answered
+"""),
+("md", r"""
+## What you should now be able to explain
+
+* The path of a request through a fleet, and why the router sees only the prompt and its own count of outstanding
+  tokens, not the replicas' queues or caches.
+* Why a load-aware router counts tokens rather than requests, and when it beats round robin (varied request sizes,
+  unequal replicas) and when it hardly does (many similar requests).
+* Consistent hashing: points per replica and virtual nodes on a ring, the first point clockwise, wrap-around — and
+  why adding a replica moves about 1/(N+1) of the keys instead of nearly all of them with `hash % N`.
+* What the affinity key must cover (past the shared system prompt, or a whole app lands on one replica) and why
+  spill-over to the least-loaded replica bounds the damage of a hot prefix.
+* How to answer "how many replicas for X requests/s under an SLO" with a sweep, why goodput falls off a cliff
+  below that number, and why prefix-aware routing raises the fleet's hit rate towards a single replica's.
+
+## Go further
+
+* **A key that is too short.** Route the study's workload with `key_blocks=8` (inside the 16-block system prompt).
+  What happens to the requests per replica, the spill count and the p99 TTFT? Then lower `min_spill_tokens` and
+  `spill_factor` and find the setting that keeps the hit rate *and* the balance.
+* **Bounded loads.** Replace "spill to the least loaded" with consistent hashing with bounded loads (Mirrokni,
+  Thorup, Zadimoghaddam 2018): walk clockwise from the key to the first replica under the bound. Compare the hit
+  rate after a spill: who inherits a hot prefix, and does it keep it?
+* **Autoscaling.** Grow the fleet from 2 to 3 replicas in the middle of a run (a new `Fleet` cannot do it: add the
+  replica to `fleet.engines`, `fleet.loads` and a new ring). Plot the hit rate over time for your ring and for
+  `hash % N`.
+"""),
+]
