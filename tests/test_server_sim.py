@@ -8,6 +8,7 @@ responses, and the offline helper records the same numbers without a server.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -133,3 +134,332 @@ def test_server_on_the_simulated_engine_counts_per_tenant():
         server.should_exit = True
         thread.join(20)
     assert not thread.is_alive()
+
+
+# -- a paced simulated executor: the engine's steps take wall time, so clients can overlap them -------------
+
+
+class _PacedExecutor(SimulatedExecutor):
+    """The virtual-clock executor that also *sleeps* ``wall_factor`` x each step's modelled time.
+
+    The plain simulator finishes a 300-token request in a few milliseconds of wall
+    time, so a client could never leave mid-stream, and a timing probe would
+    measure nothing.  Sleeping in proportion to the cost model makes HTTP timing
+    follow the modelled compute (a cached prefix really is faster) at no model cost.
+    """
+
+    def __init__(self, wall_factor: float = 1.0, **kw) -> None:
+        super().__init__(**kw)
+        self.wall_factor = wall_factor
+
+    def execute(self, batch):
+        if batch.seqs or batch.moves:
+            time.sleep(self.wall_factor * self.step_time(batch))
+        return super().execute(batch)
+
+
+class _WordTokenizer:
+    """Token id ``i`` is the word ``w<i> ``: enough for the server to stream text (the simulator has no vocabulary)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"w{i} " for i in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(w[1:]) for w in text.split()]
+
+
+def _paced_engine(*, blocks: int = 1024, mode: str = "recompute", prefix: bool = False, max_seqs: int = 64,
+                  max_len: int = 512, tenants=None, **executor) -> LLMEngine:
+    cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_model_len=max_len, max_num_seqs=max_seqs,
+                       max_num_batched_tokens=1024, preemption_mode=mode, enable_prefix_caching=prefix, device="cpu",
+                       **({"tenants": tenants} if tenants else {}))
+    return LLMEngine(cfg, executor=_PacedExecutor(**executor), tokenizer=_WordTokenizer(), model_max_len=max_len,
+                     eos_token_ids=set())
+
+
+class _Served:
+    """The engine behind :class:`~minivllm.server.BackgroundServer` (uvicorn in a thread on a free 127.0.0.1
+    port, what lab 8 uses), as a ``with`` block that checks the thread really stopped."""
+
+    def __init__(self, engine, keys=None, door=None) -> None:
+        self.engine, self.keys, self.door = engine, keys, door
+
+    def __enter__(self) -> "_Served":
+        from minivllm.server import BackgroundServer
+
+        self.bg = BackgroundServer(self.engine, "sim", self.keys, start_timeout_s=20, door=self.door)
+        self.base, self.async_engine = self.bg.base_url, self.bg.async_engine
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bg.stop(20)
+        assert not self.bg.running, "the server thread did not stop"
+
+
+def _malformed(long_ids: list[int]) -> list[tuple[dict, bytes | str, int]]:
+    """(headers, body, expected status) for /v1/completions: every kind of bad input a client can send."""
+    ok = {"model": "sim", "prompt": list(range(10, 30)), "max_tokens": 4}
+    bad = [
+        ({}, b'{"prompt": [1, 2', 400),  # malformed JSON
+        ({}, b"not json at all", 400),
+        ({}, b'["a", "list"]', 400),  # JSON, not an object
+        ({}, json.dumps({**ok, "model": "gpt-4"}), 404),  # unknown model
+        ({}, json.dumps({**ok, "max_tokens": -5}), 400),  # negative max_tokens
+        ({}, json.dumps({**ok, "max_tokens": 0}), 400),
+        ({}, json.dumps({**ok, "prompt": long_ids}), 400),  # oversize prompt
+        ({}, json.dumps({**ok, "max_tokens": "ten"}), 400),  # wrong types
+        ({}, json.dumps({**ok, "temperature": "hot"}), 400),
+        ({}, json.dumps({**ok, "prompt": 42}), 400),
+        ({}, json.dumps({**ok, "stream": "yes please"}), 400),
+        ({}, json.dumps({"model": "sim", "max_tokens": 4}), 400),  # missing key: no prompt
+        ({}, json.dumps({**ok, "n": 0}), 400),
+        ({}, json.dumps({**ok, "top_p": 7}), 400),
+    ]
+    return [({**h, "Authorization": "Bearer ka"}, b, s) for h, b, s in bad] + [
+        ({}, json.dumps(ok), 401),  # missing API key
+        ({"Authorization": "Bearer stolen"}, json.dumps(ok), 401),
+    ]
+
+
+def test_64_streaming_clients_a_quarter_leave_plus_malformed_requests():
+    """64 concurrent streams (16 leave after 3 chunks) and 3 rounds of malformed requests, all at once.
+
+    Oracle: HTTP status codes (no 5xx, every bad request its own 4xx), the server's
+    abort log (every leaver aborted, nobody else), and the engine's block pool
+    (0 used blocks afterwards); the survivors' streams carry exactly max_tokens tokens.
+    """
+    n_clients, n_leave, max_tokens = 64, 16, 12
+    engine = _paced_engine(fixed_overhead_s=0.004, per_token_s=0.00002, per_context_token_s=0.0)
+    statuses: list[int] = []
+    left: list[str] = []
+    finished: dict[str, int] = {}
+
+    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
+        async def stream_client(client, i: int) -> None:
+            leave = i % (n_clients // n_leave) == 0
+            body = {"model": "sim", "prompt": list(range(10 + i, 40 + i)), "stream": True, "ignore_eos": True,
+                    "max_tokens": 400 if leave else max_tokens, "stream_options": {"include_usage": True}}
+            key = "ka" if i % 2 else "kb"
+            async with client.stream("POST", srv.base + "/v1/completions", json=body,
+                                     headers={"Authorization": f"Bearer {key}"}) as r:
+                statuses.append(r.status_code)
+                chunks, rid, usage = 0, None, None
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        break
+                    obj = json.loads(line[6:])
+                    rid = obj["id"]
+                    usage = obj.get("usage") or usage
+                    chunks += sum(1 for c in obj["choices"] if c["text"])
+                    if leave and chunks >= 3:
+                        left.append(rid)
+                        return  # closing the stream mid-way drops the connection
+                finished[rid] = usage["completion_tokens"]
+                assert chunks == max_tokens
+
+        async def bad_client(client, headers, content, expected) -> None:
+            r = await client.post(srv.base + "/v1/completions", content=content,
+                                  headers={**headers, "Content-Type": "application/json"})
+            statuses.append(r.status_code)
+            assert r.status_code == expected, (content, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+        async def main() -> None:
+            limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+                jobs = [stream_client(client, i) for i in range(n_clients)]
+                jobs += [bad_client(client, *b) for _ in range(3) for b in _malformed([100] * 600)]
+                await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
+
+        asyncio.run(main())
+        assert statuses and max(statuses) < 500, sorted(set(statuses))
+        assert len(left) == n_leave and len(finished) == n_clients - n_leave
+        assert set(finished.values()) == {max_tokens}
+        assert srv.async_engine.wait_idle(timeout=30), "requests still in the engine"
+        aborted = set(srv.async_engine.aborted_ids)
+        assert set(left) <= aborted, set(left) - aborted
+        assert not aborted & set(finished)
+        stats = engine.stats()
+        assert stats["used_blocks"] == 0 and stats["free_blocks"] == stats["num_blocks"]
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+        s = _samples(httpx.get(srv.base + "/metrics", timeout=30).text)
+        assert _value(s, "vllm:request_success_total", finished_reason="abort") == n_leave
+        assert _value(s, "vllm:request_success_total", finished_reason="length") == n_clients - n_leave
+        assert _value(s, "vllm:kv_cache_used_blocks") == 0
+
+
+def test_cross_tenant_prefix_cache_timing_probe():
+    """The timing side channel, measured over HTTP: a repeated prompt is fast for its own tenant only.
+
+    The paced executor sleeps the cost model's step time, so a 480-token prefill
+    takes ~1 s and a cached one (the last block only) ~0.03 s, far apart even on a busy CPU.  If tenants shared cached blocks, bob
+    would see alice's prompt come back fast: that is the probe.
+    """
+    engine = _paced_engine(prefix=True, fixed_overhead_s=0.002, per_token_s=0.002, per_context_token_s=0.0)
+    prompt = list(range(20, 500))  # 480 tokens = 30 full blocks
+
+    def ttft(key: str, salt: str | None = None) -> tuple[float, int]:
+        body = {"model": "sim", "prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        t0 = time.perf_counter()
+        r = httpx.post(srv.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return time.perf_counter() - t0, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
+        cold, c0 = ttft("ka")
+        warm, c1 = ttft("ka")
+        other, c2 = ttft("kb")
+        salted, c3 = ttft("kb", salt="alice")  # a client-chosen salt cannot name alice's namespace
+        bob_warm, c4 = ttft("kb")
+    assert c0 == 0 and c1 >= 464 and c2 == 0 and c3 == 0 and c4 >= 464
+    assert warm < cold / 3, (cold, warm)  # the probe works within a tenant...
+    assert other > 3 * warm and salted > 3 * warm, (warm, other, salted)  # ...and finds nothing across tenants
+    assert bob_warm < other / 3
+
+
+def test_reject_mode_429_retry_after_and_other_tenants_still_served():
+    """Reject mode on a tiny pool: a request whose worst case does not fit gets 429 + Retry-After, right away,
+    while the admitted ones (both tenants) finish with every token."""
+    engine = _paced_engine(blocks=8, mode="reject", max_len=128, fixed_overhead_s=0.01, per_token_s=0.0,
+                           per_context_token_s=0.0)
+    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
+        body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 40, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                def post(key, **extra):
+                    return client.post(srv.base + "/v1/completions", json={**body, **extra},
+                                       headers={"Authorization": f"Bearer {key}"})
+                # alice takes 4 blocks (16 + 40 tokens), bob 4 more: the pool of 8 is fully reserved
+                a = asyncio.ensure_future(post("ka"))
+                b = asyncio.ensure_future(post("kb"))
+                await asyncio.sleep(0.1)
+                over = await post("ka", max_tokens=20)
+                over_stream = await post("kb", max_tokens=20, stream=True)
+                return await a, await b, over, over_stream
+
+        a, b, over, over_stream = asyncio.run(main())
+        assert a.status_code == b.status_code == 200
+        assert a.json()["usage"]["completion_tokens"] == b.json()["usage"]["completion_tokens"] == 40
+        for r in (over, over_stream):
+            assert r.status_code == 429, r.text
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        s = _samples(httpx.get(srv.base + "/metrics", timeout=30).text)
+        assert _value(s, "vllm:num_requests_rejected_total") == 2
+        assert engine.stats()["used_blocks"] == 0
+
+
+def test_tenant_over_its_cap_gets_429_while_another_tenant_is_served():
+    """``TenantConfig(max_running=1, over_cap="reject")``: alice's second concurrent request is a 429 with
+    Retry-After (from the engine's retry hint); bob, uncapped, is served in full at the same time."""
+    from minivllm.config import TenantConfig
+
+    engine = _paced_engine(tenants={"alice": TenantConfig(max_running=1, over_cap="reject")},
+                           fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
+        body = {"model": "sim", "prompt": list(range(10, 42)), "max_tokens": 30, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                def post(key, **extra):
+                    return client.post(srv.base + "/v1/completions", json={**body, **extra},
+                                       headers={"Authorization": f"Bearer {key}"})
+                first = asyncio.ensure_future(post("ka"))
+                await asyncio.sleep(0.1)  # alice's first request holds her only seat
+                over = await post("ka", max_tokens=5)
+                over_stream = await post("ka", max_tokens=5, stream=True)
+                bobs = await asyncio.gather(*(post("kb") for _ in range(3)))
+                return await first, over, over_stream, bobs
+
+        first, over, over_stream, bobs = asyncio.run(main())
+        assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] == 30
+        for r in (over, over_stream):
+            assert r.status_code == 429, r.text
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        assert [b.status_code for b in bobs] == [200] * 3
+        assert all(b.json()["usage"]["completion_tokens"] == 30 for b in bobs)
+        # once alice's seat is free again, she is served
+        again = httpx.post(srv.base + "/v1/completions", json={**body, "max_tokens": 3},
+                           headers={"Authorization": "Bearer ka"}, timeout=30)
+        assert again.status_code == 200, again.text
+        s = _samples(httpx.get(srv.base + "/metrics", timeout=30).text)
+        assert _value(s, "vllm:num_requests_rejected_total", tenant="alice") == 2
+        assert _value(s, "vllm:num_requests_rejected_total", tenant="bob") == 0
+        assert engine.stats()["per_tenant"]["alice"]["num_rejected"] == 2
+
+
+def test_metrics_from_step_log_equals_the_live_series():
+    """The offline derivation from a step log and the live Prometheus series agree on one preempting run."""
+    from minivllm.metrics.prometheus import EngineMetrics, metrics_from_step_log, observe_all
+
+    engine = _sim_engine("recompute")
+    metrics = EngineMetrics("sim")
+    prompt_lens, arrivals = {}, {}
+    for i in range(6):
+        rid = engine.add_request({"prompt_token_ids": list(range(10, 22))}, SamplingParams(max_tokens=20, ignore_eos=True))
+        prompt_lens[rid], arrivals[rid] = 12, 0.0
+    for _ in range(40):  # stop mid-run: gauges are not all zero yet
+        observe_all(metrics, engine, engine.step())
+    got = metrics_from_step_log(engine.step_log, prompt_lens, arrivals, engine.stats()["num_blocks"])
+    s = _samples(metrics.render().decode())
+    assert got["preemptions"] == _value(s, "vllm:num_preemptions_total") > 0
+    assert got["generation_tokens"] == _value(s, "vllm:generation_tokens_total")
+    assert (got["running"], got["waiting"]) == (_value(s, "vllm:num_requests_running"), _value(s, "vllm:num_requests_waiting"))
+    assert got["free_blocks"] == _value(s, "vllm:kv_cache_free_blocks") < 12
+    assert len(got["ttft"]) == _value(s, "vllm:time_to_first_token_seconds_count")
+    assert abs(sum(got["ttft"].values()) - _value(s, "vllm:time_to_first_token_seconds_sum")) < 1e-9
+    assert len(got["itl"]) == _value(s, "vllm:inter_token_latency_seconds_count")
+    assert abs(sum(got["itl"]) - _value(s, "vllm:inter_token_latency_seconds_sum")) < 1e-9
+
+
+def test_door_sheds_load_with_429_before_the_queue_and_reopens():
+    """``--max-waiting-requests 2``: one request runs (one seat), two wait, the fourth is turned away at
+    once with 429 + Retry-After and never enters the engine; once the queue drains, the door opens again."""
+    from minivllm.server.door import DoorRule
+
+    engine = _paced_engine(max_seqs=1, fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    with _Served(engine, None, door=DoorRule(max_waiting=2)) as srv:
+        body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 30, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                post = lambda: client.post(srv.base + "/v1/completions", json=body)  # noqa: E731
+                first = [asyncio.ensure_future(post())]
+                await asyncio.sleep(0.2)
+                first += [asyncio.ensure_future(post()) for _ in range(2)]
+                for _ in range(100):  # until both really sit in the engine's queue
+                    if len(engine.scheduler.waiting) == 2:
+                        break
+                    await asyncio.sleep(0.02)
+                shed = await post()
+                done = await asyncio.gather(*first)
+                again = await post()
+                return shed, done, again
+
+        shed, done, again = asyncio.run(main())
+        assert shed.status_code == 429 and int(shed.headers["Retry-After"]) >= 1, shed.text
+        assert shed.json()["error"]["code"] == "queue_full"
+        assert [r.status_code for r in done] == [200] * 3 and again.status_code == 200
+        steps = engine.step_log
+        admitted = {rid for rec in steps for rid, _, _ in rec["seqs"]}
+        assert len(admitted) == 4, "the shed request must never reach the engine"
+        assert engine.stats()["num_rejected"] == 0 and engine.stats()["used_blocks"] == 0
+
+
+def test_door_rule_validates_and_matches_brute_force():
+    from minivllm.server.door import DoorRule
+
+    with pytest.raises(ValueError):
+        DoorRule(0)
+    with pytest.raises(ValueError):
+        DoorRule(2, -1)
+    rule = DoorRule(3, 10)
+    for waiting in range(6):
+        for free in range(0, 20, 3):
+            expected = waiting >= 3 or (waiting > 0 and free < 10)
+            assert rule.closed({"num_waiting": waiting, "free_blocks": free}) is expected

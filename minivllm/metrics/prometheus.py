@@ -238,6 +238,47 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
 
+def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[str, float], num_blocks: int) -> dict:
+    """The operator's metric list rebuilt offline from a step log (no metrics object attached while it ran).
+
+    Why from the log?  A recorded run (a benchmark, a replay, a lab) can be
+    analysed afterwards with the same definitions the live series use: gauges
+    (running, waiting, free/used blocks) as of the last record; preemptions,
+    sampled tokens, TTFT per request and every ITL from all records.  A step
+    samples a token for a request exactly when it computes the request's last
+    known token (prompt + generated so far) -- the one rule that covers prefill
+    chunks (no token), decode, and the recompute after a preemption (one new
+    token, however long the recomputed prefill).  ``used_blocks`` is
+    ``num_blocks - free`` and so counts cached blocks too when prefix caching is on.
+    """
+    generated: dict[str, int] = {}
+    last: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    itl: list[float] = []
+    preemptions = 0
+    for rec in step_log:
+        preemptions += len(rec.preempted)
+        for rid, start, n in rec.seqs:
+            if start + n == prompt_lens[rid] + generated.get(rid, 0):
+                generated[rid] = generated.get(rid, 0) + 1
+                if rid in last:
+                    itl.append(rec.time - last[rid])
+                else:
+                    ttft[rid] = rec.time - arrivals[rid]
+                last[rid] = rec.time
+    end = step_log[-1] if len(step_log) else None
+    return {
+        "running": end.running if end else 0,
+        "waiting": end.waiting if end else 0,
+        "used_blocks": num_blocks - end.free_blocks if end else 0,
+        "free_blocks": end.free_blocks if end else num_blocks,
+        "preemptions": preemptions,
+        "generation_tokens": sum(generated.values()),
+        "ttft": ttft,
+        "itl": itl,
+    }
+
+
 def observe_all(metrics: EngineMetrics, engine, outputs, tenant_of: Callable[[str], str] | None = None) -> None:
     """Offline helper: after ``outputs = engine.step()``, record the step and its outputs."""
     metrics.observe_step(engine)

@@ -58,6 +58,7 @@ from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.server.async_engine import AsyncEngine, EngineDead, EngineShutdown, RequestStream
+from minivllm.server.door import DoorRule, door_snapshot
 from minivllm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -294,10 +295,12 @@ def _sse(obj: Any) -> str:
 class OpenAIServer:
     """The request handlers; :func:`build_app` wires them into a FastAPI app."""
 
-    def __init__(self, async_engine: AsyncEngine, model_names: list[str], max_model_len: int | None = None) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_names: list[str], max_model_len: int | None = None,
+                 door: DoorRule | None = None) -> None:
         self.engine = async_engine
         self.model_names = list(model_names)
         self.max_model_len = max_model_len
+        self.door = door  # load shedding before the queue (--max-waiting-requests); None: everyone queues
         self.tokenizer = getattr(async_engine.engine, "tokenizer", None)
 
     # -- helpers --------------------------------------------------------------
@@ -356,6 +359,10 @@ class OpenAIServer:
 
     async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str) -> tuple[str, RequestStream]:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        if self.door is not None and self.door.closed(door_snapshot(self.engine.engine)):
+            retry = str(max(1, math.ceil(self.door.retry_after_s)))
+            raise APIError(429, "the server's queue is full; retry after the Retry-After header's seconds",
+                           "rate_limit_error", None, "queue_full", {"Retry-After": retry})
         try:
             stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
         except ValueError as exc:
@@ -378,7 +385,8 @@ class OpenAIServer:
         except (EngineShutdown, EngineDead) as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "unavailable")
         if out.finished and _finish_reason(out) == "rejected":
-            raise APIError(429, "the server is at capacity (KV cache); retry later", "rate_limit_error", None,
+            raise APIError(429, "rejected by admission control (KV cache full, or your tenant is over its cap); "
+                           "retry after the Retry-After header's seconds", "rate_limit_error", None,
                            "rate_limit_exceeded", {"Retry-After": _retry_after(out)})
         if out.finished and _finish_reason(out) == "error":
             raise APIError(500, "the request failed inside the engine", "internal_error", None, "engine_error")
@@ -555,6 +563,7 @@ def build_app(
     model_names: list[str] | str | None = None,
     api_keys: dict[str, str] | None = None,
     metrics: EngineMetrics | None = None,
+    door: DoorRule | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (an :class:`~minivllm.engine.llm_engine.LLMEngine`).
 
@@ -570,7 +579,8 @@ def build_app(
         raise ValueError("at least one served model name is needed")
     metrics = metrics if metrics is not None else EngineMetrics(model_names[0])
     async_engine = AsyncEngine(engine, metrics)
-    handlers = OpenAIServer(async_engine, model_names, getattr(getattr(engine, "config", None), "max_model_len", None))
+    handlers = OpenAIServer(async_engine, model_names, getattr(getattr(engine, "config", None), "max_model_len", None),
+                            door)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

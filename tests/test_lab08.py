@@ -1,0 +1,144 @@
+"""Lab 8 beyond what the registry-driven tests cover: its checkers, its planted bugs, and the live-load harness.
+
+Fast (the simulated executor only).  Oracles: the engine's own Prometheus
+series (``EngineMetrics``) for the load harness, and the solution notebook's
+exercise cells, patched with each planted bug, for the checkers.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import nbformat  # noqa: E402
+import pytest  # noqa: E402
+
+from minivllm.labs import check_lab08  # noqa: E402
+from minivllm.labs.live import LiveLoad, ramp_arrivals, run_sim_load  # noqa: E402
+from minivllm.metrics.prometheus import EngineMetrics, observe_all  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTION = ROOT / "solutions" / "lab08_serving.ipynb"
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+
+
+def _cell(name: str) -> str:
+    nb = nbformat.read(SOLUTION, as_version=4)
+    return next(c.source for c in nb.cells if f"exercise:{name}" in c.metadata.get("tags", []))
+
+
+def _define(source: str, name: str):
+    ns: dict = {}
+    exec(compile(source, f"<{name}>", "exec"), ns)  # noqa: S102 - the lab's own solution cell
+    return ns[name]
+
+
+def _quiet(fn, *args):
+    with redirect_stdout(io.StringIO()) as out:
+        result = fn(*args)
+    return result, out.getvalue()
+
+
+@pytest.mark.parametrize("exercise", check_lab08.LAB.exercises, ids=lambda e: e.name)
+def test_solution_passes_visible_and_hidden_checks(exercise):
+    obj = _define(_cell(exercise.name), exercise.defines)
+    assert _quiet(exercise.check, obj)[0]
+    assert _quiet(exercise.hidden, obj, 12345)[0]
+
+
+@pytest.mark.parametrize("exercise", check_lab08.LAB.exercises, ids=lambda e: e.name)
+def test_every_planted_bug_is_caught(exercise):
+    source = _cell(exercise.name)
+    start, end = source.index(BEGIN), source.index(END)
+    assert len(exercise.mutants) >= 5
+    survivors = []
+    for description, old, new in exercise.mutants:
+        region = source[start:end]
+        assert old in region, f"mutant {description!r} no longer applies"
+        mutated = source[:start] + region.replace(old, new, 1) + source[end:]
+        try:
+            obj = _define(mutated, exercise.defines)
+        except Exception:  # noqa: BLE001 - does not even define the object: caught
+            continue
+        result, text = _quiet(exercise.check, obj)
+        if result:
+            survivors.append(description)
+        else:
+            assert "✘" in text
+    assert not survivors, survivors
+
+
+def test_run_sim_load_matches_the_engines_prometheus_series():
+    """The live harness's TTFT/ITL are what /metrics would serve for the same run (count and sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = check_lab08.lab_engine(num_blocks=128)
+    metrics = EngineMetrics("sim")
+    step = engine.step
+
+    def observed_step():
+        outs = step()
+        observe_all(metrics, engine, outs)
+        return outs
+
+    engine.step = observed_step
+    run = run_sim_load(engine, ramp_arrivals([6, 12], 3.0, seed=2), every_s=0.5)
+    totals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        for s in fam.samples:
+            totals[s.name] = totals.get(s.name, 0.0) + s.value
+    assert run.stats["num_preemptions"] > 0  # a pool this small preempts: the harness must still agree
+    assert len(run.ttft) == totals["vllm:time_to_first_token_seconds_count"] == len(run.arrivals)
+    assert math.isclose(sum(run.ttft.values()), totals["vllm:time_to_first_token_seconds_sum"], rel_tol=1e-9)
+    itls = run.all_itls()
+    assert len(itls) == totals["vllm:inter_token_latency_seconds_count"]
+    assert math.isclose(sum(itls), totals["vllm:inter_token_latency_seconds_sum"], rel_tol=1e-9)
+    assert len(run.e2e) == len(run.arrivals)
+    # scrapes: one per 0.5 s of virtual time, in order; the queue drains at the end
+    times = [s.time for s in run.samples]
+    assert times == sorted(times) and len(times) >= run.duration / 0.5 - 1
+    assert sum(s.arrived for s in run.samples) <= len(run.arrivals)
+    assert all(0.0 <= s.kv_usage <= 1.0 and 0.0 <= s.utilisation <= 1.0 for s in run.samples)
+
+
+def test_ramp_arrivals_rates_and_errors():
+    arr = ramp_arrivals([5, 20], 20.0, seed=0)
+    first = sum(a.time < 20 for a in arr)
+    second = len(arr) - first
+    assert 60 <= first <= 140 and 300 <= second <= 500  # Poisson counts around 100 and 400
+    assert arr == ramp_arrivals([5, 20], 20.0, seed=0)
+    with pytest.raises(ValueError):
+        ramp_arrivals([0], 1.0)
+
+
+def test_live_widget_redraws_in_place():
+    pytest.importorskip("ipywidgets")
+    live = LiveLoad(check_lab08.lab_engine, ramp_arrivals([4], 2.0, seed=0), every_s=0.5, redraw_every=2,
+                    figsize=(6, 1.5))
+    import ipywidgets as w
+
+    live._image = w.Image(value=live.png(), format="png")
+    live._label = w.Label(value=live.line())
+    first = live._image.value
+    run = live.run()
+    assert live.num_redraws >= 3  # updated while it ran, not only at the end
+    assert bytes(live._image.value) != bytes(first) and bytes(live._image.value).startswith(b"\x89PNG")
+    assert "served" in live._label.value and run.summary()["served"] == len(run.arrivals)
+
+
+def test_the_alarm_story_holds_on_the_ramp():
+    """What section 4 claims: queue/TTFT/KV alarms fire past the knee; busy fires at healthy load; compute never."""
+    ramp = check_lab08.ramp_run()
+    best = check_lab08.max_rate_meeting_slo(check_lab08.knee_sweep(rates=(2, 4, 6, 7, 8, 9)))
+    assert best == 7
+    alarm = check_lab08.reference_first_alarm
+    for signal, threshold in (("waiting", 4), ("ttft_p90", 0.5), ("kv_usage", 0.9)):
+        t = alarm(ramp.samples, signal, threshold, 2.0)
+        assert t is not None and check_lab08.rate_at(t) > best, (signal, t)
+    assert check_lab08.rate_at(alarm(ramp.samples, "busy", 0.95, 2.0)) < best
+    assert alarm(ramp.samples, "utilisation", 0.5, 2.0) is None
