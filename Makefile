@@ -12,7 +12,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.minivllm-setup
 
-.PHONY: setup demo test test-fast labs lab-files figures bench clean
+.PHONY: setup demo test test-fast labs lab-files figures bench browser clean
 
 setup: $(STAMP)
 
@@ -39,7 +39,12 @@ lab-files: setup
 
 labs: setup
 	$(PIP) install -q jupyterlab==4.6.6
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) labs/
+
+# the labs' widgets and quizzes in JupyterLab + headless Chromium (installs Debian's chromium if missing)
+browser: setup
+	bash tools/install_browser.sh
+	$(PY) -m pytest -q tests/test_browser.py
 
 figures: setup
 	$(PY) tools/make_figures.py

@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")
     s.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
     s.add_argument("--host", default="127.0.0.1")
@@ -51,12 +51,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--preemption-mode", default=None, choices=["recompute", "swap", "reject", "auto"])
     s.add_argument("--num-gpu-blocks-override", type=int, default=None)
     s.add_argument("--dtype", default=None)
-    s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "triton"])
+    s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "cpu", "triton"])
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="load shedding: answer 429 + Retry-After when this many requests already wait (default: no limit)")
+    s.add_argument("--min-free-blocks", type=int, default=0,
+                   help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are free")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server",
                        add_help=False)
     b.add_argument("name", choices=["serve"], help="serve: the load generator (minivllm/bench/loadgen.py)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="its options (minivllm bench serve --help)")
+    m = sub.add_parser("sim", help="simulator: 'sim run' (roofline engine, virtual clock), 'sim calibrate' (fit this device)",
+                       add_help=False)
+    m.add_argument("name", choices=["run", "calibrate"], help="run: minivllm/sim/run.py; calibrate: minivllm/sim/calibrate.py")
+    m.add_argument("args", nargs=argparse.REMAINDER, help="its options (minivllm sim run --help)")
+    from minivllm.labs.grade import add_arguments as grade_arguments  # its options only; grading loads on use
+
+    grade_arguments(sub.add_parser("grade", help="autograde lab notebooks: checkers + hidden cases, a score table"))
     return p
 
 
@@ -139,7 +150,12 @@ def serve(args: argparse.Namespace) -> int:
         options["enable_prefix_caching"] = True
     api_keys = load_api_keys(args.api_keys_file)
     llm = LLM(args.model, **options)
-    app = build_app(llm.engine, args.served_model_name, api_keys)
+    door = None
+    if args.max_waiting_requests is not None:
+        from minivllm.server.door import DoorRule
+
+        door = DoorRule(args.max_waiting_requests, args.min_free_blocks)
+    app = build_app(llm.engine, args.served_model_name, api_keys, door=door)
     async_engine = app.state.async_engine
 
     class _Server(uvicorn.Server):
@@ -171,6 +187,16 @@ def main(argv: list[str] | None = None) -> int:
             from minivllm.bench.loadgen import main as bench_serve
 
             return bench_serve(args.args)
+        if args.command == "sim":
+            if args.name == "run":
+                from minivllm.sim.run import main as sim_main
+            else:
+                from minivllm.sim.calibrate import main as sim_main
+            return sim_main(args.args)
+        if args.command == "grade":
+            from minivllm.labs.grade import run as grade
+
+            return grade(args)
     except ValueError as exc:
         print(f"minivllm: error: {exc}", file=sys.stderr)
         return 2

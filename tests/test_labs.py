@@ -24,68 +24,45 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import make_labs  # noqa: E402
 
-from minivllm.labs import check_lab01, check_lab02, check_lab03, quiz, widgets, workloads  # noqa: E402
-from minivllm.labs import check_lab05  # noqa: E402
-from minivllm.labs import check_lab04  # noqa: E402
-from minivllm.labs.mutants import MUTANTS  # noqa: E402
+from minivllm.labs import check_lab02, check_lab03, check_lab04, check_lab05, quiz, widgets, workloads  # noqa: E402
+from minivllm.labs.grade import exercise_cells as _exercise_cells  # noqa: E402
+from minivllm.labs.registry import Exercise, Lab, MutantError, apply_mutant, labs  # noqa: E402
 
 SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.ipynb"))
 LABS = ROOT / "labs"
+
+# Everything below is discovered from the registry: a new lab's ``LAB = Lab(...)`` is tested
+# (checkers, planted bugs, hidden cases, quiz, notebooks) with no edit to this file.
+REGISTERED: tuple[Lab, ...] = labs()
+EXERCISES: list[tuple[Lab, Exercise]] = [(lab, ex) for lab in REGISTERED for ex in lab.exercises]
+EX_IDS = [ex.name for _, ex in EXERCISES]
 
 
 def _nb(path: Path) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4)
 
 
-def _exercise_cells(nb) -> dict[str, str]:
-    out = {}
-    for cell in nb.cells:
-        for tag in cell.metadata.get("tags", []):
-            if tag.startswith("exercise:"):
-                out[tag.split(":", 1)[1]] = cell.source
-    return out
-
-
 def _setup_source(nb) -> str:
-    cell = next(c for c in nb.cells if "setup" in c.metadata.get("tags", []))
-    return "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith("%"))
+    cells = [c for c in nb.cells if "setup" in c.metadata.get("tags", [])]
+    assert cells, "a lab notebook needs a cell tagged 'setup'"
+    return "\n".join(line for c in cells for line in c.source.splitlines() if not line.lstrip().startswith("%"))
 
 
-# exercise name -> (notebook stem, object name defined by the cell, checker call)
-EXERCISES = {
-    "block_pool": ("lab02", "MyBlockPool", lambda obj: check_lab02.check_block_pool(obj)),
-    "slot_mapping": ("lab02", "slot_mapping", lambda obj: check_lab02.check_slot_mapping(obj)),
-    "paged_slots": ("lab02", "paged_slots", lambda obj: check_lab02.check_paged_slots(obj)),
-    "split_step": ("lab01", "split_step", lambda obj: check_lab01.check_split_step(obj)),
-    "static_batching": ("lab01", "StaticBatching", lambda obj: check_lab01.check_static_batching(obj)),
-    "block_hashes": ("lab03", "block_hashes", lambda obj: check_lab03.check_block_hashes(obj)),
-    "match_prefix": ("lab03", "match_prefix", lambda obj: check_lab03.check_match_prefix(obj)),
-    "pick_victim": ("lab03", "pick_victim", lambda obj: check_lab03.check_pick_victim(obj)),
-    "build_batch": ("lab04", "build_batch", lambda obj: check_lab04.check_build_batch(obj)),
-    "itl_stats": ("lab04", "itl_stats", lambda obj: check_lab04.check_itl_stats(obj)),
-    "pick_budget": ("lab04", "pick_budget", lambda obj: check_lab04.check_pick_budget(obj)),
-    "victim_policy": ("lab05", "ProtectInteractive", lambda obj: check_lab05.check_victim_policy(obj)),
-    "swap_or_recompute": ("lab05", "swap_or_recompute", lambda obj: check_lab05.check_swap_or_recompute(obj)),
-    "door_rule": ("lab05", "should_reject", lambda obj: check_lab05.check_should_reject(obj)),
-}
+def _notebook(lab: Lab, folder: Path) -> Path:
+    return folder / f"{lab.stem}.ipynb"
 
 
-def _notebook(stem: str, folder: Path) -> Path:
-    return next(folder.glob(f"{stem}_*.ipynb"))
-
-
-def _load(exercise: str, source: str | None = None, folder: Path | None = None):
-    stem, name, _ = EXERCISES[exercise]
-    nb = _nb(_notebook(stem, folder or ROOT / "solutions"))
+def _load(lab: Lab, ex: Exercise, source: str | None = None, folder: Path | None = None):
+    nb = _nb(_notebook(lab, folder or ROOT / "solutions"))
     ns: dict = {}
-    exec(compile(_setup_source(nb), f"<{stem} setup>", "exec"), ns)
-    exec(compile(source if source is not None else _exercise_cells(nb)[exercise], f"<{exercise}>", "exec"), ns)
-    return ns[name]
+    exec(compile(_setup_source(nb), f"<{lab.stem} setup>", "exec"), ns)
+    exec(compile(source if source is not None else _exercise_cells(nb)[ex.name], f"<{ex.name}>", "exec"), ns)
+    return ns[ex.defines]
 
 
-def _run_checker(exercise: str, obj):
+def _run_checker(ex: Exercise, obj):
     with redirect_stdout(io.StringIO()) as buf:
-        result = EXERCISES[exercise][2](obj)
+        result = ex.check(obj)
     plt.close("all")
     return result, buf.getvalue()
 
@@ -165,32 +142,41 @@ def test_public_signatures_match(path):
             assert _signatures(src_a) == _signatures(src_b), f"{path.name} cell {i}"
 
 
-def test_every_lab_has_two_exercises_and_a_quiz():
-    per_lab: dict[str, int] = {}
-    for stem, _, _ in EXERCISES.values():
-        per_lab[stem] = per_lab.get(stem, 0) + 1
-    for path in SOLUTIONS:
-        stem = path.stem[:5]
-        assert per_lab.get(stem, 0) >= 2, stem
-        assert set(_exercise_cells(_nb(path))) >= {e for e, v in EXERCISES.items() if v[0] == stem}
-        assert "show_quiz(" in "".join(c.source for c in _nb(path).cells)
+def test_every_notebook_is_a_registered_lab():
+    """A lab in solutions/ without a ``LAB`` registration would be skipped by the tests and the grader."""
+    assert {p.stem for p in SOLUTIONS} == {lab.stem for lab in REGISTERED}
+    names = [ex.name for _, ex in EXERCISES]
+    assert len(set(names)) == len(names), "exercise names must be unique course-wide"
+    assert len({lab.number for lab in REGISTERED}) == len(REGISTERED)
+
+
+@pytest.mark.parametrize("lab", REGISTERED, ids=lambda lab: lab.stem)
+def test_every_lab_has_two_exercises_and_a_quiz(lab):
+    assert len(lab.exercises) >= 2, lab.stem
+    assert all(ex.points >= 1 for ex in lab.exercises)
+    nb = _nb(_notebook(lab, ROOT / "solutions"))
+    cells = _exercise_cells(nb)
+    for ex in lab.exercises:
+        assert ex.name in cells, f"{lab.stem}: no cell tagged exercise:{ex.name}"
+        assert ex.defines in cells[ex.name], f"{lab.stem}: the exercise:{ex.name} cell does not define {ex.defines}"
+    assert lab.quiz and (quiz.BANK_DIR / f"{lab.quiz}.json").exists(), lab.stem
+    assert "show_quiz(" in "".join(c.source for c in nb.cells)
 
 
 # -- checkers: accept the reference, reject every planted bug, stubs read "not implemented" ----
 
 
-@pytest.mark.parametrize("exercise", sorted(EXERCISES))
-def test_checker_accepts_solution(exercise):
-    result, text = _run_checker(exercise, _load(exercise))
+@pytest.mark.parametrize("lab,ex", EXERCISES, ids=EX_IDS)
+def test_checker_accepts_solution(lab, ex):
+    result, text = _run_checker(ex, _load(lab, ex))
     assert result, text
     assert result.num_passed == result.num_cases
 
 
-@pytest.mark.parametrize("exercise", sorted(EXERCISES))
-def test_checker_says_not_implemented_for_stub(exercise):
-    stem = EXERCISES[exercise][0]
-    obj = _load(exercise, _exercise_cells(_nb(_notebook(stem, LABS)))[exercise])
-    result, text = _run_checker(exercise, obj)
+@pytest.mark.parametrize("lab,ex", EXERCISES, ids=EX_IDS)
+def test_checker_says_not_implemented_for_stub(lab, ex):
+    obj = _load(lab, ex, _exercise_cells(_nb(_notebook(lab, LABS)))[ex.name])
+    result, text = _run_checker(ex, obj)
     assert not result and result.not_implemented
     assert "not implemented yet" in text and "Traceback" not in text
 
@@ -198,40 +184,96 @@ def test_checker_says_not_implemented_for_stub(exercise):
 MUTATION_SCORES: dict[str, tuple[int, int]] = {}
 
 
-def _mutate(source: str, old: str, new: str, description: str) -> str:
-    """Apply a planted bug inside a solution region only (the TODO hints above a region quote the code)."""
-    pos = 0
-    while (start := source.find(make_labs.BEGIN, pos)) != -1:
-        end = source.index(make_labs.END, start)
-        region = source[start:end]
-        if old in region:
-            return source[:start] + region.replace(old, new, 1) + source[end:]
-        pos = end
-    raise AssertionError(f"mutant {description!r} no longer applies to the solution")
-
-
-@pytest.mark.parametrize("exercise", sorted(EXERCISES))
-def test_checker_rejects_planted_bugs(exercise):
+@pytest.mark.parametrize("lab,ex", EXERCISES, ids=EX_IDS)
+def test_checker_rejects_planted_bugs(lab, ex):
     """Every mutant must fail its checker; at least 5 mutants per exercise."""
-    mutants = MUTANTS[exercise]
-    assert len(mutants) >= 5, exercise
-    stem = EXERCISES[exercise][0]
-    source = _exercise_cells(_nb(_notebook(stem, ROOT / "solutions")))[exercise]
+    assert len(ex.mutants) >= 5, ex.name
+    source = _exercise_cells(_nb(_notebook(lab, ROOT / "solutions")))[ex.name]
     survivors = []
-    for description, old, new in mutants:
-        mutated = _mutate(source, old, new, description)
+    for mutant in ex.mutants:
+        mutated = apply_mutant(source, mutant)
+        assert mutated != source, mutant[0]
         try:
-            obj = _load(exercise, mutated)
+            obj = _load(lab, ex, mutated)
         except Exception:  # a mutant that does not even define the object is caught trivially
             continue
-        result, text = _run_checker(exercise, obj)
+        result, text = _run_checker(ex, obj)
         if result:
-            survivors.append(description)
+            survivors.append(mutant[0])
         else:
             assert "✘" in text or "not implemented" in text
-    MUTATION_SCORES[exercise] = (len(mutants) - len(survivors), len(mutants))
-    print(f"mutation score {exercise}: {len(mutants) - len(survivors)}/{len(mutants)}")
-    assert not survivors, f"{exercise}: the checker accepts planted bugs {survivors}"
+    MUTATION_SCORES[ex.name] = (len(ex.mutants) - len(survivors), len(ex.mutants))
+    print(f"mutation score {ex.name}: {len(ex.mutants) - len(survivors)}/{len(ex.mutants)}")
+    assert not survivors, f"{ex.name}: the checker accepts planted bugs {survivors}"
+
+
+def test_a_stale_mutant_fails_loudly():
+    with pytest.raises(MutantError):
+        apply_mutant("x = 1\n### BEGIN SOLUTION\ny = 2\n### END SOLUTION\n", ("gone", "x = 1", "x = 2"))
+
+
+# -- hidden cases: the grader's extra, seeded inputs ------------------------------------------
+
+
+HIDDEN = [(lab, ex) for lab, ex in EXERCISES if ex.hidden is not None]
+
+
+@pytest.mark.parametrize("lab,ex", HIDDEN, ids=[ex.name for _, ex in HIDDEN])
+def test_hidden_cases_accept_solution(lab, ex):
+    obj = _load(lab, ex)
+    for seed in (0, 12345):
+        result = ex.hidden(obj, seed)
+        assert result, (seed, result.lines)
+
+
+@pytest.mark.parametrize("lab", [lab for lab in REGISTERED if lab.number <= 5], ids=lambda lab: lab.stem)
+def test_labs_1_to_5_have_hidden_cases(lab):
+    assert all(ex.hidden is not None for ex in lab.exercises), lab.stem
+
+
+@pytest.mark.parametrize("lab,ex", HIDDEN, ids=[ex.name for _, ex in HIDDEN])
+def test_hidden_cases_catch_planted_bugs_on_their_own(lab, ex):
+    """The hidden cases alone (without the visible checker) reject most planted bugs: they test the rule,
+    not a few examples.  (A bug only the visible edge cases pin down may pass them.)"""
+    source = _exercise_cells(_nb(_notebook(lab, ROOT / "solutions")))[ex.name]
+    caught = 0
+    for mutant in ex.mutants:
+        try:
+            obj = _load(lab, ex, apply_mutant(source, mutant))
+            with redirect_stdout(io.StringIO()):
+                ok = bool(ex.hidden(obj, 7))
+        except Exception:
+            ok = False
+        caught += not ok
+    plt.close("all")
+    assert caught >= 0.6 * len(ex.mutants), f"{ex.name}: hidden cases catch only {caught}/{len(ex.mutants)}"
+
+
+def test_hidden_cases_defeat_a_lookup_table():
+    """An answer that memorises the visible cases passes the checker and fails the hidden cases."""
+    visible = {((), 16): 0, ((1,), 16): 16, ((16,), 16): 16, ((17,), 16): 32, ((1, 16, 17, 40), 16): 112,
+               ((3, 5, 7), 1): 15}
+
+    def memorised(seq_lens, block_size):
+        return visible.get((tuple(seq_lens), block_size), 0)
+
+    _, ex = next((lab, ex) for lab, ex in EXERCISES if ex.name == "paged_slots")
+    with redirect_stdout(io.StringIO()):
+        assert ex.check(memorised)
+    assert not ex.hidden(memorised, 1) and not ex.hidden(memorised, 2)
+
+
+def test_fallbacks_come_from_the_engine_and_pass_their_checkers():
+    """Labs hand out the engine's code by name as fallbacks, never the checkers' private references."""
+    assert not hasattr(check_lab03, "engine_reference") and not hasattr(check_lab04, "engine_reference")
+    text = (ROOT / "tools" / "lab_texts" / "lab04_chunked_prefill.py").read_text()
+    assert "engine_reference" not in text and "engine_itl_stats as ref_itl_stats" in text
+    with redirect_stdout(io.StringIO()):
+        assert check_lab04.check_build_batch(check_lab04.engine_build_batch)
+        assert check_lab04.check_itl_stats(check_lab04.engine_itl_stats)
+        assert check_lab04.check_pick_budget(check_lab04.engine_pick_budget)
+        assert check_lab05.check_victim_policy(check_lab05.ReferenceVictim)
+        assert check_lab05.check_swap_or_recompute(check_lab05.reference_swap_or_recompute)
 
 
 def test_checker_output_shows_case_expected_got_and_hint():
@@ -345,9 +387,9 @@ def test_lab02_quiz_asks_the_seed_question():
     assert any(q["question"] == "What problem does PagedAttention primarily solve?" for q in quiz.load_bank(2))
 
 
-@pytest.mark.parametrize("lab", [2, 3, 4, 5])
+@pytest.mark.parametrize("lab", [lab for lab in REGISTERED if lab.number > 1], ids=lambda lab: lab.stem)
 def test_later_quizzes_bring_back_earlier_labs(lab):
-    assert any(q["question"].startswith(("(From lab", "(Lab")) for q in quiz.load_bank(lab)), lab
+    assert any(q["question"].startswith(("(From lab", "(Lab")) for q in quiz.load_bank(lab.quiz)), lab.stem
 
 
 def _solution_lines(source: str) -> list[str]:

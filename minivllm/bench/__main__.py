@@ -5,7 +5,8 @@ kernels, GPU), ``prefix`` (prefix caching end to end), ``prefix_structures``
 (radix tree vs hash index cost), ``preemption`` (recompute / swap / reject / auto
 on one overloaded workload), ``serve`` (load generator for any OpenAI-compatible
 server: ``--base-url URL``; also ``minivllm bench serve``), ``host_overhead`` (engine cost per decode
-step without a model).
+step without a model), ``fleet`` (replicas x router policy on a simulated fleet: capacity and prefix affinity), ``sim_accuracy`` (the calibrated
+simulator vs the real engine on held-out workloads).
 """
 
 import importlib
@@ -21,6 +22,8 @@ NAMES = {
     "gpu_e2e": "minivllm.bench.gpu_e2e",
     "fairness": "minivllm.bench.fairness",
     "serve": "minivllm.bench.loadgen",
+    "sim_accuracy": "minivllm.bench.sim_accuracy",
+    "fleet": "minivllm.bench.fleet",
 }
 
 

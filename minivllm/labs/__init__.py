@@ -7,7 +7,10 @@ notebook should show the lesson, not plumbing.  Each lab imports from here:
 * :mod:`minivllm.labs.checkers` -- the checker framework (named cases, first
   failure shown with expected vs got and a hint) and :func:`choose`, which
   picks the learner's code when its checker passed and the engine's otherwise;
-* :mod:`minivllm.labs.check_lab01` .. ``check_lab03`` -- one checker per exercise;
+* :mod:`minivllm.labs.check_lab01` .. ``check_labNN`` -- one checker per exercise, and at the end
+  of each module the lab's registration ``LAB`` (:mod:`minivllm.labs.registry`: exercises, points,
+  planted bugs, hidden cases, quiz), which the tests and the grader discover;
+* :mod:`minivllm.labs.grade` -- the autograder behind ``minivllm grade``;
 * :mod:`minivllm.labs.widgets` -- block pool view, radix tree view, step
   timeline, and a step-through control; all degrade to static pictures;
 * :mod:`minivllm.labs.quiz` -- the end-of-lab retrieval quiz (data in

@@ -1,8 +1,15 @@
-"""Checkers for lab 1 (the serving loop): step composition and static batching."""
+"""Checkers for lab 1 (the serving loop): step composition and static batching.
+
+The module ends with the lab's registration (:data:`LAB`): exercises, points, planted bugs,
+hidden cases and quiz bank, all in one place (see :mod:`minivllm.labs.registry`).
+"""
 
 from __future__ import annotations
 
+import random
+
 from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 
 
@@ -72,3 +79,119 @@ def check_static_batching(cls) -> CheckResult:
              show_expected=f"all 5 finish; first scheduled in steps {expected_run[1]}"),
     ]
     return run_checks("static batching", cls, cases)
+
+
+# -- hidden cases (the grader's, seeded at grading time) ---------------------------------
+
+
+def hidden_split_step(fn, seed: int) -> CheckResult:
+    """Random step entries and a randomly configured engine run, compared with the timeline's own split
+    (:func:`minivllm.labs.widgets.step_composition`, which colours every step the labs draw)."""
+    from minivllm.labs.widgets import step_composition
+
+    rng = random.Random(seed)
+
+    def random_entries(f):
+        for k in range(200):
+            seqs, lens = [], {}
+            for i in range(rng.randint(0, 6)):
+                rid, p = f"s{i}", rng.randint(1, 64)
+                lens[rid] = p
+                if rng.random() < 0.5:
+                    start = rng.randint(0, p - 1)
+                    seqs.append((rid, start, rng.randint(1, p - start)))
+                else:
+                    seqs.append((rid, rng.randint(p, p + 40), 1))
+            if f(list(seqs), dict(lens)) != step_composition(seqs, lens):
+                return f"entry {k} differs"
+        return "all 200 match"
+
+    def engine_run(f):
+        eng = sim_engine(block_size=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.randint(8, 48))
+        reqs = random_requests(rng.randint(3, 7), seed=seed, prompt_range=(2, 60), output_range=(1, 8))
+        run_engine(eng, reqs)
+        lens = {f"r{i}": len(p) for i, (p, _) in enumerate(reqs)}
+        return all(f(e["seqs"], lens) == step_composition(e["seqs"], lens) for e in eng.step_log)
+
+    return run_checks("split_step (hidden)", fn, [
+        Case("200 random step entries", random_entries, "all 200 match"),
+        Case("a randomly configured engine run", engine_run, True),
+    ], verbose=False)
+
+
+def hidden_static_batching(cls, seed: int) -> CheckResult:
+    """Random queues, and a random workload run against the engine on the figures' own static policy."""
+    from minivllm.labs.workloads import StaticBatchAdmission
+
+    rng = random.Random(seed)
+
+    class R:
+        def __init__(self, name):
+            self.request_id = name
+
+    def random_queues(k):
+        ref = StaticBatchAdmission()
+        for _ in range(100):
+            waiting = [R(f"w{i}") for i in range(rng.randint(0, 6))]
+            running = [R(f"r{i}") for i in range(rng.choice([0, 0, 1, rng.randint(1, 5)]))]
+            if k().order(list(waiting), list(running)) != ref.order(waiting, running):
+                return "differs"
+        return "all 100 match"
+
+    def engine_run(k):
+        n, seqs = rng.randint(3, 8), rng.randint(1, 3)
+        reqs = random_requests(n, seed=seed, prompt_range=(4, 40), output_range=(2, 10))
+
+        def log(policy):
+            eng = sim_engine(max_num_seqs=seqs, max_num_batched_tokens=256, admission_policy=policy)
+            finals = run_engine(eng, reqs, max_steps=1000)
+            return len(finals), [e["seqs"] for e in eng.step_log]
+
+        return log(k()) == log(StaticBatchAdmission())
+
+    return run_checks("static batching (hidden)", cls, [
+        Case("100 random queues", random_queues, "all 100 match"),
+        Case("a random workload, step for step", engine_run, True),
+    ], verbose=False)
+
+
+# -- quiz answers (``"compute": "minivllm.labs.check_lab01:<name>"`` in quizzes/lab01.json) ----
+
+
+def quiz_decode_tokens_per_request() -> int:
+    """Decode steps of a request with max_tokens=8: the first token comes from the prefill step."""
+    eng = sim_engine(block_size=4)
+    run_engine(eng, [([11] * 20, 8)])
+    return sum(1 for e in eng.step_log for rid, start, n in e["seqs"] if start >= 20)
+
+
+def quiz_prefill_steps_chunked() -> int:
+    """Steps a 100-token prompt needs with a 32-token budget (chunked prefill)."""
+    eng = sim_engine(block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    run_engine(eng, [([11] * 100, 1)])
+    return len(eng.step_log)
+
+
+# -- the registration ---------------------------------------------------------------------
+
+LAB = Lab(1, "lab01_serving_loop", "The serving loop", quiz="lab01",
+          widgets=("next step", "run to end"), exercises=(
+    Exercise("split_step", "split_step", check_split_step, points=1, hidden=hidden_split_step, mutants=(
+        ("first output token counted as prefill", "if start >= prompt_lens[request_id]:",
+         "if start > prompt_lens[request_id]:"),
+        ("classifies by chunk size", "if start >= prompt_lens[request_id]:", "if num_tokens == 1:"),
+        ("counts sequences, not tokens", "prefill += num_tokens", "prefill += 1"),
+        ("returns (decode, prefill)", "return prefill, decode", "return decode, prefill"),
+        ("last prompt token counted as decode", "if start >= prompt_lens[request_id]:",
+         "if start >= prompt_lens[request_id] - 1:"),
+    )),
+    Exercise("static_batching", "StaticBatching", check_static_batching, points=1, hidden=hidden_static_batching,
+             mutants=(
+        ("continuous batching (always admits)", "return [] if running else list(waiting)", "return list(waiting)"),
+        ("never admits", "return [] if running else list(waiting)", "return []"),
+        ("newest first", "return [] if running else list(waiting)", "return [] if running else list(reversed(waiting))"),
+        ("one request per batch", "return [] if running else list(waiting)", "return [] if running else list(waiting)[:1]"),
+        ("admits while fewer than 2 run", "return [] if running else", "return [] if len(running) > 1 else"),
+        ("inverted condition", "return [] if running else list(waiting)", "return list(waiting) if running else []"),
+    )),
+))

@@ -1,11 +1,16 @@
-"""Checkers for lab 2 (paged KV cache): the block pool, slot mapping, paged reservation."""
+"""Checkers for lab 2 (paged KV cache): the block pool, slot mapping, paged reservation.
+
+The module ends with the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
+"""
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks
+from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 
 
@@ -213,3 +218,173 @@ def check_paged_slots(fn) -> CheckResult:
         Case("block size 1 wastes nothing", lambda f: f([3, 5, 7], 1), 15, "with 1-token blocks reserved == used"),
     ]
     return run_checks("paged reservation", fn, cases)
+
+
+# -- hidden cases (the grader's, seeded at grading time) ---------------------------------
+
+
+def _outcome(call):
+    """What a pool call did: its return value, or the name of the error it raised."""
+    try:
+        return ("ok", call())
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # the engine's pool raises OutOfBlocksError / ValueError; compare the kind
+        return ("raised", type(exc).__name__)
+
+
+def hidden_block_pool(cls, seed: int) -> CheckResult:
+    """Random sequences of pool operations (legal and illegal) replayed on the learner's pool and on the
+    engine's :class:`BlockPool`, and an engine run of a random workload on a random pool size."""
+    rng = random.Random(seed)
+
+    def random_ops(c):
+        for trial in range(30):
+            n = rng.randint(1, 8)
+            mine, ref = c(n), BlockPool(n)
+            for step in range(rng.randint(5, 60)):
+                op = rng.choice(["allocate", "allocate", "incref", "decref", "decref"])
+                b = rng.randrange(n)
+                if op == "allocate":
+                    got, want = _outcome(mine.allocate), _outcome(ref.allocate)
+                elif op == "incref":
+                    got, want = _outcome(lambda: mine.incref(b)), _outcome(lambda: ref.incref(b))
+                    got, want = got[0], want[0]  # incref returns nothing; only whether it raised matters
+                else:
+                    got, want = _outcome(lambda: mine.decref(b)), _outcome(lambda: ref.decref(b))
+                if got != want or mine.num_free != ref.num_free or \
+                        [mine.refcount(i) for i in range(n)] != [ref.refcount(i) for i in range(n)]:
+                    return f"sequence {trial} differs at operation {step} ({op})"
+        return "all 30 sequences match"
+
+    def engine_run(c):
+        blocks = rng.randint(16, 40)
+        reqs = random_requests(rng.randint(4, 10), seed=seed, prompt_range=(4, 30), output_range=(4, 40))
+
+        def trace(pool_cls):
+            eng = sim_engine(num_blocks=blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                             model_max_len=96)
+            if pool_cls is not None:
+                install_pool(eng, pool_cls(blocks))
+            finals = run_engine(eng, reqs, max_steps=3000)
+            return len(finals), eng.pool.num_free, [(s["seqs"], s["preempted"]) for s in eng.step_log]
+
+        return trace(c) == trace(None)
+
+    return run_checks("block pool (hidden)", cls, [
+        Case("30 random operation sequences vs the engine's BlockPool", random_ops, "all 30 sequences match"),
+        Case("a random workload on a random pool size, step for step", engine_run, True),
+    ], verbose=False)
+
+
+def hidden_slot_mapping(fn, seed: int) -> CheckResult:
+    """Random block tables and chunks, compared with the model runner's ``slot_mapping``."""
+    import torch
+
+    from minivllm.model.runner import build_attention_metadata
+    from minivllm.request import Request
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.sched.output import ScheduledSeq
+
+    rng = random.Random(seed)
+
+    def random_chunks(f):
+        for k in range(150):
+            bs = rng.choice([1, 2, 4, 8, 16])
+            table = rng.sample(range(64), rng.randint(1, 8))
+            start = rng.randint(0, len(table) * bs - 1)
+            num = rng.randint(0, len(table) * bs - start)
+            got = f(list(table), start, num, bs)
+            if num == 0:
+                if list(got) != []:
+                    return f"chunk {k} differs"
+                continue
+            req = Request("h", list(range(10, 10 + start + num)), SamplingParams(), 0.0)
+            req.block_ids = list(table)
+            _, _, meta = build_attention_metadata([ScheduledSeq(req, num, start)], bs, torch.device("cpu"))
+            if list(got) != meta.slot_mapping.tolist():
+                return f"chunk {k} differs"
+        return "all 150 match"
+
+    return run_checks("slot mapping (hidden)", fn, [
+        Case("150 random block tables and chunks vs the model runner", random_chunks, "all 150 match"),
+    ], verbose=False)
+
+
+def hidden_paged_slots(fn, seed: int) -> CheckResult:
+    """Random length lists and block sizes, compared with the KV manager's own ``blocks_for``."""
+    from minivllm.kv.kv_cache_manager import blocks_for
+
+    rng = random.Random(seed)
+
+    def random_lists(f):
+        for k in range(200):
+            bs = rng.choice([1, 3, 4, 8, 16, 32, rng.randint(1, 64)])
+            lens = [rng.choice([rng.randint(1, 300), bs * rng.randint(1, 9), bs * rng.randint(0, 9) + 1])
+                    for _ in range(rng.randint(0, 12))]
+            if f(list(lens), bs) != sum(blocks_for(n, bs) * bs for n in lens):
+                return f"list {k} differs"
+        return "all 200 match"
+
+    return run_checks("paged reservation (hidden)", fn, [
+        Case("200 random length lists and block sizes", random_lists, "all 200 match"),
+    ], verbose=False)
+
+
+# -- quiz answers (``"compute": "minivllm.labs.check_lab02:<name>"`` in quizzes/lab02.json) ----
+
+
+def quiz_slot_of_token_37() -> int:
+    """Slot of position 37 with block table [4, 9, 6, 7] and 16-token blocks, via the model runner."""
+    import torch
+
+    from minivllm.model.runner import build_attention_metadata
+    from minivllm.request import Request
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.sched.output import ScheduledSeq
+
+    req = Request("q", list(range(10, 48)), SamplingParams(), 0.0)
+    req.block_ids = [4, 9, 6, 7]
+    _, _, meta = build_attention_metadata([ScheduledSeq(req, 1, 37)], 16, torch.device("cpu"))
+    return int(meta.slot_mapping[0])
+
+
+# -- the registration ---------------------------------------------------------------------
+
+LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", quiz="lab02",
+          widgets=("next step", "run to end"), exercises=(
+    Exercise("block_pool", "MyBlockPool", check_block_pool, points=2, hidden=hidden_block_pool, mutants=(
+        ("refcount not decremented on decref", "self.counts[block_id] -= 1\n        if self.counts[block_id] == 0:",
+         "if self.counts[block_id] == 1:"),
+        ("freed block never returns to the free list", "self.free.append(block_id)\n            return True",
+         "return True"),
+        ("LIFO: freed block goes to the front", "self.free.append(block_id)", "self.free.appendleft(block_id)"),
+        ("no double-free check", 'raise ValueError(f"decref on free block {block_id} (double free)")', "pass"),
+        ("allocate leaves the count at 0", "self.counts[block_id] = 1", "self.counts[block_id] += 0"),
+        ("empty pool raises IndexError", 'if not self.free:\n            raise OutOfBlocksError("no free KV blocks")\n', ""),
+        ("incref on a free block allowed", 'if self.counts[block_id] <= 0:\n            raise ValueError(f"incref',
+         'if self.counts[block_id] < 0:\n            raise ValueError(f"incref'),
+        ("decref reports a shared block as freed", "return True\n        return False", "return True\n        return True"),
+        ("allocate takes from the back", "self.free.popleft()", "self.free.pop()"),
+    )),
+    Exercise("slot_mapping", "slot_mapping", check_slot_mapping, points=1, hidden=hidden_slot_mapping, mutants=(
+        ("block index and offset swapped", "block_table[p // block_size] * block_size + p % block_size",
+         "block_table[p % block_size] * block_size + p // block_size"),
+        ("forgets to scale the block id", "block_table[p // block_size] * block_size + p % block_size",
+         "block_table[p // block_size] + p % block_size"),
+        ("one token too many", "range(start, start + num_tokens)", "range(start, start + num_tokens + 1)"),
+        ("positions shifted by one", "range(start, start + num_tokens)", "range(start + 1, start + num_tokens + 1)"),
+        ("ignores the block table", "block_table[p // block_size] * block_size + p % block_size", "p"),
+        ("offset not taken modulo block_size", "* block_size + p % block_size", "* block_size + p"),
+        ("off-by-one block index", "block_table[p // block_size]", "block_table[(p - 1) // block_size]"),
+    )),
+    Exercise("paged_slots", "paged_slots", check_paged_slots, points=1, hidden=hidden_paged_slots, mutants=(
+        ("floor instead of ceiling", "-(-n // block_size)", "(n // block_size)"),
+        ("always one block extra at an exact boundary", "-(-n // block_size)", "(n // block_size + 1)"),
+        ("no rounding to blocks", "return sum(-(-n // block_size) * block_size for n in seq_lens)",
+         "return sum(seq_lens)"),
+        ("max instead of sum", "return sum(", "return max("),
+        ("counts blocks, not slots", "* block_size for n", " for n"),
+        ("block size hard-coded to 16", "-(-n // block_size) * block_size", "-(-n // 16) * 16"),
+    )),
+))

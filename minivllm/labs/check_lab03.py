@@ -2,16 +2,19 @@
 
 Also :class:`LearnerHashCache`, which assembles the three learner functions
 into an object with the engine's :class:`~minivllm.kv.prefix.base.PrefixCache`
-methods, so they run the same replays as the engine's own caches.
+methods, so they run the same replays as the engine's own caches.  The module ends with the
+lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, NamedTuple, Sequence
 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.registry import Exercise, Lab
 from minivllm.kv.prefix.base import InsertResult, PrefixCacheStats
 
 
@@ -282,3 +285,188 @@ def _ref_matcher(token_ids, index, block_size, hasher, salt=None):
 def _ref_picker(nodes):
     free = [n for n in nodes if n["locks"] == 0 and n["children"] == 0]
     return min(free, key=lambda n: n["last_access"])["id"] if free else None
+
+
+# -- hidden cases (the grader's, seeded at grading time) ---------------------------------
+
+
+def _random_prompts(rng: random.Random, bs: int) -> list[list[int]]:
+    """Prompts that share prefixes of random lengths, repeat blocks and end in partial blocks."""
+    stems = [[rng.randrange(10, 40) for _ in range(rng.randint(0, 4 * bs))] for _ in range(3)]
+    out = []
+    for _ in range(rng.randint(4, 9)):
+        p = list(rng.choice(stems)) + [rng.randrange(10, 40) for _ in range(rng.randint(0, 3 * bs))]
+        if rng.random() < 0.3:
+            p = p + p[:bs]  # the same block again, later in the prompt
+        out.append(p)
+    return out
+
+
+def _replay_hits(cache_of, seed: int) -> tuple:
+    from minivllm.labs.workloads import multi_turn_workload, replay_prefix_cache
+
+    pool = BlockPool(32)
+    cache = cache_of(pool)
+    recs = replay_prefix_cache(cache, pool, multi_turn_workload(4, 4, seed=seed))
+    return [r["hit_tokens"] for r in recs], pool.num_free + cache.num_cached_blocks
+
+
+def hidden_block_hashes(fn, seed: int) -> CheckResult:
+    """Random prompts (shared prefixes, repeated blocks, salts): which keys are equal must match the
+    engine's chained hash exactly -- equal where the engine's are equal, different where they differ."""
+    rng = random.Random(seed)
+
+    def same_equalities(f):
+        for trial in range(20):
+            bs = rng.choice([2, 3, 4, 8])
+            prompts = _random_prompts(rng, bs)
+            salts = [rng.choice([None, None, "a", "b"]) for _ in prompts]
+            mine = [list(f(list(p), bs, s) if s else f(list(p), bs)) for p, s in zip(prompts, salts)]
+            ref = [_ref_hasher(p, bs, s) for p, s in zip(prompts, salts)]
+            if [len(k) for k in mine] != [len(k) for k in ref]:
+                return f"trial {trial}: wrong number of keys"
+            flat_m = [k for ks in mine for k in ks]
+            flat_r = [k for ks in ref for k in ks]
+            for i in range(len(flat_r)):
+                for j in range(i + 1, len(flat_r)):
+                    if (flat_m[i] == flat_m[j]) != (flat_r[i] == flat_r[j]):
+                        return f"trial {trial}: keys equal where they must differ, or the other way round"
+        return "all 20 trials match"
+
+    return run_checks("block_hashes (hidden)", fn, [
+        Case("20 random prompt sets: the same equal and different keys as the engine", same_equalities,
+             "all 20 trials match"),
+    ], verbose=False)
+
+
+def hidden_match_prefix(fn, seed: int) -> CheckResult:
+    """Random indexes (with forged collisions) and queries vs the checker's reference match, and a random
+    multi-turn replay whose hits must equal the engine's :class:`HashIndex`."""
+    from minivllm.kv.prefix.hash_index import HashIndex
+
+    rng = random.Random(seed)
+
+    def random_queries(f):
+        for trial in range(30):
+            bs = rng.choice([2, 4, 8])
+            prompts = _random_prompts(rng, bs)
+            salt = rng.choice([None, "t"])
+            index: dict = {}
+            next_block = 0
+            for p in prompts[: len(prompts) // 2]:
+                n = len(p) // bs
+                build_index(_ref_hasher, p, list(range(next_block, next_block + n)), bs, salt, index)
+                next_block += n
+            for key in list(index)[: rng.randint(0, 2)]:  # forge: right key, other tokens or parent
+                e = index[key]
+                index[key] = e._replace(tokens=tuple(t + 1 for t in e.tokens)) if rng.random() < 0.5 \
+                    else e._replace(parent="forged")
+            for q in prompts:
+                q = q + [rng.randrange(10, 40) for _ in range(rng.randint(0, bs))]
+                s = rng.choice([salt, salt, None if salt else "t"])
+                got = f(list(q), dict(index), bs, _ref_hasher, s) if s else f(list(q), dict(index), bs, _ref_hasher)
+                if list(got) != _ref_matcher(q, index, bs, _ref_hasher, s):
+                    return f"trial {trial} differs"
+        return "all 30 trials match"
+
+    replay_seed = rng.randrange(1 << 30)
+    expected = _replay_hits(lambda pool: HashIndex(pool, 16), replay_seed)
+
+    def replay(f):
+        return _replay_hits(lambda pool: LearnerHashCache(pool, 16, _ref_hasher, f, _ref_picker), replay_seed)
+
+    return run_checks("match_prefix (hidden)", fn, [
+        Case("30 random indexes and queries", random_queries, "all 30 trials match"),
+        Case("a random multi-turn replay hits like the engine's HashIndex", replay, expected),
+    ], verbose=False)
+
+
+def hidden_pick_victim(fn, seed: int) -> CheckResult:
+    """Random node lists vs the LRU-leaf rule, and a random multi-turn replay on a small pool that must evict
+    like the engine's :class:`HashIndex`."""
+    from minivllm.kv.prefix.hash_index import HashIndex
+
+    rng = random.Random(seed)
+
+    def random_nodes(f):
+        for trial in range(200):
+            nodes = [_node(f"n{i}", rng.randint(0, 6), locks=rng.choice([0, 0, 0, 1, 2]),
+                           children=rng.choice([0, 0, 1, 3])) for i in range(rng.randint(0, 7))]
+            if f([dict(n) for n in nodes]) != _ref_picker(nodes):
+                return f"list {trial} differs"
+        return "all 200 match"
+
+    replay_seed = rng.randrange(1 << 30)
+    expected = _replay_hits(lambda pool: HashIndex(pool, 16), replay_seed)
+
+    def replay(f):
+        return _replay_hits(lambda pool: LearnerHashCache(pool, 16, _ref_hasher, _ref_matcher, f), replay_seed)
+
+    return run_checks("pick_victim (hidden)", fn, [
+        Case("200 random node lists", random_nodes, "all 200 match"),
+        Case("a random multi-turn replay evicts like the engine's HashIndex", replay, expected),
+    ], verbose=False)
+
+
+# -- quiz answers (``"compute": "minivllm.labs.check_lab03:<name>"`` in quizzes/lab03.json) ----
+
+
+def quiz_system_prompt_hit_tokens() -> int:
+    """Tokens served from cache for the 2nd request sharing a 100-token system prompt (block 16)."""
+    from minivllm.kv.prefix.radix import RadixCache
+    from minivllm.labs.workloads import replay_prefix_cache
+
+    system = list(range(100, 200))
+    prompts = [system + [7, 8, 9], system + [5, 6]]
+    pool = BlockPool(64)
+    recs = replay_prefix_cache(RadixCache(pool, 16), pool, prompts, block_size=16)
+    return recs[1]["hit_tokens"]
+
+
+def quiz_exact_repeat_hit_tokens() -> int:
+    """Hit tokens when a 64-token prompt is sent twice (block 16): the last token is recomputed."""
+    from minivllm.kv.prefix.radix import RadixCache
+    from minivllm.labs.workloads import replay_prefix_cache
+
+    prompt = list(range(300, 364))
+    pool = BlockPool(64)
+    recs = replay_prefix_cache(RadixCache(pool, 16), pool, [prompt, prompt], block_size=16)
+    return recs[1]["hit_tokens"]
+
+
+# -- the registration ---------------------------------------------------------------------
+
+LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
+          widgets=("next step", "run to end"), exercises=(
+    Exercise("block_hashes", "block_hashes", check_block_hashes, points=1, hidden=hidden_block_hashes, mutants=(
+        ("no chaining", "parent = hash((parent, block, salt if i == 0 else None))",
+         "parent = hash((block, salt if i == 0 else None))"),
+        ("partial tail block hashed", "range(len(token_ids) // block_size)", "range(-(-len(token_ids) // block_size))"),
+        ("salt ignored", "salt if i == 0 else None", "None"),
+        ("last full block dropped", "range(len(token_ids) // block_size)", "range(len(token_ids) // block_size - 1)"),
+        ("key depends on the list object", "hash((parent, block, salt if i == 0 else None))",
+         "hash((parent, block, salt if i == 0 else None, id(token_ids)))"),
+        ("returns unchained keys", "keys.append(parent)", "keys.append(hash(block))"),
+    )),
+    Exercise("match_prefix", "match_prefix", check_match_prefix, points=2, hidden=hidden_match_prefix, mutants=(
+        ("matches the last token too", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids, block_size, salt)"),
+        ("skips a miss instead of stopping",
+         "if entry is None or entry.tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]):\n            break",
+         "if entry is None or entry.tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]):\n"
+         "            parent = key\n            continue"),
+        ("no token validation (trusts the key)",
+         "if entry is None or entry.tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]):",
+         "if entry is None:"),
+        ("no parent validation", "if entry.parent != parent:", "if False:"),
+        ("salt dropped", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids[:-1], block_size)"),
+        ("drops two tokens", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids[:-2], block_size, salt)"),
+    )),
+    Exercise("pick_victim", "pick_victim", check_pick_victim, points=1, hidden=hidden_pick_victim, mutants=(
+        ("evicts a locked node", 'n["locks"] == 0 and n["children"] == 0', 'n["children"] == 0'),
+        ("evicts an inner node", 'n["locks"] == 0 and n["children"] == 0', 'n["locks"] == 0'),
+        ("most recently used", "min(candidates", "max(candidates"),
+        ("never gives up", "return None", 'return nodes[0]["id"] if nodes else None'),
+        ("ties go to the last", "min(candidates, key", "min(list(reversed(candidates)), key"),
+        ("first candidate, not LRU", 'min(candidates, key=lambda n: n["last_access"])["id"]', 'candidates[0]["id"]'),
+    )),
+))

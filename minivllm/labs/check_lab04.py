@@ -10,6 +10,11 @@ tests compute the same numbers:
   prompts (the lesson's "64K-token prompt", scaled down to 8K) keep arriving,
   run on the engine's virtual clock;
 * :func:`summarize`, :func:`throughput_run` -- what the sweeps print.
+
+The fallbacks the notebook uses until a checker passes come from the engine by name
+(:func:`engine_build_batch`: the Scheduler's own step 2; :func:`engine_itl_stats`: the engine's gaps
+and numpy's nearest rank; :func:`engine_pick_budget`: the load generator's sweep verdict), never the
+checkers' private references.  The module ends with the lab's registration (:data:`LAB`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -159,13 +165,13 @@ def _random_states_match(fn: BuildBatch, n: int = 300, seed: int = 4) -> str:
     return f"all {n} match"
 
 
-def _sim_trace(fn: BuildBatch | None):
+def _sim_trace(fn: BuildBatch | None, seed: int = 7, budget: int = 40, threshold: int = 24):
     """A small mixed run (chats decoding, long prompts arriving) with the engine's or ``fn``'s step 2."""
-    eng = sim_engine(num_blocks=128, block_size=8, max_num_seqs=6, max_num_batched_tokens=40, model_max_len=512,
-                     long_prefill_token_threshold=24)
+    eng = sim_engine(num_blocks=128, block_size=8, max_num_seqs=6, max_num_batched_tokens=budget, model_max_len=512,
+                     long_prefill_token_threshold=threshold)
     if fn is not None:
         install_batch_builder(eng, fn)
-    reqs = random_requests(10, seed=7, prompt_range=(3, 150), output_range=(2, 20))
+    reqs = random_requests(10, seed=seed, prompt_range=(3, 150), output_range=(2, 20))
     finals = run_engine(eng, reqs, max_steps=3000)
     return len(finals), [e["seqs"] for e in eng.step_log]
 
@@ -228,7 +234,24 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def engine_itl_stats(token_times: dict, q: float = 99) -> tuple[float, float]:
-    """``(q-th percentile ITL, worst ITL)`` over every request's gaps: the fallback."""
+    """``(q-th percentile ITL, worst ITL)`` as the engine and numpy compute them: the lab's fallback.
+
+    The gaps are the engine's own :attr:`RequestMetrics.itls <minivllm.outputs.RequestMetrics.itls>`;
+    the nearest-rank percentile is numpy's ``method="inverted_cdf"``.  Neither is the exercise's
+    loop, so a learner who reads this learns where the numbers come from, not the answer to paste.
+    """
+    import numpy as np
+
+    from minivllm.outputs import RequestMetrics
+
+    gaps = [g for times in token_times.values() for g in RequestMetrics(0.0, token_times=list(times)).itls]
+    if not gaps:
+        return 0.0, 0.0
+    return float(np.percentile(gaps, q, method="inverted_cdf")), float(max(gaps))
+
+
+def _itl_oracle(token_times: dict, q: float = 99) -> tuple[float, float]:
+    """The checker's own reference (private: the notebook's fallback is :func:`engine_itl_stats`)."""
     gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
     return (percentile(gaps, q), max(gaps)) if gaps else (0.0, 0.0)
 
@@ -251,7 +274,7 @@ def check_itl_stats(fn) -> CheckResult:
         eng = sim_engine(block_size=8, max_num_batched_tokens=32, max_num_seqs=4, model_max_len=512)
         finals = run_engine(eng, random_requests(6, seed=1, prompt_range=(4, 120), output_range=(3, 30)))
         times = {rid: o.metrics.token_times for rid, o in finals.items()}
-        return f(times, 90) == engine_itl_stats(times, 90) and f(times) == engine_itl_stats(times)
+        return f(times, 90) == _itl_oracle(times, 90) and f(times) == _itl_oracle(times)
 
     cases = [
         Case("no requests", lambda f: f({}), (0.0, 0.0), "no gaps at all: return (0.0, 0.0)"),
@@ -280,7 +303,23 @@ def check_itl_stats(fn) -> CheckResult:
 
 
 def engine_pick_budget(measure: Callable[[int], dict], budgets: Sequence[int], itl_target_s: float):
-    """The largest budget whose p99 ITL meets the target, or None: the fallback."""
+    """The load generator's sweep verdict applied to budgets: the lab's fallback.
+
+    ``minivllm bench serve --sweep`` picks the highest request *rate* whose p99 ITL meets an SLO
+    (:func:`minivllm.bench.loadgen.sweep_verdict`); the same rule, with budgets in place of rates,
+    is what exercise 3 asks for.  Each budget is measured once.
+    """
+    from minivllm.bench.loadgen import sweep_verdict
+
+    rows = []
+    for b in budgets:
+        p99 = measure(b)["itl_p99"]
+        rows.append({"rate": b, "overall": {"ok": 1, "itl_ms": {"p99": p99 * 1000}, "ttft_ms": {"p99": None}}})
+    return sweep_verdict(rows, "itl", None, itl_target_s, 0.0)["max_rate_meeting_slo"]
+
+
+def _pick_budget_oracle(measure: Callable[[int], dict], budgets: Sequence[int], itl_target_s: float):
+    """The checker's own reference (private: the notebook's fallback is :func:`engine_pick_budget`)."""
     ok = [b for b in budgets if measure(b)["itl_p99"] <= itl_target_s]
     return max(ok) if ok else None
 
@@ -314,7 +353,7 @@ def check_pick_budget(fn) -> CheckResult:
         def measure(budget):
             return summarize(serve(mixed_arrivals(num_long=2, seed=3), budget)[1])
         budgets = [256, 1024, 4096, NO_CHUNKING]
-        return f(measure, budgets, 0.040) == engine_pick_budget(measure, budgets, 0.040)
+        return f(measure, budgets, 0.040) == _pick_budget_oracle(measure, budgets, 0.040)
 
     cases = [
         Case("one budget, and it meets the target", pick({256: (0.02, 0.03)}, [256], 0.05), 256,
@@ -336,9 +375,80 @@ def check_pick_budget(fn) -> CheckResult:
     return run_checks("pick_budget", fn, cases)
 
 
-def engine_reference() -> tuple[Callable, Callable, Callable]:
-    """``(build_batch, itl_stats, pick_budget)`` as the engine does them: the fallbacks."""
-    return engine_build_batch, engine_itl_stats, engine_pick_budget
+# -- hidden cases (the grader's, seeded at grading time) ----------------------------------------------
+
+
+def hidden_build_batch(fn: BuildBatch, seed: int) -> CheckResult:
+    """Random running sets and a randomly configured engine run, compared with the engine's Scheduler."""
+    rng = random.Random(seed)
+    run_seed, budget, threshold = rng.randrange(1 << 30), rng.randint(8, 64), rng.choice([0, rng.randint(1, 40)])
+    return run_checks("build_batch (hidden)", fn, [
+        Case("200 random running sets vs Scheduler.build_batch",
+             lambda f: _random_states_match(f, n=200, seed=run_seed), "all 200 match"),
+        Case("a randomly configured engine run, step for step",
+             lambda f: _sim_trace(f, run_seed, budget, threshold) == _sim_trace(None, run_seed, budget, threshold),
+             True),
+    ], verbose=False)
+
+
+def hidden_itl_stats(fn, seed: int) -> CheckResult:
+    """Random streams (stalls, single tokens, equal gaps) at random percentiles."""
+    rng = random.Random(seed)
+
+    def random_streams(f):
+        for trial in range(150):
+            times = {}
+            for i in range(rng.randint(0, 5)):
+                gaps = [rng.choice([0.015, 0.015, 0.02, rng.uniform(0.01, 0.05), 0.18])
+                        for _ in range(rng.choice([0, rng.randint(1, 40), rng.randint(40, 120)]))]
+                times[f"r{i}"] = _times(gaps, rng.uniform(0, 5))
+            q = rng.choice([50, 90, 95, 99, 99.9, 100, rng.randint(1, 100)])
+            if tuple(f({k: list(v) for k, v in times.items()}, q)) != _itl_oracle(times, q):
+                return f"trial {trial} differs"
+        return "all 150 match"
+
+    return run_checks("itl_stats (hidden)", fn, [Case("150 random stream sets and percentiles", random_streams,
+                                                      "all 150 match")], verbose=False)
+
+
+def hidden_pick_budget(fn, seed: int) -> CheckResult:
+    """Random sweep tables (any order, ties on the target, nothing qualifying), each budget measured once."""
+    rng = random.Random(seed)
+
+    def random_sweeps(f):
+        for trial in range(100):
+            budgets = rng.sample([64, 128, 256, 512, 1024, 2048, 4096, 8192], rng.randint(1, 8))
+            table = {b: (round(rng.uniform(0.005, 0.06), 3), round(rng.uniform(0.06, 0.2), 3)) for b in budgets}
+            target = rng.choice([round(rng.uniform(0.0, 0.07), 3), rng.choice(list(table.values()))[0]])
+            m = _Measure(table)
+            got = f(m, list(budgets), target)
+            if got != _pick_budget_oracle(_Measure(table), budgets, target) or m.calls != len(budgets):
+                return f"sweep {trial} differs"
+        return "all 100 match"
+
+    return run_checks("pick_budget (hidden)", fn, [Case("100 random sweeps", random_sweeps, "all 100 match")],
+                      verbose=False)
+
+
+# -- quiz answers (``"compute": "minivllm.labs.check_lab04:<name>"`` in quizzes/lab04.json) ----------
+
+
+def quiz_steps_to_first_token() -> int:
+    """Steps from admission to the first token of a 1,000-token prompt while 3 requests decode (budget 256)."""
+    eng = sim_engine(block_size=16, max_num_batched_tokens=256, max_num_seqs=8)
+    for i in range(3):
+        eng.add_request({"prompt_token_ids": [20 + i] * 8}, SamplingParams(max_tokens=50, ignore_eos=True), f"c{i}")
+    eng.step()  # the three short prompts prefill (and sample their first tokens): from now on they decode
+    eng.add_request({"prompt_token_ids": [11] * 1000}, SamplingParams(max_tokens=1, ignore_eos=True), "L")
+    for steps in range(1, 100):
+        if any(o.request_id == "L" and o.finished for o in eng.step()):
+            return steps
+    raise AssertionError("the long prompt never finished")
+
+
+def quiz_stalls_p99_sees() -> int:
+    """Fewest 180 ms stalls among 200 gaps (the rest 15 ms) for the nearest-rank p99 to be a stall."""
+    return next(k for k in range(201) if percentile([0.015] * (200 - k) + [0.180] * k, 99) == 0.180)
 
 
 # -- the measurement harness -------------------------------------------------------------------------
@@ -449,7 +559,7 @@ def decoder_times(finals: dict) -> dict:
     return {rid: o.metrics.token_times for rid, o in finals.items() if rid.startswith("c")}
 
 
-def summarize(finals: dict, itl_stats: Callable = engine_itl_stats) -> dict:
+def summarize(finals: dict, itl_stats: Callable = _itl_oracle) -> dict:
     """The numbers the lab prints: decoders' ITL p50/p99/worst, TTFTs (seconds)."""
     times = decoder_times(finals)
     p50, _ = itl_stats(times, 50)
@@ -483,7 +593,54 @@ def prefill_block(engine, request_id: str, prompt_len: int) -> tuple[int, float]
 __all__ = [
     "Arrival", "BatchBuilderScheduler", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "check_build_batch",
     "check_itl_stats", "check_pick_budget", "decoder_times", "engine_build_batch", "engine_itl_stats",
-    "engine_pick_budget", "engine_reference", "install_batch_builder", "lab_engine", "mixed_arrivals",
+    "engine_pick_budget", "install_batch_builder", "lab_engine", "mixed_arrivals",
     "percentile", "prefill_block", "run_arrivals", "serve", "step_durations", "step_starts", "summarize",
     "throughput_run",
 ]
+
+
+# -- the registration ---------------------------------------------------------------------------------
+
+LAB = Lab(4, "lab04_chunked_prefill", "Chunked prefill", quiz="lab04", exercises=(
+    Exercise("build_batch", "build_batch", check_build_batch, points=2, hidden=hidden_build_batch, mutants=(
+        ("prefills before decodes", "for req in decodes + prefills:", "for req in prefills + decodes:"),
+        ("running order, not decode-first", "for req in decodes + prefills:", "for req in running:"),
+        ("decode = one token left",
+         "decodes = [r for r in running if r.is_decode]\n    prefills = [r for r in running if not r.is_decode]",
+         "decodes = [r for r in running if r.num_uncomputed_tokens == 1]\n"
+         "    prefills = [r for r in running if r.num_uncomputed_tokens != 1]"),
+        ("threshold ignored", "if threshold:\n            want = min(want, threshold)",
+         "if False:\n            want = min(want, threshold)"),
+        ("threshold 0 taken as a cap of 0", "if threshold:\n            want", "if True:\n            want"),
+        ("threshold as the chunk size", "want = min(want, threshold)", "want = threshold"),
+        ("chunk not capped by the budget", "n = min(want, budget)", "n = want"),
+        ("zero-token rows when the budget is spent", "if budget <= 0:", "if budget < 0:"),
+        ("counts rows, not tokens", "budget -= n", "budget -= 1"),
+        ("whole prompt, not the uncomputed rest", "want = req.num_uncomputed_tokens", "want = req.num_tokens"),
+    )),
+    Exercise("itl_stats", "itl_stats", check_itl_stats, points=1, hidden=hidden_itl_stats, mutants=(
+        ("gaps across requests (times merged)",
+         "for times in token_times.values() for a, b in zip(times, times[1:])",
+         "for times in [sorted(t for ts in token_times.values() for t in ts)] for a, b in zip(times, times[1:])"),
+        ("rank off by one", "gaps[max(rank, 1) - 1]", "gaps[min(rank, len(gaps) - 1)]"),
+        ("rank rounded down", "math.ceil(q / 100 * len(gaps))", "int(q / 100 * len(gaps))"),
+        ("gaps not sorted", "gaps = sorted(", "gaps = list("),
+        ("q fixed at 99", "q / 100", "0.99"),
+        ("worst = the percentile", "return gaps[max(rank, 1) - 1], gaps[-1]",
+         "return gaps[max(rank, 1) - 1], gaps[max(rank, 1) - 1]"),
+        ("mean instead of percentile", "return gaps[max(rank, 1) - 1], gaps[-1]",
+         "return sum(gaps) / len(gaps), gaps[-1]"),
+        ("no empty case", "if not gaps:\n        return 0.0, 0.0\n", ""),
+    )),
+    Exercise("pick_budget", "pick_budget", check_pick_budget, points=1, hidden=hidden_pick_budget, mutants=(
+        ("smallest instead of largest", "max(meets)", "min(meets)"),
+        ("strictly below the target", "<= itl_target_s", "< itl_target_s"),
+        ("judged on the worst gap", '"itl_p99"', '"itl_worst"'),
+        ("judged on the median", '"itl_p99"', '"itl_p50"'),
+        ("assumes sorted budgets", "max(meets)", "meets[-1]"),
+        ("a budget even when none qualifies", "return max(meets) if meets else None",
+         "return max(meets) if meets else max(budgets)"),
+        ("measures twice", '[b for b in budgets if measure(b)["itl_p99"] <= itl_target_s]',
+         '[b for b in budgets if measure(b)["itl_p99"] <= itl_target_s and measure(b)]'),
+    )),
+))

@@ -4,7 +4,8 @@ Also the lab's shared measurement harness: one seeded, overloaded, multi-tenant
 workload (:func:`overload_workload`), an arrival loop on the engine's virtual
 clock that asks a *door* rule before every ``add_request`` (:func:`serve`), and
 the summary the lab prints (:class:`ServeResult`).  The quiz answers and the
-tests call the same functions, so the numbers in the notebook cannot drift.
+tests call the same functions, so the numbers in the notebook cannot drift.  The module ends
+with the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.registry import Exercise, Lab
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim.executor import SimulatedExecutor
@@ -176,19 +178,29 @@ def lab_engine(*, num_blocks: int = 384, preemption_mode: str = "recompute", num
 # -- the engine-side fallbacks (used by the lab until a checker passes) -------------------
 
 
+class _LeastWorkRank:
+    """A rank for the engine's :class:`~minivllm.sched.fairness.RankPreemption` (worst rank = victim):
+    unprotected tenants rank worse than protected ones, then fewer computed tokens rank worse."""
+
+    def __init__(self, protected: set) -> None:
+        self.protected = protected
+
+    def rank(self, req) -> tuple:
+        return (req.tenant not in self.protected, -req.num_computed_tokens)
+
+
 class ReferenceVictim:
-    """Exercise 1's rule, written once here: spare protected tenants, then the least work lost, newest on ties."""
+    """The lab's fallback victim policy: the engine's ``RankPreemption`` (it preempts the running request
+    its policy ranks worst, the newest among ties) driven by a protected-tenants-then-least-work rank."""
 
     def __init__(self, protected_tenants: Sequence[str] = ("chat",)) -> None:
+        from minivllm.sched.fairness import RankPreemption
+
         self.protected = set(protected_tenants)
+        self._engine = RankPreemption(_LeastWorkRank(self.protected))
 
     def choose_victim(self, running):
-        pool = [r for r in running if r.tenant not in self.protected] or list(running)
-        best = pool[-1]
-        for r in reversed(pool):
-            if r.num_computed_tokens < best.num_computed_tokens:
-                best = r
-        return best
+        return self._engine.choose_victim(running)
 
 
 def reference_swap_or_recompute(num_tokens: int, num_blocks: int, *, bytes_per_block: int, link_bytes_per_s: float,
@@ -198,9 +210,11 @@ def reference_swap_or_recompute(num_tokens: int, num_blocks: int, *, bytes_per_b
     return "swap" if costs.prefers_swap(num_tokens, num_blocks) else "recompute"
 
 
-def reference_should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
-    waiting = stats["num_waiting"]
-    return waiting >= max_waiting or (waiting > 0 and stats["free_blocks"] < min_free_blocks)
+def engine_should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
+    """The server's own door (``minivllm serve --max-waiting-requests``): :class:`minivllm.server.door.DoorRule`."""
+    from minivllm.server.door import DoorRule
+
+    return DoorRule(max_waiting, min_free_blocks).closed(stats)
 
 
 class RuleCosts:
@@ -234,13 +248,13 @@ class _R:
         return self.request_id
 
 
-def _victim_run(cls) -> tuple:
+def _victim_run(cls, seed: int = 5) -> tuple:
     """Victims chosen in a small overloaded engine run (swap mode), and whether every request finished."""
     from minivllm.labs.workloads import sim_engine
 
     eng = sim_engine(num_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, model_max_len=128,
                      preemption_mode="swap", num_cpu_blocks_override=64, preemption_policy=cls(("chat",)))
-    rng = random.Random(5)
+    rng = random.Random(seed)
     for i in range(10):
         tenant = "chat" if i % 2 == 0 else "batch"
         prompt = [rng.randrange(10, 900) for _ in range(rng.randint(6, 30))]
@@ -374,7 +388,7 @@ def _door_run(fn) -> tuple[int, int]:
 
 def check_should_reject(fn) -> CheckResult:
     """Check ``fn(stats, max_waiting, min_free_blocks) -> bool`` (True: answer 429, do not add the request)."""
-    expected_run = _door_run(reference_should_reject)
+    expected_run = _door_run(engine_should_reject)
 
     def frozen(f):
         s = _stats(waiting=3, free=5)
@@ -402,3 +416,143 @@ def check_should_reject(fn) -> CheckResult:
              show_expected=f"{expected_run[0]} rejected at the door, {expected_run[1]} preemptions"),
     ]
     return run_checks("should_reject", fn, cases)
+
+
+# -- hidden cases (the grader's, seeded at grading time) ---------------------------------
+
+
+def hidden_victim_policy(cls, seed: int) -> CheckResult:
+    """Random running sets and protected tenants, and a swap-mode engine run on a random workload."""
+    rng = random.Random(seed)
+    tenants = ["chat", "agent", "batch"]
+
+    def random_sets(k):
+        for trial in range(200):
+            running = [_R(f"q{i}", rng.choice(tenants), rng.choice([rng.randint(0, 60), 16]),
+                          rng.randint(1, 80)) for i in range(rng.randint(1, 7))]
+            protected = tuple(rng.sample(tenants, rng.randint(0, 3)))
+            before = list(running)
+            got = k(protected).choose_victim(running)
+            if running != before or got is not ReferenceVictim(protected).choose_victim(before):
+                return f"set {trial} differs"
+        return "all 200 match"
+
+    run_seed = rng.randrange(1 << 30)
+    return run_checks("victim policy (hidden)", cls, [
+        Case("200 random running sets", random_sets, "all 200 match"),
+        Case("a swap-mode engine run on a random workload",
+             lambda k: _victim_run(k, run_seed) == _victim_run(ReferenceVictim, run_seed), True),
+    ], verbose=False)
+
+
+def hidden_swap_or_recompute(fn, seed: int) -> CheckResult:
+    """Random costs (ties included) against the engine's :class:`PreemptionCosts`."""
+    rng = random.Random(seed)
+
+    def random_costs(f):
+        for trial in range(300):
+            tokens = rng.randint(1, 8192)
+            blocks = -(-tokens // rng.choice([1, 8, 16, 32]))
+            bpb = rng.choice([4096, 256 * 1024, 1_000_000, 2 * 1024 * 1024])
+            link = rng.choice([1e8, 1e9, 8e9, 25e9, 64e9, rng.uniform(1e8, 1e11)])
+            rate = rng.choice([1e3, 5e3, 2e4, 5e4, rng.uniform(1e3, 1e5)])
+            if rng.random() < 0.1:  # an exact tie: swap time == recompute time
+                link, rate = 2 * blocks * bpb, tokens
+            kw = dict(bytes_per_block=bpb, link_bytes_per_s=link, prefill_tokens_per_s=rate)
+            if f(tokens, blocks, **kw) != reference_swap_or_recompute(tokens, blocks, **kw):
+                return f"case {trial} differs"
+        return "all 300 match"
+
+    return run_checks("swap_or_recompute (hidden)", fn, [Case("300 random costs", random_costs, "all 300 match")],
+                      verbose=False)
+
+
+def hidden_should_reject(fn, seed: int) -> CheckResult:
+    """Random engine stats around both thresholds; the stats dict must come back unchanged."""
+    rng = random.Random(seed)
+
+    def random_stats(f):
+        for trial in range(300):
+            max_waiting, min_free = rng.randint(1, 10), rng.randint(0, 40)
+            s = _stats(waiting=rng.choice([0, max_waiting - 1, max_waiting, max_waiting + 1, rng.randint(0, 20)]),
+                       free=rng.choice([0, min_free - 1, min_free, min_free + 1, rng.randint(0, 100)]),
+                       running=rng.randint(0, 60))
+            before = dict(s)
+            got = f(s, max_waiting, min_free)
+            if s != before or bool(got) != engine_should_reject(before, max_waiting, min_free) \
+                    or not isinstance(got, bool):
+                return f"case {trial} differs"
+        return "all 300 match"
+
+    return run_checks("should_reject (hidden)", fn, [Case("300 random stats", random_stats, "all 300 match")],
+                      verbose=False)
+
+
+# -- quiz answers (``"compute": "minivllm.labs.check_lab05:<name>"`` in quizzes/lab05.json) ----
+
+
+def quiz_swapped_blocks_for_100_tokens() -> int:
+    """Host blocks a swap preemption fills for a victim with 100 computed tokens (block 16), via the KV manager."""
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.kv_cache_manager import KVCacheManager
+    from minivllm.request import Request
+
+    kv = KVCacheManager(BlockPool(16), 16, cpu_pool=BlockPool(16))
+    req = Request("victim", list(range(10, 110)), SamplingParams(), 0.0)
+    assert kv.allocate_slots(req, 100)
+    req.num_computed_tokens = 100
+    assert kv.swap_out(req)
+    return len(req.cpu_block_ids)
+
+
+def quiz_crossover_gbps() -> float:
+    """Link bandwidth (GB/s, 1 decimal) at which the engine's cost model is indifferent, for lab 5's GPU:
+    2 MiB blocks of 16 tokens, prefill at 50,000 tokens/s."""
+    at_1_byte_per_s = PreemptionCosts(KV_BYTES_PER_BLOCK, 1.0, PREFILL_TOKENS_PER_S)
+    return round(at_1_byte_per_s.swap_s(1) / at_1_byte_per_s.recompute_s(BLOCK_SIZE) / 1e9, 1)
+
+
+# -- the registration ---------------------------------------------------------------------
+
+LAB = Lab(5, "lab05_preemption", "Preemption", quiz="lab05",
+          widgets=("next step", "next swap", "run to end"), exercises=(
+    Exercise("victim_policy", "ProtectInteractive", check_victim_policy, points=2, hidden=hidden_victim_policy,
+             mutants=(
+        ("ignores the protected tenants", "[r for r in running if r.tenant not in self.protected] or list(running)",
+         "list(running)"),
+        ("protects everyone else instead", "if r.tenant not in self.protected", "if r.tenant in self.protected"),
+        ("most work lost", "return min(reversed(candidates)", "return max(reversed(candidates)"),
+        ("ties go to the oldest", "min(reversed(candidates), key", "min(candidates, key"),
+        ("the engine's default: always the newest", "return min(reversed(candidates), key=lambda r: r.num_computed_tokens)",
+         "return running[-1]"),
+        ("no victim when everyone is protected", " or list(running)", ""),
+        ("prompt length instead of computed work", "key=lambda r: r.num_computed_tokens", "key=lambda r: r.num_prompt_tokens"),
+        ("hard-coded tenant", "self.protected = set(protected_tenants)", 'self.protected = {"chat"}'),
+        ("sorts the engine's list in place", "candidates = [r for r in running",
+         "running.sort(key=lambda r: r.num_computed_tokens)\n        candidates = [r for r in running"),
+    )),
+    Exercise("swap_or_recompute", "swap_or_recompute", check_swap_or_recompute, points=1,
+             hidden=hidden_swap_or_recompute, mutants=(
+        ("the KV crosses the link once", "swap_s = 2 * num_blocks", "swap_s = num_blocks"),
+        ("a tie swaps", 'return "swap" if swap_s < recompute_s', 'return "swap" if swap_s <= recompute_s'),
+        ("inverted choice", 'return "swap" if swap_s < recompute_s', 'return "swap" if swap_s > recompute_s'),
+        ("bandwidth multiplied", "bytes_per_block / link_bytes_per_s", "bytes_per_block * link_bytes_per_s"),
+        ("prefill rate multiplied", "num_tokens / prefill_tokens_per_s", "num_tokens * prefill_tokens_per_s"),
+        ("tokens instead of blocks on the link", "2 * num_blocks * bytes_per_block", "2 * num_tokens * bytes_per_block"),
+        ("ignores the block size in bytes", "2 * num_blocks * bytes_per_block / link_bytes_per_s",
+         "2 * num_blocks / link_bytes_per_s"),
+        ("returns a bool", 'return "swap" if swap_s < recompute_s else "recompute"', "return swap_s < recompute_s"),
+    )),
+    Exercise("door_rule", "should_reject", check_should_reject, points=1, hidden=hidden_should_reject, mutants=(
+        ("a full queue still accepts", "waiting >= max_waiting", "waiting > max_waiting"),
+        ("counts running requests as the queue", 'waiting = stats["num_waiting"]', 'waiting = stats["num_running"]'),
+        ("pressure alone rejects", '(waiting > 0 and stats["free_blocks"] < min_free_blocks)',
+         '(stats["free_blocks"] < min_free_blocks)'),
+        ("no pressure clause", ' or (waiting > 0 and stats["free_blocks"] < min_free_blocks)', ""),
+        ("exactly min_free_blocks counts as pressure", 'stats["free_blocks"] < min_free_blocks',
+         'stats["free_blocks"] <= min_free_blocks'),
+        ("both conditions required", "waiting >= max_waiting or (", "waiting >= max_waiting and ("),
+        ("inverted answer", "return waiting >= max_waiting or", "return not waiting >= max_waiting or"),
+        ("changes the stats", 'waiting = stats["num_waiting"]', 'waiting = stats.pop("num_waiting")'),
+    )),
+))

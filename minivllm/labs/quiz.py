@@ -9,7 +9,8 @@ Options are shuffled per question, deterministically (seeded by the question
 text), in every rendering.  Three renderings: :func:`print_quiz` (plain text,
 questions only), :func:`print_answers` (the key, with every *why*; a separate
 cell, run after answering) and :func:`show_quiz` (interactive, via
-jupyterquiz, when a browser renders the notebook).
+jupyterquiz, when a browser renders the notebook; it fetches nothing from
+the network, see :func:`quiz_html_and_script`).
 """
 
 from __future__ import annotations
@@ -118,11 +119,49 @@ def jupyterquiz_questions(lab: str | int) -> list[dict]:
     return out
 
 
+def quiz_html_and_script(lab: str | int, div_id: str) -> tuple[str, str]:
+    """jupyterquiz's container (HTML + CSS) and script for ``lab``, with the script made offline-safe.
+
+    jupyterquiz typesets with MathJax when a global ``MathJax`` exists.
+    JupyterLab 4 defines one without a ``version`` (its own MathJax is
+    bundled), so jupyterquiz injects a ``<script>`` from a CDN -- which fails
+    offline -- and every answer click then throws reading ``MathJax.version``.
+    Our questions contain no TeX, so the script runs inside a function whose
+    ``MathJax`` parameter is ``undefined``: jupyterquiz skips typesetting,
+    fetches nothing, and the page's own MathJax is left alone.
+    """
+    from jupyterquiz.dynamic.loader import load_questions_script
+    from jupyterquiz.dynamic.renderer import build_script, build_styles, render_div
+
+    prefix, static, url = load_questions_script(jupyterquiz_questions(lab), div_id)
+    script = build_script(prefix, static, url, div_id, True)
+    div = render_div(div_id, False, False, False, 1_000_000, 600, 10, "left")
+    colours = {"--jq-multiple-choice-bg": "#392061", "--jq-mc-button-bg": "#fafafa",
+               "--jq-mc-button-border": "#e0e0e0e0", "--jq-mc-button-inset-shadow": "#555555",
+               "--jq-many-choice-bg": "#f75c03ff", "--jq-numeric-bg": "#392061ff",
+               "--jq-numeric-input-bg": "#c0c0c0", "--jq-numeric-input-label": "#101010",
+               "--jq-numeric-input-shadow": "#999999", "--jq-string-bg": "#4c1a57",
+               "--jq-incorrect-color": "#c80202", "--jq-correct-color": "#009113",
+               "--jq-text-color": "#fafafa", "--jq-link-color": "#9abafa"}
+    return div + build_styles(div_id, colours), "(function (MathJax) {\n" + script + "\n})(undefined);\n"
+
+
 def show_quiz(lab: str | int) -> None:
-    """Interactive quiz (jupyterquiz) when a browser renders it; the plain text otherwise."""
+    """Interactive quiz (jupyterquiz, offline-safe) when a browser renders it; the plain text otherwise.
+
+    The container id comes from :mod:`secrets`, not :mod:`random` as in
+    jupyterquiz's ``display_quiz``, so showing a quiz never moves the
+    notebook's seeded random stream.
+    """
     try:
-        from jupyterquiz import display_quiz
+        import jupyterquiz  # noqa: F401
     except ImportError:
         print_quiz(lab)
         return
-    display_quiz(jupyterquiz_questions(lab), shuffle_answers=False)
+    import secrets
+
+    from IPython.display import HTML, Javascript, display
+
+    markup, script = quiz_html_and_script(lab, "quiz" + secrets.token_hex(6))
+    display(HTML(markup))
+    display(Javascript(script))

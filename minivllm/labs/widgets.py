@@ -6,30 +6,71 @@ Three views, reusable across labs:
   that holds it; a number shows the refcount where a block is shared; cached
   blocks nobody uses are hatched; free blocks are blank.
 * :func:`draw_radix_tree` -- a :class:`~minivllm.kv.prefix.radix.RadixCache`'s
-  trees: one box per node (its blocks), locked blocks (a running request
-  holds them) outlined, and the LRU clock of each node.
+  trees: one box per node labelled with the tokens it shares, locked nodes (a
+  running request holds their blocks) outlined, and the LRU clock of each node.
 * :func:`draw_timeline` -- one row per request, one column per engine step:
   prefill chunks vs decode tokens, with TTFT and ITL read off the same log.
 
-:class:`Stepper` adds "next step" / "run to end" buttons around an engine.
+Every interactive view (:class:`Stepper`, :class:`TierStepper`,
+:class:`BudgetExplorer`, and the labs' own) is a :class:`PictureWidget`: one
+:class:`matplotlib.figure.Figure` the widget owns, rendered to PNG bytes and
+shown in one ``ipywidgets.Image`` that each click updates in place.  Why not
+pyplot?  JupyterLab 4.6 delivers widget messages on a kernel *subshell*
+(``commsOverSubshells``), so a button callback runs on another thread than
+the cell code; pyplot's post-execute hooks then redraw "the current figure"
+on the main thread while the callback draws on it, and the picture comes out
+blank or garbled.  A Figure pyplot never heard of has no such second writer.
+A request's colour is a function of its id (:func:`request_colour`), never of
+its position in a list, so it does not change when another request finishes.
+
 Why both a static picture and a widget?  Widgets need a live kernel; GitHub,
-nbval and HTML exports have none.  So every view is first drawn as a plain
-matplotlib figure (which every renderer shows), and the controls come after
-it with a short text fallback of their own.
+nbval and HTML exports have none.  So each widget's output carries the same
+PNG as a static fallback plus one stable text line (nbval compares text).
 """
 
 from __future__ import annotations
 
+import hashlib
+import html
+import re
+import threading
 from typing import Any, Callable, Sequence
 
-import matplotlib.pyplot as plt
+import matplotlib
 from matplotlib.patches import Rectangle
+from matplotlib.ticker import MaxNLocator
 
-PALETTE = plt.get_cmap("tab20").colors
+PALETTE = matplotlib.colormaps["tab20"].colors
 
 
 def _colour(i: int):
-    return PALETTE[(2 * i) % 20] if i < 10 else PALETTE[(2 * (i - 10) + 1) % 20]
+    """The ``i``-th colour: the ten strong tab20 colours first, then their light partners."""
+    i %= 20
+    return PALETTE[2 * i] if i < 10 else PALETTE[2 * (i - 10) + 1]
+
+
+def colour_index(request_id: Any) -> int:
+    """A stable palette index for a request id: its trailing number (``r7`` -> 7), a letter's place in
+    the alphabet (``C`` -> 2), else a hash of the id -- never its position in some list."""
+    name = str(request_id)
+    m = re.search(r"(\d+)$", name)
+    if m:
+        return int(m.group(1))
+    if len(name) == 1 and name.isalpha():
+        return ord(name.upper()) - ord("A")
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")
+
+
+def request_colour(request_id: Any):
+    """The colour of ``request_id`` in every picture, at every step."""
+    return _colour(colour_index(request_id))
+
+
+def _pyplot_axes(figsize):
+    """A fresh pyplot figure for a *static* cell (``draw_x(...); plt.show()``); widgets never come here."""
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=figsize)[1]
 
 
 # -- block pool ---------------------------------------------------------------------
@@ -45,23 +86,24 @@ def draw_block_pool(pool, tables: dict[str, Sequence[int]], *, cache: Any = None
     """Draw ``pool``'s blocks; ``tables`` maps an owner name to its block table.
 
     A block in several tables is drawn in the first owner's colour with its
-    refcount written on it, so sharing is visible at a glance.
+    refcount written on it, so sharing is visible at a glance.  Colours come
+    from the owner names (:func:`request_colour`), so they stay put across steps.
     """
     n = pool.num_blocks
     rows = -(-n // cols)
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(12, 0.55 * cols + 2.5), 0.55 * rows + 0.9))
-    owner_of: dict[int, int] = {}
+        ax = _pyplot_axes((min(12, 0.55 * cols + 2.5), 0.55 * rows + 0.9))
+    owner_of: dict[int, str] = {}
     names = list(tables)
-    for i, name in enumerate(names):
+    for name in names:
         for b in tables[name]:
-            owner_of.setdefault(b, i)
+            owner_of.setdefault(b, name)
     for b in range(n):
         r, c = divmod(b, cols)
         rc = pool.refcount(b)
         cached = cache is not None and cache.is_cached(b)
         if b in owner_of:
-            face, hatch = _colour(owner_of[b]), None
+            face, hatch = request_colour(owner_of[b]), None
         elif cached:
             face, hatch = "#eeeeee", "///"
         else:
@@ -71,7 +113,7 @@ def draw_block_pool(pool, tables: dict[str, Sequence[int]], *, cache: Any = None
         if rc > 1:
             label += f"\n×{rc}"
         ax.text(c + 0.46, -r + 0.46, label, ha="center", va="center", fontsize=7)
-    handles = [Rectangle((0, 0), 1, 1, facecolor=_colour(i)) for i in range(len(names))]
+    handles = [Rectangle((0, 0), 1, 1, facecolor=request_colour(name)) for name in names]
     labels = list(names)
     if cache is not None:
         handles.append(Rectangle((0, 0), 1, 1, facecolor="#eeeeee", hatch="///"))
@@ -124,7 +166,7 @@ def draw_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax=N
     names = sorted(rows, key=lambda r: min(s for s, _, _ in rows[r]))
     steps = len(step_log)
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(12, 2 + 0.28 * steps), 0.9 + 0.35 * len(names)))
+        ax = _pyplot_axes((min(12, 2 + 0.28 * steps), 0.9 + 0.35 * len(names)))
     for y, rid in enumerate(names):
         for step, kind, num in rows[rid]:
             colour = "#f28e2b" if kind == "prefill" else "#4e79a7"
@@ -133,6 +175,7 @@ def draw_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax=N
                 ax.text(step + 0.47, -y, str(num), ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks([-y for y in range(len(names))], names, fontsize=8)
     ax.set_xlim(0, max(steps, 1))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(-len(names) + 0.4, 0.6)
     ax.set_xlabel("engine step")
     ax.legend([Rectangle((0, 0), 1, 1, color="#f28e2b"), Rectangle((0, 0), 1, 1, color="#4e79a7")],
@@ -156,22 +199,26 @@ def describe_step(entry: dict, prompt_lens: dict[str, int]) -> str:
 
 
 def radix_nodes(cache) -> list[dict]:
-    """Flatten a RadixCache into ``[{id, parent, depth, blocks, locked, last_access, namespace}]``."""
-    out: list[dict] = []
-    ids: dict[int, int] = {}
+    """Flatten a RadixCache into ``[{id, parent, depth, start, tokens, blocks, locked, last_access, namespace}]``.
 
-    def visit(node, parent_id, depth):
+    ``tokens`` are the token ids the node's edge stores (what every request
+    passing through it shares) and ``start`` their position in the prompt.
+    """
+    out: list[dict] = []
+
+    def visit(node, parent_id, depth, start):
         nid = len(out)
-        ids[id(node)] = nid
-        out.append({"id": nid, "parent": parent_id, "depth": depth, "blocks": list(node.block_ids),
+        tokens = [t for block in node.token_blocks for t in block]
+        out.append({"id": nid, "parent": parent_id, "depth": depth, "start": start, "tokens": tokens,
+                    "blocks": list(node.block_ids),
                     "locked": [b for b in node.block_ids if cache.pool.refcount(b) > 1],
                     "last_access": node.last_access, "namespace": node.namespace,
                     "first_tokens": node.token_blocks[0][:3] if node.token_blocks else ()})
         for key in sorted(node.children, key=lambda k: k):
-            visit(node.children[key], nid, depth + 1)
+            visit(node.children[key], nid, depth + 1, start + len(tokens))
 
-    for ns in sorted(cache._roots):
-        visit(cache._roots[ns], None, 0)
+    for ns in sorted(cache._roots, key=repr):
+        visit(cache._roots[ns], None, 0, 0)
     return out
 
 
@@ -184,20 +231,36 @@ def namespace_label(namespace) -> str:
     return repr(namespace) if namespace not in ((), "", None) else "public"
 
 
+def token_span(node: dict, detokenize: Callable[[Sequence[int]], str] | None = None, width: int = 3) -> str:
+    """The tokens a radix node shares, short: ``"48-63: 812 33 901 … 14"`` (or text via ``detokenize``)."""
+    toks = node["tokens"]
+    if not toks:
+        return "(empty)"
+    where = f"{node['start']}-{node['start'] + len(toks) - 1}"
+    if detokenize is not None:
+        text = detokenize(toks).replace("\n", " ")
+        return f"{where}: {text[:18] + '…' if len(text) > 19 else text!r}"
+    shown = " ".join(map(str, toks[:width])) + (f" … {toks[-1]}" if len(toks) > width else "")
+    return f"{where}: {shown}"
+
+
 def describe_radix_tree(cache) -> str:
-    """Indented text version of :func:`draw_radix_tree`."""
+    """Indented text version of :func:`draw_radix_tree`: tokens shared per node, its blocks, clock, locks."""
     lines = []
     for n in radix_nodes(cache):
         if n["parent"] is None:
             lines.append(f"root[{namespace_label(n['namespace'])}]")
             continue
         lock = f" locked={n['locked']}" if n["locked"] else ""
-        lines.append("  " * n["depth"] + f"└ blocks {n['blocks']} (t={n['last_access']}){lock}")
+        lines.append("  " * n["depth"] + f"└ tokens {token_span(n)} | blocks {n['blocks']} "
+                     f"(t={n['last_access']}){lock}")
     return "\n".join(lines)
 
 
-def draw_radix_tree(cache, *, ax=None, title: str | None = None):
-    """Boxes per node (its block ids), edges to children; red outline = locked by a running request."""
+def draw_radix_tree(cache, *, ax=None, title: str | None = None,
+                    detokenize: Callable[[Sequence[int]], str] | None = None):
+    """One box per node, labelled with the tokens it shares (positions and first ids, or text with
+    ``detokenize``) and its block count; edges to children; red outline = locked by a running request."""
     nodes = radix_nodes(cache)
     # x position: leaves left to right, parents centred over children
     children: dict[int, list[int]] = {}
@@ -223,7 +286,7 @@ def draw_radix_tree(cache, *, ax=None, title: str | None = None):
             next_x[0] += 0.5
     depth = max((n["depth"] for n in nodes), default=0)
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(12, 1.6 + 1.7 * max(next_x[0], 1)), 1.2 + 1.1 * depth))
+        ax = _pyplot_axes((min(12, 1.6 + 1.7 * max(next_x[0], 1)), 1.2 + 1.1 * depth))
     for n in nodes:
         x, y = xs[n["id"]], -n["depth"]
         if n["parent"] is not None:
@@ -233,101 +296,231 @@ def draw_radix_tree(cache, *, ax=None, title: str | None = None):
             ax.text(x, y, label, ha="center", va="center", fontsize=8,
                     bbox=dict(boxstyle="round", fc="#dddddd", ec="#555555"))
             continue
-        b = n["blocks"]
-        shown = ", ".join(map(str, b)) if len(b) <= 4 else f"{b[0]}, {b[1]}, …, {b[-1]}"
-        label = f"{len(b)} blk [{shown}]\nt={n['last_access']}"
+        nb = len(n["blocks"])
+        label = (f"tok {token_span(n, detokenize)}\n"
+                 f"{nb} block{'s' if nb != 1 else ''} · t={n['last_access']}")
         ec = "#d62728" if n["locked"] else "#555555"
         ax.text(x, y, label, ha="center", va="center", fontsize=7,
                 bbox=dict(boxstyle="round", fc="#e8f1fa", ec=ec, lw=2 if n["locked"] else 1))
     ax.set_xlim(-0.8, max(next_x[0] - 0.5, 1) + 0.3)
     ax.set_ylim(-depth - 0.6, 0.6)
     ax.axis("off")
-    ax.set_title(title or f"radix tree: {cache.num_cached_blocks} cached blocks, red = locked "
-                 f"(in use), t = last access", fontsize=10)
+    ax.set_title(title or f"radix tree: {cache.num_cached_blocks} cached blocks; a box = the tokens (positions: "
+                 f"first ids) its requests share; red = locked (in use), t = last access", fontsize=9)
     return ax
+
+
+# -- one pattern for every interactive view -----------------------------------------------
+
+
+def figure_png(fig) -> bytes:
+    """PNG bytes of a Figure the caller owns (no pyplot state involved)."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+class PictureWidget:
+    """One picture of live state, redrawn in place, with controls: the base of every widget here.
+
+    Subclasses implement :meth:`paint` (draw the current state on the Figure
+    they are handed) and :meth:`actions` (``[(button label, callable)]``; the
+    callable changes the state and returns a line of text for the log) or
+    override :meth:`controls` for other inputs (sliders).  What this class
+    guarantees, and why:
+
+    * one :class:`~matplotlib.figure.Figure` per widget, never pyplot's: the
+      button callback may run on a kernel subshell thread while pyplot's hooks
+      run on the main one (see the module docstring);
+    * one ``ipywidgets.Image`` whose ``value`` each click replaces: a single
+      picture updated in place, not a new one appended under the buttons;
+    * the state a widget steps belongs to it alone: give it its own engine, so
+      the cells after it (run by *Run All* before anyone clicks) cannot
+      consume the steps the learner wants to watch;
+    * clicks are serialised by a lock, and an exception in a callback is
+      written to the widget's log instead of vanishing into the kernel log.
+    """
+
+    caption = "[interactive picture: run this notebook in Jupyter to use the controls]"
+    log_lines = 6
+
+    def __init__(self, figsize=(11, 3.2)) -> None:
+        from matplotlib.figure import Figure
+
+        self.fig = Figure(figsize=figsize)
+        self.widget = None
+        self.image = None
+        self.log = None
+        self._lines: list[str] = []
+        self._lock = threading.Lock()
+
+    # what a subclass provides
+    def paint(self, fig) -> None:
+        raise NotImplementedError
+
+    def actions(self) -> list[tuple[str, Callable[[], str]]]:
+        return []
+
+    # the shared mechanics
+    def png(self) -> bytes:
+        """Redraw the current state on this widget's Figure; its PNG bytes."""
+        self.fig.clear()
+        self.paint(self.fig)
+        return figure_png(self.fig)
+
+    def note(self, text: str) -> None:
+        """Add lines to the log under the picture (the last :attr:`log_lines` stay visible)."""
+        self._lines = (self._lines + [ln for ln in text.splitlines() if ln])[-self.log_lines:]
+        if self.log is not None:
+            self.log.value = "<pre style='margin:0;font-size:11px;line-height:1.3'>" + html.escape(
+                "\n".join(self._lines)) + "</pre>"
+
+    def refresh(self, text: str = "") -> None:
+        """Log ``text`` and replace the picture's bytes (the Image stays the same object)."""
+        if text:
+            self.note(text)
+        if self.image is not None:
+            self.image.value = self.png()
+
+    def press(self, label: str) -> str:
+        """Do what the button ``label`` does, then redraw: the click handler, callable without a browser."""
+        with self._lock:
+            try:
+                text = dict(self.actions())[label]()
+            except Exception as exc:  # noqa: BLE001 -- a click must tell the learner what went wrong
+                text = f"{label}: {type(exc).__name__}: {exc}"
+            self.refresh(text)
+        return text
+
+    def controls(self, w) -> list:
+        """The input widgets above the picture (default: one button per action)."""
+        buttons = []
+        for label, _ in self.actions():
+            button = w.Button(description=label)
+            button.on_click(lambda _b, label=label: self.press(label))
+            buttons.append(button)
+        return [w.HBox(buttons)]
+
+    def show(self) -> None:
+        """Display the controls, the picture and the log; without ipywidgets, the picture alone."""
+        from IPython.display import display
+
+        png = self.png()
+        try:
+            import ipywidgets as w
+        except ImportError:  # static picture only
+            from IPython.display import Image
+
+            display(Image(data=png))
+            return None
+        self.image = w.Image(value=png, format="png")
+        self.log = w.HTML(value="", layout={"max_height": "9em", "overflow": "auto"})
+        self.note("")
+        self.widget = _PictureControls(self.controls(w) + [self.image, self.log], png, self.caption)
+        display(self.widget)
+        return None
 
 
 # -- step-through control ----------------------------------------------------------------
 
 
-class Stepper:
-    """"next step" / "run to end" buttons around a live engine, redrawing a view each time.
+class Stepper(PictureWidget):
+    """"next step" / "run to end" buttons around a live engine, redrawing one view each time.
 
-    ``draw(engine, ax)`` draws the view; ``describe(engine)`` gives a text line
-    per step for the log.  :meth:`show` draws the current state as a static
-    figure first (so any renderer shows something), then the controls.
+    ``draw(engine, ax)`` draws the view on an Axes of this widget's Figure;
+    ``describe(engine)`` gives the log line of a step.  ``engine`` is anything
+    with ``step()`` and ``has_unfinished_requests()`` (an ``LLMEngine``, a
+    :class:`~minivllm.labs.workloads.PrefixReplay`); it should be the widget's
+    own, not one later cells also run.  ``stop(engine)``, when given, ends a
+    multi-step run early.
     """
 
+    caption = "[step controls: run this notebook in Jupyter to click through the steps]"
+
     def __init__(self, engine, draw: Callable[[Any, Any], Any], describe: Callable[[Any], str],
-                 figsize=(11, 3.2)) -> None:
+                 figsize=(11, 3.2), stop: Callable[[Any], bool] | None = None) -> None:
+        super().__init__(figsize)
         self.engine = engine
         self.draw = draw
         self.describe = describe
-        self.figsize = figsize
-        self.widget = None
+        self.stop = stop
+        self.steps_taken = 0
 
-    def _figure(self):
-        fig, ax = plt.subplots(figsize=self.figsize)
+    def paint(self, fig) -> None:
+        ax = fig.add_subplot()
         self.draw(self.engine, ax)
-        fig.tight_layout()
-        return fig
+        caption_h = 0.25 / fig.get_figheight()  # a strip at the bottom for where we are
+        fig.tight_layout(rect=(0, caption_h, 1, 1))
+        fig.text(0.005, 0.01, self.position(), fontsize=8, color="#444444", ha="left", va="bottom")
+
+    def position(self) -> str:
+        """Where the engine is, written under the picture: a step can leave the view itself unchanged (a decode
+        that stays inside its block), and a click must still visibly do something."""
+        engine = self.engine
+        if hasattr(engine, "step_log"):
+            n = len(engine.step_log)
+        elif hasattr(engine, "records"):
+            n = len(engine.records)
+        else:
+            n = self.steps_taken
+        done = "" if engine.has_unfinished_requests() else " -- no work left"
+        return f"steps run: {n}" + done  # a count; the log numbers steps from 0
 
     def step(self, n: int = 1) -> str:
+        """Run up to ``n`` steps (fewer when the work runs out or ``stop`` says so); one line per step."""
         lines = []
         for _ in range(n):
             if not self.engine.has_unfinished_requests():
                 lines.append("no work left")
                 break
             self.engine.step()
+            self.steps_taken += 1
             lines.append(self.describe(self.engine))
+            if self.stop is not None and self.stop(self.engine):
+                break
         return "\n".join(lines)
 
-    def show(self):
-        from IPython.display import display
-
-        fig = self._figure()
-        plt.show()
-        plt.close(fig)
-        try:
-            import ipywidgets as w
-        except ImportError:  # static fallback only
-            return None
-        out = w.Output()
-        log = w.Output()
-        next_b = w.Button(description="next step")
-        end_b = w.Button(description="run to end")
-
-        def refresh(text):
-            with log:
-                print(text)
-            out.clear_output(wait=True)
-            with out:
-                f = self._figure()
-                plt.show()
-                plt.close(f)
-
-        next_b.on_click(lambda _: refresh(self.step(1)))
-        end_b.on_click(lambda _: refresh(self.step(10_000)))
-        self.widget = _Controls([w.HBox([next_b, end_b]), out, log])
-        display(self.widget)
-        return None
+    def actions(self):
+        return [("next step", lambda: self.step(1)),
+                ("run to end", lambda: "\n".join(self.step(10_000).splitlines()[-2:]))]
 
 
 try:
     import ipywidgets as _w
 
-    class _Controls(_w.VBox):
-        """A VBox whose text fallback is one short, stable line (nbval compares text/plain)."""
+    class _PictureControls(_w.VBox):
+        """A VBox of controls whose static fallback (no live kernel) is the picture itself (PNG) plus one stable line."""
+
+        def __init__(self, children, png: bytes, caption: str):
+            super().__init__(children)
+            self._png = png
+            self._caption = caption
 
         def _repr_mimebundle_(self, **kwargs):
+            import base64
+
             bundle = super()._repr_mimebundle_(**kwargs)
             if isinstance(bundle, tuple):
                 bundle = bundle[0]
             bundle = dict(bundle or {})
-            bundle["text/plain"] = "[step controls: run this notebook in Jupyter to click through the steps]"
+            if self._png:
+                bundle["image/png"] = base64.b64encode(self._png).decode("ascii")
+            bundle["text/plain"] = self._caption
             return bundle
+
+    class _Controls(_PictureControls):
+        """Controls without a picture of their own: the stable text line only."""
+
+        def __init__(self, children):
+            super().__init__(children, b"", Stepper.caption)
+
 except ImportError:  # pragma: no cover
-    _Controls = None  # type: ignore[assignment]
+    _PictureControls = _Controls = None  # type: ignore[assignment,misc]
 
 
 # -- two tiers: the device pool and the host (swap) tier (lab 5) --------------------------
@@ -349,15 +542,16 @@ def draw_kv_tiers(engine, fig=None, *, colours: dict[str, int] | None = None, co
     A request parked in the host tier (status SWAPPED) has its colour on the
     right and none on the left; after a swap-in it is back on the left.  The
     title counts what moved in the last step.  ``fig`` is a
-    :class:`matplotlib.figure.Figure` the caller owns (a new one if None);
-    ``colours`` keeps a request's colour stable across redraws.
+    :class:`matplotlib.figure.Figure` the caller owns (a new one if None).
+    A request's colour comes from its id (:func:`request_colour`); ``colours``
+    only remembers the order requests were first seen in, for the legend.
     """
     from matplotlib.figure import Figure
 
     device, host = tier_owners(engine)
     colours = {} if colours is None else colours
     for rid in list(device) + list(host):
-        colours.setdefault(rid, len(colours))
+        colours.setdefault(rid, len(colours))  # legend order only
     gpu, cpu = engine.kv.pool, engine.kv.cpu_pool
     if fig is None:
         fig = Figure(figsize=(11, 2.6))
@@ -371,7 +565,7 @@ def draw_kv_tiers(engine, fig=None, *, colours: dict[str, int] | None = None, co
         for b in range(n):
             r, c = divmod(b, ncols)
             rid = owner.get(b)
-            face = _colour(colours[rid]) if rid is not None else "white"
+            face = request_colour(rid) if rid is not None else "white"
             ax.add_patch(Rectangle((c, -r), 0.92, 0.92, facecolor=face, edgecolor="#555555", lw=0.8))
             ax.text(c + 0.46, -r + 0.46, str(b), ha="center", va="center", fontsize=6)
         ax.set_xlim(-0.1, ncols)
@@ -382,7 +576,7 @@ def draw_kv_tiers(engine, fig=None, *, colours: dict[str, int] | None = None, co
         ax.set_title(f"{name}: {free}/{n} free", fontsize=9)
     names = sorted(colours, key=colours.get)
     shown = [rid for rid in names if rid in device or rid in host]
-    handles = [Rectangle((0, 0), 1, 1, facecolor=_colour(colours[r])) for r in shown]
+    handles = [Rectangle((0, 0), 1, 1, facecolor=request_colour(r)) for r in shown]
     labels = [r + (" (swapped)" if r in host else "") for r in shown]
     ax_cpu.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=7, frameon=False)
     last = engine.step_log[-1] if engine.step_log else None
@@ -407,118 +601,38 @@ def describe_kv_tiers(engine) -> str:
             f"{cpu.num_free if cpu else 0}/{cpu.num_blocks if cpu else 0} free | swapped: {sorted(host) or '-'}")
 
 
-def figure_png(fig) -> bytes:
-    """PNG bytes of a Figure the caller owns (no pyplot state involved)."""
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    return buf.getvalue()
 
 
-class TierStepper:
-    """"next step" / "run to end" buttons around an engine with a host tier, redrawing :func:`draw_kv_tiers`.
+class TierStepper(Stepper):
+    """"next step" / "next swap" / "run to end" around an engine with a host tier, drawing :func:`draw_kv_tiers`.
 
-    The picture is drawn on one :class:`~matplotlib.figure.Figure` this object
-    owns (never pyplot's current figure) and shown as PNG bytes in an
-    ``ipywidgets.Image``.  Without a live kernel (GitHub, nbval, an HTML
-    export) the same PNG is the output's static fallback, with a short text line.
+    A :class:`Stepper` whose picture is the two tiers side by side and whose
+    log line says what moved; "next swap" steps until blocks leave or return.
     """
 
+    caption = "[KV tiers with step controls: run this notebook in Jupyter to click through]"
+
     def __init__(self, engine, figsize=(11, 2.3), stop: Callable[[Any], bool] | None = None) -> None:
-        from matplotlib.figure import Figure
-
-        self.engine = engine
-        self.fig = Figure(figsize=figsize)
+        super().__init__(engine, draw=None, describe=describe_kv_tiers, figsize=figsize, stop=stop)
         self.colours: dict[str, int] = {}
-        self.stop = stop
-        self.widget = None
-        self._image = None
 
-    def png(self) -> bytes:
-        draw_kv_tiers(self.engine, self.fig, colours=self.colours)
-        return figure_png(self.fig)
+    def paint(self, fig) -> None:
+        draw_kv_tiers(self.engine, fig, colours=self.colours)
 
-    def step(self, n: int = 1) -> str:
-        """Run up to ``n`` steps (stopping early when ``stop(engine)`` is true); one text line per step."""
-        lines = []
-        for _ in range(n):
-            if not self.engine.has_unfinished_requests():
-                lines.append("no work left")
+    def until_swap(self) -> str:
+        """Step until a step moves blocks between the tiers (or the work runs out); the last lines."""
+        out = []
+        for _ in range(10_000):
+            line = self.step(1)
+            out.append(line)
+            last = self.engine.step_log[-1] if self.engine.step_log else {}
+            if line == "no work left" or last.get("swapped_out") or last.get("swapped_in"):
                 break
-            self.engine.step()
-            lines.append(describe_kv_tiers(self.engine))
-            if self.stop is not None and self.stop(self.engine):
-                break
-        return "\n".join(lines)
+        return "\n".join(out[-3:])
 
-    def show(self):
-        from IPython.display import display
-
-        png = self.png()
-        try:
-            import ipywidgets as w
-        except ImportError:  # static picture only
-            from IPython.display import Image
-
-            display(Image(data=png))
-            return None
-        self._image = w.Image(value=png, format="png")
-        log = w.Output(layout={"max_height": "8em", "overflow": "auto"})
-        buttons = [w.Button(description=d) for d in ("next step", "next swap", "run to end")]
-
-        def refresh(text):
-            with log:
-                print(text)
-            self._image.value = self.png()
-
-        def until_swap(_):
-            out = []
-            for _ in range(10_000):
-                line = self.step(1)
-                out.append(line)
-                last = self.engine.step_log[-1] if self.engine.step_log else {}
-                if line == "no work left" or last.get("swapped_out") or last.get("swapped_in"):
-                    break
-            refresh("\n".join(out[-3:]))
-
-        buttons[0].on_click(lambda _: refresh(self.step(1)))
-        buttons[1].on_click(until_swap)
-        buttons[2].on_click(lambda _: refresh("\n".join(self.step(10_000).splitlines()[-2:])))
-        self.widget = _PictureControls([w.HBox(buttons), self._image, log], png,
-                                       "[KV tiers with step controls: run this notebook in Jupyter to click through]")
-        display(self.widget)
-        return None
-
-
-try:
-    import ipywidgets as _w2
-
-    class _PictureControls(_w2.VBox):
-        """A VBox of controls whose static fallback (no live kernel) is the picture itself (PNG) plus one stable line."""
-
-        def __init__(self, children, png: bytes, caption: str):
-            super().__init__(children)
-            self._png = png
-            self._caption = caption
-
-        def _repr_mimebundle_(self, **kwargs):
-            import base64
-
-            bundle = super()._repr_mimebundle_(**kwargs)
-            if isinstance(bundle, tuple):
-                bundle = bundle[0]
-            bundle = dict(bundle or {})
-            bundle["image/png"] = base64.b64encode(self._png).decode("ascii")
-            bundle["text/plain"] = self._caption
-            return bundle
-except ImportError:  # pragma: no cover
-    _PictureControls = None  # type: ignore[assignment]
-
-
+    def actions(self):
+        step, end = super().actions()
+        return [step, ("next swap", self.until_swap), end]
 # -- chunked prefill: time timeline, ITL histogram, budget/threshold sliders (lab 4) ------------
 
 
@@ -614,61 +728,57 @@ def draw_chunking(run: dict, fig=None, *, target: float | None = None, max_ms: f
     return fig
 
 
-class BudgetExplorer:
+class BudgetExplorer(PictureWidget):
     """Two sliders -- ``max_num_batched_tokens`` and ``long_prefill_token_threshold`` -- that rerun a
     simulation and redraw :func:`draw_chunking`.
 
     ``simulate(budget, threshold)`` returns the ``run`` dict :func:`draw_chunking`
-    takes (plus ``summary``, one line of text).  The picture is drawn on a
-    :class:`~matplotlib.figure.Figure` this object owns and shown as PNG bytes
-    in an ``ipywidgets.Image``; without a live kernel the same PNG (and the
-    summary line) is the static fallback.
+    takes (plus ``summary``, one line of text).  A :class:`PictureWidget` whose
+    controls are sliders: each release reruns the (deterministic, cheap)
+    simulation from scratch, so the widget holds no engine another cell could
+    advance.
     """
+
+    caption = "[budget and threshold sliders: run this notebook in Jupyter to move them]"
 
     def __init__(self, simulate: Callable[[int, int], dict], *, budget=(64, 4096, 64, 512),
                  threshold=(0, 2048, 64, 0), target: float | None = None, max_ms: float | None = None,
                  figsize=(11, 3.4)) -> None:
-        from matplotlib.figure import Figure
-
+        super().__init__(figsize)
         self.simulate = simulate
         self.budget, self.threshold = budget, threshold
         self.target, self.max_ms = target, max_ms
-        self.fig = Figure(figsize=figsize)
-        self.widget = None
+        self.values = (budget[3], threshold[3])
+        self.summary = ""
+        self.log_lines = 1
+
+    def paint(self, fig) -> None:
+        run = self.simulate(*self.values)
+        draw_chunking(run, fig, target=self.target, max_ms=self.max_ms)
+        self.summary = run.get("summary", "")
 
     def render(self, budget: int, threshold: int) -> tuple[bytes, str]:
-        run = self.simulate(budget, threshold)
-        draw_chunking(run, self.fig, target=self.target, max_ms=self.max_ms)
-        return figure_png(self.fig), run.get("summary", "")
+        """PNG and summary line for one setting (what moving the sliders there shows)."""
+        self.values = (budget, threshold)
+        return self.png(), self.summary
 
-    def show(self):
-        from IPython.display import Image, display
-
-        b, t = self.budget[3], self.threshold[3]
-        png, summary = self.render(b, t)
-        try:
-            import ipywidgets as w
-        except ImportError:  # static picture only
-            display(Image(data=png))
-            print(summary)
-            return None
+    def controls(self, w) -> list:
         sliders = [w.IntSlider(value=v, min=lo, max=hi, step=st, description=d, continuous_update=False,
                                style={"description_width": "initial"}, layout={"width": "420px"})
                    for d, (lo, hi, st, v) in (("max_num_batched_tokens", self.budget),
                                               ("long_prefill_token_threshold", self.threshold))]
-        image = w.Image(value=png, format="png")
-        label = w.Label(value=summary)
 
-        def redraw(_=None):
-            png2, text = self.render(sliders[0].value, sliders[1].value)
-            image.value, label.value = png2, text
+        def moved(_change):
+            with self._lock:
+                self.values = (sliders[0].value, sliders[1].value)
+                self.image.value = self.png()
+                self.note(self.summary)
 
         for s in sliders:
-            s.observe(redraw, names="value")
-        self.widget = _PictureControls([w.VBox(sliders), image, label], png,
-                                       "[budget and threshold sliders: run this notebook in Jupyter to move them]")
-        display(self.widget)
-        print(summary)
-        return None
+            s.observe(moved, names="value")
+        return [w.VBox(sliders)]
 
-
+    def show(self) -> None:
+        super().show()
+        self.note(self.summary)
+        print(self.summary)

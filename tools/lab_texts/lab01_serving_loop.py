@@ -155,14 +155,26 @@ eng.log_step(batch)
 A, first in line, took the whole 16-token budget as a prefill chunk, so B and C were not admitted yet (no
 budget left), and nothing was sampled: A's prompt is not finished. Step 1 below finishes A's prefill (4 tokens) and
 samples its first token in that same step — **the first output token comes from the prefill step** — while B and
-C start. Now let the engine run the rest, and draw the step log as a timeline: orange = prefill chunk (number = tokens), blue = decode.
+C start. Watch the rest as a timeline of the step log, one step per click of **next step**: orange = prefill chunk
+(number = tokens), blue = decode. The widget steps its own copy of this engine, built the same way and stepped
+once, so nothing else in the notebook can run it ahead of you.
 """),
 ("code", r"""
 PROMPT_LENS = {"A": 20, "B": 6, "C": 9}
-stepper = widgets.Stepper(eng, draw=lambda e, ax: widgets.draw_timeline(e.step_log, PROMPT_LENS, ax=ax),
-                          describe=lambda e: widgets.describe_step(e.step_log[-1], PROMPT_LENS), figsize=(9, 1.8))
-print(stepper.step(10_000))
-stepper.show()
+timeline = widgets.Stepper(small_engine(), draw=lambda e, ax: widgets.draw_timeline(e.step_log, PROMPT_LENS, ax=ax),
+                           describe=lambda e: widgets.describe_step(e.step_log[-1], PROMPT_LENS), figsize=(9, 1.8))
+print(timeline.step(1))   # the widget's engine, at the point your `eng` is now
+timeline.show()           # in Jupyter: click "next step"; elsewhere: this picture, static
+"""),
+("md", r"""
+The same run without buttons: your `eng` from the seven steps above, to the end, and its whole timeline.
+"""),
+("code", r"""
+while eng.has_unfinished_requests():
+    eng.step()
+    print(widgets.describe_step(eng.step_log[-1], PROMPT_LENS))
+widgets.draw_timeline(eng.step_log, PROMPT_LENS, title="the whole run")
+plt.show()
 """),
 ("md", r"""
 ## ✏️ Exercise 1 — prefill or decode?

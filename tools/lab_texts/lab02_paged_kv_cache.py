@@ -170,19 +170,23 @@ plt.show()
 print(widgets.describe_block_pool(engine.pool, widgets.block_owners(engine)))
 """),
 ("md", r"""
-Step through the rest yourself (in Jupyter the buttons redraw the pool; elsewhere you see the current state).
+Step through the rest yourself (in Jupyter the buttons redraw the pool; elsewhere you see the current state). The
+widget steps its own engine, built like `engine` and at the same step, so the cells below cannot run it ahead of you.
 """),
 ("code", r"""
-stepper = widgets.Stepper(
-    engine,
-    draw=lambda e, ax: widgets.draw_block_pool(e.pool, widgets.block_owners(e), ax=ax),
-    describe=lambda e: widgets.describe_step(e.step_log[-1], prompt_lens),
-)
+def pool_stepper(engine):
+    return widgets.Stepper(engine, draw=lambda e, ax: widgets.draw_block_pool(e.pool, widgets.block_owners(e), ax=ax),
+                           describe=lambda e: widgets.describe_step(e.step_log[-1], prompt_lens))
+
+
+stepper = pool_stepper(small_engine(Pool)[0])   # the widget's own engine ...
+stepper.step(3)                                  # ... at the step `engine` is at
 stepper.show()
 """),
 ("code", r"""
-print(stepper.step(5))               # the same thing without buttons: five more steps
-rest = stepper.step(10_000).splitlines()
+walk = pool_stepper(engine)          # the same thing without buttons, on `engine`
+print(walk.step(5))                  # five more steps
+rest = walk.step(10_000).splitlines()
 print(f"... {len(rest) - 1} more steps to the end")
 print("free blocks at the end:", engine.pool.num_free, "of", engine.pool.num_blocks)
 """),

@@ -36,13 +36,15 @@ BLOCK = 16
 A token's K and V depend on that token **and every token before it**. So two prompts that start with the same
 tokens have identical KV for that shared beginning — a system prompt, few-shot examples, the earlier turns of a
 chat. A prefix cache keeps those KV blocks after a request finishes and hands them to the next request with the
-same beginning: its prefill skips them, so its **TTFT** drops.
+same beginning: its prefill skips them, so its **TTFT** drops. The seed's example: an assistant whose every request
+starts with the same 3,000-token system prompt. Without a cache, every request prefills all 3,000 tokens; with one,
+only the first does, and each later request computes just the few tokens past the last full block plus its question.
 
 Sharing is block-granular: only *full* blocks are cached (a partial block is still being written). Two data
 structures find "the longest cached prefix":
 
 ```
- radix tree (SGLang)                          chained block-hash index (vLLM)
+ radix tree (SGLang's RadixAttention)         chained block-hash index (vLLM)
  root                                          key0 = hash(None, tokens[0:16],  salt)
   └─ [sys0 sys1 sys2]   ← one edge, 3 blocks   key1 = hash(key0, tokens[16:32])
        ├─ [userA0]                             key2 = hash(key1, tokens[32:48])
@@ -215,13 +217,26 @@ plt.show()
 print(widgets.describe_radix_tree(tree))
 print("hits per request (tokens):", [r["hit_tokens"] for r in replay.records])
 """),
+("md", r"""
+Click **next step** to send the next turn. The widget replays the same chats on its own tree, from the same five
+requests, so the cells below (which finish `replay`) cannot run it ahead of you.
+"""),
 ("code", r"""
-stepper = widgets.Stepper(replay, draw=lambda r, ax: widgets.draw_radix_tree(r.cache, ax=ax),
+def chat_replay(steps):
+    pool = BlockPool(256)
+    replay = workloads.PrefixReplay(RadixCache(pool, BLOCK), pool, workloads.shared_system_chats(3, 3, seed=2))
+    for _ in range(steps):
+        replay.step()
+    return replay
+
+
+stepper = widgets.Stepper(chat_replay(5), draw=lambda r, ax: widgets.draw_radix_tree(r.cache, ax=ax),
                           describe=lambda r: str(r.records[-1]), figsize=(11, 3.5))
 stepper.show()
 """),
 ("code", r"""
-print(stepper.step(10_000))
+walk = widgets.Stepper(replay, draw=None, describe=lambda r: str(r.records[-1]))   # text only, on `replay`
+print(walk.step(10_000))
 evicted = tree.evict(10_000)     # evict everything evictable: the locked path survives
 print(f"evicted {evicted} blocks; {tree.num_cached_blocks} stay cached (locked by the running request)")
 print(widgets.describe_radix_tree(tree))

@@ -28,7 +28,7 @@ from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab05 import (BLOCK_SIZE, KV_BYTES_PER_BLOCK, PCIE4_BYTES_PER_S, PREFILL_TOKENS_PER_S,
                                        TENANTS, ReferenceVictim, RuleCosts, check_should_reject,
                                        check_swap_or_recompute, check_victim_policy, lab_engine, overload_workload,
-                                       percentile, reference_should_reject, reference_swap_or_recompute, serve)
+                                       percentile, engine_should_reject, reference_swap_or_recompute, serve)
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.request import RequestStatus
 
@@ -56,7 +56,8 @@ request must write its next token. Someone has to give blocks back:
               next to everyone's worst case; turn the rest away with a retry hint
 ```
 
-Recompute wastes **compute**, swap wastes **link bandwidth** (PCIe) and host memory, reject wastes **availability**
+A device pool backed by a host tier is the lesson's *hierarchical* allocation: the fast memory holds what runs, the
+slow one holds what waits. Recompute wastes **compute**, swap wastes **link bandwidth** (PCIe) and host memory, reject wastes **availability**
 — but it is honest, and a rising reject rate is exactly what an autoscaler wants to see. Preemption also has a
 fairness side: a request preempted again and again has unbounded latency even though the system is "up", so we
 track preemptions **per tenant**. (Two engine rules keep it from thrashing: nothing is admitted in the step right
@@ -70,15 +71,29 @@ requests that together need more than 24 blocks. Each colour is one request; the
 ("code", r"""
 import random
 
-tiny = workloads.sim_engine(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, model_max_len=64,
-                            preemption_mode="swap", num_cpu_blocks_override=16)
-rng = random.Random(3)
-for i in range(6):
-    prompt = [rng.randrange(10, 900) for _ in range(rng.randint(6, 16))]
-    tiny.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=rng.randint(12, 30), ignore_eos=True), f"r{i}")
 
-tiers = widgets.TierStepper(tiny, stop=lambda e: e.step_log[-1]["swapped_out"] > 0)
-print(tiers.step(100))     # run until the first swap-out
+def tiny_engine():
+    engine = workloads.sim_engine(num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=32,
+                                  model_max_len=64, preemption_mode="swap", num_cpu_blocks_override=16)
+    rng = random.Random(3)
+    for i in range(6):
+        prompt = [rng.randrange(10, 900) for _ in range(rng.randint(6, 16))]
+        engine.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(max_tokens=rng.randint(12, 30), ignore_eos=True), f"r{i}")
+    return engine
+
+
+def first_swap_out(engine):
+    return engine.step_log[-1]["swapped_out"] > 0
+
+
+tiny = tiny_engine()
+walk = widgets.TierStepper(tiny, stop=first_swap_out)   # text only: the cells below step `tiny` on
+print(walk.step(100))      # run until the first swap-out
+
+tiers = widgets.TierStepper(tiny_engine(), stop=first_swap_out)   # the widget's own engine ...
+tiers.step(100)                                                    # ... at the same step
+tiers.stop = None
 tiers.show()               # in Jupyter: buttons; elsewhere: the same picture, static
 """),
 ("md", r"""
@@ -89,11 +104,11 @@ so when it comes back it does not prefill again. Step on until it is swapped bac
 ("code", r"""
 victim = tiny.requests["r5"]
 print("r5:", victim.status.value, "| host blocks:", victim.cpu_block_ids, "| computed tokens kept:", victim.num_computed_tokens)
-tiers.stop = lambda e: victim.status is not RequestStatus.SWAPPED
-print(tiers.step(100))
+walk.stop = lambda e: victim.status is not RequestStatus.SWAPPED
+print(walk.step(100))
 print("r5:", victim.status.value, "| device blocks now:", victim.block_ids)
-tiers.stop = None
-print(tiers.step(10_000).splitlines()[-1])
+walk.stop = None
+print(walk.step(10_000).splitlines()[-1])
 s = tiny.stats()
 print(f"swap preemptions {s['num_swap_preemptions']}, blocks out {s['swapped_out_blocks']}, in {s['swapped_in_blocks']}, "
       f"recomputed tokens {s['recomputed_tokens']}, free device blocks {s['free_blocks']}/24, host {s['num_cpu_blocks'] - s['cpu_blocks_used']}/16")
@@ -333,7 +348,7 @@ def should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
 """, ["exercise:door_rule"]),
 ("code", r"""
 door_check = check_should_reject(should_reject)
-reject_rule = choose(door_check, should_reject, reference_should_reject, "should_reject")
+reject_rule = choose(door_check, should_reject, engine_should_reject, "should_reject")
 """),
 ("md", r"""
 Add it to the table: the door (queue of at most 8, pressure below 16 free blocks) in front of the recompute engine.
@@ -444,6 +459,78 @@ print("swap == recompute, token for token:", texts["swap"] == texts["recompute"]
 print(repr(llm.tokenizer.decode(texts["swap"][0])))
 """),
 ("md", r"""
+## 5. At scale: swap or recompute for Llama-3-8B on an H100
+
+Exercise 2's crossover was a link bandwidth (~13 GB/s) that did not depend on context length, because the lab's cost
+model is linear: recomputing costs 20 µs a token, whatever the context and whatever else the step does. The
+**roofline executor** (`minivllm/sim/roofline.py`) knows two things that model does not. A busy decode step is
+memory bound (it reads every weight for a few dozen tokens), so a short victim's tokens ride in it almost free. And
+attention makes token *k* of a prefill read *k* keys, so recomputing a long context grows faster than its length.
+
+Below, on the H100 preset with the shape of Llama-3-8B (bf16, 128 KiB of KV a token), simulated — nothing ran on an
+H100; the preset is datasheet peaks times assumed utilisations (`minivllm/sim/presets.py`):
+
+* **recompute** = the extra time of the steps that prefill the victim again in 2,048-token chunks next to 32
+  decoding streams (the server is busy: that is why it preempts);
+* **swap** = the victim's KV out and back in over the preset's host link (PCIe 5, 64 GB/s one way).
+
+Your `swap_or_recompute` decides at each length, fed the preset's link, Llama-3-8B's block size in bytes and the
+roofline's prefill rate *at that length*.
+"""),
+("code", r"""
+from minivllm.labs import at_scale
+
+print(at_scale.label())   # every number in this cell is simulated, on this preset
+CTX = at_scale.context_grid(16, 131072)   # victims' context lengths, whole blocks
+shape, hw = at_scale.presets()
+recompute_ms = [at_scale.recompute_s(n) * 1000 for n in CTX]
+swap_ms = [at_scale.swap_s(n) * 1000 for n in CTX]
+says = [rule(n, -(-n // BLOCK_SIZE), bytes_per_block=BLOCK_SIZE * shape.kv_bytes_per_token,
+             link_bytes_per_s=hw.swap_bandwidth, prefill_tokens_per_s=n / (r / 1000)) for n, r in zip(CTX, recompute_ms)]
+switch = next((n for k, n in enumerate(CTX) if all(s == "swap" for s in says[k:])), None)
+
+fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+ax.plot(CTX, recompute_ms, "-", color="#d62728", label="recompute (roofline)")
+ax.plot(CTX, swap_ms, "-", color="#4e79a7", label=f"swap out + in ({hw.swap_bandwidth / 1e9:.0f} GB/s)")
+ax.plot(CTX, [n / PREFILL_TOKENS_PER_S * 1000 for n in CTX], ":", color="#d62728", label="recompute, lab's linear model")
+ax.plot(CTX, [2 * -(-n // BLOCK_SIZE) * KV_BYTES_PER_BLOCK / PCIE4_BYTES_PER_S * 1000 for n in CTX], ":",
+        color="#4e79a7", label="swap, lab's model (25 GB/s)")
+if switch:
+    ax.axvline(switch, color="#888888", lw=1, ls="-.")
+    ax.annotate(f"your rule: swap from\n{switch} tokens on", (switch, 300), fontsize=8, xytext=(-100, 0),
+                textcoords="offset points")
+ax.set_xscale("log", base=2); ax.set_yscale("log")
+ax.set_xlabel("victim's context (tokens)"); ax.set_ylabel("ms to give way and come back")
+ax.legend(fontsize=7, loc="lower right")
+ax.set_title("Llama-3-8B on the H100 preset (simulated)", fontsize=9)
+for (m, h), style in zip([("llama-3-8b", "h100"), ("llama-3-8b", "a100"), ("llama-3-8b", "l4"), ("qwen3-0.6b", "h100")],
+                         ["-", "--", "-.", ":"]):
+    x = at_scale.crossover_tokens(m, h, CTX)
+    where = "never" if x is None else ("always" if x == CTX[0] else f"from {x} tokens")
+    bx.plot(CTX, [at_scale.recompute_s(n, m, h) / at_scale.swap_s(n, m, h) for n in CTX], style,
+            label=f"{m} on {h}: swap {where}")
+bx.axhline(1, color="#888888", lw=1)
+bx.set_xscale("log", base=2); bx.set_yscale("log")
+bx.set_xlabel("victim's context (tokens)"); bx.set_ylabel("recompute / swap  (> 1: swap wins)")
+bx.legend(fontsize=7, loc="upper left"); bx.set_title("the same comparison on other presets (simulated)", fontsize=9)
+fig.tight_layout()
+plt.show()
+for n in (256, 2048, 32768):
+    k = CTX.index(n)
+    print(f"{n:6d} tokens: recompute {recompute_ms[k]:6.1f} ms, swap {swap_ms[k]:6.1f} ms -> your rule: {says[k]}")
+"""),
+("md", r"""
+Simulated on the H100 preset: below a few hundred tokens your rule recomputes (a 256-token victim rides in a step
+that reads the weights anyway: ~0.6 ms, against ~1 ms of link traffic); once its chunk makes the step compute bound,
+recomputing costs ~18 µs a token against ~4 µs to swap; and at 32K tokens attention makes recompute ~7× dearer. That
+is the worked policy's clause *"swap rather than recompute for long contexts"*, which the lab's parallel straight
+lines could not produce. The right panel shows what moves the crossover: FLOPs per token against KV bytes per token,
+and the link. A slower GPU (the L4 preset) makes recompute dear at every length; a small model with a large KV
+(Qwen3-0.6B: 112 KiB a token for 0.6 B parameters) recomputes more cheaply up to ~23K tokens even on an H100. Two
+caveats the simulation does not see: a link shared by eight GPUs gives each far less than 64 GB/s, and the engine's
+auto mode uses *one* prefill rate (`prefill_tokens_per_s`), so at scale it would want a length-aware cost model.
+"""),
+("md", r"""
 ## Retrieval check
 
 Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
@@ -481,6 +568,10 @@ print_answers(5)   # the answer key: run it after you have answered
 * **A better door.** Replace the fixed `max_waiting` with an estimate of the newcomer's wait: queued tokens divided by
   the measured token rate (`engine.step_time_s`), rejecting when it exceeds a TTFT target. Send `retry_after_s` back
   like the engine's reject mode does. Plot served p99 TTFT against offered load for both doors.
+* **When does swap stop paying?** Swap is the right call when host memory is plentiful and the victim comes back
+  soon. Shrink the host tier (`LLM(..., preemption_mode="swap", num_cpu_blocks_override=...)` or the simulated
+  engine's `cpu_blocks`) until victims no longer fit and the engine falls back to recompute, then raise the load and
+  record how many steps swapped blocks sit in the host tier (the step log's `swapped_out` / `swapped_in`).
 * **A non-linear cost model.** Prefill attention grows with context. Make `recompute_s` grow faster than linearly
   (e.g. add a `tokens²` term) and find the context length above which a PCIe 3 link (12 GB/s) starts to swap.
 """),

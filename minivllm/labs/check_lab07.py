@@ -1,0 +1,597 @@
+"""Checkers for lab 7 (Triton paged attention): the block-table gather in torch, then a decode kernel.
+
+The lab goes from an oracle to a kernel.  Exercise 1 is the gather that every
+paged-attention implementation starts from (logical token -> block table ->
+physical block), written in torch and checked against the engine's
+:func:`minivllm.model.attention.gather_kv`.  Exercise 2 is the inner loop of a
+Triton decode kernel -- load one KV block through the table, fold it into an
+online softmax -- checked in Triton's CPU interpreter against the engine's torch
+reference :func:`~minivllm.model.attention.paged_attention_reference`.
+
+Why the launch wrapper lives here: a kernel launch is bookkeeping (strides,
+grid, constants) that teaches nothing and hides the interesting part.  The
+learner writes only the ``@triton.jit`` function; :func:`launch_decode` feeds it.
+
+How the cases catch kernel bugs rather than rounding noise: every cache slot a
+correct kernel must not read (the tail of a sequence's last block, spare blocks,
+block-table padding) holds NaN, and so does every output element before the
+launch.  Reading one slot too many, or trusting a padding entry, gives NaN, not
+a small error.  One case puts the blocks beyond 2^32 elements from the cache's
+start (a sparse, mostly unbacked mapping), where a block offset computed in
+int32 wraps around to the wrong block.
+
+On a CPU, Triton can only run interpreted, and Triton reads
+``TRITON_INTERPRET`` when a kernel is *decorated*; so importing this module
+switches the interpreter on when no CUDA device exists (before the lab's kernel
+cell runs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first @triton.jit of the lab (see the module docstring)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minivllm.labs.checkers import Case, CheckResult, run_checks  # noqa: E402
+from minivllm.labs.registry import Exercise, Lab  # noqa: E402
+from minivllm.labs.widgets import PictureWidget  # noqa: E402
+from minivllm.model.attention import AttentionMetadata, gather_kv, paged_attention_reference  # noqa: E402
+
+PAGE = 16  # block size of the checker's caches
+
+# The engine's own gather, by name: the fallback while exercise 1 has not passed.
+engine_gather_kv = gather_kv
+
+
+# -- building paged caches -----------------------------------------------------------------
+
+
+def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: int = 16, page: int = PAGE,
+               dtype: torch.dtype = torch.float32, shuffle: bool = True, share_first: bool = False,
+               q_scale: float = 1.0, seed: int = 0, device: str = "cpu") -> dict:
+    """A filled paged cache for sequences of ``lens`` tokens, and one decode query per sequence.
+
+    Blocks are handed out in a random order (``shuffle``) from a pool with
+    spare blocks; everything a correct reader must skip is NaN: spare blocks,
+    the tail of each last block, block-table padding (one extra column per row,
+    pointing at a spare block).  ``share_first`` makes every sequence longer
+    than a block reuse the first such sequence's block 0 (a shared prefix).
+    The pool has one more block than the caches show, so a kernel that strays
+    a few slots past the end reads NaN instead of memory it does not own.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [max(1, math.ceil(n / page)) for n in lens]
+    num_blocks = sum(per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    spare = int(order[-1])
+    width = max(per_seq) + 1
+    tables = torch.full((len(lens), width), spare, dtype=torch.int32)
+    cursor = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[cursor:cursor + n].to(torch.int32)
+        cursor += n
+    if share_first:
+        donors = [i for i, n in enumerate(lens) if n > page]
+        for i in donors[1:]:
+            tables[i, 0] = tables[donors[0], 0]
+    pool = torch.full((2, num_blocks + 1, page, kv_heads, head_dim), float("nan"), dtype=dtype)
+    k_cache, v_cache = pool[0, :num_blocks], pool[1, :num_blocks]
+    for i, n in enumerate(lens):
+        for pos in range(n):
+            block, slot = int(tables[i, pos // page]), pos % page
+            k_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
+    q = (torch.randn(len(lens), kv_heads * group, head_dim, generator=gen) * q_scale).to(dtype)
+    case = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
+            "seq_lens": torch.tensor(lens, dtype=torch.int32), "scale": 1 / math.sqrt(head_dim)}
+    if device != "cpu":
+        case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    return case
+
+
+def reference_decode(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """The engine's torch reference (fp32) for one decode query per sequence.
+
+    It gathers whole rows of the block table (padding included) and masks the
+    padding afterwards; 0 x NaN is NaN, so the poison is zeroed in *its* copy
+    of the cache.  That is the oracle's business, not the kernel's.
+    """
+    lens = [int(n) for n in seq_lens]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(len(lens), dtype=torch.int64, device=q.device),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=q.device),
+        seq_lens=seq_lens, block_tables=block_tables, num_decodes=len(lens),
+        query_lens=[1] * len(lens), context_lens=[n - 1 for n in lens])
+    return paged_attention_reference(q.float(), torch.nan_to_num(k_cache.float()),
+                                     torch.nan_to_num(v_cache.float()), meta, scale)
+
+
+def make_big(batch: int, seq_len: int, *, kv_heads: int = 3, group: int = 3, head_dim: int = 64, page: int = 16,
+             dtype: torch.dtype = torch.bfloat16, device: str = "cpu", seed: int = 0) -> dict:
+    """A measurement-sized paged cache (no NaN poison, built without Python loops): ``batch`` sequences of
+    ``seq_len`` tokens whose blocks are scattered over the pool in random order.  Defaults: SmolLM2's
+    attention shape (9 query heads over 3 KV heads, head_dim 64)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    per_seq = math.ceil(seq_len / page)
+    num_blocks = batch * per_seq
+    tables = torch.randperm(num_blocks, generator=gen).view(batch, per_seq).to(torch.int32)
+    k_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, page, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(batch, kv_heads * group, head_dim, generator=gen).to(dtype)
+    case = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
+            "seq_lens": torch.full((batch,), seq_len, dtype=torch.int32), "scale": 1 / math.sqrt(head_dim)}
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+def kv_bytes(case: dict) -> int:
+    """Bytes a decode step must read: every cached K and V element of every sequence, once."""
+    _, _, kv_heads, head_dim = case["k_cache"].shape
+    return int(case["seq_lens"].sum()) * kv_heads * head_dim * 2 * case["k_cache"].element_size()
+
+
+def online_softmax_trace(scores: list[float], page: int) -> list[dict]:
+    """The running state of an online softmax after each block of ``scores`` (plain Python, for the picture)."""
+    m, l, out = float("-inf"), 0.0, []
+    for b in range(0, len(scores), page):
+        chunk = scores[b:b + page]
+        m_new = max(m, max(chunk))
+        l = l * math.exp(m - m_new) + sum(math.exp(s - m_new) for s in chunk)
+        m = m_new
+        out.append({"block": b // page, "max": m, "sum": l, "chunk_max": max(chunk)})
+    return out
+
+
+def draw_walk(case: dict, seq: int, fig=None, upto: int | None = None):
+    """The picture of the lab: one sequence's block table, where its blocks sit in the pool, and the
+    running max of one query's walk over them.  ``upto`` = how many blocks the walk has folded in so far
+    (all when None); the block folded last is outlined in red.  Draws on a Figure it owns (no pyplot)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    from minivllm.labs.widgets import request_colour
+
+    fig = fig or Figure(figsize=(11, 3.6))
+    ax, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.1, 1]})
+    k_cache, tables, lens = case["k_cache"], case["block_tables"], [int(n) for n in case["seq_lens"]]
+    num_blocks, page = k_cache.shape[0], k_cache.shape[1]
+    n = lens[seq]
+    used = math.ceil(n / page)
+    upto = used if upto is None else max(0, min(upto, used))
+    current = int(tables[seq, upto - 1]) if upto else None
+    owner = {}
+    for i, length in enumerate(lens):
+        for j in range(max(1, math.ceil(length / page))):
+            owner.setdefault(int(tables[i, j]), i)
+    cols = 8
+    for blk in range(num_blocks):
+        x, y = blk % cols, -(blk // cols)
+        who = owner.get(blk)
+        face = request_colour(f"seq{who}") if who is not None else "#eeeeee"
+        alpha = 1.0 if who == seq else 0.35
+        edge, width = ("#d62728", 2.5) if blk == current else ("#555555", 1.0)
+        ax.add_patch(Rectangle((x * 1.2 + 6, y), 1, 0.8, facecolor=face, alpha=alpha, edgecolor=edge, lw=width))
+        ax.text(x * 1.2 + 6.5, y + 0.4, str(blk), ha="center", va="center", fontsize=7)
+    ax.text(0, 1.2, f"block table of seq {seq} ({n} tokens)", fontsize=8)
+    for j in range(tables.shape[1]):
+        blk = int(tables[seq, j])
+        live = j < used
+        edge, width = ("#d62728", 2.5) if j == upto - 1 else ("#555555", 1.0)
+        ax.add_patch(Rectangle((0, -j), 1.6, 0.8, facecolor=request_colour(f"seq{seq}") if live else "white",
+                               edgecolor=edge, lw=width))
+        ax.text(0.8, -j + 0.4, f"{j} -> {blk}" if live else f"{j}: pad", ha="center", va="center", fontsize=7)
+        if live:
+            ax.add_patch(FancyArrowPatch((1.6, -j + 0.4), ((blk % cols) * 1.2 + 6, -(blk // cols) + 0.4),
+                                         arrowstyle="-|>", mutation_scale=8, lw=1.6 if j == upto - 1 else 0.8,
+                                         color="#d62728" if j == upto - 1 else "#333333",
+                                         connectionstyle="arc3,rad=0.15"))
+    tail = used * page - n
+    ax.text(0, -tables.shape[1] - 0.2, f"last block: {page - tail} of {page} slots used; the other {tail} hold NaN",
+            fontsize=7)
+    ax.text(6, 1.2, "the pool: physical blocks (colour = owner, grey = free)", fontsize=8)
+    ax.set_xlim(-0.3, 6 + cols * 1.2)
+    ax.set_ylim(-max(tables.shape[1], math.ceil(num_blocks / cols)) - 0.6, 1.6)
+    ax.axis("off")
+    q = case["q"][seq, 0].float()
+    keys = gather_kv(torch.nan_to_num(k_cache.float()), tables[seq], n)[:, 0]
+    scores = (keys @ q * case["scale"]).tolist()
+    trace = online_softmax_trace(scores, page)
+    seen = min(n, upto * page)
+    ax2.plot(range(n), scores, ".", color="#dddddd", label="scores not read yet")
+    ax2.plot(range(seen), scores[:seen], ".", color="#555555", label="scores read")
+    if upto:
+        done = trace[:upto]
+        ax2.step([t["block"] * page for t in done] + [seen], [t["max"] for t in done] + [done[-1]["max"]],
+                 where="post", color="#d62728", label="running max m")
+        ax2.set_title(f"after block {upto} of {used}: m = {done[-1]['max']:.2f}, l = {done[-1]['sum']:.2f}",
+                      fontsize=9)
+    else:
+        ax2.set_title(f"before the first block: m = -inf, l = 0 ({used} blocks to go)", fontsize=9)
+    for t in trace:
+        ax2.axvline(t["block"] * page, color="#dddddd", lw=0.8)
+    ax2.set_xlabel("token position (logical)")
+    ax2.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+class WalkStepper(PictureWidget):
+    """A "next block" button over :func:`draw_walk`: one decode query folds in one KV block per click.
+
+    One Figure it owns, one image updated in place (see :class:`~minivllm.labs.widgets.PictureWidget`);
+    its state -- how many blocks are folded in -- belongs to this widget alone, so the cells after it
+    cannot consume the steps.  After the last block the next click starts the walk over.
+    """
+
+    caption = "[block-by-block walk: run this notebook in Jupyter to step through the blocks]"
+
+    def __init__(self, case: dict, seq: int = 0) -> None:
+        super().__init__(figsize=(11, 3.6))
+        self.case, self.seq, self.upto = case, seq, 0
+        page, n = case["k_cache"].shape[1], int(case["seq_lens"][seq])
+        self.num_blocks = math.ceil(n / page)
+        keys = gather_kv(torch.nan_to_num(case["k_cache"].float()), case["block_tables"][seq], n)[:, 0]
+        self.trace = online_softmax_trace((keys @ case["q"][seq, 0].float() * case["scale"]).tolist(), page)
+
+    def paint(self, fig) -> None:
+        draw_walk(self.case, self.seq, fig=fig, upto=self.upto)
+
+    def next_block(self) -> str:
+        if self.upto >= self.num_blocks:
+            return self.restart()
+        self.upto += 1
+        t = self.trace[self.upto - 1]
+        block = int(self.case["block_tables"][self.seq, self.upto - 1])
+        return (f"block {self.upto}: table[{self.upto - 1}] = physical block {block}; its max score "
+                f"{t['chunk_max']:.2f} -> m = {t['max']:.2f}, l = {t['sum']:.2f}")
+
+    def restart(self) -> str:
+        self.upto = 0
+        return "back to the start: m = -inf, l = 0, acc = 0"
+
+    def actions(self):
+        return [("next block", self.next_block), ("restart", self.restart)]
+
+
+# -- exercise 1: the gather ------------------------------------------------------------------
+
+
+def _brute_gather(cache, table, kv_len):
+    """Token by token, the definition: position p is in block table[p // B] at offset p % B."""
+    page = cache.shape[1]
+    rows = [cache[int(table[p // page]), p % page] for p in range(kv_len)]
+    return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
+
+
+def check_gather_kv(fn) -> CheckResult:
+    """Check ``fn(cache, block_table, kv_len) -> [kv_len, kv_heads, head_dim]``."""
+    c = make_paged([1, 15, 16, 17, 40], kv_heads=2, head_dim=8, seed=1)
+    cache, tables = c["k_cache"], c["block_tables"]
+
+    def same(i):
+        def run(f):
+            n = int(c["seq_lens"][i])
+            got = f(cache, tables[i], n)
+            return tuple(got.shape), bool(torch.isnan(got).any()), torch.equal(got, _brute_gather(cache, tables[i], n))
+        return run
+
+    def expect(i):
+        n = int(c["seq_lens"][i])
+        return (n, 2, 8), False, True
+
+    def untouched(f):
+        cache_copy, table_copy = cache.clone(), tables.clone()
+        f(cache, tables[3], 17)
+        same_cache = torch.equal(torch.nan_to_num(cache, 7.0), torch.nan_to_num(cache_copy, 7.0))
+        return same_cache, torch.equal(tables, table_copy)
+
+    def agrees_with_engine(f):
+        d = make_paged([3, 16, 31, 32, 33, 50], kv_heads=3, head_dim=4, page=8, share_first=True, seed=2)
+        return all(torch.equal(f(d["v_cache"], d["block_tables"][i], int(n)),
+                               engine_gather_kv(d["v_cache"], d["block_tables"][i], int(n)))
+                   for i, n in enumerate(d["seq_lens"]))
+
+    cases = [
+        Case("one token: slot 0 of the first block in the table", same(0), expect(0),
+             "token 0 lives in block block_table[0] at offset 0 -- the table's first entry, not physical block 0",
+             show_expected="shape (1, 2, 8), no NaN, equal to the token-by-token gather"),
+        Case("15 tokens: a partial block, NaN tail left out", same(1), expect(1),
+             "cut the gathered blocks to kv_len tokens: the slots after the last token hold NaN",
+             show_expected="shape (15, 2, 8), no NaN, equal to the token-by-token gather"),
+        Case("16 tokens: exactly one block", same(2), expect(2),
+             "a full block needs no block after it: round the number of blocks UP, not up-plus-one",
+             show_expected="shape (16, 2, 8), no NaN, equal to the token-by-token gather"),
+        Case("17 tokens: one token spills into a second block", same(3), expect(3),
+             "17 tokens need ceil(17 / 16) = 2 blocks; flooring loses the 17th",
+             show_expected="shape (17, 2, 8), no NaN, equal to the token-by-token gather"),
+        Case("40 tokens over three blocks in random pool order", same(4), expect(4),
+             "follow the table's order (logical block 0, 1, 2), whatever the physical ids; blocks, then slots",
+             show_expected="shape (40, 2, 8), no NaN, equal to the token-by-token gather"),
+        Case("reads only: the cache and the table are unchanged", untouched, (True, True),
+             "gather into a new tensor; don't write into the cache or sort the table"),
+        Case("agrees with the engine's gather (page 8, 3 KV heads, a shared block)", agrees_with_engine, True,
+             "use cache.shape[1] for the block size, not a hard-coded 16"),
+    ]
+    return run_checks("gather_kv", fn, cases)
+
+
+# -- exercise 2: the Triton decode kernel ----------------------------------------------------
+
+
+def _kernel_source(kernel) -> str:
+    import inspect
+
+    fn = getattr(kernel, "fn", kernel)
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return getattr(kernel, "src", "") or ""
+
+
+def launch_decode(kernel, q, k_cache, v_cache, block_tables, seq_lens, scale, out=None) -> torch.Tensor:
+    """Run ``kernel`` on a grid of (sequence, query head): the bookkeeping the learner does not write.
+
+    Layouts: ``q`` ``[batch, q_heads, D]``; caches ``[num_blocks, page, kv_heads, D]`` (the
+    engine's), K and V with the same strides and ``D`` contiguous; ``block_tables`` int32
+    ``[batch, max_blocks]``; ``seq_lens`` int32 ``[batch]``.  Returns ``out`` (fp32).
+    """
+    if "raise NotImplementedError" in _kernel_source(kernel):
+        raise NotImplementedError("write the kernel's GQA mapping and its loop over the KV blocks")
+    batch, q_heads, head_dim = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+    for name, n in (("head_dim", head_dim), ("block size", page)):
+        if n & (n - 1):
+            raise ValueError(f"{name} {n} must be a power of two (tl.arange needs one)")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("K and V caches need identical strides with head_dim contiguous")
+    q = q.contiguous()
+    if out is None:
+        out = torch.full((batch, q_heads, head_dim), float("nan"), dtype=torch.float32, device=q.device)
+    try:
+        kernel[(batch, q_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page,
+        )
+    except Exception as exc:  # the interpreter wraps a stub's NotImplementedError in its own error type
+        if "NotImplementedError" in repr(exc):
+            raise NotImplementedError("write the kernel's GQA mapping and its loop over the KV blocks") from None
+        raise
+    return out
+
+
+def engine_decode(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """The engine's split-KV Triton kernel (:func:`minivllm.model.kernels.paged_decode`), same call shape."""
+    from minivllm.model.kernels import paged_decode
+
+    return paged_decode(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale,
+                        max_seq_len=int(seq_lens.max())).float()
+
+
+def _big_pool_case(device: str = "cpu") -> dict:
+    """Three blocks whose element offset is 2^32 and a little more: int32 offsets wrap to blocks 0..2.
+
+    The pool spans 8 GiB of addresses.  On a CPU it is a sparse file mapped
+    shared (no memory is reserved, only the touched pages exist); on a GPU, real
+    memory.  Blocks 0..2, where a wrapped offset lands, hold NaN.
+    """
+    page, head_dim = PAGE, 16
+    block_elems = 2 * page * head_dim  # K and V of one block interleaved: stride 512 = 2^9
+    first = 2 ** 32 // block_elems  # block id whose offset is exactly 2^32 elements
+    num_blocks = first + 4
+    if device == "cpu":
+        with tempfile.NamedTemporaryFile(prefix="lab07_pool_") as f:
+            flat = torch.from_file(f.name, shared=True, size=num_blocks * block_elems, dtype=torch.float16)
+    else:
+        flat = torch.empty(num_blocks * block_elems, dtype=torch.float16, device=device)
+    pool = flat.view(num_blocks, 2, page, 1, head_dim)
+    small = make_paged([40], head_dim=head_dim, dtype=torch.float16, shuffle=False, seed=5)
+    pool[:4] = float("nan")
+    pool[first:first + 3, 0] = small["k_cache"][:3].to(device)
+    pool[first:first + 3, 1] = small["v_cache"][:3].to(device)
+    table = torch.tensor([[first, first + 1, first + 2, first + 3]], dtype=torch.int32, device=device)
+    # the oracle reads the small copy: converting the 8 GiB pool to fp32 would touch every page
+    want = reference_decode(small["q"], small["k_cache"], small["v_cache"], small["block_tables"],
+                            small["seq_lens"], small["scale"]).to(device)
+    return {"q": small["q"].to(device), "k_cache": pool[:, 0], "v_cache": pool[:, 1], "block_tables": table,
+            "seq_lens": small["seq_lens"].to(device), "scale": small["scale"], "want": want}
+
+
+def _decode_error(run: Callable, case: dict) -> tuple[bool, float]:
+    """(every output finite, max |error| vs the engine's torch reference)."""
+    got = run(case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["scale"])
+    want = case.get("want")
+    if want is None:
+        want = reference_decode(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
+                                case["seq_lens"], case["scale"])
+    finite = bool(torch.isfinite(got).all())
+    return finite, float((got.float() - want).abs().max()) if finite else float("nan")
+
+
+def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
+    """Check a ``@triton.jit`` decode kernel with :func:`launch_decode`'s signature in the interpreter (or on a GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def run(q, k, v, tables, lens, scale):
+        return launch_decode(kernel, q, k, v, tables, lens, scale)
+
+    def close(case_kwargs, tol=1e-4):
+        def go(_):
+            finite, err = _decode_error(run, make_paged(**case_kwargs, device=device))
+            return finite and err < tol, finite, err
+        return go
+
+    def ok(got):
+        return got[0]
+
+    def shown(tol=1e-4):
+        return f"every output finite, max |error| < {tol:g} vs the engine's torch reference"
+
+    cases = [
+        Case("one sequence of one token", close({"lens": [1]}), accept=ok, show_expected=shown(),
+             hint="with one key, softmax weight 1: the output is that token's V row. Is the last block's mask "
+                  "`token < seq_len` and does the loop run ceil(seq_len / PAGE_SIZE) times?"),
+        Case("lengths 15, 16, 17, 32 at the block edges (NaN after the last token)",
+             close({"lens": [15, 16, 17, 32], "shuffle": False}), accept=ok, show_expected=shown(),
+             hint="a NaN means a slot at or after seq_len was read: mask the K/V loads AND the scores with "
+                  "token < seq_len; a wrong value at 17 or 15 means the partial last block was skipped"),
+        Case("blocks out of order in the pool, one block shared by two sequences",
+             close({"lens": [40, 33, 5], "share_first": True, "seed": 3}), accept=ok, show_expected=shown(),
+             hint="the physical block is block_table[seq, b] -- read this sequence's row of the table "
+                  "(seq * stride_table_seq), not logical block b of the pool"),
+        Case("several blocks: the running max grows from block to block",
+             close({"lens": [64, 50], "q_scale": 2.0, "seed": 4}), accept=ok, show_expected=shown(),
+             hint="when a block raises the max, the old sum AND the old accumulator were weighted by exp(-old max): "
+                  "rescale both by exp(old max - new max), then remember the new max"),
+        Case("large scores (q scaled by 40): softmax needs the running max",
+             close({"lens": [48, 20], "q_scale": 40.0, "seed": 6}), accept=ok, show_expected=shown(),
+             hint="exp(score) overflows float32 above ~88: subtract the running max before exp, never after"),
+        Case("GQA: 6 query heads share 2 KV heads", close({"lens": [17, 30], "kv_heads": 2, "group": 3, "seed": 7}),
+             accept=ok, show_expected=shown(),
+             hint="query heads 0..GROUP-1 read KV head 0, the next GROUP read KV head 1: integer-divide by GROUP"),
+        Case("GQA 4:1 with head_dim 32 and a page of 8", close({"lens": [9, 24, 8], "kv_heads": 1, "group": 4,
+                                                                "head_dim": 32, "page": 8, "seed": 8}),
+             accept=ok, show_expected=shown(),
+             hint="use the PAGE_SIZE and HEAD_DIM constants and the strides you are given, not 16"),
+    ]
+    if big_pool and device == "cuda" and torch.cuda.mem_get_info()[0] < 10 * 2 ** 30:
+        print("(the 2^32-element pool case needs 10 GiB of free GPU memory and is left out on this GPU; "
+              "the interpreter runs it on any CPU)")
+        big_pool = False
+    if big_pool:
+        def big(_):
+            finite, err = _decode_error(run, _big_pool_case(device))
+            return finite and err < 1e-2, finite, err
+
+        cases.append(Case("a pool of 2^32+ elements: block offsets in int64", big, accept=ok,
+                          show_expected="every output finite, max |error| < 0.01 (fp16 cache)",
+                          hint="block_id * stride_kv_block overflows int32 here (2^23 x 512 = 2^32 wraps to 0, a "
+                               "NaN block): widen the block id with .to(tl.int64) before multiplying"))
+    return run_checks("decode kernel", kernel, cases)
+
+
+# -- hidden cases for the grader: the same rules on seeded shapes the notebook never shows --------
+
+
+def _edge_lengths(rng, page: int, n: int) -> list[int]:
+    """``n`` lengths, most of them at a block edge (k*page - 1, k*page, k*page + 1) or 1."""
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 4)
+        out.append(max(1, rng.choice([1, k * page - 1, k * page, k * page + 1, rng.randint(1, 4 * page)])))
+    return out
+
+
+def hidden_gather_kv(fn, seed: int) -> CheckResult:
+    """Grader-only: random pages, heads and edge lengths, against the token-by-token definition."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for trial in range(3):
+        page = rng.choice([4, 8, 16, 32])
+        kv_heads, head_dim = rng.randint(1, 3), rng.choice([2, 4, 8])
+        lens = _edge_lengths(rng, page, 4)
+        c = make_paged(lens, kv_heads=kv_heads, head_dim=head_dim, page=page, share_first=bool(trial % 2),
+                       seed=seed * 10 + trial)
+
+        def run(f, c=c):
+            return all(torch.equal(f(c["k_cache"], c["block_tables"][i], int(n)),
+                                   _brute_gather(c["k_cache"], c["block_tables"][i], int(n)))
+                       for i, n in enumerate(c["seq_lens"]))
+
+        cases.append(Case(f"hidden gather: page {page}, lengths {lens}", run, True,
+                          "compare with the definition: token p is in block table[p // B] at slot p % B"))
+    return run_checks("gather_kv (hidden)", fn, cases, verbose=False)
+
+
+def hidden_decode_kernel(kernel, seed: int) -> CheckResult:
+    """Grader-only: seeded GQA shapes, pages and edge lengths, large and small scores, in the interpreter."""
+    import random
+
+    rng = random.Random(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def run(q, k, v, tables, lens, scale):
+        return launch_decode(kernel, q, k, v, tables, lens, scale)
+
+    cases = []
+    for trial in range(2):
+        page = rng.choice([8, 16])
+        shape = dict(kv_heads=rng.choice([1, 2]), group=rng.choice([1, 2, 3, 4]), head_dim=rng.choice([16, 32]),
+                     page=page, q_scale=rng.choice([1.0, 3.0, 30.0]), share_first=True, seed=seed * 10 + trial)
+        lens = _edge_lengths(rng, page, 3)
+
+        def go(_, lens=lens, shape=shape):
+            finite, err = _decode_error(run, make_paged(lens, device=device, **shape))
+            return finite and err < 1e-4
+
+        cases.append(Case(f"hidden decode: lengths {lens}, {shape}", go, True,
+                          "every output finite and within 1e-4 of the engine's torch reference"))
+    return run_checks("decode kernel (hidden)", kernel, cases, verbose=False)
+
+
+# -- planted bugs (text patches on the solution regions of solutions/lab07_*.ipynb) ----------
+
+GATHER_MUTANTS = (
+    ("floor instead of ceiling: the partial last block is lost", "-(-kv_len // block_size)", "(kv_len // block_size)"),
+    ("the table read backwards", "block_table[:num_blocks]", "block_table[:num_blocks].flip(0)"),
+    ("the tail of the last block is not cut", "[:kv_len]", ""),
+    ("the table is ignored: blocks 0, 1, 2 of the pool", "cache[block_table[:num_blocks].long()]",
+     "cache[:num_blocks]"),
+    ("slots before blocks: the wrong flattening order", "blocks.flatten(0, 1)",
+     "blocks.transpose(0, 1).flatten(0, 1)"),
+    ("block size hard-coded to 16", "-(-kv_len // block_size)", "-(-kv_len // 16)"),
+    ("off by one: starts at the second token", "[:kv_len]", "[1:kv_len + 1]"),
+)
+
+KERNEL_MUTANTS = (
+    ("off-by-one at the block edge: token == seq_len is read", "valid = tokens < seq_len", "valid = tokens <= seq_len"),
+    ("floor: the partial last block is skipped", "tl.cdiv(seq_len, PAGE_SIZE)", "seq_len // PAGE_SIZE"),
+    ("missing mask on the V load", "v = tl.load(v_ptr + slots, mask=valid[:, None], other=0.0)",
+     "v = tl.load(v_ptr + slots)"),
+    ("missing mask on the scores", 'tl.where(valid, tl.sum(k * q[None, :], 1) * scale, float("-inf"))',
+     "tl.sum(k * q[None, :], 1) * scale"),
+    ("softmax without the running max", "alpha = tl.exp(m_i - m_new)\n        p = tl.exp(scores - m_new)",
+     "alpha = 1.0\n        p = tl.exp(scores)"),
+    ("accumulator not rescaled when the max grows", "acc = acc * alpha +", "acc = acc +"),
+    ("running sum not rescaled when the max grows", "l_i = l_i * alpha +", "l_i = l_i +"),
+    ("running max never updated", "        m_i = m_new\n", ""),
+    ("wrong GQA head mapping (modulo)", "kv_head = head // GROUP", "kv_head = head % GROUP"),
+    ("GQA ignored: query head h reads KV head h", "kv_head = head // GROUP", "kv_head = head"),
+    ("table index not widened to int64", "block = tl.load(table_ptr + seq * stride_table_seq + b).to(tl.int64)",
+     "block = tl.load(table_ptr + seq * stride_table_seq + b)"),
+    ("every sequence reads sequence 0's table row", "table_ptr + seq * stride_table_seq + b", "table_ptr + b"),
+)
+
+
+LAB = Lab(
+    number=7,
+    stem="lab07_triton_paged_attention",
+    title="Triton paged attention",
+    exercises=(
+        Exercise("gather_kv", "gather_kv", check_gather_kv, points=1, mutants=GATHER_MUTANTS,
+                 hidden=hidden_gather_kv),
+        Exercise("decode_kernel", "decode_kernel", check_decode_kernel, points=2, mutants=KERNEL_MUTANTS,
+                 hidden=hidden_decode_kernel),
+    ),
+    quiz="lab07",
+    widgets=("next block",),
+)
+
+
+# -- quiz answers computed from the lab's own functions -------------------------------------
+
+
+def quiz_kv_kib_per_sequence() -> int:
+    """KiB of K+V one decode step reads per layer for a 4,096-token SmolLM2 sequence (3 KV heads, D 64, bf16)."""
+    case = {"k_cache": torch.empty(0, 16, 3, 64, dtype=torch.bfloat16), "seq_lens": torch.tensor([4096])}
+    return kv_bytes(case) // 1024

@@ -1,0 +1,158 @@
+"""The autograder (``minivllm grade``): full marks for the solutions, 0 for the untouched student
+notebooks, partial marks for one planted bug, and a 0 with a reason -- never a grader traceback --
+for notebooks that crash, hang or are not notebooks.
+
+Two layers.  Every registered lab is graded in-process (:func:`grade_in_process`, no kernel: a
+second for all labs), which proves the scoring for each lab's solutions, stubs and planted bugs.
+The real path -- a Jupyter kernel per notebook, timeouts, a dying kernel, CSV/JSON -- is proven
+once, on lab 1 (the smallest), through the command line.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from minivllm.labs import grade
+from minivllm.labs.registry import Lab, apply_mutant, get_lab, labs
+
+ROOT = Path(__file__).resolve().parents[1]
+REGISTERED = [lab for lab in labs() if (ROOT / "solutions" / f"{lab.stem}.ipynb").exists()]
+
+
+def _with_cell(src: Path, dest: Path, exercise: str, edit) -> Path:
+    """A copy of notebook ``src`` whose ``exercise:<exercise>`` cell is ``edit(source)``."""
+    nb = nbformat.read(src, as_version=4)
+    cell = next(c for c in nb.cells if f"exercise:{exercise}" in c.metadata.get("tags", []))
+    cell.source = edit(cell.source)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, dest)
+    return dest
+
+
+def _points(rows) -> dict[str, int]:
+    return {r.exercise: r.points for r in rows}
+
+
+# -- every lab, in-process -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lab", REGISTERED, ids=lambda lab: lab.stem)
+def test_full_marks_zero_and_partial_for_every_lab(lab: Lab, tmp_path):
+    full = grade.grade_in_process(ROOT / "solutions" / f"{lab.stem}.ipynb", seed=11)
+    assert _points(full) == {ex.name: ex.points for ex in lab.exercises}, [r.reason for r in full]
+    assert all(r.checker == "passed" and r.hidden in ("passed", "checker re-run") for r in full)
+
+    zero = grade.grade_in_process(ROOT / "labs" / f"{lab.stem}.ipynb", seed=11)
+    assert _points(zero) == {ex.name: 0 for ex in lab.exercises}
+    assert all(r.reason == "not implemented yet" for r in zero), [r.reason for r in zero]
+
+    bugged = lab.exercises[0]
+    path = _with_cell(ROOT / "solutions" / f"{lab.stem}.ipynb", tmp_path / "bob" / f"{lab.stem}.ipynb",
+                      bugged.name, lambda s: apply_mutant(s, bugged.mutants[0]))
+    partial = grade.grade_in_process(path, seed=11)
+    assert _points(partial) == {ex.name: (0 if ex is bugged else ex.points) for ex in lab.exercises}
+    assert 0 < sum(r.points for r in partial) < lab.total_points
+    assert {r.student for r in partial} == {"bob"}
+    assert next(r for r in partial if r.exercise == bugged.name).reason
+
+
+def test_a_bug_only_the_hidden_cases_see_costs_the_points(tmp_path):
+    """A paged_slots that special-cases the visible inputs passes the checker, not the grader."""
+    lab = get_lab(2)
+    visible = "{(): 0, (1,): 16, (16,): 16, (17,): 32, (1, 16, 17, 40): 112, (3, 5, 7): 15}"
+    path = _with_cell(ROOT / "solutions" / f"{lab.stem}.ipynb", tmp_path / f"{lab.stem}.ipynb", "paged_slots",
+                      lambda s: s.replace("### BEGIN SOLUTION",
+                                          f"### BEGIN SOLUTION\n    return {visible}.get(tuple(seq_lens), 0)", 1))
+    row = next(r for r in grade.grade_in_process(path, seed=5) if r.exercise == "paged_slots")
+    assert (row.points, row.checker, row.hidden) == (0, "passed", "failed"), row
+
+
+def test_a_lost_tag_is_found_by_the_definition(tmp_path):
+    lab = get_lab(1)
+    nb = nbformat.read(ROOT / "solutions" / f"{lab.stem}.ipynb", as_version=4)
+    for c in nb.cells:
+        c.metadata["tags"] = [t for t in c.metadata.get("tags", []) if t != "exercise:split_step"]
+    nbformat.write(nb, tmp_path / f"{lab.stem}.ipynb")
+    assert _points(grade.grade_in_process(tmp_path / f"{lab.stem}.ipynb", seed=1)) == {
+        ex.name: ex.points for ex in lab.exercises}
+
+
+# -- the real path: kernels, timeouts, crashes, CSV/JSON (lab 1) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """One ``minivllm grade`` run over six notebooks; returns (rows by student, stdout, stderr, tmp)."""
+    tmp = tmp_path_factory.mktemp("grade")
+    lab = get_lab(1)
+    sol = ROOT / "solutions" / f"{lab.stem}.ipynb"
+    first, second = lab.exercises[0], lab.exercises[1]
+    notebooks = [
+        sol,
+        ROOT / "labs" / f"{lab.stem}.ipynb",
+        _with_cell(sol, tmp / "bob" / f"{lab.stem}.ipynb", first.name, lambda s: apply_mutant(s, first.mutants[0])),
+        # a hang in one exercise: that exercise times out, the next one is still graded
+        _with_cell(sol, tmp / "hang" / f"{lab.stem}.ipynb", first.name,
+                   lambda s: s.replace("### BEGIN SOLUTION", "### BEGIN SOLUTION\n    while True:\n        pass", 1)),
+        # a syntax error in one cell, a process exit in the other
+        _with_cell(_with_cell(sol, tmp / "crash" / f"{lab.stem}.ipynb", first.name, lambda s: s + "\n)"),
+                   tmp / "crash" / f"{lab.stem}.ipynb", second.name, lambda s: "import os\nos._exit(3)\n" + s),
+    ]
+    junk = tmp / "junk" / f"{lab.stem}.ipynb"
+    junk.parent.mkdir()
+    junk.write_text("{ not json")
+    notebooks.append(junk)
+    proc = subprocess.run([sys.executable, "-m", "minivllm", "grade", *map(str, notebooks), "--seed", "42",
+                           "--timeout", "20", "--csv", str(tmp / "grades.csv"), "--json", "-"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    by: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault(r["student"], {})[r["exercise"]] = r
+    return by, proc.stdout, proc.stderr, tmp
+
+
+def test_kernel_grading_full_zero_partial(graded):
+    by, _, _, _ = graded
+    lab = get_lab(1)
+    full = {ex.name: ex.points for ex in lab.exercises}
+    assert {k: r["points"] for k, r in by["solutions"].items()} == full
+    assert {k: r["points"] for k, r in by["labs"].items()} == {k: 0 for k in full}
+    first = lab.exercises[0].name
+    assert {k: r["points"] for k, r in by["bob"].items()} == {**full, first: 0}
+    assert all(r["seed"] == 42 for s in by.values() for r in s.values())
+
+
+def test_a_hang_or_a_crash_is_a_zero_with_a_reason(graded):
+    by, out, err, _ = graded
+    lab = get_lab(1)
+    first, second = lab.exercises[0], lab.exercises[1]
+    assert by["hang"][first.name]["points"] == 0 and "timed out" in by["hang"][first.name]["reason"]
+    assert by["hang"][second.name]["points"] == second.points, "the kernel survives the interrupted cell"
+    assert by["crash"][first.name]["points"] == 0 and "SyntaxError" in by["crash"][first.name]["reason"]
+    assert by["crash"][second.name]["points"] == 0 and "kernel died" in by["crash"][second.name]["reason"]
+    assert by["junk"]["-"]["points"] == 0 and "cannot read" in by["junk"]["-"]["reason"]
+    assert "Traceback" not in out + err
+
+
+def test_csv_and_table(graded):
+    by, _, err, tmp = graded
+    rows = list(csv.DictReader((tmp / "grades.csv").open()))
+    assert len(rows) == sum(len(v) for v in by.values()) and set(rows[0]) == set(grade.FIELDS)
+    assert "total" in err and "hidden-case seed: 42" in err  # with --json -, the table goes to stderr
+
+
+def test_seed_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(grade.SEED_ENV, "77")
+    assert grade.choose_seed(None) == 77 and grade.choose_seed(5) == 5
+    monkeypatch.delenv(grade.SEED_ENV)
+    seeds = {grade.choose_seed(None) for _ in range(5)}
+    assert len(seeds) > 1 and all(0 <= x < 2**31 for x in seeds), "without a seed, each run draws its own"
