@@ -228,8 +228,14 @@ def calibration_grid(vocab: int = 49152, seed: int = 0, scale: float = 1.0):
         return [SimRequest(i, 0.0, "cal", [int(x) for x in rng.integers(10, vocab - 1, n)], max_tokens)
                 for i, n in enumerate(lengths)]
 
-    groups = [reqs([n], 1) for n in (16, 64, 160, 320, 512, 1024)]
+    groups = [reqs([n], 1) for n in (16, 64, 160, 320, 512, 768, 1024)]
     groups += [reqs([64] * 4, 1), reqs([32] * 12, 1)]
+    # mixed steps: decoders running while a long prompt is prefilled in budget-sized chunks beside them
+    # (the shape of every held-out workload's busy steps, which lone prefills and pure decodes never show)
+    for b, long_len in ((4, 1024), (12, 768)):
+        group = reqs([48] * b, 6)
+        group.append(SimRequest(b, 0.0, "cal", [int(x) for x in rng.integers(10, vocab - 1, long_len)], 1))
+        groups.append(group)
     decode_steps = max(3, int(round(8 * scale)))
     for b, p in ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (1, 384), (4, 384), (12, 384)):
         if scale < 1 and b * p > 2048:
