@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from invariants import metric_samples, metric_value  # noqa: E402  (tests/ is on sys.path)
 
 from conftest import LONG_TEXT  # noqa: E402  (rootdir conftest, on sys.path under pytest)
 
@@ -83,17 +83,10 @@ def _auth(key="key-alice") -> dict:
 
 def _scrape(base: str) -> dict:
     """{(sample name, frozenset(labels)): value} from GET /metrics, parsed by prometheus_client."""
-    text = httpx.get(base + "/metrics", timeout=TIMEOUT).text
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
+    return metric_samples(httpx.get(base + "/metrics", timeout=TIMEOUT).text)
 
 
-def _value(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+_value = metric_value
 
 
 # -- basics --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from invariants import metric_samples, metric_value  # noqa: E402  (tests/ is on sys.path)
 
 from minivllm.config import EngineConfig  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
@@ -31,17 +31,7 @@ def _sim_engine(mode: str = "recompute", blocks: int = 12) -> LLMEngine:
     return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=40, eos_token_ids=set())
 
 
-def _samples(text: str) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def _value(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+_samples, _value = metric_samples, metric_value
 
 
 def test_offline_metrics_count_preemptions_by_mode_and_tenant():

@@ -17,6 +17,8 @@ block ids.  The tensors live in :mod:`minivllm.kv.kv_cache`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -123,3 +125,59 @@ class BlockPool:
         new_block = self.allocate()
         self.decref(block_id)
         return new_block, True
+
+
+class PoolAdapter:
+    """Gives a learner's 5-method pool the full interface the engine calls.
+
+    The learner writes ``allocate``, ``incref``, ``decref``, ``refcount`` and
+    ``num_free``; everything else the engine uses (``allocate_many``,
+    ``free_all``, ``copy_on_write``...) is built on those here, so the engine
+    really runs on the learner's bookkeeping.
+
+    It lives in ``kv/`` because it is part of the pool the engine runs on: the
+    rule that only ``minivllm/kv/`` changes refcounts holds for learners' pools too.
+    """
+
+    def __init__(self, inner: Any, num_blocks: int) -> None:
+        self.inner = inner
+        self.num_blocks = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.inner.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.inner.num_free
+
+    def refcount(self, b: int) -> int:
+        return self.inner.refcount(b)
+
+    def is_free(self, b: int) -> bool:
+        return self.inner.refcount(b) == 0
+
+    def allocate(self) -> int:
+        return self.inner.allocate()
+
+    def allocate_many(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise OutOfBlocksError(f"need {n} blocks, {self.num_free} free")
+        return [self.inner.allocate() for _ in range(n)]
+
+    def incref(self, b: int) -> None:
+        self.inner.incref(b)
+
+    def decref(self, b: int) -> bool:
+        return self.inner.decref(b)
+
+    def free_all(self, block_ids: list[int]) -> None:
+        for b in reversed(block_ids):
+            self.inner.decref(b)
+
+    def copy_on_write(self, b: int) -> tuple[int, bool]:
+        if self.inner.refcount(b) == 1:
+            return b, False
+        new = self.inner.allocate()
+        self.inner.decref(b)
+        return new, True

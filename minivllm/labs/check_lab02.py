@@ -8,63 +8,10 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
+from minivllm.kv.block_pool import BlockPool, OutOfBlocksError, PoolAdapter
 from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
-
-
-class PoolAdapter:
-    """Gives a learner's 5-method pool the full interface the engine calls.
-
-    The learner writes ``allocate``, ``incref``, ``decref``, ``refcount`` and
-    ``num_free``; everything else the engine uses (``allocate_many``,
-    ``free_all``, ``copy_on_write``...) is built on those here, so the engine
-    really runs on the learner's bookkeeping.
-    """
-
-    def __init__(self, inner: Any, num_blocks: int) -> None:
-        self.inner = inner
-        self.num_blocks = num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return self.inner.num_free
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - self.inner.num_free
-
-    def refcount(self, b: int) -> int:
-        return self.inner.refcount(b)
-
-    def is_free(self, b: int) -> bool:
-        return self.inner.refcount(b) == 0
-
-    def allocate(self) -> int:
-        return self.inner.allocate()
-
-    def allocate_many(self, n: int) -> list[int]:
-        if n > self.num_free:
-            raise OutOfBlocksError(f"need {n} blocks, {self.num_free} free")
-        return [self.inner.allocate() for _ in range(n)]
-
-    def incref(self, b: int) -> None:
-        self.inner.incref(b)
-
-    def decref(self, b: int) -> bool:
-        return self.inner.decref(b)
-
-    def free_all(self, block_ids: list[int]) -> None:
-        for b in reversed(block_ids):
-            self.inner.decref(b)
-
-    def copy_on_write(self, b: int) -> tuple[int, bool]:
-        if self.inner.refcount(b) == 1:
-            return b, False
-        new = self.inner.allocate()
-        self.inner.decref(b)
-        return new, True
 
 
 def as_engine_pool(pool_cls: Callable[[int], Any], num_blocks: int) -> Any:
