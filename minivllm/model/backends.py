@@ -15,6 +15,12 @@ importable ``triton``.  On a CPU the interpreter is correct but orders of
 magnitude slower than torch, so ``auto`` never picks it there: it picks ``"cpu"``
 when the C kernel builds (a compiler is present) and ``"torch"`` otherwise.
 
+The projections (every ``nn.Linear`` of the model) have backends too:
+``"torch"`` (``F.linear``, the default BLAS) or ``"onednn"`` (the weights packed
+for oneDNN's matmul, see :meth:`~minivllm.model.llama.LlamaForServing.pack_for_onednn`).
+``"auto"`` picks oneDNN for fp32 on a CPU where torch was built with it and
+a self-check agrees with ``F.linear``; everywhere else ``"torch"``.
+
 Triton is imported lazily, inside :func:`get_attention_backend`, so
 ``import minivllm`` works on machines without Triton.
 """
@@ -84,3 +90,32 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
                              "use attention_backend='torch'")
         return CpuAttentionBackend()
     return _make_triton_backend(device)
+
+
+def onednn_linear_works() -> bool:
+    """Can this torch run a packed fp32 linear through oneDNN, with ``F.linear``'s results (to ~1e-5)?"""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(3, 64, generator=gen), torch.randn(32, 64, generator=gen)
+        from minivllm.model.llama import linear, onednn_weight
+
+        got = linear(x, onednn_weight(w))
+        return bool(torch.allclose(got, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4))
+    except (RuntimeError, AttributeError):  # a build without the op, or a CPU oneDNN refuses
+        return False
+
+
+def resolve_linear_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """``"torch"`` or ``"onednn"`` for the config's ``linear_backend`` (``ValueError`` where impossible)."""
+    device = torch.device(device)
+    usable = device.type == "cpu" and dtype == torch.float32 and onednn_linear_works()
+    if name == "auto":
+        return "onednn" if usable else "torch"
+    if name == "onednn" and not usable:
+        raise ValueError("linear_backend 'onednn' needs float32 on a CPU and a torch built with oneDNN "
+                         f"(here: device {device.type}, dtype {dtype}, "
+                         f"mkldnn {'available' if torch.backends.mkldnn.is_available() else 'missing'}); "
+                         "use linear_backend='torch'")
+    return name

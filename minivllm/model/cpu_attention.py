@@ -16,8 +16,11 @@ available (a learner's laptop), :func:`load_kernel` returns ``None`` and the
 backend is the torch path: same results, slower.  ``MINIVLLM_CPU_KERNEL=0``
 forces that fallback.
 
-Prefill and chunked-prefill rows still use the torch path: their attention is a
-real matmul (many queries per key), where torch's SDPA is the right tool.
+Prefill and chunked-prefill rows use torch's SDPA: their attention is a real
+matmul (many queries per key), where it is the right tool.  They call it with a
+batch dimension and ``enable_gqa`` (:func:`prefill_chunk`), which on a CPU selects
+its fused flash-attention kernel; the reference's 3-D call falls back to the
+unfused "math" kernel, measured 1.8-5x slower on 300-2000-token chunks.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.model.attention import AttentionMetadata, paged_attention_reference, prefill_rows, write_kv
+from minivllm.model.attention import AttentionMetadata, gather_kv, paged_attention_reference, prefill_rows, write_kv
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
 _lock = threading.Lock()
@@ -61,15 +64,25 @@ def _build():
         return None
     source = SOURCE.read_bytes()
     # -march=native: the .so is built on the machine that runs it; the hash keeps one per host/flags.
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-    digest = hashlib.sha256(source + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
+    # -ffast-math only to compile: linking with it adds crtfastmath.o, whose constructor switches the
+    # whole process to flush-subnormals-to-zero when the library loads -- every torch op included.
+    compile_flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+    link_flags = ["-shared", "-fopenmp"]
+    digest = hashlib.sha256(source + " ".join(compile_flags + link_flags).encode()
+                            + os.uname().machine.encode()).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode_{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(tmp), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            return None
+        obj = target.with_suffix(f".{os.getpid()}.o")
+        steps = ([compiler, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
+                 [compiler, *link_flags, str(obj), "-o", str(tmp), "-lm"])
+        try:
+            for cmd in steps:
+                if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:
+                    return None
+        finally:
+            obj.unlink(missing_ok=True)
         os.replace(tmp, target)  # atomic: concurrent processes never load a half-written file
     try:
         lib = ctypes.CDLL(str(target))  # torch is imported, so its libgomp is the one this binds to
@@ -110,8 +123,29 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
+def prefill_chunk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  context_len: int, scale: float) -> torch.Tensor:
+    """One prefill chunk ``q: [q_len, heads, D]`` after ``context_len`` cached tokens, by fused SDPA.
+
+    The same attention as the reference's ``_prefill_attention`` (the oracle),
+    shaped so torch picks its flash kernel: ``[1, heads, len, D]`` tensors, K/V
+    heads shared by ``enable_gqa`` rather than copied, and no mask at all when
+    the chunk starts the sequence (plain causal).
+    """
+    q_len = q.shape[0]
+    kv_len = context_len + q_len
+    k = gather_kv(k_cache, block_table, kv_len).transpose(0, 1)[None]
+    v = gather_kv(v_cache, block_table, kv_len).transpose(0, 1)[None]
+    mask = None
+    if context_len:  # query i sits at position context_len + i and sees keys <= that
+        mask = torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + context_len
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k, v, attn_mask=mask, is_causal=not context_len, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 class CpuAttentionBackend:
-    """Decode rows by the C kernel, prefill rows by the torch reference; K/V writes as torch does."""
+    """Decode rows by the C kernel, prefill rows by fused SDPA (:func:`prefill_chunk`); K/V writes as torch does."""
 
     name = "cpu"
 
@@ -125,10 +159,11 @@ class CpuAttentionBackend:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decodes
-        if nd == 0 or q.dtype != torch.float32 or not k_cache.is_contiguous():
+        if q.dtype != torch.float32 or not k_cache.is_contiguous():
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
-        out[:nd] = paged_decode(q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                scale, self.kernel)
-        prefill_rows(q, k_cache, v_cache, meta, scale, out)
+        if nd:
+            out[:nd] = paged_decode(q[:nd].contiguous(), k_cache, v_cache, meta.block_tables[:nd],
+                                    meta.seq_lens[:nd], scale, self.kernel)
+        prefill_rows(q, k_cache, v_cache, meta, scale, out, prefill_chunk)
         return out

@@ -22,6 +22,35 @@ from minivllm.model.attention import AttentionMetadata, TorchAttentionBackend
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2", "qwen3", "mistral"}
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` -- through oneDNN when the weight was packed for it.
+
+    :meth:`LlamaForServing.pack_for_onednn` turns the weights into oneDNN
+    tensors; the rest of the model does not know.  Same maths as
+    ``F.linear``, a different summation order (results agree to ~1e-6).
+    """
+    if weight.is_mkldnn:
+        rows = x.shape[0]
+        if 0 < rows < ONEDNN_MIN_ROWS and x.dim() == 2:  # see ONEDNN_MIN_ROWS: pad, multiply, drop the padding
+            x = torch.cat([x, x.new_zeros(ONEDNN_MIN_ROWS - rows, x.shape[1])])
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")[:rows]
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return nn.functional.linear(x, weight, bias)
+
+
+# oneDNN multiplies 1 or 2 rows by a packed weight with a different kernel than 3 or more, and on the
+# CPUs measured here that kernel was slower in absolute terms: a full pass over SmolLM2's weights took
+# 36 ms for 1 row, 44 ms for 2, 31 ms for 4 (one thread; ``python -m minivllm.bench linear``).  A decode
+# step of one or two sequences therefore pads its rows to this many; each output row depends only on
+# its own input row, so the padding changes nothing but the time.
+ONEDNN_MIN_ROWS = 4
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` reordered once into the blocked layout oneDNN's matmul reads."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
 @dataclass
 class ModelArgs:
     """The handful of numbers that define a Llama-family model."""
@@ -108,10 +137,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D]`` for the batch's positions: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,10 +172,10 @@ class Attention(nn.Module):
             bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
         self.register_buffer("qkv_bias", bias, persistent=False)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
+    def forward(self, x, rope, kv_cache, meta, backend):
         t = x.shape[0]
         if hasattr(self, "qkv_weight"):
-            qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+            qkv = linear(x, self.qkv_weight, self.qkv_bias)
             q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                  self.num_kv_heads * self.head_dim], dim=-1)
         else:
@@ -157,11 +185,12 @@ class Attention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        cos, sin = rope
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return linear(out.reshape(t, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -179,8 +208,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_weight"):
-            gate, up = nn.functional.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return self.down_proj(nn.functional.silu(gate) * up)
+            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
+            return linear(nn.functional.silu(gate) * up, self.down_proj.weight)
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -192,8 +221,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+    def forward(self, x, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,6 +243,8 @@ class LlamaForServing(nn.Module):
     logits nobody samples from (all but the last token of a prefill chunk).
     """
 
+    linear_backend = "torch"  # "onednn" once :meth:`pack_for_onednn` ran
+
     def __init__(self, args: ModelArgs, hf_config, backend=None) -> None:
         super().__init__()
         self.args = args
@@ -231,8 +262,9 @@ class LlamaForServing(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = self.rope(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta, self.backend)
+            x = layer(x, rope, kv_cache, meta, self.backend)
         return self.model.norm(x)
 
     def fuse_projections(self) -> None:
@@ -245,6 +277,32 @@ class LlamaForServing(nn.Module):
                 lin.weight = nn.Parameter(torch.empty(0, device=lin.weight.device, dtype=lin.weight.dtype), requires_grad=False)
                 lin.bias = None
 
+    def pack_for_onednn(self) -> None:
+        """Hand every projection to oneDNN (fp32 CPU serving; call after :meth:`fuse_projections`).
+
+        Why: a decode step multiplies a few rows by every weight of the model,
+        and on the CPUs measured here oneDNN does that 1.5-2.5x faster than the
+        default BLAS once each weight is reordered into the blocked layout its
+        kernels read (``python -m minivllm.bench linear`` measures both on
+        this machine).  The reorder is done once, here, not per call.  A tied
+        vocabulary projection gets its own packed copy; the embedding lookup
+        keeps the plain one.
+        """
+        self.linear_backend = "onednn"
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_weight = onednn_weight(attn.qkv_weight)
+            mlp.gate_up_weight = onednn_weight(mlp.gate_up_weight)
+            attn.o_proj.weight = nn.Parameter(onednn_weight(attn.o_proj.weight), requires_grad=False)
+            mlp.down_proj.weight = nn.Parameter(onednn_weight(mlp.down_proj.weight), requires_grad=False)
+        if self.args.tie_word_embeddings:
+            self.register_buffer("lm_head_packed", onednn_weight(self.model.embed_tokens.weight), persistent=False)
+        else:
+            self.lm_head.weight = nn.Parameter(onednn_weight(self.lm_head.weight), requires_grad=False)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if hasattr(self, "lm_head_packed"):
+            weight = self.lm_head_packed
+        else:
+            weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        return linear(hidden, weight).float()

@@ -189,7 +189,9 @@ def load_model(
         state.pop("lm_head.weight", None)
     net.to_empty(device="cpu")
     net.rope.__init__(hf_config, args.head_dim, args.max_position_embeddings)  # buffers are not in the checkpoint
-    missing, unexpected = net.load_state_dict(state, strict=False)
+    missing, unexpected = net.load_state_dict(state, strict=False)  # copies: each weight its own allocation
+    # drop the file's tensors now: safetensors backs them all with one buffer, freed only when none is left
+    del state
     missing = [m for m in missing if not m.startswith("rope.")]
     if missing or unexpected:
         raise ValueError(f"weights in {folder} do not fit a {args.architecture} model: "

@@ -46,13 +46,17 @@ def _import_off_stack(module: str) -> None:
 
 
 def load_for_serving(config: EngineConfig) -> LoadedModel:
-    """Load the model with the attention backend the config asks for (weights fused, eval mode)."""
-    from minivllm.model.backends import get_attention_backend
+    """Load the model with the attention and linear backends the config asks for (weights fused, eval mode)."""
+    from minivllm.model.backends import get_attention_backend, resolve_linear_backend
 
     _import_off_stack("torch._dynamo")
 
     backend = get_attention_backend(config.attention_backend, config.device)
-    return load_model(config.model, dtype=config.dtype, device=config.device, backend=backend)
+    linear = resolve_linear_backend(config.linear_backend, config.device, config.dtype)
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device, backend=backend)
+    if linear == "onednn":
+        loaded.model.pack_for_onednn()
+    return loaded
 
 
 @dataclass(frozen=True)
@@ -146,9 +150,17 @@ class BatchPreparer:
     once the array is full (and it grows when every row is in use).
     """
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu", rows: int = 64, width: int = 16) -> None:
+    def __init__(self, block_size: int, device: torch.device | str = "cpu", rows: int = 64, width: int = 16,
+                 stage: bool | None = None) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
+        # Staging (default: on a CUDA device): the step's integer arrays are gathered into one host buffer per
+        # dtype -- page-locked ("pinned") on CUDA -- and each buffer crosses to the device in one asynchronous
+        # copy, instead of six small synchronous ones from pageable memory.  A CUDA event guards the buffer:
+        # it is not rewritten before the previous step's copy has left it.
+        self.stage = self.device.type == "cuda" if stage is None else stage
+        self._staging: dict[torch.dtype, torch.Tensor] = {}
+        self._copied = None  # torch.cuda.Event of the last staged copy
         self._table = np.zeros((rows, width), dtype=np.int32)
         self._row: dict[Request, int] = {}  # requests hash by identity
         self._seen: list[tuple | None] = [None] * rows  # per row: (table list, its length, its last block)
@@ -193,17 +205,48 @@ class BatchPreparer:
             owner = np.repeat(np.arange(len(seqs)), qlens)
             positions = starts[owner] + np.arange(int(loc[-1])) - loc[owner]
         slots = self._table[rows_np[owner], positions // bs].astype(np.int64) * bs + positions % bs
-        dev = self.device
+        input_ids, positions_t, slot_mapping = self._upload(
+            [np.array(ids, dtype=np.int64), positions.astype(np.int64, copy=True), slots], torch.int64)
+        query_start_loc, seq_lens, block_tables = self._upload(
+            [loc.astype(np.int32), (starts + qlens).astype(np.int32), self._table[rows_np, :width]], torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(loc.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy((starts + qlens).astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(self._table[rows_np, :width]).to(dev),  # fancy indexing copies
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             num_decodes=num_decodes,
             query_lens=query_lens,
             context_lens=context_lens,
         )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.from_numpy(positions.copy()).to(dev), meta
+        return input_ids, positions_t, meta
+
+    def _upload(self, arrays: list[np.ndarray], dtype: torch.dtype) -> list[torch.Tensor]:
+        """``arrays`` (all of ``dtype``) as tensors on the device: one copy each, or one staged copy for all."""
+        if not self.stage:
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+        total = sum(a.size for a in arrays)
+        buf = self._staging.get(dtype)
+        if buf is None or buf.numel() < total:
+            size = max(total, 2 * buf.numel() if buf is not None else 4096)
+            buf = torch.empty(size, dtype=dtype, pin_memory=self.device.type == "cuda")
+            self._staging[dtype] = buf
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy out of this buffer has finished
+        host, offset = buf.numpy(), 0
+        for a in arrays:
+            host[offset : offset + a.size] = a.ravel()
+            offset += a.size
+        if self.device.type == "cuda":
+            on_device = buf[:total].to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:  # staging on a CPU only exercises this path in tests: copy, or the next step would overwrite
+            on_device = buf[:total].clone()
+        out, offset = [], 0
+        for a in arrays:
+            out.append(on_device[offset : offset + a.size].view(a.shape))
+            offset += a.size
+        return out
 
     def _write(self, row: int, blocks: list[int]) -> None:
         """Copy one request's table into its row (zeroing what a longer old table left behind)."""
