@@ -5,7 +5,10 @@
   manager can: new blocks, copy-on-write (``n > 1``), prefix-cache hits, recompute and swap
   preemption, aborts, chunked prefills;
 * the scheduler's and KV manager's bulk loops (``seqs_needing_blocks``, ``num_new_blocks_all``,
-  ``_demand``, ``Request.split_decodes``) against the per-request methods they inline.
+  ``_demand``, ``Request.split_decodes``) against the per-request methods they inline;
+* the output processor's ``final_only`` shortcut against the full ``cumulative`` path, the single-tenant
+  counters against the per-tenant loop, and the prefix cache's kept evictable count against a walk of
+  the cache (also after the pool is replaced).
 
 No model: the simulated executor runs the real scheduler.
 """
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.kv.block_pool import BlockPool
 from minivllm.model.runner import BatchPreparer, build_attention_metadata
 from minivllm.request import Request
 from minivllm.sim import SimulatedExecutor
@@ -29,10 +33,11 @@ class _CheckingExecutor(SimulatedExecutor):
     (Records rather than raises: the engine turns an executor exception into per-request errors.)
     """
 
-    def __init__(self):
+    def __init__(self, stage: bool = False):
         super().__init__()
-        # tiny initial buffers, so row reuse and both kinds of growth happen within a few steps
-        self.prep = BatchPreparer(4, "cpu", rows=3, width=2)
+        # tiny initial buffers, so row reuse and both kinds of growth happen within a few steps;
+        # stage=True takes the GPU's path (one staging buffer per dtype, one copy), here on the CPU
+        self.prep = BatchPreparer(4, "cpu", rows=3, width=2, stage=stage)
         self.checked = 0
         self.mismatches: list = []
 
@@ -64,14 +69,15 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("mode,prefix,threshold", [("recompute", True, 0), ("swap", False, 0), ("auto", True, 6),
-                                                   ("recompute", False, 5)])
-def test_incremental_preparation_matches_reference(mode, prefix, threshold, one_thread):
+@pytest.mark.parametrize("mode,prefix,threshold,stage", [("recompute", True, 0, False), ("swap", False, 0, False),
+                                                         ("auto", True, 6, False), ("recompute", False, 5, False),
+                                                         ("recompute", True, 0, True), ("swap", False, 0, True)])
+def test_incremental_preparation_matches_reference(mode, prefix, threshold, stage, one_thread):
     rng = random.Random(f"{mode}-{prefix}-{threshold}")  # a str seed is hashed deterministically
     cfg = EngineConfig(enable_prefix_caching=prefix, num_gpu_blocks_override=40, num_cpu_blocks_override=24,
                        block_size=4, max_num_batched_tokens=24, max_num_seqs=7, max_model_len=96,
                        preemption_mode=mode, long_prefill_token_threshold=threshold, device="cpu")
-    ex = _CheckingExecutor()
+    ex = _CheckingExecutor(stage)
     engine = LLMEngine(cfg, executor=ex, model_max_len=96, eos_token_ids=set())
     bulk_mismatches = _check_bulk_queries(engine)
     system = [rng.randrange(10, 900) for _ in range(9)]  # a shared prefix: cache hits when enabled
@@ -128,3 +134,100 @@ def test_split_decodes_agrees_with_is_decode():
     decodes, others = Request.split_decodes(reqs)
     assert decodes == [r for r in reqs if r.is_decode] and others == [r for r in reqs if not r.is_decode]
     assert decodes and others
+
+
+class _ToyTokenizer:
+    """Letters for ids, a few ids that decode to nothing or to an incomplete character: enough for stops."""
+
+    eos_token_id = 2
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("" if i < 5 else "\ufffd" if i % 11 == 0 else chr(97 + i % 26) for i in ids)
+
+
+def _final_outputs(kind: str, seed: int) -> dict:
+    """Run one random workload with every request's ``output_kind`` set to ``kind``; the last output per id."""
+    rng = random.Random(seed)
+    cfg = EngineConfig(num_gpu_blocks_override=60, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                       max_model_len=96, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(vocab_size=60), model_max_len=96, tokenizer=_ToyTokenizer(),
+                       eos_token_ids={2, 3})
+    last: dict = {}
+    for step in range(150):
+        if step < 100 and rng.random() < 0.4:
+            params = SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=rng.random() < 0.3, output_kind=kind,
+                                    stop=rng.choice([None, None, ["ab"]]), stop_token_ids=rng.choice([None, [17]]),
+                                    n=rng.choice([1, 1, 2]))
+            prompt = [rng.randrange(5, 60) for _ in range(rng.randint(1, 12))]
+            engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{step}")
+        for out in engine.step():
+            last[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            last[out.request_id] = out
+    return {rid: (out.finished, [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs])
+            for rid, out in last.items()}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_final_only_fast_path_ends_like_cumulative(seed):
+    """``final_only`` skips steps that stop nothing (no output, no detokenization until the end); its one output
+    must equal the last ``cumulative`` one, which took the full path every step."""
+    final, cumulative = _final_outputs("final_only", seed), _final_outputs("cumulative", seed)
+    assert final == cumulative
+    assert len(final) > 20 and any(f[1][0][3] == "stop" for f in final.values())  # stops were exercised
+
+
+def test_single_tenant_counters_match_the_per_tenant_loop():
+    """With one tenant, ``Scheduler.observe`` counts by two sums over the batch; the general per-tenant loop
+    (forced by naming a second tenant that never sends anything) must count the same."""
+    def run(force_general: bool) -> dict:
+        rng = random.Random(7)
+        cfg = EngineConfig(num_gpu_blocks_override=30, block_size=4, max_num_batched_tokens=16, max_num_seqs=5,
+                           max_model_len=96, long_prefill_token_threshold=5, device="cpu")
+        engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=96, eos_token_ids=set())
+        if force_general:
+            engine.scheduler._tenants_added.add("nobody")
+        for step in range(120):
+            if step < 80 and rng.random() < 0.5:
+                engine.add_request({"prompt_token_ids": [rng.randrange(10, 900) for _ in range(rng.randint(1, 30))]},
+                                   SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True), tenant="alice")
+            engine.step()
+        return {name: (ts.prompt_tokens, ts.output_tokens) for name, ts in engine.scheduler.tenant_stats.items()}
+
+    fast, general = run(False), run(True)
+    assert fast == general and fast["alice"][1] > 0
+
+
+class _CountingPool(BlockPool):
+    """A pool subclass with its own ``incref`` (like a learner's): it cannot promise sharing reports."""
+
+    def incref(self, block_id: int) -> None:
+        super().incref(block_id)
+
+
+@pytest.mark.parametrize("cache", ["radix", "hash"])
+@pytest.mark.parametrize("pool_cls", [None, BlockPool, _CountingPool])
+def test_evictable_count_follows_a_replaced_pool(cache, pool_cls):
+    """The prefix cache keeps its evictable count from the pool's reports; after the pool is replaced (lab 2
+    installs a learner's) it follows the new pool, or recounts when the pool cannot report.  Checked every
+    step against a walk of the cache's own structure (``evictable_by_walk``)."""
+    from test_scheduler_invariants import evictable_by_walk  # tests/ is on sys.path
+
+    rng = random.Random(f"{cache}-{pool_cls}")
+    cfg = EngineConfig(enable_prefix_caching=True, prefix_cache=cache, num_gpu_blocks_override=30, block_size=4,
+                       max_num_batched_tokens=24, max_num_seqs=5, max_model_len=96, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=96, eos_token_ids=set())
+    if pool_cls is not None:
+        engine.kv.replace_pool(pool_cls(30))
+    system = [rng.randrange(10, 900) for _ in range(10)]
+    checked = 0
+    for step in range(200):
+        if step < 150 and rng.random() < 0.4:
+            prompt = system[: rng.randint(0, 10)] + [rng.randrange(10, 900) for _ in range(rng.randint(1, 12))]
+            engine.add_request({"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=rng.randint(1, 25), ignore_eos=True, n=rng.choice([1, 2])))
+        engine.step()
+        assert engine.prefix_cache.num_evictable_blocks() == evictable_by_walk(engine.prefix_cache, engine.pool)
+        checked += engine.prefix_cache.num_cached_blocks > engine.prefix_cache.num_evictable_blocks()
+    assert checked > 20  # locked blocks were there to count

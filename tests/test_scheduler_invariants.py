@@ -48,6 +48,33 @@ def check_blocks(engine: LLMEngine) -> None:
     for r in engine.scheduler.running:
         need = -(-r.num_computed_tokens // engine.config.block_size)
         assert len(r.block_ids) >= need, "a request computed tokens it has no block for"
+    # the counts kept up to date on every change, against recounts from scratch
+    assert pool.num_shared == sum(1 for b in range(pool.num_blocks) if pool.refcount(b) > 1)
+    assert engine.scheduler.waiting_by_tenant == dict(Counter(r.tenant for r in engine.scheduler.waiting))
+    if cache is not None:
+        assert cache.num_evictable_blocks() == evictable_by_walk(cache, pool)
+
+
+def evictable_by_walk(cache, pool) -> int:
+    """Cached blocks with no locked block (refcount > 1) at or below them, from the cache's own structure:
+    the radix tree's nodes (a locked block at index j of an edge pins 0..j and every edge above) or the
+    hash index's parent chain."""
+    pinned: set[int] = set()
+    if hasattr(cache, "_node_of_block"):
+        for b, node in cache._node_of_block.items():
+            if pool.refcount(b) > 1:
+                upto = node.block_ids.index(b) + 1
+                while node.parent is not None:
+                    pinned.update(node.block_ids[:upto])
+                    node = node.parent
+                    upto = len(node.block_ids)
+    else:
+        for b, entry in cache._entry_of_block.items():
+            if pool.refcount(b) > 1:
+                while entry is not None:
+                    pinned.add(entry.block_id)
+                    entry = entry.parent
+    return cache.num_cached_blocks - len(pinned)
 
 
 op = st.one_of(

@@ -18,7 +18,8 @@ a busy server, not an empty cache filling up.  For each size the table gives
 the time per request of ``match``, ``insert`` and ``evict`` (median over
 chunks, see :func:`measure_size`), and the time of one
 ``num_evictable_blocks`` call (the scheduler asks it before admitting
-work; it is linear in the cache size because locks live in the pool).
+work; constant time: the pool reports every block's refcount change
+between 1 and 2, and the cache keeps the count, see ``PinIndex``).
 
 Both structures see the identical request stream, so their hit rates must
 agree; the script checks that.

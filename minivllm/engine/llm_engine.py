@@ -366,17 +366,18 @@ class LLMEngine:
         grew: list[Request] = []
         errors = batch.errors
         cache_full_blocks = self.kv.cache_full_blocks if self.kv.prefix_cache is not None else None
+        token_of = sampled.get
         for seq in batch.seqs:  # once per scheduled request every step: kept to plain attribute work
             req = seq.request
             if errors and req.request_id in errors:
                 req.status, req.error = RequestStatus.FINISHED_ERROR, errors[req.request_id]
                 continue
-            if req.first_scheduled_time is None:
+            if not seq.is_decode and req.first_scheduled_time is None:  # (a decode was scheduled before)
                 req.first_scheduled_time = now
             req.num_computed_tokens += seq.num_tokens
             if cache_full_blocks is not None:
                 cache_full_blocks(req)
-            token = sampled.get(req.request_id)
+            token = token_of(req.request_id)
             if token is not None:
                 req.output_token_ids.append(token)
                 if req.first_token_time is None:
@@ -401,24 +402,28 @@ class LLMEngine:
             req.finished_time = now
             req.retry_after_s = self.retry_after(req)
             outputs.append(self.outputs.final_output(req))
-        for seq in batch.seqs:
-            if seq.request.request_id in batch.errors:  # failed in execution (emit reports its own failures)
-                outputs.append(self.outputs.final_output(seq.request))
+        if batch.errors:
+            for seq in batch.seqs:
+                if seq.request.request_id in batch.errors:  # failed in execution (emit reports its own failures)
+                    outputs.append(self.outputs.final_output(seq.request))
         for req in self._finished_elsewhere:
             outputs.append(self.outputs.final_output(req))
         self._finished_elsewhere = []
-        pairs = []
-        for out in outputs:
-            req = self.requests[out.request_id]
-            if out.finished:
-                self._account_finished(req)
-                self.num_errors += req.status is RequestStatus.FINISHED_ERROR
-                if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
-                    req.finished_time = now
-                out.metrics.finished_time = req.finished_time
-                self.scheduler.remove(req)
-                self._forget(req)
-            pairs.append((req, out))
+        requests = self.requests
+        # n > 1 samples fold into their parent's output; with no group in the engine every output is its
+        # own caller's and goes back as it is (fold would return the same list).
+        pairs = [(requests[out.request_id], out) for out in outputs] if self._groups else None
+        for out in [out for out in outputs if out.finished]:
+            req = requests[out.request_id]
+            self._account_finished(req)
+            self.num_errors += req.status is RequestStatus.FINISHED_ERROR
+            if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
+                req.finished_time = now
+            out.metrics.finished_time = req.finished_time
+            self.scheduler.remove(req)
+            self._forget(req)
+        if pairs is None:
+            return outputs
         folded = self.outputs.fold(pairs)
         for out in folded:
             if out.finished:
@@ -445,8 +450,8 @@ class LLMEngine:
             row = live.setdefault(r.tenant, [0, 0, 0])
             row[0] += 1
             row[2] += len(r.block_ids)
-        for r in self.scheduler.waiting:
-            live.setdefault(r.tenant, [0, 0, 0])[1] += 1
+        for tenant, n in self.scheduler.waiting_by_tenant.items():
+            live.setdefault(tenant, [0, 0, 0])[1] += n
         out = {}
         for name in sorted(set(self.scheduler.tenant_stats) | set(live)):
             ts = self.scheduler.tenant(name)
@@ -476,16 +481,19 @@ class LLMEngine:
         self.outputs.forget(req)
 
     def log_step(self, batch: ScheduledBatch) -> None:
-        sched = self.scheduler
+        sched, seqs = self.scheduler, batch.seqs
         per_tenant = {}  # per-tenant fields only once a named tenant (or tenant settings) exists: see step_log
         seen = sched.tenant_stats
         if self.config.tenants or len(seen) > 1 or (seen and "default" not in seen):
-            per_tenant = dict(zip(("seq_tenants", "tenants"), tenant_fields(batch.seqs, sched.running, sched.waiting)))
+            fields = tenant_fields(seqs, sched.running, sched.waiting_by_tenant)
+            per_tenant = {"seq_tenants": fields[0], "tenants": fields[1]}
         self.step_log.append(
             StepRecord(
                 step=self.scheduler.stats.num_steps - 1,
                 time=self.executor.now(),
-                seqs=tuple([(s.request.request_id, s.start, s.num_tokens) for s in batch.seqs]),
+                seq_ids=tuple([s.request.request_id for s in seqs]),
+                seq_starts=tuple([s.start for s in seqs]),
+                seq_tokens=tuple([s.num_tokens for s in seqs]),
                 num_tokens=batch.num_tokens,
                 preempted=tuple(r.request_id for r in batch.preempted),
                 swapped_out=len(batch.moves.swap_out),

@@ -20,15 +20,22 @@ from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stream:
-    """Per-request output state kept beside the request."""
+    """Per-request output state kept beside the request.
+
+    The stop settings are copied out of the (frozen) sampling parameters once, at
+    ``add``: the emit loop reads them for every request on every step.
+    """
 
     detok: IncrementalDetokenizer
+    stop_token_ids: tuple  # SamplingParams.stop_token_ids
+    stop_strings: tuple  # SamplingParams.stop_strings
+    delta: bool  # output_kind == "delta"
     defer_text: bool = False  # final_only without stop strings: nobody reads the text before the end
     every_step: bool = True  # an output every step (cumulative, delta), not only the final one
     emitted_chars: int = 0
-    undecoded: int = 0  # defer_text: tokens not detokenized yet (done once, at the end)
+    decoded: int = 0  # defer_text: output tokens detokenized so far (all of them, once, at the end)
 
 
 class OutputProcessor:
@@ -44,6 +51,7 @@ class OutputProcessor:
             final_only = params.output_kind == "final_only"
             self._streams[req.request_id] = _Stream(
                 IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens),
+                params.stop_token_ids, params.stop_strings, params.output_kind == "delta",
                 defer_text=final_only and not params.stop_strings,  # the params are frozen: decided once
                 every_step=not final_only,
             )
@@ -67,16 +75,17 @@ class OutputProcessor:
         outputs: list[RequestOutput] = []
         streams, eos = self._streams, self.eos_token_ids
         for req in grew:  # once per request per step: only attribute reads unless something happens
-            token = req.output_token_ids[-1]
+            tokens = req.output_token_ids
+            token = tokens[-1]
             stream = streams[req.request_id]
-            params = req.sampling_params
+            if (stream.defer_text and token not in eos and token not in stream.stop_token_ids
+                    and len(tokens) < req.max_tokens):
+                continue  # final_only, no stop strings, nothing stops: nothing to decode, check or report
             try:
-                if stream.defer_text:
-                    stream.undecoded += 1  # nobody reads the text before the end: decode it once, then
-                else:
+                if not stream.defer_text:  # (a deferred stream is detokenized once, at its end: _catch_up)
                     stream.detok.add_token(token)
-                if (token in eos or token in params.stop_token_ids or params.stop_strings
-                        or len(req.output_token_ids) >= req.max_tokens):  # otherwise no stop can fire
+                if (token in eos or token in stream.stop_token_ids or stream.stop_strings
+                        or len(tokens) >= req.max_tokens):  # otherwise no stop can fire
                     self._check_stop(req, token, stream)
                 finished = req.status.finished
                 if finished:
@@ -91,8 +100,10 @@ class OutputProcessor:
     @staticmethod
     def _catch_up(req: Request, stream: _Stream) -> None:
         """Detokenize the tokens a final-only request skipped, through the same incremental path."""
-        pending, stream.undecoded = stream.undecoded, 0
-        for token in req.output_token_ids[len(req.output_token_ids) - pending :]:
+        if not stream.defer_text:
+            return  # detokenized token by token in emit
+        start, stream.decoded = stream.decoded, len(req.output_token_ids)
+        for token in req.output_token_ids[start:]:
             stream.detok.add_token(token)
 
     def final_output(self, req: Request) -> RequestOutput:
@@ -133,46 +144,35 @@ class OutputProcessor:
         return False
 
     def _make_output(self, req: Request, stream: _Stream | None, new_tokens: list[int]) -> RequestOutput:
-        finished = req.status.finished
-        params = req.sampling_params
+        """The output of ``req`` after this step.  Built for every request on every step of a streaming
+        (``delta``) run, so the three objects are built with positional arguments (half the cost of keywords)."""
+        status = req.status
+        finished = status.finished
         if stream is None:
-            text, visible, delta = "", 0, ""
+            text, visible, delta, delta_kind = "", 0, "", req.sampling_params.output_kind == "delta"
         else:
             text = stream.detok.text
             # hold back text that might be the start of a stop string until we know
-            hold = 0 if finished or not params.stop_strings else max(len(s) for s in params.stop_strings) - 1
-            visible = max(stream.emitted_chars, len(text) - hold)
-            delta = text[stream.emitted_chars : visible]
-            stream.emitted_chars = visible
-        delta_kind = params.output_kind == "delta"
-        completion = CompletionOutput(
-            index=req.sample_index,
-            text=delta if delta_kind else text[:visible],
-            token_ids=list(new_tokens) if delta_kind else list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            delta_text=delta,
-            delta_token_ids=new_tokens,
-        )
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            token_times=req.token_times[-len(new_tokens):] if delta_kind and new_tokens else (
-                [] if delta_kind else list(req.token_times)),
-            finished_time=req.finished_time,
-            num_preemptions=req.num_preemptions,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=req.num_cached_tokens,
-            retry_after_s=req.retry_after_s,
-        )
+            hold = 0 if finished or not stream.stop_strings else max(len(s) for s in stream.stop_strings) - 1
+            emitted, visible = stream.emitted_chars, len(text) - hold
+            if visible > emitted:
+                delta = text[emitted:visible]
+                stream.emitted_chars = visible
+            else:  # nothing new to show (no tokenizer, a token ending mid-character, or held back)
+                delta, visible = "", emitted
+            delta_kind = stream.delta
+        if delta_kind:  # only this step's tokens (and their times)
+            times = req.token_times[-len(new_tokens):] if new_tokens else []
+            text_out, token_ids, token_times = delta, list(new_tokens), times
+        else:
+            text_out, token_ids, token_times = text[:visible], list(req.output_token_ids), list(req.token_times)
+        # fields in declaration order: see minivllm.outputs
+        completion = CompletionOutput(req.sample_index, text_out, token_ids, status.value if finished else None,
+                                      req.stop_reason, delta, new_tokens)
+        metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, token_times,
+                                 req.finished_time, req.num_preemptions)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics,
+                             req.num_cached_tokens, req.retry_after_s)
 
     # -- step 7: finish (the caller's side) -----------------------------------
     def fold(self, outputs: list[tuple[Request, RequestOutput]]) -> list[RequestOutput]:

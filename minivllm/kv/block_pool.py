@@ -46,12 +46,31 @@ class BlockPool:
     num_blocks: int
     _free: deque[int] = field(init=False, repr=False)
     _refcount: list[int] = field(init=False, repr=False)
+    num_shared: int = field(init=False, default=0)  # blocks with more than one holder (kept by incref/decref)
+    _watchers: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         self._free = deque(range(self.num_blocks))
         self._refcount = [0] * self.num_blocks
+        self.num_shared = 0
+        self._watchers = []
+
+    def watch_sharing(self, callback) -> bool:
+        """Call ``callback(block_id, shared)`` whenever a block's refcount goes 1 -> 2 (``True``) or 2 -> 1.
+
+        The prefix cache keeps its evictable count with it (a cached block with a
+        second holder is locked).  Returns False, registering nothing, for a
+        subclass with its own ``incref``/``decref``: it could not promise the reports.
+        """
+        if type(self).incref is not BlockPool.incref or type(self).decref is not BlockPool.decref:
+            return False
+        self._watchers.append(callback)
+        return True
+
+    def unwatch_sharing(self, callback) -> None:
+        self._watchers.remove(callback)
 
     # -- queries ---------------------------------------------------------
     @property
@@ -89,6 +108,10 @@ class BlockPool:
         if self._refcount[block_id] <= 0:
             raise ValueError(f"incref on free block {block_id}")
         self._refcount[block_id] += 1
+        if self._refcount[block_id] == 2:
+            self.num_shared += 1
+            for watcher in self._watchers:
+                watcher(block_id, True)
 
     def decref(self, block_id: int) -> bool:
         """Drop one holder; return True when the block went back to the free list."""
@@ -98,6 +121,10 @@ class BlockPool:
         if self._refcount[block_id] == 0:
             self._free.append(block_id)
             return True
+        if self._refcount[block_id] == 1:
+            self.num_shared -= 1
+            for watcher in self._watchers:
+                watcher(block_id, False)
         return False
 
     def free_all(self, block_ids: list[int]) -> None:

@@ -283,6 +283,10 @@ class KVCacheManager:
         block size 16 that is 15 of 16 decodes.  One comprehension, no call per sequence.
         """
         bs, refcount = self.block_size, self.pool.refcount
+        # No block with two holders: no copy-on-write to look for.  Only the engine's own pool is trusted with
+        # the count (a learner's pool, or a subclass overriding incref/decref, may not keep it).
+        if type(self.pool) is BlockPool and self.pool.num_shared == 0:
+            return [s for s in seqs if (r := s.request).num_computed_tokens + s.num_tokens > len(r.block_ids) * bs]
         return [s for s in seqs
                 if (c := (r := s.request).num_computed_tokens) + s.num_tokens > len(r.block_ids) * bs
                 or (c % bs and refcount(r.block_ids[-1]) > 1)]

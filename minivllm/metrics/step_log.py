@@ -3,8 +3,9 @@
 Widgets draw timelines from it, labs compute TTFT/ITL breakdowns from it, and
 benchmarks read peak block usage from it.  Two things keep it cheap:
 
-* a record is a slotted dataclass of plain values (ids, counts, one tuple per
-  scheduled sequence), never a reference to a live request;
+* a record is a slotted dataclass of plain values (ids, counts, three flat tuples
+  for the scheduled sequences, read together as ``record.seqs``), never a
+  reference to a live request;
 * the buffer is bounded by the number of *sequence entries* it holds (a step of
   256 decodes costs 256 entries, an idle step one), so a long run at large
   batch sizes keeps the newest history in a fixed memory budget (about 100 bytes
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple
+from typing import Iterable, Iterator, Mapping, NamedTuple
 
 
 class TenantStep(NamedTuple):
@@ -39,12 +40,14 @@ class TenantStep(NamedTuple):
     waiting: int  # waiting, preempted or swapped out
 
 
-def tenant_fields(seqs, running: Iterable, waiting: Iterable) -> tuple[tuple[str, ...], tuple[TenantStep, ...]]:
-    """``(seq_tenants, tenants)`` for a :class:`StepRecord`: one pass over the batch and the two queues.
+def tenant_fields(seqs, running: Iterable, waiting: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[TenantStep, ...]]:
+    """``(seq_tenants, tenants)`` for a :class:`StepRecord`: one pass over the batch and the running requests.
 
     ``seqs`` are the step's scheduled sequences (``.request``, ``.num_tokens``),
-    ``running``/``waiting`` the scheduler's queues after the step.  Tenants come out
-    sorted by name, so two runs of the same workload log identical records.
+    ``running`` the scheduler's running requests after the step and ``waiting`` its
+    count of waiting requests per tenant (kept as the queue changes, so a long
+    queue is not walked every step; tenants with none waiting absent).  Tenants come
+    out sorted by name, so two runs of the same workload log identical records.
     """
     seq_tenants = tuple([s.request.tenant for s in seqs])
     rows: dict[str, list[int]] = {}
@@ -59,11 +62,11 @@ def tenant_fields(seqs, running: Iterable, waiting: Iterable) -> tuple[tuple[str
             row = rows[r.tenant] = [0, 0, 0, 0]
         row[1] += len(r.block_ids)
         row[2] += 1
-    for r in waiting:
-        row = rows.get(r.tenant)
+    for t, n in waiting.items():
+        row = rows.get(t)
         if row is None:
-            row = rows[r.tenant] = [0, 0, 0, 0]
-        row[3] += 1
+            row = rows[t] = [0, 0, 0, 0]
+        row[3] += n
     return seq_tenants, tuple(TenantStep(t, *rows[t]) for t in sorted(rows))
 
 
@@ -71,7 +74,12 @@ def tenant_fields(seqs, running: Iterable, waiting: Iterable) -> tuple[tuple[str
 class StepRecord:
     step: int
     time: float
-    seqs: tuple[tuple[str, int, int], ...]  # (request id, first position, tokens) per scheduled sequence
+    # Per scheduled sequence, in batch order: its request id, first position and tokens.  Kept as three flat
+    # tuples (read them together as :attr:`seqs`): a step of 256 decodes would otherwise keep 256 small
+    # tuples alive, and those long-lived allocations are what sets Python's garbage collector running.
+    seq_ids: tuple[str, ...]
+    seq_starts: tuple[int, ...]
+    seq_tokens: tuple[int, ...]
     num_tokens: int
     preempted: tuple[str, ...]
     swapped_out: int  # blocks copied to the host tier this step
@@ -83,6 +91,11 @@ class StepRecord:
     waiting: int
     seq_tenants: tuple[str, ...] = ()  # the tenant of each entry of ``seqs`` (empty: single-tenant run)
     tenants: tuple[TenantStep, ...] = ()  # per tenant with work in the engine (empty: single-tenant run)
+
+    @property
+    def seqs(self) -> tuple[tuple[str, int, int], ...]:
+        """``(request id, first position, tokens)`` per scheduled sequence (built on each read)."""
+        return tuple(zip(self.seq_ids, self.seq_starts, self.seq_tokens))
 
     def tenant(self, name: str) -> TenantStep:
         """``name``'s row in this step (zeros when it had no work, or tenants were not logged)."""
@@ -100,7 +113,7 @@ class StepRecord:
     @property
     def size(self) -> int:
         """Entries this record counts against the log's budget."""
-        return 1 + len(self.seqs) + len(self.tenants)
+        return 1 + len(self.seq_ids) + len(self.tenants)
 
 
 class StepLog:

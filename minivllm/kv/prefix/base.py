@@ -368,6 +368,93 @@ class LeafIndex(Generic[K]):
         self.by_namespace.pop(namespace if self.group_of is None else self.group_of(namespace), None)
 
 
+class PinIndex:
+    """The cached blocks that cannot be evicted now, kept up to date instead of recounted.
+
+    A cached block is *pinned* when it or a block below it (later in the same
+    prefix) is locked, i.e. held by a request too (pool refcount > 1): evicting it
+    would orphan the locked block's prefix.  Counting that by walking every cached
+    block made ``num_evictable_blocks`` O(cached blocks), and the scheduler asks
+    it while admitting whenever the free list alone is short -- with a warm cache,
+    every step.  Here each pinned block keeps ``pins[b]`` = (1 if ``b`` is locked)
+    + (number of pinned blocks right below it); a change walks up only while a
+    block switches between pinned and unpinned, so locking a prefix root-first
+    costs O(1) per block.
+
+    Locks change in the pool, not in the cache, so the pool reports them
+    (:meth:`~minivllm.kv.block_pool.BlockPool.watch_sharing`: a block's count
+    crossing between 1 and 2).  The cache calls :meth:`follow` when it is built,
+    and :meth:`num_pinned` follows a pool that replaced it (lab 2 swaps in a
+    learner's pool); a pool that cannot report is recounted on every call
+    (:meth:`recount`, the scan this index replaces).
+    """
+
+    def __init__(self) -> None:
+        self.parent: dict[int, int | None] = {}  # cached block -> the cached block before it (None: first)
+        self.pins: dict[int, int] = {}
+        self._pool = None  # the pool whose reports keep ``pins`` current (None: not listening)
+
+    def add(self, block: int, parent: int | None, pool) -> None:
+        """``block`` became cached right below ``parent`` (the cache already holds its reference)."""
+        self.parent[block] = parent
+        if pool is self._pool and pool.refcount(block) > 1:
+            self._change(block, 1)
+
+    def remove(self, block: int) -> None:
+        """``block`` was evicted (never a pinned one: eviction takes unlocked leaves only)."""
+        del self.parent[block]
+        if self.pins.pop(block, 0):
+            raise AssertionError(f"evicted block {block} was pinned")
+
+    def on_sharing(self, block: int, shared: bool) -> None:
+        """The pool's report: ``block``'s refcount went 1 -> 2 (``shared``) or 2 -> 1."""
+        if block in self.parent:
+            self._change(block, 1 if shared else -1)
+
+    def follow(self, pool) -> bool:
+        """Listen to ``pool``'s reports from now on (recounting once); False if it cannot report."""
+        if self._pool is not None:
+            self._pool.unwatch_sharing(self.on_sharing)
+            self._pool = None
+        watch = getattr(pool, "watch_sharing", None)
+        if watch is None or not watch(self.on_sharing):
+            return False
+        self._pool = pool
+        self.pins = {}
+        for block in self.parent:
+            if pool.refcount(block) > 1:
+                self._change(block, 1)
+        return True
+
+    def num_pinned(self, pool) -> int:
+        if pool is not self._pool and not self.follow(pool):  # (a pool replaced since, or one that cannot report)
+            return self.recount(pool)
+        return len(self.pins)
+
+    def recount(self, pool) -> int:
+        """Pinned blocks counted from scratch: every locked block and the blocks above it."""
+        pinned: set[int] = set()
+        for block in self.parent:
+            if pool.refcount(block) > 1:
+                b: int | None = block
+                while b is not None and b not in pinned:
+                    pinned.add(b)
+                    b = self.parent[b]
+        return len(pinned)
+
+    def _change(self, block: int | None, delta: int) -> None:
+        pins, parent = self.pins, self.parent
+        while block is not None:
+            n = pins.get(block, 0) + delta
+            if n:
+                pins[block] = n
+            else:
+                del pins[block]
+            if n != (1 if delta > 0 else 0):
+                return  # it was pinned before and still is: nothing above changes
+            block = parent[block]
+
+
 class LeafEviction:
     """Eviction and quota logic shared by both caches (a mixin: methods only).
 

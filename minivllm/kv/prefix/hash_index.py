@@ -47,6 +47,7 @@ from minivllm.kv.prefix.base import (
     LeafIndex,
     LogicalClock,
     NamespaceCounts,
+    PinIndex,
     PrefixCacheStats,
     QuotaFor,
     QuotaGroup,
@@ -95,10 +96,12 @@ class HashIndex(LeafEviction):
     _counts: NamespaceCounts = field(init=False, repr=False)
     _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
     _leaves: LeafIndex[HashEntry] = field(default_factory=LeafIndex, repr=False)
+    _pins: PinIndex = field(default_factory=PinIndex, repr=False)
 
     def __post_init__(self) -> None:
         self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
         self._leaves.group_of = self.quota_group
+        self._pins.follow(self.pool)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -109,16 +112,8 @@ class HashIndex(LeafEviction):
         return block_id in self._entry_of_block
 
     def num_evictable_blocks(self) -> int:
-        """Cached blocks with no locked block at or below them (O(cached blocks))."""
-        refcount = self.pool.refcount
-        pinned: set[HashEntry] = set()
-        for block_id, entry in self._entry_of_block.items():
-            if refcount(block_id) > 1:
-                node: HashEntry | None = entry
-                while node is not None and node not in pinned:
-                    pinned.add(node)
-                    node = node.parent
-        return self.num_cached_blocks - len(pinned)
+        """Cached blocks with no locked block at or below them (kept up to date: see ``PinIndex``)."""
+        return self.num_cached_blocks - self._pins.num_pinned(self.pool)
 
     # -- lookup ----------------------------------------------------------------
     def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
@@ -197,6 +192,7 @@ class HashIndex(LeafEviction):
         self.pool.incref(block_id)
         self._table[key] = entry
         self._entry_of_block[block_id] = entry
+        self._pins.add(block_id, parent.block_id if parent is not None else None, self.pool)
         self._counts.add(namespace, 1)
         self.stats.inserted_blocks += 1
         if parent is not None:
@@ -212,6 +208,7 @@ class HashIndex(LeafEviction):
             return 0
         del self._table[entry.key]
         del self._entry_of_block[entry.block_id]
+        self._pins.remove(entry.block_id)
         self._unmark_leaf(entry)
         if not self._counts.remove(entry.namespace, 1):
             self._leaves.drop_namespace(entry.namespace)

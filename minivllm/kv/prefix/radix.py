@@ -44,6 +44,7 @@ from minivllm.kv.prefix.base import (
     LeafIndex,
     LogicalClock,
     NamespaceCounts,
+    PinIndex,
     PrefixCacheStats,
     QuotaFor,
     QuotaGroup,
@@ -102,10 +103,12 @@ class RadixCache(LeafEviction):
     _counts: NamespaceCounts = field(init=False, repr=False)
     _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
     _leaves: LeafIndex[RadixNode] = field(default_factory=LeafIndex, repr=False)
+    _pins: PinIndex = field(default_factory=PinIndex, repr=False)
 
     def __post_init__(self) -> None:
         self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
         self._leaves.group_of = self.quota_group
+        self._pins.follow(self.pool)
 
     # -- queries -------------------------------------------------------------
     @property
@@ -124,23 +127,10 @@ class RadixCache(LeafEviction):
         """Cached blocks with no locked block at or below them.
 
         A locked block at index ``j`` of an edge pins blocks ``0..j`` of that
-        edge and every block above it.  O(cached blocks), because locks live
-        in the pool and are not pushed to the cache.
+        edge and every block above it.  Kept up to date as locks change (see
+        :class:`~minivllm.kv.prefix.base.PinIndex`), so O(1) to ask.
         """
-        refcount = self.pool.refcount
-        locked = {b for b in self._node_of_block if refcount(b) > 1}
-        pinned: dict[RadixNode, int] = {}
-        for node in {self._node_of_block[b] for b in locked}:
-            deepest = max(i for i, b in enumerate(node.block_ids) if b in locked)
-            self._pin_upwards(pinned, node, deepest + 1)
-        return self.num_cached_blocks - sum(pinned.values())
-
-    @staticmethod
-    def _pin_upwards(pinned: dict[RadixNode, int], node: RadixNode, n: int) -> None:
-        while not node.is_root and pinned.get(node, 0) < n:
-            pinned[node] = n
-            node = node.parent  # type: ignore[assignment]
-            n = len(node.block_ids)
+        return self.num_cached_blocks - self._pins.num_pinned(self.pool)
 
     # -- lookup ----------------------------------------------------------------
     def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
@@ -189,6 +179,7 @@ class RadixCache(LeafEviction):
     ) -> None:
         for block_id in block_ids:
             self.pool.incref(block_id)
+        above = parent.block_ids[-1] if parent.block_ids else None  # the block before the new ones (root: none)
         if not parent.is_root and not parent.children:
             node = parent
             node.token_blocks.extend(token_blocks)
@@ -198,6 +189,8 @@ class RadixCache(LeafEviction):
             parent.children[token_blocks[0]] = node
         for block_id in block_ids:
             self._node_of_block[block_id] = node
+            self._pins.add(block_id, above, self.pool)
+            above = block_id
         self._counts.add(parent.namespace, len(block_ids))
         self.stats.inserted_blocks += len(block_ids)
         self._touch(node, tick)
@@ -211,6 +204,7 @@ class RadixCache(LeafEviction):
             block_id = node.block_ids.pop()
             node.token_blocks.pop()
             del self._node_of_block[block_id]
+            self._pins.remove(block_id)
             self.pool.decref(block_id)
             freed += 1
         left = self._counts.remove(node.namespace, freed)
