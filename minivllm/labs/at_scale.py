@@ -1,6 +1,6 @@
 """At-scale what-ifs for the labs: the same policies on a datasheet GPU running a real model shape.
 
-Why a separate module?  Labs 4 and 5 teach with a 3-constant cost model
+Why a separate module?  Labs 4, 5 and 8 teach with a 3-constant cost model
 (:class:`~minivllm.sim.executor.SimulatedExecutor`: a fixed cost per step plus
 a cost per token), which is easy to reason about but linear: it cannot show
 that a decode step is memory bound (extra prompt tokens ride almost free), nor
@@ -140,5 +140,34 @@ def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[in
     return sorted(vals)
 
 
+# -- lab 8: the knee of the latency/rate curve on a whole datacenter GPU ------------------------------
+
+
+def pool_blocks(model: str = MODEL, hardware: str = HARDWARE, memory_share: float = 0.9) -> int:
+    """KV blocks left on the device after the bf16 weights, at ``memory_share`` of its memory (vLLM's rule)."""
+    shape, hw = presets(model, hardware)
+    return int((hw.memory_bytes * memory_share - shape.num_params * 2) // (shape.kv_bytes_per_token * BLOCK_SIZE))
+
+
+def serving_engine(*, model: str = MODEL, hardware: str = HARDWARE, max_num_seqs: int = 256,
+                   max_num_batched_tokens: int = 8192, **options: Any):
+    """A real engine on the roofline executor with a device-sized KV pool and vLLM's default seats and budget."""
+    from minivllm.labs.workloads import sim_engine
+
+    shape, hw = presets(model, hardware)
+    return sim_engine(num_blocks=pool_blocks(model, hardware), block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, model_max_len=2048,
+                      executor=RooflineExecutor(shape, hw, block_size=BLOCK_SIZE), **options)
+
+
+def knee_sweep(rates: Sequence[float] = (20, 40, 60, 70, 80, 100), seconds: float = 20.0, seed: int = 1,
+               **engine_options: Any) -> dict[float, dict]:
+    """Lab 8's flat-load sweep (same arrivals: prompts 64-512, outputs 32-256 tokens) on :func:`serving_engine`."""
+    from minivllm.labs.live import ramp_arrivals, run_sim_load
+
+    return {r: run_sim_load(serving_engine(**engine_options), ramp_arrivals([r], seconds, seed=seed)).summary()
+            for r in rates}
+
+
 __all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "context_grid", "crossover_tokens",
-           "label", "presets", "recompute_s", "step_s", "swap_s"]
+           "knee_sweep", "label", "pool_blocks", "presets", "recompute_s", "serving_engine", "step_s", "swap_s"]

@@ -19,11 +19,12 @@ What is measured is the whole engine step (scheduling + forward + sampling +
 bookkeeping), because that is what the virtual clock must advance by.
 
 A limit worth knowing: with one model, the weights read every step are a
-constant, indistinguishable from the per-step overhead.  On the CPU the fit
-therefore folds the weight stream into ``step_overhead_s`` and reports memory
-as never binding; the profile predicts the bundled model well but would not
-scale to a bigger model's weights.  (Pinning the bandwidth with a separate
-streaming-copy measurement, then fitting the rest, is the fix.)
+constant, indistinguishable from the per-step overhead.  A free fit therefore
+may fold the weight stream into ``step_overhead_s`` (and report memory as never
+binding), which predicts the bundled model well but would not scale to a bigger
+model's weights.  So the memory roof is not fitted: :func:`measure_read_bandwidth`
+measures it (streaming a tensor larger than any cache) and the fit solves for
+the other five parameters around it.
 """
 
 from __future__ import annotations
@@ -93,14 +94,32 @@ def _predict(theta: np.ndarray, costs: list[StepCost]) -> tuple[np.ndarray, list
     return np.array(pred), regimes
 
 
-def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60) -> tuple[np.ndarray, float]:
-    """Fit ``PARAMS`` (seconds per unit of each term) to measured step times; returns (theta, rms relative error)."""
+def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
+        groups: list[int] | None = None, s_per_byte: float | None = None) -> tuple[np.ndarray, float]:
+    """Fit ``PARAMS`` (seconds per unit of each term) to measured step times; returns (theta, rms relative error).
+
+    The fit minimises relative error.  ``groups`` (one label per step, e.g. the
+    calibration group it came from) makes every group count the same in total:
+    a decode group yields dozens of steps and a lone prefill a handful, and
+    unweighted, the many short steps would decide the roofs the few long ones
+    (which set TTFT) depend on.  The returned error is per step, unweighted.
+
+    ``s_per_byte`` pins the dense memory roof to a measured bandwidth (see
+    :func:`measure_read_bandwidth`) instead of fitting it: with one model the
+    weight stream is a constant per step, which a free fit cannot tell apart
+    from step overhead (module docstring).
+    """
     t = np.asarray(times, dtype=float)
     if len(costs) != len(t) or len(t) < len(PARAMS):
         raise ValueError(f"need at least {len(PARAMS)} measured steps with their costs, got {len(t)}")
     if not (t > 0).all():
         raise ValueError("step times must be > 0")
     w = 1.0 / t  # relative error
+    if groups is not None:
+        if len(groups) != len(t):
+            raise ValueError("groups needs one label per measured step")
+        sizes = {g: groups.count(g) for g in set(groups)}
+        w = w / np.sqrt([sizes[g] for g in groups])
     best, best_err = None, np.inf
     seen = set()
     starts = [[(True, True)] * len(costs), [(False, False)] * len(costs),
@@ -112,12 +131,38 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60) -> tupl
                 break
             seen.add(key)
             A = np.array([_columns(c, dc, ac) for c, (dc, ac) in zip(costs, regimes)])
-            theta = nnls(A * w[:, None], t * w)
+            if s_per_byte is None:
+                theta = nnls(A * w[:, None], t * w)
+            else:  # the bytes column is known: move it to the right-hand side, fit the other five
+                rest = nnls(np.delete(A, 3, axis=1) * w[:, None], (t - s_per_byte * A[:, 3]) * w)
+                theta = np.insert(rest, 3, s_per_byte)
             pred, regimes = _predict(theta, costs)
-            err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+            err = float(np.sqrt(np.sum(((pred - t) * w) ** 2) / np.sum((w * t) ** 2)))  # weighted relative rms
             if err < best_err:
                 best, best_err = theta, err
-    return best, best_err
+    pred, _ = _predict(best, costs)
+    return best, float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+
+
+def measure_read_bandwidth(device: str = "cpu", megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of streaming a large fp32 tensor through a reduction (best of ``repeats``), on ``device``.
+
+    What a decode step's weight read can reach at best: the tensor is larger than
+    any cache, read once per pass, with the threads torch uses for the model.
+    """
+    import torch
+
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    x.sum()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
 
 
 def spec_from_theta(theta, name: str, base: HardwareSpec | None = None, **extra) -> HardwareSpec:
@@ -245,7 +290,7 @@ def calibration_grid(vocab: int = 49152, seed: int = 0, scale: float = 1.0):
 
 
 def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, name: str | None = None,
-              out=None) -> dict:
+              out=None, pin_bandwidth: bool = True) -> dict:
     """Measure the grid on the real engine, fit, and return the profile document (not yet written)."""
     import torch
 
@@ -260,13 +305,16 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
     for group in calibration_grid(scale=0.3)[:3]:  # warm up (allocator, kernels, caches)
         measure(engine, group)
     samples: list[StepSample] = []
+    labels: list[int] = []
     for k, group in enumerate(calibration_grid(scale=scale)):
         got, _ = measure(engine, group)
         samples += got
+        labels += [k] * len(got)
         print(f"  group {k}: {len(group)} x {len(group[0].prompt_token_ids)} tokens -> {len(got)} steps", file=out or sys.stderr)
     costs = [step_cost(shape, s.seqs, s.swapped_blocks, engine.config.block_size) for s in samples]
     times = [s.time_s for s in samples]
-    theta, err = fit(costs, times)
+    read_bw = measure_read_bandwidth(device) if pin_bandwidth else None
+    theta, err = fit(costs, times, groups=labels, s_per_byte=1 / read_bw if read_bw else None)
     clock = getattr(engine.executor, "clock_kind", "wall")
     hw_name = name or (f"{device}-{os.cpu_count()}core" if device == "cpu" else torch.cuda.get_device_name())
     if clock == "cpu" and not name:
@@ -288,6 +336,7 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
                    "max_num_seqs": engine.config.max_num_seqs},
         "hardware": spec.to_dict(),
         "fit": {"params": dict(zip(PARAMS, map(float, theta))), "steps": len(samples),
+                "measured_read_bandwidth": read_bw,  # bytes/s; when set, the memory roof was pinned to it
                 "rms_rel_error": err, "max_abs_rel_error": float(max(abs(r) for r in rel)),
                 "seconds": time.perf_counter() - t_start},
         "samples": [{"seqs": s.seqs, "swapped_blocks": s.swapped_blocks, "time_s": s.time_s, "pred_s": p}
@@ -317,11 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: time steps by this thread's CPU time, one torch thread (for a machine shared with "
                          "other busy processes)")
+    ap.add_argument("--fit-bandwidth", action="store_true",
+                    help="fit the memory roof too, instead of pinning it to a measured streaming-read bandwidth")
     args = ap.parse_args(argv)
     from minivllm.sim.presets import PROFILE_DIR
 
     doc = calibrate(real_engine(device=args.device, clock=args.clock), scale=0.4 if args.quick else 1.0,
-                    name=args.name)
+                    name=args.name, pin_bandwidth=not args.fit_bandwidth)
     path = args.out or os.path.join(PROFILE_DIR, f"{doc['hardware']['name'].replace(' ', '_').lower()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
