@@ -38,6 +38,8 @@ FAIR_STEP = dict(fixed_overhead_s=0.010, per_token_s=0.0001, per_context_token_s
 # The three-class workload's step time on THIS machine: the real engine (SmolLM2-135M, fp32, one CPU thread,
 # process CPU time) measured by ``calibrate_step()`` on 2026-11-30 and fitted to the simulator's cost model
 # (max relative error 15%).  A single decode step costs 70 ms here: more than the interactive ITL SLO.
+# Kept as measured (lab 6's narrative is built on it); after the oneDNN projections (issue 12) the same core
+# measures about 34 ms + 2.4 ms/token + 18 us/context token (``calibrate_step()``, max relative error 13%).
 CLASS_STEP = dict(fixed_overhead_s=0.0662, per_token_s=0.00307,
                   per_context_token_s=2.98e-05)
 CLASS_STEP_GPU_LIKE = dict(fixed_overhead_s=0.008, per_token_s=0.00003, per_context_token_s=2e-8)  # the earlier guess

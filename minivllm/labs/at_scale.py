@@ -1,6 +1,6 @@
 """At-scale what-ifs for the labs: the same policies on a datasheet GPU running a real model shape.
 
-Why a separate module?  Labs 4, 5 and 8 teach with a 3-constant cost model
+Why a separate module?  Labs 4, 5, 6 and 8 teach with a 3-constant cost model
 (:class:`~minivllm.sim.executor.SimulatedExecutor`: a fixed cost per step plus
 a cost per token), which is easy to reason about but linear: it cannot show
 that a decode step is memory bound (extra prompt tokens ride almost free), nor
@@ -169,5 +169,27 @@ def knee_sweep(rates: Sequence[float] = (20, 40, 60, 70, 80, 100), seconds: floa
             for r in rates}
 
 
-__all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "context_grid", "crossover_tokens",
-           "knee_sweep", "label", "pool_blocks", "presets", "recompute_s", "serving_engine", "step_s", "swap_s"]
+# -- lab 6: the three-class policy where the hardware can meet the SLOs -----------------------------
+
+
+def class_mix(policy: str, classes: dict, knobs=None, *, scale: float = 300.0, duration: float = 20.0,
+              model: str = MODEL, hardware: str = HARDWARE):
+    """Lab 6's mixed workload with rates and backlog times ``scale``, served under ``policy`` on the roofline.
+
+    The engine is lab 6's three-class engine with the GPU's sizes: a device-sized KV
+    pool, 256 seats, a 2,048-token step budget, prefix caching on.  Returns lab 6's
+    :class:`~minivllm.labs.check_lab06.ServeResult`.
+    """
+    from minivllm.config import ThreeClassConfig
+    from minivllm.labs.check_lab06 import lab_engine, mixed_classes, serve
+
+    shape, hw = presets(model, hardware)
+    engine = lab_engine({"scheduling_policy": policy, "tenants": classes, "three_class": knobs or ThreeClassConfig()},
+                        num_blocks=pool_blocks(model, hardware), budget=2048, max_seqs=256, chunk=0, max_len=4096,
+                        executor=RooflineExecutor(shape, hw, block_size=BLOCK_SIZE), enable_prefix_caching=True)
+    return serve(engine, mixed_classes(duration, scale=scale), window=duration)
+
+
+__all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "class_mix", "context_grid",
+           "crossover_tokens", "knee_sweep", "label", "pool_blocks", "presets", "recompute_s", "serving_engine",
+           "step_s", "swap_s"]

@@ -70,20 +70,21 @@ def noisy_quiet(duration: float = 8.0, *, seed: int = 0, quiet_alone: bool = Fal
     return sorted(out, key=lambda a: a.time)
 
 
-def mixed_classes(duration: float = 30.0, *, seed: int = 0) -> list[Arrival]:
+def mixed_classes(duration: float = 30.0, *, seed: int = 0, scale: float = 1.0) -> list[Arrival]:
     """Interactive chats (0.5/s, prompts 20-60), agent calls on a shared 300-token preamble (0.25/s) and a
     batch backlog of 6 prompts at t=0: sized for the calibrated CPU step time
-    (:data:`~minivllm.bench.fairness.CLASS_STEP`, about 300 prompt tokens per second)."""
+    (:data:`~minivllm.bench.fairness.CLASS_STEP`, about 300 prompt tokens per second).  ``scale``
+    multiplies both rates and the backlog (the at-scale run of :mod:`minivllm.labs.at_scale`)."""
     rng = random.Random(seed)
     system = tuple(rng.randrange(10, 990) for _ in range(300))  # the agents' shared tool preamble
     out = []
-    for i, t in enumerate(_poisson(rng, 0.5, duration)):
+    for i, t in enumerate(_poisson(rng, 0.5 * scale, duration)):
         prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
         out.append(Arrival(round(t, 6), f"chat-{i}", "chat", prompt, rng.randint(8, 24)))
-    for i, t in enumerate(_poisson(rng, 0.25, duration)):
+    for i, t in enumerate(_poisson(rng, 0.25 * scale, duration)):
         prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
         out.append(Arrival(round(t, 6), f"agent-{i}", "agent", prompt, rng.randint(8, 24)))
-    for i in range(6):
+    for i in range(int(round(6 * scale))):
         prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
         out.append(Arrival(0.001 * i, f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
     return sorted(out, key=lambda a: a.time)
@@ -107,11 +108,12 @@ def jain(xs: Sequence[float]) -> float:
 
 
 def lab_engine(policy: dict | None = None, *, num_blocks: int = 1024, budget: int = 2048, max_seqs: int = 128,
-               chunk: int = 512, step: dict | None = None, max_len: int = 8192, **options):
+               chunk: int = 512, step: dict | None = None, max_len: int = 8192, executor=None, **options):
     """The lab's engine: a real ``LLMEngine`` on a simulated forward pass (virtual clock).
 
     ``policy`` is engine keyword arguments: ``{"scheduling_policy": "wfq"}``, ``{"admission_policy": obj}``,
-    ``{"scheduling_policy": "caps", "tenants": {...}}`` ...
+    ``{"scheduling_policy": "caps", "tenants": {...}}`` ...  ``executor`` replaces the
+    3-constant :class:`SimulatedExecutor` (``step``), e.g. by a roofline one.
     """
     from minivllm.engine.llm_engine import LLMEngine
 
@@ -120,7 +122,7 @@ def lab_engine(policy: dict | None = None, *, num_blocks: int = 1024, budget: in
     cfg = EngineConfig(num_gpu_blocks_override=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
                        max_num_seqs=max_seqs, max_model_len=max_len, long_prefill_token_threshold=chunk,
                        device="cpu", **policy, **options)
-    return LLMEngine(cfg, executor=SimulatedExecutor(**(step or FAIR_STEP)), model_max_len=max_len,
+    return LLMEngine(cfg, executor=executor or SimulatedExecutor(**(step or FAIR_STEP)), model_max_len=max_len,
                      eos_token_ids=set(), **objects)
 
 
