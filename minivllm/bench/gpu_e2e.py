@@ -7,6 +7,13 @@ script reports, per prompt, whether the tokens agree and where they first
 diverge (random weights give flat logits, so a bf16 rounding difference can
 flip an argmax late in a sequence — the first divergence position says how
 close the two are), plus each backend's decode throughput.
+
+``--workload nano`` is issue 12's throughput check instead: nano-vllm's
+benchmark shape (``--requests`` 256 requests, input and output lengths uniform
+in 100-1024, EOS ignored) served by minivllm with each attention backend, and
+by HF ``generate`` in static batches of ``--hf-batch`` on the same GPU, in one
+run; output tokens per second of each, and the ratios the issue asks for.
+``--scale`` shrinks the lengths and counts for a CPU dry run (``--arch tiny``).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ def make_model_dir(path: str, arch: str) -> None:
     torch.manual_seed(0)
     if arch == "tiny":  # for a CPU dry run of this script
         cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=32, vocab_size=32000)
+                          num_key_value_heads=2, head_dim=32, vocab_size=32000, max_position_embeddings=8192)
         model = LlamaForCausalLM(cfg)
     elif arch == "llama-3.2-1b":
         cfg = LlamaConfig(
@@ -61,6 +68,82 @@ def run(model_dir: str, backend: str, prompts, max_tokens: int, device: str, dty
     return tokens, sum(len(t) for t in tokens) / wall
 
 
+def nano_workload(requests: int, lo: int, hi: int, seed: int = 0):
+    """``[(prompt ids, output length)]``: lengths uniform in ``[lo, hi]`` (nano-vllm's benchmark shape)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (requests, 2), generator=g).tolist()
+    return [(torch.randint(10, 30000, (n_in,), generator=g).tolist(), n_out) for n_in, n_out in lens]
+
+
+def run_nano_minivllm(model_dir: str, backend: str, work, device: str, dtype: str, eager: bool = False) -> float:
+    """Output tokens per second of minivllm on ``work`` (all requests submitted at once)."""
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(model_dir, dtype=dtype, device=device, attention_backend=backend, enforce_eager=eager,
+              max_model_len=max(len(p) + n for p, n in work) + 16, kv_cache_memory_bytes=16 << 30)
+    prompts = [{"prompt_token_ids": p} for p, _ in work]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up (Triton compiles, graphs capture)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work))
+    del llm
+    return sum(n for _, n in work) / (time.perf_counter() - start)
+
+
+def run_nano_hf(model_dir: str, work, device: str, dtype: str, batch: int) -> float:
+    """Output tokens per second of HF ``generate`` in static, left-padded batches (each as long as its longest)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def one_batch(chunk):
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):
+            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+        longest = max(n for _, n in chunk)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                       min_new_tokens=longest, do_sample=False, pad_token_id=0)
+
+    with torch.inference_mode():
+        one_batch(work[:2])  # warm-up
+        sync()
+        start = time.perf_counter()
+        for i in range(0, len(work), batch):
+            one_batch(work[i: i + batch])
+        sync()
+    del model
+    return sum(n for _, n in work) / (time.perf_counter() - start)
+
+
+def nano_main(a) -> dict:
+    lo, hi = max(4, int(100 * a.scale)), max(8, int(1024 * a.scale))
+    work = nano_workload(max(2, int(a.requests * a.scale)), lo, hi)
+    with tempfile.TemporaryDirectory() as d:
+        make_model_dir(d, a.arch)
+        res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "arch": a.arch,
+               "dtype": a.dtype, "requests": len(work), "lengths": [lo, hi],
+               "output_tokens": sum(n for _, n in work)}
+        for backend in ("torch", "triton"):
+            res[f"minivllm_{backend}_tok_s"] = run_nano_minivllm(d, backend, work, a.device, a.dtype)
+        res["minivllm_triton_eager_tok_s"] = run_nano_minivllm(d, "triton", work, a.device, a.dtype, eager=True)
+        res["hf_tok_s"] = run_nano_hf(d, work, a.device, a.dtype, a.hf_batch)
+    best = max(res["minivllm_torch_tok_s"], res["minivllm_triton_tok_s"])
+    res.update(vs_hf=best / res["hf_tok_s"], triton_vs_torch=res["minivllm_triton_tok_s"] / res["minivllm_torch_tok_s"],
+               cuda_graphs_speedup=res["minivllm_triton_tok_s"] / res["minivllm_triton_eager_tok_s"])
+    print(json.dumps(res, indent=1))
+    print(f"nano workload, {res['requests']} requests: minivllm {best:.0f} tok/s = {res['vs_hf']:.1f}x HF generate "
+          f"(target >= 10x); Triton / torch backend {res['triton_vs_torch']:.2f}x (target >= 1.3x); "
+          f"CUDA graphs {res['cuda_graphs_speedup']:.2f}x over eager")
+    return res
+
+
 def first_divergence(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -77,10 +160,26 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--workload", choices=["parity", "nano"], default="parity")
+    ap.add_argument("--requests", type=int, default=256, help="nano workload: number of requests")
+    ap.add_argument("--hf-batch", type=int, default=32, help="nano workload: HF generate's static batch size")
+    ap.add_argument("--scale", type=float, default=1.0, help="nano workload: shrink lengths and count (dry runs)")
+    ap.add_argument("--save-model", default=None, metavar="DIR",
+                    help="only write the random-weight model of --arch to DIR (e.g. for `bench sim_accuracy --model`)")
     a = ap.parse_args()
+    if a.save_model:
+        make_model_dir(a.save_model, a.arch)
+        print(f"wrote a random-weight {a.arch} to {a.save_model}")
+        return 0
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU (or --device cpu --arch tiny for a dry run)")
         return 2
+    if a.workload == "nano":
+        result = nano_main(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, 30000, (int(n),), generator=g).tolist()}
                for n in torch.randint(16, a.max_prompt_len, (a.prompts,), generator=g)]

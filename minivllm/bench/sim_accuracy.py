@@ -49,13 +49,21 @@ def metrics(rec) -> dict:
             "itl_p99": percentile(itl, 99), "total_s": rec.duration, "ok": len(ok), "requests": len(rec.results)}
 
 
-def workload_requests(name: str, tokenizer, scale: float = 1.0, seed: int = 0):
+def workload_requests(name: str, tokenizer, scale: float = 1.0, seed: int = 0, vocab_size: int = 32000):
+    """The held-out workload's requests; a model without a tokenizer (random weights) gets one id per word."""
+    import zlib
+
     from minivllm.sim.run import requests_from_plan
 
     specs, n, rate, burst = WORKLOADS[name]
     tenants = [parse_tenant(s) for s in specs]
     plan = plan_requests(tenants, max(3, int(round(n * scale))), rate, burst, seed)
-    return requests_from_plan(plan, tokenize=lambda text: tokenizer.encode(text))
+    if tokenizer is None:
+        def tokenize(text):
+            return [10 + zlib.crc32(w.encode()) % (vocab_size - 10) for w in text.split()]
+    else:
+        tokenize = tokenizer.encode
+    return requests_from_plan(plan, tokenize=tokenize)
 
 
 def sim_engine(real, spec, shape):
@@ -71,29 +79,45 @@ def sim_engine(real, spec, shape):
                      model_max_len=cfg.max_model_len, eos_token_ids=set())
 
 
-def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall") -> dict:
+def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall",
+        model: str | None = None, device: str = "auto", dtype: str = "auto") -> dict:
+    """Calibrate (or load ``profile``), then real vs simulated on the held-out workloads.
+
+    ``model`` (an HF directory, e.g. a random-weight Llama-3.2-1B on a GPU machine
+    without downloads) replaces the bundled model; its shape comes from its config.
+    """
     out = out or sys.stdout
     from minivllm.sim.calibrate import calibrate, format_profile, real_engine
     from minivllm.sim.presets import bundled_shape, hardware_preset, load_profile
+    from minivllm.sim.roofline import ModelShape
     from minivllm.sim.run import drive
 
     load_before = os.getloadavg()
     t_start = time.perf_counter()
-    real = real_engine(clock=clock, **ENGINE)
+    real = real_engine(clock=clock, model=model, device=device, dtype=dtype, **ENGINE)
+    import torch
+
+    dtype_bytes = torch.tensor([], dtype=real.config.dtype).element_size()
+    if model is None:
+        shape = bundled_shape().with_dtype(dtype_bytes)
+    else:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+            shape = ModelShape.from_hf_config(json.load(fh), name=os.path.basename(os.path.normpath(model)),
+                                              dtype_bytes=dtype_bytes)
     if profile:
         doc = load_profile(profile)
         spec = hardware_preset(profile)
     else:
         print("calibrating on the grid of batch shapes (the training set)...", file=out, flush=True)
-        doc = calibrate(real, scale=0.6 if scale < 1 else 1.0, out=out)
+        doc = calibrate(real, shape=shape, scale=0.6 if scale < 1 else 1.0, out=out)
         from minivllm.sim.roofline import HardwareSpec
 
         spec = HardwareSpec.from_dict(doc["hardware"])
     print(format_profile(doc), file=out, flush=True)
-    shape = bundled_shape().with_dtype(doc["model"]["dtype_bytes"])
+    shape = shape.with_dtype(doc["model"]["dtype_bytes"])
     rows = {}
     for name in names or WORKLOADS:
-        reqs = workload_requests(name, real.tokenizer, scale)
+        reqs = workload_requests(name, real.tokenizer, scale, vocab_size=shape.vocab_size)
         rec_real = drive(real, reqs)
         rec_sim = drive(sim_engine(real, spec, shape), reqs)
         m_real, m_sim = metrics(rec_real), metrics(rec_sim)
@@ -135,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
                          "processes on a shared machine")
     ap.add_argument("--save-profile", default=None, help="also write the fresh calibration as a profile JSON here")
     ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json)")
+    ap.add_argument("--model", default=None, help="an HF model directory instead of the bundled model "
+                    "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
-    doc = run(args.scale, args.profile, args.workload, clock=args.clock)
+    doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
+              dtype=args.dtype)
     if args.save_profile and not args.profile:
         os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
         with open(args.save_profile, "w", encoding="utf-8") as fh:

@@ -302,11 +302,11 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
         engine.config.dtype, torch.dtype) else 4
     shape = shape or bundled_shape().with_dtype(dtype_bytes)
     device = str(engine.config.device)
-    for group in calibration_grid(scale=0.3)[:3]:  # warm up (allocator, kernels, caches)
+    for group in calibration_grid(shape.vocab_size, scale=0.3)[:3]:  # warm up (allocator, kernels, caches)
         measure(engine, group)
     samples: list[StepSample] = []
     labels: list[int] = []
-    for k, group in enumerate(calibration_grid(scale=scale)):
+    for k, group in enumerate(calibration_grid(shape.vocab_size, scale=scale)):
         got, _ = measure(engine, group)
         samples += got
         labels += [k] * len(got)
