@@ -68,6 +68,42 @@ def ramp_run(seed: int = 1, every_s: float = 1.0) -> SimRun:
     return run_sim_load(lab_engine(), ramp_arrivals(RAMP_RATES, 5.0, seed=seed), every_s=every_s)
 
 
+def knee_figure(sweep: dict[float, dict], best: float | None, ttft_s: float = SLO_TTFT_S, itl_s: float = SLO_ITL_S):
+    """A sweep's p99 TTFT (log scale) and p99 ITL against the offered rate, SLO lines dotted, the knee dashed.
+
+    A :class:`matplotlib.figure.Figure` of its own (not pyplot's), so a notebook shows it exactly once, as
+    the cell's value."""
+    from matplotlib.figure import Figure
+
+    rates = list(sweep)
+    fig = Figure(figsize=(7, 3))
+    ax = fig.subplots()
+    ax.plot(rates, [sweep[r]["ttft_p99_ms"] / 1000 for r in rates], "o-", color="#f28e2b", label="p99 TTFT (s)")
+    ax.axhline(ttft_s, color="#f28e2b", ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("p99 TTFT (s)")
+    ax2 = ax.twinx()
+    ax2.plot(rates, [sweep[r]["itl_p99_ms"] for r in rates], "s-", color="#4e79a7", label="p99 ITL (ms)")
+    ax2.axhline(1000 * itl_s, color="#4e79a7", ls=":", lw=1)
+    ax2.set_ylabel("p99 ITL (ms)")
+    ax2.set_ylim(0, 100)
+    if best is not None:
+        ax.axvline(best, color="#888888", ls="--", lw=1)
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def knee_table(sweep: dict[float, dict], best: float | None, ttft_s: float = SLO_TTFT_S, itl_s: float = SLO_ITL_S) -> str:
+    """The sweep as text: p99 TTFT and ITL, tokens/s and preemptions per rate, and the highest rate within both SLOs."""
+    lines = [f"{'rate':>5s}{'TTFT p99 ms':>12s}{'ITL p99 ms':>11s}{'tokens/s':>9s}{'preempt':>8s}"]
+    for r, s in sweep.items():
+        lines.append(f"{r:5}{s['ttft_p99_ms']:12.0f}{s['itl_p99_ms']:11.1f}{s['tokens_per_s']:9.0f}{s['preemptions']:8d}")
+    lines.append(f"highest rate meeting p99 TTFT <= {ttft_s:g} s and p99 ITL <= {1000 * itl_s:g} ms: {best} req/s")
+    return "\n".join(lines)
+
+
 def rate_at(t: float | None, seconds_each: float = 5.0, rates: Sequence[float] = RAMP_RATES) -> float | None:
     """The offered rate of the ramp at time ``t`` (None for None; the last rate after the ramp ends)."""
     if t is None:

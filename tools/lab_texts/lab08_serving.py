@@ -32,7 +32,8 @@ from minivllm.bench import loadgen
 from minivllm.labs import choose
 from minivllm.labs.check_lab08 import (RAMP_RATES, SLO_ITL_S, SLO_TTFT_S,
                                        check_first_alarm, check_metrics_from_log, knee_sweep, lab_engine,
-                                       max_rate_meeting_slo, rate_at, reference_first_alarm)
+                                       knee_figure, knee_table, max_rate_meeting_slo, rate_at,
+                                       reference_first_alarm)
 from minivllm.labs.live import LiveLoad, ramp_arrivals, run_sim_load
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.metrics.prometheus import EngineMetrics, metrics_from_step_log, observe_all
@@ -272,25 +273,10 @@ Now a flat load at each rate (20 s each, same machine) and the p99s against a st
 ITL ≤ 50 ms**.
 """),
 ("code", r"""
-sweep = knee_sweep()
+sweep = knee_sweep()                  # {rate: p50/p99 TTFT and ITL, tokens/s, preemptions}
 best = max_rate_meeting_slo(sweep)
-rates = list(sweep)
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.plot(rates, [sweep[r]["ttft_p99_ms"] / 1000 for r in rates], "o-", color="#f28e2b", label="p99 TTFT (s)")
-ax.axhline(SLO_TTFT_S, color="#f28e2b", ls=":", lw=1)
-ax.set_yscale("log"); ax.set_xlabel("offered load (requests/s)"); ax.set_ylabel("p99 TTFT (s)")
-ax2 = ax.twinx()
-ax2.plot(rates, [sweep[r]["itl_p99_ms"] for r in rates], "s-", color="#4e79a7", label="p99 ITL (ms)")
-ax2.axhline(1000 * SLO_ITL_S, color="#4e79a7", ls=":", lw=1)
-ax2.set_ylabel("p99 ITL (ms)"); ax2.set_ylim(0, 100)
-ax.axvline(best, color="#888888", ls="--", lw=1)
-fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
-plt.show()
-print(f"{'rate':>5s}{'TTFT p99 ms':>12s}{'ITL p99 ms':>11s}{'tokens/s':>9s}{'preempt':>8s}")
-for r in rates:
-    s = sweep[r]
-    print(f"{r:5}{s['ttft_p99_ms']:12.0f}{s['itl_p99_ms']:11.1f}{s['tokens_per_s']:9.0f}{s['preemptions']:8d}")
-print(f"highest rate meeting p99 TTFT <= {SLO_TTFT_S:g} s and p99 ITL <= {1000 * SLO_ITL_S:g} ms: {best} req/s")
+print(knee_table(sweep, best))
+knee_figure(sweep, best)              # the p99s against the rate: SLO lines dotted, the knee dashed
 """),
 ("md", r"""
 Below the knee, latency is flat and throughput grows with the load. Past it, throughput flattens (about 1,100
@@ -314,23 +300,8 @@ print(at_scale.label())
 print(f"KV pool: {at_scale.pool_blocks():,} blocks of 16 tokens")
 big = at_scale.knee_sweep()
 big_best = max_rate_meeting_slo(big)
-big_rates = list(big)
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.plot(big_rates, [big[r]["ttft_p99_ms"] / 1000 for r in big_rates], "o-", color="#f28e2b", label="p99 TTFT (s)")
-ax.axhline(SLO_TTFT_S, color="#f28e2b", ls=":", lw=1)
-ax.set_yscale("log"); ax.set_xlabel("offered load (requests/s)"); ax.set_ylabel("p99 TTFT (s)")
-ax2 = ax.twinx()
-ax2.plot(big_rates, [big[r]["itl_p99_ms"] for r in big_rates], "s-", color="#4e79a7", label="p99 ITL (ms)")
-ax2.axhline(1000 * SLO_ITL_S, color="#4e79a7", ls=":", lw=1)
-ax2.set_ylabel("p99 ITL (ms)"); ax2.set_ylim(0, 100)
-ax.axvline(big_best, color="#888888", ls="--", lw=1)
-fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
-plt.show()
-print(f"{'rate':>5s}{'TTFT p99 ms':>12s}{'ITL p99 ms':>11s}{'tokens/s':>9s}{'preempt':>8s}")
-for r in big_rates:
-    s = big[r]
-    print(f"{r:5}{s['ttft_p99_ms']:12.0f}{s['itl_p99_ms']:11.1f}{s['tokens_per_s']:9.0f}{s['preemptions']:8d}")
-print(f"highest rate meeting both SLOs: {big_best} req/s")
+print(knee_table(big, big_best))
+knee_figure(big, big_best)
 """),
 ("md", r"""
 The knee moved about tenfold, and so did its cause. With hundreds of thousands of tokens of KV nothing is
