@@ -404,6 +404,10 @@ door that answers 429.)
 The last lesson of the course is about *how* to tune: on the client's workload, **watching preemption counts, cache
 hit rate and latency percentiles together** — never one alone. One knob, the cache memory share, at the knee's
 load (8 requests/s): more KV blocks, fewer preemptions — but read what happens to latency and throughput next to it.
+The knobs of this course are the ones vLLM's *Optimization and Tuning* guide (docs.vllm.ai, "Optimization and
+Tuning") walks through — preemption and the KV memory share (`gpu_memory_utilization`), the chunked-prefill token
+budget (`max_num_batched_tokens`), the number of sequences per step (`max_num_seqs`) — with the same advice to read
+the preemption counter while turning them; keep it open when you tune a real deployment.
 """),
 ("code", r"""
 print(f"{'KV blocks':>9s}{'preempt':>8s}{'TTFT p50/p99 ms':>17s}{'ITL p50/p99 ms':>16s}{'tokens/s':>9s}")
