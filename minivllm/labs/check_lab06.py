@@ -225,6 +225,18 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
     return res
 
 
+def slo_report(name: str, res: ServeResult, slos: dict = SLOS) -> str:
+    """One line per SLO'd tenant (p95 TTFT and ITL, share of requests meeting TTFT / both) and the batch tier's end."""
+    lines = []
+    for tenant, (ttft_slo, itl_slo) in slos.items():
+        lines.append(f"{name:12s} {tenant:6s} p95 TTFT {res.p95_ttft(tenant):6.3f} s: TTFT SLO ({ttft_slo} s) met by "
+                     f"{res.slo_met(tenant, ttft_slo):6.1%};  ITL p95 {res.itl_p95_all(tenant) * 1e3:4.0f} ms "
+                     f"(SLO {itl_slo * 1e3:.0f} ms; both met by {res.slo_met(tenant, ttft_slo, itl_slo):6.1%})")
+    bulk = [k for k in res.ttft if res.tenant_of[k] == "bulk"]
+    lines.append(f"{name:12s} bulk   finished {len(bulk)}, all work done at {res.makespan:5.1f} s")
+    return "\n".join(lines)
+
+
 def table(results: dict[str, ServeResult], tenants: Sequence[str]) -> str:
     """policy x tenant: p50/p95 TTFT, tokens/s in the window, mean KV share, preemptions."""
     width = max([len("policy")] + [len(name) for name in results]) + 2

@@ -35,8 +35,8 @@ from minivllm.labs import choose
 from minivllm.labs.check_lab06 import (CLASS_STEP, FAIR_STEP, SLOS, TenantTimeline, aging_run, backlogged,
                                        cap_policy, check_deadline_aging, check_tenant_cap,
                                        check_virtual_token_counter, class_engine, deadline_policy, jain,
-                                       lab_engine, mixed_classes, noisy_quiet, percentile, serve, table,
-                                       wfq_policy)
+                                       lab_engine, mixed_classes, noisy_quiet, percentile, serve, slo_report,
+                                       table, wfq_policy)
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.sched.fairness import THREE_CLASS_RULES
 
@@ -390,12 +390,7 @@ classes = {name: serve(class_engine(name, CLASSES, KNOBS), mixed, window=60.0) f
 floor = CLASS_STEP["fixed_overhead_s"] + CLASS_STEP["per_token_s"]   # one sequence, one decode step
 print(f"step time {CLASS_STEP}; a lone decode step takes {floor * 1e3:.0f} ms on this machine")
 for name, res in classes.items():
-    for tenant, (ttft_slo, itl_slo) in SLOS.items():
-        print(f"{name:12s} {tenant:6s} p95 TTFT {res.p95_ttft(tenant):5.2f} s: TTFT SLO ({ttft_slo} s) met by "
-              f"{res.slo_met(tenant, ttft_slo):6.1%};  ITL p95 {res.itl_p95_all(tenant) * 1e3:4.0f} ms "
-              f"(SLO {itl_slo * 1e3:.0f} ms, met by {res.slo_met(tenant, ttft_slo, itl_slo):6.1%})")
-    bulk = [k for k in res.ttft if res.tenant_of[k] == "bulk"]
-    print(f"{name:12s} bulk   finished {len(bulk)}/6, all work done at {res.makespan:5.1f} s")
+    print(slo_report(name, res))   # per tenant: p95 TTFT and ITL, share meeting the TTFT SLO and both SLOs
 """),
 ("md", r"""
 Read the TTFT columns first. Under FCFS the batch backlog sits in front of every chat and agent call: their p95 TTFT
@@ -421,13 +416,7 @@ from minivllm.labs import at_scale
 
 print(at_scale.label())
 for name in ("fcfs", "three_class"):
-    res = at_scale.class_mix(name, CLASSES, KNOBS)
-    for tenant, (ttft_slo, itl_slo) in SLOS.items():
-        print(f"{name:12s} {tenant:6s} p95 TTFT {res.p95_ttft(tenant):6.3f} s: TTFT SLO met by "
-              f"{res.slo_met(tenant, ttft_slo):6.1%};  ITL p95 {res.itl_p95_all(tenant) * 1e3:4.0f} ms "
-              f"(both SLOs met by {res.slo_met(tenant, ttft_slo, itl_slo):6.1%})")
-    bulk = [k for k in res.ttft if res.tenant_of[k] == "bulk"]
-    print(f"{name:12s} bulk   finished {len(bulk)}, all work done at {res.makespan:5.1f} s")
+    print(slo_report(name, at_scale.class_mix(name, CLASSES, KNOBS)))
 """),
 ("md", r"""
 Now the policy is the whole difference. Under FCFS the backlog still sits in front of every chat: p95 TTFT is tens of
