@@ -51,13 +51,14 @@ def make_model_dir(path: str, arch: str) -> None:
     model.to(torch.bfloat16).save_pretrained(path)
 
 
-def run(model_dir: str, backend: str, prompts, max_tokens: int, device: str, dtype: str):
-    from minivllm import LLM, SamplingParams
+def run(model_dir: str, backend: str, prompts, params, device: str, dtype: str, *, eager: bool = False,
+        max_model_len: int = 4096, kv_bytes: int = 8 << 30):
+    """Serve ``prompts`` (all submitted at once) after a two-prompt warm-up; (token ids, output tok/s)."""
+    from minivllm import LLM
 
-    llm = LLM(model_dir, dtype=dtype, device=device,
-              attention_backend=backend, max_model_len=4096, kv_cache_memory_bytes=8 << 30)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up / compile
+    llm = LLM(model_dir, dtype=dtype, device=device, attention_backend=backend, enforce_eager=eager,
+              max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes)
+    llm.generate(prompts[:2], params[:2] if isinstance(params, list) else params, use_tqdm=False)  # compile / capture
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
@@ -76,50 +77,27 @@ def nano_workload(requests: int, lo: int, hi: int, seed: int = 0):
 
 
 def run_nano_minivllm(model_dir: str, backend: str, work, device: str, dtype: str, eager: bool = False) -> float:
-    """Output tokens per second of minivllm on ``work`` (all requests submitted at once)."""
-    from minivllm import LLM, SamplingParams
+    """Output tokens per second of minivllm on ``work``, every output exactly as long as asked."""
+    from minivllm import SamplingParams
 
-    llm = LLM(model_dir, dtype=dtype, device=device, attention_backend=backend, enforce_eager=eager,
-              max_model_len=max(len(p) + n for p, n in work) + 16, kv_cache_memory_bytes=16 << 30)
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up (Triton compiles, graphs capture)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, work))
-    del llm
-    return sum(n for _, n in work) / (time.perf_counter() - start)
+    tokens, tps = run(model_dir, backend, prompts, params, device, dtype, eager=eager,
+                      max_model_len=max(len(p) + n for p, n in work) + 16, kv_bytes=16 << 30)
+    assert [len(t) for t in tokens] == [n for _, n in work]
+    return tps
 
 
 def run_nano_hf(model_dir: str, work, device: str, dtype: str, batch: int) -> float:
-    """Output tokens per second of HF ``generate`` in static, left-padded batches (each as long as its longest)."""
+    """Output tokens per second of HF ``generate`` in static batches (:func:`minivllm.bench.offline.run_hf`)."""
     from transformers import AutoModelForCausalLM
 
+    from minivllm.bench.offline import run_hf
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-    def one_batch(chunk):
-        width = max(len(p) for p, _ in chunk)
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, (p, _) in enumerate(chunk):
-            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
-        longest = max(n for _, n in chunk)
-        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
-                       min_new_tokens=longest, do_sample=False, pad_token_id=0)
-
-    with torch.inference_mode():
-        one_batch(work[:2])  # warm-up
-        sync()
-        start = time.perf_counter()
-        for i in range(0, len(work), batch):
-            one_batch(work[i: i + batch])
-        sync()
-    del model
-    return sum(n for _, n in work) / (time.perf_counter() - start)
+    run_hf(model, work[:2], batch, 0, device)  # warm-up
+    seconds, _ = run_hf(model, work, batch, 0, device)
+    return sum(n for _, n in work) / seconds
 
 
 def nano_main(a) -> dict:
@@ -180,13 +158,16 @@ def main() -> int:
             with open(a.json, "w") as f:
                 json.dump(result, f, indent=2)
         return 0
+    from minivllm import SamplingParams
+
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(10, 30000, (int(n),), generator=g).tolist()}
                for n in torch.randint(16, a.max_prompt_len, (a.prompts,), generator=g)]
     with tempfile.TemporaryDirectory() as d:
         make_model_dir(d, a.arch)
-        ref, torch_tps = run(d, "torch", prompts, a.max_tokens, a.device, a.dtype)
-        got, triton_tps = run(d, "triton", prompts, a.max_tokens, a.device, a.dtype)
+        params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
+        ref, torch_tps = run(d, "torch", prompts, params, a.device, a.dtype)
+        got, triton_tps = run(d, "triton", prompts, params, a.device, a.dtype)
     div = [first_divergence(x, y) for x, y in zip(ref, got)]
     identical = sum(d is None for d in div)
     result = {

@@ -253,17 +253,18 @@ def hidden_metrics_from_log(fn, seed: int) -> CheckResult:
 
 
 def reference_first_alarm(samples: Sequence[Sample], signal: str, threshold: float, for_s: float) -> float | None:
-    """The first sample time at which ``signal`` has been above ``threshold`` at every scrape for ``for_s`` s."""
-    since = None
-    for s in samples:
-        v = getattr(s, signal)
-        if v > threshold:  # NaN (no data) is not above anything
-            if since is None:
-                since = s.time
-            if s.time - since >= for_s:
-                return s.time
-        else:
-            since = None
+    """The first sample time at which ``signal`` has been above ``threshold`` at every scrape for ``for_s`` s.
+
+    Brute force, on purpose unlike the one-pass solution the learner writes: at each scrape, walk back over
+    the unbroken run of scrapes above the threshold that ends there, and fire at the first scrape whose run
+    spans ``for_s`` seconds.  (NaN, no data, is not above anything and so breaks a run.)
+    """
+    for i, s in enumerate(samples):
+        first = i
+        while first >= 0 and getattr(samples[first], signal) > threshold:
+            first -= 1
+        if first < i and s.time - samples[first + 1].time >= for_s:
+            return s.time
     return None
 
 

@@ -31,35 +31,32 @@ _GPU_SEQ_OVERHEAD_S = 5e-6
 _GEMM_UTIL = 0.7
 _HBM_UTIL = 0.85
 
+def _datasheet_gpu(name: str, bf16_dense_tflops: float, bandwidth: float, memory: float, host_link: float,
+                   notes: str) -> HardwareSpec:
+    """A datasheet GPU: its peaks, the assumed utilisations and the typical host/launch costs above."""
+    return HardwareSpec(name, peak_flops=bf16_dense_tflops * TB, mem_bandwidth=bandwidth, memory_bytes=memory,
+                        step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
+                        seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=host_link,
+                        flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes=notes)
+
+
 HARDWARE: dict[str, HardwareSpec] = {
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), nvidia.com/en-us/data-center/h100/:
     # BF16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense; GPU memory 80 GB;
     # memory bandwidth 3.35 TB/s; interconnect PCIe Gen5 128 GB/s (both directions) -> 64 GB/s one way.
-    "h100": HardwareSpec("h100", peak_flops=989.5 * TB, mem_bandwidth=3.35 * TB, memory_bytes=80 * GB,
-                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
-                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=64 * GB,
-                         flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="H100 SXM5 80GB, datasheet peaks"),
+    "h100": _datasheet_gpu("h100", 989.5, 3.35 * TB, 80 * GB, 64 * GB, "H100 SXM5 80GB, datasheet peaks"),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column), nvidia.com/en-us/data-center/h200/:
     # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 dense; GPU memory 141 GB;
     # memory bandwidth 4.8 TB/s; PCIe Gen5 128 GB/s (both directions) -> 64 GB/s one way.
-    "h200": HardwareSpec("h200", peak_flops=989.5 * TB, mem_bandwidth=4.8 * TB, memory_bytes=141 * GB,
-                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
-                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=64 * GB,
-                         flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="H200 SXM 141GB, datasheet peaks"),
+    "h200": _datasheet_gpu("h200", 989.5, 4.8 * TB, 141 * GB, 64 * GB, "H200 SXM 141GB, datasheet peaks"),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column), nvidia.com/en-us/data-center/a100/:
     # BF16 Tensor Core 312 TFLOPS (624 with sparsity); GPU memory 80 GB HBM2e; memory bandwidth 2,039 GB/s;
     # PCIe Gen4 64 GB/s (both directions) -> 32 GB/s one way.
-    "a100": HardwareSpec("a100", peak_flops=312 * TB, mem_bandwidth=2039 * GB, memory_bytes=80 * GB,
-                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
-                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=32 * GB,
-                         flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="A100 SXM4 80GB, datasheet peaks"),
+    "a100": _datasheet_gpu("a100", 312, 2039 * GB, 80 * GB, 32 * GB, "A100 SXM4 80GB, datasheet peaks"),
     # NVIDIA L4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/l4/:
     # BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense; GPU memory 24 GB GDDR6; memory bandwidth 300 GB/s;
     # PCIe Gen4 x16 64 GB/s (both directions) -> 32 GB/s one way.
-    "l4": HardwareSpec("l4", peak_flops=121 * TB, mem_bandwidth=300 * GB, memory_bytes=24 * GB,
-                       step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
-                       seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=32 * GB,
-                       flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes="L4 24GB, datasheet peaks"),
+    "l4": _datasheet_gpu("l4", 121, 300 * GB, 24 * GB, 32 * GB, "L4 24GB, datasheet peaks"),
 }
 
 MODELS: dict[str, ModelShape] = {
