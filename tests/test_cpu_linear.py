@@ -71,7 +71,7 @@ def test_greedy_tokens_identical_to_hf(tmp_path, kind):
             out = hf.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
             expected.append(out[0, len(p):].tolist())
     llm = LLM(path, dtype="float32", linear_backend="onednn", max_model_len=128)
-    assert llm.engine.model_runner.model.model.layers[0].mlp.gate_up_weight.is_mkldnn
+    assert llm.engine.model_runner.model.model.layers[0].mlp.gate_up_proj.weight.is_mkldnn
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected

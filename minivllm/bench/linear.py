@@ -24,12 +24,10 @@ import torch
 
 def model_shapes(model: str | None) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
     """``(per-layer [(in, out)], num_layers, vocab (in, out))`` read from the model's config, no weights."""
-    from transformers import AutoConfig
-
     from minivllm.model.llama import ModelArgs
-    from minivllm.model.loader import resolve_model_dir
+    from minivllm.model.loader import read_config, resolve_model_dir
 
-    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(str(resolve_model_dir(model))))
+    args = ModelArgs.from_hf_config(read_config(resolve_model_dir(model)))
     h, d, i = args.hidden_size, args.head_dim, args.intermediate_size
     layer = [(h, (args.num_heads + 2 * args.num_kv_heads) * d), (args.num_heads * d, h), (h, 2 * i), (i, h)]
     return layer, args.num_layers, (h, args.vocab_size)

@@ -95,12 +95,42 @@ class ModelArgs:
         )
 
 
+class Projection(nn.Module):
+    """A linear layer's ``weight`` ``[out, in]`` (and bias), left uninitialised: the checkpoint fills it.
+
+    Why not ``nn.Linear``: its constructor draws random weights that loading
+    overwrites at once, and building it on the meta device instead imports
+    ``torch._dynamo`` (150 MB resident).  ``torch.empty`` reserves address
+    space only; pages that are never written never occupy memory.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
+        bias_param = nn.Parameter(torch.empty(out_features, **factory), requires_grad=False) if bias else None
+        self.register_parameter("bias", bias_param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """The token embedding table ``[vocab, hidden]``, uninitialised like :class:`Projection`."""
+
+    def __init__(self, num_embeddings: int, dim: int, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, **factory), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in fp32 like the reference implementations."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, **factory) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, **factory), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,36 +180,29 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Self-attention with q, k and v stacked in one projection (one matmul instead of three).
+
+    The checkpoint stores ``q_proj``/``k_proj``/``v_proj`` separately;
+    :meth:`LlamaForServing.load_weight` copies each into its rows of
+    ``qkv_proj``, so the stacked weight is never built by concatenation.
+    """
+
+    def __init__(self, args: ModelArgs, **factory) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        self.qkv_proj = Projection(h, (args.num_heads + 2 * args.num_kv_heads) * d, bias=args.qkv_bias, **factory)
+        self.o_proj = Projection(args.num_heads * d, h, bias=False, **factory)
         if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.rms_norm_eps)
-            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+            self.q_norm = RMSNorm(d, args.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps, **factory)
         self.qk_norm = args.qk_norm
         self.scale = d**-0.5
 
-    def fuse(self) -> None:
-        """Stack q/k/v weights so one matmul replaces three (fewer, larger calls run faster)."""
-        self.register_buffer("qkv_weight", torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]), persistent=False)
-        bias = self.q_proj.bias
-        if bias is not None:
-            bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-        self.register_buffer("qkv_bias", bias, persistent=False)
-
     def forward(self, x, rope, kv_cache, meta, backend):
         t = x.shape[0]
-        if hasattr(self, "qkv_weight"):
-            qkv = linear(x, self.qkv_weight, self.qkv_bias)
-            q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                 self.num_kv_heads * self.head_dim], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                          self.num_kv_heads * self.head_dim], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -190,36 +213,29 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         backend.write_kv(k, v, k_cache, v_cache, meta)
         out = backend.attend(q, k_cache, v_cache, meta, self.scale)
-        return linear(out.reshape(t, -1), self.o_proj.weight)
+        return self.o_proj(out.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU, down(silu(gate(x)) * up(x)), with gate and up stacked in one projection."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, **factory) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-
-    def fuse(self) -> None:
-        """Stack gate/up weights: one matmul, then split — same math, one call fewer."""
-        self.register_buffer("gate_up_weight", torch.cat([self.gate_proj.weight, self.up_proj.weight]), persistent=False)
+        self.gate_up_proj = Projection(args.hidden_size, 2 * args.intermediate_size, bias=False, **factory)
+        self.down_proj = Projection(args.intermediate_size, args.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up_weight"):
-            gate, up = linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return linear(nn.functional.silu(gate) * up, self.down_proj.weight)
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, **factory) -> None:
         super().__init__()
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, **factory)
+        self.mlp = MLP(args, **factory)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
 
     def forward(self, x, rope, kv_cache, meta, backend):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
@@ -229,11 +245,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embeddings, decoder layers and final norm; parameter names match HF's ``model.*``."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, **factory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(args, **factory) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, **factory)
 
 
 class LlamaForServing(nn.Module):
@@ -245,13 +261,20 @@ class LlamaForServing(nn.Module):
 
     linear_backend = "torch"  # "onednn" once :meth:`pack_for_onednn` ran
 
-    def __init__(self, args: ModelArgs, hf_config, backend=None) -> None:
+    # checkpoint projections served as rows of a stacked one: name -> (stacked name, index among the stacked)
+    STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, args: ModelArgs, hf_config, backend=None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Build the model with uninitialised weights on ``device``; :meth:`load_weight` fills them."""
         super().__init__()
+        factory = {"device": device, "dtype": dtype}
         self.args = args
-        self.model = LlamaModel(args)
+        self.model = LlamaModel(args, **factory)
         if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings)
+            self.lm_head = Projection(args.hidden_size, args.vocab_size, bias=False, **factory)
+        self.rope = RotaryEmbedding(hf_config, args.head_dim, args.max_position_embeddings).to(device)  # fp32
         self.backend = backend if backend is not None else TorchAttentionBackend()  # an AttentionBackend
 
     def forward(
@@ -267,18 +290,54 @@ class LlamaForServing(nn.Module):
             x = layer(x, rope, kv_cache, meta, self.backend)
         return self.model.norm(x)
 
-    def fuse_projections(self) -> None:
-        """Serve with stacked q/k/v and gate/up weights (the originals are dropped to save memory)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                        layer.mlp.gate_proj, layer.mlp.up_proj):
-                lin.weight = nn.Parameter(torch.empty(0, device=lin.weight.device, dtype=lin.weight.dtype), requires_grad=False)
-                lin.bias = None
+    def load_weight(self, name: str, tensor: torch.Tensor) -> str:
+        """Copy one checkpoint tensor into place; return where it landed (``param`` or ``param[i]``).
+
+        ``copy_`` writes into the parameter's own storage, converting dtype and
+        device on the way, so loading allocates nothing beyond the model.
+        Checkpoint names match HF's; a q/k/v or gate/up projection lands in
+        its rows of the stacked projection (:attr:`STACKED`).  Raises
+        ``KeyError`` for a name the model has no place for.
+        """
+        owner_name, _, leaf = name.rpartition(".")
+        module_name, _, proj = owner_name.rpartition(".")
+        if proj in self.STACKED:
+            stacked, index = self.STACKED[proj]
+            owner_name = f"{module_name}.{stacked}"
+        else:
+            index = None
+        try:
+            param = self.get_parameter(f"{owner_name}.{leaf}")
+        except AttributeError:
+            raise KeyError(name) from None
+        if index is None:
+            target = param
+        else:
+            sizes = self._stacked_sizes(stacked)
+            start = sum(sizes[:index])
+            target = param.narrow(0, start, sizes[index])
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}")
+        target.copy_(tensor)
+        return f"{owner_name}.{leaf}" + ("" if index is None else f"[{index}]")
+
+    def weight_slots(self) -> set[str]:
+        """Every place :meth:`load_weight` must fill once for the model to be complete."""
+        slots = set()
+        for name, _ in self.named_parameters():
+            stacked = name.rsplit(".", 2)[-2]
+            parts = len(self._stacked_sizes(stacked)) if stacked in ("qkv_proj", "gate_up_proj") else 0
+            slots.update([name] if not parts else (f"{name}[{i}]" for i in range(parts)))
+        return slots
+
+    def _stacked_sizes(self, stacked: str) -> list[int]:
+        a = self.args
+        if stacked == "qkv_proj":
+            return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        return [a.intermediate_size, a.intermediate_size]
 
     def pack_for_onednn(self) -> None:
-        """Hand every projection to oneDNN (fp32 CPU serving; call after :meth:`fuse_projections`).
+        """Hand every projection to oneDNN (fp32 CPU serving).
 
         Why: a decode step multiplies a few rows by every weight of the model,
         and on the CPUs measured here oneDNN does that 2-3.7x faster (1-16 rows) than the
@@ -290,11 +349,8 @@ class LlamaForServing(nn.Module):
         """
         self.linear_backend = "onednn"
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_weight = onednn_weight(attn.qkv_weight)
-            mlp.gate_up_weight = onednn_weight(mlp.gate_up_weight)
-            attn.o_proj.weight = nn.Parameter(onednn_weight(attn.o_proj.weight), requires_grad=False)
-            mlp.down_proj.weight = nn.Parameter(onednn_weight(mlp.down_proj.weight), requires_grad=False)
+            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                proj.weight = nn.Parameter(onednn_weight(proj.weight), requires_grad=False)
         if self.args.tie_word_embeddings:
             self.register_buffer("lm_head_packed", onednn_weight(self.model.embed_tokens.weight), persistent=False)
         else:

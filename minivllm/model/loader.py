@@ -117,6 +117,8 @@ def convert_gguf(path: Path) -> Path:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
     from safetensors.torch import save_file
+
+    import_off_stack("torch._dynamo")  # see import_off_stack: transformers' model classes import it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -138,32 +140,159 @@ def convert_gguf(path: Path) -> Path:
 
 
 # -- loading ------------------------------------------------------------------
+#
+# Memory is the point of most of what follows.  The model's weights are 540 MB
+# in fp32; a loader that reads the whole file and then copies it into the
+# module holds them twice (1.5 GB peak for a 135M model), and importing
+# transformers' model classes costs another 160 MB (they pull in
+# torch._dynamo, sympy and triton).  So the config and tokenizer are read with
+# transformers' generic classes where the files allow it, weights are copied
+# into the module one layer at a time from a short-lived memory map, and a
+# tied embedding table stays a read-only map of the file: a step reads a few
+# of its 49,152 rows, and only those pages ever occupy memory.
 
-def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+# the fields ModelArgs needs that a model-specific config class would otherwise default
+_REQUIRED_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "rms_norm_eps", "max_position_embeddings")
+# tokenizer classes that are transformers' generic fast tokenizer under another name
+_GENERIC_TOKENIZERS = {"TokenizersBackend", "PreTrainedTokenizerFast"}
 
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        return state
-    bins = sorted(folder.glob("pytorch_model*.bin"))
-    if bins:
-        state = {}
-        for f in bins:
-            state.update(torch.load(f, map_location="cpu", weights_only=True))
-        return state
-    raise ValueError(f"no weights (*.safetensors or pytorch_model*.bin) in {folder}")
+
+def import_off_stack(module: str) -> None:
+    """Import ``module`` on a short-lived thread, so no caller's frame is on the stack while it runs.
+
+    transformers' model classes import ``torch._dynamo`` lazily, and that
+    import calls ``torch.fx.wrap``, whose frame holds a reference to itself: a
+    cycle that keeps every frame below it alive -- including ``LLM.__init__``
+    and its ``self`` -- until the cyclic garbage collector happens to run.
+    Importing it from a clean thread first means ``del llm`` frees the engine
+    at once.  Only the fallback paths below need it; the usual path never
+    imports ``torch._dynamo`` at all.
+    """
+    import importlib
+    import sys
+    import threading
+
+    if module not in sys.modules:
+        worker = threading.Thread(target=importlib.import_module, args=(module,), daemon=True)
+        worker.start()
+        worker.join()
+
+
+def read_config(folder: Path):
+    """The model's config: transformers' generic ``PreTrainedConfig`` when ``config.json`` is complete.
+
+    Why not ``AutoConfig``: resolving the model-specific class imports
+    transformers' modelling stack (about 1,000 modules, 160 MB resident) for
+    defaults this engine never uses once the file spells the fields out.  The
+    generic class still standardises the RoPE parameters the same way.  A
+    config that leaves a needed field to its class's default goes through
+    ``AutoConfig``.
+    """
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the model config in {folder}: {exc}") from exc
+    try:
+        if all(key in raw for key in _REQUIRED_CONFIG_KEYS):
+            from transformers.configuration_utils import PretrainedConfig
+
+            return PretrainedConfig(**raw)
+        import_off_stack("torch._dynamo")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ValueError(f"cannot read the model config in {folder}: {exc}") from exc
 
 
 def load_tokenizer(folder: Path):
-    """The tokenizer saved beside the weights, or None (then prompts must be token ids)."""
+    """The tokenizer saved beside the weights, or None (then prompts must be token ids).
+
+    A ``tokenizer.json`` whose config names the generic fast tokenizer is
+    loaded with that class directly (``AutoTokenizer`` would first import the
+    model's config class, see :func:`read_config`); anything else goes through
+    ``AutoTokenizer``.
+    """
     if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    try:
+        tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tok_config = {}
+    if (folder / "tokenizer.json").exists() and tok_config.get("tokenizer_class") in _GENERIC_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    import_off_stack("torch._dynamo")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _layer_of(name: str) -> str:
+    """``model.layers.7.mlp.up_proj.weight`` -> ``model.layers.7``; other names -> ``""``."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ""
+
+
+def _weight_groups(folder: Path):
+    """Yield ``{name: tensor}`` one decoder layer at a time (the other tensors as one group).
+
+    Each group comes from its own short-lived ``safe_open`` map of the file:
+    safetensors maps the whole file once per handle and keeps every page a
+    copy touched resident until the last tensor of that handle is gone, so
+    one handle for the whole load would hold the file in memory beside its
+    copy.  ``pytorch_model*.bin`` files are read whole (they cannot be mapped).
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                keys = list(handle.keys())
+            groups: dict[str, list[str]] = {}
+            for key in keys:
+                groups.setdefault(_layer_of(key), []).append(key)
+            for names in groups.values():
+                with safe_open(str(f), framework="pt") as handle:
+                    yield {name: handle.get_tensor(name) for name in names}
+        return
+    bins = sorted(folder.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ValueError(f"no weights (*.safetensors or pytorch_model*.bin) in {folder}")
+    for f in bins:
+        yield torch.load(f, map_location="cpu", weights_only=True)
+
+
+def mapped_tensor(folder: Path, name: str) -> torch.Tensor | None:
+    """``name`` as a read-only view of the safetensors file (pages load on first touch), or None."""
+    from safetensors import safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            if name in handle.keys():
+                return handle.get_tensor(name)
+    return None
+
+
+def _copy_weights(net: LlamaForServing, folder: Path) -> None:
+    """Fill every parameter of ``net`` from the checkpoint (each written in place, see ``load_weight``)."""
+    unexpected, loaded = [], set()
+    for group in _weight_groups(folder):
+        for name, tensor in group.items():
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and net.args.tie_word_embeddings):
+                continue
+            try:
+                loaded.add(net.load_weight(name, tensor))
+            except KeyError:
+                unexpected.append(name)
+        del group  # the group's map of the file goes with its last tensor
+    missing = sorted(net.weight_slots() - loaded)
+    if missing or unexpected:
+        raise ValueError(f"weights in {folder} do not fit a {net.args.architecture} model: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def load_model(
@@ -171,36 +300,28 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     backend=None,
+    linear_backend: str = "torch",
 ) -> LoadedModel:
-    """Resolve, (convert,) and load a Llama-family model for serving."""
-    from transformers import AutoConfig
+    """Resolve, (convert,) and load a Llama-family model for serving.
 
+    ``linear_backend="onednn"`` (fp32 on a CPU) also reorders every projection
+    for oneDNN (:meth:`LlamaForServing.pack_for_onednn`).
+    """
     folder = resolve_model_dir(model)
-    try:
-        hf_config = AutoConfig.from_pretrained(str(folder))
-    except Exception as exc:
-        raise ValueError(f"cannot read the model config in {folder}: {exc}") from exc
+    hf_config = read_config(folder)
     args = ModelArgs.from_hf_config(hf_config)
-    with torch.device("meta"):
-        net = LlamaForServing(args, hf_config, backend)
-    state = _read_state_dict(folder)
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if args.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    net.to_empty(device="cpu")
-    net.rope.__init__(hf_config, args.head_dim, args.max_position_embeddings)  # buffers are not in the checkpoint
-    missing, unexpected = net.load_state_dict(state, strict=False)  # copies: each weight its own allocation
-    # drop the file's tensors now: safetensors backs them all with one buffer, freed only when none is left
-    del state
-    missing = [m for m in missing if not m.startswith("rope.")]
-    if missing or unexpected:
-        raise ValueError(f"weights in {folder} do not fit a {args.architecture} model: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-    net = net.to(device=device, dtype=dtype)
-    net.rope.to(dtype=torch.float32)  # keep RoPE tables in fp32 for accuracy
-    net.eval().requires_grad_(False)
-    net.fuse_projections()
+    net = LlamaForServing(args, hf_config, backend, device=device, dtype=dtype)  # uninitialised weights
+    _copy_weights(net, folder)
+    net.eval()
+    if linear_backend == "onednn":
+        net.pack_for_onednn()
+        embed = net.model.embed_tokens
+        if args.tie_word_embeddings:
+            # the vocabulary projection now has its own packed copy; the lookup only needs a map of the file
+            mapped = mapped_tensor(folder, "model.embed_tokens.weight")
+            if mapped is not None and mapped.dtype == dtype and mapped.shape == embed.weight.shape:
+                embed.weight = torch.nn.Parameter(mapped, requires_grad=False)
     return LoadedModel(model=net, tokenizer=load_tokenizer(folder), hf_config=hf_config, path=folder)
 
 
-__all__ = ["LoadedModel", "load_model", "resolve_model_dir", "default_model_file", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["LoadedModel", "load_model", "read_config", "load_tokenizer", "resolve_model_dir", "default_model_file", "SUPPORTED_ARCHITECTURES"]

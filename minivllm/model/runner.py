@@ -25,38 +25,14 @@ from minivllm.request import Request
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 
 
-def _import_off_stack(module: str) -> None:
-    """Import ``module`` on a short-lived thread, so no caller's frame is on the stack while it runs.
-
-    Loading a model makes transformers import ``torch._dynamo`` lazily, and that
-    import calls ``torch.fx.wrap``, whose frame holds a reference to itself: a
-    cycle that keeps every frame below it alive -- including ``LLM.__init__``
-    and its ``self`` -- until the cyclic garbage collector happens to run.
-    Importing it from a clean thread first means ``del llm`` frees the engine
-    at once, also for the first engine of a process.
-    """
-    import importlib
-    import sys
-    import threading
-
-    if module not in sys.modules:
-        worker = threading.Thread(target=importlib.import_module, args=(module,), daemon=True)
-        worker.start()
-        worker.join()
-
-
 def load_for_serving(config: EngineConfig) -> LoadedModel:
     """Load the model with the attention and linear backends the config asks for (weights fused, eval mode)."""
     from minivllm.model.backends import get_attention_backend, resolve_linear_backend
 
-    _import_off_stack("torch._dynamo")
-
     backend = get_attention_backend(config.attention_backend, config.device)
     linear = resolve_linear_backend(config.linear_backend, config.device, config.dtype)
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device, backend=backend)
-    if linear == "onednn":
-        loaded.model.pack_for_onednn()
-    return loaded
+    return load_model(config.model, dtype=config.dtype, device=config.device, backend=backend,
+                      linear_backend=linear)
 
 
 @dataclass(frozen=True)

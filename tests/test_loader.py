@@ -1,0 +1,145 @@
+"""The loader's memory-saving paths against what transformers would have built.
+
+The loader reads configs with transformers' generic config class (not the
+model-specific one, whose import drags in torch._dynamo), copies checkpoint
+tensors straight into stacked q/k/v and gate/up projections, and leaves a tied
+embedding table as a map of the file.  Each shortcut is checked against the
+long way round: ``AutoConfig`` and HF's own rotary embedding for the config,
+HF's module weights for the stacking, and ``/proc/self/maps`` for the map.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minivllm.model.llama import LlamaForServing, ModelArgs, RotaryEmbedding
+from minivllm.model.loader import load_model, read_config
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192,
+              vocab_size=300, num_hidden_layers=2, max_position_embeddings=512)
+
+
+def _save(path, config, cls=transformers.LlamaForCausalLM):
+    torch.manual_seed(3)
+    cls(config).save_pretrained(str(path))
+    return path
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                         "rope_theta": 500000.0}])
+def test_generic_config_reads_like_autoconfig(tmp_path, rope):
+    kwargs = dict(COMMON, rope_parameters=rope) if rope else dict(COMMON)
+    folder = _save(tmp_path, transformers.LlamaConfig(**kwargs))
+    light, auto = read_config(folder), transformers.AutoConfig.from_pretrained(str(folder))
+    assert type(light) is not type(auto)  # the shortcut was taken
+    assert light.rope_parameters["rope_type"] == (rope or {}).get("rope_type", "default")
+    assert ModelArgs.from_hf_config(light) == ModelArgs.from_hf_config(auto)
+    ours = RotaryEmbedding(light, 16, 512)
+    # HF's own rotary module is the oracle for the frequencies (and Llama 3's scaling of them)
+    hf_rope = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(auto)
+    positions = torch.arange(512)[None]
+    cos, sin = hf_rope(torch.zeros(1, 512, 16), positions)
+    torch.testing.assert_close(ours.cos, cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
+
+
+def test_incomplete_config_goes_through_autoconfig(tmp_path):
+    folder = _save(tmp_path, transformers.LlamaConfig(**COMMON))
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["rms_norm_eps"]  # left to LlamaConfig's default
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = read_config(folder)
+    assert type(config).__name__ == "LlamaConfig" and config.rms_norm_eps == 1e-6
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_stacked_projections_hold_the_checkpoint_rows(tmp_path, kind):
+    if kind == "llama":
+        config, cls = transformers.LlamaConfig(**COMMON), transformers.LlamaForCausalLM
+    else:
+        config, cls = transformers.Qwen2Config(**COMMON), transformers.Qwen2ForCausalLM
+    folder = _save(tmp_path, config, cls)
+    hf = cls.from_pretrained(str(folder))
+    ours = load_model(str(folder)).model
+    for hf_layer, layer in zip(hf.model.layers, ours.model.layers):
+        a, m = hf_layer.self_attn, hf_layer.mlp
+        assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        if kind == "qwen2":
+            assert torch.equal(layer.self_attn.qkv_proj.bias, torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+
+
+def test_a_checkpoint_missing_part_of_a_stack_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _save(tmp_path, transformers.LlamaConfig(**COMMON))
+    state = load_file(str(folder / "model.safetensors"))
+    del state["model.layers.1.self_attn.v_proj.weight"]
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"qkv_proj.weight\[2\]"):
+        load_model(str(folder))
+
+
+def test_a_checkpoint_of_the_wrong_shape_is_refused(tmp_path):
+    folder = _save(tmp_path, transformers.LlamaConfig(**COMMON))
+    raw = json.loads((folder / "config.json").read_text())
+    raw["intermediate_size"] = 200
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(str(folder))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_checkpoint_tensor_has_one_slot(tied):
+    config = transformers.LlamaConfig(tie_word_embeddings=tied, **COMMON)
+    hf_names = set(transformers.LlamaForCausalLM(config).state_dict()) - ({"lm_head.weight"} if tied else set())
+    slots = LlamaForServing(ModelArgs.from_hf_config(config), config).weight_slots()
+    assert len(slots) == len(hf_names)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_serving_the_default_model_imports_no_model_classes_and_maps_the_embedding(default_model_dir):
+    code = """
+import sys
+from minivllm import LLM
+llm = LLM(dtype="float32", max_model_len=256, num_gpu_blocks_override=16, linear_backend="onednn")
+print(llm.generate(["hi"], use_tqdm=False)[0].outputs[0].token_ids[:1] != [])
+ptr = llm.engine.model_runner.model.model.embed_tokens.weight.data_ptr()
+backing = None
+for line in open("/proc/self/maps"):
+    fields = line.split()
+    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+    if lo <= ptr < hi:
+        backing = fields[5] if len(fields) > 5 else ""
+print("torch._dynamo" in sys.modules, "transformers.models.llama.configuration_llama" in sys.modules)
+print(backing)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    generated, imports, backing = out.stdout.strip().splitlines()[-3:]
+    assert generated == "True"
+    assert imports == "False False", "loading imported transformers' model classes (150 MB of torch._dynamo)"
+    assert backing.endswith("model.safetensors"), f"the tied embedding is not a map of the file: {backing!r}"
+
+
+def test_generic_tokenizer_encodes_like_autotokenizer(default_model_dir):
+    from minivllm.model.loader import load_tokenizer
+
+    ours, auto = load_tokenizer(default_model_dir), transformers.AutoTokenizer.from_pretrained(str(default_model_dir))
+    texts = ["Hello, world!", "  paged attention\tblocks\n\nüñí 日本語 🙂", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        ids = auto(text)["input_ids"]
+        assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": "What is a KV cache?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.pad_token_id, auto.bos_token_id)
