@@ -266,7 +266,7 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = next(model.parameters()).device
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = torch.Generator(device=self.device).manual_seed(seed)  # unseeded rows' noise
         self.prep = BatchPreparer(kv_cache.block_size, self.device)
         self.graphs = None  # a DecodeGraphRunner: CUDA graphs for decode-only steps (GPU, graph-safe backend)
         if (cuda_graph_max_batch and self.device.type == "cuda" and max_model_len
@@ -305,16 +305,10 @@ class ModelRunner:
         logits = self.model.logits(hidden[ends[rows]])
         reqs = [seqs[i].request for i in rows]
         params, gens = [r.sampling_params for r in reqs], [r.generator for r in reqs]
-        try:
-            tokens = sample(logits, params, gens, self.default_generator)
-        except Exception:  # one bad row must not sink the batch: find it, fail only that request
-            tokens = []
-            for i, r in enumerate(reqs):
-                try:
-                    tokens.append(sample(logits[i : i + 1], params[i : i + 1], gens[i : i + 1], self.default_generator)[0])
-                except Exception as exc:  # noqa: BLE001 - reported to the caller as finish_reason "error"
-                    tokens.append(None)
-                    batch.errors[r.request_id] = f"sampling failed: {exc}"
+        tokens = sample(logits, params, gens, self.default_generator)
+        for r, t in zip(reqs, tokens):
+            if t is None:  # one bad row must not sink the batch: only that request fails
+                batch.errors[r.request_id] = "sampling failed: the row's probabilities are not finite (NaN/inf logits)"
         return {r.request_id: t for r, t in zip(reqs, tokens) if t is not None}
 
     @torch.inference_mode()

@@ -1,9 +1,19 @@
-"""Turning logits into the next token, per request.
+"""Turning logits into the next token, for the whole batch at once, on the logits' device.
 
 Greedy rows take the argmax.  Sampled rows apply, in vLLM's order, temperature,
-top-k, top-p (nucleus) and min-p, then draw from the distribution with the
-request's own ``torch.Generator`` when it has a seed — so a seeded request gives
-the same tokens whatever else shares its batch.
+top-k, top-p (nucleus) and min-p, then draw one token.  Everything is a tensor
+operation over all sampled rows together, so a GPU step does not wait on a
+Python loop, and the batch crosses to the host once, as the final token ids.
+
+The draw is the *exponential race*: with ``E_i`` independent Exp(1) noise,
+``argmax_i p_i / E_i`` is token ``i`` with probability exactly ``p_i`` (each
+``E_i / p_i`` is Exp(p_i), and the smallest of independent exponentials is
+``i`` with probability ``p_i / sum p``).  Unlike ``torch.multinomial`` it needs
+no cumulative sum and no per-row call, and each row's noise can come from its
+own generator.  A request with a ``seed`` draws its noise from its own CPU
+``torch.Generator`` (then copies it over): the same seed gives the same tokens
+whatever else shares the batch, and on a GPU as on a CPU.  Unseeded rows draw
+theirs in one call from the executor's generator on the device.
 """
 
 from __future__ import annotations
@@ -15,22 +25,27 @@ import torch
 from minivllm.sampling_params import SamplingParams
 
 
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask out (to -inf) the tokens a row may not sample; ``logits`` is ``[V]``, temperature applied."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # drop a token once the mass *before* it already reaches top_p; the top token always stays
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if min_p > 0.0:
-        probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to ``-inf`` every logit a row may not sample; ``logits`` ``[R, V]`` (temperature applied).
+
+    Per row: keep the ``top_k`` largest (ties at the k-th value kept; ``top_k``
+    of 0 or V keeps all), then the smallest prefix of those whose probability
+    mass reaches ``top_p`` (the top token always stays), then the tokens at
+    least ``min_p`` times as likely as the most likely one.  Each filter sees
+    the distribution the previous one left, renormalised.  Works in sorted
+    order, one sort per batch.
+    """
+    vocab = logits.shape[-1]
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    kth = ordered.gather(1, (k - 1).unsqueeze(1))
+    drop = ordered < kth
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    return torch.full_like(logits, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
 
 
 def sample(
@@ -38,15 +53,33 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
-) -> list[int]:
-    """One token per row of ``logits`` ``[R, V]`` (fp32)."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        row = apply_top_k_top_p_min_p(row, p.top_k, p.top_p, p.min_p)
-        probs = torch.softmax(row, dim=-1)
-        gen = generators[i] if generators[i] is not None else default_generator
-        tokens[i] = int(torch.multinomial(probs.cpu(), 1, generator=gen).item())
-    return tokens
+) -> list[int | None]:
+    """One token per row of ``logits`` ``[R, V]`` (fp32); ``None`` for a row with no finite distribution.
+
+    ``generators[i]`` is row ``i``'s own (CPU) generator or None; the others
+    share ``default_generator``, which must live on ``logits``' device.
+    """
+    tokens = torch.argmax(logits, dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        device = logits.device
+        chosen = [params[i] for i in rows]
+        scaled = logits[rows] / torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(1)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
+            scaled = filter_logits(
+                scaled,
+                torch.tensor([p.top_k for p in chosen], device=device),
+                torch.tensor([p.top_p for p in chosen], device=device, dtype=torch.float32),
+                torch.tensor([p.min_p for p in chosen], device=device, dtype=torch.float32),
+            )
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=default_generator)
+        for j, i in enumerate(rows):
+            if generators[i] is not None:  # a seeded request: its own stream, device-independent
+                noise[j] = torch.empty(probs.shape[1]).exponential_(generator=generators[i]).to(device)
+        # a draw of exactly 0 would turn a forbidden token's 0 / 0 into NaN, which argmax picks: floor it
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        choice = (probs / noise).argmax(dim=-1)
+        bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
+        tokens[rows] = torch.where(bad, -1, choice)
+    return [t if t >= 0 else None for t in tokens.tolist()]  # the batch's one device-to-host copy
