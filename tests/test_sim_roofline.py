@@ -152,6 +152,34 @@ def test_fit_recovers_known_parameters():
     assert err_wrong > 0.01
 
 
+def test_roof_corner_by_hand():
+    from minivllm.sim.roofline import combine
+
+    assert combine(3.0, 4.0, None) == 4.0  # the textbook roofline: the slower limit
+    assert combine(3.0, 4.0, 1.0) == pytest.approx(7.0)  # no overlap at all
+    assert combine(3.0, 4.0, 2.0) == pytest.approx(5.0)
+    assert combine(0.0, 0.0, 3.0) == 0.0
+    assert combine(1e-9, 5.0, 4.0) == pytest.approx(5.0)  # far from the ridge a p-norm is the max
+    with pytest.raises(ValueError, match="roof_p"):
+        HardwareSpec("x", peak_flops=1e9, mem_bandwidth=1e9, roof_p=0.5)
+
+
+def test_fit_roof_recovers_a_soft_corner():
+    from minivllm.sim.calibrate import fit_roof
+
+    shape = model_preset("smollm2-135m").with_dtype(4)
+    for p in (3.0, None):
+        truth = HardwareSpec("truth", peak_flops=60e9, mem_bandwidth=12e9, attention_flops=25e9,
+                             attention_bandwidth=3e9, step_overhead_s=4e-3, seq_overhead_s=0.3e-3, roof_p=p)
+        costs = [step_cost(shape, b) for b in _synthetic_batches()]
+        times = [roofline_time(c, shape, truth).total for c in costs]
+        theta, err, got_p = fit_roof(costs, times, s_per_byte=1 / truth.mem_bandwidth)
+        assert got_p == p and err < 1e-4
+        got = spec_from_theta(theta, "fit", roof_p=got_p)
+        for k in ("peak_flops", "attention_flops", "attention_bandwidth", "step_overhead_s"):
+            assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-2), (p, k)
+
+
 def test_roofline_executor_in_the_real_engine():
     from minivllm.sim.run import SimRequest, drive, make_engine
 

@@ -18,6 +18,16 @@ another, and each phase is timed by its own roofline::
          + max(attention FLOPs / attention FLOP/s, attention bytes / attention B/s)  # reading/writing K/V
          + swapped bytes / swap bandwidth                                      # block moves over PCIe
 
+The ``max`` is the textbook roofline: the slower limit alone sets the time, as
+if arithmetic and memory traffic overlapped perfectly.  Near the ridge point
+(where the two are equal) real kernels fall short of both: a decode GEMM of 8
+rows on the CPU measured here neither streams at full bandwidth nor computes
+at full rate.  ``HardwareSpec.roof_p`` softens the corner: each phase takes
+``(compute**p + memory**p) ** (1/p)``, which is the ``max`` for ``p = inf``
+(the default, and what the datasheet presets use), the sum for ``p = 1``, and
+in between adds the most time exactly where the two limits meet.  Calibration
+chooses ``p`` from the measured steps.
+
 What it ignores, knowingly: kernel-level inefficiencies beyond one achievable
 fraction per roof (tile quantization, wave effects, small-GEMM shapes), the
 re-reading of K/V by each query tile of a long prefill, norms, rotary and other
@@ -132,6 +142,7 @@ class HardwareSpec:
     bw_util: float = 1.0
     attention_flops: float | None = None
     attention_bandwidth: float | None = None  # bytes/s
+    roof_p: float | None = None  # how compute and memory time combine per phase (module docstring); None = max
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -141,6 +152,8 @@ class HardwareSpec:
         for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "memory_bytes"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"HardwareSpec.{k} must be >= 0, got {getattr(self, k)!r}")
+        if self.roof_p is not None and not self.roof_p >= 1:
+            raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {self.roof_p!r}")
 
     @property
     def flops(self) -> float:
@@ -228,6 +241,14 @@ class StepTime:
         return self.overhead + self.dense + self.attention + self.swap
 
 
+def combine(compute: float, memory: float, p: float | None) -> float:
+    """One phase's time from its two limits: ``max`` for ``p=None``, else their ``p``-norm."""
+    top = max(compute, memory)
+    if p is None or top == 0.0:
+        return top
+    return top * ((compute / top) ** p + (memory / top) ** p) ** (1.0 / p)
+
+
 def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTime:
     """Apply ``hw`` to the terms: overheads plus one roofline per phase (see the module docstring)."""
     if cost.num_seqs == 0:
@@ -236,7 +257,7 @@ def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTi
     overhead = hw.step_overhead_s + shape.num_layers * hw.layer_overhead_s + cost.num_seqs * hw.seq_overhead_s
     dc, dm = cost.dense_flops / hw.flops, cost.dense_bytes / hw.bandwidth
     ac, am = cost.attn_flops / hw.attn_flops, cost.attn_bytes / hw.attn_bandwidth
-    return StepTime(overhead, max(dc, dm), max(ac, am), cost.swap_bytes / hw.swap_bandwidth,
+    return StepTime(overhead, combine(dc, dm, hw.roof_p), combine(ac, am, hw.roof_p), cost.swap_bytes / hw.swap_bandwidth,
                     "compute" if dc >= dm else "memory", "compute" if ac >= am else "memory")
 
 
