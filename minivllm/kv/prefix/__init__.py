@@ -51,7 +51,8 @@ def make_prefix_cache(
             raise ValueError("hash_fn only applies to kind='hash'")
         return RadixCache(pool, block_size, quota_blocks, quota_group=quota_group, quota_for=quota_for)
     if kind == "hash":
-        return HashIndex(pool, block_size, quota_blocks, hash_fn or default_block_hash, quota_group, quota_for)
+        return HashIndex(pool, block_size, quota_blocks, quota_group=quota_group, quota_for=quota_for,
+                         hash_fn=hash_fn or default_block_hash)
     raise ValueError(f"unknown prefix cache kind {kind!r}; expected one of {CACHE_KINDS}")
 
 

@@ -455,14 +455,30 @@ class PinIndex:
             block = parent[block]
 
 
+@dataclass(eq=False)
 class LeafEviction:
-    """Eviction and quota logic shared by both caches (a mixin: methods only).
+    """What both caches share: their settings, counters and indexes, and the eviction and quota logic.
 
-    The host class provides ``pool``, ``stats``, ``num_cached_blocks``, a
-    :class:`NamespaceCounts` as ``_counts``, a :class:`LeafIndex` as ``_leaves``,
-    and two structure-specific hooks: ``_evict_leaf(leaf, budget) -> freed`` and
-    ``_is_live_leaf(leaf) -> bool``.
+    A subclass adds its structure (a tree, a dict) after these fields, plus
+    ``num_cached_blocks`` and two hooks: ``_evict_leaf(leaf, budget) -> freed``
+    and ``_is_live_leaf(leaf) -> bool``.
     """
+
+    pool: BlockPool
+    block_size: int = 16
+    quota_blocks: int | None = None
+    quota_group: QuotaGroup | None = None  # namespace -> the key its quota is counted under (module docstring)
+    quota_for: QuotaFor | None = None  # group -> its quota in blocks (None: quota_blocks)
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _counts: NamespaceCounts = field(init=False, repr=False)
+    _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
+    _leaves: LeafIndex = field(default_factory=LeafIndex, repr=False)
+    _pins: PinIndex = field(default_factory=PinIndex, repr=False)
+
+    def __post_init__(self) -> None:
+        self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
+        self._leaves.group_of = self.quota_group
+        self._pins.follow(self.pool)
 
     def evict(self, num_blocks: int) -> int:
         """See :meth:`~minivllm.interfaces.PrefixCache.evict`; LRU across all namespaces."""

@@ -35,25 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from minivllm.kv.prefix.base import (
     PUBLIC_NAMESPACE,
     InsertResult,
     LeafEviction,
-    LeafIndex,
-    LogicalClock,
-    NamespaceCounts,
-    PinIndex,
-    PrefixCacheStats,
-    QuotaFor,
-    QuotaGroup,
     check_new_blocks,
     split_into_blocks,
 )
-
-if TYPE_CHECKING:
-    from minivllm.kv.block_pool import BlockPool
 
 TokenBlock = tuple[int, ...]
 
@@ -92,23 +81,9 @@ def common_block_prefix(edge: list[TokenBlock], blocks: list[TokenBlock], start:
 class RadixCache(LeafEviction):
     """A :class:`~minivllm.interfaces.PrefixCache` backed by radix trees."""
 
-    pool: BlockPool
-    block_size: int = 16
-    quota_blocks: int | None = None
-    quota_group: QuotaGroup | None = None  # namespace -> the key its quota is counted under (see base)
-    quota_for: QuotaFor | None = None  # group -> its quota in blocks (None: quota_blocks)
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # pool, block_size, quotas, stats and the shared indexes: see LeafEviction
     _roots: dict[str, RadixNode] = field(default_factory=dict, repr=False)
     _node_of_block: dict[int, RadixNode] = field(default_factory=dict, repr=False)
-    _counts: NamespaceCounts = field(init=False, repr=False)
-    _clock: LogicalClock = field(default_factory=LogicalClock, repr=False)
-    _leaves: LeafIndex[RadixNode] = field(default_factory=LeafIndex, repr=False)
-    _pins: PinIndex = field(default_factory=PinIndex, repr=False)
-
-    def __post_init__(self) -> None:
-        self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
-        self._leaves.group_of = self.quota_group
-        self._pins.follow(self.pool)
 
     # -- queries -------------------------------------------------------------
     @property
