@@ -168,8 +168,10 @@ def main() -> int:
 
     torch.manual_seed(a.seed)
     kv_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
+    load_start = time.perf_counter()
     llm = LLM(a.model, dtype="float32", max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
               linear_backend=a.linear_backend, attention_backend=a.attention_backend)
+    load_s = time.perf_counter() - load_start  # the model is cached as safetensors by then: a warm load
     model = llm.engine.model_runner.model
     requests = make_workload(llm.tokenizer, a.requests, a.seed)
     out_tokens = sum(n for _, n in requests)
@@ -192,7 +194,7 @@ def main() -> int:
         "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p95_ms": percentile(itl, 95) * 1e3,
         "itl_p99_ms": percentile(itl, 99) * 1e3,
         "peak_kv_blocks": peak_blocks, "kv_blocks": llm.engine.pool.num_blocks,
-        "peak_rss_mb": peak_rss_mb,
+        "peak_rss_mb": peak_rss_mb, "load_s": load_s,
         "matmul_gflops": roof / 1e9, "workload_gflop": flops / 1e9,
         "compute_floor_s": flops / roof, "share_of_floor": (flops / roof) / mv_s,
     }
@@ -226,7 +228,7 @@ def main() -> int:
     print(f"TTFT p50 {results['ttft_p50_ms']:.0f} ms  p95 {results['ttft_p95_ms']:.0f} ms | "
           f"ITL p50 {results['itl_p50_ms']:.0f} ms  p95 {results['itl_p95_ms']:.0f} ms  p99 {results['itl_p99_ms']:.0f} ms")
     print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} ({results['kv_pool_mb']:.0f} MB pool) | "
-          f"peak RSS {results['peak_rss_mb']:.0f} MB | attention {results['attention_backend']}, "
+          f"peak RSS {results['peak_rss_mb']:.0f} MB | load {load_s:.1f} s | attention {results['attention_backend']}, "
           f"linear {results['linear_backend']}")
     print(f"compute floor: {results['workload_gflop']:.0f} GFLOP at {results['matmul_gflops']:.1f} GFLOP/s = "
           f"{results['compute_floor_s']:.1f} s -> minivllm runs at {100 * results['share_of_floor']:.0f}% of the floor")
