@@ -46,7 +46,10 @@ for _status in RequestStatus:
     _status.finished = _status in _FINISHED
 
 
-@dataclass(eq=False)  # identity, not field-by-field: queues find and remove *this* request, fast
+# eq=False: identity, not field-by-field, so queues find and remove *this* request, fast.  slots=True: the
+# fields live in the object itself (no per-instance dict), so the per-step passes over every running request
+# read them with one memory access fewer; a request also cannot grow a stray attribute by a typo.
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -5,7 +5,8 @@
   manager can: new blocks, copy-on-write (``n > 1``), prefix-cache hits, recompute and swap
   preemption, aborts, chunked prefills;
 * the scheduler's and KV manager's bulk loops (``seqs_needing_blocks``, ``num_new_blocks_all``,
-  ``_demand``, ``Request.split_decodes``) against the per-request methods they inline;
+  ``_demand``, ``Request.split_decodes``) against the per-request methods they inline, and an engine
+  growing full tables in one loop (``grow_full_tables``) against one growing every table by ``allocate_slots``;
 * the output processor's ``final_only`` shortcut against the full ``cumulative`` path, the single-tenant
   counters against the per-tenant loop, and the prefix cache's kept evictable count against a walk of
   the cache (also after the pool is replaced).
@@ -134,6 +135,35 @@ def test_split_decodes_agrees_with_is_decode():
     decodes, others = Request.split_decodes(reqs)
     assert decodes == [r for r in reqs if r.is_decode] and others == [r for r in reqs if not r.is_decode]
     assert decodes and others
+
+
+@pytest.mark.parametrize("mode,prefix", [("recompute", True), ("swap", False), ("recompute", False)])
+def test_grow_full_tables_hands_out_what_allocate_slots_would(mode, prefix):
+    """The scheduler first gives full tables their new blocks in one loop (``grow_full_tables``); with that
+    shortcut switched off every table grows through ``allocate_slots``.  The two engines must agree step by
+    step: the same block tables, the same preemptions and the same step log (a small pool, so the free list
+    runs dry and the shortcut hands over to the per-sequence path mid-batch)."""
+    def run(shortcut: bool) -> list:
+        rng = random.Random(f"grow-{mode}-{prefix}")
+        cfg = EngineConfig(enable_prefix_caching=prefix, num_gpu_blocks_override=36, num_cpu_blocks_override=24,
+                           block_size=4, max_num_batched_tokens=24, max_num_seqs=8, max_model_len=96,
+                           preemption_mode=mode, device="cpu")
+        engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=96, eos_token_ids=set())
+        if not shortcut:
+            engine.kv.grow_full_tables = lambda seqs: seqs
+        seen = []
+        for step in range(220):
+            if step < 160 and rng.random() < 0.4:
+                prompt = [rng.randrange(10, 900) for _ in range(rng.randint(1, 16))]
+                engine.add_request({"prompt_token_ids": prompt},
+                                   SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True, n=rng.choice([1, 2])))
+            engine.step()
+            seen.append(sorted((r.request_id, tuple(r.block_ids)) for r in engine.scheduler.running))
+        return seen + [list(engine.step_log)], engine.stats()["num_preemptions"]
+
+    (fast, preempted), (plain, _) = run(True), run(False)
+    assert fast == plain
+    assert preempted > 0  # the pool ran dry: the shortcut stopped and the per-sequence path took over
 
 
 class _ToyTokenizer:

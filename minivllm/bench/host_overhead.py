@@ -26,16 +26,22 @@ nano-vllm's figures for the same step on this machine class, from issue 12:
 scheduler + postprocess 250-370 us, decode preparation 3.0 ms at 256 sequences.
 
 Measured on the 2-core CPU machine (``benchmarks/results/2026-11-30_cpu-2core_host_overhead.json``),
-host CPU time per step at 16 / 482 tokens: ``final_only`` 250 / 278 us (326 / 402
-before the last round), ``delta`` 640 / 688 us (1,073 / 1,163), most of the
-difference being one ``RequestOutput`` (three objects) per request per step.
-What is left is a handful of short passes over the batch -- split decodes from
-prefills, build the rows, find the rows that need a block, append each sampled
-token, check stops, log the step -- at 20-80 us each.  A step keeps no small
-containers alive (the step log stores flat tuples), so Python's cyclic garbage
-collector, which runs once enough of them accumulate, stays out of the step.
-The opcode counts are the same early and late; the times still grow a little
-with output length as the requests' token lists outgrow the CPU caches.
+host CPU time per step at 16 / 482 tokens: ``final_only`` 175 / 190 us (250 / 278
+before the last round, 326 / 402 before that), ``delta`` 526 / 566 us (640 / 688;
+1,073 / 1,163), most of the difference being one ``RequestOutput`` (three
+objects) per request per step.  What is left is a handful of short passes over
+the batch -- split decodes from prefills (~17 us), build one row object per
+decode (~35 us: making a Python object costs ~100 ns), find the rows that need
+a block, append each sampled token, check stops, log the step -- at 15-45 us
+each, bound by memory accesses (a few per request) as much as by bytecodes.
+So the opcode count is a guide, not the cost: on CPython 3.11
+``map(attrgetter(...))`` counts no opcodes yet is slower than a list
+comprehension over slotted objects, and a slotted ``Request`` saves a memory
+access per field read without changing the count.  A step keeps no small containers
+alive (the step log stores flat tuples), so Python's cyclic garbage collector,
+which runs once enough of them accumulate, stays out of the step.  The opcode
+counts are the same early and late; the times still grow ~10% with output
+length as the requests' token lists spread over more memory.
 
     python -m minivllm.bench host_overhead [--out results.json]
 """

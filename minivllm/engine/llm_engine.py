@@ -487,14 +487,15 @@ class LLMEngine:
         if self.config.tenants or len(seen) > 1 or (seen and "default" not in seen):
             fields = tenant_fields(seqs, sched.running, sched.waiting_by_tenant)
             per_tenant = {"seq_tenants": fields[0], "tenants": fields[1]}
+        seq_tokens = tuple([s.num_tokens for s in seqs])
         self.step_log.append(
             StepRecord(
                 step=self.scheduler.stats.num_steps - 1,
                 time=self.executor.now(),
                 seq_ids=tuple([s.request.request_id for s in seqs]),
                 seq_starts=tuple([s.start for s in seqs]),
-                seq_tokens=tuple([s.num_tokens for s in seqs]),
-                num_tokens=batch.num_tokens,
+                seq_tokens=seq_tokens,
+                num_tokens=sum(seq_tokens),  # (batch.num_tokens would walk the batch again)
                 preempted=tuple(r.request_id for r in batch.preempted),
                 swapped_out=len(batch.moves.swap_out),
                 swapped_in=len(batch.moves.swap_in),

@@ -25,11 +25,12 @@ class _Stream:
     """Per-request output state kept beside the request.
 
     The stop settings are copied out of the (frozen) sampling parameters once, at
-    ``add``: the emit loop reads them for every request on every step.
+    ``add``: the emit loop reads them for every request on every step.  ``stop_ids``
+    folds the two token tests into one set lookup.
     """
 
     detok: IncrementalDetokenizer
-    stop_token_ids: tuple  # SamplingParams.stop_token_ids
+    stop_ids: frozenset  # token ids that can stop it: SamplingParams.stop_token_ids, and EOS unless ignore_eos
     stop_strings: tuple  # SamplingParams.stop_strings
     delta: bool  # output_kind == "delta"
     defer_text: bool = False  # final_only without stop strings: nobody reads the text before the end
@@ -49,9 +50,12 @@ class OutputProcessor:
         for req in samples:
             params = req.sampling_params
             final_only = params.output_kind == "final_only"
+            stop_ids = frozenset(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids |= self.eos_token_ids
             self._streams[req.request_id] = _Stream(
                 IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens),
-                params.stop_token_ids, params.stop_strings, params.output_kind == "delta",
+                stop_ids, params.stop_strings, params.output_kind == "delta",
                 defer_text=final_only and not params.stop_strings,  # the params are frozen: decided once
                 every_step=not final_only,
             )
@@ -73,18 +77,17 @@ class OutputProcessor:
         other requests' outputs are built as usual.
         """
         outputs: list[RequestOutput] = []
-        streams, eos = self._streams, self.eos_token_ids
+        streams = self._streams
         for req in grew:  # once per request per step: only attribute reads unless something happens
             tokens = req.output_token_ids
             token = tokens[-1]
             stream = streams[req.request_id]
-            if (stream.defer_text and token not in eos and token not in stream.stop_token_ids
-                    and len(tokens) < req.max_tokens):
+            if stream.defer_text and token not in stream.stop_ids and len(tokens) < req.max_tokens:
                 continue  # final_only, no stop strings, nothing stops: nothing to decode, check or report
             try:
                 if not stream.defer_text:  # (a deferred stream is detokenized once, at its end: _catch_up)
                     stream.detok.add_token(token)
-                if (token in eos or token in stream.stop_token_ids or stream.stop_strings
+                if (token in stream.stop_ids or stream.stop_strings
                         or len(tokens) >= req.max_tokens):  # otherwise no stop can fire
                     self._check_stop(req, token, stream)
                 finished = req.status.finished

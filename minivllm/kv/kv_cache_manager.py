@@ -258,6 +258,8 @@ class KVCacheManager:
         The first test is the common decode case: the new tokens fit the table as
         it is and the block they land in is the request's own (15 of 16 decode
         steps at block size 16), so nothing is computed beyond two comparisons.
+        (The scheduler hands the 16th step's decodes, whose tables are full, to
+        :meth:`grow_full_tables` first.)
         """
         blocks, computed, bs = req.block_ids, req.num_computed_tokens, self.block_size
         if computed + num_new_tokens <= len(blocks) * bs and (
@@ -290,6 +292,28 @@ class KVCacheManager:
         return [s for s in seqs
                 if (c := (r := s.request).num_computed_tokens) + s.num_tokens > len(r.block_ids) * bs
                 or (c % bs and refcount(r.block_ids[-1]) > 1)]
+
+    def grow_full_tables(self, seqs: list) -> list:
+        """Give new blocks, in order, to the sequences whose held blocks are all full; return the rest.
+
+        That is the decode crossing into a new block (1 step in 16 at block size
+        16): there is no last block to copy, and while the free list has room no
+        cached block needs evicting, so the new blocks come straight off the free
+        list -- the same blocks :meth:`allocate_slots` would hand out.  It stops at
+        the first sequence that needs more than that; that one and those after it
+        are returned, for :meth:`allocate_slots` (and preemption) one by one, in order.
+        """
+        pool, bs = self.pool, self.block_size
+        free = pool.num_free
+        for i, s in enumerate(seqs):
+            blocks = s.request.block_ids
+            n = -(-s.num_tokens // bs)
+            if s.request.num_computed_tokens != len(blocks) * bs or n > free:
+                return seqs[i:]
+            free -= n
+            for _ in range(n):
+                blocks.append(pool.allocate())
+        return []
 
     def _take_block(self) -> int:
         if self.pool.num_free == 0 and self.prefix_cache is not None:

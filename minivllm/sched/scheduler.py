@@ -64,7 +64,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from operator import attrgetter
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, PreemptionCostModel, PreemptionPolicy
@@ -74,7 +73,6 @@ from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 from minivllm.sched.fairness import CapTable
 from minivllm.sched.policies import FCFSAdmission, RecomputeLatestPreemption
 
-_REQUEST_ID = attrgetter("request.request_id")  # of a ScheduledSeq
 _SAMPLES_KEPT = 2048  # per tenant: the newest finished requests' TTFTs and ITLs kept for percentiles
 
 
@@ -483,7 +481,11 @@ class Scheduler:
         preempted_before = len(batch.preempted)
         # Without KV caps only the sequences that need a new block (or a private copy of their last one)
         # can run the pool dry; the others fit their tables as they stand (15 of 16 decodes at block 16).
-        todo = batch.seqs if self._held is not None else self.kv.seqs_needing_blocks(batch.seqs)
+        # Of those, the ones whose blocks are all full get theirs off the free list in one loop, while it lasts.
+        if self._held is not None:
+            todo = batch.seqs
+        else:
+            todo = self.kv.grow_full_tables(self.kv.seqs_needing_blocks(batch.seqs))
         for seq in todo:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
@@ -548,10 +550,10 @@ class Scheduler:
         """After a step ran: per-tenant token counts, then the policy's optional ``observe`` hook."""
         seqs = batch.seqs
         if len(self._tenants_added) == 1:
-            # Every request ever added belongs to one tenant: its counts are two sums over the batch, done
-            # by map in C (no Python work per sequence).  Same numbers as the general loop below.
+            # Every request ever added belongs to one tenant: no Python work per sequence.  The executor
+            # returns a token exactly for the rows that sample (its contract), so ``len(sampled)`` counts them.
             prompt_tokens = batch.num_prefill_tokens  # the tokens of the non-decode rows
-            output_tokens = sum(map(sampled.__contains__, map(_REQUEST_ID, seqs)))
+            output_tokens = len(sampled)
             if prompt_tokens or output_tokens:  # (a tenant's counters appear with its first counted token)
                 ts = self.tenant(next(iter(self._tenants_added)))
                 ts.prompt_tokens += prompt_tokens
