@@ -244,6 +244,42 @@ def test_calibrate_end_to_end_on_a_simulated_device():
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
 
 
+def test_calibration_repeats_take_the_median_step(monkeypatch):
+    """A device that triples one step in twelve at random: one run fits it badly, the median of three runs
+    (what ``repeats=3`` keeps per step) gives the true parameters back."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, calibrate
+
+    shape = model_preset("smollm2-135m").with_dtype(4)
+    truth = HardwareSpec("truth", peak_flops=80e9, mem_bandwidth=15e9, attention_flops=20e9,
+                         attention_bandwidth=2e9, step_overhead_s=3e-3, seq_overhead_s=0.2e-3)
+
+    rng = np.random.default_rng(5)
+
+    class Hiccups(RooflineExecutor):
+        def breakdown(self, batch, sampled=None):
+            from dataclasses import replace
+
+            t = super().breakdown(batch, sampled)
+            return replace(t, overhead=t.overhead + 2 * t.total) if rng.random() < 1 / 12 else t
+
+    def fitted(repeats):
+        cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512,
+                           max_model_len=4096, device="cpu")
+        engine = LLMEngine(cfg, executor=Hiccups(shape, truth), model_max_len=4096, eos_token_ids=set())
+        engine.executor = RecordingExecutor(engine.executor)
+        doc = calibrate(engine, shape=shape, scale=0.4, name="hiccups", out=None, pin_bandwidth=False, repeats=repeats)
+        return HardwareSpec.from_dict(doc["hardware"]), doc
+
+    once, _ = fitted(1)
+    median, doc = fitted(3)
+    assert doc["fit"]["repeats"] == 3
+    assert once.peak_flops != pytest.approx(truth.peak_flops, rel=0.02)  # the hiccups did pull the single run
+    for k in ("peak_flops", "attention_flops", "step_overhead_s"):
+        assert getattr(median, k) == pytest.approx(getattr(truth, k), rel=0.02), k
+
+
 def test_sim_run_cli(tmp_path, capsys):
     import json
 

@@ -12,6 +12,12 @@ The held-out workloads: steady decode-heavy (Poisson, long outputs), bursty
 mixed (gamma arrivals with burstiness 0.2, short chats plus long batch prompts),
 and long prompts with chunked prefill (prompts longer than the token budget).
 
+The real engine runs each workload ``--real-repeats`` times (default 2): its
+metrics are the median of the runs, and their spread ((max - min) / median)
+is printed beside the simulator's error.  That spread is the floor under any
+accuracy claim: a simulator cannot be judged more precisely than the engine
+repeats itself on the same machine.
+
 Real timings are only as good as the machine is quiet: the JSON records the
 load average before and after, and the calibration fit's own error.  On a
 machine shared with other busy processes, ``--clock cpu`` times the real engine
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -80,7 +87,8 @@ def sim_engine(real, spec, shape):
 
 
 def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall",
-        model: str | None = None, device: str = "auto", dtype: str = "auto") -> dict:
+        model: str | None = None, device: str = "auto", dtype: str = "auto", real_repeats: int = 2,
+        calibration_repeats: int = 3) -> dict:
     """Calibrate (or load ``profile``), then real vs simulated on the held-out workloads.
 
     ``model`` (an HF directory, e.g. a random-weight Llama-3.2-1B on a GPU machine
@@ -109,7 +117,7 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
         spec = hardware_preset(profile)
     else:
         print("calibrating on the grid of batch shapes (the training set)...", file=out, flush=True)
-        doc = calibrate(real, shape=shape, scale=0.6 if scale < 1 else 1.0, out=out)
+        doc = calibrate(real, shape=shape, scale=0.6 if scale < 1 else 1.0, out=out, repeats=calibration_repeats)
         from minivllm.sim.roofline import HardwareSpec
 
         spec = HardwareSpec.from_dict(doc["hardware"])
@@ -118,34 +126,43 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     rows = {}
     for name in names or WORKLOADS:
         reqs = workload_requests(name, real.tokenizer, scale, vocab_size=shape.vocab_size)
-        rec_real = drive(real, reqs)
+        recs_real = [drive(real, reqs) for _ in range(max(1, real_repeats))]
         rec_sim = drive(sim_engine(real, spec, shape), reqs)
-        m_real, m_sim = metrics(rec_real), metrics(rec_sim)
+        runs, m_sim = [metrics(r) for r in recs_real], metrics(rec_sim)
+        m_real = dict(runs[0], **{k: statistics.median(m[k] for m in runs) for k in METRICS})
+        spread = {k: (max(m[k] for m in runs) - min(m[k] for m in runs)) / m_real[k] if m_real[k] else None
+                  for k in METRICS}
         err = {k: (m_sim[k] - m_real[k]) / m_real[k] if m_real[k] else None for k in METRICS}
-        rows[name] = {"real": m_real, "sim": m_sim, "rel_error": err, "requests": len(reqs),
-                      "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
-                      "real_steps": len(rec_real.step_ends), "sim_steps": len(rec_sim.step_ends)}
-        print(f"  {name}: {len(reqs)} requests, real run {rec_real.wall_s:.1f} s", file=out, flush=True)
+        rows[name] = {"real": m_real, "real_runs": runs, "real_spread": spread, "sim": m_sim, "rel_error": err,
+                      "requests": len(reqs), "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
+                      "real_steps": len(recs_real[0].step_ends), "sim_steps": len(rec_sim.step_ends)}
+        print(f"  {name}: {len(reqs)} requests, real runs {', '.join(f'{r.wall_s:.1f}' for r in recs_real)} s",
+              file=out, flush=True)
     print("\n" + format_table(rows), file=out)
     within = [abs(e) <= 0.10 for r in rows.values() for e in r["rel_error"].values() if e is not None]
     print(f"{sum(within)}/{len(within)} metrics within 10%", file=out)
+    if real_repeats > 1:
+        spreads = [e for r in rows.values() for e in r["real_spread"].values() if e is not None]
+        print(f"the real engine's own run-to-run spread: median {100 * statistics.median(spreads):.1f}%, "
+              f"max {100 * max(spreads):.1f}% ({real_repeats} runs per workload)", file=out)
     return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "clock": clock, "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                      "note": "real timings on a shared machine: other processes were running"},
-            "engine": ENGINE, "scale": scale, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
+            "engine": ENGINE, "scale": scale, "real_repeats": real_repeats, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
             "workloads": rows, "within_10pct": f"{sum(within)}/{len(within)}",
             "seconds": time.perf_counter() - t_start, "_profile": doc}
 
 
 def format_table(rows: dict) -> str:
-    head = f"{'workload':<20} {'metric':<9} {'real':>9} {'sim':>9} {'error':>7}"
+    head = f"{'workload':<20} {'metric':<9} {'real':>9} {'sim':>9} {'error':>7} {'real spread':>12}"
     lines = [head, "-" * len(head)]
     for name, r in rows.items():
         for k in METRICS:
             unit = 1.0 if k == "total_s" else 1000.0
-            e = r["rel_error"][k]
+            e, sp = r["rel_error"][k], r.get("real_spread", {}).get(k)
             lines.append(f"{name:<20} {k + ('' if k == 'total_s' else '_ms'):<9} {r['real'][k] * unit:>9.1f} "
-                         f"{r['sim'][k] * unit:>9.1f} {'-' if e is None else f'{100 * e:+.1f}%':>7}")
+                         f"{r['sim'][k] * unit:>9.1f} {'-' if e is None else f'{100 * e:+.1f}%':>7} "
+                         f"{'-' if sp is None else f'{100 * sp:.1f}%':>12}")
     return "\n".join(lines)
 
 
@@ -161,11 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json)")
     ap.add_argument("--model", default=None, help="an HF model directory instead of the bundled model "
                     "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
+    ap.add_argument("--real-repeats", type=int, default=2,
+                    help="run the real engine this many times per workload (median; the spread is printed)")
+    ap.add_argument("--calibration-repeats", type=int, default=3,
+                    help="run each calibration group this many times, median per step (see sim.calibrate)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
     doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
-              dtype=args.dtype)
+              dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats)
     if args.save_profile and not args.profile:
         os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
         with open(args.save_profile, "w", encoding="utf-8") as fh:
