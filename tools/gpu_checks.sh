@@ -6,7 +6,8 @@
 # That machine has torch, triton and transformers but no internet and no weights, so every model is a
 # random-weight model of a real shape (minivllm.bench.gpu_e2e writes it).  Each step has its own time box,
 # so one slow part cannot eat the rest; summary.txt collects the last lines of each.  About 8 minutes on
-# an H200.  A CPU dry run of the same steps: bash tools/gpu_checks.sh --dry-run (tiny model, seconds).
+# an H200.  A CPU dry run of the same steps: PYTHON=.venv/bin/python bash tools/gpu_checks.sh --dry-run
+# (tiny model, about 1.5 minutes; it keeps the KV pool small, Triton's interpreter copies it at every launch).
 set -u
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"

@@ -52,9 +52,16 @@ def make_model_dir(path: str, arch: str) -> None:
 
 
 def run(model_dir: str, backend: str, prompts, params, device: str, dtype: str, *, eager: bool = False,
-        max_model_len: int = 4096, kv_bytes: int = 8 << 30):
-    """Serve ``prompts`` (all submitted at once) after a two-prompt warm-up; (token ids, output tok/s)."""
+        max_model_len: int = 4096, kv_bytes: int | None = None):
+    """Serve ``prompts`` (all submitted at once) after a two-prompt warm-up; (token ids, output tok/s).
+
+    The KV pool is 8 GiB on a GPU and 256 MiB elsewhere: on a CPU dry run Triton's interpreter copies
+    every tensor argument of a kernel, the whole pool included, at each launch.
+    """
     from minivllm import LLM
+
+    if kv_bytes is None:
+        kv_bytes = 8 << 30 if device == "cuda" else 256 << 20
 
     llm = LLM(model_dir, dtype=dtype, device=device, attention_backend=backend, enforce_eager=eager,
               max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes)
@@ -83,7 +90,7 @@ def run_nano_minivllm(model_dir: str, backend: str, work, device: str, dtype: st
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     tokens, tps = run(model_dir, backend, prompts, params, device, dtype, eager=eager,
-                      max_model_len=max(len(p) + n for p, n in work) + 16, kv_bytes=16 << 30)
+                      max_model_len=max(len(p) + n for p, n in work) + 16, kv_bytes=16 << 30 if device == "cuda" else None)
     assert [len(t) for t in tokens] == [n for _, n in work]
     return tps
 
