@@ -151,10 +151,10 @@ def count_identical(a: list[list[int]], b: list[list[int]], until: set[int] | fr
     logit 24.4 against 22.9) HF is forced onto another token and the two
     continuations part.  Up to that point HF is the exact oracle.
     """
-    def cut(x: list[int]) -> list[int]:
-        return x[: next((i for i, t in enumerate(x) if t in until), len(x))]
+    def compared(x: list[int]) -> int:
+        return next((i for i, t in enumerate(x) if t in until), len(x))
 
-    return sum(cut(x) == y[: len(cut(x))] and len(y) >= len(cut(x)) for x, y in zip(a, b))
+    return sum(len(y) >= (n := compared(x)) and x[:n] == y[:n] for x, y in zip(a, b))
 
 
 def main() -> int:

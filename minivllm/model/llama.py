@@ -325,9 +325,11 @@ class LlamaForServing(nn.Module):
         """Every place :meth:`load_weight` must fill once for the model to be complete."""
         slots = set()
         for name, _ in self.named_parameters():
-            stacked = name.rsplit(".", 2)[-2]
-            parts = len(self._stacked_sizes(stacked)) if stacked in ("qkv_proj", "gate_up_proj") else 0
-            slots.update([name] if not parts else (f"{name}[{i}]" for i in range(parts)))
+            module = name.rsplit(".", 2)[-2]
+            if module in {stacked for stacked, _ in self.STACKED.values()}:
+                slots.update(f"{name}[{i}]" for i in range(len(self._stacked_sizes(module))))
+            else:
+                slots.add(name)
         return slots
 
     def _stacked_sizes(self, stacked: str) -> list[int]:

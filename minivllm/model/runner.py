@@ -305,11 +305,13 @@ class ModelRunner:
         logits = self.model.logits(hidden[ends[rows]])
         reqs = [seqs[i].request for i in rows]
         params, gens = [r.sampling_params for r in reqs], [r.generator for r in reqs]
-        tokens = sample(logits, params, gens, self.default_generator)
-        for r, t in zip(reqs, tokens):
+        sampled = {}
+        for r, t in zip(reqs, sample(logits, params, gens, self.default_generator)):
             if t is None:  # one bad row must not sink the batch: only that request fails
                 batch.errors[r.request_id] = "sampling failed: the row's probabilities are not finite (NaN/inf logits)"
-        return {r.request_id: t for r, t in zip(reqs, tokens) if t is not None}
+            else:
+                sampled[r.request_id] = t
+        return sampled
 
     @torch.inference_mode()
     def logits_for(self, batch: ScheduledBatch) -> dict[str, torch.Tensor]:

@@ -137,6 +137,12 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
     from step overhead (module docstring).  ``roof_p`` is the roofline's
     corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.
     """
+    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p)
+    return theta, err
+
+
+def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p) -> tuple[np.ndarray, float, float]:
+    """:func:`fit`'s work; also returns the weighted error it minimised (what :func:`fit_roof` compares)."""
     t = np.asarray(times, dtype=float)
     if len(costs) != len(t) or len(t) < len(PARAMS):
         raise ValueError(f"need at least {len(PARAMS)} measured steps with their costs, got {len(t)}")
@@ -169,7 +175,7 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
             if err < best_err:
                 best, best_err = theta, err
     pred, _ = _predict(best, costs, roof_p)
-    return best, float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+    return best, float(np.sqrt(np.mean(((pred - t) / t) ** 2))), best_err
 
 
 ROOF_P_CANDIDATES = (None, 8.0, 4.0, 3.0, 2.0, 1.5)
@@ -183,16 +189,9 @@ def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None
     minimises, so a sharp corner (``None``, the textbook ``max``) wins unless
     the measurements say the limits do not overlap near the ridge.
     """
-    t = np.asarray(times, dtype=float)
-    w = 1.0 / t
-    if groups is not None:
-        sizes = {g: groups.count(g) for g in set(groups)}
-        w = w / np.sqrt([sizes[g] for g in groups])
     best = None
     for p in candidates:
-        theta, err = fit(costs, times, groups=groups, s_per_byte=s_per_byte, roof_p=p)
-        pred, _ = _predict(theta, costs, p)
-        weighted = float(np.sqrt(np.sum(((pred - t) * w) ** 2) / np.sum((w * t) ** 2)))
+        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p)
         if best is None or weighted < best[0] - 1e-9:
             best = (weighted, theta, err, p)
     return best[1], best[2], best[3]
