@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
-from minivllm.request import RequestStatus
 from minivllm.sim import SimulatedExecutor
 
 from invariants import assert_no_leak, drain  # noqa: E402  (tests/ is on sys.path)
