@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import pytest
 import torch
 
+from minivllm.bench.attention import max_error
 from minivllm.model.attention import AttentionMetadata, paged_attention_reference, write_kv
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1.5e-2}
@@ -120,8 +121,8 @@ def nan_like(x: torch.Tensor) -> torch.Tensor:
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert torch.isfinite(got).all(), f"{(~torch.isfinite(got)).sum()} non-finite output elements"
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= TOLERANCE[dtype], f"max abs error {err:.3g} > {TOLERANCE[dtype]}"
+    err = max_error(got, want)  # absolute up to magnitude 1, relative above
+    assert err <= TOLERANCE[dtype], f"max error {err:.3g} (absolute, relative above 1) > {TOLERANCE[dtype]}"
 
 
 def make_tiny_llama(path, head_dim: int = 32, seed: int = 0) -> str:

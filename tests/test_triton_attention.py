@@ -243,3 +243,56 @@ def test_engine_greedy_tokens_match_torch_backend(request: pytest.FixtureRequest
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outputs]
     assert all(len(t) == 8 for t in tokens["torch"])
     assert tokens["triton"] == tokens["torch"]
+
+
+# --------------------------------------------------------------------------- specialisation
+def specialisation_key(kernel, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a separate binary for, per launch: constexprs, and -- except for the
+    arguments in ``do_not_specialize`` -- whether an int is 1 or divisible by 16 and whether a
+    pointer is 16-byte aligned (Triton's documented specialisation rules, modelled here because the
+    interpreter compiles nothing)."""
+    skip = set(kernel.kwargs.get("do_not_specialize") or ())
+    key = []
+    for name, value in list(zip(kernel.arg_names, args)) + sorted(kwargs.items()):
+        if name in skip or name.startswith("num_") and name in kwargs:  # num_warps / num_stages: launch options
+            continue
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.data_ptr() % 16 == 0, value.dtype))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            key.append((name, value == 1, value % 16 == 0) if name not in kwargs else (name, value))
+        else:
+            key.append((name, value))
+    return tuple(key)
+
+
+def test_step_varying_arguments_are_not_specialised(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served workload with many different lengths compiles each kernel about once.
+
+    Every launch of an engine run (decode splits and merges, prefill chunks, KV writes; batches of
+    1..9 sequences, tables 1..9 pages wide) is reduced to its specialisation key; a step-varying
+    argument missing from a kernel's ``*_STEP_VARYING`` list shows up as extra keys.  Only the decode
+    kernel's ``DIRECT`` constexpr (one split or several) may add one.  The split count a GPU would
+    choose is replaced by one that varies with the step (1..17), since the interpreter never splits;
+    the KV-write kernel runs on a GPU only (its arguments are all fixed strides and pointers).
+    """
+    from minivllm import LLM, SamplingParams
+    from minivllm.model.kernels import decode, prefill
+
+    monkeypatch.setattr(decode, "choose_num_splits", lambda batch, kv_heads, max_len, units: 1 + max_len % 17)
+    kernels = {"split": decode._decode_split_kernel, "merge": decode._decode_merge_kernel,
+               "prefill": prefill._prefill_kernel}
+    keys: dict[str, set] = {name: set() for name in kernels}
+    for name, kernel in kernels.items():
+        def recording_run(*args, _name=name, _kernel=kernel, _run=kernel.run, grid, warmup, **kw):
+            keys[_name].add(specialisation_key(_kernel, args, kw))
+            return _run(*args, grid=grid, warmup=warmup, **kw)
+
+        monkeypatch.setattr(kernel, "run", recording_run, raising=False)
+    llm = LLM(model=tiny_llama_dir, attention_backend="triton", dtype="float32", num_gpu_blocks_override=48,
+              max_model_len=160, max_num_batched_tokens=64)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()}
+               for n in (1, 15, 16, 17, 33, 64, 70, 2, 100)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    counts = {name: len(k) for name, k in keys.items()}
+    assert counts["split"] in (1, 2) and counts["merge"] == 1 and counts["prefill"] == 1, counts

@@ -12,6 +12,8 @@
 # Only 8 files come back from a lease, so the logs and JSONs go to one folder that is re-packed into
 # $OUT/results.tgz after every step (what finished survives a kill), beside $OUT/summary.txt.
 #
+# A rerun can pick steps and nano runs: STEPS="save_model tests e2e_nano" NANO_BACKENDS=triton.
+#
 # CPU dry run of the same steps (tiny model, about 1.5 minutes; it keeps the KV pool small, Triton's
 # interpreter copies it at every launch):  PYTHON=.venv/bin/python bash tools/gpu_checks.sh --dry-run
 set -u
@@ -32,8 +34,12 @@ else
 fi
 MODEL="$WORK/model_$ARCH"
 
+STEPS=" ${STEPS:-save_model tests attention e2e_nano e2e_parity sim_accuracy} "  # a rerun may pick some
+NANO=(${NANO_BACKENDS:+--backends $NANO_BACKENDS})
+
 step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, time left), keep its log, summarise, pack
   local name=$1 limit=$2; shift 2
+  case "$STEPS" in *" $name "*) ;; *) return ;; esac
   local left=$((DEADLINE - SECONDS - 5))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 15 ]; then echo "== $name: skipped, the deadline is near" | tee -a "$OUT/summary.txt"; return; fi
@@ -59,7 +65,7 @@ if [ $DRY = 0 ]; then
 fi
 # 3. issue 12: nano-vllm's workload, minivllm (torch / triton backend, CUDA graphs / eager) vs HF generate
 step e2e_nano 220 $PY -m minivllm.bench gpu_e2e --workload nano --model "$MODEL" --arch $ARCH --dtype $DT \
-     "${DEV[@]}" --scale $SCALE "${HF[@]}" --json "$WORK/e2e_nano_$ARCH.json"
+     "${DEV[@]}" --scale $SCALE "${HF[@]}" "${NANO[@]}" --json "$WORK/e2e_nano_$ARCH.json"
 # 4. issue 12: torch and triton backends agree token for token (fp32 makes them exact enough to compare)
 step e2e_parity 50 $PY -m minivllm.bench gpu_e2e --model "$MODEL" --arch $ARCH --dtype float32 "${DEV[@]}" \
      --prompts 8 --max-tokens 32 "${PARITY[@]}" --json "$WORK/e2e_parity_fp32.json"

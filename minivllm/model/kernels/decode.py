@@ -56,9 +56,16 @@ LOG2E = 1.4426950408889634
 _WAVES_PER_UNIT = 4  # programs per SM we aim for, so memory latency overlaps
 _MIN_TOKENS_PER_SPLIT = 256  # below this the merge costs more than the split saves
 _MAX_SPLITS = 64
+_MERGE_BLOCK_S = next_power_of_2(_MAX_SPLITS)  # one merge binary for every split count up to the cap
+
+# Arguments that change from step to step (see the ``launch`` module docstring): the split count, the
+# block table's width (its row stride), and the partial buffers' strides, which follow the split count.
+SPLIT_STEP_VARYING = ("num_splits", "stride_table_seq", "stride_po_seq", "stride_po_head",
+                      "stride_pl_seq", "stride_pl_head")
+MERGE_STEP_VARYING = ("num_splits", "stride_po_seq", "stride_po_head", "stride_pl_seq", "stride_pl_head")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_STEP_VARYING)
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -159,7 +166,7 @@ def _decode_split_kernel(
         tl.store(pl + heads * stride_pl_head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_STEP_VARYING)
 def _decode_merge_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -278,7 +285,7 @@ def paged_decode(
         _decode_merge_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_splits,
             *po_strides, *pl_strides, *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_S=max(_MERGE_BLOCK_S, next_power_of_2(num_splits)), BLOCK_D=block_d,
             **({"num_warps": 4} if is_gpu(q) else {}),
         )
     return out

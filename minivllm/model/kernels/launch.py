@@ -16,6 +16,19 @@ agree on them:
   and computes garbage with them.  Loading and immediately casting to fp32
   sidesteps that.  On a GPU, bf16 is native and the cast would waste
   registers, so it is only done off-GPU.
+
+**Step-varying arguments are not specialised.**  Besides the constexprs, Triton
+compiles a separate binary for each *specialisation* of the plain arguments: an
+integer equal to 1, an integer divisible by 16, a pointer aligned to 16 bytes.
+That is worth it for what is fixed for the life of the engine (the cache's
+strides, the head dimension), and harmful for what changes every step: a
+block table one page wide, then sixteen pages wide, or a split count that
+becomes 16, would each compile a new binary while serving -- a second or more
+of stall on a GPU, for a step that takes milliseconds.  Each kernel module
+therefore lists its step-varying arguments (``*_STEP_VARYING``) and passes them
+to ``@triton.jit(do_not_specialize=...)``; ``tests/test_triton_attention.py``
+checks the list against the arguments a served workload actually varies, and
+``tests/test_gpu.py`` counts the binaries on a GPU.
 """
 
 from __future__ import annotations

@@ -44,8 +44,11 @@ from minivllm.model.kernels.tiles import load_paged_tile, online_softmax_step
 
 LOG2E = 1.4426950408889634
 
+# Arguments that change from step to step (see the ``launch`` module docstring).
+PREFILL_STEP_VARYING = ("first_seq", "num_q_tiles", "stride_table_seq")
 
-@triton.jit
+
+@triton.jit(do_not_specialize=PREFILL_STEP_VARYING)
 def _prefill_kernel(
     q_ptr,
     k_ptr,
