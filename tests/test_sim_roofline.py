@@ -3,6 +3,7 @@ the calibration fit against known parameters, and the executor inside the real e
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import numpy as np
@@ -150,6 +151,53 @@ def test_fit_recovers_known_parameters():
     # pinned to a wrong bandwidth, the fit must get worse, not silently absorb it
     _, err_wrong = fit(costs, times, s_per_byte=1 / (3 * truth.mem_bandwidth))
     assert err_wrong > 0.01
+
+
+def test_fit_recovers_the_cost_of_steps_no_cuda_graph_replays():
+    """With CUDA graphs, a step with prompt tokens pays its kernel launches; decode-only steps do not.
+
+    The fit must find that extra cost when told the engine has graphs -- and, on the same data without
+    the term (a CPU engine), fit visibly worse instead of silently spreading it over other terms.
+    """
+    shape = model_preset("llama-3.2-1b")
+    truth = HardwareSpec("truth", peak_flops=500e12, mem_bandwidth=4e12, step_overhead_s=2e-3,
+                         seq_overhead_s=20e-6, eager_step_overhead_s=9e-3)
+    costs = [step_cost(shape, b) for b in _synthetic_batches()]
+    assert any(c.eager for c in costs) and not all(c.eager for c in costs)
+    times = [roofline_time(c, shape, truth).total for c in costs]
+    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, graphs=True)
+    got = spec_from_theta(theta, "fit")
+    assert err < 1e-6
+    for k in ("eager_step_overhead_s", "step_overhead_s", "seq_overhead_s", "peak_flops"):
+        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
+    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
+    assert err_without > 0.1
+    assert spec_from_theta(fit(costs, times)[0], "cpu").eager_step_overhead_s == 0.0
+
+
+def test_refit_and_resimulate_reproduce_the_recorded_gpu_run():
+    """The H200 profile in benchmarks/results re-fits to the parameters stored in it, and re-simulating the
+    recorded sim_accuracy run with it reproduces the stored simulator metrics exactly (the simulator is
+    deterministic; the workloads are regenerated from their seeds)."""
+    import copy
+    import json
+    import pathlib
+
+    from minivllm.bench.sim_accuracy import resimulate
+    from minivllm.sim.calibrate import refit
+
+    results = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
+    doc = json.loads((results / "2026-11-30_nvidia-h200_llama1b_profile.json").read_text())
+    again = refit(copy.deepcopy(doc))
+    for k, v in doc["fit"]["params"].items():
+        assert again["fit"]["params"][k] == pytest.approx(v, rel=1e-9, abs=1e-15), k
+    assert doc["hardware"]["eager_step_overhead_s"] > 2 * doc["hardware"]["step_overhead_s"]  # 10 ms vs 2 ms
+    stored = json.loads((results / "2026-11-30_nvidia-h200_sim_accuracy_llama1b_refit.json").read_text())
+    redone = resimulate(stored, doc, out=io.StringIO())
+    for name, row in stored["workloads"].items():
+        for k, v in row["sim"].items():
+            assert redone["workloads"][name]["sim"][k] == pytest.approx(v, rel=1e-9), (name, k)
+        assert redone["workloads"][name]["real"] == row["real"]
 
 
 def test_roof_corner_by_hand():

@@ -73,17 +73,59 @@ def workload_requests(name: str, tokenizer, scale: float = 1.0, seed: int = 0, v
     return requests_from_plan(plan, tokenize=tokenize)
 
 
-def sim_engine(real, spec, shape):
+def sim_engine(spec, shape, *, max_num_batched_tokens: int, max_num_seqs: int, num_blocks: int,
+               max_model_len: int, block_size: int = 16):
+    """The engine with the real one's configuration, its executor the roofline with ``spec``."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sim.roofline import RooflineExecutor
 
-    cfg = real.config
-    sim_cfg = EngineConfig(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-                           num_gpu_blocks_override=real.pool.num_blocks, max_model_len=cfg.max_model_len,
-                           block_size=cfg.block_size, device="cpu")
-    return LLMEngine(sim_cfg, executor=RooflineExecutor(shape, spec, block_size=cfg.block_size),
-                     model_max_len=cfg.max_model_len, eos_token_ids=set())
+    sim_cfg = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                           num_gpu_blocks_override=num_blocks, max_model_len=max_model_len,
+                           block_size=block_size, device="cpu")
+    return LLMEngine(sim_cfg, executor=RooflineExecutor(shape, spec, block_size=block_size),
+                     model_max_len=max_model_len, eos_token_ids=set())
+
+
+def compare(runs: list[dict], m_sim: dict) -> dict:
+    """One workload's row: the real runs' median and spread, the simulator's metrics and its relative error."""
+    m_real = dict(runs[0], **{k: statistics.median(m[k] for m in runs) for k in METRICS})
+    spread = {k: (max(m[k] for m in runs) - min(m[k] for m in runs)) / m_real[k] if m_real[k] else None
+              for k in METRICS}
+    err = {k: (m_sim[k] - m_real[k]) / m_real[k] if m_real[k] else None for k in METRICS}
+    return {"real": m_real, "real_runs": runs, "real_spread": spread, "sim": m_sim, "rel_error": err}
+
+
+def within_10pct(rows: dict) -> list[bool]:
+    return [abs(e) <= 0.10 for r in rows.values() for e in r["rel_error"].values() if e is not None]
+
+
+def resimulate(result: dict, doc: dict, out=None) -> dict:
+    """The simulator side of a stored ``result`` again, with the profile ``doc``; the real side as recorded.
+
+    A GPU run's real measurements cost a lent machine; the simulator runs anywhere in seconds.  So a
+    change to the cost model (or a re-fitted profile, ``minivllm sim calibrate --refit``) can be judged
+    on the recorded real runs without the GPU.  The workloads are regenerated from their seeds; the
+    request count is checked against the record.
+    """
+    from minivllm.sim.roofline import HardwareSpec, ModelShape
+    from minivllm.sim.run import drive
+
+    out = out or sys.stdout
+    shape, spec = ModelShape(**doc["model"]), HardwareSpec.from_dict(doc["hardware"])
+    rows = {}
+    for name, old in result["workloads"].items():
+        reqs = workload_requests(name, None, result["scale"], vocab_size=shape.vocab_size)
+        if len(reqs) != old["requests"]:
+            raise ValueError(f"{name}: {len(reqs)} requests regenerated, {old['requests']} recorded")
+        rec = drive(sim_engine(spec, shape, block_size=doc["engine"]["block_size"], **result["engine"]), reqs)
+        rows[name] = dict(old, **compare(old["real_runs"], metrics(rec)), sim_steps=len(rec.step_ends))
+    print(format_table(rows), file=out)
+    within = within_10pct(rows)
+    print(f"{sum(within)}/{len(within)} metrics within 10% (re-simulated with {spec.name}, recorded real runs)", file=out)
+    return dict(result, workloads=rows, within_10pct=f"{sum(within)}/{len(within)}",
+                calibration={k: doc[k] for k in ("hardware", "fit", "model")},
+                resimulated_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
 def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall",
@@ -127,19 +169,17 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     for name in names or WORKLOADS:
         reqs = workload_requests(name, real.tokenizer, scale, vocab_size=shape.vocab_size)
         recs_real = [drive(real, reqs) for _ in range(max(1, real_repeats))]
-        rec_sim = drive(sim_engine(real, spec, shape), reqs)
-        runs, m_sim = [metrics(r) for r in recs_real], metrics(rec_sim)
-        m_real = dict(runs[0], **{k: statistics.median(m[k] for m in runs) for k in METRICS})
-        spread = {k: (max(m[k] for m in runs) - min(m[k] for m in runs)) / m_real[k] if m_real[k] else None
-                  for k in METRICS}
-        err = {k: (m_sim[k] - m_real[k]) / m_real[k] if m_real[k] else None for k in METRICS}
-        rows[name] = {"real": m_real, "real_runs": runs, "real_spread": spread, "sim": m_sim, "rel_error": err,
+        cfg = real.config
+        rec_sim = drive(sim_engine(spec, shape, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs, num_blocks=real.pool.num_blocks,
+                                   max_model_len=cfg.max_model_len, block_size=cfg.block_size), reqs)
+        rows[name] = {**compare([metrics(r) for r in recs_real], metrics(rec_sim)),
                       "requests": len(reqs), "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
                       "real_steps": len(recs_real[0].step_ends), "sim_steps": len(rec_sim.step_ends)}
         print(f"  {name}: {len(reqs)} requests, real runs {', '.join(f'{r.wall_s:.1f}' for r in recs_real)} s",
               file=out, flush=True)
     print("\n" + format_table(rows), file=out)
-    within = [abs(e) <= 0.10 for r in rows.values() for e in r["rel_error"].values() if e is not None]
+    within = within_10pct(rows)
     print(f"{sum(within)}/{len(within)} metrics within 10%", file=out)
     if real_repeats > 1:
         spreads = [e for r in rows.values() for e in r["real_spread"].values() if e is not None]
@@ -184,7 +224,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="run each calibration group this many times, median per step (see sim.calibrate)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--resimulate", default=None, metavar="RESULT",
+                    help="run no real engine: re-simulate this stored result's workloads with --profile (e.g. a GPU "
+                         "run re-judged after `minivllm sim calibrate --refit`) and compare with its recorded real runs")
     args = ap.parse_args(argv)
+    if args.resimulate:
+        if not args.profile:
+            ap.error("--resimulate needs --profile (the profile JSON with the model shape and fitted hardware)")
+        with open(args.resimulate, encoding="utf-8") as fh:
+            result = json.load(fh)
+        with open(args.profile, encoding="utf-8") as fh:
+            doc = resimulate(result, json.load(fh))
+        path = args.out or args.resimulate
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(_json_safe(doc), fh, indent=1)
+        print(f"wrote {path}")
+        return 0
     doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
               dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats)
     if args.save_profile and not args.profile:

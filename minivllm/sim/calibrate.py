@@ -47,7 +47,8 @@ import numpy as np
 
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
-PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte")
+PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",
+          "eager_step_overhead_s")
 
 
 def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -85,11 +86,13 @@ def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x / norms
 
 
-def _columns(c: StepCost, shares: tuple[float, float, float, float]) -> list[float]:
-    """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes], each roof term
-    scaled by its share of its phase (see :func:`_shares`)."""
+def _columns(c: StepCost, shares: tuple[float, float, float, float], graphs: bool) -> list[float]:
+    """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes, eager], each roof
+    term scaled by its share of its phase (see :func:`_shares`).  ``eager`` is 1 for a step no CUDA graph
+    replays, when the engine has graphs at all; without them the column is 0 and its parameter stays 0."""
     dc, dm, ac, am = shares
-    return [1.0, float(c.num_seqs), c.dense_flops * dc, c.dense_bytes * dm, c.attn_flops * ac, c.attn_bytes * am]
+    return [1.0, float(c.num_seqs), c.dense_flops * dc, c.dense_bytes * dm, c.attn_flops * ac, c.attn_bytes * am,
+            float(graphs and c.eager)]
 
 
 def _shares(compute: float, memory: float, p: float | None) -> tuple[float, float]:
@@ -111,18 +114,18 @@ def _shares(compute: float, memory: float, p: float | None) -> tuple[float, floa
 
 
 def _predict(theta: np.ndarray, costs: list[StepCost], p: float | None = None):
-    a, s, f, by, af, aby = theta
+    a, s, f, by, af, aby, e = theta
     pred, shares = [], []
     for c in costs:
         dc, dm, ac, am = f * c.dense_flops, by * c.dense_bytes, af * c.attn_flops, aby * c.attn_bytes
-        pred.append(a + s * c.num_seqs + combine(dc, dm, p) + combine(ac, am, p))
+        pred.append(a + s * c.num_seqs + combine(dc, dm, p) + combine(ac, am, p) + (e if c.eager else 0.0))
         shares.append(_shares(dc, dm, p) + _shares(ac, am, p))
     return np.array(pred), shares
 
 
 def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
         groups: list[int] | None = None, s_per_byte: float | None = None,
-        roof_p: float | None = None) -> tuple[np.ndarray, float]:
+        roof_p: float | None = None, graphs: bool = False) -> tuple[np.ndarray, float]:
     """Fit ``PARAMS`` (seconds per unit of each term) to measured step times; returns (theta, rms relative error).
 
     The fit minimises relative error.  ``groups`` (one label per step, e.g. the
@@ -135,13 +138,15 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
     :func:`measure_read_bandwidth`) instead of fitting it: with one model the
     weight stream is a constant per step, which a free fit cannot tell apart
     from step overhead (module docstring).  ``roof_p`` is the roofline's
-    corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.
+    corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.  ``graphs``: the
+    engine replays decode-only steps as CUDA graphs, so steps with prompt tokens get their own
+    overhead term (``HardwareSpec.eager_step_overhead_s``).
     """
-    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p)
+    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, graphs)
     return theta, err
 
 
-def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p) -> tuple[np.ndarray, float, float]:
+def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, graphs=False) -> tuple[np.ndarray, float, float]:
     """:func:`fit`'s work; also returns the weighted error it minimised (what :func:`fit_roof` compares)."""
     t = np.asarray(times, dtype=float)
     if len(costs) != len(t) or len(t) < len(PARAMS):
@@ -164,7 +169,7 @@ def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p) -> tuple[np.ndarr
             if key in seen:  # back at a point already solved: converged (or cycling)
                 break
             seen.add(key)
-            A = np.array([_columns(c, sh) for c, sh in zip(costs, shares)])
+            A = np.array([_columns(c, sh, graphs) for c, sh in zip(costs, shares)])
             if s_per_byte is None:
                 theta = nnls(A * w[:, None], t * w)
             else:  # the bytes column is known: move it to the right-hand side, fit the other five
@@ -182,7 +187,7 @@ ROOF_P_CANDIDATES = (None, 8.0, 4.0, 3.0, 2.0, 1.5)
 
 
 def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None = None,
-             s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES):
+             s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES, graphs: bool = False):
     """:func:`fit` for each candidate ``roof_p``; returns ``(theta, rms error, roof_p)`` of the best.
 
     One discrete shape parameter, chosen on the same weighted error the fit
@@ -191,7 +196,7 @@ def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None
     """
     best = None
     for p in candidates:
-        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p)
+        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, graphs)
         if best is None or weighted < best[0] - 1e-9:
             best = (weighted, theta, err, p)
     return best[1], best[2], best[3]
@@ -220,11 +225,11 @@ def measure_read_bandwidth(device: str = "cpu", megabytes: int = 512, repeats: i
 
 def spec_from_theta(theta, name: str, base: HardwareSpec | None = None, **extra) -> HardwareSpec:
     """A :class:`HardwareSpec` with the fitted values (a term fitted to 0 s/unit gets an effectively infinite roof)."""
-    a, s, f, by, af, aby = (float(v) for v in theta)
+    a, s, f, by, af, aby, e = (float(v) for v in theta)
     inf = 1e30
     fields = dict(name=name, peak_flops=1 / f if f > 0 else inf, mem_bandwidth=1 / by if by > 0 else inf,
                   attention_flops=1 / af if af > 0 else inf, attention_bandwidth=1 / aby if aby > 0 else inf,
-                  step_overhead_s=a, seq_overhead_s=s, layer_overhead_s=0.0)
+                  step_overhead_s=a, seq_overhead_s=s, layer_overhead_s=0.0, eager_step_overhead_s=e)
     if base is not None:
         fields.update(memory_bytes=base.memory_bytes, swap_bandwidth=base.swap_bandwidth)
     fields.update(extra)
@@ -376,10 +381,7 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
         samples += got
         labels += [k] * len(got)
         print(f"  group {k}: {len(group)} x {len(group[0].prompt_token_ids)} tokens -> {len(got)} steps", file=out or sys.stderr)
-    costs = [step_cost(shape, s.seqs, s.swapped_blocks, engine.config.block_size) for s in samples]
-    times = [s.time_s for s in samples]
     read_bw = measure_read_bandwidth(device) if pin_bandwidth else None
-    theta, err, roof_p = fit_roof(costs, times, groups=labels, s_per_byte=1 / read_bw if read_bw else None)
     clock = getattr(engine.executor, "clock_kind", "wall")
     hw_name = name or (f"{device}-{os.cpu_count()}core" if device == "cpu" else torch.cuda.get_device_name())
     if clock == "cpu" and not name:
@@ -388,26 +390,57 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
     kv_cache = getattr(engine.executor, "kv_cache", None)
     if kv_cache is not None and getattr(kv_cache, "num_cpu_blocks", 0):
         swap_bw = kv_cache.measure_swap_bandwidth()
-    spec = spec_from_theta(theta, hw_name, swap_bandwidth=swap_bw, roof_p=roof_p,
-                           notes=f"fitted by minivllm sim calibrate on {device}")
-    pred = [roofline_time(c, shape, spec).total for c in costs]
-    rel = [(p - t) / t for p, t in zip(pred, times)]
     doc = {
         "tool": "minivllm sim calibrate",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "device": device, "cpus": os.cpu_count(), "clock": clock, "torch_threads": torch.get_num_threads(),
         "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "cuda_graphs": uses_cuda_graphs(engine),
         "model": asdict(shape),
         "engine": {"block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "max_num_seqs": engine.config.max_num_seqs},
-        "hardware": spec.to_dict(),
-        "fit": {"params": dict(zip(PARAMS, map(float, theta))), "steps": len(samples), "repeats": repeats,
-                "measured_read_bandwidth": read_bw,  # bytes/s; when set, the memory roof was pinned to it
-                "rms_rel_error": err, "max_abs_rel_error": float(max(abs(r) for r in rel)),
-                "seconds": time.perf_counter() - t_start},
-        "samples": [{"seqs": s.seqs, "swapped_blocks": s.swapped_blocks, "time_s": s.time_s, "pred_s": p}
-                    for s, p in zip(samples, pred)],
+        "hardware": {"name": hw_name, "swap_bandwidth": swap_bw},
+        "fit": {"repeats": repeats, "measured_read_bandwidth": read_bw},  # when set, the memory roof is pinned to it
+        "samples": [{"seqs": s.seqs, "swapped_blocks": s.swapped_blocks, "time_s": s.time_s, "group": g}
+                    for s, g in zip(samples, labels)],
     }
+    refit(doc, notes=f"fitted by minivllm sim calibrate on {device}")
+    doc["fit"]["seconds"] = time.perf_counter() - t_start
+    return doc
+
+
+def uses_cuda_graphs(engine) -> bool:
+    """Does the engine replay decode steps as CUDA graphs (a GPU, a graph-safe backend, not enforce_eager)?"""
+    return getattr(getattr(engine, "model_runner", None), "graphs", None) is not None
+
+
+def refit(doc: dict, notes: str | None = None) -> dict:
+    """Fit the profile ``doc``'s stored samples (again) and update its hardware, fit and predictions in place.
+
+    The measurements are the expensive part and the model the part that changes; re-fitting a stored
+    profile lets a GPU calibration (15 minutes of a lent machine) be re-used by a later version of
+    the cost model on any machine: ``minivllm sim calibrate --refit PROFILE``.
+    """
+    shape = ModelShape(**doc["model"])
+    samples = doc["samples"]
+    costs = [step_cost(shape, [tuple(x) for x in s["seqs"]], s["swapped_blocks"], doc["engine"]["block_size"])
+             for s in samples]
+    times = [s["time_s"] for s in samples]
+    groups = [s["group"] for s in samples] if all("group" in s for s in samples) else None
+    read_bw = doc["fit"].get("measured_read_bandwidth")
+    graphs = doc.get("cuda_graphs", doc.get("device") == "cuda")
+    theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None,
+                                  graphs=graphs)
+    hw = doc["hardware"]
+    spec = spec_from_theta(theta, hw["name"], swap_bandwidth=hw.get("swap_bandwidth", 25e9), roof_p=roof_p,
+                           notes=notes or hw.get("notes", ""))
+    pred = [roofline_time(c, shape, spec).total for c in costs]
+    doc["hardware"] = spec.to_dict()
+    doc["cuda_graphs"] = graphs
+    doc["fit"].update(params=dict(zip(PARAMS, map(float, theta))), steps=len(samples), rms_rel_error=err,
+                      max_abs_rel_error=float(max(abs(p - t) / t for p, t in zip(pred, times))))
+    for s, p in zip(samples, pred):
+        s["pred_s"] = p
     return doc
 
 
@@ -417,11 +450,13 @@ def format_profile(doc: dict) -> str:
     def rate(x, unit):
         return "not binding" if x is None or x >= 1e29 else f"{x / 1e9:.1f} {unit}"
 
-    return (f"{hw['name']}: step overhead {hw['step_overhead_s'] * 1e3:.2f} ms + {hw['seq_overhead_s'] * 1e3:.3f} ms/seq | "
+    eager = hw.get("eager_step_overhead_s", 0.0)
+    eager = f" (+{eager * 1e3:.2f} ms for a step no CUDA graph replays)" if eager else ""
+    return (f"{hw['name']}: step overhead {hw['step_overhead_s'] * 1e3:.2f} ms{eager} + {hw['seq_overhead_s'] * 1e3:.3f} ms/seq | "
             f"GEMM {rate(hw['peak_flops'], 'GFLOP/s')} | attention {rate(hw['attention_flops'], 'GFLOP/s')} | "
             f"memory {rate(hw['mem_bandwidth'], 'GB/s')} (attention {rate(hw.get('attention_bandwidth'), 'GB/s')}) | "
             f"roof corner {'max' if hw.get('roof_p') is None else 'p=%g' % hw['roof_p']} | fit on {f['steps']} steps: rms rel error "
-            f"{100 * f['rms_rel_error']:.1f}%, max {100 * f['max_abs_rel_error']:.1f}% ({f['seconds']:.0f} s)")
+            f"{100 * f['rms_rel_error']:.1f}%, max {100 * f['max_abs_rel_error']:.1f}% ({f.get('seconds', 0):.0f} s)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,9 +472,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="fit the memory roof too, instead of pinning it to a measured streaming-read bandwidth")
     ap.add_argument("--repeats", type=int, default=3,
                     help="run each group of the grid this many times and keep each step's median time (default 3)")
+    ap.add_argument("--refit", default=None, metavar="PROFILE",
+                    help="measure nothing: re-fit this profile's stored samples with the current cost model")
     args = ap.parse_args(argv)
     from minivllm.sim.presets import PROFILE_DIR
 
+    if args.refit:
+        with open(args.refit, encoding="utf-8") as fh:
+            doc = refit(json.load(fh))
+        path = args.out or args.refit
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+        print(format_profile(doc))
+        print(f"wrote {path}")
+        return 0
     doc = calibrate(real_engine(device=args.device, clock=args.clock), scale=0.4 if args.quick else 1.0,
                     name=args.name, pin_bandwidth=not args.fit_bandwidth, repeats=max(1, args.repeats))
     path = args.out or os.path.join(PROFILE_DIR, f"{doc['hardware']['name'].replace(' ', '_').lower()}.json")

@@ -137,6 +137,12 @@ class HardwareSpec:
     step_overhead_s: float = 0.0  # host scheduling, input preparation, sampling: once per step
     layer_overhead_s: float = 0.0  # kernel launches: once per layer per step
     seq_overhead_s: float = 0.0  # per scheduled sequence per step (metadata, sampling)
+    # Extra fixed cost of a step that cannot replay a CUDA graph.  An engine with graphs (a GPU) captures
+    # decode-only steps and replays each as one launch; a step with prompt tokens launches its ~10 kernels
+    # per layer one by one from Python.  On the H200 that was 2.6 ms for a graphed decode step of a 1B
+    # model against 11-17 ms for any step with a prefill chunk, nearly flat in its tokens up to 512.
+    # 0 on a CPU (no graphs: every step pays its launches, inside step_overhead_s).
+    eager_step_overhead_s: float = 0.0
     swap_bandwidth: float = 25e9  # bytes/s between device and host tier
     flops_util: float = 1.0
     bw_util: float = 1.0
@@ -149,7 +155,7 @@ class HardwareSpec:
         for k in ("peak_flops", "mem_bandwidth", "swap_bandwidth", "flops_util", "bw_util"):
             if not getattr(self, k) > 0:
                 raise ValueError(f"HardwareSpec.{k} must be > 0, got {getattr(self, k)!r}")
-        for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "memory_bytes"):
+        for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "eager_step_overhead_s", "memory_bytes"):
             if not getattr(self, k) >= 0:
                 raise ValueError(f"HardwareSpec.{k} must be >= 0, got {getattr(self, k)!r}")
         if self.roof_p is not None and not self.roof_p >= 1:
@@ -191,6 +197,11 @@ class StepCost:
     attn_flops: float = 0.0
     attn_bytes: float = 0.0
     swap_bytes: float = 0.0
+
+    @property
+    def eager(self) -> bool:
+        """Does the step carry prompt tokens (more tokens than sequences)?  Then no CUDA graph replays it."""
+        return self.num_tokens > self.num_seqs
 
 
 def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 16) -> StepCost:
@@ -255,6 +266,8 @@ def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTi
         return StepTime(hw.step_overhead_s if cost.swap_bytes else 0.0, 0.0, 0.0, cost.swap_bytes / hw.swap_bandwidth,
                         "-", "-")
     overhead = hw.step_overhead_s + shape.num_layers * hw.layer_overhead_s + cost.num_seqs * hw.seq_overhead_s
+    if cost.eager:
+        overhead += hw.eager_step_overhead_s
     dc, dm = cost.dense_flops / hw.flops, cost.dense_bytes / hw.bandwidth
     ac, am = cost.attn_flops / hw.attn_flops, cost.attn_bytes / hw.attn_bandwidth
     return StepTime(overhead, combine(dc, dm, hw.roof_p), combine(ac, am, hw.roof_p), cost.swap_bytes / hw.swap_bandwidth,

@@ -368,7 +368,7 @@ else:
           "decode step and the achieved bandwidth as a share of the copy.\n"
           "Measured for the engine's kernel on an NVIDIA H200 (benchmarks/results/2026-11-30_nvidia-h200_attention.txt):\n"
           "  copy 4.30 TB/s; this shape (SmolLM2, batch 256 x 4k): 0.213 ms = 3.79 TB/s = 88% of the copy;\n"
-          "  with only 64 x 4k (201 MB) the same kernel reached 1.81 TB/s = 42%: too little work to hide latency.\n"
+          "  with only 64 x 4k (201 MB) the same kernel reached 2.83 TB/s = 66%: too little work to hide latency.\n"
           "Your kernel reads K/V once per QUERY head (3x the engine's traffic for SmolLM2) and uses no tensor cores;\n"
           "expect it several times slower.")
 """),
@@ -389,7 +389,7 @@ else:
     print("On a CUDA GPU this cell compares both kernels with torch's scaled_dot_product_attention on the same\n"
           "K/V laid out contiguously (no block table).\n"
           "Measured for the engine's kernel on an H200: this shape (SmolLM2, batch 256 x 4k) 1.07x SDPA's time\n"
-          "(0.213 vs 0.199 ms), Llama-8B shape batch 64 x 4k 1.10x: paging through a table costs 7-10% here;\n"
+          "(0.212 vs 0.199 ms), Llama-8B shape batch 64 x 4k 1.11x: paging through a table costs 7-11% here;\n"
           "the PagedAttention paper reported its paged kernel 20-26% slower than a contiguous one.")
 """),
 ("code", r"""
