@@ -453,3 +453,29 @@ def test_door_rule_validates_and_matches_brute_force():
         for free in range(0, 20, 3):
             expected = waiting >= 3 or (waiting > 0 and free < 10)
             assert rule.closed({"num_waiting": waiting, "free_blocks": free}) is expected
+
+
+def test_stats_error_reaches_the_caller_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AsyncEngine.stats()`` reads the engine on its loop thread; if that read fails, the awaiting caller gets
+    the error at once.  (It used to hang until its timeout: the callback named the ``except`` variable after
+    Python had unbound it, so the future was never resolved.)"""
+    from minivllm.server.async_engine import AsyncEngine
+
+    engine = _sim_engine()
+    assert isinstance(engine.stats(), dict)
+
+    def broken():
+        raise ValueError("stats broke")
+
+    async def main() -> None:
+        runner = AsyncEngine(engine, idle_poll_s=0.01)
+        runner.start()
+        try:
+            assert isinstance(await asyncio.wait_for(runner.stats(), timeout=5), dict)
+            monkeypatch.setattr(engine, "stats", broken)
+            with pytest.raises(ValueError, match="stats broke"):
+                await asyncio.wait_for(runner.stats(), timeout=5)
+        finally:
+            await asyncio.to_thread(runner.shutdown)
+
+    asyncio.run(main())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP
 from minivllm.config import EngineConfig, TenantConfig

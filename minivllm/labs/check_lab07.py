@@ -137,13 +137,13 @@ def kv_bytes(case: dict) -> int:
 
 def online_softmax_trace(scores: list[float], page: int) -> list[dict]:
     """The running state of an online softmax after each block of ``scores`` (plain Python, for the picture)."""
-    m, l, out = float("-inf"), 0.0, []
+    m, l_i, out = float("-inf"), 0.0, []
     for b in range(0, len(scores), page):
         chunk = scores[b:b + page]
         m_new = max(m, max(chunk))
-        l = l * math.exp(m - m_new) + sum(math.exp(s - m_new) for s in chunk)
+        l_i = l_i * math.exp(m - m_new) + sum(math.exp(s - m_new) for s in chunk)
         m = m_new
-        out.append({"block": b // page, "max": m, "sum": l, "chunk_max": max(chunk)})
+        out.append({"block": b // page, "max": m, "sum": l_i, "chunk_max": max(chunk)})
     return out
 
 

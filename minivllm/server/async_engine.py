@@ -267,7 +267,8 @@ class AsyncEngine:
             try:
                 value = self.engine.stats()
             except Exception as exc:  # noqa: BLE001
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+                # bound now: Python unbinds ``exc`` when the except block ends, before the loop runs the callback
+                loop.call_soon_threadsafe(lambda err=exc: fut.done() or fut.set_exception(err))
                 return
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(value))
 

@@ -2,9 +2,10 @@
 
 Why fit the roofline's few parameters, not a constant per shape?  Because the
 simulator must predict shapes it never measured (a batch of 200 decodes, an
-8K prompt).  A model with five physically meaningful parameters -- overhead
-per step and per sequence, the FLOP/s of GEMMs and of attention, memory
-bandwidth -- fitted on a dozen shapes extrapolates; a lookup table does not.
+8K prompt).  A model with a handful of physically meaningful parameters --
+overhead per step and per sequence, the FLOP/s of GEMMs and of attention,
+memory bandwidth, and on a GPU the extra cost of a step no CUDA graph replays
+-- fitted on a dozen shapes extrapolates; a lookup table does not.
 
 The fit is least squares on *relative* error (a 30 ms decode step matters as
 much as a 2 s prefill) with every parameter non-negative.  The roofline's
@@ -30,7 +31,17 @@ may fold the weight stream into ``step_overhead_s`` (and report memory as never
 binding), which predicts the bundled model well but would not scale to a bigger
 model's weights.  So the memory roof is not fitted: :func:`measure_read_bandwidth`
 measures it (streaming a tensor larger than any cache) and the fit solves for
-the other five parameters around it.
+the other parameters around it.
+
+On a GPU the engine replays decode-only steps as CUDA graphs and launches a
+step with prompt tokens kernel by kernel from Python.  On the H200 that split
+the measured steps in two: 2.6 ms for a graphed decode step of a 1B model, 11-17
+ms for any step with a prompt chunk, hardly depending on its size.  One
+overhead for all steps fitted that grid with 40% rms error (the fit pushed the
+difference into an absurd GEMM rate); a separate ``eager_step_overhead_s``,
+fitted only when the engine has graphs, brought it to 13%.  The stored samples
+of a profile can be re-fitted after such a change without re-measuring
+(:func:`refit`, ``minivllm sim calibrate --refit PROFILE``).
 """
 
 from __future__ import annotations
@@ -172,7 +183,7 @@ def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, graphs=False) -> 
             A = np.array([_columns(c, sh, graphs) for c, sh in zip(costs, shares)])
             if s_per_byte is None:
                 theta = nnls(A * w[:, None], t * w)
-            else:  # the bytes column is known: move it to the right-hand side, fit the other five
+            else:  # the bytes column is known: move it to the right-hand side, fit the others
                 rest = nnls(np.delete(A, 3, axis=1) * w[:, None], (t - s_per_byte * A[:, 3]) * w)
                 theta = np.insert(rest, 3, s_per_byte)
             pred, shares = _predict(theta, costs, roof_p)

@@ -14,6 +14,7 @@ A step is split into *phases*, each its own set of kernels that run one after
 another, and each phase is timed by its own roofline::
 
     time = step_overhead + num_layers * layer_overhead + num_seqs * seq_overhead
+         + eager_step_overhead if the step has prompt tokens      # no CUDA graph replays it (GPU)
          + max(dense FLOPs / peak FLOP/s,        dense bytes / bandwidth)      # the GEMMs + lm_head
          + max(attention FLOPs / attention FLOP/s, attention bytes / attention B/s)  # reading/writing K/V
          + swapped bytes / swap bandwidth                                      # block moves over PCIe

@@ -455,6 +455,16 @@ print_answers(7)   # the answer key: run it after you have answered
   launches them can take as long as the kernels. Measure the engine's host cost per step with
   `python -m minivllm.bench host_overhead`, then read `minivllm/model/cuda_graphs.py`: a CUDA graph records a whole
   decode step once and replays it with one call. Which per-step values must live in device tensors for that to work?
+  For scale, measured on an H200 with a random-weight Llama-3.2-1B in bf16
+  (`benchmarks/results/2026-11-30_nvidia-h200_llama1b_profile.json`): a decode step replayed as a graph took
+  2.6 ms, scheduling and sampling included; a step carrying a prompt chunk, which is not graphed, took 11–17 ms,
+  hardly more for 512 prompt tokens than for 16. The compute was the small part of both.
+* **Compiled once, or once per step?** Triton compiles a separate binary for each combination of `tl.constexpr`
+  values *and* of "specialisations" of the plain arguments: an integer equal to 1 or divisible by 16, a pointer
+  aligned to 16 bytes. Find the arguments of the engine's decode kernel that change from step to step (the
+  block table's width is one) and read how `minivllm/model/kernels/decode.py` keeps them from multiplying the
+  binaries (`do_not_specialize`); `test_step_varying_arguments_are_not_specialised` in
+  `tests/test_triton_attention.py` checks it in the interpreter.
 * **Decouple the tile from the page.** Make the loop run over tiles of `BLOCK_N` tokens that may span several
   pages (look the page up per token, as `minivllm/model/kernels/tiles.py` does) and repeat the block-size sweep.
 * **Split-KV.** With batch 1 and a 32k context, your grid has 9 programs for 132 SMs. Split each sequence into `S`
