@@ -8,11 +8,11 @@
  * written.  It is the same algorithm as the Triton decode kernel
  * (minivllm/model/kernels/decode.py), written for two to sixteen CPU cores.
  *
- * One task = one KV head of one sequence: its G query heads (grouped-query attention) walk
- * the same blocks one after another on one thread, so the second and later walks hit the core's
- * cache and memory traffic stays one read of K/V; each walk keeps its running sum `acc[D]`, max
- * `m` and normaliser `l` in registers.  An earlier version walked the blocks once for all G heads
- * with `acc[G][D]` in memory; it measured ~3x slower.
+ * One walk = one query head of one sequence, keeping its running sum `acc[D]`, max `m` and
+ * normaliser `l` in registers.  The G query heads that share a KV head (grouped-query attention)
+ * walk the same blocks one after another on one thread (see paged_decode_f32), so the second and
+ * later walks hit the core's cache and memory traffic stays one read of K/V.  An earlier version
+ * walked the blocks once for all G heads with `acc[G][D]` in memory; it measured ~3x slower.
  *
  * Per block of BS tokens, three short loops that the compiler vectorises:
  *   scores  s[t] = q . k_t * scale                  (a dot product per token)
@@ -86,42 +86,36 @@ static inline __attribute__((always_inline)) void one_head(
     for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * inv;
 }
 
-/* The heads of the sequence `b` that read KV head `kvh`, one after another on this thread. */
-static void group_heads(const float *q, const float *k_cache, const float *v_cache,
-                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens, float *out,
-                        int64_t b, int64_t kvh, int64_t g_begin, int64_t g_end, int64_t H, int64_t G, int64_t D,
-                        int64_t BS, int64_t token_stride, int64_t block_stride, float scale) {
-    const float *kh = k_cache + kvh * D, *vh = v_cache + kvh * D;
-    const int32_t *table = block_tables + b * table_stride;
-    for (int64_t g = g_begin; g < g_end; ++g) {
-        const int64_t row = b * H + kvh * G + g;
-        if (D == 64)
-            one_head(q + row * D, kh, vh, table, seq_lens[b], BS, 64, token_stride, block_stride, scale, out + row * D);
-        else if (D == 128)
-            one_head(q + row * D, kh, vh, table, seq_lens[b], BS, 128, token_stride, block_stride, scale, out + row * D);
-        else
-            one_head(q + row * D, kh, vh, table, seq_lens[b], BS, D, token_stride, block_stride, scale, out + row * D);
-    }
-}
-
 int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                      float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
     if (BS > MAX_BLOCK || D > MAX_DIM || KVH < 1 || H % KVH != 0) return 1;
     const int64_t G = H / KVH, token_stride = KVH * D, block_stride = BS * KVH * D;
-    /* A task is one (sequence, KV head) and runs that KV head's G query heads back to back on one
-     * thread: the first walk brings the K/V blocks into this core's cache and the other G-1 read them
-     * there, so K/V crosses the memory bus once.  (With one task per query head, the G heads of a KV
-     * head ran on different cores at the same moment and each read K/V from memory: three times the
-     * traffic for SmolLM2, and a decode step whose cache no longer fits in L3 is all traffic.)  Only a
-     * batch with too few (sequence, KV head) pairs to keep every thread busy is split per query head. */
-    const int64_t pairs = B * KVH;
-    const int64_t split = pairs < 2 * (int64_t)omp_get_max_threads() ? G : 1;
+    /* A task is a run of consecutive query heads of one sequence, walked one after another on one
+     * thread: heads that share a KV head (grouped-query attention) sit next to each other, so the first
+     * walk brings the K/V blocks into this core's cache and the others read them there; K/V crosses the
+     * memory bus once.  (One task per query head ran the G heads of a KV head on different cores at
+     * once, each reading K/V from memory: three times the traffic for SmolLM2.)  The run is the whole
+     * sequence when there are enough sequences to keep every thread busy -- each block is then read
+     * whole, front to back -- else one KV head's group, else single heads. */
+    const int64_t threads = omp_get_max_threads();
+    const int64_t per = B >= 2 * threads ? H : (B * KVH >= 2 * threads ? G : 1);
+    const int64_t runs = H / per;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < pairs * split; ++task) {
-        const int64_t pair = task / split, part = task % split, per = G / split;
-        group_heads(q, k_cache, v_cache, block_tables, table_stride, seq_lens, out, pair / KVH, pair % KVH,
-                    part * per, part * per + per, H, G, D, BS, token_stride, block_stride, scale);
+    for (int64_t task = 0; task < B * runs; ++task) {
+        const int64_t b = task / runs, first = (task % runs) * per;
+        const int32_t *table = block_tables + b * table_stride;
+        for (int64_t h = first; h < first + per; ++h) {
+            const float *kh = k_cache + (h / G) * D, *vh = v_cache + (h / G) * D;
+            const float *qh = q + (b * H + h) * D;
+            float *o = out + (b * H + h) * D;
+            if (D == 64)
+                one_head(qh, kh, vh, table, seq_lens[b], BS, 64, token_stride, block_stride, scale, o);
+            else if (D == 128)
+                one_head(qh, kh, vh, table, seq_lens[b], BS, 128, token_stride, block_stride, scale, o);
+            else
+                one_head(qh, kh, vh, table, seq_lens[b], BS, D, token_stride, block_stride, scale, o);
+        }
     }
     return 0;
 }
