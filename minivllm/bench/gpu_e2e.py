@@ -132,12 +132,15 @@ def nano_main(a, model_dir: str) -> dict:
            "dtype": a.dtype, "requests": len(work), "lengths": [lo, hi], "output_tokens": sum(n for _, n in work),
            "hf_requests": len(hf_work), "hf_batch": a.hf_batch}
 
-    def record(key: str, value: float) -> None:
-        res[key] = value
-        print(f"{key}: {value:.1f}", flush=True)
+    def save() -> None:
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=2)
+
+    def record(key: str, value: float) -> None:
+        res[key] = value
+        print(f"{key}: {value:.1f}", flush=True)
+        save()
 
     backends = a.backends.split(",")
     for backend in [b for b in backends if b in ("torch", "triton")]:
@@ -154,9 +157,7 @@ def nano_main(a, model_dir: str) -> dict:
         res["triton_vs_torch"] = res["minivllm_triton_tok_s"] / res["minivllm_torch_tok_s"]
     if "minivllm_triton_eager_tok_s" in res and "minivllm_triton_tok_s" in res:
         res["cuda_graphs_speedup"] = res["minivllm_triton_tok_s"] / res["minivllm_triton_eager_tok_s"]
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    save()
     print(json.dumps(res, indent=1))
     print(f"nano workload, {res['requests']} requests: minivllm {best:.0f} tok/s = {res['vs_hf']:.1f}x HF generate "
           f"(target >= 10x); Triton / torch backend {res.get('triton_vs_torch', float('nan')):.2f}x (target >= 1.3x); "

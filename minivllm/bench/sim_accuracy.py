@@ -165,14 +165,14 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
         spec = HardwareSpec.from_dict(doc["hardware"])
     print(format_profile(doc), file=out, flush=True)
     shape = shape.with_dtype(doc["model"]["dtype_bytes"])
+    cfg = real.config  # the simulated engine gets the real one's configuration
+    same_config = dict(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                       num_blocks=real.pool.num_blocks, max_model_len=cfg.max_model_len, block_size=cfg.block_size)
     rows = {}
     for name in names or WORKLOADS:
         reqs = workload_requests(name, real.tokenizer, scale, vocab_size=shape.vocab_size)
         recs_real = [drive(real, reqs) for _ in range(max(1, real_repeats))]
-        cfg = real.config
-        rec_sim = drive(sim_engine(spec, shape, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                   max_num_seqs=cfg.max_num_seqs, num_blocks=real.pool.num_blocks,
-                                   max_model_len=cfg.max_model_len, block_size=cfg.block_size), reqs)
+        rec_sim = drive(sim_engine(spec, shape, **same_config), reqs)
         rows[name] = {**compare([metrics(r) for r in recs_real], metrics(rec_sim)),
                       "requests": len(reqs), "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
                       "real_steps": len(recs_real[0].step_ends), "sim_steps": len(rec_sim.step_ends)}
