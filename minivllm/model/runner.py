@@ -26,13 +26,23 @@ from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 
 
 def load_for_serving(config: EngineConfig) -> LoadedModel:
-    """Load the model with the attention and linear backends the config asks for (weights fused, eval mode)."""
+    """Load the model with the attention and linear backends the config asks for (weights fused, eval mode).
+
+    On a CPU, once the weights are in place, the C allocator is told to keep
+    freed memory (:mod:`minivllm.model.host_malloc`): every step's activations
+    then reuse pages already mapped instead of faulting in fresh ones.
+    """
     from minivllm.model.backends import get_attention_backend, resolve_linear_backend
 
     backend = get_attention_backend(config.attention_backend, config.device)
     linear = resolve_linear_backend(config.linear_backend, config.device, config.dtype)
-    return load_model(config.model, dtype=config.dtype, device=config.device, backend=backend,
-                      linear_backend=linear)
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device, backend=backend,
+                        linear_backend=linear)
+    if config.device.type == "cpu" and config.cpu_keep_freed_memory:
+        from minivllm.model.host_malloc import keep_freed_memory
+
+        keep_freed_memory()
+    return loaded
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,67 @@
+"""The allocator setting of ``minivllm/model/host_malloc.py``, judged by the kernel's page-fault counter.
+
+The oracle is ``getrusage``'s minor-fault count: every 4 KiB page the process
+touches for the first time since it was mapped is one fault.  A step's
+activations that reuse freed heap memory fault nothing; ones that come from a
+fresh ``mmap`` fault every page.  Each case runs in its own interpreter,
+because the setting is process-wide and cannot be undone.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="mallopt thresholds are a glibc feature")
+
+PROBE = """
+import resource, sys, torch
+from minivllm.model.host_malloc import keep_freed_memory
+took = keep_freed_memory() if sys.argv[1] == "keep" else None
+torch.set_num_threads(1)
+x = torch.ones(8 << 20)                       # 32 MiB: one large activation
+y = x * 2; del y                              # first use maps the pages either way
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    y = x * 2; del y                          # the next steps' activations
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+print(took, faults / (10 * (32 << 20) // 4096))  # faults per page allocated
+"""
+
+
+def _faults_per_page(mode: str) -> tuple[str, float]:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True).stdout
+    took, share = out.split()
+    return took, float(share)
+
+
+def test_freed_activations_are_reused_without_page_faults():
+    took, kept = _faults_per_page("keep")
+    assert took == "True", "glibc refused the thresholds"
+    assert kept < 0.05, f"{kept:.2f} faults per page: freed memory went back to the kernel"
+
+
+def test_without_the_setting_every_large_activation_faults_its_pages_in():
+    # The measurement above can tell the two apart: glibc's default serves a 32 MiB block from a fresh mmap
+    # and unmaps it on free, so every page faults again in every step.
+    _, default = _faults_per_page("default")
+    assert default > 0.9, f"only {default:.2f} faults per page with glibc's defaults"
+
+
+def test_the_engine_sets_it_for_a_cpu_model_and_the_config_can_say_no(monkeypatch):
+    from minivllm import EngineConfig
+    from minivllm.model import host_malloc, runner
+
+    calls = []
+    monkeypatch.setattr(host_malloc, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: "loaded")
+    assert runner.load_for_serving(EngineConfig(device="cpu", attention_backend="torch")) == "loaded"
+    assert calls == [1]
+    runner.load_for_serving(EngineConfig(device="cpu", attention_backend="torch", cpu_keep_freed_memory=False))
+    assert calls == [1]
+    with pytest.raises(ValueError, match="cpu_keep_freed_memory"):
+        EngineConfig(cpu_keep_freed_memory="yes")
