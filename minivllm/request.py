@@ -127,20 +127,27 @@ class Request:
         return computed >= prompt and prompt + len(self.output_token_ids) - computed == 1
 
     @staticmethod
-    def split_decodes(reqs) -> tuple[list["Request"], list["Request"]]:
+    def split_decodes(reqs, as_rows=None) -> tuple[list, list["Request"]]:
         """``(decodes, others)`` of ``reqs``, each in order: :attr:`is_decode` over many requests at once.
 
         The same rule, written out with no property call per request:
         the scheduler splits every running request this way on every step.
+        With ``as_rows`` (the scheduler passes :class:`~minivllm.sched.output.ScheduledSeq`)
+        each decode comes back already as its one-token row of the batch,
+        ``as_rows(request, 1, num_computed_tokens, True)``, built in the same pass.
         """
         # Two passes in C-driven comprehensions rather than one Python loop with two appends: in a steady
         # decode step every request is a decode, and the second pass is skipped.
-        decodes = [r for r in reqs if (c := r.num_computed_tokens) >= (p := len(r.prompt_token_ids))
-                   and p + len(r.output_token_ids) - c == 1]
+        if as_rows is None:
+            decodes = [r for r in reqs if (c := r.num_computed_tokens) >= (p := len(r.prompt_token_ids))
+                       and p + len(r.output_token_ids) - c == 1]
+        else:  # the same test; building the row here saves a second pass over the decodes (host overhead)
+            decodes = [as_rows(r, 1, c, True) for r in reqs if (c := r.num_computed_tokens) >= (
+                p := len(r.prompt_token_ids)) and p + len(r.output_token_ids) - c == 1]
         if len(decodes) == len(reqs):
             return decodes, []
         others: list[Request] = []
-        picked = iter(decodes)  # same order as reqs: the rest are the others
+        picked = iter(decodes if as_rows is None else [row.request for row in decodes])  # in reqs' order
         nxt = next(picked, None)
         for r in reqs:
             if r is nxt:

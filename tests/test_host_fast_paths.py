@@ -25,6 +25,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.kv.block_pool import BlockPool
 from minivllm.model.runner import BatchPreparer, build_attention_metadata
 from minivllm.request import Request
+from minivllm.sched.output import ScheduledSeq
 from minivllm.sim import SimulatedExecutor
 
 
@@ -135,6 +136,8 @@ def test_split_decodes_agrees_with_is_decode():
     decodes, others = Request.split_decodes(reqs)
     assert decodes == [r for r in reqs if r.is_decode] and others == [r for r in reqs if not r.is_decode]
     assert decodes and others
+    rows, others_too = Request.split_decodes(reqs, as_rows=ScheduledSeq)
+    assert rows == [ScheduledSeq(r, 1, r.num_computed_tokens, True) for r in decodes] and others_too == others
 
 
 @pytest.mark.parametrize("mode,prefix", [("recompute", True), ("swap", False), ("recompute", False)])

@@ -26,9 +26,10 @@ nano-vllm's figures for the same step on this machine class, from issue 12:
 scheduler + postprocess 250-370 us, decode preparation 3.0 ms at 256 sequences.
 
 Measured on the 2-core CPU machine (``benchmarks/results/2026-11-30_cpu-2core_host_overhead.json``),
-host CPU time per step at 16 / 482 tokens: ``final_only`` 175 / 190 us (250 / 278
-before the last round, 326 / 402 before that), ``delta`` 526 / 566 us (640 / 688;
-1,073 / 1,163), most of the difference being one ``RequestOutput`` (three
+host CPU time per step at 16 / 482 tokens: ``final_only`` 166-176 / 184-190 us over
+four runs (175 / 190 before the decode rows were built in the pass that finds
+the decodes; 250 / 278 and 326 / 402 in earlier rounds), ``delta`` 517 / 559 us
+(526 / 566; 640 / 688; 1,073 / 1,163), most of the difference being one ``RequestOutput`` (three
 objects) per request per step.  What is left is a handful of short passes over
 the batch -- split decodes from prefills (~17 us), build one row object per
 decode (~35 us: making a Python object costs ~100 ns), find the rows that need

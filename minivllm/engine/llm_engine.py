@@ -487,7 +487,9 @@ class LLMEngine:
         if self.config.tenants or len(seen) > 1 or (seen and "default" not in seen):
             fields = tenant_fields(seqs, sched.running, sched.waiting_by_tenant)
             per_tenant = {"seq_tenants": fields[0], "tenants": fields[1]}
-        seq_tokens = tuple([s.num_tokens for s in seqs])
+        # Rows are one-token rows first (the batch's layout), so a last row of one token means a batch of
+        # one-token rows: a steady decode step, logged without a pass over the batch for its token counts.
+        seq_tokens = (1,) * len(seqs) if not seqs or seqs[-1].num_tokens == 1 else tuple([s.num_tokens for s in seqs])
         self.step_log.append(
             StepRecord(
                 step=self.scheduler.stats.num_steps - 1,

@@ -437,17 +437,19 @@ class Scheduler:
         batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
         self._rejected = []
         self._admission_preempted = []
-        decodes, prefills = Request.split_decodes(self.running)
-        if self._rank is not None:
-            prefills.sort(key=self._rank)  # better-ranked prefills get the budget first
         caps = self.caps
         seqs = batch.seqs
         if caps is None:
             # Decodes take one token each, in running order, while the budget lasts: the hot path of a
-            # decode step, so it is one comprehension rather than the general loop below.
-            seqs += [ScheduledSeq(r, 1, r.num_computed_tokens, True) for r in decodes[:max(budget, 0)]]
+            # decode step, so their rows are built in the pass that finds them, not in the general loop below.
+            rows, prefills = Request.split_decodes(self.running, as_rows=ScheduledSeq)
+            seqs += rows[:max(budget, 0)]
             budget -= len(seqs)
             decodes = []
+        else:
+            decodes, prefills = Request.split_decodes(self.running)
+        if self._rank is not None:
+            prefills.sort(key=self._rank)  # better-ranked prefills get the budget first
         first_prefill = len(seqs)
         used: dict = {}
         for req in decodes + prefills:
