@@ -52,6 +52,24 @@ def test_without_the_setting_every_large_activation_faults_its_pages_in():
     assert default > 0.9, f"only {default:.2f} faults per page with glibc's defaults"
 
 
+def test_deleting_an_engine_gives_its_kv_pool_back_to_the_system():
+    # The setting keeps freed blocks below 256 MiB in the heap; an engine's pool must not be among them, or
+    # ``del llm`` would keep the pool's memory resident for the life of the process.
+    probe = """
+import gc
+from minivllm import LLM
+def rss_mb(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+llm = LLM(None, kv_cache_memory_bytes=768 << 20, attention_backend="torch")
+held = rss_mb()
+del llm
+gc.collect()
+print(held, rss_mb())
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    held, after = map(float, out.split()[-2:])
+    assert held - after > 700, f"{held:.0f} MB with the engine, {after:.0f} MB after del llm"
+
+
 def test_the_engine_sets_it_for_a_cpu_model_and_the_config_can_say_no(monkeypatch):
     from minivllm import EngineConfig
     from minivllm.model import host_malloc, runner

@@ -68,24 +68,19 @@ class KVCache:
     cpu_layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.layers = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.num_layers)
-        ]
+        # Each tier is one allocation, cut into a K and a V view per layer (each view contiguous: it fixes the
+        # two leading indices).  One allocation because a pool of many per-layer tensors comes from the C heap
+        # on a CPU engine (model/host_malloc.py keeps blocks below 256 MiB there) and is not always handed back
+        # when freed; one large block is mapped on its own and unmapped when the engine goes.
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layers = [(pool[i, 0], pool[i, 1]) for i in range(self.num_layers)]
         # The host tier: torch.empty, so untouched swap space costs address space, not RAM.
-        cpu_shape = (self.num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
-        self.cpu_layers = [
-            (
-                torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin),
-                torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin),
-            )
-            for _ in range(self.num_layers if self.num_cpu_blocks else 0)
-        ]
+        self.cpu_layers = []
+        if self.num_cpu_blocks:
+            host = torch.empty((self.num_layers, 2, self.num_cpu_blocks, *shape[3:]), dtype=self.dtype, pin_memory=pin)
+            self.cpu_layers = [(host[i, 0], host[i, 1]) for i in range(self.num_layers)]
         self._stream = torch.cuda.Stream(self.device) if pin else None
 
     @property
