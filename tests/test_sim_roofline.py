@@ -3,6 +3,8 @@ the calibration fit against known parameters, and the executor inside the real e
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import itertools
 
@@ -153,11 +155,12 @@ def test_fit_recovers_known_parameters():
     assert err_wrong > 0.01
 
 
-def test_fit_recovers_the_cost_of_steps_no_cuda_graph_replays():
-    """With CUDA graphs, a step with prompt tokens pays its kernel launches; decode-only steps do not.
+def test_fit_recovers_the_fixed_cost_of_steps_with_prompt_tokens():
+    """A step with prompt tokens pays a fixed cost a decode-only step does not (kernel launches no CUDA graph
+    hides on a GPU; the prefill path's per-layer work on a CPU).
 
-    The fit must find that extra cost when told the engine has graphs -- and, on the same data without
-    the term (a CPU engine), fit visibly worse instead of silently spreading it over other terms.
+    The fit must find that cost -- and, on the same data with the term left out, fit visibly worse instead
+    of silently spreading it over other terms; on data without such a cost it must find none.
     """
     shape = model_preset("llama-3.2-1b")
     truth = HardwareSpec("truth", peak_flops=500e12, mem_bandwidth=4e12, step_overhead_s=2e-3,
@@ -165,14 +168,17 @@ def test_fit_recovers_the_cost_of_steps_no_cuda_graph_replays():
     costs = [step_cost(shape, b) for b in _synthetic_batches()]
     assert any(c.eager for c in costs) and not all(c.eager for c in costs)
     times = [roofline_time(c, shape, truth).total for c in costs]
-    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, graphs=True)
+    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
     got = spec_from_theta(theta, "fit")
     assert err < 1e-6
     for k in ("eager_step_overhead_s", "step_overhead_s", "seq_overhead_s", "peak_flops"):
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
-    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
+    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, prompt_term=False)
     assert err_without > 0.1
-    assert spec_from_theta(fit(costs, times)[0], "cpu").eager_step_overhead_s == 0.0
+    flat = dataclasses.replace(truth, eager_step_overhead_s=0.0)
+    times = [roofline_time(c, shape, flat).total for c in costs]
+    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
+    assert err < 1e-6 and spec_from_theta(theta, "fit").eager_step_overhead_s == pytest.approx(0.0, abs=1e-9)
 
 
 def test_refit_and_resimulate_reproduce_the_recorded_gpu_run():

@@ -4,8 +4,8 @@ Why fit the roofline's few parameters, not a constant per shape?  Because the
 simulator must predict shapes it never measured (a batch of 200 decodes, an
 8K prompt).  A model with a handful of physically meaningful parameters --
 overhead per step and per sequence, the FLOP/s of GEMMs and of attention,
-memory bandwidth, and on a GPU the extra cost of a step no CUDA graph replays
--- fitted on a dozen shapes extrapolates; a lookup table does not.
+memory bandwidth, and the extra fixed cost of a step that carries prompt
+tokens -- fitted on a dozen shapes extrapolates; a lookup table does not.
 
 The fit is least squares on *relative* error (a 30 ms decode step matters as
 much as a 2 s prefill) with every parameter non-negative.  The roofline's
@@ -38,10 +38,29 @@ step with prompt tokens kernel by kernel from Python.  On the H200 that split
 the measured steps in two: 2.6 ms for a graphed decode step of a 1B model, 11-17
 ms for any step with a prompt chunk, hardly depending on its size.  One
 overhead for all steps fitted that grid with 40% rms error (the fit pushed the
-difference into an absurd GEMM rate); a separate ``eager_step_overhead_s``,
-fitted only when the engine has graphs, brought it to 13%.  The stored samples
-of a profile can be re-fitted after such a change without re-measuring
-(:func:`refit`, ``minivllm sim calibrate --refit PROFILE``).
+difference into an absurd GEMM rate); a separate ``eager_step_overhead_s``
+for steps with prompt tokens brought it to 13%.
+
+The CPU has the same split, smaller.  A step with a prompt chunk runs the
+backend's prefill path in every layer -- gathering the chunk's K/V, building
+its mask, one SDPA call per prompt -- on top of the decode kernel, a fixed cost
+that the roofline's FLOPs and bytes do not see.  Without the term, steps that
+carry a short prompt beside a few decodes (every chat turn of the decode-heavy
+workload) were predicted 6-15% fast, and with them that workload's TTFT
+(-12% / -13% at p50 in two runs; -0.2% / -3.7% with the term).  The term is therefore fitted on every
+device.  Three CPU runs of ``python -m minivllm.bench sim_accuracy --clock cpu`` on
+2026-11-30, each re-judged without and with it (``--resimulate``): 12 -> 14,
+13 -> 14 and 12 -> 12 of 15 metrics within 10%; the grid's rms error 3.3 ->
+2.8%, 5.5 -> 5.2% and 6.2 -> 5.5%; fitted 4.9, 13.4 and 11.2 ms.  (The second run's grid
+also had short prompts arriving mid-run; those groups were dropped, because
+arrivals in time make repeated runs schedule differently, which defeats the
+per-step median.)  Not every run gains: the run committed before the allocator
+change re-judges 12 -> 10, its decode-heavy TTFT p50 moving from +5% to +16%.
+Between runs the real engine itself moves by up to 15% on this shared machine.
+``prompt_term=False`` leaves the term out (the ablation).
+
+The stored samples of a profile can be re-fitted after such a change without
+re-measuring (:func:`refit`, ``minivllm sim calibrate --refit PROFILE``).
 """
 
 from __future__ import annotations
@@ -97,13 +116,13 @@ def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x / norms
 
 
-def _columns(c: StepCost, shares: tuple[float, float, float, float], graphs: bool) -> list[float]:
-    """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes, eager], each roof
-    term scaled by its share of its phase (see :func:`_shares`).  ``eager`` is 1 for a step no CUDA graph
-    replays, when the engine has graphs at all; without them the column is 0 and its parameter stays 0."""
+def _columns(c: StepCost, shares: tuple[float, float, float, float], prompt_term: bool) -> list[float]:
+    """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes, prompt], each roof
+    term scaled by its share of its phase (see :func:`_shares`).  ``prompt`` is 1 for a step that carries
+    prompt tokens (``StepCost.eager``); with ``prompt_term=False`` the column is 0 and its parameter stays 0."""
     dc, dm, ac, am = shares
     return [1.0, float(c.num_seqs), c.dense_flops * dc, c.dense_bytes * dm, c.attn_flops * ac, c.attn_bytes * am,
-            float(graphs and c.eager)]
+            float(prompt_term and c.eager)]
 
 
 def _shares(compute: float, memory: float, p: float | None) -> tuple[float, float]:
@@ -136,7 +155,7 @@ def _predict(theta: np.ndarray, costs: list[StepCost], p: float | None = None):
 
 def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
         groups: list[int] | None = None, s_per_byte: float | None = None,
-        roof_p: float | None = None, graphs: bool = False) -> tuple[np.ndarray, float]:
+        roof_p: float | None = None, prompt_term: bool = True) -> tuple[np.ndarray, float]:
     """Fit ``PARAMS`` (seconds per unit of each term) to measured step times; returns (theta, rms relative error).
 
     The fit minimises relative error.  ``groups`` (one label per step, e.g. the
@@ -149,15 +168,15 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
     :func:`measure_read_bandwidth`) instead of fitting it: with one model the
     weight stream is a constant per step, which a free fit cannot tell apart
     from step overhead (module docstring).  ``roof_p`` is the roofline's
-    corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.  ``graphs``: the
-    engine replays decode-only steps as CUDA graphs, so steps with prompt tokens get their own
-    overhead term (``HardwareSpec.eager_step_overhead_s``).
+    corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.  ``prompt_term``:
+    steps with prompt tokens get their own fixed cost (``HardwareSpec.eager_step_overhead_s``: kernel
+    launches no CUDA graph hides on a GPU, the prefill path's per-layer work on a CPU); False leaves it out.
     """
-    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, graphs)
+    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term)
     return theta, err
 
 
-def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, graphs=False) -> tuple[np.ndarray, float, float]:
+def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term=True) -> tuple[np.ndarray, float, float]:
     """:func:`fit`'s work; also returns the weighted error it minimised (what :func:`fit_roof` compares)."""
     t = np.asarray(times, dtype=float)
     if len(costs) != len(t) or len(t) < len(PARAMS):
@@ -180,7 +199,7 @@ def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, graphs=False) -> 
             if key in seen:  # back at a point already solved: converged (or cycling)
                 break
             seen.add(key)
-            A = np.array([_columns(c, sh, graphs) for c, sh in zip(costs, shares)])
+            A = np.array([_columns(c, sh, prompt_term) for c, sh in zip(costs, shares)])
             if s_per_byte is None:
                 theta = nnls(A * w[:, None], t * w)
             else:  # the bytes column is known: move it to the right-hand side, fit the others
@@ -198,7 +217,7 @@ ROOF_P_CANDIDATES = (None, 8.0, 4.0, 3.0, 2.0, 1.5)
 
 
 def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None = None,
-             s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES, graphs: bool = False):
+             s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES, prompt_term: bool = True):
     """:func:`fit` for each candidate ``roof_p``; returns ``(theta, rms error, roof_p)`` of the best.
 
     One discrete shape parameter, chosen on the same weighted error the fit
@@ -207,7 +226,7 @@ def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None
     """
     best = None
     for p in candidates:
-        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, graphs)
+        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, prompt_term)
         if best is None or weighted < best[0] - 1e-9:
             best = (weighted, theta, err, p)
     return best[1], best[2], best[3]
@@ -439,15 +458,12 @@ def refit(doc: dict, notes: str | None = None) -> dict:
     times = [s["time_s"] for s in samples]
     groups = [s["group"] for s in samples] if all("group" in s for s in samples) else None
     read_bw = doc["fit"].get("measured_read_bandwidth")
-    graphs = doc.get("cuda_graphs", doc.get("device") == "cuda")
-    theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None,
-                                  graphs=graphs)
+    theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None)
     hw = doc["hardware"]
     spec = spec_from_theta(theta, hw["name"], swap_bandwidth=hw.get("swap_bandwidth", 25e9), roof_p=roof_p,
                            notes=notes or hw.get("notes", ""))
     pred = [roofline_time(c, shape, spec).total for c in costs]
     doc["hardware"] = spec.to_dict()
-    doc["cuda_graphs"] = graphs
     doc["fit"].update(params=dict(zip(PARAMS, map(float, theta))), steps=len(samples), rms_rel_error=err,
                       max_abs_rel_error=float(max(abs(p - t) / t for p, t in zip(pred, times))))
     for s, p in zip(samples, pred):
@@ -462,7 +478,7 @@ def format_profile(doc: dict) -> str:
         return "not binding" if x is None or x >= 1e29 else f"{x / 1e9:.1f} {unit}"
 
     eager = hw.get("eager_step_overhead_s", 0.0)
-    eager = f" (+{eager * 1e3:.2f} ms for a step no CUDA graph replays)" if eager else ""
+    eager = f" (+{eager * 1e3:.2f} ms for a step with prompt tokens)" if eager else ""
     return (f"{hw['name']}: step overhead {hw['step_overhead_s'] * 1e3:.2f} ms{eager} + {hw['seq_overhead_s'] * 1e3:.3f} ms/seq | "
             f"GEMM {rate(hw['peak_flops'], 'GFLOP/s')} | attention {rate(hw['attention_flops'], 'GFLOP/s')} | "
             f"memory {rate(hw['mem_bandwidth'], 'GB/s')} (attention {rate(hw.get('attention_bandwidth'), 'GB/s')}) | "

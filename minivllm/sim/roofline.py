@@ -138,11 +138,12 @@ class HardwareSpec:
     step_overhead_s: float = 0.0  # host scheduling, input preparation, sampling: once per step
     layer_overhead_s: float = 0.0  # kernel launches: once per layer per step
     seq_overhead_s: float = 0.0  # per scheduled sequence per step (metadata, sampling)
-    # Extra fixed cost of a step that cannot replay a CUDA graph.  An engine with graphs (a GPU) captures
-    # decode-only steps and replays each as one launch; a step with prompt tokens launches its ~10 kernels
-    # per layer one by one from Python.  On the H200 that was 2.6 ms for a graphed decode step of a 1B
-    # model against 11-17 ms for any step with a prefill chunk, nearly flat in its tokens up to 512.
-    # 0 on a CPU (no graphs: every step pays its launches, inside step_overhead_s).
+    # Extra fixed cost of a step that carries prompt tokens.  On a GPU: an engine with CUDA graphs captures
+    # decode-only steps and replays each as one launch, while a step with prompt tokens launches its ~10
+    # kernels per layer one by one from Python -- on the H200, 2.6 ms for a graphed decode step of a 1B
+    # model against 11-17 ms for any step with a prefill chunk, nearly flat in its tokens up to 512.  On a
+    # CPU: the prefill path's per-layer work beside the decode kernel (K/V gather, mask, one SDPA call per
+    # prompt), 5-13 ms a step for SmolLM2 on one core.  The datasheet presets leave it 0 (a compiled engine).
     eager_step_overhead_s: float = 0.0
     swap_bandwidth: float = 25e9  # bytes/s between device and host tier
     flops_util: float = 1.0
