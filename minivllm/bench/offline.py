@@ -213,7 +213,7 @@ def main() -> int:
         "itl_p99_ms": percentile(itl, 99) * 1e3,
         "peak_kv_blocks": peak_blocks, "kv_blocks": llm.engine.pool.num_blocks,
         "peak_rss_mb": peak_rss_mb, "load_s": load_s, "minor_page_faults": faults,
-        "cpu_keep_freed_memory": not a.no_keep_freed_memory,
+        "cpu_keep_freed_memory": llm.engine.config.cpu_keep_freed_memory,
         "matmul_gflops": roof / 1e9, "workload_gflop": flops / 1e9,
         "compute_floor_s": flops / roof, "share_of_floor": (flops / roof) / mv_s,
     }
