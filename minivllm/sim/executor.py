@@ -8,7 +8,9 @@ the real engine's — only the forward pass is replaced by a cost model::
                 + swapped bytes / swap bandwidth
 
 and the "sampled" token is a deterministic function of the request and its
-position, so runs are reproducible to the bit.  Tests use it to hammer the
+position (:func:`~minivllm.sim.roofline.fake_token`, a CRC, not Python's
+``hash``, which is salted per process), so runs are reproducible to the bit,
+in every process.  Tests use it to hammer the
 scheduler with thousands of workloads; the labs use it for what-if studies
 that would take minutes with a real model.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minivllm.sched.output import ScheduledBatch
+from minivllm.sim.roofline import fake_token
 
 
 @dataclass
@@ -51,5 +54,5 @@ class SimulatedExecutor:
         for s in batch.seqs:
             if s.samples:
                 req = s.request
-                out[req.request_id] = (hash((req.request_id, req.num_tokens)) % (self.vocab_size - 10)) + 10
+                out[req.request_id] = fake_token(req.request_id, req.num_tokens, self.vocab_size)
         return out
