@@ -96,6 +96,16 @@ def compare(runs: list[dict], m_sim: dict) -> dict:
     return {"real": m_real, "real_runs": runs, "real_spread": spread, "sim": m_sim, "rel_error": err}
 
 
+def step_log(samples) -> list:
+    """Each real step as ``[began_s, seconds, [[start, tokens, completes_prompt], ...]]``, kept in the JSON.
+
+    Why: a miss on a lent GPU can then be taken apart step by step on any
+    machine afterwards -- which shapes of step the profile predicts too fast --
+    without another lease (the per-run metrics alone only say *that* it missed).
+    """
+    return [[round(s.start_s, 7), round(s.time_s, 7), [list(q) for q in s.seqs]] for s in samples]
+
+
 def within_10pct(rows: dict) -> list[bool]:
     return [abs(e) <= 0.10 for r in rows.values() for e in r["rel_error"].values() if e is not None]
 
@@ -137,7 +147,7 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     without downloads) replaces the bundled model; its shape comes from its config.
     """
     out = out or sys.stdout
-    from minivllm.sim.calibrate import calibrate, format_profile, real_engine
+    from minivllm.sim.calibrate import calibrate, format_profile, measure, real_engine
     from minivllm.sim.presets import bundled_shape, hardware_preset, load_profile
     from minivllm.sim.roofline import ModelShape
     from minivllm.sim.run import drive
@@ -171,11 +181,13 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     rows = {}
     for name in names or WORKLOADS:
         reqs = workload_requests(name, real.tokenizer, scale, vocab_size=shape.vocab_size)
-        recs_real = [drive(real, reqs) for _ in range(max(1, real_repeats))]
+        measured = [measure(real, reqs) for _ in range(max(1, real_repeats))]
+        recs_real = [rec for _, rec in measured]
         rec_sim = drive(sim_engine(spec, shape, **same_config), reqs)
         rows[name] = {**compare([metrics(r) for r in recs_real], metrics(rec_sim)),
                       "requests": len(reqs), "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
-                      "real_steps": len(recs_real[0].step_ends), "sim_steps": len(rec_sim.step_ends)}
+                      "real_steps": len(recs_real[0].step_ends), "sim_steps": len(rec_sim.step_ends),
+                      "real_step_logs": [step_log(samples) for samples, _ in measured]}
         print(f"  {name}: {len(reqs)} requests, real runs {', '.join(f'{r.wall_s:.1f}' for r in recs_real)} s",
               file=out, flush=True)
     print("\n" + format_table(rows), file=out)

@@ -317,6 +317,7 @@ class StepSample:
     seqs: list[tuple[int, int, bool]]
     swapped_blocks: int
     time_s: float
+    start_s: float = 0.0  # when the step began, after the run's start (the gaps between steps are host time too)
 
 
 def real_engine(max_num_batched_tokens: int = 512, max_num_seqs: int = 32, num_blocks: int = 512,
@@ -344,7 +345,7 @@ def measure(engine, requests) -> tuple[list[StepSample], object]:
     first = len(ex.batches)
     rec = drive(engine, requests)
     batches = ex.batches[first:]
-    samples = [StepSample(seqs, moved, end - start)
+    samples = [StepSample(seqs, moved, end - start, start)
                for (seqs, moved), start, end in zip(batches, rec.step_starts, rec.step_ends) if seqs]
     return samples, rec
 
