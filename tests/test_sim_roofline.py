@@ -181,8 +181,12 @@ def test_fit_recovers_the_fixed_cost_of_steps_with_prompt_tokens():
     assert err < 1e-6 and spec_from_theta(theta, "fit").eager_step_overhead_s == pytest.approx(0.0, abs=1e-9)
 
 
-def test_refit_and_resimulate_reproduce_the_recorded_gpu_run():
-    """The H200 profile in benchmarks/results re-fits to the parameters stored in it, and re-simulating the
+@pytest.mark.parametrize("profile,result", [
+    ("2026-11-30_nvidia-h200_llama1b_profile.json", "2026-11-30_nvidia-h200_sim_accuracy_llama1b_refit.json"),
+    ("2026-11-30_nvidia-h200_llama1b_profile_run2.json", "2026-11-30_nvidia-h200_sim_accuracy_llama1b_run2.json"),
+])
+def test_refit_and_resimulate_reproduce_the_recorded_gpu_run(profile, result):
+    """Each H200 profile in benchmarks/results re-fits to the parameters stored in it, and re-simulating the
     recorded sim_accuracy run with it reproduces the stored simulator metrics exactly (the simulator is
     deterministic; the workloads are regenerated from their seeds)."""
     import copy
@@ -193,12 +197,12 @@ def test_refit_and_resimulate_reproduce_the_recorded_gpu_run():
     from minivllm.sim.calibrate import refit
 
     results = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
-    doc = json.loads((results / "2026-11-30_nvidia-h200_llama1b_profile.json").read_text())
+    doc = json.loads((results / profile).read_text())
     again = refit(copy.deepcopy(doc))
     for k, v in doc["fit"]["params"].items():
         assert again["fit"]["params"][k] == pytest.approx(v, rel=1e-9, abs=1e-15), k
     assert doc["hardware"]["eager_step_overhead_s"] > 2 * doc["hardware"]["step_overhead_s"]  # 10 ms vs 2 ms
-    stored = json.loads((results / "2026-11-30_nvidia-h200_sim_accuracy_llama1b_refit.json").read_text())
+    stored = json.loads((results / result).read_text())
     redone = resimulate(stored, doc, out=io.StringIO())
     for name, row in stored["workloads"].items():
         for k, v in row["sim"].items():

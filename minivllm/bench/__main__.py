@@ -6,7 +6,8 @@ kernels, GPU), ``prefix`` (prefix caching end to end), ``prefix_structures``
 on one overloaded workload), ``serve`` (load generator for any OpenAI-compatible
 server: ``--base-url URL``; also ``minivllm bench serve``), ``host_overhead`` (engine cost per decode
 step without a model), ``fleet`` (replicas x router policy on a simulated fleet: capacity and prefix affinity), ``sim_accuracy`` (the calibrated
-simulator vs the real engine on held-out workloads), ``linear`` (the model's projections: default BLAS vs oneDNN).
+simulator vs the real engine on held-out workloads), ``linear`` (the model's projections: default BLAS vs oneDNN),
+``eager_step`` (where a step that carries prompt tokens spends its time: spread, idle, GC, profile).
 """
 
 import importlib
@@ -25,6 +26,7 @@ NAMES = {
     "sim_accuracy": "minivllm.bench.sim_accuracy",
     "fleet": "minivllm.bench.fleet",
     "linear": "minivllm.bench.linear",
+    "eager_step": "minivllm.bench.eager_step",
 }
 
 

@@ -1,0 +1,129 @@
+"""``python -m minivllm.bench eager_step`` — where a step that carries prompt tokens spends its time.
+
+With CUDA graphs a decode step is one replay, but a step that carries prompt
+tokens runs eagerly: every operator of every layer is launched from Python.
+The simulator's GPU calibration fits that as a fixed cost (about 10 ms a step
+for a Llama-3.2-1B shape on an H200, whatever the prompt's length), and the
+held-out runs showed such steps varying 11-31 ms with *identical* shapes --
+the noise that sinks the simulator's TTFT predictions there.  This benchmark
+takes that cost apart on any device:
+
+1. the time of one prompt step of a fixed shape, ``--repeats`` times back to
+   back, then each after an idle gap (``--gap``), then back to back again with
+   the garbage collector's long-lived objects frozen (``gc.freeze``, as vLLM
+   does after start-up) -- is the spread there without idling, and is it the
+   collector?;
+2. a decode step of the same engine, for scale;
+3. ``torch.profiler`` over a few prompt steps: how many kernels a step
+   launches and which host-side operators take the CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+
+def _stats(xs: list[float]) -> dict:
+    s = sorted(xs)
+    return {"n": len(s), "min_ms": 1e3 * s[0], "p50_ms": 1e3 * statistics.median(s),
+            "p90_ms": 1e3 * s[int(0.9 * (len(s) - 1))], "max_ms": 1e3 * s[-1],
+            "mean_ms": 1e3 * statistics.fmean(s)}
+
+
+def prompt_step_times(engine, prompt_len: int, repeats: int, vocab: int, gap_s: float = 0.0) -> list[float]:
+    """Time of the one step that prefills a fresh ``prompt_len``-token prompt, ``repeats`` times."""
+    import numpy as np
+
+    from minivllm.sim.calibrate import measure
+    from minivllm.sim.run import SimRequest
+
+    rng = np.random.default_rng(0)
+    times = []
+    for i in range(repeats):
+        if gap_s:
+            time.sleep(gap_s)
+        ids = [int(x) for x in rng.integers(10, vocab - 1, prompt_len)]  # fresh ids: no prefix-cache hit
+        samples, _ = measure(engine, [SimRequest(i, 0.0, "p", ids, 1)])
+        times.append(samples[0].time_s)
+    return times
+
+
+def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: int, gap_s: float,
+        profile_steps: int) -> dict:
+    import numpy as np
+    import torch
+
+    from minivllm.sim.calibrate import measure, real_engine
+    from minivllm.sim.run import SimRequest
+
+    engine = real_engine(model=model, device=device, dtype=dtype)
+    if model is None:
+        from minivllm.sim.presets import bundled_shape
+
+        vocab = bundled_shape().vocab_size
+    else:
+        with open(f"{model}/config.json", encoding="utf-8") as fh:
+            vocab = json.load(fh)["vocab_size"]
+    prompt_step_times(engine, prompt_len, 3, vocab)  # warm-up: kernels, allocator
+    out = {"benchmark": "eager_step", "device": str(engine.config.device), "dtype": str(engine.config.dtype),
+           "prompt_len": prompt_len, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if torch.cuda.is_available() and engine.config.device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    out["back_to_back"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
+    out[f"after_{gap_s:g}s_idle"] = _stats(prompt_step_times(engine, prompt_len, max(3, repeats // 3), vocab, gap_s))
+    gc.collect()
+    gc.freeze()
+    out["back_to_back_gc_frozen"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
+    gc.unfreeze()
+    rng = np.random.default_rng(1)
+    samples, _ = measure(engine, [SimRequest(0, 0.0, "d", [int(x) for x in rng.integers(10, vocab - 1, 32)], 17)])
+    out["decode_step"] = _stats([s.time_s for s in samples[1:]])
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if out["device"].startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        prompt_step_times(engine, prompt_len, profile_steps, vocab)
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key or e.key == "cudaGraphLaunch")
+    out["profile"] = {
+        "steps": profile_steps, "kernel_launches_per_step": launches / profile_steps,
+        "top_cpu_self": [{"op": e.key, "calls_per_step": e.count / profile_steps,
+                          "self_cpu_us_per_step": e.self_cpu_time_total / profile_steps}
+                         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]],
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minivllm.bench eager_step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="an HF model directory (default: the bundled model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--gap", type=float, default=0.5, help="idle seconds before each step of the idle series")
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    res = run(a.model, a.device, a.dtype, a.prompt_len, a.repeats, a.gap, a.profile_steps)
+    for k, v in res.items():
+        if isinstance(v, dict) and "p50_ms" in v:
+            print(f"{k:<24} n={v['n']:3d}  min {v['min_ms']:7.2f}  p50 {v['p50_ms']:7.2f}  p90 {v['p90_ms']:7.2f}  "
+                  f"max {v['max_ms']:7.2f} ms")
+    p = res["profile"]
+    print(f"kernel launches per prompt step: {p['kernel_launches_per_step']:.0f}")
+    for e in p["top_cpu_self"][:15]:
+        print(f"  {e['op'][:48]:<48} {e['calls_per_step']:7.1f} calls {e['self_cpu_us_per_step']:9.0f} us/step")
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

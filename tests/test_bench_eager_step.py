@@ -1,0 +1,23 @@
+"""``python -m minivllm.bench eager_step`` on the CPU: the step it times is the prompt step, and the profile
+sees the model's own operators.
+
+The oracle is the work itself: prefilling a 64-token prompt on the bundled model does the projections for
+64 rows, a decode step for one, so the prompt step must take longer than a decode step of the same engine,
+and its profile must count one fused QKV, one output, one gate/up and one down projection per layer (plus
+the LM head once) -- the number of linear calls is fixed by the architecture, not by the timing.
+"""
+
+from minivllm.bench.eager_step import run
+from minivllm.sim.presets import bundled_shape
+
+
+def test_eager_step_times_the_prompt_step_and_profiles_the_model():
+    res = run(None, "cpu", "auto", prompt_len=64, repeats=2, gap_s=0.01, profile_steps=1)
+    for key in ("back_to_back", "after_0.01s_idle", "back_to_back_gc_frozen", "decode_step"):
+        s = res[key]
+        assert 0 < s["min_ms"] <= s["p50_ms"] <= s["max_ms"], key
+    assert res["back_to_back"]["p50_ms"] > 2 * res["decode_step"]["p50_ms"]
+    assert res["profile"]["kernel_launches_per_step"] == 0  # no GPU: nothing is launched
+    linear = [e for e in res["profile"]["top_cpu_self"] if "linear" in e["op"] or e["op"] in ("aten::mm", "aten::addmm")]
+    assert linear, res["profile"]["top_cpu_self"][:5]
+    assert max(e["calls_per_step"] for e in linear) == 4 * bundled_shape().num_layers + 1
