@@ -265,7 +265,9 @@ def specialisation_key(kernel, args: tuple, kwargs: dict) -> tuple:
     return tuple(key)
 
 
-def test_step_varying_arguments_are_not_specialised(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("stage", [False, True], ids=["cpu-upload", "gpu-staging"])
+def test_step_varying_arguments_are_not_specialised(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch,
+                                                    stage: bool) -> None:
     """A served workload with many different lengths compiles each kernel about once.
 
     Every launch of an engine run (decode splits and merges, prefill chunks, KV writes; batches of
@@ -274,6 +276,9 @@ def test_step_varying_arguments_are_not_specialised(tiny_llama_dir: str, monkeyp
     kernel's ``DIRECT`` constexpr (one split or several) may add one.  The split count a GPU would
     choose is replaced by one that varies with the step (1..17), since the interpreter never splits;
     the KV-write kernel runs on a GPU only (its arguments are all fixed strides and pointers).
+    ``gpu-staging`` prepares each step as on a GPU: the integer arrays packed into one staging buffer
+    and handed to the kernels as views into it, whose pointers must stay 16-byte aligned whatever the
+    batch size (packed end to end they were not: a second prefill binary, compiled mid-serving on an H200).
     """
     from minivllm import LLM, SamplingParams
     from minivllm.model.kernels import decode, prefill
@@ -290,6 +295,11 @@ def test_step_varying_arguments_are_not_specialised(tiny_llama_dir: str, monkeyp
         monkeypatch.setattr(kernel, "run", recording_run, raising=False)
     llm = LLM(model=tiny_llama_dir, attention_backend="triton", dtype="float32", num_gpu_blocks_override=48,
               max_model_len=160, max_num_batched_tokens=64)
+    if stage:
+        from minivllm.model.runner import BatchPreparer
+
+        runner = llm.engine.executor
+        runner.prep = BatchPreparer(runner.kv_cache.block_size, "cpu", stage=True)
     g = torch.Generator().manual_seed(5)
     prompts = [{"prompt_token_ids": torch.randint(3, 500, (n,), generator=g).tolist()}
                for n in (1, 15, 16, 17, 33, 64, 70, 2, 100)]
