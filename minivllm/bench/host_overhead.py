@@ -87,15 +87,16 @@ class _TimedExecutor:
         return out
 
 
-def _engine(seqs: int, max_tokens: int, output_kind: str):
+def _engine(seqs: int, max_tokens: int, output_kind: str, prompt_len: int = 64):
     from minivllm import EngineConfig, LLMEngine, SamplingParams
 
-    cfg = EngineConfig(num_gpu_blocks_override=seqs * (-(-(64 + max_tokens) // 16) + 1), block_size=16,
-                       max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs), max_model_len=64 + max_tokens + 16,
+    longest = prompt_len + max_tokens + 16
+    cfg = EngineConfig(num_gpu_blocks_override=seqs * (-(-(prompt_len + max_tokens) // 16) + 1), block_size=16,
+                       max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs), max_model_len=longest,
                        device="cpu")
-    engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=64 + max_tokens + 16, eos_token_ids=set())
+    engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=longest, eos_token_ids=set())
     for i in range(seqs):
-        engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(64)]},
+        engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(prompt_len)]},
                            SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=output_kind))
     return engine
 
@@ -181,6 +182,38 @@ def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) 
     return row
 
 
+def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_only",
+          prompt_len: int = 64) -> list[dict]:
+    """Host cost per step at each output length in ``points``: where does it grow, and by how much?
+
+    On the 2-core machine, with 64-token prompts, most of the rise is a step, not a slope: ~166 us
+    up to 100 output tokens, ~183 us once the requests hold more than 256 tokens in all, 183-188 us
+    from there to 900 output tokens (``*_host_overhead_sweep.json``).  With 300-token prompts the
+    first figure is already 178-181 us, then 187-191 at 300 output tokens, 190-193 at 600 and
+    195-200 at 900 (``*_sweep_prompt300.json``, three runs).  The step: CPython keeps one shared
+    object for each integer from -5 to 256; a larger one -- ``len()`` of a 300-token list, a
+    ``num_computed_tokens`` past 256, ``prompt + output`` -- is a fresh heap object each time it
+    is computed, and reading it is one more memory access.  The step's code is the same at every
+    length (its opcode count does not change); how many of the integers it touches pass 256 does.
+    What remains after the step, ~1-2% per 100 tokens, is the requests' lists and integers
+    spreading over more memory.
+    """
+    engine = _engine(seqs, max(points) + samples + 16, output_kind, prompt_len)
+    while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+        engine.step()
+    rows, done = [], 1
+    for point in sorted(points):
+        while done < point:
+            engine.step()
+            done += 1
+        t = _time_steps(engine, samples)
+        rows.append({"output_tokens": point, "total_tokens": point + prompt_len,
+                     "host_cpu_us_median": round(statistics.median(t["host_cpu"]), 1),
+                     "prep_cpu_us_median": round(statistics.median(t["prep_cpu"]), 1)})
+        done += samples
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench host_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=256)
@@ -189,8 +222,25 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--kinds", default=",".join(KINDS), help="output kinds to measure, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prompt-len", type=int, default=64, help="--sweep: prompt length of every request")
+    ap.add_argument("--sweep", default=None, metavar="N,N,...",
+                    help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.sweep:
+        rows = sweep(args.seqs, [int(x) for x in args.sweep.split(",")], args.samples, prompt_len=args.prompt_len)
+        print(f"host overhead per decode step vs output length, {args.seqs} sequences ({args.prompt_len}-token prompts), "
+              f"final_only, CPU time, medians in us")
+        for r in rows:
+            print(f"  {r['output_tokens']:5d} output tokens ({r['total_tokens']:5d} in all): host {r['host_cpu_us_median']:6.1f}"
+                  f"  prep {r['prep_cpu_us_median']:6.1f}")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"command": "python -m minivllm.bench host_overhead "
+                                            f"--sweep {args.sweep} --prompt-len {args.prompt_len}",
+                                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                                            "rows": rows}, indent=2) + "\n")
+        return 0
     rows = [measure(args.seqs, args.warmup, args.later, args.samples, kind) for kind in args.kinds.split(",")]
     early, late = rows[0]["tokens_early"], rows[0]["tokens_late"]
     print(f"host overhead per decode step, {args.seqs} sequences, block 16, simulated executor (no model); "
