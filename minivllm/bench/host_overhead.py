@@ -41,10 +41,13 @@ comprehension over slotted objects, and a slotted ``Request`` saves a memory
 access per field read without changing the count.  A step keeps no small containers
 alive (the step log stores flat tuples), so Python's cyclic garbage collector,
 which runs once enough of them accumulate, stays out of the step.  The opcode
-counts are the same early and late; the times still grow ~10% with output
-length as the requests' token lists spread over more memory.
+counts are the same early and late; the times still grow ~10% from 16 to 482
+tokens, and ``--sweep`` shows why: most of it is one step where the integers a
+step reads pass 256 and stop being CPython's shared small-int objects (see
+:func:`sweep`), the rest about 1% per 100 tokens.
 
     python -m minivllm.bench host_overhead [--out results.json]
+    python -m minivllm.bench host_overhead --sweep 16,100,200,300,600,900 [--prompt-len 300]
 """
 
 from __future__ import annotations
@@ -195,7 +198,7 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     ``num_computed_tokens`` past 256, ``prompt + output`` -- is a fresh heap object each time it
     is computed, and reading it is one more memory access.  The step's code is the same at every
     length (its opcode count does not change); how many of the integers it touches pass 256 does.
-    What remains after the step, ~1-2% per 100 tokens, is the requests' lists and integers
+    What remains after the step, about 1% per 100 tokens, is the requests' lists and integers
     spreading over more memory.
     """
     engine = _engine(seqs, max(points) + samples + 16, output_kind, prompt_len)
