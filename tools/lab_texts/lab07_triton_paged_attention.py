@@ -464,7 +464,11 @@ print_answers(7)   # the answer key: run it after you have answered
   aligned to 16 bytes. Find the arguments of the engine's decode kernel that change from step to step (the
   block table's width is one) and read how `minivllm/model/kernels/decode.py` keeps them from multiplying the
   binaries (`do_not_specialize`); `test_step_varying_arguments_are_not_specialised` in
-  `tests/test_triton_attention.py` checks it in the interpreter.
+  `tests/test_triton_attention.py` checks it in the interpreter. Pointers can vary too. On a GPU the engine
+  packs each step's integer arrays into one staging buffer and hands the kernels views into it; packed end to
+  end, `seq_lens` began `4 * (batch + 1)` bytes in, 16-byte aligned for one batch size in four, so a batch
+  size not seen before compiled new binaries in the middle of serving (steps of 0.4–1.0 s on an H200). Read
+  how `BatchPreparer._upload` in `minivllm/model/runner.py` lays the arrays out now.
 * **Decouple the tile from the page.** Make the loop run over tiles of `BLOCK_N` tokens that may span several
   pages (look the page up per token, as `minivllm/model/kernels/tiles.py` does) and repeat the block-size sweep.
 * **Split-KV.** With batch 1 and a 32k context, your grid has 9 programs for 132 SMs. Split each sequence into `S`
