@@ -137,6 +137,21 @@ class PrefixCache(Protocol):
         """
         ...
 
+    def extend(self, parent_block: int, token_ids: Sequence[int], block_ids: Sequence[int],
+               namespace: Namespace = ()) -> bool:
+        """Cache the full blocks ``block_ids`` (of ``token_ids``) right after the cached block
+        ``parent_block``, the last one the caller cached before; return False, changing nothing,
+        to have the caller :meth:`insert` the whole prefix instead.
+
+        Why: a decoding request fills a block every ``block_size`` tokens, and inserting its whole
+        prefix each time -- copy the tokens, cut them into blocks, walk from the root -- costs a
+        request of ``n`` tokens ``O(n)`` per block, ``O(n^2)`` over its life, on the engine's
+        thread.  When it returns True the cache must be exactly as :meth:`insert` of the whole
+        prefix would have left it (same entries, same LRU ticks), and that insert would have
+        returned the caller's own blocks.  Returning False is always allowed.
+        """
+        ...
+
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` evictable blocks, LRU first, leaves first; return how many."""
         ...

@@ -90,13 +90,14 @@ class _TimedExecutor:
         return out
 
 
-def _engine(seqs: int, max_tokens: int, output_kind: str, prompt_len: int = 64):
+def _engine(seqs: int, max_tokens: int, output_kind: str, prompt_len: int = 64, prefix_cache: str = "off"):
     from minivllm import EngineConfig, LLMEngine, SamplingParams
 
     longest = prompt_len + max_tokens + 16
-    cfg = EngineConfig(num_gpu_blocks_override=seqs * (-(-(prompt_len + max_tokens) // 16) + 1), block_size=16,
+    cache = {} if prefix_cache == "off" else {"enable_prefix_caching": True, "prefix_cache": prefix_cache}
+    cfg = EngineConfig(num_gpu_blocks_override=seqs * (-(-(prompt_len + max_tokens) // 16) + 1) + 64, block_size=16,
                        max_num_seqs=seqs, max_num_batched_tokens=max(2048, seqs), max_model_len=longest,
-                       device="cpu")
+                       device="cpu", **cache)
     engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=longest, eos_token_ids=set())
     for i in range(seqs):
         engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(prompt_len)]},
@@ -186,7 +187,7 @@ def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) 
 
 
 def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_only",
-          prompt_len: int = 64) -> list[dict]:
+          prompt_len: int = 64, prefix_cache: str = "off") -> list[dict]:
     """Host cost per step at each output length in ``points``: where does it grow, and by how much?
 
     On the 2-core machine, with 64-token prompts, most of the rise is a step, not a slope: ~166 us
@@ -201,7 +202,7 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     What remains after the step, about 1% per 100 tokens, is the requests' lists and integers
     spreading over more memory.
     """
-    engine = _engine(seqs, max(points) + samples + 16, output_kind, prompt_len)
+    engine = _engine(seqs, max(points) + samples + 16, output_kind, prompt_len, prefix_cache)
     while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
         engine.step()
     rows, done = [], 1
@@ -212,6 +213,7 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
         t = _time_steps(engine, samples)
         rows.append({"output_tokens": point, "total_tokens": point + prompt_len,
                      "host_cpu_us_median": round(statistics.median(t["host_cpu"]), 1),
+                     "host_cpu_us_mean": round(statistics.fmean(t["host_cpu"]), 1),
                      "prep_cpu_us_median": round(statistics.median(t["prep_cpu"]), 1)})
         done += samples
     return rows
@@ -226,21 +228,25 @@ def main() -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="output kinds to measure, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--prompt-len", type=int, default=64, help="--sweep: prompt length of every request")
+    ap.add_argument("--prefix-cache", choices=("off", "radix", "hash"), default="off",
+                    help="--sweep: with prefix caching (a decode's filled block is offered to the cache)")
     ap.add_argument("--sweep", default=None, metavar="N,N,...",
                     help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.sweep:
-        rows = sweep(args.seqs, [int(x) for x in args.sweep.split(",")], args.samples, prompt_len=args.prompt_len)
+        rows = sweep(args.seqs, [int(x) for x in args.sweep.split(",")], args.samples, prompt_len=args.prompt_len,
+                     prefix_cache=args.prefix_cache)
         print(f"host overhead per decode step vs output length, {args.seqs} sequences ({args.prompt_len}-token prompts), "
-              f"final_only, CPU time, medians in us")
+              f"prefix cache {args.prefix_cache}, final_only, CPU time in us")
         for r in rows:
-            print(f"  {r['output_tokens']:5d} output tokens ({r['total_tokens']:5d} in all): host {r['host_cpu_us_median']:6.1f}"
-                  f"  prep {r['prep_cpu_us_median']:6.1f}")
+            print(f"  {r['output_tokens']:5d} output tokens ({r['total_tokens']:5d} in all): host median "
+                  f"{r['host_cpu_us_median']:6.1f}, mean {r['host_cpu_us_mean']:6.1f}  prep {r['prep_cpu_us_median']:6.1f}")
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": "python -m minivllm.bench host_overhead "
-                                            f"--sweep {args.sweep} --prompt-len {args.prompt_len}",
+                                            f"--sweep {args.sweep} --prompt-len {args.prompt_len} "
+                                            f"--prefix-cache {args.prefix_cache}",
                                             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                                             "rows": rows}, indent=2) + "\n")
         return 0

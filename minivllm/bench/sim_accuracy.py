@@ -199,7 +199,7 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
               f"max {100 * max(spreads):.1f}% ({real_repeats} runs per workload)", file=out)
     return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "clock": clock, "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                     "note": "real timings on a shared machine: other processes were running"},
+                     "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"},
             "engine": ENGINE, "scale": scale, "real_repeats": real_repeats, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
             "workloads": rows, "within_10pct": f"{sum(within)}/{len(within)}",
             "seconds": time.perf_counter() - t_start, "_profile": doc}

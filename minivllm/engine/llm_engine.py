@@ -365,7 +365,6 @@ class LLMEngine:
         self.scheduler.observe(batch, sampled, now)
         grew: list[Request] = []
         errors = batch.errors
-        cache_full_blocks = self.kv.cache_full_blocks if self.kv.prefix_cache is not None else None
         token_of = sampled.get
         for seq in batch.seqs:  # once per scheduled request every step: kept to plain attribute work
             req = seq.request
@@ -375,8 +374,6 @@ class LLMEngine:
             if not seq.is_decode and req.first_scheduled_time is None:  # (a decode was scheduled before)
                 req.first_scheduled_time = now
             req.num_computed_tokens += seq.num_tokens
-            if cache_full_blocks is not None:
-                cache_full_blocks(req)
             token = token_of(req.request_id)
             if token is not None:
                 req.output_token_ids.append(token)
@@ -384,6 +381,8 @@ class LLMEngine:
                     req.first_token_time = now
                 req.token_times.append(now)
                 grew.append(req)
+        if self.kv.prefix_cache is not None:
+            self.kv.cache_new_full_blocks(batch.seqs)
         return grew
 
     def emit(self, grew: list[Request]) -> list[RequestOutput]:

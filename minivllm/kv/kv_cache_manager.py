@@ -12,7 +12,9 @@ holds its own references by the same rule).  Its questions and verbs:
 * sharing -- :meth:`match_prefix` (vLLM's ``get_computed_blocks``: which cached
   blocks already hold this prompt's prefix), :meth:`share_prefix` (take them),
   :meth:`fork` (``n > 1``: a sample shares its leader's prompt blocks) and
-  :meth:`cache_full_blocks` (offer newly filled blocks to the prefix cache);
+  :meth:`cache_full_blocks` (offer newly filled blocks to the prefix cache; the engine calls
+  :meth:`cache_new_full_blocks` once a step, and a block filled after ones already cached goes to
+  the cache's ``extend``, so the cost does not grow with the request's length);
 * growth -- :meth:`allocate_slots`: grow a table, copy-on-write a shared last block;
 * giving back -- :meth:`free` (finish, abort, recompute preemption),
   :meth:`swap_out` / :meth:`swap_in` (swap preemption to and from a host tier).
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 
 from minivllm.interfaces import PrefixCache
 from minivllm.kv.block_pool import BlockPool
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -225,6 +227,15 @@ class KVCacheManager:
             self.prefix_cache.record_lookup(req.num_prompt_tokens, req.num_computed_tokens)
             req.num_cached_tokens = req.num_computed_tokens
 
+    def cache_new_full_blocks(self, seqs: list) -> None:
+        """:meth:`cache_full_blocks` for the step's sequences that filled a block (1 step in ``block_size``
+        for a decode): one comprehension finds them, instead of a call per sequence per step.  A row that
+        failed in execution computed nothing, so it is not found; its status is checked all the same."""
+        bs = self.block_size
+        for seq in [s for s in seqs if (r := s.request).num_computed_tokens // bs > r.num_inserted_blocks >= 0]:
+            if seq.request.status is not RequestStatus.FINISHED_ERROR:
+                self.cache_full_blocks(seq.request)
+
     def cache_full_blocks(self, req: Request) -> None:
         """Offer every newly filled block of ``req`` to the prefix cache (prompt chunks and decodes alike).
 
@@ -236,7 +247,14 @@ class KVCacheManager:
             return
         bs = self.block_size
         full = min(req.num_computed_tokens // bs, len(req.block_ids))
-        if full <= req.num_inserted_blocks:
+        done = req.num_inserted_blocks
+        if full <= done:
+            return
+        # The blocks cached before are this request's path in the cache: only the new ones are handed over
+        # (one decode's block every block_size steps costs the same at token 50 as at token 5,000).
+        if done and self.prefix_cache.extend(req.block_ids[done - 1], req.token_ids_slice(done * bs, full * bs),
+                                             req.block_ids[done:full], self.namespace(req)):
+            req.num_inserted_blocks = full
             return
         result = self.prefix_cache.insert(req.all_token_ids[: full * bs], req.block_ids[:full], self.namespace(req))
         if result.block_ids != req.block_ids[:full]:

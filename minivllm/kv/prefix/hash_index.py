@@ -157,6 +157,44 @@ class HashIndex(LeafEviction):
             self._mark_leaf(added)  # only the deepest new entry is a leaf
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
+    def extend(
+        self, parent_block: int, token_ids: Sequence[int], block_ids: Sequence[int],
+        namespace: Hashable = PUBLIC_NAMESPACE,
+    ) -> bool:
+        """See :meth:`~minivllm.interfaces.PrefixCache.extend`.
+
+        The walk from the root is replaced by the entry that holds ``parent_block`` (its ancestors are
+        the caller's earlier blocks); the rest is :meth:`insert`'s own steps in its order.  If the walk
+        would have gone further -- a valid entry already follows with the same tokens, a twin -- this
+        is left to :meth:`insert`, which reports it.
+        """
+        entry = self._entry_of_block.get(parent_block)
+        if entry is None or entry.namespace != namespace:
+            return False
+        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
+        if blocks and self._lookup(entry, namespace, blocks[0]) is not None:
+            return False
+        path = []
+        up: HashEntry | None = entry
+        while up is not None:
+            path.append(up)
+            up = up.parent
+        path.reverse()
+        tick = self._clock.tick()
+        self._touch_path(path, tick)
+        new_ids = list(block_ids)
+        check_new_blocks(new_ids, self.is_cached, self.pool)
+        num_new = self._make_room(namespace, len(new_ids), parent_block)
+        parent, added = entry, None
+        for tokens, block_id in zip(blocks[:num_new], new_ids):
+            added_here = self._add(parent, namespace, tokens, block_id, tick)
+            if added_here is None:  # key taken by a colliding block: stop caching here, as insert does
+                break
+            parent = added = added_here
+        if added is not None:
+            self._mark_leaf(added)
+        return True
+
     def _add(
         self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock, block_id: int, tick: int
     ) -> HashEntry | None:

@@ -74,6 +74,10 @@ class LearnerHashCache:
             self.last_access[k] = self.clock
         return list(hits)
 
+    def extend(self, parent_block: int, token_ids: Sequence[int], block_ids: Sequence[int],
+               namespace: str = "") -> bool:
+        return False  # the learner's cache is always given the whole prefix (insert below)
+
     def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: str = "") -> InsertResult:
         self.clock += 1
         bs = self.block_size

@@ -149,6 +149,38 @@ class RadixCache(LeafEviction):
             self._attach(parent, blocks[num_cached : num_cached + num_new], new_ids[:num_new], tick)
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
+    def extend(
+        self, parent_block: int, token_ids: Sequence[int], block_ids: Sequence[int],
+        namespace: Hashable = PUBLIC_NAMESPACE,
+    ) -> bool:
+        """See :meth:`~minivllm.interfaces.PrefixCache.extend`.
+
+        The walk from the root is replaced by the node that holds ``parent_block``: a block sits at one
+        place in the tree, and the caller's earlier blocks are its path.  The rest is :meth:`insert`'s
+        own steps in its order (touch the path, check, make room, attach).  The cases where the walk
+        would have split an edge or gone further -- ``parent_block`` inside an edge, or a child that
+        starts with the same tokens -- are left to :meth:`insert`.
+        """
+        node = self._node_of_block.get(parent_block)
+        if node is None or node.namespace != namespace or node.block_ids[-1] != parent_block:
+            return False
+        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
+        if blocks and blocks[0] in node.children:
+            return False
+        path = []
+        up = node
+        while not up.is_root:
+            path.append(up)
+            up = up.parent
+        tick = self._clock.tick()
+        self._touch_path(path[::-1], tick)
+        new_ids = list(block_ids)
+        check_new_blocks(new_ids, self.is_cached, self.pool)
+        num_new = self._make_room(namespace, len(new_ids), parent_block)
+        if num_new:
+            self._attach(node, blocks[:num_new], new_ids[:num_new], tick)
+        return True
+
     def _attach(
         self, parent: RadixNode, token_blocks: list[TokenBlock], block_ids: list[int], tick: int
     ) -> None:

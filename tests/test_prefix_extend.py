@@ -1,0 +1,98 @@
+"""``PrefixCache.extend``: caching a decoding request's newly filled blocks without re-inserting its whole
+prefix leaves the cache exactly as the whole insert would.
+
+The oracle is the engine itself with ``extend`` switched off, so that every block a request fills
+re-inserts the request's whole prefix (what the engine always did before).  The same seeded workload --
+two shared system prompts, two tenants in separate namespaces, one under a quota, ``n = 2`` samples,
+arrivals during the run, a pool small enough to evict and preempt (recompute and swap) -- runs through
+both engines, and after every step the two caches must hold the same entries with the same LRU ticks and
+tie-break stamps, the same stats, and the engines must have emitted the same tokens.
+"""
+
+import dataclasses
+import random
+
+import pytest
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.sim.executor import SimulatedExecutor
+
+
+def _dump(cache) -> tuple:
+    """Everything that decides the cache's future behaviour, with nodes named by their blocks."""
+    def name(leaf):
+        return tuple(leaf.block_ids) if hasattr(leaf, "block_ids") else leaf.block_id
+
+    lru = cache._leaves
+    leaves = sorted((name(leaf), stamp) for leaf, stamp in lru.all._stamp.items())
+    per_ns = sorted((repr(ns), sorted((name(leaf), s) for leaf, s in q._stamp.items()))
+                    for ns, q in lru.by_namespace.items())
+    if hasattr(cache, "_table"):  # hash index
+        entries = sorted((e.block_id, e.token_ids, e.parent.block_id if e.parent else None, e.num_children,
+                          e.last_used, repr(e.namespace)) for e in cache._table.values())
+    else:  # radix tree
+        entries, stack = [], list(cache._roots.values())
+        while stack:
+            node = stack.pop()
+            entries.append((repr(node.namespace), tuple(node.block_ids), tuple(node.token_blocks), node.last_access,
+                            tuple(node.parent.block_ids) if node.parent else None))
+            stack.extend(node.children.values())
+        entries.sort()
+    return entries, leaves, per_ns, dataclasses.asdict(cache.stats)
+
+
+def _workload(seed: int):
+    rng = random.Random(seed)
+    systems = [[rng.randrange(10, 500) for _ in range(rng.randrange(9, 23))] for _ in range(2)]
+    reqs = []
+    for i in range(14):
+        prompt = rng.choice(systems) + [rng.randrange(10, 500) for _ in range(rng.randrange(1, 12))]
+        n = 2 if i % 5 == 3 else 1
+        reqs.append((rng.randrange(0, 40), prompt, n, rng.randrange(8, 60), "a" if i % 3 else "b"))
+    return sorted(reqs, key=lambda r: r[0])
+
+
+def _engine(kind: str, preemption: str, extend: bool) -> LLMEngine:
+    cfg = EngineConfig(num_gpu_blocks_override=40, num_cpu_blocks_override=64, block_size=4, max_model_len=128,
+                       max_num_seqs=6, max_num_batched_tokens=32, device="cpu", enable_prefix_caching=True,
+                       prefix_cache=kind, preemption_mode=preemption, prefix_cache_quota_blocks=14)
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=128, eos_token_ids=set())
+    if not extend:
+        engine.kv.prefix_cache.extend = lambda *args, **kwargs: False
+    return engine
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+@pytest.mark.parametrize("preemption,seed", [("recompute", 0), ("swap", 1), ("recompute", 2)])
+def test_extend_leaves_the_cache_as_a_whole_insert_would(kind, preemption, seed):
+    work = _workload(seed)
+    engines = [_engine(kind, preemption, extend) for extend in (True, False)]
+    calls = {"extend_true": 0}
+    real = engines[0].kv.prefix_cache.extend
+
+    def counting(*args, **kwargs):
+        ok = real(*args, **kwargs)
+        calls["extend_true"] += ok
+        return ok
+
+    engines[0].kv.prefix_cache.extend = counting
+    tokens = [{}, {}]
+    step = 0
+    pending = list(work)
+    while pending or any(e.has_unfinished_requests() for e in engines):
+        while pending and pending[0][0] <= step:
+            _, prompt, n, max_tokens, tenant = pending.pop(0)
+            for e in engines:
+                e.add_request({"prompt_token_ids": prompt}, SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True,
+                              temperature=0 if n == 1 else 1, seed=7), tenant=tenant)
+        for e, seen in zip(engines, tokens):
+            for out in e.step():
+                for o in out.outputs:
+                    seen.setdefault((out.request_id, o.index), []).extend(o.token_ids)
+        assert _dump(engines[0].kv.prefix_cache) == _dump(engines[1].kv.prefix_cache), f"step {step}"
+        step += 1
+        assert step < 2000
+    assert tokens[0] == tokens[1]
+    stats = engines[0].stats()
+    assert stats["prefix_cache_evictions"] > 0 and stats["num_preemptions"] > 0, stats
+    assert calls["extend_true"] > 20, calls  # the fast path was taken, not only fallen back from
