@@ -503,5 +503,14 @@ an entry was hit (count hits per key in a subclass of `LearnerHashCache`), for e
 entries hit at most once". Replay the quota workload and a mix of the system-prompt and RAG workloads on a pool
 small enough to evict (64 blocks), and compare hit rates with plain LRU. When does your rule lose? (Think of a
 popular prefix that suddenly falls out of use.)
+
+**What does caching cost the engine per step?** A decoding request fills a block every `block_size` tokens, and the
+engine offers it to the cache. If each offer inserts the request's whole prefix again (copy the tokens, cut them into
+blocks, walk from the root), a request of `n` tokens pays `O(n)` per block, `O(n^2)` over its life. Measure it:
+`python -m minivllm.bench host_overhead --sweep 16,300,600,900 --prefix-cache radix` (then `hash`, and `off`).
+Read `PrefixCache.extend` in `minivllm/interfaces.py` and the two implementations: what lets a cache skip the walk,
+when must it fall back to `insert`, and why does the hash index still pay for every ancestor on each new block
+while the radix tree does not? `tests/test_prefix_extend.py` shows how to check such a shortcut: run the engine with
+and without it and compare the whole cache after every step.
 """),
 ]
