@@ -21,3 +21,6 @@ def test_eager_step_times_the_prompt_step_and_profiles_the_model():
     linear = [e for e in res["profile"]["top_cpu_self"] if "linear" in e["op"] or e["op"] in ("aten::mm", "aten::addmm")]
     assert linear, res["profile"]["top_cpu_self"][:5]
     assert max(e["calls_per_step"] for e in linear) == 4 * bundled_shape().num_layers + 1
+    # one decode step runs the same projections once (one row): the Python profile sees them, per step
+    calls = {e["function"].split(" ")[0]: e["calls_per_step"] for e in res["decode_python"]}
+    assert calls.get("linear") == 4 * bundled_shape().num_layers + 1, res["decode_python"][:5]
