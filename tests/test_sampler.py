@@ -101,3 +101,22 @@ def test_a_row_without_a_finite_distribution_fails_alone():
     logits[1] = float("nan")
     tokens = sample(logits, [SamplingParams(temperature=1.0)] * 3, [None] * 3, torch.Generator().manual_seed(0))
     assert tokens[1] is None and all(isinstance(t, int) and 0 <= t < 20 for t in (tokens[0], tokens[2]))
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0])
+def test_the_ends_of_the_uniform_never_reach_a_forbidden_token(u, monkeypatch):
+    """The inverse-CDF draw at its extremes: ``u = 0`` takes the first allowed token, and ``u = 1`` (past
+    what ``torch.rand`` returns: where ``u * total`` rounds up to the total) the last allowed one, even when
+    forbidden tokens sit at both ends of the vocabulary."""
+    import minivllm.model.sampler as sampler
+
+    full = torch.full
+    monkeypatch.setattr(sampler.torch, "rand", lambda *shape, **kw: full(shape, u, dtype=kw.get("dtype")))
+    logits = torch.tensor([[-30.0, 2.0, 1.0, 0.5, -30.0, -30.0]])
+    p = SamplingParams(temperature=1.0, top_k=3)  # tokens 1, 2 and 3 allowed; 0, 4 and 5 forbidden
+    probs = oracle(logits[0].tolist(), p)
+    allowed = [i for i, q in enumerate(probs) if q > 0]
+    assert allowed == [1, 2, 3]
+    for seeded in (None, torch.Generator().manual_seed(3)):
+        got = sample(logits, [p], [seeded], torch.Generator())
+        assert got == [allowed[0] if u == 0.0 else allowed[-1]], (u, seeded, got)
