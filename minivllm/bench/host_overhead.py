@@ -105,6 +105,12 @@ def _engine(seqs: int, max_tokens: int, output_kind: str, prompt_len: int = 64, 
     return engine
 
 
+def _prefill_all(engine) -> None:
+    """Step until every request has its first token: from then on each step is all decodes."""
+    while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+        engine.step()
+
+
 def _time_steps(engine, n: int) -> dict[str, list[float]]:
     """Per step, in microseconds: host (step minus prep minus executor), prep and executor; wall and CPU."""
     rows: dict[str, list[float]] = {k: [] for k in ("host", "host_cpu", "prep", "prep_cpu", "exec", "exec_cpu")}
@@ -163,8 +169,7 @@ def _time_reference_prep(engine, n: int) -> list[float]:
 
 def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) -> dict:
     engine = _engine(seqs, warmup + later + 2 * samples + 128, output_kind)
-    while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
-        engine.step()  # prefill everyone
+    _prefill_all(engine)
     for _ in range(warmup):
         engine.step()
     early, early_ref = _time_steps(engine, samples), _time_reference_prep(engine, max(5, samples // 5))
@@ -203,8 +208,7 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     spreading over more memory.
     """
     engine = _engine(seqs, max(points) + samples + 16, output_kind, prompt_len, prefix_cache)
-    while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
-        engine.step()
+    _prefill_all(engine)
     rows, done = [], 1
     for point in sorted(points):
         while done < point:

@@ -85,10 +85,11 @@ def sample(
         for j, i in enumerate(rows):
             if generators[i] is not None:  # a seeded request: its own stream, device-independent
                 u[j] = torch.rand(1, generator=generators[i], dtype=cdf.dtype).to(device)
-        choice = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-        # u * total rounds up to the total once in ~2^24 draws: past the end, take the last possible token
-        last = probs.shape[1] - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-        choice = torch.minimum(choice, last)
+        total = cdf[:, -1:]
+        # u * total can round up to the total (once in ~2^24 draws); capped just below it, the first cumulative
+        # value past the target still belongs to a token of positive probability.  O(rows), not O(vocab).
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+        choice = torch.searchsorted(cdf, target, right=True).squeeze(1)
         bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
         tokens[rows] = torch.where(bad, -1, choice)
     return [t if t >= 0 else None for t in tokens.tolist()]  # the batch's one device-to-host copy

@@ -138,23 +138,10 @@ class HashIndex(LeafEviction):
         """See :meth:`~minivllm.interfaces.PrefixCache.insert`."""
         blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
         path = self._walk(namespace, blocks)
-        tick = self._clock.tick()
-        self._touch_path(path, tick)
         canonical = [entry.block_id for entry in path]
         num_cached = len(canonical)
         new_ids = list(block_ids[num_cached:])
-        check_new_blocks(new_ids, self.is_cached, self.pool)
-        pin = canonical[-1] if canonical else None
-        num_new = self._make_room(namespace, len(new_ids), pin)
-        parent = path[-1] if path else None
-        added: HashEntry | None = None
-        for tokens, block_id in zip(blocks[num_cached : num_cached + num_new], new_ids):
-            entry = self._add(parent, namespace, tokens, block_id, tick)
-            if entry is None:  # key taken by a colliding block: stop caching here
-                break
-            parent = added = entry
-        if added is not None:
-            self._mark_leaf(added)  # only the deepest new entry is a leaf
+        self._cache_below(path, namespace, blocks[num_cached:], new_ids)
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
     def extend(
@@ -179,21 +166,27 @@ class HashIndex(LeafEviction):
         while up is not None:
             path.append(up)
             up = up.parent
-        path.reverse()
+        self._cache_below(path[::-1], namespace, blocks, list(block_ids))
+        return True
+
+    def _cache_below(self, path: list[HashEntry], namespace: Hashable, blocks: list[TokenBlock],
+                     new_ids: list[int]) -> None:
+        """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first):
+        touch it, check the new blocks, make room under the quota (pinning the path's last block), add
+        them below it."""
         tick = self._clock.tick()
         self._touch_path(path, tick)
-        new_ids = list(block_ids)
         check_new_blocks(new_ids, self.is_cached, self.pool)
-        num_new = self._make_room(namespace, len(new_ids), parent_block)
-        parent, added = entry, None
+        num_new = self._make_room(namespace, len(new_ids), path[-1].block_id if path else None)
+        parent = path[-1] if path else None
+        added: HashEntry | None = None
         for tokens, block_id in zip(blocks[:num_new], new_ids):
-            added_here = self._add(parent, namespace, tokens, block_id, tick)
-            if added_here is None:  # key taken by a colliding block: stop caching here, as insert does
+            entry = self._add(parent, namespace, tokens, block_id, tick)
+            if entry is None:  # key taken by a colliding block: stop caching here
                 break
-            parent = added = added_here
+            parent = added = entry
         if added is not None:
-            self._mark_leaf(added)
-        return True
+            self._mark_leaf(added)  # only the deepest new entry is a leaf
 
     def _add(
         self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock, block_id: int, tick: int

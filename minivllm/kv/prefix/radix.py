@@ -136,17 +136,10 @@ class RadixCache(LeafEviction):
         """
         blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
         path = self._walk(namespace, blocks)
-        tick = self._clock.tick()
-        self._touch_path(path, tick)
         canonical = [b for node in path for b in node.block_ids]
         num_cached = len(canonical)
         new_ids = list(block_ids[num_cached:])
-        check_new_blocks(new_ids, self.is_cached, self.pool)
-        pin = canonical[-1] if canonical else None
-        num_new = self._make_room(namespace, len(new_ids), pin)
-        if num_new:
-            parent = path[-1] if path else self._root(namespace)
-            self._attach(parent, blocks[num_cached : num_cached + num_new], new_ids[:num_new], tick)
+        self._cache_below(path, namespace, blocks[num_cached:], new_ids)
         return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
     def extend(
@@ -172,14 +165,19 @@ class RadixCache(LeafEviction):
         while not up.is_root:
             path.append(up)
             up = up.parent
-        tick = self._clock.tick()
-        self._touch_path(path[::-1], tick)
-        new_ids = list(block_ids)
-        check_new_blocks(new_ids, self.is_cached, self.pool)
-        num_new = self._make_room(namespace, len(new_ids), parent_block)
-        if num_new:
-            self._attach(node, blocks[:num_new], new_ids[:num_new], tick)
+        self._cache_below(path[::-1], namespace, blocks, list(block_ids))
         return True
+
+    def _cache_below(self, path: list[RadixNode], namespace: Hashable, blocks: list[TokenBlock],
+                     new_ids: list[int]) -> None:
+        """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first):
+        touch it, check the new blocks, make room under the quota (pinning the path's last block), attach."""
+        tick = self._clock.tick()
+        self._touch_path(path, tick)
+        check_new_blocks(new_ids, self.is_cached, self.pool)
+        num_new = self._make_room(namespace, len(new_ids), path[-1].block_ids[-1] if path else None)
+        if num_new:
+            self._attach(path[-1] if path else self._root(namespace), blocks[:num_new], new_ids[:num_new], tick)
 
     def _attach(
         self, parent: RadixNode, token_blocks: list[TokenBlock], block_ids: list[int], tick: int
