@@ -18,6 +18,8 @@ def test_eager_step_times_the_prompt_step_and_profiles_the_model():
         assert 0 < s["min_ms"] <= s["p50_ms"] <= s["max_ms"], key
     assert res["back_to_back"]["p50_ms"] > 2 * res["decode_step"]["p50_ms"]
     assert res["profile"]["kernel_launches_per_step"] == 0  # no GPU: nothing is launched
+    # at least the four projections, two norms and two residual adds of every layer, each counted once
+    assert res["profile"]["tensor_ops_per_step"] >= 8 * bundled_shape().num_layers
     linear = [e for e in res["profile"]["top_cpu_self"] if "linear" in e["op"] or e["op"] in ("aten::mm", "aten::addmm")]
     assert linear, res["profile"]["top_cpu_self"][:5]
     assert max(e["calls_per_step"] for e in linear) == 4 * bundled_shape().num_layers + 1

@@ -3,8 +3,8 @@
 oneDNN sums in a different order than the default BLAS, so the checks are
 "close" for single matmuls and "token-identical" for greedy generation, the
 contract every backend keeps.  Tiny random-weight models cover the branches the
-bundled model does not take: an untied vocabulary projection (Llama) and
-q/k/v biases with tied embeddings (Qwen2).
+bundled model does not take: an untied vocabulary projection (Llama, Mistral),
+q/k/v biases with tied embeddings (Qwen2) and per-head q/k norms before RoPE (Qwen3).
 """
 
 from __future__ import annotations
@@ -46,6 +46,14 @@ def _tiny(path, kind: str) -> str:
                   vocab_size=300, num_hidden_layers=2, max_position_embeddings=256)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **common))
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(tie_word_embeddings=False, **common))
+    elif kind == "qwen3":  # q and k normalised per head before RoPE, so they are rotated one at a time
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(tie_word_embeddings=True, head_dim=16, **common))
+        with torch.no_grad():  # the norms start at ones: make their weights count
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(tie_word_embeddings=True, **common))
         with torch.no_grad():  # random init leaves the q/k/v biases at zero: make them count
@@ -56,7 +64,7 @@ def _tiny(path, kind: str) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral"])
 def test_greedy_tokens_identical_to_hf(tmp_path, kind):
     from transformers import AutoModelForCausalLM
 

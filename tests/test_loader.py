@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from minivllm.model.llama import LlamaForServing, ModelArgs, RotaryEmbedding
+from minivllm.model.llama import LlamaForServing, ModelArgs, RotaryEmbedding, _rotate
 from minivllm.model.loader import load_model, read_config
 
 transformers = pytest.importorskip("transformers")
@@ -49,6 +49,24 @@ def test_generic_config_reads_like_autoconfig(tmp_path, rope):
     cos, sin = hf_rope(torch.zeros(1, 512, 16), positions)
     torch.testing.assert_close(ours.cos, cos[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_is_bit_for_bit_the_rotate_half_formula(dtype):
+    """The serving rotation (halves flipped, sign folded into sin, q and k as one tensor of heads) vs HF's own
+    ``apply_rotary_pos_emb`` written out on q and k separately: equal to the last bit, not merely close."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    rope = RotaryEmbedding(transformers.LlamaConfig(**COMMON), 16, 512)
+    g = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 512, (37,), generator=g)
+    q, k = torch.randn(37, 6, 16, generator=g).to(dtype), torch.randn(37, 2, 16, generator=g).to(dtype)
+    cos, signed_sin = rope(positions)
+    both = _rotate(torch.cat([q, k], dim=1), cos, signed_sin)
+    sin = rope.sin[positions].unsqueeze(1)
+    for x, got in ((q, both[:, :6]), (k, both[:, 6:])):
+        want = (x.float() * cos + rotate_half(x).float() * sin).to(dtype)
+        assert torch.equal(got, want)
 
 
 def test_incomplete_config_goes_through_autoconfig(tmp_path):

@@ -91,8 +91,45 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
     with torch.profiler.profile(activities=acts) as prof:
         prompt_step_times(engine, prompt_len, profile_steps, vocab)
     out["profile"] = _ops(prof, profile_steps)
+    out["profile"]["tensor_ops_per_step"] = tensor_ops(engine, prompt_len, vocab)
     out["decode_profile"], out["decode_python"] = _profile_decode(engine, acts, vocab)
     return out
+
+
+def tensor_ops(engine, prompt_len: int, vocab: int) -> int:
+    """Tensor operations (views left out) the model dispatches in one prompt step, on any device.
+
+    On a GPU each is about one kernel launch (the Triton kernels come on top),
+    so this counts what an eager step costs the host where no profiler sees
+    launches -- on a CPU, too, and the same number on both.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                _Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model = engine.model_runner.model
+    forward = model.forward
+    counts = []
+
+    def counted(*args, **kwargs):
+        _Count.n = 0
+        with _Count():
+            result = forward(*args, **kwargs)
+        counts.append(_Count.n)
+        return result
+
+    model.forward = counted
+    try:
+        prompt_step_times(engine, prompt_len, 1, vocab)
+    finally:
+        del model.forward
+    return counts[0]
 
 
 def _ops(prof, steps: int) -> dict:
@@ -156,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k:<24} n={v['n']:3d}  min {v['min_ms']:7.2f}  p50 {v['p50_ms']:7.2f}  p90 {v['p90_ms']:7.2f}  "
                   f"max {v['max_ms']:7.2f} ms")
     p = res["profile"]
-    print(f"kernel launches per prompt step: {p['kernel_launches_per_step']:.0f}")
+    print(f"kernel launches per prompt step: {p['kernel_launches_per_step']:.0f} "
+          f"(tensor operations dispatched: {p['tensor_ops_per_step']})")
     for e in p["top_cpu_self"][:15]:
         print(f"  {e['op'][:48]:<48} {e['calls_per_step']:7.1f} calls {e['self_cpu_us_per_step']:9.0f} us/step")
     d = res["decode_profile"]
