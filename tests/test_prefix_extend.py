@@ -28,8 +28,16 @@ def _dump(cache) -> tuple:
     per_ns = sorted((repr(ns), sorted((name(leaf), s) for leaf, s in q._stamp.items()))
                     for ns, q in lru.by_namespace.items())
     if hasattr(cache, "_table"):  # hash index
+        # An entry's recency as eviction will read it: the latest tick in its subtree.  (A whole insert
+        # stamps every ancestor; extend stamps only the parent, and children hand theirs up as they go.)
+        recency = {e.block_id: e.last_used for e in cache._table.values()}
+        for e in cache._table.values():
+            up = e.parent
+            while up is not None:
+                recency[up.block_id] = max(recency[up.block_id], e.last_used)
+                up = up.parent
         entries = sorted((e.block_id, e.token_ids, e.parent.block_id if e.parent else None, e.num_children,
-                          e.last_used, repr(e.namespace)) for e in cache._table.values())
+                          recency[e.block_id], repr(e.namespace)) for e in cache._table.values())
     else:  # radix tree
         entries, stack = [], list(cache._roots.values())
         while stack:
