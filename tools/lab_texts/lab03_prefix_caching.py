@@ -509,8 +509,9 @@ engine offers it to the cache. If each offer inserts the request's whole prefix 
 blocks, walk from the root), a request of `n` tokens pays `O(n)` per block, `O(n^2)` over its life. Measure it:
 `python -m minivllm.bench host_overhead --sweep 16,300,600,900 --prefix-cache radix` (then `hash`, and `off`).
 Read `PrefixCache.extend` in `minivllm/interfaces.py` and the two implementations: what lets a cache skip the walk,
-when must it fall back to `insert`, and why does the hash index still pay for every ancestor on each new block
-while the radix tree does not? `tests/test_prefix_extend.py` shows how to check such a shortcut: run the engine with
-and without it and compare the whole cache after every step.
+and when must it fall back to `insert`? LRU seems to need every ancestor of the new block stamped with the time, which
+is a walk again; the hash index stamps only the parent. Why is its eviction order still exact? (Which entries does
+eviction ever read a time from, and when does an inner entry become one of them?) `tests/test_prefix_extend.py` shows
+how to check such a shortcut: run the engine with and without it and compare the whole cache after every step.
 """),
 ]
