@@ -3,8 +3,8 @@ the calibration fit against known parameters, and the executor inside the real e
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-
 import io
 import itertools
 
@@ -302,9 +302,41 @@ def test_calibrate_end_to_end_on_a_simulated_device():
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
 
 
+@pytest.mark.parametrize("factor", [1.0, 1.25])
+def test_drift_probe_reads_a_known_slowdown(factor):
+    """sim_accuracy's drift probe, on a "device" that is a roofline: calibrate on it, then slow it by a known
+    factor (``HardwareSpec.slowed``) -- every step of the probe must take exactly that factor longer than the
+    calibration recorded, with the roofs, fixed costs and the eager-step cost all slowed alike."""
+    from minivllm.bench.sim_accuracy import PROBE_GROUPS, probe_reference, probe_seconds
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, calibrate, calibration_grid
+
+    shape = model_preset("smollm2-135m").with_dtype(4)
+    truth = HardwareSpec("truth", peak_flops=80e9, mem_bandwidth=15e9, attention_flops=20e9, roof_p=3.0,
+                         attention_bandwidth=2e9, step_overhead_s=3e-3, seq_overhead_s=0.2e-3,
+                         eager_step_overhead_s=4e-3)
+    cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512, max_model_len=4096,
+                       device="cpu")
+
+    def engine(spec):
+        eng = LLMEngine(cfg, executor=RooflineExecutor(shape, spec), model_max_len=4096, eos_token_ids=set())
+        eng.executor = RecordingExecutor(eng.executor)
+        return eng
+
+    doc = calibrate(engine(truth), shape=shape, scale=0.6, name="sim-device", out=None, pin_bandwidth=False)
+    ref_s, ref_counts = probe_reference(doc)
+    grid = calibration_grid(shape.vocab_size, scale=0.6)
+    took, counts = probe_seconds(engine(truth.slowed(factor)), [grid[g] for g in PROBE_GROUPS], repeats=1)
+    assert counts == ref_counts and all(counts)
+    assert took / ref_s == pytest.approx(factor, rel=1e-9)
+
+
 def test_calibration_repeats_take_the_median_step(monkeypatch):
-    """A device that triples one step in twelve at random: one run fits it badly, the median of three runs
-    (what ``repeats=3`` keeps per step) gives the true parameters back."""
+    """A device that triples every 13th step it runs: one run fits it badly, the median of three runs (what
+    ``repeats=3`` keeps per step) gives the true parameters back.  The hiccups are periodic rather than
+    random so that no step is hit in two of its three runs (that needs a group of exactly 13 steps, checked
+    below), which is the case the median is for: rare, independent upsets."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sim.calibrate import RecordingExecutor, calibrate
@@ -313,14 +345,14 @@ def test_calibration_repeats_take_the_median_step(monkeypatch):
     truth = HardwareSpec("truth", peak_flops=80e9, mem_bandwidth=15e9, attention_flops=20e9,
                          attention_bandwidth=2e9, step_overhead_s=3e-3, seq_overhead_s=0.2e-3)
 
-    rng = np.random.default_rng(5)
+    steps = itertools.count(1)
 
     class Hiccups(RooflineExecutor):
         def breakdown(self, batch, sampled=None):
             from dataclasses import replace
 
             t = super().breakdown(batch, sampled)
-            return replace(t, overhead=t.overhead + 2 * t.total) if rng.random() < 1 / 12 else t
+            return replace(t, overhead=t.overhead + 2 * t.total) if next(steps) % 13 == 0 else t
 
     def fitted(repeats):
         cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512,
@@ -333,6 +365,8 @@ def test_calibration_repeats_take_the_median_step(monkeypatch):
     once, _ = fitted(1)
     median, doc = fitted(3)
     assert doc["fit"]["repeats"] == 3
+    per_group = collections.Counter(x["group"] for x in doc["samples"])
+    assert 13 not in per_group.values()
     assert once.peak_flops != pytest.approx(truth.peak_flops, rel=0.02)  # the hiccups did pull the single run
     for k in ("peak_flops", "attention_flops", "step_overhead_s"):
         assert getattr(median, k) == pytest.approx(getattr(truth, k), rel=0.02), k

@@ -34,7 +34,8 @@ else
 fi
 MODEL="$WORK/model_$ARCH"
 
-STEPS=" ${STEPS:-save_model tests attention e2e_nano e2e_parity sim_accuracy} "  # a rerun may pick some
+# a rerun may pick some; the simulator's own rerun: STEPS="save_model tests sim_accuracy eager_step"
+STEPS=" ${STEPS:-save_model tests attention e2e_nano e2e_parity sim_accuracy eager_step} "
 NANO=(${NANO_BACKENDS:+--backends $NANO_BACKENDS})
 
 step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, time left), keep its log, summarise, pack
@@ -72,5 +73,8 @@ step e2e_parity 50 $PY -m minivllm.bench gpu_e2e --model "$MODEL" --arch $ARCH -
 # 5. issue 11: calibrate the simulator on this GPU and validate it on the held-out workloads
 step sim_accuracy 240 $PY -m minivllm.bench sim_accuracy --model "$MODEL" "${DEV[@]}" --dtype $DT \
      "${SIM[@]}" --out "$WORK/sim_accuracy_$ARCH.json" --save-profile "$WORK/profile_$ARCH.json"
+# 6. issue 11: what a step that carries a prompt costs the host (launches, tensor operations, idle gaps)
+step eager_step 60 $PY -m minivllm.bench eager_step --model "$MODEL" "${DEV[@]}" --dtype $DT --prompt-len 64 \
+     --repeats 20 --json "$WORK/eager_step_64.json"
 rm -rf "$WORK/model_$ARCH"
 echo "done at t=${SECONDS}s; results in $OUT (summary.txt, results.tgz)" | tee -a "$OUT/summary.txt"

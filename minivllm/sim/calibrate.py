@@ -371,7 +371,12 @@ def calibration_grid(vocab: int = 49152, seed: int = 0, scale: float = 1.0):
         group.append(SimRequest(b, 0.0, "cal", [int(x) for x in rng.integers(10, vocab - 1, long_len)], 1))
         groups.append(group)
     decode_steps = max(3, int(round(8 * scale)))
-    for b, p in ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (1, 384), (4, 384), (12, 384)):
+    # decode batches at short, medium and long context.  The 1024-token ones give the K/V-reading term a
+    # lever arm as long as the contexts the held-out workloads decode at: without them the only decodes past
+    # ~400 tokens of context sat beside prompt chunks, and one CPU fit put the K/V bandwidth at 17 GB/s where
+    # its neighbours found 7-8, paying for it with fixed cost (ITL p50 +10% / -14% on two workloads)
+    for b, p in ((1, 32), (2, 32), (4, 32), (8, 32), (16, 32), (32, 32), (1, 384), (4, 384), (12, 384),
+                 (1, 1024), (4, 1024)):
         if scale < 1 and b * p > 2048:
             continue
         groups.append(reqs([p] * b, decode_steps))

@@ -179,6 +179,17 @@ class HardwareSpec:
     def attn_bandwidth(self) -> float:
         return (self.attention_bandwidth if self.attention_bandwidth is not None else self.mem_bandwidth) * self.bw_util
 
+    def slowed(self, factor: float) -> "HardwareSpec":
+        """The same device running every step ``factor`` times longer (every roof divided, every fixed cost
+        multiplied): what a shared machine looks like when its neighbours take a share of it."""
+        if not factor > 0:
+            raise ValueError(f"factor must be > 0, got {factor!r}")
+        return replace(self, flops_util=self.flops_util / factor, bw_util=self.bw_util / factor,
+                       swap_bandwidth=self.swap_bandwidth / factor,
+                       step_overhead_s=self.step_overhead_s * factor, layer_overhead_s=self.layer_overhead_s * factor,
+                       seq_overhead_s=self.seq_overhead_s * factor,
+                       eager_step_overhead_s=self.eager_step_overhead_s * factor)
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
