@@ -29,7 +29,9 @@ if [ $DRY = 1 ]; then
   PARITY=(--max-prompt-len 48); HF=()
 else
   DEV=(--device cuda); ARCH=llama-3.2-1b; DT=bfloat16; SCALE=1.0; PARITY=()
-  SIM=(--scale 0.5 --real-repeats 2 --calibration-repeats 2)  # two runs: a first-run effect shows
+  # three real runs per workload: the median stands against one cold run (the H200's 2026-11-30 run 1 of
+  # bursty was 1.5x its run 2), and the spread still shows; the whole step took 50 s with two
+  SIM=(--scale 0.5 --real-repeats 3 --calibration-repeats 3)
   HF=(--hf-requests 128 --hf-batch 64)  # two static batches of HF generate: minutes, not ten
 fi
 MODEL="$WORK/model_$ARCH"
