@@ -15,7 +15,9 @@ takes that cost apart on any device:
    collector?;
 2. a decode step of the same engine, for scale;
 3. ``torch.profiler`` over a few prompt steps: how many kernels a step
-   launches and which host-side operators take the CPU time;
+   launches and which host-side operators take the CPU time; and the tensor
+   operations the model dispatches in one prompt step, counted the same way
+   on every device (a CPU run predicts the GPU's launch count, Triton's aside);
 4. the same for one sequence's decode steps, plus ``cProfile``'s Python
    functions: where the host side of a (graphed) decode step goes.
 """
