@@ -108,11 +108,13 @@ def tensor_ops(engine, prompt_len: int, vocab: int) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Count(TorchDispatchMode):
-        n = 0
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if not func.is_view:
-                _Count.n += 1
+                self.n += 1
             return func(*args, **(kwargs or {}))
 
     model = engine.model_runner.model
@@ -120,10 +122,9 @@ def tensor_ops(engine, prompt_len: int, vocab: int) -> int:
     counts = []
 
     def counted(*args, **kwargs):
-        _Count.n = 0
-        with _Count():
+        with _Count() as mode:
             result = forward(*args, **kwargs)
-        counts.append(_Count.n)
+        counts.append(mode.n)
         return result
 
     model.forward = counted

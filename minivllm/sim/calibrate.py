@@ -350,6 +350,17 @@ def measure(engine, requests) -> tuple[list[StepSample], object]:
     return samples, rec
 
 
+def measure_median(engine, requests, repeats: int) -> list[StepSample]:
+    """Run ``requests`` ``repeats`` times; per step, the median time (the first run's if the runs were
+    scheduled differently and do not line up step by step)."""
+    got, _ = measure(engine, requests)
+    runs = [got] + [measure(engine, requests)[0] for _ in range(repeats - 1)]
+    if all([s.seqs for s in run] == [s.seqs for s in got] for run in runs):
+        got = [StepSample(s.seqs, s.swapped_blocks, statistics.median(run[i].time_s for run in runs))
+               for i, s in enumerate(got)]
+    return got
+
+
 def calibration_grid(vocab: int = 49152, seed: int = 0, scale: float = 1.0):
     """The grid: lone prefills of 16..1024 tokens (1024 is chunked), several prefills at once, and decode
     batches of 1..32 sequences at short and long context.  Each group is a list of ``SimRequest``
@@ -409,11 +420,7 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
     samples: list[StepSample] = []
     labels: list[int] = []
     for k, group in enumerate(calibration_grid(shape.vocab_size, scale=scale)):
-        got, _ = measure(engine, group)
-        runs = [got] + [measure(engine, group)[0] for _ in range(repeats - 1)]
-        if all([s.seqs for s in run] == [s.seqs for s in got] for run in runs):
-            got = [StepSample(s.seqs, s.swapped_blocks, statistics.median(run[i].time_s for run in runs))
-                   for i, s in enumerate(got)]
+        got = measure_median(engine, group, repeats)
         samples += got
         labels += [k] * len(got)
         print(f"  group {k}: {len(group)} x {len(group[0].prompt_token_ids)} tokens -> {len(got)} steps", file=out or sys.stderr)

@@ -173,8 +173,8 @@ class HashIndex(LeafEviction):
     def _cache_below(self, path: list[HashEntry], namespace: Hashable, blocks: list[TokenBlock],
                      new_ids: list[int]) -> None:
         """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first, or
-        only its last entry: see :meth:`extend`): touch it, check the new blocks, make room under the quota (pinning the path's last block), add
-        them below it."""
+        only its last entry: see :meth:`extend`): touch it, check the new blocks, make room under the
+        quota (pinning the path's last block), add them below it."""
         tick = self._clock.tick()
         self._touch_path(path, tick)
         check_new_blocks(new_ids, self.is_cached, self.pool)
