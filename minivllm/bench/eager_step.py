@@ -98,6 +98,66 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
     return out
 
 
+class OpCounter:
+    """Counts the tensor operations dispatched while it is active, views left out.
+
+    Why count operations: on a GPU each one is about one kernel launch, and an
+    eager step's cost is mostly the host launching them; the count is the same on
+    every device, so a CPU predicts the GPU's launch count (Triton kernels aside).
+    A ``TorchDispatchMode`` sees every operation below autograd, including the ones
+    a composite operator decomposes into.  Use as ``with OpCounter() as c: ...; c.n``;
+    ``c.names`` counts them by operator (``aten.mm``, ``aten.mul``, ...).
+    """
+
+    def __init__(self) -> None:
+        from collections import Counter
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not func.is_view:
+                    counter.names[func.overloadpacket.__name__] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.names: Counter = Counter()
+        self._mode = _Mode()
+
+    @property
+    def n(self) -> int:
+        return sum(self.names.values())
+
+    def __enter__(self) -> "OpCounter":
+        self.names.clear()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+
+
+def forward_ops(engine, run) -> list[OpCounter]:
+    """The tensor operations of each model forward that ``run()`` makes the engine do (one per step)."""
+    model = engine.model_runner.model
+    forward = model.forward
+    counts = []
+
+    def counted(*args, **kwargs):
+        with OpCounter() as c:
+            result = forward(*args, **kwargs)
+        counts.append(c)
+        return result
+
+    model.forward = counted
+    try:
+        run()
+    finally:
+        del model.forward
+    return counts
+
+
 def tensor_ops(engine, prompt_len: int, vocab: int) -> int:
     """Tensor operations (views left out) the model dispatches in one prompt step, on any device.
 
@@ -105,34 +165,7 @@ def tensor_ops(engine, prompt_len: int, vocab: int) -> int:
     so this counts what an eager step costs the host where no profiler sees
     launches -- on a CPU, too, and the same number on both.
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    model = engine.model_runner.model
-    forward = model.forward
-    counts = []
-
-    def counted(*args, **kwargs):
-        with _Count() as mode:
-            result = forward(*args, **kwargs)
-        counts.append(mode.n)
-        return result
-
-    model.forward = counted
-    try:
-        prompt_step_times(engine, prompt_len, 1, vocab)
-    finally:
-        del model.forward
-    return counts[0]
+    return forward_ops(engine, lambda: prompt_step_times(engine, prompt_len, 1, vocab))[0].n
 
 
 def _ops(prof, steps: int) -> dict:

@@ -48,6 +48,16 @@ def step_s(seqs: Sequence[tuple[int, int, bool]], model: str = MODEL, hardware: 
     return roofline_time(step_cost(shape, seqs, block_size=BLOCK_SIZE), shape, hw).total
 
 
+def device_s(seqs: Sequence[tuple[int, int, bool]], model: str = MODEL, hardware: str = HARDWARE) -> float:
+    """The device's share of :func:`step_s`: the weights, the attention and their FLOPs at the roofs, no host costs.
+
+    Lab 7 sets it beside measured step times: what is left over is the host.
+    """
+    shape, hw = presets(model, hardware)
+    t = roofline_time(step_cost(shape, seqs, block_size=BLOCK_SIZE), shape, hw)
+    return t.dense + t.attention
+
+
 # -- lab 4: chunk budget vs ITL and the long prompt's TTFT ------------------------------------------
 
 

@@ -588,6 +588,70 @@ LAB = Lab(
 )
 
 
+# -- section 4: what the kernel cannot fix -------------------------------------------------
+
+# Measured on an NVIDIA H200 with a random-weight Llama-3.2-1B in bf16 (``python -m minivllm.bench eager_step``,
+# benchmarks/results/2026-11-30_nvidia-h200_eager_step_{64,512}.json): one eager step carrying a 64- or
+# 512-token prompt, and a decode step replayed as a CUDA graph (scheduling and sampling included), p50.
+H200_LLAMA1B = {"launches_per_eager_step": 706, "eager_64_ms": 10.93, "eager_512_ms": 10.49, "graph_decode_ms": 2.50,
+                "launch_api_us_per_step": 3235}
+
+
+def step_operations(engine, prompt_len: int = 64) -> dict:
+    """Count the tensor operations of one prompt step and one decode step of a real engine.
+
+    Each is about one kernel launch on a GPU, so the counts say how many times
+    an *eager* step asks the host to launch something, on any device.  Returns
+    ``{"prompt": OpCounter, "decode": OpCounter}`` (``.n`` the total, ``.names`` by operator).
+    """
+    from minivllm.bench.eager_step import forward_ops
+    from minivllm.sampling_params import SamplingParams
+
+    engine.add_request({"prompt_token_ids": [100 + i % 500 for i in range(prompt_len)]},
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), request_id="count-ops")
+    (prompt,) = forward_ops(engine, engine.step)
+    (decode,) = forward_ops(engine, engine.step)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"prompt": prompt, "decode": decode}
+
+
+def op_floor_us(sizes, repeats: int = 200, rounds: int = 5) -> list[float]:
+    """Median microseconds of one elementwise add of ``n`` float32 numbers, for each ``n`` in ``sizes``.
+
+    Why an add: it does almost no arithmetic per byte, so its time is the fixed
+    cost of issuing one operation (Python, the dispatcher, the kernel's start)
+    plus the bytes it moves; on a small tensor only the fixed cost is left.  One
+    thread: a large add would otherwise fan out over the cores, and on a busy
+    machine wait for them, which is another curve than the one this draws.
+    """
+    out, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n in sizes:
+            out.append(_median_add_us(int(n), repeats, rounds))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _median_add_us(n: int, repeats: int, rounds: int) -> float:
+    import statistics
+    import time
+
+    x, y = torch.randn(n), torch.randn(n)
+    z = torch.empty_like(x)
+    for _ in range(20):
+        torch.add(x, y, out=z)
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            torch.add(x, y, out=z)
+        per_round.append((time.perf_counter() - t0) / repeats)
+    return 1e6 * statistics.median(per_round)
+
+
 # -- quiz answers computed from the lab's own functions -------------------------------------
 
 

@@ -11,12 +11,15 @@ CELLS = [
    softmax** with a running max and a running sum, map query heads to KV heads (GQA) — and prove it correct in
    Triton's CPU interpreter against the oracle (✏️ exercise 2);
 4. say why decode attention is **memory-bound**, what "achieved bandwidth" means, and where the block size trades
-   memory waste against kernel efficiency.
+   memory waste against kernel efficiency;
+5. count the operations an eager step launches, measure what issuing one costs, and explain why on a GPU a small
+   model's decode step is **launch-bound** until fusion or a CUDA graph takes the host out of the loop.
 
-**Time:** under a minute to run on a CPU (Triton's interpreter executes kernels in numpy, so every shape here is
-tiny); 60–90 minutes to work through. On a machine with a CUDA GPU the same notebook compiles the kernels and the
-last section measures them; on a CPU those cells say what they would show and quote a measurement of the engine's
-kernel. Exercises are marked ✏️; until your checker passes, later cells use the engine's own code.
+**Time:** about a minute to run on a CPU (Triton's interpreter executes kernels in numpy, so every shape here is
+tiny; section 4 loads the bundled model); 60–90 minutes to work through. On a machine with a CUDA GPU the same
+notebook compiles the kernels and sections 3 and 4 measure them; on a CPU those cells say what they would show and
+quote a measurement of the engine's kernel. Exercises are marked ✏️; until your checker passes, later cells use
+the engine's own code.
 """),
 ("code", r"""
 import os
@@ -415,6 +418,152 @@ if not ON_GPU:
           "measured on a GPU for this lab yet.")
 """),
 ("md", r"""
+## 4. What the kernel cannot fix: launches, fusion and CUDA graphs
+
+Your kernel reads K/V near the copy's speed. Is a decode step now as fast as its bytes allow? Not in an engine that
+runs the model *eagerly*, operation by operation from Python. The host issues every operation of every layer — the
+projections, the norms, RoPE, attention, the residual adds — one at a time: Python, PyTorch's dispatcher, the
+driver's launch call. The GPU runs each kernel asynchronously, but it cannot start a kernel the host has not issued
+yet. When a kernel's own work is shorter than the host's time to issue the next one, the GPU waits:
+
+```
+ eager decode step (one layer of ~37 operations, then the next layer ...)
+ host  |norm|qkv|rope|attn| o |add|norm|gate_up|act|down|add|norm|qkv| ...     every box: ~5-15 µs of host
+ GPU     ▌    ▌   ▌    ▌    ▌   ▌   ▌     ▌     ▌    ▌   ▌    ▌   ▌          every bar: ~1 µs of work
+                                                          -> step time = operations x host time per launch
+
+ the same step, captured once as a CUDA graph and replayed
+ host  |replay|
+ GPU    ▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌▌   kernels back to back: step time = the device's work
+```
+
+Three cures, and the engine uses all of them where it can: **fusion** (fewer, bigger operations: the engine computes
+q, k and v with one stacked projection, `qkv_proj`, and gate and up with one, `gate_up_proj`; RoPE rotates q and k
+in one pass; FlashAttention-style kernels like yours fuse the scores, the softmax and the weighted sum into one
+launch that never writes the scores out), **CUDA graphs** (record a whole decode step once, replay it with a single
+launch: `minivllm/model/cuda_graphs.py`), and compilers that do both (`torch.compile`). First, count what an eager
+step issues. The count is the same on every device, so the CPU can tell us the GPU's number of launches (the Triton
+attention kernel aside):
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (counts depend on the machine's CPU kernels: e.g. oneDNN's row padding adds operations)
+from minivllm import LLM, SamplingParams
+from minivllm.labs.check_lab07 import H200_LLAMA1B, op_floor_us, step_operations
+
+llm = LLM(max_model_len=256)   # the bundled SmolLM2-135M, 30 layers
+layers = len(llm.engine.model_runner.model.model.layers)
+ops = step_operations(llm.engine)
+for kind, c in ops.items():
+    top = ", ".join(f"{name} {k}" for name, k in c.names.most_common(6))
+    print(f"{kind:6s} step: {c.n:5d} tensor operations = {c.n / layers:4.1f} per layer   ({top}, ...)")
+"""),
+("md", r"""
+About a thousand operations per step, three dozen per layer — each a launch on a GPU. What does one cost? Time the
+cheapest operation there is, an elementwise add, on one core, on tensors from 64 numbers to a million:
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (wall-clock timings)
+import matplotlib.pyplot as plt
+
+SIZES = [2 ** k for k in range(6, 21, 2)]
+floor_us = op_floor_us(SIZES)
+fig, ax = plt.subplots(figsize=(6, 3))
+ax.loglog(SIZES, floor_us, "o-", color="#4e79a7", label="one add on this CPU (one core)")
+ax.loglog(SIZES, [3 * 4 * n / 20e9 * 1e6 for n in SIZES], ":", color="#888888", label="its bytes at 20 GB/s")
+ax.axvspan(64, 576 * 16, color="#f28e2b", alpha=0.15, label="a decode step's activations (1-16 tokens)")
+ax.set_xlabel("numbers per tensor"); ax.set_ylabel("µs per operation"); ax.legend(fontsize=7)
+plt.show()
+FLOOR_US = floor_us[0]
+for n, us in zip(SIZES, floor_us):
+    print(f"{n:8d} numbers: {us:7.2f} µs  ({3 * 4 * n / (us * 1e-6) / 1e9:6.1f} GB/s moved)")
+"""),
+("md", r"""
+Below a few thousand numbers the time no longer falls with the size: what is left is the fixed cost of issuing
+an operation. A decode step's activations (one row per sequence, a few hundred to a few thousand numbers each) sit on
+that floor, so every operation of a small-batch decode step costs its fixed cost and little else. Now put the two
+measurements together and compare them with the step itself, on this CPU and on a GPU:
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (wall-clock timings)
+import statistics
+
+from minivllm.labs import at_scale
+
+eng = llm.engine
+eng.add_request({"prompt_token_ids": list(range(100, 164))}, SamplingParams(max_tokens=24, ignore_eos=True),
+                request_id="decode-timing")
+eng.step()                                  # the prompt
+times = []
+while eng.has_unfinished_requests():
+    t0 = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t0)
+cpu_step_ms = 1e3 * statistics.median(times[2:])
+cpu_host_ms = ops["decode"].n * FLOOR_US / 1e3
+per_launch_us = 1e3 * H200_LLAMA1B["eager_64_ms"] / H200_LLAMA1B["launches_per_eager_step"]
+rows = [  # (what, step ms, of which the device's work at the roofs, ms)
+    ("this CPU: SmolLM2 decode, eager (measured)", cpu_step_ms, cpu_step_ms - cpu_host_ms),
+    ("H200: Llama-1B 64-token prompt, eager (measured)", H200_LLAMA1B["eager_64_ms"],
+     1e3 * at_scale.device_s([(0, 64, True)], "llama-3.2-1b", "h200")),
+    ("H200: Llama-1B 512-token prompt, eager (measured)", H200_LLAMA1B["eager_512_ms"],
+     1e3 * at_scale.device_s([(0, 512, True)], "llama-3.2-1b", "h200")),
+    ("H200: Llama-1B decode, CUDA graph (measured)", H200_LLAMA1B["graph_decode_ms"],
+     1e3 * at_scale.device_s([(64, 1, True)], "llama-3.2-1b", "h200")),
+    ("H200: SmolLM2 decode, eager (predicted)", ops["decode"].n * per_launch_us / 1e3,
+     1e3 * at_scale.device_s([(64, 1, True)], "smollm2-135m", "h200")),
+]
+fig, ax = plt.subplots(figsize=(8, 2.8))
+for i, (what, total, device) in enumerate(rows):
+    device = min(device, total)
+    ax.barh(i, device, color="#4e79a7", label="device work (GPU: roofline; CPU: the rest)" if i == 0 else None)
+    ax.barh(i, total - device, left=device, color="#f28e2b", label="host: issuing operations (GPU: all the rest)" if i == 0 else None)
+ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=7); ax.invert_yaxis()
+ax.set_xlabel("ms per step"); ax.legend(fontsize=7, loc="lower right")
+plt.show()
+print(f"this CPU: {ops['decode'].n} operations x {FLOOR_US:.1f} µs = {cpu_host_ms:.1f} ms of issuing, "
+      f"{100 * cpu_host_ms / cpu_step_ms:.0f}% of a {cpu_step_ms:.1f} ms decode step")
+print(f"H200, eager: {H200_LLAMA1B['launches_per_eager_step']} launches in {H200_LLAMA1B['eager_64_ms']} ms "
+      f"= {per_launch_us:.1f} µs of host per launch; 64 or 512 prompt tokens: "
+      f"{H200_LLAMA1B['eager_64_ms']} vs {H200_LLAMA1B['eager_512_ms']} ms")
+for what, total, device in rows:
+    print(f"{what:52s} {total:7.2f} ms, device work {device:6.2f} ms -> {total / device:5.1f}x the device's time")
+"""),
+("md", r"""
+Read the bars from the top. On **this CPU** issuing operations is a few percent of a decode step: the step reads
+the model's weights from DRAM at tens of GB/s, and that dwarfs a microsecond per operation. On the **H200** the same
+weights take microseconds to read (4.8 TB/s), so the roles swap. An eager step of Llama-3.2-1B costs about 11 ms
+whether it carries 64 or 512 prompt tokens — eight times the prompt, the same time — because 700 launches at
+~15 µs of host each *are* the step; the GPU's own work, by the roofline, is 0.6–1.5 ms. The same model's decode
+step replayed as a CUDA graph took 2.5 ms, scheduling and sampling included: one launch instead of hundreds. And
+the bundled 135M model on that GPU, eager, would spend about 17 ms launching for 0.07 ms of work. That is the seed
+lesson's last line — *launch overhead can dominate a decode step* — in numbers: on a GPU a small model's decode
+step is not memory-bound or compute-bound but **launch-bound**, until graphs or fusion take the host out of the
+loop.
+
+Why only decode steps are graphed here: a graph replays fixed kernels on fixed addresses. Everything that changes
+per step — token ids, positions, block tables, sequence lengths — must be copied into device tensors the graph
+captured, and the batch is padded to one of a few captured sizes (`minivllm/model/cuda_graphs.py`). A step that
+carries prompt tokens has a shape that changes with every chunk, so this engine runs it eagerly; vLLM captures
+such steps piecewise (graphs around the attention call), which is where these 11 ms would go next.
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (GPU timings)
+if ON_GPU:
+    for eager in (True, False):
+        gpu_llm = LLM(max_model_len=256, enforce_eager=eager)
+        e = gpu_llm.engine
+        e.add_request({"prompt_token_ids": list(range(100, 164))}, SamplingParams(max_tokens=40, ignore_eos=True),
+                      request_id="graph-timing")
+        e.step()
+        ts = []
+        while e.has_unfinished_requests():
+            torch.cuda.synchronize(); t0 = time.perf_counter(); e.step(); torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        print(f"enforce_eager={eager!s:5s}: decode step p50 {1e3 * statistics.median(ts[4:]):.2f} ms")
+else:
+    print("On a CUDA GPU this cell times the bundled model's decode step with CUDA graphs off (enforce_eager=True)\n"
+          "and on. Expect the eager step near the 'predicted' bar above and the graphed one a few times faster;\n"
+          "on a CPU the engine has no graphs (enforce_eager has no effect) and the step is bound by the weights.")
+"""),
+("md", r"""
 ## Retrieval check
 
 Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
@@ -444,6 +593,9 @@ print_answers(7)   # the answer key: run it after you have answered
 * Why block offsets must be computed in int64, and why decode attention is judged by achieved bandwidth against a
   copy rather than by FLOP/s.
 * The block-size trade-off: memory waste (half a block per sequence) against per-block overhead in the kernel.
+* Why an eager decode step on a GPU costs "operations × host time per launch" rather than its bytes, what fusion
+  (stacked projections, one-pass RoPE, a fused attention kernel) and a CUDA graph each remove, and why a step that
+  carries prompt tokens is harder to graph than a decode step.
 
 ## Go further
 
@@ -451,14 +603,11 @@ print_answers(7)   # the answer key: run it after you have answered
   load the group's queries as a `[GROUP_PAD, HEAD_DIM]` tile (pad to 16 rows), keep `m_i` and `l_i` as vectors and
   `acc` as a tile, and use `tl.dot`. Check it with `check_decode_kernel` (the launch grid becomes (batch,
   kv_heads): write your own launcher), then measure the bytes it reads against yours on a GPU.
-* **Launch overhead, the next lesson.** A decode step launches about ten kernels per layer; on a GPU the Python that
-  launches them can take as long as the kernels. Measure the engine's host cost per step with
-  `python -m minivllm.bench host_overhead`, then read `minivllm/model/cuda_graphs.py`: a CUDA graph records a whole
-  decode step once and replays it with one call. Which per-step values must live in device tensors for that to work?
-  For scale, measured on an H200 with a random-weight Llama-3.2-1B in bf16
-  (`benchmarks/results/2026-11-30_nvidia-h200_llama1b_profile.json`): a decode step replayed as a graph took
-  2.6 ms, scheduling and sampling included; a step carrying a prompt chunk, which is not graphed, took 11–17 ms,
-  hardly more for 512 prompt tokens than for 16. The compute was the small part of both.
+* **Which values must live on the device?** Read `minivllm/model/cuda_graphs.py`: for each input of a decode step
+  (token ids, positions, block tables, sequence lengths, slot mapping), find the static tensor the graph captured
+  and where each step copies into it. Why are batches padded to a few captured sizes, and what does a batch of 5
+  cost when the nearest graph holds 8? `python -m minivllm.bench host_overhead` measures the host side that stays
+  outside the graph: scheduling, input preparation, sampling.
 * **Compiled once, or once per step?** Triton compiles a separate binary for each combination of `tl.constexpr`
   values *and* of "specialisations" of the plain arguments: an integer equal to 1 or divisible by 16, a pointer
   aligned to 16 bytes. Find the arguments of the engine's decode kernel that change from step to step (the
