@@ -147,6 +147,31 @@ def cpu_three_class_workload(seed: int, duration: float) -> tuple[list[Arrival],
     return sorted(out, key=lambda a: a.time), sessions
 
 
+def next_agent_call(session: dict, prompt, output_ids, now: float, max_len: int) -> tuple | None:
+    """The next call of a closed-loop agent session, or None when the session is done.
+
+    An agent does not send on a timetable: it reads the answer, runs its tool,
+    and only then calls again, with the whole conversation so far (prompt +
+    answer + the tool's result) as the next prompt.  So call k+1 arrives
+    ``think_s`` after call k *finished*, and every second that call k waits in the
+    queue delays call k+1: a task's time is the sum of its calls' queueing,
+    prefill and decode.  ``session`` is mutable state: ``calls_left``, ``rng``
+    and optionally ``tool_tokens`` (tokens the tool adds per call, default 80),
+    ``max_tokens`` (the range of a call's output, default (40, 100)) and
+    ``think_s`` (tool time, default 0.05 s).  Returns ``(arrival time, prompt,
+    max_tokens)``.  Shared by :func:`run` and lab 6's
+    :func:`minivllm.labs.check_lab06.serve`.
+    """
+    if session["calls_left"] <= 0:
+        return None
+    session["calls_left"] -= 1
+    ctx = list(prompt) + list(output_ids) + _tokens(session["rng"], session.get("tool_tokens", 80))
+    if len(ctx) + 100 >= max_len:
+        return None
+    lo, hi = session.get("max_tokens", (40, 100))
+    return now + session.get("think_s", 0.05), ctx, session["rng"].randint(lo, hi)
+
+
 def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
         blocks: int = 1024, budget: int = 2048, max_seqs: int = 128, chunk: int = 512, max_len: int = 16384,
         max_steps: int = 200_000, **options) -> Run:
@@ -181,14 +206,11 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
             if out.finished:
                 a = owner[out.request_id]
                 res.outputs[out.request_id] = (a.tenant, out)
-                if a.session is not None and sessions[a.session]["calls_left"] > 0:
-                    s = sessions[a.session]
-                    s["calls_left"] -= 1
-                    ctx = a.prompt + list(out.outputs[0].token_ids) + _tokens(s["rng"], 80)
-                    if len(ctx) + 100 < max_len:
-                        pending.append(Arrival(executor.clock + 0.05, a.tenant, ctx, s["rng"].randint(40, 100),
-                                               session=a.session))
-                        pending.sort(key=lambda x: -x.time)
+                nxt = None if a.session is None else next_agent_call(
+                    sessions[a.session], a.prompt, out.outputs[0].token_ids, executor.clock, max_len)
+                if nxt is not None:
+                    pending.append(Arrival(nxt[0], a.tenant, nxt[1], nxt[2], session=a.session))
+                    pending.sort(key=lambda x: -x.time)
         res.steps += 1
         if executor.clock <= window:
             n_window += 1

@@ -15,12 +15,13 @@ the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
 
 from __future__ import annotations
 
+import copy
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
-from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP
+from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, next_agent_call
 from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
@@ -30,7 +31,8 @@ from minivllm.sched.fairness import RankPreemption, WFQAdmission
 from minivllm.sim.executor import SimulatedExecutor
 
 BLOCK_SIZE = 16
-TENANT_COLORS = {"quiet": "#4e79a7", "noisy": "#e15759", "chat": "#4e79a7", "agent": "#f28e2b", "bulk": "#76b7b2"}
+TENANT_COLORS = {"quiet": "#4e79a7", "noisy": "#e15759", "chat": "#4e79a7", "agent": "#f28e2b", "bulk": "#76b7b2",
+                 "app": "#b07aa1"}
 SLOS = {"chat": (0.7, 0.060), "agent": (2.0, 0.120)}  # the seed lesson's interactive and agent SLOs (TTFT, ITL p95)
 
 
@@ -45,6 +47,7 @@ class Arrival:
     prompt: tuple
     max_tokens: int
     deadline: float | None = None
+    session: int | None = None  # a closed-loop agent session: its next call follows this call's finish
 
 
 def _poisson(rng: random.Random, rate: float, until: float):
@@ -84,10 +87,62 @@ def mixed_classes(duration: float = 30.0, *, seed: int = 0, scale: float = 1.0) 
     for i, t in enumerate(_poisson(rng, 0.25 * scale, duration)):
         prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
         out.append(Arrival(round(t, 6), f"agent-{i}", "agent", prompt, rng.randint(8, 24)))
-    for i in range(int(round(6 * scale))):
+    for i in range(round(6 * scale)):
         prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
         out.append(Arrival(0.001 * i, f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
     return sorted(out, key=lambda a: a.time)
+
+
+def retry_storm(duration: float = 12.0, *, seed: int = 0, rate: float = 1.2) -> list[Arrival]:
+    """:func:`noisy_quiet`'s quiet tenant and an application backend, ``app``: ``rate`` jobs per second of
+    2000-4000-token prompts (40-120 output tokens), about half of what the engine serves -- a load it carries
+    when its client waits, and a storm when its client retries (:class:`RetryClient`)."""
+    rng = random.Random(seed + 1)
+    out = noisy_quiet(duration, seed=seed, quiet_alone=True)
+    for i, t in enumerate(_poisson(rng, rate, duration)):
+        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(2000, 4000)))
+        out.append(Arrival(round(t, 6), f"app-{i}", "app", prompt, rng.randint(40, 120)))
+    return sorted(out, key=lambda a: a.time)
+
+
+AGENT_STARTS = (4.0, 12.0, 20.0, 28.0)
+
+
+def agent_tasks(calls: int, *, duration: float = 60.0, seed: int = 0, batch_rate: float = 0.15,
+                starts: Sequence[float] = AGENT_STARTS) -> tuple[list[Arrival], dict]:
+    """Closed-loop agent tasks among :func:`mixed_classes`' chats and a steady batch stream.
+
+    Each task (one per time in ``starts``) makes ``calls`` sequential calls on a shared 300-token tool
+    preamble: the next call is sent 50 ms after the previous one finished, its prompt the whole
+    conversation so far plus 40 tokens of tool output, 8-24 output tokens per call (the benchmark's
+    :func:`~minivllm.bench.fairness.next_agent_call`, sized for the CPU step time).  The batch tier
+    sends ``batch_rate`` prompts of 300-600 tokens per second for ``duration`` s, so a queue is there
+    for every call, not only for the first.  Returns ``(arrivals, sessions)`` for :func:`serve`.
+    """
+    rng = random.Random(seed + 5)
+    out = [a for a in mixed_classes(duration, seed=seed) if a.tenant == "chat"]
+    for i, t in enumerate(_poisson(rng, batch_rate, duration)):
+        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
+        out.append(Arrival(round(t, 6), f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
+    system = tuple(rng.randrange(10, 990) for _ in range(300))
+    sessions = {}
+    for s, t in enumerate(starts):
+        sessions[s] = {"calls_left": calls - 1, "rng": random.Random(seed * 100 + s), "tool_tokens": 40,
+                       "max_tokens": (8, 24), "think_s": 0.05}
+        prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
+        out.append(Arrival(t, f"agent-s{s}-c0", "agent", prompt, rng.randint(8, 24), session=s))
+    return sorted(out, key=lambda a: a.time), sessions
+
+
+def agent_task_times(res: ServeResult) -> dict:
+    """Per agent task: its calls, the sum of their TTFTs (queueing + prefill), the sum of their decode times
+    (first token to finish), and the task's time (first call sent to last call finished)."""
+    out = {}
+    for s, ids in sorted(res.calls.items()):
+        out[s] = {"calls": len(ids), "ttft": sum(res.first_token[i] - res.arrival[i] for i in ids),
+                  "decode": sum(res.finished[i] - res.first_token[i] for i in ids),
+                  "task": res.finished[ids[-1]] - res.arrival[ids[0]]}
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -151,6 +206,12 @@ class ServeResult:
     makespan: float = 0.0
     stats: dict = field(default_factory=dict)
     window_tokens: dict = field(default_factory=dict)  # tenant -> (prompt, output) tokens served in the window
+    first_token: dict = field(default_factory=dict)  # request id -> virtual time of its first token
+    finished: dict = field(default_factory=dict)  # request id -> virtual time it finished (or was rejected)
+    finish_reason: dict = field(default_factory=dict)  # request id -> "length", "rejected", ...
+    retry_after: dict = field(default_factory=dict)  # rejected request id -> the engine's retry_after_s hint
+    calls: dict = field(default_factory=dict)  # agent session -> its calls' request ids, in order
+    tokens: dict = field(default_factory=dict)  # finished request id -> its output token ids
 
     def tenants(self) -> list[str]:
         return sorted(set(self.tenant_of.values()))
@@ -191,13 +252,122 @@ class ServeResult:
                 "preemptions": self.stats["per_tenant"].get(tenant, {}).get("num_preemptions", 0)}
 
 
-def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_steps: int = 100_000) -> ServeResult:
-    """Add each request when the virtual clock reaches its arrival, step until all finish."""
+@dataclass
+class RetryClient:
+    """One tenant's client library with a retry loop, run on the virtual clock by :func:`serve`.
+
+    Each of the tenant's arrivals is a *job*.  The client sends it and waits ``timeout_s`` for the first
+    token; when none has come, it gives up and sends the same prompt again as a new request, at most
+    ``max_attempts`` sends per job.  Nobody tells the server: the abandoned request keeps its place, its
+    seat and its KV and runs to the end for nobody -- unless ``abort``, when the client cancels it first
+    (``engine.abort_request``, what a server does when the connection closes).  A request turned away
+    (finish reason ``"rejected"``: ``TenantConfig(over_cap="reject")``) is sent again at once, or, when
+    ``honour_retry_after``, after the engine's ``retry_after_s`` hint x ``backoff``^(k-1) for its k-th
+    rejection, x (1 + U(0, ``jitter``)) so that clients turned away together do not return together.
+    The timer is read at step boundaries; a first token counts if it came within ``timeout_s`` of the send.
+    """
+
+    tenant: str
+    timeout_s: float = math.inf
+    max_attempts: int = 5
+    abort: bool = False
+    honour_retry_after: bool = True
+    backoff: float = 2.0
+    jitter: float = 0.5
+    seed: int = 0
+    sends: dict = field(default_factory=dict)  # job -> [(request id, sent at)], in order
+    job_of: dict = field(default_factory=dict)  # request id -> job
+    accepted: dict = field(default_factory=dict)  # job -> the request whose first token came in time
+    abandoned: list = field(default_factory=list)  # requests the client timed out on
+    rejected: list = field(default_factory=list)  # requests the engine turned away
+    failed: list = field(default_factory=list)  # jobs that ran out of attempts
+    live: dict = field(default_factory=dict)  # job -> (request id, sent at, arrival) the client waits on
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def sent(self, a: Arrival) -> None:
+        """:func:`serve` added ``a`` to the engine (every tenant's arrivals come through here)."""
+        if a.tenant != self.tenant:
+            return
+        job = self.job_of.setdefault(a.request_id, a.request_id)  # a first send: the job is named after it
+        self.sends.setdefault(job, []).append((a.request_id, a.time))
+        self.live[job] = (a.request_id, a.time, a)
+
+    def _again(self, job: str, a: Arrival, at: float) -> list[Arrival]:
+        if len(self.sends[job]) >= self.max_attempts:
+            self.failed.append(job)
+            return []
+        rid = f"{job}.r{len(self.sends[job])}"
+        self.job_of[rid] = job
+        return [Arrival(at, rid, a.tenant, a.prompt, a.max_tokens, a.deadline)]
+
+    def after_step(self, engine, outputs, now: float) -> list[Arrival]:
+        """Read this step's outputs, give up on requests past the timeout; return the requests to send."""
+        again = []
+        for out in outputs:
+            job = self.job_of.get(out.request_id)
+            if job is None or job not in self.live or self.live[job][0] != out.request_id:
+                continue  # another tenant's, or a request the client no longer waits on
+            rid, sent_at, a = self.live[job]
+            first = out.metrics.first_token_time
+            if first is not None and first - sent_at <= self.timeout_s:
+                self.accepted[job] = rid  # in time: the client streams the rest
+                del self.live[job]
+            elif out.finished and out.outputs[0].finish_reason == "rejected":
+                del self.live[job]
+                self.rejected.append(rid)
+                k = sum(r in self.rejected for r, _ in self.sends[job])
+                wait = out.retry_after_s * self.backoff ** (k - 1) * (1 + self.jitter * self.rng.random()) \
+                    if self.honour_retry_after else 0.0
+                again += self._again(job, a, round(now + wait, 6))
+        for job, (rid, sent_at, a) in list(self.live.items()):
+            if now - sent_at >= self.timeout_s:  # no first token in time: give up, send it again
+                del self.live[job]
+                self.abandoned.append(rid)
+                if self.abort:
+                    engine.abort_request(rid)
+                again += self._again(job, a, round(sent_at + self.timeout_s, 6))
+        return again
+
+    def summary(self, res: ServeResult) -> dict:
+        """Jobs, requests sent, jobs done, the server tokens spent on the tenant and the share nobody used,
+        and the p95 time from a job's first send to the first token the client accepted."""
+        useful = set(self.accepted.values())
+        work = wasted = 0
+        for rec in res.records:
+            for rid, n in zip(rec.seq_ids, rec.seq_tokens):
+                if rid in self.job_of:
+                    work += n
+                    wasted += 0 if rid in useful else n
+        waits = [res.first_token[rid] - self.sends[job][0][1] for job, rid in self.accepted.items()]
+        jobs, sent = len(self.sends), sum(len(v) for v in self.sends.values())
+        return {"jobs": jobs, "sent": sent, "done": len(self.accepted), "failed": len(self.failed),
+                "sent per job done": sent / len(self.accepted) if self.accepted else math.inf, "work": work, "wasted": wasted,
+                "wasted share": wasted / max(1, work), "job TTFT p95": percentile(waits, 95)}
+
+
+def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_steps: int = 100_000, *,
+          sessions: dict | None = None, client: RetryClient | None = None) -> ServeResult:
+    """Add each request when the virtual clock reaches its arrival, step until all finish.
+
+    ``sessions`` makes agents closed loop: an arrival with ``session=s`` is the first call of session ``s``,
+    and each call's finish triggers the next (the benchmark's
+    :func:`~minivllm.bench.fairness.next_agent_call`: same mechanism, same context growth).  ``client``
+    is one tenant's :class:`RetryClient`: after every step it may give up on requests and send new ones.
+    """
     ex = engine.executor
     res = ServeResult(num_blocks=engine.pool.num_blocks)
     res.window = window if window is not None else (max(a.time for a in arrivals) if arrivals else 0.0)
     pending = list(reversed(arrivals))
+    sessions = {k: {**v, "rng": copy.deepcopy(v["rng"])} for k, v in (sessions or {}).items()}  # reruns: same calls
+    owner = {}
     step = 0
+
+    def push(a: Arrival) -> None:
+        pending.append(a)
+        pending.sort(key=lambda x: -x.time)
+
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests() and pending and pending[-1].time > ex.clock:
             ex.clock = pending[-1].time
@@ -208,10 +378,35 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
                                arrival_time=a.time)
             res.tenant_of[a.request_id] = a.tenant
             res.arrival[a.request_id] = a.time
-        for out in engine.step():
-            if out.finished and out.metrics.ttft is not None:
+            owner[a.request_id] = a
+            if a.session is not None:
+                res.calls.setdefault(a.session, []).append(a.request_id)
+            if client is not None:
+                client.sent(a)
+        outs = engine.step()
+        for out in outs:
+            if out.metrics.first_token_time is not None:
+                res.first_token.setdefault(out.request_id, out.metrics.first_token_time)
+            if not out.finished:
+                continue
+            res.finished[out.request_id] = out.metrics.finished_time if out.metrics.finished_time is not None else ex.clock
+            res.tokens[out.request_id] = tuple(out.outputs[0].token_ids)
+            res.finish_reason[out.request_id] = out.outputs[0].finish_reason
+            if out.retry_after_s is not None:
+                res.retry_after[out.request_id] = out.retry_after_s
+            if out.metrics.ttft is not None:
                 res.ttft[out.request_id] = out.metrics.ttft
                 res.itl_p95[out.request_id] = percentile(out.metrics.itls, 95) if out.metrics.itls else 0.0
+            a = owner[out.request_id]
+            nxt = None if a.session is None else next_agent_call(
+                sessions[a.session], a.prompt, out.outputs[0].token_ids, ex.clock, engine.config.max_model_len)
+            if nxt is not None:
+                n = len(res.calls[a.session])
+                push(Arrival(nxt[0], f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(nxt[1]), nxt[2],
+                             session=a.session))
+        if client is not None:
+            for a in client.after_step(engine, outs, ex.clock):
+                push(a)
         for rid, _, _ in engine.step_log[-1].seqs:
             res.first_step.setdefault(rid, step)
         if ex.clock <= res.window:
@@ -235,6 +430,15 @@ def slo_report(name: str, res: ServeResult, slos: dict = SLOS) -> str:
     bulk = [k for k in res.ttft if res.tenant_of[k] == "bulk"]
     lines.append(f"{name:12s} bulk   finished {len(bulk)}, all work done at {res.makespan:5.1f} s")
     return "\n".join(lines)
+
+
+def retry_report(name: str, res: ServeResult, client: RetryClient) -> str:
+    """One line per run of :func:`retry_storm`: quiet's p95 TTFT, and what the app's client sent and got."""
+    m = client.summary(res)
+    waited = "   none" if m["done"] == 0 else f"{m['job TTFT p95']:5.1f} s"
+    return (f"{name:<34} quiet p95 TTFT {res.p95_ttft('quiet'):5.2f} s | app sent {m['sent']:3d} for "
+            f"{m['done']:2d}/{m['jobs']} jobs done ({m['sent per job done']:4.1f} per job), server tokens "
+            f"{m['work'] / 1e3:4.0f}k, {m['wasted share']:4.0%} for nobody; jobs done waited p95 {waited}")
 
 
 def table(results: dict[str, ServeResult], tenants: Sequence[str]) -> str:

@@ -13,8 +13,12 @@ CELLS = [
 3. write the **virtual token counter** of weighted fair queueing (VTC, OSDI 2024) (✏️ exercise 2), which protects the
    quiet tenant *without* idling the engine, and measure fairness with Jain's index;
 4. order by **deadline with aging** (✏️ exercise 3) and state the bound that keeps it from starving anybody;
-5. assemble the three-class policy (interactive / agent / batch) from engine rules and check its SLOs and its cost
-   to the batch tier on a mixed workload.
+5. measure how a client's **retry loop** turns a load the engine carries into a storm (requests sent per job done,
+   server work nobody used, the neighbour's p95 TTFT), and which defences stop what: cancelling, WFQ, a cap that
+   rejects with a `retry_after_s` hint the client honours;
+6. assemble the three-class policy (interactive / agent / batch) from engine rules and check its SLOs and its cost
+   to the batch tier on a mixed workload, and measure why an agent, whose task is many sequential calls, pays its
+   per-call queueing once per call.
 
 **Time:** about a minute to run on a CPU laptop; 60 minutes to work through. The large workloads run the real engine
 (scheduler, KV cache manager, preemption) on a **simulated forward pass** with a virtual clock (`SimulatedExecutor`),
@@ -32,11 +36,11 @@ import torch
 from minivllm import SamplingParams
 from minivllm.config import TenantConfig, ThreeClassConfig
 from minivllm.labs import choose
-from minivllm.labs.check_lab06 import (CLASS_STEP, FAIR_STEP, SLOS, TenantTimeline, aging_run, backlogged,
-                                       cap_policy, check_deadline_aging, check_tenant_cap,
-                                       check_virtual_token_counter, class_engine, deadline_policy, jain,
-                                       lab_engine, mixed_classes, noisy_quiet, percentile, serve, slo_report,
-                                       table, wfq_policy)
+from minivllm.labs.check_lab06 import (CLASS_STEP, FAIR_STEP, SLOS, RetryClient, TenantTimeline, agent_task_times,
+                                       agent_tasks, aging_run, backlogged, cap_policy, check_deadline_aging,
+                                       check_tenant_cap, check_virtual_token_counter, class_engine, deadline_policy,
+                                       jain, lab_engine, mixed_classes, noisy_quiet, percentile, retry_report,
+                                       retry_storm, serve, slo_report, table, wfq_policy)
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.sched.fairness import THREE_CLASS_RULES
 
@@ -353,6 +357,124 @@ print(timeline.at(8.0))
 timeline.show()
 """),
 ("md", r"""
+## 3. A retry loop, measured
+
+The seed lesson names two ways one tenant starves the others: "a single retry loop or a bulk import". Section 2
+measured the bulk import, a tenant that sends more than the engine serves. A retry loop needs no such tenant. Take
+`app`, an application backend that sends 1.2 jobs per second of 2,000–4,000-token prompts: together with quiet's
+chats about half of what this engine prefills, a load it carries. Its client library has a timeout: no first token
+within `T` seconds, and it gives up and sends the same request again. Nobody tells the server:
+
+```
+ t = 0     app sends job 7          queue: … q  a7
+ t = T     no token yet: resend     queue: … q  a7  a7'          a7 still waits, and will run for nobody
+ t = 2T    no token yet: resend     queue: … q  a7  a7'  a7''    every timeout adds a whole prompt of work
+```
+
+The loop feeds itself: every retry lengthens the queue, a longer queue makes more requests time out, and every
+timeout is another retry. Once the queueing delay crosses `T`, a load the engine carried becomes one it cannot.
+Three numbers tell the story: **requests sent per job done** and the **share of the server's work on app's requests
+that nobody used** (the amplification), and quiet's **p95 TTFT** (the damage to the neighbour).
+
+`RetryClient` is such a client on the virtual clock: `serve` hands it every step's outputs; it accepts a first
+token that came within `T` of the send, otherwise it gives up and sends again (at most 5 sends per job); with
+`abort=True` it cancels the abandoned request first (`engine.abort_request`, what a server should do when the
+connection closes). **Simulated**, like section 2 and the exercises: the lab's engine on the 3-constant step time `FAIR_STEP`,
+12 s of seeded arrivals, FCFS. First the curve: quiet's p95 TTFT and app's amplification against the timeout.
+"""),
+("code", r"""
+storm = retry_storm(12.0)
+print(f"{sum(a.tenant == 'quiet' for a in storm)} quiet requests, {sum(a.tenant == 'app' for a in storm)} app jobs; "
+      f"simulated, step time {FAIR_STEP}")
+patient = RetryClient("app")   # timeout_s = inf: waits as long as it takes
+waited = serve(lab_engine(), storm, window=12.0, client=patient)
+print(retry_report("FCFS, patient client", waited, patient))
+TIMEOUTS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+curve = {}
+for abort in (False, True):
+    for T in TIMEOUTS:
+        client = RetryClient("app", timeout_s=T, abort=abort)
+        res = serve(lab_engine(), storm, window=12.0, client=client)
+        curve[abort, T] = res.p95_ttft("quiet"), client.summary(res)
+        if T in (1.0, 2.0, 4.0):
+            print(retry_report(f"FCFS, T = {T:.0f} s" + (", aborts first" if abort else ""), res, client))
+
+base_work = patient.summary(waited)["work"]
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.3))
+for abort, style, label in ((False, "o-", "retries (abandoned requests run on)"), (True, "s--", "aborts, then retries")):
+    axes[0].plot(TIMEOUTS, [curve[abort, T][0] for T in TIMEOUTS], style, label=label)
+    axes[1].plot(TIMEOUTS, [curve[abort, T][1]["work"] / base_work for T in TIMEOUTS], style, label=label)
+    axes[2].plot(TIMEOUTS, [curve[abort, T][1]["done"] for T in TIMEOUTS], style, label=label)
+for ax, y, title in ((axes[0], waited.p95_ttft("quiet"), "quiet's p95 TTFT (s)"),
+                     (axes[1], 1.0, "server tokens on app / patient run's"),
+                     (axes[2], len(patient.sends), f"app jobs done (of {len(patient.sends)})")):
+    ax.axhline(y, color="gray", ls=":", label="patient client")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("client timeout T (s)")
+axes[0].set_yscale("log")
+axes[0].legend(fontsize=8)
+fig.suptitle("simulated (FAIR_STEP, FCFS): one client's timeout against everybody's latency", fontsize=10)
+fig.tight_layout()
+plt.show()
+"""),
+("md", r"""
+Read the curves from the right. With a timeout above the longest wait app sees with a patient client (its p95 is
+3.1 s) the loop never fires and nothing changes. Below it, the loop tips over fast. At `T = 2 s` app sends 43
+requests for its 15 jobs, only 8 of them get done, the server spends almost three times the patient run's tokens on
+app (132k instead of 46k) and 81% of them on requests nobody is waiting for — and quiet's p95 TTFT triples, from
+2.19 s to 6.33 s. At `T = 1 s` it collapses: 75 requests, no job done, quiet waits 28 s. Nothing about app's load
+changed, only its patience.
+
+Cancelling the abandoned request (dashed) removes most of the waste: at `T = 2 s` app sends 18 requests, all 15 jobs
+get done and quiet is no worse off than beside the patient client. It does not make app faster: a resent request
+starts again at the back of the queue, and with a timeout below 1.5 s most jobs fail. (There quiet even does
+better than beside the patient client — because app has stopped getting anything done.) The client's own fixes
+are a timeout above the server's real latency and cancellation when it gives up. The server cannot count on either.
+
+### The server's defences
+
+Now keep the naive client (`T = 2 s`, no cancellation) and change the server. The seat cap of exercise 1 comes in
+two flavours: over the cap a request **waits** (`TenantConfig(max_running=2)`), or it is **rejected** at once
+(`over_cap="reject"`) and finishes `"rejected"` with the engine's `retry_after_s` estimate of when a seat frees up
+(the server's `429` + `Retry-After`). Rejecting is the engine's scheduler at work, not your `TenantCap`, which only
+orders the queue. For a rejected request the client either retries at once, or honours the hint: it waits
+`retry_after_s`, doubled for each further rejection (exponential backoff), plus up to 50% random jitter, so that
+clients turned away together do not return together.
+"""),
+("code", r"""
+CAP_WAIT = {"scheduling_policy": "caps", "tenants": {"app": TenantConfig(max_running=2)}}
+CAP_REJECT = {"scheduling_policy": "caps", "tenants": {"app": TenantConfig(max_running=2, over_cap="reject")}}
+defences = [("FCFS, patient client", {}, RetryClient("app")),
+            ("FCFS, retries", {}, RetryClient("app", timeout_s=2.0)),
+            ("WFQ, patient client", wfq_policy(VTC and VTC({})), RetryClient("app")),
+            ("WFQ, retries", wfq_policy(VTC and VTC({})), RetryClient("app", timeout_s=2.0)),
+            ("WFQ, aborts then retries", wfq_policy(VTC and VTC({})), RetryClient("app", timeout_s=2.0, abort=True)),
+            ("cap 2 (wait), retries", CAP_WAIT, RetryClient("app", timeout_s=2.0)),
+            ("cap 2 (reject), retries at once", CAP_REJECT, RetryClient("app", timeout_s=2.0, honour_retry_after=False)),
+            ("cap 2 (reject), honours the hint", CAP_REJECT, RetryClient("app", timeout_s=2.0))]
+print("simulated, FAIR_STEP; client timeout 2 s, at most 5 sends per job; backoff x2, jitter up to 50%")
+for name, policy, client in defences:
+    print(retry_report(name, serve(lab_engine(policy), storm, window=12.0, client=client), client))
+"""),
+("md", r"""
+* **WFQ** protects quiet from the storm as it did from the bulk importer: 0.37 s, the same as beside a patient app
+  (first WFQ row) — the storm's cost lands on the tenant that makes it. But WFQ does not stop the storm: it shares tokens and cannot
+  know that a request is abandoned. App still sends 51 requests, 88% of the server's work on it is for nobody, and
+  9 of its 15 jobs fail. With a client that cancels, WFQ gives the best row of the table: quiet protected, all
+  15 jobs done, 1.4 requests per job.
+* **A cap that waits** isolates quiet too, and makes the storm worse *for app*: its abandoned requests keep its two
+  seats, so its retries queue behind its own abandoned work. 2 of 15 jobs get done.
+* **A cap that rejects** makes an over-cap request cost nothing: turned away at once, it spends no tokens (0% for
+  nobody; the server does exactly the patient run's 46k tokens). What the client does with the answer decides the
+  rest. Retrying at once burns its 5 sends in 5 steps: 7 of 15 jobs done. Honouring the hint gets all 15 done with
+  2.1 requests per job. The price is the cap's price from exercise 1: it binds, so app's jobs wait longer (p95 26 s)
+  while capacity idles.
+
+Fairness keeps the storm away from the neighbours; only cancellation, or rejection plus a client that honours the
+hint, removes the amplification. That is why production clients combine them: a timeout above the server's p99,
+cancel on give-up, exponential backoff with jitter, honour `Retry-After`, and a retry budget.
+"""),
+("md", r"""
 ## 4. The worked policy: three classes
 
 The seed lesson's worked policy serves three classes with different promises:
@@ -427,6 +549,65 @@ interactive tiers get the seats and the budget first. The batch tier finishes a 
 Capacity makes a promise *possible*; the policy decides who gets it.
 """),
 ("md", r"""
+### Agents: a task is many sequential calls
+
+The agent row of the table promises a per-call TTFT, and adds *many sequential calls*. An agent does not send on a
+timetable: it reads the answer, runs a tool, and calls again with the whole conversation so far. Call k+1 leaves
+only when call k has finished, and the user waits for the task, not for a call:
+
+```
+ call 1: [wait | prefill | decode ····]  tool  call 2: [wait | prefill | decode ····]  tool  call 3: ...
+ task time = Σ over its K calls of (TTFT + decode)  +  (K − 1) × tool time        TTFT = queueing + prefill
+```
+
+Every second of queueing a policy lets one call suffer is paid K times. The agents above arrived open loop (each call
+on its own, at random times), which hides this. Here they are **closed loop**, with the benchmark's own mechanism
+(`minivllm.bench.fairness.next_agent_call`): four tasks start at 4, 12, 20 and 28 s, each makes K calls on the
+shared 300-token preamble, and each next call is sent 50 ms after the previous one finished, with the conversation
+so far plus 40 tokens of tool output as its prompt (the prefix cache keeps the shared context, so a call prefills
+only what is new). Around them run the same chats and, instead of a one-off backlog, a **steady batch stream**
+(0.15 prompts/s of 300–600 tokens for 60 s), so that there is a queue for every call, not just the first.
+**Simulated** on the calibrated CPU step time `CLASS_STEP`, with the classes and knobs above.
+"""),
+("code", r"""
+CALLS = (1, 2, 4, 8)
+agents = {}
+for name in ("fcfs", "three_class"):
+    for k in CALLS:
+        work, sessions = agent_tasks(k)
+        res = serve(class_engine(name, CLASSES, KNOBS), work, window=60.0, sessions=sessions)
+        agents[name, k] = agent_task_times(res), res.p95_ttft("agent")
+print(f"simulated, CLASS_STEP; 4 agent tasks per run, means per task\n"
+      f"{'policy':12s}{'calls':>6}{'wait per call':>15}{'Σ TTFT':>9}{'Σ decode':>10}{'task time':>11}{'agent p95 TTFT':>16}")
+for (name, k), (tasks, p95) in agents.items():
+    mean = {key: sum(t[key] for t in tasks.values()) / len(tasks) for key in ("ttft", "decode", "task")}
+    print(f"{name:12s}{k:6d}{mean['ttft'] / k:14.2f}s{mean['ttft']:8.1f}s{mean['decode']:9.1f}s{mean['task']:10.1f}s"
+          f"{p95:15.2f}s")
+
+fig, ax = plt.subplots(figsize=(6.5, 3.3))
+for name, color in (("fcfs", "#e15759"), ("three_class", "#4e79a7")):
+    for key, style, what in (("task", "o-", "task time"), ("ttft", "s--", "Σ TTFT (waiting)")):
+        means = [sum(t[key] for t in agents[name, k][0].values()) / len(agents[name, k][0]) for k in CALLS]
+        ax.plot(CALLS, means, style, color=color, label=f"{name}: {what}")
+ax.set_xlabel("sequential calls per task (K)")
+ax.set_ylabel("seconds (mean over 4 tasks)")
+ax.set_title("simulated (CLASS_STEP): an agent pays its queueing once per call", fontsize=10)
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+"""),
+("md", r"""
+Under FCFS each call waits a few seconds behind the batch stream (the agent's p95 TTFT is 6–8 s: its 2 s SLO is
+missed), and over an 8-call task that adds up to 25 s of waiting, almost half the task. Under `three_class` a call
+waits about 0.7 s (p95 under 2 s: the SLO is met), under 6 s for the whole 8-call task. The waiting grows with K under
+both policies; the policy sets the slope, K multiplies it. That is why the agent class gets its own queue with a
+bounded share rather than a place in line behind batch: its per-call promise is a per-step cost of every task.
+
+The decode column does not improve: a policy changes when a call starts, not how long a step takes (at K = 8 decode
+is even longer under `three_class`, whose calls run earlier, next to the batch stream, while FCFS pushes the late
+tasks' last calls past its end). On this CPU decode is most of an agent's task: the ITL floor again.
+"""),
+("md", r"""
 ## 5. The real model: policies change when, never what
 
 Everything above was simulated. On the bundled model, two long noisy prompts arrive just before two short quiet ones,
@@ -475,15 +656,24 @@ print_answers(6)   # the answer key: run it after you have answered
   that is work-conserving and cannot be gamed by going idle to bank credit.
 * Why EDF starves without aging, and the aging bound: nobody starts after a request that arrived more than `aging_s`
   after it.
+* Why a client's retry loop starves the others without sending more work of its own — every timeout re-sends a whole
+  prompt while the abandoned one runs on — how to measure it (requests sent per job done, server work nobody used,
+  the neighbour's p95 TTFT), and what each defence stops: WFQ isolates the neighbour but not the waste;
+  cancellation, or a rejecting cap with a client that honours `retry_after_s`, removes the waste.
 * How the three-class policy turns "be fair" into named promises per class, each with a metric and an enforcement.
+* Why an agent's task time is the sum of its sequential calls' TTFT and decode, so the queueing a policy allows one
+  call is paid once per call.
 
 ## Go further
 
 * **Weights.** Give noisy weight 3 in `VirtualTokenCounter({"noisy": 3})` and measure both tenants' tokens/s on the
   backlogged workload: does the ratio reach 3 : 1? What happens to quiet's TTFT?
-* **Reject instead of wait.** `TenantConfig(max_running=2, over_cap="reject")` turns a capped tenant's new requests
-  away with a `retry_after_s` hint (the server answers 429 + `Retry-After`). Build a noisy client that retries after
-  the hint and measure how much work the retry loop adds compared with waiting in the queue.
+* **Retry budgets and metastability.** Section 3's storm started from a timeout that was simply too short. Start
+  instead from a healthy client (`T = 4 s`) and add a burst of 10 extra app jobs at t = 3 s: does the storm start,
+  and does it stop once the burst has passed, or does the retry load keep the queue above `T` on its own? Then give
+  `RetryClient` a retry budget (retries at most 10% of its sends, as gRPC and Finagle clients do) and measure
+  whether it recovers. Finally, check the engine's `retry_after_s` estimate: compare each hint with when that job's
+  next send actually got a seat.
 * **A cache-share cap.** `TenantConfig(max_cache_share=0.1)` limits how much of the prefix cache one tenant may keep.
   Give noisy and quiet shared system prompts and find the share below which quiet's hit rate collapses.
 """),
