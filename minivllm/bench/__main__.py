@@ -7,7 +7,8 @@ on one overloaded workload), ``serve`` (load generator for any OpenAI-compatible
 server: ``--base-url URL``; also ``minivllm bench serve``), ``host_overhead`` (engine cost per decode
 step without a model), ``fleet`` (replicas x router policy on a simulated fleet: capacity and prefix affinity), ``sim_accuracy`` (the calibrated
 simulator vs the real engine on held-out workloads), ``linear`` (the model's projections: default BLAS vs oneDNN),
-``eager_step`` (where a step that carries prompt tokens spends its time: spread, idle, GC, profile).
+``eager_step`` (where a step that carries prompt tokens spends its time: spread, idle, GC, profile),
+``activations`` (peak activation memory of one forward against the token budget).
 """
 
 import importlib
@@ -27,6 +28,7 @@ NAMES = {
     "fleet": "minivllm.bench.fleet",
     "linear": "minivllm.bench.linear",
     "eager_step": "minivllm.bench.eager_step",
+    "activations": "minivllm.bench.activations",
 }
 
 

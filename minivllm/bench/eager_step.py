@@ -29,6 +29,7 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 
 def _stats(xs: list[float]) -> dict:
@@ -138,24 +139,35 @@ class OpCounter:
         self._mode.__exit__(*exc)
 
 
-def forward_ops(engine, run) -> list[OpCounter]:
-    """The tensor operations of each model forward that ``run()`` makes the engine do (one per step)."""
+def per_forward(engine, run: Callable[[], object], make_meter: Callable[[], object]) -> list:
+    """Run ``run()`` with every model forward of ``engine`` inside its own ``make_meter()`` context.
+
+    Returns ``[(tokens, meter)]``, one per forward in call order (``tokens``: the
+    rows of that forward's ``input_ids``).  Any context manager fits: an
+    :class:`OpCounter` counts operations per forward, an
+    :class:`~minivllm.bench.activations.ActivationMeter` the peak bytes alive.
+    """
     model = engine.model_runner.model
     forward = model.forward
-    counts = []
+    got = []
 
-    def counted(*args, **kwargs):
-        with OpCounter() as c:
-            result = forward(*args, **kwargs)
-        counts.append(c)
+    def metered(input_ids, *args, **kwargs):
+        with make_meter() as meter:
+            result = forward(input_ids, *args, **kwargs)
+        got.append((int(input_ids.shape[0]), meter))
         return result
 
-    model.forward = counted
+    model.forward = metered
     try:
         run()
     finally:
         del model.forward
-    return counts
+    return got
+
+
+def forward_ops(engine, run) -> list[OpCounter]:
+    """The tensor operations of each model forward that ``run()`` makes the engine do (one per step)."""
+    return [counter for _, counter in per_forward(engine, run, OpCounter)]
 
 
 def tensor_ops(engine, prompt_len: int, vocab: int) -> int:

@@ -115,13 +115,14 @@ class ServeResult:
 
 
 def serve(engine, arrivals: Sequence[Arrival], door: Callable[[dict], bool] | None = None,
-          max_steps: int = 200_000) -> ServeResult:
+          max_steps: int = 200_000, on_step: Callable[[Any], None] | None = None) -> ServeResult:
     """Feed ``arrivals`` to ``engine`` on its virtual clock; ``door(engine.stats())`` may turn one away.
 
     Each arrival is offered when the engine's clock reaches its time (an idle
     engine's clock jumps to the next arrival).  ``door`` returning True is a
-    429: the request is never added.  Returns latencies, preemptions per
-    request and the engine's counters at the end.
+    429: the request is never added.  ``on_step(engine)`` runs after every
+    step (an observer: it must not change the engine).  Returns latencies,
+    preemptions per request and the engine's counters at the end.
     """
     ex = engine.executor
     res = ServeResult(stats={})
@@ -155,6 +156,8 @@ def serve(engine, arrivals: Sequence[Arrival], door: Callable[[dict], bool] | No
             res.ttft[out.request_id] = m.ttft
             res.preemptions[out.request_id] = m.num_preemptions
             res.output_tokens += len(out.outputs[0].token_ids)
+        if on_step is not None:
+            on_step(engine)
     res.stats = engine.stats()
     res.steps = len(engine.step_log)
     res.mean_running = sum(e["running"] for e in engine.step_log) / max(1, len(engine.step_log))
@@ -173,6 +176,132 @@ def lab_engine(*, num_blocks: int = 384, preemption_mode: str = "recompute", num
     return sim_engine(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, model_max_len=2048,
                       preemption_mode=preemption_mode, executor=executor(link_bytes_per_s), **options)
+
+
+# -- the host tier: how big it must be, and how long victims stay in it -----------------
+
+
+@dataclass(frozen=True)
+class HostStay:
+    """One swapped-out victim's stay in the host tier: out at the end of one step, back in at a later one."""
+
+    request_id: str
+    blocks: int
+    out_step: int
+    in_step: int
+    out_time: float
+    in_time: float
+
+    @property
+    def wait_s(self) -> float:
+        return self.in_time - self.out_time
+
+    @property
+    def wait_steps(self) -> int:
+        return self.in_step - self.out_step
+
+
+@dataclass(frozen=True)
+class SwapAttempt:
+    """One preemption in swap mode: the blocks the victim needed in the host tier, the tier's free blocks at
+    that moment, and whether it went (``swapped``) or fell back to recompute."""
+
+    time: float
+    request_id: str
+    blocks: int
+    host_free: int
+    swapped: bool
+
+
+@dataclass
+class HostTierRun:
+    """What :func:`host_tier_run` saw: the serve result plus the host tier step by step."""
+
+    num_cpu_blocks: int
+    result: ServeResult
+    link_bytes_per_s: float
+    attempts: list[SwapAttempt] = field(default_factory=list)  # every preemption, in order
+    occupancy: list[tuple[float, int]] = field(default_factory=list)  # (clock after a step, host blocks in use)
+    stays: list[HostStay] = field(default_factory=list)
+    admitted_while_swapped: int = 0  # newcomers started while a victim waited in the host tier (FCFS: 0)
+
+    @property
+    def swapped(self) -> list[SwapAttempt]:
+        return [a for a in self.attempts if a.swapped]
+
+    @property
+    def fell_back(self) -> list[SwapAttempt]:
+        """Preemptions that wanted to swap and were recomputed: the host tier had no room for all their blocks."""
+        return [a for a in self.attempts if not a.swapped]
+
+    @property
+    def peak_blocks(self) -> int:
+        return max((b for _, b in self.occupancy), default=0)
+
+    def block_seconds(self) -> tuple[float, float]:
+        """Host memory held over time, two ways: the area under the occupancy curve, and the sum over
+        stays of blocks x wait.  They are equal (Little's law: mean occupancy = swap rate x time in the tier)."""
+        area = sum(b * (t1 - t0) for (t0, b), (t1, _) in zip(self.occupancy, self.occupancy[1:]))
+        return area, sum(s.blocks * s.wait_s for s in self.stays)
+
+    def give_way_s(self) -> float:
+        """Device time spent making room: prefill of recomputed tokens plus link time of swapped blocks."""
+        s = self.result.stats
+        return (s["recomputed_tokens"] / PREFILL_TOKENS_PER_S
+                + (s["swapped_out_bytes"] + s["swapped_in_bytes"]) / self.link_bytes_per_s)
+
+
+def host_tier_run(num_cpu_blocks: int, arrivals: Sequence[Arrival] | None = None, *,
+                  link_bytes_per_s: float = PCIE4_BYTES_PER_S, **options: Any) -> HostTierRun:
+    """Serve ``arrivals`` (default: :func:`overload_workload`) in swap mode with a host tier of ``num_cpu_blocks``.
+
+    It watches the engine without changing it.  Every swap attempt is recorded
+    as the KV manager's ``swap_out`` is called: the victim's blocks, the tier's
+    free blocks, the outcome (swap mode falls back to recompute when they do
+    not all fit).  After every step it records the tier's occupancy, when each
+    victim left and came back, and whether a new request started while a victim
+    was still waiting in the tier.
+    """
+    from minivllm.request import RequestStatus
+
+    engine = lab_engine(preemption_mode="swap", num_cpu_blocks=num_cpu_blocks, link_bytes_per_s=link_bytes_per_s,
+                        **options)
+    run = HostTierRun(num_cpu_blocks, ServeResult(stats={}), link_bytes_per_s)
+    kv = engine.scheduler.kv
+    swap_out = kv.swap_out
+
+    def recorded_swap_out(req) -> bool:
+        blocks = -(-req.num_computed_tokens // kv.block_size)
+        free = kv.cpu_pool.num_free if kv.cpu_pool is not None else 0
+        went = swap_out(req)
+        run.attempts.append(SwapAttempt(engine.executor.clock, req.request_id, blocks, free, went))
+        return went
+
+    waiting: dict[str, tuple[int, float, int]] = {}  # victim in the host tier -> (out step, out time, blocks)
+    started: set[str] = set()
+
+    def observe(engine) -> None:
+        rec = engine.step_log[-1]
+        step, now = len(engine.step_log), engine.executor.clock
+        in_tier = {r.request_id: r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED}
+        newcomers = [rid for rid in rec.seq_ids if rid not in started]
+        started.update(rec.seq_ids)
+        if newcomers and any(rid in in_tier for rid in waiting):  # waited through this step, passed by a newcomer
+            run.admitted_while_swapped += len(newcomers)
+        for rid in list(waiting):
+            if rid not in in_tier:
+                out_step, out_time, blocks = waiting.pop(rid)
+                run.stays.append(HostStay(rid, blocks, out_step, step, out_time, now))
+        for rid, req in in_tier.items():
+            waiting.setdefault(rid, (step, now, len(req.cpu_block_ids)))
+        run.occupancy.append((now, sum(len(r.cpu_block_ids) for r in in_tier.values())))
+
+    kv.swap_out = recorded_swap_out
+    try:
+        run.result = serve(engine, overload_workload() if arrivals is None else arrivals, on_step=observe)
+    finally:
+        del kv.swap_out
+    return run
 
 
 # -- the engine-side fallbacks (used by the lab until a checker passes) -------------------

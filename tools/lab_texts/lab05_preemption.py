@@ -9,14 +9,17 @@ CELLS = [
 2. choose *who* gives way: a victim policy that spares an interactive tenant (✏️ exercise 1, plugged into the real
    engine);
 3. decide *how* a victim gives way from a cost model — swap when the link is fast relative to prefill, recompute
-   otherwise — and find the crossover (✏️ exercise 2);
+   otherwise — and find the crossover (✏️ exercise 2); measure when swap stops paying because the host tier is
+   too small for the victims waiting in it;
 4. turn requests away at the door on queue depth and cache pressure, the way a server answers HTTP 429, and read
    the reject rate as an autoscaling signal (✏️ exercise 3);
-5. explain why more KV memory means more concurrent sequences and fewer preemptions.
+5. explain why more KV memory means more concurrent sequences and fewer preemptions, and measure what it costs:
+   the activation memory of a step, which grows with the token budget.
 
-**Time:** about a minute to run on a CPU laptop (the real model is used once, at the end); 45–60 minutes to work
-through. Every other measurement runs the real engine — scheduler, KV cache manager, host tier, preemption — on a
-simulated forward pass with a virtual clock (`SimulatedExecutor`), so the numbers are exact and reproducible.
+**Time:** about a minute to run on a CPU laptop (the real model is used twice: to measure activation memory in
+section 3, and at the end); 45–60 minutes to work through. Every other measurement runs the real engine —
+scheduler, KV cache manager, host tier, preemption — on a simulated forward pass with a virtual clock
+(`SimulatedExecutor`), so the numbers are exact and reproducible.
 Exercises are marked ✏️; until your checker passes, later cells use the engine's own rule.
 """),
 ("code", r"""
@@ -28,7 +31,8 @@ from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab05 import (BLOCK_SIZE, KV_BYTES_PER_BLOCK, PCIE4_BYTES_PER_S, PREFILL_TOKENS_PER_S,
                                        TENANTS, ReferenceVictim, RuleCosts, check_should_reject,
                                        check_swap_or_recompute, check_victim_policy, lab_engine, overload_workload,
-                                       percentile, engine_should_reject, reference_swap_or_recompute, serve)
+                                       percentile, engine_should_reject, host_tier_run, reference_swap_or_recompute,
+                                       serve)
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.request import RequestStatus
 
@@ -313,6 +317,101 @@ length — both costs grow linearly with it — except that a swap moves whole b
 relatively cheaper to recompute. (Real attention makes prefill cost grow faster than linearly with context, which
 is why "swap long contexts" is the usual advice.)
 
+### Swap needs room: how big the host tier is, and how soon victims come back
+
+The cost model compares link time with prefill time, but a swap also needs somewhere to put the KV. The host tier
+is a second block pool (`num_cpu_blocks_override`, or vLLM's `swap_space` in GiB); `swap_out` moves **all** of a
+victim's computed blocks or none, and when they do not fit the scheduler recomputes that victim instead, silently.
+So the lesson's condition — *swap is attractive when CPU memory is plentiful and the request resumes soon* — comes
+down to one question: is there room in the tier for every victim until it comes back?
+
+Sweep the tier from nothing to 128 blocks (256 MiB) in swap mode on the same overloaded workload.
+`host_tier_run` (in `check_lab05.py`) is `serve()` with an observer that reads the engine after every step: which
+victims went to the host tier, which fell back to recompute, the tier's occupancy, and when each victim came back.
+"""),
+("code", r"""
+# Simulated: lab 5's GPU-like engine on a virtual clock (Llama-8B-like 2 MiB blocks, PCIe 4.0), swap mode;
+# only the host tier's size changes.
+HOST = [0, 8, 16, 24, 32, 48, 64, 128]
+tier = {n: host_tier_run(n, arrivals) for n in HOST}
+
+fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6))
+x = list(range(len(HOST)))
+swapped = [len(t.swapped) for t in tier.values()]
+ax.bar(x, swapped, color="#4e79a7", label="swapped")
+ax.bar(x, [len(t.fell_back) for t in tier.values()], bottom=swapped, color="#d62728",
+       label="fell back to recompute")
+ax.set_xticks(x, [str(n) for n in HOST]); ax.set_ylim(0, 36)
+ax.set_xlabel("host tier (2 MiB blocks)"); ax.set_ylabel("preemptions")
+ax2 = ax.twinx()
+ax2.plot(x, [t.result.stats["recomputed_tokens"] for t in tier.values()], "k.--", label="recomputed tokens")
+ax2.set_ylabel("recomputed tokens"); ax2.set_ylim(0, 13000)
+fig.legend(loc="upper left", bbox_to_anchor=(0.07, 0.9), fontsize=7, ncol=3)
+ax.set_title("every preemption, by host tier size (simulated)", fontsize=9)
+for n, marker in ((16, "o"), (32, "s")):
+    for went, color in ((True, "#4e79a7"), (False, "#d62728")):
+        pts = [(a.blocks, a.host_free) for a in tier[n].attempts if a.swapped == went]
+        bx.plot([p[0] for p in pts], [p[1] for p in pts], marker, color=color, mfc="none" if n == 16 else color,
+                alpha=0.8, label=f"{n}-block tier: {'swapped' if went else 'fell back'}")
+bx.plot([0, 64], [0, 64], color="#888888", lw=1, ls=":", label="needed = free")
+bx.set_xlim(0, 64); bx.set_ylim(-1, 34)
+bx.set_xlabel("host blocks the victim needed"); bx.set_ylabel("host blocks free at that moment")
+bx.legend(fontsize=7, loc="lower right"); bx.set_title("all or nothing: each swap attempt (simulated)", fontsize=9)
+fig.tight_layout()
+plt.show()
+print(f"{'host blocks':>11s}{'swapped':>9s}{'fell back':>10s}{'recomputed':>11s}{'peak used':>10s}"
+      f"{'giving way s':>13s}{'p99 s':>7s}")
+for n, t in tier.items():
+    s = t.result.stats
+    print(f"{n:11d}{len(t.swapped):9d}{len(t.fell_back):10d}{s['recomputed_tokens']:11d}{t.peak_blocks:10d}"
+          f"{t.give_way_s():13.3f}{t.result.p99():7.2f}")
+for n in (16, 32):
+    full = sum(a.blocks > n for a in tier[n].fell_back)
+    print(f"{n}-block tier: {len(tier[n].fell_back)} fell back, {full} of them needed more than the whole tier, "
+          f"{len(tier[n].fell_back) - full} found it occupied by earlier victims")
+"""),
+("md", r"""
+Read the left panel from left to right. With no host tier every preemption recomputes — swap mode degrades to
+recompute mode, silently. A small tier swaps the victims that happen to fit and recomputes the rest; from 64 blocks
+on, every victim is swapped and nothing is recomputed. The right panel shows the rule at work: every attempt above
+the diagonal (the tier had room for all of the victim's blocks) swapped, every one below it fell back. A victim
+falls back for one of two reasons — it is bigger than the whole tier (all ten fallbacks of the 32-block tier needed
+33–61 blocks), or earlier victims still fill the tier (four victims of 6–9 blocks found only 3 of the 16-block
+tier's blocks free). "Giving way" is the device time spent making room (recomputed tokens at 50,000 a second, plus
+swapped blocks over the link): it halves once the tier is big enough. The p99 latency moves by less than a tenth
+of a second here, because recompute is cheap on this GPU and the queue dominates (as in the mode table above); the
+saving grows with the victims' contexts (section 5).
+
+How big is "big enough"? It depends on how long victims stay. Take the 128-block run, where every victim fitted:
+"""),
+("code", r"""
+big = tier[128]
+waits = [s.wait_s for s in big.stays]
+steps = [s.wait_steps for s in big.stays]
+area, little = big.block_seconds()
+fig, ax = plt.subplots(figsize=(9, 2.6))
+ax.step([t for t, _ in big.occupancy], [b for _, b in big.occupancy], where="post", color="#4e79a7", lw=1,
+        label="host blocks in use")
+ax.axhline(area / big.result.makespan, color="#f28e2b", ls="--", lw=1, label="time average")
+ax.set_xlabel("virtual time (s)"); ax.set_ylabel("host blocks")
+ax.set_title("the 128-block host tier over time (simulated)", fontsize=9); ax.legend(fontsize=8)
+plt.show()
+print(f"{len(big.stays)} victims went to the host tier and came back; time there: median {percentile(waits, 50) * 1000:.0f} ms "
+      f"({percentile(steps, 50)} steps), max {max(waits) * 1000:.0f} ms ({max(steps)} steps); run length {big.result.makespan:.1f} s")
+print(f"host memory held: {area:.2f} block-seconds under the occupancy curve, {little:.2f} as the sum of blocks x stay "
+      f"-> {area / big.result.makespan:.1f} blocks in use on average, {big.peak_blocks} at the peak")
+print("new requests started while a victim waited in the host tier:", big.admitted_while_swapped)
+"""),
+("md", r"""
+A victim stays a fraction of a second — eight steps at the median, 61 at the most — because it waits at the
+**front** of the queue: no new request started while one was in the tier (the engine's FCFS order puts preempted requests first).
+The two block-second totals are the same number computed two ways, which is Little's law: *blocks in use on
+average = swapped blocks per second × time each stays*. So the tier a workload needs scales with how long victims
+wait: if they stayed ten times longer (a deep priority queue ahead of them, a scheduler that lets newcomers pass),
+the same swap traffic would need ten times the host memory, and with a fixed tier more victims would fall back to
+recompute. Swap pays when the host tier is large relative to *swap rate × stay* — plentiful CPU memory, victims that
+resume soon.
+
 ## ✏️ Exercise 3 — reject at the door
 
 The engine's `reject` mode decides inside the scheduler. A server can also decide at the door, before a request
@@ -427,6 +526,106 @@ are running to be preempted, and which requests happen to collide moves the coun
 next to throughput and latency, never alone. The price is the other half of the row: memory given to KV is not
 available for activations — a smaller `max_num_batched_tokens`, or no room for CUDA graphs — so the knob is tuned,
 not maxed, watching preemption counts and latency percentiles together.
+
+### The other side of the share: activation memory, measured
+
+"Less room for activations" is a number you can measure. A forward pass over the step's tokens creates intermediate
+tensors — each layer's normed input, its q/k/v, the MLP's gate and up projections — and frees most of them before
+the next layer. The most memory that is alive at any moment is the **activation peak**, and it grows with the
+tokens in the step, which the token budget (`max_num_batched_tokens`) caps. vLLM measures it at start-up by running
+one dummy step at the full budget and sizes the KV pool from what is left; a bigger KV share leaves less, so a
+smaller budget must do.
+
+`ActivationMeter` (in `minivllm/bench/activations.py`) measures it exactly. It is a `TorchDispatchMode` — it sees
+every tensor operation the model dispatches — that adds the bytes of each operation's **new** output storage to a
+live total (a view or an in-place update creates no new storage and adds nothing) and subtracts them when the last
+tensor using that storage is freed (`weakref.finalize`). Its peak is deterministic: it counts tensors, not the
+allocator's pages, so it does not depend on the machine or the number of threads (a fused kernel's internal
+scratch is invisible to it). Below, the real SmolLM2-135M (fp32, on this CPU) prefills one prompt of *N* tokens for
+each *N*, and the meter records the peak of that one forward pass.
+"""),
+("code", r"""
+# Real model: SmolLM2-135M, fp32, on this machine. Peak bytes alive during ONE prefill forward of N tokens.
+import json
+from pathlib import Path
+
+import minivllm
+from minivllm.bench.activations import analytic_bytes_per_token, budget_room, fit_line, make_engine, prefill_peaks
+from minivllm.sim.presets import bundled_shape, hardware_preset, model_preset
+
+BUDGETS = [16, 32, 64, 128, 256, 512]
+act_engine = make_engine(max(BUDGETS))
+peaks = prefill_peaks(act_engine, BUDGETS)   # {N: peak bytes}
+del act_engine
+slope, fixed = fit_line(peaks)
+small = bundled_shape()                      # SmolLM2-135M's config, fp32
+predicted = analytic_bytes_per_token(small)
+traffic = small.act_elems_per_token_layer * small.dtype_bytes
+recorded = Path(minivllm.__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-01_cpu-2core_activations.json"
+bench = {int(n): p for n, p in json.loads(recorded.read_text())["peak_bytes"].items()} if recorded.exists() else {}
+
+fig, ax = plt.subplots(figsize=(7, 3.2))
+grid = [0, 2048]
+ax.plot(grid, [n * predicted / 2**20 for n in grid], "-", color="#888888", lw=1,
+        label=f"analytic: (3h + 4I + 2 head_dim) x 4 B = {predicted:,} B/token")
+ax.plot(grid, [n * traffic / 2**20 for n in grid], ":", color="#888888",
+        label=f"roofline's activation traffic of one layer: {traffic:,} B/token")
+ax.plot(list(peaks), [p / 2**20 for p in peaks.values()], "o", color="#d62728", label="measured now")
+if bench:
+    ax.plot(list(bench), [p / 2**20 for p in bench.values()], "s", mfc="none", color="#4e79a7",
+            label="recorded: python -m minivllm.bench activations")
+ax.set_xlabel("tokens in the step (token budget)"); ax.set_ylabel("peak activation memory (MiB)")
+ax.set_title("one prefill forward of SmolLM2-135M, fp32 (real model, this CPU)", fontsize=9)
+ax.legend(fontsize=7)
+plt.show()
+for n, p in peaks.items():
+    print(f"{n:5d} tokens: peak {p / 2**20:6.2f} MiB = {p // n:,} B/token")
+for n, p in bench.items():
+    if n not in peaks:
+        print(f"{n:5d} tokens: peak {p / 2**20:6.2f} MiB = {p // n:,} B/token   (recorded)")
+print(f"least-squares line: {slope:,.0f} B/token + {fixed:,.0f} B; analytic {predicted:,} B/token "
+      f"({slope / predicted - 1:+.1%}); roofline traffic figure {traffic:,} B/token ({traffic / slope - 1:+.1%})")
+"""),
+("md", r"""
+A straight line through the origin: every token in the step adds the same 32,000 bytes, and nothing is fixed. The
+analytic count predicts it to the byte. The widest moment of a layer is the MLP's `silu(gate) * up`: alive then are
+the layer's input (the caller still holds it), the residual sum after attention, the normed MLP input, the fused
+gate|up output (2 × intermediate), `silu(gate)` and the product (intermediate each), plus the step's RoPE cos and
+sin rows — `3·576 + 4·1536 + 2·64 = 8,000` floats a token. It does **not** grow with the number of layers: layers run
+one after another and each frees its intermediates before the next begins. (The roofline's
+`act_elems_per_token_layer` is a different quantity — the activation bytes one layer's GEMMs read and write — and
+lands 6 % above.)
+
+Now the trade-off in numbers. The same count for Llama-3-8B in bf16 is `(3·4096 + 4·14336 + 2·128) × 2` bytes a
+token. On a GPU the share given to KV is `gpu_memory_utilization`: the simulator sizes the pool as
+`share × memory − weights` (`minivllm.sim.run.kv_pool_bytes`), and what is left of the device is the room for one
+step's activations:
+"""),
+("code", r"""
+# Analytic, not measured: Llama-3-8B (bf16) shapes on the H100 and L4 datasheet presets; nothing ran on those GPUs.
+big = model_preset("llama-3-8b")
+print(f"Llama-3-8B, bf16: {analytic_bytes_per_token(big):,} B of activations per token of budget (this engine's "
+      f"unfused MLP), {big.kv_bytes_per_token:,} B of KV per token of context, {big.num_params * 2 / 1e9:.1f} GB of weights")
+print(f"{'GPU':5s}{'KV share':>9s}{'KV GiB':>8s}{'KV tokens':>11s}{'room GiB':>10s}{'budget tokens':>15s}")
+for gpu in ("h100", "l4"):
+    for share in (0.8, 0.9, 0.95):
+        r = budget_room(big, hardware_preset(gpu), share)
+        print(f"{gpu:5s}{share:9.2f}{r['kv_bytes'] / 2**30:8.1f}{r['kv_tokens']:11,d}{r['room_bytes'] / 2**30:10.2f}"
+              f"{r['budget_tokens']:15,d}")
+lo, hi = budget_room(big, hardware_preset("h100"), 0.8), budget_room(big, hardware_preset("h100"), 0.95)
+print(f"H100, KV share 0.80 -> 0.95: {(lo['room_bytes'] - hi['room_bytes']) / 2**30:.1f} GiB leave the activations, "
+      f"{lo['budget_tokens'] - hi['budget_tokens']:,} tokens of budget at {lo['act_bytes_per_token']:,} B/token; "
+      f"the KV cache gains {hi['kv_tokens'] - lo['kv_tokens']:,} tokens of context")
+"""),
+("md", r"""
+On the H100 (simulated sizing, analytic counts) the 0.80 → 0.95 move takes 11.2 GiB from the activations — about
+86,000 tokens of budget — and gives the KV cache about 92,000 more tokens of context: a token of budget and a token
+of KV cost about the same here. Even at 0.95, over 28,000 tokens of budget fit, far above the usual 2,048–8,192: on
+a big GPU the KV share can go high. On the L4 the weights take two thirds of the memory and the same share leaves
+room for a budget of about 8,600 tokens; at a smaller share the room grows but the KV pool (the concurrency of
+section 3) shrinks. Real engines fuse `silu(gate) * up` into one kernel (which removes the `silu(gate)` tensor) and
+must also fit CUDA graphs and the sampler's logits, so measure on the engine you run — which is what vLLM's start-up
+profiling does.
 
 ## 4. The real model: swapping does not change a single token
 
@@ -559,6 +758,11 @@ print_answers(5)   # the answer key: run it after you have answered
 * Why a reject rule at the door keeps latency bounded, and why the reject rate (not GPU utilisation) is what an
   autoscaler should scale on.
 * What a bigger KV memory share buys (concurrency, fewer preemptions) and what it costs (activation room).
+* Why swap mode quietly turns into recompute when the host tier is full, and why the tier a workload needs is
+  swap rate × how long victims stay (Little's law) — short, because swapped victims wait at the front of the queue.
+* How to measure a forward pass's activation peak (new storages counted at creation, subtracted when freed), why it
+  grows linearly with the token budget and not with the number of layers, and how many tokens of budget a KV share
+  leaves on a given GPU.
 
 ## Go further
 
@@ -568,10 +772,13 @@ print_answers(5)   # the answer key: run it after you have answered
 * **A better door.** Replace the fixed `max_waiting` with an estimate of the newcomer's wait: queued tokens divided by
   the measured token rate (`engine.step_time_s`), rejecting when it exceeds a TTFT target. Send `retry_after_s` back
   like the engine's reject mode does. Plot served p99 TTFT against offered load for both doors.
-* **When does swap stop paying?** Swap is the right call when host memory is plentiful and the victim comes back
-  soon. Shrink the host tier (`LLM(..., preemption_mode="swap", num_cpu_blocks_override=...)` or the simulated
-  engine's `cpu_blocks`) until victims no longer fit and the engine falls back to recompute, then raise the load and
-  record how many steps swapped blocks sit in the host tier (the step log's `swapped_out` / `swapped_in`).
+* **A host-tier-aware auto mode.** The fallback measured above is all or nothing and blind: a victim that does not
+  fit is recomputed whole, even when it holds 60 blocks and 58 would fit. Give `PreemptionCostModel` a look at the
+  host tier (free host blocks, and the victim's expected stay: its place in the queue × `engine.step_time_s`) and
+  choose, per victim, among swap, recompute, and *swap the oldest blocks, recompute the tail* (this needs a change
+  in `KVCacheManager.swap_out`). On a 32-block tier, compare recomputed tokens and time spent giving way with the
+  sweep above; then put a priority scheduler in front (`scheduling_policy="priority"`), where stays get long, and
+  watch which rule degrades first.
 * **A non-linear cost model.** Prefill attention grows with context. Make `recompute_s` grow faster than linearly
   (e.g. add a `tokens²` term) and find the context length above which a PCIe 3 link (12 GB/s) starts to swap.
 """),
