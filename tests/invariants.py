@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from minivllm import LLMEngine
+from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: F401  (re-exported: older imports)
 from minivllm.request import RequestStatus
 
 
@@ -60,20 +61,3 @@ def drain(engine: LLMEngine, max_steps: int = 3000) -> dict:
         check_both_tiers(engine)
     assert not engine.has_unfinished_requests(), "engine did not drain (starvation or deadlock)"
     return finals
-
-
-def metric_samples(text: str) -> dict:
-    """``{(sample name, frozenset(labels)): value}`` of a Prometheus text page, parsed by prometheus_client."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def metric_value(samples: dict, name: str, **labels) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels``."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
-from invariants import metric_samples, metric_value  # noqa: E402  (tests/ is on sys.path)
+from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: E402
 
 from conftest import LONG_TEXT  # noqa: E402  (rootdir conftest, on sys.path under pytest)
 

@@ -17,10 +17,10 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
-from invariants import metric_samples, metric_value  # noqa: E402  (tests/ is on sys.path)
 
 from minivllm.config import EngineConfig  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
+from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
 

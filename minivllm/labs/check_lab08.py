@@ -20,11 +20,12 @@ numbers ``GET /metrics`` serves), never with a second copy of the solution.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from typing import Any, Sequence
 
 from minivllm.labs.checkers import Case, CheckResult, run_checks
-from minivllm.labs.live import Sample, SimRun, ramp_arrivals, run_sim_load
+from minivllm.labs.live import Sample, SimArrival, SimRun, ramp_arrivals, run_sim_load
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.metrics.prometheus import metrics_from_step_log
 from minivllm.sampling_params import SamplingParams
@@ -111,6 +112,261 @@ def rate_at(t: float | None, seconds_each: float = 5.0, rates: Sequence[float] =
     return rates[min(len(rates) - 1, int(t // seconds_each))]
 
 
+# -- section 2: tokens per tenant and per model, and what they cost -------------------------------
+
+GPU_HOUR_USD = 3.00
+"""The assumed price of one H100 SXM GPU-hour, on demand, in US dollars.
+
+Public cloud price surveys of 2026 put an on-demand H100 SXM at about $2.50-3.50 per GPU-hour at GPU clouds
+and $3.50-5 at hyperscalers; reserved capacity is 30-50 % cheaper.  Every dollar figure the lab prints is
+proportional to it; the *shares* of a bill do not depend on it at all."""
+
+DECODE_WEIGHT = 4.0
+"""The attribution rule's weight of a generated token, in prompt tokens.
+
+A prompt token is computed together with hundreds of others in one step; a generated token needs a step of
+its own (weights and the request's whole KV read once more).  Hosted APIs price output tokens at 3-5x input
+tokens for the same reason.  :func:`decode_weight` measures the ratio on the roofline preset."""
+
+
+def tenant_tokens(samples: dict) -> dict[str, dict[str, float]]:
+    """``{tenant: {"prompt": n, "generation": n}}`` read from a parsed ``/metrics`` page (:func:`metric_samples`)."""
+    from minivllm.metrics.scrape import label_values, metric_value
+
+    names = set(label_values(samples, "vllm:prompt_tokens_total", "tenant"))
+    names |= set(label_values(samples, "vllm:generation_tokens_total", "tenant"))
+    return {t: {"prompt": metric_value(samples, "vllm:prompt_tokens_total", tenant=t),
+                "generation": metric_value(samples, "vllm:generation_tokens_total", tenant=t)} for t in sorted(names)}
+
+
+def model_tokens(samples: dict) -> dict[str, dict[str, float]]:
+    """``{model_name: {"prompt": n, "generation": n}}``: PromQL's ``sum by (model_name)`` of the token counters."""
+    from minivllm.metrics.scrape import label_values, metric_value
+
+    names = set(label_values(samples, "vllm:generation_tokens_total", "model_name"))
+    return {m: {"prompt": metric_value(samples, "vllm:prompt_tokens_total", model_name=m),
+                "generation": metric_value(samples, "vllm:generation_tokens_total", model_name=m)} for m in sorted(names)}
+
+
+def weighted_tokens(tokens: dict[str, dict[str, float]], decode_weight: float = DECODE_WEIGHT) -> dict[str, float]:
+    """The attribution rule: each tenant's prompt tokens plus ``decode_weight`` x its generated tokens."""
+    return {t: v["prompt"] + decode_weight * v["generation"] for t, v in tokens.items()}
+
+
+def attribute(usage: dict[str, float], total_usd: float) -> dict[str, float]:
+    """Split ``total_usd`` among tenants in proportion to ``usage`` (any rule's numbers): the bills sum to the total.
+
+    A bill is price x hours x the tenant's share of the usage.  With no usage at all, nobody is billed."""
+    whole = sum(usage.values())
+    if whole <= 0:
+        return {t: 0.0 for t in usage}
+    return {t: total_usd * u / whole for t, u in usage.items()}
+
+
+def window_usd(seconds: float, gpus: int = 1, gpu_hour_usd: float = GPU_HOUR_USD) -> float:
+    """What ``gpus`` GPUs rented for ``seconds`` cost: the machine is paid by the hour, busy or idle."""
+    return gpu_hour_usd * gpus * seconds / 3600.0
+
+
+def usd_per_million(tokens: float, seconds: float, gpus: int = 1, gpu_hour_usd: float = GPU_HOUR_USD) -> float:
+    """Dollars per million tokens served in ``seconds`` on ``gpus`` GPUs (inf when nothing was served)."""
+    return window_usd(seconds, gpus, gpu_hour_usd) / (tokens / 1e6) if tokens > 0 else float("inf")
+
+
+def kv_block_seconds(step_log) -> dict[str, float]:
+    """Per tenant, the KV blocks its running requests held, integrated over time (block-seconds).
+
+    After each step a tenant holds ``row.kv_blocks``; it keeps them until the next step ends.  The last step's
+    holding is not counted (nothing is measured after it), nor is an idle gap (no request holds blocks then)."""
+    out: dict[str, float] = {}
+    records = list(step_log)
+    for rec, nxt in itertools.pairwise(records):
+        for row in rec.tenants:
+            out[row.tenant] = out.get(row.tenant, 0.0) + row.kv_blocks * (nxt.time - rec.time)
+    return out
+
+
+def decode_weight(model: str = "llama-3-8b", hardware: str = "h100", batch: int = 64, context: int = 1024,
+                  chunk: int = 2048) -> float:
+    """Seconds per generated token over seconds per prompt token, on the roofline preset (simulated).
+
+    A generated token's cost: one decode step of ``batch`` requests at ``context`` tokens, divided by the
+    batch.  A prompt token's: the extra time a ``chunk``-token prefill adds to that same step, per token."""
+    from minivllm.labs import at_scale
+
+    decodes = [(context, 1, True)] * batch
+    base = at_scale.step_s(decodes, model, hardware)
+    with_chunk = at_scale.step_s(decodes + [(0, chunk, True)], model, hardware)
+    return (base / batch) / ((with_chunk - base) / chunk)
+
+
+def metered(engine, metrics):
+    """Attach ``metrics`` (an :class:`EngineMetrics`) to ``engine`` the way the server does: each request's tenant
+    is tracked when it is added, and the step and its outputs are observed after every step.  Returns ``engine``."""
+    from minivllm.metrics.prometheus import observe_all
+
+    add, step = engine.add_request, engine.step
+
+    def add_request(prompt, params=None, request_id=None, *, tenant: str = "default", **kw):
+        rid = add(prompt, params, request_id, tenant=tenant, **kw)
+        metrics.track(rid, tenant)
+        return rid
+
+    def observed_step():
+        outs = step()
+        observe_all(metrics, engine, outs)
+        return outs
+
+    engine.add_request, engine.step = add_request, observed_step
+    return engine
+
+
+COST_TENANTS = {  # tenant: (req/s, prompt tokens, output tokens), uniform ranges
+    "rag": (12.0, (1024, 1536), (16, 64)),  # long retrieved context, short answers
+    "chat": (12.0, (64, 256), (256, 512)),  # short questions, long answers
+}
+
+
+def cost_arrivals(seconds: float = 10.0, seed: int = 3, tenants: dict = COST_TENANTS) -> list[SimArrival]:
+    """Two tenants' Poisson arrivals, merged in time order (request ids ``<tenant>-<i>``)."""
+    from dataclasses import replace
+
+    out = []
+    for k, (name, (rate, prompt, output)) in enumerate(tenants.items()):
+        for a in ramp_arrivals([rate], seconds, prompt=prompt, output=output, tenants=(name,), seed=seed + k):
+            out.append(replace(a, request_id=f"{name}-{a.request_id[1:]}"))
+    return sorted(out, key=lambda a: a.time)
+
+
+def cost_run(seconds: float = 10.0, seed: int = 3):
+    """Section 2's cost comparison, simulated on the H100 preset (Llama-3-8B, bf16, one GPU, the roofline).
+
+    Returns ``(run, samples, engine)``: the :class:`SimRun`, the parsed ``/metrics`` page of the engine's
+    Prometheus series (model name ``llama-3-8b``), and the engine (its step log holds the KV per tenant)."""
+    from minivllm.labs import at_scale
+    from minivllm.metrics.prometheus import EngineMetrics
+    from minivllm.metrics.scrape import metric_samples
+
+    metrics = EngineMetrics(at_scale.MODEL)
+    engine = metered(at_scale.serving_engine(), metrics)
+    run = run_sim_load(engine, cost_arrivals(seconds, seed))
+    return run, metric_samples(metrics.render().decode()), engine
+
+
+FLEET = {"llama-3-8b": 40.0, "llama-3.2-1b": 15.0}  # model: its traffic (req/s), one simulated H100 each
+
+
+def fleet_scrape(models: dict[str, float] = FLEET, seconds: float = 10.0, seed: int = 1):
+    """One simulated H100 replica per model (the roofline, each model's preset), each with its own open-loop
+    traffic, every replica with its own Prometheus registry labelled with its model name.
+
+    Returns ``(samples, {model: SimRun})``: the merged ``/metrics`` samples -- what Prometheus holds after
+    scraping every replica -- and each replica's run (for its duration)."""
+    from minivllm.labs import at_scale
+    from minivllm.metrics.prometheus import EngineMetrics
+    from minivllm.metrics.scrape import metric_samples
+
+    samples, runs = {}, {}
+    for m, rate in models.items():
+        metrics = EngineMetrics(m)
+        runs[m] = run_sim_load(metered(at_scale.serving_engine(model=m), metrics),
+                               ramp_arrivals([rate], seconds, seed=seed))
+        samples.update(metric_samples(metrics.render().decode()))
+    return samples, runs
+
+
+# -- section 5: tuning on a workload that shares a system prompt ----------------------------------
+
+SYSTEM_PROMPT_LEN = 256  # tokens: 16 whole blocks of the app's instructions
+SHARED_EVERY = 4  # 3 requests in 4 come from the app (and start with its system prompt); 1 in 4 do not
+SYSTEM_PROMPT = tuple(1000 + (7 * k) % 89 for k in range(SYSTEM_PROMPT_LEN))  # ids the random prompts never use
+
+
+def shares_system_prompt(request_id: str) -> bool:
+    """``r<i>`` is the app's request unless ``i`` is a multiple of :data:`SHARED_EVERY`."""
+    return int(request_id.lstrip("r")) % SHARED_EVERY != 0
+
+
+def with_system_prompt(engine):
+    """Prepend :data:`SYSTEM_PROMPT` to the prompt of every request :func:`shares_system_prompt` picks.
+
+    The user's part keeps its drawn length, so the app's prompts are 256 tokens longer: a chat front end's
+    instructions, sent verbatim with every request.  Returns ``engine``."""
+    add = engine.add_request
+
+    def add_request(prompt, params=None, request_id=None, **kw):
+        if request_id is not None and shares_system_prompt(request_id):
+            prompt = {**prompt, "prompt_token_ids": list(SYSTEM_PROMPT) + list(prompt["prompt_token_ids"])}
+        return add(prompt, params, request_id, **kw)
+
+    engine.add_request = add_request
+    return engine
+
+
+TUNING_BLOCKS = (384, 512, 768, 1024)
+
+
+def tuning_run(num_blocks: int, rate: float = 8.0, seconds: float = 20.0, seed: int = 1, prefix_caching: bool = True):
+    """Section 5's workload on :func:`lab_engine` with ``num_blocks`` KV blocks: ``(SimRun, engine)``."""
+    engine = with_system_prompt(lab_engine(num_blocks=num_blocks, enable_prefix_caching=prefix_caching))
+    return run_sim_load(engine, ramp_arrivals([rate], seconds, seed=seed)), engine
+
+
+def tuning_table(blocks: Sequence[int] = TUNING_BLOCKS, cache_off: int | None = 512, **kw) -> tuple[str, dict, dict]:
+    """Preemptions, prefix-cache hit rate, TTFT/ITL percentiles and tokens/s per KV pool size (prefix caching on),
+    plus one row with the cache off at ``cache_off`` blocks.  Returns the text, ``{row label: summary}`` (a
+    summary's ``hit_rate`` is the engine's hits / lookups, in prompt tokens) and ``{row label: engine}``."""
+    rows, engines = {}, {}
+    lines = [(f"{'KV blocks':>13s}{'preempt':>8s}{'hit rate':>9s}{'TTFT p50/p99 ms':>17s}{'ITL p50/p99 ms':>16s}"
+              f"{'tokens/s':>9s}")]
+    plan = [(str(b), b, True) for b in blocks] + ([(f"{cache_off} no cache", cache_off, False)] if cache_off else [])
+    for label, b, on in plan:
+        run, engines[label] = tuning_run(b, prefix_caching=on, **kw)
+        s = run.summary()
+        s["hit_rate"] = run.stats.get("prefix_cache_hit_rate", 0.0)
+        rows[label] = s
+        lines.append(f"{label:>13s}{s['preemptions']:8d}{s['hit_rate']:9.1%}{s['ttft_p50_ms']:8.0f} /{s['ttft_p99_ms']:6.0f}"
+                     f"{s['itl_p50_ms']:8.1f} /{s['itl_p99_ms']:5.1f}{s['tokens_per_s']:9.0f}")
+    return "\n".join(lines), rows, engines
+
+
+def tuning_prompt_lens(rate: float = 8.0, seconds: float = 20.0, seed: int = 1) -> dict[str, int]:
+    """``{request id: full prompt length}`` of :func:`tuning_run`'s workload (the system prompt included)."""
+    return {a.request_id: a.prompt_len + SYSTEM_PROMPT_LEN * shares_system_prompt(a.request_id)
+            for a in ramp_arrivals([rate], seconds, seed=seed)}
+
+
+def hit_rate_from_log(step_log, prompt_lens: dict[str, int]) -> float:
+    """The hit rate recounted from the step log: a request's first chunk starts after the tokens the cache gave it.
+
+    ``prompt_lens`` are the prompts' full lengths (system prompt included) of the requests that were admitted."""
+    first: dict[str, int] = {}
+    for rec in step_log:
+        for rid, start, _ in rec.seqs:
+            first.setdefault(rid, start)
+    queried = sum(prompt_lens[rid] for rid in first)
+    return sum(first.values()) / queried if queried else 0.0
+
+
+TUNING_KNOBS = (  # (the guide's knob, this engine's EngineConfig field, what to watch while turning it)
+    ("gpu_memory_utilization", "num_gpu_blocks_override", "preemptions, hit rate (evictions), KV usage"),
+    ("max_num_batched_tokens", "max_num_batched_tokens", "ITL p99 (a long chunk stalls decodes), TTFT"),
+    ("max_num_seqs", "max_num_seqs", "queue depth, ITL p50 (bigger batches, slower steps)"),
+    ("enable_chunked_prefill", "enable_chunked_prefill", "ITL p99 while long prompts arrive"),
+    ("enable_prefix_caching", "enable_prefix_caching", "hit rate, TTFT of requests sharing a prefix"),
+    ("preemption mode", "preemption_mode", "preemptions, recomputed tokens"),
+    ("block_size", "block_size", "hit rate (only whole blocks are shared)"),
+)
+
+
+def knobs_table(config) -> str:
+    """vLLM's tuning-guide knobs next to this engine's config fields and their values in ``config``."""
+    lines = [f"{'vLLM guide knob':24s}{'EngineConfig field':26s}{'value here':>11s}   watch"]
+    for knob, field_name, watch in TUNING_KNOBS:
+        lines.append(f"{knob:24s}{field_name:26s}{getattr(config, field_name)!s:>11s}   {watch}")
+    return "\n".join(lines)
+
+
 # -- exercise 1: the seed's metric list, from the step log ----------------------------------------
 
 
@@ -120,10 +376,9 @@ def _metric_run(requests: Sequence[tuple[int, int, float]], *, num_blocks: int =
     Prometheus metrics attached; stop after ``stop_after`` steps (mid-run gauges) or at the end.
 
     Returns (engine, metrics samples, prompt_lens, arrivals)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     from minivllm.labs.workloads import sim_engine
     from minivllm.metrics.prometheus import EngineMetrics, observe_all
+    from minivllm.metrics.scrape import metric_samples
 
     engine = sim_engine(num_blocks=num_blocks, block_size=16, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                         model_max_len=1024, preemption_mode=mode, num_cpu_blocks_override=256 if mode == "swap" else None,
@@ -149,9 +404,8 @@ def _metric_run(requests: Sequence[tuple[int, int, float]], *, num_blocks: int =
         if stop_after is not None and steps >= stop_after:
             break
     samples: dict[str, float] = {}
-    for fam in text_string_to_metric_families(metrics.render().decode()):
-        for s in fam.samples:
-            samples[s.name] = samples.get(s.name, 0.0) + s.value
+    for (name, _), value in metric_samples(metrics.render().decode()).items():
+        samples[name] = samples.get(name, 0.0) + value  # summed over labels
     return engine, samples, prompt_lens, arrivals
 
 
@@ -346,6 +600,13 @@ def quiz_itl_count() -> int:
 def quiz_max_rate() -> float:
     """The highest rate of the lab's sweep that meets both SLOs."""
     return float(max_rate_meeting_slo(knee_sweep()))
+
+
+def quiz_cost_split() -> float:
+    """Tenant A's bill for a $3.00 hour: A 3.0 M prompt + 0.25 M generated, B 0.5 M + 0.5 M, weight 4."""
+    usage = weighted_tokens({"A": {"prompt": 3.0e6, "generation": 0.25e6}, "B": {"prompt": 0.5e6, "generation": 0.5e6}},
+                            4.0)
+    return round(attribute(usage, window_usd(3600, gpu_hour_usd=3.00))["A"], 2)
 
 
 MUTANTS_METRICS = (
