@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import threading
-import time
 
 import pytest
 
@@ -29,7 +27,7 @@ from minivllm.labs.live import ramp_arrivals  # noqa: E402
 from minivllm.labs.workloads import sim_engine  # noqa: E402
 from minivllm.metrics.scrape import label_values, metric_samples, metric_value  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
-from minivllm.server.background import free_port  # noqa: E402
+from minivllm.server.background import BackgroundServer  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
 
 
@@ -48,37 +46,24 @@ def test_metrics_parser_reads_labels_and_sums():
 def test_tokens_on_metrics_equal_the_usage_the_clients_received():
     """Two tenants (by API key) and two served names (an alias) on one engine: /metrics per tenant and per model
     against the sum of the ``usage`` fields of the responses each client got."""
-    from minivllm.server import build_app
-
     engine = sim_engine(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256)
-    app = build_app(engine, ["sim", "sim-alias"], {"ka": "alice", "kb": "bob"})
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server = BackgroundServer(engine, "sim", {"ka": "alice", "kb": "bob"}, aliases=("sim-alias",))
     rng = random.Random(8)
     jobs = [("ka" if i % 3 else "kb", "sim-alias" if i % 2 else "sim",
              [rng.randrange(10, 900) for _ in range(rng.randint(3, 90))], rng.randint(1, 30)) for i in range(14)]
     try:
-        end = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < end and thread.is_alive()
-            time.sleep(0.02)
-        base = f"http://127.0.0.1:{port}"
-
         async def main():
             async with httpx.AsyncClient(timeout=30) as client:
                 return await asyncio.gather(*[
-                    client.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                    client.post(server.base_url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
                                 json={"model": model, "prompt": prompt, "max_tokens": n, "ignore_eos": True})
                     for key, model, prompt, n in jobs])
 
         responses = asyncio.run(main())
         assert [r.status_code for r in responses] == [200] * len(jobs)
-        samples = metric_samples(httpx.get(base + "/metrics", timeout=30).text)
+        samples = metric_samples(httpx.get(server.base_url + "/metrics", timeout=30).text)
     finally:
-        server.should_exit = True
-        thread.join(20)
+        server.stop(20)
     client = {"alice": {"prompt": 0, "generation": 0}, "bob": {"prompt": 0, "generation": 0}}
     for (key, _, _, _), r in zip(jobs, responses):
         usage = r.json()["usage"]

@@ -33,12 +33,12 @@ class BackgroundServer:
 
     def __init__(self, engine, model_name: str = "smol", api_keys: dict[str, str] | None = None,
                  host: str = "127.0.0.1", port: int | None = None, start_timeout_s: float = 30.0,
-                 door=None) -> None:
+                 door=None, aliases: tuple[str, ...] = ()) -> None:
         import uvicorn
 
         from minivllm.server.api_server import build_app
 
-        self.app = build_app(engine, [model_name], api_keys, door=door)
+        self.app = build_app(engine, [model_name, *aliases], api_keys, door=door)  # aliases: more served names
         self.model_name = model_name
         self.async_engine = self.app.state.async_engine
         self.metrics = self.app.state.metrics
