@@ -12,12 +12,15 @@ from minivllm.sim.presets import bundled_shape
 
 
 def test_eager_step_times_the_prompt_step_and_profiles_the_model():
-    res = run(None, "cpu", "auto", prompt_len=64, repeats=2, gap_s=0.01, profile_steps=1)
+    res = run(None, "cpu", "auto", prompt_len=64, repeats=2, gap_s=0.01, profile_steps=1, eager_decode=True)
     for key in ("back_to_back", "after_0.01s_idle", "back_to_back_gc_frozen", "decode_step"):
         s = res[key]
         assert 0 < s["min_ms"] <= s["p50_ms"] <= s["max_ms"], key
     assert res["back_to_back"]["p50_ms"] > 2 * res["decode_step"]["p50_ms"]
     assert res["profile"]["kernel_launches_per_step"] == 0  # no GPU: nothing is launched
+    # the eager engine's decode step (the GPU's comparison with a graph; on a CPU there are no graphs to turn off)
+    assert res["decode_step_eager"]["n"] > 0
+    assert res["decode_step_eager"]["tensor_ops"] >= 8 * bundled_shape().num_layers
     # at least the four projections, two norms and two residual adds of every layer, each counted once
     assert res["profile"]["tensor_ops_per_step"] >= 8 * bundled_shape().num_layers
     linear = [e for e in res["profile"]["top_cpu_self"] if "linear" in e["op"] or e["op"] in ("aten::mm", "aten::addmm")]

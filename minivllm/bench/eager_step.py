@@ -13,7 +13,8 @@ takes that cost apart on any device:
    the garbage collector's long-lived objects frozen (``gc.freeze``, as vLLM
    does after start-up) -- is the spread there without idling, and is it the
    collector?;
-2. a decode step of the same engine, for scale;
+2. a decode step of the same engine, for scale, and (on a GPU) the same step
+   with CUDA graphs off (``enforce_eager``): what one graph replay saves;
 3. ``torch.profiler`` over a few prompt steps: how many kernels a step
    launches and which host-side operators take the CPU time; and the tensor
    operations the model dispatches in one prompt step, counted the same way
@@ -58,12 +59,12 @@ def prompt_step_times(engine, prompt_len: int, repeats: int, vocab: int, gap_s: 
 
 
 def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: int, gap_s: float,
-        profile_steps: int) -> dict:
-    import numpy as np
+        profile_steps: int, eager_decode: bool | None = None) -> dict:
+    """The measurements of the module docstring; ``eager_decode`` (default: on a GPU only) adds the decode step
+    of a second engine with CUDA graphs off, and that step's tensor operations."""
     import torch
 
-    from minivllm.sim.calibrate import measure, real_engine
-    from minivllm.sim.run import SimRequest
+    from minivllm.sim.calibrate import real_engine
 
     engine = real_engine(model=model, device=device, dtype=dtype)
     if model is None:
@@ -84,9 +85,15 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
     gc.freeze()
     out["back_to_back_gc_frozen"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
     gc.unfreeze()
-    rng = np.random.default_rng(1)
-    samples, _ = measure(engine, [SimRequest(0, 0.0, "d", [int(x) for x in rng.integers(10, vocab - 1, 32)], 17)])
-    out["decode_step"] = _stats([s.time_s for s in samples[1:]])
+    out["decode_step"] = decode_step_stats(engine, vocab)
+    if eager_decode is None:
+        eager_decode = out["device"].startswith("cuda")
+    if eager_decode:  # the same decode step launched kernel by kernel: what the graph saves
+        eager = real_engine(model=model, device=device, dtype=dtype, enforce_eager=True)
+        decode_step_stats(eager, vocab)  # warm-up
+        out["decode_step_eager"] = decode_step_stats(eager, vocab)
+        out["decode_step_eager"]["tensor_ops"] = forward_ops(eager, lambda: decode_step_stats(eager, vocab, 2))[-1].n
+        del eager
 
     acts = [torch.profiler.ProfilerActivity.CPU]
     if out["device"].startswith("cuda"):
@@ -168,6 +175,18 @@ def per_forward(engine, run: Callable[[], object], make_meter: Callable[[], obje
 def forward_ops(engine, run) -> list[OpCounter]:
     """The tensor operations of each model forward that ``run()`` makes the engine do (one per step)."""
     return [counter for _, counter in per_forward(engine, run, OpCounter)]
+
+
+def decode_step_stats(engine, vocab: int, max_tokens: int = 17) -> dict:
+    """Step-time statistics of one sequence's decode steps (its prompt step left out)."""
+    import numpy as np
+
+    from minivllm.sim.calibrate import measure
+    from minivllm.sim.run import SimRequest
+
+    ids = [int(x) for x in np.random.default_rng(1).integers(10, vocab - 1, 32)]
+    samples, _ = measure(engine, [SimRequest(0, 0.0, "d", ids, max_tokens)])
+    return _stats([s.time_s for s in samples[1:]])
 
 
 def tensor_ops(engine, prompt_len: int, vocab: int) -> int:
