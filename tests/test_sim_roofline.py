@@ -13,7 +13,8 @@ import pytest
 
 from minivllm.sim.calibrate import fit, nnls, spec_from_theta
 from minivllm.sim.presets import HARDWARE, MODELS, PUBLISHED_PARAMS, hardware_preset, model_preset
-from minivllm.sim.roofline import HardwareSpec, ModelShape, RooflineExecutor, roofline_time, step_cost
+from minivllm.sim.roofline import (HardwareSpec, ModelShape, RooflineExecutor, RooflinePreemptionCosts, roofline_time,
+                                   step_cost)
 
 TINY = ModelShape("tiny", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
                   head_dim=4, vocab_size=32, dtype_bytes=2)
@@ -410,3 +411,39 @@ def test_committed_cpu_profile_loads_and_reproduces_its_fit(name):
         assert t == pytest.approx(s["pred_s"], rel=1e-9)
     rel = [abs(s["pred_s"] - s["time_s"]) / s["time_s"] for s in doc["samples"]]
     assert (sum(r * r for r in rel) / len(rel)) ** 0.5 == pytest.approx(doc["fit"]["rms_rel_error"], rel=1e-6)
+
+
+def test_roofline_preemption_costs_are_length_aware():
+    """Recompute costs what its chunks add to a busy step: nearly nothing while the step is memory bound, more per
+    token once it is compute bound, more again as attention grows with the context. A one-rate model (the engine's
+    default) has the same cost per token at every length; swap is linear by construction."""
+    shape, hw = model_preset("llama-3-8b"), hardware_preset("h100")
+    costs = RooflinePreemptionCosts(shape, hw, block_size=16, chunk=2048)
+    assert costs.swap_s(10) == pytest.approx(2 * 10 * 16 * 131072 / 64e9)  # 128 KiB of K/V a token, twice over PCIe 5
+    per_token = {n: costs.recompute_s(n) / n for n in (256, 2048, 32768)}
+    assert per_token[2048] > 3 * per_token[256]
+    assert per_token[32768] > 1.3 * per_token[2048]
+    grid = [2 ** k for k in range(4, 18)]
+    says = [costs.prefers_swap(n, -(-n // 16)) for n in grid]
+    assert not says[0] and says[-1] and says == sorted(says)  # recompute short victims, swap long ones: one switch
+
+
+def test_sim_run_auto_mode_swaps_long_victims_and_recomputes_short_ones():
+    """``minivllm sim run --preemption-mode auto`` decides with the roofline's costs. With the engine's one-rate
+    default every victim of this workload would be swapped (its rate is a CPU guess, 1,000 tokens/s)."""
+    from minivllm.sim.run import SimRequest, drive, make_engine
+
+    shape, hw = model_preset("llama-3-8b"), hardware_preset("h100")
+    engine = make_engine(shape, hw, num_gpu_blocks_override=700, num_cpu_blocks_override=4000,
+                         preemption_mode="auto", max_num_batched_tokens=2048, max_num_seqs=64)
+    costs = engine.scheduler.costs
+    assert isinstance(costs, RooflinePreemptionCosts) and costs.chunk == 2048
+    rng = np.random.default_rng(0)
+    # three long prompts first, then short ones: the newest (the default victim) may be of either kind
+    reqs = [SimRequest(i, 0.02 * i, "t", [int(x) for x in rng.integers(10, 1000, 3000 if i < 3 else 64)], 600)
+            for i in range(24)]
+    drive(engine, reqs)
+    st = engine.stats()
+    assert st["num_swap_preemptions"] > 0 and st["num_recompute_preemptions"] > 0, st
+    crossover = next(n for n in range(16, 8192, 16) if costs.prefers_swap(n, n // 16))
+    assert st["recomputed_tokens"] < crossover * st["num_recompute_preemptions"]  # only short victims recomputed

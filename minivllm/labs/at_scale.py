@@ -22,7 +22,8 @@ import math
 from typing import Any, Sequence
 
 from minivllm.sim.presets import hardware_preset, model_preset
-from minivllm.sim.roofline import HardwareSpec, ModelShape, RooflineExecutor, roofline_time, step_cost
+from minivllm.sim.roofline import (HardwareSpec, ModelShape, RooflineExecutor, RooflinePreemptionCosts, roofline_time,
+                                   step_cost)
 
 MODEL = "llama-3-8b"
 HARDWARE = "h100"
@@ -100,33 +101,22 @@ def chunk_sweep(budgets: Sequence[int | None], arrivals, *, builder=None, itl_st
 # -- lab 5: recompute vs swap, as a function of the victim's context ----------------------------------
 
 
+def costs(model: str = MODEL, hardware: str = HARDWARE, **options: Any) -> RooflinePreemptionCosts:
+    """The roofline's swap-or-recompute cost model on a preset (``options``: chunk, decodes, decode_context)."""
+    shape, hw = presets(model, hardware)
+    return RooflinePreemptionCosts(shape, hw, block_size=BLOCK_SIZE, **options)
+
+
 def swap_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE) -> float:
     """Seconds of link traffic to swap a victim of ``num_tokens`` out and back in (whole blocks, twice)."""
-    shape, hw = presets(model, hardware)
-    blocks = math.ceil(num_tokens / BLOCK_SIZE)
-    return 2 * blocks * BLOCK_SIZE * shape.kv_bytes_per_token / hw.swap_bandwidth
+    return costs(model, hardware).swap_s(math.ceil(num_tokens / BLOCK_SIZE))
 
 
 def recompute_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE, *, chunk: int = 2048,
                 decodes: int = 32, decode_context: int = 2048) -> float:
-    """Extra seconds a busy engine spends prefilling a victim's ``num_tokens`` again.
-
-    The victim's prompt is recomputed in chunks of ``chunk`` tokens that ride in steps which also
-    decode ``decodes`` sequences of ``decode_context`` tokens (a server under memory pressure is busy
-    by definition), so the cost is the *marginal* time: step with the chunk minus the step without.
-    That is what the roofline adds over a linear model: while the step is memory bound (reading
-    weights), a short chunk is almost free; a long context pays attention over everything before it.
-    """
-    shape, hw = presets(model, hardware)
-    dec = [(decode_context, 1, True)] * decodes
-    base = roofline_time(step_cost(shape, dec, block_size=BLOCK_SIZE), shape, hw).total
-    total, start = 0.0, 0
-    while start < num_tokens:
-        n = min(chunk, num_tokens - start)
-        seqs = dec + [(start, n, start + n == num_tokens)]
-        total += roofline_time(step_cost(shape, seqs, block_size=BLOCK_SIZE), shape, hw).total - base
-        start += n
-    return total
+    """Extra seconds a busy engine spends prefilling a victim's ``num_tokens`` again, in chunks of ``chunk``
+    next to ``decodes`` sequences decoding at ``decode_context`` (see :class:`RooflinePreemptionCosts`)."""
+    return costs(model, hardware, chunk=chunk, decodes=decodes, decode_context=decode_context).recompute_s(num_tokens)
 
 
 def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequence[int] | None = None,
@@ -200,6 +190,6 @@ def class_mix(policy: str, classes: dict, knobs=None, *, scale: float = 300.0, d
     return serve(engine, mixed_classes(duration, scale=scale), window=duration)
 
 
-__all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "class_mix", "context_grid",
+__all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "class_mix", "context_grid", "costs",
            "crossover_tokens", "knee_sweep", "label", "pool_blocks", "presets", "recompute_s", "serving_engine",
-           "step_s", "swap_s"]
+           "device_s", "step_s", "swap_s"]

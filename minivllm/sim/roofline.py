@@ -287,6 +287,51 @@ def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTi
                     "compute" if dc >= dm else "memory", "compute" if ac >= am else "memory")
 
 
+@dataclass(frozen=True)
+class RooflinePreemptionCosts:
+    """The auto preemption mode's cost model on the roofline: what recomputing a victim really costs, by length.
+
+    The engine's default (:class:`~minivllm.sched.scheduler.PreemptionCosts`) charges
+    recomputation at one prefill rate, so its swap-or-recompute answer hardly
+    depends on the victim's length.  On a GPU it does.  A server that preempts is
+    busy, so a victim's prompt is prefilled again in chunks of ``chunk`` tokens
+    that ride in steps already decoding ``decodes`` sequences of ``decode_context``
+    tokens; the cost is the *marginal* time those chunks add.  While such a step
+    is memory bound (it reads every weight anyway) a short victim costs almost
+    nothing; a long one is compute bound and pays attention over everything
+    before each chunk, which grows with the square of its length.  Swapping
+    costs the victim's blocks over the host link twice (out now, in later).
+
+    A :class:`~minivllm.interfaces.PreemptionCostModel`; ``minivllm sim run
+    --preemption-mode auto`` uses it, and lab 5 draws its two curves.
+    """
+
+    shape: ModelShape
+    hardware: HardwareSpec
+    block_size: int = 16
+    chunk: int = 2048
+    decodes: int = 32
+    decode_context: int = 2048
+
+    def recompute_s(self, num_tokens: int) -> float:
+        dec = [(self.decode_context, 1, True)] * self.decodes
+        base = roofline_time(step_cost(self.shape, dec, block_size=self.block_size), self.shape, self.hardware).total
+        total, start = 0.0, 0
+        while start < num_tokens:
+            n = min(self.chunk, num_tokens - start)
+            seqs = dec + [(start, n, start + n == num_tokens)]
+            total += roofline_time(step_cost(self.shape, seqs, block_size=self.block_size), self.shape,
+                                   self.hardware).total - base
+            start += n
+        return total
+
+    def swap_s(self, num_blocks: int) -> float:
+        return 2 * num_blocks * self.block_size * self.shape.kv_bytes_per_token / self.hardware.swap_bandwidth
+
+    def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        return self.swap_s(num_blocks) < self.recompute_s(num_tokens)
+
+
 def fake_token(request_id: str, position: int, vocab_size: int) -> int:
     """A deterministic "sampled" token (the same in every process, unlike ``hash`` of a str); never 0-9."""
     return (zlib.crc32(request_id.encode()) + 2654435761 * position) % (vocab_size - 10) + 10

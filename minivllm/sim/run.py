@@ -242,17 +242,22 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     """A real :class:`LLMEngine` on a :class:`RooflineExecutor` whose pool is sized like the device's."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sim.roofline import RooflineExecutor
+    from minivllm.sim.roofline import RooflineExecutor, RooflinePreemptionCosts
 
     ex = RooflineExecutor(shape, hw, block_size=block_size)
     if options.get("num_gpu_blocks_override") is None and options.get("kv_cache_memory_bytes") is None:
         options["kv_cache_memory_bytes"] = kv_pool_bytes(shape, hw, gpu_memory_utilization)
     model_max_len = options.pop("model_max_len", 131072)
+    costs = options.pop("preemption_cost_model", None)
     blocks = options.get("num_gpu_blocks_override") or options["kv_cache_memory_bytes"] // ex.kv_bytes_per_block
     if options.get("max_model_len") is None:
         options["max_model_len"] = min(model_max_len, blocks * block_size)
     config = EngineConfig(block_size=block_size, device="cpu", **options)
-    return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set())
+    # auto mode decides swap-or-recompute by the same roofline that times the steps (length-aware), not by
+    # the engine's one measured prefill rate; chunks are as large as the step's token budget
+    if costs is None and config.preemption_mode == "auto":
+        costs = RooflinePreemptionCosts(shape, hw, block_size=block_size, chunk=config.max_num_batched_tokens)
+    return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set(), preemption_cost_model=costs)
 
 
 def report_extras(engine, rec: DriveRecord) -> dict:

@@ -725,9 +725,16 @@ recomputing costs ~18 µs a token against ~4 µs to swap; and at 32K tokens atte
 is the worked policy's clause *"swap rather than recompute for long contexts"*, which the lab's parallel straight
 lines could not produce. The right panel shows what moves the crossover: FLOPs per token against KV bytes per token,
 and the link. A slower GPU (the L4 preset) makes recompute dear at every length; a small model with a large KV
-(Qwen3-0.6B: 112 KiB a token for 0.6 B parameters) recomputes more cheaply up to ~23K tokens even on an H100. Two
-caveats the simulation does not see: a link shared by eight GPUs gives each far less than 64 GB/s, and the engine's
-auto mode uses *one* prefill rate (`prefill_tokens_per_s`), so at scale it would want a length-aware cost model.
+(Qwen3-0.6B: 112 KiB a token for 0.6 B parameters) recomputes more cheaply up to ~23K tokens even on an H100. A
+caveat the simulation does not see: a link shared by eight GPUs gives each far less than 64 GB/s.
+
+The engine's own auto mode, on a real machine, charges recomputation at *one* measured prefill rate
+(`prefill_tokens_per_s`), so its answer hardly depends on the victim's length. The simulator's auto mode
+(`minivllm sim run --preemption-mode auto`) decides with the curves above instead: its cost model,
+`RooflinePreemptionCosts` in `minivllm/sim/roofline.py`, is the same roofline that times the steps (these cells
+call it through `at_scale.costs`). On a workload of three long prompts and many short ones (Llama-3-8B on the H100
+preset, a 700-block pool), the one-rate model swaps all 21 victims; the roofline model swaps the 5 long ones and
+recomputes the 16 short ones (`tests/test_sim_roofline.py`).
 """),
 ("md", r"""
 ## Retrieval check
