@@ -8,7 +8,9 @@ server: ``--base-url URL``; also ``minivllm bench serve``), ``host_overhead`` (e
 step without a model), ``fleet`` (replicas x router policy on a simulated fleet: capacity and prefix affinity), ``sim_accuracy`` (the calibrated
 simulator vs the real engine on held-out workloads), ``linear`` (the model's projections: default BLAS vs oneDNN),
 ``eager_step`` (where a step that carries prompt tokens spends its time: spread, idle, GC, profile),
-``activations`` (peak activation memory of one forward against the token budget).
+``activations`` (peak activation memory of one forward against the token budget), ``gpu_e2e`` (the engine
+end to end on a CUDA GPU: Triton vs torch backend, CUDA graphs, nano-vllm's workload vs HF ``generate``),
+``fairness`` (noisy vs quiet tenant per scheduling policy, Jain's index, three classes; simulated).
 """
 
 import importlib

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m minivllm.bench.attention [--json PATH]      # on a CUDA GPU, ~2-3 minutes
+    python -m minivllm.bench.attention [--json PATH]      # on a CUDA GPU, about a minute (47-52 s on an H200)
     python -m minivllm.bench.attention --smoke            # tiny, CPU interpreter, < 60 s
 
 What it does, in order:
@@ -29,8 +29,9 @@ What it does, in order:
 5. A mixed step (many decodes + one prefill chunk) through ``backend.attend``.
 
 Times are medians of ``triton.testing.do_bench`` (which flushes L2 between
-runs); every decode working set but the smallest is far beyond the 50-60 MB L2
-of an H100/H200, and the table says which are not.
+runs).  A decode case whose K/V fits in the 50-60 MB L2 of an H100/H200 (9 of the
+24 on the default grid) is not memory-bound in the sense the %copy column assumes,
+so the table marks it "K/V fit in L2"; judge bandwidth on the others.
 
 ``--smoke`` runs the same code paths with tiny sizes on the CPU under
 ``TRITON_INTERPRET=1`` (set by the script before the kernels are imported) so a

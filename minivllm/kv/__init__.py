@@ -3,7 +3,8 @@
 * :mod:`~minivllm.kv.block_pool` -- block ids, a free list and reference counts;
 * :mod:`~minivllm.kv.kv_cache` -- the K/V tensors (device and host tier) and block moves;
 * :mod:`~minivllm.kv.kv_cache_manager` -- block tables, prefix sharing, copy-on-write,
-  swap: the only code that changes a refcount;
+  swap: the only code outside the pool that decides a refcount changes (the prefix
+  cache it owns holds its own references, taken and dropped through the pool);
 * :mod:`~minivllm.kv.prefix` -- the prefix caches (radix tree, hash index) and their factory.
 """
 

@@ -22,7 +22,11 @@ holds its own references by the same rule).  Its questions and verbs:
 **Block tables are append-only while a request runs.**  A block is never
 replaced under a running request: if the request computes a block whose twin
 is already cached, it keeps its own copy and the cache keeps its own (vLLM
-does the same), so ids the executor already saw never change meaning.
+does the same), so ids the executor already saw never change meaning.  The
+one exception is copy-on-write: when a request is about to write into a last
+block it shares (n>1 after :meth:`fork`), :meth:`allocate_slots` swaps that
+last entry for a private copy first, and the copy is recorded as a block move
+that the executor performs before the forward pass that writes it.
 
 Data movement (swap copies, copy-on-write copies) is only *recorded* here as
 :class:`BlockMoves`; the executor performs them before the next forward pass.

@@ -37,7 +37,7 @@ On a GPU the engine replays decode-only steps as CUDA graphs and launches a
 step with prompt tokens kernel by kernel from Python.  On the H200 that split
 the measured steps in two: 2.6 ms for a graphed decode step of a 1B model, 11-17
 ms for any step with a prompt chunk, hardly depending on its size.  One
-overhead for all steps fitted that grid with 40% rms error (the fit pushed the
+overhead for all steps fitted that grid with 30% rms error (the fit pushed the
 difference into an absurd GEMM rate); a separate ``eager_step_overhead_s``
 for steps with prompt tokens brought it to 13%.
 

@@ -36,10 +36,11 @@ block for little gain; the partial tail of a sequence is simply ignored.
 
 Namespaces and quotas
 ---------------------
-``namespace`` is an opaque hashable value built by the KV cache manager: a
-tuple such as ``("tenant", "alice", "salt", "x")``, never a joined string
+``namespace`` is an opaque hashable value built by the KV cache manager: the
+tuple ``(tenant, cache_salt)``, e.g. ``("alice", "x")``, never a joined string
 (``"a|salt=x"`` as a tenant name must not land in tenant ``"a"``'s space).
-``()`` is the shared, public space.
+With ``share_across_tenants`` and no salt it is ``(None, None)``, the shared
+space; a cache used on its own (tests, labs) defaults to ``()``.
 A block cached under one namespace is never matched under another, so one
 tenant cannot learn from timing whether another tenant sent some prompt.
 
