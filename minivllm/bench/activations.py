@@ -30,11 +30,12 @@ activation side on the real model:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 import weakref
 from collections.abc import Iterable
+
+from minivllm.bench.results import write_result
 
 
 class ActivationMeter:
@@ -233,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama-3-8b on h100, KV share {r['kv_share']:.2f}: KV {r['kv_bytes'] / 2**30:5.1f} GiB, room "
               f"{r['room_bytes'] / 2**30:5.2f} GiB = {r['budget_tokens']} tokens of budget")
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as fh:
-            json.dump(res, fh, indent=1)
+        write_result(a.json, res, "python -m minivllm.bench activations", argv)
     return 0
 
 

@@ -32,6 +32,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+from minivllm.bench.results import write_result
+
 
 def _stats(xs: list[float]) -> dict:
     s = sorted(xs)
@@ -270,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in res["decode_python"][:10]:
         print(f"  {e['function'][:60]:<60} {e['calls_per_step']:6.1f} calls {e['self_us_per_step']:8.0f} us")
     if a.json:
-        with open(a.json, "w", encoding="utf-8") as fh:
-            json.dump(res, fh, indent=1)
+        write_result(a.json, res, "python -m minivllm.bench eager_step", argv)
     return 0
 
 

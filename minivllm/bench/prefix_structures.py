@@ -4,6 +4,7 @@ Usage::
 
     python -m minivllm.bench.prefix_structures            # under a minute, CPU only
     python -m minivllm.bench.prefix_structures --quick    # seconds, a smoke test
+    python -m minivllm.bench prefix_structures --json out.json   # also write the rows as JSON
 
 The workload imitates a chat service: a handful of long system prompts
 shared by many requests, each followed by a distinct user part that ends in
@@ -32,8 +33,9 @@ import gc
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+from minivllm.bench.results import write_result
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.kv.prefix import PrefixCache, make_prefix_cache, sha256_block_hash
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="chunks per row (median taken)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few requests")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the rows and the radix/hash ratios here")
     args = parser.parse_args(argv)
     if args.quick:
         args.sizes, args.requests = [200, 1_000], 200
@@ -261,6 +264,13 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
     print_comparison(rows)
     check_same_hits(rows)
+    if args.json:
+        by_key = {(r.size, r.structure): r for r in rows}
+        ratios = {str(size): by_key[size, "hash"].lookup_us / by_key[size, "radix"].lookup_us
+                  for size in sorted({r.size for r in rows}) if (size, "hash") in by_key and (size, "radix") in by_key}
+        write_result(args.json, {"rows": [{**asdict(r), "lookup_us": r.lookup_us} for r in rows],
+                                 "hash_over_radix_match_insert": ratios},
+                     "python -m minivllm.bench prefix_structures", argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,36 @@
+"""Writing a benchmark's result file: the numbers, the command that made them, and the machine.
+
+A JSON under ``benchmarks/results/`` is evidence only if a reader can rerun it and knows
+what it ran on, so each file carries the exact command line and a few machine facts next
+to the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from typing import Any, Sequence
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers depend on: core count, platform, Python and torch versions, load."""
+    import torch
+
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    if hasattr(os, "getloadavg"):
+        info["load_average_at_end"] = list(os.getloadavg())
+    return info
+
+
+def write_result(path: str | os.PathLike, doc: dict[str, Any], prog: str,
+                 argv: Sequence[str] | None = None) -> None:
+    """Write ``doc`` as JSON to ``path`` with ``command`` and ``machine`` keys added first."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    full = {"command": " ".join([prog, *args]), "machine": machine(), **doc}
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(full, fh, indent=1)
