@@ -164,6 +164,20 @@ def test_stop_strings_and_stop_token_ids(small_llm):
     assert by_id.outputs[0].stop_reason == tok
 
 
+def test_a_stop_string_inside_a_long_token_is_found(small_llm):
+    """One token can add many characters (a newline and 23 spaces is one token): the stop search must cover
+    all of them, not a fixed window at the end of the text."""
+    rows = "".join("                        <tr><td>%d</td></tr>\n" % i for i in range(5))
+    prompt = "<table>\n" + rows + "                        <tr><td>5</td></tr>"
+    greedy = dict(temperature=0, max_tokens=12)
+    base = small_llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    tok = small_llm.get_tokenizer()
+    pieces = [tok.decode([t]) for t in base.token_ids]
+    assert any("\n" in p and len(p) > 17 for p in pieces), pieces  # the case this test is about
+    cut = small_llm.generate([prompt], SamplingParams(**greedy, stop=["\n"]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.text == base.text[: base.text.find("\n")]
+
+
 def test_seeded_sampling_is_reproducible_across_batches(small_llm):
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
     alone = small_llm.generate(["Once upon a time"], p, use_tqdm=False)[0].outputs[0].token_ids

@@ -6,6 +6,7 @@ Everything but the last test runs on the simulated executor.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -299,6 +300,63 @@ def test_wfq_a_tenant_arriving_after_an_idle_gap_starts_at_the_last_counter():
     engine.step()
     assert wfq.counter("b") >= a_counter
     run_all(engine)
+
+
+_bare_ids = itertools.count()
+
+
+def bare_request(tenant: str, prompt_len: int = 2, arrival: float = 0.0, deadline: float | None = None) -> Request:
+    """A request outside any engine, for the policies' own arithmetic."""
+    r = Request(f"{tenant}-{next(_bare_ids)}", [1] * prompt_len, SamplingParams(max_tokens=1), arrival)
+    r.tenant, r.deadline = tenant, deadline
+    return r
+
+
+def test_wfq_activation_never_lowers_a_counter():
+    """A tenant that comes back ahead in service keeps its lead: activation lifts counters, never lowers them."""
+    wfq = WFQAdmission(EngineConfig(scheduling_policy="wfq", device="cpu"))
+    req = bare_request
+
+    wfq.counters.update({"ahead": 500.0, "behind": 10.0})
+    wfq.order([req("behind")], [])  # only "behind" is active
+    wfq.order([req("ahead"), req("behind")], [])  # "ahead" becomes active while "behind" sits at 10
+    assert wfq.counter("ahead") == 500.0 and wfq.counter("behind") == 10.0
+    wfq.order([req("late"), req("ahead"), req("behind")], [])  # a tenant never seen starts at the minimum
+    assert wfq.counter("late") == 10.0
+
+
+def test_wfq_order_charges_each_queued_prompt_provisionally():
+    """Within one admission pass a tenant's second prompt is ranked as if its first were already served."""
+    wfq = WFQAdmission(EngineConfig(scheduling_policy="wfq", device="cpu"))
+    wfq.counters.update({"a": 0.0, "b": 150.0})
+    a1, a2, a3 = (bare_request("a", 100) for _ in range(3))
+    b1 = bare_request("b", 100)
+    wfq._active = {"a", "b"}
+    # a: 0, then 100 after a1, 200 after a2; b: 150  ->  a1, a2, b1, a3 (prefill weight 1)
+    assert wfq.prefill_weight == 1.0
+    assert wfq.order([a1, a2, a3, b1], []) == [a1, a2, b1, a3]
+
+
+def test_wfq_preempts_only_across_tenants_and_only_beyond_the_margin():
+    wfq = WFQAdmission(EngineConfig(scheduling_policy="wfq", device="cpu", max_num_batched_tokens=512))
+    assert wfq.margin == 512.0
+    poor, rich, rich2 = bare_request("poor"), bare_request("rich"), bare_request("rich")
+    wfq.counters.update({"poor": 100.0, "rich": 612.0})  # exactly the margin ahead: not enough
+    assert not wfq.may_preempt_for(poor, rich)
+    wfq.counters["rich"] = 613.0
+    assert wfq.may_preempt_for(poor, rich)
+    assert not wfq.may_preempt_for(rich, poor) and not wfq.may_preempt_for(rich2, rich)
+
+
+def test_deadline_order_caps_a_far_deadline_by_aging():
+    """A far deadline cannot push a request behind the aging bound: its key is min(deadline, arrival + aging)."""
+    edf = DeadlineAdmission(aging_s=0.5)
+    relaxed = bare_request("t", arrival=0.0, deadline=10.0)  # key 0.5 (aged)
+    urgent = bare_request("t", arrival=0.1, deadline=1.0)  # key 0.6
+    none = bare_request("t", arrival=0.05)  # key 0.55
+    assert edf.order([urgent, none, relaxed], []) == [relaxed, none, urgent]
+    past = bare_request("t", arrival=2.0, deadline=1.0)  # a deadline already missed ranks at its arrival
+    assert edf.key(past) == 2.0
 
 
 def test_wfq_weights_share_token_service_when_backlogged():

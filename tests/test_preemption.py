@@ -85,10 +85,14 @@ def test_invariants_in_every_preemption_mode(ops, mode, blocks, cpu_blocks, pref
                 assert engine.abort_request(victim.parent_id or victim.request_id)
         else:
             for _ in range(a):
+                waiting = {r.request_id for r in engine.scheduler.waiting}
                 for out in engine.step():
                     if out.finished:
                         finished.add(out.request_id)
                         assert out.outputs and all(c.finish_reason for c in out.outputs)
+                # admission reserves what this step's allocation needs, so it never preempts whom it just let in
+                # (a request that waited before the step can only be preempted in it if it was admitted in it)
+                assert not waiting & set(engine.step_log[-1].preempted), "admitted and preempted in one step"
         check_both_tiers(engine)
     drain(engine)
     assert_no_leak(engine)
@@ -270,6 +274,23 @@ def test_swap_round_trip_restores_kv_contents_and_redirects_pending_copies():
     assert child.num_computed_tokens == 9 and not child.cpu_block_ids
     kv.free(child)
     assert kv.pool.num_free == 6 and kv.cpu_pool.num_free == 6
+
+
+def test_swap_out_uses_a_host_tier_that_fits_exactly_and_refuses_one_block_short():
+    """All or nothing, with the boundary where it matters: a tier with exactly the blocks needed takes the victim."""
+    params = SamplingParams(max_tokens=4)
+    for host_blocks, fits in ((3, True), (2, False)):
+        kv = KVCacheManager(BlockPool(8), 4, cpu_pool=BlockPool(host_blocks))
+        req = Request("r", list(range(10)), params, 0.0)
+        assert kv.allocate_slots(req, 10)
+        req.num_computed_tokens = 10  # 3 blocks of 4
+        assert kv.swap_out(req) is fits
+        if fits:
+            assert (kv.pool.num_free, kv.cpu_pool.num_free, len(req.cpu_block_ids)) == (8, 0, 3)
+        else:  # nothing changed: the scheduler recomputes instead
+            assert (kv.pool.num_free, kv.cpu_pool.num_free, len(req.block_ids)) == (5, 2, 3)
+        kv.free(req)
+        assert kv.pool.num_free == 8 and kv.cpu_pool.num_free == host_blocks
 
 
 def test_no_refcount_call_outside_the_kv_package():

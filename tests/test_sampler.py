@@ -52,6 +52,8 @@ CASES = [
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=1.0, min_p=0.15),
     SamplingParams(temperature=0.9, top_k=8, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, top_p=1e-50),  # 0 in float32: still the top token, never "no token"
+    SamplingParams(temperature=1.0, top_k=2**63),  # beyond the vocabulary (and an int64): no filter
 ]
 
 

@@ -109,9 +109,15 @@ def test_invariants_under_random_workloads(ops, chunked, blocks, prefix):
         else:
             for _ in range(a):
                 before = {r.request_id for r in engine.scheduler.running if r.num_uncomputed_tokens == 1}
+                live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+                known = {r.request_id: r.num_tokens for r in live}
                 engine.step()
                 log = engine.step_log[-1]
                 assert log["num_tokens"] <= budget
+                for rid, start, n in log["seqs"]:
+                    assert start + n <= known[rid], "computed a token that does not exist yet"
+                    if not chunked:  # with chunking off a prefill runs whole or not at all
+                        assert start + n == known[rid], f"{rid}: a split prefill with chunking off"
                 if chunked:
                     ran = {rid for rid, _, _ in log["seqs"]}
                     # every running decode advanced, unless it was preempted this step
@@ -181,6 +187,45 @@ def test_block_pool_refcounts_and_copy_on_write():
     pool.allocate()
     with pytest.raises(OutOfBlocksError):
         pool.allocate()
+
+
+def test_block_pool_allocate_many_is_all_or_nothing_and_frees_tail_first():
+    pool = BlockPool(4)
+    held = pool.allocate_many(3)
+    assert held == [0, 1, 2]
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate_many(2)  # one is free: nothing may be taken
+    assert pool.num_free == 1 and pool.refcount(3) == 0
+    pool.free_all(held)
+    # the free list is FIFO and free_all gives back last block first: 3 (never taken), then 2, 1, 0
+    assert [pool.allocate() for _ in range(4)] == [3, 2, 1, 0]
+
+
+def test_no_admission_in_the_step_after_a_preemption():
+    """Anti-thrash: the pool was just found short, so admitting would only preempt again.
+
+    Under the priority policy an urgent newcomer goes ahead of the requeued victim, and alone it
+    would fit in the blocks the victim gave back; still it must wait one step.
+    """
+    cfg = EngineConfig(num_gpu_blocks_override=10, block_size=4, max_num_batched_tokens=64, max_num_seqs=6,
+                       max_model_len=40, scheduling_policy="priority", device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=40)
+    for tok in (3, 4):
+        engine.add_request({"prompt_token_ids": [tok] * 16}, SamplingParams(max_tokens=20, ignore_eos=True),
+                           priority=5)
+    late, waited = None, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        if late is None and engine.step_log[-1]["preempted"]:
+            late = engine.add_request({"prompt_token_ids": [5] * 2}, SamplingParams(max_tokens=1, ignore_eos=True),
+                                      priority=0)
+            engine.step()
+            assert late not in {rid for rid, _, _ in engine.step_log[-1]["seqs"]}, "admitted right after a preemption"
+            assert not engine.step_log[-1]["preempted"]
+            engine.step()  # one step later the door is open again, and the newcomer fits
+            assert late in {rid for rid, _, _ in engine.step_log[-1]["seqs"]}
+            waited += 1
+    assert waited == 1
 
 
 def test_continuous_batching_admits_while_others_run():

@@ -36,6 +36,7 @@ class _Stream:
     defer_text: bool = False  # final_only without stop strings: nobody reads the text before the end
     every_step: bool = True  # an output every step (cumulative, delta), not only the final one
     emitted_chars: int = 0
+    stop_checked: int = 0  # characters of text already searched for stop strings
     decoded: int = 0  # defer_text: output tokens detokenized so far (all of them, once, at the end)
 
 
@@ -134,9 +135,11 @@ class OutputProcessor:
     def _truncate_at_stop(req: Request, stream: _Stream) -> bool:
         text = stream.detok.text
         params = req.sampling_params
-        # only the newest characters can complete a stop string
-        window = max(len(s) for s in params.stop_strings) + 16
-        from_char = max(0, len(text) - window)
+        # Only text added since the last search can complete a stop string, plus the tail of the old text a
+        # stop could start in.  (One token can add many characters: a run of 24 spaces is one token.)
+        longest = max(len(s) for s in params.stop_strings)
+        from_char = max(0, min(stream.stop_checked, len(text)) - longest + 1)
+        stream.stop_checked = len(text)
         for stop in params.stop_strings:
             at = text.find(stop, from_char)
             if at != -1:

@@ -134,6 +134,11 @@ class KVCacheManager:
         needed = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(req.block_ids))
 
+    def num_copy_on_write_blocks(self, req: Request) -> int:
+        """1 when ``req``'s next token lands in a partly filled block someone else holds (a sample
+        just forked from its leader): writing it takes one more block, a private copy."""
+        return int(self._last_block_is_shared(req))
+
     def num_new_blocks_all(self, reqs) -> int:
         """``sum(num_new_blocks(r, r.num_uncomputed_tokens) for r in reqs)``: blocks still needed to hold
         every token the requests have.  One loop with no call per request, because the scheduler asks it

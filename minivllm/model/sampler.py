@@ -49,7 +49,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop = ordered < kth
     probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = probs.cumsum(-1) - probs
-    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    nucleus_cut = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    nucleus_cut[:, 0] = False  # the top token stays even when top_p rounds to 0 in float32 (top_p=1e-50)
+    drop |= nucleus_cut
     probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
     drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
     return torch.full_like(logits, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
@@ -75,7 +77,8 @@ def sample(
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
             scaled = filter_logits(
                 scaled,
-                torch.tensor([p.top_k for p in chosen], device=device),
+                # a top_k beyond the vocabulary keeps everything; clamped so 2**63 cannot overflow an int64
+                torch.tensor([min(p.top_k, logits.shape[-1]) for p in chosen], device=device),
                 torch.tensor([p.top_p for p in chosen], device=device, dtype=torch.float32),
                 torch.tensor([p.min_p for p in chosen], device=device, dtype=torch.float32),
             )

@@ -400,12 +400,15 @@ class Scheduler:
         Its whole remaining prefill, not just this step's chunk: a prompt
         admitted on the strength of its first chunk could run out of room
         halfway, and as the newest request it would preempt itself and throw
-        its chunks away, again and again.  Reject mode sets aside the worst
-        case (prompt + ``max_tokens``), so nothing running is ever preempted.
+        its chunks away, again and again.  A sample just forked from its leader
+        also needs the private copy of the last block they share (its first
+        write copies it); without it, the step that admits the sample would
+        preempt it again.  Reject mode sets aside the worst case (prompt +
+        ``max_tokens``), so nothing running is ever preempted.
         """
         if self.config.preemption_mode == "reject":
             return self.kv.worst_case_new_blocks(req)
-        return self.kv.num_new_blocks(req, req.num_uncomputed_tokens)
+        return self.kv.num_new_blocks(req, req.num_uncomputed_tokens) + self.kv.num_copy_on_write_blocks(req)
 
     def _should_reject(self, req: Request) -> bool:
         """Reject mode: a request that found no room is turned away, unless it is already in flight."""
