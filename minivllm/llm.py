@@ -160,7 +160,9 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise ValueError("chat() needs a conversation (a non-empty list of messages) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 GREEDY_EPSILON = 1e-5
 """Temperatures below this are greedy: dividing logits by ~0 overflows to inf/nan."""
 
+MAX_N = 128
+"""Most samples one request may ask for (OpenAI's limit on ``n``).  Each sample is a request the engine
+builds on its own thread: an unbounded ``n`` would let one call stall and exhaust the server."""
+
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 """vLLM's ``RequestOutputKind``: what each ``RequestOutput`` of a request carries.
 
@@ -57,8 +61,8 @@ class SamplingParams:
     _stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:

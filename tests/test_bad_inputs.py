@@ -137,6 +137,11 @@ CASES = [
     ("chat message without a role", chat([{"content": "hi"}]), "role"),
     ("chat message not a dict", chat(["hi"]), "role"),
     ("chat role not a string", chat([{"role": 1, "content": "hi"}]), "role"),
+    ("chat with no messages", chat([]), "conversation"),
+    # sampling limits
+    ("n past 128", sp(n=129), "n must"),
+    # aborts
+    ("abort with a list id", lambda llm: llm.engine.abort_request(["x"]), "request_id"),
 ]
 
 

@@ -179,6 +179,29 @@ def test_reject_mode_rejects_new_work_and_never_harms_running_requests():
     assert_no_leak(engine)
 
 
+def test_reject_mode_accepts_or_rejects_an_n_group_whole():
+    """n > 1 in reject mode: never some samples served and the others "rejected" (the server would owe a 200
+    and a 429 for one call).  A group that gets in runs its samples as room frees; one that does not is turned
+    away with every sample."""
+    engine = make_engine("reject", num_blocks=10, max_len=24, budget=64)  # one worst case (6 blocks) at a time
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
+    rid = engine.add_request({"prompt_token_ids": [1] * 8}, params, "group")
+    finals = drain(engine)
+    assert [o.finish_reason for o in finals[rid].outputs] == ["length"] * 3
+    assert all(len(o.token_ids) == 16 for o in finals[rid].outputs)
+    assert engine.stats()["num_rejected"] == 0 and engine.stats()["num_preemptions"] == 0
+    assert_no_leak(engine)
+
+    engine.add_request({"prompt_token_ids": [2] * 8}, SamplingParams(max_tokens=16, ignore_eos=True), "big")
+    engine.step()
+    rid = engine.add_request({"prompt_token_ids": [1] * 8}, params, "late")  # no room beside "big"
+    finals = drain(engine)
+    assert [o.finish_reason for o in finals[rid].outputs] == ["rejected"] * 3
+    assert not any(o.token_ids for o in finals[rid].outputs) and finals[rid].retry_after_s > 0
+    assert finals["big"].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)
+
+
 def test_reject_mode_retry_hint_grows_with_the_work_ahead():
     engine = make_engine("reject", num_blocks=20, max_len=80, budget=64)
     engine.add_request({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=60, ignore_eos=True), "long")

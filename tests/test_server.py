@@ -191,6 +191,12 @@ def _bad_requests(long_ids: list[int]) -> list[tuple[str, dict, bytes | str, int
         (comp, _auth(), json.dumps({"model": MODEL, "prompt": [10**9]}), 400),  # token id outside the vocabulary
         (comp, _auth(), json.dumps({"model": MODEL}), 400),  # no prompt
         (chat, _auth(), json.dumps({"model": MODEL, "messages": []}), 400),
+        # fields the server cannot honour are refused, never silently dropped
+        (chat, _auth(), json.dumps({"model": MODEL, "messages": msg, "functions": [{"name": "f"}]}), 400),
+        (chat, _auth(), json.dumps({"model": MODEL, "messages": msg, "tool_choice": "required"}), 400),
+        (comp, _auth(), json.dumps({"model": MODEL, "prompt": "hi", "stream": True,
+                                    "stream_options": {"continuous_usage_stats": True}}), 400),
+        (comp, _auth(), json.dumps({"model": MODEL, "prompt": "\ud800 lone"}), 400),  # tokenized off the loop
         (chat, {}, json.dumps({"model": MODEL, "messages": msg}), 401),  # missing key
         (chat, _auth("stolen"), json.dumps({"model": MODEL, "messages": msg}), 401),
     ]

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import pytest
 
@@ -204,6 +205,8 @@ def _malformed(long_ids: list[int]) -> list[tuple[dict, bytes | str, int]]:
         ({}, json.dumps({"model": "sim", "max_tokens": 4}), 400),  # missing key: no prompt
         ({}, json.dumps({**ok, "n": 0}), 400),
         ({}, json.dumps({**ok, "top_p": 7}), 400),
+        ({}, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # nested past Python's recursion limit
+        ({}, json.dumps({**ok, "n": 129}), 400),  # more samples than OpenAI allows
     ]
     return [({**h, "Authorization": "Bearer ka"}, b, s) for h, b, s in bad] + [
         ({}, json.dumps(ok), 401),  # missing API key
@@ -439,6 +442,41 @@ def test_door_sheds_load_with_429_before_the_queue_and_reopens():
         admitted = {rid for rec in steps for rid, _, _ in rec["seqs"]}
         assert len(admitted) == 4, "the shed request must never reach the engine"
         assert engine.stats()["num_rejected"] == 0 and engine.stats()["used_blocks"] == 0
+
+
+def test_door_holds_against_a_simultaneous_burst():
+    """Twelve requests at the same instant: the door counts the ones it let through that the engine thread has
+    not queued yet, so only ``max_waiting`` get past it (before, all twelve saw the queue empty and got in)."""
+    from minivllm.server.door import DoorRule
+
+    engine = _paced_engine(max_seqs=1, fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    with _Served(engine, None, door=DoorRule(max_waiting=2)) as srv:
+        body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 8, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=30) as client:
+                return await asyncio.gather(*(client.post(srv.base + "/v1/completions", json=body) for _ in range(12)))
+
+        codes = Counter(r.status_code for r in asyncio.run(main()))
+        assert set(codes) <= {200, 429} and codes[429] >= 12 - 3, codes  # 2 queued (+1 admitted at most)
+        assert max(rec["waiting"] for rec in engine.step_log) <= 2
+
+
+def test_door_counts_evictable_cached_blocks_as_free():
+    """A warm prefix cache is not memory pressure: its unused blocks are evicted on demand."""
+    from minivllm.server.door import DoorRule, door_snapshot
+
+    engine = _paced_engine(blocks=48, prefix=True)
+    for i in range(8):
+        engine.add_request({"prompt_token_ids": [100 * i + j for j in range(100)]},
+                           SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request({"prompt_token_ids": list(range(5, 40))}, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert engine.pool.num_free < 8 < engine.kv.num_available_blocks == 48  # the cache holds most blocks
+    snap = door_snapshot(engine)
+    assert snap == {"num_waiting": 1, "free_blocks": 48}
+    assert not DoorRule(100, min_free_blocks=8).closed(snap)
 
 
 def test_door_rule_validates_and_matches_brute_force():

@@ -124,7 +124,7 @@ class InputProcessor:
                 if not isinstance(prompt, str):
                     raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str):
-            return (*self._encode(prompt), cache_salt, tenant)
+            return (*self.encode(prompt), cache_salt, tenant)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("empty prompt: prompt_token_ids is empty")
@@ -137,7 +137,9 @@ class InputProcessor:
             f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"
         )
 
-    def _encode(self, text: str) -> tuple[str, list[int]]:
+    def encode(self, text: str) -> tuple[str, list[int]]:
+        """``(text, token ids)`` of a text prompt, validated (``ValueError``).  Thread-safe: a server
+        tokenizes long prompts on a worker thread, so the engine's loop never waits for them."""
         if not text:
             raise ValueError("empty prompt")
         if self.tokenizer is None:

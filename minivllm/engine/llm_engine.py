@@ -239,6 +239,8 @@ class LLMEngine:
         sample as ``"abort"``; the group goes on, and its output reports the
         aborted sample in the next step.
         """
+        if not isinstance(request_id, str):  # a list or dict would fail as an unhashable key deep inside
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         with self._lock:
             return self._abort_request(request_id)
 

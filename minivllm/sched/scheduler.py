@@ -310,12 +310,13 @@ class Scheduler:
         blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
         swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
         for req in self.admission_policy.order(self.waiting, self.running):
-            if req.tenant in blocked:
-                continue
+            if req.tenant in blocked or req.status is RequestStatus.FINISHED_REJECTED:
+                continue  # (rejected in this pass together with its group's leader)
             if not self._leader_ready(req):
                 continue  # n > 1: a sibling sample forks once its leader has prefilled the prompt
             if caps is not None and not self._within_caps(req, usage):
-                if req.status is RequestStatus.WAITING and caps.rejecting_group(req, usage, self._need_blocks(req)):
+                if (req.status is RequestStatus.WAITING and req.leader is None
+                        and caps.rejecting_group(req, usage, self._need_blocks(req))):
                     self._reject(req)  # TenantConfig(over_cap="reject"): turned away with a retry hint
                     self._cap_rejected.add(req)
                 continue  # its tenant (or class) is at a cap: it waits, the others do not
@@ -411,8 +412,13 @@ class Scheduler:
         return self.kv.num_new_blocks(req, req.num_uncomputed_tokens) + self.kv.num_copy_on_write_blocks(req)
 
     def _should_reject(self, req: Request) -> bool:
-        """Reject mode: a request that found no room is turned away, unless it is already in flight."""
-        return self.config.preemption_mode == "reject" and req.status is RequestStatus.WAITING
+        """Reject mode: a request that found no room is turned away, unless it is already in flight.
+
+        A sample of an ``n > 1`` request (one with a leader) is in flight once its group is: the group
+        is accepted or turned away whole, at its leader, so a caller never gets some samples and a
+        "rejected" for the others.  A sample that finds no room waits for running work to finish.
+        """
+        return self.config.preemption_mode == "reject" and req.status is RequestStatus.WAITING and req.leader is None
 
     def cap_retry_steps(self, req: Request) -> int | None:
         """Steps until the tenant cap that rejected ``req`` has room (None: a cap did not reject it)."""
@@ -422,12 +428,17 @@ class Scheduler:
         return self.caps.retry_steps(req, self.running, self._need_blocks(req)) or 1
 
     def _reject(self, req: Request) -> None:
-        self.waiting.remove(req)
-        self._count_waiting(req, -1)
-        req.status = RequestStatus.FINISHED_REJECTED
-        self.stats.num_rejected += 1
-        self.tenant(req.tenant).rejected += 1
-        self._rejected.append(req)
+        """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
+        group = [req]
+        if req.parent_id is not None and req.leader is None:
+            group += [r for r in self.waiting if r.leader is req]
+        for r in group:
+            self.waiting.remove(r)
+            self._count_waiting(r, -1)
+            r.status = RequestStatus.FINISHED_REJECTED
+            self.stats.num_rejected += 1
+            self.tenant(r.tenant).rejected += 1
+            self._rejected.append(r)
 
     # -- step 2: build the batch ---------------------------------------------
     def build_batch(self) -> ScheduledBatch:

@@ -301,6 +301,7 @@ class OpenAIServer:
         self.model_names = list(model_names)
         self.max_model_len = max_model_len
         self.door = door  # load shedding before the queue (--max-waiting-requests); None: everyone queues
+        self._passing = 0  # requests past the door whose add the engine thread has not done yet
         self.tokenizer = getattr(async_engine.engine, "tokenizer", None)
 
     # -- helpers --------------------------------------------------------------
@@ -319,6 +320,9 @@ class OpenAIServer:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"malformed JSON body: {exc}", "invalid_request_error", None, "invalid_json")
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply", "invalid_request_error", None,
+                           "invalid_json")
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object", "invalid_request_error", None, "invalid_json")
         try:
@@ -359,10 +363,11 @@ class OpenAIServer:
 
     async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str) -> tuple[str, RequestStream]:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        if self.door is not None and self.door.closed(door_snapshot(self.engine.engine)):
+        if self.door is not None and self.door.closed(door_snapshot(self.engine.engine, self._passing)):
             retry = str(max(1, math.ceil(self.door.retry_after_s)))
             raise APIError(429, "the server's queue is full; retry after the Retry-After header's seconds",
                            "rate_limit_error", None, "queue_full", {"Retry-After": retry})
+        self._passing += 1  # through the door, not yet in the queue (counted until the engine thread adds it)
         try:
             stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
         except ValueError as exc:
@@ -371,6 +376,8 @@ class OpenAIServer:
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down")
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "engine_dead")
+        finally:
+            self._passing -= 1
         return request_id, stream
 
     async def _first_or_final(self, request: Request, stream: RequestStream, until_final: bool) -> RequestOutput:
@@ -421,7 +428,12 @@ class OpenAIServer:
                 raise APIError(400, "batched prompts (a list of several prompts) are not supported; send one per request",
                                "invalid_request_error", "prompt", "unsupported")
             p = p[0]
-        prompt = self._with_salt({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}, tenant, req.cache_salt)
+        if isinstance(p, str):  # tokenized here, on a worker thread: a 4 MB prompt must not stall every stream
+            try:
+                p = (await asyncio.to_thread(self.engine.engine.inputs.encode, p))[1]
+            except ValueError as exc:
+                raise _bad_value(exc)
+        prompt = self._with_salt({"prompt_token_ids": list(p)}, tenant, req.cache_salt)
         params = self._sampling_params(req, req.max_tokens)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())

@@ -41,6 +41,16 @@ class DoorRule:
         return waiting >= self.max_waiting or (waiting > 0 and stats["free_blocks"] < self.min_free_blocks)
 
 
-def door_snapshot(engine) -> dict:
-    """The two numbers :meth:`DoorRule.closed` reads, taken without the engine lock."""
-    return {"num_waiting": len(engine.scheduler.waiting), "free_blocks": engine.pool.num_free}
+def door_snapshot(engine, pending: int = 0) -> dict:
+    """The two numbers :meth:`DoorRule.closed` reads, taken without the engine lock.
+
+    ``pending`` counts requests that passed the door but have not reached the scheduler's queue yet (the
+    engine thread adds them between steps): without them a burst of simultaneous requests would all see
+    the queue as it was before the burst and all get in.  Free blocks include cached blocks nobody is
+    using, which the engine evicts on demand: a warm prefix cache is not memory pressure.
+    """
+    try:
+        free = engine.kv.num_available_blocks
+    except RuntimeError:  # a cache structure resized by the engine thread mid-count: use the lower bound
+        free = engine.pool.num_free
+    return {"num_waiting": len(engine.scheduler.waiting) + pending, "free_blocks": free}

@@ -64,6 +64,8 @@ class _SamplingRequest(BaseModel):
             return "frequency_penalty"
         if self.logit_bias:
             return "logit_bias"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options.continuous_usage_stats"
         return None
 
 
@@ -101,12 +103,18 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = None
     tools: Optional[list] = None
+    functions: Optional[list] = None  # the legacy form of tools
+    tool_choice: Optional[Any] = None
     response_format: Optional[dict] = None
     add_generation_prompt: Optional[StrictBool] = True
 
     def unsupported(self) -> Optional[str]:
         if self.tools:
             return "tools"
+        if self.functions:
+            return "functions"
+        if self.tool_choice not in (None, "none", "auto"):  # "auto" with no tools asks for nothing
+            return "tool_choice"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
         return super().unsupported()
