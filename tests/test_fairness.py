@@ -260,6 +260,18 @@ def test_priority_preempts_the_lowest_priority_when_max_num_seqs_is_the_limit():
     assert all(len(finals[r].outputs[0].token_ids) == n for r, n in [("low1", 30), ("low2", 30), ("vip", 4)])
 
 
+def test_priority_victim_is_the_lowest_priority_then_the_newest():
+    from minivllm.sched.policies import PriorityPreemption
+
+    old, mid, new = (bare_request("t", arrival=a) for a in (0.0, 1.0, 2.0))
+    for r in (old, mid, new):
+        r.priority = 1
+    assert PriorityPreemption().choose_victim([old, mid, new]) is new  # a tie: the newest gives way
+    assert PriorityPreemption().choose_victim([new, old, mid]) is new  # whatever the running order
+    old.priority = 5
+    assert PriorityPreemption().choose_victim([old, mid, new]) is old  # the largest value first
+
+
 def test_equal_priority_never_preempts_to_admit():
     engine = make_engine("priority", max_seqs=1, num_blocks=64)
     add(engine, "t", 8, 10, "a", priority=1)
