@@ -109,6 +109,8 @@ CASES = [
     ("prompt is a number", gen(3.5), "prompts must"),
     ("token id negative", gen({"prompt_token_ids": [1, -2]}), "token ids"),
     ("token id past the vocabulary", gen({"prompt_token_ids": [1, 10**9]}), "token ids"),
+    ("token id = vocabulary size", lambda llm: llm.generate({"prompt_token_ids": [llm.engine.inputs.vocab_size]},
+                                                              OK, use_tqdm=False), "token ids"),
     ("token id bool", gen({"prompt_token_ids": [True, 2]}), "token ids"),
     ("token id string", gen({"prompt_token_ids": ["a"]}), "token ids"),
     ("token ids not a list", gen({"prompt_token_ids": "1 2 3"}), "prompt_token_ids"),

@@ -197,6 +197,12 @@ def _bad_requests(long_ids: list[int]) -> list[tuple[str, dict, bytes | str, int
         (comp, _auth(), json.dumps({"model": MODEL, "prompt": "hi", "stream": True,
                                     "stream_options": {"continuous_usage_stats": True}}), 400),
         (comp, _auth(), json.dumps({"model": MODEL, "prompt": "\ud800 lone"}), 400),  # tokenized off the loop
+        (comp, _auth(), json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 1}), 400),
+        (comp, _auth(), json.dumps({"model": MODEL, "prompt": ["one", "two"]}), 400),  # batched prompts
+        (chat, _auth(), json.dumps({"model": MODEL, "max_tokens": "7", "messages": msg}), 400),  # a count, strictly
+        (chat, _auth(), json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}), 400),  # not a vision model
+        (comp, _auth(), json.dumps({"model": MODEL, "prompt": [49152]}), 400),  # one past SmolLM2's last id
         (chat, {}, json.dumps({"model": MODEL, "messages": msg}), 401),  # missing key
         (chat, _auth("stolen"), json.dumps({"model": MODEL, "messages": msg}), 401),
     ]
