@@ -132,6 +132,27 @@ def test_swap_mode_swaps_and_every_request_finishes_whole():
     assert_no_leak(engine)
 
 
+def test_aborting_a_swapped_out_request_gives_its_host_blocks_back():
+    """The random programs rarely catch a request while it is swapped out; this one does, on purpose."""
+    engine = make_engine("swap", num_blocks=40, cpu_blocks=64, max_len=128, budget=64)
+    overload(engine)
+    swapped = []
+    for _ in range(500):
+        engine.step()
+        swapped = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
+        if swapped:
+            break
+    assert swapped, "the workload should swap a request out"
+    victim = swapped[0]
+    held, free_before = len(victim.cpu_block_ids), engine.kv.cpu_pool.num_free
+    assert held > 0
+    assert engine.abort_request(victim.parent_id or victim.request_id)
+    assert engine.kv.cpu_pool.num_free == free_before + held and victim not in engine.scheduler.waiting
+    check_both_tiers(engine)
+    drain(engine)
+    assert_no_leak(engine)
+
+
 def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
     engine = make_engine("swap", num_blocks=40, cpu_blocks=12, max_len=128, budget=64)
     overload(engine)

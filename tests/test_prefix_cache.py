@@ -87,6 +87,18 @@ def new_cache(kind: str, num_blocks: int = 32, **kwargs) -> tuple[PrefixCache, B
     return make_prefix_cache(kind, pool, BS, **kwargs), pool
 
 
+def test_radix_drops_a_namespace_root_once_its_last_block_is_evicted():
+    """One root per tenant or salt: a root left behind after its last block goes is a slow leak."""
+    cache, pool = new_cache("radix", num_blocks=16)
+    for salt in ("a", "b", "c"):
+        blocks = pool.allocate_many(2)
+        cache.insert(list(range(2 * BS)), blocks, namespace=(salt, None))
+        pool.free_all(blocks)  # the request finishes: only the cache holds them
+    assert len(cache._roots) == 3
+    assert cache.evict(6) == 6
+    assert cache._roots == {} and pool.num_free == 16
+
+
 # -- matching -------------------------------------------------------------------
 
 

@@ -339,6 +339,17 @@ def test_defect5_aborting_one_sample_finishes_it_and_the_group_finishes():
     no_leak(engine)
 
 
+def test_aborting_a_sample_twice_is_a_no_op_the_second_time():
+    engine = sim_engine()
+    engine.add_request({"prompt_token_ids": [1] * 9}, SamplingParams(n=3, max_tokens=10, ignore_eos=True), "g")
+    engine.step()
+    assert engine.abort_request("g#1")
+    assert engine.abort_request("g#1") is False  # aborted already: its output is on its way
+    finals = run_all(engine)
+    assert [c.finish_reason for c in finals["g"].outputs] == ["length", "abort", "length"]
+    no_leak(engine)
+
+
 def test_defect5_aborting_the_leader_before_it_runs_lets_the_others_finish():
     engine = sim_engine()
     engine.add_request({"prompt_token_ids": [1] * 9}, SamplingParams(n=2, max_tokens=5, ignore_eos=True), "h")
