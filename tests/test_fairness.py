@@ -156,12 +156,15 @@ def check_caps(engine, tenants, ids_tenant):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30), policy=st.sampled_from(POLICIES),
        caps=st.lists(caps_strategy, min_size=3, max_size=3), mode=st.sampled_from(["recompute", "swap"]),
-       blocks=st.integers(40, 64), prefix=st.booleans())
-def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, caps, mode, blocks, prefix):
+       blocks=st.integers(40, 64), prefix=st.booleans(), chunked=st.booleans())
+def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, caps, mode, blocks, prefix, chunked):
+    if not chunked:  # without chunking a per-step token cap below max_model_len could never admit a long prompt
+        caps = [{**c, "max_tokens_per_step": None} for c in caps]
     tenants = {t: TenantConfig(**c) for t, c in zip("abc", caps)}
     if policy == "caps" and not any(tc.has_caps for tc in tenants.values()):
         tenants["a"] = TenantConfig(max_running=2)
     engine = make_engine(policy, tenants, num_blocks=blocks, mode=mode, enable_prefix_caching=prefix,
+                         enable_chunked_prefill=chunked, budget=32 if chunked else 64,
                          three_class=ThreeClassConfig(interactive_kv_reserve=0.1, agent_kv_share=0.9))
     ids_tenant, added = {}, []
     for i, (kind, tenant, a, b) in enumerate(ops):
@@ -177,9 +180,12 @@ def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, 
             engine.abort_request(added[a % len(added)])
         else:
             for _ in range(a):
+                known = {r.request_id: r.num_tokens for r in [*engine.scheduler.running, *engine.scheduler.waiting]}
                 engine.step()
                 check_both_tiers(engine)
                 check_caps(engine, tenants, ids_tenant)
+                if not chunked:  # a prefill runs whole or not at all, under every policy
+                    assert all(start + n == known[rid] for rid, start, n in engine.step_log[-1].seqs)
     finals = run_all(engine, each=lambda e: check_caps(e, tenants, ids_tenant))
     for rid, out in finals.items():  # only a request that never started may be turned away by its cap
         if out.outputs[0].finish_reason == "rejected":
