@@ -153,6 +153,34 @@ def test_aborting_a_swapped_out_request_gives_its_host_blocks_back():
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_swap_heavy_traffic_never_preempts_whom_it_just_admitted(seed):
+    """A small pool, a large host tier and a steady trickle of requests: many swap-outs and swap-ins.  A
+    swapped request comes back only if its blocks fit beside what the running requests will need this step;
+    otherwise the step that swapped it in would preempt it again (found by a planted bug that ignored the
+    running requests' reservation, which the random programs above almost never reach)."""
+    import random
+
+    rng = random.Random(seed)
+    engine = make_engine("swap", num_blocks=rng.randint(16, 28), cpu_blocks=64, max_seqs=8, max_len=64)
+    swaps = 0
+    for _ in range(400):
+        if rng.random() < 0.3:
+            engine.add_request({"prompt_token_ids": [rng.randrange(5, 50)] * rng.randint(1, 20)},
+                               SamplingParams(max_tokens=rng.randint(5, 40), ignore_eos=True))
+        if not engine.has_unfinished_requests():
+            continue
+        waiting = {r.request_id for r in engine.scheduler.waiting}
+        engine.step()
+        rec = engine.step_log[-1]
+        assert not waiting & set(rec.preempted), "admitted (or swapped in) and preempted in one step"
+        swaps += rec.swapped_in > 0
+        check_both_tiers(engine)
+    drain(engine)
+    assert_no_leak(engine)
+    assert swaps > 0, "the workload should swap requests back in"
+
+
 def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
     engine = make_engine("swap", num_blocks=40, cpu_blocks=12, max_len=128, budget=64)
     overload(engine)
