@@ -119,6 +119,16 @@ def overload(engine: LLMEngine, n: int = 10, max_tokens: int = 30) -> list[str]:
     ]
 
 
+def step_until_swapped(engine: LLMEngine, max_steps: int) -> Request:
+    """Step until some request sits swapped out in the queue; return the first such request."""
+    for _ in range(max_steps):
+        engine.step()
+        swapped = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
+        if swapped:
+            return swapped[0]
+    raise AssertionError("the workload should swap a request out")
+
+
 def test_swap_mode_swaps_and_every_request_finishes_whole():
     engine = make_engine("swap", num_blocks=40, cpu_blocks=64, max_len=128, budget=64)
     ids = overload(engine)
@@ -136,14 +146,7 @@ def test_aborting_a_swapped_out_request_gives_its_host_blocks_back():
     """The random programs rarely catch a request while it is swapped out; this one does, on purpose."""
     engine = make_engine("swap", num_blocks=40, cpu_blocks=64, max_len=128, budget=64)
     overload(engine)
-    swapped = []
-    for _ in range(500):
-        engine.step()
-        swapped = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
-        if swapped:
-            break
-    assert swapped, "the workload should swap a request out"
-    victim = swapped[0]
+    victim = step_until_swapped(engine, 500)
     held, free_before = len(victim.cpu_block_ids), engine.kv.cpu_pool.num_free
     assert held > 0
     assert engine.abort_request(victim.parent_id or victim.request_id)
@@ -193,13 +196,7 @@ def test_swap_falls_back_to_recompute_when_the_host_tier_is_full():
 def test_swapped_requests_come_back_ahead_of_new_admissions():
     engine = make_engine("swap", num_blocks=20, cpu_blocks=32, max_len=64, budget=64, max_seqs=4)
     overload(engine, n=6, max_tokens=40)
-    for _ in range(200):
-        engine.step()
-        swapped = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
-        if swapped:
-            break
-    assert swapped, "the workload should swap someone out"
-    victim = swapped[0]
+    victim = step_until_swapped(engine, 200)
     assert engine.scheduler.waiting[0] is victim, "a swapped-out request waits at the front"
     engine.add_request({"prompt_token_ids": [3] * 8}, SamplingParams(max_tokens=2, ignore_eos=True), "late")
     while victim.status is RequestStatus.SWAPPED:
