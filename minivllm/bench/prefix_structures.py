@@ -215,13 +215,16 @@ def print_table(rows: list[Row]) -> None:
         )
 
 
+def radix_vs_hash(rows: list[Row]) -> list[tuple[int, Row, Row]]:
+    """``(size, radix row, hash row)`` for every size measured with both structures."""
+    by_key = {(r.size, r.structure): r for r in rows}
+    return [(size, by_key[size, "radix"], by_key[size, "hash"]) for size in sorted({r.size for r in rows})
+            if (size, "radix") in by_key and (size, "hash") in by_key]
+
+
 def print_comparison(rows: list[Row]) -> None:
     """One line per size: how radix compares with the default hash index."""
-    by_key = {(r.size, r.structure): r for r in rows}
-    for size in sorted({r.size for r in rows}):
-        radix, hashed = by_key.get((size, "radix")), by_key.get((size, "hash"))
-        if radix is None or hashed is None:
-            continue
+    for size, radix, hashed in radix_vs_hash(rows):
         ratio = hashed.lookup_us / radix.lookup_us
         faster = "faster" if ratio >= 1 else "slower"
         print(
@@ -265,9 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     print_comparison(rows)
     check_same_hits(rows)
     if args.json:
-        by_key = {(r.size, r.structure): r for r in rows}
-        ratios = {str(size): by_key[size, "hash"].lookup_us / by_key[size, "radix"].lookup_us
-                  for size in sorted({r.size for r in rows}) if (size, "hash") in by_key and (size, "radix") in by_key}
+        ratios = {str(size): hashed.lookup_us / radix.lookup_us for size, radix, hashed in radix_vs_hash(rows)}
         write_result(args.json, {"rows": [{**asdict(r), "lookup_us": r.lookup_us} for r in rows],
                                  "hash_over_radix_match_insert": ratios},
                      "python -m minivllm.bench prefix_structures", argv)
