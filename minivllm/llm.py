@@ -167,19 +167,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True) -> dict:
-        if not isinstance(conversation, list) or not conversation:
-            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
-            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-                raise ValueError(f"a chat message's role and content must be strings, got {m!r}")
-        ids = self.tokenizer.apply_chat_template(
-            conversation, tokenize=True, add_generation_prompt=add_generation_prompt
-        )
-        if hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
-            ids = ids["input_ids"]
-        return {"prompt_token_ids": list(ids)}
+        """One conversation as a prompt dict (``{'prompt_token_ids': [...]}``), via the engine's one chat path."""
+        return {"prompt_token_ids": self.engine.inputs.encode_chat(conversation, add_generation_prompt)}
 
     # -- helpers ---------------------------------------------------------------
     @staticmethod

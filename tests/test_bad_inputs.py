@@ -140,6 +140,10 @@ CASES = [
     ("chat message not a dict", chat(["hi"]), "role"),
     ("chat role not a string", chat([{"role": 1, "content": "hi"}]), "role"),
     ("chat with no messages", chat([]), "conversation"),
+    ("chat content with a lone surrogate", chat([{"role": "user", "content": "bad \ud800 text"}]),
+     "message 0's content is not valid Unicode"),
+    ("chat role with a lone surrogate", chat([{"role": "user", "content": "hi"}, {"role": "\udfff", "content": "x"}]),
+     "message 1's role is not valid Unicode"),
     # sampling limits
     ("n past 128", sp(n=129), "n must"),
     # aborts

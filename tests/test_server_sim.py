@@ -517,3 +517,75 @@ def test_stats_error_reaches_the_caller_instead_of_hanging(monkeypatch: pytest.M
             await asyncio.to_thread(runner.shutdown)
 
     asyncio.run(main())
+
+
+def test_a_cancelled_add_request_is_aborted_not_leaked() -> None:
+    """A client that goes away while its ``add_request`` waits for the loop thread leaves nothing behind.
+
+    The add is queued behind a command that holds the loop thread; the awaiting task is cancelled;
+    the add still runs (commands run in order), and the abort posted on cancellation follows it.
+    Without that abort the request would run to completion for nobody.  Oracle: the abort log,
+    the engine's request table and the block pool.
+    """
+    from minivllm.server.async_engine import AsyncEngine
+
+    engine = _sim_engine()
+    gate = threading.Event()
+
+    async def main() -> None:
+        runner = AsyncEngine(engine, idle_poll_s=0.01)
+        runner.start()
+        try:
+            runner._post(gate.wait)  # the loop thread is busy until the gate opens
+            task = asyncio.create_task(runner.add_request({"prompt_token_ids": [1, 2, 3]},
+                                                          SamplingParams(max_tokens=30, ignore_eos=True), "gone"))
+            await asyncio.sleep(0.05)  # the add is posted, behind the gate
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            gate.set()
+            assert await asyncio.to_thread(runner.wait_idle, 10)
+            assert list(runner.aborted_ids) == ["gone"]
+        finally:
+            gate.set()
+            await asyncio.to_thread(runner.shutdown)
+
+    asyncio.run(main())
+    stats = engine.stats()
+    assert not engine.requests and stats["used_blocks"] == 0
+
+
+def test_type_and_text_errors_name_the_field_in_plain_words(tokenizer):
+    """Wrong JSON types and invalid text get 400s whose message a client can act on, and cost no blocks.
+
+    The bugs this catches: ``"temperature": "0.5"`` answered "should be a valid integer" (the first
+    member of an int-or-float union speaking), and a lone surrogate in a chat message reaching the
+    tokenizer, whose internal error became the message.  Oracle: the messages' words and the pool.
+    """
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=16, max_model_len=256, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer,
+                       model_max_len=256)
+    ok = {"model": "sim", "prompt": "Hello there", "max_tokens": 2, "ignore_eos": True}
+    chat = {"model": "sim", "max_tokens": 2, "ignore_eos": True}
+    with _Served(engine) as srv:
+        def post(path: str, body: dict) -> httpx.Response:
+            return httpx.post(srv.base + path, content=json.dumps(body), timeout=30,
+                              headers={"Content-Type": "application/json"})
+
+        for field, value in (("temperature", "0.5"), ("top_p", True), ("min_p", [0.1])):
+            r = post("/v1/completions", {**ok, field: value})
+            assert r.status_code == 400, (field, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and "valid number" in err["message"], err
+            assert "integer" not in err["message"], err
+        for field, value in (("temperature", 1), ("top_p", 1)):  # a JSON integer is a number
+            assert post("/v1/completions", {**ok, field: value}).status_code == 200, field
+        r = post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "bad \ud800 text"}]})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and "message 0's content is not valid Unicode" in err["message"], err
+        r = post("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "fine"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert srv.async_engine.wait_idle(timeout=30)
+        stats = engine.stats()
+        assert stats["used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0

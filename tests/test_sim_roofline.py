@@ -303,6 +303,48 @@ def test_calibrate_end_to_end_on_a_simulated_device():
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
 
 
+class _HostBoundExecutor(RooflineExecutor):
+    """A forward pass with a known cost to the host: 20 ms of CPU, 30 ms asleep, 8 MiB of fresh memory touched."""
+
+    def execute(self, batch):
+        import time
+
+        end = time.thread_time() + 0.020
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.030)
+        fresh = b"\x01" * (8 << 20)  # a new mapping, every page written: about 2,048 minor faults
+        del fresh
+        return super().execute(batch)
+
+
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="per-thread getrusage is Linux's")
+def test_recorded_steps_carry_what_they_cost_the_host():
+    """sim_accuracy's step logs say whether a slow step *ran* slower or *waited*: each recorded forward pass
+    carries its thread's CPU time, minor page faults and involuntary switches.  Oracle: a forward pass that
+    spins 20 ms of CPU, sleeps 30 ms and writes 8 MiB of new memory -- CPU time must read about 20 ms (not
+    the 50 ms of wall time), and the faults must show the fresh pages."""
+    from minivllm.bench.sim_accuracy import step_log
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, calibration_grid, measure
+
+    shape = model_preset("smollm2-135m").with_dtype(4)
+    cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=64, max_model_len=1024,
+                       device="cpu")
+    engine = LLMEngine(cfg, executor=_HostBoundExecutor(shape, hardware_preset("h100")), model_max_len=1024,
+                       eos_token_ids=set())
+    engine.executor = RecordingExecutor(engine.executor)
+    samples, _ = measure(engine, calibration_grid(shape.vocab_size)[0])  # one lone 16-token prefill
+    assert len(samples) == 1 and samples[0].host is not None
+    host = samples[0].host
+    assert 0.020 <= host.cpu_s < 0.045, host  # the spin, plus faulting 8 MiB in; never the 30 ms asleep
+    assert host.minor_faults >= 1500, host
+    assert host.involuntary_switches >= 0
+    row = step_log(samples)[0]
+    assert row[2] == [[0, 16, True]] and row[3] == [host.cpu_s, host.minor_faults, host.involuntary_switches]
+
+
 @pytest.mark.parametrize("factor", [1.0, 1.25])
 def test_drift_probe_reads_a_known_slowdown(factor):
     """sim_accuracy's drift probe, on a "device" that is a roofline: calibrate on it, then slow it by a known

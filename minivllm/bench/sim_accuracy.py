@@ -107,13 +107,18 @@ def compare(runs: list[dict], m_sim: dict) -> dict:
 
 
 def step_log(samples) -> list:
-    """Each real step as ``[began_s, seconds, [[start, tokens, completes_prompt], ...]]``, kept in the JSON.
+    """Each real step as ``[began_s, seconds, [[start, tokens, completes_prompt], ...], host]``, kept in the JSON.
 
+    ``host`` is ``[cpu_s, minor_faults, involuntary_switches]`` of the forward pass
+    (:class:`~minivllm.sim.calibrate.HostUsage`), or null where it was not recorded.
     Why: a miss on a lent GPU can then be taken apart step by step on any
-    machine afterwards -- which shapes of step the profile predicts too fast --
-    without another lease (the per-run metrics alone only say *that* it missed).
+    machine afterwards -- which shapes of step the profile predicts too fast, and
+    whether a slow step was the host running slower or waiting -- without another
+    lease (the per-run metrics alone only say *that* it missed).
     """
-    return [[round(s.start_s, 7), round(s.time_s, 7), [list(q) for q in s.seqs]] for s in samples]
+    return [[round(s.start_s, 7), round(s.time_s, 7), [list(q) for q in s.seqs],
+             None if s.host is None else [s.host.cpu_s, s.host.minor_faults, s.host.involuntary_switches]]
+            for s in samples]
 
 
 def within_10pct(rows: dict, key: str = "rel_error") -> list[bool]:

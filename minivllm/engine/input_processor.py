@@ -152,3 +152,37 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt encodes to zero tokens")
         return text, ids
+
+    def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation rendered by the model's chat template, validated (``ValueError``).
+
+        The one chat path: :meth:`minivllm.LLM.chat` and the server's
+        ``/v1/chat/completions`` both come here, so a conversation tokenizes the
+        same way whichever door it comes through.  The template's text is
+        encoded without adding special tokens: the template already wrote them.
+        Thread-safe, like :meth:`encode`.
+        """
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        if not isinstance(conversation, list) or not conversation:
+            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
+        for i, m in enumerate(conversation):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+            if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+                raise ValueError(f"a chat message's role and content must be strings, got {m!r}")
+            for field in ("role", "content"):
+                try:
+                    m[field].encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"message {i}'s {field} is not valid Unicode text "
+                                     f"(a lone surrogate at {exc.start}?)") from exc
+        try:
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages is the caller's input
+            raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError("the conversation encodes to zero tokens")
+        return list(ids)

@@ -465,10 +465,10 @@ class OpenAIServer:
                 content = "".join(part.text or "" for part in content)
             conversation.append({"role": m.role, "content": content or ""})
         try:
-            ids = await asyncio.to_thread(self._apply_template, conversation, bool(req.add_generation_prompt))
-        except Exception as exc:  # noqa: BLE001 - a template that refuses these messages is the caller's input
-            raise APIError(400, f"cannot apply the chat template to these messages: {exc}", "invalid_request_error",
-                           "messages", "invalid_value")
+            ids = await asyncio.to_thread(self.engine.engine.inputs.encode_chat, conversation,
+                                          bool(req.add_generation_prompt))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", "messages", "invalid_value")
         prompt = self._with_salt({"prompt_token_ids": ids}, tenant, req.cache_salt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self._sampling_params(req, max_tokens)
@@ -487,13 +487,6 @@ class OpenAIServer:
             return self._stream_chat(request_id, model, created, out, stream, include_usage)
 
         return await self._run(request, prompt, params, tenant, "chatcmpl", bool(req.stream), body)
-
-    def _apply_template(self, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise ValueError("the conversation encodes to zero tokens")
-        return list(ids)
 
     # -- streaming bodies -------------------------------------------------------------
     async def _outputs(self, first: RequestOutput, stream: RequestStream) -> AsyncIterator[RequestOutput]:

@@ -17,7 +17,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-Number = Union[StrictInt, StrictFloat]
+# A real number, strictly: ints are accepted (and become floats), strings and bools are not.  One type
+# rather than ``Union[StrictInt, StrictFloat]``, whose first member's error ("should be a valid integer")
+# is what a client sending ``"temperature": "0.5"`` would read.
+Number = StrictFloat
 
 
 class StreamOptions(BaseModel):
