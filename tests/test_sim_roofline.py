@@ -211,6 +211,44 @@ def test_refit_and_resimulate_reproduce_the_recorded_gpu_run(profile, result):
         assert redone["workloads"][name]["real"] == row["real"]
 
 
+def test_explain_takes_a_recorded_run_apart_step_by_step():
+    """``sim_accuracy --explain`` on the recorded H200 run: every logged step is counted once under its kind, and
+    the real/predicted medians and the step-to-step repeatability equal a brute-force recomputation from the
+    step logs with the roofline (the oracle: ``roofline_time`` on each step's shape, sorted by hand).  A
+    synthetic result with host usage fills the host columns."""
+    import json
+    import pathlib
+
+    from minivllm.bench.sim_accuracy import explain, format_explain
+    from minivllm.sim.roofline import step_cost
+
+    results = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
+    doc = json.loads((results / "2026-11-30_nvidia-h200_llama1b_profile_run2.json").read_text())
+    stored = json.loads((results / "2026-11-30_nvidia-h200_sim_accuracy_llama1b_run2.json").read_text())
+    rows = explain(stored, doc)
+    shape, spec = ModelShape(**doc["model"]), HardwareSpec.from_dict(doc["hardware"])
+    for name, w in stored["workloads"].items():
+        logs = w["real_step_logs"]
+        prompt = [s for log in logs for s in log if any(q[1] > 1 for q in s[2])]
+        decode = [s for log in logs for s in log if all(q[1] == 1 for q in s[2])]
+        assert rows[name]["prompt"]["steps"] == len(prompt) and rows[name]["decode"]["steps"] == len(decode)
+        ratios = sorted(s[1] / roofline_time(step_cost(shape, [tuple(q) for q in s[2]], 0, 16), shape, spec).total
+                        for s in prompt)
+        assert rows[name]["prompt"]["real_over_pred_p50"] == pytest.approx(ratios[len(ratios) // 2])
+        moved = sorted(abs(b[1] / a[1] - 1) for a, b in zip(*logs) if a[2] == b[2] and any(q[1] > 1 for q in a[2]))
+        assert rows[name]["prompt"]["same_step_moved_max"] == pytest.approx(moved[-1])
+        assert "cpu_over_wall_p50" not in rows[name]["prompt"]  # recorded before host usage was
+    # the H200's miss, in one line: decode steps as predicted, the decode-heavy workload's prompt steps 1.5x slower
+    assert 0.9 < rows["decode_heavy"]["decode"]["real_over_pred_p50"] < 1.1
+    assert rows["decode_heavy"]["prompt"]["real_over_pred_p50"] > 1.3
+    synthetic = {"workloads": {"w": {"real_step_logs": [[[0.0, 0.02, [[0, 64, True]], [0.015, 300, 2]],
+                                                         [0.02, 0.01, [[64, 1, True]], [0.01, 0, 0]]]]}}}
+    host = explain(synthetic, doc)["w"]
+    assert host["prompt"]["cpu_over_wall_p50"] == pytest.approx(0.75) and host["prompt"]["minor_faults"] == 300
+    assert host["prompt"]["involuntary_switches"] == 2 and host["decode"]["cpu_over_wall_p50"] == pytest.approx(1.0)
+    assert "prompt" in format_explain(rows) and "0.75" in format_explain({"w": host})
+
+
 def test_roof_corner_by_hand():
     from minivllm.sim.roofline import combine
 

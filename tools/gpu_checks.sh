@@ -75,6 +75,8 @@ step e2e_parity 50 $PY -m minivllm.bench gpu_e2e --model "$MODEL" --arch $ARCH -
 # 5. issue 11: calibrate the simulator on this GPU and validate it on the held-out workloads
 step sim_accuracy 240 $PY -m minivllm.bench sim_accuracy --model "$MODEL" "${DEV[@]}" --dtype $DT \
      "${SIM[@]}" --out "$WORK/sim_accuracy_$ARCH.json" --save-profile "$WORK/profile_$ARCH.json"
+#    (back on any machine, a miss taken apart step by step, with each forward pass's host usage:
+#     python -m minivllm.bench sim_accuracy --explain sim_accuracy_$ARCH.json --profile profile_$ARCH.json)
 # 6. issue 11: what a step that carries a prompt costs the host (launches, tensor operations, idle gaps),
 #    and a decode step with CUDA graphs off beside the graphed one (lab 7, section 4)
 step eager_step 90 $PY -m minivllm.bench eager_step --model "$MODEL" "${DEV[@]}" --dtype $DT --prompt-len 64 \

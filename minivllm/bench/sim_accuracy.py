@@ -267,6 +267,76 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
             "seconds": time.perf_counter() - t_start, "_profile": doc}
 
 
+def explain(result: dict, doc: dict) -> dict:
+    """Take a stored result's misses apart step by step: each recorded real step against the profile's prediction.
+
+    Per workload and kind of step (``prompt``: any sequence computes more than one token; ``decode``:
+    every sequence one), the median and 90th percentile of real / predicted time, and the real
+    steps' median duration; where two runs scheduled a step identically, how much the engine's own
+    time for that same step moved between them (median and max of |run 2 / run 1 - 1|).  And, for
+    results recorded with host usage (:class:`~minivllm.sim.calibrate.HostUsage`), the forward
+    passes' CPU time over their wall time and their page faults and involuntary switches.  Why:
+    a TTFT miss is a statement about prompt steps; this says whether the profile predicts them too
+    fast on average (the model) or the engine itself does not repeat them (the machine).
+    """
+    from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
+
+    shape, spec = ModelShape(**doc["model"]), HardwareSpec.from_dict(doc["hardware"])
+    block = doc.get("engine", {}).get("block_size", 16)  # a result's own calibration block carries no engine
+
+    def kind(seqs) -> str:
+        return "prompt" if any(n > 1 for _, n, _ in seqs) else "decode"
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    rows = {}
+    for name, w in result["workloads"].items():
+        logs = w.get("real_step_logs") or []
+        by_kind: dict[str, dict] = {}
+        for log in logs:
+            for step in log:
+                seqs = [tuple(q) for q in step[2]]
+                pred = roofline_time(step_cost(shape, seqs, 0, block), shape, spec).total
+                k = by_kind.setdefault(kind(seqs), {"ratio": [], "real": [], "host": []})
+                k["ratio"].append(step[1] / pred)
+                k["real"].append(step[1])
+                if len(step) > 3 and step[3] is not None:
+                    k["host"].append((step[1], *step[3]))
+        if len(logs) >= 2:
+            for a, b in zip(logs[0], logs[1]):
+                if a[2] == b[2] and a[1] > 0:
+                    by_kind[kind(a[2])].setdefault("repeat", []).append(abs(b[1] / a[1] - 1))
+        out = {}
+        for k, v in by_kind.items():
+            row = {"steps": len(v["real"]), "real_over_pred_p50": pct(v["ratio"], 0.5),
+                   "real_over_pred_p90": pct(v["ratio"], 0.9), "real_ms_p50": 1e3 * pct(v["real"], 0.5)}
+            if v.get("repeat"):
+                row.update(same_step_moved_p50=pct(v["repeat"], 0.5), same_step_moved_max=max(v["repeat"]))
+            if v["host"]:
+                row.update(cpu_over_wall_p50=pct([c / t for t, c, _, _ in v["host"] if t > 0], 0.5),
+                           minor_faults=sum(f for _, _, f, _ in v["host"]),
+                           involuntary_switches=sum(s for _, _, _, s in v["host"]))
+            out[k] = row
+        rows[name] = out
+    return rows
+
+
+def format_explain(rows: dict) -> str:
+    lines = [f"{'workload':<20} {'kind':<7} {'steps':>5} {'real/pred p50':>13} {'p90':>6} {'real p50':>9} "
+             f"{'same step moved p50/max':>24} {'cpu/wall':>9} {'faults':>7} {'inv.sw':>6}"]
+    for name, kinds in rows.items():
+        for k, r in sorted(kinds.items()):
+            moved = (f"{100 * r['same_step_moved_p50']:.1f}% / {100 * r['same_step_moved_max']:.1f}%"
+                     if "same_step_moved_p50" in r else "-")
+            host = (f"{r['cpu_over_wall_p50']:>9.2f} {r['minor_faults']:>7} {r['involuntary_switches']:>6}"
+                    if "cpu_over_wall_p50" in r else f"{'-':>9} {'-':>7} {'-':>6}")
+            lines.append(f"{name:<20} {k:<7} {r['steps']:>5} {r['real_over_pred_p50']:>13.3f} "
+                         f"{r['real_over_pred_p90']:>6.2f} {r['real_ms_p50']:>7.1f}ms {moved:>24} {host}")
+    return "\n".join(lines)
+
+
 def format_table(rows: dict) -> str:
     head = f"{'workload':<20} {'metric':<9} {'real':>9} {'sim':>9} {'error':>7} {'real spread':>12} {'drift-adj.':>10}"
     lines = [head, "-" * len(head)]
@@ -302,7 +372,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resimulate", default=None, metavar="RESULT",
                     help="run no real engine: re-simulate this stored result's workloads with --profile (e.g. a GPU "
                          "run re-judged after `minivllm sim calibrate --refit`) and compare with its recorded real runs")
+    ap.add_argument("--explain", default=None, metavar="RESULT",
+                    help="run nothing: compare this stored result's recorded real steps, one by one, with the "
+                         "predictions of --profile (default: the result's own calibration) (real / predicted per kind of step, the engine's own step-to-step repeatability, "
+                         "host usage where recorded)")
     args = ap.parse_args(argv)
+    if args.explain:
+        with open(args.explain, encoding="utf-8") as fh:
+            result = json.load(fh)
+        from minivllm.sim.presets import load_profile
+
+        print(format_explain(explain(result, load_profile(args.profile) if args.profile else result["calibration"])))
+        return 0
     if args.resimulate:
         if not args.profile:
             ap.error("--resimulate needs --profile (the profile JSON with the model shape and fitted hardware)")
