@@ -304,10 +304,18 @@ class Fleet:
                 ex = engines[k].executor
                 if not engines[k].has_unfinished_requests() and ex.clock < a.time:
                     ex.clock = a.time  # an idle replica waits for the arrival
-                engines[k].add_request({"prompt_token_ids": list(a.prompt)},
-                                       SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
-                                       a.request_id, tenant=a.tenant, arrival_time=a.time)
                 placement[a.request_id], by_id[a.request_id], order[a.request_id] = k, a, len(order)
+                try:
+                    engines[k].add_request({"prompt_token_ids": list(a.prompt)},
+                                           SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                                           a.request_id, tenant=a.tenant, arrival_time=a.time)
+                except ValueError as exc:  # refused at the door (e.g. longer than the replica's max_model_len):
+                    # an error for this request, as HTTP 400 is and as drive() records it; the run goes on
+                    results[a.request_id] = RequestResult(order[a.request_id], a.tenant, a.time, len(a.prompt),
+                                                          a.max_tokens, outcome="error", start=a.time, error=str(exc),
+                                                          prompt_tokens=len(a.prompt))
+                    outputs[a.request_id], cached[a.request_id] = [], 0
+                    continue
                 remaining[a.request_id] = len(a.prompt) + a.max_tokens
                 streamed[a.request_id] = 0
                 loads[k] += remaining[a.request_id]

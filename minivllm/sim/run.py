@@ -123,6 +123,11 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             nxt = t0 + requests[i].arrival
             if advance is not None:
                 advance(nxt)
+                if ex.now() < nxt - 1e-9 or nxt <= now:  # no progress: the same idle wait would repeat forever
+                    raise RuntimeError(f"drive is stuck: the engine is idle at {now - t0:.6f} s and request "
+                                       f"{requests[i].index} (arrival {requests[i].arrival:.6f} s) was not added; "
+                                       f"the executor's advance_to({nxt - t0:.6f}) left the clock at "
+                                       f"{ex.now() - t0:.6f}")
             else:
                 time.sleep(max(0.0, nxt - ex.now()))
             continue
