@@ -38,8 +38,9 @@ FAIR_STEP = dict(fixed_overhead_s=0.010, per_token_s=0.0001, per_context_token_s
 # The three-class workload's step time on THIS machine: the real engine (SmolLM2-135M, fp32, one CPU thread,
 # process CPU time) measured by ``calibrate_step()`` on 2026-11-30 and fitted to the simulator's cost model
 # (max relative error 15%).  A single decode step costs 70 ms here: more than the interactive ITL SLO.
-# Kept as measured (lab 6's narrative is built on it); after the oneDNN projections (issue 12) the same core
-# measures about 34 ms + 2.4 ms/token + 18 us/context token (``calibrate_step()``, max relative error 13%).
+# Kept as measured (lab 6's narrative is built on it).  Re-measured on 2026-12-01 after the oneDNN projections
+# (``python -m minivllm.bench fairness --calibrate``, benchmarks/results/2026-12-01_cpu-2core_fairness_calibrate.json):
+# 59 ms + 1.6 ms/token + 8 us/context token (max relative error 9%): a lone decode step still costs 66 ms.
 CLASS_STEP = dict(fixed_overhead_s=0.0662, per_token_s=0.00307,
                   per_context_token_s=2.98e-05)
 CLASS_STEP_GPU_LIKE = dict(fixed_overhead_s=0.008, per_token_s=0.00003, per_context_token_s=2e-8)  # the earlier guess
@@ -359,6 +360,28 @@ def slo_report(res: Run, slos: dict) -> dict:
     return out
 
 
+def calibrate_main(out: Path | None) -> int:
+    """``--calibrate``: this machine's step cost now, beside the one lab 6's CPU mix was sized with."""
+    t0 = time.perf_counter()
+    got = calibrate_step()
+    for row in got["samples"]:
+        print(f"  {row['kind']:<7} {row['seqs']:>2} x {row['context']:>4} tokens: measured {row['measured_s'] * 1e3:7.1f} ms, "
+              f"fitted {row['fitted_s'] * 1e3:7.1f} ms")
+    step = got["step"]
+    print(f"fitted: {step['fixed_overhead_s'] * 1e3:.1f} ms + {step['per_token_s'] * 1e3:.2f} ms/token + "
+          f"{step['per_context_token_s'] * 1e6:.1f} us/context token (max relative error {got['max_rel_error']:.0%}); "
+          f"CLASS_STEP: {CLASS_STEP['fixed_overhead_s'] * 1e3:.1f} ms + {CLASS_STEP['per_token_s'] * 1e3:.2f} ms/token + "
+          f"{CLASS_STEP['per_context_token_s'] * 1e6:.1f} us/context token ({time.perf_counter() - t0:.0f} s)")
+    if out:
+        from minivllm.bench.results import write_result
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_result(out, {"benchmark": "fairness --calibrate", "calibrated": got, "class_step": CLASS_STEP},
+                     "python -m minivllm.bench fairness")
+        print(f"wrote {out}")
+    return 0
+
+
 def main() -> int:
     from minivllm.config import TenantConfig
 
@@ -367,7 +390,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="only time the real engine on this machine (calibrate_step: one thread, CPU time) and print "
+                         "the fitted step cost beside the CLASS_STEP the lab's mix uses; --out writes it")
     args = ap.parse_args()
+    if args.calibrate:
+        return calibrate_main(args.out)
     t0 = time.perf_counter()
     budget, blocks = 2048, 1024
     caps = {"*": TenantConfig(max_kv_share=0.5, max_tokens_per_step=budget // 2, max_running=64)}

@@ -69,7 +69,21 @@ are the engine's:
 | `incref(b)` | one more holder; `ValueError` if `b` is free |
 | `decref(b)` | one holder fewer; `ValueError` if already free (double free); at 0 the block goes to the **back** of the free list and `decref` returns `True`, else `False` |
 
-*Hint:* `collections.deque` has `popleft()` and `append()`.
+<details><summary>Hint 1</summary>
+
+Two pieces of state: the free list, whose *order* matters (blocks leave at the front and return at the back), and
+one count per block. A count of 0 and "on the free list" must always agree.
+</details>
+<details><summary>Hint 2</summary>
+
+`collections.deque` takes from the front (`popleft()`) and adds at the back (`append()`) in constant time; a
+list's `pop(0)` shifts every element.
+</details>
+<details><summary>Hint 3</summary>
+
+`incref` and `decref` both look at the count *before* changing it: 0 means the block is free, and touching a free
+block is the caller's bug, so refuse it. `decref`'s return value answers "did this drop free the block?".
+</details>
 
 **Why FIFO?** Not for caching. (vLLM's free queue doubles as its prefix cache's LRU list, so there a freed block
 keeps its KV and the order decides what is forgotten first.) In minivllm the prefix cache holds its **own**

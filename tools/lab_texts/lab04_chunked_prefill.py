@@ -65,9 +65,10 @@ first token** (TTFT) grows. The lesson's claim, which this lab measures: *chunki
 for everyone else's inter-token latency (ITL).*
 
 The cost model is the GPU-like one of lab 1: a step costs 15 ms plus 0.02 ms per token in it, so a decode step is
-~15 ms and the 8,192-token prefill step ~180 ms ("hundreds of milliseconds" for 64K tokens on a real GPU). Below,
-the same small scene — chat requests (`c*`) streaming, one long prompt `L0` arriving at 0.3 s — drawn from the
-engine's step log, x = time: first with the whole prompt in one step, then with a budget of 512 tokens.
+~15 ms and the 8,192-token prefill step ~180 ms ("hundreds of milliseconds" to seconds for 64K tokens on a real GPU,
+section 10). Below, the same small scene — chat requests (`c*`) streaming, one long prompt `L0` arriving at 0.3 s —
+drawn from the engine's step log, x = time: first with the whole prompt in one step, then with a budget of 512
+tokens.
 """),
 ("code", r"""
 PICTURE = mixed_arrivals(num_long=1, long_every_s=0.6, first_long_s=0.3, chat_every_s=0.1, chat_output=(30, 50),
@@ -263,10 +264,11 @@ read off the table:
 * **p50 is blind.** The median gap is ~15 ms in every row down to 512; the stalls live in the tail. (Five long
   prompts make ~1.6 % of all gaps stalls, so p99 catches them; with one long prompt, as in section 1, p99 misses
   it and only the worst gap tells.)
-* **Too little and long prompts starve.** At 256 and 128 tokens per step the engine computes less prompt per second
-  than arrives: the long TTFT explodes (queueing), and so does the TTFT of *chat* requests, which now wait for budget
-  to be admitted. Every step is full, so even p50 rises.
-* **Chat TTFT p99 ≈ the long TTFT in every row down to 512** — with nothing capping a request's chunk, a short
+* **Too little and long prompts starve.** At 128 tokens per step the engine computes less prompt per second than
+  arrives: the long TTFT explodes (queueing), and so does the TTFT of *chat* requests, which now wait for budget to
+  be admitted. At 256 it still keeps up — the long TTFT is just its many chunk steps — but every step is full, so
+  even p50 rises.
+* **Chat TTFT p99 ≈ the long TTFT in every row down to 256** — with nothing capping a request's chunk, a short
   prompt that arrives during a long prefill waits for it to finish. That is what the per-request cap is for.
 
 ## 5. Tuning row 1 — chunk size (`long_prefill_token_threshold`)
@@ -355,9 +357,9 @@ for target in (0.030, 0.020, 0.010):
 """),
 ("md", r"""
 At 60 ms the pick keeps ~97 % of the throughput of the largest step. Tighter targets cost more and more: at 20 ms
-only the starving budgets qualify (check their long TTFT in the table) — that target needs a different fix (a
-smaller chunk with the budget kept, more hardware, or fewer long prompts per replica). And note what the ITL came
-from: the pick is only as good as the workload you measured. Tune on your own traffic mix.
+only the starving budget of 128 tokens qualifies (check its long TTFT in the table) — that target needs a different
+fix (a smaller chunk with the budget kept, more hardware, or fewer long prompts per replica). And note what the ITL
+came from: the pick is only as good as the workload you measured. Tune on your own traffic mix.
 
 ## 7. A prefix-cache hit shortens the block
 
@@ -451,9 +453,11 @@ torch.set_num_threads(threads)
 ("md", r"""
 Same direction as the simulation: chunking raises the long prompt's TTFT, and the steps that carry its prefill —
 each one a wait for every stream — get much shorter. On a CPU the gain is smaller than on a GPU: a CPU step's time
-grows with its tokens almost from the first token, so chunks cost nearly as much per token as the whole prompt, and
-decode steps are expensive anyway. Wall-clock numbers are noisy on a busy machine (a worst gap can come from anything
-else the machine does); the median step is the robust number.
+grows with its tokens almost from the first token, so the chunks together cost more than the whole prompt did (each
+step also pays the fixed cost of reading the weights), and decode steps are expensive anyway. Unlike section 4's
+simulation, the decoders' *median* gap can rise here too: with a handful of streams and a long prompt in chunks,
+most of their gaps sit beside a chunk, so p50 is no longer blind. Wall-clock numbers are noisy on a busy machine (a
+worst gap can come from anything else the machine does); the median step is the robust number.
 """),
 ("md", r"""
 ## 10. At scale: the same policy on an H100
@@ -504,7 +508,7 @@ for b in (1024, 8192):
 print(f"your pick_budget for a p99 ITL <= {TARGET * 1000:.0f} ms: {picker(lambda b: at[b], AT_BUDGETS, TARGET)}")
 """),
 ("md", r"""
-Simulated on the H100 preset, three things differ from the small model of sections 4–6:
+Simulated on the H100 preset, four things differ from the small model of sections 4–6:
 
 * **An 8K-token step is not a short stall.** 8,192 prompt tokens of an 8B model are ~1.3 × 10¹⁴ FLOPs: ~190 ms on
   this preset, so a budget of 8,192 gives the decoders a p99 ITL near 300 ms, five times the interactive 60 ms
@@ -515,7 +519,9 @@ Simulated on the H100 preset, three things differ from the small model of sectio
   The 32K prompt's TTFT goes from ~1.1 s (whole) to ~1.2 s at 1,024. Section 4's model charged 15 ms per step, which
   made chunking look far dearer. Only at 256 tokens, where steps are memory bound again, does the TTFT climb.
 * **The ITL grows in proportion to the budget** once a step is compute bound (~45 ms per 1K tokens here), so halving
-  the chunk halves the stall — a straight line on this log-log plot.
+  the chunk halves the stall — a straight line on this log-log plot up to a few thousand tokens. Above that the p99
+  line bends (16K: 1.5× of 8K): each long prompt then takes only a few steps, so fewer of the gaps are stalls for the
+  p99 to land on. Read the worst gap for the stall itself.
 * **The seed's 64K-token prefill** "occupies the GPU for hundreds of milliseconds": ~0.6 s for a 1B model on this
   preset, ~2.9 s for the 8B one (attention's cost grows with the square of the length, so 64K costs more than twice
   32K). Unchunked, every decoding stream would freeze that long.

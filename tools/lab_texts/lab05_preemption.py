@@ -226,10 +226,10 @@ for name, r in policies.items():
     print(f"{name:22s} TTFT p99 per tenant: " + ", ".join(f"{t} {v:.2f} s" for t, v in p99.items()))
 """),
 ("md", r"""
-The chat tenant's preemption rate drops to zero; the preemptions did not disappear, they moved to the tenants that
-can afford them (mostly `agent`, whose long prompts in chunked prefill have the least computed work at any moment).
-Total recomputed work even grows a little. Notice also what *did not* improve much: chat latency. In an overloaded
-server the queue, not preemption, dominates latency — which is what exercise 3 addresses.
+The chat tenant's preemption rate drops to zero; the preemptions did not disappear, they moved, all of them, to
+`agent`, whose long prompts in chunked prefill have the least computed work at any moment (batch's rate fell to zero
+too). Total recomputed work even grows, by about a third. Notice also what *did not* improve much: chat latency. In
+an overloaded server the queue, not preemption, dominates latency — which is what exercise 3 addresses.
 
 ## ✏️ Exercise 2 — swap or recompute?
 
@@ -459,8 +459,9 @@ show(modes)
 """),
 ("md", r"""
 The door rejects about as many requests as the engine's reject mode, but for another reason — the queue, not the
-worst case — so the requests it admits can still be preempted (less often than without it, since fewer run at once). Both keep the p99 latency of what they
-serve at a few seconds instead of 17.
+worst case — so the requests it admits can still be preempted: fewer preemptions in total, since fewer requests
+run, but not fewer per admitted request (read the rates above: chat's and batch's go *up*; an admitted request meets
+a fuller engine). Both keep the p99 latency of what they serve at a few seconds instead of 17.
 
 ### Reject as an autoscaling signal
 

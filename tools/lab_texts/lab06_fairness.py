@@ -58,7 +58,7 @@ quiet's tokens and more than the engine can serve, so its backlog grows for as l
 ```
  waiting queue (FCFS)                        running (token budget 2,048 per step, KV pool 1,024 blocks)
  ┌────┬────┬────┬────┬────┬────┬────┐        ┌──────────────────────────────────────────────┐
- │ N  │ N  │ q  │ N  │ N  │ q  │ N  │ ──────►│ N N N N N N N N ... (long prefills, 74% KV)  │
+ │ N  │ N  │ q  │ N  │ N  │ q  │ N  │ ──────►│ N N N N N N N N ... (long prefills, 77% KV)  │
  └────┴────┴────┴────┴────┴────┴────┘        └──────────────────────────────────────────────┘
    a quiet request (q) waits behind every noisy request (N) that arrived before it:
    its TTFT is the noisy backlog's drain time, not its own 0.05 s of work
@@ -249,8 +249,10 @@ for name, policy in [("fcfs", {}), ("wfq", wfq_policy(VTC and VTC({}), budget=51
           + f"   Jain's index {jain(list(service.values())):.3f}")
 """),
 ("md", r"""
-WFQ brings quiet's p95 TTFT back to within a couple of steps of its solo value, like the binding cap — but noisy's
-throughput does **not** drop: WFQ is work-conserving. Whenever quiet has nothing waiting, noisy gets everything;
+WFQ brings quiet's p95 TTFT back to within a couple of steps of its solo value, like the binding cap — but nothing
+is left idle: noisy loses only the tokens quiet now gets (read the tok/s column: the two tenants' total stays about
+where FCFS had it), while the binding cap idled capacity. WFQ is work-conserving. Whenever quiet has nothing waiting,
+noisy gets everything;
 when quiet has work, it goes first because its counter is lower. On the backlogged workload FCFS gives the tenant
 with the biggest requests most of the service (Jain ≈ 0.57); WFQ equalises it (Jain ≈ 1.0). Weights change the
 shares, not the principle: give a tenant weight 2 and it gets twice the tokens while both are backlogged.
@@ -428,7 +430,7 @@ changed, only its patience.
 Cancelling the abandoned request (dashed) removes most of the waste: at `T = 2 s` app sends 18 requests, all 15 jobs
 get done and quiet is no worse off than beside the patient client. It does not make app faster: a resent request
 starts again at the back of the queue, and with a timeout below 1.5 s most jobs fail. (There quiet even does
-better than beside the patient client — because app has stopped getting anything done.) The client's own fixes
+better than beside the patient client — because app now gets only 5 of its 15 jobs done.) The client's own fixes
 are a timeout above the server's real latency and cancellation when it gives up. The server cannot count on either.
 
 ### The server's defences
@@ -465,7 +467,8 @@ for name, policy, client in defences:
 * **A cap that waits** isolates quiet too, and makes the storm worse *for app*: its abandoned requests keep its two
   seats, so its retries queue behind its own abandoned work. 2 of 15 jobs get done.
 * **A cap that rejects** makes an over-cap request cost nothing: turned away at once, it spends no tokens (0% for
-  nobody; the server does exactly the patient run's 46k tokens). What the client does with the answer decides the
+  nobody: the server works only on jobs that get done — 23k tokens when the client retries at once, exactly the
+  patient run's 46k when it honours the hint). What the client does with the answer decides the
   rest. Retrying at once burns its 5 sends in 5 steps: 7 of 15 jobs done. Honouring the hint gets all 15 done with
   2.1 requests per job. The price is the cap's price from exercise 1: it binds, so app's jobs wait longer (p95 26 s)
   while capacity idles.
@@ -496,9 +499,11 @@ Assemble it for our three tenants: map each tenant to its class, and pick the kn
 workload below (60 s of chats at 0.5/s with 20–60-token prompts, agent calls at 0.25/s on a shared 300-token
 preamble, and 6 batch prompts of 300–600 tokens queued at t = 0) runs on the simulated executor **calibrated to this
 course's CPU machine**: `CLASS_STEP` was fitted to the bundled SmolLM2-135M's real step times on one CPU core
-(`minivllm.bench.fairness.calibrate_step`: 66 ms per step, 3.1 ms per token). That was before the engine's
-projections moved to oneDNN; the same core now measures about 34 ms per step and 2.4 ms per token — run
-`calibrate_step()` for your machine and pass its `"step"` to the simulator to see which conclusions move. Prefix
+(`minivllm.bench.fairness.calibrate_step`: 66 ms per step, 3.1 ms per token). Re-measured on the final engine
+(`python -m minivllm.bench fairness --calibrate`, committed in
+`benchmarks/results/2026-12-01_cpu-2core_fairness_calibrate.json`): 59 ms per step and 1.6 ms per token — a lone
+decode step still takes 66 ms, prompt tokens cost half as much. Run `calibrate_step()` for your machine and pass
+its `"step"` to the simulator to see which conclusions move. Prefix
 caching is on for both policies, so the comparison is about scheduling alone. Change the knobs and rerun.
 """),
 ("code", r"""
@@ -519,12 +524,14 @@ Read the TTFT columns first. Under FCFS the batch backlog sits in front of every
 is many seconds and a quarter to a third of them miss. The three-class policy meets the TTFT SLO for (nearly) every interactive
 and agent request, and the batch tier still finishes at the same time — its cost is the latency nobody promised it.
 
-Now the ITL columns: **no policy meets the ITL SLOs on this machine**, and none could. On the calibrated machine a
-lone decode step of the 135M model takes about 70 ms, already above the interactive SLO of 60 ms, and every step that also
-carries a prefill chunk is several times longer. The seed lesson's numbers assume a GPU. This is the point of naming
-the metric: a scheduler moves latency *between* tenants; it cannot make the hardware faster. When a promise is
-below the hardware's floor, the fix is capacity (a GPU, a smaller model, fewer prefill tokens per step), not a
-policy.
+Now the ITL columns: **no policy meets the interactive ITL SLO on this machine**, and none could. On the calibrated
+machine a lone decode step of the 135M model takes about 70 ms, already above the interactive SLO of 60 ms, and
+every step that also carries a prefill chunk is several times longer. The agent's 120 ms is within reach of a lone
+decode but not of a step beside prefill chunks: only a quarter to a third of agent calls meet both SLOs, and
+`three_class`, which starts agent calls earlier — next to the batch prefills — even raises the agent's ITL p95. The
+seed lesson's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*
+tenants; it cannot make the hardware faster. When a promise is below the hardware's floor, the fix is capacity (a
+GPU, a smaller model, fewer prefill tokens per step), not a policy.
 
 ### The same mix where the hardware can keep the promise
 
@@ -611,8 +618,9 @@ tasks' last calls past its end). On this CPU decode is most of an agent's task: 
 ## 5. The real model: policies change when, never what
 
 Everything above was simulated. On the bundled model, two long noisy prompts arrive just before two short quiet ones,
-with a token budget of 32 per step: under FCFS the quiet prompts wait for the noisy prefills, under WFQ they are
-interleaved ahead. The TTFTs differ; the greedy tokens must not.
+with a token budget of 32 per step: under FCFS the quiet prompts wait for the noisy prefills; under WFQ they go
+first (quiet has been served nothing, so its counter is the lowest). Each engine is warmed up once
+before it is timed. The TTFTs differ; the greedy tokens must not.
 """),
 ("code", r"""
 # NBVAL_IGNORE_OUTPUT  (wall-clock timings)
@@ -626,6 +634,7 @@ params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 tokens = {}
 for policy in ("fcfs", "wfq"):
     llm = LLM(max_model_len=256, max_num_batched_tokens=32, scheduling_policy=policy)
+    llm.generate(prompts, params, use_tqdm=False)   # warm-up: a new engine's first steps pay one-off costs
     outs = llm.generate(prompts, params, use_tqdm=False)
     tokens[policy] = [o.outputs[0].token_ids for o in outs]
     print(f"{policy:4s} TTFT: " + ", ".join(f"{p['tenant']} {o.metrics.ttft:.2f} s" for p, o in zip(prompts, outs)))

@@ -339,7 +339,7 @@ for name, fn in (("your kernel (or the fallback)", decode), ("engine kernel", en
 
 The interpreter runs programs one after another in numpy, so its timings say nothing about a GPU. On a CUDA
 machine the next three cells measure, for a SmolLM2-shaped decode step (9 query heads over 3 KV heads, head_dim
-64, bf16) with 256 sequences of 4,096 tokens (805 MB of K/V, far above the 60 MB L2):
+64, bf16) with 256 sequences of 4,096 tokens (805 MB of K/V, far above the H200's 50 MB of L2 cache):
 
 1. **achieved bandwidth** = bytes of K and V read / kernel time, against a plain device-to-device copy of the same
    number of bytes (read + written) — the practical ceiling;
@@ -370,7 +370,7 @@ else:
     print("On a CUDA GPU this cell prints the copy bandwidth and, for your kernel and the engine's, the time per\n"
           "decode step and the achieved bandwidth as a share of the copy.\n"
           "Measured for the engine's kernel on an NVIDIA H200 (benchmarks/results/2026-11-30_nvidia-h200_attention.txt):\n"
-          "  copy 4.30 TB/s; this shape (SmolLM2, batch 256 x 4k): 0.213 ms = 3.79 TB/s = 88% of the copy;\n"
+          "  copy 4.30 TB/s; this shape (SmolLM2, batch 256 x 4k): 0.212 ms = 3.79 TB/s = 88% of the copy;\n"
           "  with only 64 x 4k (201 MB) the same kernel reached 2.83 TB/s = 66%: too little work to hide latency.\n"
           "Your kernel reads K/V once per QUERY head (3x the engine's traffic for SmolLM2) and uses no tensor cores;\n"
           "expect it several times slower.")
@@ -420,11 +420,12 @@ if not ON_GPU:
 ("md", r"""
 ## 4. What the kernel cannot fix: launches, fusion and CUDA graphs
 
-Your kernel reads K/V near the copy's speed. Is a decode step now as fast as its bytes allow? Not in an engine that
-runs the model *eagerly*, operation by operation from Python. The host issues every operation of every layer — the
-projections, the norms, RoPE, attention, the residual adds — one at a time: Python, PyTorch's dispatcher, the
-driver's launch call. The GPU runs each kernel asynchronously, but it cannot start a kernel the host has not issued
-yet. When a kernel's own work is shorter than the host's time to issue the next one, the GPU waits:
+The engine's kernel reads K/V near the copy's speed (88% of it on an H200). Is a decode step now as fast as its
+bytes allow? Not in an engine that runs the model *eagerly*, operation by operation from Python. The host issues
+every operation of every layer — the projections, the norms, RoPE, attention, the residual adds — one at a time:
+Python, PyTorch's dispatcher, the driver's launch call. The GPU runs each kernel asynchronously, but it cannot start
+a kernel the host has not issued yet. When a kernel's own work is shorter than the host's time to issue the next
+one, the GPU waits:
 
 ```
  eager decode step (one layer of ~37 operations, then the next layer ...)

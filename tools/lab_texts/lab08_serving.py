@@ -241,8 +241,10 @@ key, never from the client, so a tenant cannot inflate someone else's bill. The 
 system prompt, which the warm-up request put in the cache (only whole 16-token blocks are shared); bob's prompts
 share nothing with hers, and could not reuse her blocks anyway: the tenant is the prefix-cache namespace.
 
-Look at the table's latencies: on this CPU even 2 requests per second queue up — a 135M model on two cores is past
-its knee almost at once. That is why the rest of the lab runs the engine on a simulated GPU.
+Look at the table's latencies: a decode step takes tens of milliseconds on this CPU (the ITL p50), so even this
+light load of 2 requests/s gives TTFTs of a few steps, and eight requests are far too few to find where the queue
+starts to grow — a sweep of rates on the real model would take many minutes per point. That is why the rest of the
+lab runs the engine on a simulated GPU.
 
 ### Tokens per tenant and per model, and what they cost
 
@@ -374,7 +376,7 @@ live.show()
 ("md", r"""
 Read the panels from right to left. KV usage climbs with the load and hits 100 % around 8–10 requests/s; from then
 on, arrivals wait (queue depth grows without bound) and TTFT climbs second by second. Meanwhile the ITL histogram
-barely moves: the requests that *are* running decode at the same pace, because the batch cannot grow past what
+moves much less: the requests that *are* running decode at nearly the same pace, because the batch cannot grow past what
 the KV pool holds. Its thin tail (gaps of 100–400 ms) is the preempted requests: a recompute victim waits in the
 queue and prefills again before its next token, and that wait is an inter-token gap for its client. And compute
 utilisation never rises above about 20 %: this machine runs out of **memory**, not
@@ -502,8 +504,8 @@ fig.tight_layout()
 plt.show()
 """),
 ("md", r"""
-TTFT, KV usage and queue depth all fire a few seconds after the load passes the knee, while the offered load is
-10–12 requests/s: a queue needs a little time to build, which is exactly what the `for:` clause waits for.
+TTFT, KV usage and queue depth all fire 8–11 s after the load passes the knee, while the offered load is
+10–12 requests/s: a queue needs time to build, which is exactly what the `for:` clause waits for.
 Utilisation is no help either way: **busy** is above 95 % from
 the first seconds, when two requests per second are served comfortably (a continuous-batching engine always has a
 decode to run), so an alarm on it is a false alarm that never clears; **compute utilisation** never reaches 50 %,
@@ -527,7 +529,7 @@ print(lab8.knobs_table(lab_engine(enable_prefix_caching=True).config))   # read 
 (vLLM sizes the KV pool from `gpu_memory_utilization`, a share of the device's memory; the simulated machine has no
 memory to share, so its pool is given in blocks — section 4's whole-GPU sweep converts one into the other.)
 
-One knob, the cache memory share, at the knee's load (8 requests/s), on a workload like a real client's: three
+One knob, the cache memory share, just past the knee (8 requests/s), on a workload like a real client's: three
 requests in four come from a chat app whose prompts start with the same 256-token **system prompt** (16 blocks of
 instructions, sent verbatim every time), the fourth from elsewhere. Prefix caching is on, so the hit rate has
 something to find. The last row turns the cache off at 512 blocks, to show what the hit rate is worth.

@@ -19,10 +19,10 @@ CELLS = [
 every replica is the real engine (scheduler, KV cache manager, prefix cache — the code of labs 1–5), and only the
 forward pass is replaced by a cost model on a virtual clock. Cells that report latencies say which model: the
 **roofline** cost model of a **Llama-3-8B** shape on an **H100** or an **L4** (datasheet presets,
-`minivllm.sim.presets`). The capacity study uses the L4: an H100 serves this lab's chat mix at about 100 requests/s
-per replica, and simulating a fleet of them at several hundred requests/s takes minutes on a laptop; on an L4 the
-same questions appear at tens of requests/s. The exercise checkers use a simpler linear cost model, because they
-check routing decisions, not latencies.
+`minivllm.sim.presets`). The capacity study uses the L4: one H100 replica serves chat at tens of requests/s (lab 8's
+sweep put its knee at 70 requests/s), so a fleet of them means several hundred requests/s, which takes minutes to
+simulate on a laptop; on an L4 the same questions appear at about 20 requests/s. The exercise checkers use a simpler
+linear cost model, because they check routing decisions, not latencies.
 Exercises are marked ✏️; until your checker passes, later cells use the engine's own router.
 """),
 ("code", r"""
@@ -44,7 +44,7 @@ L4_LLAMA8B = roofline_factory("l4", "llama-3-8b")  # the same model on an L4 (12
 ("md", r"""
 ## 1. The picture: one router, N engines, N separate caches
 
-One engine has a ceiling (lab 5 ended on it: past capacity the queue only grows, and the reject rate says by how
+One engine has a ceiling (labs 5 and 8 measured it: past capacity the queue only grows, and the reject rate says by how
 much). The next step is more engines — *replicas*, each a full copy of the model on its own GPU — behind a
 **router** that picks one replica per request:
 
@@ -147,10 +147,11 @@ for name, router in (("round robin", RoundRobinRouter()), ("least outstanding", 
           f"requests per replica {s['replica_requests']}")
 """),
 ("md", r"""
-No better — in this run the tail is even a little longer. On a mix of many similar requests round robin is already
-nearly balanced, and the outstanding-token count adds little (it can even send a chat's next turn to the replica
-that just happened to drain, breaking up nothing useful but also gaining nothing). Load awareness pays when sizes vary a lot — one replica stuck with two long-context requests
-while round robin keeps feeding it — and when replicas differ (a slower GPU, a replica still warming up).
+No better — in this run the TTFT tail is even longer (read the p99 column). On a mix of many similar requests round
+robin is already nearly balanced, and the outstanding-token count adds little (it can even send a chat's next turn
+to the replica that just happened to drain, breaking up nothing useful but also gaining nothing). Load awareness
+pays when sizes vary a lot — one replica stuck with two long-context requests while round robin keeps feeding it —
+and when replicas differ (a slower GPU, a replica still warming up).
 Neither router knows anything about the caches, though.
 
 ## ✏️ Exercise 2 — prefix affinity on a consistent-hash ring
