@@ -14,6 +14,8 @@ import argparse
 import sys
 import time
 
+from minivllm.argtypes import nonnegative_int, port, positive_int
+
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
     "Give me three tips for writing clear code.",
@@ -27,44 +29,43 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream answers to one or more prompts")
     g.add_argument("prompts", nargs="*", help="prompts (default: three demo questions)")
     g.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=positive_int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--no-chat", action="store_true", help="send prompts raw, without the chat template")
     g.add_argument("--dtype", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=positive_int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"])
     g.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")
     s.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use in 'model' (default: the model's)")
     s.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant"}; else $MINIVLLM_API_KEYS; none: one tenant, no auth')
-    s.add_argument("--max-num-seqs", type=int, default=None)
-    s.add_argument("--max-num-batched-tokens", type=int, default=None)
-    s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--block-size", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=positive_int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
+    s.add_argument("--max-model-len", type=positive_int, default=None)
+    s.add_argument("--block-size", type=positive_int, default=None)
     s.add_argument("--enable-prefix-caching", action="store_true")
     s.add_argument("--preemption-mode", default=None, choices=["recompute", "swap", "reject", "auto"])
-    s.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    s.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     s.add_argument("--dtype", default=None)
     s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "cpu", "triton"])
     s.add_argument("--linear-backend", default=None, choices=["auto", "torch", "onednn"])
-    s.add_argument("--max-waiting-requests", type=int, default=None,
+    s.add_argument("--max-waiting-requests", type=positive_int, default=None,
                    help="load shedding: answer 429 + Retry-After when this many requests already wait (default: no limit)")
-    s.add_argument("--min-free-blocks", type=int, default=0,
+    s.add_argument("--min-free-blocks", type=nonnegative_int, default=0,
                    help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are free")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server",
-                       add_help=False)
+    # -h before the name is this parser's help; after it, REMAINDER hands it to the named tool
+    b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server")
     b.add_argument("name", choices=["serve"], help="serve: the load generator (minivllm/bench/loadgen.py)")
     b.add_argument("args", nargs=argparse.REMAINDER, help="its options (minivllm bench serve --help)")
-    m = sub.add_parser("sim", help="simulator: 'sim run' (roofline engine, virtual clock), 'sim calibrate' (fit this device)",
-                       add_help=False)
+    m = sub.add_parser("sim", help="simulator: 'sim run' (roofline engine, virtual clock), 'sim calibrate' (fit this device)")
     m.add_argument("name", choices=["run", "calibrate"], help="run: minivllm/sim/run.py; calibrate: minivllm/sim/calibrate.py")
     m.add_argument("args", nargs=argparse.REMAINDER, help="its options (minivllm sim run --help)")
     from minivllm.labs.grade import add_arguments as grade_arguments  # its options only; grading loads on use
@@ -77,6 +78,10 @@ def generate(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
     prompts = args.prompts or DEFAULT_PROMPTS
+    # bad sampling values fail here, in a blink, not after the model has loaded
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+    )
     t0 = time.perf_counter()
     llm = LLM(
         args.model,
@@ -87,9 +92,6 @@ def generate(args: argparse.Namespace) -> int:
         linear_backend=args.linear_backend,
     )
     load_s = time.perf_counter() - t0
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
-    )
     engine = llm.engine
     ids = {}
     for i, prompt in enumerate(prompts):
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             from minivllm.labs.grade import run as grade
 
             return grade(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a file named on the command line is missing or unreadable
         print(f"minivllm: error: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -1,8 +1,8 @@
 """``python -m minivllm.bench eager_step`` on the CPU: the step it times is the prompt step, and the profile
 sees the model's own operators.
 
-The oracle is the work itself: prefilling a 64-token prompt on the bundled model does the projections for
-64 rows, a decode step for one, so the prompt step must take longer than a decode step of the same engine,
+The oracle is the work itself: prefilling a 128-token prompt on the bundled model does the projections for
+128 rows, a decode step for one, so the prompt step must take longer than a decode step of the same engine,
 and its profile must count one fused QKV, one output, one gate/up and one down projection per layer (plus
 the LM head once) -- the number of linear calls is fixed by the architecture, not by the timing.
 """
@@ -12,11 +12,13 @@ from minivllm.sim.presets import bundled_shape
 
 
 def test_eager_step_times_the_prompt_step_and_profiles_the_model():
-    res = run(None, "cpu", "auto", prompt_len=64, repeats=2, gap_s=0.01, profile_steps=1, eager_decode=True)
+    # 128 prompt tokens: several times a decode step's work, so the comparison below survives a busy machine
+    # (noise only adds time, so it compares the fastest of each)
+    res = run(None, "cpu", "auto", prompt_len=128, repeats=2, gap_s=0.01, profile_steps=1, eager_decode=True)
     for key in ("back_to_back", "after_0.01s_idle", "back_to_back_gc_frozen", "decode_step"):
         s = res[key]
         assert 0 < s["min_ms"] <= s["p50_ms"] <= s["max_ms"], key
-    assert res["back_to_back"]["p50_ms"] > 2 * res["decode_step"]["p50_ms"]
+    assert res["back_to_back"]["min_ms"] > 2 * res["decode_step"]["min_ms"]
     assert res["profile"]["kernel_launches_per_step"] == 0  # no GPU: nothing is launched
     # the eager engine's decode step (the GPU's comparison with a graph; on a CPU there are no graphs to turn off)
     assert res["decode_step_eager"]["n"] > 0

@@ -543,7 +543,10 @@ def test_a_cancelled_add_request_is_aborted_not_leaked() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            drained = threading.Event()
+            runner._post(drained.set)  # commands run in order: once this one has, the add and the abort have too
             gate.set()
+            assert await asyncio.to_thread(drained.wait, 10)
             assert await asyncio.to_thread(runner.wait_idle, 10)
             assert list(runner.aborted_ids) == ["gone"]
         finally:

@@ -35,8 +35,13 @@ NAMES = {
 
 
 def main() -> int:
+    if len(sys.argv) >= 2 and sys.argv[1] in ("-h", "--help"):  # asked for: the list, and success
+        print(__doc__)
+        return 0
     if len(sys.argv) < 2 or sys.argv[1] not in NAMES:
         print(__doc__)
+        what = f"unknown benchmark {sys.argv[1]!r}" if len(sys.argv) >= 2 else "name a benchmark"
+        print(f"python -m minivllm.bench: error: {what}; choose from {', '.join(NAMES)}", file=sys.stderr)
         return 2
     module = importlib.import_module(NAMES[sys.argv[1]])
     sys.argv = [f"minivllm.bench {sys.argv[1]}"] + sys.argv[2:]

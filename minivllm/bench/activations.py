@@ -35,6 +35,7 @@ import time
 import weakref
 from collections.abc import Iterable
 
+from minivllm.argtypes import positive_int
 from minivllm.bench.results import write_result
 
 
@@ -219,7 +220,7 @@ def run(token_counts: Iterable[int] = (16, 64, 256, 1024, 2048), device: str = "
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench activations", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
+    ap.add_argument("--tokens", type=positive_int, nargs="+", default=[16, 64, 256, 1024, 2048])
     ap.add_argument("--model", default=None, help="an HF model directory (default: the bundled model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")

@@ -32,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from minivllm.argtypes import nonnegative_float, positive_int
 from minivllm.bench.results import write_result
 
 
@@ -250,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="an HF model directory (default: the bundled model)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--gap", type=float, default=0.5, help="idle seconds before each step of the idle series")
-    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--prompt-len", type=positive_int, default=64)
+    ap.add_argument("--repeats", type=positive_int, default=30)
+    ap.add_argument("--gap", type=nonnegative_float, default=0.5, help="idle seconds before each step of the idle series")
+    ap.add_argument("--profile-steps", type=positive_int, default=3)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     res = run(a.model, a.device, a.dtype, a.prompt_len, a.repeats, a.gap, a.profile_steps)

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minivllm.argtypes import positive_float
+
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
 
 # Step-time constants of the simulated executor (seconds): fixed + per token + per KV token read.
@@ -386,7 +388,7 @@ def main() -> int:
     from minivllm.config import TenantConfig
 
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench fairness", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals (virtual clock)")
+    ap.add_argument("--duration", type=positive_float, default=40.0, help="seconds of arrivals (virtual clock)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")

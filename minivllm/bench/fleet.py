@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from minivllm.argtypes import fraction, positive_float
 from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, roofline_factory, run_fleet
 from minivllm.sim.executor import SimulatedExecutor
 from minivllm.sim.router import ROUTERS
@@ -55,17 +56,17 @@ def _routers(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench fleet", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", type=float, default=30.0, help="offered load while sessions overlap, requests/s (default 30)")
-    ap.add_argument("--duration", type=float, default=6.0, help="seconds measured after the warm-up (virtual, default 6)")
+    ap.add_argument("--rate", type=positive_float, default=30.0, help="offered load while sessions overlap, requests/s (default 30)")
+    ap.add_argument("--duration", type=positive_float, default=6.0, help="seconds measured after the warm-up (virtual, default 6)")
     ap.add_argument("--hardware", default="l4", help="roofline hardware preset (l4, a100, h100, h200) or 'linear' "
                     "(default l4: an H100 serves this mix at ~100 requests/s per replica, and simulating a fleet of them "
                     "takes minutes on a laptop; try --hardware h100 --rate 200)")
     ap.add_argument("--model", default="llama-3-8b", help="roofline model preset (default llama-3-8b)")
     ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4], help="replica counts to sweep (default 1,2,3,4)")
     ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help="routers (default all three)")
-    ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
-    ap.add_argument("--slo-itl-ms", type=float, default=100.0, help="per-request p99 ITL bound")
-    ap.add_argument("--min-goodput", type=float, default=0.95, help="fraction of requests within both SLOs")
+    ap.add_argument("--slo-ttft-ms", type=positive_float, default=500.0)
+    ap.add_argument("--slo-itl-ms", type=positive_float, default=100.0, help="per-request p99 ITL bound")
+    ap.add_argument("--min-goodput", type=fraction, default=0.95, help="fraction of requests within both SLOs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results ('' to skip)")
     return ap
@@ -103,22 +104,25 @@ def smallest_meeting(rows: list[dict], router: str, min_goodput: float) -> int |
     return min(ok) if ok else None
 
 
+def _cell(x, fmt: str) -> str:
+    """``x`` formatted, or "-" when the window had no finished request to measure (a very low --rate)."""
+    return format(x, fmt) if x is not None else format("-", fmt.rstrip("%f").split(".")[0])
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'replicas':>8} {'router':<18} {'req/s':>6} {'goodput':>8} {'good/s':>7} {'TTFT p50/p99 ms':>16} {'ITL p99 ms':>10} {'hit rate':>8} {'spill':>5} {'preempt':>7}  requests per replica"
     lines = [head, "-" * len(head)]
     for r in rows:
         t = r["ttft_ms"]
-        lines.append(f"{r['replicas']:>8} {r['router']:<18} {r['offered_rps']:>6.1f} {r['goodput_fraction']:>8.1%} {r['goodput_rps']:>7.1f} "
-                     f"{t['p50']:>7.0f}/{t['p99']:<8.0f} {r['itl_ms']['p99']:>10.0f} {r['prefix_hit_rate']:>8.1%} "
+        lines.append(f"{r['replicas']:>8} {r['router']:<18} {r['offered_rps']:>6.1f} {_cell(r['goodput_fraction'], '>8.1%')} "
+                     f"{_cell(r['goodput_rps'], '>7.1f')} {_cell(t['p50'], '>7.0f')}/{_cell(t['p99'], '<8.0f')} "
+                     f"{_cell(r['itl_ms']['p99'], '>10.0f')} {r['prefix_hit_rate']:>8.1%} "
                      f"{r['spilled']:>5} {r['preemptions']:>7}  {r['replica_requests']}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if not args.rate > 0 or not args.duration > 0 or not 0 < args.min_goodput <= 1:
-        print("--rate and --duration must be > 0 and --min-goodput in (0, 1]", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
     workload = ChatMix(args.rate, args.duration, seed=args.seed)
     slo_ttft, slo_itl = args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             factory = roofline_factory(args.hardware, args.model)
         except ValueError as exc:
-            print(exc, file=sys.stderr)
+            print(f"python -m minivllm.bench fleet: error: {exc}", file=sys.stderr)
             return 2
         cost = f"roofline, {args.model} on {args.hardware}"
     print(f"fleet (simulated: real engines; {cost}; {REPLICA['num_blocks']} KV blocks of 16 tokens per replica)")

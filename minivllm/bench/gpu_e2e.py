@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from minivllm.argtypes import nonnegative_int, positive_float, positive_int
+
 
 def make_model_dir(path: str, arch: str) -> None:
     """Save a random-weight model of ``arch`` to ``path`` (bf16), initialised on the GPU when there is one.
@@ -178,19 +180,19 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="float32 makes both backends exact enough to compare tokens")
     ap.add_argument("--max-prompt-len", type=int, default=1500)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=positive_int, default=16)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--json", default=None)
     ap.add_argument("--workload", choices=["parity", "nano"], default="parity")
-    ap.add_argument("--requests", type=int, default=256, help="nano workload: number of requests")
-    ap.add_argument("--hf-batch", type=int, default=32, help="nano workload: HF generate's static batch size")
-    ap.add_argument("--hf-requests", type=int, default=0,
+    ap.add_argument("--requests", type=positive_int, default=256, help="nano workload: number of requests")
+    ap.add_argument("--hf-batch", type=positive_int, default=32, help="nano workload: HF generate's static batch size")
+    ap.add_argument("--hf-requests", type=nonnegative_int, default=0,
                     help="nano workload: run HF on the first N requests only (0: all), to fit a short GPU lease")
     ap.add_argument("--backends", default="torch,triton,triton-eager",
                     help="nano workload: which minivllm runs (comma-separated; HF always runs)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="serve this HF model directory (e.g. one --save-model wrote) instead of writing one")
-    ap.add_argument("--scale", type=float, default=1.0, help="nano workload: shrink lengths and count (dry runs)")
+    ap.add_argument("--scale", type=positive_float, default=1.0, help="nano workload: shrink lengths and count (dry runs)")
     ap.add_argument("--save-model", default=None, metavar="DIR",
                     help="only write the random-weight model of --arch to DIR (e.g. for `bench sim_accuracy --model`)")
     a = ap.parse_args()

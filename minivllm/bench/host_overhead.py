@@ -62,6 +62,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.argtypes import comma_list, nonnegative_int, positive_int
+
 NANO_VLLM_STEP_US = (250, 370)
 NANO_VLLM_PREP_US = 3000
 KINDS = ("final_only", "delta", "cumulative")
@@ -223,23 +225,30 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     return rows
 
 
+def _kind(text: str) -> str:
+    """An output kind for ``--kinds``, checked here (a typo used to surface as a traceback from SamplingParams)."""
+    if text not in KINDS:
+        raise argparse.ArgumentTypeError(f"unknown output kind {text!r}; choose from {', '.join(KINDS)}")
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench host_overhead", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seqs", type=int, default=256)
-    ap.add_argument("--warmup", type=int, default=16, help="decode steps before the first measurement")
-    ap.add_argument("--later", type=int, default=400, help="decode steps between the two measurements")
-    ap.add_argument("--samples", type=int, default=50)
-    ap.add_argument("--kinds", default=",".join(KINDS), help="output kinds to measure, comma-separated")
+    ap.add_argument("--seqs", type=positive_int, default=256)
+    ap.add_argument("--warmup", type=nonnegative_int, default=16, help="decode steps before the first measurement")
+    ap.add_argument("--later", type=positive_int, default=400, help="decode steps between the two measurements")
+    ap.add_argument("--samples", type=positive_int, default=50)
+    ap.add_argument("--kinds", type=comma_list(_kind), default=list(KINDS), help="output kinds to measure, comma-separated")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--prompt-len", type=int, default=64, help="--sweep: prompt length of every request")
+    ap.add_argument("--prompt-len", type=positive_int, default=64, help="--sweep: prompt length of every request")
     ap.add_argument("--prefix-cache", choices=("off", "radix", "hash"), default="off",
                     help="--sweep: with prefix caching (a decode's filled block is offered to the cache)")
-    ap.add_argument("--sweep", default=None, metavar="N,N,...",
+    ap.add_argument("--sweep", type=comma_list(positive_int), default=None, metavar="N,N,...",
                     help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.sweep:
-        rows = sweep(args.seqs, [int(x) for x in args.sweep.split(",")], args.samples, prompt_len=args.prompt_len,
+        rows = sweep(args.seqs, args.sweep, args.samples, prompt_len=args.prompt_len,
                      prefix_cache=args.prefix_cache)
         print(f"host overhead per decode step vs output length, {args.seqs} sequences ({args.prompt_len}-token prompts), "
               f"prefix cache {args.prefix_cache}, final_only, CPU time in us")
@@ -249,12 +258,12 @@ def main() -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"command": "python -m minivllm.bench host_overhead "
-                                            f"--sweep {args.sweep} --prompt-len {args.prompt_len} "
+                                            f"--sweep {','.join(map(str, args.sweep))} --prompt-len {args.prompt_len} "
                                             f"--prefix-cache {args.prefix_cache}",
                                             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                                             "rows": rows}, indent=2) + "\n")
         return 0
-    rows = [measure(args.seqs, args.warmup, args.later, args.samples, kind) for kind in args.kinds.split(",")]
+    rows = [measure(args.seqs, args.warmup, args.later, args.samples, kind) for kind in args.kinds]
     early, late = rows[0]["tokens_early"], rows[0]["tokens_late"]
     print(f"host overhead per decode step, {args.seqs} sequences, block 16, simulated executor (no model); "
           f"medians in us, wall (cpu)")

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from minivllm.argtypes import positive_int
+
 
 def model_shapes(model: str | None) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
     """``(per-layer [(in, out)], num_layers, vocab (in, out))`` read from the model's config, no weights."""
@@ -50,8 +52,8 @@ def time_pass(weights, rows: int, linear, repeats: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 256, 2048])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 256, 2048])
+    ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
 

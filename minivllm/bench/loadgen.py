@@ -42,6 +42,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
+
 # Common English words; with a leading space each is a single token for most BPE vocabularies
 # (SmolLM2, Llama, Qwen), so ``n`` words make a prompt of about ``n`` tokens.
 WORDS = (
@@ -87,7 +89,8 @@ class LengthDist:
             if parts[0] == "lognormal" and len(parts) in (3, 4):
                 median, sigma = float(parts[1]), float(parts[2])
                 hi = int(parts[3]) if len(parts) == 4 else None
-                if median < 1 or sigma < 0 or (hi is not None and hi < 1):
+                # nan/inf would pass the comparisons and fail only when sampled (an int() of nan or inf)
+                if not (1 <= median < math.inf and 0 <= sigma < math.inf) or (hi is not None and hi < 1):
                     raise ValueError
                 return cls("lognormal", median, sigma, hi)
         except ValueError:
@@ -135,12 +138,17 @@ def parse_tenant(spec: str, default_input: str = "fixed:64", default_output: str
         k = k.strip()
         if not sep or k not in ("name", "key", "share", "input", "output", "prefix"):
             raise ValueError(f"bad tenant field {part!r} in {spec!r} (fields: name, key, share, input, output, prefix)")
+        if k in fields:  # the second one would silently win
+            raise ValueError(f"tenant field {k!r} given twice in {spec!r}")
         fields[k] = v.strip()
     if not fields.get("name"):
         raise ValueError(f"tenant {spec!r} needs name=...")
-    share = float(fields.get("share", 1.0))
+    try:
+        share = float(fields.get("share", 1.0))
+    except ValueError:
+        share = math.nan  # refused just below, with the tenant named (float()'s own message names neither)
     if not share > 0 or not math.isfinite(share):
-        raise ValueError(f"tenant {fields['name']!r}: share must be > 0")
+        raise ValueError(f"tenant {fields['name']!r}: share must be a number > 0, got {fields.get('share')!r}")
     group, plen = None, 0
     if "prefix" in fields:
         g, sep, n = fields["prefix"].rpartition(":")
@@ -808,25 +816,25 @@ def _parser() -> argparse.ArgumentParser:
                     help="name=N[,key=K][,share=S][,input=DIST][,output=DIST][,prefix=GROUP:LEN]; repeatable")
     ap.add_argument("--input-len", default="uniform:32:128", help="prompt tokens (beyond any shared prefix) for tenants without input=")
     ap.add_argument("--output-len", default="fixed:16", help="max_tokens for tenants without output=")
-    ap.add_argument("--num-requests", type=int, default=64, help="requests per run (per rate when sweeping); a --trace sends all its lines")
-    ap.add_argument("--request-rate", type=float, default=float("inf"), help="mean arrival rate, req/s (inf: all at once)")
+    ap.add_argument("--num-requests", type=positive_int, default=64, help="requests per run (per rate when sweeping); a --trace sends all its lines")
+    ap.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="mean arrival rate, req/s (inf: all at once)")
     ap.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.5,1,2,4")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 = Poisson")
+    ap.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 = Poisson")
     ap.add_argument("--trace", default=None, help="JSONL trace (timestamp, tenant, prompt|prompt_len, max_tokens)")
-    ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none)")
-    ap.add_argument("--timeout", type=float, default=600.0, help="hard limit for one run, s")
-    ap.add_argument("--request-timeout", type=float, default=120.0, help="limit per request, s")
+    ap.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight (default: none)")
+    ap.add_argument("--timeout", type=positive_float, default=600.0, help="hard limit for one run, s")
+    ap.add_argument("--request-timeout", type=positive_float, default=120.0, help="limit per request, s")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="ask for exactly max_tokens (vLLM/SGLang/minivllm extra field)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--slo-ttft-ms", type=float, default=None)
-    ap.add_argument("--slo-itl-ms", type=float, default=None)
+    ap.add_argument("--slo-ttft-ms", type=positive_float, default=None)
+    ap.add_argument("--slo-itl-ms", type=positive_float, default=None)
     ap.add_argument("--slo-itl-stat", choices=("p99", "max", "mean"), default="p99",
                     help="a request meets the ITL SLO if this statistic of its own gaps does")
     ap.add_argument("--sweep-criterion", choices=("itl", "goodput"), default="itl",
                     help="itl: overall p99 ITL (and p99 TTFT if given) within the SLO; goodput: fraction >= --min-goodput")
-    ap.add_argument("--min-goodput", type=float, default=0.9)
+    ap.add_argument("--min-goodput", type=fraction, default=0.9)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--no-requests-in-json", action="store_true", help="leave the per-request records out of --out")
     ap.add_argument("--figures", default=None, help="write PNG figures into this directory")
@@ -838,9 +846,14 @@ def _model_name(base_url: str, api_key: str | None, timeout: float) -> str:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout, trust_env=False)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+    url = base_url.rstrip("/") + "/v1/models"
+    try:  # an unreachable or odd server is a one-line error, not an httpx traceback
+        r = httpx.get(url, headers=headers, timeout=timeout, trust_env=False)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"could not ask {url} for the model name ({type(exc).__name__}: {exc}); "
+                         "is the server up? (or pass --model)") from None
 
 
 def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
@@ -849,7 +862,10 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         Tenant("default", args.api_key, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))]
     if len({t.name for t in tenants}) != len(tenants):
         raise ValueError("tenant names must be distinct")
-    rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.request_rate]
+    try:
+        rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.request_rate]
+    except ValueError:
+        raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
     if any(not r > 0 for r in rates):
         raise ValueError("rates must be > 0")
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
@@ -945,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         run_benchmark(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a --trace that cannot be read, an --out that cannot be written
         print(f"minivllm bench serve: error: {exc}", file=sys.stderr)
         return 2
     return 0

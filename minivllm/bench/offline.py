@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from minivllm.argtypes import nonnegative_float, positive_int
+
 
 def make_workload(tokenizer, num_requests: int, seed: int, prompt_range=(20, 300), output_range=(16, 128)):
     """Chat-formatted prompts cut to random lengths, with random output lengths."""
@@ -160,12 +162,12 @@ def count_identical(a: list[list[int]], b: list[list[int]], until: set[int] | fr
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=positive_int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hf-batch", type=int, default=8)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--hf-batch", type=positive_int, default=8)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--kv-cache-gib", type=float, default=0.375,
+    ap.add_argument("--kv-cache-gib", type=nonnegative_float, default=0.375,
                     help="minivllm's KV pool in GiB (default 0.375: the 32-request workload peaks at 363 blocks, "
                          "261 MB, so nothing is preempted; 0 = the engine's default, 1 GiB on a CPU); "
                          "vLLM keeps its 1 GiB (its setting is in whole GiB)")

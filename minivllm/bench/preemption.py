@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from minivllm.argtypes import nonnegative_int, positive_float, positive_int
+
 MODES = ("recompute", "swap", "reject", "auto")
 
 
@@ -102,11 +104,11 @@ def format_table(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench preemption", description=__doc__.split("\n\n")[0])
     ap.add_argument("--executor", choices=("model", "sim"), default="model")
-    ap.add_argument("--requests", type=int, default=None, help="default 16 (model) / 400 (sim)")
-    ap.add_argument("--kv-share", type=float, default=0.15,
+    ap.add_argument("--requests", type=positive_int, default=None, help="default 16 (model) / 400 (sim)")
+    ap.add_argument("--kv-share", type=positive_float, default=0.15,
                     help="KV pool as a fraction of the blocks every request would hold at once at its end")
-    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
-    ap.add_argument("--cpu-blocks", type=int, default=256, help="host-tier blocks for swap / auto")
+    ap.add_argument("--budget", type=positive_int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--cpu-blocks", type=nonnegative_int, default=256, help="host-tier blocks for swap / auto")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")

@@ -19,6 +19,8 @@ import json
 import random
 import time
 
+from minivllm.argtypes import positive_int
+
 FILLER = (
     "Policy {i}: requests are answered in order of arrival unless a customer is flagged as urgent; "
     "refunds above fifty euros need a manager; deliveries leave the warehouse at noon and at five; "
@@ -41,11 +43,11 @@ def percentile(xs, p):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--system-tokens", type=int, default=1000)
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--requests", type=positive_int, default=64)
+    ap.add_argument("--system-tokens", type=positive_int, default=1000)
+    ap.add_argument("--conversations", type=positive_int, default=8)
+    ap.add_argument("--turns", type=positive_int, default=4)
+    ap.add_argument("--max-tokens", type=positive_int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()

@@ -35,6 +35,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from minivllm.argtypes import positive_int
 from minivllm.bench.results import write_result
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache_manager import KVCacheManager
@@ -242,10 +243,10 @@ def check_same_hits(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
-    parser.add_argument("--requests", type=int, default=2_000, help="measured requests per size")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1_000, 10_000, 100_000])
+    parser.add_argument("--requests", type=positive_int, default=2_000, help="measured requests per size")
     parser.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
-    parser.add_argument("--rounds", type=int, default=8, help="chunks per row (median taken)")
+    parser.add_argument("--rounds", type=positive_int, default=8, help="chunks per row (median taken)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the rows and the radix/hash ratios here")

@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 
+from minivllm.argtypes import positive_float, positive_int
 from minivllm.bench.loadgen import _json_safe, parse_tenant, percentile, plan_requests
 
 WORKLOADS = {
@@ -353,7 +354,7 @@ def format_table(rows: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench sim_accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests (quick: 0.5)")
+    ap.add_argument("--scale", type=positive_float, default=1.0, help="fraction of each workload's requests (quick: 0.5)")
     ap.add_argument("--profile", default=None, help="use this calibration profile instead of calibrating now")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -363,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json)")
     ap.add_argument("--model", default=None, help="an HF model directory instead of the bundled model "
                     "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
-    ap.add_argument("--real-repeats", type=int, default=2,
+    ap.add_argument("--real-repeats", type=positive_int, default=2,
                     help="run the real engine this many times per workload (median; the spread is printed)")
-    ap.add_argument("--calibration-repeats", type=int, default=3,
+    ap.add_argument("--calibration-repeats", type=positive_int, default=3,
                     help="run each calibration group this many times, median per step (see sim.calibrate)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -387,10 +388,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.resimulate:
         if not args.profile:
             ap.error("--resimulate needs --profile (the profile JSON with the model shape and fitted hardware)")
-        with open(args.resimulate, encoding="utf-8") as fh:
-            result = json.load(fh)
-        with open(args.profile, encoding="utf-8") as fh:
-            doc = resimulate(result, json.load(fh))
+        try:  # two files named on the command line: either may be missing, not JSON, or the wrong kind
+            with open(args.resimulate, encoding="utf-8") as fh:
+                result = json.load(fh)
+            from minivllm.sim.presets import load_profile
+
+            profile = load_profile(args.profile)
+            if not isinstance(result, dict) or "workloads" not in result:
+                raise ValueError(f"--resimulate {args.resimulate!r} is not a sim_accuracy result (no 'workloads')")
+            if not isinstance(profile.get("model"), dict):
+                raise ValueError(f"--profile {args.profile!r} has no 'model' shape to simulate")
+            doc = resimulate(result, profile)
+        except (ValueError, OSError) as exc:
+            print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)
+            return 2
         path = args.out or args.resimulate
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(_json_safe(doc), fh, indent=1)

@@ -139,7 +139,10 @@ def load_api_keys(path: str | None = None, env: str | None = None) -> dict[str, 
         return {}
     raw = raw.strip()
     if raw.startswith("{"):
-        keys = json.loads(raw)
+        try:
+            keys = json.loads(raw)
+        except json.JSONDecodeError as exc:  # name the source: the decoder's message alone does not say which file
+            raise ValueError(f"API keys {path or '$MINIVLLM_API_KEYS'!r} are not valid JSON: {exc}") from None
     else:
         keys = {}
         for part in raw.split(","):

@@ -76,6 +76,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from minivllm.argtypes import positive_int
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
 PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",
@@ -542,16 +543,36 @@ def main(argv: list[str] | None = None) -> int:
                          "other busy processes)")
     ap.add_argument("--fit-bandwidth", action="store_true",
                     help="fit the memory roof too, instead of pinning it to a measured streaming-read bandwidth")
-    ap.add_argument("--repeats", type=int, default=3,
+    ap.add_argument("--repeats", type=positive_int, default=3,
                     help="run each group of the grid this many times and keep each step's median time (default 3)")
     ap.add_argument("--refit", default=None, metavar="PROFILE",
                     help="measure nothing: re-fit this profile's stored samples with the current cost model")
     args = ap.parse_args(argv)
+    try:
+        return _main(args)
+    except (ValueError, OSError) as exc:  # a bad --refit file, an unknown --device, an unwritable --out
+        print(f"minivllm sim calibrate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _refit_doc(path: str) -> dict:
+    """The profile at ``path`` for :func:`refit`, checked first: a file that is no profile is a ValueError."""
+    from minivllm.sim.presets import load_profile
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--refit {path!r}: no such file")
+    doc = load_profile(path)
+    missing = [k for k in ("model", "samples", "engine", "fit") if not isinstance(doc.get(k), (dict, list))]
+    if missing:
+        raise ValueError(f"--refit {path!r}: a profile with stored samples needs {', '.join(missing)}")
+    return doc
+
+
+def _main(args) -> int:
     from minivllm.sim.presets import PROFILE_DIR
 
     if args.refit:
-        with open(args.refit, encoding="utf-8") as fh:
-            doc = refit(json.load(fh))
+        doc = refit(_refit_doc(args.refit))
         path = args.out or args.refit
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(doc, fh, indent=1)
@@ -559,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     doc = calibrate(real_engine(device=args.device, clock=args.clock), scale=0.4 if args.quick else 1.0,
-                    name=args.name, pin_bandwidth=not args.fit_bandwidth, repeats=max(1, args.repeats))
+                    name=args.name, pin_bandwidth=not args.fit_bandwidth, repeats=args.repeats)
     path = args.out or os.path.join(PROFILE_DIR, f"{doc['hardware']['name'].replace(' ', '_').lower()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:

@@ -107,13 +107,28 @@ def profile_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
 
 
+def _profile_path(path_or_name: str) -> str:
+    return path_or_name if os.path.exists(path_or_name) else os.path.join(PROFILE_DIR, f"{path_or_name}.json")
+
+
 def load_profile(path_or_name: str) -> dict:
-    """A calibration profile (JSON written by ``minivllm sim calibrate``): a path, or a name under ``sim/profiles``."""
-    path = path_or_name if os.path.exists(path_or_name) else os.path.join(PROFILE_DIR, f"{path_or_name}.json")
-    if not os.path.exists(path):
+    """A calibration profile (JSON written by ``minivllm sim calibrate``): a path, or a name under ``sim/profiles``.
+
+    A file that is there but is no profile (not JSON, a list, no ``hardware`` object) is a ValueError that
+    says so, not a ``KeyError`` traceback or a misleading "no such profile".
+    """
+    path = _profile_path(path_or_name)
+    if not os.path.isfile(path):
         raise ValueError(f"no calibration profile {path_or_name!r} (known: {', '.join(profile_names()) or 'none'})")
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"calibration profile {path!r} is not readable JSON: {exc}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("hardware"), dict):
+        raise ValueError(f"{path!r} is not a calibration profile: no 'hardware' object "
+                         "(profiles are written by minivllm sim calibrate)")
+    return doc
 
 
 def hardware_preset(name: str) -> HardwareSpec:
@@ -121,8 +136,10 @@ def hardware_preset(name: str) -> HardwareSpec:
     key = name.lower()
     if key in HARDWARE:
         return HARDWARE[key]
-    try:
-        return HardwareSpec.from_dict(load_profile(name)["hardware"])
-    except ValueError:
+    if not os.path.isfile(_profile_path(name)):
         raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
-                         f"profiles: {', '.join(profile_names()) or 'none'}") from None
+                         f"profiles: {', '.join(profile_names()) or 'none'}")
+    try:  # a profile that is there but broken says what is wrong with it
+        return HardwareSpec.from_dict(load_profile(name)["hardware"])
+    except ValueError as exc:
+        raise ValueError(f"hardware {name!r}: {exc}") from None

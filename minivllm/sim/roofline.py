@@ -42,7 +42,7 @@ fitted bandwidth).
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,15 @@ class HardwareSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
-        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        """From :meth:`to_dict` (or a profile's ``hardware``); missing or non-numeric fields are a ValueError."""
+        missing = [k for k, f in cls.__dataclass_fields__.items()
+                   if f.default is MISSING and f.default_factory is MISSING and k not in d]
+        if missing:
+            raise ValueError(f"HardwareSpec needs {', '.join(missing)}")
+        try:
+            return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        except TypeError as exc:  # a string where a number belongs: the comparisons in __post_init__ fail
+            raise ValueError(f"bad HardwareSpec field: {exc}") from None
 
 
 @dataclass

@@ -25,6 +25,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
+from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, _json_safe, format_table,
                                     parse_tenant, parse_trace, plan_from_trace, plan_requests, summarize)
 
@@ -212,6 +213,8 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
     specs = args.tenant or specs
     tenants = [parse_tenant(s, args.input_len, args.output_len) for s in specs] or [
         Tenant("default", None, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))]
+    if len({t.name for t in tenants}) != len(tenants):  # as bench serve: two specs of one name would merge silently
+        raise ValueError("tenant names must be distinct")
     rate = args.request_rate if args.request_rate is not None else rate
     burst = args.burstiness if args.burstiness is not None else burst
     if args.workload and args.workload not in WORKLOADS:
@@ -308,24 +311,24 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workload", default="chat", help=f"a JSONL trace path or one of {', '.join(WORKLOADS)}")
     ap.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, or a calibration profile (name or path)")
     ap.add_argument("--model", default="llama-3-8b", help="llama-3-8b, llama-3.2-1b, qwen3-0.6b, smollm2-135m")
-    ap.add_argument("--dtype-bytes", type=int, default=None, help="bytes per weight/KV element (default: the preset's)")
+    ap.add_argument("--dtype-bytes", type=positive_int, default=None, help="bytes per weight/KV element (default: the preset's)")
     ap.add_argument("--tenant", action="append", default=[], metavar="SPEC", help="as minivllm bench serve --tenant")
     ap.add_argument("--input-len", default="uniform:32:128")
     ap.add_argument("--output-len", default="fixed:16")
-    ap.add_argument("--num-requests", type=int, default=1000)
-    ap.add_argument("--request-rate", type=float, default=None, help="req/s (default: the workload's)")
-    ap.add_argument("--burstiness", type=float, default=None)
+    ap.add_argument("--num-requests", type=positive_int, default=1000)
+    ap.add_argument("--request-rate", type=positive_rate, default=None, help="req/s (default: the workload's)")
+    ap.add_argument("--burstiness", type=positive_float, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    ap.add_argument("--block-size", type=positive_int, default=16)
+    ap.add_argument("--max-num-seqs", type=positive_int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
+    ap.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "reject", "auto"])
     ap.add_argument("--scheduling-policy", default="fcfs")
-    ap.add_argument("--slo-ttft-ms", type=float, default=None)
-    ap.add_argument("--slo-itl-ms", type=float, default=None)
+    ap.add_argument("--slo-ttft-ms", type=positive_float, default=None)
+    ap.add_argument("--slo-itl-ms", type=positive_float, default=None)
     ap.add_argument("--out", default=None, help="write the summary (and per-request results) as JSON here")
     ap.add_argument("--profile", action="store_true", help="run under cProfile and print the top functions")
     return ap
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof).sort_stats("tottime").print_stats(20)
         else:
             run_sim(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a --workload or --out path that cannot be read or written
         print(f"minivllm sim run: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,256 @@
+"""Bad command-line input gets a one-line error and exit status 2 -- never a traceback, never a silent run.
+
+One row per case found in an audit of the command lines (``minivllm``, ``python -m minivllm.bench NAME``,
+``minivllm sim run / calibrate``) and the library functions behind them (profile loading, tenant specs).
+A bad number is refused by argparse (``SystemExit(2)``, ``error: argument --flag: ...``) before anything
+runs; a bad file or a bad spec is a ``ValueError`` the command prints as ``error: ...`` and returns 2.
+Every case here used to print a traceback, exit 0, or name the wrong thing.  No model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+
+import pytest
+
+from minivllm.cli import main as cli_main
+
+CLOSED = "http://127.0.0.1:9"  # nothing listens there: a request fails at once
+
+
+def _argparse_refuses(call, argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        call(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"argument {flag}:" in err, err
+    return err
+
+
+def _returns_error(rc, capsys, *needles):
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def _argv_main(monkeypatch, module_main, argv):
+    """Benchmarks whose ``main()`` reads ``sys.argv`` (as ``python -m minivllm.bench`` sets it)."""
+    monkeypatch.setattr(sys, "argv", ["minivllm.bench"] + argv)
+    return module_main()
+
+
+# -- minivllm (cli.py) --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["sim", "--help"], ["bench", "--help"]])
+def test_group_help_is_help(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_tool_help_still_reaches_the_tool(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["sim", "run", "--help"])
+    assert exc.value.code == 0
+    assert "--workload" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["serve", "--port", "99999"], "--port"),
+    (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests"),
+    (["serve", "--min-free-blocks", "-1"], "--min-free-blocks"),
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "hi", "--block-size", "0"], "--block-size"),
+])
+def test_cli_numbers_refused_before_the_model_loads(argv, flag, capsys, monkeypatch):
+    import minivllm.cli as cli
+
+    def reached(args):  # the value got past argparse: a model would load, a server would start
+        raise AssertionError(f"{argv} reached {argv[0]}()")
+
+    monkeypatch.setattr(cli, "serve", reached)
+    monkeypatch.setattr(cli, "generate", reached)
+    _argparse_refuses(cli_main, argv, flag, capsys)
+
+
+def test_api_keys_file_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "keys.json"
+    bad.write_text("{not json")
+    from minivllm.server import load_api_keys
+
+    with pytest.raises(ValueError, match="keys.json.*not valid JSON"):
+        load_api_keys(str(bad))
+    _returns_error(cli_main(["serve", "--api-keys-file", str(tmp_path / "missing.json")]), capsys, "missing.json")
+
+
+# -- minivllm sim run ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--num-requests", "0"], "--num-requests"),
+    (["--num-requests", "-3"], "--num-requests"),
+    (["--block-size", "0"], "--block-size"),
+    (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override"),
+    (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+    (["--dtype-bytes", "0"], "--dtype-bytes"),
+    (["--slo-ttft-ms", "-1"], "--slo-ttft-ms"),
+    (["--slo-itl-ms", "0"], "--slo-itl-ms"),
+])
+def test_sim_run_numbers(extra, flag, capsys):
+    from minivllm.sim.run import main
+
+    _argparse_refuses(main, ["--num-requests", "3", *extra], flag, capsys)
+
+
+def test_sim_run_files_and_tenants(tmp_path, capsys):
+    from minivllm.sim.run import main
+
+    not_profile = tmp_path / "notprof.json"
+    not_profile.write_text('{"a": 1}')
+    _returns_error(main(["--num-requests", "3", "--hardware", str(not_profile)]), capsys, "not a calibration profile")
+    _returns_error(main(["--num-requests", "3", "--workload", str(tmp_path)]), capsys, str(tmp_path))
+    _returns_error(main(["--num-requests", "3", "--out", str(tmp_path)]), capsys, str(tmp_path))
+    _returns_error(main(["--num-requests", "3", "--tenant", "name=a", "--tenant", "name=a"]), capsys, "distinct")
+
+
+# -- profiles (minivllm.sim.presets) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "not readable JSON"),
+    ("[1, 2]", "not a calibration profile"),
+    ('{"a": 1}', "not a calibration profile"),
+    ('{"hardware": {"name": "x"}}', "needs peak_flops, mem_bandwidth"),
+    ('{"hardware": {"name": "x", "peak_flops": -1, "mem_bandwidth": 1}}', "peak_flops must be > 0"),
+    ('{"hardware": {"name": "x", "peak_flops": "a", "mem_bandwidth": 1}}', "bad HardwareSpec field"),
+])
+def test_a_broken_profile_says_what_is_wrong(tmp_path, text, match):
+    from minivllm.sim.presets import hardware_preset
+
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        hardware_preset(str(path))
+
+
+def test_unknown_hardware_is_still_unknown():
+    from minivllm.sim.presets import hardware_preset
+
+    with pytest.raises(ValueError, match="unknown hardware 'nope'"):
+        hardware_preset("nope")
+
+
+# -- minivllm sim calibrate ---------------------------------------------------------------------
+
+
+def test_calibrate_refit_bad_files(tmp_path, capsys):
+    from minivllm.sim.calibrate import main
+
+    _returns_error(main(["--refit", str(tmp_path / "missing.json")]), capsys, "no such file")
+    hw_only = tmp_path / "hw.json"
+    hw_only.write_text(json.dumps({"hardware": {"name": "x", "peak_flops": 1, "mem_bandwidth": 1}}))
+    _returns_error(main(["--refit", str(hw_only)]), capsys, "needs model, samples, engine, fit")
+    _argparse_refuses(main, ["--repeats", "0"], "--repeats", capsys)
+
+
+# -- minivllm bench serve (loadgen) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("name=x,share=abc", "tenant 'x': share must be a number > 0, got 'abc'"),
+    ("name=x,name=y", "'name' given twice"),
+    ("name=x,input=lognormal:nan:1", "bad length distribution"),
+    ("name=x,input=lognormal:inf:1", "bad length distribution"),
+    ("name=x,output=lognormal:10:inf", "bad length distribution"),
+])
+def test_parse_tenant_refuses(spec, match):
+    from minivllm.bench.loadgen import parse_tenant
+
+    with pytest.raises(ValueError, match=match):
+        parse_tenant(spec)
+
+
+BENCH = ["--base-url", CLOSED, "--model", "m", "--no-progress", "--request-timeout", "1", "--timeout", "2"]
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--num-requests", "0"], "--num-requests"),
+    (["--max-concurrency", "0"], "--max-concurrency"),
+    (["--timeout", "-1"], "--timeout"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--min-goodput", "2"], "--min-goodput"),
+    (["--slo-itl-ms", "0"], "--slo-itl-ms"),
+])
+def test_bench_serve_numbers(extra, flag, capsys):
+    from minivllm.bench.loadgen import main
+
+    _argparse_refuses(main, [*BENCH, *extra], flag, capsys)
+
+
+def test_bench_serve_files_and_server(tmp_path, capsys):
+    from minivllm.bench.loadgen import main
+
+    _returns_error(main([*BENCH, "--trace", str(tmp_path / "missing.jsonl")]), capsys, "missing.jsonl")
+    _returns_error(main([*BENCH, "--rates", "1,abc"]), capsys, "--rates", "'1,abc'")
+    _returns_error(main(["--base-url", CLOSED, "--no-progress", "--num-requests", "1"]), capsys,
+                   "could not ask", "--model")
+
+
+# -- python -m minivllm.bench ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,code,needle", [(["--help"], 0, ""), (["nope"], 2, "unknown benchmark 'nope'")])
+def test_bench_launcher(monkeypatch, capsys, argv, code, needle):
+    monkeypatch.setattr(sys, "argv", ["minivllm.bench", *argv])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("minivllm.bench", run_name="__main__")
+    assert exc.value.code == code
+    assert needle in capsys.readouterr().err
+
+
+def test_fleet_inf_rate_and_an_empty_window(tmp_path, capsys):
+    from minivllm.bench import fleet
+
+    _argparse_refuses(fleet.main, ["--rate", "inf", "--out", ""], "--rate", capsys)
+    _argparse_refuses(fleet.main, ["--slo-ttft-ms", "-5", "--out", ""], "--slo-ttft-ms", capsys)
+    # so few arrivals that none is measured: the table shows "-", it does not crash on None
+    assert fleet.main(["--rate", "2", "--duration", "0.5", "--replicas", "1", "--routers", "round_robin",
+                       "--out", ""]) == 0
+    assert "-/-" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module,argv,flag", [
+    ("host_overhead", ["--kinds", "bogus", "--seqs", "2", "--samples", "1", "--warmup", "1", "--later", "1"], "--kinds"),
+    ("host_overhead", ["--sweep", "1,abc", "--seqs", "2", "--samples", "1"], "--sweep"),
+    ("preemption", ["--executor", "sim", "--requests", "4", "--budget", "0"], "--budget"),
+    ("preemption", ["--executor", "sim", "--requests", "4", "--kv-share", "0", "--modes", "reject"], "--kv-share"),
+    ("fairness", ["--duration", "0", "--policies", "fcfs"], "--duration"),
+    ("prefix_structures", ["--quick", "--rounds", "0", "--structures", "radix"], "--rounds"),
+])
+def test_bench_numbers(monkeypatch, capsys, module, argv, flag):
+    import importlib
+
+    mod = importlib.import_module(f"minivllm.bench.{module}")
+    _argparse_refuses(lambda a: _argv_main(monkeypatch, mod.main, a), argv, flag, capsys)
+
+
+def test_activations_tokens(capsys):
+    from minivllm.bench.activations import main
+
+    _argparse_refuses(main, ["--tokens", "0"], "--tokens", capsys)
+
+
+def test_sim_accuracy_resimulate_bad_files(tmp_path, capsys):
+    from minivllm.bench.sim_accuracy import main
+
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"a": 1}')
+    _returns_error(main(["--resimulate", str(junk), "--profile", str(junk)]), capsys, "not a calibration profile")
+    _returns_error(main(["--resimulate", str(junk), "--profile", "cpu-2core"]), capsys, "not a sim_accuracy result")
