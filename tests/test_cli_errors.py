@@ -100,6 +100,7 @@ def test_api_keys_file_errors_name_the_file(tmp_path, capsys):
     (["--num-gpu-blocks-override", "0"], "--num-gpu-blocks-override"),
     (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
     (["--dtype-bytes", "0"], "--dtype-bytes"),
+    (["--dtype-bytes", "3"], "--dtype-bytes"),  # no element is 3 bytes wide
     (["--slo-ttft-ms", "-1"], "--slo-ttft-ms"),
     (["--slo-itl-ms", "0"], "--slo-itl-ms"),
 ])

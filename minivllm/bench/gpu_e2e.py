@@ -13,7 +13,7 @@ benchmark shape (``--requests`` 256 requests, input and output lengths uniform
 in 100-1024, EOS ignored) served by minivllm with each attention backend, and
 by HF ``generate`` in static batches of ``--hf-batch`` on the same GPU, in one
 run; output tokens per second of each, and the ratios the issue asks for.
-``--scale`` shrinks the lengths and counts for a CPU dry run (``--arch tiny``).
+``--scale`` shrinks the lengths and counts for a CPU dry run (``--arch tiny``, with ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -201,7 +201,8 @@ def main() -> int:
         print(f"wrote a random-weight {a.arch} to {a.save_model}")
         return 0
     if a.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: this check needs a GPU (or --device cpu --arch tiny for a dry run)")
+        print("no CUDA device: this check needs a GPU (or, for a dry run on the CPU, TRITON_INTERPRET=1 and "
+              "--device cpu --arch tiny)")
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         if a.model is None:

@@ -311,7 +311,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workload", default="chat", help=f"a JSONL trace path or one of {', '.join(WORKLOADS)}")
     ap.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, or a calibration profile (name or path)")
     ap.add_argument("--model", default="llama-3-8b", help="llama-3-8b, llama-3.2-1b, qwen3-0.6b, smollm2-135m")
-    ap.add_argument("--dtype-bytes", type=positive_int, default=None, help="bytes per weight/KV element (default: the preset's)")
+    ap.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=None,
+                    help="bytes per weight/KV element: 1 (fp8), 2 (bf16), 4 (fp32); default: the preset's")
     ap.add_argument("--tenant", action="append", default=[], metavar="SPEC", help="as minivllm bench serve --tenant")
     ap.add_argument("--input-len", default="uniform:32:128")
     ap.add_argument("--output-len", default="fixed:16")
