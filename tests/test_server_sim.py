@@ -422,7 +422,9 @@ def test_door_sheds_load_with_429_before_the_queue_and_reopens():
         async def main():
             async with httpx.AsyncClient(timeout=30) as client:
                 post = lambda: client.post(srv.base + "/v1/completions", json=body)  # noqa: E731
-                first = [asyncio.ensure_future(post())]
+                # the seat holder runs ~3 s, so on a busy machine it is still running when the others queue
+                long = dict(body, max_tokens=300)
+                first = [asyncio.ensure_future(client.post(srv.base + "/v1/completions", json=long))]
                 await asyncio.sleep(0.2)
                 first += [asyncio.ensure_future(post()) for _ in range(2)]
                 for _ in range(100):  # until both really sit in the engine's queue

@@ -66,13 +66,15 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _Tracked:
     """What the metrics remember about one live request (for incremental TTFT/ITL/token counts)."""
 
-    __slots__ = ("tenant", "ttft_done", "itls_done", "prompt_done")
+    __slots__ = ("tenant", "ttft_done", "itls_done", "prompt_done", "seen", "last_time")
 
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         self.ttft_done = False
         self.itls_done = 0
         self.prompt_done = False
+        self.seen: dict[int, int] = {}  # output tokens counted so far, per sample index
+        self.last_time: float | None = None  # n == 1: the time of the last token an ITL was measured to
 
 
 class EngineMetrics:
@@ -137,7 +139,16 @@ class EngineMetrics:
             if t is None:
                 t = self._tracked[out.request_id] = _Tracked(tenant or "default")
         name, tenant = self.model_name, t.tenant
-        new_tokens = sum(len(o.delta_token_ids) for o in out.outputs)
+        # New tokens per sample, whatever the output kind: a cumulative or final_only output lists all of a
+        # sample's token ids (final_only's delta holds only the last one), a delta output only this step's.
+        fresh = []
+        for o in out.outputs:
+            seen = t.seen.get(o.index, 0)
+            n = len(o.token_ids) - seen if len(o.token_ids) > len(o.delta_token_ids) else len(o.delta_token_ids)
+            n = max(0, n)
+            t.seen[o.index] = seen + n
+            fresh.append(n)
+        new_tokens = sum(fresh)
         if new_tokens:
             self.generation_tokens.labels(name, tenant).inc(new_tokens)
             if not t.prompt_done:
@@ -147,7 +158,18 @@ class EngineMetrics:
         if not t.ttft_done and m.ttft is not None:
             t.ttft_done = True
             self.ttft.labels(name, tenant).observe(max(0.0, m.ttft))
-        itls = m.itls
+        if len(out.outputs) == 1:  # token_times are this sample's: all so far, or (delta) only this step's
+            times = m.token_times[-fresh[0]:] if fresh[0] else []
+            gaps = [b - a for a, b in zip([t.last_time, *times], times) if a is not None]
+            if times:
+                t.last_time = times[-1]
+            if gaps:
+                hist = self.itl.labels(name, tenant)
+                for gap in gaps:
+                    hist.observe(max(0.0, gap))
+            itls = ()
+        else:  # an n > 1 group: its metrics are the newest sample's
+            itls = m.itls
         if len(itls) > t.itls_done:
             hist = self.itl.labels(name, tenant)
             for gap in itls[t.itls_done:]:
