@@ -157,9 +157,9 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        Validation and the template live in :meth:`InputProcessor.encode_chat` (the server's path too)."""
         if not messages:
             raise ValueError("chat() needs a conversation (a non-empty list of messages) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)

@@ -338,10 +338,12 @@ class HostUsage:
     involuntary_switches: int
 
 
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)  # Linux only; looked up once, not twice per step
+
+
 def _thread_usage():
     """This thread's resource usage, or None where Linux's per-thread ``getrusage`` is missing."""
-    who = getattr(resource, "RUSAGE_THREAD", None)
-    return None if who is None else resource.getrusage(who)
+    return None if _RUSAGE_THREAD is None else resource.getrusage(_RUSAGE_THREAD)
 
 
 @dataclass
