@@ -147,6 +147,29 @@ def test_final_only_still_honours_stop_strings(tokenizer):
     assert (c.text, c.finish_reason, c.stop_reason, len(c.token_ids)) == ("abc END", "stop", " xyz", 4)
 
 
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("kind", ["delta", "cumulative", "final_only"])
+@pytest.mark.parametrize("by", ["stop_token_ids", "eos"])
+def test_the_stop_token_is_in_the_ids_but_its_text_only_when_asked(tokenizer, include, kind, by):
+    """vLLM v1's rule (``include_stop_str_in_output`` governs stop tokens as it governs stop strings): the token
+    that stopped a request is the last of its token ids, and its text is left out unless asked for.  EOS is
+    decoded with ``skip_special_tokens=False`` so that its text ("<|im_end|>") would show if it leaked.
+    Oracle: the tokenizer's decode of the scripted tokens, with and without the last one."""
+    words = tokenizer.encode(" one two three four")
+    stop = EOS if by == "eos" else words[2]
+    script = words[:2] + [stop] + words[3:]
+    extra = {"stop_token_ids": [stop], "ignore_eos": True} if by == "stop_token_ids" else {}
+    params = SamplingParams(max_tokens=len(script), include_stop_str_in_output=include, output_kind=kind,
+                            skip_special_tokens=False, **extra)
+    outs = run(tokenizer, {"r": script}, params)
+    last = outs[-1].outputs[0]
+    ids = [t for o in outs for t in o.outputs[0].token_ids] if kind == "delta" else last.token_ids
+    assert ids == script[:3] and last.finish_reason == "stop"
+    want = tokenizer.decode(script[: 3 if include else 2], skip_special_tokens=False)
+    assert ("".join(o.outputs[0].delta_text for o in outs) if kind == "delta" else last.text) == want
+    assert (want.endswith("<|im_end|>") if by == "eos" else want.endswith(" three")) == include
+
+
 # -- finish reasons -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["cumulative", "final_only"])
@@ -187,7 +210,7 @@ def test_streaming_n_samples_report_each_piece_once_and_finish_together(tokenize
             assert c.text == c.delta_text and c.token_ids == c.delta_token_ids
             text[c.index] += c.delta_text
     assert outs[-1].finished and [c.finish_reason for c in outs[-1].outputs] == ["stop", "length"]
-    assert text == {0: tokenizer.decode(a), 1: tokenizer.decode(b)}
+    assert text == {0: tokenizer.decode(a[:-1]), 1: tokenizer.decode(b)}  # a's stop token: in its ids, not its text
 
 
 def test_seeded_n_samples_get_distinct_reproducible_streams(tokenizer):

@@ -133,6 +133,22 @@ def test_greedy_stream_equals_non_stream(srv):
     assert comp.usage.completion_tokens == 8 or comp.choices[0].finish_reason == "stop"
 
 
+def test_stop_string_is_cut_unless_the_vllm_extra_asks_to_keep_it(srv):
+    """OpenAI's rule: the matched stop sequence is not part of the text; vLLM's extra field
+    ``include_stop_str_in_output`` keeps it.  Oracle: the greedy text without any stop, cut by ``str.find``."""
+    client, prompt = srv.client(), "The capital of France is"
+    base = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12).choices[0].text
+    word = base.split()[1]
+    for keep in (False, True):
+        got = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stop=[word],
+                                        extra_body={"include_stop_str_in_output": keep}).choices[0]
+        assert got.finish_reason == "stop"
+        assert got.text == base[: base.find(word) + (len(word) if keep else 0)]
+    bad = httpx.post(srv.base + "/v1/completions", headers=_auth(), timeout=TIMEOUT,
+                     json={"model": MODEL, "prompt": prompt, "include_stop_str_in_output": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "include_stop_str_in_output"
+
+
 def test_metrics_parse_and_move(srv):
     before = _scrape(srv.base)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -33,6 +33,7 @@ class _Stream:
     stop_ids: frozenset  # token ids that can stop it: SamplingParams.stop_token_ids, and EOS unless ignore_eos
     stop_strings: tuple  # SamplingParams.stop_strings
     delta: bool  # output_kind == "delta"
+    stop_text: bool = False  # include_stop_str_in_output: a stop token's text (like a stop string) is kept
     defer_text: bool = False  # final_only without stop strings: nobody reads the text before the end
     every_step: bool = True  # an output every step (cumulative, delta), not only the final one
     emitted_chars: int = 0
@@ -56,7 +57,7 @@ class OutputProcessor:
                 stop_ids |= self.eos_token_ids
             self._streams[req.request_id] = _Stream(
                 IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens),
-                stop_ids, params.stop_strings, params.output_kind == "delta",
+                stop_ids, params.stop_strings, params.output_kind == "delta", params.include_stop_str_in_output,
                 defer_text=final_only and not params.stop_strings,  # the params are frozen: decided once
                 every_step=not final_only,
             )
@@ -86,9 +87,12 @@ class OutputProcessor:
             if stream.defer_text and token not in stream.stop_ids and len(tokens) < req.max_tokens:
                 continue  # final_only, no stop strings, nothing stops: nothing to decode, check or report
             try:
-                if not stream.defer_text:  # (a deferred stream is detokenized once, at its end: _catch_up)
+                stops_here = token in stream.stop_ids
+                # (a deferred stream is detokenized once, at its end: _catch_up).  The token that stops a
+                # request stays in its token ids but not in its text, as a matched stop string does not.
+                if not stream.defer_text and (stream.stop_text or not stops_here):
                     stream.detok.add_token(token)
-                if (token in stream.stop_ids or stream.stop_strings
+                if (stops_here or stream.stop_strings
                         or len(tokens) >= req.max_tokens):  # otherwise no stop can fire
                     self._check_stop(req, token, stream)
                 finished = req.status.finished
@@ -107,7 +111,10 @@ class OutputProcessor:
         if not stream.defer_text:
             return  # detokenized token by token in emit
         start, stream.decoded = stream.decoded, len(req.output_token_ids)
-        for token in req.output_token_ids[start:]:
+        tokens = req.output_token_ids[start:]
+        if tokens and req.status is RequestStatus.FINISHED_STOPPED and not stream.stop_text:
+            tokens = tokens[:-1]  # (no stop strings when deferred: it stopped on this token) -- its text is dropped
+        for token in tokens:
             stream.detok.add_token(token)
 
     def final_output(self, req: Request) -> RequestOutput:

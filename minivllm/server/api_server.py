@@ -93,7 +93,7 @@ def _api_error_response(exc: APIError) -> JSONResponse:
 
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
-    "prompt", "prompt_token_ids", "messages", "cache_salt",
+    "include_stop_str_in_output", "prompt", "prompt_token_ids", "messages", "cache_salt",
 }
 
 
@@ -345,7 +345,7 @@ class OpenAIServer:
             v = getattr(req, name)
             if v is not None:
                 kw[name] = float(v)
-        for name in ("n", "top_k", "seed", "ignore_eos"):
+        for name in ("n", "top_k", "seed", "ignore_eos", "include_stop_str_in_output"):
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v

@@ -1,7 +1,8 @@
 """OpenAI API request and response models (the subset minivllm serves), as pydantic models.
 
 Requests accept OpenAI's fields plus a few of vLLM's extras (``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt``).  Unknown fields
+``min_p``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``cache_salt``).  Unknown fields
 are ignored, as OpenAI's clients send fields a server may not know; fields
 whose non-default values minivllm cannot honour (``logprobs``, ``echo``,
 ``best_of``, penalties, ``tools``...) are refused with a 400, never silently
@@ -47,6 +48,7 @@ class _SamplingRequest(BaseModel):
     min_p: Optional[Number] = None
     ignore_eos: Optional[StrictBool] = None
     stop_token_ids: Optional[list[StrictInt]] = None
+    include_stop_str_in_output: Optional[StrictBool] = None
     cache_salt: Optional[StrictStr] = None
     # OpenAI fields minivllm does not implement: refused unless left at their defaults
     logprobs: Optional[Any] = None
