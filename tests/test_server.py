@@ -149,6 +149,58 @@ def test_stop_string_is_cut_unless_the_vllm_extra_asks_to_keep_it(srv):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "include_stop_str_in_output"
 
 
+def test_requests_vllm_refuses_are_refused_with_the_field_named(srv):
+    """What vLLM's OpenAI server answers with a 400, this one does too, naming the field: a prompt plus an
+    explicit ``max_tokens`` past the context (the engine would quietly clamp it), sampling features minivllm
+    does not implement (silently ignoring them would change the text unwarned), ``logprobs: 0``, and
+    ``stream_options`` without ``stream``.  Oracle: the field each request set; a control request with the
+    same features at their no-op values is served."""
+    tok = srv.llm.get_tokenizer()
+    n = len(tok.encode("hello " * 500))
+
+    def post(path, **body):
+        return httpx.post(srv.base + path, headers=_auth(), timeout=TIMEOUT, json={"model": MODEL, **body})
+
+    chat = [{"role": "user", "content": "hi"}]
+    cases = [("/v1/completions", {"prompt": "hello " * 500, "max_tokens": 20}, "max_tokens"),
+             ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 600}, "max_completion_tokens"),
+             ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 0}, "max_completion_tokens"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages"),
+             ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1.3}, "repetition_penalty"),
+             ("/v1/completions", {"prompt": "hi", "min_tokens": 4}, "min_tokens"),
+             ("/v1/completions", {"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice"),
+             ("/v1/completions", {"prompt": "hi", "logprobs": 0}, "logprobs"),
+             ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+             ("/v1/chat/completions", {"messages": chat, "echo": True}, "echo")]
+    for path, body, field in cases:
+        r = post(path, **body)
+        assert r.status_code == 400, (field, r.status_code, r.text)
+        assert r.json()["error"]["param"] == field, (field, r.json())
+    too_long = post("/v1/completions", prompt="hello " * 500, max_tokens=20).json()["error"]["message"]
+    assert f"maximum context length is 512 tokens and your request has {n} input tokens" in too_long
+    ok = post("/v1/completions", prompt="hi", max_tokens=2, repetition_penalty=1.0, min_tokens=0, logprobs=None)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    fits = post("/v1/completions", prompt="hello " * 500, max_tokens=512 - n)
+    assert fits.status_code == 200
+
+
+def test_model_retrieve_and_text_parts_as_lines(srv):
+    """``models.retrieve`` (the official client's ``GET /v1/models/{id}``) returns the card or a 404; a chat
+    message sent as several text parts reads as those parts on separate lines, as vLLM joins them.  Oracle: the
+    same message sent as one string with the newline, greedy."""
+    client = srv.client()
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    parts = [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "Answer in one word."}]
+    as_parts = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=6,
+                                              messages=[{"role": "user", "content": parts}])
+    as_text = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=6, messages=[
+        {"role": "user", "content": "Name a colour.\nAnswer in one word."}])
+    assert as_parts.choices[0].message.content == as_text.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_text.usage.prompt_tokens
+
+
 def test_metrics_parse_and_move(srv):
     before = _scrape(srv.base)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",

@@ -93,15 +93,18 @@ def _api_error_response(exc: APIError) -> JSONResponse:
 
 _PARAM_NAMES = {
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
-    "include_stop_str_in_output", "prompt", "prompt_token_ids", "messages", "cache_salt",
+    "include_stop_str_in_output", "skip_special_tokens", "prompt", "prompt_token_ids", "messages", "cache_salt",
 }
 
 
-def _bad_value(exc: Exception) -> APIError:
-    """A ``ValueError`` from the engine as a 400, naming the parameter when the message starts with it."""
+def _bad_value(exc: Exception, prompt_field: str = "prompt") -> APIError:
+    """A ``ValueError`` from the engine as a 400, naming the parameter when the message starts with it
+    (a message about the prompt names ``prompt_field``: a chat request has ``messages``, no ``prompt``)."""
     msg = str(exc) or type(exc).__name__
     first = msg.split(" ", 1)[0].strip("'\":,")
     param = first if first in _PARAM_NAMES else ("prompt" if "prompt" in msg else None)
+    if param in ("prompt", "prompt_token_ids"):
+        param = prompt_field
     return APIError(400, msg, "invalid_request_error", param, "invalid_value")
 
 
@@ -336,16 +339,24 @@ class OpenAIServer:
         bad = req.unsupported()
         if bad:
             raise APIError(400, f"{bad} is not supported by minivllm", "invalid_request_error", bad, "unsupported")
+        if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI answer
+            raise APIError(400, "stream_options can only be given when stream is true", "invalid_request_error",
+                           "stream_options", "invalid_value")
         return req
 
     @staticmethod
-    def _sampling_params(req, max_tokens: int | None) -> SamplingParams:
+    def _sampling_params(req, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
+        """The engine's parameters for ``req``; ``max_tokens`` came from ``max_tokens_field`` (chat's
+        ``max_completion_tokens`` wins over ``max_tokens``), which an error about it names."""
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{max_tokens_field} must be an integer >= 1, got {max_tokens}",
+                           "invalid_request_error", max_tokens_field, "invalid_value")
         kw: dict[str, Any] = {"max_tokens": max_tokens}
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(req, name)
             if v is not None:
                 kw[name] = float(v)
-        for name in ("n", "top_k", "seed", "ignore_eos", "include_stop_str_in_output"):
+        for name in ("n", "top_k", "seed", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
@@ -364,7 +375,23 @@ class OpenAIServer:
             prompt["cache_salt"] = json.dumps([tenant, salt])  # scoped to the caller's own tenant
         return prompt
 
-    async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str) -> tuple[str, RequestStream]:
+    def _check_room(self, num_prompt_tokens: int, max_tokens: int | None, field: str) -> None:
+        """A prompt plus an explicit ``max_tokens`` past the context is a 400, as OpenAI and vLLM answer.
+
+        The engine itself clamps ``max_tokens`` to the room left (``LLM.generate`` callers get what fits);
+        a client that asked for N tokens over HTTP is told instead of quietly getting fewer.  Without
+        ``max_tokens`` the reply may fill the context.  A prompt alone too long is the engine's error.
+        """
+        limit = self.max_model_len
+        if max_tokens is None or not limit or num_prompt_tokens >= limit or num_prompt_tokens + max_tokens <= limit:
+            return
+        raise APIError(400, f"{field} is too large: {max_tokens}. This model's maximum context length is {limit} "
+                            f"tokens and your request has {num_prompt_tokens} input tokens "
+                            f"({max_tokens} > {limit} - {num_prompt_tokens})",
+                       "invalid_request_error", field, "invalid_value")
+
+    async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str,
+                      prompt_field: str = "prompt") -> tuple[str, RequestStream]:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if self.door is not None and self.door.closed(door_snapshot(self.engine.engine, self._passing)):
             retry = str(max(1, math.ceil(self.door.retry_after_s)))
@@ -374,7 +401,7 @@ class OpenAIServer:
         try:
             stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
         except ValueError as exc:
-            raise _bad_value(exc)
+            raise _bad_value(exc, prompt_field)
         except EngineShutdown as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down")
         except EngineDead as exc:
@@ -403,9 +430,9 @@ class OpenAIServer:
         return out
 
     async def _run(self, request: Request, prompt, params: SamplingParams, tenant: str, prefix: str,
-                   stream_mode: bool, make_body):
+                   stream_mode: bool, make_body, prompt_field: str = "prompt"):
         """Submit; non-streaming: wait for the final output; streaming: wait for the first, then stream."""
-        request_id, stream = await self._submit(prompt, params, tenant, prefix)
+        request_id, stream = await self._submit(prompt, params, tenant, prefix, prompt_field)
         handed_over = False
         try:
             try:
@@ -438,6 +465,7 @@ class OpenAIServer:
                 raise _bad_value(exc)
         prompt = self._with_salt({"prompt_token_ids": list(p)}, tenant, req.cache_salt)
         params = self._sampling_params(req, req.max_tokens)
+        self._check_room(len(p), req.max_tokens, "max_tokens")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
@@ -465,7 +493,7 @@ class OpenAIServer:
             if isinstance(content, list):
                 if any(part.type != "text" for part in content):
                     raise APIError(400, "only text content parts are supported", "invalid_request_error", "messages", "unsupported")
-                content = "".join(part.text or "" for part in content)
+                content = "\n".join(part.text or "" for part in content)  # parts are paragraphs (as vLLM joins)
             conversation.append({"role": m.role, "content": content or ""})
         try:
             ids = await asyncio.to_thread(self.engine.engine.inputs.encode_chat, conversation,
@@ -473,8 +501,10 @@ class OpenAIServer:
         except ValueError as exc:
             raise APIError(400, str(exc), "invalid_request_error", "messages", "invalid_value")
         prompt = self._with_salt({"prompt_token_ids": ids}, tenant, req.cache_salt)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self._sampling_params(req, max_tokens)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(req, field)
+        params = self._sampling_params(req, max_tokens, field)
+        self._check_room(len(ids), max_tokens, field)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
@@ -489,7 +519,7 @@ class OpenAIServer:
                 }
             return self._stream_chat(request_id, model, created, out, stream, include_usage)
 
-        return await self._run(request, prompt, params, tenant, "chatcmpl", bool(req.stream), body)
+        return await self._run(request, prompt, params, tenant, "chatcmpl", bool(req.stream), body, "messages")
 
     # -- streaming bodies -------------------------------------------------------------
     async def _outputs(self, first: RequestOutput, stream: RequestStream) -> AsyncIterator[RequestOutput]:
@@ -548,6 +578,11 @@ class OpenAIServer:
 
     async def models(self, request: Request):
         return ModelList(data=[ModelCard(id=name, max_model_len=self.max_model_len) for name in self.model_names]).model_dump()
+
+    async def model(self, request: Request):
+        """``GET /v1/models/{model}`` (the client's ``models.retrieve``): its card, or 404 as for a request."""
+        name = self._check_model(request.path_params["model"] or None)
+        return ModelCard(id=name, max_model_len=self.max_model_len).model_dump()
 
     async def metrics(self, request: Request):
         m = self.engine.metrics
@@ -625,6 +660,7 @@ def build_app(
     app.add_api_route("/v1/completions", handlers.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", handlers.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", handlers.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", handlers.model, methods=["GET"])
     app.add_api_route("/metrics", handlers.metrics, methods=["GET"])
     app.add_api_route("/health", handlers.health, methods=["GET"])
     app.add_middleware(_AuthMiddleware, api_keys=dict(api_keys or {}))

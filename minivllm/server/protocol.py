@@ -2,11 +2,12 @@
 
 Requests accept OpenAI's fields plus a few of vLLM's extras (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``cache_salt``).  Unknown fields
-are ignored, as OpenAI's clients send fields a server may not know; fields
-whose non-default values minivllm cannot honour (``logprobs``, ``echo``,
-``best_of``, penalties, ``tools``...) are refused with a 400, never silently
-dropped.  Types are checked strictly for counts (``max_tokens: "7"`` or
+``skip_special_tokens``, ``cache_salt``).  Unknown fields are ignored, as
+OpenAI's clients send fields a server may not know; fields -- OpenAI's or
+vLLM's -- whose non-default values minivllm cannot honour (``logprobs``,
+``echo``, ``best_of``, penalties, ``min_tokens``, guided decoding, ``tools``...)
+are refused with a 400, never silently dropped: a client moving from vLLM with
+``extra_body={"repetition_penalty": 1.2}`` must not get different text unwarned.  Types are checked strictly for counts (``max_tokens: "7"`` or
 ``true`` is a 400), the engine's :class:`~minivllm.sampling_params.SamplingParams`
 checks every value.
 """
@@ -30,6 +31,14 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Optional[StrictBool] = False
 
 
+# Fields minivllm does not implement, each with the value that asks for nothing (besides null): anything
+# else is refused.
+_NOTHING_ASKED = (("top_logprobs", 0), ("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
+                  ("repetition_penalty", 1), ("length_penalty", 1), ("min_tokens", 0), ("use_beam_search", False),
+                  ("prompt_logprobs", None), ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
+                  ("guided_grammar", None), ("structured_outputs", None))
+
+
 class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -49,6 +58,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: Optional[StrictBool] = None
     stop_token_ids: Optional[list[StrictInt]] = None
     include_stop_str_in_output: Optional[StrictBool] = None
+    skip_special_tokens: Optional[StrictBool] = None
     cache_salt: Optional[StrictStr] = None
     # OpenAI fields minivllm does not implement: refused unless left at their defaults
     logprobs: Optional[Any] = None
@@ -56,19 +66,30 @@ class _SamplingRequest(BaseModel):
     presence_penalty: Optional[Number] = None
     frequency_penalty: Optional[Number] = None
     logit_bias: Optional[dict] = None
+    # vLLM extras minivllm does not implement: refused likewise
+    repetition_penalty: Optional[Number] = None
+    length_penalty: Optional[Number] = None
+    min_tokens: Optional[StrictInt] = None
+    use_beam_search: Optional[StrictBool] = None
+    prompt_logprobs: Optional[Any] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
 
     def unsupported(self) -> Optional[str]:
-        """The first field set to something minivllm cannot do, or None."""
-        if self.logprobs not in (None, False, 0):
+        """The first field set to something minivllm cannot do, or None.
+
+        ``logprobs`` may only be null or false (chat's "no"): a number, even 0, asks a completion for
+        the sampled tokens' log-probabilities (vLLM returns them for 0 too).
+        """
+        if self.logprobs is not None and self.logprobs is not False:
             return "logprobs"
-        if self.top_logprobs not in (None, 0):
-            return "top_logprobs"
-        if self.presence_penalty not in (None, 0):
-            return "presence_penalty"
-        if self.frequency_penalty not in (None, 0):
-            return "frequency_penalty"
-        if self.logit_bias:
-            return "logit_bias"
+        for name, default in _NOTHING_ASKED:
+            value = getattr(self, name)
+            if value is not None and value != default:
+                return name
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             return "stream_options.continuous_usage_stats"
         return None
@@ -107,6 +128,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = None
+    echo: Optional[StrictBool] = False  # vLLM: prefix the reply with the last message
+    continue_final_message: Optional[StrictBool] = False
+    chat_template_kwargs: Optional[dict] = None
     tools: Optional[list] = None
     functions: Optional[list] = None  # the legacy form of tools
     tool_choice: Optional[Any] = None
@@ -122,6 +146,9 @@ class ChatCompletionRequest(_SamplingRequest):
             return "tool_choice"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
+        for name in ("echo", "continue_final_message", "chat_template_kwargs"):
+            if getattr(self, name):
+                return name
         return super().unsupported()
 
 
