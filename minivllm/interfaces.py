@@ -47,10 +47,13 @@ class AdmissionPolicy(Protocol):
     * ``rank(req) -> sortable`` -- the policy's preference (smaller is better).
       With it the scheduler gives a batch's prefill chunks to better-ranked
       requests first and, when admitting ``req``, counts against the token
-      budget only the running prefills ranked at or ahead of ``req``.
+      budget every running decode but only the running prefills ranked at or
+      ahead of ``req``.
     * ``may_preempt_for(req, victim) -> bool`` -- (with ``rank``) may waiting
       ``req`` preempt running ``victim`` when no seat (``max_num_seqs``) or no
-      KV is left for it?  The victim among those allowed is chosen by the
+      KV is left for it?  (A short token budget is never a reason: it comes
+      back next step.)  The scheduler preempts only if preempting every allowed
+      victim could make the room; the victim among those allowed is chosen by the
       :class:`PreemptionPolicy`; requests protected by the anti-thrash rule are
       never preempted this way.
     * ``observe(batch, now) -> None`` -- called once per step after execution
@@ -78,7 +81,8 @@ class PreemptionPolicy(Protocol):
         """The running request that gives up its blocks when the pool is empty.
 
         ``running`` is in admission order and never empty.  (The scheduler has
-        already left out requests that the anti-thrash rule protects.)
+        already left out requests that the anti-thrash rule protects -- unless
+        every candidate is protected: then it offers them all.)
         """
         ...
 

@@ -197,7 +197,8 @@ class LLM:
         return params
 
     def _add_all(self, prompts, params) -> list[str]:
-        """Validate every prompt before queueing any, so a bad one leaves nothing half-added."""
+        """Add the prompts one by one; if one is refused, abort those already added, so nothing is left
+        half-added (the caller gets the ``ValueError`` and the engine holds none of the batch)."""
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

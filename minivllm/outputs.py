@@ -1,9 +1,12 @@
 """What the engine returns: vLLM-shaped ``RequestOutput`` objects, plus timings.
 
 The engine's ``step()`` returns one ``RequestOutput`` per request that changed
-in the step.  ``outputs[i].text`` and ``.token_ids`` are cumulative; the
-``delta_text`` / ``delta_token_ids`` fields carry just what the step added, which
-is what a streaming client prints.
+in the step.  What ``outputs[i].text`` and ``.token_ids`` hold depends on the
+request's ``output_kind``: everything so far (``"cumulative"``, the default),
+only the step's additions (``"delta"``), or -- one output, when the request
+finishes -- everything (``"final_only"``, what ``LLM.generate`` uses).  The
+``delta_text`` / ``delta_token_ids`` fields always carry just what the step
+added, which is what a streaming client prints.
 
 The three classes are slotted: a streaming (``delta``) run builds one of each per
 request per step, and slotted instances are quicker to build and smaller.

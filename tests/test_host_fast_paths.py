@@ -116,8 +116,8 @@ def _check_bulk_queries(engine) -> list:
                 misses.append(("seqs_needing_blocks", s.request.request_id, slow))
         if sched._demand(sched.running) != sum(sched._chunk_cap(r) for r in sched.running):
             misses.append(("_demand", len(sched.running)))
-        if kv.num_new_blocks_all(sched.running) != sum(
-                kv.num_new_blocks(r, r.num_uncomputed_tokens) for r in sched.running):
+        if kv.num_new_blocks_all(sched.running) != sum(  # (private copies of shared blocks included)
+                kv.num_new_blocks(r, r.num_uncomputed_tokens) + kv.num_copy_on_write_blocks(r) for r in sched.running):
             misses.append(("num_new_blocks_all", len(sched.running)))
         return allocate(batch)
 

@@ -138,3 +138,19 @@ def test_recompute_after_preemption_is_not_counted_as_a_hit():
     assert st["prefix_cache_hits"] == 0, "a preempted request's own blocks were counted as cache hits"
     assert st["prefix_cache_queries"] == 48
     assert st["recompute_hit_tokens"] > 0
+
+
+def test_a_swapped_in_request_is_neither_a_hit_nor_a_recompute_hit():
+    """A swapped-out request brings its own blocks back over PCIe; the prefix cache saved it nothing.  Counting
+    them as ``recompute_hit_tokens`` would credit the cache with the swap's work.  Oracle: with only swap
+    preemptions there is no recompute at all, so the count must be 0 (and the prompts share nothing: 0 hits)."""
+    cfg = EngineConfig(num_gpu_blocks_override=16, block_size=16, max_model_len=256, enable_prefix_caching=True,
+                       preemption_mode="swap", num_cpu_blocks_override=64, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=256)
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": [100 + i] * 40}, SamplingParams(max_tokens=120, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    st = engine.stats()
+    assert st["num_swap_preemptions"] > 0 and st["swapped_in_blocks"] > 0 and st["num_recompute_preemptions"] == 0
+    assert st["recompute_hit_tokens"] == 0 and st["prefix_cache_hits"] == 0

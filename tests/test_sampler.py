@@ -105,6 +105,15 @@ def test_a_row_without_a_finite_distribution_fails_alone():
     assert tokens[1] is None and all(isinstance(t, int) and 0 <= t < 20 for t in (tokens[0], tokens[2]))
 
 
+def test_a_greedy_row_without_a_finite_maximum_fails_alone_too():
+    """Greedy rows skip the softmax, so they need their own check: ``argmax`` of a row with a NaN returns the
+    NaN's index, and of a row of ``-inf`` returns 0 -- a confident token from garbage.  Oracle: the rows'
+    own maxima, computed by hand (the finite rows' argmax is their largest entry)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, float("nan"), 1.0], [float("-inf")] * 3, [2.0, -1.0, 2.0]])
+    tokens = sample(logits, [SamplingParams(temperature=0)] * 4, [None] * 4)
+    assert tokens == [1, None, None, 0]  # (a tie goes to the first maximum, as in HF's argmax)
+
+
 @pytest.mark.parametrize("u", [0.0, 1.0])
 def test_the_ends_of_the_uniform_never_reach_a_forbidden_token(u, monkeypatch):
     """The inverse-CDF draw at its extremes: ``u = 0`` takes the first allowed token, and ``u = 1`` (past

@@ -1,10 +1,11 @@
 """Input processing: from what a caller sends to :class:`~minivllm.request.Request` objects.
 
-Everything a caller can get wrong is checked here, at the boundary, so that a
-bad value is a ``ValueError`` for that caller and never an exception inside a
-running engine step: the prompt's form and token ids, the tenant and cache
-salt, the request id, the length against ``max_model_len`` and against the
-whole KV pool.  ``n > 1`` fans out here into one request per sample; the
+Everything a caller can get wrong about the prompt is checked here, at the
+boundary, so that a bad value is a ``ValueError`` for that caller and never an
+exception inside a running engine step: the prompt's form and token ids, the
+tenant and cache salt, the length against ``max_model_len``.  (The request id
+and the fit against the whole KV pool are checked by ``LLMEngine.add_request``,
+which knows the live ids and the pool.)  ``n > 1`` fans out here into one request per sample; the
 samples' ids live in their own space (``parent#i`` is never a valid user id
 while that parent exists, see :meth:`InputProcessor.sample_id`).
 """

@@ -140,15 +140,50 @@ class KVCacheManager:
         return int(self._last_block_is_shared(req))
 
     def num_new_blocks_all(self, reqs) -> int:
-        """``sum(num_new_blocks(r, r.num_uncomputed_tokens) for r in reqs)``: blocks still needed to hold
-        every token the requests have.  One loop with no call per request, because the scheduler asks it
-        for all running requests in every step that something waits for admission."""
+        """``sum(num_new_blocks(r, r.num_uncomputed_tokens) + num_copy_on_write_blocks(r) for r in reqs)``:
+        blocks still needed to hold every token the requests have, private copies of shared partly filled
+        blocks included.  One loop with no call per request, because the scheduler asks it for all running
+        requests in every step that something waits for admission."""
         bs, total = self.block_size, 0
         for r in reqs:
-            need = -(-(len(r.prompt_token_ids) + len(r.output_token_ids)) // bs) - len(r.block_ids)
+            table = r.block_ids
+            need = -(-(len(r.prompt_token_ids) + len(r.output_token_ids)) // bs) - len(table)
             if need > 0:
                 total += need
+            done = r.num_computed_tokens
+            if done % bs and table and done < len(table) * bs and self.pool.refcount(table[-1]) > 1:
+                total += 1  # the next write copies the shared last block (see _last_block_is_shared)
         return total
+
+    def could_start_if_freed(self, req: Request, reqs, reserved: int, worst_case: bool = False) -> bool:
+        """Could a waiting ``req`` get its blocks if ``reqs`` gave theirs back, ``reserved`` blocks staying
+        promised to others?  ``False`` means certainly not; ``True``, perhaps.
+
+        The scheduler asks before preempting ``reqs`` to seat ``req``: a preemption that ends without
+        ``req`` admitted throws the victims' work away for nothing.  The room is bounded from above: the
+        blocks available now (free or evictable), plus each block of theirs no one else holds (one still
+        in another table stays taken; one only the prefix cache keeps becomes evictable), less the
+        cached blocks ``req`` would share (shared, they stop being evictable), less ``reserved``.  The need
+        is its tokens (``worst_case``: prompt plus ``max_tokens``) in blocks, less its cached prefix; a
+        swapped-out request needs its swapped blocks back.
+        """
+        held: dict[int, int] = {}
+        for r in reqs:
+            for b in r.block_ids:
+                held[b] = held.get(b, 0) + 1
+        cache, pool = self.prefix_cache, self.pool
+
+        def evictable_after(b: int) -> bool:  # only the cache would hold it
+            return cache is not None and cache.is_cached(b) and pool.refcount(b) - held.get(b, 0) == 1
+
+        freed = sum(1 for b, n in held.items() if pool.refcount(b) - n <= (1 if cache is not None and cache.is_cached(b) else 0))
+        room = self.num_available_blocks + freed - reserved
+        if req.cpu_block_ids:
+            return room >= len(req.cpu_block_ids)
+        hit = self.match_prefix(req).block_ids
+        room -= sum(1 for b in hit if evictable_after(b))
+        tokens = req.max_total_tokens if worst_case else req.num_tokens
+        return room >= blocks_for(tokens, self.block_size) - len(hit)
 
     def worst_case_new_blocks(self, req: Request) -> int:
         """Blocks ``req`` could still need if it ran to ``max_tokens`` (reject mode reserves these)."""
@@ -225,8 +260,8 @@ class KVCacheManager:
         (``recompute_hit_tokens``) and never inflates the hit rate.  A sample
         forked from its leader counts nothing (the leader's lookup did).
         """
-        if self.prefix_cache is None or req.cpu_block_ids:
-            return
+        if self.prefix_cache is None or req.status is RequestStatus.SWAPPED:
+            return  # (called before the status becomes RUNNING: a swap-in brought its own blocks back)
         if req.prefix_lookup_recorded:
             self.stats.recompute_hit_tokens += req.num_computed_tokens
         elif req.leader is not None and req.num_computed_tokens:

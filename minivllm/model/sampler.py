@@ -66,9 +66,12 @@ def sample(
     """One token per row of ``logits`` ``[R, V]`` (fp32); ``None`` for a row with no finite distribution.
 
     ``generators[i]`` is row ``i``'s own (CPU) generator or None; the others
-    share ``default_generator``, which must live on ``logits``' device.
+    share ``default_generator``, which must live on ``logits``' device.  A
+    greedy row is judged by its maximum, which ``max`` computes anyway: a NaN
+    anywhere in the row makes it NaN, and a row of ``-inf`` has none finite.
     """
-    tokens = torch.argmax(logits, dim=-1)
+    best, tokens = torch.max(logits, dim=-1)  # the first index of the maximum, as argmax
+    tokens = torch.where(torch.isfinite(best), tokens, -1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         device = logits.device

@@ -28,7 +28,8 @@ tenant at a cap waits -- or, with ``TenantConfig(over_cap="reject")``, a new req
 of a tenant at its seat or KV cap finishes ``"rejected"`` with a ``retry_after_s``
 hint (:meth:`CapTable.retry_steps`: the steps until its running requests free
 enough room; the server answers 429 + ``Retry-After``); a running tenant that would
-grow past its KV share preempts *its own* newest work, never a neighbour's, so it
+grow past its KV share preempts *its own* work (the victim the preemption policy picks among
+its requests), never a neighbour's, so it
 cannot pin the cache.  Nor can it fill the prefix cache: ``TenantConfig(max_cache_share=...)``
 (and the three-class preset's ``tenant_cache_share``) bound what one tenant keeps
 cached, all its cache salts together (:func:`tenant_cache_quota`).

@@ -18,7 +18,8 @@ class ScheduledSeq:
     """One request's share of a step: ``num_tokens`` tokens starting at ``start``.
 
     Slotted: a decode step builds one per running request, and a slotted
-    dataclass is built in half the time of a plain one (host overhead).
+    dataclass is smaller and a little quicker to build than a plain one
+    (about 10% on CPython 3.11).
     """
 
     request: Request

@@ -35,8 +35,9 @@ Preemption modes (``EngineConfig.preemption_mode``)
   swap; short ones recompute.
 
 Two rules keep preemption from thrashing: nothing is admitted in the step
-right after a preemption (the pool is full; admitting would only preempt
-again), and a request preempted ``preemption_protect_after`` times is only
+right after a preemption made while allocating (the pool is full; admitting
+would only preempt again -- a preemption made on purpose to seat a
+better-ranked request does not pause admission), and a request preempted ``preemption_protect_after`` times is only
 chosen as a victim when every running request is protected.  So no request is
 preempted "every step" (cf. vLLM issue #25538) while others could give way.
 
@@ -225,7 +226,8 @@ class Scheduler:
         return total + sum(min(v, cap[k]) for k, v in grouped.items())
 
     def _admission_budget(self, req: Request) -> int:
-        """Token budget left for ``req``: with a ranking policy, only running prefills ranked ahead count."""
+        """Token budget left for ``req``: with a ranking policy, every running decode but only the running
+        prefills ranked at or ahead of it count."""
         if self._rank is None:
             ahead = self.running
         else:
@@ -275,25 +277,43 @@ class Scheduler:
         limit = self.config.preemption_protect_after
         cands = [r for r in self.running
                  if r not in admitted and (not limit or r.num_preemptions < limit) and self._may_preempt_for(req, r)]
-        if not cands:
+        if not cands or not self._victims_could_make_room(req, cands):
             return False
         victim = self.preemption_policy.choose_victim(cands)
         self._preempt(victim)
         self._admission_preempted.append(victim)
         return True
 
-    def _reserved_blocks(self) -> int:
-        """Blocks the running requests will claim: the rest of their prefill, or (reject mode) their worst case."""
+    def _victims_could_make_room(self, req: Request, cands: list[Request]) -> bool:
+        """Would preempting *every* candidate leave blocks enough for ``req``?  Asked before each victim goes.
+
+        Preempting throws a victim's KV away (or swaps it out); if ``req`` is still not admitted at the end,
+        nobody gained.  Seats are no question (one victim frees one) and the token budget is never a reason
+        to preempt (see :meth:`admit`); the blocks are: the bound freed blocks minus what the requests left
+        running will still claim, against the blocks ``req`` would take.  A sample forking from
+        its leader needs at most a block or two and is always worth trying.
+        """
+        if req.leader is not None:
+            return True
+        left = self._reserved_blocks([r for r in self.running if r not in cands])
+        return self.kv.could_start_if_freed(req, cands, left, worst_case=self.config.preemption_mode == "reject")
+
+    def _reserved_blocks(self, running: list[Request] | None = None) -> int:
+        """Blocks the running requests (or ``running``) will claim: the rest of their prefill, or (reject mode)
+        their worst case."""
+        running = self.running if running is None else running
         if self.config.preemption_mode == "reject":
-            return sum(self._reservation(r) for r in self.running)
-        return self.kv.num_new_blocks_all(self.running)  # the same sum, in one loop inside the KV manager
+            return sum(self._reservation(r) for r in running)
+        return self.kv.num_new_blocks_all(running)  # the same sum, in one loop inside the KV manager
 
     # -- step 1: admit -------------------------------------------------------
     def admit(self) -> list[Request]:
         """Move waiting requests into ``running`` while seats, budget and blocks allow.
 
-        Nothing is admitted in a step right after a preemption: the pool is
-        full, and admitting would only preempt again (thrash).
+        Nothing is admitted in a step right after a preemption made while
+        allocating: the pool is full, and admitting would only preempt again
+        (thrash).  (``allocate`` clears the flag first, so a preemption made
+        here, to seat a better-ranked request, does not pause admission.)
         """
         if self._preempted_last_step or not self.waiting:
             return []
@@ -328,7 +348,9 @@ class Scheduler:
                 fit = None
                 if seated and budget > 0 and not (swapped_out and req.status is RequestStatus.SWAPPED):
                     fit = self._try_admit(req, budget, reserved)
-                if fit is not None or not self._preempt_to_admit(req, admitted):
+                # No preemption for want of token budget: the victims' own tokens this step (one per decode)
+                # rarely cover it, and the budget comes back next step anyway; seats and KV do not.
+                if fit is not None or budget <= 0 or not self._preempt_to_admit(req, admitted):
                     break
                 swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
                 reserved = self._reserved_blocks()
@@ -347,9 +369,9 @@ class Scheduler:
             unranked_budget -= tokens
             self.waiting.remove(req)
             self._count_waiting(req, -1)
+            self.kv.record_admission(req)  # before the status changes: it tells a swap-in from a recompute
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            self.kv.record_admission(req)
             admitted.append(req)
             if caps is not None:
                 for g in caps.groups(req):
