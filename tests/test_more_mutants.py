@@ -281,6 +281,19 @@ def _out(rid, n_tokens, times, finished=False, reason=None, arrival=1.0, schedul
     return RequestOutput(rid, None, [9] * 7, [c], finished, m)
 
 
+def test_cumulative_counters_survive_snapshots_arriving_out_of_order():
+    """The engine loop syncs after each step and a ``/metrics`` scrape syncs too, from another thread, with a
+    snapshot read earlier: an older snapshot applied after a newer one must not make the next one count the gap
+    twice.  Oracle: the engine's own cumulative values (a counter ends at the highest one it was shown)."""
+    m = EngineMetrics("mm")
+    for queries, hits in ((150, 40), (100, 30), (200, 60), (200, 60)):  # the second is the scrape's stale read
+        m.sync({"prefix_cache_queries": queries, "prefix_cache_hits": hits, "recomputed_tokens": queries // 10})
+    s = metric_samples(m.render().decode())
+    assert metric_value(s, "vllm:prefix_cache_queries_total") == 200
+    assert metric_value(s, "vllm:prefix_cache_hits_total") == 60
+    assert metric_value(s, "vllm:num_recomputed_tokens_total") == 20
+
+
 def test_latency_histograms_from_hand_computed_timestamps():
     """Kills: TTFT observed from the queue time (or from first scheduling instead of arrival), ITL from
     non-adjacent tokens, queue time observed as e2e latency.  Hand-computed: arrival 1.0, scheduled 1.5, tokens

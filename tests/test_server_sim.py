@@ -594,3 +594,29 @@ def test_type_and_text_errors_name_the_field_in_plain_words(tokenizer):
         assert srv.async_engine.wait_idle(timeout=30)
         stats = engine.stats()
         assert stats["used_blocks"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+def test_stopping_a_background_server_aborts_a_waiting_request_with_503():
+    """``BackgroundServer.stop`` with a non-streamed request in flight: the engine aborts it first, so its client
+    reads a 503 (the server is going away), not the 500 of uvicorn cancelling it after its graceful timeout.
+    Oracle: the HTTP status, and the engine's own abort count and free blocks."""
+    import httpx
+
+    engine = _paced_engine(wall_factor=50.0)  # a 400-token reply takes minutes of wall time
+    got: dict = {}
+    with _Served(engine) as s:
+        def call() -> None:
+            r = httpx.post(s.base + "/v1/completions", timeout=60,
+                           json={"model": "sim", "prompt": list(range(10, 30)), "max_tokens": 400})
+            got["status"], got["error"] = r.status_code, r.json().get("error", {})
+
+        t = threading.Thread(target=call)
+        t.start()
+        end = time.monotonic() + 30
+        while not engine.has_unfinished_requests() and time.monotonic() < end:
+            time.sleep(0.02)
+        assert engine.has_unfinished_requests(), "the request never reached the engine"
+        s.bg.stop(20)
+        t.join(30)
+    assert got["status"] == 503, got
+    assert s.async_engine.num_aborted == 1 and engine.pool.num_free == engine.pool.num_blocks

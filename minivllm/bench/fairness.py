@@ -135,8 +135,8 @@ def cpu_three_class_workload(seed: int, duration: float) -> tuple[list[Arrival],
     135M model on one CPU core prefills, so every class would queue without end.
     This one keeps the shape -- chats, agents making sequential calls on a growing
     shared context, a batch backlog at t = 0 -- at CPU scale: chats 0.5/s with
-    prompts of 30-120 tokens, 3 agents x 6 calls on a 400-token preamble, 8 batch
-    prompts of 600-1200 tokens.
+    prompts of 20-60 tokens, 3 agents x 6 calls on a 300-token preamble, 8 batch
+    prompts of 300-600 tokens.
     """
     rng = random.Random(seed)
     out = [Arrival(t, "chat", _tokens(rng, rng.randint(20, 60)), rng.randint(8, 24))

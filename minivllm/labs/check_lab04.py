@@ -305,8 +305,8 @@ def check_itl_stats(fn) -> CheckResult:
 def engine_pick_budget(measure: Callable[[int], dict], budgets: Sequence[int], itl_target_s: float):
     """The load generator's sweep verdict applied to budgets: the lab's fallback.
 
-    ``minivllm bench serve --sweep`` picks the highest request *rate* whose p99 ITL meets an SLO
-    (:func:`minivllm.bench.loadgen.sweep_verdict`); the same rule, with budgets in place of rates,
+    ``minivllm bench serve --rates R1,R2,... --slo-itl-ms MS`` picks the highest request *rate* whose
+    p99 ITL meets an SLO (:func:`minivllm.bench.loadgen.sweep_verdict`); the same rule, with budgets in place of rates,
     is what exercise 3 asks for.  Each budget is measured once.
     """
     from minivllm.bench.loadgen import sweep_verdict

@@ -38,7 +38,8 @@ cardinality is bounded by configuration.  Queries that ignore it (``sum by
 Every :class:`EngineMetrics` owns its own :class:`~prometheus_client.CollectorRegistry`
 (no global state: two servers, or a test and a server, never share a
 counter).  It reads the engine only through its public surface:
-``engine.stats()``, ``engine.step_log[-1]`` and the ``RequestOutput`` objects.
+``engine.stats()``, ``engine.step_log[-1]`` and the ``RequestOutput`` objects
+(and, to label an ``auto`` preemption swap or recompute, ``engine.requests``).
 It works offline too: call :meth:`EngineMetrics.observe_step` after each
 ``engine.step()`` and :meth:`EngineMetrics.observe_output` for each output.
 """
@@ -231,7 +232,13 @@ class EngineMetrics:
                 self.preemptions.labels(self.model_name, mode, "unknown").inc(n)
 
     def sync(self, stats: dict) -> None:
-        """Gauges from a ``stats()`` dict; cumulative engine counters become counter increments."""
+        """Gauges from a ``stats()`` dict; cumulative engine counters become counter increments.
+
+        Called by the engine loop after each step and by a ``/metrics`` scrape (which wants fresh gauges
+        while the loop idles), from two threads and with snapshots that can arrive out of order.  The
+        engine's counters only ever grow, so a snapshot older than the last one seen adds nothing: a
+        counter moves to the highest value seen, under the lock, and is never counted twice.
+        """
         name = self.model_name
         self.running.labels(name).set(stats.get("num_running", 0))
         self.waiting.labels(name).set(stats.get("num_waiting", 0))
@@ -249,10 +256,11 @@ class EngineMetrics:
             value = stats.get(key)
             if value is None:
                 continue
-            delta = value - self._last.get(key, 0)
-            self._last[key] = value
-            if delta > 0:
-                child.inc(delta)
+            with self._lock:
+                delta = value - self._last.get(key, 0)
+                if delta > 0:
+                    self._last[key] = value
+                    child.inc(delta)
 
     # -- exposition -----------------------------------------------------------------
     def render(self) -> bytes:

@@ -7,7 +7,8 @@ benchmarks read peak block usage from it.  Two things keep it cheap:
   for the scheduled sequences, read together as ``record.seqs``), never a
   reference to a live request;
 * the buffer is bounded by the number of *sequence entries* it holds (a step of
-  256 decodes costs 256 entries, an idle step one), so a long run at large
+  256 decodes by one tenant costs 258 entries: one per sequence, one per tenant
+  row and one for the step; an idle step one), so a long run at large
   batch sizes keeps the newest history in a fixed memory budget (about 100 bytes
   per entry) instead of growing without bound.
 

@@ -39,7 +39,9 @@ class AttentionMetadata:
         seq_lens: ``[num_seqs]`` int32, KV length of each sequence *after* this step's
             tokens are written (context + new tokens).
         block_tables: ``[num_seqs, max_blocks]`` int32, padded with 0 beyond each
-            sequence's blocks (padding is never read: lengths bound every access).
+            sequence's blocks.  0 is a real block id on purpose: the torch decode path
+            gathers the padding blocks too and masks them by length, so the pad must be
+            a valid index (the kernels never read past a sequence's length).
         num_decodes: how many leading sequences are single-token decodes.
         query_lens / context_lens: host copies (Python ints) so the torch path can
             slice without device syncs.

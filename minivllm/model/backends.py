@@ -1,6 +1,6 @@
 """Choosing an attention backend by name.
 
-Two implementations of the same interface (``write_kv`` + ``attend``) exist:
+Three implementations of the same interface (``write_kv`` + ``attend``) exist:
 
 * ``"torch"`` -- :class:`minivllm.model.attention.TorchAttentionBackend`, plain torch,
   runs anywhere and is the reference;
@@ -93,7 +93,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
 
 
 def onednn_linear_works() -> bool:
-    """Can this torch run a packed fp32 linear through oneDNN, with ``F.linear``'s results (to ~1e-5)?"""
+    """Can this torch run a packed fp32 linear through oneDNN, with ``F.linear``'s results (to 1e-4)?"""
     if not torch.backends.mkldnn.is_available():
         return False
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import threading
@@ -56,6 +57,17 @@ def load_kernel():
         return fn
 
 
+def _cpu_identity() -> bytes:
+    """What ``-march=native`` compiles for: the CPU's model names and feature flags (Linux's /proc/cpuinfo,
+    every distinct line: a hybrid CPU's cores may differ), else the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo", "rb") as fh:
+            lines = {line for line in fh.read().splitlines() if line.startswith((b"model name", b"flags"))}
+    except OSError:
+        lines = set()
+    return b"\n".join(sorted(lines)) or platform.processor().encode()
+
+
 def _build():
     if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
         return None
@@ -63,13 +75,15 @@ def _build():
     if compiler is None or not SOURCE.exists():
         return None
     source = SOURCE.read_bytes()
-    # -march=native: the .so is built on the machine that runs it; the hash keeps one per host/flags.
+    # -march=native: the .so is built for the CPU that runs it; the hash keeps one per CPU model, feature
+    # flags and compile flags (a cache directory shared by two kinds of CPU, an NFS home, say, must not
+    # hand an AVX-512 build to an AVX2-only machine).
     # -ffast-math only to compile: linking with it adds crtfastmath.o, whose constructor switches the
     # whole process to flush-subnormals-to-zero when the library loads -- every torch op included.
     compile_flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
     link_flags = ["-shared", "-fopenmp"]
     digest = hashlib.sha256(source + " ".join(compile_flags + link_flags).encode()
-                            + os.uname().machine.encode()).hexdigest()[:16]
+                            + os.uname().machine.encode() + _cpu_identity()).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode_{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

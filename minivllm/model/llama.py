@@ -4,7 +4,9 @@ Unlike a training model, this one never sees a ``[batch, seq_len]`` tensor.  It
 takes the flat batch the scheduler built — the new tokens of many requests, end
 to end — plus :class:`~minivllm.model.attention.AttentionMetadata`, and for every
 layer writes each token's K/V into the paged cache before attending through
-the block tables.  Padding never exists, so no FLOP is wasted on it.
+the block tables.  No request is padded to a common sequence length, so no FLOP
+is wasted on that (the only padding is a few rows: decode batches to a captured
+CUDA-graph size, and 1-3 rows to 4 for oneDNN's faster kernel).
 
 Covers Llama 2/3 (incl. Llama 3's RoPE scaling), SmolLM/SmolLM2, Qwen2
 (bias on q/k/v) and Qwen3 (RMSNorm on q and k per head).
@@ -38,11 +40,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
-# oneDNN multiplies 1 or 2 rows by a packed weight with a different kernel than 3 or more, and on the
-# CPUs measured here that kernel was slower in absolute terms: a full pass over SmolLM2's weights took
-# 36 ms for 1 row, 44 ms for 2, 31 ms for 4 (one thread; ``python -m minivllm.bench linear``).  A decode
-# step of one or two sequences therefore pads its rows to this many; each output row depends only on
-# its own input row, so the padding changes nothing but the time.
+# oneDNN multiplies a few rows by a packed weight with a different kernel than many, and on the CPUs
+# measured here that kernel was slower in absolute terms: a full pass over SmolLM2's weights took 36 ms
+# for 1 row, 44 ms for 2, 31 ms for 4 (one thread; ``python -m minivllm.bench linear``).  A decode step
+# of one to three sequences therefore pads its rows to this many; each output row depends only on its
+# own input row, so the padding changes nothing but the time.
 ONEDNN_MIN_ROWS = 4
 
 

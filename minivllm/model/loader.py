@@ -147,7 +147,8 @@ def convert_gguf(path: Path) -> Path:
 # transformers' model classes costs another 160 MB (they pull in
 # torch._dynamo, sympy and triton).  So the config and tokenizer are read with
 # transformers' generic classes where the files allow it, weights are copied
-# into the module one layer at a time from a short-lived memory map, and a
+# into the module one layer at a time from a short-lived memory map, and (with
+# ``linear_backend="onednn"``, which packs its own copy for the LM head) a
 # tied embedding table stays a read-only map of the file: a step reads a few
 # of its 49,152 rows, and only those pages ever occupy memory.
 

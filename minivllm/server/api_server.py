@@ -31,6 +31,9 @@ Behaviour worth knowing:
   request aborted; its KV blocks go back before the next engine step.
 * **Shutdown** aborts in-flight requests (streams end with an error event and
   ``[DONE]``; waiting non-streamed requests get 503) and stops the loop thread.
+  Whoever runs uvicorn calls ``app.state.async_engine.begin_shutdown()`` when
+  the server is told to exit (``minivllm serve`` in ``handle_exit``,
+  ``BackgroundServer.stop``): uvicorn alone waits for open requests first.
 """
 
 from __future__ import annotations
@@ -151,7 +154,8 @@ def load_api_keys(path: str | None = None, env: str | None = None) -> dict[str, 
         for part in raw.split(","):
             key, sep, tenant = part.strip().partition("=")
             if not sep:
-                raise ValueError(f"MINIVLLM_API_KEYS entries are key=tenant, got {part.strip()!r}")
+                raise ValueError(f"API keys {path or '$MINIVLLM_API_KEYS'!r}: entries are key=tenant (or the whole "
+                                 f"file a JSON object), got {part.strip()!r}")
             keys[key.strip()] = tenant.strip()
     if not isinstance(keys, dict) or not all(isinstance(k, str) and k and isinstance(t, str) and t for k, t in keys.items()):
         raise ValueError("API keys must map non-empty key strings to non-empty tenant names")

@@ -1,10 +1,11 @@
 """The engine behind an asyncio server: one loop thread, one queue per request.
 
 :class:`AsyncEngine` owns a :class:`~minivllm.engine.llm_engine.LLMEngine` and
-runs its serving loop in ONE background thread.  That thread is the only
-caller of the engine: adding a request, aborting one and shutting down are
-*commands* the event loop posts to it (a thread-safe queue), run between two
-steps.  So the event loop never waits on the engine's lock (a step can take
+runs its serving loop in ONE background thread.  That thread is the only one
+that changes the engine (others only read it: the door's snapshot, the
+tokenizer off the event loop, ``stats()`` once the loop has stopped): adding a
+request, aborting one and shutting down are *commands* the event loop posts to
+it (a thread-safe queue), run between two steps.  So the event loop never waits on the engine's lock (a step can take
 tens of milliseconds on a CPU), ``engine.stats()`` is never read in the middle
 of a step, and no request blocks another.
 

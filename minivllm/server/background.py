@@ -4,9 +4,9 @@ Why a thread and not ``minivllm serve`` in a subprocess?  A notebook that
 starts a subprocess must find a free port, wait for the model to load twice
 (once there, once for anything it compares locally) and clean up a process
 that outlives a crashed cell.  Here the engine the notebook already built is
-served as it is: uvicorn runs in a daemon thread on a free ``127.0.0.1`` port
-(never ``0.0.0.0``: a lab server is not for the network), and :meth:`stop`
-(or leaving the ``with`` block) shuts it down gracefully and joins the thread.
+served as it is: uvicorn runs in a daemon thread on a free port of ``127.0.0.1``
+by default (a lab server is not for the network), and :meth:`stop` (or leaving
+the ``with`` block) shuts it down gracefully and joins the thread.
 """
 
 from __future__ import annotations
@@ -60,7 +60,14 @@ class BackgroundServer:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Graceful shutdown (in-flight requests are aborted), then join the thread."""
+        """Graceful shutdown (in-flight requests are aborted), then join the thread.
+
+        The engine refuses new work and aborts what is in flight *first*, as ``minivllm serve`` does on
+        Ctrl-C: uvicorn alone would wait its 5 s graceful timeout for open requests, then cancel them
+        (a waiting client got a 500); aborted first, they end at once (a stream with its error event and
+        ``[DONE]``, a non-streamed request with 503).
+        """
+        self.async_engine.begin_shutdown()
         self._server.should_exit = True
         self._thread.join(timeout_s)
 

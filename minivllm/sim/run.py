@@ -3,8 +3,8 @@
 The engine is the one that serves real requests -- same scheduler, policies,
 KV manager and prefix cache -- with a :class:`~minivllm.sim.roofline.RooflineExecutor`
 in place of the model.  Arrivals use the load generator's workload format
-(``--tenant`` specs, Poisson/gamma rates or a JSONL ``--trace``; see
-:mod:`minivllm.bench.loadgen`), and the report is the load generator's table,
+(``--tenant`` specs and Poisson/gamma rates, or ``--workload PATH`` with a JSONL
+trace in the load generator's ``--trace`` format; see :mod:`minivllm.bench.loadgen`), and the report is the load generator's table,
 built from the engine's own timestamps, so a simulated run and a measured one
 read the same way.
 

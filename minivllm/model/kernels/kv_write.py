@@ -6,8 +6,9 @@ token's ``[kv_heads, head_dim]`` K and V rows to that slot.
 
 Why a kernel, when ``index_copy_`` does the same?  On a GPU the torch version
 is two launches plus a view per layer per step; this is one launch, and it also
-handles what ``index_copy_`` cannot: a slot of ``-1`` (a padding token, as used
-by CUDA-graph-padded batches) is skipped instead of raising.  Slots beyond the
+handles what ``index_copy_`` cannot: a slot of ``-1`` (a padding token) is
+skipped instead of raising -- today's CUDA-graph padding reuses row 0's slot
+instead, so this is a guard, not a path the engine takes.  Slots beyond the
 pool are skipped too, because an out-of-bounds store corrupts memory (or
 crashes the interpreter).
 """
