@@ -156,3 +156,17 @@ def test_seed_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(grade.SEED_ENV)
     seeds = {grade.choose_seed(None) for _ in range(5)}
     assert len(seeds) > 1 and all(0 <= x < 2**31 for x in seeds), "without a seed, each run draws its own"
+
+
+def test_the_student_is_the_folder_only_when_the_file_keeps_its_lab_name():
+    """A class that hands in ``lab02_<name>.ipynb`` files into one folder must not be graded as one student named
+    after the folder.  Hand-written expectations, one per way notebooks arrive."""
+    from pathlib import Path
+
+    from minivllm.labs.grade import student_name
+
+    assert student_name(Path("submissions/alice/lab02_paged_kv_cache.ipynb")) == "alice"
+    assert student_name(Path("submissions/bob/lab02_paged_kv_cache-Copy1.ipynb")) == "bob"  # Jupyter's copy
+    assert student_name(Path("submissions/carol/lab02.ipynb")) == "carol"
+    assert student_name(Path("submissions/lab02_dave.ipynb")) == "lab02_dave"
+    assert student_name(Path("submissions/erin.ipynb")) == "erin"

@@ -334,6 +334,21 @@ def test_total_hash_collision_never_returns_wrong_blocks() -> None:
     assert cache.match(toks(3, 4)) == []
 
 
+def test_a_colliding_insert_evicts_nothing_for_blocks_it_will_not_cache() -> None:
+    """Under a quota, an insert first makes room -- but a block whose key a colliding entry holds is never
+    cached, so no valid block may be evicted for it.  Oracle: hand-written; every first block hashes alike."""
+    pool = BlockPool(8)
+    cache = make_prefix_cache("hash", pool, 2, quota_blocks=2, hash_fn=lambda key: "root" if key[0] is None else hash(key))
+    a = pool.allocate_many(2)
+    cache.insert([1, 1, 2, 2], a)  # a 2-block chain fills the quota
+    pool.free_all(a)  # only the cache holds it: evictable
+    b = pool.allocate_many(1)
+    cache.insert([7, 7], b)  # its first (only) key is the chain's root's
+    assert not cache.is_cached(b[0])
+    assert cache.match([1, 1, 2, 2, 9]) == a and cache.num_cached_blocks == 2
+    assert cache.stats.evicted_blocks == 0 and cache.stats.quota_evictions == 0
+
+
 def test_sha256_hash_works_as_hash_fn() -> None:
     cache, pool = new_cache("hash", hash_fn=sha256_block_hash)
     table = cache_only(cache, pool, toks(1, 2, 3))

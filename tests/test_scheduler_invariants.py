@@ -315,3 +315,27 @@ def test_admission_reserves_the_private_copy_a_just_forked_sample_will_need():
     per_request = [sched._reservation(r) for r in sched.running]
     assert per_request == [1, 1]  # both hold the shared block and count a copy (the first writer makes it)
     assert engine.kv.num_new_blocks_all(sched.running) == sum(per_request)
+
+
+def test_a_policy_may_return_the_waiting_queue_itself():
+    """"When nothing runs, return the waiting list as it is" (lab 1's hint) -- taken literally, a policy returns
+    the scheduler's own deque, which admission removes from while it walks the order.  Oracle: FCFS, whose
+    order is a copy of the same queue: the same requests admitted in the same steps."""
+    class AsIs:
+        def order(self, waiting, running):
+            return waiting
+
+    def admitted_steps(policy):
+        cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_num_seqs=2, max_model_len=64, device="cpu")
+        engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64, admission_policy=policy)
+        for n in (5, 9, 3, 7):
+            engine.add_request({"prompt_token_ids": [3] * n}, SamplingParams(max_tokens=4, ignore_eos=True))
+        first: dict = {}
+        while engine.has_unfinished_requests():
+            engine.step()
+            for rid, _, _ in engine.step_log[-1]["seqs"]:
+                first.setdefault(rid, engine.step_log[-1]["step"])
+        return first
+
+    from minivllm.sched.policies import FCFSAdmission
+    assert admitted_steps(AsIs()) == admitted_steps(FCFSAdmission())

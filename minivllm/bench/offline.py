@@ -169,7 +169,7 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--kv-cache-gib", type=nonnegative_float, default=0.375,
                     help="minivllm's KV pool in GiB (default 0.375: the 32-request workload peaks at 363 blocks, "
-                         "261 MB, so nothing is preempted; 0 = the engine's default, 1 GiB on a CPU); "
+                         "268 MB, so nothing is preempted; 0 = the engine's default, 1 GiB on a CPU); "
                          "vLLM keeps its 1 GiB (its setting is in whole GiB)")
     ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])

@@ -11,7 +11,7 @@ shared by many requests, each followed by a distinct user part that ends in
 a partial block.  Every request goes through the engine's cycle: ``match``
 (on all tokens but the last, which is always recomputed for its logits),
 reference the hits, evict if the pool is short, allocate the rest,
-``insert``, swap duplicates, finish.
+``insert`` (a duplicate block is kept, as the engine keeps it), finish.
 
 The pool is sized to the target cache size, so after a warm-up the cache
 sits at that size and every new block evicts an old one: the steady state of

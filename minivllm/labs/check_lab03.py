@@ -86,6 +86,16 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
         bad = {keys[0]: IndexEntry(7, tuple(A[:4]), None), keys[1]: IndexEntry(3, tuple(A[4:8]), "someone else")}
         return f(A + [1], bad, bs, hasher)
 
+    def forged_middle(f):  # block 1 collides, block 2's entry is genuine: nothing after the collision counts
+        keys = hasher(A, bs)
+        bad = dict(idx)
+        bad[keys[1]] = IndexEntry(3, (99, 99, 99, 99), keys[0])
+        return f(A + [1], bad, bs, hasher)
+
+    def first_with_parent(f):  # the first block's entry claims a parent: it belongs to a longer chain
+        keys = hasher(A, bs)
+        return f(A + [1], {keys[0]: IndexEntry(7, tuple(A[:4]), "a parent")}, bs, hasher)
+
     def gap(f):
         keys = hasher(A, bs)
         holey = {k: v for k, v in idx.items() if k != keys[1]}
@@ -108,6 +118,10 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
              "validate: the entry's tokens must equal this block's tokens, or its KV belongs to another prompt"),
         Case("an entry with another parent is a miss", forged_parent, [7],
              "validate the chain too: entry.parent must be the previous block's key (None for the first)"),
+        Case("after a collision, stop -- even where a later entry is genuine", forged_middle, [7],
+             "a mismatch ends the match (break, not continue): block 2's KV was computed after the real block 1"),
+        Case("the first block's entry must have no parent", first_with_parent, [],
+             "check the parent of block 0 as well: it must be None"),
         Case("a salted prefix needs the same salt", lambda f: (f(A + [1], salted, bs, hasher),
                                                                f(A + [1], salted, bs, hasher, salt="alice")),
              ([], [7, 3, 9]), "pass salt on to hasher(token_ids[:-1], block_size, salt)"),
@@ -149,8 +163,8 @@ def check_pick_victim(fn, hasher: Callable | None = None, matcher: Callable | No
              "evict leaves only, or a cached block would lose the prefix it depends on"),
         Case("everything locked: no victim", lambda f: f([_node("a", 1, locks=2), _node("b", 2, locks=1)]), None,
              "return None instead of a locked node; the engine will preempt instead"),
-        Case("ties go to the first listed", lambda f: f([_node("a", 3), _node("b", 3)]), "a",
-             "use a stable choice (min keeps the first of equal keys)"),
+        Case("ties go to the first listed", lambda f: f([_node("b", 3), _node("a", 3)]), "b",
+             "use a stable choice (min keeps the first of equal keys) -- the first in the list, not the smallest id"),
         Case("multi-turn replay on a 32-block pool evicts like the engine's HashIndex", replay_case, expected_replay,
              "the replay evicts through your function; compare the cases above",
              show_expected=f"hit tokens {expected_replay[0]}, every block accounted for"),
@@ -288,8 +302,10 @@ def hidden_pick_victim(fn, seed: int) -> CheckResult:
 
     def random_nodes(f):
         for trial in range(200):
-            nodes = [_node(f"n{i}", rng.randint(0, 6), locks=rng.choice([0, 0, 0, 1, 2]),
-                           children=rng.choice([0, 0, 1, 3])) for i in range(rng.randint(0, 7))]
+            ids = [f"n{i}" for i in range(rng.randint(0, 7))]
+            rng.shuffle(ids)  # list order is not id order: a tie goes to the first listed
+            nodes = [_node(i, rng.randint(0, 6), locks=rng.choice([0, 0, 0, 1, 2]),
+                           children=rng.choice([0, 0, 1, 3])) for i in ids]
             if f([dict(n) for n in nodes]) != _ref_picker(nodes):
                 return f"list {trial} differs"
         return "all 200 match"

@@ -540,6 +540,10 @@ def check_should_reject(fn) -> CheckResult:
         Case("exactly min_free_blocks free is not pressure", lambda f: f(_stats(waiting=1, free=16), 4, 16), False,
              "pressure means FEWER than min_free_blocks free"),
         Case("the stats are only read", frozen, True, "don't change the dict: the engine's counters are not yours"),
+        Case("the answer is a bool", lambda f: [type(f(s, 4, 16)).__name__ for s in (
+            _stats(), _stats(waiting=4), _stats(waiting=1, free=15), _stats(waiting=0, free=0))], ["bool"] * 4,
+             "return True or False: `waiting and free < min_free` is 0 (an int) when nobody waits -- "
+             "compare instead (waiting > 0)"),
         Case("in the arrival loop: how many turned away", _door_run, expected_run,
              "the same rule, asked before every add_request of an overloaded run",
              show_expected=f"{expected_run[0]} rejected at the door, {expected_run[1]} preemptions"),

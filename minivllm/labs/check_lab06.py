@@ -825,6 +825,8 @@ def check_deadline_aging(cls) -> CheckResult:
              "aging: nobody's key is later than its arrival + aging_s (take the smaller of the two)"),
         Case("an expired deadline does not jump ahead of its own arrival", lambda k: keys(k, [expired]), [2.0],
              "a deadline already past when the request arrived counts as its arrival time (the larger of the two)"),
+        Case("a deadline of 0.0 is a deadline", lambda k: keys(k, [_R("zero", "chat", 0.0, deadline=0.0)]), [0.0],
+             "test `req.deadline is None`, not its truth: 0.0 is falsy but a real (very urgent) deadline"),
         Case("earliest key first", lambda k: order(k, [loose, tight, none]), ["tight", "loose", "none"],
              "sort the waiting requests by key, smallest first"),
         Case("aging_s is the one given to __init__", lambda k: order(k, [loose, none], aging=0.1), ["loose", "none"],

@@ -471,6 +471,8 @@ def check_metrics_from_log(fn) -> CheckResult:
     late_run, late_exp = _compare([(60, 8, 0.0), (60, 8, 0.02), (300, 8, 0.03), (40, 8, 0.5)], max_seqs=2, budget=128)
     pre_run, pre_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40)
     swap_run, swap_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40, mode="swap")
+    # a small budget splits the recompute of prompt + generated tokens into chunks: only the last one samples
+    rechunk_run, rechunk_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40, budget=64)
     exact = _one_request_exact(metrics_from_step_log)[1]
     zero = {"running": 0, "waiting": 0, "used_blocks": 0, "free_blocks": 64, "preemptions": 0, "generation_tokens": 0,
             "ttft count": 0, "ttft sum": 0.0, "itl count": 0, "itl sum": 0.0}
@@ -490,6 +492,9 @@ def check_metrics_from_log(fn) -> CheckResult:
              "a preempted request prefills prompt + generated tokens again; only the chunk that reaches its last "
              "known token samples a new one. Count every preempted id of every record"),
         Case("preemption by swap", swap_run, swap_exp, "a swapped request resumes decoding where it stopped"),
+        Case("a chunked recompute samples once", rechunk_run, rechunk_exp,
+             "with a 64-token budget the recompute of prompt + generated runs in chunks: a chunk samples only if it "
+             "reaches the request's last known token (prompt + generated so far), not merely past the prompt"),
     ]
     return run_checks("metrics_from_log", fn, cases)
 
@@ -500,7 +505,11 @@ def hidden_metrics_from_log(fn, seed: int) -> CheckResult:
     reqs = [(rng.randint(8, 300), rng.randint(1, 80), round(rng.uniform(0, 1.5), 3)) for _ in range(rng.randint(5, 25))]
     kw = dict(num_blocks=rng.choice([40, 64, 128]), budget=rng.choice([64, 128, 256]), max_seqs=rng.choice([2, 4, 16]))
     run, exp = _compare(reqs, **kw, stop_after=rng.choice([None, 25]))
-    return run_checks("metrics_from_log (hidden)", fn, [Case(f"random workload seed {seed}", run, exp)])
+    # and always one run that preempts with a budget small enough to split its recomputes into chunks
+    tight = [(rng.randint(80, 160), rng.randint(100, 160), round(0.01 * i, 3)) for i in range(10)]
+    run2, exp2 = _compare(tight, num_blocks=40, budget=64)
+    return run_checks("metrics_from_log (hidden)", fn, [Case(f"random workload seed {seed}", run, exp),
+                                                         Case("a preempting run with chunked recomputes", run2, exp2)])
 
 
 # -- exercise 2: an alarm on a signal (Prometheus' `for:`) ------------------------------------------
@@ -570,6 +579,9 @@ def check_first_alarm(fn) -> CheckResult:
              "return as soon as it fires"),
         Case("reads the signal it is given", lambda f: f(_series([0.1, 0.95, 0.97], "kv_usage"), "kv_usage", 0.9, 1),
              3.0, "getattr(sample, signal)"),
+        Case("for_s is seconds, not scrapes", lambda f: f(_series([0, 5, 5, 5, 5, 5], step=0.5), "waiting", 4, 1),
+             2.0, "scrapes every 0.5 s here: above since t=1.0, held 1 s at t=2.0 (3 scrapes) -- compare sample "
+             "times, not a count of scrapes"),
         Case("on the ramp of section 5", ramp_case, on_ramp, "queue depth > 4, KV usage > 90 %, TTFT p90 > 0.5 s, "
              "each held for 2 s"),
     ]

@@ -163,6 +163,7 @@ def check_prefix_affinity(cls) -> CheckResult:
     tie_spill = loads_with(9000, 0, 0)
     quiet = loads_with(900, 0, 0)  # above 1.5 x mean, but under min_spill_tokens
     sum_vs_mean = loads_with(5000, 500, 500)  # 1.5 x mean = 3000 < 5000 < 1.5 x sum = 9000
+    exact_mean = loads_with(1501, 1501, 0)  # mean 1000.67, bound 1501.0: stays (a floored mean, 1000, spills)
 
     def route(k, loads):
         return _make(k, 3, **kw).route(head, loads)
@@ -199,6 +200,8 @@ def check_prefix_affinity(cls) -> CheckResult:
              over_mean.index(min(over_mean)), "skip the owner: send it to the replica with the fewest outstanding tokens"),
         Case("the bound uses the mean, not the total", lambda k: route(k, sum_vs_mean),
              sum_vs_mean.index(min(sum_vs_mean)), "mean load = sum(loads) / len(loads)"),
+        Case("the mean is not rounded", lambda k: route(k, exact_mean), owner,
+             "sum(loads) / len(loads), true division: with loads 1501, 1501, 0 the bound is 1501.0, and 1501 stays"),
         Case("a spill tie goes to the lowest index", lambda k: route(k, tie_spill), min(others),
              "among equally idle replicas, the lowest index"),
         Case("the loads are only read", untouched, True, "don't change the fleet's list"),

@@ -88,7 +88,16 @@ def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bo
                 lines.append(f"  hint: {case.hint}")
             result.failed_case = case.name
             break
-        if case.passes(got):
+        try:
+            ok = bool(case.passes(got))
+        except Exception as exc:  # noqa: BLE001 - e.g. a numpy array, whose ``==`` has no single truth value
+            ok = False
+            lines.append(f"✘ case {i}/{len(cases)} '{case.name}': the answer could not be compared "
+                         f"({type(exc).__name__}: {exc}); return plain Python values (a list, an int), "
+                         f"not a {type(got).__name__}")
+            result.failed_case = case.name
+            break
+        if ok:
             result.num_passed += 1
             lines.append(f"✔ {case.name}")
             continue

@@ -43,7 +43,6 @@ import io
 import json
 import logging
 import os
-import re
 import secrets
 import sys
 import tempfile
@@ -70,7 +69,8 @@ class ExerciseGrade:
     points: int
     max_points: int
     checker: str  # "passed", "failed", "not implemented", "error" or "-" (never ran)
-    hidden: str  # "passed", "failed", "checker re-run" (the lab gave no hidden cases), "-" (not reached)
+    hidden: str  # "passed", "failed", "error" (the hidden cases raised), "checker re-run" (the lab gave no
+    #              hidden cases), "-" (not reached)
     reason: str
     seed: int
 
@@ -147,10 +147,18 @@ def graded_cells(nb, lab: Lab, run_all: bool = False) -> list[tuple[str, str]]:
 
 
 def student_name(path: Path) -> str:
-    """The folder's name for a notebook that keeps its lab's file name (``alice/lab02_*.ipynb``), else the stem."""
-    if re.match(r"lab\d\d", path.stem) and path.parent.name:
+    """The folder's name for a notebook that keeps its lab's file name, else the file's stem.
+
+    Kept: the registered stem (``alice/lab02_paged_kv_cache.ipynb``, also Jupyter's
+    ``lab02_paged_kv_cache-Copy1``) or the bare number (``alice/lab02.ipynb``): the folder is the
+    student.  Not kept (``submissions/lab02_alice.ipynb``): the stem names the student, or every
+    notebook handed into one folder would be graded as the same "student".
+    """
+    stem = path.stem
+    keeps = any(stem.startswith(lab.stem) or stem == f"lab{lab.number:02d}" for lab in labs())
+    if keeps and path.parent.name:
         return path.parent.name
-    return path.stem
+    return stem
 
 
 # -- inside the kernel -------------------------------------------------------------------------

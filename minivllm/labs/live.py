@@ -114,7 +114,7 @@ class SimRun:
         return [g for gaps in self.itls.values() for g in gaps]
 
     def summary(self) -> dict:
-        """p50/p90/p99 of TTFT, ITL and e2e (ms, ms, s), served requests and output tokens per second."""
+        """p50/p90/p99 of TTFT and ITL (ms), p50/p99 of e2e (s), served requests and output tokens per second."""
         itl, ttft, e2e = self.all_itls(), list(self.ttft.values()), list(self.e2e.values())
         tokens = sum(len(g) + 1 for g in self.itls.values())
         return {

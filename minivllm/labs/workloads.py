@@ -1,7 +1,7 @@
 """Seeded workloads and small engine runs shared by the labs, the figures and the tests.
 
 Why here?  A lab's claim ("paging wastes under 4%", "a shared system prompt
-hits 90%") is only worth teaching if the same numbers come out in the
+hits about 85%") is only worth teaching if the same numbers come out in the
 notebook, the README figure and the quiz answer.  Putting the workload and the
 measurement in one function lets all three call it, and lets a test recompute
 a quiz answer so it cannot drift from the engine.
@@ -194,7 +194,11 @@ def replay_prefix_cache(cache: Any, pool: BlockPool, prompts: Sequence[list[int]
 
 
 def hit_rate(records: Sequence[dict]) -> float:
-    """Hit tokens over looked-up tokens (prompt minus its last token), like vLLM's counters."""
+    """Hit tokens over looked-up tokens (prompt minus its last token, the tokens a lookup can match).
+
+    Not quite the engine's ``prefix_cache_hit_rate``, which (like vLLM's counters) divides by the whole
+    prompt: on the default system-prompt workload 84.93% here against 84.65% there.
+    """
     return sum(r["hit_tokens"] for r in records) / sum(r["prompt_tokens"] - 1 for r in records)
 
 

@@ -329,7 +329,10 @@ class Scheduler:
         admitted: list[Request] = []
         blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
         swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
-        for req in self.admission_policy.order(self.waiting, self.running):
+        order = self.admission_policy.order(self.waiting, self.running)
+        if order is self.waiting:  # a policy may hand back the queue itself ("all of them, as they are"),
+            order = list(order)  # which admission changes while it walks the order
+        for req in order:
             if req.tenant in blocked or req.status is RequestStatus.FINISHED_REJECTED:
                 continue  # (rejected in this pass together with its group's leader)
             if not self._leader_ready(req):

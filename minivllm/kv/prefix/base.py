@@ -61,7 +61,7 @@ owns it.
 Determinism
 -----------
 Recency is measured with a logical clock (:class:`LogicalClock`), an integer
-that advances once per ``match``/``insert``; wall time never enters, so the
+that advances once per ``match``/``insert``/``extend``; wall time never enters, so the
 same sequence of calls always evicts the same blocks.
 """
 
@@ -77,7 +77,9 @@ if TYPE_CHECKING:
     from minivllm.kv.block_pool import BlockPool
 
 PUBLIC_NAMESPACE: Hashable = ()
-"""The namespace shared by everybody (no tenant, no cache salt)."""
+"""The default namespace of a cache used on its own (tests, labs).  The engine never uses it: a request's
+namespace is ``(tenant, cache_salt)`` -- ``("default", None)`` without either -- and the space tenants share
+when ``share_prefix_cache_across_tenants`` is on is ``(None, None)``."""
 
 
 # -- values returned to the engine -------------------------------------------
@@ -91,9 +93,11 @@ class InsertResult:
     already cached *before* this call (a multiple of ``block_size``).
     ``block_ids`` is the canonical block list for the inserted full blocks:
     where a position was already cached under a different block, the cached
-    (canonical) id is reported and the engine should swap its duplicate for
-    it and free the duplicate.  Positions that could not be cached (quota)
-    keep the caller's own id.
+    (canonical) id is reported.  The engine does not swap: a block table is
+    append-only, so the request keeps its own (duplicate) block and stops
+    caching (see ``KVCacheManager.cache_full_blocks``); a caller that owns its
+    tables could swap.  Positions that could not be cached (quota) keep the
+    caller's own id.
     """
 
     num_already_cached_tokens: int

@@ -19,8 +19,9 @@ against what the entry stores: its token ids, its namespace and its parent
 entry (by identity; a parent cannot be evicted while it has children, so the
 link is always current).  A key that matches but fails the check is treated
 as a miss, and an insert that lands on an occupied key does not cache that
-block or anything after it.  Correctness therefore never rests on the hash;
-a collision only costs a cache miss.
+block or anything after it (nor makes room for them: under a quota, no block
+is evicted for a block that will not be cached).  Correctness therefore never
+rests on the hash; a collision only costs a cache miss.
 
 The default ``hash_fn`` is Python's built-in ``hash``: fast, 64 bits wide, and
 deterministic within a process for ints and tuples (the namespace string is
@@ -105,9 +106,13 @@ class HashIndex(LeafEviction):
         self.stats.hits_tokens += hit_tokens
 
     def _key(self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock) -> Hashable:
-        if parent is None:
+        return self._chain_key(None if parent is None else parent.key, namespace, tokens)
+
+    def _chain_key(self, parent_key: Hashable | None, namespace: Hashable, tokens: TokenBlock) -> Hashable:
+        """The key of ``tokens`` after the block keyed ``parent_key`` (None: the first block of a prompt)."""
+        if parent_key is None:
             return self.hash_fn((None, tokens, namespace))
-        return self.hash_fn((parent.key, tokens, None))
+        return self.hash_fn((parent_key, tokens, None))
 
     def _lookup(
         self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock
@@ -178,21 +183,30 @@ class HashIndex(LeafEviction):
         tick = self._clock.tick()
         self._touch_path(path, tick)
         check_new_blocks(new_ids, self.is_cached, self.pool)
-        num_new = self._make_room(namespace, len(new_ids), path[-1].block_id if path else None)
         parent = path[-1] if path else None
+        # The new blocks' keys, up to the first one a colliding block already holds: nothing from there on
+        # is cached, so room is made (and, under a quota, blocks evicted) for the free run only.
+        keys: list = []
+        key = None if parent is None else parent.key
+        for tokens in blocks[: len(new_ids)]:
+            key = self._chain_key(key, namespace, tokens)
+            if key in self._table:
+                break
+            keys.append(key)
+        num_new = self._make_room(namespace, len(keys), parent.block_id if parent is not None else None)
         added: HashEntry | None = None
-        for tokens, block_id in zip(blocks[:num_new], new_ids):
-            entry = self._add(parent, namespace, tokens, block_id, tick)
-            if entry is None:  # key taken by a colliding block: stop caching here
+        for key, tokens, block_id in zip(keys[:num_new], blocks, new_ids):
+            entry = self._add(key, parent, namespace, tokens, block_id, tick)
+            if entry is None:  # (a key evicted and taken again meanwhile cannot happen; kept as a guard)
                 break
             parent = added = entry
         if added is not None:
             self._mark_leaf(added)  # only the deepest new entry is a leaf
 
     def _add(
-        self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock, block_id: int, tick: int
+        self, key: Hashable, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock, block_id: int,
+        tick: int
     ) -> HashEntry | None:
-        key = self._key(parent, namespace, tokens)
         if key in self._table:
             return None
         entry = HashEntry(key, block_id, tokens, namespace, parent, last_used=tick)
