@@ -37,8 +37,9 @@ Preemption modes (``EngineConfig.preemption_mode``)
 Two rules keep preemption from thrashing: nothing is admitted in the step
 right after a preemption made while allocating (the pool is full; admitting
 would only preempt again -- a preemption made on purpose to seat a
-better-ranked request does not pause admission), and a request preempted ``preemption_protect_after`` times is only
-chosen as a victim when every running request is protected.  So no request is
+better-ranked request does not pause admission), and a request preempted
+``preemption_protect_after`` times is only chosen as a victim when every
+running request is protected.  So no request is
 preempted "every step" (cf. vLLM issue #25538) while others could give way.
 
 A request that could never fit the pool is rejected when it is added, so
@@ -348,12 +349,12 @@ class Scheduler:
                 if caps is not None:
                     budget = self._cap_budget(req, usage, budget)
                 seated = len(self.running) < self.config.max_num_seqs
-                fit = None
-                if seated and budget > 0 and not (swapped_out and req.status is RequestStatus.SWAPPED):
-                    fit = self._try_admit(req, budget, reserved)
-                # No preemption for want of token budget: the victims' own tokens this step (one per decode)
-                # rarely cover it, and the budget comes back next step anyway; seats and KV do not.
-                if fit is not None or budget <= 0 or not self._preempt_to_admit(req, admitted):
+                # Preemption cannot help with these two: the token budget (the victims' own tokens this step,
+                # one per decode, rarely cover it, and it comes back next step anyway), and a swap-in in the
+                # step that swapped a victim out (its blocks are not back until the copy-out ran).
+                stuck = budget <= 0 or (swapped_out and req.status is RequestStatus.SWAPPED)
+                fit = self._try_admit(req, budget, reserved) if seated and not stuck else None
+                if fit is not None or stuck or not self._preempt_to_admit(req, admitted):
                     break
                 swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
                 reserved = self._reserved_blocks()

@@ -521,15 +521,19 @@ for name, res in classes.items():
 """),
 ("md", r"""
 Read the TTFT columns first. Under FCFS the batch backlog sits in front of every chat and agent call: their p95 TTFT
-is many seconds and a quarter to a third of them miss. The three-class policy meets the TTFT SLO for (nearly) every interactive
-and agent request, and the batch tier still finishes at the same time — its cost is the latency nobody promised it.
+is many seconds and a quarter to a third of them miss. The three-class policy meets the TTFT SLO for every agent call
+and for 93% of chats (their p95 is 0.76 s against 12 s under FCFS), and the batch tier still finishes at the same
+time — its cost is the latency nobody promised it. The chats that miss waited for the step's *token budget*, taken by
+the running decodes: the engine preempts to free seats or KV blocks, never to free budget, which comes back at the
+next step (a decode gives back one token, and preempting it throws its whole KV away, as vLLM's scheduler also
+declines to do).
 
 Now the ITL columns: **no policy meets the interactive ITL SLO on this machine**, and none could. On the calibrated
 machine a lone decode step of the 135M model takes about 70 ms, already above the interactive SLO of 60 ms, and
 every step that also carries a prefill chunk is several times longer. The agent's 120 ms is within reach of a lone
 decode but not of a step beside prefill chunks: only a quarter to a third of agent calls meet both SLOs, and
-`three_class`, which starts agent calls earlier — next to the batch prefills — even raises the agent's ITL p95. The
-seed lesson's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*
+`three_class`, which starts agent calls earlier — next to the batch prefills — lowers the agent's ITL p95 only a little
+(348 ms against FCFS's 393 ms). The seed lesson's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*
 tenants; it cannot make the hardware faster. When a promise is below the hardware's floor, the fix is capacity (a
 GPU, a smaller model, fewer prefill tokens per step), not a policy.
 
