@@ -54,7 +54,7 @@ engine_gather_kv = gather_kv
 
 def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: int = 16, page: int = PAGE,
                dtype: torch.dtype = torch.float32, shuffle: bool = True, share_first: bool = False,
-               q_scale: float = 1.0, seed: int = 0, device: str = "cpu") -> dict:
+               q_scale: float = 1.0, seed: int = 0, device: str = "cpu", interleaved: bool = False) -> dict:
     """A filled paged cache for sequences of ``lens`` tokens, and one decode query per sequence.
 
     Blocks are handed out in a random order (``shuffle``) from a pool with
@@ -64,6 +64,9 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
     than a block reuse the first such sequence's block 0 (a shared prefix).
     The pool has one more block than the caches show, so a kernel that strays
     a few slots past the end reads NaN instead of memory it does not own.
+    ``interleaved`` stores each block's K and then its V next to each other in
+    one pool, so a block's stride is twice its K rows: only ``stride_kv_block``
+    finds it (``block * PAGE * stride_kv_token`` lands in the wrong block).
     """
     gen = torch.Generator().manual_seed(seed)
     per_seq = [max(1, math.ceil(n / page)) for n in lens]
@@ -80,8 +83,12 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
         donors = [i for i, n in enumerate(lens) if n > page]
         for i in donors[1:]:
             tables[i, 0] = tables[donors[0], 0]
-    pool = torch.full((2, num_blocks + 1, page, kv_heads, head_dim), float("nan"), dtype=dtype)
-    k_cache, v_cache = pool[0, :num_blocks], pool[1, :num_blocks]
+    if interleaved:
+        pool = torch.full((num_blocks + 1, 2, page, kv_heads, head_dim), float("nan"), dtype=dtype)
+        k_cache, v_cache = pool[:num_blocks, 0], pool[:num_blocks, 1]
+    else:
+        pool = torch.full((2, num_blocks + 1, page, kv_heads, head_dim), float("nan"), dtype=dtype)
+        k_cache, v_cache = pool[0, :num_blocks], pool[1, :num_blocks]
     for i, n in enumerate(lens):
         for pos in range(n):
             block, slot = int(tables[i, pos // page]), pos % page
@@ -461,6 +468,10 @@ def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
                                                                 "head_dim": 32, "page": 8, "seed": 8}),
              accept=ok, show_expected=shown(),
              hint="use the PAGE_SIZE and HEAD_DIM constants and the strides you are given, not 16"),
+        Case("K and V interleaved in one pool: a block's stride is its own",
+             close({"lens": [20, 7], "interleaved": True, "seed": 9}), accept=ok, show_expected=shown(),
+             hint="address a block as block_id * stride_kv_block, not block_id * PAGE_SIZE * stride_kv_token: "
+                  "a pool may hold more than this cache's rows between two of its blocks"),
     ]
     if big_pool and device == "cuda" and torch.cuda.mem_get_info()[0] < 10 * 2 ** 30:
         print("(the 2^32-element pool case needs 10 GiB of free GPU memory and is left out on this GPU; "
@@ -527,7 +538,8 @@ def hidden_decode_kernel(kernel, seed: int) -> CheckResult:
     for trial in range(2):
         page = rng.choice([8, 16])
         shape = dict(kv_heads=rng.choice([1, 2]), group=rng.choice([1, 2, 3, 4]), head_dim=rng.choice([16, 32]),
-                     page=page, q_scale=rng.choice([1.0, 3.0, 30.0]), share_first=True, seed=seed * 10 + trial)
+                     page=page, q_scale=rng.choice([1.0, 3.0, 30.0]), share_first=True, seed=seed * 10 + trial,
+                     interleaved=trial == 1)  # one trial with K and V interleaved: blocks found by their stride
         lens = _edge_lengths(rng, page, 3)
 
         def go(_, lens=lens, shape=shape):
@@ -570,6 +582,8 @@ KERNEL_MUTANTS = (
     ("table index not widened to int64", "block = tl.load(table_ptr + seq * stride_table_seq + b).to(tl.int64)",
      "block = tl.load(table_ptr + seq * stride_table_seq + b)"),
     ("every sequence reads sequence 0's table row", "table_ptr + seq * stride_table_seq + b", "table_ptr + b"),
+    ("blocks assumed contiguous: block * PAGE_SIZE * stride_kv_token", "slots = block * stride_kv_block +",
+     "slots = block * PAGE_SIZE * stride_kv_token +"),
 )
 
 
