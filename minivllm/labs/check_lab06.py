@@ -727,13 +727,13 @@ def check_virtual_token_counter(cls) -> CheckResult:
         v.charge("a", 40, 2)
         return round(v.counters["a"], 6)
 
-    def lift(k, own, others):
+    def lift(k, own, others, uncharged=()):
         v = k({}, prefill_weight=1.0, decode_weight=2.0)
         for t, c in others.items():
             v.counters[t] = c
         if own is not None:
             v.counters["new"] = own
-        v.activate("new", set(others))
+        v.activate("new", set(others) | set(uncharged))
         return round(v.counters["new"], 6), {t: v.counters[t] for t in others}
 
     cases = [
@@ -747,6 +747,9 @@ def check_virtual_token_counter(cls) -> CheckResult:
              (900.0, {"x": 500}), "activation only ever raises a counter: take the larger of its own and the minimum"),
         Case("alone: nothing to catch up with", lambda k: lift(k, 42.0, {}), (42.0, {}),
              "with no other active tenant there is no minimum; leave the counter as it is"),
+        Case("an active tenant not yet charged counts as 0", lambda k: lift(k, None, {"x": 500}, uncharged=["z"]),
+             (0.0, {"x": 500}), "take the minimum over every active tenant, reading a missing counter as 0 "
+                                "(counters.get(t, 0.0)): z has served nothing yet"),
         Case("the real engine: the same steps and service as the engine's WFQ", lambda k: _wfq_engine_run(
             wfq_policy(k({}, prefill_weight=1.0, decode_weight=2.0), budget=512)), _EXPECTED_WFQ,
              "plugged into the engine's WFQ order, your counter must produce the engine's schedule, step by step",
