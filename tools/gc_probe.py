@@ -2,8 +2,9 @@
 
 Runs sim_accuracy's held-out workloads on the real engine (measure(): one sample per step) with a
 gc.callbacks hook that records every collection's start, duration and generation; then again after
-gc.collect(); gc.freeze().  Prints, per series, the prompt steps' times and how many of them contain a
-collection, and the pause statistics.  Usage: python tools/gc_probe.py MODEL_DIR DEVICE DTYPE OUT.json
+gc.collect(); gc.freeze().  Prints, per series, the prompt steps' times, the number of collections by
+generation and the pause statistics (whether a pause fell inside a slow step is read by comparing the
+two lists; the script does not match them).  Usage: python tools/gc_probe.py MODEL_DIR DEVICE DTYPE OUT.json
 """
 import gc
 import json
@@ -40,9 +41,7 @@ for label in ("normal", "normal2", "frozen", "frozen2"):
     for name in ("decode_heavy", "bursty_mixed"):
         reqs = workload_requests(name, None, 0.5, vocab_size=vocab)
         del pauses[:]
-        t0 = time.perf_counter()
         samples, rec = measure(eng, reqs)
-        base = t0  # measure's step starts are relative to drive's t0 (its executor clock); use wall instead
         prompt = [s for s in samples if any(n > 1 for _, n, _ in s.seqs)]
         times = sorted(1e3 * s.time_s for s in prompt)
         p = [d for _, d, _ in pauses]

@@ -56,7 +56,7 @@ def block_table(out: Path) -> None:
     for i, (name, table) in enumerate(owners.items()):
         req = eng.scheduler.running[i]
         ax_t.text(0.0, y, f"{name}: {req.num_computed_tokens} tokens", fontsize=9, va="center",
-                  color=widgets._colour(i), fontweight="bold")
+                  color=widgets.request_colour(name), fontweight="bold")
         ax_t.text(0.22, y, "block table  " + "  ".join(f"[{j}]→{b}" for j, b in enumerate(table)),
                   fontsize=9, va="center", family="monospace")
         y -= 0.3

@@ -113,7 +113,7 @@ class ActivationMeter:
 
 
 def make_engine(max_tokens: int, device: str = "cpu", dtype: str = "auto", model: str | None = None, **options):
-    """The real engine on the bundled model, sized for one prompt of ``max_tokens`` in a single step."""
+    """The real engine on the bundled model (or ``model``), sized for one prompt of ``max_tokens`` in a single step."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
 
@@ -207,7 +207,7 @@ def run(token_counts: Iterable[int] = (16, 64, 256, 1024, 2048), device: str = "
     dtype_bytes = engine.model_runner.model.model.embed_tokens.weight.element_size()
     shape = bundled_shape().with_dtype(dtype_bytes) if model is None else None
     out = {"benchmark": "activations", "device": str(engine.config.device), "dtype": str(engine.config.dtype),
-           "machine": platform.machine(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "arch": platform.machine(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "load_s": load_s, "measure_s": time.perf_counter() - t0,
            "peak_bytes": {str(n): p for n, p in peaks.items()}, "bytes_per_token": slope, "fixed_bytes": fixed}
     if shape is not None:

@@ -149,7 +149,8 @@ class Row:
 
 # --------------------------------------------------------------------------- timing
 def time_ms(fn: Callable[[], Any], device: torch.device, plan: Plan) -> float:
-    """Median milliseconds of ``fn``: ``do_bench`` on a GPU, a few wall-clock runs on the CPU."""
+    """Median milliseconds of ``fn``: ``do_bench`` on a GPU, ``Plan.cpu_reps`` wall-clock runs on the CPU
+    (one by default: the interpreter is slow, and the CPU numbers are a smoke test, not a measurement)."""
     if device.type == "cuda":
         import triton.testing
 

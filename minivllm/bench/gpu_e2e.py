@@ -6,7 +6,7 @@ directory.  Both backends serve the same token prompts greedily in bf16; the
 script reports, per prompt, whether the tokens agree and where they first
 diverge (random weights give flat logits, so a bf16 rounding difference can
 flip an argmax late in a sequence — the first divergence position says how
-close the two are), plus each backend's decode throughput.
+close the two are), plus each backend's output tokens per second (prefill included).
 
 ``--workload nano`` is issue 12's throughput check instead: nano-vllm's
 benchmark shape (``--requests`` 256 requests, input and output lengths uniform
@@ -68,7 +68,7 @@ def run(model_dir: str, backend: str, prompts, params, device: str, dtype: str, 
         max_model_len: int = 4096, kv_bytes: int | None = None):
     """Serve ``prompts`` (all submitted at once) after a warm-up; (token ids, output tok/s).
 
-    The KV pool is 8 GiB on a GPU and 256 MiB elsewhere: on a CPU dry run Triton's interpreter copies
+    The KV pool is 8 GiB on a GPU by default (the nano runs ask for 16 GiB) and 256 MiB elsewhere: on a CPU dry run Triton's interpreter copies
     every tensor argument of a kernel, the whole pool included, at each launch.
     """
     from minivllm import LLM
@@ -232,7 +232,7 @@ def parity_main(a, model_dir: str) -> int:
     }
     print(json.dumps(result, indent=1))
     print(f"{a.arch} {a.dtype}: {identical}/{a.prompts} prompts token-identical over {a.max_tokens} greedy tokens; "
-          f"decode throughput torch {torch_tps:.0f} tok/s, triton {triton_tps:.0f} tok/s")
+          f"output tok/s (prefill included) torch {torch_tps:.0f}, triton {triton_tps:.0f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)

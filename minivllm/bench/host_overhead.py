@@ -15,7 +15,7 @@ each step's wall time into:
   :func:`~minivllm.model.runner.build_attention_metadata` is timed beside it;
 * the simulated executor itself (a hash per sequence), reported, not counted.
 
-Each is measured after the sequences have decoded ``--warmup`` tokens and again
+Each is measured after the sequences have decoded ``--warmup`` tokens (plus the one their prefill sampled) and again
 ``--later`` steps on, so one sees whether the cost grows with output length (it
 should not), for each output kind: ``final_only`` (what ``LLM.generate`` asks
 for), ``delta`` (streaming), ``cumulative`` (every output carries the whole
@@ -183,7 +183,8 @@ def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) 
     med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
     p90 = lambda xs: round(sorted(xs)[int(0.9 * len(xs))], 1)  # noqa: E731
     row = {"seqs": len(engine.scheduler.running), "output_kind": output_kind,
-           "tokens_early": warmup, "tokens_late": warmup + samples + 16 + later,
+           # (+1: the prefill step samples each sequence's first token)
+           "tokens_early": warmup + 1, "tokens_late": warmup + 1 + samples + 16 + later,
            "python_opcodes_per_step_early": ops_early, "python_opcodes_per_step_late": ops_late}
     for when, rows, ref in (("early", early, early_ref), ("late", late, late_ref)):
         for key, xs in rows.items():

@@ -89,7 +89,10 @@ def main() -> int:
             results.append(row)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"command": "python -m minivllm.bench linear " + " ".join(f"--rows {r}" for r in a.rows),
+            # (``--rows`` takes a list: one flag, every value after it; a repeated flag keeps only the last)
+            rerun = (["--model", a.model] if a.model else []) + ["--repeats", str(a.repeats), "--rows",
+                                                                 *map(str, a.rows)]
+            json.dump({"command": "python -m minivllm.bench linear " + " ".join(rerun),
                        "machine": {"platform": platform.platform(), "torch": torch.__version__,
                                    "threads": torch.get_num_threads()},
                        "weight_mb": weight_bytes / 1e6, "rows": results}, f, indent=2)

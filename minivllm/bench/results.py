@@ -29,7 +29,11 @@ def machine() -> dict[str, Any]:
 
 def write_result(path: str | os.PathLike, doc: dict[str, Any], prog: str,
                  argv: Sequence[str] | None = None) -> None:
-    """Write ``doc`` as JSON to ``path`` with ``command`` and ``machine`` keys added first."""
+    """Write ``doc`` as JSON to ``path`` with ``command`` and ``machine`` keys added first (a ``doc`` that
+    has either key is refused: it would silently replace the rerun command or the machine facts)."""
+    clash = {"command", "machine"} & set(doc)
+    if clash:
+        raise ValueError(f"write_result adds {sorted(clash)} itself; name the benchmark's own key differently")
     args = list(sys.argv[1:] if argv is None else argv)
     full = {"command": " ".join([prog, *args]), "machine": machine(), **doc}
     with open(path, "w", encoding="utf-8") as fh:

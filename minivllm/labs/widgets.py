@@ -50,14 +50,15 @@ def _colour(i: int):
 
 
 def colour_index(request_id: Any) -> int:
-    """A stable palette index for a request id: its trailing number (``r7`` -> 7), a letter's place in
-    the alphabet (``C`` -> 2), else a hash of the id -- never its position in some list."""
+    """A stable palette index for a request id: its trailing number (``r7`` -> 7), a trailing lone letter's
+    place in the alphabet (``C``, ``req C`` -> 2), else a hash of the id -- never its position in some list."""
     name = str(request_id)
     m = re.search(r"(\d+)$", name)
     if m:
         return int(m.group(1))
-    if len(name) == 1 and name.isalpha():
-        return ord(name.upper()) - ord("A")
+    m = re.search(r"(?:^|[\s_-])([A-Za-z])$", name)
+    if m:
+        return ord(m.group(1).upper()) - ord("A")
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big")
 
 

@@ -357,7 +357,8 @@ class StepSample:
 
 def real_engine(max_num_batched_tokens: int = 512, max_num_seqs: int = 32, num_blocks: int = 512,
                 max_model_len: int = 4096, clock: str = "wall", **options):
-    """The real engine on the bundled model, with its executor wrapped for recording (see :class:`RecordingExecutor`)."""
+    """The real engine on the bundled model (or ``model=``, an HF directory), with its executor wrapped for
+    recording (see :class:`RecordingExecutor`)."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
 
