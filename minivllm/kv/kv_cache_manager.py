@@ -173,10 +173,13 @@ class KVCacheManager:
                 held[b] = held.get(b, 0) + 1
         cache, pool = self.prefix_cache, self.pool
 
-        def evictable_after(b: int) -> bool:  # only the cache would hold it
-            return cache is not None and cache.is_cached(b) and pool.refcount(b) - held.get(b, 0) == 1
+        def holders_after(b: int) -> int:  # references left once ``reqs`` let go, the cache's one excluded
+            return pool.refcount(b) - held.get(b, 0) - (1 if cache is not None and cache.is_cached(b) else 0)
 
-        freed = sum(1 for b, n in held.items() if pool.refcount(b) - n <= (1 if cache is not None and cache.is_cached(b) else 0))
+        def evictable_after(b: int) -> bool:  # only the cache would hold it
+            return cache is not None and cache.is_cached(b) and holders_after(b) == 0
+
+        freed = sum(1 for b in held if holders_after(b) == 0)  # free, or cached and evictable
         room = self.num_available_blocks + freed - reserved
         if req.cpu_block_ids:
             return room >= len(req.cpu_block_ids)
