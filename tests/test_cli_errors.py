@@ -255,3 +255,24 @@ def test_sim_accuracy_resimulate_bad_files(tmp_path, capsys):
     junk.write_text('{"a": 1}')
     _returns_error(main(["--resimulate", str(junk), "--profile", str(junk)]), capsys, "not a calibration profile")
     _returns_error(main(["--resimulate", str(junk), "--profile", "cpu-2core"]), capsys, "not a sim_accuracy result")
+
+
+def test_sim_accuracy_explain_and_profile_bad_files(tmp_path, capsys):
+    """``--explain`` and ``--profile`` name files: missing, not JSON, or the wrong kind is argparse's one-line
+    error naming the file (they were tracebacks, one a bare ``KeyError: 'calibration'``)."""
+    from minivllm.bench.sim_accuracy import main
+
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"a": 1}')
+    for argv, needle in ((["--explain", str(tmp_path / "nope.json")], "nope.json"),
+                         (["--explain", str(junk)], "not a sim_accuracy result"),
+                         (["--profile", str(tmp_path / "nope.json")], "nope.json")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "0"])
+def test_grade_timeout(value, capsys):
+    _argparse_refuses(cli_main, ["grade", "--timeout", value, "x.ipynb"], "--timeout", capsys)

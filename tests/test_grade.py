@@ -110,7 +110,7 @@ def graded(tmp_path_factory):
     junk.write_text("{ not json")
     notebooks.append(junk)
     proc = subprocess.run([sys.executable, "-m", "minivllm", "grade", *map(str, notebooks), "--seed", "42",
-                           "--timeout", "20", "--csv", str(tmp / "grades.csv"), "--json", "-"],
+                           "--timeout", "19.5", "--csv", str(tmp / "grades.csv"), "--json", "-"],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)

@@ -25,3 +25,18 @@ def test_a_request_keeps_its_letter_colour_whatever_its_prefix():
     so B and C get the colours B and C get everywhere else (before, both hashed to the same colour)."""
     assert [colour_index(n) for n in ("A", "req A", "req B", "req C", "x_b", "r7")] == [0, 0, 1, 2, 1, 7]
     assert len({request_colour(n) for n in ("req A", "req B", "req C")}) == 3
+
+
+def test_a_cpu_profile_runs_in_the_simulator_with_the_engines_cpu_pool(capsys):
+    """The README's flow, ``sim calibrate`` then ``sim run --hardware my-machine.json``: a CPU profile has no
+    device memory, and the run used to stop with "no memory_bytes".  Its pool is now the real engine's CPU
+    default (1 GiB), so the simulated engine has the blocks ``LLM()`` would have here."""
+    from minivllm.kv.kv_cache import DEFAULT_CPU_KV_BYTES
+    from minivllm.sim.presets import model_preset
+    from minivllm.sim.roofline import RooflineExecutor
+    from minivllm.sim.run import main
+
+    assert main(["--hardware", "cpu-2core", "--model", "smollm2-135m", "--num-requests", "5"]) == 0
+    shape = model_preset("smollm2-135m")
+    blocks = DEFAULT_CPU_KV_BYTES // RooflineExecutor(shape, None, block_size=16).kv_bytes_per_block
+    assert f"KV blocks {blocks} " in capsys.readouterr().out

@@ -185,6 +185,8 @@ def budget_room(shape, hw, kv_share: float) -> dict:
     """
     from minivllm.sim.run import kv_pool_bytes
 
+    if not hw.memory_bytes:
+        raise ValueError(f"budget_room needs a device with its own memory; {hw.name!r} has none (a CPU profile)")
     kv = kv_pool_bytes(shape, hw, kv_share)
     weights = shape.num_params * shape.dtype_bytes
     room = int(hw.memory_bytes) - weights - kv

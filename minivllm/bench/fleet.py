@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-itl-ms", type=positive_float, default=100.0, help="per-request p99 ITL bound")
     ap.add_argument("--min-goodput", type=fraction, default=0.95, help="fraction of requests within both SLOs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=DEFAULT_OUT, help="JSON results ('' to skip)")
+    ap.add_argument("--out", default="", help=f"write the JSON results here (the committed run: {DEFAULT_OUT}; "
+                                              "default: print only, so a rerun never overwrites it)")
     return ap
 
 

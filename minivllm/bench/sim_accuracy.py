@@ -375,15 +375,29 @@ def main(argv: list[str] | None = None) -> int:
                          "run re-judged after `minivllm sim calibrate --refit`) and compare with its recorded real runs")
     ap.add_argument("--explain", default=None, metavar="RESULT",
                     help="run nothing: compare this stored result's recorded real steps, one by one, with the "
-                         "predictions of --profile (default: the result's own calibration) (real / predicted per kind of step, the engine's own step-to-step repeatability, "
-                         "host usage where recorded)")
+                         "predictions of --profile (default: the result's own calibration): real / predicted per "
+                         "kind of step, the engine's own step-to-step repeatability, host usage where recorded")
     args = ap.parse_args(argv)
-    if args.explain:
-        with open(args.explain, encoding="utf-8") as fh:
-            result = json.load(fh)
+    if args.profile and not args.explain and not args.resimulate:
         from minivllm.sim.presets import load_profile
 
-        print(format_explain(explain(result, load_profile(args.profile) if args.profile else result["calibration"])))
+        try:  # checked before a calibration-free run spends minutes loading the model
+            load_profile(args.profile)
+        except ValueError as exc:
+            ap.error(str(exc))
+    if args.explain:
+        from minivllm.sim.presets import load_profile
+
+        try:  # a file named on the command line: missing, not JSON, or the wrong kind is a one-line error
+            with open(args.explain, encoding="utf-8") as fh:
+                result = json.load(fh)
+            if not isinstance(result, dict) or "workloads" not in result or "calibration" not in result:
+                raise ValueError(f"--explain {args.explain!r} is not a sim_accuracy result "
+                                 "(no 'workloads' and 'calibration')")
+            rows = explain(result, load_profile(args.profile) if args.profile else result["calibration"])
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            ap.error(str(exc))
+        print(format_explain(rows))
         return 0
     if args.resimulate:
         if not args.profile:

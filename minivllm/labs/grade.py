@@ -41,6 +41,7 @@ import ast
 import csv
 import io
 import json
+import math
 import logging
 import os
 import secrets
@@ -52,6 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from minivllm.argtypes import positive_float
 from minivllm.labs.registry import Exercise, Lab, labs
 
 SEED_ENV = "MINIVLLM_GRADE_SEED"
@@ -268,7 +270,10 @@ def _run_in_kernel(cells: list[tuple[str, str]], lab: Lab, seed: int, timeout: f
         km = _kernel_manager(tmp)  # ours, so nbclient will not shut it down: the finally below does
         # On a timeout: interrupt the kernel and move on at once (error_on_timeout), so a kernel that ignores
         # the interrupt (stuck in C code) costs each remaining cell one timeout, never an endless wait.
-        client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
+        # (nbclient's timeout is whole seconds: 2.5 is a TraitError there, so it gets the next whole second)
+        timeout = max(1, math.ceil(timeout))
+        client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True,
+                                interrupt_on_timeout=True,
                                 error_on_timeout={"ename": "Timeout", "evalue": f"cell ran over {timeout:g} s",
                                                   "traceback": []},
                                 resources={"metadata": {"path": str(work)}}, log=_QUIET)
@@ -442,7 +447,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("notebooks", nargs="+", help="student notebooks (.ipynb), any labs, any number")
     p.add_argument("--seed", type=int, default=None,
                    help=f"seed of the hidden cases (default: ${SEED_ENV}, else random; printed either way)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per cell (default %(default)s)")
+    p.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds per cell (default %(default)s)")
     p.add_argument("--run-all", action="store_true", help="execute every code cell, not only setup + exercises")
     p.add_argument("--csv", metavar="FILE", help="write one row per student x exercise as CSV ('-': stdout)")
     p.add_argument("--json", metavar="FILE", help="write the same rows as JSON ('-': stdout)")
@@ -463,8 +469,6 @@ def choose_seed(seed: int | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     seed = choose_seed(args.seed)
-    if args.timeout <= 0:
-        raise SystemExit("--timeout must be positive")
     to_stdout = "-" in (args.csv, args.json)
     log = sys.stderr if to_stdout else sys.stdout
     rows: list[ExerciseGrade] = []

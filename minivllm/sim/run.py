@@ -236,9 +236,16 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
 
 
 def kv_pool_bytes(shape, hw, utilization: float) -> int:
-    """KV memory on ``hw``: what ``utilization`` of device memory leaves after the weights."""
+    """KV memory on ``hw``: what ``utilization`` of device memory leaves after the weights.
+
+    A profile calibrated on a CPU has no device memory of its own (``memory_bytes`` 0): its pool is the
+    real engine's CPU default, :data:`~minivllm.kv.kv_cache.DEFAULT_CPU_KV_BYTES` (1 GiB), so a
+    simulation of this machine sizes its pool as ``LLM()`` on this machine does.
+    """
     if not hw.memory_bytes:
-        raise ValueError(f"hardware {hw.name!r} has no memory_bytes; pass --num-gpu-blocks-override")
+        from minivllm.kv.kv_cache import DEFAULT_CPU_KV_BYTES
+
+        return DEFAULT_CPU_KV_BYTES
     free = hw.memory_bytes * utilization - shape.num_params * shape.dtype_bytes
     if free <= 0:
         raise ValueError(f"{shape.name} ({shape.num_params * shape.dtype_bytes / 1e9:.1f} GB of weights) does not fit "
