@@ -288,7 +288,7 @@ def check_itl_stats(fn) -> CheckResult:
         eng = sim_engine(block_size=8, max_num_batched_tokens=32, max_num_seqs=4, model_max_len=512)
         finals = run_engine(eng, random_requests(6, seed=1, prompt_range=(4, 120), output_range=(3, 30)))
         times = {rid: o.metrics.token_times for rid, o in finals.items()}
-        return f(times, 90) == _itl_oracle(times, 90) and f(times) == _itl_oracle(times)
+        return tuple(f(times, 90)) in _itl_answers(times, 90) and tuple(f(times)) in _itl_answers(times, 99)
 
     cases = [
         Case("no requests", lambda f: f({}), (0.0, 0.0), "no gaps at all: return (0.0, 0.0)"),
