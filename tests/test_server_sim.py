@@ -620,3 +620,23 @@ def test_stopping_a_background_server_aborts_a_waiting_request_with_503():
         t.join(30)
     assert got["status"] == 503, got
     assert s.async_engine.num_aborted == 1 and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_client_gone_mid_body_is_not_an_internal_error(caplog):
+    """Headers and part of a body, then the connection drops (a fuzz run found it): nobody to answer, and
+    nothing went wrong in the server either -- no "unhandled error" logged by the 500 handler, no request left
+    in the engine, every block free.  Oracle: the server's own error log and the engine's counters."""
+    import logging
+
+    engine = _paced_engine(wall_factor=0.0)
+    body = json.dumps({"model": "sim", "prompt": list(range(10, 20)), "max_tokens": 2}).encode()
+    with _Served(engine) as s, caplog.at_level(logging.ERROR, logger="minivllm.server"):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            sock = socket.create_connection(("127.0.0.1", s.bg.port))
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                         % (path.encode(), len(body) + 100) + body)
+            time.sleep(0.2)
+            sock.close()
+        time.sleep(0.5)
+        assert not engine.has_unfinished_requests() and engine.pool.num_free == engine.pool.num_blocks
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]

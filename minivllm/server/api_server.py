@@ -56,6 +56,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
@@ -585,7 +586,9 @@ class OpenAIServer:
 
     async def model(self, request: Request):
         """``GET /v1/models/{model}`` (the client's ``models.retrieve``): its card, or 404 as for a request."""
-        name = self._check_model(request.path_params["model"] or None)
+        if not request.path_params["model"]:  # "/v1/models/": the list, as without the slash
+            return await self.models(request)
+        name = self._check_model(request.path_params["model"])
         return ModelCard(id=name, max_model_len=self.max_model_len).model_dump()
 
     async def metrics(self, request: Request):
@@ -655,6 +658,12 @@ def build_app(
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail), "invalid_request_error", None, exc.status_code,
                               getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        # The client left while still sending its body: a client's choice, not a server error (no 500, no
+        # traceback in the log); nothing was submitted, so there is nothing to abort.  499, as elsewhere.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
