@@ -250,9 +250,13 @@ def engine_itl_stats(token_times: dict, q: float = 99) -> tuple[float, float]:
     return float(np.percentile(gaps, q, method="inverted_cdf")), float(max(gaps))
 
 
+def _gaps(token_times: dict) -> list[float]:
+    return [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+
+
 def _itl_oracle(token_times: dict, q: float = 99) -> tuple[float, float]:
     """The checker's own reference (private: the notebook's fallback is :func:`engine_itl_stats`)."""
-    gaps = [b - a for times in token_times.values() for a, b in zip(times, times[1:])]
+    gaps = _gaps(token_times)
     return (percentile(gaps, q), max(gaps)) if gaps else (0.0, 0.0)
 
 
@@ -262,7 +266,7 @@ def _itl_answers(token_times: dict, q: float) -> set:
     both.  A learner is graded on the rule, not on which of the three roundings the float arithmetic took."""
     from fractions import Fraction
 
-    gaps = sorted(b - a for times in token_times.values() for a, b in zip(times, times[1:]))
+    gaps = sorted(_gaps(token_times))
     if not gaps:
         return {(0.0, 0.0)}
     n = len(gaps)

@@ -247,17 +247,15 @@ class EngineMetrics:
         self.free_blocks.labels(name).set(stats.get("free_blocks", 0))
         self.cached_blocks.labels(name).set(stats.get("cached_blocks", 0))
         self.num_blocks.labels(name).set(stats.get("num_blocks", 0))
-        for key, counter in (
-            ("prefix_cache_queries", self.prefix_queries),
-            ("prefix_cache_hits", self.prefix_hits),
-            ("recomputed_tokens", self.recomputed),
-        ):
-            child = counter.labels(name)  # exists from the start (at 0), so dashboards see the series
-            value = stats.get(key)
-            if value is None:
-                continue
-            with self._lock:
-                delta = value - self._last.get(key, 0)
+        with self._lock:
+            for key, counter in (
+                ("prefix_cache_queries", self.prefix_queries),
+                ("prefix_cache_hits", self.prefix_hits),
+                ("recomputed_tokens", self.recomputed),
+            ):
+                child = counter.labels(name)  # exists from the start (at 0), so dashboards see the series
+                value = stats.get(key)
+                delta = 0 if value is None else value - self._last.get(key, 0)
                 if delta > 0:
                     self._last[key] = value
                     child.inc(delta)

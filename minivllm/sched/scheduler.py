@@ -296,7 +296,8 @@ class Scheduler:
         """
         if req.leader is not None:
             return True
-        left = self._reserved_blocks([r for r in self.running if r not in cands])
+        going = {id(r) for r in cands}
+        left = self._reserved_blocks([r for r in self.running if id(r) not in going])
         return self.kv.could_start_if_freed(req, cands, left, worst_case=self.config.preemption_mode == "reject")
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:

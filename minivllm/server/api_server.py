@@ -353,9 +353,6 @@ class OpenAIServer:
     def _sampling_params(req, max_tokens: int | None, max_tokens_field: str = "max_tokens") -> SamplingParams:
         """The engine's parameters for ``req``; ``max_tokens`` came from ``max_tokens_field`` (chat's
         ``max_completion_tokens`` wins over ``max_tokens``), which an error about it names."""
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(400, f"{max_tokens_field} must be an integer >= 1, got {max_tokens}",
-                           "invalid_request_error", max_tokens_field, "invalid_value")
         kw: dict[str, Any] = {"max_tokens": max_tokens}
         for name in ("temperature", "top_p", "min_p"):
             v = getattr(req, name)
@@ -372,7 +369,11 @@ class OpenAIServer:
         try:
             return SamplingParams(**kw)
         except ValueError as exc:
-            raise _bad_value(exc)
+            err = _bad_value(exc)
+            if err.param == "max_tokens" and max_tokens_field != "max_tokens":  # SamplingParams' rule, the client's name
+                err = APIError(400, err.message.replace("max_tokens", max_tokens_field, 1), err.type,
+                               max_tokens_field, err.code)
+            raise err
 
     @staticmethod
     def _with_salt(prompt: dict, tenant: str, salt: str | None) -> dict:
