@@ -132,3 +132,26 @@ def test_loading_the_kernel_keeps_subnormals():
     assert load_kernel() is not None
     tiny = torch.tensor([1e-40, -3e-42])  # subnormal float32 values
     assert bool(((tiny * 1.0) != 0).all()) and bool(((tiny + 0.0) == tiny).all())
+
+
+def test_kernel_cache_keeps_one_library_per_cpu_kind():
+    """The library is built with ``-march=native``: a cache directory shared by two kinds of CPU (an NFS
+    home) must hand each its own build, so the file name changes with the CPU's model and flags, and with
+    the source and the compile flags, and with nothing else."""
+    from minivllm.model import cpu_attention as ca
+
+    flags = ["-O3", "-march=native"]
+    name = ca._library_name(b"src", flags, b"flags : avx2")
+    assert name == ca._library_name(b"src", flags, b"flags : avx2")  # stable: the cache is reused
+    assert name != ca._library_name(b"src", flags, b"flags : avx2 avx512f")
+    assert name != ca._library_name(b"src", flags, b"model name : another CPU\nflags : avx2")
+    assert name != ca._library_name(b"src2", flags, b"flags : avx2")
+    assert name != ca._library_name(b"src", ["-O2", "-march=native"], b"flags : avx2")
+    identity = ca._cpu_identity()
+    assert identity  # never empty: an empty identity would let every CPU share one build
+    try:
+        with open("/proc/cpuinfo", "rb") as fh:
+            flag_lines = {ln for ln in fh.read().splitlines() if ln.startswith(b"flags")}
+    except OSError:
+        return
+    assert all(line in identity for line in flag_lines)  # this machine's flags are part of the key

@@ -68,6 +68,12 @@ def _cpu_identity() -> bytes:
     return b"\n".join(sorted(lines)) or platform.processor().encode()
 
 
+def _library_name(source: bytes, flags: list[str], cpu: bytes) -> str:
+    """The cached library's file name: a hash of everything the built code depends on."""
+    digest = hashlib.sha256(source + " ".join(flags).encode() + os.uname().machine.encode() + cpu).hexdigest()
+    return f"paged_decode_{digest[:16]}.so"
+
+
 def _build():
     if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
         return None
@@ -82,9 +88,7 @@ def _build():
     # whole process to flush-subnormals-to-zero when the library loads -- every torch op included.
     compile_flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
     link_flags = ["-shared", "-fopenmp"]
-    digest = hashlib.sha256(source + " ".join(compile_flags + link_flags).encode()
-                            + os.uname().machine.encode() + _cpu_identity()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{digest}.so"
+    target = _cache_dir() / _library_name(source, compile_flags + link_flags, _cpu_identity())
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
