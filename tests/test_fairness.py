@@ -633,6 +633,13 @@ def test_prompt_dict_carries_tenant_priority_and_deadline():
     assert (req.tenant, req.priority, req.deadline) == ("t", 2, 1.5)  # the dict wins over the keywords
     kw = engine.requests[engine.add_request([5] * 8, greedy(2), priority=1, deadline=3)]
     assert (kw.priority, kw.deadline) == (1, 3.0)
+    # the value that is used is the one checked: a valid dict value overrides an invalid keyword
+    won = engine.requests[engine.add_request({"prompt_token_ids": [5] * 8, "priority": 1, "deadline": 2.0},
+                                             greedy(2), priority="x", deadline="later")]
+    assert (won.priority, won.deadline) == (1, 2.0)
+    for bad_kw, match in [({"priority": "x"}, "priority"), ({"deadline": float("nan")}, "deadline")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request([5] * 8, greedy(2), **bad_kw)
     for bad, match in [({"priority": 1.5}, "priority"), ({"priority": True}, "priority"),
                        ({"deadline": "soon"}, "deadline"), ({"deadline": float("nan")}, "deadline"),
                        ({"deadline": float("inf")}, "deadline"), ({"urgency": 1}, "unknown")]:

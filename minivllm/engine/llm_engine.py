@@ -187,12 +187,7 @@ class LLMEngine:
 
     def _add_request(self, prompt, sampling_params, request_id, tenant, priority, arrival_time, deadline=None) -> str:
         self._check_open()
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
-        ):
-            raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {deadline!r}")
+        # priority and deadline are checked by the input processor, after a prompt dict's own values win
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
         ):
