@@ -274,6 +274,24 @@ def test_auto_mode_follows_the_cost_model():
     assert slow["num_recompute_preemptions"] > 0 and slow["num_swap_preemptions"] == 0
 
 
+def test_the_prefill_rate_is_learnt_only_into_the_engines_own_cost_model():
+    """Auto mode learns the prefill rate from measured steps (an EMA), but a cost model the caller passed in
+    is the caller's object: the engine uses it and leaves its numbers alone."""
+    mine = PreemptionCosts(bytes_per_block=1_000_000, swap_bytes_per_s=10e9, prefill_tokens_per_s=5000.0)
+    cfg = EngineConfig(num_gpu_blocks_override=40, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=64,
+                       max_num_seqs=6, max_model_len=128, preemption_mode="auto", device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=128, eos_token_ids=set(),
+                       preemption_cost_model=mine)
+    overload(engine)
+    drain(engine)
+    assert engine.scheduler.costs is mine and mine.prefill_tokens_per_s == 5000.0
+    own = make_engine("auto", num_blocks=40, cpu_blocks=64, max_len=128, budget=64)
+    start = own.scheduler.costs.prefill_tokens_per_s
+    overload(own)
+    drain(own)
+    assert own.scheduler.costs.prefill_tokens_per_s != start  # its own model did learn
+
+
 def test_cost_model_rule():
     costs = PreemptionCosts(bytes_per_block=1_000_000, swap_bytes_per_s=10e9, prefill_tokens_per_s=5000)
     # 64 blocks of 16 tokens: swap 2*64 MB over 10 GB/s = 12.8 ms; recompute 1024 tokens = 205 ms

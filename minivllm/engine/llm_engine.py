@@ -125,6 +125,10 @@ class LLMEngine:
             costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks))
+        # The prefill rate is learnt only into a cost model the engine built itself: a caller's own object (and
+        # its numbers) stays as the caller made it.
+        self._learnt_costs = costs if (preemption_cost_model is None and isinstance(costs, PreemptionCosts)
+                                       and config.prefill_tokens_per_s is None) else None
         self.bytes_per_block = bytes_per_block
 
         # -- the caller's side
@@ -514,8 +518,8 @@ class LLMEngine:
             return
         dt = now - last
         self.step_time_s = dt if self.step_time_s is None else (1 - _EMA) * self.step_time_s + _EMA * dt
-        costs = self.scheduler.costs
-        if isinstance(costs, PreemptionCosts) and self.config.prefill_tokens_per_s is None and batch.num_prefill_tokens > 0:
+        costs = self._learnt_costs
+        if costs is not None and batch.num_prefill_tokens > 0:
             rate = batch.num_tokens / dt
             costs.prefill_tokens_per_s = (1 - _EMA) * costs.prefill_tokens_per_s + _EMA * rate
 
