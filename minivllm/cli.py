@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-requests", type=positive_int, default=None,
                    help="load shedding: answer 429 + Retry-After when this many requests already wait (default: no limit)")
     s.add_argument("--min-free-blocks", type=nonnegative_int, default=0,
-                   help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are free")
+                   help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are "
+                        "available (free, or holding cached prefixes no request uses)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # -h before the name is this parser's help; after it, REMAINDER hands it to the named tool
     b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server")

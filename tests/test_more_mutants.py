@@ -433,13 +433,13 @@ def test_label_values_come_out_sorted():
 def test_door_boundaries():
     """Kills: the queue limit compared with ``>`` (one request too many admitted), memory pressure counted
     with an empty queue, and the free-block floor compared with ``<=``.  The documented rule: closed when
-    waiting >= max_waiting, or waiting > 0 and free < min_free_blocks."""
+    waiting >= max_waiting, or waiting > 0 and available < min_free_blocks."""
     rule = DoorRule(max_waiting=2, min_free_blocks=4)
-    assert rule.closed({"num_waiting": 2, "free_blocks": 100})
-    assert not rule.closed({"num_waiting": 1, "free_blocks": 100})
-    assert not rule.closed({"num_waiting": 0, "free_blocks": 0})
-    assert not rule.closed({"num_waiting": 1, "free_blocks": 4})
-    assert rule.closed({"num_waiting": 1, "free_blocks": 3})
+    assert rule.closed({"num_waiting": 2, "available_blocks": 100})
+    assert not rule.closed({"num_waiting": 1, "available_blocks": 100})
+    assert not rule.closed({"num_waiting": 0, "available_blocks": 0})
+    assert not rule.closed({"num_waiting": 1, "available_blocks": 4})
+    assert rule.closed({"num_waiting": 1, "available_blocks": 3})
     with pytest.raises(ValueError):
         DoorRule(1, retry_after_s=0)
 
@@ -447,4 +447,4 @@ def test_door_boundaries():
 def test_door_snapshot_counts_pending_requests():
     """Kills: the snapshot ignoring requests that passed the door but are not queued yet (a burst all gets in)."""
     engine = SimpleNamespace(kv=SimpleNamespace(num_available_blocks=9), scheduler=SimpleNamespace(waiting=[1, 2]))
-    assert door_snapshot(engine, pending=3) == {"num_waiting": 5, "free_blocks": 9}
+    assert door_snapshot(engine, pending=3) == {"num_waiting": 5, "available_blocks": 9}

@@ -295,7 +295,8 @@ class LLMEngine:
         cpu_pool = kv.cpu_pool
         out = {
             "num_blocks": pool.num_blocks,
-            "free_blocks": pool.num_free,
+            "free_blocks": pool.num_free,  # the free list
+            "available_blocks": kv.num_available_blocks,  # what an allocation can get: free + evictable cached
             "cached_blocks": cache.num_cached_blocks if cache else 0,
             "used_blocks": pool.num_blocks - pool.num_free - evictable,
             "kv_cache_usage": kv.usage(),

@@ -504,9 +504,11 @@ def check_swap_or_recompute(fn) -> CheckResult:
 # -- exercise 3: the door rule -----------------------------------------------------------
 
 
-def _stats(waiting: int = 0, free: int = 100, running: int = 0, num_blocks: int = 100) -> dict:
-    return {"num_waiting": waiting, "free_blocks": free, "num_running": running, "num_blocks": num_blocks,
-            "num_swapped": 0, "num_preemptions": 0}
+def _stats(waiting: int = 0, free: int = 100, running: int = 0, num_blocks: int = 100, cached: int = 0) -> dict:
+    """``engine.stats()``'s shape: ``free`` blocks on the free list and ``cached`` evictable cached ones, which
+    together are the available blocks."""
+    return {"num_waiting": waiting, "free_blocks": free, "available_blocks": free + cached, "num_running": running,
+            "num_blocks": num_blocks, "num_swapped": 0, "num_preemptions": 0}
 
 
 def _door_run(fn) -> tuple[int, int]:
@@ -538,7 +540,10 @@ def check_should_reject(fn) -> CheckResult:
         Case("pressure and a queue reject", lambda f: f(_stats(waiting=1, free=15), 4, 16), True,
              "fewer than min_free_blocks free AND someone already waiting: the newcomer would only queue behind them"),
         Case("exactly min_free_blocks free is not pressure", lambda f: f(_stats(waiting=1, free=16), 4, 16), False,
-             "pressure means FEWER than min_free_blocks free"),
+             "pressure means FEWER than min_free_blocks available"),
+        Case("a warm prefix cache is not pressure", lambda f: f(_stats(waiting=1, free=2, cached=40), 4, 16), False,
+             "2 blocks on the free list but 40 more hold cached KV nobody uses: the allocator evicts them on demand. "
+             "Read stats['available_blocks'], not stats['free_blocks']"),
         Case("the stats are only read", frozen, True, "don't change the dict: the engine's counters are not yours"),
         Case("the answer is a bool", lambda f: [type(f(s, 4, 16)).__name__ for s in (
             _stats(), _stats(waiting=4), _stats(waiting=1, free=15), _stats(waiting=0, free=0))], ["bool"] * 4,
@@ -609,7 +614,7 @@ def hidden_should_reject(fn, seed: int) -> CheckResult:
             max_waiting, min_free = rng.randint(1, 10), rng.randint(0, 40)
             s = _stats(waiting=rng.choice([0, max_waiting - 1, max_waiting, max_waiting + 1, rng.randint(0, 20)]),
                        free=rng.choice([0, min_free - 1, min_free, min_free + 1, rng.randint(0, 100)]),
-                       running=rng.randint(0, 60))
+                       running=rng.randint(0, 60), cached=rng.choice([0, 0, rng.randint(1, 50)]))
             before = dict(s)
             got = f(s, max_waiting, min_free)
             if s != before or bool(got) != engine_should_reject(before, max_waiting, min_free) \
@@ -679,11 +684,12 @@ LAB = Lab(5, "lab05_preemption", "Preemption", quiz="lab05",
     Exercise("door_rule", "should_reject", check_should_reject, points=1, hidden=hidden_should_reject, mutants=(
         ("a full queue still accepts", "waiting >= max_waiting", "waiting > max_waiting"),
         ("counts running requests as the queue", 'waiting = stats["num_waiting"]', 'waiting = stats["num_running"]'),
-        ("pressure alone rejects", '(waiting > 0 and stats["free_blocks"] < min_free_blocks)',
-         '(stats["free_blocks"] < min_free_blocks)'),
-        ("no pressure clause", ' or (waiting > 0 and stats["free_blocks"] < min_free_blocks)', ""),
-        ("exactly min_free_blocks counts as pressure", 'stats["free_blocks"] < min_free_blocks',
-         'stats["free_blocks"] <= min_free_blocks'),
+        ("pressure alone rejects", '(waiting > 0 and stats["available_blocks"] < min_free_blocks)',
+         '(stats["available_blocks"] < min_free_blocks)'),
+        ("no pressure clause", ' or (waiting > 0 and stats["available_blocks"] < min_free_blocks)', ""),
+        ("exactly min_free_blocks counts as pressure", 'stats["available_blocks"] < min_free_blocks',
+         'stats["available_blocks"] <= min_free_blocks'),
+        ("reads the free list only", 'stats["available_blocks"]', 'stats["free_blocks"]'),
         ("both conditions required", "waiting >= max_waiting or (", "waiting >= max_waiting and ("),
         ("inverted answer", "return waiting >= max_waiting or", "return not waiting >= max_waiting or"),
         ("changes the stats", 'waiting = stats["num_waiting"]', 'waiting = stats.pop("num_waiting")'),

@@ -6,8 +6,11 @@ itself becomes the latency (every request in it will miss its TTFT target),
 and a client that is told "429, retry in 1 s" at once can go to another
 replica.  The rule is the one lab 5 asks the learner to write: refuse when the
 waiting queue is already ``max_waiting`` deep, or when requests are waiting
-*and* the KV pool is nearly dry (fewer than ``min_free_blocks`` free), since
-then new work can only start by preempting running work.
+*and* the KV pool is nearly dry (fewer than ``min_free_blocks`` available), since
+then new work can only start by preempting running work.  "Available" counts
+the free list plus cached blocks no request holds (``available_blocks``, the
+same number in ``engine.stats()`` and in the server's snapshot): the allocator
+evicts those on demand, so a warm prefix cache is not memory pressure.
 
 The server reads the two numbers without taking the engine's lock (a
 ``len()`` and an integer: a step may be in progress, so the snapshot can be one
@@ -36,9 +39,9 @@ class DoorRule:
             raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s!r}")
 
     def closed(self, stats: dict) -> bool:
-        """``stats`` needs ``num_waiting`` and ``free_blocks`` (``engine.stats()`` has both)."""
+        """``stats`` needs ``num_waiting`` and ``available_blocks`` (``engine.stats()`` has both)."""
         waiting = stats["num_waiting"]
-        return waiting >= self.max_waiting or (waiting > 0 and stats["free_blocks"] < self.min_free_blocks)
+        return waiting >= self.max_waiting or (waiting > 0 and stats["available_blocks"] < self.min_free_blocks)
 
 
 def door_snapshot(engine, pending: int = 0) -> dict:
@@ -46,11 +49,11 @@ def door_snapshot(engine, pending: int = 0) -> dict:
 
     ``pending`` counts requests that passed the door but have not reached the scheduler's queue yet (the
     engine thread adds them between steps): without them a burst of simultaneous requests would all see
-    the queue as it was before the burst and all get in.  Free blocks include cached blocks nobody is
-    using, which the engine evicts on demand: a warm prefix cache is not memory pressure.
+    the queue as it was before the burst and all get in.  ``available_blocks`` is ``engine.stats()``'s: the
+    free list plus cached blocks nobody is using, which the engine evicts on demand.
     """
     try:
-        free = engine.kv.num_available_blocks
+        available = engine.kv.num_available_blocks
     except RuntimeError:  # a cache structure resized by the engine thread mid-count: use the lower bound
-        free = engine.pool.num_free
-    return {"num_waiting": len(engine.scheduler.waiting) + pending, "free_blocks": free}
+        available = engine.pool.num_free
+    return {"num_waiting": len(engine.scheduler.waiting) + pending, "available_blocks": available}

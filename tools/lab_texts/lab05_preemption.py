@@ -421,8 +421,12 @@ Write `should_reject(stats, max_waiting, min_free_blocks)`, called with `engine.
 
 1. the **queue is full**: `max_waiting` requests are already waiting (`stats["num_waiting"]`; preempted and swapped
    requests count, they are ahead of the newcomer), or
-2. the **cache is under pressure and there is a queue**: fewer than `min_free_blocks` device blocks are free
-   (`stats["free_blocks"]`) *and* someone is already waiting — the newcomer would only queue behind them.
+2. the **cache is under pressure and there is a queue**: fewer than `min_free_blocks` device blocks are available
+   (`stats["available_blocks"]`) *and* someone is already waiting — the newcomer would only queue behind them.
+   "Available" is the free list plus cached blocks that no request holds: with prefix caching on (lab 3) the
+   allocator evicts those on demand, so a warm cache is not pressure. `stats["free_blocks"]` counts the free list
+   alone; this lab's engine caches no prefixes, so the two are equal here, but the server's door
+   (`minivllm serve --max-waiting-requests`) runs your rule next to a cache.
 
 Otherwise accept. An idle engine must never reject.
 
@@ -432,17 +436,17 @@ Two conditions joined by *or*; the second is itself two conditions joined by *an
 </details>
 <details><summary>Hint 2</summary>
 
-Boundaries: is a queue of exactly `max_waiting` full? Is exactly `min_free_blocks` free blocks "fewer than"?
+Boundaries: is a queue of exactly `max_waiting` full? Is exactly `min_free_blocks` available blocks "fewer than"?
 </details>
 """),
 ("code", r"""
 def should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
     '''True: answer 429 and do not add the arriving request.'''
     # TODO: reject when the queue already holds max_waiting requests, or when fewer than min_free_blocks
-    #   blocks are free while someone is already waiting; read the stats, never change them
+    #   blocks are available while someone is already waiting; read the stats, never change them
     ### BEGIN SOLUTION
     waiting = stats["num_waiting"]
-    return waiting >= max_waiting or (waiting > 0 and stats["free_blocks"] < min_free_blocks)
+    return waiting >= max_waiting or (waiting > 0 and stats["available_blocks"] < min_free_blocks)
     ### END SOLUTION
 """, ["exercise:door_rule"]),
 ("code", r"""
@@ -450,7 +454,7 @@ door_check = check_should_reject(should_reject)
 reject_rule = choose(door_check, should_reject, engine_should_reject, "should_reject")
 """),
 ("md", r"""
-Add it to the table: the door (queue of at most 8, pressure below 16 free blocks) in front of the recompute engine.
+Add it to the table: the door (queue of at most 8, pressure below 16 available blocks) in front of the recompute engine.
 """),
 ("code", r"""
 door = lambda stats: reject_rule(stats, 8, 16)
