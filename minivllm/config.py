@@ -177,8 +177,9 @@ class EngineConfig:
     """Options for :class:`~minivllm.engine.LLMEngine` (and ``LLM(**options)``).
 
     KV capacity: give ``num_gpu_blocks_override`` (blocks, vLLM's name) or
-    ``kv_cache_memory_bytes`` (bytes); otherwise 1 GiB on CPU and
-    ``gpu_memory_utilization`` of free GPU memory on CUDA.
+    ``kv_cache_memory_bytes`` (bytes); otherwise 1 GiB on CPU,
+    ``gpu_memory_utilization`` of free GPU memory on CUDA, and 4,096 blocks
+    on a simulated executor (``kv.kv_cache.DEFAULT_SIM_KV_BLOCKS``).
 
     Preemption (what happens when KV blocks run out, see
     :mod:`minivllm.sched.scheduler`): ``preemption_mode`` is ``"recompute"``

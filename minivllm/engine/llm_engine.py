@@ -32,7 +32,7 @@ from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache
 from minivllm.kv.block_pool import BlockPool
-from minivllm.kv.kv_cache import num_host_blocks
+from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.metrics.step_log import StepLog, StepRecord, tenant_fields
 from minivllm.outputs import RequestOutput
@@ -92,7 +92,8 @@ class LLMEngine:
             num_blocks, num_cpu_blocks, bytes_per_block = layout.num_blocks, layout.num_cpu_blocks, layout.bytes_per_block
         else:
             bytes_per_block = getattr(executor, "kv_bytes_per_block", config.block_size * SIM_BYTES_PER_TOKEN)
-            num_blocks = config.num_gpu_blocks_override or (config.kv_cache_memory_bytes or 4096 * bytes_per_block) // bytes_per_block
+            budget = config.kv_cache_memory_bytes
+            num_blocks = config.num_gpu_blocks_override or (budget // bytes_per_block if budget else DEFAULT_SIM_KV_BLOCKS)
             num_cpu_blocks = num_host_blocks(config, bytes_per_block)
         config.check_kv_capacity(num_blocks)
         pool = BlockPool(num_blocks)

@@ -27,6 +27,12 @@ from minivllm.kv.kv_cache_manager import BlockMoves
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV memory on a CPU device when no size is given (1 GiB)."""
 
+DEFAULT_SIM_KV_BLOCKS = 4096
+"""Blocks of a simulated engine's pool when no size is given.  A simulated executor has no memory to measure, so
+its default is a count, not bytes: large enough that a test or a lab never runs out by accident (65,536 tokens at
+the default block size).  To model a device's capacity, size the pool (``num_gpu_blocks_override`` or
+``kv_cache_memory_bytes``) as ``minivllm sim run`` does from the hardware preset."""
+
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V, every layer, one block: the unit in which KV memory is spent."""
