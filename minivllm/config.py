@@ -108,11 +108,20 @@ class ThreeClassConfig:
     * ``tenant_cache_share`` -- prefix caching is on, each tenant's namespace may keep at most
       this fraction of the pool cached (rule ``capped_prefix_cache``; an explicit
       ``prefix_cache_quota_blocks`` wins);
-    * ``long_prefill_tokens`` -- prefills are chunked above this many tokens (rule
-      ``chunk_long_prefills``; an explicit ``long_prefill_token_threshold`` wins);
-    * ``swap_min_tokens`` -- a victim with at least this many computed tokens is swapped, a
-      shorter one recomputed; batch is preempted before agent before interactive (rule
-      ``preempt_batch_first_swap_long``).
+    * ``long_prefill_tokens`` -- no request prefills more than this many tokens in one step, so a
+      prompt above it is chunked (rule ``chunk_long_prefills``; vLLM's
+      ``long_prefill_token_threshold``, and an explicit value of that option above 0 wins).  It bounds
+      one request's share of a step; the step's size, and so the ITL it costs everyone, is
+      ``max_num_batched_tokens`` (lab 4 picks it from the ITL target);
+    * ``swap_min_tokens`` -- batch is preempted before agent before interactive, and a victim with
+      a long context is swapped, a short one recomputed (rule ``preempt_batch_first_swap_long``).
+      ``None`` (the default): "long" is where copying the victim's blocks costs less than
+      recomputing them, by the auto mode's cost model (measured on this machine; the roofline in
+      the simulator: about 300 tokens for Llama-3-8B on the H100 preset, lab 5).  An int fixes
+      the threshold in computed tokens instead.
+
+    The preset also turns prefix caching on and, when ``preemption_mode`` is left at its default
+    ``"recompute"``, sets it to ``"auto"`` (an explicit ``"swap"`` or ``"reject"`` is kept).
     """
 
     interactive_kv_reserve: float = 0.25
@@ -121,7 +130,7 @@ class ThreeClassConfig:
     batch_max_interactive_queue: int = 1
     tenant_cache_share: float = 0.25
     long_prefill_tokens: int = 8192
-    swap_min_tokens: int = 2048
+    swap_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_share("ThreeClassConfig.agent_kv_share", self.agent_kv_share, optional=False)
@@ -131,6 +140,8 @@ class ThreeClassConfig:
         if not 0 <= self.interactive_kv_reserve < 1:
             raise ValueError(f"ThreeClassConfig.interactive_kv_reserve must be in [0, 1), got {self.interactive_kv_reserve}")
         for name in ("batch_max_interactive_queue", "long_prefill_tokens", "swap_min_tokens"):
+            if name == "swap_min_tokens" and self.swap_min_tokens is None:
+                continue
             check_type(f"ThreeClassConfig.{name}", getattr(self, name), int)
             if getattr(self, name) < 1:
                 raise ValueError(f"ThreeClassConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -784,3 +784,30 @@ def test_engine_tenant_cache_share_caps_one_tenant_and_not_the_other():
     assert peak["noisy"] == 16 and peak["quiet"] > 16
     assert engine.stats()["prefix_cache_quota_evictions"] > 0
     assert_no_leak(engine)
+
+
+def test_three_class_swaps_long_victims_by_the_cost_model_by_default():
+    """The preset's "swap rather than recompute for long contexts" has no number of its own: by default the
+    auto mode's cost model decides, so on the simulator's H100 preset the crossover is lab 5's (a few hundred
+    tokens for Llama-3-8B), not a fixed 2,048 under which victims of 300-2,000 tokens were recomputed at 3-4x
+    the cost.  Oracle: the roofline's own swap and recompute times (labs.at_scale)."""
+    from minivllm.labs import at_scale
+    from minivllm.sched.fairness import make_policies
+    from minivllm.sim.presets import hardware_preset, model_preset
+    from minivllm.sim.run import make_engine as sim_engine
+
+    config = EngineConfig(device="cpu", scheduling_policy="three_class", tenants=CLASSES)
+    assert make_policies(config)[2] is None  # no rule of its own: the engine's cost model
+    engine = sim_engine(model_preset("llama-3-8b"), hardware_preset("h100"), scheduling_policy="three_class",
+                        tenants=CLASSES)
+    costs = engine.scheduler.costs
+    crossover = at_scale.crossover_tokens("llama-3-8b", "h100")
+    assert 100 < crossover < 2048
+    for tokens in (64, crossover // 2, 2 * crossover, 4000):
+        blocks = -(-tokens // engine.config.block_size)
+        assert costs.prefers_swap(tokens, blocks) == (at_scale.swap_s(tokens) < at_scale.recompute_s(tokens)), tokens
+    fixed = EngineConfig(device="cpu", scheduling_policy="three_class", tenants=CLASSES,
+                         three_class=ThreeClassConfig(swap_min_tokens=2048))
+    assert make_policies(fixed)[2].prefers_swap(2048, 128) and not make_policies(fixed)[2].prefers_swap(2047, 128)
+    with pytest.raises(ValueError, match="swap_min_tokens"):
+        ThreeClassConfig(swap_min_tokens=0)

@@ -87,9 +87,12 @@ THREE_CLASS_RULES = {
     "capped_prefix_cache": "prefix caching is on and each tenant (all its cache salts together) keeps at most "
                            "tenant_cache_share of the pool cached, evicting its own blocks first "
                            "(TenantConfig.max_cache_share or prefix_cache_quota_blocks win)",
-    "chunk_long_prefills": "prefills are chunked above long_prefill_tokens tokens (long_prefill_token_threshold)",
-    "preempt_batch_first_swap_long": "victims are batch before agent before interactive; a victim with at least "
-                                     "swap_min_tokens computed tokens is swapped, a shorter one recomputed",
+    "chunk_long_prefills": "no request prefills more than long_prefill_tokens tokens in one step, so longer "
+                           "prompts are chunked (long_prefill_token_threshold)",
+    "preempt_batch_first_swap_long": "victims are batch before agent before interactive; a victim whose context is "
+                                     "long enough that swapping it costs less than recomputing it (the auto mode's "
+                                     "cost model, or swap_min_tokens computed tokens if set) is swapped, a shorter "
+                                     "one recomputed",
 }
 
 
@@ -402,5 +405,8 @@ def make_policies(config: EngineConfig):
         return adm, RankPreemption(adm), None
     if name == "three_class":
         adm = ThreeClassAdmission(config)
-        return adm, RankPreemption(adm), LongContextSwap(config.three_class.swap_min_tokens)
+        # swap_min_tokens None: no rule of our own, so the engine installs its auto mode's cost model (or the
+        # simulator its roofline one), which swaps exactly the victims whose recompute would cost more
+        threshold = config.three_class.swap_min_tokens
+        return adm, RankPreemption(adm), LongContextSwap(threshold) if threshold is not None else None
     raise ValueError(f"unknown scheduling_policy {name!r}")

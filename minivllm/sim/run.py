@@ -270,8 +270,9 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     config = EngineConfig(block_size=block_size, device="cpu", **options)
     # auto mode decides swap-or-recompute by the same roofline that times the steps (length-aware), not by
     # the engine's one measured prefill rate; chunks are as large as the step's token budget
-    if costs is None and config.preemption_mode == "auto":
-        costs = RooflinePreemptionCosts(shape, hw, block_size=block_size, chunk=config.max_num_batched_tokens)
+    resolved = config.resolve(model_max_len)  # three_class resolves to auto; the step budget gets its default
+    if costs is None and resolved.preemption_mode == "auto":
+        costs = RooflinePreemptionCosts(shape, hw, block_size=block_size, chunk=resolved.max_num_batched_tokens)
     return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set(), preemption_cost_model=costs)
 
 
