@@ -22,18 +22,17 @@ model; see :mod:`minivllm.sim.fleet`.  Runs on a CPU in seconds.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 from minivllm.argtypes import fraction, positive_float
-from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, roofline_factory, run_fleet
+from minivllm.bench.results import write_result
+from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, replica_kv_blocks, roofline_factory, run_fleet
 from minivllm.sim.executor import SimulatedExecutor
 from minivllm.sim.router import ROUTERS
 
-DEFAULT_OUT = "benchmarks/results/2026-11-30_cpu-2core_fleet_sim.json"
+DEFAULT_OUT = "benchmarks/results/2026-12-01_cpu-2core_fleet_sim.json"
 
 
 def _ints(text: str) -> list[int]:
@@ -136,15 +135,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m minivllm.bench fleet: error: {exc}", file=sys.stderr)
             return 2
         cost = f"roofline, {args.model} on {args.hardware}"
-    print(f"fleet (simulated: real engines; {cost}; {REPLICA['num_blocks']} KV blocks of 16 tokens per replica)")
+    replica = dict(REPLICA, num_blocks=replica_kv_blocks(factory()) or REPLICA["num_blocks"])
+    sized = "what the device holds after the weights at 90%" if replica["num_blocks"] != REPLICA["num_blocks"] else "fixed"
+    print(f"fleet (simulated: real engines; {cost}; {replica['num_blocks']} KV blocks of 16 tokens per replica, {sized})")
     print(f"chat mix: {len(workload.arrivals())} sessions ({workload.num_requests()} requests, {workload.warmup:g} s of "
           f"warm-up), measured over {args.duration:g} s; nominal ~{args.rate:g} requests/s (closed loop: measured per row); "
           f"SLO TTFT <= {args.slo_ttft_ms:g} ms, p99 ITL <= {args.slo_itl_ms:g} ms, goal {args.min_goodput:.0%} of requests")
     rows = sweep(workload, args.replicas, args.routers, slo_ttft, slo_itl, factory)
     print(format_table(rows))
     answers = {r: smallest_meeting(rows, r, args.min_goodput) for r in args.routers}
-    print("(a) smallest fleet meeting the SLO: " + ", ".join(
-        f"{r} {'> ' + str(max(args.replicas)) if n is None else n}" for r, n in answers.items()))
+    rates = [r["offered_rps"] for r in rows]
+    print(f"(a) smallest fleet meeting the SLO at {min(rates):.1f}-{max(rates):.1f} requests/s (measured; the later "
+          f"turns are closed loop, so a slower fleet is offered a little less): " + ", ".join(
+              f"{r} {'> ' + str(max(args.replicas)) if n is None else n}" for r, n in answers.items()))
     n_max = max(args.replicas)
     by = {(r["replicas"], r["router"]): r for r in rows}
     if n_max > 1 and {"round_robin", "prefix_affinity"} <= set(args.routers):
@@ -157,22 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "benchmark": "fleet", "simulated": True, "machine": f"{platform.machine()} cpu x{_cpus()}",
-            "executor": cost, "replica": REPLICA, "key_blocks": KEY_BLOCKS,
+        write_result(out, {
+            "benchmark": "fleet", "simulated": True,
+            "executor": cost, "replica": replica, "key_blocks": KEY_BLOCKS,
             "workload": {"kind": "ChatMix", "rate": args.rate, "duration_s": args.duration, "seed": args.seed,
                          "sessions": len(workload.arrivals()), "requests": workload.num_requests()},
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "min_goodput": args.min_goodput},
             "rows": rows, "smallest_fleet_meeting_slo": answers, "wall_s": wall,
-        }, indent=1) + "\n")
+        }, "python -m minivllm.bench fleet", argv)
         print(f"wrote {out}")
     return 0
 
-
-def _cpus() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 if __name__ == "__main__":

@@ -149,11 +149,28 @@ def roofline_factory(hardware: str = "h100", model: str = "llama-3-8b", block_si
     return lambda: RooflineExecutor(shape, hw, block_size)
 
 
+def replica_kv_blocks(executor: Any, gpu_memory_utilization: float = 0.9) -> int | None:
+    """The KV blocks a replica's device holds, as ``minivllm sim run`` sizes them; None for an executor
+    without a device (the linear cost model), which keeps :data:`REPLICA`'s count."""
+    from minivllm.sim.roofline import RooflineExecutor
+    from minivllm.sim.run import kv_pool_bytes
+
+    if not isinstance(executor, RooflineExecutor):
+        return None
+    return kv_pool_bytes(executor.shape, executor.hardware, gpu_memory_utilization) // executor.kv_bytes_per_block
+
+
 def sim_replica(executor: Any = None, *, enable_prefix_caching: bool = True, prefix_cache: str = "hash", **options: Any):
-    """One replica: a real ``LLMEngine`` on a virtual-clock executor (:data:`REPLICA` sizes by default)."""
+    """One replica: a real ``LLMEngine`` on a virtual-clock executor.
+
+    :data:`REPLICA` gives the sizes, except that a roofline replica's KV pool is what its device holds
+    (:func:`replica_kv_blocks`): the router comparison measures per-replica prefix-cache capacity, so an L4
+    must not get an H100's pool.  An explicit ``num_blocks`` wins."""
     from minivllm.labs.workloads import sim_engine
 
     sizes = {**REPLICA, **options}
+    if "num_blocks" not in options and executor is not None:
+        sizes["num_blocks"] = replica_kv_blocks(executor) or sizes["num_blocks"]
     return sim_engine(executor=executor if executor is not None else SimulatedExecutor(**GPU_LIKE),
                       enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache, **sizes)
 

@@ -128,6 +128,15 @@ class PrefixAffinityRouter:
     stay together.  The owner is overloaded when its outstanding tokens exceed
     ``max(min_spill_tokens, spill_factor * mean load)``; then the request goes
     to the least-loaded replica instead (a cache miss there, but no hot spot).
+
+    The key has a ceiling as well as a floor: it must not be longer than a
+    conversation's *first* turn.  A first turn of 6 full blocks is keyed on those
+    6; its second turn, 20 blocks long, on its first ``key_blocks`` -- another
+    key, so most likely another replica, and the history is prefilled again.
+    Pick ``key_blocks`` between the shared system prompt and the shortest first
+    turn; a router that follows the longest prefix it has routed before (a
+    radix tree of keys, as SGLang's router keeps) removes the ceiling, at the
+    cost of state in the router.
     """
 
     name = "prefix_affinity"
