@@ -40,3 +40,17 @@ def test_a_cpu_profile_runs_in_the_simulator_with_the_engines_cpu_pool(capsys):
     shape = model_preset("smollm2-135m")
     blocks = DEFAULT_CPU_KV_BYTES // RooflineExecutor(shape, None, block_size=16).kv_bytes_per_block
     assert f"KV blocks {blocks} " in capsys.readouterr().out
+
+
+def test_a_checker_hint_follows_the_symptom_when_the_case_can_diagnose_it():
+    """One case catches several bugs; ``diagnose`` picks the hint for the one the answer shows, and a case
+    without a diagnosis for that answer falls back to its own hint."""
+    from minivllm.labs.checkers import Case, run_checks
+
+    case = Case("sign", lambda f: f(3), 3, hint="the usual mistake",
+                diagnose=lambda got: "negative: drop the minus" if got == -3 else None)
+    negative = run_checks("t", lambda x: -x, [case], verbose=False)
+    other = run_checks("t", lambda x: x + 1, [case], verbose=False)
+    assert not negative and "  hint: negative: drop the minus" in negative.lines
+    assert not other and "  hint: the usual mistake" in other.lines
+    assert run_checks("t", lambda x: x, [case], verbose=False)

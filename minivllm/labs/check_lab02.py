@@ -136,7 +136,8 @@ def check_slot_mapping(fn) -> CheckResult:
 
     cases = [
         Case("one token at position 0", lambda f: f([5], 0, 1, 4), [20],
-             "slot = block_table[pos // block_size] * block_size + pos % block_size"),
+             "position 0 lives in the first block of the table, physical block 5; a block owns block_size slots, "
+             "so where does block 5's first slot start?"),
         Case("tokens inside the first block", lambda f: f([5, 9], 0, 3, 4), [20, 21, 22],
              "positions run from start to start + num_tokens - 1"),
         Case("empty chunk", lambda f: f([5], 0, 0, 4), [], "zero tokens map to no slots"),

@@ -53,6 +53,13 @@ def check_block_hashes(fn) -> CheckResult:
              "chain: key_i = hash((key_{i-1}, tokens_i)) -- KV depends on every earlier token"),
         Case("identical blocks at positions 0 and 1 differ", lambda f: len(set(f([5] * 32, 16))), 2,
              "without the parent key in the hash, two equal blocks collide"),
+        Case("one token changed mid-block changes that key and every later one",
+             lambda f: [x != y for x, y in zip(f(P + Q, 16), f(P[:23] + [999] + P[24:] + Q, 16))], [False, True, True],
+             "hash ALL of the block's tokens (the whole tuple of 16), not its first token or a summary of it: "
+             "two blocks share KV only if every token is the same"),
+        Case("the same tokens in another order are another block",
+             lambda f: f(P[:16], 16) != f(P[15::-1], 16), True,
+             "a sum or a set forgets the order; KV depends on it: hash the tokens as a tuple"),
         Case("a salt changes every key", lambda f: (lambda s, u: all(x != y for x, y in zip(s, u)))(
             f(P + Q, 16, salt="alice"), f(P + Q, 16)), True,
              "mix the salt into the FIRST key; chaining carries it to all later keys"),
@@ -101,13 +108,21 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
         holey = {k: v for k, v in idx.items() if k != keys[1]}
         return f(A + [1], holey, bs, hasher)
 
+    def prompt_untouched(f):
+        prompt = A + [1]
+        f(prompt, idx, bs, hasher)
+        return prompt == A + [1]
+
     salted = build_index(hasher, A, [7, 3, 9], bs, salt="alice")
     cases = [
         Case("empty index", lambda f: f(A + [1], {}, bs, hasher), [], "nothing cached: no hit"),
         Case("a longer prompt hits every cached block", lambda f: f(A + [1, 2], idx, bs, hasher), [7, 3, 9],
              "walk the keys in order and collect each entry's block_id"),
-        Case("an exactly cached prompt keeps its last token", lambda f: f(A, idx, bs, hasher), [7, 3],
+        Case("an exactly cached prompt keeps its last token", lambda f: f(list(A), idx, bs, hasher), [7, 3],
              "match token_ids[:-1]: the last prompt token must run through the model to produce logits"),
+        Case("the prompt is only read", prompt_untouched, True,
+             "work on token_ids[:-1], a new list: pop() or del changes the caller's prompt, whose last token the "
+             "engine still has to compute"),
         Case("a prompt one token into a new block", lambda f: f(A[:9], idx, bs, hasher), [7, 3],
              "8 matchable tokens = 2 full blocks"),
         Case("a different second block stops the match", lambda f: f(A[:4] + [0, 0, 0, 0] + A[8:] + [1], idx, bs, hasher),
@@ -152,6 +167,13 @@ def check_pick_victim(fn, hasher: Callable | None = None, matcher: Callable | No
     from minivllm.kv.prefix.hash_index import HashIndex
 
     expected_replay = replay(lambda pool: HashIndex(pool, 16))
+
+    def nodes_untouched(f):
+        nodes = [_node("a", 5), _node("b", 2, locks=1), _node("c", 9)]
+        before = [dict(n) for n in nodes]
+        f(nodes)
+        return nodes == before
+
     cases = [
         Case("nothing cached", lambda f: f([]), None, "return None when there is no candidate"),
         Case("one unlocked leaf", lambda f: f([_node("a", 5)]), "a", "a leaf nobody uses can go"),
@@ -165,6 +187,8 @@ def check_pick_victim(fn, hasher: Callable | None = None, matcher: Callable | No
              "return None instead of a locked node; the engine will preempt instead"),
         Case("ties go to the first listed", lambda f: f([_node("b", 3), _node("a", 3)]), "b",
              "use a stable choice (min keeps the first of equal keys) -- the first in the list, not the smallest id"),
+        Case("the list of candidates is only read", nodes_untouched, True,
+             "don't sort or remove from the list the cache passes you (sorted() and min() make no changes)"),
         Case("multi-turn replay on a 32-block pool evicts like the engine's HashIndex", replay_case, expected_replay,
              "the replay evicts through your function; compare the cases above",
              show_expected=f"hit tokens {expected_replay[0]}, every block accounted for"),
@@ -361,6 +385,10 @@ LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
         ("key depends on the list object", "hash((parent, block, salt if i == 0 else None))",
          "hash((parent, block, salt if i == 0 else None, id(token_ids)))"),
         ("returns unchained keys", "keys.append(parent)", "keys.append(hash(block))"),
+        ("hashes the block's first token only", "parent = hash((parent, block, salt if i == 0 else None))",
+         "parent = hash((parent, block[0], salt if i == 0 else None))"),
+        ("hashes the block's sum", "parent = hash((parent, block, salt if i == 0 else None))",
+         "parent = hash((parent, sum(block), salt if i == 0 else None))"),
     )),
     Exercise("match_prefix", "match_prefix", check_match_prefix, points=2, hidden=hidden_match_prefix, mutants=(
         ("matches the last token too", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids, block_size, salt)"),
@@ -374,6 +402,8 @@ LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
         ("no parent validation", "if entry.parent != parent:", "if False:"),
         ("salt dropped", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids[:-1], block_size)"),
         ("drops two tokens", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids[:-2], block_size, salt)"),
+        ("drops the last token in place", "for i, key in enumerate(hasher(token_ids[:-1], block_size, salt)):",
+         "token_ids.pop()\n    for i, key in enumerate(hasher(token_ids, block_size, salt)):"),
     )),
     Exercise("pick_victim", "pick_victim", check_pick_victim, points=1, hidden=hidden_pick_victim, mutants=(
         ("evicts a locked node", 'n["locks"] == 0 and n["children"] == 0', 'n["children"] == 0'),
@@ -382,5 +412,7 @@ LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
         ("never gives up", "return None", 'return nodes[0]["id"] if nodes else None'),
         ("ties go to the last", "min(candidates, key", "min(list(reversed(candidates)), key"),
         ("first candidate, not LRU", 'min(candidates, key=lambda n: n["last_access"])["id"]', 'candidates[0]["id"]'),
+        ("sorts the caller's list", "    candidates = [n for n in nodes",
+         '    nodes.sort(key=lambda n: n["last_access"])\n    candidates = [n for n in nodes'),
     )),
 ))

@@ -312,6 +312,8 @@ def check_itl_stats(fn) -> CheckResult:
         Case("three stalls in 201 gaps: p99 sees them", lambda f: f(three_stalls), (10, 10),
              "ceil(0.99 * 201) = 199: the 199th smallest gap is a stall"),
         Case("q=100 is the worst gap", lambda f: f(hundred, 100), (100, 100), "rank ceil(1.0 * n) = n: the largest"),
+        Case("q=0 is the smallest gap", lambda f: f(hundred, 0), (1, 100),
+             "rank ceil(0 * n) = 0 is below the first: nearest rank is at least 1 (index -1 is the LAST gap)"),
         Case("token times from a real engine run", real, True, "per request: token_times[i+1] - token_times[i]"),
     ]
     return run_checks("itl_stats", fn, cases)
@@ -369,8 +371,9 @@ def check_pick_budget(fn) -> CheckResult:
         return len(seen) == len(set(seen))
 
     def sim(f):
-        def measure(budget):
-            return summarize(serve(mixed_arrivals(num_long=2, seed=3), budget)[1])
+        def measure(budget):  # the same keys as the notebook's measure(b)
+            return dict(summarize(serve(mixed_arrivals(num_long=2, seed=3), budget)[1]),
+                        tokens_per_s=throughput_run(budget))
         budgets = [256, 1024, 4096, NO_CHUNKING]
         return f(measure, budgets, 0.040) == _pick_budget_oracle(measure, budgets, 0.040)
 
@@ -644,6 +647,7 @@ LAB = Lab(4, "lab04_chunked_prefill", "Chunked prefill", quiz="lab04", exercises
          "for times in [sorted(t for ts in token_times.values() for t in ts)] for a, b in zip(times, times[1:])"),
         ("rank off by one", "gaps[max(rank, 1) - 1]", "gaps[min(rank, len(gaps) - 1)]"),
         ("rank rounded down", "math.ceil(q / 100 * len(gaps))", "int(q / 100 * len(gaps))"),
+        ("no floor on the rank (q=0 reads the worst gap)", "gaps[max(rank, 1) - 1]", "gaps[rank - 1]"),
         ("gaps not sorted", "gaps = sorted(", "gaps = list("),
         ("q fixed at 99", "q / 100", "0.99"),
         ("worst = the percentile", "return gaps[max(rank, 1) - 1], gaps[-1]",

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
+from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim.executor import SimulatedExecutor
@@ -365,16 +366,23 @@ class RuleCosts:
 # -- exercise 1: the victim chooser ------------------------------------------------------
 
 
-class _R:
-    """A stand-in running request: the policy reads only these fields."""
-
-    def __init__(self, request_id: str, tenant: str, computed: int, prompt: int | None = None):
-        self.request_id, self.tenant, self.num_computed_tokens = request_id, tenant, computed
-        self.num_prompt_tokens = prompt if prompt is not None else computed
-        self.num_tokens = max(self.num_prompt_tokens, computed + 1)
+class _Running(Request):
+    """A real :class:`Request` (any of its fields may be read) that prints as its id in a checker's report."""
 
     def __repr__(self) -> str:
         return self.request_id
+
+
+def _R(request_id: str, tenant: str, computed: int, prompt: int | None = None) -> Request:
+    """A running request with ``computed`` tokens in KV: still prefilling when ``computed < prompt``, else decoding
+    (``prompt`` defaults to ``computed``), with the blocks that hold them."""
+    prompt = prompt if prompt is not None else computed
+    req = _Running(request_id, list(range(1, prompt + 1)), SamplingParams(max_tokens=1000, ignore_eos=True), 0.0,
+                   tenant=tenant, max_tokens=1000, status=RequestStatus.RUNNING)
+    req.output_token_ids = list(range(2, 2 + max(0, computed + 1 - prompt)))  # the decode's input: one uncomputed
+    req.num_computed_tokens = computed
+    req.block_ids = list(range(-(-computed // 16)))
+    return req
 
 
 def _victim_run(cls, seed: int = 5) -> tuple:

@@ -632,6 +632,12 @@ def check_tenant_cap(cls) -> CheckResult:
         k({"a": 2, "b": 2}).order(waiting, [])
         return _ids(waiting)
 
+    def own_copy(k):
+        caps = {"a": 1, "b": 1}
+        policy = k(caps)
+        caps["a"] = 0  # the caller reuses its dict for another engine
+        return _ids(policy.order(list(a + b), []))
+
     cases = [
         Case("no one running: each tenant's first max_running, in queue order",
              lambda k: order(k, a + b, []), ["a0", "a1", "b0", "b1"],
@@ -649,6 +655,8 @@ def check_tenant_cap(cls) -> CheckResult:
              "don't sort: the engine's queue order already puts preempted requests first"),
         Case("the engine's queue is not changed", untouched, _ids(a + b),
              "build a new list; never remove from or sort the list the engine passes you"),
+        Case("the caps are the policy's own", own_copy, ["a0", "b0"],
+             "keep a copy (dict(max_running)): a caller that changes its dict afterwards must not change your caps"),
         Case("the real engine: per-step running counts equal the engine's caps policy",
              lambda k: _cap_engine_run(cap_policy(k(dict(_CAPS)), _CAPS)), _EXPECTED_CAP,
              "plugged in as admission_policy, your order must admit exactly what the engine's cap admits",
@@ -885,6 +893,7 @@ def quiz_jain_two_to_one() -> float:
 LAB = Lab(6, "lab06_fairness", "Fairness", quiz="lab06", widgets=(), exercises=(
     Exercise("tenant_cap", "TenantCap", check_tenant_cap, points=1, hidden=hidden_tenant_cap, mutants=(
         ("off by one: cap + 1 seats", "seats.get(r.tenant, 0) < cap:", "seats.get(r.tenant, 0) <= cap:"),
+        ("keeps the caller's dict", "self.max_running = dict(max_running)", "self.max_running = max_running"),
         ("ignores the running requests", "for r in running:\n            seats[r.tenant]",
          "for r in []:\n            seats[r.tenant]"),
         ("does not count what it lets through",

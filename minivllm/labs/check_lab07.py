@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,7 +55,8 @@ engine_gather_kv = gather_kv
 
 def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: int = 16, page: int = PAGE,
                dtype: torch.dtype = torch.float32, shuffle: bool = True, share_first: bool = False,
-               q_scale: float = 1.0, seed: int = 0, device: str = "cpu", interleaved: bool = False) -> dict:
+               q_scale: float = 1.0, seed: int = 0, device: str = "cpu", interleaved: bool = False,
+               spike_first: float = 0.0) -> dict:
     """A filled paged cache for sequences of ``lens`` tokens, and one decode query per sequence.
 
     Blocks are handed out in a random order (``shuffle``) from a pool with
@@ -67,6 +69,9 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
     ``interleaved`` stores each block's K and then its V next to each other in
     one pool, so a block's stride is twice its K rows: only ``stride_kv_block``
     finds it (``block * PAGE * stride_kv_token`` lands in the wrong block).
+    ``spike_first`` gives each sequence's token 0 a score of that much (its K is
+    the query, rescaled), so the largest score is in the first block and the
+    running max must *not* fall when later blocks score lower.
     """
     gen = torch.Generator().manual_seed(seed)
     per_seq = [max(1, math.ceil(n / page)) for n in lens]
@@ -95,6 +100,12 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
             k_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
             v_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
     q = (torch.randn(len(lens), kv_heads * group, head_dim, generator=gen) * q_scale).to(dtype)
+    if spike_first:
+        scale = 1 / math.sqrt(head_dim)
+        for i in range(len(lens)):
+            for h in range(kv_heads):
+                qh = q[i, h * group].float()  # the group's first query head gets the spike
+                k_cache[int(tables[i, 0]), 0, h] = (qh * spike_first / (scale * float(qh @ qh))).to(dtype)
     case = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
             "seq_lens": torch.tensor(lens, dtype=torch.int32), "scale": 1 / math.sqrt(head_dim)}
     if device != "cpu":
@@ -414,13 +425,66 @@ def _big_pool_case(device: str = "cpu") -> dict:
 
 def _decode_error(run: Callable, case: dict) -> tuple[bool, float]:
     """(every output finite, max |error| vs the engine's torch reference)."""
+    out = _decode_outcome(run, case, tol=float("inf"))
+    return out.finite, out.err
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """What a kernel's output looked like on one case: enough to tell the learner *which* rows went wrong."""
+
+    ok: bool
+    finite: bool
+    err: float  # max |error| over the finite rows (NaN when there are none)
+    nan_lens: tuple[int, ...]  # lengths of the sequences with a non-finite output
+    wrong_lens: tuple[int, ...]  # lengths of the finite sequences outside the tolerance
+
+    def __repr__(self) -> str:
+        parts = [f"max |error| {self.err:.3g}"]
+        if self.nan_lens:
+            parts.append(f"NaN for sequences of length {list(self.nan_lens)}")
+        if self.wrong_lens:
+            parts.append(f"finite but wrong for length {list(self.wrong_lens)}")
+        return "; ".join(parts)
+
+
+def _decode_outcome(run: Callable, case: dict, tol: float) -> DecodeOutcome:
     got = run(case["q"], case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["scale"])
     want = case.get("want")
     if want is None:
         want = reference_decode(case["q"], case["k_cache"], case["v_cache"], case["block_tables"],
                                 case["seq_lens"], case["scale"])
-    finite = bool(torch.isfinite(got).all())
-    return finite, float((got.float() - want).abs().max()) if finite else float("nan")
+    lens = [int(n) for n in case["seq_lens"]]
+    rows_finite = torch.isfinite(got).flatten(1).all(1).tolist()
+    errs = (got.float() - want).abs().flatten(1).amax(1).tolist()
+    nan_lens = tuple(n for n, f in zip(lens, rows_finite) if not f)
+    wrong_lens = tuple(n for n, f, e in zip(lens, rows_finite, errs) if f and not e < tol)
+    finite = not nan_lens
+    err = max(errs) if finite else float("nan")
+    return DecodeOutcome(finite and not wrong_lens, finite, err, nan_lens, wrong_lens)
+
+
+def _diagnose_decode(page: int):
+    """A hint from the symptom: which rows are NaN, which finite but wrong, and how many blocks they span."""
+    def diagnose(out) -> str | None:
+        if not isinstance(out, DecodeOutcome):
+            return None
+        if out.nan_lens and all(n < page for n in out.nan_lens):
+            return (f"NaN for length {list(out.nan_lens)}, shorter than one block: did the loop run at all? It must "
+                    "run ceil(seq_len / PAGE_SIZE) times (0 / 0 is NaN); else a slot at or after seq_len was read")
+        if out.nan_lens:
+            return (f"NaN for length {list(out.nan_lens)}: a slot at or after seq_len was read (mask the K/V loads AND "
+                    "the scores with token < seq_len), the partial last block was skipped (ceil, not floor), or exp "
+                    "overflowed (subtract the running max)")
+        if out.wrong_lens and all(n > page for n in out.wrong_lens):
+            return (f"finite but wrong only where a sequence spans several blocks ({list(out.wrong_lens)}): the fold "
+                    "of a new block into (m_i, l_i, acc) -- m_new = max(m_i, the block's max); rescale BOTH l_i and "
+                    "acc by exp(m_i - m_new); then m_i = m_new -- or the table lookup for blocks after the first")
+        if out.wrong_lens:
+            return (f"finite but wrong even within one block ({list(out.wrong_lens)}): are the scores multiplied by "
+                    "scale, is q the right head's row, is V read from the same slots as K, and is acc / l_i stored?")
+        return None
+    return diagnose
 
 
 def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
@@ -432,22 +496,23 @@ def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
 
     def close(case_kwargs, tol=1e-4):
         def go(_):
-            finite, err = _decode_error(run, make_paged(**case_kwargs, device=device))
-            return finite and err < tol, finite, err
+            return _decode_outcome(run, make_paged(**case_kwargs, device=device), tol)
         return go
 
     def ok(got):
-        return got[0]
+        return got.ok
 
     def shown(tol=1e-4):
         return f"every output finite, max |error| < {tol:g} vs the engine's torch reference"
 
+    by_symptom = _diagnose_decode(PAGE)  # for the cases whose failures have several usual causes
+
     cases = [
-        Case("one sequence of one token", close({"lens": [1]}), accept=ok, show_expected=shown(),
+        Case("one sequence of one token", close({"lens": [1]}), accept=ok, show_expected=shown(), diagnose=by_symptom,
              hint="with one key, softmax weight 1: the output is that token's V row. Is the last block's mask "
                   "`token < seq_len` and does the loop run ceil(seq_len / PAGE_SIZE) times?"),
         Case("lengths 15, 16, 17, 32 at the block edges (NaN after the last token)",
-             close({"lens": [15, 16, 17, 32], "shuffle": False}), accept=ok, show_expected=shown(),
+             close({"lens": [15, 16, 17, 32], "shuffle": False}), accept=ok, show_expected=shown(), diagnose=by_symptom,
              hint="a NaN means a slot at or after seq_len was read: mask the K/V loads AND the scores with "
                   "token < seq_len; a wrong value at 17 or 15 means the partial last block was skipped"),
         Case("blocks out of order in the pool, one block shared by two sequences",
@@ -455,9 +520,13 @@ def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
              hint="the physical block is block_table[seq, b] -- read this sequence's row of the table "
                   "(seq * stride_table_seq), not logical block b of the pool"),
         Case("several blocks: the running max grows from block to block",
-             close({"lens": [64, 50], "q_scale": 2.0, "seed": 4}), accept=ok, show_expected=shown(),
+             close({"lens": [64, 50], "q_scale": 2.0, "seed": 4}), accept=ok, show_expected=shown(), diagnose=by_symptom,
              hint="when a block raises the max, the old sum AND the old accumulator were weighted by exp(-old max): "
                   "rescale both by exp(old max - new max), then remember the new max"),
+        Case("the largest score is in the first block: the running max must not fall",
+             close({"lens": [40, 19], "spike_first": 150.0, "seed": 5}), accept=ok, show_expected=shown(),
+             hint="m_new is the larger of the old max and this block's max: taking the block's own max lets the "
+                  "reference fall by ~150, and exp(m_i - m_new) = exp(150) overflows to inf"),
         Case("large scores (q scaled by 40): softmax needs the running max",
              close({"lens": [48, 20], "q_scale": 40.0, "seed": 6}), accept=ok, show_expected=shown(),
              hint="exp(score) overflows float32 above ~88: subtract the running max before exp, never after"),
@@ -479,8 +548,7 @@ def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
         big_pool = False
     if big_pool:
         def big(_):
-            finite, err = _decode_error(run, _big_pool_case(device))
-            return finite and err < 1e-2, finite, err
+            return _decode_outcome(run, _big_pool_case(device), 1e-2)
 
         cases.append(Case("a pool of 2^32+ elements: block offsets in int64", big, accept=ok,
                           show_expected="every output finite, max |error| < 0.01 (fp16 cache)",
@@ -577,6 +645,8 @@ KERNEL_MUTANTS = (
     ("accumulator not rescaled when the max grows", "acc = acc * alpha +", "acc = acc +"),
     ("running sum not rescaled when the max grows", "l_i = l_i * alpha +", "l_i = l_i +"),
     ("running max never updated", "        m_i = m_new\n", ""),
+    ("the new max is the block's own max", "m_new = tl.maximum(m_i, tl.max(scores, 0))",
+     "m_new = tl.max(scores, 0)"),
     ("wrong GQA head mapping (modulo)", "kv_head = head // GROUP", "kv_head = head % GROUP"),
     ("GQA ignored: query head h reads KV head h", "kv_head = head // GROUP", "kv_head = head"),
     ("table index not widened to int64", "block = tl.load(table_ptr + seq * stride_table_seq + b).to(tl.int64)",

@@ -473,6 +473,8 @@ def check_metrics_from_log(fn) -> CheckResult:
     swap_run, swap_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40, mode="swap")
     # a small budget splits the recompute of prompt + generated tokens into chunks: only the last one samples
     rechunk_run, rechunk_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40, budget=64)
+    # six equal requests cross a block edge in the same step: one step preempts two of them
+    pair_run, pair_exp = _compare([(16, 150, 0.0)] * 6, num_blocks=24, max_seqs=8)
     exact = _one_request_exact(metrics_from_step_log)[1]
     zero = {"running": 0, "waiting": 0, "used_blocks": 0, "free_blocks": 64, "preemptions": 0, "generation_tokens": 0,
             "ttft count": 0, "ttft sum": 0.0, "itl count": 0, "itl sum": 0.0}
@@ -495,6 +497,9 @@ def check_metrics_from_log(fn) -> CheckResult:
         Case("a chunked recompute samples once", rechunk_run, rechunk_exp,
              "with a 64-token budget the recompute of prompt + generated runs in chunks: a chunk samples only if it "
              "reaches the request's last known token (prompt + generated so far), not merely past the prompt"),
+        Case("two victims in one step", pair_run, pair_exp,
+             "record.preempted lists every request preempted in that step: a step can have several victims, so "
+             "add len(record.preempted), not 1 per step that preempted"),
     ]
     return run_checks("metrics_from_log", fn, cases)
 
@@ -633,6 +638,8 @@ MUTANTS_METRICS = (
     ("used blocks = free blocks", "\"used_blocks\": num_blocks - end.free_blocks if end else 0",
      "\"used_blocks\": end.free_blocks if end else 0"),
     ("preemptions of the last step only", "preemptions += len(rec.preempted)", "preemptions = len(rec.preempted)"),
+    ("one preemption per step that preempted", "preemptions += len(rec.preempted)",
+     "preemptions += bool(rec.preempted)"),
     ("the first token's wait counted as an ITL too", "ttft[rid] = rec.time - arrivals[rid]",
      "ttft[rid] = rec.time - arrivals[rid]\n                    itl.append(ttft[rid])"),
 )

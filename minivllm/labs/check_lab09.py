@@ -139,7 +139,9 @@ def check_prefix_affinity(cls) -> CheckResult:
 
     head = _prompt(random.Random(4), 32)
     same = [head, head + [5], head + _prompt(random.Random(5), 40)]
-    partial = [head[:16] + [1, 2, 3, 4], head[:16] + [5, 6, 7, 8]]  # one full block, then a partial one
+    # one full block, then eight different partial ones (a key that keeps the partial block scatters them: with
+    # three replicas all eight would share an owner by chance once in 3^7)
+    partial = [head[:16] + [t, t + 1, t + 2, t + 3] for t in range(1, 33, 4)]
     short = [[10, 11, 12], [10, 11, 13]]  # shorter than a block: keyed on the whole prompt
 
     def moved_only_to_new(k):
@@ -181,7 +183,9 @@ def check_prefix_affinity(cls) -> CheckResult:
         Case("same first blocks, same owner", lambda k: {_make(k, 3, **kw).owner(p) for p in same},
              {ref3.owner(head)}, "key on the first key_blocks FULL blocks only: what follows must not matter"),
         Case("a partial block is not part of the key", lambda k: len({_make(k, 3, **kw).owner(p) for p in partial}),
-             1, "full = min(key_blocks, len(prompt) // block_size): a half-filled block cannot be cached yet"),
+             1, "full = min(key_blocks, len(prompt) // block_size): a half-filled block cannot be cached yet, so "
+                "prompt[:key_blocks * block_size] is not the key when the prompt has fewer than key_blocks full "
+                "blocks"),
         Case("a prompt shorter than a block", lambda k: [_make(k, 3, **kw).owner(p) for p in short],
              [ref3.owner(p) for p in short], "no full block at all: hash the whole prompt"),
         Case("a key above the top point wraps to the first", lambda k: _make(k, 3, **kw).owner(wrap), ref3.owner(wrap),

@@ -28,6 +28,10 @@ class Case:
     ``expected`` is compared with ``==`` unless ``accept`` is given, in which
     case ``accept(got)`` decides (for answers with more than one right form).
     ``hint`` is shown only when this case fails: write it for the usual mistake.
+    ``diagnose(got)``, when given, reads the wrong answer's symptom and returns
+    a hint for the mistake that produces it (or ``None`` to fall back to
+    ``hint``): one case catches several bugs, and a hint written for the bug
+    the case was built for misleads the learner who made another.
     """
 
     name: str
@@ -36,6 +40,7 @@ class Case:
     hint: str = ""
     accept: Callable[[Any], bool] | None = None
     show_expected: str | None = None  # text to print instead of repr(expected)
+    diagnose: Callable[[Any], str | None] | None = None
 
     def passes(self, got: Any) -> bool:
         if self.accept is not None:
@@ -105,8 +110,9 @@ def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bo
         lines.append(f"✘ case {i}/{len(cases)} '{case.name}'")
         lines.append(f"  expected: {expected}")
         lines.append(f"  got:      {_short(got)}")
-        if case.hint:
-            lines.append(f"  hint: {case.hint}")
+        hint = (case.diagnose(got) if case.diagnose is not None else None) or case.hint
+        if hint:
+            lines.append(f"  hint: {hint}")
         result.failed_case = case.name
         break
     else:

@@ -65,8 +65,8 @@ first token** (TTFT) grows. The lesson's claim, which this lab measures: *chunki
 for everyone else's inter-token latency (ITL).*
 
 The cost model is the GPU-like one of lab 1: a step costs 15 ms plus 0.02 ms per token in it, so a decode step is
-~15 ms and the 8,192-token prefill step ~180 ms ("hundreds of milliseconds" to seconds for 64K tokens on a real GPU,
-section 10). Below, the same small scene — chat requests (`c*`) streaming, one long prompt `L0` arriving at 0.3 s —
+~15 ms and the 8,192-token prefill step ~180 ms (the seed's "hundreds of milliseconds" for 64K tokens fits a ~1B model; an
+8B one takes seconds on the simulated H100 of section 10). Below, the same small scene — chat requests (`c*`) streaming, one long prompt `L0` arriving at 0.3 s —
 drawn from the engine's step log, x = time: first with the whole prompt in one step, then with a budget of 512
 tokens.
 """),
@@ -513,7 +513,9 @@ Simulated on the H100 preset, four things differ from the small model of section
 * **An 8K-token step is not a short stall.** 8,192 prompt tokens of an 8B model are ~1.3 × 10¹⁴ FLOPs: ~190 ms on
   this preset, so a budget of 8,192 gives the decoders a p99 ITL near 300 ms, five times the interactive 60 ms
   target; your `pick_budget` picks 1,024. Read the worked policy's clause as *which* prompts get chunked (those above
-  8K), not as the chunk size: the size comes from the ITL target and the hardware.
+  8K), not as the chunk size: the size comes from the ITL target and the hardware. The engine's `three_class` preset
+  (lab 6) keeps the two apart the way vLLM does: `long_prefill_token_threshold=8192` says no *request* prefills more
+  than 8K tokens in one step, and the *step's* size is `max_num_batched_tokens`, where your `pick_budget` answer goes.
 * **Chunking costs the long prompt little.** A decode step is memory bound (it reads ~15 GB of weights for a few
   dozen tokens), so prompt tokens riding along cost only their FLOPs; each extra step adds its ~2 ms of overhead.
   The 32K prompt's TTFT goes from ~1.1 s (whole) to ~1.2 s at 1,024. Section 4's model charged 15 ms per step, which

@@ -552,7 +552,7 @@ for name in ("fcfs", "three_class"):
     print(slo_report(name, at_scale.class_mix(name, CLASSES, KNOBS)))
 """),
 ("md", r"""
-Now the policy is the whole difference. Under FCFS the backlog still sits in front of every chat: p95 TTFT is tens of
+Now the policy is the whole difference. Under FCFS the backlog still sits in front of every chat: p95 TTFT is about 20
 seconds and almost nobody's promise is kept — a faster machine does not fix a bad order. Under the three-class policy
 both tenants meet **both** SLOs for every request: the GPU's steps are short enough (about 50 ms even with a
 2,048-token prefill chunk in them, under the 60 ms interactive ITL SLO) that the ITL promise is within reach, and the policy makes sure the

@@ -160,6 +160,12 @@ Send requests that share a prefix to the replica that has it cached. The key of 
 `key_blocks` **full** KV blocks (lab 3: only full blocks can be cached); two prompts with the same first
 `key_blocks × block_size` tokens get the same key. A prompt shorter than one block is keyed on all of it.
 
+How long should the key be? It must reach **past what every request shares**. This app's system prompts are
+256 tokens, 16 blocks: a key of 8 blocks would read only the system prompt, give every chat of one app the same key,
+and send all of them to one replica (spill-over would then scatter the excess at random). The walkthrough above used
+`key_blocks=20`: the system prompt plus the first 64 tokens of the conversation, which tell chats apart while turn
+after turn of one chat still shares them.
+
 Which replica owns a key? Not `hash % N`: adding a replica would remap almost every key and turn every cache cold
 at once. Use a **ring**: each replica `r` gets `vnodes` points at `stable_hash(f"replica-{r}#{v}")` for
 `v = 0 … vnodes-1`; all points sorted; a key belongs to the **first point at or after** `stable_hash(key tokens)`,
@@ -279,8 +285,9 @@ with 64 they even out.
 
 ## 2. The capacity study
 
-Simulated: every replica is the real engine on the **roofline cost model of a Llama-3-8B shape on an L4** (4,096 KV
-blocks of 16 tokens per replica; see the top of the lab for why not the H100). The SLO is a chat SLO — time to first
+Simulated: every replica is the real engine on the **roofline cost model of a Llama-3-8B shape on an L4** (2,641 KV
+blocks of 16 tokens per replica: what 90% of the L4's 24 GB holds after 16 GB of weights; see the top of the lab for
+why not the H100). The SLO is a chat SLO — time to first
 token ≤ 500 ms and each request's p99 inter-token latency ≤ 100 ms — and **goodput** is the fraction of requests that meet both (the load generator's definition, `minivllm bench serve`).
 Only requests arriving in the measured window count; the sessions before it warm the fleet up. The question for
 a fixed offered load: how many replicas, with which router?
