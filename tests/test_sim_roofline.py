@@ -209,6 +209,54 @@ def test_refit_and_resimulate_reproduce_the_recorded_gpu_run(profile, result):
         for k, v in row["sim"].items():
             assert redone["workloads"][name]["sim"][k] == pytest.approx(v, rel=1e-9), (name, k)
         assert redone["workloads"][name]["real"] == row["real"]
+        # what the stored run said about its own simulation (drift-adjusted errors) is not carried over
+        assert "rel_error_drift_adjusted" not in redone["workloads"][name]
+    assert "within_10pct_drift_adjusted" not in redone and "probe" not in redone
+
+
+def test_a_gpu_profile_is_completed_from_its_datasheet_where_the_grid_could_not_see(tmp_path):
+    """The H200 calibration measured no device memory and no compute roof (no step of its grid was compute
+    bound): loaded for a simulation it gets the H200 datasheet's memory and achievable compute, so an 8K-token
+    prefill of Llama-3-8B cannot come out faster than the GPU's peak allows (2 x 8.03e9 x 8192 FLOPs at
+    989.5 TFLOP/s is 133 ms).  A GPU profile matching no datasheet and lacking memory is refused."""
+    import json
+    import pathlib
+
+    from minivllm.sim.roofline import step_cost
+
+    path = pathlib.Path(__file__).parent.parent / "benchmarks/results/2026-11-30_nvidia-h200_llama1b_profile_run2.json"
+    raw = json.loads(path.read_text())
+    assert raw["hardware"]["memory_bytes"] == 0 and raw["hardware"]["peak_flops"] >= 1e29  # what the fit left
+    spec, sheet = hardware_preset(str(path)), HARDWARE["h200"]
+    assert spec.memory_bytes == sheet.memory_bytes == 141e9
+    assert spec.flops == pytest.approx(sheet.flops) and spec.attn_flops == pytest.approx(sheet.flops)
+    assert spec.step_overhead_s == raw["hardware"]["step_overhead_s"]  # what the grid did see is kept
+    shape = model_preset("llama-3-8b")
+    prefill = roofline_time(step_cost(shape, [(0, 8192, True)]), shape, spec).total
+    assert prefill > 2 * shape.num_params * 8192 / (989.5e12)
+    raw["hardware"]["name"] = "Some Other GPU"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="no device memory"):
+        hardware_preset(str(other))
+    assert hardware_preset("cpu-2core").memory_bytes == 0  # a CPU profile: the engine's CPU pool applies
+
+
+def test_calibrate_guards_the_committed_profiles_and_flags_a_noisy_fit(capsys):
+    """Without --out, calibrate must not silently replace a committed profile (the tests load them): it refuses
+    before measuring anything.  A fit above 15% rms is flagged with the machine's load."""
+    import os
+
+    from minivllm.sim.calibrate import default_name, fit_warning, main
+    from minivllm.sim.presets import PROFILE_DIR
+
+    assert os.path.exists(os.path.join(PROFILE_DIR, "cpu-1thread-cputime.json"))
+    assert main(["--device", "cpu", "--clock", "cpu"]) == 2  # cpu-1thread-cputime.json exists
+    assert "exists" in capsys.readouterr().err
+    assert default_name("cpu", "cpu") == "cpu-1thread-cputime"
+    assert fit_warning({"fit": {"rms_rel_error": 0.05}}) is None
+    noisy = fit_warning({"fit": {"rms_rel_error": 0.503}, "loadavg": [5.8, 5.7, 4.3], "cpus": 2})
+    assert "50%" in noisy and "5.8 on 2 CPUs" in noisy and "--clock cpu" in noisy
 
 
 def test_explain_takes_a_recorded_run_apart_step_by_step():
@@ -533,3 +581,17 @@ def test_sim_run_auto_mode_swaps_long_victims_and_recomputes_short_ones():
     assert st["num_swap_preemptions"] > 0 and st["num_recompute_preemptions"] > 0, st
     crossover = next(n for n in range(16, 8192, 16) if costs.prefers_swap(n, n // 16))
     assert st["recomputed_tokens"] < crossover * st["num_recompute_preemptions"]  # only short victims recomputed
+
+
+def test_sim_run_header_and_sparkline_say_something_at_low_load():
+    """A trace without a rate gets its own mean rate in the header (not "nan"), and a pool that never reached a
+    tenth full still draws its shape, on a stated scale (at 2% usage every bar used to round to blank)."""
+    from minivllm.sim.run import SimRequest, _rate, _spark_top, sparkline
+
+    trace = [SimRequest(i, t, "default", [1, 2], 4) for i, t in enumerate([0.0, 1.0, 2.0, 4.0])]
+    assert _rate(float("nan"), trace) == "0.75 (the trace's mean)" and _rate(2.0, trace) == "2"
+    assert _rate(None, trace[:1]) == "-"
+    low = {"kv_usage_peak": 0.02}
+    assert _spark_top(low) == 0.02 and _spark_top({"kv_usage_peak": 0.5}) == 1.0
+    line = sparkline([0.0, 0.005, 0.01, 0.02], width=4, top=_spark_top(low))
+    assert line[0] == " " and all(c != " " for c in line[1:]) and line[-1] == "█"

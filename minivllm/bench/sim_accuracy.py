@@ -148,6 +148,13 @@ def probe_reference(doc: dict, group_ids=PROBE_GROUPS) -> tuple[float, list[int]
     return sum(map(sum, mine)), [len(t) for t in mine]
 
 
+# What a stored result says about its *own* simulation, which a re-simulation with another profile replaces:
+# the drift-adjusted errors were computed against that run's probe and calibration, so they would sit beside
+# the new errors and describe another simulator.
+_OLD_SIMULATION_ROW = ("rel_error_drift_adjusted",)
+_OLD_SIMULATION = ("probe", "within_10pct_drift_adjusted")
+
+
 def resimulate(result: dict, doc: dict, out=None) -> dict:
     """The simulator side of a stored ``result`` again, with the profile ``doc``; the real side as recorded.
 
@@ -167,11 +174,13 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
         if len(reqs) != old["requests"]:
             raise ValueError(f"{name}: {len(reqs)} requests regenerated, {old['requests']} recorded")
         rec = drive(sim_engine(spec, shape, block_size=doc["engine"]["block_size"], **result["engine"]), reqs)
-        rows[name] = dict(old, **compare(old["real_runs"], metrics(rec)), sim_steps=len(rec.step_ends))
+        kept = {k: v for k, v in old.items() if k not in _OLD_SIMULATION_ROW}
+        rows[name] = dict(kept, **compare(old["real_runs"], metrics(rec)), sim_steps=len(rec.step_ends))
     print(format_table(rows), file=out)
     within = within_10pct(rows)
     print(f"{sum(within)}/{len(within)} metrics within 10% (re-simulated with {spec.name}, recorded real runs)", file=out)
-    return dict(result, workloads=rows, within_10pct=f"{sum(within)}/{len(within)}",
+    kept = {k: v for k, v in result.items() if k not in _OLD_SIMULATION}
+    return dict(kept, workloads=rows, within_10pct=f"{sum(within)}/{len(within)}",
                 calibration={k: doc[k] for k in ("hardware", "fit", "model")},
                 resimulated_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
@@ -372,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--resimulate", default=None, metavar="RESULT",
                     help="run no real engine: re-simulate this stored result's workloads with --profile (e.g. a GPU "
-                         "run re-judged after `minivllm sim calibrate --refit`) and compare with its recorded real runs")
+                         "run re-judged after `minivllm sim calibrate --refit`) and compare with its recorded real runs; "
+                         "printed, and written only with --out (RESULT itself is a measurement: never overwritten)")
     ap.add_argument("--explain", default=None, metavar="RESULT",
                     help="run nothing: compare this stored result's recorded real steps, one by one, with the "
                          "predictions of --profile (default: the result's own calibration): real / predicted per "
@@ -416,10 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, OSError) as exc:
             print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)
             return 2
-        path = args.out or args.resimulate
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(_json_safe(doc), fh, indent=1)
-        print(f"wrote {path}")
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as fh:
+                json.dump(_json_safe(doc), fh, indent=1)
+            print(f"wrote {args.out}")
         return 0
     doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
               dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats)

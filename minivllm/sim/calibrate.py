@@ -462,9 +462,7 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
         print(f"  group {k}: {len(group)} x {len(group[0].prompt_token_ids)} tokens -> {len(got)} steps", file=out or sys.stderr)
     read_bw = measure_read_bandwidth(device) if pin_bandwidth else None
     clock = getattr(engine.executor, "clock_kind", "wall")
-    hw_name = name or (f"{device}-{os.cpu_count()}core" if device == "cpu" else torch.cuda.get_device_name())
-    if clock == "cpu" and not name:
-        hw_name = f"{device}-1thread-cputime"
+    hw_name = name or default_name(device, clock)
     swap_bw = 25e9  # measured below when the engine has a host tier to copy to
     kv_cache = getattr(engine.executor, "kv_cache", None)
     if kv_cache is not None and getattr(kv_cache, "num_cpu_blocks", 0):
@@ -478,7 +476,8 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
         "model": asdict(shape),
         "engine": {"block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "max_num_seqs": engine.config.max_num_seqs},
-        "hardware": {"name": hw_name, "swap_bandwidth": swap_bw},
+        "hardware": {"name": hw_name, "swap_bandwidth": swap_bw,  # a GPU's memory sizes its KV pool in sim run
+                     "memory_bytes": float(torch.cuda.get_device_properties(0).total_memory) if device != "cpu" else 0.0},
         "fit": {"repeats": repeats, "measured_read_bandwidth": read_bw},  # when set, the memory roof is pinned to it
         "samples": [{"seqs": s.seqs, "swapped_blocks": s.swapped_blocks, "time_s": s.time_s, "group": g}
                     for s, g in zip(samples, labels)],
@@ -486,6 +485,32 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
     refit(doc, notes=f"fitted by minivllm sim calibrate on {device}")
     doc["fit"]["seconds"] = time.perf_counter() - t_start
     return doc
+
+
+def default_name(device: str, clock: str = "wall") -> str:
+    """A profile's name when none is given: ``cpu-<N>core``, ``cpu-1thread-cputime`` or the GPU's name."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return f"cpu-{os.cpu_count()}core" if clock == "wall" else "cpu-1thread-cputime"
+    return torch.cuda.get_device_name()
+
+
+MAX_TRUSTED_RMS = 0.15
+
+
+def fit_warning(doc: dict) -> str | None:
+    """Why a fresh profile should not be trusted, or None: a fit this far off was measured on a busy machine
+    (or the grid does not suit the device), and every simulation that loads it inherits the error."""
+    err = doc["fit"]["rms_rel_error"]
+    if err <= MAX_TRUSTED_RMS:
+        return None
+    load = doc.get("loadavg")
+    busy = f" (load average {load[0]:.1f} on {doc.get('cpus')} CPUs while measuring)" if load else ""
+    return (f"the fit's rms error is {100 * err:.0f}%, above {100 * MAX_TRUSTED_RMS:.0f}%{busy}: steps this noisy "
+            "make a poor profile; calibrate on a quiet machine, or with --clock cpu on a shared one")
 
 
 def uses_cuda_graphs(engine) -> bool:
@@ -510,7 +535,7 @@ def refit(doc: dict, notes: str | None = None) -> dict:
     theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None)
     hw = doc["hardware"]
     spec = spec_from_theta(theta, hw["name"], swap_bandwidth=hw.get("swap_bandwidth", 25e9), roof_p=roof_p,
-                           notes=notes or hw.get("notes", ""))
+                           memory_bytes=hw.get("memory_bytes", 0.0), notes=notes or hw.get("notes", ""))
     pred = [roofline_time(c, shape, spec).total for c in costs]
     doc["hardware"] = spec.to_dict()
     doc["fit"].update(params=dict(zip(PARAMS, map(float, theta))), steps=len(samples), rms_rel_error=err,
@@ -537,7 +562,9 @@ def format_profile(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minivllm sim calibrate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json)")
+    ap.add_argument("--out", default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json, "
+                    "which must not exist yet unless --force: the committed profiles are what the tests load)")
+    ap.add_argument("--force", action="store_true", help="let the default --out replace an existing profile")
     ap.add_argument("--name", default=None, help="profile / hardware name (default: cpu-<N>core or the GPU's name)")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
     ap.add_argument("--device", default="auto")
@@ -549,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=3,
                     help="run each group of the grid this many times and keep each step's median time (default 3)")
     ap.add_argument("--refit", default=None, metavar="PROFILE",
-                    help="measure nothing: re-fit this profile's stored samples with the current cost model")
+                    help="measure nothing: re-fit this profile's stored samples with the current cost model "
+                         "(written back to PROFILE unless --out)")
     args = ap.parse_args(argv)
     try:
         return _main(args)
@@ -582,6 +610,12 @@ def _main(args) -> int:
         print(format_profile(doc))
         print(f"wrote {path}")
         return 0
+    if args.out is None and not args.force:  # refuse before minutes of measuring, not after
+        name = args.name or default_name(args.device, args.clock)
+        path = os.path.join(PROFILE_DIR, f"{name.replace(' ', '_').lower()}.json")
+        if os.path.exists(path):
+            raise ValueError(f"{path} exists (profiles there are committed and loaded by the tests): pass --out PATH "
+                             f"for your own profile, or --force to replace it")
     doc = calibrate(real_engine(device=args.device, clock=args.clock), scale=0.4 if args.quick else 1.0,
                     name=args.name, pin_bandwidth=not args.fit_bandwidth, repeats=args.repeats)
     path = args.out or os.path.join(PROFILE_DIR, f"{doc['hardware']['name'].replace(' ', '_').lower()}.json")
@@ -590,6 +624,9 @@ def _main(args) -> int:
         json.dump(doc, fh, indent=1)
     print(format_profile(doc))
     print(f"wrote {path}")
+    warning = fit_warning(doc)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -140,6 +140,44 @@ def hardware_preset(name: str) -> HardwareSpec:
         raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
                          f"profiles: {', '.join(profile_names()) or 'none'}")
     try:  # a profile that is there but broken says what is wrong with it
-        return HardwareSpec.from_dict(load_profile(name)["hardware"])
+        doc = load_profile(name)
+        return _complete_gpu_profile(HardwareSpec.from_dict(doc["hardware"]), doc.get("device", "cpu"))
     except ValueError as exc:
         raise ValueError(f"hardware {name!r}: {exc}") from None
+
+
+_UNIDENTIFIED = 1e29  # a roof the fit left at "infinity" (spec_from_theta's 1e30): the grid never reached it
+
+
+def _complete_gpu_profile(spec: HardwareSpec, device: str) -> HardwareSpec:
+    """A GPU calibration, filled in from its datasheet where its grid could not see.
+
+    A calibration fits only what its grid of batch shapes reaches: on an H200 no step of a 1B model up to
+    1,024 prompt tokens is compute bound, so the fitted compute roof is "infinite", and an 8K-token prefill of
+    an 8B model would be predicted at a third of the time the GPU's peak allows.  Nor does the fit measure
+    device memory.  For a GPU whose name matches a datasheet preset, an unidentified compute roof becomes the
+    datasheet's achievable one and missing memory the datasheet's; any other GPU profile without memory is an
+    error, since its KV pool could not be sized.  A CPU profile has no device memory (the engine's CPU default
+    pool applies) and is returned unchanged.
+    """
+    from dataclasses import replace
+
+    if device == "cpu":
+        return spec
+    match = next((HARDWARE[k] for k in HARDWARE if k in spec.name.lower()), None)
+    if match is None:
+        if not spec.memory_bytes:
+            raise ValueError(f"the GPU profile {spec.name!r} records no device memory and matches no datasheet "
+                             f"preset ({', '.join(HARDWARE)}), so its KV pool cannot be sized; re-calibrate it")
+        return spec
+    filled, notes = {}, []
+    if not spec.memory_bytes:
+        filled["memory_bytes"] = match.memory_bytes
+        notes.append(f"memory from the {match.name} datasheet")
+    for roof in ("peak_flops", "attention_flops"):
+        if (getattr(spec, roof) or 0) >= _UNIDENTIFIED:
+            filled[roof] = match.flops / spec.flops_util  # the datasheet peak at its GEMM utilisation
+            notes.append(f"{roof} not identified by the grid: the {match.name} datasheet's achievable one")
+    if not filled:
+        return spec
+    return replace(spec, notes="; ".join([spec.notes, *notes]) if spec.notes else "; ".join(notes), **filled)

@@ -200,6 +200,17 @@ WORKLOADS = {
 }
 
 
+def _rate(rate: float | None, reqs: list[SimRequest]) -> str:
+    """The offered rate for the header: the workload's, else a trace's own mean (arrivals per second of its
+    span), else "-"."""
+    if rate is not None and math.isfinite(rate):
+        return f"{rate:g}"
+    times = sorted(r.arrival for r in reqs)
+    if len(times) > 1 and times[-1] > times[0]:
+        return f"{(len(times) - 1) / (times[-1] - times[0]):.3g} (the trace's mean)"
+    return "-"
+
+
 def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list[Tenant]]:
     """The workload of ``args``: a JSONL trace, a named workload, or ``--tenant`` specs."""
     if args.workload in WORKLOADS:
@@ -294,14 +305,15 @@ def report_extras(engine, rec: DriveRecord) -> dict:
     }
 
 
-def sparkline(values: list[float], width: int = 60) -> str:
-    """KV usage over time in one line of block characters (0..1)."""
+def sparkline(values: list[float], width: int = 60, top: float = 1.0) -> str:
+    """``values`` over time in one line of block characters, a full block at ``top``; a value above 0 never
+    draws as blank (a run at 2% usage on a 0..1 scale would otherwise print an empty line)."""
     if not values:
         return ""
     bars = " ▁▂▃▄▅▆▇█"
     step = max(1, math.ceil(len(values) / width))
     cols = [max(values[k:k + step]) for k in range(0, len(values), step)]
-    return "".join(bars[min(8, int(round(v * 8)))] for v in cols)
+    return "".join(bars[min(8, max(1 if v > 0 else 0, int(round(v / top * 8))))] for v in cols)
 
 
 def format_extras(x: dict) -> str:
@@ -311,7 +323,15 @@ def format_extras(x: dict) -> str:
             f"{'-' if hit is None else f'{100 * hit:.1f}%'} | KV blocks {x['kv_blocks']} (peak {100 * x['kv_usage_peak']:.0f}%,"
             f" mean {100 * x['kv_usage_mean']:.0f}%) | busy {100 * (x['busy_fraction'] or 0):.0f}% | dense phase "
             f"memory-bound {bound.get('memory', 0)} / compute-bound {bound.get('compute', 0)} steps\n"
-            f"KV usage over time |{sparkline([u for _, u in x['kv_usage_over_time']])}|")
+            f"KV usage over time |{sparkline([u for _, u in x['kv_usage_over_time']], top=_spark_top(x))}| "
+            f"(a full block is {100 * _spark_top(x):.0f}%)")
+
+
+def _spark_top(x: dict) -> float:
+    """The sparkline's full scale: 100%, or, when the pool was never a tenth full, the peak rounded up to a
+    whole per cent (so a lightly loaded run still shows its shape)."""
+    peak = x["kv_usage_peak"] or 0.0
+    return 1.0 if peak >= 0.1 else max(0.01, math.ceil(peak * 100) / 100)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -363,7 +383,7 @@ def run_sim(args, out=None) -> dict:
     extras = report_extras(engine, rec)
     tokens = sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
     print(f"== simulated: {shape.name} on {hw.name} | {len(reqs)} requests, {tokens} tokens | workload {args.workload}"
-          f" | offered {rate:g} req/s | {rec.duration:.1f} s simulated in {rec.wall_s:.1f} s wall", file=out)
+          f" | offered {_rate(rate, reqs)} req/s | {rec.duration:.1f} s simulated in {rec.wall_s:.1f} s wall", file=out)
     slo = ", ".join(x for x in (f"TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "",
                                 f"p99 ITL <= {args.slo_itl_ms:g} ms" if slo_itl else "") if x)
     print(format_table(summary, f"SLO {slo}" if slo else ""), file=out)
