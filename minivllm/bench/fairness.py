@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minivllm.argtypes import positive_float
+from minivllm.metrics.stats import jain, meets_slo, nearest_rank
 
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
 
@@ -302,15 +302,9 @@ def _calibrate(shapes, repeats, np, EngineConfig, LLMEngine, SamplingParams) -> 
     }
 
 
-def pct(values, p: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+pct = nearest_rank  # the course's percentile (NaN for no samples), as the engine's per-tenant stats report it
 
 
-def jain(xs: list[float]) -> float:
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else float("nan")
 
 
 def tenant_rows(policy: str, res: Run, window: float) -> list[dict]:
@@ -352,8 +346,7 @@ def slo_report(res: Run, slos: dict) -> dict:
             continue
         ttft = [o.metrics.ttft for o in outs]
         itl = [g for o in outs for g in o.metrics.itls]
-        ok = [o for o in outs if o.metrics.ttft < ttft_slo and pct(o.metrics.itls, 95) < itl_slo] if itl_slo else \
-            [o for o in outs if o.metrics.ttft < ttft_slo]
+        ok = [o for o in outs if meets_slo(o.metrics.ttft, pct(o.metrics.itls, 95, None), ttft_slo, itl_slo)]
         out[cls] = {"requests": len(outs), "ttft_p95_s": pct(ttft, 95), "itl_p95_s": pct(itl, 95),
                     "slo_attainment": len(ok) / len(outs),
                     "ttft_slo_attainment": sum(o.metrics.ttft < ttft_slo for o in outs) / len(outs),

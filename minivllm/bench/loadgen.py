@@ -43,6 +43,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
+from minivllm.metrics.stats import interpolated, meets_slo
 
 # Common English words; with a leading space each is a single token for most BPE vocabularies
 # (SmolLM2, Llama, Qwen), so ``n`` words make a prompt of about ``n`` tokens.
@@ -544,15 +545,7 @@ async def run_load(base_url: str, plan: list[PlannedRequest], tenants: list[Tena
 # -- statistics ----------------------------------------------------------------------------
 
 
-def percentile(xs, p: float) -> float:
-    """The ``p``-th percentile with linear interpolation between order statistics (numpy's default)."""
-    v = sorted(float(x) for x in xs)
-    if not v:
-        return float("nan")
-    k = (len(v) - 1) * p / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+percentile = interpolated  # vLLM's serving benchmark reports numpy's default percentile; so do these tables
 
 
 def request_itl(r: RequestResult, stat: str = "p99") -> float | None:
@@ -568,15 +561,7 @@ def request_itl(r: RequestResult, stat: str = "p99") -> float | None:
 
 def is_good(r: RequestResult, slo_ttft: float | None, slo_itl: float | None, itl_stat: str = "p99") -> bool:
     """Served, and within both SLOs (seconds; None = no constraint).  A request with one chunk has no gap to miss."""
-    if r.outcome != "ok":
-        return False
-    if slo_ttft is not None and (r.ttft is None or r.ttft > slo_ttft):
-        return False
-    if slo_itl is not None:
-        v = request_itl(r, itl_stat)
-        if v is not None and v > slo_itl:
-            return False
-    return True
+    return r.outcome == "ok" and meets_slo(r.ttft, request_itl(r, itl_stat), slo_ttft, slo_itl)
 
 
 def _pcts(xs: list[float], scale: float = 1.0) -> dict:

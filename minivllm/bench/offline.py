@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from minivllm.metrics.stats import interpolated
 from minivllm.argtypes import nonnegative_float, positive_int
 
 
@@ -68,9 +69,7 @@ def workload_flops(args, requests) -> float:
     return total
 
 
-def percentile(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+percentile = interpolated  # as vLLM's benchmarks report it (numpy's default), NaN for no samples
 
 
 def run_minivllm(llm, requests, temperature: float = 0.0):

@@ -20,8 +20,8 @@ import random
 import time
 from pathlib import Path
 
-import numpy as np
 
+from minivllm.metrics.stats import interpolated
 from minivllm.argtypes import nonnegative_int, positive_float, positive_int
 
 MODES = ("recompute", "swap", "reject", "auto")
@@ -36,9 +36,7 @@ def make_workload(n: int, seed: int, vocab: int, prompt_range=(60, 240), output_
 
 
 def percentiles(values: list[float]) -> tuple[float, float]:
-    if not values:
-        return float("nan"), float("nan")
-    return float(np.percentile(values, 50)), float(np.percentile(values, 99))
+    return interpolated(values, 50), interpolated(values, 99)
 
 
 def run_mode(mode: str, workload, args, blocks: int) -> dict:

@@ -19,6 +19,7 @@ import json
 import random
 import time
 
+from minivllm.metrics.stats import interpolated
 from minivllm.argtypes import positive_int
 
 FILLER = (
@@ -36,9 +37,7 @@ def system_prompt(tokenizer, target_tokens: int) -> str:
     return text
 
 
-def percentile(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+percentile = interpolated  # as vLLM's benchmarks report it (numpy's default), NaN for no samples
 
 
 def main() -> int:

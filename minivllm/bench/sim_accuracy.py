@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 
+from minivllm.metrics.stats import nearest_rank
 from minivllm.argtypes import positive_float, positive_int
 from minivllm.bench.loadgen import _json_safe, parse_tenant, percentile, plan_requests
 
@@ -297,9 +298,8 @@ def explain(result: dict, doc: dict) -> dict:
     def kind(seqs) -> str:
         return "prompt" if any(n > 1 for _, n, _ in seqs) else "decode"
 
-    def pct(xs, q):
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+    def pct(xs, q):  # q a fraction
+        return nearest_rank(xs, 100 * q, None)
 
     rows = {}
     for name, w in result["workloads"].items():

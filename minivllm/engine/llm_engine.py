@@ -34,6 +34,7 @@ from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.metrics.stats import nearest_rank
 from minivllm.metrics.step_log import StepLog, StepRecord, tenant_fields
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
@@ -460,8 +461,8 @@ class LLMEngine:
             running, waiting, blocks = live.get(name, (0, 0, 0))
             if ts.percentiles is None:  # sorted once per change, not once per stats() call
                 ts.percentiles = {
-                    "ttft_p50_s": _nearest_rank(ts.ttft, 50), "ttft_p95_s": _nearest_rank(ts.ttft, 95),
-                    "itl_p50_s": _nearest_rank(ts.itl, 50), "itl_p95_s": _nearest_rank(ts.itl, 95),
+                    "ttft_p50_s": nearest_rank(ts.ttft, 50, None), "ttft_p95_s": nearest_rank(ts.ttft, 95, None),
+                    "itl_p50_s": nearest_rank(ts.itl, 50, None), "itl_p95_s": nearest_rank(ts.itl, 95, None),
                 }
             out[name] = {
                 "prompt_tokens": ts.prompt_tokens,
@@ -549,9 +550,3 @@ class LLMEngine:
         return round(step * remaining, 3)
 
 
-def _nearest_rank(values, pct: float) -> float | None:
-    """Nearest-rank percentile (None when there are no samples)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(pct / 100 * len(ordered)) - 1)]

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from minivllm.metrics.stats import nearest_rank
 from minivllm.config import EngineConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
@@ -226,11 +227,9 @@ def check_build_batch(fn: BuildBatch) -> CheckResult:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest rank: the smallest value with at least ``q`` % of the values at or below it (0.0 for none)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+    """Nearest rank: the smallest value with at least ``q`` % of the values at or below it (0.0 for none, so a
+    lab's plot always has a number)."""
+    return nearest_rank(values, q, 0.0)
 
 
 def engine_itl_stats(token_times: dict, q: float = 99) -> tuple[float, float]:

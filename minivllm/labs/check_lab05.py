@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from minivllm.metrics.stats import nearest_rank
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.request import Request, RequestStatus
@@ -70,11 +71,7 @@ def overload_workload(n: int = 96, *, rate_per_s: float = 24.0, seed: int = 0) -
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (nearest rank), 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, -(-len(ordered) * q // 100) - 1))
-    return ordered[int(k)]
+    return nearest_rank(values, q, 0.0)
 
 
 @dataclass

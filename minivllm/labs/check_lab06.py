@@ -21,7 +21,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, next_agent_call
+from minivllm.metrics.stats import nearest_rank
+from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, jain, next_agent_call
 from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
@@ -147,16 +148,7 @@ def agent_task_times(res: ServeResult) -> dict:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def jain(xs: Sequence[float]) -> float:
-    """Jain's fairness index: 1 when all equal, 1/n when one gets everything."""
-    xs = list(xs)
-    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else float("nan")
+    return nearest_rank(values, q)
 
 
 # -- the engine and the arrival loop ------------------------------------------------------------------

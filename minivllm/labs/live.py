@@ -26,11 +26,11 @@ Three pieces, each usable alone:
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from minivllm.metrics.stats import nearest_rank
 from minivllm.sampling_params import SamplingParams
 
 # -- workload ------------------------------------------------------------------------------------
@@ -73,12 +73,7 @@ def ramp_arrivals(rates: Sequence[float], seconds_each: float, *, prompt=(64, 51
 # -- the arrival loop ----------------------------------------------------------------------------
 
 
-def _pct(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile; NaN for no values (a window without samples is 'no data', not 0)."""
-    if not values:
-        return float("nan")
-    v = sorted(values)
-    return v[max(0, min(len(v) - 1, math.ceil(len(v) * q / 100) - 1))]
+_pct = nearest_rank  # NaN for no values: a window without samples is "no data", not 0
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ import matplotlib
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
+from minivllm.metrics.stats import nearest_rank
+
 PALETTE = matplotlib.colormaps["tab20"].colors
 
 
@@ -692,7 +694,7 @@ def draw_itl_histogram(itls: Sequence[float], *, ax, target: float | None = None
     ax.hist(ms, bins=40, range=(0, top), color="#4e79a7", log=True)
 
     def rank(q):
-        return ms[max(1, -(-len(ms) * q // 100)) - 1]
+        return nearest_rank(ms, q)
 
     for value, label, style, y in ((rank(50), "p50", ":", 0.97), (rank(99), "p99", "--", 0.87),
                                    (ms[-1], "worst", "-", 0.77)):
