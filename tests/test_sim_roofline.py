@@ -596,3 +596,22 @@ def test_sim_run_header_and_sparkline_say_something_at_low_load():
     assert _spark_top(low) == 0.02 and _spark_top({"kv_usage_peak": 0.5}) == 1.0
     line = sparkline([0.0, 0.005, 0.01, 0.02], width=4, top=_spark_top(low))
     assert line[0] == " " and all(c != " " for c in line[1:]) and line[-1] == "█"
+
+
+def test_the_gemm_rate_follows_the_dtype_on_a_datasheet_gpu():
+    """A datasheet quotes BF16 tensor-core FLOP/s; an fp8 model runs twice as fast on them and an fp32 one (TF32)
+    at half speed -- a compute-bound 8K prefill's dense phase scales exactly so -- while a calibrated CPU profile
+    keeps the rate it measured for its own dtype.  (It used to price fp8, bf16 and fp32 alike.)"""
+    from minivllm.sim.roofline import step_cost
+
+    h100 = hardware_preset("h100")
+    dense = {}
+    for b in (1, 2, 4):
+        shape = model_preset("llama-3-8b", b)
+        t = roofline_time(step_cost(shape, [(0, 8192, True)]), shape, h100)
+        assert t.dense_bound == "compute"
+        dense[b] = step_cost(shape, [(0, 8192, True)]).dense_flops / t.dense  # the FLOP/s the step was priced at (2 FLOPs a weight)
+    assert dense[1] == pytest.approx(2 * dense[2], rel=0.02) and dense[4] == pytest.approx(dense[2] / 2, rel=0.02)
+    assert dense[2] == pytest.approx(h100.flops, rel=0.02)
+    cpu = hardware_preset("cpu-2core")
+    assert cpu.flops_dtype_bytes == 0 and cpu.dtype_scale(2) == cpu.dtype_scale(4) == 1.0

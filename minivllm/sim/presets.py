@@ -37,7 +37,7 @@ def _datasheet_gpu(name: str, bf16_dense_tflops: float, bandwidth: float, memory
     return HardwareSpec(name, peak_flops=bf16_dense_tflops * TB, mem_bandwidth=bandwidth, memory_bytes=memory,
                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=host_link,
-                        flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, notes=notes)
+                        flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, flops_dtype_bytes=2, notes=notes)
 
 
 HARDWARE: dict[str, HardwareSpec] = {
@@ -171,6 +171,8 @@ def _complete_gpu_profile(spec: HardwareSpec, device: str) -> HardwareSpec:
                              f"preset ({', '.join(HARDWARE)}), so its KV pool cannot be sized; re-calibrate it")
         return spec
     filled, notes = {}, []
+    if any((getattr(spec, roof) or 0) >= _UNIDENTIFIED for roof in ("peak_flops", "attention_flops")):
+        filled["flops_dtype_bytes"] = match.flops_dtype_bytes  # the datasheet's roof is quoted for its dtype
     if not spec.memory_bytes:
         filled["memory_bytes"] = match.memory_bytes
         notes.append(f"memory from the {match.name} datasheet")

@@ -117,6 +117,12 @@ class ModelShape:
         return (h + qkv_out) + (self.num_heads * d + h) + (h + 2 * self.intermediate_size) + (self.intermediate_size + h)
 
 
+# Dense tensor-core throughput by element size, relative to 16-bit, on the datasheet GPUs (H100, H200, A100,
+# L4): FP8 (or INT8 on the A100, which has no FP8) runs at twice the BF16 rate, FP32 matmuls on TF32 tensor cores
+# at half of it (H100 SXM: 1,979 / 989.5 / 494.7 dense TFLOP/s; A100: 624 TOPS / 312 / 156; L4: 242.5 / 121 / 60).
+TENSOR_CORE_SCALE = {1: 2.0, 2: 1.0, 4: 0.5}
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """A device as the roofline sees it.
@@ -151,6 +157,10 @@ class HardwareSpec:
     attention_flops: float | None = None
     attention_bandwidth: float | None = None  # bytes/s
     roof_p: float | None = None  # how compute and memory time combine per phase (module docstring); None = max
+    # The element size ``peak_flops`` is quoted for (2: a datasheet's BF16 tensor-core figure), so a model in
+    # another dtype runs at that dtype's tensor-core rate (TENSOR_CORE_SCALE).  0: the roof holds for the
+    # dtype it was measured with -- a calibration fits its own model's dtype and nothing else.
+    flops_dtype_bytes: int = 0
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -178,6 +188,15 @@ class HardwareSpec:
     @property
     def attn_bandwidth(self) -> float:
         return (self.attention_bandwidth if self.attention_bandwidth is not None else self.mem_bandwidth) * self.bw_util
+
+    def dtype_scale(self, dtype_bytes: int) -> float:
+        """How much faster than ``peak_flops`` tensor cores run a model of ``dtype_bytes`` per element."""
+        if not self.flops_dtype_bytes or dtype_bytes == self.flops_dtype_bytes:
+            return 1.0
+        if dtype_bytes not in TENSOR_CORE_SCALE:
+            raise ValueError(f"no tensor-core rate for {dtype_bytes}-byte elements on {self.name} "
+                             f"(known: {sorted(TENSOR_CORE_SCALE)})")
+        return TENSOR_CORE_SCALE[dtype_bytes] / TENSOR_CORE_SCALE[self.flops_dtype_bytes]
 
     def slowed(self, factor: float) -> "HardwareSpec":
         """The same device running every step ``factor`` times longer (every roof divided, every fixed cost
@@ -289,8 +308,9 @@ def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTi
     overhead = hw.step_overhead_s + shape.num_layers * hw.layer_overhead_s + cost.num_seqs * hw.seq_overhead_s
     if cost.eager:
         overhead += hw.eager_step_overhead_s
-    dc, dm = cost.dense_flops / hw.flops, cost.dense_bytes / hw.bandwidth
-    ac, am = cost.attn_flops / hw.attn_flops, cost.attn_bytes / hw.attn_bandwidth
+    speed = hw.dtype_scale(shape.dtype_bytes)
+    dc, dm = cost.dense_flops / (hw.flops * speed), cost.dense_bytes / hw.bandwidth
+    ac, am = cost.attn_flops / (hw.attn_flops * speed), cost.attn_bytes / hw.attn_bandwidth
     return StepTime(overhead, combine(dc, dm, hw.roof_p), combine(ac, am, hw.roof_p), cost.swap_bytes / hw.swap_bandwidth,
                     "compute" if dc >= dm else "memory", "compute" if ac >= am else "memory")
 

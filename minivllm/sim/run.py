@@ -340,7 +340,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, or a calibration profile (name or path)")
     ap.add_argument("--model", default="llama-3-8b", help="llama-3-8b, llama-3.2-1b, qwen3-0.6b, smollm2-135m")
     ap.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=None,
-                    help="bytes per weight/KV element: 1 (fp8), 2 (bf16), 4 (fp32); default: the preset's")
+                    help="bytes per weight/KV element: 1 (fp8), 2 (bf16), 4 (fp32); the GEMM rate follows it on the "
+                         "GPU presets (fp8 2x, fp32 on TF32 tensor cores 1/2 of bf16); default: the preset's, and on a "
+                         "GPU bf16 as the engine's dtype 'auto' picks there")
     ap.add_argument("--tenant", action="append", default=[], metavar="SPEC", help="as minivllm bench serve --tenant")
     ap.add_argument("--input-len", default="uniform:32:128")
     ap.add_argument("--output-len", default="fixed:16")
@@ -369,6 +371,8 @@ def run_sim(args, out=None) -> dict:
 
     shape = model_preset(args.model, args.dtype_bytes)
     hw = hardware_preset(args.hardware)
+    if args.dtype_bytes is None and hw.memory_bytes and shape.dtype_bytes == 4:
+        shape = shape.with_dtype(2)  # a GPU (it has device memory): the engine's dtype "auto" is bf16 there
     reqs, rate, tenants = build_requests(args, shape.vocab_size)
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
     engine = make_engine(shape, hw, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
