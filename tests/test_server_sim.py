@@ -482,6 +482,8 @@ def test_door_counts_evictable_cached_blocks_as_free():
     # engine.stats() -- what lab 5 hands the same rule -- says the same: one meaning of "available"
     stats = engine.stats()
     assert stats["available_blocks"] == 48 and stats["free_blocks"] == engine.pool.num_free < 8
+    # nothing runs, so every cached block is evictable: cached = available - free, and none is "used"
+    assert stats["cached_blocks"] == stats["available_blocks"] - stats["free_blocks"] > 40 and stats["used_blocks"] == 0
     assert not DoorRule(100, min_free_blocks=8).closed(stats)
 
 

@@ -50,7 +50,9 @@ requests in different phases:
 * **Decode** produces one token per request per step. Every step still reads *all* the weights (and the request's
   KV) from memory to do a tiny amount of arithmetic — *memory-bound*. The cure is batching: one read of the
   weights serves every decode in the step, so a batch of decodes costs little more than one (on a GPU, 32 about as
-  much as one).
+  much as one: on the H200 this project borrowed, a random-weight Llama-3.2-1B replayed as a CUDA graph took about
+  2.6 ms for one decode and 3.2–3.4 ms for 12 or 16, in
+  `benchmarks/results/2026-11-30_nvidia-h200_llama1b_profile_run2.json`).
 
 Let's measure that claim on the bundled SmolLM2-135M before believing it.
 """),
@@ -158,6 +160,17 @@ print("6 emit:        ", [(o.request_id, o.outputs[0].token_ids) for o in output
 eng.finish(outputs, batch)                             # 7. finish
 print("7 finish:      ", [o.request_id for o in outputs if o.finished], "finished")
 eng.log_step(batch)
+"""),
+("md", r"""
+Step 6 printed token ids: the simulated executor has no vocabulary. On the real model, *emit* also turns them into
+text, incrementally: a detokenizer per request that holds back bytes until they form whole characters, so a stream
+never shows half a multi-byte character. `LLM.stream` hands you each step's output as it is emitted — the same
+deltas the OpenAI-compatible server sends as server-sent events (lab 8):
+"""),
+("code", r"""
+for out in llm.stream("The capital of France is", SamplingParams(max_tokens=6, temperature=0)):
+    c = out.outputs[0]
+    print(f"step emits token {c.delta_token_ids} -> text {c.delta_text!r}" + ("   (finished)" if out.finished else ""))
 """),
 ("md", r"""
 A, first in line, took the whole 16-token budget as a prefill chunk, so B and C were not admitted yet (no
