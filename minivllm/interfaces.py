@@ -17,6 +17,8 @@ and the real serving loop runs with it:
   attends through block tables (plain torch or Triton kernels).
 * :class:`Router` -- which replica of a fleet serves a request (round-robin,
   least outstanding tokens, prefix affinity; see :mod:`minivllm.sim.router`).
+* :class:`Tokenizer` -- text to token ids and back (a Hugging Face tokenizer
+  fits; the simulator runs with none, on token ids only).
 
 Why one module?  A reader who wants to know "what can I replace?" reads one
 file, and no implementation module has to import another to learn a contract,
@@ -217,4 +219,22 @@ class Router(Protocol):
 
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[int]) -> int:
         """Index into ``loads`` (one entry per replica, outstanding tokens) of the replica to use."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text to token ids and back: what the input processor, the detokenizer and the server call.
+
+    A Hugging Face ``PreTrainedTokenizerFast`` satisfies it, and so does a three-method stand-in (the tests'
+    word tokenizer).  ``apply_chat_template`` is needed only by ``LLM.chat`` and the server's chat endpoint,
+    and ``eos_token_id`` only when the caller does not give the stop ids; neither is part of this protocol.
+    """
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids`` (the detokenizer decodes growing windows of them)."""
         ...

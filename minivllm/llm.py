@@ -14,6 +14,8 @@ from typing import Any, Iterator, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.interfaces import (AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache,
+                                 Tokenizer)
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -42,12 +44,12 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        admission_policy: Any = None,
-        preemption_policy: Any = None,
-        preemption_cost_model: Any = None,
-        prefix_cache: Any = None,
-        executor: Any = None,
-        tokenizer: Any = None,
+        admission_policy: AdmissionPolicy | None = None,
+        preemption_policy: PreemptionPolicy | None = None,
+        preemption_cost_model: PreemptionCostModel | None = None,
+        prefix_cache: PrefixCache | str | None = None,
+        executor: Executor | None = None,
+        tokenizer: Tokenizer | None = None,
         **engine_options: Any,
     ) -> None:
         if isinstance(prefix_cache, str):  # the option ("radix" | "hash"), not a cache object

@@ -54,3 +54,24 @@ def test_a_checker_hint_follows_the_symptom_when_the_case_can_diagnose_it():
     assert not negative and "  hint: negative: drop the minus" in negative.lines
     assert not other and "  hint: the usual mistake" in other.lines
     assert run_checks("t", lambda x: x, [case], verbose=False)
+
+
+def test_every_seam_of_the_engine_and_the_facade_is_a_protocol_from_interfaces():
+    """The architecture's rule, checked: what a caller may replace is typed by a Protocol of
+    minivllm/interfaces.py (a reader finds every contract in one file), and the real objects satisfy them."""
+    import typing
+
+    from minivllm import LLM, LLMEngine
+    from minivllm.interfaces import Tokenizer
+    from minivllm.model.loader import load_tokenizer, resolve_model_dir
+
+    seams = ("executor", "tokenizer", "admission_policy", "preemption_policy", "prefix_cache", "preemption_cost_model")
+    for cls in (LLMEngine, LLM):
+        hints = typing.get_type_hints(cls.__init__)
+        for name in seams:
+            kinds = [a for a in typing.get_args(hints[name]) if a not in (type(None), str)]
+            assert kinds, (cls.__name__, name, hints[name])
+            for kind in kinds:
+                assert getattr(kind, "_is_protocol", False) and kind.__module__ == "minivllm.interfaces", \
+                    (cls.__name__, name, kind)
+    assert isinstance(load_tokenizer(resolve_model_dir(None)), Tokenizer)

@@ -46,8 +46,7 @@ def run_mode(mode: str, workload, args, blocks: int) -> dict:
     options = dict(num_gpu_blocks_override=blocks, max_model_len=512, max_num_batched_tokens=args.budget,
                    block_size=16, preemption_mode=mode, num_cpu_blocks_override=args.cpu_blocks, seed=0)
     if args.executor == "sim":
-        llm = LLM(executor=SimulatedExecutor(), tokenizer=None, **options)
-        llm.engine.eos_token_ids = set()
+        llm = LLM(executor=SimulatedExecutor(), tokenizer=None, **options)  # no EOS: every request ignore_eos
     else:
         llm = LLM(dtype="float32", **options)
     prompts = [{"prompt_token_ids": p} for p, _ in workload]

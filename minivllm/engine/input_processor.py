@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
 
 import torch
 
+from minivllm.interfaces import Tokenizer
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ def check_priority_deadline(priority, deadline) -> None:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int | None, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache
+from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache, Tokenizer
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
@@ -63,7 +62,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         executor: Executor | None = None,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         admission_policy: AdmissionPolicy | None = None,
         preemption_policy: PreemptionPolicy | None = None,
         prefix_cache: PrefixCache | None = None,

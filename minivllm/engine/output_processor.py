@@ -13,8 +13,8 @@ per-request *output* state (:class:`_Stream`) and never frees anything.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
+from minivllm.interfaces import Tokenizer
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.request import Request, RequestStatus
@@ -42,7 +42,7 @@ class _Stream:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self._streams: dict[str, _Stream] = {}

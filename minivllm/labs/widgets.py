@@ -220,8 +220,8 @@ def radix_nodes(cache) -> list[dict]:
         for key in sorted(node.children, key=lambda k: k):
             visit(node.children[key], nid, depth + 1, start + len(tokens))
 
-    for ns in sorted(cache._roots, key=repr):
-        visit(cache._roots[ns], None, 0, 0)
+    for _, root in cache.roots():
+        visit(root, None, 0, 0)
     return out
 
 

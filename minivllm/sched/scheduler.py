@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, PreemptionCostModel, PreemptionPolicy
-from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.request import Request, RequestStatus
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 from minivllm.sched.fairness import CapTable
@@ -240,8 +240,8 @@ class Scheduler:
     def _need_blocks(self, req: Request) -> int:
         """Blocks ``req`` counts against its KV caps when admitted (its tokens so far, or its worst case)."""
         if self.config.preemption_mode == "reject":
-            return -(-req.max_total_tokens // self.kv.block_size)
-        return -(-req.num_tokens // self.kv.block_size)
+            return blocks_for(req.max_total_tokens, self.kv.block_size)
+        return blocks_for(req.num_tokens, self.kv.block_size)
 
     def _group_usage(self) -> dict:
         """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``."""
@@ -649,6 +649,6 @@ class Scheduler:
         if mode == "swap":
             return True
         if mode == "auto" and self.costs is not None:
-            blocks = -(-req.num_computed_tokens // self.kv.block_size)
+            blocks = blocks_for(req.num_computed_tokens, self.kv.block_size)
             return self.costs.prefers_swap(req.num_computed_tokens, blocks)
         return False

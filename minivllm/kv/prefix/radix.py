@@ -82,7 +82,7 @@ class RadixCache(LeafEviction):
     """A :class:`~minivllm.interfaces.PrefixCache` backed by radix trees."""
 
     # pool, block_size, quotas, stats and the shared indexes: see LeafEviction
-    _roots: dict[str, RadixNode] = field(default_factory=dict, repr=False)
+    _roots: dict[Hashable, RadixNode] = field(default_factory=dict, repr=False)  # namespace (a tuple) -> root
     _node_of_block: dict[int, RadixNode] = field(default_factory=dict, repr=False)
 
     # -- queries -------------------------------------------------------------
@@ -97,6 +97,10 @@ class RadixCache(LeafEviction):
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._node_of_block
+
+    def roots(self) -> list[tuple[Hashable, RadixNode]]:
+        """``(namespace, root)`` per namespace, in a stable order: what a picture of the trees walks (read-only)."""
+        return sorted(self._roots.items(), key=lambda item: repr(item[0]))
 
     def num_evictable_blocks(self) -> int:
         """Cached blocks with no locked block at or below them.
