@@ -524,6 +524,15 @@ def test_sim_run_cli(tmp_path, capsys):
     assert doc["sim"]["prefix_cache_hit_rate"] > 0.8
     assert main(["sim", "run", "--workload", "no-such-workload"]) == 2
     assert main(["sim", "run", "--hardware", "tpu-v9", "--num-requests", "3"]) == 2
+    # one request past the model's 131,072 positions is refused on its own, as a server's 400, not the whole run
+    trace = tmp_path / "huge.jsonl"
+    trace.write_text('{"prompt_len": 200000, "output_len": 4, "arrival": 0.0}\n'
+                     '{"prompt_len": 100, "output_len": 4, "arrival": 0.1}\n')
+    capsys.readouterr()
+    assert main(["sim", "run", "--workload", str(trace), "--hardware", "l4", "--out", str(out)]) == 0
+    overall = json.loads(out.read_text())["summary"]["overall"]
+    assert (overall["ok"], overall["error"]) == (1, 1)
+    assert "offered nan" not in capsys.readouterr().out  # a trace without a rate gets its own in the header
 
 
 @pytest.mark.parametrize("name", ["cpu-1thread-cputime", "cpu-2core"])

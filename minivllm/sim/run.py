@@ -264,8 +264,14 @@ def kv_pool_bytes(shape, hw, utilization: float) -> int:
     return int(free)
 
 
-def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: float = 0.9, **options):
-    """A real :class:`LLMEngine` on a :class:`RooflineExecutor` whose pool is sized like the device's."""
+def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: float = 0.9, fit_max_model_len: bool = False,
+                **options):
+    """A real :class:`LLMEngine` on a :class:`RooflineExecutor` whose pool is sized like the device's.
+
+    ``fit_max_model_len``: treat ``max_model_len`` as a wish and clamp it to what the model's positions and the
+    pool allow, so one over-long request of a workload is refused on its own (as a server's 400) instead of the
+    engine refusing to start.
+    """
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sim.roofline import RooflineExecutor, RooflinePreemptionCosts
@@ -278,6 +284,8 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     blocks = options.get("num_gpu_blocks_override") or options["kv_cache_memory_bytes"] // ex.kv_bytes_per_block
     if options.get("max_model_len") is None:
         options["max_model_len"] = min(model_max_len, blocks * block_size)
+    elif fit_max_model_len:
+        options["max_model_len"] = min(options["max_model_len"], model_max_len, blocks * block_size)
     config = EngineConfig(block_size=block_size, device="cpu", **options)
     # auto mode decides swap-or-recompute by the same roofline that times the steps (length-aware), not by
     # the engine's one measured prefill rate; chunks are as large as the step's token budget
@@ -355,6 +363,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     ap.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
+    ap.add_argument("--max-model-len", type=positive_int, default=None,
+                    help="longest prompt + output a request may have (default: the workload's longest, within the "
+                         "model's positions and the KV pool); a longer request is refused on its own, as a 400")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "reject", "auto"])
     ap.add_argument("--scheduling-policy", default="fcfs")
@@ -379,7 +390,8 @@ def run_sim(args, out=None) -> dict:
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          num_gpu_blocks_override=args.num_gpu_blocks_override,
                          enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-                         scheduling_policy=args.scheduling_policy, max_model_len=max(longest, 2048))
+                         scheduling_policy=args.scheduling_policy, max_model_len=args.max_model_len or max(longest, 2048),
+                         fit_max_model_len=args.max_model_len is None)
     rec = drive(engine, reqs)
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
     slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
