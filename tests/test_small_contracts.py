@@ -75,3 +75,12 @@ def test_every_seam_of_the_engine_and_the_facade_is_a_protocol_from_interfaces()
                 assert getattr(kind, "_is_protocol", False) and kind.__module__ == "minivllm.interfaces", \
                     (cls.__name__, name, kind)
     assert isinstance(load_tokenizer(resolve_model_dir(None)), Tokenizer)
+
+
+def test_lab6_deadline_checker_names_where_two_start_orders_part():
+    from minivllm.labs.check_lab06 import _first_difference
+
+    assert "start 2: yours started bulk-0, the engine chat-1" in _first_difference(
+        (("chat-0", "bulk-0", "chat-1"), 63), (("chat-0", "chat-1", "bulk-0"), 63))
+    assert "62 requests finished, not 63" in _first_difference((("a",), 62), (("a",), 63))
+    assert _first_difference((("a",), 63), (("a",), 63)) is None and _first_difference("junk", (("a",), 63)) is None

@@ -173,11 +173,12 @@ def knee_sweep(rates: Sequence[float] = (20, 40, 60, 70, 80, 100), seconds: floa
 
 
 def class_mix(policy: str, classes: dict, knobs=None, *, scale: float = 300.0, duration: float = 20.0,
-              model: str = MODEL, hardware: str = HARDWARE):
+              model: str = MODEL, hardware: str = HARDWARE, num_blocks: int | None = None):
     """Lab 6's mixed workload with rates and backlog times ``scale``, served under ``policy`` on the roofline.
 
     The engine is lab 6's three-class engine with the GPU's sizes: a device-sized KV
-    pool, 256 seats, a 2,048-token step budget, prefix caching on.  Returns lab 6's
+    pool (or ``num_blocks``, to put the mix under KV pressure), 256 seats, a 2,048-token step budget, prefix
+    caching on.  Returns lab 6's
     :class:`~minivllm.labs.check_lab06.ServeResult`.
     """
     from minivllm.config import ThreeClassConfig
@@ -185,7 +186,7 @@ def class_mix(policy: str, classes: dict, knobs=None, *, scale: float = 300.0, d
 
     shape, hw = presets(model, hardware)
     engine = lab_engine({"scheduling_policy": policy, "tenants": classes, "three_class": knobs or ThreeClassConfig()},
-                        num_blocks=pool_blocks(model, hardware), budget=2048, max_seqs=256, chunk=0, max_len=4096,
+                        num_blocks=num_blocks or pool_blocks(model, hardware), budget=2048, max_seqs=256, chunk=0, max_len=4096,
                         executor=RooflineExecutor(shape, hw, block_size=BLOCK_SIZE), enable_prefix_caching=True)
     return serve(engine, mixed_classes(duration, scale=scale), window=duration)
 

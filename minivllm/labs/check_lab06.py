@@ -841,9 +841,23 @@ def check_deadline_aging(cls) -> CheckResult:
         Case("the real engine: start order under a stream of tight deadlines",
              lambda k: _deadline_engine_run(deadline_policy(k(0.5), 0.5)), _EXPECTED_DEADLINE[0.5],
              "plugged in as admission_policy (with RankPreemption), your order must start requests as the engine does",
-             show_expected="the engine's start order; all 63 finish"),
+             show_expected="the engine's start order; all 63 finish",
+             diagnose=lambda got: _first_difference(got, _EXPECTED_DEADLINE[0.5])),
     ]
     return run_checks("deadline with aging", cls, cases)
+
+
+def _first_difference(got, expected) -> str | None:
+    """Where two (start order, finished) runs part: the first start that differs, named, instead of two long tuples."""
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], tuple)):
+        return None
+    for i, (mine, want) in enumerate(zip(got[0], expected[0])):
+        if mine != want:
+            return (f"the orders part at start {i + 1}: yours started {mine}, the engine {want}. Rank by "
+                    "(key, arrival): a request without a deadline keys on its arrival + aging; check the clamp")
+    if got[1] != expected[1]:
+        return f"{got[1]} requests finished, not {expected[1]}: a request your order never admits waits for ever"
+    return None
 
 
 def hidden_deadline_aging(cls, seed: int) -> CheckResult:

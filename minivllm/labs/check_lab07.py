@@ -302,6 +302,24 @@ def check_gather_kv(fn) -> CheckResult:
         n = int(c["seq_lens"][i])
         return (n, 2, 8), False, True
 
+    def symptom(got, want_len: int) -> str | None:
+        """The usual mistake behind what came back: the length, NaN, or the order of the rows."""
+        if not (isinstance(got, tuple) and len(got) == 3):
+            return None
+        shape, has_nan, _ = got
+        if shape[0] < want_len:
+            return (f"{shape[0]} rows for {want_len} tokens: use ceil(kv_len / block_size) blocks (flooring drops "
+                    "the partial last block)")
+        if shape[0] > want_len:
+            return f"{shape[0]} rows for {want_len} tokens: cut the gathered blocks to the first kv_len rows"
+        if has_nan:
+            return "NaN in the output: a row after kv_len, or a block the table does not list, was read"
+        return ("right shape, wrong values: take the blocks in the table's order (logical 0, 1, 2...) and each "
+                "block's rows in slot order, then flatten blocks x slots -- don't sort the ids or transpose")
+
+    def hint_for(i):
+        return lambda got: symptom(got, int(c["seq_lens"][i]))
+
     def untouched(f):
         cache_copy, table_copy = cache.clone(), tables.clone()
         f(cache, tables[3], 17)
@@ -317,19 +335,19 @@ def check_gather_kv(fn) -> CheckResult:
     cases = [
         Case("one token: slot 0 of the first block in the table", same(0), expect(0),
              "token 0 lives in block block_table[0] at offset 0 -- the table's first entry, not physical block 0",
-             show_expected="shape (1, 2, 8), no NaN, equal to the token-by-token gather"),
+             show_expected="shape (1, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(0)),
         Case("15 tokens: a partial block, NaN tail left out", same(1), expect(1),
              "cut the gathered blocks to kv_len tokens: the slots after the last token hold NaN",
-             show_expected="shape (15, 2, 8), no NaN, equal to the token-by-token gather"),
+             show_expected="shape (15, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(1)),
         Case("16 tokens: exactly one block", same(2), expect(2),
              "a full block needs no block after it: round the number of blocks UP, not up-plus-one",
-             show_expected="shape (16, 2, 8), no NaN, equal to the token-by-token gather"),
+             show_expected="shape (16, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(2)),
         Case("17 tokens: one token spills into a second block", same(3), expect(3),
              "17 tokens need ceil(17 / 16) = 2 blocks; flooring loses the 17th",
-             show_expected="shape (17, 2, 8), no NaN, equal to the token-by-token gather"),
+             show_expected="shape (17, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(3)),
         Case("40 tokens over three blocks in random pool order", same(4), expect(4),
              "follow the table's order (logical block 0, 1, 2), whatever the physical ids; blocks, then slots",
-             show_expected="shape (40, 2, 8), no NaN, equal to the token-by-token gather"),
+             show_expected="shape (40, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(4)),
         Case("reads only: the cache and the table are unchanged", untouched, (True, True),
              "gather into a new tensor; don't write into the cache or sort the table"),
         Case("agrees with the engine's gather (page 8, 3 KV heads, a shared block)", agrees_with_engine, True,
