@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import statistics
@@ -53,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 
+from minivllm.bench.results import write_result
 from minivllm.model.attention import AttentionMetadata, paged_attention_reference, write_kv
 
 PAGE_SIZE = 16
@@ -463,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     env, rows = run(plan, device, args.smoke)
     env["wall_s"] = round(time.perf_counter() - started, 1)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**env, "rows": [asdict(r) for r in rows]}, f, indent=2)
+        write_result(args.json, {**env, "rows": [asdict(r) for r in rows]}, "python -m minivllm.bench attention", argv)
     print(f"\n{env['device']} | torch {env['torch']} | triton {env['triton']} | "
           f"copy {env['copy_bandwidth_GBps']:.0f} GB/s | {env['wall_s']} s")
     print(format_table(rows))

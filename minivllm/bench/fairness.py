@@ -24,13 +24,13 @@ Three workloads, each run with the same arrivals for every policy (virtual clock
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minivllm.argtypes import positive_float
+from minivllm.bench.results import write_result
 from minivllm.metrics.stats import jain, meets_slo, nearest_rank
 
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
@@ -368,9 +368,6 @@ def calibrate_main(out: Path | None) -> int:
           f"CLASS_STEP: {CLASS_STEP['fixed_overhead_s'] * 1e3:.1f} ms + {CLASS_STEP['per_token_s'] * 1e3:.2f} ms/token + "
           f"{CLASS_STEP['per_context_token_s'] * 1e6:.1f} us/context token ({time.perf_counter() - t0:.0f} s)")
     if out:
-        from minivllm.bench.results import write_result
-
-        out.parent.mkdir(parents=True, exist_ok=True)
         write_result(out, {"benchmark": "fairness --calibrate", "calibrated": got, "class_step": CLASS_STEP},
                      "python -m minivllm.bench fairness")
         print(f"wrote {out}")
@@ -464,14 +461,13 @@ def main() -> int:
                       f"finished {r['finished']}/{r['requests']} (last at {r['last_finish_s']:.1f} s)")
     print(f"({time.perf_counter() - t0:.1f} s of wall time)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
+        write_result(args.out, {
             "executor": "sim", "fair_step": FAIR_STEP, "class_step": CLASS_STEP, "class_step_gpu_like": CLASS_STEP_GPU_LIKE,
             "calibration": CALIBRATION, "duration_s": args.duration,
             "noisy_quiet": {"rows": rows, "quiet_solo_p95_s": solo_p95, "target_s": target,
                             "quiet_tokens": quiet_tok, "noisy_tokens": noisy_tok},
             "backlogged_jain": jains, "three_class": classes,
-        }, indent=2, default=float))
+        }, "python -m minivllm.bench fairness")
         print(f"wrote {args.out}")
     return 0
 

@@ -43,6 +43,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
+from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated, meets_slo
 
 # Common English words; with a leading space each is a single token for most BPE vocabularies
@@ -921,9 +922,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         "sweep": verdict,
     }
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(_json_safe(doc), fh, indent=1)
+        write_result(args.out, doc, "minivllm bench serve", getattr(args, "argv", None))
         print(f"wrote {args.out}", file=out)
     if args.figures:
         for p in write_figures(runs, summaries, args.figures, slo_ttft, slo_itl, verdict):
@@ -931,19 +930,9 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     return doc
 
 
-def _json_safe(x):
-    """inf -> "inf", nan -> None, recursively (strict JSON has neither)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {(k if isinstance(k, str) else str(_json_safe(k))): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records
     try:
         run_benchmark(args)
     except (ValueError, OSError) as exc:  # OSError: a --trace that cannot be read, an --out that cannot be written

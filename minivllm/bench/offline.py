@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 from minivllm.argtypes import nonnegative_float, positive_int
 
@@ -264,8 +265,7 @@ def main() -> int:
     print(f"compute floor: {results['workload_gflop']:.0f} GFLOP at {results['matmul_gflops']:.1f} GFLOP/s = "
           f"{results['compute_floor_s']:.1f} s -> minivllm runs at {100 * results['share_of_floor']:.0f}% of the floor")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_result(a.json, results, "python -m minivllm.bench offline")
     return 0
 
 

@@ -15,12 +15,12 @@ appear, never *which*.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
 
+from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 from minivllm.argtypes import nonnegative_int, positive_float, positive_int
 
@@ -126,11 +126,10 @@ def main() -> int:
         print(f"{r['mode']:<10} served outputs identical to {base['mode']}: {'yes' if same else 'NO'}; "
               f"leaked blocks: {r['leaked_blocks']}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         slim = [{k: v for k, v in r.items() if k not in ("tokens", "order")} for r in rows]
-        args.out.write_text(json.dumps({"workload": {"requests": n, "kv_blocks": blocks, "peak_blocks": peak,
-                                                     "cpu_blocks": args.cpu_blocks, "executor": args.executor},
-                                        "rows": slim}, indent=2))
+        write_result(args.out, {"workload": {"requests": n, "kv_blocks": blocks, "peak_blocks": peak,
+                                             "cpu_blocks": args.cpu_blocks, "executor": args.executor},
+                                "rows": slim}, "python -m minivllm.bench preemption")
         print(f"wrote {args.out}")
     return 0
 

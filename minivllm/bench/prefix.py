@@ -15,10 +15,10 @@ the shared prefill skipped is computed against the cache-off run.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
+from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 from minivllm.argtypes import positive_int
 
@@ -104,8 +104,7 @@ def main() -> int:
         print(f"system-prompt/{c}: skipped {saved} of the {shared} shared-prefix tokens "
               f"({100 * saved / shared:.1f}%); TTFT p50 {sp_off['ttft_p50_ms'] / results[f'system-prompt/{c}']['ttft_p50_ms']:.1f}x lower than off")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_result(a.json, results, "python -m minivllm.bench prefix")
     return 0
 
 

@@ -8,10 +8,22 @@ to the numbers.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
 from typing import Any, Sequence
+
+
+def json_safe(x: Any) -> Any:
+    """inf -> "inf", nan -> None, recursively, non-string keys as strings: strict JSON has none of them."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {(k if isinstance(k, str) else str(json_safe(k))): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
 
 
 def machine() -> dict[str, Any]:
@@ -36,5 +48,6 @@ def write_result(path: str | os.PathLike, doc: dict[str, Any], prog: str,
         raise ValueError(f"write_result adds {sorted(clash)} itself; name the benchmark's own key differently")
     args = list(sys.argv[1:] if argv is None else argv)
     full = {"command": " ".join([prog, *args]), "machine": machine(), **doc}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(full, fh, indent=1)
+        json.dump(json_safe(full), fh, indent=1)

@@ -47,7 +47,8 @@ import time
 
 from minivllm.metrics.stats import nearest_rank
 from minivllm.argtypes import positive_float, positive_int
-from minivllm.bench.loadgen import _json_safe, parse_tenant, percentile, plan_requests
+from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
+from minivllm.bench.results import write_result
 
 WORKLOADS = {
     # name: (tenant specs, requests, rate req/s, burstiness)
@@ -427,8 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)
             return 2
         if args.out:
-            with open(args.out, "w", encoding="utf-8") as fh:
-                json.dump(_json_safe(doc), fh, indent=1)
+            write_result(args.out, {k: v for k, v in doc.items() if k not in ("command", "machine")},
+                         "python -m minivllm.bench sim_accuracy", argv)
             print(f"wrote {args.out}")
         return 0
     doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
@@ -442,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.clock == "wall" else "_cputime"
     path = args.out or os.path.join("benchmarks", "results",
                                     f"{time.strftime('%Y-%m-%d')}_cpu-{os.cpu_count()}core_sim_accuracy{suffix}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(_json_safe(doc), fh, indent=1)
+    write_result(path, doc, "python -m minivllm.bench sim_accuracy", argv)
     print(f"wrote {path}")
     return 0
 

@@ -17,7 +17,6 @@ that produced a token), never to everything running.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -25,8 +24,9 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
+from minivllm.bench.results import write_result
 from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
-from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, _json_safe, format_table,
+from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
                                     parse_tenant, parse_trace, plan_from_trace, plan_requests, summarize)
 
 _WORD_IDS = {w: i + 10 for i, w in enumerate(WORDS)}
@@ -408,15 +408,14 @@ def run_sim(args, out=None) -> dict:
            "tenants": [t.describe() for t in tenants], "num_requests": len(reqs), "total_tokens": tokens,
            "summary": summary, "sim": extras}
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(_json_safe(doc), fh, indent=1)
+        write_result(args.out, doc, "minivllm sim run", getattr(args, "argv", None))
         print(f"wrote {args.out}", file=out)
     return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records
     try:
         if args.profile:
             import cProfile
