@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.metrics.prometheus import EngineMetrics, metrics_from_step_log
 from minivllm.metrics.scrape import label_values, metric_samples, metric_value
 from minivllm.metrics.step_log import StepRecord
@@ -286,8 +286,10 @@ def test_cumulative_counters_survive_snapshots_arriving_out_of_order():
     snapshot read earlier: an older snapshot applied after a newer one must not make the next one count the gap
     twice.  Oracle: the engine's own cumulative values (a counter ends at the highest one it was shown)."""
     m = EngineMetrics("mm")
+    base = LLMEngine(EngineConfig(device="cpu", num_gpu_blocks_override=8), executor=SimulatedExecutor(),
+                     model_max_len=64, eos_token_ids=set()).stats()
     for queries, hits in ((150, 40), (100, 30), (200, 60), (200, 60)):  # the second is the scrape's stale read
-        m.sync({"prefix_cache_queries": queries, "prefix_cache_hits": hits, "recomputed_tokens": queries // 10})
+        m.sync({**base, "prefix_cache_queries": queries, "prefix_cache_hits": hits, "recomputed_tokens": queries // 10})
     s = metric_samples(m.render().decode())
     assert metric_value(s, "vllm:prefix_cache_queries_total") == 200
     assert metric_value(s, "vllm:prefix_cache_hits_total") == 60
@@ -365,6 +367,13 @@ def _rec(step, time=0.0, seqs=(), preempted=(), rejected=(), free=10, running=0,
                       running, waiting)
 
 
+def _zero_stats() -> dict:
+    """Every key an engine's stats() always has (EngineStats), at zero: a fake engine's starting point."""
+    from minivllm.metrics.engine_stats import EngineStats
+
+    return {**{k: 0 for k in EngineStats.__required_keys__}, "kv_cache_usage": 0.0, "per_tenant": {}}
+
+
 def test_observe_step_counts_each_step_once_and_counters_by_delta():
     """Kills: a step observed twice (a second ``observe_step`` with no new step) counted twice; cumulative
     engine counters added whole instead of by their increase; a gauge read from the wrong stats key; and
@@ -372,7 +381,7 @@ def test_observe_step_counts_each_step_once_and_counters_by_delta():
     e, m = _FakeEngine(), EngineMetrics("mm")
     m.track("a", "alice")
     e.step_log.append(_rec(0, seqs=[("a", 0, 5)], preempted=["a"]))
-    e._stats = {"num_running": 3, "num_waiting": 1, "prefix_cache_queries": 10, "num_swap_preemptions": 1}
+    e._stats = {**_zero_stats(), "num_running": 3, "num_waiting": 1, "prefix_cache_queries": 10, "num_swap_preemptions": 1}
     m.observe_step(e)
     m.observe_step(e)  # same step again (an idle poll): nothing new
     e.step_log.append(_rec(1, seqs=[("a", 5, 1)], preempted=["a"]))

@@ -84,3 +84,21 @@ def test_lab6_deadline_checker_names_where_two_start_orders_part():
         (("chat-0", "bulk-0", "chat-1"), 63), (("chat-0", "chat-1", "bulk-0"), 63))
     assert "62 requests finished, not 63" in _first_difference((("a",), 62), (("a",), 63))
     assert _first_difference((("a",), 63), (("a",), 63)) is None and _first_difference("junk", (("a",), 63)) is None
+
+
+def test_stats_has_exactly_the_keys_its_typed_definition_names():
+    """``EngineStats`` is the one definition of what ``stats()`` holds: a key added, renamed or dropped on one
+    side only fails here (with and without a prefix cache, whose keys are the optional ones)."""
+    from minivllm import EngineConfig, LLMEngine, SamplingParams
+    from minivllm.metrics.engine_stats import EngineStats, TenantStats
+    from minivllm.sim import SimulatedExecutor
+
+    for prefix in (False, True):
+        engine = LLMEngine(EngineConfig(device="cpu", num_gpu_blocks_override=16, enable_prefix_caching=prefix),
+                           executor=SimulatedExecutor(), model_max_len=64, eos_token_ids=set())
+        engine.add_request({"prompt_token_ids": [5] * 20}, SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.step()
+        stats = engine.stats()
+        required, optional = EngineStats.__required_keys__, EngineStats.__optional_keys__
+        assert set(stats) == (required | optional if prefix else required)
+        assert set(stats["per_tenant"]["default"]) == set(TenantStats.__annotations__)

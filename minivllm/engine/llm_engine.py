@@ -33,6 +33,7 @@ from minivllm.interfaces import AdmissionPolicy, Executor, PreemptionCostModel, 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.metrics.engine_stats import EngineStats, TenantStats
 from minivllm.metrics.stats import nearest_rank
 from minivllm.metrics.step_log import StepLog, StepRecord, tenant_fields
 from minivllm.outputs import RequestOutput
@@ -288,13 +289,14 @@ class LLMEngine:
         """The prefix-cache namespace of a request (see :meth:`KVCacheManager.namespace`)."""
         return self.kv.namespace(req)
 
-    def stats(self) -> dict:
-        """Counters for metrics, labs and benchmarks (a plain dict, cheap to build)."""
+    def stats(self) -> EngineStats:
+        """Gauges and counters for metrics, labs and benchmarks (a typed dict, cheap to build: see
+        :mod:`minivllm.metrics.engine_stats` for every key)."""
         pool, kv, sched = self.pool, self.kv, self.scheduler.stats
         cache = self.prefix_cache
         evictable = cache.num_evictable_blocks() if cache else 0
         cpu_pool = kv.cpu_pool
-        out = {
+        out: EngineStats = {
             "num_blocks": pool.num_blocks,
             "free_blocks": pool.num_free,  # the free list
             "available_blocks": kv.num_available_blocks,  # what an allocation can get: free + evictable cached
@@ -317,6 +319,7 @@ class LLMEngine:
             "num_rejected": sched.num_rejected,
             "num_errors": self.num_errors,
             "recompute_hit_tokens": kv.stats.recompute_hit_tokens,
+            "per_tenant": self.tenant_stats(),
         }
         if cache is not None:
             st = cache.stats
@@ -327,7 +330,6 @@ class LLMEngine:
                 prefix_cache_evictions=st.evicted_blocks,
                 prefix_cache_quota_evictions=st.quota_evictions,
             )
-        out["per_tenant"] = self.tenant_stats()
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -444,7 +446,7 @@ class LLMEngine:
             times = req.token_times
             ts.itl.extend(b - a for a, b in zip(times, times[1:]))
 
-    def tenant_stats(self) -> dict[str, dict]:
+    def tenant_stats(self) -> dict[str, TenantStats]:
         """Per-tenant accounting: tokens in/out, KV blocks held, running/waiting, queue time, preemptions,
         rejects, and TTFT/ITL percentiles (seconds) of the newest finished requests."""
         live: dict[str, list[int]] = {}

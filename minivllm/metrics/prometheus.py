@@ -52,6 +52,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from minivllm.metrics.engine_stats import EngineStats
+
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -231,7 +233,7 @@ class EngineMetrics:
             if n:
                 self.preemptions.labels(self.model_name, mode, "unknown").inc(n)
 
-    def sync(self, stats: dict) -> None:
+    def sync(self, stats: EngineStats) -> None:
         """Gauges from a ``stats()`` dict; cumulative engine counters become counter increments.
 
         Called by the engine loop after each step and by a ``/metrics`` scrape (which wants fresh gauges
@@ -240,13 +242,14 @@ class EngineMetrics:
         counter moves to the highest value seen, under the lock, and is never counted twice.
         """
         name = self.model_name
-        self.running.labels(name).set(stats.get("num_running", 0))
-        self.waiting.labels(name).set(stats.get("num_waiting", 0))
-        self.kv_usage.labels(name).set(stats.get("kv_cache_usage", 0.0))
-        self.used_blocks.labels(name).set(stats.get("used_blocks", 0))
-        self.free_blocks.labels(name).set(stats.get("free_blocks", 0))
-        self.cached_blocks.labels(name).set(stats.get("cached_blocks", 0))
-        self.num_blocks.labels(name).set(stats.get("num_blocks", 0))
+        # indexed, not .get(key, 0): a key the engine renamed must fail here, not read 0 on every dashboard
+        self.running.labels(name).set(stats["num_running"])
+        self.waiting.labels(name).set(stats["num_waiting"])
+        self.kv_usage.labels(name).set(stats["kv_cache_usage"])
+        self.used_blocks.labels(name).set(stats["used_blocks"])
+        self.free_blocks.labels(name).set(stats["free_blocks"])
+        self.cached_blocks.labels(name).set(stats["cached_blocks"])
+        self.num_blocks.labels(name).set(stats["num_blocks"])
         with self._lock:
             for key, counter in (
                 ("prefix_cache_queries", self.prefix_queries),
@@ -254,7 +257,7 @@ class EngineMetrics:
                 ("recomputed_tokens", self.recomputed),
             ):
                 child = counter.labels(name)  # exists from the start (at 0), so dashboards see the series
-                value = stats.get(key)
+                value = stats.get(key)  # the prefix-cache keys exist only with a cache (EngineStats)
                 delta = 0 if value is None else value - self._last.get(key, 0)
                 if delta > 0:
                     self._last[key] = value

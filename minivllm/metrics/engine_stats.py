@@ -1,0 +1,71 @@
+"""The shape of ``LLMEngine.stats()``: one typed definition that the engine fills and loggers read.
+
+Why a ``TypedDict`` and not a dataclass: labs, benchmarks and the server have read ``stats()["key"]`` since the
+first lab, and a dict is cheap to build per step and to send across the server's thread boundary.  Typing it
+keeps both: a checker (and a reader) sees every key with its meaning in one place, and a logger that indexes a
+key instead of ``.get(key, 0)`` fails loudly the day a key is renamed rather than reporting 0 for ever.
+
+Blocks: ``free_blocks`` (the free list) + ``used_blocks`` (held by requests) + evictable cached blocks =
+``num_blocks``; ``available_blocks`` = free + evictable, what an allocation can get (the door rule's number).
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class TenantStats(TypedDict):
+    """One tenant's row of ``stats()["per_tenant"]``: work in the engine now and what it has been served."""
+
+    prompt_tokens: int
+    output_tokens: int
+    kv_blocks: int
+    kv_share: float  # kv_blocks / the pool
+    num_running: int
+    num_waiting: int
+    num_finished: int
+    queue_time_s: float  # total seconds its finished requests waited before their first step
+    num_preemptions: int
+    num_rejected: int
+    ttft_p50_s: float | None  # nearest rank over its newest finished requests; None before the first
+    ttft_p95_s: float | None
+    itl_p50_s: float | None
+    itl_p95_s: float | None
+
+
+class _EngineCounters(TypedDict):
+
+    num_blocks: int
+    free_blocks: int
+    available_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    kv_cache_usage: float  # used_blocks / num_blocks, as vLLM's gauge: cached blocks nobody holds count as free
+    num_cpu_blocks: int
+    cpu_blocks_used: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_preemptions: int
+    num_recompute_preemptions: int
+    num_swap_preemptions: int
+    recomputed_tokens: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+    num_rejected: int
+    num_errors: int
+    recompute_hit_tokens: int
+    per_tenant: dict[str, TenantStats]
+
+
+class EngineStats(_EngineCounters, total=False):
+    """Gauges (now) and cumulative counters (since the engine started) of one engine; the keys below are there
+    only when the engine has a prefix cache (every key of the base is always there)."""
+
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # of them, found cached
+    prefix_cache_hit_rate: float
+    prefix_cache_evictions: int  # blocks
+    prefix_cache_quota_evictions: int
