@@ -39,6 +39,7 @@ Behaviour worth knowing:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -95,10 +96,10 @@ def _api_error_response(exc: APIError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
-_PARAM_NAMES = {
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop", "stop_token_ids", "ignore_eos",
-    "include_stop_str_in_output", "skip_special_tokens", "prompt", "prompt_token_ids", "messages", "cache_salt",
-}
+# the request fields an engine error may start with: every SamplingParams field (so a new one is named too) and the
+# prompt's
+_PARAM_NAMES = ({f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")}
+                | {"prompt", "prompt_token_ids", "messages", "cache_salt"})
 
 
 def _bad_value(exc: Exception, prompt_field: str = "prompt") -> APIError:

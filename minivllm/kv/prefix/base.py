@@ -121,6 +121,11 @@ class PrefixCacheStats:
     evicted_blocks: int = 0
     quota_evictions: int = 0
 
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """One first lookup of a request: ``query_tokens`` looked up, ``hit_tokens`` of them served."""
+        self.queries_tokens += query_tokens
+        self.hits_tokens += hit_tokens
+
     @property
     def hit_rate(self) -> float:
         """Fraction of looked-up tokens that were served from the cache."""
@@ -484,6 +489,10 @@ class LeafEviction:
         self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
         self._leaves.group_of = self.quota_group
         self._pins.follow(self.pool)
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """See :meth:`~minivllm.interfaces.PrefixCache.record_lookup`."""
+        self.stats.record_lookup(query_tokens, hit_tokens)
 
     def evict(self, num_blocks: int) -> int:
         """See :meth:`~minivllm.interfaces.PrefixCache.evict`; LRU across all namespaces."""

@@ -101,10 +101,6 @@ class HashIndex(LeafEviction):
         self._touch_path(path, self._clock.tick())
         return [entry.block_id for entry in path]
 
-    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
-        self.stats.queries_tokens += query_tokens
-        self.stats.hits_tokens += hit_tokens
-
     def _key(self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock) -> Hashable:
         return self._chain_key(None if parent is None else parent.key, namespace, tokens)
 

@@ -62,8 +62,7 @@ class LearnerHashCache:
         return sum(1 for e in self.index.values() if self.pool.refcount(e.block_id) == 1)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
-        self.stats.queries_tokens += query_tokens
-        self.stats.hits_tokens += hit_tokens
+        self.stats.record_lookup(query_tokens, hit_tokens)
 
     def match(self, token_ids: Sequence[int], namespace: str = "") -> list[int]:
         self.clock += 1

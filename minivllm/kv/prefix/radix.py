@@ -123,10 +123,6 @@ class RadixCache(LeafEviction):
         self._touch_path(path, self._clock.tick())
         return [b for node in path for b in node.block_ids]
 
-    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
-        self.stats.queries_tokens += query_tokens
-        self.stats.hits_tokens += hit_tokens
-
     # -- insertion -------------------------------------------------------------
     def insert(
         self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE
