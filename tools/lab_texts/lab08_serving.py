@@ -190,6 +190,36 @@ Every number agrees — the step log is enough to rebuild an operator's view, an
 that view, kept incrementally. Two things to notice: the gauges are a *snapshot* (the run is halfway, requests are
 still waiting), and the preemptions column is not zero — a pool of 160 blocks is too small for this burst.
 
+That engine caches no prefixes, so every block is either free or held by a request. With prefix caching on (lab 3)
+there is a third kind: **cached** blocks, which hold KV of finished requests that no running request uses. They
+are not free (their KV is kept for the next hit) and not used (the allocator evicts them the moment it needs
+room). vLLM's `kv_cache_usage_perc` counts them as free, and so does this engine: free + used + evictable cached
+= the pool. The same burst, with the cache on, after the last request finished:
+"""),
+("code", r"""
+cached_engine = lab_engine(num_blocks=160, enable_prefix_caching=True)
+cached_prom = EngineMetrics("sim")
+for a in ramp_arrivals([20], 2.0, seed=3):
+    cached_engine.add_request({"prompt_token_ids": [11] * a.prompt_len},
+                              SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id, arrival_time=a.time)
+while cached_engine.has_unfinished_requests():
+    observe_all(cached_prom, cached_engine, cached_engine.step())
+st = cached_engine.stats()
+gauges = metric_samples(cached_prom.render().decode())
+evictable = st["available_blocks"] - st["free_blocks"]
+print(f"free list {st['free_blocks']} + used {st['used_blocks']} + evictable cached {evictable} = {st['num_blocks']} "
+      f"blocks ({st['cached_blocks']} cached in all)")
+print(f"/metrics: kv_cache_free_blocks {metric_value(gauges, 'vllm:kv_cache_free_blocks'):.0f}, "
+      f"kv_cache_used_blocks {metric_value(gauges, 'vllm:kv_cache_used_blocks'):.0f}, "
+      f"kv_cache_cached_blocks {metric_value(gauges, 'vllm:kv_cache_cached_blocks'):.0f}, "
+      f"kv_cache_usage_perc {metric_value(gauges, 'vllm:kv_cache_usage_perc'):.2f}")
+"""),
+("md", r"""
+The finished requests' full blocks (their shared prompt blocks once, each one's own output blocks) stay cached until
+the pool needs the room: idle, the engine reports a usage of 0 while nearly all of its pool holds cached KV. Read `kv_cache_usage_perc`
+as "memory requests are holding", and the cached-blocks gauge as the cache's size; an alarm on usage (section 4)
+then fires on pressure from running work, not on a warm cache.
+
 ## 2. Serve the model, load-test it, read `/metrics`
 
 Now the real thing: the bundled SmolLM2-135M behind the OpenAI-compatible server, in a background thread on a free
