@@ -21,9 +21,9 @@ import time
 
 import torch
 
+from minivllm.argtypes import nonnegative_float, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
-from minivllm.argtypes import nonnegative_float, positive_int
 
 
 def make_workload(tokenizer, num_requests: int, seed: int, prompt_range=(20, 300), output_range=(16, 128)):

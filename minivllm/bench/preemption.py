@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 
+from minivllm.argtypes import nonnegative_int, positive_float, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
-from minivllm.argtypes import nonnegative_int, positive_float, positive_int
 
 MODES = ("recompute", "swap", "reject", "auto")
 

@@ -18,9 +18,9 @@ import argparse
 import random
 import time
 
+from minivllm.argtypes import positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
-from minivllm.argtypes import positive_int
 
 FILLER = (
     "Policy {i}: requests are answered in order of arrival unless a customer is flagged as urgent; "

@@ -45,10 +45,10 @@ import statistics
 import sys
 import time
 
-from minivllm.metrics.stats import nearest_rank
 from minivllm.argtypes import positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import write_result
+from minivllm.metrics.stats import nearest_rank
 
 WORKLOADS = {
     # name: (tenant specs, requests, rate req/s, burstiness)

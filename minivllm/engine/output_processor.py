@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from minivllm.interfaces import Tokenizer
 from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.interfaces import Tokenizer
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.request import Request, RequestStatus
 

@@ -24,11 +24,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from minivllm.metrics.stats import nearest_rank
 from minivllm.config import EngineConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
+from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq

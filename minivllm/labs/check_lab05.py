@@ -14,9 +14,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from minivllm.metrics.stats import nearest_rank
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
+from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.scheduler import PreemptionCosts

@@ -21,12 +21,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minivllm.metrics.stats import nearest_rank
 from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, jain, next_agent_call
 from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
+from minivllm.metrics.stats import nearest_rank
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.fairness import RankPreemption, WFQAdmission
 from minivllm.sim.executor import SimulatedExecutor

@@ -453,7 +453,7 @@ class DecodeOutcome:
 
     ok: bool
     finite: bool
-    err: float  # max |error| over the finite rows (NaN when there are none)
+    err: float  # max |error| over every row (NaN when any row is not finite)
     nan_lens: tuple[int, ...]  # lengths of the sequences with a non-finite output
     wrong_lens: tuple[int, ...]  # lengths of the finite sequences outside the tolerance
 

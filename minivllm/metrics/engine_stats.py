@@ -34,6 +34,7 @@ class TenantStats(TypedDict):
 
 
 class _EngineCounters(TypedDict):
+    """The keys every engine's ``stats()`` has."""
 
     num_blocks: int
     free_blocks: int

@@ -17,7 +17,7 @@ None in a JSON, 0.0 where a lab's plot needs a number).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 _NAN = float("nan")
 
@@ -54,7 +54,7 @@ def meets_slo(ttft: float | None, itl: float | None, slo_ttft: float | None, slo
     return slo_itl is None or itl is None or itl <= slo_itl
 
 
-def jain(xs: Sequence[float] | Iterable[float]) -> float:
+def jain(xs: Iterable[float]) -> float:
     """Jain's fairness index ``(sum x)^2 / (n sum x^2)``: 1 when all get the same, 1/n when one gets everything
     (NaN when nobody got anything: no split to judge)."""
     xs = list(xs)

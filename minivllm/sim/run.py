@@ -24,10 +24,10 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 
-from minivllm.bench.results import write_result
 from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
                                     parse_tenant, parse_trace, plan_from_trace, plan_requests, summarize)
+from minivllm.bench.results import write_result
 
 _WORD_IDS = {w: i + 10 for i, w in enumerate(WORDS)}
 
