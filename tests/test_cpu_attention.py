@@ -155,3 +155,13 @@ def test_kernel_cache_keeps_one_library_per_cpu_kind():
     except OSError:
         return
     assert all(line in identity for line in flag_lines)  # this machine's flags are part of the key
+
+
+def test_switching_the_kernel_off_takes_effect_after_it_was_loaded(monkeypatch):
+    """MINIVLLM_CPU_KERNEL=0 is the documented way to force the torch path; it used to be read once, inside the
+    process-wide memo, so whichever engine came first decided for every later one."""
+    first = load_kernel()
+    monkeypatch.setenv("MINIVLLM_CPU_KERNEL", "0")
+    assert load_kernel() is None
+    monkeypatch.delenv("MINIVLLM_CPU_KERNEL")
+    assert load_kernel() is first

@@ -49,7 +49,11 @@ def _cache_dir() -> Path:
 
 
 def load_kernel():
-    """Compile (once, cached by source hash) and load the C decode kernel; ``None`` if that is impossible."""
+    """Compile (once, cached by source hash) and load the C decode kernel; ``None`` if that is impossible or
+    switched off.  The switch is read on every call, before the memo: the memo holds what compiling gave, so
+    ``MINIVLLM_CPU_KERNEL=0`` set after a first engine still takes effect for the next one."""
+    if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
+        return None
     with _lock:
         if "fn" in _kernel:
             return _kernel["fn"]
@@ -75,8 +79,6 @@ def _library_name(source: bytes, flags: list[str], cpu: bytes) -> str:
 
 
 def _build():
-    if os.environ.get("MINIVLLM_CPU_KERNEL", "1") == "0":
-        return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None or not SOURCE.exists():
         return None
