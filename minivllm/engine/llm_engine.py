@@ -34,7 +34,6 @@ from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.metrics.engine_stats import EngineStats, TenantStats
-from minivllm.metrics.stats import nearest_rank
 from minivllm.metrics.step_log import StepLog, StepRecord, tenant_fields
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
@@ -435,16 +434,8 @@ class LLMEngine:
         return folded
 
     def _account_finished(self, req: Request) -> None:
-        """Per-tenant latency samples of a finished request (kept in bounded deques)."""
-        ts = self.scheduler.tenant(req.tenant)
-        ts.finished += 1
-        ts.percentiles = None
-        if req.first_scheduled_time is not None:
-            ts.queue_time_s += req.first_scheduled_time - req.arrival_time
-        if req.first_token_time is not None:
-            ts.ttft.append(req.first_token_time - req.arrival_time)
-            times = req.token_times
-            ts.itl.extend(b - a for a, b in zip(times, times[1:]))
+        """Per-tenant latency samples of a finished request (the tenant's counters record them themselves)."""
+        self.scheduler.tenant(req.tenant).record_finished(req)
 
     def tenant_stats(self) -> dict[str, TenantStats]:
         """Per-tenant accounting: tokens in/out, KV blocks held, running/waiting, queue time, preemptions,
@@ -460,11 +451,6 @@ class LLMEngine:
         for name in sorted(set(self.scheduler.tenant_stats) | set(live)):
             ts = self.scheduler.tenant(name)
             running, waiting, blocks = live.get(name, (0, 0, 0))
-            if ts.percentiles is None:  # sorted once per change, not once per stats() call
-                ts.percentiles = {
-                    "ttft_p50_s": nearest_rank(ts.ttft, 50, None), "ttft_p95_s": nearest_rank(ts.ttft, 95, None),
-                    "itl_p50_s": nearest_rank(ts.itl, 50, None), "itl_p95_s": nearest_rank(ts.itl, 95, None),
-                }
             out[name] = {
                 "prompt_tokens": ts.prompt_tokens,
                 "output_tokens": ts.output_tokens,
@@ -476,7 +462,7 @@ class LLMEngine:
                 "queue_time_s": ts.queue_time_s,
                 "num_preemptions": ts.preemptions,
                 "num_rejected": ts.rejected,
-                **ts.percentiles,
+                **ts.latency_percentiles(),
             }
         return out
 

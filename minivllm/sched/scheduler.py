@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, PreemptionCostModel, PreemptionPolicy
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
+from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 from minivllm.sched.fairness import CapTable
@@ -124,7 +125,28 @@ class TenantCounters:
     queue_time_s: float = 0.0  # summed over finished requests: first scheduled - arrival
     ttft: deque = field(default_factory=lambda: deque(maxlen=_SAMPLES_KEPT))
     itl: deque = field(default_factory=lambda: deque(maxlen=_SAMPLES_KEPT))
-    percentiles: dict | None = None  # cached by LLMEngine.tenant_stats(); reset when a request finishes
+    _percentiles: dict | None = None  # cached by latency_percentiles(); reset when a request finishes
+
+    def record_finished(self, req: Request) -> None:
+        """A finished request's latency samples (the newest kept in bounded deques) and its queue time."""
+        self.finished += 1
+        self._percentiles = None
+        if req.first_scheduled_time is not None:
+            self.queue_time_s += req.first_scheduled_time - req.arrival_time
+        if req.first_token_time is not None:
+            self.ttft.append(req.first_token_time - req.arrival_time)
+            times = req.token_times
+            self.itl.extend(b - a for a, b in zip(times, times[1:]))
+
+    def latency_percentiles(self) -> dict[str, float | None]:
+        """TTFT and ITL p50/p95 (nearest rank, seconds; None before the first sample), sorted once per change
+        rather than once per ``stats()`` call."""
+        if self._percentiles is None:
+            self._percentiles = {
+                "ttft_p50_s": nearest_rank(self.ttft, 50, None), "ttft_p95_s": nearest_rank(self.ttft, 95, None),
+                "itl_p50_s": nearest_rank(self.itl, 50, None), "itl_p95_s": nearest_rank(self.itl, 95, None),
+            }
+        return self._percentiles
 
 
 class Scheduler:
