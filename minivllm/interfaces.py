@@ -99,6 +99,11 @@ class PreemptionCostModel(Protocol):
 
 @runtime_checkable
 class Executor(Protocol):
+    """What "run the batch" means.  Optional extras the engine reads when present: ``kv_bytes_per_block`` and
+    ``swap_bytes_per_s`` (pool sizing and swap costs of a simulated device) and
+    ``preemption_cost_model(chunk) -> PreemptionCostModel`` (an executor that can price a recompute by the
+    victim's length, as the roofline simulator can, supplies the auto mode's cost model)."""
+
     def execute(self, batch: "ScheduledBatch") -> dict[str, int]:
         """Run one step: perform the batch's block moves (swap in, swap out,
         copy-on-write, in that order), write K/V for every scheduled token,

@@ -102,3 +102,30 @@ def test_stats_has_exactly_the_keys_its_typed_definition_names():
         required, optional = EngineStats.__required_keys__, EngineStats.__optional_keys__
         assert set(stats) == (required | optional if prefix else required)
         assert set(stats["per_tenant"]["default"]) == set(TenantStats.__annotations__)
+
+
+def test_a_diagnosis_that_cannot_read_the_answer_falls_back_to_the_hint():
+    """A learner's answer can be anything; a case's diagnose must never turn a failed case into a crash."""
+    from minivllm.labs.checkers import Case, run_checks
+
+    case = Case("c", lambda f: f(), 1, hint="the plain hint", diagnose=lambda got: got[0][5])
+    result = run_checks("t", lambda: 0, [case], verbose=False)
+    assert not result and "  hint: the plain hint" in result.lines
+
+
+def test_percentile_rules_against_their_definitions():
+    """nearest_rank: the smallest sample with at least q% of the samples at or below it (brute force, exact
+    arithmetic: 7% of 100 samples is 7 of them, not 8); interpolated: numpy's default linear method."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    from minivllm.metrics.stats import interpolated, nearest_rank
+
+    for n in (1, 2, 3, 7, 10, 99, 100, 101, 150, 201, 1000):
+        values = [(7 * i) % n for i in range(n)]  # a shuffled 0..n-1
+        for q in (0, 1, 5, 7, 33.3, 50, 90, 95, 99, 99.9, 100):
+            brute = min(v for v in values if Fraction(sum(x <= v for x in values), n) * 100 >= Fraction(str(q)))
+            assert nearest_rank(values, q) == brute, (n, q)
+            assert interpolated(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-12), (n, q)
+    assert nearest_rank([], 50, None) is None and interpolated([], 50, 0.0) == 0.0

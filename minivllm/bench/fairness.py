@@ -349,7 +349,7 @@ def slo_report(res: Run, slos: dict) -> dict:
         ok = [o for o in outs if meets_slo(o.metrics.ttft, pct(o.metrics.itls, 95, None), ttft_slo, itl_slo)]
         out[cls] = {"requests": len(outs), "ttft_p95_s": pct(ttft, 95), "itl_p95_s": pct(itl, 95),
                     "slo_attainment": len(ok) / len(outs),
-                    "ttft_slo_attainment": sum(o.metrics.ttft < ttft_slo for o in outs) / len(outs),
+                    "ttft_slo_attainment": sum(meets_slo(o.metrics.ttft, None, ttft_slo, None) for o in outs) / len(outs),
                     "finished": sum(o.outputs[0].finish_reason == "length" for o in outs),
                     "last_finish_s": max(o.metrics.finished_time for o in outs)}
     return out

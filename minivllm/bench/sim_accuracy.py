@@ -162,7 +162,10 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
 
     A GPU run's real measurements cost a lent machine; the simulator runs anywhere in seconds.  So a
     change to the cost model (or a re-fitted profile, ``minivllm sim calibrate --refit``) can be judged
-    on the recorded real runs without the GPU.  The workloads are regenerated from their seeds; the
+    on the recorded real runs without the GPU.  Every path of this benchmark uses the profile's hardware
+    *as fitted*: it judges the fit on the shapes it was fitted and recorded with.  ``sim run`` and the
+    fleet, which extrapolate a profile to other models and lengths, read it through
+    :func:`~minivllm.sim.presets.profile_spec`, which bounds a roof the grid never reached by the datasheet.  The workloads are regenerated from their seeds; the
     request count is checked against the record.
     """
     from minivllm.sim.roofline import HardwareSpec, ModelShape
@@ -197,8 +200,8 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     """
     out = out or sys.stdout
     from minivllm.sim.calibrate import calibrate, calibration_grid, format_profile, measure, real_engine
-    from minivllm.sim.presets import bundled_shape, hardware_preset, load_profile
-    from minivllm.sim.roofline import ModelShape
+    from minivllm.sim.presets import bundled_shape, load_profile
+    from minivllm.sim.roofline import HardwareSpec, ModelShape
     from minivllm.sim.run import drive
 
     load_before = os.getloadavg()
@@ -216,12 +219,10 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     grid_scale = 0.6 if scale < 1 else 1.0
     if profile:
         doc = load_profile(profile)
-        spec = hardware_preset(profile)
+        spec = HardwareSpec.from_dict(doc["hardware"])  # the fit as stored: see resimulate()
     else:
         print("calibrating on the grid of batch shapes (the training set)...", file=out, flush=True)
         doc = calibrate(real, shape=shape, scale=grid_scale, out=out, repeats=calibration_repeats)
-        from minivllm.sim.roofline import HardwareSpec
-
         spec = HardwareSpec.from_dict(doc["hardware"])
     print(format_profile(doc), file=out, flush=True)
     shape = shape.with_dtype(doc["model"]["dtype_bytes"])
@@ -428,8 +429,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)
             return 2
         if args.out:
-            write_result(args.out, {k: v for k, v in doc.items() if k not in ("command", "machine")},
-                         "python -m minivllm.bench sim_accuracy", argv)
+            kept = {k: v for k, v in doc.items() if k not in ("command", "machine")}
+            if "machine" in doc:  # the real runs were measured there, not on the machine that re-simulates
+                kept.update(real_runs_machine=doc["machine"], real_runs_command=doc.get("command"))
+            write_result(args.out, kept, "python -m minivllm.bench sim_accuracy", argv)
             print(f"wrote {args.out}")
         return 0
     doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,

@@ -119,11 +119,18 @@ class LLMEngine:
         preemption_policy = preemption_policy or named_preemption
         costs = preemption_cost_model or named_costs
         if costs is None and config.preemption_mode == "auto":
-            swap_bw = config.swap_bandwidth_gbps * 1e9 if config.swap_bandwidth_gbps else None
-            if swap_bw is None:
-                measure = getattr(self.model_runner, "kv_cache", None)
-                swap_bw = measure.measure_swap_bandwidth() if measure is not None else getattr(executor, "swap_bytes_per_s", 25e9)
-            costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
+            # An executor that can price a recompute by its length (the roofline simulator: short victims ride
+            # free in memory-bound steps) supplies its own model; otherwise one measured prefill rate, which
+            # makes the choice the same at every length.
+            by_length = getattr(executor, "preemption_cost_model", None)
+            if by_length is not None:
+                costs = by_length(config.max_num_batched_tokens)
+            else:
+                swap_bw = config.swap_bandwidth_gbps * 1e9 if config.swap_bandwidth_gbps else None
+                if swap_bw is None:
+                    measure = getattr(self.model_runner, "kv_cache", None)
+                    swap_bw = measure.measure_swap_bandwidth() if measure is not None else getattr(executor, "swap_bytes_per_s", 25e9)
+                costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks))
         # The prefill rate is learnt only into a cost model the engine built itself: a caller's own object (and

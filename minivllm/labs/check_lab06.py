@@ -26,7 +26,7 @@ from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
-from minivllm.metrics.stats import nearest_rank
+from minivllm.metrics.stats import meets_slo, nearest_rank
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.fairness import RankPreemption, WFQAdmission
 from minivllm.sim.executor import SimulatedExecutor
@@ -229,9 +229,10 @@ class ServeResult:
         return prefill_weight * p + decode_weight * o
 
     def slo_met(self, tenant: str, ttft_slo: float, itl_slo: float | None = None) -> float:
-        """Share of the tenant's requests with TTFT under ``ttft_slo`` (and, if given, their p95 ITL under ``itl_slo``)."""
+        """Share of the tenant's requests with TTFT within ``ttft_slo`` (and, if given, their p95 ITL within
+        ``itl_slo``): the project's one SLO check, :func:`minivllm.metrics.stats.meets_slo`."""
         ids = [k for k in self.ttft if self.tenant_of[k] == tenant]
-        ok = [k for k in ids if self.ttft[k] < ttft_slo and (itl_slo is None or self.itl_p95[k] < itl_slo)]
+        ok = [k for k in ids if meets_slo(self.ttft[k], self.itl_p95.get(k), ttft_slo, itl_slo)]
         return len(ok) / max(1, len(ids))
 
     def itl_p95_all(self, tenant: str) -> float:

@@ -307,6 +307,12 @@ def check_gather_kv(fn) -> CheckResult:
         if not (isinstance(got, tuple) and len(got) == 3):
             return None
         shape, has_nan, _ = got
+        if len(shape) != 3:
+            return (f"a tensor of shape {tuple(shape)}: the answer is [kv_len, kv_heads, head_dim], the cache's "
+                    "rows for the sequence's tokens, block after block")
+        if tuple(shape[1:]) != (2, 8):
+            return (f"rows of shape {tuple(shape[1:])}, not (2, 8): keep each slot's [kv_heads, head_dim] as it is in "
+                    "the cache -- flatten only blocks x slots, and don't transpose")
         if shape[0] < want_len:
             return (f"{shape[0]} rows for {want_len} tokens: use ceil(kv_len / block_size) blocks (flooring drops "
                     "the partial last block)")

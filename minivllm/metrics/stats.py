@@ -17,17 +17,23 @@ None in a JSON, 0.0 where a lab's plot needs a number).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Iterable
 
 _NAN = float("nan")
 
 
 def nearest_rank(values: Iterable[float], q: float, empty: Any = _NAN) -> Any:
-    """The ``q``-th percentile by nearest rank: ``sorted(values)[ceil(q / 100 * n) - 1]``, clamped to the samples."""
+    """The ``q``-th percentile by nearest rank: ``sorted(values)[ceil(q / 100 * n) - 1]``, clamped to the samples.
+
+    The rank is computed on ``q`` as written (decimal), not on its binary float: ``q / 100 * n`` in floats makes
+    the 7th percentile of 100 samples the 8th (7 / 100 * 100 = 7.000000000000001) and p99.9 of 1,000 the maximum.
+    """
     ordered = sorted(values)
     if not ordered:
         return empty
-    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
+    rank = math.ceil(Fraction(str(q)) * len(ordered) / 100)
+    return ordered[min(len(ordered), max(1, rank)) - 1]
 
 
 def interpolated(values: Iterable[float], q: float, empty: Any = _NAN) -> Any:

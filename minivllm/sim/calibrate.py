@@ -488,14 +488,15 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
 
 
 def default_name(device: str, clock: str = "wall") -> str:
-    """A profile's name when none is given: ``cpu-<N>core``, ``cpu-1thread-cputime`` or the GPU's name."""
+    """A profile's name when none is given: ``<device>-1thread-cputime`` on the CPU-time clock, else ``cpu-<N>core``
+    or the GPU's name."""
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return f"cpu-{os.cpu_count()}core" if clock == "wall" else "cpu-1thread-cputime"
-    return torch.cuda.get_device_name()
+    if clock == "cpu":
+        return f"{device}-1thread-cputime"
+    return f"cpu-{os.cpu_count()}core" if device == "cpu" else torch.cuda.get_device_name()
 
 
 MAX_TRUSTED_RMS = 0.15

@@ -142,10 +142,11 @@ class ChatMix:
 
 def roofline_factory(hardware: str = "h100", model: str = "llama-3-8b", block_size: int = 16) -> Callable[[], Any]:
     """Executors for :class:`Fleet`: the roofline cost model (:mod:`minivllm.sim.roofline`) of ``model`` on ``hardware``."""
-    from minivllm.sim.presets import hardware_preset, model_preset
+    from minivllm.sim.presets import hardware_preset, simulated_shape
     from minivllm.sim.roofline import RooflineExecutor
 
-    hw, shape = hardware_preset(hardware), model_preset(model)
+    hw = hardware_preset(hardware)
+    shape = simulated_shape(model, hw)
     return lambda: RooflineExecutor(shape, hw, block_size)
 
 

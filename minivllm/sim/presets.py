@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from functools import lru_cache
 
 from minivllm.sim.roofline import HardwareSpec, ModelShape
@@ -101,6 +102,15 @@ def model_preset(name: str, dtype_bytes: int | None = None) -> ModelShape:
     return shape.with_dtype(dtype_bytes) if dtype_bytes else shape
 
 
+def simulated_shape(model: str, hw: HardwareSpec, dtype_bytes: int | None = None) -> ModelShape:
+    """The model shape a simulation of ``model`` on ``hw`` uses: ``dtype_bytes`` if given; else on a GPU (a
+    spec with device memory) bf16, as the engine's dtype "auto" picks there, and the preset's own elsewhere."""
+    shape = model_preset(model, dtype_bytes)
+    if dtype_bytes is None and hw.memory_bytes and shape.dtype_bytes == 4:
+        shape = shape.with_dtype(2)
+    return shape
+
+
 def profile_names() -> list[str]:
     if not os.path.isdir(PROFILE_DIR):
         return []
@@ -140,8 +150,7 @@ def hardware_preset(name: str) -> HardwareSpec:
         raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
                          f"profiles: {', '.join(profile_names()) or 'none'}")
     try:  # a profile that is there but broken says what is wrong with it
-        doc = load_profile(name)
-        return _complete_gpu_profile(HardwareSpec.from_dict(doc["hardware"]), doc.get("device", "cpu"))
+        return profile_spec(load_profile(name))
     except ValueError as exc:
         raise ValueError(f"hardware {name!r}: {exc}") from None
 
@@ -149,36 +158,38 @@ def hardware_preset(name: str) -> HardwareSpec:
 _UNIDENTIFIED = 1e29  # a roof the fit left at "infinity" (spec_from_theta's 1e30): the grid never reached it
 
 
-def _complete_gpu_profile(spec: HardwareSpec, device: str) -> HardwareSpec:
-    """A GPU calibration, filled in from its datasheet where its grid could not see.
+def profile_spec(doc: dict) -> HardwareSpec:
+    """A calibration profile's hardware, as every simulation reads it (``sim run``, the fleet, ``sim_accuracy``).
 
     A calibration fits only what its grid of batch shapes reaches: on an H200 no step of a 1B model up to
     1,024 prompt tokens is compute bound, so the fitted compute roof is "infinite", and an 8K-token prefill of
-    an 8B model would be predicted at a third of the time the GPU's peak allows.  Nor does the fit measure
-    device memory.  For a GPU whose name matches a datasheet preset, an unidentified compute roof becomes the
-    datasheet's achievable one and missing memory the datasheet's; any other GPU profile without memory is an
+    an 8B model would be predicted at a third of the time the GPU's peak allows.  Nor did older profiles
+    record device memory.  For a GPU whose name names a datasheet preset (the word ``H200`` in ``NVIDIA
+    H200``; an ``L40S`` is not an ``L4``), an unidentified compute roof becomes the datasheet's achievable one,
+    at the profile's own dtype, and missing memory the datasheet's; any other GPU profile without memory is an
     error, since its KV pool could not be sized.  A CPU profile has no device memory (the engine's CPU default
-    pool applies) and is returned unchanged.
+    pool applies) and is returned as fitted.
     """
     from dataclasses import replace
 
-    if device == "cpu":
+    spec = HardwareSpec.from_dict(doc["hardware"])
+    if doc.get("device", "cpu") == "cpu":
         return spec
-    match = next((HARDWARE[k] for k in HARDWARE if k in spec.name.lower()), None)
+    words = set(re.findall(r"[a-z0-9]+", spec.name.lower()))
+    match = next((HARDWARE[k] for k in HARDWARE if k in words), None)
     if match is None:
         if not spec.memory_bytes:
             raise ValueError(f"the GPU profile {spec.name!r} records no device memory and matches no datasheet "
                              f"preset ({', '.join(HARDWARE)}), so its KV pool cannot be sized; re-calibrate it")
         return spec
     filled, notes = {}, []
-    if any((getattr(spec, roof) or 0) >= _UNIDENTIFIED for roof in ("peak_flops", "attention_flops")):
-        filled["flops_dtype_bytes"] = match.flops_dtype_bytes  # the datasheet's roof is quoted for its dtype
     if not spec.memory_bytes:
         filled["memory_bytes"] = match.memory_bytes
         notes.append(f"memory from the {match.name} datasheet")
+    dtype_bytes = doc.get("model", {}).get("dtype_bytes", 2)  # the fitted roofs hold for the profile's dtype
     for roof in ("peak_flops", "attention_flops"):
         if (getattr(spec, roof) or 0) >= _UNIDENTIFIED:
-            filled[roof] = match.flops / spec.flops_util  # the datasheet peak at its GEMM utilisation
+            filled[roof] = match.flops * match.dtype_scale(dtype_bytes) / spec.flops_util
             notes.append(f"{roof} not identified by the grid: the {match.name} datasheet's achievable one")
     if not filled:
         return spec

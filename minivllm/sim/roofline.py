@@ -392,6 +392,11 @@ class RooflineExecutor:
     def swap_bytes_per_s(self) -> float:
         return self.hardware.swap_bandwidth
 
+    def preemption_cost_model(self, chunk: int) -> "RooflinePreemptionCosts":
+        """The auto mode's cost model on this executor's roofline (the engine asks for it): recompute priced by
+        length, with chunks of ``chunk`` tokens (the engine's step budget)."""
+        return RooflinePreemptionCosts(self.shape, self.hardware, block_size=self.block_size, chunk=chunk)
+
     @property
     def vocab_size(self) -> int:
         return self.shape.vocab_size

@@ -274,7 +274,7 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     """
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sim.roofline import RooflineExecutor, RooflinePreemptionCosts
+    from minivllm.sim.roofline import RooflineExecutor
 
     ex = RooflineExecutor(shape, hw, block_size=block_size)
     if options.get("num_gpu_blocks_override") is None and options.get("kv_cache_memory_bytes") is None:
@@ -287,11 +287,8 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     elif fit_max_model_len:
         options["max_model_len"] = min(options["max_model_len"], model_max_len, blocks * block_size)
     config = EngineConfig(block_size=block_size, device="cpu", **options)
-    # auto mode decides swap-or-recompute by the same roofline that times the steps (length-aware), not by
-    # the engine's one measured prefill rate; chunks are as large as the step's token budget
-    resolved = config.resolve(model_max_len)  # three_class resolves to auto; the step budget gets its default
-    if costs is None and resolved.preemption_mode == "auto":
-        costs = RooflinePreemptionCosts(shape, hw, block_size=block_size, chunk=resolved.max_num_batched_tokens)
+    # in auto mode (three_class resolves to it) the engine asks the executor for its cost model: the same
+    # roofline that times the steps decides swap-or-recompute, by the victim's length
     return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set(), preemption_cost_model=costs)
 
 
@@ -378,12 +375,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_sim(args, out=None) -> dict:
     out = out or sys.stdout
-    from minivllm.sim.presets import hardware_preset, model_preset
+    from minivllm.sim.presets import hardware_preset, simulated_shape
 
-    shape = model_preset(args.model, args.dtype_bytes)
     hw = hardware_preset(args.hardware)
-    if args.dtype_bytes is None and hw.memory_bytes and shape.dtype_bytes == 4:
-        shape = shape.with_dtype(2)  # a GPU (it has device memory): the engine's dtype "auto" is bf16 there
+    shape = simulated_shape(args.model, hw, args.dtype_bytes)
     reqs, rate, tenants = build_requests(args, shape.vocab_size)
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
     engine = make_engine(shape, hw, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,

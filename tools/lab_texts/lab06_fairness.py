@@ -567,8 +567,8 @@ The seed's point is that every clause of a policy corresponds to a measurable be
 clauses off one at a time. On the H100's full pool (26,674 blocks) memory is never short, so the KV clauses have
 nothing to do; the cell squeezes the same mix into **700 blocks** (11,200 tokens, about what a 70B model leaves on
 one GPU), where they do. A clause is switched off by its knob: no KV reserve, an agent share of everything, batch
-admitted whatever queue of chats waits, no per-tenant cache cap. (`chunk_long_prefills` has nothing to chunk here —
-no prompt reaches 8K — and the swap rule needs a host tier these runs do not have.)
+admitted whatever queue of chats waits, no per-tenant cache cap, every victim recomputed. (`chunk_long_prefills` has
+nothing to chunk here: no prompt reaches 8K.)
 """),
 ("code", r"""
 import dataclasses
@@ -577,20 +577,24 @@ CLAUSE_OFF = {"every clause on": KNOBS,
               "reserve_kv_for_interactive off": dataclasses.replace(KNOBS, interactive_kv_reserve=0.0),
               "bounded_agent_queue off": dataclasses.replace(KNOBS, agent_kv_share=1.0, agent_max_running_share=1.0),
               "batch_only_when_interactive_idle off": dataclasses.replace(KNOBS, batch_max_interactive_queue=10**9),
-              "capped_prefix_cache off": dataclasses.replace(KNOBS, tenant_cache_share=1.0)}
+              "capped_prefix_cache off": dataclasses.replace(KNOBS, tenant_cache_share=1.0),
+              "swap for long contexts off": dataclasses.replace(KNOBS, swap_min_tokens=10**9)}
 print(at_scale.label(), "squeezed to 700 KV blocks")
-print(f"{'three_class with':38s}{'chat p95 TTFT':>14}{'agent p95 TTFT':>16}{'agent SLO met':>15}{'preemptions':>13}")
+print(f"{'three_class with':38s}{'chat p95 TTFT':>14}{'agent p95 TTFT':>16}{'agent SLO met':>15}"
+      f"{'preemptions (swapped)':>23}")
 for clause, knobs in CLAUSE_OFF.items():
     r = at_scale.class_mix("three_class", CLASSES, knobs, num_blocks=700)
     print(f"{clause:38s}{r.p95_ttft('chat') * 1e3:11.0f} ms{r.p95_ttft('agent') * 1e3:13.0f} ms"
-          f"{r.slo_met('agent', 2.0, 0.120):14.1%}{r.stats['num_preemptions']:13d}")
+          f"{r.slo_met('agent', 2.0, 0.120):14.1%}{r.stats['num_preemptions']:15d} ({r.stats['num_swap_preemptions']})")
 """),
 ("md", r"""
 Read the rows against the first. Without the **KV reserve** the batch backlog takes the blocks that agents then
 wait for: the agents' p95 TTFT grows several-fold and their SLO slips. Without the **bounded agent queue** the agents
 do *better* — that clause is what the agents pay so that chats stay first when memory is short (watch the chat
 column). Without **batch-only-when-idle** batch work is admitted into a busy engine and more requests are preempted.
-The **cache cap** changes nothing on this mix: one tenant's cache never crowds out another's here; it is insurance
+The **swap rule** decides every preemption here: the victims are batch prompts of about 375 tokens, just above the
+crossover lab 5 measured on this preset (~300), so the cost model swaps them; recomputing them instead costs the
+agents tens of milliseconds of p95 TTFT. The **cache cap** changes nothing on this mix: one tenant's cache never crowds out another's here; it is insurance
 against a tenant whose prompts share nothing (lab 3's quota section shows that case). A clause that is idle on one
 workload is not a wasted clause; but a policy whose clauses you have never seen move is a policy you cannot tune.
 """),
