@@ -116,9 +116,10 @@ class ThreeClassConfig:
     * ``swap_min_tokens`` -- batch is preempted before agent before interactive, and a victim with
       a long context is swapped, a short one recomputed (rule ``preempt_batch_first_swap_long``).
       ``None`` (the default): "long" is where copying the victim's blocks costs less than
-      recomputing them, by the auto mode's cost model (measured on this machine; the roofline in
-      the simulator: about 300 tokens for Llama-3-8B on the H100 preset, lab 5).  An int fixes
-      the threshold in computed tokens instead.
+      recomputing them, by the auto mode's cost model.  On the roofline simulator that is a length
+      (about 300 tokens for Llama-3-8B on the H100 preset, lab 5); the engine's own model prices
+      recompute at one measured prefill rate, which gives the same answer at every length.  An int
+      fixes the threshold in computed tokens instead.
 
     The preset also turns prefix caching on and, when ``preemption_mode`` is left at its default
     ``"recompute"``, sets it to ``"auto"`` (an explicit ``"swap"`` or ``"reject"`` is kept).
