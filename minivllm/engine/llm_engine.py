@@ -300,14 +300,14 @@ class LLMEngine:
         :mod:`minivllm.metrics.engine_stats` for every key)."""
         pool, kv, sched = self.pool, self.kv, self.scheduler.stats
         cache = self.prefix_cache
-        evictable = cache.num_evictable_blocks() if cache else 0
+        available = kv.num_available_blocks  # free + evictable cached: counted once, the rest derive from it
         cpu_pool = kv.cpu_pool
         out: EngineStats = {
             "num_blocks": pool.num_blocks,
             "free_blocks": pool.num_free,  # the free list
-            "available_blocks": kv.num_available_blocks,  # what an allocation can get: free + evictable cached
+            "available_blocks": available,  # what an allocation can get
             "cached_blocks": cache.num_cached_blocks if cache else 0,
-            "used_blocks": pool.num_blocks - pool.num_free - evictable,
+            "used_blocks": pool.num_blocks - available,
             "kv_cache_usage": kv.usage(),
             "num_cpu_blocks": cpu_pool.num_blocks if cpu_pool else 0,
             "cpu_blocks_used": cpu_pool.num_used if cpu_pool else 0,
