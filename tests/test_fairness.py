@@ -113,6 +113,40 @@ def test_bad_deadline_and_a_request_over_its_tenant_cap_are_refused():
     assert_no_leak(engine)
 
 
+def test_a_smaller_request_passes_its_tenant_cap_after_a_larger_one_failed_it():
+    """Admission remembers, per tenant, the smallest request that failed its caps in this pass, and skips the
+    tenant's requests that need as many blocks or more (lab 6's long capped backlog).  Oracle: the caps
+    themselves -- a request that fits under the KV cap is admitted in the same pass, behind one that did not."""
+    engine = make_engine("caps", tenants={"t": TenantConfig(max_kv_share=0.5)}, budget=128)  # 24 of 48 blocks
+    add(engine, "t", 60, 8, "holder")  # 15 blocks (+ its decode's next)
+    engine.step()
+    add(engine, "t", 40, 2, "big")  # 10 more blocks: over 24
+    add(engine, "t", 8, 2, "small")  # 2 more blocks: fits
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert "small" in running and "big" not in running, running
+    run_all(engine)
+    assert_no_leak(engine)
+
+
+def test_a_preemption_in_admission_reopens_a_cap_that_had_failed():
+    """...and forgets what it remembered when a preemption gives a tenant's share back.  A is at its cap of
+    two seats; a high-priority A request fails it, then B's request preempts one of A's (the lowest priority)
+    to fit.  A's next request in the same pass must be checked again -- and now fits."""
+    engine = make_engine("priority", tenants={"A": TenantConfig(max_running=2)}, num_blocks=12, max_len=40)
+    add(engine, "A", 16, 8, "a_low1", priority=5)
+    add(engine, "A", 16, 8, "a_low2", priority=5)
+    engine.step()  # both prefilled: 8 of 12 blocks held, two more claimed by their next decodes
+    add(engine, "A", 4, 2, "a_first", priority=0)  # over A's two seats
+    add(engine, "B", 16, 2, "b", priority=1)  # no room: preempts a_low2
+    add(engine, "A", 4, 2, "a_second", priority=2)  # a seat of A's is free again
+    engine.step()
+    running = {r.request_id for r in engine.scheduler.running}
+    assert {"b", "a_second"} <= running and "a_low2" not in running, running
+    run_all(engine)
+    assert_no_leak(engine)
+
+
 # -- every policy keeps the engine's invariants, and caps hold -----------------------------------------
 
 op = st.one_of(

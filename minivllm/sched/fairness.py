@@ -153,6 +153,10 @@ class CapTable:
                                     max_blocks=max(1, math.floor(knobs.agent_kv_share * n))))
         return tuple(out)
 
+    def may_reject(self, req: Request) -> bool:
+        """Does any of ``req``'s groups turn over-cap requests away (rather than make them wait)?"""
+        return any(g.over_cap == "reject" for g in self.groups(req))
+
     def rejecting_group(self, req: Request, usage: dict, need_blocks: int) -> CapGroup | None:
         """The ``over_cap="reject"`` group whose seat or KV cap keeps ``req`` out now, if any.
 
