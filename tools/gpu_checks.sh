@@ -27,9 +27,9 @@ DEADLINE=$((SECONDS + ${BUDGET:-540}))
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 if [ $DRY = 1 ]; then
   export TRITON_INTERPRET=1; DEV=(--device cpu); ARCH=tiny; DT=float32; SCALE=0.02; SIM=(--scale 0.3)
-  PARITY=(--max-prompt-len 48); HF=()
+  PARITY=(--max-prompt-len 48 --max-tokens 12); HF=()  # interpreted Triton: 12 tokens, not 32
 else
-  DEV=(--device cuda); ARCH=llama-3.2-1b; DT=bfloat16; SCALE=1.0; PARITY=()
+  DEV=(--device cuda); ARCH=llama-3.2-1b; DT=bfloat16; SCALE=1.0; PARITY=(--max-tokens 32)
   # three real runs per workload: the median stands against one cold run (the H200's 2026-11-30 run 1 of
   # bursty was 1.5x its run 2), and the spread still shows; the whole step took 50 s with two
   SIM=(--scale 0.5 --real-repeats 3 --calibration-repeats 3)
@@ -73,7 +73,7 @@ step e2e_nano 220 $PY -m minivllm.bench gpu_e2e --workload nano --model "$MODEL"
      "${DEV[@]}" --scale $SCALE "${HF[@]}" "${NANO[@]}" --json "$WORK/e2e_nano_$ARCH.json"
 # 4. issue 12: torch and triton backends agree token for token (fp32 makes them exact enough to compare)
 step e2e_parity 50 $PY -m minivllm.bench gpu_e2e --model "$MODEL" --arch $ARCH --dtype float32 "${DEV[@]}" \
-     --prompts 8 --max-tokens 32 "${PARITY[@]}" --json "$WORK/e2e_parity_fp32.json"
+     --prompts 8 "${PARITY[@]}" --json "$WORK/e2e_parity_fp32.json"
 # 5. issue 11: calibrate the simulator on this GPU and validate it on the held-out workloads
 step sim_accuracy 240 $PY -m minivllm.bench sim_accuracy --model "$MODEL" "${DEV[@]}" --dtype $DT \
      "${SIM[@]}" --out "$WORK/sim_accuracy_$ARCH.json" --save-profile "$WORK/profile_$ARCH.json"
