@@ -145,7 +145,7 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
     win_gaps: list[float] = []
     win_tokens = win_arrived = 0
     win_busy = win_comp = 0.0
-    seen_tokens: dict[str, int] = {}
+    last_token_time: dict[str, float] = {}  # per request still running: its latest token's time
 
     def scrape(now: float) -> None:
         nonlocal win_tokens, win_arrived, win_busy, win_comp
@@ -176,7 +176,10 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
             i += 1
             win_arrived += 1
             prompt = [rng.randrange(10, 900) for _ in range(a.prompt_len)]
-            engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+            # delta outputs: each step's output carries only that step's token times (a cumulative one would copy
+            # every earlier time again, every step -- quadratic in the output length)
+            engine.add_request({"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, output_kind="delta"),
                                a.request_id, tenant=a.tenant, arrival_time=a.time)
         if not engine.has_unfinished_requests():
             continue
@@ -191,19 +194,21 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
             if out.finished and out.outputs[0].finish_reason == "rejected":
                 run.rejected.append(out.request_id)
                 continue
-            times = m.token_times
-            n_seen = seen_tokens.get(out.request_id, 0)
-            if n_seen == 0 and times:
+            prev = last_token_time.get(out.request_id)
+            if prev is None and m.token_times:
                 run.ttft[out.request_id] = m.ttft
                 win_first.append(m.ttft)
             gaps = run.itls.setdefault(out.request_id, [])
-            for k in range(max(1, n_seen), len(times)):
-                gaps.append(times[k] - times[k - 1])
-                win_gaps.append(times[k] - times[k - 1])
-            win_tokens += len(times) - n_seen
-            seen_tokens[out.request_id] = len(times)
+            for t in m.token_times:  # this step's tokens
+                if prev is not None:
+                    gaps.append(t - prev)
+                    win_gaps.append(t - prev)
+                prev = t
+            win_tokens += len(m.token_times)
+            if prev is not None:
+                last_token_time[out.request_id] = prev
             if out.finished:
-                seen_tokens.pop(out.request_id, None)
+                last_token_time.pop(out.request_id, None)
                 if m.e2e_latency is not None:
                     run.e2e[out.request_id] = m.e2e_latency
         while ex.clock >= next_scrape:
