@@ -352,6 +352,10 @@ class DeadlineAdmission:
         return sorted(waiting, key=self.rank)
 
 
+def _priority_then_arrival(req: Request) -> tuple:
+    return (req.priority, req.arrival_time)
+
+
 class ThreeClassAdmission:
     """Interactive before agent before batch; batch only while the interactive queue is short."""
 
@@ -372,11 +376,17 @@ class ThreeClassAdmission:
         return (self.class_rank(req), req.priority, req.arrival_time)
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        ordered = sorted(waiting, key=self.rank)
-        interactive_waiting = sum(1 for r in waiting if self.class_rank(r) == 0)
-        if interactive_waiting >= self.threshold:  # rule batch_only_when_interactive_idle
-            ordered = [r for r in ordered if self.class_rank(r) < 2]
-        return ordered
+        # The order of sorted(waiting, key=self.rank), built class by class: each request's class is looked up
+        # once, and a backlog of batch prompts is left out before it is sorted, not after.
+        by_class: tuple[list[Request], list[Request], list[Request]] = ([], [], [])
+        class_rank = self.class_rank
+        for r in waiting:
+            by_class[class_rank(r)].append(r)
+        interactive, agent, batch = by_class
+        if len(interactive) >= self.threshold:  # rule batch_only_when_interactive_idle
+            batch = []
+        within = _priority_then_arrival
+        return sorted(interactive, key=within) + sorted(agent, key=within) + sorted(batch, key=within)
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
         return self.class_rank(victim) > self.class_rank(req)
