@@ -246,7 +246,7 @@ def test_defect3_threads_and_interleaved_streams_share_one_engine(small_llm):
 
     def worker(t: int) -> None:
         try:
-            for k in range(10):
+            for k in range(5):
                 p = prompts[(t + k) % len(prompts)]
                 results[(t, k)] = (p, small_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
         except BaseException as exc:  # noqa: BLE001 - report any failure from the thread
@@ -270,7 +270,7 @@ def test_defect3_threads_and_interleaved_streams_share_one_engine(small_llm):
         th.join(timeout=300)
     assert not any(th.is_alive() for th in threads), "a generate() call hung"
     assert not errors, errors
-    assert len(results) == 80
+    assert len(results) == 40
     for p, toks in results.values():
         assert toks == sequential[p]
     for p, toks in got.items():
