@@ -230,6 +230,7 @@ def test_fleet_inf_rate_and_an_empty_window(tmp_path, capsys):
 @pytest.mark.parametrize("module,argv,flag", [
     ("host_overhead", ["--kinds", "bogus", "--seqs", "2", "--samples", "1", "--warmup", "1", "--later", "1"], "--kinds"),
     ("host_overhead", ["--sweep", "1,abc", "--seqs", "2", "--samples", "1"], "--sweep"),
+    ("host_overhead", ["--backlog", "0,16"], "--backlog"),
     ("preemption", ["--executor", "sim", "--requests", "4", "--budget", "0"], "--budget"),
     ("preemption", ["--executor", "sim", "--requests", "4", "--kv-share", "0", "--modes", "reject"], "--kv-share"),
     ("fairness", ["--duration", "0", "--policies", "fcfs"], "--duration"),

@@ -48,6 +48,7 @@ step reads pass 256 and stop being CPython's shared small-int objects (see
 
     python -m minivllm.bench host_overhead [--out results.json]
     python -m minivllm.bench host_overhead --sweep 16,100,200,300,600,900 [--prompt-len 300]
+    python -m minivllm.bench host_overhead --backlog 16,500,2000   (admission beside a capped backlog)
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from pathlib import Path
 import torch
 
 from minivllm.argtypes import comma_list, nonnegative_int, positive_int
+from minivllm.bench.results import write_result
 
 NANO_VLLM_STEP_US = (250, 370)
 NANO_VLLM_PREP_US = 3000
@@ -226,6 +228,56 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     return rows
 
 
+def backlog(sizes: list[int], samples: int, running: int = 32) -> list[dict]:
+    """Host cost per step beside a waiting backlog the caps hold back: what admission pays per waiting request.
+
+    The worked three-class policy, batch requests decoding at the batch tier's KV cap (a pool sized for about
+    ``running`` of them; ``interactive_kv_reserve``: agent and batch together hold at most 75%), and ``size`` more
+    batch prompts waiting behind that cap -- lab 6's backlog of 1,800 prompts in small.  Admission walks the
+    waiting queue every step; nothing can start, so the work it does per waiting request is pure overhead.
+    It remembers, per tenant, the smallest request that failed its caps in the pass and skips the tenant's
+    requests needing as many blocks or more (:meth:`~minivllm.sched.scheduler.Scheduler.admit`), so that
+    work is an ordering and one comparison per request, not a walk over every cap.  Reported: opcodes and
+    host CPU time per step, and their growth per waiting request against the smallest backlog.  On the
+    2-core machine: 70.6 opcodes per waiting request per step, 155.0 before admission remembered cap failures
+    (``*_host_overhead_backlog.json``).  Still linear in the backlog: the policy orders the whole queue each step.
+    """
+    from minivllm import EngineConfig, LLMEngine, SamplingParams
+    from minivllm.config import TenantConfig
+
+    def started(size: int):
+        """An engine one step in: ``running`` requests admitted, each with 15 decode steps before its next block
+        (so the running set, and the cap, stay as they are while it is measured), ``size`` more waiting."""
+        blocks = running * 8 * 4 // 3 + 64  # the running requests fill the batch tier's 75%, the rest stays free
+        cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_num_seqs=running + size + 1,
+                           max_num_batched_tokens=8192, max_model_len=1024, device="cpu",
+                           scheduling_policy="three_class", tenants={"bulk": TenantConfig(priority_class="batch")})
+        engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=1024, eos_token_ids=set())
+        params = SamplingParams(max_tokens=512, ignore_eos=True)
+        for i in range(running + size):  # 112-token prompts: 7 blocks each, 8 from the first sampled token
+            engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(112)]}, params,
+                               tenant="bulk")
+        engine.step()  # the first requests start; the cap holds the rest back
+        return engine
+
+    rows = []
+    for size in sizes:
+        engine = started(size)
+        ops = _count_opcodes(engine, 8)
+        t = _time_steps(started(size), min(samples, 14))
+        rows.append({"waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
+                     "python_opcodes_per_step": ops,
+                     "host_cpu_us_median": round(statistics.median(t["host_cpu"]), 1)})
+    base = rows[0]  # the smallest backlog: the cap binds in every row, so the running set is the same
+    for r in rows:
+        extra = r["waiting"] - base["waiting"]
+        r["opcodes_per_waiting_request"] = round((r["python_opcodes_per_step"] - base["python_opcodes_per_step"])
+                                                 / extra, 1) if extra else None
+        r["host_cpu_us_per_waiting_request"] = round((r["host_cpu_us_median"] - base["host_cpu_us_median"])
+                                                     / extra, 3) if extra else None
+    return rows
+
+
 def _kind(text: str) -> str:
     """An output kind for ``--kinds``, checked here (a typo used to surface as a traceback from SamplingParams)."""
     if text not in KINDS:
@@ -246,8 +298,25 @@ def main() -> int:
                     help="--sweep: with prefix caching (a decode's filled block is offered to the cache)")
     ap.add_argument("--sweep", type=comma_list(positive_int), default=None, metavar="N,N,...",
                     help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
+    ap.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
+                    help="instead: host cost per step beside this many requests waiting on a three_class cap "
+                         "(e.g. 16,500,2000; the smallest is the baseline)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.backlog:
+        rows = backlog(sorted(args.backlog), args.samples)
+        print(f"host cost per step beside a capped backlog: three_class, {rows[0]['running']} batch requests "
+              "decoding at the batch tier's KV cap, the rest waiting behind it; per step, CPU time in us")
+        for r in rows:
+            extra = "" if r["opcodes_per_waiting_request"] is None else (
+                f"   +{r['opcodes_per_waiting_request']:.1f} opcodes, +{r['host_cpu_us_per_waiting_request']:.2f} us "
+                "per waiting request")
+            print(f"  {r['waiting']:6d} waiting: {r['python_opcodes_per_step']:8d} opcodes, host median "
+                  f"{r['host_cpu_us_median']:8.1f}{extra}")
+        if args.out:
+            write_result(args.out, {"rows": rows}, "python -m minivllm.bench host_overhead")
+            print(f"wrote {args.out}")
+        return 0
     if args.sweep:
         rows = sweep(args.seqs, args.sweep, args.samples, prompt_len=args.prompt_len,
                      prefix_cache=args.prefix_cache)
