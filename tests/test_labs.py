@@ -507,3 +507,24 @@ def test_figures_script_draws_every_figure(tmp_path):
     assert names >= {"block_table.png", "radix_tree.png", "step_timeline.png", "fragmentation.png", "prefix_hit_rates.png"}
     committed = {p.name for p in (ROOT / "figures").glob("*.png")}
     assert names == committed, "figures/ is stale: run python tools/make_figures.py"
+
+
+def test_a_cell_covered_by_the_solution_run_is_skipped_only_in_the_student_copy():
+    """make_labs gives a cell tagged ``covered-by-solution`` nbval's skip tag in labs/ only (CI's strict run of
+    solutions/ executes it), refuses the tag on a cell holding an exercise, and leaves every other cell's tags."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = simulate()"), nbformat.v4.new_code_cell("y = 1")]
+    nb.cells[0].metadata["tags"] = [make_labs.COVERED]
+    lab = make_labs.make_lab(nb)
+    assert lab.cells[0].metadata["tags"] == [make_labs.COVERED, "nbval-skip"]
+    assert "tags" not in lab.cells[1].metadata and nb.cells[0].metadata["tags"] == [make_labs.COVERED]
+    nb.cells[1].source = "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION\n"
+    nb.cells[1].metadata["tags"] = [make_labs.COVERED]
+    with pytest.raises(make_labs.MarkerError, match="holds an exercise"):
+        make_labs.make_lab(nb)
+    for path in sorted((ROOT / "solutions").glob("lab*.ipynb")):  # the tag is used only where nothing is learner's
+        for cell in nbformat.read(path, as_version=4).cells:
+            if make_labs.COVERED in cell.metadata.get("tags", []):
+                assert "### BEGIN SOLUTION" not in cell.source

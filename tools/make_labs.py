@@ -71,12 +71,23 @@ def _todo_above(out: list[str]) -> str:
     return DEFAULT_TODO
 
 
+# A code cell tagged COVERED holds no exercise and reads nothing an exercise defines (lab 6's at-scale
+# simulations): its student copy is the same code on the same inputs, which CI's strict run of the solution
+# notebook already executed.  The student copy gets nbval's skip tag, so CI's lax run of labs/ does not pay for
+# it twice; a learner's Run All runs it as usual (the tag means nothing to Jupyter).
+COVERED = "covered-by-solution"
+
+
 def make_lab(nb: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
     """The student version of one instructor notebook."""
     lab = copy.deepcopy(nb)
     lab.metadata.pop("widgets", None)
     for i, cell in enumerate(lab.cells):
         if cell.cell_type == "code":
+            if COVERED in cell.metadata.get("tags", []):
+                if BEGIN in cell.source:
+                    raise MarkerError(f"{name} cell {i}: tagged {COVERED!r} but holds an exercise")
+                cell.metadata["tags"] = [*cell.metadata["tags"], "nbval-skip"]
             cell.source = stub_source(cell.source, f"{name} cell {i}")
             cell.outputs = []
             cell.execution_count = None

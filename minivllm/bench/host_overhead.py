@@ -246,8 +246,9 @@ def backlog(sizes: list[int], samples: int, running: int = 32) -> list[dict]:
     from minivllm.config import TenantConfig
 
     def started(size: int):
-        """An engine one step in: ``running`` requests admitted, each with 15 decode steps before its next block
-        (so the running set, and the cap, stay as they are while it is measured), ``size`` more waiting."""
+        """An engine one step in: as many requests admitted as the batch tier's cap allows (37 for 32), each with
+        15 decode steps before its next block (so the running set, and the cap, stay as they are while it is
+        measured), the rest waiting."""
         blocks = running * 8 * 4 // 3 + 64  # the running requests fill the batch tier's 75%, the rest stays free
         cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_num_seqs=running + size + 1,
                            max_num_batched_tokens=8192, max_model_len=1024, device="cpu",
