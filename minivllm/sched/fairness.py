@@ -352,10 +352,6 @@ class DeadlineAdmission:
         return sorted(waiting, key=self.rank)
 
 
-def _priority_then_arrival(req: Request) -> tuple:
-    return (req.priority, req.arrival_time)
-
-
 class ThreeClassAdmission:
     """Interactive before agent before batch; batch only while the interactive queue is short."""
 
@@ -385,7 +381,7 @@ class ThreeClassAdmission:
         interactive, agent, batch = by_class
         if len(interactive) >= self.threshold:  # rule batch_only_when_interactive_idle
             batch = []
-        within = _priority_then_arrival
+        within = PriorityAdmission.rank  # priority, then arrival: the order inside each class
         return sorted(interactive, key=within) + sorted(agent, key=within) + sorted(batch, key=within)
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
