@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -194,25 +195,28 @@ def _start_run_all(page) -> None:
     _accept_kernel_dialog(page, 3_000)
 
 
-def _wait_all_ran(page, timeout_s: float) -> None:
-    """Until every code cell shows an execution count (none queued ``[ ]`` or running ``[*]``), or a cell
-    failed (JupyterLab then drops the queue, and the caller reports the traceback)."""
+PROMPTS_JS = "() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim())"
+
+
+def _wait_all_ran(page, timeout_s: float) -> list[str]:
+    """Until Run All is over: every code cell shows an execution count, or the run stopped early -- no cell
+    is queued or running (``[*]``) and some never ran (``[ ]``), which is what JupyterLab shows after a
+    cell raised, whatever the error looks like.  Returns the cells' prompts, for the caller to judge."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     try:
         page.wait_for_function(
             """() => {
-                const errors = [...document.querySelectorAll(
-                    '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')];
-                if (errors.some(e => e.textContent.includes('Traceback'))) return true;
                 const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(p => p.textContent);
-                return prompts.length > 0 && prompts.every(t => /\\[\\d+\\]/.test(t));
+                if (prompts.length === 0 || prompts.some(t => t.includes('[*]'))) return false;
+                const ran = prompts.filter(t => /\\[\\d+\\]/.test(t)).length;
+                return ran > 0;  // none queued or running: every cell ran, or the run stopped
             }""", timeout=max(1.0, timeout_s) * 1000, polling=500)
     except PlaywrightTimeout:
-        prompts = page.evaluate("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
-                                ".map(p => p.textContent.trim())")
         status = page.locator(".jp-Notebook-ExecutionIndicator").first.get_attribute("data-status")
-        raise AssertionError(f"not every cell ran within {timeout_s:.0f} s; kernel {status}; prompts: {prompts}")
+        raise AssertionError(f"Run All did not end within {timeout_s:.0f} s; kernel {status}; "
+                             f"prompts: {page.evaluate(PROMPTS_JS)}") from None
+    return page.evaluate(PROMPTS_JS)
 
 
 @pytest.fixture(scope="module")
@@ -277,11 +281,16 @@ def test_widgets_and_quiz_work_in_jupyterlab(opened, path, labels):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.bring_to_front()
     try:
-        _wait_all_ran(page, t0 + RUN_ALL_TIMEOUT_S - time.time())
-        print(f"{stem}: all cells ran {time.time() - t0:.0f} s after the first Run All")
+        prompts = _wait_all_ran(page, t0 + RUN_ALL_TIMEOUT_S - time.time())
+        print(f"{stem}: Run All ended {time.time() - t0:.0f} s after the first one")
         failed = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
                               has_text="Traceback")
-        assert failed.count() == 0, f"{stem}: a cell failed: {failed.first.inner_text()[:2000]}"
+        assert failed.count() == 0, f"{stem}: a cell failed: {failed.first.text_content()[:2000]}"
+        never = [i for i, t in enumerate(prompts) if not re.fullmatch(r"\[\d+\]:?", t)]
+        if never:  # stopped at an error without a traceback (a SyntaxError, say): show the last cell that ran
+            last = page.locator(".jp-CodeCell").nth(never[0] - 1)
+            raise AssertionError(f"{stem}: Run All stopped; code cells {never[0] + 1}-{len(prompts)} (from 1) never ran; the last one "
+                                 f"that did printed:\n{last.locator('.jp-OutputArea').text_content()[:2000]}")
 
         first = labels[0]
         buttons = page.locator("button.widget-button", has_text=first)
