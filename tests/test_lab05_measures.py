@@ -5,7 +5,12 @@ victim's computed blocks all or none, so with no room for any victim every preem
 a tier larger than the whole workload's need every one must be a swap, and in between each attempt must go
 exactly when the blocks it needed were free.  The per-step observations are cross-checked against the engine's
 counters and against each other (Little's law: the area under the occupancy curve equals the sum over stays of
-blocks x time).  The quiz's "why" quotes numbers from this sweep; the last test keeps them true.
+blocks x time).  The quiz's "why" quotes numbers from this sweep; a test keeps them true.
+
+The anti-thrash runs (:func:`starvation_run`) have two oracles that do not trust the engine's counters: the
+arrival list (without the guard the batch job must still be running when the last chat request arrives) and
+causality (the 20 s stream is a prefix of the 40 s one, so a job that finishes inside both must finish at the
+same instant in both).
 """
 
 import json
@@ -17,7 +22,10 @@ from minivllm.labs.check_lab05 import (
     host_tier_run,
     lab_engine,
     overload_workload,
+    percentile,
     serve,
+    starvation_run,
+    starvation_workload,
 )
 from minivllm.labs.quiz import load_bank
 
@@ -107,3 +115,48 @@ def test_the_quiz_quotes_the_sweep(runs):
     assert len(big.swapped) == 24 and f"all {len(big.swapped)} were swapped" in why
     assert host_tier_run(64, ARRIVALS).fell_back == []
     assert big.peak_blocks == 61 and "needed 61 host blocks at its peak" in why
+
+
+# -- preempted again and again: the anti-thrash guard (lab 5, "a latency with no bound") ---------------------
+
+STREAMS = (10, 20, 40)
+
+
+@pytest.fixture(scope="module")
+def guard_runs():
+    return {(k, s): starvation_run(s, k) for k in (0, 3) for s in STREAMS}
+
+
+def _chat_p99(r) -> float:
+    return percentile([v for q, v in r.latency.items() if r.tenant_of[q] == "chat"], 99)
+
+
+def test_without_the_guard_the_batch_job_outlives_any_chat_stream(guard_runs):
+    latencies = []
+    for s in STREAMS:
+        r = guard_runs[0, s]
+        last_chat = max(a.time for a in starvation_workload(s) if a.tenant == "chat")
+        job = next(a for a in starvation_workload(s) if a.request_id == "batch-job")
+        assert job.time + r.latency["batch-job"] > last_chat, f"{s} s stream: the job finished while chat still came"
+        assert r.preemptions["batch-job"] > 3
+        assert _chat_p99(r) < 3.5, "the server must be up: chat served in seconds"
+        latencies.append(r.latency["batch-job"])
+    assert latencies == sorted(latencies) and latencies[-1] > 3 * latencies[0]
+
+
+def test_with_the_guard_the_batch_job_is_preempted_three_times_and_its_latency_is_bounded(guard_runs):
+    jobs = [guard_runs[3, s] for s in STREAMS]
+    assert [r.preemptions["batch-job"] for r in jobs] == [3, 3, 3]
+    finished = [r.latency["batch-job"] for r in jobs]
+    assert finished[0] < STREAMS[0] + 1 and finished[1] == finished[2], "one instant, by causality"
+    for s in STREAMS:  # the price: chat gives way instead
+        assert _chat_p99(guard_runs[3, s]) > _chat_p99(guard_runs[0, s])
+        assert guard_runs[3, s].preemption_rate("chat") > guard_runs[0, s].preemption_rate("chat")
+
+
+def test_the_quiz_quotes_the_guard_runs(guard_runs):
+    q = next(q for q in load_bank(5) if q["id"] == "thrash-unbounded")
+    text = q["why"] + json.dumps(q["answers"])
+    assert f"({guard_runs[3, 40].latency['batch-job']:.1f} s for every stream)" in text
+    assert f"p99 {_chat_p99(guard_runs[0, 40]):.1f} -> {_chat_p99(guard_runs[3, 40]):.1f} s" in text
+    assert f"same job finished in {guard_runs[3, 10].latency['batch-job']:.1f} s" in text

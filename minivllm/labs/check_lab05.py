@@ -45,6 +45,7 @@ class Arrival:
     tenant: str
     prompt: tuple
     max_tokens: int
+    priority: int = 0  # lower runs first under scheduling_policy="priority"
 
 
 TENANTS = {  # tenant: (share of arrivals, prompt tokens, output tokens)
@@ -138,7 +139,7 @@ def serve(engine, arrivals: Sequence[Arrival], door: Callable[[dict], bool] | No
                 continue
             engine.add_request({"prompt_token_ids": list(a.prompt)},
                                SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
-                               a.request_id, tenant=a.tenant, arrival_time=a.time)
+                               a.request_id, tenant=a.tenant, priority=a.priority, arrival_time=a.time)
         if not engine.has_unfinished_requests():
             if i >= len(pending):
                 break
@@ -174,6 +175,45 @@ def lab_engine(*, num_blocks: int = 384, preemption_mode: str = "recompute", num
     return sim_engine(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, model_max_len=2048,
                       preemption_mode=preemption_mode, executor=executor(link_bytes_per_s), **options)
+
+
+# -- preempted again and again: the anti-thrash guard -----------------------------------
+
+STARVE_CHAT_RATE = 10.0  # chat requests per second: the pool runs dry now and then, the server is not overloaded
+STARVE_BATCH = (1500, 200)  # the one batch job: prompt tokens, output tokens
+
+
+def starvation_workload(stream_s: float, *, seed: int = 1) -> list[Arrival]:
+    """One long batch job at t = 1 s (priority 1) inside ``stream_s`` seconds of Poisson chat (priority 0).
+
+    Chat requests are drawn like :data:`TENANTS`' chat; the batch job is the
+    only request of its tenant, so its latency is the one number to watch.
+    """
+    rng = random.Random(seed)
+    prompt, output = STARVE_BATCH
+    out = [Arrival(1.0, "batch-job", "batch", tuple(rng.randrange(10, 900) for _ in range(prompt)), output, 1)]
+    _, (p_lo, p_hi), (o_lo, o_hi) = TENANTS["chat"]
+    t, i = 0.0, 0
+    while (t := t + rng.expovariate(STARVE_CHAT_RATE)) <= stream_s:
+        chat = tuple(rng.randrange(10, 900) for _ in range(rng.randint(p_lo, p_hi)))
+        out.append(Arrival(round(t, 6), f"chat-{i}", "chat", chat, rng.randint(o_lo, o_hi)))
+        i += 1
+    return sorted(out, key=lambda a: a.time)
+
+
+def starvation_run(stream_s: float, protect_after: int, *, seed: int = 1) -> ServeResult:
+    """:func:`starvation_workload` under priority scheduling, recompute mode, with the anti-thrash guard
+    ``preemption_protect_after=protect_after`` (0 turns it off).
+
+    A waiting chat request may preempt the running batch job to get blocks
+    (``PriorityAdmission.may_preempt_for``), and the priority victim rule picks
+    the batch job whenever the pool runs dry.  A small pool (192 blocks) and a
+    small step (256 tokens, so the 1,500-token prompt takes six steps to
+    prefill) make every such preemption throw work away.
+    """
+    engine = lab_engine(num_blocks=192, max_num_batched_tokens=256, scheduling_policy="priority",
+                        preemption_protect_after=protect_after)
+    return serve(engine, starvation_workload(stream_s, seed=seed))
 
 
 # -- the host tier: how big it must be, and how long victims stay in it -----------------

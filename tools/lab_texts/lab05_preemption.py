@@ -7,7 +7,7 @@ CELLS = [
 1. say what an engine can do when its KV blocks run out — **recompute**, **swap** or **reject** — and what each
    one costs, and watch blocks leave the device for the host tier and come back;
 2. choose *who* gives way: a victim policy that spares an interactive tenant (✏️ exercise 1, plugged into the real
-   engine);
+   engine), and see why the same request must not give way without end;
 3. decide *how* a victim gives way from a cost model — swap when the link is fast relative to prefill, recompute
    otherwise — and find the crossover (✏️ exercise 2); measure when swap stops paying because the host tier is
    too small for the victims waiting in it;
@@ -32,7 +32,7 @@ from minivllm.labs.check_lab05 import (BLOCK_SIZE, KV_BYTES_PER_BLOCK, PCIE4_BYT
                                        TENANTS, ReferenceVictim, RuleCosts, check_should_reject,
                                        check_swap_or_recompute, check_victim_policy, lab_engine, overload_workload,
                                        percentile, engine_should_reject, host_tier_run, reference_swap_or_recompute,
-                                       serve)
+                                       serve, starvation_run)
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.request import RequestStatus
 
@@ -230,6 +230,60 @@ The chat tenant's preemption rate drops to zero; the preemptions did not disappe
 `agent`, whose long prompts in chunked prefill have the least computed work at any moment (batch's rate fell to zero
 too). Total recomputed work even grows, by about a third. Notice also what *did not* improve much: chat latency. In
 an overloaded server the queue, not preemption, dominates latency — which is what exercise 3 addresses.
+
+### Preempted again and again: a latency with no bound
+
+Moving every preemption onto one tenant has a limit case. Take the priority policy: a chat request (priority 0)
+waiting for blocks may preempt a running batch job (priority 1), and when the pool runs dry the victim is again the
+batch job. Now let chat traffic keep coming:
+
+```
+ chat, 10/s:  ▮▮ ▮ ▮▮▮ ▮ ▮▮ ▮▮ ▮ ▮▮▮ ▮ ▮▮ ▮ ▮▮▮ ▮▮ ▮ ▮▮ ▮ ▮▮▮ ▮ ▮▮ ▮▮ ▮ ▮▮▮ ▮ ▮▮|  (the stream stops)
+ batch job:   prefill ██▌✗  prefill ███ decode ▮▮✗  prefill █✗  ...  prefill ████ decode ▮▮▮▮▮▮▮ done
+              ✗ = preempted: its KV is thrown away, and it waits at the front of the queue to prefill again
+```
+
+Each ✗ costs the batch job everything it had computed. If a chat request can always take its blocks, the job
+finishes only when chat stops, however long that is. The server is up the whole time, and chat looks healthy.
+The seed lesson puts it this way: a tenant whose requests are preempted again and again has, in effect, unbounded
+latency.
+
+The engine's guard is `preemption_protect_after` (default 3). A request preempted that many times is never preempted
+to seat a better-ranked request, and it becomes a victim for lack of blocks only when *everyone* running is protected
+too. `starvation_run(stream_s, protect_after)` serves one 1,500-token batch job at t = 1 s inside `stream_s` seconds
+of chat, on this lab's simulated GPU with a small pool (192 blocks). `protect_after=0` turns the guard off.
+"""),
+("code", r"""
+STREAMS = (10, 20, 40)  # seconds of chat traffic
+guard = {k: [starvation_run(s, k) for s in STREAMS] for k in (0, 3)}
+
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+ax.plot(STREAMS, STREAMS, ":", color="grey", label="length of the chat stream")
+for k, label in ((0, "no guard (preemption_protect_after=0)"), (3, "guard: protected after 3 preemptions")):
+    ax.plot(STREAMS, [r.latency["batch-job"] for r in guard[k]], "o-", label=label)
+ax.set(xlabel="seconds of chat traffic", ylabel="batch job latency (s)", ylim=(0, None),
+       title="Simulated (lab 5's GPU): one batch job inside a chat stream")
+ax.legend(fontsize=8)
+plt.show()
+for k in (0, 3):
+    for s, r in zip(STREAMS, guard[k]):
+        chat = [v for q, v in r.latency.items() if r.tenant_of[q] == "chat"]
+        print(f"protect_after={k}, {s:2d} s of chat: batch job preempted {r.preemptions['batch-job']:2d} times, "
+              f"latency {r.latency['batch-job']:5.1f} s | chat p99 latency {percentile(chat, 99):.2f} s, "
+              f"{r.preemption_rate('chat'):.2f} preemptions per chat request")
+"""),
+("md", r"""
+Without the guard, the batch job's latency follows the chat stream: it finishes about two seconds after the stream
+stops, and each doubling of the stream roughly doubles its latency (13 → 23 → 42 s) and adds preemptions (4 → 6 → 16).
+Nothing bounds it except the traffic stopping. Meanwhile chat's p99 stays near 2.7 s. A dashboard with one global
+preemption count would show a healthy server. Count preemptions *per tenant* (the server exports
+`vllm:num_preemptions_total{tenant=...}`, lab 8) and the batch tenant stands out: every one of its requests preempted
+again and again.
+
+With the guard, the job is preempted three times, then keeps its blocks. It finishes at 10.2 s whatever the length
+of the stream. The cost lands on chat: its p99 latency rises to about 4.2 s, and chat requests are preempted two to
+three times as often, because once the job is protected a chat request has to give way instead. That is the trade
+the guard makes: a bounded worst case for the victim, paid for by everyone else.
 
 ## ✏️ Exercise 2 — swap or recompute?
 
@@ -765,6 +819,9 @@ print_answers(5)   # the answer key: run it after you have answered
   availability, wastes nothing).
 * Why the default victim is the newest request, and how a victim policy moves preemptions away from an interactive
   tenant without reducing them — and why that barely helps its latency when the queue dominates.
+* Why a request that one tenant's traffic may always preempt has a latency with no bound, though the server is up,
+  and how the anti-thrash guard (`preemption_protect_after`) bounds it — at the price of the protected tenant's
+  latency; why preemption rates must be counted per tenant.
 * The swap-or-recompute rule in seconds, where its crossover lies (link bandwidth vs prefill rate per block), and
   why it hardly depends on context length in a linear cost model.
 * Why a reject rule at the door keeps latency bounded, and why the reject rate (not GPU utilisation) is what an
