@@ -1,9 +1,14 @@
 """Lab 6's retry-loop and closed-loop-agent measurements, checked against recounts that do not use the code under
-test: the engine's own timestamps and step log, the workload's prompt lengths, and the timeout arithmetic."""
+test: the engine's own timestamps and step log, the workload's prompt lengths, and the timeout arithmetic.
+
+The at-scale clauses of the worked policy (the 8K clause with 32K-token documents, the batch class's cost) are
+checked against the roofline's own physics: the price of the heaviest chunk the clause allows bounds the worst
+gap from below, and the batch alone can never beat its FLOPs at the preset's sustained rate."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -145,3 +150,81 @@ def test_the_lab_and_the_benchmark_share_one_agent_mechanism():
     assert t == 10.05 and prompt[:3] == [1, 2, 3] and len(prompt) == 3 + 80 and 40 <= n <= 100
     assert bench.next_agent_call(s, prompt, [], t, 4096) is None and s["calls_left"] == 0
     assert math.isinf(lab.RetryClient("x").timeout_s)
+
+
+# -- the 8K clause with prompts above 8K (lab 6, "The 8K clause, with prompts above 8K") -------------------
+
+
+@pytest.fixture(scope="module")
+def long_prefill():
+    from minivllm.labs import at_scale
+
+    return {row: at_scale.long_prefill_run(*row) for row in ((16384, 16384), (16384, 8192), (1024, 8192))}
+
+
+def test_the_8k_clause_caps_what_one_document_prefills_in_a_step(long_prefill):
+    off, on, small = long_prefill[16384, 16384], long_prefill[16384, 8192], long_prefill[1024, 8192]
+    assert off["max_chunk"] > 8192, "without the clause a 32K document fills most of a 16K step"
+    assert on["max_chunk"] == 8192 and small["max_chunk"] <= 1024
+
+
+def test_the_8k_clause_shortens_the_stall_but_only_the_budget_keeps_the_itl_promise(long_prefill):
+    from minivllm.labs import at_scale
+
+    off, on, small = long_prefill[16384, 16384], long_prefill[16384, 8192], long_prefill[1024, 8192]
+    # The oracle is the roofline's own price of the heaviest chunk the clause allows: the document's last 8K
+    # tokens, attending to the 24K before them.  A chat's gap that spans that step is at least that long.
+    assert on["itl_worst"] >= at_scale.step_s([(32768 - 8192, 8192, False)])
+    assert off["itl_worst"] > on["itl_worst"] and off["itl_p99"] > on["itl_p99"]
+    assert on["ttft_chat_p99"] < off["ttft_chat_p99"], "the rest of the budget goes to the chats' prompts"
+    assert on["itl_p99"] > 0.060, "the clause alone does not keep the interactive ITL promise"
+    assert small["itl_p99"] <= 0.060 and small["ttft_chat_p99"] <= 0.700, "lab 4's budget keeps both promises"
+    assert small["ttft_long"] > on["ttft_long"], "paid for by the documents' first token"
+
+
+# -- the batch class: no SLO, minimise cost (lab 6, "The batch class: no SLO, minimise cost") ----------------
+
+
+@pytest.fixture(scope="module")
+def batch_cost():
+    from minivllm.labs import at_scale
+
+    return at_scale.batch_cost_runs()
+
+
+def test_every_run_serves_every_request_and_bills_by_the_rented_time(batch_cost):
+    from minivllm.labs.check_lab08 import GPU_HOUR_USD
+
+    for name, r in batch_cost.items():
+        assert r["served"] == r["requests"], name
+        assert r["busy_s"] <= r["gpu_s"] + 1e-9
+        assert r["usd_per_m"] == pytest.approx(GPU_HOUR_USD * r["gpu_s"] / 3600 / (r["tokens"] / 1e6)), name
+
+
+def test_batch_rides_in_the_chats_slack_and_three_class_keeps_their_promise(batch_cost):
+    from minivllm.labs import at_scale
+
+    chats, shared, fcfs, alone = (batch_cost[k] for k in at_scale.BATCH_COST_ROWS)
+    # Physics oracle: on its own the batch needs at least its FLOPs at the preset's sustained rate.
+    shape, hw = at_scale.presets()
+    assert alone["gpu_s"] >= 2 * shape.num_params * alone["tokens"] / (hw.peak_flops * hw.flops_util)
+    extra = shared["gpu_s"] - chats["gpu_s"]
+    assert 0 <= extra < 0.02 * alone["gpu_s"], "the batch tier fits in the time the chats rent anyway"
+    assert shared["batch_done_s"] < chats["gpu_s"], "... finishing inside the chats' window"
+    assert shared["chat_ttft_p95"] < 0.7 and shared["chat_itl_p95"] < 0.060, "interactive promise kept"
+    assert fcfs["chat_ttft_p95"] > 0.7, "FCFS: same cost, the chats queue behind the backlog"
+    assert chats["chat_itl_p95"] < shared["chat_itl_p95"], "the chats pay in ITL"
+
+
+def test_the_quiz_quotes_the_batch_cost_runs(batch_cost):
+    from minivllm.labs.quiz import load_bank
+
+    q = next(q for q in load_bank(6) if q["id"] == "batch-slack")
+    text = q["question"] + q["why"] + json.dumps(q["answers"])
+    chats, shared, _, alone = (batch_cost[k] for k in ("chats alone", "chats + batch, three_class", "chats + batch, fcfs",
+                                                        "batch alone"))
+    assert f"({shared['batch_tokens']:,} tokens)" in text
+    assert f"added {shared['gpu_s'] - chats['gpu_s']:.2f} GPU-seconds" in text
+    assert f"alone they took {alone['gpu_s']:.2f} s" in text
+    assert f"finished at {shared['batch_done_s']:.1f} s" in text and f"last chat ({chats['gpu_s']:.1f} s)" in text
+    assert f"p95 {chats['chat_itl_p95'] * 1e3:.0f} -> {shared['chat_itl_p95'] * 1e3:.0f} ms" in text

@@ -191,6 +191,84 @@ def class_mix(policy: str, classes: dict, knobs=None, *, scale: float = 300.0, d
     return serve(engine, mixed_classes(duration, scale=scale), window=duration)
 
 
-__all__ = ["BLOCK_SIZE", "HARDWARE", "MODEL", "chunk_engine", "chunk_sweep", "class_mix", "context_grid", "costs",
-           "crossover_tokens", "knee_sweep", "label", "pool_blocks", "presets", "recompute_s", "serving_engine",
+BATCH_COST_ROWS = ("chats alone", "chats + batch, three_class", "chats + batch, fcfs", "batch alone")
+
+
+def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch: int = 200, seed: int = 1,
+                    model: str = MODEL, hardware: str = HARDWARE) -> dict[str, dict]:
+    """The batch class's promise, "no latency SLO, minimise cost", measured on one simulated GPU.
+
+    Chats (interactive) arrive ``chat_rate`` a second for ``seconds`` (prompts 64-512 tokens, answers 64-256);
+    a backlog of ``num_batch`` batch prompts (500-1,000 tokens, 100-300 out) is queued at t = 0.  Four runs
+    (:data:`BATCH_COST_ROWS`): the chats alone; chats and batch under ``three_class`` and under ``fcfs``; the
+    batch alone, on a GPU of its own.  Each row: ``requests`` and ``served``, ``gpu_s`` (first arrival to last token: the time the GPU is
+    rented for), ``busy_s`` (the time it spent in steps), ``tokens`` and ``batch_tokens`` served (prompt +
+    output), ``usd_per_m`` (dollars per million tokens at lab 8's assumed GPU-hour price), the chats' p95 TTFT
+    and ITL, and ``batch_done_s`` (when the last batch request finished).
+    """
+    import random
+
+    from minivllm.config import TenantConfig
+    from minivllm.labs.check_lab08 import usd_per_million
+    from minivllm.labs.live import SimArrival, ramp_arrivals, run_sim_load
+    from minivllm.metrics.stats import nearest_rank
+
+    chats = ramp_arrivals([chat_rate], seconds, prompt=(64, 512), output=(64, 256), tenants=("chat",), seed=seed)
+    rng = random.Random(seed)
+    batch = [SimArrival(0.0, f"b{i}", "bulk", rng.randint(500, 1000), rng.randint(100, 300)) for i in range(num_batch)]
+    tenants = {"chat": TenantConfig(priority_class="interactive"), "bulk": TenantConfig(priority_class="batch")}
+    both = sorted(chats + batch, key=lambda a: a.time)
+    runs = dict(zip(BATCH_COST_ROWS, ((chats, "three_class"), (both, "three_class"), (both, "fcfs"),
+                                      (batch, "three_class"))))
+    out = {}
+    for name, (arrivals, policy) in runs.items():
+        engine = serving_engine(model=model, hardware=hardware, max_num_batched_tokens=2048,
+                                scheduling_policy=policy, tenants=tenants)
+        run = run_sim_load(engine, arrivals)
+        start = {a.request_id: a.time for a in arrivals}
+        chat_ids = [a.request_id for a in arrivals if a.tenant == "chat"]
+        tokens = sum(a.prompt_len + a.max_tokens for a in arrivals)
+        out[name] = {
+            "requests": len(arrivals), "served": len(run.e2e),
+            "gpu_s": run.duration, "busy_s": engine.executor.busy_s, "tokens": tokens,
+            "batch_tokens": sum(a.prompt_len + a.max_tokens for a in arrivals if a.tenant == "bulk"),
+            "usd_per_m": usd_per_million(tokens, run.duration),
+            "chat_ttft_p95": nearest_rank([run.ttft[r] for r in chat_ids], 95, float("nan")),
+            "chat_itl_p95": nearest_rank([g for r in chat_ids for g in run.itls[r]], 95, float("nan")),
+            "batch_done_s": max((start[r] + run.e2e[r] for r in run.e2e if r.startswith("b")), default=0.0),
+        }
+    return out
+
+
+def long_prefill_run(budget: int, long_prefill_tokens: int, *, doc_class: str = "agent", model: str = MODEL,
+                     hardware: str = HARDWARE) -> dict:
+    """Lab 4's at-scale scene under the three-class preset: does the clause ``chunk_long_prefills`` protect ITL?
+
+    Chats arrive about 20 a second (tenant ``chat``, interactive) and two 32K-token
+    documents 1.5 s apart (tenant ``docs``, class ``doc_class``).  The step budget is
+    ``budget``; no request prefills more than ``long_prefill_tokens`` tokens in one step
+    (the preset's clause, vLLM's ``long_prefill_token_threshold``; a value at or above the
+    budget switches it off).  Returns lab 4's :func:`~minivllm.labs.check_lab04.summarize`
+    (the chats' ITL p50/p99/worst, their TTFT p99, the documents' mean TTFT) plus
+    ``max_chunk``: the most prompt tokens one request prefilled in one step, read from the
+    step log.
+    """
+    import dataclasses
+
+    from minivllm.config import TenantConfig, ThreeClassConfig
+    from minivllm.labs.check_lab04 import mixed_arrivals, run_arrivals, summarize
+
+    arrivals = [dataclasses.replace(a, tenant="chat" if a.request_id.startswith("c") else "docs")
+                for a in mixed_arrivals(num_long=2, long_len=32768, long_every_s=1.5, first_long_s=0.3,
+                                        chat_every_s=0.05, seed=2)]
+    tenants = {"chat": TenantConfig(priority_class="interactive"), "docs": TenantConfig(priority_class=doc_class)}
+    engine = chunk_engine(budget, model=model, hardware=hardware, scheduling_policy="three_class", tenants=tenants,
+                          three_class=ThreeClassConfig(long_prefill_tokens=long_prefill_tokens))
+    summary = summarize(run_arrivals(engine, arrivals))
+    summary["max_chunk"] = max((n for e in engine.step_log for _, _, n in e["seqs"]), default=0)
+    return summary
+
+
+__all__ = ["BATCH_COST_ROWS", "BLOCK_SIZE", "HARDWARE", "batch_cost_runs", "MODEL", "chunk_engine", "chunk_sweep", "class_mix", "context_grid", "costs",
+           "crossover_tokens", "knee_sweep", "label", "long_prefill_run", "pool_blocks", "presets", "recompute_s", "serving_engine",
            "device_s", "step_s", "swap_s"]

@@ -482,6 +482,7 @@ class Arrival:
     request_id: str
     prompt: tuple
     max_tokens: int
+    tenant: str = "default"
 
 
 def mixed_arrivals(*, num_long: int = 5, long_len: int = LONG_PROMPT, long_every_s: float = 1.0,
@@ -542,7 +543,7 @@ def run_arrivals(engine, arrivals: Sequence[Arrival], *, max_steps: int = 200_00
             a = arrivals[k]
             engine.add_request({"prompt_token_ids": list(a.prompt)},
                                SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id,
-                               arrival_time=a.time)
+                               tenant=a.tenant, arrival_time=a.time)
             k += 1
         starts.append(clock.now())
         for o in engine.step():

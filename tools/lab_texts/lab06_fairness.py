@@ -561,6 +561,55 @@ both tenants meet **both** SLOs for every request: the GPU's steps are short eno
 interactive tiers get the seats and the budget first. The batch tier finishes a few seconds later than under FCFS.
 Capacity makes a promise *possible*; the policy decides who gets it.
 
+### The batch class: no SLO, minimise cost
+
+The third class has no latency promise. Its promise is about cost: what does a batch token cost? A GPU is rented by
+the hour, busy or not. An interactive service keeps its steps short, and a decode step reads all the weights to
+produce a few dozen tokens (memory bound, lab 4), so most of the GPU's arithmetic goes unused. `batch_cost_runs()`
+serves four runs on the same simulated H100: 10 s of chats at 20 a second, alone; the same chats with a backlog of
+200 batch prompts (500–1,000 tokens each) queued at t = 0, under `three_class` and under FCFS; and the batch alone, on
+a GPU of its own. "GPU s" is first arrival to last token, the time the GPU is rented for. Dollars use lab 8's assumed
+price of an H100 hour.
+"""),
+("code", r"""
+from minivllm.labs.check_lab08 import GPU_HOUR_USD, window_usd
+
+print(at_scale.label(), f"at ${GPU_HOUR_USD:.2f} per GPU-hour")
+cost = at_scale.batch_cost_runs()
+print(f"{'':28s}{'GPU s':>7}{'tokens':>9}{'$ / 1M tok':>11}{'chat p95 TTFT':>15}{'chat p95 ITL':>14}{'batch done':>12}")
+
+
+def ms(v, width):  # a latency in ms, or a dash for a run without chats
+    return f"{v * 1e3:{width - 3}.0f} ms" if v == v else f"{'-':>{width}}"
+
+
+for name, r in cost.items():
+    done = f"{r['batch_done_s']:10.1f} s" if r["batch_tokens"] else f"{'-':>12}"
+    print(f"{name:28s}{r['gpu_s']:7.2f}{r['tokens']:9,d}{r['usd_per_m']:11.3f}{ms(r['chat_ttft_p95'], 15)}"
+          f"{ms(r['chat_itl_p95'], 14)}{done}")
+shared, alone = cost["chats + batch, three_class"], cost["batch alone"]
+extra_s = shared["gpu_s"] - cost["chats alone"]["gpu_s"]   # what adding the batch tier added to the rental
+print(f"the batch tier's {shared['batch_tokens']:,} tokens: {extra_s:.2f} extra GPU-seconds beside the chats, "
+      f"{alone['gpu_s']:.2f} GPU-seconds on a GPU of their own")
+print(f"cost per 1M batch tokens: ${window_usd(extra_s) / (shared['batch_tokens'] / 1e6):.4f} beside the chats "
+      f"(the extra rental), ${alone['usd_per_m']:.3f} alone")
+""", ["covered-by-solution"]),
+("md", r"""
+Read the first two rows together. The chats alone cost about $0.11 per million tokens: the GPU is rented for 11.8 s,
+and its short, memory-bound steps use a small part of its arithmetic. Add the batch backlog under `three_class`, and
+the same 11.8 s serve 3.2 times the tokens. The batch tier's 192,000 tokens added 0.02 GPU-seconds to the rental,
+against 7.5 s on a GPU of their own. The chats had paid for the machine; batch work used the arithmetic their steps
+left idle, at a cost close to zero. The chats pay in latency, and it stays inside their promise: ITL p95 11 → 51 ms
+(under 60), TTFT p95 26 → 72 ms.
+
+FCFS serves the same tokens in the same time for the same money, and the chats wait behind the backlog (p95 TTFT
+3.4 s). Cost does not separate the two policies; the promise kept beside it does. The batch work finishes at 10.0 s
+instead of 9.0 s (FCFS) or 7.5 s alone, and nobody was promised otherwise.
+
+Two limits. "Close to zero" holds while the backlog fits in the chats' slack; a bigger one runs past the chat window,
+and every second beyond it is billed like the dedicated GPU. And the chats' ITL rose towards its 60 ms line: the
+2,048-token step budget is what keeps it under. That is why the batch class needs the other clauses around it.
+
 ### Which clause buys what
 
 The seed's point is that every clause of a policy corresponds to a measurable behaviour. Measure it: switch the
@@ -568,7 +617,7 @@ clauses off one at a time. On the H100's full pool (26,674 blocks) memory is nev
 nothing to do; the cell squeezes the same mix into **700 blocks** (11,200 tokens, about what a 70B model leaves on
 one GPU), where they do. A clause is switched off by its knob: no KV reserve, an agent share of everything, batch
 admitted whatever queue of chats waits, no per-tenant cache cap, every victim recomputed. (`chunk_long_prefills` has
-nothing to chunk here: no prompt reaches 8K.)
+nothing to chunk here: no prompt reaches 8K. The next section gives it prompts that do.)
 """),
 ("code", r"""
 import dataclasses
@@ -597,6 +646,46 @@ crossover lab 5 measured on this preset (~300), so the cost model swaps them; re
 agents tens of milliseconds of p95 TTFT. The **cache cap** changes nothing on this mix: one tenant's cache never crowds out another's here; it is insurance
 against a tenant whose prompts share nothing (lab 3's quota section shows that case). A clause that is idle on one
 workload is not a wasted clause; but a policy whose clauses you have never seen move is a policy you cannot tune.
+"""),
+("md", r"""
+### The 8K clause, with prompts above 8K
+
+The clause `chunk_long_prefills` is the seed's *"chunk prefill above 8K tokens to protect ITL"*. Give it something to
+chunk: lab 4's at-scale scene (chats arriving about 20 a second, two 32K-token documents 1.5 s apart, Llama-3-8B on
+the H100 preset), now under the three-class preset, with the chats interactive and the documents sent by an
+agent-class tenant. The clause bounds what *one request* prefills in a step; the step's size is the budget,
+`max_num_batched_tokens`. So there are three rows: a budget of 16,384 chosen for throughput, without the clause and
+with it, and the budget lab 4's `pick_budget` chose for a 60 ms ITL (1,024), with the clause.
+"""),
+("code", r"""
+from minivllm.labs import at_scale
+
+print(at_scale.label())
+ROWS = {"budget 16,384, clause off": (16384, 16384), "budget 16,384, 8K clause": (16384, 8192),
+        "budget 1,024, 8K clause": (1024, 8192)}
+print(f"{'three_class with':28s}{'largest chunk':>14}{'chat ITL p99':>14}{'worst gap':>11}{'chat TTFT p99':>15}"
+      f"{'document TTFT':>15}")
+for name, (budget, clause) in ROWS.items():
+    r = at_scale.long_prefill_run(budget, clause)
+    print(f"{name:28s}{r['max_chunk']:9,d} tok{r['itl_p99'] * 1e3:11.0f} ms{r['itl_worst'] * 1e3:8.0f} ms"
+          f"{r['ttft_chat_p99'] * 1e3:12.0f} ms{r['ttft_long']:14.2f} s")
+"""),
+("md", r"""
+Read it row by row:
+
+* **Without the clause** one document takes 16,337 tokens of a single step, and every chat stream freezes for 626 ms
+  (p99 ITL 434 ms).
+* **The clause** caps each document at 8,192 tokens a step. The worst gap falls to 357 ms. That is not half of 626,
+  because a chunk deep into a 32K prompt attends to everything before it, so the last chunks cost more than the first.
+  The chats' TTFT p99 falls from 1.03 s to 0.64 s, under their 700 ms promise, because the rest of the budget now goes
+  to their prompts. So the clause protects ITL, and here TTFT even more. But a p99 ITL of 349 ms is still about six
+  times the 60 ms promise.
+* **The budget keeps the promise.** At 1,024 tokens a step the chats' ITL p99 is 45 ms and their TTFT p99 80 ms. The
+  documents wait 1.21 s for their first token instead of 1.10 s. With a budget under 8K the clause never binds: it is
+  the guard for an engine whose budget was set for throughput.
+
+This is lab 4's conclusion again, now under the full policy: the clause says *which* prompts are chunked, and the
+ITL target says how small the chunks must be.
 """),
 ("md", r"""
 ### Agents: a task is many sequential calls
@@ -713,6 +802,11 @@ print_answers(6)   # the answer key: run it after you have answered
   the neighbour's p95 TTFT), and what each defence stops: WFQ isolates the neighbour but not the waste;
   cancellation, or a rejecting cap with a client that honours `retry_after_s`, removes the waste.
 * How the three-class policy turns "be fair" into named promises per class, each with a metric and an enforcement.
+* Why a batch token can cost almost nothing on a GPU that interactive traffic already pays for (decode steps leave
+  its arithmetic idle), how to measure that (extra GPU-seconds per batch token), and what keeps it from breaking
+  the interactive promises.
+* What the clause "chunk prefill above 8K tokens" bounds (one request's share of a step) and what it does not (the
+  step's length, set by the budget), and why it matters only when the budget is larger than 8K.
 * Why an agent's task time is the sum of its sequential calls' TTFT and decode, so the queueing a policy allows one
   call is paid once per call.
 
