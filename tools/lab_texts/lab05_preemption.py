@@ -215,7 +215,8 @@ victim_check = check_victim_policy(ProtectInteractive)
 Victim = choose(victim_check, ProtectInteractive, ReferenceVictim, "victim policy")
 """),
 ("md", r"""
-The measurement: the same overloaded workload, recompute mode, with the default victim and with yours.
+The measurement: the same overloaded workload, recompute mode, with the default victim and with the policy `choose`
+picked above (yours once it passes its checker, the engine's `ReferenceVictim` until then).
 """),
 ("code", r"""
 policies = {"default (newest)": serve(lab_engine(), arrivals),
