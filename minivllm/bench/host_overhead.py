@@ -54,9 +54,6 @@ step reads pass 256 and stop being CPython's shared small-int objects (see
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -327,12 +324,8 @@ def main() -> int:
             print(f"  {r['output_tokens']:5d} output tokens ({r['total_tokens']:5d} in all): host median "
                   f"{r['host_cpu_us_median']:6.1f}, mean {r['host_cpu_us_mean']:6.1f}  prep {r['prep_cpu_us_median']:6.1f}")
         if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"command": "python -m minivllm.bench host_overhead "
-                                            f"--sweep {','.join(map(str, args.sweep))} --prompt-len {args.prompt_len} "
-                                            f"--prefix-cache {args.prefix_cache}",
-                                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-                                            "rows": rows}, indent=2) + "\n")
+            write_result(args.out, {"rows": rows}, "python -m minivllm.bench host_overhead")
+            print(f"wrote {args.out}")
         return 0
     rows = [measure(args.seqs, args.warmup, args.later, args.samples, kind) for kind in args.kinds]
     early, late = rows[0]["tokens_early"], rows[0]["tokens_late"]
@@ -350,15 +343,8 @@ def main() -> int:
           f"{NANO_VLLM_STEP_US[1]} us, decode preparation {NANO_VLLM_PREP_US} us; target: half of those "
           f"(<= {NANO_VLLM_STEP_US[0] // 2}-{NANO_VLLM_STEP_US[1] // 2} us, <= {NANO_VLLM_PREP_US // 2} us)")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
-            "command": "python -m minivllm.bench host_overhead " + " ".join(
-                f"--{k} {v}" for k, v in (("seqs", args.seqs), ("warmup", args.warmup), ("later", args.later),
-                                          ("samples", args.samples))),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                        "torch": torch.__version__, "load_average_at_end": os.getloadavg()},
-            "rows": rows, "nano_vllm_step_us": NANO_VLLM_STEP_US, "nano_vllm_prep_us": NANO_VLLM_PREP_US,
-        }, indent=2) + "\n")
+        write_result(args.out, {"rows": rows, "nano_vllm_step_us": NANO_VLLM_STEP_US,
+                                "nano_vllm_prep_us": NANO_VLLM_PREP_US}, "python -m minivllm.bench host_overhead")
         print(f"wrote {args.out}")
     return 0
 

@@ -15,13 +15,12 @@ behind ``linear_backend="auto"`` choosing oneDNN on a CPU.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
 
 import torch
 
 from minivllm.argtypes import positive_int
+from minivllm.bench.results import write_result
 
 
 def model_shapes(model: str | None) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
@@ -88,14 +87,9 @@ def main() -> int:
             print(f"{rows:5d} {cells[0]} {cells[1]} {ratio:7.2f}x", flush=True)
             results.append(row)
     if a.json:
-        with open(a.json, "w") as f:
-            # (``--rows`` takes a list: one flag, every value after it; a repeated flag keeps only the last)
-            rerun = (["--model", a.model] if a.model else []) + ["--repeats", str(a.repeats), "--rows",
-                                                                 *map(str, a.rows)]
-            json.dump({"command": "python -m minivllm.bench linear " + " ".join(rerun),
-                       "machine": {"platform": platform.platform(), "torch": torch.__version__,
-                                   "threads": torch.get_num_threads()},
-                       "weight_mb": weight_bytes / 1e6, "rows": results}, f, indent=2)
+        write_result(a.json, {"torch_threads": torch.get_num_threads(), "weight_mb": weight_bytes / 1e6,
+                              "rows": results}, "python -m minivllm.bench linear")
+        print(f"wrote {a.json}")
     return 0
 
 
