@@ -279,6 +279,68 @@ def hidden_paged_slots(fn, seed: int) -> CheckResult:
     ], verbose=False)
 
 
+# -- the block size's time cost: decode attention through the block table ----------------
+
+
+def paged_decode_step(block_size: int, *, batch: int = 32, context: int = 1024, heads: int = 9, kv_heads: int = 3,
+                      head_dim: int = 64, shuffled: bool = True, repeats: int = 20, seed: int = 0):
+    """One decode step's attention for ``batch`` sequences of ``context`` tokens, their K/V in blocks of
+    ``block_size``: ``(median ms, output [batch, heads, head_dim], reader)``.
+
+    The logical K/V are the same for every block size (drawn once from ``seed``); only their layout
+    changes.  With ``shuffled`` the physical blocks are a random permutation: after a pool has served a
+    while, a request's blocks are wherever the free list had them.  The reader is the engine's CPU decode
+    kernel (``minivllm/model/csrc/paged_decode.c``, which follows the block table entry by entry), or,
+    without a C compiler, the torch reference's gather of every block into a padded tensor.  Shapes default
+    to SmolLM2-135M's attention (9 query heads, 3 KV heads of 64).
+    """
+    import statistics
+    import time
+
+    import torch
+
+    from minivllm.model.cpu_attention import load_kernel, paged_decode
+
+    if context % block_size:
+        raise ValueError(f"context ({context}) must be a multiple of block_size ({block_size})")
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, head_dim, generator=gen)
+    k, v = (torch.randn(batch, context, kv_heads, head_dim, generator=gen) for _ in range(2))
+    per_seq = context // block_size
+    num_blocks = batch * per_seq
+    order = torch.randperm(num_blocks, generator=gen) if shuffled else torch.arange(num_blocks)
+    tables = order.to(torch.int32).view(batch, per_seq).contiguous()
+    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[tables.flatten().long()] = k.reshape(num_blocks, block_size, kv_heads, head_dim)
+    v_cache[tables.flatten().long()] = v.reshape(num_blocks, block_size, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    kernel = load_kernel()
+    if kernel is not None:
+        reader = "the engine's C decode kernel"
+        lens = torch.full((batch,), context, dtype=torch.int32)
+
+        def attend():
+            return paged_decode(q, k_cache, v_cache, tables, lens, scale, kernel)
+    else:
+        reader = "torch: gather the blocks, then SDPA (no C compiler)"
+        index = tables.long()
+
+        def attend():
+            kk = k_cache[index].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
+            vv = v_cache[index].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, scale=scale,
+                                                                   enable_gqa=True)
+            return out.squeeze(2)
+    out = attend()  # a warm-up call: first-touch page faults and lazy loading are not the block size's cost
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        attend()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3, out, reader
+
+
 # -- quiz answers (``"compute": "minivllm.labs.check_lab02:<name>"`` in quizzes/lab02.json) ----
 
 

@@ -387,6 +387,40 @@ for b, w, t in zip(sizes, waste, table):
         print(f"block_size {b:5d}: {w:6.1%} wasted, {t:7.1f} blocks per request")
 """),
 ("md", r"""
+### The time side, measured on this machine
+
+Waste and table length can be counted; what a small block costs in time has to be measured. The engine's CPU decode
+kernel (`minivllm/model/csrc/paged_decode.c`) reads each sequence's K and V block by block, following the block table.
+`paged_decode_step(b)` times one decode step's attention (32 sequences of 1,024 tokens, SmolLM2-135M's heads) with the
+same K/V laid out in blocks of `b` tokens. The blocks are scattered over the pool the way a pool that has served for a
+while scatters them. Lab 7 times the GPU kernel the same way.
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (times depend on the machine)
+from minivllm.labs.check_lab02 import paged_decode_step
+
+TIME_SIZES = [1, 2, 4, 8, 16, 32, 64, 256]
+step_ms = {}
+for b in TIME_SIZES:
+    step_ms[b], _, reader = paged_decode_step(b)
+fig, ax = plt.subplots(figsize=(7, 2.8))
+ax.plot(TIME_SIZES, [step_ms[b] for b in TIME_SIZES], "o-")
+ax.set_xscale("log", base=2); ax.set_xticks(TIME_SIZES, [str(b) for b in TIME_SIZES]); ax.set_ylim(0, None)
+ax.set(xlabel="block_size (tokens)", ylabel="ms per step (attention)",
+       title=f"one decode step, 32 sequences x 1,024 tokens: {reader}")
+plt.show()
+for b in (1, 16, 256):
+    print(f"block_size {b:4d}: {step_ms[b]:5.2f} ms, {1024 // b:5d} table entries per sequence")
+"""),
+("md", r"""
+On the 2-core machine this notebook was built on, five runs gave 12–15 ms for 1-token blocks, 2–5 ms for 16-token
+blocks (that one moves from run to run) and 2.0–2.4 ms for 256-token blocks. Your numbers will differ; the shape
+should not. Below 16 tokens the time climbs steeply. The
+kernel pays a fixed cost per block (read the table entry, find the block, start the reads), and tiny blocks scattered
+over the pool defeat the memory prefetcher. Above 16 the time hardly moves, while the waste in the plot above keeps
+growing. So 16 is a common default: it gets most of the speed of big blocks and little of their waste.
+"""),
+("md", r"""
 ## 5. Your pool behind the real model
 
 The same `install_pool` works for the real engine with the bundled SmolLM2-135M: the model's attention reads and
@@ -438,7 +472,8 @@ print_answers(2)   # the answer key: run it after you have answered
   reproducible.
 * How a token's position becomes a physical slot through the block table.
 * Why paging wastes about half a block per sequence, how that grows with `block_size`, and what a bigger block buys
-  instead (fewer table entries, fewer allocations).
+  instead (fewer table entries, fewer allocations, and a faster attention kernel: measured, several times faster
+  at 16 tokens than at 1 on this machine's CPU kernel).
 * Why less waste means more throughput on the same memory (a bigger batch; lab 1's memory-bound decode).
 * Copy-on-write: when a shared block must become private, and why full blocks never need to.
 
