@@ -201,10 +201,10 @@ def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch
     Chats (interactive) arrive ``chat_rate`` a second for ``seconds`` (prompts 64-512 tokens, answers 64-256);
     a backlog of ``num_batch`` batch prompts (500-1,000 tokens, 100-300 out) is queued at t = 0.  Four runs
     (:data:`BATCH_COST_ROWS`): the chats alone; chats and batch under ``three_class`` and under ``fcfs``; the
-    batch alone, on a GPU of its own.  Each row: ``requests`` and ``served``, ``gpu_s`` (first arrival to last token: the time the GPU is
-    rented for), ``busy_s`` (the time it spent in steps), ``tokens`` and ``batch_tokens`` served (prompt +
-    output), ``usd_per_m`` (dollars per million tokens at lab 8's assumed GPU-hour price), the chats' p95 TTFT
-    and ITL, and ``batch_done_s`` (when the last batch request finished).
+    batch alone, on a GPU of its own.  Each row: ``requests`` and ``served``; ``gpu_s`` (first arrival to
+    last token: the time the GPU is rented for) and ``busy_s`` (the time it spent in steps); ``tokens`` and
+    ``batch_tokens`` served (prompt + output); ``usd_per_m`` (dollars per million tokens at lab 8's assumed
+    GPU-hour price); the chats' p95 TTFT and ITL; ``batch_done_s`` (when the last batch request finished).
     """
     import random
 
@@ -269,6 +269,6 @@ def long_prefill_run(budget: int, long_prefill_tokens: int, *, doc_class: str = 
     return summary
 
 
-__all__ = ["BATCH_COST_ROWS", "BLOCK_SIZE", "HARDWARE", "batch_cost_runs", "MODEL", "chunk_engine", "chunk_sweep", "class_mix", "context_grid", "costs",
-           "crossover_tokens", "knee_sweep", "label", "long_prefill_run", "pool_blocks", "presets", "recompute_s", "serving_engine",
-           "device_s", "step_s", "swap_s"]
+__all__ = ["BATCH_COST_ROWS", "BLOCK_SIZE", "HARDWARE", "MODEL", "batch_cost_runs", "chunk_engine", "chunk_sweep",
+           "class_mix", "context_grid", "costs", "crossover_tokens", "device_s", "knee_sweep", "label",
+           "long_prefill_run", "pool_blocks", "presets", "recompute_s", "serving_engine", "step_s", "swap_s"]

@@ -291,7 +291,7 @@ def paged_decode_step(block_size: int, *, batch: int = 32, context: int = 1024, 
     changes.  With ``shuffled`` the physical blocks are a random permutation: after a pool has served a
     while, a request's blocks are wherever the free list had them.  The reader is the engine's CPU decode
     kernel (``minivllm/model/csrc/paged_decode.c``, which follows the block table entry by entry), or,
-    without a C compiler, the torch reference's gather of every block into a padded tensor.  Shapes default
+    without a C compiler, a torch gather of every block into one tensor, then SDPA.  Shapes default
     to SmolLM2-135M's attention (9 query heads, 3 KV heads of 64).
     """
     import statistics

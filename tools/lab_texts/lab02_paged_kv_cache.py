@@ -413,11 +413,10 @@ for b in (1, 16, 256):
     print(f"block_size {b:4d}: {step_ms[b]:5.2f} ms, {1024 // b:5d} table entries per sequence")
 """),
 ("md", r"""
-On the 2-core machine this notebook was built on, five runs gave 12–15 ms for 1-token blocks, 2–5 ms for 16-token
-blocks (that one moves from run to run) and 2.0–2.4 ms for 256-token blocks. Your numbers will differ; the shape
-should not. Below 16 tokens the time climbs steeply. The
-kernel pays a fixed cost per block (read the table entry, find the block, start the reads), and tiny blocks scattered
-over the pool defeat the memory prefetcher. Above 16 the time hardly moves, while the waste in the plot above keeps
+Over six runs on the 2-core machine this notebook was built on, 1-token blocks took 12–18 ms, 16-token blocks 2–5 ms
+(that one moves from run to run) and 256-token blocks 2.0–2.6 ms: the smallest blocks cost five to seven times the
+largest. Your numbers will differ; the shape should not. Below 16 tokens the time climbs steeply. The kernel pays a fixed cost per block (read the table entry,
+find the block, start the reads), and tiny blocks scattered over the pool defeat the memory prefetcher. Above 16 the time hardly moves, while the waste in the plot above keeps
 growing. So 16 is a common default: it gets most of the speed of big blocks and little of their waste.
 """),
 ("md", r"""

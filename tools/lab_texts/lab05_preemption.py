@@ -821,8 +821,8 @@ print_answers(5)   # the answer key: run it after you have answered
 * Why the default victim is the newest request, and how a victim policy moves preemptions away from an interactive
   tenant without reducing them — and why that barely helps its latency when the queue dominates.
 * Why a request that one tenant's traffic may always preempt has a latency with no bound, though the server is up,
-  and how the anti-thrash guard (`preemption_protect_after`) bounds it — at the price of the protected tenant's
-  latency; why preemption rates must be counted per tenant.
+  and how the anti-thrash guard (`preemption_protect_after`) bounds it — at the price of the other tenants'
+  latency, since someone else must give way; why preemption rates must be counted per tenant.
 * The swap-or-recompute rule in seconds, where its crossover lies (link bandwidth vs prefill rate per block), and
   why it hardly depends on context length in a linear cost model.
 * Why a reject rule at the door keeps latency bounded, and why the reject rate (not GPU utilisation) is what an

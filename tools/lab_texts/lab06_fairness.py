@@ -572,6 +572,7 @@ a GPU of its own. "GPU s" is first arrival to last token, the time the GPU is re
 price of an H100 hour.
 """),
 ("code", r"""
+from minivllm.labs import at_scale
 from minivllm.labs.check_lab08 import GPU_HOUR_USD, window_usd
 
 print(at_scale.label(), f"at ${GPU_HOUR_USD:.2f} per GPU-hour")
