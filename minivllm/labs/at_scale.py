@@ -227,6 +227,7 @@ def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch
         run = run_sim_load(engine, arrivals)
         start = {a.request_id: a.time for a in arrivals}
         chat_ids = [a.request_id for a in arrivals if a.tenant == "chat"]
+        bulk_ids = [a.request_id for a in arrivals if a.tenant == "bulk"]
         tokens = sum(a.prompt_len + a.max_tokens for a in arrivals)
         out[name] = {
             "requests": len(arrivals), "served": len(run.e2e),
@@ -235,7 +236,7 @@ def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch
             "usd_per_m": usd_per_million(tokens, run.duration),
             "chat_ttft_p95": nearest_rank([run.ttft[r] for r in chat_ids], 95, float("nan")),
             "chat_itl_p95": nearest_rank([g for r in chat_ids for g in run.itls[r]], 95, float("nan")),
-            "batch_done_s": max((start[r] + run.e2e[r] for r in run.e2e if r.startswith("b")), default=0.0),
+            "batch_done_s": max((start[r] + run.e2e[r] for r in bulk_ids if r in run.e2e), default=0.0),
         }
     return out
 

@@ -291,7 +291,8 @@ def paged_decode_step(block_size: int, *, batch: int = 32, context: int = 1024, 
     changes.  With ``shuffled`` the physical blocks are a random permutation: after a pool has served a
     while, a request's blocks are wherever the free list had them.  The reader is the engine's CPU decode
     kernel (``minivllm/model/csrc/paged_decode.c``, which follows the block table entry by entry), or,
-    without a C compiler, a torch gather of every block into one tensor, then SDPA.  Shapes default
+    without a C compiler, the engine's torch reference path
+    (:func:`~minivllm.model.attention.paged_attention_reference`), which gathers every block first.  Shapes default
     to SmolLM2-135M's attention (9 query heads, 3 KV heads of 64).
     """
     import statistics
@@ -299,6 +300,7 @@ def paged_decode_step(block_size: int, *, batch: int = 32, context: int = 1024, 
 
     import torch
 
+    from minivllm.model.attention import AttentionMetadata, paged_attention_reference
     from minivllm.model.cpu_attention import load_kernel, paged_decode
 
     if context % block_size:
@@ -323,15 +325,15 @@ def paged_decode_step(block_size: int, *, batch: int = 32, context: int = 1024, 
         def attend():
             return paged_decode(q, k_cache, v_cache, tables, lens, scale, kernel)
     else:
-        reader = "torch: gather the blocks, then SDPA (no C compiler)"
-        index = tables.long()
+        reader = "torch: gather the blocks (the engine's reference path, no C compiler)"
+        lens = [context] * batch
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(batch, dtype=torch.long), query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables, num_decodes=batch,
+            query_lens=[1] * batch, context_lens=[n - 1 for n in lens])
 
         def attend():
-            kk = k_cache[index].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
-            vv = v_cache[index].reshape(batch, context, kv_heads, head_dim).transpose(1, 2)
-            out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kk, vv, scale=scale,
-                                                                   enable_gqa=True)
-            return out.squeeze(2)
+            return paged_attention_reference(q, k_cache, v_cache, meta, scale)
     out = attend()  # a warm-up call: first-touch page faults and lazy loading are not the block size's cost
     times = []
     for _ in range(repeats):
