@@ -166,6 +166,11 @@ caps_strategy = st.fixed_dictionaries({
 
 def check_caps(engine, tenants, ids_tenant):
     sched, budget = engine.scheduler, engine.config.max_num_batched_tokens
+    if sched.caps is not None:  # the needs admission reads, kept on every queue change, against a recount now
+        recount: dict = {}
+        for r in sched.waiting:
+            recount.setdefault(r.tenant, Counter())[sched._need_blocks(r)] += 1
+        assert {t: c for t, c in sched._needs_by_tenant.items() if c} == recount
     rec = engine.step_log[-1] if len(engine.step_log) else None
     if rec is not None:
         assert rec.num_tokens <= budget

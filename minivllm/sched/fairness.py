@@ -375,9 +375,10 @@ class ThreeClassAdmission:
         # The order of sorted(waiting, key=self.rank), built class by class: each request's class is looked up
         # once, and a backlog of batch prompts is left out before it is sorted, not after.
         by_class: tuple[list[Request], list[Request], list[Request]] = ([], [], [])
-        class_rank = self.class_rank
+        known = self._class  # class_rank's own table, read inline: this loop runs once per waiting request
         for r in waiting:
-            by_class[class_rank(r)].append(r)
+            c = known.get(r.tenant)
+            by_class[self.class_rank(r) if c is None else c].append(r)
         interactive, agent, batch = by_class
         if len(interactive) >= self.threshold:  # rule batch_only_when_interactive_idle
             batch = []

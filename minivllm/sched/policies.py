@@ -8,6 +8,7 @@ methods.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Sequence
 
 from minivllm.request import Request
@@ -42,9 +43,9 @@ class PriorityAdmission:
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
         return sorted(waiting, key=self.rank)
 
-    @staticmethod
-    def rank(req: Request) -> tuple:
-        return (req.priority, req.arrival_time)
+    #: ``rank(req) == (req.priority, req.arrival_time)``.  An ``attrgetter`` rather than a function: admission
+    #: sorts the whole waiting queue by it every step, and a C key is several times cheaper per request.
+    rank = staticmethod(attrgetter("priority", "arrival_time"))
 
     @staticmethod
     def may_preempt_for(req: Request, victim: Request) -> bool:

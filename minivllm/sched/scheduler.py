@@ -64,7 +64,7 @@ executor copies them out).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
@@ -173,6 +173,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # requests in ``waiting`` per tenant, kept by every change to the queue (the step log reads it each step)
         self.waiting_by_tenant: dict[str, int] = {}
+        # With caps: each waiting request's cap blocks (fixed while it waits), and per tenant how many wait
+        # needing each count.  Admission reads a need here instead of working it out again every step, and the
+        # smallest need tells it when none of a tenant's waiting requests can pass a cap that one just failed.
+        self._waiting_need: dict[Request, int] = {}
+        self._needs_by_tenant: dict[str, Counter[int]] = {}
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.tenant_stats: dict[str, TenantCounters] = {}
@@ -196,13 +201,25 @@ class Scheduler:
         self._tenants_added.add(req.tenant)
 
     def _count_waiting(self, req: Request, delta: int) -> None:
-        """Keep :attr:`waiting_by_tenant` (tenants with nobody waiting are dropped) as ``req`` enters or leaves."""
+        """Keep :attr:`waiting_by_tenant` (tenants with nobody waiting are dropped) as ``req`` enters or leaves,
+        and with caps the needs admission reads (a waiting request's tokens do not change until it runs)."""
         counts = self.waiting_by_tenant
         n = counts.get(req.tenant, 0) + delta
         if n:
             counts[req.tenant] = n
         else:
             del counts[req.tenant]
+        if self.caps is None:
+            return
+        needs = self._needs_by_tenant.setdefault(req.tenant, Counter())
+        if delta > 0:
+            need = self._waiting_need[req] = self._need_blocks(req)
+            needs[need] += 1
+        else:
+            need = self._waiting_need.pop(req)
+            needs[need] -= 1
+            if not needs[need]:
+                del needs[need]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -358,17 +375,21 @@ class Scheduler:
         # grew: a later request of that tenant needing as many fails too, without asking.  This keeps a step
         # with a long capped backlog (lab 6's 1,800 batch prompts) from re-checking every one of them.
         cap_failed: dict[str, int] = {}
+        # Tenants none of whose waiting requests can pass their caps in this pass: each needs at least as many
+        # blocks as one that failed.  Their requests are passed over with one set lookup, so a step beside a
+        # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
+        cap_closed: set[str] = set()
         swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
         order = self.admission_policy.order(self.waiting, self.running)
         if order is self.waiting:  # a policy may hand back the queue itself ("all of them, as they are"),
             order = list(order)  # which admission changes while it walks the order
         for req in order:
-            if req.tenant in blocked or req.status is RequestStatus.FINISHED_REJECTED:
+            if req.tenant in blocked or req.tenant in cap_closed or req.status is RequestStatus.FINISHED_REJECTED:
                 continue  # (rejected in this pass together with its group's leader)
-            if not self._leader_ready(req):
+            if req.leader is not None and not self._leader_ready(req):
                 continue  # n > 1: a sibling sample forks once its leader has prefilled the prompt
             if caps is not None:
-                need = self._need_blocks(req)
+                need = self._waiting_need[req]
                 if need >= cap_failed.get(req.tenant, need + 1):
                     continue  # as over its caps as a request of its tenant that already failed them
                 if not self._within_caps(req, usage, need):
@@ -378,6 +399,8 @@ class Scheduler:
                         self._cap_rejected.add(req)
                     elif not caps.may_reject(req):
                         cap_failed[req.tenant] = need
+                        if need <= min(self._needs_by_tenant[req.tenant]):
+                            cap_closed.add(req.tenant)  # no waiting request of its tenant needs fewer blocks
                     continue  # its tenant (or class) is at a cap: it waits, the others do not
             while True:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
@@ -396,6 +419,7 @@ class Scheduler:
                 if caps is not None:
                     usage = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
                     cap_failed.clear()
+                    cap_closed.clear()
             if fit is None:
                 if seated and budget > 0 and self._should_reject(req):
                     self._reject(req)
