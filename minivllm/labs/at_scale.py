@@ -82,7 +82,8 @@ def chunk_sweep(budgets: Sequence[int | None], arrivals, *, builder=None, itl_st
     ``itl_stats`` measures the gaps, so a learner's own functions run at scale.  The summary is lab 4's
     :func:`~minivllm.labs.check_lab04.summarize` (decoders' ITL p50/p99/worst, mean TTFT of the long
     prompts, chat TTFT p99, seconds) plus ``tokens_per_s`` (prompt and output
-    tokens over the run's virtual time), the keys lab 4's ``pick_budget`` reads.
+    tokens over the run's virtual time), the keys lab 4's ``pick_budget`` reads, and ``max_chunk``: the most
+    tokens one request computed in one step, read from the step log.
     """
     from minivllm.labs.check_lab04 import install_batch_builder, run_arrivals, summarize
 
@@ -95,6 +96,7 @@ def chunk_sweep(budgets: Sequence[int | None], arrivals, *, builder=None, itl_st
         finals = run_arrivals(eng, arrivals)
         out[b] = summarize(finals, itl_stats) if itl_stats is not None else summarize(finals)
         out[b]["tokens_per_s"] = tokens / eng.executor.now()  # served over the run's virtual time
+        out[b]["max_chunk"] = max((n for e in eng.step_log for _, _, n in e["seqs"]), default=0)
     return out
 
 
@@ -249,25 +251,22 @@ def long_prefill_run(budget: int, long_prefill_tokens: int, *, doc_class: str = 
     documents 1.5 s apart (tenant ``docs``, class ``doc_class``).  The step budget is
     ``budget``; no request prefills more than ``long_prefill_tokens`` tokens in one step
     (the preset's clause, vLLM's ``long_prefill_token_threshold``; a value at or above the
-    budget switches it off).  Returns lab 4's :func:`~minivllm.labs.check_lab04.summarize`
-    (the chats' ITL p50/p99/worst, their TTFT p99, the documents' mean TTFT) plus
-    ``max_chunk``: the most prompt tokens one request prefilled in one step, read from the
-    step log.
+    budget switches it off).  Returns :func:`chunk_sweep`'s row for ``budget``: lab 4's
+    :func:`~minivllm.labs.check_lab04.summarize` (the chats' ITL p50/p99/worst, their TTFT p99,
+    the documents' mean TTFT) plus ``max_chunk``, the most prompt tokens one request prefilled
+    in one step.
     """
     import dataclasses
 
     from minivllm.config import TenantConfig, ThreeClassConfig
-    from minivllm.labs.check_lab04 import mixed_arrivals, run_arrivals, summarize
+    from minivllm.labs.check_lab04 import mixed_arrivals
 
     arrivals = [dataclasses.replace(a, tenant="chat" if a.request_id.startswith("c") else "docs")
                 for a in mixed_arrivals(num_long=2, long_len=32768, long_every_s=1.5, first_long_s=0.3,
                                         chat_every_s=0.05, seed=2)]
     tenants = {"chat": TenantConfig(priority_class="interactive"), "docs": TenantConfig(priority_class=doc_class)}
-    engine = chunk_engine(budget, model=model, hardware=hardware, scheduling_policy="three_class", tenants=tenants,
-                          three_class=ThreeClassConfig(long_prefill_tokens=long_prefill_tokens))
-    summary = summarize(run_arrivals(engine, arrivals))
-    summary["max_chunk"] = max((n for e in engine.step_log for _, _, n in e["seqs"]), default=0)
-    return summary
+    return chunk_sweep([budget], arrivals, model=model, hardware=hardware, scheduling_policy="three_class",
+                       tenants=tenants, three_class=ThreeClassConfig(long_prefill_tokens=long_prefill_tokens))[budget]
 
 
 __all__ = ["BATCH_COST_ROWS", "BLOCK_SIZE", "HARDWARE", "MODEL", "batch_cost_runs", "chunk_engine", "chunk_sweep",

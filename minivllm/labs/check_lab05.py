@@ -64,10 +64,16 @@ def overload_workload(n: int = 96, *, rate_per_s: float = 24.0, seed: int = 0) -
     for i in range(n):
         t += rng.expovariate(rate_per_s)
         tenant = rng.choices(names, weights)[0]
-        _, (p_lo, p_hi), (o_lo, o_hi) = TENANTS[tenant]
-        prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(p_lo, p_hi)))
-        out.append(Arrival(round(t, 6), f"{tenant}-{i}", tenant, prompt, rng.randint(o_lo, o_hi)))
+        out.append(_draw(rng, tenant, t, f"{tenant}-{i}"))
     return out
+
+
+def _draw(rng: random.Random, tenant: str, t: float, request_id: str) -> Arrival:
+    """One request of ``tenant`` at time ``t``, its lengths drawn from :data:`TENANTS` (prompt length, prompt
+    tokens, output length: that order, so every workload built on it reproduces from its seed)."""
+    _, (p_lo, p_hi), (o_lo, o_hi) = TENANTS[tenant]
+    prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(p_lo, p_hi)))
+    return Arrival(round(t, 6), request_id, tenant, prompt, rng.randint(o_lo, o_hi))
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -192,11 +198,9 @@ def starvation_workload(stream_s: float, *, seed: int = 1) -> list[Arrival]:
     rng = random.Random(seed)
     prompt, output = STARVE_BATCH
     out = [Arrival(1.0, "batch-job", "batch", tuple(rng.randrange(10, 900) for _ in range(prompt)), output, 1)]
-    _, (p_lo, p_hi), (o_lo, o_hi) = TENANTS["chat"]
     t, i = 0.0, 0
     while (t := t + rng.expovariate(STARVE_CHAT_RATE)) <= stream_s:
-        chat = tuple(rng.randrange(10, 900) for _ in range(rng.randint(p_lo, p_hi)))
-        out.append(Arrival(round(t, 6), f"chat-{i}", "chat", chat, rng.randint(o_lo, o_hi)))
+        out.append(_draw(rng, "chat", t, f"chat-{i}"))
         i += 1
     return sorted(out, key=lambda a: a.time)
 
