@@ -234,12 +234,12 @@ def backlog(sizes: list[int], samples: int, running: int = 32) -> list[dict]:
     waiting queue every step; nothing can start, so the work it does per waiting request is pure overhead.
     It remembers, per tenant, the smallest request that failed its caps in the pass and skips the tenant's
     requests needing as many blocks or more; once no waiting request of the tenant needs fewer (the scheduler
-    keeps each waiting request's need, counted per tenant), it passes the tenant over with one set lookup
-    (:meth:`~minivllm.sched.scheduler.Scheduler.admit`).  So that work is an ordering and a lookup per request,
-    not a walk over every cap.  Reported: opcodes and host CPU time per step, and their growth per waiting
-    request against the smallest backlog.  On the 2-core machine: 20.6 opcodes (~0.2 us) per waiting request
-    per step; 70.6 (~1.1 us) with the memo alone, 155.0 before it (``*_host_overhead_backlog*.json``).  Still
-    linear in the backlog: the policy orders the whole queue each step.
+    keeps each waiting request's need, counted per tenant), it passes the tenant over whole, and once every
+    tenant still waiting is passed over it stops walking (:meth:`~minivllm.sched.scheduler.Scheduler.admit`).
+    So the work left per waiting request is the policy's ordering.  Reported: opcodes and host CPU time per
+    step, and their growth per waiting request against the smallest backlog.  On the 2-core machine: 12.5
+    opcodes (~0.2 us) per waiting request per step; 70.6 (~1.1 us) with the memo alone, 155.0 before it
+    (``*_host_overhead_backlog*.json``).  Still linear in the backlog: the policy orders the whole queue each step.
     """
     from minivllm import EngineConfig, LLMEngine, SamplingParams
     from minivllm.config import TenantConfig

@@ -401,6 +401,8 @@ class Scheduler:
                         cap_failed[req.tenant] = need
                         if need <= min(self._needs_by_tenant[req.tenant]):
                             cap_closed.add(req.tenant)  # no waiting request of its tenant needs fewer blocks
+                            if self.waiting_by_tenant.keys() <= blocked | cap_closed:
+                                break  # every tenant still waiting is passed over: the rest of the order is too
                     continue  # its tenant (or class) is at a cap: it waits, the others do not
             while True:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
@@ -426,6 +428,8 @@ class Scheduler:
                     continue
                 if self._hol_per_tenant:
                     blocked.add(req.tenant)
+                    if self.waiting_by_tenant.keys() <= blocked | cap_closed:
+                        break  # (as above)
                     continue
                 break
             tokens, blocks = fit
