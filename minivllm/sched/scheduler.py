@@ -211,15 +211,17 @@ class Scheduler:
             del counts[req.tenant]
         if self.caps is None:
             return
-        needs = self._needs_by_tenant.setdefault(req.tenant, Counter())
         if delta > 0:
             need = self._waiting_need[req] = self._need_blocks(req)
-            needs[need] += 1
+            self._needs_by_tenant.setdefault(req.tenant, Counter())[need] += 1
         else:
             need = self._waiting_need.pop(req)
+            needs = self._needs_by_tenant[req.tenant]
             needs[need] -= 1
             if not needs[need]:
                 del needs[need]
+                if not needs:  # like waiting_by_tenant: a server that saw many tenants keeps no empty tables
+                    del self._needs_by_tenant[req.tenant]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
