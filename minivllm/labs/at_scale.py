@@ -146,9 +146,11 @@ def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[in
 
 
 def pool_blocks(model: str = MODEL, hardware: str = HARDWARE, memory_share: float = 0.9) -> int:
-    """KV blocks left on the device after the bf16 weights, at ``memory_share`` of its memory (vLLM's rule)."""
-    shape, hw = presets(model, hardware)
-    return int((hw.memory_bytes * memory_share - shape.num_params * 2) // (shape.kv_bytes_per_token * BLOCK_SIZE))
+    """KV blocks left on the device after the bf16 weights, at ``memory_share`` of its memory (vLLM's rule,
+    as ``minivllm sim run`` sizes its pool: :func:`~minivllm.sim.run.kv_pool_blocks`)."""
+    from minivllm.sim.run import kv_pool_blocks
+
+    return kv_pool_blocks(*presets(model, hardware), memory_share, BLOCK_SIZE)
 
 
 def serving_engine(*, model: str = MODEL, hardware: str = HARDWARE, max_num_seqs: int = 256,

@@ -403,8 +403,8 @@ class Scheduler:
                         cap_failed[req.tenant] = need
                         if need <= min(self._needs_by_tenant[req.tenant]):
                             cap_closed.add(req.tenant)  # no waiting request of its tenant needs fewer blocks
-                            if self.waiting_by_tenant.keys() <= blocked | cap_closed:
-                                break  # every tenant still waiting is passed over: the rest of the order is too
+                            if self._all_passed_over(blocked, cap_closed):
+                                break  # the rest of the order is passed over too
                     continue  # its tenant (or class) is at a cap: it waits, the others do not
             while True:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
@@ -430,7 +430,7 @@ class Scheduler:
                     continue
                 if self._hol_per_tenant:
                     blocked.add(req.tenant)
-                    if self.waiting_by_tenant.keys() <= blocked | cap_closed:
+                    if self._all_passed_over(blocked, cap_closed):
                         break  # (as above)
                     continue
                 break
@@ -450,6 +450,14 @@ class Scheduler:
                     u[1] += len(req.block_ids) + self._reservation(req)
                     u[2] += self._chunk_cap(req)
         return admitted
+
+    def _all_passed_over(self, blocked: set[str], closed: set[str]) -> bool:
+        """Is every tenant still waiting head-of-line ``blocked`` or ``closed`` by its caps in this pass?
+
+        Then admission may stop walking its order: each request left in it would be skipped with one set
+        lookup, and a backlog of thousands would cost thousands of lookups a step for nothing.
+        """
+        return self.waiting_by_tenant.keys() <= blocked | closed
 
     @staticmethod
     def _leader_ready(req: Request) -> bool:

@@ -154,11 +154,11 @@ def replica_kv_blocks(executor: Any, gpu_memory_utilization: float = 0.9) -> int
     """The KV blocks a replica's device holds, as ``minivllm sim run`` sizes them; None for an executor
     without a device (the linear cost model), which keeps :data:`REPLICA`'s count."""
     from minivllm.sim.roofline import RooflineExecutor
-    from minivllm.sim.run import kv_pool_bytes
+    from minivllm.sim.run import kv_pool_blocks
 
     if not isinstance(executor, RooflineExecutor):
         return None
-    return kv_pool_bytes(executor.shape, executor.hardware, gpu_memory_utilization) // executor.kv_bytes_per_block
+    return kv_pool_blocks(executor.shape, executor.hardware, gpu_memory_utilization, executor.block_size)
 
 
 def sim_replica(executor: Any = None, *, enable_prefix_caching: bool = True, prefix_cache: str = "hash", **options: Any):

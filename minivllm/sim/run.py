@@ -264,6 +264,12 @@ def kv_pool_bytes(shape, hw, utilization: float) -> int:
     return int(free)
 
 
+def kv_pool_blocks(shape, hw, utilization: float = 0.9, block_size: int = 16) -> int:
+    """The KV pool of :func:`kv_pool_bytes` in blocks of ``block_size`` tokens: the one sizing rule of every
+    simulated device (``minivllm sim run``, a fleet's replicas, the labs' at-scale engines)."""
+    return kv_pool_bytes(shape, hw, utilization) // (shape.kv_bytes_per_token * block_size)
+
+
 def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: float = 0.9, fit_max_model_len: bool = False,
                 **options):
     """A real :class:`LLMEngine` on a :class:`RooflineExecutor` whose pool is sized like the device's.

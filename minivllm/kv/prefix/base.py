@@ -469,9 +469,17 @@ class PinIndex:
 class LeafEviction:
     """What both caches share: their settings, counters and indexes, and the eviction and quota logic.
 
-    A subclass adds its structure (a tree, a dict) after these fields, plus
-    ``num_cached_blocks`` and two hooks: ``_evict_leaf(leaf, budget) -> freed``
-    and ``_is_live_leaf(leaf) -> bool``.
+    Lookup and insertion are one algorithm on either structure (:meth:`match`, :meth:`insert`); what
+    differs is how a structure is walked and grown.  A subclass adds its structure (a tree, a dict) after
+    these fields, plus ``num_cached_blocks`` and these hooks:
+
+    - ``_walk(namespace, blocks) -> path``: the entries (nodes) holding the longest cached prefix of
+      ``blocks``, root first;
+    - ``_path_blocks(path) -> block ids``: the KV blocks that path holds, in order;
+    - ``_touch_path(path, tick)``: make the path recent;
+    - ``_cache_below(path, namespace, blocks, new_ids)``: cache ``new_ids`` (holding ``blocks``) after
+      the path, under the namespace's quota;
+    - ``_evict_leaf(leaf, budget) -> freed`` and ``_is_live_leaf(leaf) -> bool``: eviction.
     """
 
     pool: BlockPool
@@ -489,6 +497,29 @@ class LeafEviction:
         self._counts = NamespaceCounts(self.quota_blocks, self.quota_group, self.quota_for)
         self._leaves.group_of = self.quota_group
         self._pins.follow(self.pool)
+
+    def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
+        """See :meth:`~minivllm.interfaces.PrefixCache.match`: walk, make the matched path recent, return
+        its blocks."""
+        path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
+        self._touch_path(path, self._clock.tick())
+        return self._path_blocks(path)
+
+    def insert(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE
+    ) -> InsertResult:
+        """See :meth:`~minivllm.interfaces.PrefixCache.insert`.
+
+        The part of the sequence already cached keeps its cached blocks (they become the canonical ones,
+        and the caller swaps its duplicates for them); only the blocks past it are cached, below it.
+        """
+        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
+        path = self._walk(namespace, blocks)
+        canonical = self._path_blocks(path)
+        num_cached = len(canonical)
+        new_ids = list(block_ids[num_cached:])
+        self._cache_below(path, namespace, blocks[num_cached:], new_ids)
+        return InsertResult(num_cached * self.block_size, canonical + new_ids)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         """See :meth:`~minivllm.interfaces.PrefixCache.record_lookup`."""

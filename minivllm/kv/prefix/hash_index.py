@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 from minivllm.kv.prefix.base import (
     PUBLIC_NAMESPACE,
-    InsertResult,
     LeafEviction,
     check_new_blocks,
     split_into_blocks,
@@ -94,13 +93,7 @@ class HashIndex(LeafEviction):
         """Cached blocks with no locked block at or below them (kept up to date: see ``PinIndex``)."""
         return self.num_cached_blocks - self._pins.num_pinned(self.pool)
 
-    # -- lookup ----------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
-        """See :meth:`~minivllm.interfaces.PrefixCache.match`."""
-        path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
-        self._touch_path(path, self._clock.tick())
-        return [entry.block_id for entry in path]
-
+    # -- lookup (match and insert: see LeafEviction) --------------------------------
     def _key(self, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock) -> Hashable:
         return self._chain_key(None if parent is None else parent.key, namespace, tokens)
 
@@ -135,19 +128,11 @@ class HashIndex(LeafEviction):
             parent = entry
         return path
 
-    # -- insertion -------------------------------------------------------------
-    def insert(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE
-    ) -> InsertResult:
-        """See :meth:`~minivllm.interfaces.PrefixCache.insert`."""
-        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
-        path = self._walk(namespace, blocks)
-        canonical = [entry.block_id for entry in path]
-        num_cached = len(canonical)
-        new_ids = list(block_ids[num_cached:])
-        self._cache_below(path, namespace, blocks[num_cached:], new_ids)
-        return InsertResult(num_cached * self.block_size, canonical + new_ids)
+    @staticmethod
+    def _path_blocks(path: list[HashEntry]) -> list[int]:
+        return [entry.block_id for entry in path]  # one block per entry
 
+    # -- insertion -------------------------------------------------------------
     def extend(
         self, parent_block: int, token_ids: Sequence[int], block_ids: Sequence[int],
         namespace: Hashable = PUBLIC_NAMESPACE,

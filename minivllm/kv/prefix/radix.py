@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 from minivllm.kv.prefix.base import (
     PUBLIC_NAMESPACE,
-    InsertResult,
     LeafEviction,
     check_new_blocks,
     split_into_blocks,
@@ -111,37 +110,12 @@ class RadixCache(LeafEviction):
         """
         return self.num_cached_blocks - self._pins.num_pinned(self.pool)
 
-    # -- lookup ----------------------------------------------------------------
-    def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
-        """See :meth:`~minivllm.interfaces.PrefixCache.match`.
-
-        If the match ends inside an edge, the edge is split there, so that
-        only the blocks actually used become recent; the unused tail keeps its
-        old access time and is evicted first.
-        """
-        path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
-        self._touch_path(path, self._clock.tick())
-        return [b for node in path for b in node.block_ids]
+    # -- lookup (match and insert: see LeafEviction) --------------------------------
+    @staticmethod
+    def _path_blocks(path: list[RadixNode]) -> list[int]:
+        return [b for node in path for b in node.block_ids]  # an edge holds one block or many
 
     # -- insertion -------------------------------------------------------------
-    def insert(
-        self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE
-    ) -> InsertResult:
-        """See :meth:`~minivllm.interfaces.PrefixCache.insert`.
-
-        Walks (and splits) like :meth:`match`; the blocks past the cached
-        part become a new child edge, or extend the last edge when it is a
-        leaf, so a request that inserts again after generating more tokens
-        keeps a single edge.
-        """
-        blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
-        path = self._walk(namespace, blocks)
-        canonical = [b for node in path for b in node.block_ids]
-        num_cached = len(canonical)
-        new_ids = list(block_ids[num_cached:])
-        self._cache_below(path, namespace, blocks[num_cached:], new_ids)
-        return InsertResult(num_cached * self.block_size, canonical + new_ids)
-
     def extend(
         self, parent_block: int, token_ids: Sequence[int], block_ids: Sequence[int],
         namespace: Hashable = PUBLIC_NAMESPACE,
@@ -171,7 +145,10 @@ class RadixCache(LeafEviction):
     def _cache_below(self, path: list[RadixNode], namespace: Hashable, blocks: list[TokenBlock],
                      new_ids: list[int]) -> None:
         """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first):
-        touch it, check the new blocks, make room under the quota (pinning the path's last block), attach."""
+        touch it, check the new blocks, make room under the quota (pinning the path's last block), attach.
+
+        The new blocks become a new child edge, or extend the last edge when it is a leaf, so a request
+        that inserts again after generating more tokens keeps a single edge."""
         tick = self._clock.tick()
         self._touch_path(path, tick)
         check_new_blocks(new_ids, self.is_cached, self.pool)
@@ -247,7 +224,9 @@ class RadixCache(LeafEviction):
         """The nodes covering the longest cached prefix of ``blocks``.
 
         The last node is split if the prefix ends inside its edge, so the
-        returned nodes cover exactly the matched blocks.
+        returned nodes cover exactly the matched blocks: after a match, only
+        the blocks actually used become recent, and the unused tail keeps its
+        old access time and is evicted first.
         """
         node = self._roots.get(namespace)
         path: list[RadixNode] = []
