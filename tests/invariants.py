@@ -7,8 +7,10 @@ refcount must equal the number of block tables (and the prefix cache) that hold 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from minivllm import LLMEngine
+from minivllm.labs import workloads
 from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: F401  (re-exported: older imports)
 from minivllm.request import RequestStatus
 
@@ -25,6 +27,7 @@ def check_both_tiers(engine: LLMEngine) -> None:
     for b in range(kv.pool.num_blocks):
         assert kv.pool.refcount(b) == holders.get(b, 0), f"device block {b}"
     assert kv.pool.num_free == sum(1 for b in range(kv.pool.num_blocks) if not holders.get(b))
+    assert len(set(kv.pool._free)) == len(kv.pool._free), "a block is on the free list twice"
     if kv.cpu_pool is not None:
         host = Counter(b for r in live for b in r.cpu_block_ids)
         assert all(n == 1 for n in host.values()), "a host block is held twice"
@@ -50,14 +53,17 @@ def assert_no_leak(engine: LLMEngine) -> None:
         assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
 
 
-def drain(engine: LLMEngine, max_steps: int = 3000) -> dict:
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        check_both_tiers(engine)
+def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], object] | None = None) -> dict:
+    """Step ``engine`` until every request has finished; ``{request_id: final output}``.
+
+    After every step both tiers are recounted (:func:`check_both_tiers`) and ``each(engine)`` runs, if
+    given.  Fails when requests are left after ``max_steps`` (a policy that starves one, or a deadlock).
+    """
+    def check(e: LLMEngine) -> None:
+        check_both_tiers(e)
+        if each is not None:
+            each(e)
+
+    finals = workloads.drain(engine, max_steps=max_steps, each=check)
     assert not engine.has_unfinished_requests(), "engine did not drain (starvation or deadlock)"
     return finals

@@ -26,7 +26,7 @@ from minivllm.sched.fairness import (
 )
 from minivllm.sim import SimulatedExecutor
 
-from invariants import assert_no_leak, check_both_tiers  # noqa: E402  (tests/ is on sys.path)
+from invariants import assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
 
 
 POLICIES = ["fcfs", "priority", "caps", "wfq", "deadline", "three_class"]
@@ -47,21 +47,6 @@ def greedy(n: int) -> SamplingParams:
 def add(engine, tenant, prompt_len, max_tokens, rid=None, **kw):
     return engine.add_request({"prompt_token_ids": [7 + prompt_len % 5] * prompt_len}, greedy(max_tokens), rid,
                               tenant=tenant, **kw)
-
-
-def run_all(engine, max_steps=5000, each=None):
-    finals = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        check_both_tiers(engine)
-        if each is not None:
-            each(engine)
-    assert not engine.has_unfinished_requests(), "engine did not drain"
-    return finals
 
 
 # -- tenant settings --------------------------------------------------------------------------------
@@ -109,7 +94,7 @@ def test_bad_deadline_and_a_request_over_its_tenant_cap_are_refused():
     with pytest.raises(ValueError, match="KV cap"):
         add(engine, "small", 40, 20)  # 60 tokens = 15 blocks > 12
     add(engine, "small", 20, 20, "ok")
-    assert run_all(engine)["ok"].outputs[0].finish_reason == "length"
+    assert drain(engine)["ok"].outputs[0].finish_reason == "length"
     assert_no_leak(engine)
 
 
@@ -125,7 +110,7 @@ def test_a_smaller_request_passes_its_tenant_cap_after_a_larger_one_failed_it():
     engine.step()
     running = {r.request_id for r in engine.scheduler.running}
     assert "small" in running and "big" not in running, running
-    run_all(engine)
+    drain(engine)
     assert_no_leak(engine)
 
 
@@ -143,7 +128,7 @@ def test_a_preemption_in_admission_reopens_a_cap_that_had_failed():
     engine.step()
     running = {r.request_id for r in engine.scheduler.running}
     assert {"b", "a_second"} <= running and "a_low2" not in running, running
-    run_all(engine)
+    drain(engine)
     assert_no_leak(engine)
 
 
@@ -225,7 +210,7 @@ def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, 
                 check_caps(engine, tenants, ids_tenant)
                 if not chunked:  # a prefill runs whole or not at all, under every policy
                     assert all(start + n == known[rid] for rid, start, n in engine.step_log[-1].seqs)
-    finals = run_all(engine, each=lambda e: check_caps(e, tenants, ids_tenant))
+    finals = drain(engine, each=lambda e: check_caps(e, tenants, ids_tenant))
     for rid, out in finals.items():  # only a request that never started may be turned away by its cap
         if out.outputs[0].finish_reason == "rejected":
             assert not out.outputs[0].token_ids and out.retry_after_s is not None
@@ -301,7 +286,7 @@ def test_priority_preempts_the_lowest_priority_when_max_num_seqs_is_the_limit():
     running = {r.request_id for r in engine.scheduler.running}
     assert "vip" in running and "low1" not in running and "low2" in running  # the lowest priority gave way
     assert engine.stats()["num_preemptions"] == 1
-    finals = run_all(engine)
+    finals = drain(engine)
     assert all(len(finals[r].outputs[0].token_ids) == n for r, n in [("low1", 30), ("low2", 30), ("vip", 4)])
 
 
@@ -324,7 +309,7 @@ def test_equal_priority_never_preempts_to_admit():
     add(engine, "t", 8, 10, "b", priority=1)
     engine.step()
     assert [r.request_id for r in engine.scheduler.running] == ["a"]
-    run_all(engine)
+    drain(engine)
     assert engine.stats()["num_preemptions"] == 0
 
 
@@ -343,20 +328,20 @@ def test_wfq_a_newly_active_tenant_starts_at_the_minimum_and_cannot_bank_credit(
     add(engine, "idle", 4, 2, "i0")
     engine.step()
     assert wfq.counter("idle") >= busy  # lifted to the running minimum (then charged for what it ran)
-    run_all(engine)
+    drain(engine)
 
 
 def test_wfq_a_tenant_arriving_after_an_idle_gap_starts_at_the_last_counter():
     engine = make_engine("wfq", num_blocks=64, budget=32)
     wfq = engine.scheduler.admission_policy
     add(engine, "a", 20, 10)
-    run_all(engine)
+    drain(engine)
     engine.step()  # idle step: "a" goes inactive
     a_counter = wfq.counter("a")
     add(engine, "b", 4, 2, "b0")
     engine.step()
     assert wfq.counter("b") >= a_counter
-    run_all(engine)
+    drain(engine)
 
 
 _bare_ids = itertools.count()
@@ -428,7 +413,7 @@ def test_wfq_weights_share_token_service_when_backlogged():
     service = {t: per[t]["prompt_tokens"] + 2 * per[t]["output_tokens"] for t in per}
     assert per["heavy"]["num_waiting"] and per["light"]["num_waiting"], "both should still be backlogged"
     assert 1.6 <= service["heavy"] / service["light"] <= 2.5
-    run_all(engine)
+    drain(engine)
     assert_no_leak(engine)
 
 
@@ -462,7 +447,7 @@ def test_caps_a_capped_tenant_cannot_pin_the_cache_and_the_other_is_served():
     assert engine.requests["c0"].status is RequestStatus.RUNNING
     held = sum(len(r.block_ids) for r in engine.scheduler.running if r.tenant == "bulk")
     assert held <= 32
-    run_all(engine)
+    drain(engine)
     assert_no_leak(engine)
 
 
@@ -502,7 +487,7 @@ def test_rule_reserve_kv_for_interactive():
     add(engine, "chat", 30, 10, "c0")
     engine.step()
     assert engine.requests["c0"].status is RequestStatus.RUNNING, "interactive work always finds blocks"
-    run_all(engine, each=check)
+    drain(engine, each=check)
 
 
 def test_rule_bounded_agent_queue():
@@ -520,7 +505,7 @@ def test_rule_bounded_agent_queue():
     add(engine, "chat", 10, 5, "c0")
     order = engine.scheduler.admission_policy.order(engine.scheduler.waiting, [])
     assert order[0].request_id == "c0"  # a separate, later queue
-    run_all(engine, each=check)
+    drain(engine, each=check)
 
 
 def test_rule_batch_only_when_interactive_idle():
@@ -534,7 +519,7 @@ def test_rule_batch_only_when_interactive_idle():
     assert [r.request_id for r in policy.order(waiting, [])] == ["c0", "a0"]  # 1 interactive waiting: no batch
     no_chat = [r for r in waiting if r.tenant != "chat"]
     assert [r.request_id for r in policy.order(no_chat, [])] == ["a0", "b0"]
-    run_all(engine)
+    drain(engine)
 
 
 def test_rule_capped_prefix_cache():
@@ -554,7 +539,7 @@ def test_rule_chunk_long_prefills():
     engine = three_class_engine(num_blocks=1100, budget=4096, max_len=4000,
                                 three_class=ThreeClassConfig(long_prefill_tokens=1000))
     add(engine, "bulk", 3000, 2, "long")
-    run_all(engine)
+    drain(engine)
     assert max(n for rec in engine.step_log for _, _, n in rec.seqs) <= 1000
 
 
@@ -572,7 +557,7 @@ def test_rule_preempt_batch_first_swap_long():
     for _ in range(8):
         engine.step()
     add(engine, "chat", 20, 20, "c0")
-    finals = run_all(engine)
+    finals = drain(engine)
     st_ = engine.stats()
     assert st_["per_tenant"]["chat"]["num_preemptions"] == 0
     assert st_["per_tenant"]["bulk"]["num_preemptions"] > 0 and st_["num_swap_preemptions"] > 0
@@ -590,7 +575,7 @@ def test_per_tenant_stats_add_up():
     per = engine.stats()["per_tenant"]
     assert sum(r["num_running"] + r["num_waiting"] for r in per.values()) == 6
     assert sum(r["kv_blocks"] for r in per.values()) == sum(len(r.block_ids) for r in engine.scheduler.running)
-    run_all(engine)
+    drain(engine)
     per = engine.stats()["per_tenant"]
     assert per["a"]["output_tokens"] == per["b"]["output_tokens"] == 15
     assert per["a"]["prompt_tokens"] == 10 + 12 + 14 and per["b"]["prompt_tokens"] == 11 + 13 + 15
@@ -658,7 +643,7 @@ def test_step_log_per_tenant_fields_match_a_recount_of_the_queues():
 def test_a_single_tenant_run_logs_no_per_tenant_fields():
     engine = make_engine()
     add(engine, "default", 8, 3)
-    run_all(engine)
+    drain(engine)
     assert all(r.seq_tenants == () and r.tenants == () for r in engine.step_log)
 
 
@@ -684,7 +669,7 @@ def test_prompt_dict_carries_tenant_priority_and_deadline():
                        ({"deadline": float("inf")}, "deadline"), ({"urgency": 1}, "unknown")]:
         with pytest.raises(ValueError, match=match):
             engine.add_request({"prompt_token_ids": [5] * 8, **bad}, greedy(2))
-    run_all(engine)
+    drain(engine)
     assert_no_leak(engine)
 
 
@@ -718,7 +703,7 @@ def test_over_cap_reject_turns_new_requests_away_with_a_hint_and_spares_other_te
     step_s = engine.step_time_s
     b0 = engine.requests["b0"]
     assert outs["b1"].retry_after_s == pytest.approx(round(step_s * (b0.max_tokens - len(b0.output_token_ids)), 3))
-    finals = run_all(engine)
+    finals = drain(engine)
     assert {r: finals[r].outputs[0].finish_reason for r in ("b0", "c0", "c1")} == dict.fromkeys(("b0", "c0", "c1"),
                                                                                               "length")
     per = engine.stats()["per_tenant"]
@@ -734,7 +719,7 @@ def test_over_cap_reject_on_the_kv_share_and_a_preempted_request_is_never_reject
     add(engine, "bulk", 40, 10, "b1")  # 10 more would pass 20 -> rejected at once
     outs = {o.request_id: o for o in engine.step()}
     assert outs["b1"].outputs[0].finish_reason == "rejected" and outs["b1"].retry_after_s is not None
-    assert run_all(engine)["b0"].outputs[0].finish_reason == "length"
+    assert drain(engine)["b0"].outputs[0].finish_reason == "length"
     assert_no_leak(engine)
 
 
@@ -819,7 +804,7 @@ def test_engine_tenant_cache_share_caps_one_tenant_and_not_the_other():
             peak[t] = max(peak[t], n)
             assert t != "noisy" or n <= 16, f"noisy keeps {n} cached blocks, quota 16"
 
-    run_all(engine, each=each)
+    drain(engine, each=each)
     assert peak["noisy"] == 16 and peak["quiet"] > 16
     assert engine.stats()["prefix_cache_quota_evictions"] > 0
     assert_no_leak(engine)

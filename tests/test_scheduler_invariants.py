@@ -16,6 +16,8 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.sim.executor import SimulatedExecutor
 
+from invariants import assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+
 
 def make_engine(num_blocks=24, block_size=4, budget=32, max_seqs=6, chunked=True, max_len=64, prefix=None):
     cfg = EngineConfig(
@@ -33,22 +35,15 @@ def make_engine(num_blocks=24, block_size=4, budget=32, max_seqs=6, chunked=True
 
 
 def check_blocks(engine: LLMEngine) -> None:
-    """Refcount of every block == number of block tables holding it; free list consistent."""
-    holders = Counter(b for r in engine.scheduler.running for b in r.block_ids)
-    for r in engine.scheduler.waiting:
-        holders.update(r.block_ids)
-    pool = engine.pool
-    cache = engine.prefix_cache
-    if cache is not None:  # the prefix cache holds one reference on every block it indexes
-        holders.update(b for b in range(pool.num_blocks) if cache.is_cached(b))
-    for b in range(pool.num_blocks):
-        assert pool.refcount(b) == holders.get(b, 0), f"block {b}: refcount {pool.refcount(b)} vs holders {holders.get(b, 0)}"
-    assert pool.num_free == sum(1 for b in range(pool.num_blocks) if holders.get(b, 0) == 0)
-    assert len(set(pool._free)) == len(pool._free), "a block is on the free list twice"
-    for r in engine.scheduler.running:
-        need = -(-r.num_computed_tokens // engine.config.block_size)
-        assert len(r.block_ids) >= need, "a request computed tokens it has no block for"
-    # the counts kept up to date on every change, against recounts from scratch
+    """Refcount of every block == number of block tables (and the prefix cache) holding it, free list
+    consistent (:func:`invariants.check_both_tiers`); then the counts the engine keeps up to date."""
+    check_both_tiers(engine)
+    check_counts(engine)
+
+
+def check_counts(engine: LLMEngine) -> None:
+    """The counts the engine keeps up to date on every change, against recounts from scratch."""
+    pool, cache = engine.pool, engine.prefix_cache
     assert pool.num_shared == sum(1 for b in range(pool.num_blocks) if pool.refcount(b) > 1)
     assert engine.scheduler.waiting_by_tenant == dict(Counter(r.tenant for r in engine.scheduler.waiting))
     if cache is not None:
@@ -126,16 +121,8 @@ def test_invariants_under_random_workloads(ops, chunked, blocks, prefix):
                     # every running decode advanced, unless it was preempted this step
                     assert before - ran <= set(log["preempted"])
         check_blocks(engine)
-    # drain: everything finishes, nothing leaks, no deadlock
-    for _ in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-        check_blocks(engine)
-    assert not engine.has_unfinished_requests(), "engine did not drain (deadlock?)"
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()  # cached blocks are held on purpose; drop them to check for leaks
-    assert engine.pool.num_free == engine.pool.num_blocks
+    drain(engine, 2000, each=check_counts)  # everything finishes, no deadlock
+    assert_no_leak(engine)  # (the prefix cache's blocks are held on purpose: it drops them first)
 
 
 def test_preemption_requeues_at_front_and_recomputes():
@@ -293,14 +280,8 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
                 engine.step()
                 clock += 0.01
         check_blocks(engine)
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-    assert not engine.has_unfinished_requests(), "engine did not drain (deadlock?)"
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()  # cached blocks are held on purpose; drop them to check for leaks
-    assert engine.pool.num_free == engine.pool.num_blocks
+    drain(engine, 3000, each=check_counts)
+    assert_no_leak(engine)
 
 
 def test_admission_reserves_the_private_copy_a_just_forked_sample_will_need():

@@ -56,11 +56,15 @@ def run_engine(engine: LLMEngine, requests: Sequence[tuple[list[int], int]], *, 
     Stops after ``max_steps`` (a policy that never admits anything would loop
     forever); the caller sees the unfinished ones missing from the result.
     """
-    ids = []
     for i, (prompt, max_tokens) in enumerate(requests):
-        ids.append(engine.add_request({"prompt_token_ids": prompt},
-                                      SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                      request_id=f"r{i}"))
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           request_id=f"r{i}")
+    return drain(engine, max_steps=max_steps)
+
+
+def drain(engine: LLMEngine, *, max_steps: int = 100_000, each: Callable[[LLMEngine], object] | None = None) -> dict:
+    """Step ``engine`` until nothing is left or ``max_steps`` have run, calling ``each(engine)`` after every
+    step (the tests recount every block there); returns ``{request_id: final RequestOutput}``."""
     finals = {}
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
@@ -68,6 +72,8 @@ def run_engine(engine: LLMEngine, requests: Sequence[tuple[list[int], int]], *, 
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
+        if each is not None:
+            each(engine)
     return finals
 
 
