@@ -33,6 +33,10 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn")
 SCHEDULING_POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline", "three_class")
 PRIORITY_CLASSES = ("interactive", "agent", "batch")
 
+PCIE4_X16_BYTES_PER_S = 25e9
+"""A PCIe 4.0 x16 link, roughly: the host-tier bandwidth assumed where none is measured or given (a simulated
+device's default, a calibration on a machine without a host tier)."""
+
 
 def _check_share(name: str, value: Any, optional: bool = True) -> None:
     check_type(name, value, (int, float), optional=optional)

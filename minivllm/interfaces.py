@@ -10,7 +10,10 @@ and the real serving loop runs with it:
 * :class:`PreemptionCostModel` -- in ``preemption_mode="auto"``, whether a
   victim is swapped out or recomputed.
 * :class:`Executor` -- what "run the batch" means: the real model runner, or a
-  simulated executor with a virtual clock for fast what-if studies.
+  simulated executor with a virtual clock for fast what-if studies.  A
+  simulator may also be a :class:`SimulatedDevice` (the engine sizes its KV
+  pool and prices swaps from it), a :class:`VirtualClock` (an idle engine jumps
+  to the next arrival instead of sleeping) and :class:`PricesRecompute`.
 * :class:`PrefixCache` -- which cached blocks hold the longest prefix of a
   prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`).
 * :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
@@ -99,10 +102,8 @@ class PreemptionCostModel(Protocol):
 
 @runtime_checkable
 class Executor(Protocol):
-    """What "run the batch" means.  Optional extras the engine reads when present: ``kv_bytes_per_block`` and
-    ``swap_bytes_per_s`` (pool sizing and swap costs of a simulated device) and
-    ``preemption_cost_model(chunk) -> PreemptionCostModel`` (an executor that can price a recompute by the
-    victim's length, as the roofline simulator can, supplies the auto mode's cost model)."""
+    """What "run the batch" means.  An executor may also be any of the three protocols after this one; the
+    engine asks with ``isinstance`` and falls back to its defaults for one that is not."""
 
     def execute(self, batch: "ScheduledBatch") -> dict[str, int]:
         """Run one step: perform the batch's block moves (swap in, swap out,
@@ -113,6 +114,42 @@ class Executor(Protocol):
 
     def now(self) -> float:
         """The executor's clock in seconds (wall clock, or virtual in a simulator)."""
+        ...
+
+
+@runtime_checkable
+class SimulatedDevice(Protocol):
+    """An executor that stands for a device it does not have (the simulators).
+
+    On a real device the engine measures these: the KV pool is what the model's cache layout leaves of the
+    device's memory, and a swap's cost is a timed copy to pinned host memory.  A simulated device says them,
+    so the pool (``kv_cache_memory_bytes // kv_bytes_per_block``) and the swap-or-recompute choice come out
+    as they would on the device simulated."""
+
+    kv_bytes_per_block: int
+    swap_bytes_per_s: float
+
+
+@runtime_checkable
+class VirtualClock(Protocol):
+    """An executor whose :meth:`~Executor.now` is virtual: a step advances it by the step's cost.
+
+    A driver with nothing in flight jumps the clock to the next arrival instead of sleeping until it, which
+    is what lets an hour of traffic be simulated in seconds (:func:`minivllm.sim.run.drive`)."""
+
+    def advance_to(self, t: float) -> None:
+        """Move the clock forward to ``t`` (never back)."""
+        ...
+
+
+@runtime_checkable
+class PricesRecompute(Protocol):
+    """An executor that can price a recompute by the victim's length supplies ``preemption_mode="auto"``'s
+    cost model.  The roofline simulator can: in a memory-bound step a short victim's prefill rides almost
+    free, so recomputing it beats a swap, while a long one is cheaper to swap (lab 5's crossover)."""
+
+    def preemption_cost_model(self, chunk: int) -> PreemptionCostModel:
+        """The cost model for steps of at most ``chunk`` prefill tokens (the engine's token budget)."""
         ...
 
 

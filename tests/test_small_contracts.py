@@ -129,3 +129,49 @@ def test_percentile_rules_against_their_definitions():
             assert nearest_rank(values, q) == brute, (n, q)
             assert interpolated(values, q) == pytest.approx(float(np.percentile(values, q)), abs=1e-12), (n, q)
     assert nearest_rank([], 50, None) is None and interpolated([], 50, 0.0) == 0.0
+
+
+def test_the_engine_sizes_and_prices_from_what_an_executor_says_it_is():
+    """An executor's optional protocols (minivllm.interfaces): a SimulatedDevice's block size in bytes sizes
+    the pool and its link prices a swap; one that says nothing gets the engine's defaults; PricesRecompute
+    supplies the auto mode's cost model.  The oracle is the arithmetic the protocols document."""
+    from dataclasses import dataclass
+
+    from minivllm import EngineConfig, LLMEngine
+    from minivllm.config import PCIE4_X16_BYTES_PER_S
+    from minivllm.engine.llm_engine import SIM_BYTES_PER_TOKEN
+    from minivllm.interfaces import PricesRecompute, SimulatedDevice
+    from minivllm.sched.scheduler import PreemptionCosts
+    from minivllm.sim import SimulatedExecutor
+
+    class Bare:  # an Executor and nothing more
+        def __init__(self):
+            self.inner = SimulatedExecutor()
+
+        def execute(self, batch):
+            return self.inner.execute(batch)
+
+        def now(self):
+            return self.inner.now()
+
+    @dataclass
+    class Priced(SimulatedExecutor):
+        def preemption_cost_model(self, chunk: int):
+            return PreemptionCosts(self.kv_bytes_per_block, self.swap_bytes_per_s, float(chunk))
+
+    def engine(executor):
+        cfg = EngineConfig(kv_cache_memory_bytes=1 << 22, block_size=16, preemption_mode="auto", device="cpu",
+                           max_num_batched_tokens=96)
+        return LLMEngine(cfg, executor=executor, model_max_len=256)
+
+    device = SimulatedExecutor(kv_bytes_per_block=1 << 16, swap_bytes_per_s=7e9)
+    assert isinstance(device, SimulatedDevice) and not isinstance(Bare(), SimulatedDevice)
+    sized = engine(device)
+    assert sized.pool.num_blocks == (1 << 22) // (1 << 16)
+    assert (sized.scheduler.costs.bytes_per_block, sized.scheduler.costs.swap_bytes_per_s) == (1 << 16, 7e9)
+    bare = engine(Bare())
+    assert bare.pool.num_blocks == (1 << 22) // (16 * SIM_BYTES_PER_TOKEN)
+    assert bare.scheduler.costs.swap_bytes_per_s == PCIE4_X16_BYTES_PER_S
+    priced = Priced(kv_bytes_per_block=1 << 16)
+    assert isinstance(priced, PricesRecompute)
+    assert engine(priced).scheduler.costs.prefill_tokens_per_s == 96.0  # the model built from the token budget

@@ -14,6 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.metrics.stats import nearest_rank
@@ -27,7 +28,7 @@ GPU_LIKE = dict(fixed_overhead_s=0.015, per_token_s=0.00002, per_context_token_s
 PREFILL_TOKENS_PER_S = 1 / GPU_LIKE["per_token_s"]  # 50,000 prompt tokens per second
 BLOCK_SIZE = 16
 KV_BYTES_PER_BLOCK = 16 * 128 * 1024
-PCIE4_BYTES_PER_S = 25e9
+PCIE4_BYTES_PER_S = PCIE4_X16_BYTES_PER_S
 
 
 def executor(link_bytes_per_s: float = PCIE4_BYTES_PER_S) -> SimulatedExecutor:

@@ -77,6 +77,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minivllm.argtypes import positive_int
+from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
 PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",
@@ -463,7 +464,7 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
     read_bw = measure_read_bandwidth(device) if pin_bandwidth else None
     clock = getattr(engine.executor, "clock_kind", "wall")
     hw_name = name or default_name(device, clock)
-    swap_bw = 25e9  # measured below when the engine has a host tier to copy to
+    swap_bw = PCIE4_X16_BYTES_PER_S  # measured below when the engine has a host tier to copy to
     kv_cache = getattr(engine.executor, "kv_cache", None)
     if kv_cache is not None and getattr(kv_cache, "num_cpu_blocks", 0):
         swap_bw = kv_cache.measure_swap_bandwidth()
@@ -535,7 +536,7 @@ def refit(doc: dict, notes: str | None = None) -> dict:
     read_bw = doc["fit"].get("measured_read_bandwidth")
     theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None)
     hw = doc["hardware"]
-    spec = spec_from_theta(theta, hw["name"], swap_bandwidth=hw.get("swap_bandwidth", 25e9), roof_p=roof_p,
+    spec = spec_from_theta(theta, hw["name"], swap_bandwidth=hw.get("swap_bandwidth", PCIE4_X16_BYTES_PER_S), roof_p=roof_p,
                            memory_bytes=hw.get("memory_bytes", 0.0), notes=notes or hw.get("notes", ""))
     pred = [roofline_time(c, shape, spec).total for c in costs]
     doc["hardware"] = spec.to_dict()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.sched.output import ScheduledBatch
 from minivllm.sim.roofline import fake_token
 
@@ -30,7 +31,7 @@ class SimulatedExecutor:
     per_context_token_s: float = 0.000002
     vocab_size: int = 1000
     kv_bytes_per_block: int = 16 * 1024
-    swap_bytes_per_s: float = 25e9  # a PCIe 4.0 x16 link, roughly
+    swap_bytes_per_s: float = PCIE4_X16_BYTES_PER_S
     clock: float = 0.0
 
     def now(self) -> float:

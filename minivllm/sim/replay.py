@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.sim.roofline import fake_token
 
 
@@ -31,7 +32,7 @@ class ReplayExecutor:
     clock: float = 0.0
     calls: int = 0
     kv_bytes_per_block: int = field(default=16 * 1024)
-    swap_bytes_per_s: float = 25e9
+    swap_bytes_per_s: float = PCIE4_X16_BYTES_PER_S
 
     def now(self) -> float:
         return self.clock

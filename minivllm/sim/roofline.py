@@ -44,6 +44,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import MISSING, dataclass, field, replace
 
+from minivllm.config import PCIE4_X16_BYTES_PER_S
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -151,7 +153,7 @@ class HardwareSpec:
     # CPU: the prefill path's per-layer work beside the decode kernel (K/V gather, mask, one SDPA call per
     # prompt), 5-13 ms a step for SmolLM2 on one core.  The datasheet presets leave it 0 (a compiled engine).
     eager_step_overhead_s: float = 0.0
-    swap_bandwidth: float = 25e9  # bytes/s between device and host tier
+    swap_bandwidth: float = PCIE4_X16_BYTES_PER_S  # bytes/s between device and host tier
     flops_util: float = 1.0
     bw_util: float = 1.0
     attention_flops: float | None = None

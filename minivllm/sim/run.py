@@ -87,6 +87,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     from minivllm.sampling_params import SamplingParams
 
     ex = engine.executor
+    # a VirtualClock (minivllm.interfaces), looked up by name rather than by isinstance: a wrapper that
+    # forwards attributes (calibrate's RecordingExecutor) has the method exactly when what it wraps has it
     advance = getattr(ex, "advance_to", None)
     wall0 = time.perf_counter()
     t0 = ex.now()
