@@ -6,6 +6,8 @@ and the real serving loop runs with it:
 
 * :class:`AdmissionPolicy` -- which waiting request to admit next (FCFS,
   priorities, weighted fair queueing, per-tenant caps...).
+* :class:`BatchBuilder` -- step 2 of the loop: how many tokens each running
+  request computes this step (lab 4 writes one).
 * :class:`PreemptionPolicy` -- who gives up its KV blocks when they run out.
 * :class:`PreemptionCostModel` -- in ``preemption_mode="auto"``, whether a
   victim is swapped out or recomputed.
@@ -77,6 +79,23 @@ class AdmissionPolicy(Protocol):
         its cap, say).  Preempted and swapped-out requests sit at the front of
         ``waiting``.
         """
+        ...
+
+
+@runtime_checkable
+class BatchBuilder(Protocol):
+    """Step 2 of the loop, *build the batch*, done by someone other than the scheduler (lab 4's learner).
+
+    The scheduler's own step 2 (decodes first, then prefill chunks, under the token budget, a capped group's
+    token limit and the admission policy's rank) is replaced as a whole; steps 1 and 3, admission and KV
+    allocation, stay the engine's.  What comes back is checked at the boundary, so a wrong answer is a
+    ``ValueError`` naming the request, not a corrupt batch.
+    """
+
+    def __call__(self, running: list["Request"], budget: int, threshold: int) -> list[tuple["Request", int]]:
+        """``(request, tokens)`` for the requests that compute this step: each one of ``running`` at most
+        once, ``1 <= tokens <=`` its uncomputed tokens, ``budget`` tokens in all; ``threshold`` is the most
+        one prompt may take in a step (``long_prefill_token_threshold``; 0: no cap)."""
         ...
 
 

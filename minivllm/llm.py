@@ -14,8 +14,8 @@ from typing import Any, Iterator, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.interfaces import (AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache,
-                                 Tokenizer)
+from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, Executor, PreemptionCostModel, PreemptionPolicy,
+                                 PrefixCache, Tokenizer)
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -47,6 +47,7 @@ class LLM:
         admission_policy: AdmissionPolicy | None = None,
         preemption_policy: PreemptionPolicy | None = None,
         preemption_cost_model: PreemptionCostModel | None = None,
+        batch_builder: BatchBuilder | None = None,
         prefix_cache: PrefixCache | str | None = None,
         executor: Executor | None = None,
         tokenizer: Tokenizer | None = None,
@@ -66,6 +67,7 @@ class LLM:
             admission_policy=admission_policy,
             preemption_policy=preemption_policy,
             preemption_cost_model=preemption_cost_model,
+            batch_builder=batch_builder,
             prefix_cache=prefix_cache,
         )
         self._router = _Router(self.engine)

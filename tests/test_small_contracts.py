@@ -175,3 +175,51 @@ def test_the_engine_sizes_and_prices_from_what_an_executor_says_it_is():
     priced = Priced(kv_bytes_per_block=1 << 16)
     assert isinstance(priced, PricesRecompute)
     assert engine(priced).scheduler.costs.prefill_tokens_per_s == 96.0  # the model built from the token budget
+
+
+def test_a_batch_builder_replaces_step_2_and_its_answer_is_checked_at_the_boundary():
+    """The BatchBuilder seam (minivllm.interfaces): a builder that answers as the scheduler's own step 2 does
+    (lab 4's fallback, engine_build_batch) schedules every step the same; a wrong answer is a ValueError that
+    names it, and the engine, given its own step 2 back, drains with no block leaked."""
+    import pytest
+
+    from minivllm.labs.check_lab04 import WithLimits, engine_build_batch, install_batch_builder
+    from minivllm.labs.workloads import random_requests, run_engine, sim_engine
+
+    from invariants import assert_no_leak, drain
+
+    def engine(**kw):
+        return sim_engine(num_blocks=96, block_size=8, max_num_seqs=6, max_num_batched_tokens=40, model_max_len=512,
+                          long_prefill_token_threshold=24, **kw)
+
+    reqs = random_requests(12, seed=3, prompt_range=(3, 150), output_range=(2, 20))
+    own, built = engine(), engine(batch_builder=engine_build_batch)
+    assert run_engine(own, reqs).keys() == run_engine(built, reqs).keys() == {f"r{i}" for i in range(12)}
+    assert [e["seqs"] for e in own.step_log] == [e["seqs"] for e in built.step_log]
+
+    def twice(running, budget, threshold):
+        return [(running[0], 1), (running[0], 1)]
+
+    def empty_row(running, budget, threshold):
+        return [(running[0], 0)]
+
+    def greedy(running, budget, threshold):
+        return [(r, r.num_uncomputed_tokens) for r in running]
+
+    stranger = engine()
+    stranger.add_request({"prompt_token_ids": [5] * 4}, None, "x")
+    stranger.step()  # admitted: a running request, of another engine
+
+    def foreign(running, budget, threshold):
+        return [(stranger.scheduler.running[0], 1)]
+
+    for builder, says in ((twice, "appears twice"), (empty_row, "0 tokens"), (greedy, "over the budget of 40"),
+                          (foreign, "not a running request"), (WithLimits(greedy, budget=8), "over the budget of 8")):
+        eng = engine(batch_builder=builder)
+        for i, (prompt, n) in enumerate(reqs[:4]):
+            eng.add_request({"prompt_token_ids": prompt}, None, f"r{i}")
+        with pytest.raises(ValueError, match=says):
+            eng.step()
+        install_batch_builder(eng, engine_build_batch)  # the engine's own answer from here on
+        assert len(drain(eng)) == 4
+        assert_no_leak(eng)

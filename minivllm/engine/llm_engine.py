@@ -18,7 +18,8 @@ and :class:`~minivllm.engine.output_processor.OutputProcessor` face the
 caller.  This class wires them together and keeps the request table.
 
 Everything that can vary is a seam (see :mod:`minivllm.interfaces`): the
-admission and preemption policies, the prefix cache, the executor.
+admission and preemption policies, step 2's batch builder, the prefix cache,
+the executor.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import threading
 from minivllm.config import PCIE4_X16_BYTES_PER_S, EngineConfig
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.interfaces import (AdmissionPolicy, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache,
+from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache,
                                  PricesRecompute, SimulatedDevice, Tokenizer)
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
@@ -68,6 +69,7 @@ class LLMEngine:
         preemption_policy: PreemptionPolicy | None = None,
         prefix_cache: PrefixCache | None = None,
         preemption_cost_model: PreemptionCostModel | None = None,
+        batch_builder: BatchBuilder | None = None,
         eos_token_ids: set[int] | None = None,
         model_max_len: int = 8192,
     ) -> None:
@@ -134,7 +136,7 @@ class LLMEngine:
                     swap_bw = executor.swap_bytes_per_s if isinstance(executor, SimulatedDevice) else PCIE4_X16_BYTES_PER_S
                 costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
-                                   CapTable(config, num_blocks))
+                                   CapTable(config, num_blocks), batch_builder)
         # The prefill rate is learnt only into a cost model the engine built itself: a caller's own object (and
         # its numbers) stays as the caller made it.
         self._learnt_costs = costs if (preemption_cost_model is None and isinstance(costs, PreemptionCosts)

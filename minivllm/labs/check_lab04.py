@@ -3,7 +3,7 @@
 Also the lab's measurement harness, so the notebook, the quiz answers and the
 tests compute the same numbers:
 
-* :func:`install_batch_builder` -- the seam: a learner's
+* :func:`install_batch_builder` -- the seam (:class:`~minivllm.interfaces.BatchBuilder`): a learner's
   ``build_batch(running, budget, threshold) -> [(request, num_tokens), ...]``
   replaces step 2 of the engine's loop (:meth:`Scheduler.build_batch`);
 * :func:`mixed_arrivals` / :func:`serve` -- chat requests decoding while long
@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from minivllm.config import EngineConfig
+from minivllm.interfaces import BatchBuilder
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
-from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 from minivllm.sched.scheduler import Scheduler
 from minivllm.sim.executor import SimulatedExecutor
 
@@ -40,52 +40,39 @@ GPU_LIKE = dict(fixed_overhead_s=0.015, per_token_s=0.00002, per_context_token_s
 LONG_PROMPT = 8192  # the lesson's 64K-token prompt, scaled down 8x
 NO_CHUNKING = 16384  # a budget above every step's demand (and chunked prefill off): whole prompts in one step
 
-BuildBatch = Callable[[list, int, int], list]
+BuildBatch = BatchBuilder  # the learner's function: build_batch(running, budget, threshold) -> [(request, n)]
 
 
 # -- the seam: a learner's batch builder inside the engine ---------------------------------
 
 
-class BatchBuilderScheduler(Scheduler):
-    """The engine's scheduler with step 2 (build the batch) done by ``fn``.
+@dataclass(frozen=True)
+class WithLimits:
+    """``fn`` run under another token budget and chunk cap than the engine's own (``budget``, ``threshold``;
+    None keeps the engine's): one loaded model serves runs at several budgets without being loaded again.
+    Admission (step 1) still reads the engine's budget.  The total is checked against this budget, as the
+    engine checks its own."""
 
-    Admission (step 1) and allocation (step 3) stay the engine's.  ``budget``
-    and ``threshold`` default to the engine's ``max_num_batched_tokens`` and
-    ``long_prefill_token_threshold``; giving them lets one loaded model run
-    under another budget.  Assumes chunked prefill is on.
-    """
+    fn: BuildBatch
+    budget: int | None = None
+    threshold: int | None = None
 
-    def __init__(self, base: Scheduler, fn: BuildBatch, budget: int | None = None,
-                 threshold: int | None = None) -> None:
-        self.__dict__.update(base.__dict__)  # same queues, config, KV manager, policies
-        self.fn = fn
-        self.budget = budget if budget is not None else base.config.max_num_batched_tokens
-        self.threshold = threshold if threshold is not None else base.config.long_prefill_token_threshold
-
-    def build_batch(self) -> ScheduledBatch:
-        batch = ScheduledBatch(rejected=self._rejected)
-        self._rejected = []
-        seen = set()
-        total = 0
-        for req, n in self.fn(list(self.running), self.budget, self.threshold):
-            if req not in self.running or id(req) in seen:
-                raise ValueError(f"build_batch returned {getattr(req, 'request_id', req)!r}, which is not "
-                                 f"a running request or appears twice")
-            if not 1 <= n <= req.num_uncomputed_tokens:
-                raise ValueError(f"build_batch gave {req.request_id!r} {n} tokens; it has "
-                                 f"{req.num_uncomputed_tokens} to compute (give 1 .. that many, or leave it out)")
-            seen.add(id(req))
-            total += n
-            batch.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
-        if total > self.budget:
-            raise ValueError(f"build_batch scheduled {total} tokens, over the budget of {self.budget}")
-        batch.seqs.sort(key=lambda s: s.num_tokens != 1)  # one-token rows first: the attention backends' layout
-        return batch
+    def __call__(self, running: list, budget: int, threshold: int) -> list:
+        budget = self.budget if self.budget is not None else budget
+        rows = list(self.fn(running, budget, self.threshold if self.threshold is not None else threshold))
+        total = sum(n for _, n in rows)
+        if total > budget:
+            raise ValueError(f"build_batch scheduled {total} tokens, over the budget of {budget}")
+        return rows
 
 
 def install_batch_builder(engine, fn: BuildBatch, *, budget: int | None = None, threshold: int | None = None):
-    """Make ``engine`` build every batch with ``fn`` (call before adding requests); returns the engine."""
-    engine.scheduler = BatchBuilderScheduler(engine.scheduler, fn, budget, threshold)
+    """Make ``engine`` build every batch with ``fn`` from now on: the scheduler's
+    :class:`~minivllm.interfaces.BatchBuilder` seam (an engine built for it takes ``batch_builder=fn``).
+    ``budget`` and ``threshold``: see :class:`WithLimits`.  Call it before adding requests; returns the engine."""
+    if budget is not None or threshold is not None:
+        fn = WithLimits(fn, budget, threshold)
+    engine.scheduler.batch_builder = fn
     return engine
 
 
@@ -169,9 +156,7 @@ def _random_states_match(fn: BuildBatch, n: int = 300, seed: int = 4) -> str:
 def _sim_trace(fn: BuildBatch | None, seed: int = 7, budget: int = 40, threshold: int = 24):
     """A small mixed run (chats decoding, long prompts arriving) with the engine's or ``fn``'s step 2."""
     eng = sim_engine(num_blocks=128, block_size=8, max_num_seqs=6, max_num_batched_tokens=budget, model_max_len=512,
-                     long_prefill_token_threshold=threshold)
-    if fn is not None:
-        install_batch_builder(eng, fn)
+                     long_prefill_token_threshold=threshold, batch_builder=fn)
     reqs = random_requests(10, seed=seed, prompt_range=(3, 150), output_range=(2, 20))
     finals = run_engine(eng, reqs, max_steps=3000)
     return len(finals), [e["seqs"] for e in eng.step_log]
@@ -514,12 +499,10 @@ def lab_engine(budget: int, threshold: int = 0, *, builder: BuildBatch | None = 
     """The lab's simulated engine: GPU-like step cost, room for 8K prompts; ``budget >= NO_CHUNKING``
     turns chunked prefill off (every prompt in one step)."""
     chunked = budget < NO_CHUNKING
-    eng = sim_engine(num_blocks=4096, block_size=16, max_num_seqs=32, model_max_len=16384,
-                     max_num_batched_tokens=budget, long_prefill_token_threshold=threshold if chunked else 0,
-                     enable_chunked_prefill=chunked, executor=SimulatedExecutor(**GPU_LIKE), **options)
-    if builder is not None and chunked:
-        install_batch_builder(eng, builder)
-    return eng
+    return sim_engine(num_blocks=4096, block_size=16, max_num_seqs=32, model_max_len=16384,
+                      max_num_batched_tokens=budget, long_prefill_token_threshold=threshold if chunked else 0,
+                      enable_chunked_prefill=chunked, executor=SimulatedExecutor(**GPU_LIKE),
+                      batch_builder=builder if chunked else None, **options)
 
 
 def run_arrivals(engine, arrivals: Sequence[Arrival], *, max_steps: int = 200_000) -> dict:
@@ -614,11 +597,11 @@ def prefill_block(engine, request_id: str, prompt_len: int) -> tuple[int, float]
 
 
 __all__ = [
-    "Arrival", "BatchBuilderScheduler", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "check_build_batch",
+    "Arrival", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "check_build_batch",
     "check_itl_stats", "check_pick_budget", "decoder_times", "engine_build_batch", "engine_itl_stats",
     "engine_pick_budget", "install_batch_builder", "lab_engine", "mixed_arrivals",
     "percentile", "prefill_block", "run_arrivals", "serve", "step_durations", "step_starts", "summarize",
-    "throughput_run",
+    "throughput_run", "WithLimits",
 ]
 
 

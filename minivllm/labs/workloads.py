@@ -28,7 +28,7 @@ def sim_engine(*, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int
                max_num_batched_tokens: int = 512, model_max_len: int = 2048,
                admission_policy: Any = None, preemption_policy: Any = None,
                executor: SimulatedExecutor | None = None, preemption_cost_model: Any = None,
-               **options: Any) -> LLMEngine:
+               batch_builder: Any = None, **options: Any) -> LLMEngine:
     """A real :class:`LLMEngine` whose forward pass is a virtual-clock cost model."""
     options.setdefault("max_model_len", min(model_max_len, num_blocks * block_size))
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
@@ -36,7 +36,7 @@ def sim_engine(*, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int
                           num_gpu_blocks_override=num_blocks, device="cpu", **options)
     return LLMEngine(config, executor=executor or SimulatedExecutor(), model_max_len=model_max_len,
                      admission_policy=admission_policy, preemption_policy=preemption_policy,
-                     preemption_cost_model=preemption_cost_model, eos_token_ids=set())
+                     preemption_cost_model=preemption_cost_model, batch_builder=batch_builder, eos_token_ids=set())
 
 
 def random_requests(n: int, *, seed: int = 0, prompt_range=(16, 256), output_range=(8, 128),

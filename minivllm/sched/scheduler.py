@@ -68,7 +68,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
-from minivllm.interfaces import AdmissionPolicy, PreemptionCostModel, PreemptionPolicy
+from minivllm.interfaces import AdmissionPolicy, BatchBuilder, PreemptionCostModel, PreemptionPolicy
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
@@ -158,6 +158,7 @@ class Scheduler:
         preemption_policy: PreemptionPolicy | None = None,
         costs: PreemptionCostModel | None = None,
         caps: CapTable | None = None,
+        batch_builder: BatchBuilder | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -165,6 +166,7 @@ class Scheduler:
         self.preemption_policy = preemption_policy or RecomputeLatestPreemption()
         self.costs = costs
         self.caps = caps if caps is not None and caps.active else None
+        self.batch_builder = batch_builder  # step 2 done by someone else (see build_batch); None: the scheduler's
         pol = self.admission_policy
         self._rank = getattr(pol, "rank", None)  # optional hooks, see minivllm.interfaces
         self._may_preempt_for = getattr(pol, "may_preempt_for", None) if self._rank is not None else None
@@ -546,7 +548,10 @@ class Scheduler:
 
         The sequences are finally put one-token rows first, the layout the
         attention backends expect (a stable sort, so decodes keep their order).
+        A :attr:`batch_builder` replaces all of this (:meth:`_build_batch_by`).
         """
+        if self.batch_builder is not None:
+            return self._build_batch_by(self.batch_builder)
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
         self._rejected = []
@@ -587,6 +592,32 @@ class Scheduler:
         # One-token rows first.  Everything before ``first_prefill`` is a decode (one token), so only the
         # tail needs sorting; a stable sort keeps each part in scheduling order.
         seqs[first_prefill:] = sorted(seqs[first_prefill:], key=lambda s: s.num_tokens != 1)
+        return batch
+
+    def _build_batch_by(self, builder: BatchBuilder) -> ScheduledBatch:
+        """Step 2 by ``builder`` (a :class:`~minivllm.interfaces.BatchBuilder`), its answer checked here, at
+        the boundary: a request that is not running, or is listed twice, a token count outside 1 .. its
+        uncomputed tokens, or a total over the budget is a ``ValueError`` before anything is allocated."""
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
+        self._rejected = []
+        self._admission_preempted = []
+        running = set(map(id, self.running))
+        seen: set[int] = set()
+        total = 0
+        for req, n in builder(list(self.running), budget, self.config.long_prefill_token_threshold):
+            if id(req) not in running or id(req) in seen:
+                raise ValueError(f"build_batch returned {getattr(req, 'request_id', req)!r}, which is not "
+                                 f"a running request or appears twice")
+            if not 1 <= n <= req.num_uncomputed_tokens:
+                raise ValueError(f"build_batch gave {req.request_id!r} {n} tokens; it has "
+                                 f"{req.num_uncomputed_tokens} to compute (give 1 .. that many, or leave it out)")
+            seen.add(id(req))
+            total += n
+            batch.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
+        if total > budget:
+            raise ValueError(f"build_batch scheduled {total} tokens, over the budget of {budget}")
+        batch.seqs.sort(key=lambda s: s.num_tokens != 1)  # one-token rows first: the attention backends' layout
         return batch
 
     # -- step 3: allocate ----------------------------------------------------

@@ -117,8 +117,10 @@ Every step, `Scheduler.build_batch()` decides how many tokens each running reque
 * **per-request cap**: with `threshold > 0`, no request takes more than `threshold` tokens in a step (0 = no cap);
 * **never past the budget**, and never a row of 0 tokens.
 
-The seam: `install_batch_builder(engine, build_batch)` swaps step 2 of a real engine for your function. The engine
-turns each pair into a `ScheduledSeq(request, num_tokens, start=request.num_computed_tokens, is_decode)` and puts
+The seam: `install_batch_builder(engine, build_batch)` swaps step 2 of a real engine for your function (the engine's
+`BatchBuilder` seam in `minivllm/interfaces.py`; an engine built for it takes `LLM(batch_builder=build_batch)`). The
+engine checks what comes back (a request twice, a row of 0 tokens, a total over the budget: a `ValueError` naming
+it), turns each pair into a `ScheduledSeq(request, num_tokens, start=request.num_computed_tokens, is_decode)` and puts
 one-token rows first (`batch.seqs.sort(key=lambda s: s.num_tokens != 1)`), the layout the attention kernels expect;
 admission (step 1) and KV allocation (step 3) stay the engine's.
 
