@@ -299,3 +299,29 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ``token_ids`` (the detokenizer decodes growing windows of them)."""
         ...
+
+
+def seam_members(protocol: type) -> list[str]:
+    """What ``protocol`` promises: the methods and attributes its class body declares (and ``__call__``)."""
+    names = {n for n in vars(protocol) if not n.startswith("_") or n == "__call__"}
+    names.update(n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_"))
+    return sorted(names)
+
+
+def check_seam(name: str, value: object, protocol: type) -> None:
+    """Refuse, when the engine is built, an object that lacks what ``protocol`` promises the engine.
+
+    Why here: a policy without ``order`` would otherwise fail as an ``AttributeError`` inside some later
+    step, far from the mistake, with requests already admitted.  The common slip, a class passed where an
+    instance belongs (``admission_policy=TenantCap`` for ``TenantCap(...)``), gets its own message.
+    ``None`` (the engine's own) is always fine.
+    """
+    if value is None:
+        return
+    if isinstance(value, type):
+        raise ValueError(f"{name} must be an object, got the class {value.__name__} itself "
+                         f"(make one: {value.__name__}(...))")
+    missing = [m for m in seam_members(protocol) if not hasattr(value, m)]
+    if missing:
+        raise ValueError(f"{name}={type(value).__name__} does not implement {protocol.__name__} (minivllm.interfaces): "
+                         f"it has no {', '.join(missing)}")

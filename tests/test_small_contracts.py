@@ -223,3 +223,38 @@ def test_a_batch_builder_replaces_step_2_and_its_answer_is_checked_at_the_bounda
         install_batch_builder(eng, engine_build_batch)  # the engine's own answer from here on
         assert len(drain(eng)) == 4
         assert_no_leak(eng)
+
+
+def test_a_wrong_object_for_a_seam_is_refused_when_the_engine_is_built():
+    """Each seam is checked against its protocol's members when the engine is built (a ValueError naming what
+    is missing), not discovered as an AttributeError inside a later step; a class passed for an instance is
+    named as such.  Every object the course plugs in passes: the engine's own and the learner's assembled ones."""
+    import pytest
+
+    from minivllm.interfaces import PrefixCache, check_seam, seam_members
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.prefix.hash_index import HashIndex
+    from minivllm.kv.prefix.learner import LearnerHashCache
+    from minivllm.kv.prefix.radix import RadixCache
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sched.fairness import FCFSAdmission
+
+    class OrderOnly:
+        def order(self, waiting, running):
+            return list(waiting)
+
+    class NoOrder:
+        def rank(self, req):
+            return 0
+
+    sim_engine(admission_policy=OrderOnly())  # the whole required contract: accepted
+    with pytest.raises(ValueError, match="admission_policy=NoOrder does not implement AdmissionPolicy .*it has no order"):
+        sim_engine(admission_policy=NoOrder())
+    with pytest.raises(ValueError, match="got the class FCFSAdmission itself"):
+        sim_engine(admission_policy=FCFSAdmission)
+    with pytest.raises(ValueError, match="batch_builder=int .*no __call__"):
+        sim_engine(batch_builder=3)
+    pool = BlockPool(8)
+    for cache in (HashIndex(pool, 16), RadixCache(pool, 16), LearnerHashCache(pool, 16, None, None, None)):
+        check_seam("prefix_cache", cache, PrefixCache)
+    assert {"match", "insert", "evict", "reset", "stats"} <= set(seam_members(PrefixCache))

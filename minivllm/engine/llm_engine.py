@@ -31,7 +31,7 @@ from minivllm.config import PCIE4_X16_BYTES_PER_S, EngineConfig
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache,
-                                 PricesRecompute, SimulatedDevice, Tokenizer)
+                                 PricesRecompute, SimulatedDevice, Tokenizer, check_seam)
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
@@ -74,6 +74,12 @@ class LLMEngine:
         model_max_len: int = 8192,
     ) -> None:
         config = config or EngineConfig()
+        for name, value, protocol in (
+            ("executor", executor, Executor), ("admission_policy", admission_policy, AdmissionPolicy),
+            ("preemption_policy", preemption_policy, PreemptionPolicy), ("prefix_cache", prefix_cache, PrefixCache),
+            ("batch_builder", batch_builder, BatchBuilder), ("preemption_cost_model", preemption_cost_model, PreemptionCostModel),
+        ):
+            check_seam(name, value, protocol)  # a wrong object fails here, not inside a later step
         self.model_runner = None
         self.loaded = None
         vocab_size = None

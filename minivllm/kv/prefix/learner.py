@@ -120,3 +120,7 @@ class LearnerHashCache:
             self.stats.evicted_blocks += 1
             freed += 1
         return freed
+
+    def reset(self) -> None:
+        """Evict every block the learner's rule lets go (all of them once nothing is locked)."""
+        self.evict(self.num_cached_blocks)
