@@ -10,6 +10,7 @@ with the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -448,14 +449,15 @@ def _victim_run(cls, seed: int = 5) -> tuple:
     return finished, victims
 
 
-_EXPECTED_VICTIM_RUN: tuple | None = None
+@functools.cache
+def _expected_victim_run() -> tuple:
+    """The reference policy's swap-mode run (computed once per process: mutation tests call the checker often)."""
+    return _victim_run(ReferenceVictim)
 
 
 def check_victim_policy(cls) -> CheckResult:
     """Check a PreemptionPolicy class ``cls(protected_tenants)`` with ``choose_victim(running)``."""
-    global _EXPECTED_VICTIM_RUN
-    if _EXPECTED_VICTIM_RUN is None:
-        _EXPECTED_VICTIM_RUN = _victim_run(ReferenceVictim)
+    expected_run = _expected_victim_run()
     a, b, c = _R("a", "batch", 40), _R("b", "batch", 12), _R("c", "batch", 25)
     chat_small, batch_big = _R("chat", "chat", 4), _R("big", "batch", 300)
 
@@ -490,9 +492,9 @@ def check_victim_policy(cls) -> CheckResult:
              "q", "the engine needs a victim: when all are protected, choose among all of them"),
         Case("returns one of the running requests, unchanged", lambda k: (same_object(k), untouched(k)), (True, True),
              "return the request object itself, and don't sort or pop the list the engine passed you"),
-        Case("the real engine: victims of a swap-mode run", lambda k: _victim_run(k), _EXPECTED_VICTIM_RUN,
+        Case("the real engine: victims of a swap-mode run", lambda k: _victim_run(k), expected_run,
              "plugged into the engine, the same rule must pick the same victims step by step",
-             show_expected=f"all 10 finish; victims {_EXPECTED_VICTIM_RUN[1]}"),
+             show_expected=f"all 10 finish; victims {expected_run[1]}"),
     ]
     return run_checks("victim policy", cls, cases)
 

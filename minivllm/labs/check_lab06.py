@@ -16,6 +16,7 @@ the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 from collections.abc import Sequence
@@ -605,15 +606,18 @@ def _cap_engine_run(policy: dict, seed: int = 1) -> tuple:
     return (len(res.ttft), tuple((r.tenant("noisy").running, r.tenant("quiet").running) for r in res.records))
 
 
-_EXPECTED_CAP: tuple | None = None
 _CAPS = {"noisy": 2}
+
+
+@functools.cache
+def _expected_cap_run() -> tuple:
+    """The engine's own cap policy on the checker's workload (computed once per process, as each below)."""
+    return _cap_engine_run(cap_policy(None, _CAPS))
 
 
 def check_tenant_cap(cls) -> CheckResult:
     """Check ``cls(max_running: dict)`` with ``order(waiting, running) -> list`` (an AdmissionPolicy)."""
-    global _EXPECTED_CAP
-    if _EXPECTED_CAP is None:
-        _EXPECTED_CAP = _cap_engine_run(cap_policy(None, _CAPS))
+    expected_run = _expected_cap_run()
     a = [_R(f"a{i}", "a", i) for i in range(4)]
     b = [_R(f"b{i}", "b", 10 + i) for i in range(3)]
 
@@ -651,9 +655,9 @@ def check_tenant_cap(cls) -> CheckResult:
         Case("the caps are the policy's own", own_copy, ["a0", "b0"],
              "keep a copy (dict(max_running)): a caller that changes its dict afterwards must not change your caps"),
         Case("the real engine: per-step running counts equal the engine's caps policy",
-             lambda k: _cap_engine_run(cap_policy(k(dict(_CAPS)), _CAPS)), _EXPECTED_CAP,
+             lambda k: _cap_engine_run(cap_policy(k(dict(_CAPS)), _CAPS)), expected_run,
              "plugged in as admission_policy, your order must admit exactly what the engine's cap admits",
-             show_expected=f"all {_EXPECTED_CAP[0]} finish, never more than 2 noisy requests running"),
+             show_expected=f"all {expected_run[0]} finish, never more than 2 noisy requests running"),
     ]
     return run_checks("per-tenant cap", cls, cases)
 
@@ -707,14 +711,14 @@ def aging_run(policy: dict) -> ServeResult:
     return _deadline_engine_run(policy, result=True)
 
 
-_EXPECTED_WFQ: tuple | None = None
+@functools.cache
+def _expected_wfq_run() -> tuple:
+    return _wfq_engine_run(wfq_policy(None, budget=512))
 
 
 def check_virtual_token_counter(cls) -> CheckResult:
     """Check ``cls(weights, prefill_weight, decode_weight)`` with ``counters``, ``weight``, ``charge``, ``activate``."""
-    global _EXPECTED_WFQ
-    if _EXPECTED_WFQ is None:
-        _EXPECTED_WFQ = _wfq_engine_run(wfq_policy(None, budget=512))
+    expected_run = _expected_wfq_run()
 
     def charged(k):
         v = k({"a": 2.0}, prefill_weight=1.0, decode_weight=2.0)
@@ -752,9 +756,9 @@ def check_virtual_token_counter(cls) -> CheckResult:
              (0.0, {"x": 500}), "take the minimum over every active tenant, reading a missing counter as 0 "
                                 "(counters.get(t, 0.0)): z has served nothing yet"),
         Case("the real engine: the same steps and service as the engine's WFQ", lambda k: _wfq_engine_run(
-            wfq_policy(k({}, prefill_weight=1.0, decode_weight=2.0), budget=512)), _EXPECTED_WFQ,
+            wfq_policy(k({}, prefill_weight=1.0, decode_weight=2.0), budget=512)), expected_run,
              "plugged into the engine's WFQ order, your counter must produce the engine's schedule, step by step",
-             show_expected=f"service per tenant {_EXPECTED_WFQ[1]}"),
+             show_expected=f"service per tenant {expected_run[1]}"),
     ]
     return run_checks("virtual token counter", cls, cases)
 
@@ -796,13 +800,14 @@ def _deadline_engine_run(policy: dict, seed: int = 3, result: bool = False):
     return tuple(sorted(res.first_step, key=lambda k: (res.first_step[k], k))), len(res.ttft)
 
 
-_EXPECTED_DEADLINE: dict = {}
+@functools.cache
+def _expected_deadline_run() -> tuple:
+    return _deadline_engine_run(deadline_policy(None, 0.5))
 
 
 def check_deadline_aging(cls) -> CheckResult:
     """Check ``cls(aging_s)`` with ``key(req)``, ``rank(req)`` and ``order(waiting, running)``."""
-    if not _EXPECTED_DEADLINE:
-        _EXPECTED_DEADLINE[0.5] = _deadline_engine_run(deadline_policy(None, 0.5))
+    expected_run = _expected_deadline_run()
 
     def keys(k, reqs, aging=10.0):
         return [round(k(aging).key(r), 6) for r in reqs]
@@ -840,10 +845,10 @@ def check_deadline_aging(cls) -> CheckResult:
         Case("the engine's queue is not changed", untouched, ["loose", "tight", "none"],
              "return a new sorted list (sorted(...)), don't sort the engine's list in place"),
         Case("the real engine: start order under a stream of tight deadlines",
-             lambda k: _deadline_engine_run(deadline_policy(k(0.5), 0.5)), _EXPECTED_DEADLINE[0.5],
+             lambda k: _deadline_engine_run(deadline_policy(k(0.5), 0.5)), expected_run,
              "plugged in as admission_policy (with RankPreemption), your order must start requests as the engine does",
              show_expected="the engine's start order; all 63 finish",
-             diagnose=lambda got: _first_difference(got, _EXPECTED_DEADLINE[0.5])),
+             diagnose=lambda got: _first_difference(got, expected_run)),
     ]
     return run_checks("deadline with aging", cls, cases)
 
