@@ -547,7 +547,7 @@ def _series(values: Sequence[float], signal: str = "waiting", step: float = 1.0)
     return out
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _ramp_for_checker() -> SimRun:
     """The checker's copy of the ramp (computed once per process: mutation tests call the checker often)."""
     return ramp_run()
