@@ -122,7 +122,7 @@ class PreemptionCostModel(Protocol):
 @runtime_checkable
 class Executor(Protocol):
     """What "run the batch" means.  An executor may also be any of the three protocols after this one; the
-    engine asks with ``isinstance`` and falls back to its defaults for one that is not."""
+    engine asks with :func:`implements` and falls back to its defaults for one that is not."""
 
     def execute(self, batch: "ScheduledBatch") -> dict[str, int]:
         """Run one step: perform the batch's block moves (swap in, swap out,
@@ -302,10 +302,21 @@ class Tokenizer(Protocol):
 
 
 def seam_members(protocol: type) -> list[str]:
-    """What ``protocol`` promises: the methods and attributes its class body declares (and ``__call__``)."""
+    """What ``protocol`` promises: the methods and attributes its class body declares (and ``__call__``).
+    (A protocol here never inherits another's members, so its own class body is the whole contract.)"""
     names = {n for n in vars(protocol) if not n.startswith("_") or n == "__call__"}
     names.update(n for n in getattr(protocol, "__annotations__", {}) if not n.startswith("_"))
     return sorted(names)
+
+
+def implements(value: object, protocol: type) -> bool:
+    """Has ``value`` every member ``protocol`` declares?  How the engine asks about the optional protocols.
+
+    ``hasattr``, not ``isinstance``: since Python 3.12 ``isinstance`` on a runtime protocol no longer calls
+    ``__getattr__``, so a wrapper that forwards attributes (calibrate's ``RecordingExecutor``) would stop
+    counting as what it wraps on some Pythons and not others.
+    """
+    return all(hasattr(value, m) for m in seam_members(protocol))
 
 
 def check_seam(name: str, value: object, protocol: type) -> None:

@@ -140,7 +140,7 @@ def test_the_engine_sizes_and_prices_from_what_an_executor_says_it_is():
     from minivllm import EngineConfig, LLMEngine
     from minivllm.config import PCIE4_X16_BYTES_PER_S
     from minivllm.engine.llm_engine import SIM_BYTES_PER_TOKEN
-    from minivllm.interfaces import PricesRecompute, SimulatedDevice
+    from minivllm.interfaces import PricesRecompute, SimulatedDevice, VirtualClock, implements
     from minivllm.sched.scheduler import PreemptionCosts
     from minivllm.sim import SimulatedExecutor
 
@@ -165,7 +165,7 @@ def test_the_engine_sizes_and_prices_from_what_an_executor_says_it_is():
         return LLMEngine(cfg, executor=executor, model_max_len=256)
 
     device = SimulatedExecutor(kv_bytes_per_block=1 << 16, swap_bytes_per_s=7e9)
-    assert isinstance(device, SimulatedDevice) and not isinstance(Bare(), SimulatedDevice)
+    assert implements(device, SimulatedDevice) and not implements(Bare(), SimulatedDevice)
     sized = engine(device)
     assert sized.pool.num_blocks == (1 << 22) // (1 << 16)
     assert (sized.scheduler.costs.bytes_per_block, sized.scheduler.costs.swap_bytes_per_s) == (1 << 16, 7e9)
@@ -173,8 +173,23 @@ def test_the_engine_sizes_and_prices_from_what_an_executor_says_it_is():
     assert bare.pool.num_blocks == (1 << 22) // (16 * SIM_BYTES_PER_TOKEN)
     assert bare.scheduler.costs.swap_bytes_per_s == PCIE4_X16_BYTES_PER_S
     priced = Priced(kv_bytes_per_block=1 << 16)
-    assert isinstance(priced, PricesRecompute)
+    assert implements(priced, PricesRecompute)
     assert engine(priced).scheduler.costs.prefill_tokens_per_s == 96.0  # the model built from the token budget
+
+    class Forwarding:  # a wrapper that forwards what it lacks (as calibrate's RecordingExecutor does)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def execute(self, batch):
+            return self.inner.execute(batch)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    wrapped = Forwarding(device)  # counts as what it wraps, on every Python (isinstance would not on 3.12+)
+    assert implements(wrapped, SimulatedDevice) and implements(wrapped, VirtualClock)
+    assert engine(wrapped).pool.num_blocks == (1 << 22) // (1 << 16)
+    assert not implements(Forwarding(Bare()), VirtualClock)
 
 
 def test_a_batch_builder_replaces_step_2_and_its_answer_is_checked_at_the_boundary():

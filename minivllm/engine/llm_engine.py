@@ -31,7 +31,7 @@ from minivllm.config import PCIE4_X16_BYTES_PER_S, EngineConfig
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, Executor, PreemptionCostModel, PreemptionPolicy, PrefixCache,
-                                 PricesRecompute, SimulatedDevice, Tokenizer, check_seam)
+                                 PricesRecompute, SimulatedDevice, Tokenizer, check_seam, implements)
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
@@ -100,7 +100,7 @@ class LLMEngine:
             layout = kv_layout(self.loaded.model, config)
             num_blocks, num_cpu_blocks, bytes_per_block = layout.num_blocks, layout.num_cpu_blocks, layout.bytes_per_block
         else:
-            device = executor if isinstance(executor, SimulatedDevice) else None
+            device = executor if implements(executor, SimulatedDevice) else None
             bytes_per_block = device.kv_bytes_per_block if device else config.block_size * SIM_BYTES_PER_TOKEN
             budget = config.kv_cache_memory_bytes
             num_blocks = config.num_gpu_blocks_override or (budget // bytes_per_block if budget else DEFAULT_SIM_KV_BLOCKS)
@@ -132,14 +132,14 @@ class LLMEngine:
             # An executor that can price a recompute by its length (the roofline simulator: short victims ride
             # free in memory-bound steps) supplies its own model; otherwise one measured prefill rate, which
             # makes the choice the same at every length.
-            if isinstance(executor, PricesRecompute):
+            if implements(executor, PricesRecompute):
                 costs = executor.preemption_cost_model(config.max_num_batched_tokens)
             else:
                 swap_bw = config.swap_bandwidth_gbps * 1e9 if config.swap_bandwidth_gbps else None
                 if swap_bw is None and self.model_runner is not None:
                     swap_bw = self.model_runner.kv_cache.measure_swap_bandwidth()
                 elif swap_bw is None:
-                    swap_bw = executor.swap_bytes_per_s if isinstance(executor, SimulatedDevice) else PCIE4_X16_BYTES_PER_S
+                    swap_bw = executor.swap_bytes_per_s if implements(executor, SimulatedDevice) else PCIE4_X16_BYTES_PER_S
                 costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks), batch_builder)

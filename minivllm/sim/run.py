@@ -84,12 +84,11 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     flight the loop waits for the next arrival: ``executor.advance_to(t)`` on
     a virtual clock, ``time.sleep`` on a real one.
     """
+    from minivllm.interfaces import VirtualClock, implements
     from minivllm.sampling_params import SamplingParams
 
     ex = engine.executor
-    # a VirtualClock (minivllm.interfaces), looked up by name rather than by isinstance: a wrapper that
-    # forwards attributes (calibrate's RecordingExecutor) has the method exactly when what it wraps has it
-    advance = getattr(ex, "advance_to", None)
+    advance = ex.advance_to if implements(ex, VirtualClock) else None  # (a forwarding wrapper counts: see implements)
     wall0 = time.perf_counter()
     t0 = ex.now()
     n = len(requests)
