@@ -9,10 +9,23 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from minivllm import LLMEngine
+from minivllm import EngineConfig, LLMEngine
 from minivllm.labs import workloads
 from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: F401  (re-exported: older imports)
 from minivllm.request import RequestStatus
+from minivllm.sim.executor import SimulatedExecutor
+
+
+def tiny_engine(*, num_blocks: int = 24, block_size: int = 4, budget: int = 32, max_seqs: int = 6, max_len: int = 64,
+                prefix: str | None = None, chunked: bool = True, **options) -> LLMEngine:
+    """A real engine on the simulated executor, small enough (a few dozen 4-token blocks, a 32-token budget)
+    that a random workload runs the pool dry, chunks prompts and preempts within a few steps.
+    ``prefix``: "radix" or "hash" turns prefix caching on; ``options`` go to :class:`EngineConfig`."""
+    cfg = EngineConfig(enable_prefix_caching=prefix is not None, prefix_cache=prefix or "radix",
+                       num_gpu_blocks_override=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
+                       max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=chunked, device="cpu",
+                       **options)
+    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
 
 
 def check_both_tiers(engine: LLMEngine) -> None:

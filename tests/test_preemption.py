@@ -19,28 +19,14 @@ from minivllm.request import Request, RequestStatus
 from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim import SimulatedExecutor
 
-from invariants import assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
 
 MODES = ["recompute", "swap", "reject", "auto"]
 
 
-def make_engine(mode="recompute", num_blocks=24, cpu_blocks=16, block_size=4, budget=32, max_seqs=6,
-                max_len=64, prefix=None, chunked=True, **options):
-    cfg = EngineConfig(
-        enable_prefix_caching=prefix is not None,
-        prefix_cache=prefix or "radix",
-        num_gpu_blocks_override=num_blocks,
-        num_cpu_blocks_override=cpu_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_seqs,
-        max_model_len=max_len,
-        enable_chunked_prefill=chunked,
-        preemption_mode=mode,
-        device="cpu",
-        **options,
-    )
-    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
+def make_engine(mode="recompute", cpu_blocks=16, **options):
+    """:func:`invariants.tiny_engine` in preemption ``mode`` with a host tier of ``cpu_blocks`` blocks."""
+    return tiny_engine(preemption_mode=mode, num_cpu_blocks_override=cpu_blocks, **options)
 
 
 # -- the state machine: random programs in every mode ------------------------------------------

@@ -16,22 +16,10 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.sim.executor import SimulatedExecutor
 
-from invariants import assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
 
 
-def make_engine(num_blocks=24, block_size=4, budget=32, max_seqs=6, chunked=True, max_len=64, prefix=None):
-    cfg = EngineConfig(
-        enable_prefix_caching=prefix is not None,
-        prefix_cache=prefix or "radix",
-        num_gpu_blocks_override=num_blocks,
-        block_size=block_size,
-        max_num_batched_tokens=budget,
-        max_num_seqs=max_seqs,
-        enable_chunked_prefill=chunked,
-        max_model_len=max_len,
-        device="cpu",
-    )
-    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len)
+make_engine = tiny_engine
 
 
 def check_blocks(engine: LLMEngine) -> None:
