@@ -198,6 +198,7 @@ def test_a_batch_builder_replaces_step_2_and_its_answer_is_checked_at_the_bounda
     names it, and the engine, given its own step 2 back, drains with no block leaked."""
     import pytest
 
+    from minivllm import SamplingParams
     from minivllm.labs.check_lab04 import WithLimits, engine_build_batch, install_batch_builder
     from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 
@@ -238,6 +239,25 @@ def test_a_batch_builder_replaces_step_2_and_its_answer_is_checked_at_the_bounda
         install_batch_builder(eng, engine_build_batch)  # the engine's own answer from here on
         assert len(drain(eng)) == 4
         assert_no_leak(eng)
+
+    # a step that fails in step 2 hands nothing over: a request admission turned away in it is reported next step
+    from minivllm.config import TenantConfig
+
+    from invariants import tiny_engine
+
+    eng = tiny_engine(num_blocks=60, scheduling_policy="caps", tenants={"bulk": TenantConfig(max_running=1, over_cap="reject")})
+    install_batch_builder(eng, engine_build_batch)
+    eng.add_request({"prompt_token_ids": [7] * 8}, SamplingParams(max_tokens=10, ignore_eos=True), "b0", tenant="bulk")
+    eng.step()
+    eng.add_request({"prompt_token_ids": [7] * 8}, SamplingParams(max_tokens=4, ignore_eos=True), "b1", tenant="bulk")
+    install_batch_builder(eng, twice)
+    with pytest.raises(ValueError, match="appears twice"):
+        eng.step()  # (b1 is rejected by its cap in step 1 of this step)
+    install_batch_builder(eng, engine_build_batch)
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["b1"].finished and outs["b1"].outputs[0].finish_reason == "rejected"
+    assert drain(eng)["b0"].outputs[0].finish_reason == "length"
+    assert_no_leak(eng)
 
 
 def test_a_wrong_object_for_a_seam_is_refused_when_the_engine_is_built():

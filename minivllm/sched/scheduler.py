@@ -597,13 +597,12 @@ class Scheduler:
     def _build_batch_by(self, builder: BatchBuilder) -> ScheduledBatch:
         """Step 2 by ``builder`` (a :class:`~minivllm.interfaces.BatchBuilder`), its answer checked here, at
         the boundary: a request that is not running, or is listed twice, a token count outside 1 .. its
-        uncomputed tokens, or a total over the budget is a ``ValueError`` before anything is allocated."""
+        uncomputed tokens, or a total over the budget is a ``ValueError`` before anything is allocated (and
+        before this step's rejections and preemptions are handed over: the next step still reports them)."""
         budget = self.config.max_num_batched_tokens
-        batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
-        self._rejected = []
-        self._admission_preempted = []
         running = set(map(id, self.running))
         seen: set[int] = set()
+        seqs: list[ScheduledSeq] = []
         total = 0
         for req, n in builder(list(self.running), budget, self.config.long_prefill_token_threshold):
             if id(req) not in running or id(req) in seen:
@@ -614,10 +613,13 @@ class Scheduler:
                                  f"{req.num_uncomputed_tokens} to compute (give 1 .. that many, or leave it out)")
             seen.add(id(req))
             total += n
-            batch.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
+            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
         if total > budget:
             raise ValueError(f"build_batch scheduled {total} tokens, over the budget of {budget}")
-        batch.seqs.sort(key=lambda s: s.num_tokens != 1)  # one-token rows first: the attention backends' layout
+        seqs.sort(key=lambda s: s.num_tokens != 1)  # one-token rows first: the attention backends' layout
+        batch = ScheduledBatch(seqs, preempted=self._admission_preempted, rejected=self._rejected)
+        self._rejected = []
+        self._admission_preempted = []
         return batch
 
     # -- step 3: allocate ----------------------------------------------------
