@@ -597,11 +597,11 @@ def prefill_block(engine, request_id: str, prompt_len: int) -> tuple[int, float]
 
 
 __all__ = [
-    "Arrival", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "check_build_batch",
+    "Arrival", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "WithLimits", "check_build_batch",
     "check_itl_stats", "check_pick_budget", "decoder_times", "engine_build_batch", "engine_itl_stats",
     "engine_pick_budget", "install_batch_builder", "lab_engine", "mixed_arrivals",
     "percentile", "prefill_block", "run_arrivals", "serve", "step_durations", "step_starts", "summarize",
-    "throughput_run", "WithLimits",
+    "throughput_run",
 ]
 
 
