@@ -5,7 +5,10 @@ object with these methods into :class:`~minivllm.engine.LLMEngine` (or ``LLM``)
 and the real serving loop runs with it:
 
 * :class:`AdmissionPolicy` -- which waiting request to admit next (FCFS,
-  priorities, weighted fair queueing, per-tenant caps...).
+  priorities, weighted fair queueing, per-tenant caps...); a policy may also
+  rank requests, preempt to admit, observe each step and set its head-of-line
+  rule (:class:`RanksRequests`, :class:`PreemptsToAdmit`,
+  :class:`ObservesSteps`, :class:`HeadOfLine`).
 * :class:`BatchBuilder` -- step 2 of the loop: how many tokens each running
   request computes this step (lab 4 writes one).
 * :class:`PreemptionPolicy` -- who gives up its KV blocks when they run out.
@@ -33,7 +36,7 @@ so the package has no import cycles.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -48,28 +51,10 @@ if TYPE_CHECKING:
 class AdmissionPolicy(Protocol):
     """Which waiting request to admit next.  ``order`` is the whole required contract.
 
-    Optional hooks (the scheduler looks them up with ``getattr`` once; a policy
-    without them behaves exactly as FCFS-style policies always have):
-
-    * ``rank(req) -> sortable`` -- the policy's preference (smaller is better).
-      With it the scheduler gives a batch's prefill chunks to better-ranked
-      requests first and, when admitting ``req``, counts against the token
-      budget every running decode but only the running prefills ranked at or
-      ahead of ``req``.
-    * ``may_preempt_for(req, victim) -> bool`` -- (with ``rank``) may waiting
-      ``req`` preempt running ``victim`` when no seat (``max_num_seqs``) or no
-      KV is left for it?  (A short token budget is never a reason: it comes
-      back next step.)  The scheduler preempts only if preempting every allowed
-      victim could make the room; the victim among those allowed is chosen by the
-      :class:`PreemptionPolicy`; requests protected by the anti-thrash rule are
-      never preempted this way.
-    * ``observe(batch, now) -> None`` -- called once per step after execution
-      with the :class:`~minivllm.sched.output.ScheduledBatch` that ran (tokens
-      served per request: ``seq.num_tokens``, ``seq.is_decode``,
-      ``seq.samples``); weighted fair queueing charges its counters here.
-    * ``head_of_line = "global" | "tenant"`` -- when a request cannot start,
-      stop admitting (``"global"``, the default) or skip only the rest of its
-      tenant's requests (``"tenant"``).
+    A policy may also be any of the four protocols after this one (the scheduler asks once, with
+    :func:`implements`; a policy that is none of them behaves exactly as FCFS-style policies always have):
+    :class:`RanksRequests`, :class:`PreemptsToAdmit` (with a rank), :class:`ObservesSteps` and
+    :class:`HeadOfLine`.
     """
 
     def order(self, waiting: Sequence["Request"], running: Sequence["Request"]) -> list["Request"]:
@@ -80,6 +65,48 @@ class AdmissionPolicy(Protocol):
         ``waiting``.
         """
         ...
+
+
+@runtime_checkable
+class RanksRequests(Protocol):
+    """An admission policy with a preference among requests, not only an order of the waiting ones."""
+
+    def rank(self, req: "Request") -> Any:
+        """A sortable key, smaller is better.  With it the scheduler gives a batch's prefill chunks to
+        better-ranked requests first and, when admitting ``req``, counts against the token budget every running
+        decode but only the running prefills ranked at or ahead of ``req``."""
+        ...
+
+
+@runtime_checkable
+class PreemptsToAdmit(Protocol):
+    """An admission policy (that also ranks) which may take a running request's place for a waiting one."""
+
+    def may_preempt_for(self, req: "Request", victim: "Request") -> bool:
+        """May waiting ``req`` preempt running ``victim`` when no seat (``max_num_seqs``) or no KV is left for
+        it?  (A short token budget is never a reason: it comes back next step.)  The scheduler preempts only if
+        preempting every allowed victim could make the room; the victim among those allowed is chosen by the
+        :class:`PreemptionPolicy`; requests protected by the anti-thrash rule are never preempted this way."""
+        ...
+
+
+@runtime_checkable
+class ObservesSteps(Protocol):
+    """An admission policy that learns from what ran (weighted fair queueing charges its counters here)."""
+
+    def observe(self, batch: "ScheduledBatch", now: float) -> None:
+        """Called once per step after execution with the batch that ran (tokens served per request:
+        ``seq.num_tokens``, ``seq.is_decode``, ``seq.samples``)."""
+        ...
+
+
+@runtime_checkable
+class HeadOfLine(Protocol):
+    """An admission policy that says what a request that cannot start holds up."""
+
+    head_of_line: str
+    """``"global"`` (the default for a policy without it): stop admitting this step; ``"tenant"``: skip only
+    the rest of that request's tenant."""
 
 
 @runtime_checkable

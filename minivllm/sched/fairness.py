@@ -4,7 +4,7 @@
 policy here is a pair behind the two existing seams
 (:class:`~minivllm.interfaces.AdmissionPolicy`,
 :class:`~minivllm.interfaces.PreemptionPolicy`) plus, where it needs them, the
-optional hooks the scheduler looks for (``rank``, ``may_preempt_for``,
+optional protocols the scheduler asks about (``rank``, ``may_preempt_for``,
 ``observe``, ``head_of_line``; see :mod:`minivllm.interfaces`).  Pick one by
 name with ``LLM(scheduling_policy=...)``:
 

@@ -68,7 +68,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
-from minivllm.interfaces import AdmissionPolicy, BatchBuilder, PreemptionCostModel, PreemptionPolicy
+from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, HeadOfLine, ObservesSteps, PreemptionCostModel,
+                                 PreemptionPolicy, PreemptsToAdmit, RanksRequests, implements)
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
@@ -168,10 +169,12 @@ class Scheduler:
         self.caps = caps if caps is not None and caps.active else None
         self.batch_builder = batch_builder  # step 2 done by someone else (see build_batch); None: the scheduler's
         pol = self.admission_policy
-        self._rank = getattr(pol, "rank", None)  # optional hooks, see minivllm.interfaces
-        self._may_preempt_for = getattr(pol, "may_preempt_for", None) if self._rank is not None else None
-        self._observe = getattr(pol, "observe", None)
-        self._hol_per_tenant = getattr(pol, "head_of_line", "global") == "tenant"
+        # the policy's optional protocols (minivllm.interfaces), asked once: the hot paths test for None
+        self._rank = pol.rank if implements(pol, RanksRequests) else None
+        self._may_preempt_for = (pol.may_preempt_for if self._rank is not None and implements(pol, PreemptsToAdmit)
+                                 else None)
+        self._observe = pol.observe if implements(pol, ObservesSteps) else None
+        self._hol_per_tenant = implements(pol, HeadOfLine) and pol.head_of_line == "tenant"
         self.waiting: deque[Request] = deque()
         # requests in ``waiting`` per tenant, kept by every change to the queue (the step log reads it each step)
         self.waiting_by_tenant: dict[str, int] = {}
