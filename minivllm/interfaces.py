@@ -343,7 +343,12 @@ def implements(value: object, protocol: type) -> bool:
     ``__getattr__``, so a wrapper that forwards attributes (calibrate's ``RecordingExecutor``) would stop
     counting as what it wraps on some Pythons and not others.
     """
-    return all(hasattr(value, m) for m in seam_members(protocol))
+    return not missing_members(value, protocol)
+
+
+def missing_members(value: object, protocol: type) -> list[str]:
+    """The members ``protocol`` declares that ``value`` lacks (by ``hasattr``: see :func:`implements`)."""
+    return [m for m in seam_members(protocol) if not hasattr(value, m)]
 
 
 def check_seam(name: str, value: object, protocol: type) -> None:
@@ -359,7 +364,7 @@ def check_seam(name: str, value: object, protocol: type) -> None:
     if isinstance(value, type):
         raise ValueError(f"{name} must be an object, got the class {value.__name__} itself "
                          f"(make one: {value.__name__}(...))")
-    missing = [m for m in seam_members(protocol) if not hasattr(value, m)]
+    missing = missing_members(value, protocol)
     if missing:
         raise ValueError(f"{name}={type(value).__name__} does not implement {protocol.__name__} (minivllm.interfaces): "
                          f"it has no {', '.join(missing)}")

@@ -82,6 +82,7 @@ class LLMEngine:
             check_seam(name, value, protocol)  # a wrong object fails here, not inside a later step
         self.model_runner = None
         self.loaded = None
+        device = executor if implements(executor, SimulatedDevice) else None  # a simulator's sizes, or None
         vocab_size = None
         if executor is None:
             from minivllm.model.runner import load_for_serving
@@ -100,8 +101,7 @@ class LLMEngine:
             layout = kv_layout(self.loaded.model, config)
             num_blocks, num_cpu_blocks, bytes_per_block = layout.num_blocks, layout.num_cpu_blocks, layout.bytes_per_block
         else:
-            device = executor if implements(executor, SimulatedDevice) else None
-            bytes_per_block = device.kv_bytes_per_block if device else config.block_size * SIM_BYTES_PER_TOKEN
+            bytes_per_block = device.kv_bytes_per_block if device is not None else config.block_size * SIM_BYTES_PER_TOKEN
             budget = config.kv_cache_memory_bytes
             num_blocks = config.num_gpu_blocks_override or (budget // bytes_per_block if budget else DEFAULT_SIM_KV_BLOCKS)
             num_cpu_blocks = num_host_blocks(config, bytes_per_block)
@@ -139,7 +139,7 @@ class LLMEngine:
                 if swap_bw is None and self.model_runner is not None:
                     swap_bw = self.model_runner.kv_cache.measure_swap_bandwidth()
                 elif swap_bw is None:
-                    swap_bw = executor.swap_bytes_per_s if implements(executor, SimulatedDevice) else PCIE4_X16_BYTES_PER_S
+                    swap_bw = device.swap_bytes_per_s if device is not None else PCIE4_X16_BYTES_PER_S
                 costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks), batch_builder)
