@@ -380,8 +380,8 @@ def test_calibrate_end_to_end_on_a_simulated_device():
                          attention_bandwidth=2e9, step_overhead_s=3e-3, seq_overhead_s=0.2e-3)
     cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512, max_model_len=4096,
                        device="cpu")
-    engine = LLMEngine(cfg, executor=RooflineExecutor(shape, truth), model_max_len=4096, eos_token_ids=set())
-    engine.executor = RecordingExecutor(engine.executor)
+    engine = LLMEngine(cfg, executor=RecordingExecutor(RooflineExecutor(shape, truth)), model_max_len=4096,
+                       eos_token_ids=set())
     # pin_bandwidth=False: this "device" streams at truth's 15 GB/s, not at what this machine measures
     doc = calibrate(engine, shape=shape, scale=0.4, name="sim-device", out=None, pin_bandwidth=False)
     got = HardwareSpec.from_dict(doc["hardware"])
@@ -428,8 +428,7 @@ def test_recorded_steps_carry_what_they_cost_the_host():
     cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=64, max_model_len=1024,
                        device="cpu")
     engine = LLMEngine(cfg, executor=_HostBoundExecutor(shape, hardware_preset("h100")), model_max_len=1024,
-                       eos_token_ids=set())
-    engine.executor = RecordingExecutor(engine.executor)
+                       eos_token_ids=set(), executor_wrapper=RecordingExecutor)
     samples, _ = measure(engine, calibration_grid(shape.vocab_size)[0])  # one lone 16-token prefill
     assert len(samples) == 1 and samples[0].host is not None
     host = samples[0].host
@@ -460,9 +459,8 @@ def test_drift_probe_reads_a_known_slowdown(factor):
                        device="cpu")
 
     def engine(spec):
-        eng = LLMEngine(cfg, executor=RooflineExecutor(shape, spec), model_max_len=4096, eos_token_ids=set())
-        eng.executor = RecordingExecutor(eng.executor)
-        return eng
+        return LLMEngine(cfg, executor=RecordingExecutor(RooflineExecutor(shape, spec)), model_max_len=4096,
+                         eos_token_ids=set())
 
     doc = calibrate(engine(truth), shape=shape, scale=0.6, name="sim-device", out=None, pin_bandwidth=False)
     ref_s, ref_counts = probe_reference(doc)
@@ -497,8 +495,8 @@ def test_calibration_repeats_take_the_median_step(monkeypatch):
     def fitted(repeats):
         cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512,
                            max_model_len=4096, device="cpu")
-        engine = LLMEngine(cfg, executor=Hiccups(shape, truth), model_max_len=4096, eos_token_ids=set())
-        engine.executor = RecordingExecutor(engine.executor)
+        engine = LLMEngine(cfg, executor=RecordingExecutor(Hiccups(shape, truth)), model_max_len=4096,
+                           eos_token_ids=set())
         doc = calibrate(engine, shape=shape, scale=0.4, name="hiccups", out=None, pin_bandwidth=False, repeats=repeats)
         return HardwareSpec.from_dict(doc["hardware"]), doc
 

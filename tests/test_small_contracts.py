@@ -293,3 +293,36 @@ def test_a_wrong_object_for_a_seam_is_refused_when_the_engine_is_built():
     for cache in (HashIndex(pool, 16), RadixCache(pool, 16), LearnerHashCache(pool, 16, None, None, None)):
         check_seam("prefix_cache", cache, PrefixCache)
     assert {"match", "insert", "evict", "reset", "stats"} <= set(seam_members(PrefixCache))
+
+
+def test_an_executor_wrapper_is_put_in_when_the_engine_is_built():
+    """A measuring layer (calibrate's ``RecordingExecutor``) is given to the engine at construction, so it also
+    wraps the model runner the engine builds for itself, and nobody replaces the executor of a built engine.
+    Oracle: the step log -- the recorder saw exactly the batches the engine logged, in order.  A wrapper that
+    returns None, or something that is not an executor, is refused when the engine is built."""
+    import pytest
+
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.sim.calibrate import RecordingExecutor
+    from minivllm.sim.executor import SimulatedExecutor
+
+    def build(wrapper):
+        cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks_override=64, device="cpu")
+        return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=1024, eos_token_ids=set(),
+                         executor_wrapper=wrapper)
+
+    engine = build(RecordingExecutor)
+    assert isinstance(engine.executor, RecordingExecutor) and isinstance(engine.executor.inner, SimulatedExecutor)
+    for i, n in enumerate((100, 30, 7)):
+        engine.add_request(list(range(10, 10 + n)), SamplingParams(max_tokens=5, temperature=0.0), f"r{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    logged = [[(s, n) for _, s, n in rec.seqs] for rec in engine.step_log if rec.seq_ids]
+    recorded = [[(s, n) for s, n, _ in seqs] for seqs, _ in engine.executor.batches]
+    assert recorded == logged and len(logged) == 7  # 137 prompt tokens under a 64-token budget, then decodes
+    with pytest.raises(ValueError, match="executor_wrapper returned None"):
+        build(lambda inner: None)
+    with pytest.raises(ValueError, match="executor_wrapper's result=str does not implement Executor"):
+        build(lambda inner: "not an executor")

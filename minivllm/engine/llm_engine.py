@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 from minivllm.config import PCIE4_X16_BYTES_PER_S, EngineConfig
 from minivllm.engine.input_processor import InputProcessor
@@ -70,6 +71,7 @@ class LLMEngine:
         prefix_cache: PrefixCache | None = None,
         preemption_cost_model: PreemptionCostModel | None = None,
         batch_builder: BatchBuilder | None = None,
+        executor_wrapper: Callable[[Executor], Executor] | None = None,
         eos_token_ids: set[int] | None = None,
         model_max_len: int = 8192,
     ) -> None:
@@ -121,6 +123,14 @@ class LLMEngine:
             self.model_runner = executor = ModelRunner(
                 self.loaded.model, layout.make_cache(), seed=config.seed, max_model_len=config.max_model_len,
                 cuda_graph_max_batch=0 if config.enforce_eager else config.max_num_seqs)
+        if executor_wrapper is not None:
+            # A measuring layer between the loop and the executor (calibrate's RecordingExecutor), put in here
+            # because the engine builds the model runner itself: the engine's clock is the wrapper's from the
+            # first step, and nobody swaps the executor of an engine already built.
+            executor = executor_wrapper(executor)
+            if executor is None:
+                raise ValueError("executor_wrapper returned None: it must return the executor the engine will call")
+            check_seam("executor_wrapper's result", executor, Executor)
         self.executor = executor
 
         # -- scheduling: the named policy (unless the caller passed its own), caps, the auto-mode cost model

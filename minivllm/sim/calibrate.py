@@ -369,9 +369,7 @@ def real_engine(max_num_batched_tokens: int = 512, max_num_seqs: int = 32, num_b
         torch.set_num_threads(1)
     cfg = EngineConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                        num_gpu_blocks_override=num_blocks, max_model_len=max_model_len, **options)
-    engine = LLMEngine(cfg)
-    engine.executor = RecordingExecutor(engine.executor, clock)
-    return engine
+    return LLMEngine(cfg, executor_wrapper=lambda runner: RecordingExecutor(runner, clock))
 
 
 def measure(engine, requests) -> tuple[list[StepSample], object]:
