@@ -289,6 +289,12 @@ def test_a_wrong_object_for_a_seam_is_refused_when_the_engine_is_built():
         sim_engine(admission_policy=FCFSAdmission)
     with pytest.raises(ValueError, match="batch_builder=int .*no __call__"):
         sim_engine(batch_builder=3)
+    from minivllm.labs.check_lab04 import install_batch_builder
+
+    engine = sim_engine()
+    with pytest.raises(ValueError, match="batch_builder=int .*no __call__"):  # lab 4's swap on a built engine too
+        install_batch_builder(engine, 3)
+    assert engine.scheduler.batch_builder is None  # and the engine keeps its own step 2
     pool = BlockPool(8)
     for cache in (HashIndex(pool, 16), RadixCache(pool, 16), LearnerHashCache(pool, 16, None, None, None)):
         check_seam("prefix_cache", cache, PrefixCache)

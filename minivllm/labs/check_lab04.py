@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from minivllm.config import EngineConfig
-from minivllm.interfaces import BatchBuilder
+from minivllm.interfaces import BatchBuilder, check_seam
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
@@ -70,6 +70,7 @@ def install_batch_builder(engine, fn: BuildBatch, *, budget: int | None = None, 
     """Make ``engine`` build every batch with ``fn`` from now on: the scheduler's
     :class:`~minivllm.interfaces.BatchBuilder` seam (an engine built for it takes ``batch_builder=fn``).
     ``budget`` and ``threshold``: see :class:`WithLimits`.  Call it before adding requests; returns the engine."""
+    check_seam("batch_builder", fn, BatchBuilder)  # the check a new engine makes, before the seam is swapped
     if budget is not None or threshold is not None:
         fn = WithLimits(fn, budget, threshold)
     engine.scheduler.batch_builder = fn
