@@ -16,21 +16,76 @@ from minivllm.request import RequestStatus
 from minivllm.sim.executor import SimulatedExecutor
 
 
+class KVContents(SimulatedExecutor):
+    """The simulated executor, plus a brute-force model of what every KV slot holds: the token written there.
+
+    Why: block accounting can be perfect while the bytes are wrong -- a swap-in landing in a block whose old
+    contents a victim's swap-out has not copied yet, a copy-on-write source freed first, a cached block that
+    another request overwrote.  A real model would then attend to the wrong keys and its outputs would drift,
+    but only a model run shows that.  Here each step applies the batch's block moves in the order
+    :mod:`minivllm.kv.kv_cache` promises the executor keeps (swap-ins, then swap-outs, then copies), writes
+    every scheduled token into its slot, and then requires each scheduled sequence to find its own token at
+    every position it attends (``0 .. start + num_tokens``), on its own block table
+    (:func:`check_both_tiers` reads what it found).
+    """
+
+    def __init__(self, block_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.block_size = block_size
+        self.device: dict[tuple[int, int], int] = {}  # (block, slot) -> token id
+        self.host: dict[tuple[int, int], int] = {}
+        # What went wrong, kept rather than raised: the engine turns an executor's exception into "error"
+        # outputs and keeps serving, so a raise here would read as a request failing, not as a test failing.
+        self.wrong: list[str] = []
+
+    def _copy(self, src: dict, s: int, dst: dict, d: int) -> None:
+        for slot in range(self.block_size):
+            if (s, slot) in src:
+                dst[(d, slot)] = src[(s, slot)]
+            else:
+                dst.pop((d, slot), None)
+
+    def execute(self, batch):
+        moves = batch.moves
+        for cpu, gpu in moves.swap_in:
+            self._copy(self.host, cpu, self.device, gpu)
+        for gpu, cpu in moves.swap_out:
+            self._copy(self.device, gpu, self.host, cpu)
+        for src, dst in moves.copies:
+            self._copy(self.device, src, self.device, dst)
+        bs = self.block_size
+        for s in batch.seqs:
+            table, tokens = s.request.block_ids, s.request.all_token_ids
+            for p in range(s.start, s.start + s.num_tokens):
+                self.device[(table[p // bs], p % bs)] = tokens[p]
+        for s in batch.seqs:
+            table, tokens = s.request.block_ids, s.request.all_token_ids
+            held = [self.device.get((table[p // bs], p % bs)) for p in range(s.start + s.num_tokens)]
+            wrong = [p for p, t in enumerate(held) if t != tokens[p]]
+            if wrong:
+                self.wrong.append(f"{s.request.request_id} attends wrong KV at positions "
+                                  f"{wrong[:8]} (blocks {[table[p // bs] for p in wrong[:8]]})")
+        return super().execute(batch)
+
+
 def tiny_engine(*, num_blocks: int = 24, block_size: int = 4, budget: int = 32, max_seqs: int = 6, max_len: int = 64,
                 prefix: str | None = None, chunked: bool = True, **options) -> LLMEngine:
     """A real engine on the simulated executor, small enough (a few dozen 4-token blocks, a 32-token budget)
-    that a random workload runs the pool dry, chunks prompts and preempts within a few steps.
+    that a random workload runs the pool dry, chunks prompts and preempts within a few steps; its executor
+    checks every KV slot a step attends (:class:`KVContents`).
     ``prefix``: "radix" or "hash" turns prefix caching on; ``options`` go to :class:`EngineConfig`."""
     cfg = EngineConfig(enable_prefix_caching=prefix is not None, prefix_cache=prefix or "radix",
                        num_gpu_blocks_override=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
                        max_num_seqs=max_seqs, max_model_len=max_len, enable_chunked_prefill=chunked, device="cpu",
                        **options)
-    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
+    return LLMEngine(cfg, executor=KVContents(block_size), model_max_len=max_len, eos_token_ids=set())
 
 
 def check_both_tiers(engine: LLMEngine) -> None:
     """Brute-force recount: every block's refcount equals its holders, on the device and the host tier."""
     sched, kv = engine.scheduler, engine.kv
+    if isinstance(engine.executor, KVContents):
+        assert not engine.executor.wrong, engine.executor.wrong[0]
     live = list(sched.running) + list(sched.waiting)
     assert len({id(r) for r in live}) == len(live), "a request sits in two queues"
     holders = Counter(b for r in live for b in r.block_ids)

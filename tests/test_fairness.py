@@ -24,9 +24,8 @@ from minivllm.sched.fairness import (
     ThreeClassAdmission,
     WFQAdmission,
 )
-from minivllm.sim import SimulatedExecutor
 
-from invariants import assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
 
 
 POLICIES = ["fcfs", "priority", "caps", "wfq", "deadline", "three_class"]
@@ -37,7 +36,8 @@ def make_engine(policy="fcfs", tenants=None, num_blocks=48, block_size=4, budget
     cfg = EngineConfig(num_gpu_blocks_override=num_blocks, num_cpu_blocks_override=32, block_size=block_size,
                        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
                        preemption_mode=mode, scheduling_policy=policy, tenants=tenants, device="cpu", **options)
-    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
+    # KVContents: every KV slot a step attends is checked, under every policy's preemptions and swaps
+    return LLMEngine(cfg, executor=KVContents(block_size), model_max_len=max_len, eos_token_ids=set())
 
 
 def greedy(n: int) -> SamplingParams:
@@ -175,6 +175,25 @@ def check_caps(engine, tenants, ids_tenant):
             assert running[t] <= tc.max_running
         if tc.max_kv_share is not None:
             assert held[t] <= int(tc.max_kv_share * engine.pool.num_blocks), f"tenant {t} holds {held[t]} blocks"
+
+
+def test_one_admission_pass_counts_what_it_just_admitted_against_a_kv_cap():
+    """A tenant's KV cap counts, at admission, the blocks its running requests hold *and* the blocks set aside
+    for the rest of their prefill -- including requests admitted earlier in the same pass, which hold nothing
+    yet.  Oracle: arithmetic.  A cap of 16 blocks (a quarter of 64) and six waiting requests that each fill 3
+    blocks of 4 tokens over their whole life (an 11-token prompt, then one decoded token): one pass admits five
+    (15 blocks) and the sixth (18) waits, so the allocator never has to take back what admission gave."""
+    engine = make_engine("caps", {"a": TenantConfig(max_kv_share=0.25)}, num_blocks=64, budget=128, max_seqs=8)
+    for i in range(6):
+        add(engine, "a", 11, 2, rid=f"a{i}")
+    admitted = engine.scheduler.admit()
+    assert [r.request_id for r in admitted] == [f"a{i}" for i in range(5)]
+    sched = engine.scheduler
+    assert sum(len(r.block_ids) + sched._reservation(r) for r in sched.running) == 15
+    tenants, ids = {"a": TenantConfig(max_kv_share=0.25)}, {f"a{i}": "a" for i in range(6)}
+    drain(engine, each=lambda e: check_caps(e, tenants, ids))
+    assert sum(len(r.preempted) for r in engine.step_log) == 0
+    assert_no_leak(engine)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -19,7 +19,7 @@ from minivllm.request import Request, RequestStatus
 from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim import SimulatedExecutor
 
-from invariants import assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
 
 MODES = ["recompute", "swap", "reject", "auto"]
 
@@ -287,6 +287,26 @@ def test_cost_model_rule():
     assert not slow_link.prefers_swap(1024, 64)  # 1.28 s of copying vs 0.2 s of prefill
 
 
+def test_a_request_preempted_k_times_is_protected_from_admission_too():
+    """``preemption_protect_after`` also holds when admission preempts to seat a better-ranked request (the
+    test above covers the allocator's victims).  Oracle: a hand-traced run.  One seat, protection after one
+    preemption: ``low`` (priority 2) runs, ``h1`` (priority 0) takes its seat, ``low`` comes back; then ``h2``
+    (priority 0) must wait for ``low`` to finish instead of preempting it a second time."""
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=1,
+                       max_model_len=64, scheduling_policy="priority", preemption_protect_after=1, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64, eos_token_ids=set())
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": [5] * 8}, params, request_id="low", priority=2)
+    engine.step()
+    engine.add_request({"prompt_token_ids": [6] * 8}, params, request_id="h1", priority=0)
+    while engine.requests["low"].num_computed_tokens == 0 or engine.requests["low"].num_preemptions == 0:
+        engine.step()  # h1 preempts low, runs to the end, and low starts over
+    assert engine.requests["low"].status is RequestStatus.RUNNING and "h1" not in engine.requests
+    engine.add_request({"prompt_token_ids": [7] * 8}, params, request_id="h2", priority=0)
+    order = list(drain(engine))  # request ids in the order they finished
+    assert order == ["low", "h2"] and sum(len(rec.preempted) for rec in engine.step_log) == 1
+
+
 def test_a_request_preempted_k_times_is_protected():
     limit = 2
     offered: list[tuple[list[int], int]] = []
@@ -313,6 +333,38 @@ def test_a_request_preempted_k_times_is_protected():
 
 
 # -- the data path: swapped bytes come back intact ------------------------------------------------
+
+def test_a_swap_in_waits_for_the_step_after_an_admission_swapped_a_victim_out():
+    """The executor copies a step's swap-ins before its swap-outs (:mod:`minivllm.kv.kv_cache`), so a swap-in
+    must not land in blocks that a victim preempted in the same admission pass is still to copy out: the
+    victim's host copy would hold the other request's K/V.  Admission therefore defers such a swap-in by one
+    step.  The program below (found by a random search, then shrunk) reaches it: ``r4`` (priority 0) swaps
+    ``r0`` out to get in while ``r3`` waits swapped out.  Oracle: :class:`invariants.KVContents`, a brute-force
+    model of every KV slot, which finds ``r0``'s context wrong when it comes back if the swap-in is not deferred."""
+    cfg = EngineConfig(num_gpu_blocks_override=23, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=64,
+                       max_num_seqs=4, max_model_len=64, scheduling_policy="priority", preemption_mode="swap",
+                       device="cpu")
+    engine = LLMEngine(cfg, executor=KVContents(4), model_max_len=64, eos_token_ids=set())
+    # (prompt tokens, max_tokens, priority, steps run after adding it)
+    program = [(37, 13, 2, 1), (1, 1, 3, 4), (23, 8, 0, 4), (16, 2, 2, 2), (9, 1, 0, 0)]
+    for i, (n, m, priority, steps) in enumerate(program):
+        engine.add_request({"prompt_token_ids": [7 + i] * n}, SamplingParams(max_tokens=m, ignore_eos=True),
+                           priority=priority, request_id=f"r{i}")
+        for _ in range(steps):
+            engine.step()
+    r3 = engine.requests["r3"]
+    while True:
+        assert r3.status is RequestStatus.SWAPPED
+        engine.step()
+        if engine.step_log[-1].preempted:
+            break
+    rec = engine.step_log[-1]
+    assert rec.preempted == ("r0",) and rec.swapped_out > 0  # r4's admission swapped r0 out ...
+    assert rec.swapped_in == 0  # ... so r3, waiting swapped out, comes back only in the next step
+    drain(engine)  # KVContents: every attended slot holds its request's own token, r0's too
+    assert engine.step_log[-1].step > rec.step and not engine.executor.wrong
+    assert_no_leak(engine)
+
 
 def test_swap_round_trip_restores_kv_contents_and_redirects_pending_copies():
     cache = KVCache(2, num_blocks=6, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32,

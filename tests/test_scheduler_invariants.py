@@ -16,7 +16,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.sim.executor import SimulatedExecutor
 
-from invariants import assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
 
 
 make_engine = tiny_engine
@@ -224,22 +224,10 @@ ranked_op = st.one_of(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(ranked_op, min_size=1, max_size=30), blocks=st.integers(16, 40),
-       policy=st.sampled_from(["priority", "deadline"]), mode=st.sampled_from(["recompute", "swap"]),
-       budget=st.sampled_from([8, 32]), max_seqs=st.integers(2, 6), prefix=st.sampled_from([None, "radix", "hash"]))
-def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, blocks, policy, mode, budget, max_seqs,
-                                                                       prefix):
-    """A policy that ranks requests may preempt running work to seat a better-ranked one -- but a preemption that
-    does not end with that request admitted in the same step is pure loss (the victim's KV is thrown away or
-    swapped out, and nobody gains).  Oracle: the requests preemption was made for, recorded as it happens,
-    against the list ``admit`` returns.  Also: the engine drains and holds no block afterwards."""
-    cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=budget,
-                       max_num_seqs=max_seqs, max_model_len=64, scheduling_policy=policy, preemption_mode=mode,
-                       swap_space=0.001 if mode == "swap" else 0.0, enable_prefix_caching=prefix is not None,
-                       prefix_cache=prefix or "radix", device="cpu")
-    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64)
-    sched = engine.scheduler
+def fail_on_futile_preemption(sched) -> None:
+    """Make every admission pass of ``sched`` check that each request it preempted for was then admitted.
+
+    Oracle: the requests preemption was made for, recorded as it happens, against the list ``admit`` returns."""
     wanted: list = []
     real_preempt, real_admit = sched._preempt_to_admit, sched.admit
 
@@ -257,6 +245,24 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
         return admitted
 
     sched._preempt_to_admit, sched.admit = preempt, admit
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(ranked_op, min_size=1, max_size=30), blocks=st.integers(16, 40),
+       policy=st.sampled_from(["priority", "deadline"]), mode=st.sampled_from(["recompute", "swap"]),
+       budget=st.sampled_from([8, 32]), max_seqs=st.integers(2, 6), prefix=st.sampled_from([None, "radix", "hash"]))
+def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, blocks, policy, mode, budget, max_seqs,
+                                                                       prefix):
+    """A policy that ranks requests may preempt running work to seat a better-ranked one -- but a preemption that
+    does not end with that request admitted in the same step is pure loss (the victim's KV is thrown away or
+    swapped out, and nobody gains).  Oracle: :func:`fail_on_futile_preemption`.  Also: the engine drains and holds
+    no block afterwards."""
+    cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=budget,
+                       max_num_seqs=max_seqs, max_model_len=64, scheduling_policy=policy, preemption_mode=mode,
+                       swap_space=0.001 if mode == "swap" else 0.0, enable_prefix_caching=prefix is not None,
+                       prefix_cache=prefix or "radix", device="cpu")
+    engine = LLMEngine(cfg, executor=KVContents(4), model_max_len=64)  # every attended KV slot checked
+    fail_on_futile_preemption(engine.scheduler)
     clock = 0.0
     for kind, a, b, rank in ops:
         if kind == "add":
@@ -269,6 +275,33 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
                 clock += 0.01
         check_blocks(engine)
     drain(engine, 3000, each=check_counts)
+    assert_no_leak(engine)
+
+
+def test_a_cached_prefix_counts_once_when_admission_weighs_a_preemption():
+    """Before preempting to seat a request, admission bounds the room it would then have.  Cached blocks the
+    request would share count as evictable room now, but once it shares them they are pinned: counted in both
+    roles, the bound is too high and a victim is thrown away for a request that still does not fit.  The program
+    (found by a random search, then shrunk): ``r3`` (priority 1) would share the 6 blocks of ``r0``'s 24-token
+    head, which ``r0`` holds and the cache keeps, and needs 5 more.  Preempting ``r0`` (priority 2) frees one
+    block and leaves its head cache-only: evictable, but pinned again the moment ``r3`` shares it.  With 5 blocks
+    free and 2 promised to the running decodes, ``r3`` would find 4.  Oracle: :func:`fail_on_futile_preemption`;
+    nobody is preempted, and ``r3`` runs once the others finish."""
+    cfg = EngineConfig(num_gpu_blocks_override=22, block_size=4, max_num_batched_tokens=64, max_num_seqs=3,
+                       max_model_len=64, scheduling_policy="priority", enable_prefix_caching=True, device="cpu")
+    engine = LLMEngine(cfg, executor=KVContents(4), model_max_len=64, eos_token_ids=set())
+    fail_on_futile_preemption(engine.scheduler)
+    # (shared head tokens, own tokens, max_tokens, priority, steps run after adding it)
+    program = [(24, 0, 5, 2, 1), (0, 18, 4, 1, 0), (16, 18, 4, 0, 3), (24, 17, 1, 1, 0)]
+    for i, (shared, own, max_tokens, priority, steps) in enumerate(program):
+        prompt = [5, 6, 7, 8] * (shared // 4) + [100 + i] * own
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                           priority=priority, request_id=f"r{i}")
+        for _ in range(steps):
+            engine.step()
+    drain(engine, each=check_counts)
+    assert not any(rec.preempted for rec in engine.step_log)
+    assert engine.step_log[-1].seqs == (("r3", 24, 17),)  # r3 ran last, alone, on its cached head
     assert_no_leak(engine)
 
 
