@@ -1,0 +1,113 @@
+"""A mutation pass over the KV manager and the scheduler: plant one realistic bug, run the tests, put it back.
+
+Why: a test that cannot fail is a defect, and the only way to know a test *can* fail is to make the code
+wrong and watch.  Each row below is one small bug of the kind these modules invite (an off-by-one, a count
+left out, a guard dropped); a row the tests do not catch ("SURVIVED") is either a missing test or a bug that
+changes only *when* tokens are produced -- its ``note`` says which, where known.
+
+    python tools/mutation_pass.py            # every row, ~12 min on 2 cores
+    python tools/mutation_pass.py 5 12       # rows 5 and 12 only
+
+Each file is restored from memory after its run, whatever happens; do not edit the tree while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KVM, SCH, FAIR = "minivllm/kv/kv_cache_manager.py", "minivllm/sched/scheduler.py", "minivllm/sched/fairness.py"
+POOL, LEAVES = "minivllm/kv/block_pool.py", "minivllm/kv/prefix/base.py"
+
+# (what the bug is, file, the text it replaces, the bug, note)
+MUTANTS = [
+    ("swap-out copies the not-yet-written copy-on-write target", KVM,
+     "append((pending.get(gpu, gpu), req.cpu_block_ids[-1]))", "append((gpu, req.cpu_block_ids[-1]))", ""),
+    ("pending copies forgotten by source", KVM, "self._moves.copies if d not in gone]",
+     "self._moves.copies if s not in gone]", ""),
+    ("free keeps num_inserted_blocks", KVM, "req.num_computed_tokens = 0\n        req.num_inserted_blocks = 0",
+     "req.num_computed_tokens = 0", "expected to change only when a recomputed request's blocks reach the prefix cache (not proven)"),
+    ("a partly filled block is cached", KVM, "full = min(req.num_computed_tokens // bs, len(req.block_ids))",
+     "full = len(req.block_ids)", ""),
+    ("swap-in leaks host blocks", KVM,
+     "        self.cpu_pool.free_all(req.cpu_block_ids)\n        self.stats.swapped_in_blocks",
+     "        self.stats.swapped_in_blocks", ""),
+    ("a shared cached prefix counted as room twice", KVM, "room -= sum(1 for b in hit if evictable_after(b))",
+     "pass", ""),
+    ("no copy-on-write on the fast path", KVM, "computed % bs == 0 or self.pool.refcount(blocks[-1]) == 1",
+     "True", ""),
+    ("protect_after off by one at admission", SCH, "(not limit or r.num_preemptions < limit)",
+     "(not limit or r.num_preemptions <= limit)", ""),
+    ("a ranked admission's budget leaves out running decodes", SCH,
+     "ahead = [r for r in self.running if r.is_decode or self._rank(r) <= key]",
+     "ahead = [r for r in self.running if self._rank(r) <= key]",
+     "step 2 still keeps the budget (decodes first): the admitted prefill gets fewer tokens that step"),
+    ("admission under-counts a capped group's reserved blocks", SCH,
+     "u[1] += len(req.block_ids) + self._reservation(req)", "u[1] += len(req.block_ids)", ""),
+    ("reject mode turns samples away one by one", SCH,
+     'preemption_mode == "reject" and req.status is RequestStatus.WAITING and req.leader is None',
+     'preemption_mode == "reject" and req.status is RequestStatus.WAITING', ""),
+    ("reject mode reserves no copy for a forked sample's leader", SCH,
+     'if forked and self.config.preemption_mode == "reject":', "if False:",
+     "no preemption found in 3,000 random reject-mode programs with n = 1-3 samples (not proven equivalent)"),
+    ("a swap-in reuses a victim's blocks in the step it is swapped out", SCH,
+     "swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED", "swapped_out |= False", ""),
+    ("sharing reported at the wrong count", POOL,
+     "        if self._refcount[block_id] == 1:\n            self.num_shared -= 1",
+     "        if self._refcount[block_id] == 2:\n            self.num_shared -= 1", ""),
+    ("a WFQ newcomer starts at the maximum counter", FAIR, "floor = min(still) if still else self._last_left",
+     "floor = max(still) if still else self._last_left", ""),
+    ("three_class threshold off by one", FAIR, "if len(interactive) >= self.threshold:",
+     "if len(interactive) > self.threshold:", ""),
+    ("eviction survivors lose their age", LEAVES, "            self.touch(leaf, tick)\n        return freed",
+     "            self.touch(leaf, tick + 1)\n        return freed", ""),
+    ("admission right after an allocator's preemption", SCH, "if self._preempted_last_step or not self.waiting:",
+     "if not self.waiting:", ""),
+]
+
+TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",
+         "tests/test_prefix_engine.py", "tests/test_prefix_extend.py", "tests/test_reliability.py",
+         "tests/test_fairness.py", "tests/test_small_contracts.py", "tests/test_api.py"]
+
+
+def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:
+    path = ROOT / rel
+    source = path.read_text()
+    if source.count(old) != 1:
+        return "STALE", f"the text to replace occurs {source.count(old)} times in {rel}: update this row"
+    path.write_text(source.replace(old, new))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not slow",
+                               *tests], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return "KILLED", "timeout (a hang counts as caught)"
+    finally:
+        path.write_text(source)
+    lines = proc.stdout.strip().splitlines()
+    first = next((ln for ln in lines if ln.startswith("FAILED")), lines[-1] if lines else "")
+    return ("KILLED" if proc.returncode else "SURVIVED"), first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rows", nargs="*", type=int, help="row numbers to run (default: all)")
+    args = ap.parse_args()
+    counts: dict[str, int] = {}
+    for i, (name, rel, old, new, note) in enumerate(MUTANTS):
+        if args.rows and i not in args.rows:
+            continue
+        t = time.perf_counter()
+        verdict, detail = run_one(name, rel, old, new, TESTS)
+        counts[verdict] = counts.get(verdict, 0) + 1
+        print(f"[{i:2}] {verdict:8} {name} ({time.perf_counter() - t:.0f} s) {detail[:150]}", flush=True)
+        if verdict == "SURVIVED" and note:
+            print(f"     note: {note}", flush=True)
+    print(", ".join(f"{n} {v.lower()}" for v, n in sorted(counts.items())))
+
+
+if __name__ == "__main__":
+    main()
