@@ -21,17 +21,21 @@ from hypothesis import strategies as st
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.sim import SimulatedExecutor
 
-from invariants import assert_no_leak, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, drain  # noqa: E402  (tests/ is on sys.path)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-class HistoryExecutor(SimulatedExecutor):
+class HistoryExecutor(KVContents):
     """A stand-in model whose next token is a function of the whole context, like a real one.
 
     So "the same tokens as running alone" checks that the engine feeds every request exactly its own
-    tokens, in order, whatever the batching, preemption or aborts around it.
+    tokens, in order, whatever the batching, preemption or aborts around it; and, as a :class:`KVContents`,
+    that every KV slot a step attends holds them (every engine here has 4-token blocks).
     """
+
+    def __init__(self, block_size: int = 4, **kwargs) -> None:
+        super().__init__(block_size, **kwargs)
 
     def execute(self, batch):
         out = super().execute(batch)
