@@ -104,3 +104,26 @@ def test_extend_leaves_the_cache_as_a_whole_insert_would(kind, preemption, seed)
     stats = engines[0].stats()
     assert stats["prefix_cache_evictions"] > 0 and stats["num_preemptions"] > 0, stats
     assert calls["extend_true"] > 20, calls  # the fast path was taken, not only fallen back from
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_extend_never_crosses_into_another_namespace(kind):
+    """A block is cached in one namespace (a tenant, a salt); ``extend`` asked to hang new blocks below it in
+    another must refuse (False, nothing changed), as a whole insert there would start from that namespace's own
+    root.  The engine never asks this (a request's path is in its own namespace), so only a direct call shows
+    it: the cache's tenant isolation must not rest on its caller.  Oracle: ``match`` in each namespace."""
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.prefix import make_prefix_cache
+
+    pool = BlockPool(16)
+    cache = make_prefix_cache(kind, pool, 2)
+    a, b = ("a", None), ("b", None)
+    first = pool.allocate_many(2)
+    cache.insert([1, 2, 3, 4], first, a)
+    more = pool.allocate_many(1)
+    before = _dump(cache)
+    assert cache.extend(first[-1], [5, 6], more, b) is False
+    assert _dump(cache) == before and not cache.is_cached(more[0])
+    assert cache.match([1, 2, 3, 4, 5, 6], b) == [] and cache.match([1, 2, 3, 4, 5, 6], a) == first
+    assert cache.extend(first[-1], [5, 6], more, a) is True  # (its own namespace: accepted)
+    assert cache.match([1, 2, 3, 4, 5, 6], a) == first + more

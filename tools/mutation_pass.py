@@ -5,7 +5,7 @@ wrong and watch.  Each row below is one small bug of the kind these modules invi
 left out, a guard dropped); a row the tests do not catch ("SURVIVED") is either a missing test or a bug that
 changes only *when* tokens are produced -- its ``note`` says which, where known.
 
-    python tools/mutation_pass.py            # every row, ~12 min on 2 cores
+    python tools/mutation_pass.py            # every row, ~20 min on 2 cores
     python tools/mutation_pass.py 5 12       # rows 5 and 12 only
 
 Each file is restored from memory after its run, whatever happens; do not edit the tree while it runs.
@@ -22,6 +22,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KVM, SCH, FAIR = "minivllm/kv/kv_cache_manager.py", "minivllm/sched/scheduler.py", "minivllm/sched/fairness.py"
 POOL, LEAVES = "minivllm/kv/block_pool.py", "minivllm/kv/prefix/base.py"
+RADIX, HASH, ENGINE = "minivllm/kv/prefix/radix.py", "minivllm/kv/prefix/hash_index.py", "minivllm/engine/llm_engine.py"
 
 # (what the bug is, file, the text it replaces, the bug, note)
 MUTANTS = [
@@ -67,6 +68,36 @@ MUTANTS = [
      "            self.touch(leaf, tick + 1)\n        return freed", ""),
     ("admission right after an allocator's preemption", SCH, "if self._preempted_last_step or not self.waiting:",
      "if not self.waiting:", ""),
+    # the prefix caches, namespaces and the engine's request table
+    ("radix extend ignores the namespace", RADIX,
+     "if node is None or node.namespace != namespace or node.block_ids[-1] != parent_block:",
+     "if node is None or node.block_ids[-1] != parent_block:", ""),
+    ("hash extend ignores the namespace", HASH, "if entry is None or entry.namespace != namespace:",
+     "if entry is None:", ""),
+    ("radix evicts a block someone still holds", RADIX,
+     "while freed < budget and node.block_ids and self.pool.refcount(node.block_ids[-1]) == 1:",
+     "while freed < budget and node.block_ids and self.pool.refcount(node.block_ids[-1]) <= 2:", ""),
+    ("radix grows an edge that has children", RADIX, "if not parent.is_root and not parent.children:",
+     "if not parent.is_root:", ""),
+    ("a split's upper half loses its age", RADIX, "            last_access=node.last_access,\n",
+     "            last_access=0,\n", "expected equivalent: every split is made by a walk whose path is touched next"),
+    ("hash lookup skips the token check (a collision is a hit)", HASH,
+     "if entry.parent is not parent or entry.token_ids != tokens or entry.namespace != namespace:",
+     "if entry.parent is not parent or entry.namespace != namespace:", ""),
+    ("an evicted hash leaf does not hand its recency up", HASH,
+     "parent.last_used = max(parent.last_used, entry.last_used)", "pass", ""),
+    ("the quota's eviction does not pin the prefix being extended", LEAVES,
+     "            if pin is not None:\n                self.pool.incref(pin)", "            if False:\n                pass",
+     ""),
+    ("tenants share a namespace", KVM, "tenant = None if self.share_across_tenants else req.tenant",
+     "tenant = None", ""),
+    ("an empty cache salt is a salt", KVM, "return (tenant, req.cache_salt or None)",
+     "return (tenant, req.cache_salt)", ""),
+    ("the last prompt token is matched too", KVM, "self.prefix_cache.match(req.all_token_ids[:-1], self.namespace(req))",
+     "self.prefix_cache.match(req.all_token_ids, self.namespace(req))", ""),
+    ("aborting a finished sample aborts it again", ENGINE,
+     "            if sample.status.finished:\n                return False", "            if False:\n                return False",
+     ""),
 ]
 
 TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",
