@@ -250,13 +250,15 @@ def fail_on_futile_preemption(sched) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(ranked_op, min_size=1, max_size=30), blocks=st.integers(16, 40),
        policy=st.sampled_from(["priority", "deadline"]), mode=st.sampled_from(["recompute", "swap"]),
-       budget=st.sampled_from([8, 32]), max_seqs=st.integers(2, 6), prefix=st.sampled_from([None, "radix", "hash"]))
+       budget=st.sampled_from([4, 8, 32]), max_seqs=st.integers(2, 6), prefix=st.sampled_from([None, "radix", "hash"]))
 def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, blocks, policy, mode, budget, max_seqs,
                                                                        prefix):
     """A policy that ranks requests may preempt running work to seat a better-ranked one -- but a preemption that
     does not end with that request admitted in the same step is pure loss (the victim's KV is thrown away or
-    swapped out, and nobody gains).  Oracle: :func:`fail_on_futile_preemption`.  Also: the engine drains and holds
-    no block afterwards."""
+    swapped out, and nobody gains).  Oracle: :func:`fail_on_futile_preemption`.  Also: every request admitted in
+    a step is given tokens in that step (its admission budget counted every running decode, which step 2 serves
+    first, so no seat and no blocks are held for a request that cannot run); the engine drains and holds no
+    block afterwards."""
     cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=budget,
                        max_num_seqs=max_seqs, max_model_len=64, scheduling_policy=policy, preemption_mode=mode,
                        swap_space=0.001 if mode == "swap" else 0.0, enable_prefix_caching=prefix is not None,
@@ -271,7 +273,11 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
             engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=b, ignore_eos=True), **extra)
         else:
             for _ in range(a):
+                waiting = {r.request_id for r in engine.scheduler.waiting}
                 engine.step()
+                rec = engine.step_log[-1]
+                admitted = waiting - {r.request_id for r in engine.scheduler.waiting} - set(rec.rejected)
+                assert admitted <= set(rec.seq_ids), f"admitted {sorted(admitted - set(rec.seq_ids))} but gave no tokens"
                 clock += 0.01
         check_blocks(engine)
     drain(engine, 3000, each=check_counts)
@@ -302,6 +308,30 @@ def test_a_cached_prefix_counts_once_when_admission_weighs_a_preemption():
     drain(engine, each=check_counts)
     assert not any(rec.preempted for rec in engine.step_log)
     assert engine.step_log[-1].seqs == (("r3", 24, 17),)  # r3 ran last, alone, on its cached head
+    assert_no_leak(engine)
+
+
+def test_the_token_budget_is_never_a_reason_to_preempt():
+    """A better-ranked request that finds the step's token budget taken by running decodes waits; it does not
+    displace them (as in vLLM's v1 scheduler: running requests are served first, waiting ones from what budget
+    is left, and preemption answers only a shortage of KV blocks or seats).  Its admission budget therefore
+    counts every running decode, whatever their rank.  Oracle: a hand-traced run -- four low-priority decodes
+    fill a 4-token budget with seats and blocks to spare; ``high`` gets its first token only once a decode has
+    finished, and nobody is preempted."""
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_num_batched_tokens=4, max_num_seqs=6,
+                       max_model_len=64, scheduling_policy="priority", device="cpu")
+    engine = LLMEngine(cfg, executor=KVContents(4), model_max_len=64, eos_token_ids=set())
+    for i in range(4):
+        engine.add_request({"prompt_token_ids": [5 + i]}, SamplingParams(max_tokens=6, ignore_eos=True), priority=2,
+                           request_id=f"low{i}")
+    engine.step()
+    engine.add_request({"prompt_token_ids": [9] * 6}, SamplingParams(max_tokens=3, ignore_eos=True), priority=0,
+                       request_id="high")
+    finals = drain(engine, each=check_counts)
+    first_high = next(rec for rec in engine.step_log if "high" in rec.seq_ids)
+    first_done = min(o.metrics.finished_time for rid, o in finals.items() if rid.startswith("low"))
+    assert first_high.time > first_done  # (both are the clock at the end of a step)
+    assert not any(rec.preempted for rec in engine.step_log)
     assert_no_leak(engine)
 
 
