@@ -730,6 +730,31 @@ def test_over_cap_reject_turns_new_requests_away_with_a_hint_and_spares_other_te
     assert_no_leak(engine)
 
 
+def test_the_retry_hint_counts_the_prompt_a_member_has_still_to_prefill():
+    """The hint for a request turned away by a seat cap is the steps until a running member finishes: the rest
+    of its prompt in chunks, then one step per output token.  Oracle: by hand -- ``b0``'s 40-token prompt in
+    8-token chunks has 24 tokens (3 steps) left after the step that rejects ``b1``, then 5 outputs: 8 steps."""
+    tenants = {"bulk": TenantConfig(max_running=1, over_cap="reject")}
+    engine = make_engine("caps", tenants, num_blocks=60, budget=32, long_prefill_token_threshold=8)
+    add(engine, "bulk", 40, 5, "b0")
+    engine.step()  # b0 prefills its first 8 tokens
+    add(engine, "bulk", 8, 4, "b1")
+    outs = {o.request_id: o for o in engine.step()}  # b0 prefills its next 8; the hint is priced after it
+    assert outs["b1"].outputs[0].finish_reason == "rejected"
+    assert outs["b1"].retry_after_s == pytest.approx(round(engine.step_time_s * (3 + 5), 3))
+    drain(engine)
+    assert_no_leak(engine)
+
+
+def test_a_tiny_kv_share_still_allows_one_block():
+    """A share that rounds down to no block at all (1% of 64 blocks) still lets its tenant hold one: a cap of
+    zero would turn every request of that tenant away.  Oracle: a one-block request runs to its end."""
+    engine = make_engine("caps", {"tiny": TenantConfig(max_kv_share=0.01)}, num_blocks=64)
+    add(engine, "tiny", 2, 2, "t0")  # 2 prompt tokens + 1 decoded: one 4-token block
+    assert drain(engine)["t0"].outputs[0].finish_reason == "length"
+    assert_no_leak(engine)
+
+
 def test_over_cap_reject_on_the_kv_share_and_a_preempted_request_is_never_rejected():
     tenants = {"bulk": TenantConfig(max_kv_share=0.5, over_cap="reject")}
     engine = make_engine("caps", tenants, num_blocks=40, budget=64, max_len=64)

@@ -5,7 +5,7 @@ wrong and watch.  Each row below is one small bug of the kind these modules invi
 left out, a guard dropped); a row the tests do not catch ("SURVIVED") is either a missing test or a bug that
 changes only *when* tokens are produced -- its ``note`` says which, where known.
 
-    python tools/mutation_pass.py            # every row, ~20 min on 2 cores
+    python tools/mutation_pass.py            # every row, ~25 min on 2 cores
     python tools/mutation_pass.py 5 12       # rows 5 and 12 only
 
 Each file is restored from memory after its run, whatever happens; do not edit the tree while it runs.
@@ -94,6 +94,26 @@ MUTANTS = [
      "return (tenant, req.cache_salt)", ""),
     ("the last prompt token is matched too", KVM, "self.prefix_cache.match(req.all_token_ids[:-1], self.namespace(req))",
      "self.prefix_cache.match(req.all_token_ids, self.namespace(req))", ""),
+    # caps, their retry hints, cache quotas and the victim rule
+    ("a KV share floors to zero blocks", FAIR,
+     "blocks = None if tc.max_kv_share is None else max(1, math.floor(tc.max_kv_share * n))",
+     "blocks = None if tc.max_kv_share is None else math.floor(tc.max_kv_share * n)", ""),
+    ("the interactive reserve is not left out of agent+batch", FAIR,
+     "max_blocks=max(1, math.floor((1 - knobs.interactive_kv_reserve) * n))))",
+     "max_blocks=max(1, math.floor(n))))", ""),
+    ("a reject-cap ignores the seat cap", FAIR,
+     "            if g.max_running is not None and u[0] >= g.max_running:\n                return g",
+     "            if False:\n                return g", ""),
+    ("the retry hint counts a finished member's seat twice", FAIR,
+     "seats, blocks = seats - 1, blocks - len(r.block_ids)", "seats, blocks = seats - 2, blocks - len(r.block_ids)",
+     "expected equivalent: a group never runs more than its seat cap, so one leaving is already below it"),
+    ("the retry hint ignores the rest of the prompt", FAIR,
+     "return -(-prefill // chunk) + max(1, req.max_tokens - len(req.output_token_ids))",
+     "return max(1, req.max_tokens - len(req.output_token_ids))", ""),
+    ("a tenant's own cache share loses to the preset", FAIR,
+     "return max(1, math.floor(share * num_blocks)) if share is not None else preset", "return preset", ""),
+    ("the rank victim is the oldest among ties", FAIR, "return max(reversed(running), key=self.policy.rank)",
+     "return max(running, key=self.policy.rank)", ""),
     ("aborting a finished sample aborts it again", ENGINE,
      "            if sample.status.finished:\n                return False", "            if False:\n                return False",
      ""),
