@@ -54,16 +54,15 @@ class KVContents(SimulatedExecutor):
         for src, dst in moves.copies:
             self._copy(self.device, src, self.device, dst)
         bs = self.block_size
-        for s in batch.seqs:
-            table, tokens = s.request.block_ids, s.request.all_token_ids
-            for p in range(s.start, s.start + s.num_tokens):
+        # Every write of the step first, then every check: a slot another sequence wrote must hold this one's token.
+        seqs = [(s.request, s.request.block_ids, s.request.all_token_ids, s.start + s.num_tokens) for s in batch.seqs]
+        for (req, table, tokens, end), s in zip(seqs, batch.seqs):
+            for p in range(s.start, end):
                 self.device[(table[p // bs], p % bs)] = tokens[p]
-        for s in batch.seqs:
-            table, tokens = s.request.block_ids, s.request.all_token_ids
-            held = [self.device.get((table[p // bs], p % bs)) for p in range(s.start + s.num_tokens)]
-            wrong = [p for p, t in enumerate(held) if t != tokens[p]]
+        for req, table, tokens, end in seqs:
+            wrong = [p for p in range(end) if self.device.get((table[p // bs], p % bs)) != tokens[p]]
             if wrong:
-                self.wrong.append(f"{s.request.request_id} attends wrong KV at positions "
+                self.wrong.append(f"{req.request_id} attends wrong KV at positions "
                                   f"{wrong[:8]} (blocks {[table[p // bs] for p in wrong[:8]]})")
         return super().execute(batch)
 
