@@ -234,6 +234,25 @@ def test_reject_mode_accepts_or_rejects_an_n_group_whole():
     assert_no_leak(engine)
 
 
+def test_reject_mode_reserves_one_copy_per_forked_sample_not_two():
+    """A leader and its sample share a partly filled last block; the pair needs one private copy between them
+    (whichever writes first copies, the other then holds the block alone).  Hand count, 4-token blocks: the pair
+    (6-token prompt, 2 tokens each) holds 2 blocks and needs 1 copy; x (4 + 4 tokens) needs 2: 5 in all.  So 5
+    blocks serve everyone and 4 must turn x away -- and reject mode never preempts.  (Reserving a copy for the
+    leader too rejected x at 5; reserving none admitted x at 4 and then ran out of blocks.)"""
+    for num_blocks, x_served in ((4, False), (5, True)):
+        engine = make_engine("reject", num_blocks=num_blocks, max_len=16, budget=64)
+        params = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=2, ignore_eos=True)
+        engine.add_request({"prompt_token_ids": [1, 2, 3, 4, 5, 6]}, params, "pair")
+        engine.step()  # the leader prefills; its sample forks in the next step, beside x
+        engine.add_request({"prompt_token_ids": [7, 8, 9, 10]}, SamplingParams(max_tokens=4, ignore_eos=True), "x")
+        finals = drain(engine, each=check_both_tiers)
+        assert [len(o.token_ids) for o in finals["pair"].outputs] == [2, 2]
+        assert finals["x"].outputs[0].finish_reason == ("length" if x_served else "rejected"), num_blocks
+        assert engine.stats()["num_preemptions"] == 0
+        assert_no_leak(engine)
+
+
 def test_reject_mode_retry_hint_grows_with_the_work_ahead():
     engine = make_engine("reject", num_blocks=20, max_len=80, budget=64)
     engine.add_request({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=60, ignore_eos=True), "long")

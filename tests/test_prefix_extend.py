@@ -15,6 +15,9 @@ import random
 import pytest
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.kv import BlockPool, KVCacheManager
+from minivllm.kv.prefix import make_prefix_cache
+from minivllm.request import Request
 from minivllm.sim.executor import SimulatedExecutor
 
 
@@ -127,3 +130,26 @@ def test_extend_never_crosses_into_another_namespace(kind):
     assert cache.match([1, 2, 3, 4, 5, 6], b) == [] and cache.match([1, 2, 3, 4, 5, 6], a) == first
     assert cache.extend(first[-1], [5, 6], more, a) is True  # (its own namespace: accepted)
     assert cache.match([1, 2, 3, 4, 5, 6], a) == first + more
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_freed_request_caches_its_blocks_again_from_the_first(kind):
+    """``KVCacheManager.free`` resets everything the request had computed, including how many of its blocks it
+    has offered to the prefix cache.  A scheduler that recomputes a freed request without looking up the cache
+    (a plug-in one may) must still see the recomputed blocks cached.  Oracle: the cache's own ``match``."""
+    pool = BlockPool(8)
+    kv = KVCacheManager(pool, 4, prefix_cache=make_prefix_cache(kind, pool, 4))
+    req = Request("a", list(range(100, 112)), SamplingParams(max_tokens=4), 0.0)
+    assert kv.allocate_slots(req, 12)
+    req.num_computed_tokens = 12
+    kv.cache_full_blocks(req)
+    assert kv.prefix_cache.match(req.all_token_ids, kv.namespace(req)) == req.block_ids  # 3 blocks cached
+    kv.free(req)
+    kv.prefix_cache.reset()  # the cached copies are evicted: the request starts over with nothing
+    assert kv.allocate_slots(req, 8)
+    req.num_computed_tokens = 8
+    kv.cache_full_blocks(req)
+    assert kv.prefix_cache.match(req.all_token_ids, kv.namespace(req)) == req.block_ids[:2]
+    kv.free(req)
+    kv.prefix_cache.reset()
+    assert pool.num_free == 8

@@ -493,8 +493,6 @@ class Scheduler:
             return None
         tokens = min(want, budget)
         blocks = self._reservation(req)
-        if forked and self.config.preemption_mode == "reject":
-            blocks += 1  # the leader's last block is shared now: its next write copies it
         if not kv.can_provide(reserved + blocks):
             kv.free(req)
             return None
@@ -507,10 +505,12 @@ class Scheduler:
         admitted on the strength of its first chunk could run out of room
         halfway, and as the newest request it would preempt itself and throw
         its chunks away, again and again.  A sample just forked from its leader
-        also needs the private copy of the last block they share (its first
-        write copies it); without it, the step that admits the sample would
-        preempt it again.  Reject mode sets aside the worst case (prompt +
-        ``max_tokens``), so nothing running is ever preempted.
+        also needs the private copy of the last block they share; without it,
+        the step that admits the sample would preempt it again.  One copy per
+        sample, never one for the leader as well: whichever of the two writes
+        first copies, and the other then holds the block alone.  Reject mode
+        sets aside the worst case (prompt + ``max_tokens``), so nothing running
+        is ever preempted.
         """
         if self.config.preemption_mode == "reject":
             return self.kv.worst_case_new_blocks(req)
