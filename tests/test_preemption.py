@@ -253,6 +253,28 @@ def test_reject_mode_reserves_one_copy_per_forked_sample_not_two():
         assert_no_leak(engine)
 
 
+def test_a_swapped_out_request_comes_back_only_with_room_for_the_rest_of_its_prefill():
+    """A swap-in is an admission, so it sets aside what any admission does: its swapped blocks *and* the rest of
+    its prefill -- not just room for this step's chunk, or it runs dry halfway and is preempted again.  Hand
+    count, 4-token blocks, 6 device blocks, 2 host blocks, 2-token chunks: A (2 + 6 tokens) and B (2 + 10) run;
+    C (16-token prompt) arrives at step 1 and is swapped out at step 5 with 8 tokens (2 host blocks).  At step 7
+    B still needs one block and 4 are free: C's 2 blocks plus its next chunk's one would fit, but its 16 tokens
+    need 4, and 1 + 4 > 4 -- it waits until A finishes.  Coming back on one chunk's room, C ran dry at step 9 and,
+    with 12 tokens and a 2-block host tier, was recomputed from scratch (12 tokens thrown away)."""
+    engine = make_engine("swap", cpu_blocks=2, num_blocks=6, budget=16, max_len=24, max_seqs=4,
+                         long_prefill_token_threshold=2)
+    engine.add_request({"prompt_token_ids": [10, 10]}, SamplingParams(max_tokens=6, ignore_eos=True), "A")
+    engine.add_request({"prompt_token_ids": [11, 11]}, SamplingParams(max_tokens=10, ignore_eos=True), "B")
+    engine.step()
+    engine.add_request({"prompt_token_ids": [12] * 16}, SamplingParams(max_tokens=1, ignore_eos=True), "C")
+    finals = drain(engine, each=check_both_tiers)
+    moves = [(r.step, r.preempted, r.swapped_in) for r in engine.step_log if r.preempted or r.swapped_in]
+    assert moves == [(5, ("C",), 0), (10, (), 2)], moves
+    assert engine.stats()["num_recompute_preemptions"] == 0 and engine.scheduler.stats.num_recomputed_tokens == 0
+    assert [len(finals[r].outputs[0].token_ids) for r in "ABC"] == [6, 10, 1]
+    assert_no_leak(engine)
+
+
 def test_reject_mode_retry_hint_grows_with_the_work_ahead():
     engine = make_engine("reject", num_blocks=20, max_len=80, budget=64)
     engine.add_request({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=60, ignore_eos=True), "long")

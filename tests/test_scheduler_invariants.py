@@ -284,6 +284,29 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
     assert_no_leak(engine)
 
 
+def test_a_swapped_out_request_is_preempted_for_only_if_its_whole_need_could_fit():
+    """Before preempting to seat a swapped-out request, admission asks whether the victims' blocks would make
+    room; that bound counted only the request's swapped blocks, while its swap-in needs those *and* the rest of
+    its tokens -- so a victim was swapped out for a request that then did not fit.  The program (found by the
+    random ranked test below, hypothesis's shrunk example): priority policy, swap mode, 16 blocks, an 8-token
+    budget, 2 seats.  Oracle: :func:`fail_on_futile_preemption`; and the engine drains with no leak."""
+    cfg = EngineConfig(num_gpu_blocks_override=16, block_size=4, max_num_batched_tokens=8, max_num_seqs=2,
+                       max_model_len=64, scheduling_policy="priority", preemption_mode="swap", swap_space=0.001,
+                       enable_prefix_caching=True, device="cpu")
+    engine = LLMEngine(cfg, executor=KVContents(4), model_max_len=64)
+    fail_on_futile_preemption(engine.scheduler)
+    head = [5, 6, 7, 8] * 15
+    engine.add_request({"prompt_token_ids": [1]}, SamplingParams(max_tokens=2, ignore_eos=True), priority=2)
+    engine.add_request({"prompt_token_ids": head[:54] + [0] * 3}, SamplingParams(max_tokens=1, ignore_eos=True),
+                       priority=1)
+    engine.step()
+    engine.add_request({"prompt_token_ids": head[:6] + [0] * 3}, SamplingParams(max_tokens=2, ignore_eos=True),
+                       priority=0)
+    drain(engine, 3000, each=check_counts)
+    assert engine.stats()["num_swap_preemptions"] > 0  # the state was reached: a swapped request wanted back in
+    assert_no_leak(engine)
+
+
 def test_a_cached_prefix_counts_once_when_admission_weighs_a_preemption():
     """Before preempting to seat a request, admission bounds the room it would then have.  Cached blocks the
     request would share count as evictable room now, but once it shares them they are pinned: counted in both

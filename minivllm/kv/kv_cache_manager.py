@@ -165,7 +165,8 @@ class KVCacheManager:
         in another table stays taken; one only the prefix cache keeps becomes evictable), less the
         cached blocks ``req`` would share (shared, they stop being evictable), less ``reserved``.  The need
         is its tokens (``worst_case``: prompt plus ``max_tokens``) in blocks, less its cached prefix; a
-        swapped-out request needs its swapped blocks back.
+        swapped-out request shares nothing: it needs its swapped blocks back and room for the rest of its
+        tokens, what its admission checks (:meth:`Scheduler._try_admit`).
         """
         held: dict[int, int] = {}
         for r in reqs:
@@ -181,9 +182,7 @@ class KVCacheManager:
 
         freed = sum(1 for b in held if holders_after(b) == 0)  # free, or cached and evictable
         room = self.num_available_blocks + freed - reserved
-        if req.cpu_block_ids:
-            return room >= len(req.cpu_block_ids)
-        hit = self.match_prefix(req).block_ids
+        hit = () if req.cpu_block_ids else self.match_prefix(req).block_ids
         room -= sum(1 for b in hit if evictable_after(b))
         tokens = req.max_total_tokens if worst_case else req.num_tokens
         return room >= blocks_for(tokens, self.block_size) - len(hit)

@@ -477,7 +477,8 @@ class Scheduler:
         kv = self.kv
         if req.status is RequestStatus.SWAPPED:
             tokens = min(self._chunk_cap(req), budget)
-            blocks = kv.num_new_blocks(req, tokens)  # the swapped blocks plus room for this step
+            # the swapped blocks plus the rest of its prefill, as any admission reserves (see _reservation)
+            blocks = kv.num_new_blocks(req, req.num_uncomputed_tokens)
             if not kv.can_provide(reserved + blocks):
                 return None
             kv.swap_in(req)
