@@ -275,6 +275,21 @@ def test_a_swapped_out_request_comes_back_only_with_room_for_the_rest_of_its_pre
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_reject_mode_turns_a_better_ranked_request_away_rather_than_preempt(policy):
+    """Reject mode's promise holds under a policy that may preempt to seat a better-ranked request: nothing
+    running is preempted; the newcomer that does not fit is rejected.  Hand count, 8 blocks of 4 tokens: L (8 + 8
+    tokens: 4 blocks at worst) holds 2 and has 2 set aside; H (priority 0, 8 + 12 tokens: 5 blocks) finds 4."""
+    engine = make_engine("reject", num_blocks=8, max_len=32, budget=64, scheduling_policy=policy)
+    engine.add_request({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=8, ignore_eos=True), "L", priority=5)
+    engine.step()
+    engine.add_request({"prompt_token_ids": [2] * 8}, SamplingParams(max_tokens=12, ignore_eos=True), "H", priority=0)
+    finals = drain(engine, each=check_both_tiers)
+    assert finals["H"].outputs[0].finish_reason == "rejected" and len(finals["L"].outputs[0].token_ids) == 8
+    assert engine.stats()["num_preemptions"] == 0 and finals["L"].metrics.num_preemptions == 0
+    assert_no_leak(engine)
+
+
 def test_reject_mode_retry_hint_grows_with_the_work_ahead():
     engine = make_engine("reject", num_blocks=20, max_len=80, budget=64)
     engine.add_request({"prompt_token_ids": [1] * 8}, SamplingParams(max_tokens=60, ignore_eos=True), "long")

@@ -36,9 +36,11 @@ def check_counts(engine: LLMEngine) -> None:
     assert engine.scheduler.waiting_by_tenant == dict(Counter(r.tenant for r in engine.scheduler.waiting))
     if cache is not None:
         assert cache.num_evictable_blocks() == evictable_by_walk(cache, pool)
-    # the one-loop sum admission reserves against, against the per-request definition (copy-on-write included)
-    sched = engine.scheduler
-    assert engine.kv.num_new_blocks_all(sched.running) == sum(sched._reservation(r) for r in sched.running)
+    # the one-loop sum admission reserves against, against the per-request definition (copy-on-write included;
+    # reject mode reserves each request's worst case instead)
+    sched, kv = engine.scheduler, engine.kv
+    assert kv.num_new_blocks_all(sched.running) == sum(kv.num_new_blocks(r, r.num_uncomputed_tokens)
+                                                       + kv.num_copy_on_write_blocks(r) for r in sched.running)
 
 
 def evictable_by_walk(cache, pool) -> int:
@@ -249,7 +251,7 @@ def fail_on_futile_preemption(sched) -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(ranked_op, min_size=1, max_size=30), blocks=st.integers(16, 40),
-       policy=st.sampled_from(["priority", "deadline"]), mode=st.sampled_from(["recompute", "swap"]),
+       policy=st.sampled_from(["priority", "deadline"]), mode=st.sampled_from(["recompute", "swap", "reject"]),
        budget=st.sampled_from([4, 8, 32]), max_seqs=st.integers(2, 6), prefix=st.sampled_from([None, "radix", "hash"]))
 def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, blocks, policy, mode, budget, max_seqs,
                                                                        prefix):
@@ -257,8 +259,8 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
     does not end with that request admitted in the same step is pure loss (the victim's KV is thrown away or
     swapped out, and nobody gains).  Oracle: :func:`fail_on_futile_preemption`.  Also: every request admitted in
     a step is given tokens in that step (its admission budget counted every running decode, which step 2 serves
-    first, so no seat and no blocks are held for a request that cannot run); the engine drains and holds no
-    block afterwards."""
+    first, so no seat and no blocks are held for a request that cannot run); reject mode preempts nobody, whatever
+    the ranks; the engine drains and holds no block afterwards."""
     cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=budget,
                        max_num_seqs=max_seqs, max_model_len=64, scheduling_policy=policy, preemption_mode=mode,
                        swap_space=0.001 if mode == "swap" else 0.0, enable_prefix_caching=prefix is not None,
@@ -281,6 +283,7 @@ def test_a_ranked_admission_preempts_only_for_a_request_it_then_admits(ops, bloc
                 clock += 0.01
         check_blocks(engine)
     drain(engine, 3000, each=check_counts)
+    assert mode != "reject" or engine.stats()["num_preemptions"] == 0
     assert_no_leak(engine)
 
 

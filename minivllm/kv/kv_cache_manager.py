@@ -155,7 +155,7 @@ class KVCacheManager:
                 total += 1  # the next write copies the shared last block (see _last_block_is_shared)
         return total
 
-    def could_start_if_freed(self, req: Request, reqs, reserved: int, worst_case: bool = False) -> bool:
+    def could_start_if_freed(self, req: Request, reqs, reserved: int) -> bool:
         """Could a waiting ``req`` get its blocks if ``reqs`` gave theirs back, ``reserved`` blocks staying
         promised to others?  ``False`` means certainly not; ``True``, perhaps.
 
@@ -164,9 +164,9 @@ class KVCacheManager:
         blocks available now (free or evictable), plus each block of theirs no one else holds (one still
         in another table stays taken; one only the prefix cache keeps becomes evictable), less the
         cached blocks ``req`` would share (shared, they stop being evictable), less ``reserved``.  The need
-        is its tokens (``worst_case``: prompt plus ``max_tokens``) in blocks, less its cached prefix; a
-        swapped-out request shares nothing: it needs its swapped blocks back and room for the rest of its
-        tokens, what its admission checks (:meth:`Scheduler._try_admit`).
+        is its tokens in blocks, less its cached prefix; a swapped-out request shares nothing: it needs its
+        swapped blocks back and room for the rest of its tokens, what its admission checks
+        (:meth:`Scheduler._try_admit`).  (Reject mode never asks: it never preempts.)
         """
         held: dict[int, int] = {}
         for r in reqs:
@@ -184,8 +184,7 @@ class KVCacheManager:
         room = self.num_available_blocks + freed - reserved
         hit = () if req.cpu_block_ids else self.match_prefix(req).block_ids
         room -= sum(1 for b in hit if evictable_after(b))
-        tokens = req.max_total_tokens if worst_case else req.num_tokens
-        return room >= blocks_for(tokens, self.block_size) - len(hit)
+        return room >= blocks_for(req.num_tokens, self.block_size) - len(hit)
 
     def worst_case_new_blocks(self, req: Request) -> int:
         """Blocks ``req`` could still need if it ran to ``max_tokens`` (reject mode reserves these)."""

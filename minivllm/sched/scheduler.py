@@ -320,8 +320,9 @@ class Scheduler:
         return budget
 
     def _preempt_to_admit(self, req: Request, admitted: list[Request]) -> bool:
-        """Preempt one running request the policy ranks below ``req`` (never one protected by anti-thrash)."""
-        if self._may_preempt_for is None:
+        """Preempt one running request the policy ranks below ``req`` (never one protected by anti-thrash;
+        never in reject mode, whose promise is that nothing running is preempted -- ``req`` is turned away)."""
+        if self._may_preempt_for is None or self.config.preemption_mode == "reject":
             return False
         limit = self.config.preemption_protect_after
         cands = [r for r in self.running
@@ -346,7 +347,7 @@ class Scheduler:
             return True
         going = {id(r) for r in cands}
         left = self._reserved_blocks([r for r in self.running if id(r) not in going])
-        return self.kv.could_start_if_freed(req, cands, left, worst_case=self.config.preemption_mode == "reject")
+        return self.kv.could_start_if_freed(req, cands, left)
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
         """Blocks the running requests (or ``running``) will claim: the rest of their prefill, or (reject mode)
