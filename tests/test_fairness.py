@@ -730,20 +730,95 @@ def test_over_cap_reject_turns_new_requests_away_with_a_hint_and_spares_other_te
     assert_no_leak(engine)
 
 
+def steps_until_a_retry_is_accepted(setup, limit: int = 80) -> int:
+    """Oracle for a cap's retry hint, by replay: rebuild the run that ended in the rejection (``setup()``), run
+    k more steps, re-submit the same request; the first k at which it is not turned away."""
+    for k in range(limit):
+        engine, resubmit = setup()
+        for _ in range(k):
+            engine.step()
+        rid = resubmit(engine)
+        outs = {o.request_id: o for o in engine.step()}
+        if rid not in outs or outs[rid].outputs[0].finish_reason != "rejected":
+            return k
+    raise AssertionError(f"no re-submission accepted within {limit} steps")
+
+
+def hint_is(engine, out, steps: int) -> bool:
+    """Is ``out`` a rejection whose retry hint is ``steps`` engine steps (the seconds are rounded to the ms)?"""
+    return out.outputs[0].finish_reason == "rejected" and out.retry_after_s == round(engine.step_time_s * steps, 3)
+
+
 def test_the_retry_hint_counts_the_prompt_a_member_has_still_to_prefill():
     """The hint for a request turned away by a seat cap is the steps until a running member finishes: the rest
-    of its prompt in chunks, then one step per output token.  Oracle: by hand -- ``b0``'s 40-token prompt in
-    8-token chunks has 24 tokens (3 steps) left after the step that rejects ``b1``, then 5 outputs: 8 steps."""
-    tenants = {"bulk": TenantConfig(max_running=1, over_cap="reject")}
-    engine = make_engine("caps", tenants, num_blocks=60, budget=32, long_prefill_token_threshold=8)
-    add(engine, "bulk", 40, 5, "b0")
-    engine.step()  # b0 prefills its first 8 tokens
-    add(engine, "bulk", 8, 4, "b1")
-    outs = {o.request_id: o for o in engine.step()}  # b0 prefills its next 8; the hint is priced after it
-    assert outs["b1"].outputs[0].finish_reason == "rejected"
-    assert outs["b1"].retry_after_s == pytest.approx(round(engine.step_time_s * (3 + 5), 3))
+    of its prompt in chunks, the last of which also samples its first output, then one step per further output.
+    By hand: ``b0``'s 40-token prompt in 8-token chunks has 24 tokens (3 steps) left after the step that rejects
+    ``b1``, then 4 more outputs: 7 steps.  Oracle: that count, and a replay that re-submits ``b1``."""
+    def setup():
+        engine = make_engine("caps", {"bulk": TenantConfig(max_running=1, over_cap="reject")}, num_blocks=60,
+                             budget=32, long_prefill_token_threshold=8)
+        add(engine, "bulk", 40, 5, "b0")
+        engine.step()  # b0 prefills its first 8 tokens
+        add(engine, "bulk", 8, 4, "b1")
+        outs = {o.request_id: o for o in engine.step()}  # b0 prefills its next 8; the hint is priced after it
+        return engine, outs, lambda e: add(e, "bulk", 8, 4)
+
+    engine, outs, _ = setup()
+    assert steps_until_a_retry_is_accepted(lambda: setup()[::2]) == 3 + 4
+    assert hint_is(engine, outs["b1"], 3 + 4), outs["b1"].retry_after_s
     drain(engine)
     assert_no_leak(engine)
+
+
+def test_the_retry_hint_counts_the_blocks_set_aside_for_a_members_prefill():
+    """A KV cap is checked against what members hold *and* what is set aside for the rest of their prefill, so
+    the hint counts both.  ``b0`` (36-token prompt, 4 outputs, 8-token chunks) holds 4 blocks and has 5 set aside
+    after the rejecting step; ``b1`` needs 2 of the tenant's 10 (25% of 40): it fits once ``b0`` is done, after 3
+    more chunks and 3 more outputs -- 6 steps.  (Counting held blocks alone, it "fitted now": a 1-step hint.)
+    Oracle: the replay."""
+    def setup():
+        engine = make_engine("caps", {"bulk": TenantConfig(max_kv_share=0.25, over_cap="reject")}, num_blocks=40,
+                             long_prefill_token_threshold=8)
+        add(engine, "bulk", 36, 4, "b0")
+        engine.step()
+        add(engine, "bulk", 8, 1, "b1")
+        outs = {o.request_id: o for o in engine.step()}
+        return engine, outs, lambda e: add(e, "bulk", 8, 1)
+
+    engine, outs, _ = setup()
+    assert steps_until_a_retry_is_accepted(lambda: setup()[::2]) == 6
+    assert hint_is(engine, outs["b1"], 6), outs["b1"].retry_after_s
+
+
+def test_the_retry_hint_counts_the_tokens_a_recomputed_member_computes_again():
+    """A member preempted by recompute prefills its prompt *and* its outputs again; the hint counts both.
+    Oracle: the replay (the hand count: 25 tokens left in 4-token chunks, 7 steps, then 4 more outputs)."""
+    tenants = {"bulk": TenantConfig(max_running=1, over_cap="reject"), "other": TenantConfig()}
+
+    def build():
+        engine = make_engine("caps", tenants, num_blocks=16, budget=8, long_prefill_token_threshold=4)
+        add(engine, "other", 8, 40, "o0")
+        add(engine, "bulk", 8, 30, "b0")
+        return engine
+
+    engine, steps = build(), 0
+    b0 = engine.requests["b0"]
+    while not (b0 in engine.scheduler.running and b0.output_token_ids and b0.num_uncomputed_tokens > 4):
+        engine.step()  # until b0, preempted, is prefilling its prompt and outputs again
+        steps += 1
+        assert steps < 200
+
+    def setup():
+        engine = build()
+        for _ in range(steps):
+            engine.step()
+        add(engine, "bulk", 4, 1, "b1")
+        return engine, {o.request_id: o for o in engine.step()}, lambda e: add(e, "bulk", 4, 1)
+
+    engine, outs, _ = setup()
+    assert engine.requests["b0"].num_preemptions == 1
+    assert steps_until_a_retry_is_accepted(lambda: setup()[::2]) == 7 + 4
+    assert hint_is(engine, outs["b1"], 7 + 4), outs["b1"].retry_after_s
 
 
 def test_a_tiny_kv_share_still_allows_one_block():

@@ -64,7 +64,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.request import Request
@@ -173,21 +173,23 @@ class CapTable:
                 return g
         return None
 
-    def retry_steps(self, req: Request, running: Sequence[Request], need_blocks: int) -> int | None:
+    def retry_steps(self, req: Request, running: Sequence[Request], need_blocks: int,
+                    held: Callable[[Request], int]) -> int | None:
         """Engine steps until the group that rejected ``req`` has room for it (None: it has room now).
 
+        ``held(r)``: the blocks a running member counts against the KV cap, the
+        same count admission checked (its blocks plus those set aside for it).
         Its running members are assumed to finish in order of the steps they still
-        need (the rest of their prompt in chunks of ``long_prefill_token_threshold``
-        or the token budget, then one step per remaining output token); each gives
-        back its seat and its blocks.  An estimate, like reject mode's hint: members
-        can also be preempted, or stop early at EOS.
+        need (:func:`_steps_left`); each gives back its seat and its blocks.  An
+        estimate, like reject mode's hint: members can also be preempted, or stop
+        early at EOS.
         """
         chunk = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens or 2048
         for g in self.groups(req):
             if g.over_cap != "reject":
                 continue
             members = [r for r in running if g in self.groups(r)]
-            seats, blocks = len(members), sum(len(r.block_ids) for r in members)
+            seats, blocks = len(members), sum(held(r) for r in members)
 
             def fits(seats: int, blocks: int) -> bool:
                 return ((g.max_running is None or seats < g.max_running)
@@ -198,7 +200,7 @@ class CapTable:
             steps = 1
             for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
                 steps = _steps_left(r, chunk)
-                seats, blocks = seats - 1, blocks - len(r.block_ids)
+                seats, blocks = seats - 1, blocks - held(r)
                 if fits(seats, blocks):
                     break
             return max(1, steps)
@@ -211,9 +213,10 @@ class CapTable:
 
 
 def _steps_left(req: Request, chunk: int) -> int:
-    """Steps ``req`` still needs if it runs every step: prompt chunks, then one per output token."""
-    prefill = max(0, req.num_prompt_tokens - req.num_computed_tokens)
-    return -(-prefill // chunk) + max(1, req.max_tokens - len(req.output_token_ids))
+    """Steps ``req`` still needs if it runs every step: its uncomputed tokens in chunks (the rest of the prompt,
+    or prompt and outputs again after a recompute preemption; a decode's is its last token), the last of which
+    also samples an output, then one step per output still to come."""
+    return -(-max(1, req.num_uncomputed_tokens) // chunk) + max(0, req.max_tokens - len(req.output_token_ids) - 1)
 
 
 def tenant_cache_quota(config: EngineConfig, num_blocks: int):

@@ -532,7 +532,8 @@ class Scheduler:
         if req not in self._cap_rejected:
             return None
         self._cap_rejected.discard(req)
-        return self.caps.retry_steps(req, self.running, self._need_blocks(req)) or 1
+        return self.caps.retry_steps(req, self.running, self._need_blocks(req),
+                                     lambda r: len(r.block_ids) + self._reservation(r)) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
