@@ -20,6 +20,8 @@ from minivllm.kv.prefix import make_prefix_cache
 from minivllm.request import Request
 from minivllm.sim.executor import SimulatedExecutor
 
+from invariants import tiny_engine  # noqa: E402  (tests/ is on sys.path)
+
 
 def _dump(cache) -> tuple:
     """Everything that decides the cache's future behaviour, with nodes named by their blocks."""
@@ -153,3 +155,21 @@ def test_a_freed_request_caches_its_blocks_again_from_the_first(kind):
     kv.free(req)
     kv.prefix_cache.reset()
     assert pool.num_free == 8
+
+
+@pytest.mark.parametrize("prompt_len, queried, hit", [(3, 6, 0), (9, 18, 8), (1, 2, 0)])
+def test_a_sample_that_starts_without_its_leader_counts_its_own_lookup(prompt_len, queried, hit):
+    """``n = 2`` on one seat: the leader finishes before its sample is admitted, so the sample does not fork; it
+    looks the cache up like any request and counts like one, hit or miss.  Hand count, 4-token blocks: a 9-token
+    prompt caches 2 full blocks, the sample matches 8 tokens (never the last one); a 3-token prompt caches none.
+    (Counted only when it missed, the hit rate was biased down.)  Oracle: the hand count; no sample forked."""
+    engine = tiny_engine(prefix="radix", max_seqs=1)
+    forked = []
+    fork = engine.kv.fork
+    engine.kv.fork = lambda parent, child: (forked.append(child.request_id), fork(parent, child))[1]
+    params = SamplingParams(max_tokens=1, n=2, ignore_eos=True, temperature=1.0, seed=1)
+    engine.add_request({"prompt_token_ids": list(range(100, 100 + prompt_len))}, params, "g")
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.prefix_cache.stats
+    assert not forked and (stats.queries_tokens, stats.hits_tokens) == (queried, hit)

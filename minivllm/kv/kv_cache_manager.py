@@ -238,6 +238,13 @@ class KVCacheManager:
         req.num_computed_tokens = hit.num_tokens
         req.num_inserted_blocks = len(hit.block_ids)
 
+    @staticmethod
+    def can_fork(req: Request) -> bool:
+        """Does ``req`` start by sharing its leader's blocks (:meth:`fork`) rather than looking the cache up?
+        A sample of an ``n > 1`` request does while its leader runs; once the leader is gone it starts alone."""
+        leader = req.leader
+        return leader is not None and bool(leader.block_ids) and not leader.status.finished
+
     def fork(self, parent: Request, child: Request) -> None:
         """``n > 1``: ``child`` shares ``parent``'s prompt blocks and recomputes only the last prompt token.
 
@@ -259,13 +266,14 @@ class KVCacheManager:
         Only a request's first admission counts as a lookup.  A preempted request
         that finds its own blocks again saved recompute; that is reported apart
         (``recompute_hit_tokens``) and never inflates the hit rate.  A sample
-        forked from its leader counts nothing (the leader's lookup did).
+        forked from its leader counts nothing (the leader's lookup did); one whose leader was gone looked the
+        cache up like any request, and counts like one.
         """
         if self.prefix_cache is None or req.status is RequestStatus.SWAPPED:
             return  # (called before the status becomes RUNNING: a swap-in brought its own blocks back)
         if req.prefix_lookup_recorded:
             self.stats.recompute_hit_tokens += req.num_computed_tokens
-        elif req.leader is not None and req.num_computed_tokens:
+        elif self.can_fork(req):  # (asked in the same pass as the admission: the leader has not changed)
             req.prefix_lookup_recorded = True
         else:
             req.prefix_lookup_recorded = True

@@ -484,8 +484,7 @@ class Scheduler:
                 return None
             kv.swap_in(req)
             return tokens, self._reservation(req)
-        forked = req.leader is not None and bool(req.leader.block_ids) and not req.leader.status.finished
-        if forked:
+        if kv.can_fork(req):
             kv.fork(req.leader, req)
         else:
             kv.share_prefix(req, kv.match_prefix(req))
