@@ -35,7 +35,7 @@ so the package has no import cycles.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -51,10 +51,10 @@ if TYPE_CHECKING:
 class AdmissionPolicy(Protocol):
     """Which waiting request to admit next.  ``order`` is the whole required contract.
 
-    A policy may also be any of the four protocols after this one (the scheduler asks once, with
+    A policy may also be any of the five protocols after this one (the scheduler asks once, with
     :func:`implements`; a policy that is none of them behaves exactly as FCFS-style policies always have):
-    :class:`RanksRequests`, :class:`PreemptsToAdmit` (with a rank), :class:`ObservesSteps` and
-    :class:`HeadOfLine`.
+    :class:`RanksRequests`, :class:`PreemptsToAdmit` (with a rank), :class:`ObservesSteps`,
+    :class:`TracksActivity` and :class:`HeadOfLine`.
     """
 
     def order(self, waiting: Sequence["Request"], running: Sequence["Request"]) -> list["Request"]:
@@ -97,6 +97,18 @@ class ObservesSteps(Protocol):
     def observe(self, batch: "ScheduledBatch", now: float) -> None:
         """Called once per step after execution with the batch that ran (tokens served per request:
         ``seq.num_tokens``, ``seq.is_decode``, ``seq.samples``)."""
+        ...
+
+
+@runtime_checkable
+class TracksActivity(Protocol):
+    """An admission policy that must know when a tenant goes idle (weighted fair queueing: idling banks no
+    credit).  ``order`` sees who is active whenever something waits; this hook covers the steps it is not
+    called in -- nothing waiting, or the step after a preemption -- when a tenant can finish its last request
+    and go idle unseen."""
+
+    def activity(self, tenants: Collection[str]) -> None:
+        """The tenants with a request waiting or running, at a step whose admission did not call ``order``."""
         ...
 
 

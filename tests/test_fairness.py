@@ -363,6 +363,32 @@ def test_wfq_a_tenant_arriving_after_an_idle_gap_starts_at_the_last_counter():
     drain(engine)
 
 
+def test_wfq_a_tenant_that_goes_idle_while_nothing_waits_banks_no_credit():
+    """A and B run; B finishes and goes idle while A decodes alone and nothing waits (so admission never orders
+    the queue); B comes back 30 steps later.  VTC's promise: B starts at A's counter, not at its old one.
+    Hand count, default weights (a prompt token 1, a sampled token 2): after the first step A = B = 4 + 2 = 6;
+    B's second output brings it to 8 and finishes it; A's 30 more decodes bring A to 68 when B returns.  B then
+    starts at 68 and is charged its own prompt step (6): 74 -- not 8 + 6 = 14, a lead of 56 that let it
+    preempt A; A's decode beside it: 70."""
+    engine = make_engine("wfq", num_blocks=64, budget=8, max_len=256)
+    wfq = engine.scheduler.admission_policy
+    add(engine, "A", 4, 60, "a0")
+    add(engine, "B", 4, 2, "b0")
+    engine.step()
+    assert wfq.counters == {"A": 6.0, "B": 6.0}
+    while "b0" in engine.requests:
+        engine.step()
+    for _ in range(30):
+        engine.step()  # A decodes alone, nothing waits
+    assert wfq.counters == {"A": 68.0, "B": 8.0}
+    add(engine, "B", 4, 2, "b1")
+    engine.step()
+    assert wfq.counters == {"A": 70.0, "B": 74.0}
+    assert not engine.step_log[-1].preempted
+    drain(engine)
+    assert_no_leak(engine)
+
+
 _bare_ids = itertools.count()
 
 

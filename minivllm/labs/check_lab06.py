@@ -535,8 +535,8 @@ class CounterWFQ(WFQAdmission):
     def weight(self, tenant: str) -> float:
         return self.vtc.weight(tenant)
 
-    def _activate(self, waiting, running) -> None:
-        active = {r.tenant for r in waiting} | {r.tenant for r in running}
+    def activity(self, tenants) -> None:
+        active = set(tenants)
         already = active & self._active
         for t in sorted(active - self._active):
             self.vtc.activate(t, set(already))

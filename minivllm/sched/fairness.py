@@ -64,7 +64,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.request import Request
@@ -287,11 +287,12 @@ class WFQAdmission:
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
 
-    def _activate(self, waiting: Sequence[Request], running: Sequence[Request]) -> None:
-        """A newly active tenant starts at the minimum of the tenants already active (or, when none is,
-        at the counter of the last tenant that went idle), as in VTC: idling banks no credit."""
-        active = {r.tenant for r in waiting}
-        active.update(r.tenant for r in running)
+    def activity(self, tenants: Collection[str]) -> None:
+        """``tenants`` have a request waiting or running now.  A newly active tenant starts at the minimum of
+        the tenants already active (or, when none is, at the counter of the last tenant that went idle), as in
+        VTC: idling banks no credit.  (:class:`~minivllm.interfaces.TracksActivity`: the scheduler also calls
+        this in steps that do not order the queue, so a tenant that goes idle then is seen to.)"""
+        active = set(tenants)
         left = self._active - active
         if left:
             self._last_left = max(self.counter(t) for t in left)
@@ -305,7 +306,7 @@ class WFQAdmission:
         self._active = active
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        self._activate(waiting, running)
+        self.activity({r.tenant for r in waiting} | {r.tenant for r in running})
         queues: dict[str, list[Request]] = {}
         for r in waiting:
             queues.setdefault(r.tenant, []).append(r)

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, HeadOfLine, ObservesSteps, PreemptionCostModel,
-                                 PreemptionPolicy, PreemptsToAdmit, RanksRequests, implements)
+                                 PreemptionPolicy, PreemptsToAdmit, RanksRequests, TracksActivity, implements)
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
@@ -174,6 +174,7 @@ class Scheduler:
         self._may_preempt_for = (pol.may_preempt_for if self._rank is not None and implements(pol, PreemptsToAdmit)
                                  else None)
         self._observe = pol.observe if implements(pol, ObservesSteps) else None
+        self._activity = pol.activity if implements(pol, TracksActivity) else None
         self._hol_per_tenant = implements(pol, HeadOfLine) and pol.head_of_line == "tenant"
         self.waiting: deque[Request] = deque()
         # requests in ``waiting`` per tenant, kept by every change to the queue (the step log reads it each step)
@@ -367,6 +368,8 @@ class Scheduler:
         here, to seat a better-ranked request, does not pause admission.)
         """
         if self._preempted_last_step or not self.waiting:
+            if self._activity is not None:  # no ordering this step: tell the policy who is still active
+                self._activity(self.waiting_by_tenant.keys() | {r.tenant for r in self.running})
             return []
         if len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None:
             # Every seat is taken and no policy may free one: nothing below could admit or reject anyone
