@@ -144,6 +144,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from minivllm import LLM
+    from minivllm.engine.startup import freeze_startup_heap
     from minivllm.server import build_app, load_api_keys
 
     options = {
@@ -163,6 +164,7 @@ def serve(args: argparse.Namespace) -> int:
         door = DoorRule(args.max_waiting_requests, args.min_free_blocks)
     app = build_app(llm.engine, args.served_model_name, api_keys, door=door)
     async_engine = app.state.async_engine
+    frozen = freeze_startup_heap()  # this process serves until it exits: see minivllm.engine.startup
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # abort in-flight requests first, so open streams end now
@@ -172,7 +174,8 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     tenants = sorted(set(api_keys.values())) or ["default (no API keys)"]
     print(f"minivllm: serving {app.state.handlers.model_names} on http://{args.host}:{args.port} "
-          f"| tenants: {', '.join(tenants)} | KV blocks: {llm.engine.pool.num_blocks}", file=sys.stderr, flush=True)
+          f"| tenants: {', '.join(tenants)} | KV blocks: {llm.engine.pool.num_blocks} "
+          f"| {frozen} start-up objects frozen out of the garbage collector", file=sys.stderr, flush=True)
     try:
         _Server(config).run()  # uvicorn re-raises the signal once shut down: Ctrl-C lands here
     except KeyboardInterrupt:

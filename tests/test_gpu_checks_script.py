@@ -41,3 +41,5 @@ def test_gpu_checks_dry_run_brings_back_every_steps_result(tmp_path):
     assert parity["prompts"] == 8 and parity["identical_prompts"] == 8, parity
     eager = json.loads((unpacked / "eager_step_64.json").read_text())
     assert eager["profile"]["tensor_ops_per_step"] > 0 and eager["back_to_back"]["n"] == 20
+    full = eager["full_collection"]  # a full collection walks the model's objects until they are frozen
+    assert full["frozen_objects"] > 0 and full["frozen"]["n"] == full["unfrozen"]["n"] == 5

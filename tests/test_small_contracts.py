@@ -332,3 +332,40 @@ def test_an_executor_wrapper_is_put_in_when_the_engine_is_built():
         build(lambda inner: None)
     with pytest.raises(ValueError, match="executor_wrapper's result=str does not implement Executor"):
         build(lambda inner: "not an executor")
+
+
+def test_serve_freezes_its_start_up_heap_once_the_engine_is_built(monkeypatch, capsys):
+    """``minivllm serve`` owns its process, so once the engine and the app are built it freezes everything alive
+    out of the cyclic garbage collector (:mod:`minivllm.engine.startup`: a full collection then skips the
+    model's objects).  Oracle: the collector's own lists -- the engine built before the freeze is in none of its
+    generations until it is unfrozen.  (The model and uvicorn are stand-ins: nothing loads, nothing listens.)"""
+    import gc
+
+    import uvicorn
+
+    import minivllm
+    from minivllm.cli import main
+
+    from invariants import tiny_engine  # noqa: E402  (tests/ is on sys.path)
+
+    built = []
+
+    class StandIn:
+        def __init__(self, model, **options):
+            self.engine = tiny_engine()
+            built.append(self.engine)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(minivllm, "LLM", StandIn)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *args, **kwargs: None)
+    assert gc.get_freeze_count() == 0
+    try:
+        assert main(["serve", "--port", "8011"]) == 0
+        assert gc.get_freeze_count() > 1000
+        assert not any(obj is built[0] for obj in gc.get_objects()), "the engine is still in a collected generation"
+        assert "start-up objects frozen out of the garbage collector" in capsys.readouterr().err
+    finally:
+        gc.unfreeze()
+    assert any(obj is built[0] for obj in gc.get_objects())

@@ -37,7 +37,7 @@ else
 fi
 MODEL="$WORK/model_$ARCH"
 
-# a rerun may pick some; the simulator's own rerun: STEPS="save_model tests sim_accuracy eager_step"
+# a rerun may pick some; the simulator's own rerun: STEPS="save_model tests sim_accuracy eager_step sim_accuracy_live"
 STEPS=" ${STEPS:-save_model tests attention e2e_nano e2e_parity sim_accuracy eager_step} "
 NANO=(${NANO_BACKENDS:+--backends $NANO_BACKENDS})
 
@@ -83,5 +83,9 @@ step sim_accuracy 240 $PY -m minivllm.bench sim_accuracy --model "$MODEL" "${DEV
 #    and a decode step with CUDA graphs off beside the graphed one (lab 7, section 4)
 step eager_step 90 $PY -m minivllm.bench eager_step --model "$MODEL" "${DEV[@]}" --dtype $DT --prompt-len 64 \
      --repeats 20 --json "$WORK/eager_step_64.json"
+# 7. issue 11 (only when STEPS names it): the held-out workloads again with the garbage collector's heap live,
+#    against the frozen-heap run above and its profile -- does freezing the start-up heap change the prompt steps?
+step sim_accuracy_live 200 $PY -m minivllm.bench sim_accuracy --model "$MODEL" "${DEV[@]}" --dtype $DT \
+     "${SIM[@]}" --live-heap --profile "$WORK/profile_$ARCH.json" --out "$WORK/sim_accuracy_${ARCH}_live.json"
 rm -rf "$WORK/model_$ARCH"
 echo "done at t=${SECONDS}s; results in $OUT (summary.txt, results.tgz)" | tee -a "$OUT/summary.txt"

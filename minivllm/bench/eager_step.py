@@ -10,9 +10,10 @@ takes that cost apart on any device:
 
 1. the time of one prompt step of a fixed shape, ``--repeats`` times back to
    back, then each after an idle gap (``--gap``), then back to back again with
-   the garbage collector's long-lived objects frozen (``gc.freeze``, as vLLM
-   does after start-up) -- is the spread there without idling, and is it the
-   collector?;
+   the garbage collector's long-lived objects frozen (``gc.freeze``, as
+   ``minivllm serve`` and vLLM do after start-up) -- is the spread there
+   without idling, and is it the collector?  And what one full collection
+   costs with the heap as it is and frozen;
 2. a decode step of the same engine, for scale, and (on a GPU) the same step
    with CUDA graphs off (``enforce_eager``): what one graph replay saves;
 3. ``torch.profiler`` over a few prompt steps: how many kernels a step
@@ -34,6 +35,7 @@ from collections.abc import Callable
 
 from minivllm.argtypes import nonnegative_float, positive_int
 from minivllm.bench.results import write_result
+from minivllm.engine.startup import frozen_heap
 
 
 def _stats(xs: list[float]) -> dict:
@@ -41,6 +43,23 @@ def _stats(xs: list[float]) -> dict:
     return {"n": len(s), "min_ms": 1e3 * s[0], "p50_ms": 1e3 * statistics.median(s),
             "p90_ms": 1e3 * s[int(0.9 * (len(s) - 1))], "max_ms": 1e3 * s[-1],
             "mean_ms": 1e3 * statistics.fmean(s)}
+
+
+def full_collection_pause(repeats: int = 5) -> dict:
+    """What one full garbage collection costs in this process, with the heap as it is and then frozen
+    (:mod:`minivllm.engine.startup`: why ``minivllm serve`` freezes it)."""
+    def pauses() -> list[float]:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            gc.collect()
+            times.append(time.perf_counter() - t)
+        return times
+
+    tracked = len(gc.get_objects())
+    unfrozen = _stats(pauses())
+    with frozen_heap() as frozen:
+        return {"tracked_objects": tracked, "unfrozen": unfrozen, "frozen": _stats(pauses()), "frozen_objects": frozen}
 
 
 def prompt_step_times(engine, prompt_len: int, repeats: int, vocab: int, gap_s: float = 0.0) -> list[float]:
@@ -84,10 +103,9 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
         out["gpu"] = torch.cuda.get_device_name()
     out["back_to_back"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
     out[f"after_{gap_s:g}s_idle"] = _stats(prompt_step_times(engine, prompt_len, max(3, repeats // 3), vocab, gap_s))
-    gc.collect()
-    gc.freeze()
-    out["back_to_back_gc_frozen"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
-    gc.unfreeze()
+    out["full_collection"] = full_collection_pause()
+    with frozen_heap():
+        out["back_to_back_gc_frozen"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
     out["decode_step"] = decode_step_stats(engine, vocab)
     if eager_decode is None:
         eager_decode = out["device"].startswith("cuda")

@@ -29,7 +29,6 @@ agree; the script checks that.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 from minivllm.argtypes import positive_int
 from minivllm.bench.results import write_result
+from minivllm.engine.startup import frozen_heap
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.kv.prefix import PrefixCache, make_prefix_cache, sha256_block_hash
@@ -158,21 +158,16 @@ def measure_size(
             serve(cache, pool, tokens, scratch)
         setups.append((structure, cache, pool, []))
     chunk = max(1, len(measured) // rounds)
-    # Long-lived objects are frozen out of the cyclic GC, as a server would do;
+    # Long-lived objects are frozen out of the cyclic GC, as ``minivllm serve`` does;
     # otherwise collector pauses that grow with the heap swamp the timings.
-    gc.collect()
-    gc.freeze()
-    try:
+    with frozen_heap():
         for start in range(0, chunk * rounds, chunk):
             for structure, cache, pool, chunks in setups:
                 timings = Timings()
                 for tokens in measured[start : start + chunk]:
                     serve(cache, pool, tokens, timings)
                 chunks.append(timings)
-        rows = [_summarize(size, structure, cache, chunks) for structure, cache, _, chunks in setups]
-    finally:
-        gc.unfreeze()
-    return rows
+        return [_summarize(size, structure, cache, chunks) for structure, cache, _, chunks in setups]
 
 
 def _summarize(size: int, structure: str, cache: PrefixCache, chunks: list[Timings]) -> Row:

@@ -39,6 +39,7 @@ then both use that clock (see :class:`minivllm.sim.calibrate.RecordingExecutor`)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -48,6 +49,7 @@ import time
 from minivllm.argtypes import positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import write_result
+from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import nearest_rank
 
 WORKLOADS = {
@@ -192,22 +194,38 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
 
 def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall",
         model: str | None = None, device: str = "auto", dtype: str = "auto", real_repeats: int = 2,
-        calibration_repeats: int = 3) -> dict:
+        calibration_repeats: int = 3, freeze_heap: bool = True) -> dict:
     """Calibrate (or load ``profile``), then real vs simulated on the held-out workloads.
 
     ``model`` (an HF directory, e.g. a random-weight Llama-3.2-1B on a GPU machine
     without downloads) replaces the bundled model; its shape comes from its config.
+    ``freeze_heap``: once the real engine is built, freeze what is alive out of the
+    garbage collector while measuring, as ``minivllm serve`` does
+    (:mod:`minivllm.engine.startup`); ``False`` measures with the live heap, as
+    results before 2026-12-02 did.
     """
-    out = out or sys.stdout
-    from minivllm.sim.calibrate import calibrate, calibration_grid, format_profile, measure, real_engine
-    from minivllm.sim.presets import bundled_shape, load_profile
-    from minivllm.sim.roofline import HardwareSpec, ModelShape
-    from minivllm.sim.run import drive
+    from minivllm.sim.calibrate import real_engine
 
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     real = real_engine(clock=clock, model=model, device=device, dtype=dtype, **ENGINE)
+    with frozen_heap() if freeze_heap else contextlib.nullcontext(0) as frozen:
+        doc = _against_real(real, scale, profile, names, out or sys.stdout, model, real_repeats, calibration_repeats)
+    host = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"}
+    return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "clock": clock,
+            "host": host, **doc, "gc_frozen_objects": frozen, "seconds": time.perf_counter() - t_start}
+
+
+def _against_real(real, scale: float, profile: str | None, names, out, model: str | None, real_repeats: int,
+                  calibration_repeats: int) -> dict:
+    """:func:`run`'s measurements on the built ``real`` engine: calibration, then each held-out workload."""
     import torch
+
+    from minivllm.sim.calibrate import calibrate, calibration_grid, format_profile, measure
+    from minivllm.sim.presets import bundled_shape, load_profile
+    from minivllm.sim.roofline import HardwareSpec, ModelShape
+    from minivllm.sim.run import drive
 
     dtype_bytes = torch.tensor([], dtype=real.config.dtype).element_size()
     if model is None:
@@ -270,14 +288,10 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
         spreads = [e for r in rows.values() for e in r["real_spread"].values() if e is not None]
         print(f"the real engine's own run-to-run spread: median {100 * statistics.median(spreads):.1f}%, "
               f"max {100 * max(spreads):.1f}% ({real_repeats} runs per workload)", file=out)
-    return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "clock": clock, "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-                     "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"},
-            "engine": ENGINE, "scale": scale, "real_repeats": real_repeats, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
+    return {"engine": ENGINE, "scale": scale, "real_repeats": real_repeats, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
             "workloads": rows, "within_10pct": f"{sum(within)}/{len(within)}",
             "probe": {"groups": list(PROBE_GROUPS), "calibration_s": ref_s, "reference_s": reference, "seconds": probes},
-            "within_10pct_drift_adjusted": f"{sum(adjusted)}/{len(adjusted)}",
-            "seconds": time.perf_counter() - t_start, "_profile": doc}
+            "within_10pct_drift_adjusted": f"{sum(adjusted)}/{len(adjusted)}", "_profile": doc}
 
 
 def explain(result: dict, doc: dict) -> dict:
@@ -381,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run each calibration group this many times, median per step (see sim.calibrate)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--live-heap", action="store_true",
+                    help="measure the real engine without freezing its start-up heap out of the garbage collector "
+                         "(the default freezes it, as `minivllm serve` does; results before 2026-12-02: live)")
     ap.add_argument("--resimulate", default=None, metavar="RESULT",
                     help="run no real engine: re-simulate this stored result's workloads with --profile (e.g. a GPU "
                          "run re-judged after `minivllm sim calibrate --refit`) and compare with its recorded real runs; "
@@ -436,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.out}")
         return 0
     doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
-              dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats)
+              dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats,
+              freeze_heap=not args.live_heap)
     if args.save_profile and not args.profile:
         os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
         with open(args.save_profile, "w", encoding="utf-8") as fh:

@@ -78,6 +78,7 @@ import numpy as np
 
 from minivllm.argtypes import positive_int
 from minivllm.config import PCIE4_X16_BYTES_PER_S
+from minivllm.engine.startup import frozen_heap
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
 PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",
@@ -616,8 +617,10 @@ def _main(args) -> int:
         if os.path.exists(path):
             raise ValueError(f"{path} exists (profiles there are committed and loaded by the tests): pass --out PATH "
                              f"for your own profile, or --force to replace it")
-    doc = calibrate(real_engine(device=args.device, clock=args.clock), scale=0.4 if args.quick else 1.0,
-                    name=args.name, pin_bandwidth=not args.fit_bandwidth, repeats=args.repeats)
+    engine = real_engine(device=args.device, clock=args.clock)
+    with frozen_heap():  # measured as `minivllm serve` runs it: see minivllm.engine.startup
+        doc = calibrate(engine, scale=0.4 if args.quick else 1.0, name=args.name,
+                        pin_bandwidth=not args.fit_bandwidth, repeats=args.repeats)
     path = args.out or os.path.join(PROFILE_DIR, f"{doc['hardware']['name'].replace(' ', '_').lower()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
