@@ -79,6 +79,7 @@ class Request:
     leader: "Request | None" = None  # n > 1: the sample whose prefill the others fork from
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    num_tokens_computed_once: int = 0  # the furthest any computation reached: below it, a re-prefill recomputes
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -389,6 +389,24 @@ def test_wfq_a_tenant_that_goes_idle_while_nothing_waits_banks_no_credit():
     assert_no_leak(engine)
 
 
+def test_wfq_charges_service_once_so_two_tenants_cannot_preempt_each_other_for_ever():
+    """Anti-thrash off (``preemption_protect_after=0``), a pool too small for both tenants' requests: each admission
+    preempts the other tenant's request by recompute.  When a re-prefill was charged as service again, the
+    preempting tenant passed the other by the margin before any request finished, and the two preempted each
+    other for ever (no request done after 3,000 steps, ~1,000 preemptions).  Charged only for tokens computed the
+    first time, every request finishes, and each tenant's counter is exactly the service its requests got.
+    Hand count, default weights: 2 requests x (16 prompt tokens x 1 + 20 outputs x 2) = 112 each."""
+    engine = make_engine("wfq", num_blocks=16, budget=4, max_len=40, max_seqs=4, preemption_protect_after=0)
+    for i in range(2):
+        for tenant in "ab":
+            add(engine, tenant, 16, 20, f"{tenant}{i}")
+    finals = drain(engine, max_steps=3000)
+    assert all(len(out.outputs[0].token_ids) == 20 for out in finals.values()) and len(finals) == 4
+    assert engine.stats()["num_recompute_preemptions"] > 0  # the state was reached
+    assert engine.scheduler.admission_policy.counters == {"a": 112.0, "b": 112.0}
+    assert_no_leak(engine)
+
+
 _bare_ids = itertools.count()
 
 

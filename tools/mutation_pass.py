@@ -133,6 +133,8 @@ MUTANTS = [
      "            if self._activity is not None:", "            if False:", ""),
     ("a sample without its leader counts misses only", KVM, "elif self.can_fork(req):",
      "elif req.leader is not None and req.num_computed_tokens:", ""),
+    ("WFQ charges a recompute's re-prefill as service again", FAIR,
+     "first = max(seq.start, req.num_tokens_computed_once)", "first = seq.start", ""),
     ("aborting a finished sample aborts it again", ENGINE,
      "            if sample.status.finished:\n                return False", "            if False:\n                return False",
      ""),

@@ -29,7 +29,7 @@ from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
 from minivllm.metrics.stats import meets_slo, nearest_rank
 from minivllm.sampling_params import SamplingParams
-from minivllm.sched.fairness import RankPreemption, WFQAdmission
+from minivllm.sched.fairness import RankPreemption, WFQAdmission, new_prompt_tokens
 from minivllm.sim.executor import SimulatedExecutor
 
 BLOCK_SIZE = 16
@@ -544,7 +544,7 @@ class CounterWFQ(WFQAdmission):
 
     def observe(self, batch, now: float) -> None:
         for s in batch.seqs:
-            self.vtc.charge(s.request.tenant, 0 if s.is_decode else s.num_tokens, 1 if s.samples else 0)
+            self.vtc.charge(s.request.tenant, 0 if s.is_decode else new_prompt_tokens(s), 1 if s.samples else 0)
 
 
 def wfq_policy(vtc_or_none, weights: dict | None = None, budget: int = 2048) -> dict:

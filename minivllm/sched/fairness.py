@@ -36,7 +36,8 @@ cached, all its cache salts together (:func:`tenant_cache_quota`).
 
 **WFQ** (:class:`WFQAdmission`).  Each tenant ``t`` has a counter
 ``c[t] += (wfq_prefill_weight * prefill tokens + wfq_decode_weight * output tokens) / weight[t]``,
-charged from the tokens each step really served (the ``observe`` hook).  Waiting
+charged from the tokens each step really served (the ``observe`` hook; a prompt token
+once, however often a recompute preemption makes the engine compute it again).  Waiting
 requests are interleaved lowest counter first.  A tenant that becomes active
 (had nothing waiting or running) starts at ``max(c[t], min of the active
 tenants' counters)`` -- or, when no tenant is active, at the counter of the last
@@ -212,6 +213,19 @@ class CapTable:
         return min(caps) if caps else None
 
 
+def new_prompt_tokens(seq) -> int:
+    """The prompt tokens of a scheduled chunk computed for the first time: what WFQ charges as prefill service.
+
+    Outputs are charged when sampled, never as prefill; and a chunk that re-prefills a request preempted by
+    recompute redoes work its tenant was already charged for -- the engine's loss, not service.  Charged again,
+    it let two backlogged tenants preempt each other for ever with preemption protection off: each re-prefill
+    pushed the preempting tenant's counter past the other's by the margin before any request finished.
+    Charged once, each swing needs a margin's worth of real progress, so the requests finish."""
+    req = seq.request
+    first = max(seq.start, req.num_tokens_computed_once)
+    return max(0, min(seq.start + seq.num_tokens, len(req.prompt_token_ids)) - first)
+
+
 def _steps_left(req: Request, chunk: int) -> int:
     """Steps ``req`` still needs if it runs every step: its uncomputed tokens in chunks (the rest of the prompt,
     or prompt and outputs again after a recompute preemption; a decode's is its last token), the last of which
@@ -332,7 +346,8 @@ class WFQAdmission:
     def observe(self, batch, now: float) -> None:
         for s in batch.seqs:
             t = s.request.tenant
-            cost = (0.0 if s.is_decode else self.prefill_weight * s.num_tokens) + (self.decode_weight if s.samples else 0.0)
+            cost = (0.0 if s.is_decode else self.prefill_weight * new_prompt_tokens(s)) + (
+                self.decode_weight if s.samples else 0.0)
             self.counters[t] = self.counter(t) + cost / self.weight(t)
 
 

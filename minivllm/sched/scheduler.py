@@ -753,6 +753,7 @@ class Scheduler:
                 self.stats.num_recompute_preemptions += 1
                 self.stats.num_recomputed_tokens += computed
                 req.num_recomputed_tokens += computed
+                req.num_tokens_computed_once = max(req.num_tokens_computed_once, computed)
             self.kv.free(req)
             req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
