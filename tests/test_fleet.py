@@ -285,3 +285,53 @@ def test_a_roofline_replica_holds_what_its_device_holds():
     assert sim_replica(executor).pool.num_blocks == by_hand
     assert sim_replica(roofline_factory("l4", "llama-3-8b")(), num_blocks=100).pool.num_blocks == 100  # explicit wins
     assert sim_replica().pool.num_blocks == REPLICA["num_blocks"]  # the linear model has no device
+
+
+def test_least_outstanding_routes_on_what_a_load_balancer_could_count_at_the_arrival():
+    """Replicas step one at a time, the earliest clock first, so a step can end after the next arrival.  The
+    router must see at that arrival only the tokens streamed back by then.  Hand case: A (100-token prompt, 1
+    output) goes to replica 0, C (50 + 10) to replica 1, both at 0 s; D arrives at 0.03 s, while both are in
+    their first step (A's first token comes at 0.065 s, C's at 0.0575 s).  Outstanding at 0.03 s: replica 0 has
+    101, replica 1 has 60, so D goes to replica 1.  (Counting the tokens of steps that end later, the router saw
+    [0, 9] and sent D to replica 0.)  Oracle: the recount from the requests' own token times."""
+    seen = []
+
+    class Spy(LeastOutstandingRouter):
+        def route(self, prompt, loads):
+            seen.append(list(loads))
+            return super().route(prompt, loads)
+
+    arrivals = [FleetArrival(0.0, "A", tuple(range(10, 110)), 1), FleetArrival(0.0, "C", tuple(range(200, 250)), 10),
+                FleetArrival(0.03, "D", tuple(range(300, 340)), 4)]
+    res = Fleet(2, Spy(), engine_factory=small_replica).run(arrivals)
+    first_token = {rid: res.result(rid).arrival + res.result(rid).ttft for rid in ("A", "C")}
+    assert min(first_token.values()) > 0.03  # neither had streamed anything when D arrived
+    assert seen == [[0, 0], [101, 0], [101, 60]]
+    assert res.placement == {"A": 0, "C": 1, "D": 1}
+    assert res.replicas[0].peak_outstanding == 101
+
+
+def test_a_zero_think_time_chat_runs_and_a_bad_think_time_is_refused():
+    """A follow-up may arrive the instant its answer finished (rounding never puts it before); a negative or
+    reversed think-time range is a clear error."""
+    mix = ChatMix(4.0, 2.0, seed=1, system_len=64, user_range=(32, 64), output_range=(4, 16), turns=3,
+                  think_s=(0.0, 0.0))
+    res = run_fleet(mix, 2, "round_robin", engine_factory=small_replica)
+    assert len(res.results) == mix.num_requests() and all(r.outcome == "ok" for r in res.results)
+    for bad in ((-1.0, 1.0), (2.0, 1.0), (0.0, float("inf"))):
+        with pytest.raises(ValueError, match="think_s"):
+            ChatMix(4.0, 2.0, think_s=bad)
+
+
+def test_a_request_refused_at_the_door_does_not_count_as_a_cache_lookup():
+    """The windowed hit rate is cached prompt tokens over the tokens looked up; a request refused at the door
+    (longer than the replica's max_model_len) never reached the cache.  Oracle: the same window without it."""
+    shared = tuple(range(10, 74))  # 4 full 16-token blocks every prompt starts with
+    arrivals = [FleetArrival(float(i), f"q{i}", shared + tuple(range(100 * i, 100 * i + 4)), 4) for i in range(3)]
+    refused = FleetArrival(1.5, "long", tuple([11] * 5000), 4)
+    rates = []
+    for arrs in (arrivals, sorted(arrivals + [refused], key=lambda a: a.time)):
+        res = Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run(arrs)
+        rates.append(res.summary(window=(0.0, 10.0))["prefix_hit_rate"])
+    assert res.result("long").outcome == "error"
+    assert rates[0] > 0.5 and rates[1] == rates[0]

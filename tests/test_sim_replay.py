@@ -51,3 +51,29 @@ def test_replayed_step_times_give_identical_step_logs(tokenizer):
     assert rec_sim.injected_before_step == rec.injected_before_step
     # and the clocks agree at every step boundary, so the latencies the two report agree too
     assert rec_sim.check_after_step == pytest.approx(rec.check_after_step, abs=1e-9)
+
+
+def test_a_replayed_idle_step_keeps_its_own_end_time():
+    """A step can run nothing (the admission policy holds every request back until a second one arrives); drive
+    then waits for the next arrival.  The replay must end that step where the recorded one ended, not after the
+    wait: every field of the two step logs, times included, is the same.  Oracle: the recorded run (steps of
+    exactly 1 s on the linear executor: idle step at 0 s, then steps ending at 6 s and 7 s)."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+
+    class Pairs:  # admit only two at a time
+        def order(self, waiting, running):
+            return list(waiting) if len(waiting) >= 2 else []
+
+    reqs = [SimRequest(0, 0.0, "t", list(range(10, 30)), 2), SimRequest(1, 5.0, "t", list(range(11, 31)), 2)]
+
+    def engine(executor):
+        return sim_engine(executor=executor, admission_policy=Pairs(), num_blocks=64, max_num_seqs=8)
+
+    real = engine(SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0))
+    rec = drive(real, reqs)
+    assert [r.time for r in real.step_log] == [0.0, 6.0, 7.0] and not real.step_log[0].seqs
+    replay = engine(ReplayExecutor(rec.check_after_step))
+    rec_replay = drive(replay, reqs)
+    assert list(replay.step_log) == list(real.step_log)
+    assert [(r.ttft, r.e2e) for r in rec_replay.results] == [(r.ttft, r.e2e) for r in rec.results]

@@ -89,6 +89,8 @@ class ChatMix:
             raise ValueError(f"duration must be a positive finite number, got {duration!r}")
         if not isinstance(turns, int) or turns < 1 or not 0.0 <= single_shot_share <= 1.0:
             raise ValueError("turns must be an int >= 1 and 0 <= single_shot_share <= 1")
+        if not (len(think_s) == 2 and all(math.isfinite(x) for x in think_s) and 0 <= think_s[0] <= think_s[1]):
+            raise ValueError(f"think_s must be (low, high) seconds with 0 <= low <= high, got {think_s!r}")
         self.rate, self.duration, self.seed, self.turns = rate, duration, seed, turns
         self.user_range, self.output_range, self.think_s, self.vocab = user_range, output_range, think_s, vocab
         rng = random.Random(seed)
@@ -136,8 +138,9 @@ class ChatMix:
             return None
         think = self._rng(s, k).uniform(*self.think_s)
         prompt = tuple(arrival.prompt) + tuple(output_token_ids) + tuple(self._question(s, k))
-        return FleetArrival(round(finished_at + think, 6), f"s{s}t{k}", prompt, self._max_tokens(s, k),
-                            arrival.tenant, s, k)
+        # (rounded to the microsecond, never to before the answer it follows: a zero think time is allowed)
+        return FleetArrival(max(finished_at, round(finished_at + think, 6)), f"s{s}t{k}", prompt,
+                            self._max_tokens(s, k), arrival.tenant, s, k)
 
 
 def roofline_factory(hardware: str = "h100", model: str = "llama-3-8b", block_size: int = 16) -> Callable[[], Any]:
@@ -235,7 +238,8 @@ class FleetResult:
             chosen = [r for r in self.results if r.index in ids]
             out = summarize_group(chosen, t1 - t0, slo_ttft, slo_itl)
             rid = {i: k for k, i in self._index.items()}
-            looked = sum(max(0, r.prompt_len - 1) for r in chosen)
+            # (a request refused at the door or rejected never looked the cache up: it has no cached_tokens entry)
+            looked = sum(max(0, r.prompt_len - 1) for r in chosen if rid[r.index] in self.cached_tokens)
             out["prefix_hit_rate"] = sum(self.cached_tokens.get(rid[r.index], 0) for r in chosen) / looked if looked else 0.0
             out["offered_rps"] = len(chosen) / (t1 - t0)
         out["replica_requests"] = [r.requests for r in self.replicas]
@@ -311,11 +315,18 @@ class Fleet:
         cached: dict[str, int] = {}
         steps = 0
         t0 = pending[0][0] if pending else 0.0
+        # Tokens a replica's step streamed back, taken off the router's count only at the step's end: the
+        # replica with the earliest clock steps next, and its step may end after the next arrival, which must
+        # be routed on what a load balancer could count at its own time.  (time, seq, replica, tokens)
+        drops: list[tuple[float, int, int, int]] = []
         while True:
             busy = [k for k, e in enumerate(engines) if e.has_unfinished_requests()]
             k_min = min(busy, key=lambda k: (engines[k].executor.clock, k)) if busy else None
             if pending and (k_min is None or pending[0][0] <= engines[k_min].executor.clock):
                 a = heapq.heappop(pending)[2]
+                while drops and drops[0][0] <= a.time:
+                    _, _, k, done = heapq.heappop(drops)
+                    loads[k] -= done
                 k = self.router.route(a.prompt, list(loads))
                 if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(engines):
                     raise ValueError(f"router returned {k!r}; expected a replica index in [0, {len(engines)})")
@@ -332,7 +343,7 @@ class Fleet:
                     results[a.request_id] = RequestResult(order[a.request_id], a.tenant, a.time, len(a.prompt),
                                                           a.max_tokens, outcome="error", start=a.time, error=str(exc),
                                                           prompt_tokens=len(a.prompt))
-                    outputs[a.request_id], cached[a.request_id] = [], 0
+                    outputs[a.request_id] = []  # (never looked the cache up: no cached-tokens entry)
                     continue
                 remaining[a.request_id] = len(a.prompt) + a.max_tokens
                 streamed[a.request_id] = 0
@@ -372,7 +383,8 @@ class Fleet:
                         e2e=(m.finished_time - m.arrival_time) if m.finished_time is not None else None,
                         chunks=n_out, output_tokens=n_out, prompt_tokens=len(a.prompt))
                     outputs[rid] = list(out.outputs[0].token_ids)
-                    cached[rid] = out.num_cached_tokens
+                    if outcome != "rejected":  # (a rejected request was never admitted: no lookup)
+                        cached[rid] = out.num_cached_tokens
                     stats[k_min].output_tokens += n_out
                     if follow_up is not None and outcome == "ok":
                         nxt = follow_up(a, outputs[rid], eng.executor.clock)
@@ -381,9 +393,12 @@ class Fleet:
                                 raise ValueError("a follow-up cannot arrive before the request it follows finished")
                             push(nxt)
                 remaining[rid] -= done
-                loads[k_min] -= done
+                if done:
+                    heapq.heappush(drops, (eng.executor.clock, steps, k_min, done))
                 if out.finished:
                     assert remaining.pop(rid) == 0
+        for _, _, k, done in drops:
+            loads[k] -= done
         for k, e in enumerate(engines):
             s = e.stats()
             stats[k].hit_tokens = s.get("prefix_cache_hits", 0)

@@ -69,6 +69,7 @@ class DriveRecord:
     step_starts: list[float] = field(default_factory=list)  # clock (s after t0) before each step
     step_ends: list[float] = field(default_factory=list)  # clock (s after t0) after each step
     check_after_step: list[float] = field(default_factory=list)  # clock at the first arrival check after each step
+    # (after a step that ran nothing: its end, before the wait for the next arrival)
     kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (s after t0, fraction of blocks held)
     injected_before_step: list[int] = field(default_factory=list)  # requests added so far, before each step
     duration: float = 0.0
@@ -142,6 +143,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         if last is not None and not last.seqs and not (last.swapped_in or last.swapped_out):
             idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
             if i < n and advance is not None:
+                rec.check_after_step.append(ex.now() - t0)  # the step's own boundary, before the idle jump
                 advance(t0 + requests[i].arrival)
             elif idle > max_idle_steps:
                 break
