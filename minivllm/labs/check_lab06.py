@@ -890,8 +890,8 @@ def quiz_vtc_after_prefill() -> float:
     from types import SimpleNamespace as NS
 
     adm = WFQAdmission(EngineConfig(device="cpu", tenants={"t": TenantConfig(weight=2.0)}))
-    req = NS(tenant="t")
-    adm.observe(NS(seqs=[NS(request=req, is_decode=False, num_tokens=600, samples=True)]), 0.0)
+    req = NS(tenant="t", prompt_token_ids=[0] * 600, num_tokens_computed_once=0)
+    adm.observe(NS(seqs=[NS(request=req, is_decode=False, start=0, num_tokens=600, samples=True)]), 0.0)
     for _ in range(9):
         adm.observe(NS(seqs=[NS(request=req, is_decode=True, num_tokens=1, samples=True)]), 0.0)
     return adm.counter("t")
