@@ -44,6 +44,42 @@ def test_step_cost_by_hand():
     assert c.attn_bytes == 32 * (9 + 4) + 2 * 2 * 8 * 2 * 4 == 672
 
 
+def test_a_step_that_samples_nothing_reads_no_lm_head():
+    """A step of middle prompt chunks computes no logits (the engine runs the lm_head only on rows it samples
+    from), so its dense terms leave out the lm_head's FLOPs, its weights and the logits."""
+    c = step_cost(TINY, [(0, 3, False)])
+    assert c.num_sampled == 0
+    assert c.dense_flops == 2 * 576 * 2 * 3 == 6912
+    # the layers' weights once (2 x 576, 2 bytes) + activations (104 elements per token per layer, 2 bytes)
+    assert c.dense_bytes == 2 * 576 * 2 + 2 * 104 * 3 * 2 == 3552
+    # one sampled row anywhere in the step brings the whole lm_head (8 x 32, 2 bytes) back, plus its fp32 logits
+    both = step_cost(TINY, [(0, 3, False), (5, 1, True)])
+    assert both.dense_bytes == 2 * 576 * 2 + 256 * 2 + 2 * 104 * 4 * 2 + 32 * 4
+
+
+def test_the_engine_runs_the_lm_head_only_in_steps_that_sample():
+    """The assumption above, checked on the real engine: a 40-token prompt in 16-token chunks and 2 outputs
+    is 4 steps (16, 16, 8 + first token, 1 decode); only the last two call the lm_head, one row each."""
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, long_prefill_token_threshold=16)
+    model = llm.engine.model_runner.model
+    rows = []
+    original = model.logits
+
+    def counting(hidden):
+        rows.append(hidden.shape[0])
+        return original(hidden)
+
+    model.logits = counting
+    steps = 0
+    llm.engine.add_request({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=2, ignore_eos=True))
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        steps += 1
+    assert (steps, rows) == (4, [1, 1])
+
+
 def test_roofline_time_by_hand():
     hw = HardwareSpec("toy", peak_flops=1000, mem_bandwidth=100, step_overhead_s=1, layer_overhead_s=0.25,
                       seq_overhead_s=0.5, swap_bandwidth=64)
@@ -183,13 +219,16 @@ def test_fit_recovers_the_fixed_cost_of_steps_with_prompt_tokens():
 
 
 @pytest.mark.parametrize("profile,result", [
-    ("2026-11-30_nvidia-h200_llama1b_profile.json", "2026-11-30_nvidia-h200_sim_accuracy_llama1b_refit.json"),
-    ("2026-11-30_nvidia-h200_llama1b_profile_run2.json", "2026-11-30_nvidia-h200_sim_accuracy_llama1b_run2.json"),
+    ("2026-11-30_nvidia-h200_llama1b_profile.json", "2026-12-02_nvidia-h200_sim_accuracy_llama1b_resimulated.json"),
+    ("2026-11-30_nvidia-h200_llama1b_profile_run2.json",
+     "2026-12-02_nvidia-h200_sim_accuracy_llama1b_run2_resimulated.json"),
 ])
 def test_refit_and_resimulate_reproduce_the_recorded_gpu_run(profile, result):
     """Each H200 profile in benchmarks/results re-fits to the parameters stored in it, and re-simulating the
     recorded sim_accuracy run with it reproduces the stored simulator metrics exactly (the simulator is
-    deterministic; the workloads are regenerated from their seeds)."""
+    deterministic; the workloads are regenerated from their seeds).  A change to the cost model fails here
+    until the profiles are re-fitted (``minivllm sim calibrate --refit``) and the runs re-simulated
+    (``sim_accuracy --resimulate ... --out``, a new file: the measured one is never overwritten)."""
     import copy
     import json
     import pathlib

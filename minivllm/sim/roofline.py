@@ -109,7 +109,22 @@ class ModelShape:
     @property
     def weight_bytes_per_step(self) -> int:
         """Weights one forward pass reads: every layer's GEMMs and the lm_head (embedding rows are a gather)."""
-        return (self.num_layers * self.layer_params + self.vocab_size * self.hidden_size) * self.dtype_bytes
+        return self.layer_weight_bytes + self.lm_head_bytes
+
+    @property
+    def layer_weight_bytes(self) -> int:
+        """Weights of every layer's GEMMs: read by any step, whatever it computes."""
+        return self.num_layers * self.layer_params * self.dtype_bytes
+
+    @property
+    def lm_head_bytes(self) -> int:
+        """The output projection (hidden x vocab): read only by a step that samples a token.
+
+        The engine computes logits only for rows it samples from, so a step that runs nothing but
+        middle chunks of long prompts never touches it -- on a small model a large share of the weights
+        (SmolLM2-135M: 28M of 135M parameters; Qwen3-0.6B: 156M of 596M).
+        """
+        return self.vocab_size * self.hidden_size * self.dtype_bytes
 
     @property
     def act_elems_per_token_layer(self) -> int:
@@ -250,8 +265,9 @@ def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 1
     """The terms for a batch given as ``(start, num_tokens, samples)`` per scheduled sequence.
 
     * dense: ``2 * layer_params`` FLOPs per token per layer, plus ``2 * hidden * vocab``
-      per *sampled* row (the engine computes logits only there); bytes = the weights
-      once, plus each GEMM's input and output activations.
+      per *sampled* row (the engine computes logits only there); bytes = the layers'
+      weights once, the lm_head's once if any row samples (a step of middle prompt
+      chunks never reads it), plus each GEMM's input and output activations.
     * attention: token ``i`` of a chunk starting at ``s`` attends ``s + i + 1``
       keys; QK^T and PV are ``2 * head_dim`` FLOPs per head per key each.  Bytes:
       the sequence's whole context of K/V read once, the new K/V written, Q read
@@ -270,7 +286,8 @@ def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 1
     c = StepCost(num_seqs=n_seq, num_tokens=n_tok, num_sampled=n_samp)
     if n_seq:
         c.dense_flops = 2.0 * L * shape.layer_params * n_tok + 2.0 * shape.hidden_size * shape.vocab_size * n_samp
-        c.dense_bytes = (shape.weight_bytes_per_step + L * shape.act_elems_per_token_layer * n_tok * b
+        c.dense_bytes = (shape.layer_weight_bytes + (shape.lm_head_bytes if n_samp else 0)
+                         + L * shape.act_elems_per_token_layer * n_tok * b
                          + n_samp * shape.vocab_size * 4)  # fp32 logits out
         c.attn_flops = 4.0 * L * H * d * pairs
         c.attn_bytes = float(shape.kv_bytes_per_token * (ctx + n_tok) + 2 * L * H * d * b * n_tok)
