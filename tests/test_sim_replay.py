@@ -77,3 +77,22 @@ def test_a_replayed_idle_step_keeps_its_own_end_time():
     rec_replay = drive(replay, reqs)
     assert list(replay.step_log) == list(real.step_log)
     assert [(r.ttft, r.e2e) for r in rec_replay.results] == [(r.ttft, r.e2e) for r in rec.results]
+
+
+def test_drive_refuses_requests_out_of_arrival_order():
+    """drive admits a prefix of its list, so a request listed after a later one would wait for it (here: one
+    arriving at 0 s behind one at 5 s would start at 5 s).  An unsorted list is refused with the culprit named;
+    sorted, the 0 s request starts at once (oracle: 1 s steps of the linear executor, first token after 1 s)."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+
+    late, early = SimRequest(0, 5.0, "t", list(range(10, 30)), 2), SimRequest(1, 0.0, "t", list(range(11, 31)), 2)
+
+    def engine():
+        return sim_engine(executor=SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0),
+                          num_blocks=64, max_num_seqs=8)
+
+    with pytest.raises(ValueError, match=r"sorted by arrival: request 1 arrives at 0 s"):
+        drive(engine(), [late, early])
+    rec = drive(engine(), [early, late])
+    assert [(r.index, r.ttft) for r in rec.results] == [(1, 1.0), (0, 1.0)]

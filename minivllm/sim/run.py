@@ -83,9 +83,16 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     A request joins the engine at the first step boundary at or after its
     arrival (an engine adds requests between steps).  When nothing is in
     flight the loop waits for the next arrival: ``executor.advance_to(t)`` on
-    a virtual clock, ``time.sleep`` on a real one.
+    a virtual clock, ``time.sleep`` on a real one.  ``requests`` must be in
+    arrival order (the loop admits a prefix of the list): an unsorted list is
+    a ValueError, not requests silently held back behind a later one.
     """
     from minivllm.interfaces import VirtualClock, implements
+
+    late = next((k for k in range(1, len(requests)) if requests[k].arrival < requests[k - 1].arrival), None)
+    if late is not None:
+        raise ValueError(f"requests must be sorted by arrival: request {requests[late].index} arrives at "
+                         f"{requests[late].arrival:g} s, before the one listed ahead of it ({requests[late - 1].arrival:g} s)")
     from minivllm.sampling_params import SamplingParams
 
     ex = engine.executor
