@@ -43,3 +43,82 @@ def test_tokens_and_itls_do_not_depend_on_the_output_kind(kind):
 def test_n_samples_count_every_generated_token(kind):
     s = _run(kind, n=3)
     assert metric_value(s, "vllm:generation_tokens_total") == 15
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+def test_n_samples_observe_every_samples_gaps(kind):
+    """vLLM times each child of an ``n > 1`` request: the histogram holds every sample's gaps.  Oracle: a
+    recount from each sample's own token times (3 samples x 4 gaps).  It held one sample's gaps (cumulative)
+    or none at all (delta), because a group's output carries the metrics of one sample."""
+    llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=64, max_model_len=96)
+    engine = llm.engine
+    engine.eos_token_ids = set()
+    metrics = EngineMetrics("sim")
+    engine.add_request({"prompt_token_ids": list(range(1, 33))}, SamplingParams(
+        n=3, max_tokens=5, ignore_eos=True, temperature=1.0, output_kind=kind), request_id="g")
+    times = {}
+    while engine.has_unfinished_requests():
+        times.update({rid: r.token_times for rid, r in engine.requests.items()})  # live lists, kept after finish
+        observe_all(metrics, engine, engine.step())
+    gaps = [b - a for ts in times.values() for a, b in zip(ts, ts[1:])]
+    assert sorted(times) == ["g#0", "g#1", "g#2"] and len(gaps) == 12
+    s = metric_samples(metrics.render().decode())
+    assert metric_value(s, "vllm:inter_token_latency_seconds_count") == 12
+    assert metric_value(s, "vllm:inter_token_latency_seconds_sum") == pytest.approx(sum(gaps))
+
+
+def test_queue_time_ends_when_the_first_step_begins():
+    """Queue time is arrival to first scheduling, so it holds no prefill.  Hand count on 1 s steps, one seat:
+    a and b arrive at 0; a runs steps [0,1], [1,2], [2,3] (3 tokens); b is first scheduled in the step that
+    starts at 3, so it queued 3 s, and a queued 0 s (it was stamped at its first step's end: 1 s and 4 s)."""
+    from minivllm.metrics.prometheus import EngineMetrics
+
+    ex = SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0)
+    llm = LLM(executor=ex, tokenizer=None, num_gpu_blocks_override=64, max_model_len=96, max_num_seqs=1)
+    engine = llm.engine
+    engine.eos_token_ids = set()
+    metrics = EngineMetrics("sim")
+    for rid in ("a", "b"):
+        engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, ignore_eos=True),
+                           request_id=rid, arrival_time=0.0, tenant="t")
+        metrics.track(rid, "t")
+    done = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        observe_all(metrics, engine, outs)
+        done.update({o.request_id: o.metrics for o in outs if o.finished})
+    assert (done["a"].queue_time, done["b"].queue_time) == (0.0, 3.0)
+    assert (done["a"].ttft, done["b"].ttft) == (1.0, 4.0)
+    assert engine.stats()["per_tenant"]["t"]["queue_time_s"] == 3.0
+    s = metric_samples(metrics.render().decode())
+    assert metric_value(s, "vllm:request_queue_time_seconds_sum") == 3.0
+
+
+def test_an_untracked_request_preempted_before_its_first_token_is_charged_to_its_tenant():
+    """Offline (``observe_all`` without ``track``) a request is known to the metrics only from its first output,
+    so a preemption before it was labelled tenant "unknown" while its tokens went to ``tenant_of``'s answer.
+    Oracle: the engine's own per-tenant count (or all of it under "default" when no ``tenant_of`` is given)."""
+    tenants = ["alice", "bob", "alice", "bob"]
+
+    def run(tenant_of):
+        llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=6, block_size=4,
+                  max_model_len=24, long_prefill_token_threshold=8, max_num_batched_tokens=8)
+        engine = llm.engine
+        engine.eos_token_ids = set()
+        metrics = EngineMetrics("sim")
+        for i, tenant in enumerate(tenants):
+            engine.add_request({"prompt_token_ids": list(range(10 + i, 22 + i))},
+                               SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"r{i}", tenant=tenant)
+        while engine.has_unfinished_requests():
+            observe_all(metrics, engine, engine.step(), tenant_of)
+        return metric_samples(metrics.render().decode()), engine.stats()["per_tenant"]
+
+    s, per_tenant = run(lambda rid: tenants[int(rid[1:])])
+    assert [per_tenant[t]["num_preemptions"] for t in ("alice", "bob")] == [1, 2]  # each before a first token
+    for t in ("alice", "bob"):
+        assert metric_value(s, "vllm:num_preemptions_total", tenant=t) == per_tenant[t]["num_preemptions"]
+    assert metric_value(s, "vllm:num_preemptions_total", tenant="unknown") == 0
+    s, per_tenant = run(None)
+    total = sum(per_tenant[t]["num_preemptions"] for t in ("alice", "bob"))
+    assert metric_value(s, "vllm:num_preemptions_total", tenant="default") == total
+    assert metric_value(s, "vllm:num_preemptions_total", tenant="unknown") == 0

@@ -96,3 +96,22 @@ def test_drive_refuses_requests_out_of_arrival_order():
         drive(engine(), [late, early])
     rec = drive(engine(), [early, late])
     assert [(r.index, r.ttft) for r in rec.results] == [(1, 1.0), (0, 1.0)]
+
+
+def test_sim_runs_kv_usage_mean_is_weighted_by_time():
+    """``sim run``'s mean KV usage weighs each sample by how long it held, idle stretches included.  Hand count
+    (1 s steps, 64 blocks of 16): a 20-token prompt with 2 outputs holds 2 blocks from its first step's end
+    (1 s) to its second's (2 s), then nothing; a second one arrives at 10 s: 2 block-seconds each over 12 s is
+    4 / 64 / 12 = 1/192.  The plain mean of the four samples taken after steps said 1/64, three times more."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+    from minivllm.sim.run import report_extras, time_weighted_mean
+
+    engine = sim_engine(executor=SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0),
+                        num_blocks=64, max_num_seqs=8)
+    reqs = [SimRequest(0, 0.0, "t", list(range(10, 30)), 2), SimRequest(1, 10.0, "t", list(range(40, 60)), 2)]
+    rec = drive(engine, reqs)
+    assert rec.duration == 12.0 and [round(u * 64) for _, u in rec.kv_usage] == [2, 0, 2, 0]
+    assert report_extras(engine, rec)["kv_usage_mean"] == pytest.approx(1 / 192)
+    assert time_weighted_mean([(0.0, 0.5), (1.0, 1.0)], 4.0) == pytest.approx((0.5 + 3.0) / 4)
+    assert time_weighted_mean([], 4.0) == 0.0

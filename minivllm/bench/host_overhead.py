@@ -62,6 +62,7 @@ import torch
 
 from minivllm.argtypes import comma_list, nonnegative_int, positive_int
 from minivllm.bench.results import write_result
+from minivllm.metrics.stats import nearest_rank
 
 NANO_VLLM_STEP_US = (250, 370)
 NANO_VLLM_PREP_US = 3000
@@ -180,7 +181,7 @@ def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) 
     late, late_ref = _time_steps(engine, samples), _time_reference_prep(engine, max(5, samples // 5))
     ops_late = _count_opcodes(engine)
     med = lambda xs: round(statistics.median(xs), 1)  # noqa: E731
-    p90 = lambda xs: round(sorted(xs)[int(0.9 * len(xs))], 1)  # noqa: E731
+    p90 = lambda xs: round(nearest_rank(xs, 90), 1)  # noqa: E731 - the project's one percentile rule
     row = {"seqs": len(engine.scheduler.running), "output_kind": output_kind,
            # (+1: the prefill step samples each sequence's first token)
            "tokens_early": warmup + 1, "tokens_late": warmup + 1 + samples + 16 + later,

@@ -378,6 +378,7 @@ class LLMEngine:
 
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
         """Step 4, guarded: if the executor fails as a whole, the requests of this batch fail, not the engine."""
+        batch.started = self.executor.now()
         try:
             return self.executor.execute(batch)
         except Exception as exc:  # noqa: BLE001 - reported per request as finish_reason "error"
@@ -403,7 +404,7 @@ class LLMEngine:
                 req.status, req.error = RequestStatus.FINISHED_ERROR, errors[req.request_id]
                 continue
             if not seq.is_decode and req.first_scheduled_time is None:  # (a decode was scheduled before)
-                req.first_scheduled_time = now
+                req.first_scheduled_time = now if batch.started is None else batch.started
             req.num_computed_tokens += seq.num_tokens
             token = token_of(req.request_id)
             if token is not None:

@@ -147,14 +147,14 @@ class OutputProcessor:
         longest = max(len(s) for s in params.stop_strings)
         from_char = max(0, min(stream.stop_checked, len(text)) - longest + 1)
         stream.stop_checked = len(text)
-        for stop in params.stop_strings:
-            at = text.find(stop, from_char)
-            if at != -1:
-                end = at + len(stop) if params.include_stop_str_in_output else at
-                stream.detok.text = text[:end]
-                req.stop_reason = stop
-                return True
-        return False
+        found = [(at, i, stop) for i, stop in enumerate(params.stop_strings) if (at := text.find(stop, from_char)) != -1]
+        if not found:
+            return False
+        at, _, stop = min(found)  # the earliest match in the text, not the first in the list
+        end = at + len(stop) if params.include_stop_str_in_output else at
+        stream.detok.text = text[:end]
+        req.stop_reason = stop
+        return True
 
     def _make_output(self, req: Request, stream: _Stream | None, new_tokens: list[int]) -> RequestOutput:
         """The output of ``req`` after this step.  Built for every request on every step of a streaming
@@ -210,7 +210,10 @@ class OutputProcessor:
             else:
                 completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
             changed.setdefault(req.parent_id, {})[req.sample_index] = done
-            result[req.parent_id] = out  # the newest sample's output carries the group's metrics
+            if done.delta_token_ids or req.parent_id not in result:
+                # the group's metrics: those of a sample that got a token in this step, if any did, so the
+                # last token time is this step's (the metrics time each sample's gaps by it)
+                result[req.parent_id] = out
         for parent_id, fresh in changed.items():
             completions = self._groups[parent_id]
             last = result[parent_id]

@@ -69,15 +69,15 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _Tracked:
     """What the metrics remember about one live request (for incremental TTFT/ITL/token counts)."""
 
-    __slots__ = ("tenant", "ttft_done", "itls_done", "prompt_done", "seen", "last_time")
+    __slots__ = ("tenant", "ttft_done", "prompt_done", "seen", "last_time", "last_times")
 
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         self.ttft_done = False
-        self.itls_done = 0
         self.prompt_done = False
         self.seen: dict[int, int] = {}  # output tokens counted so far, per sample index
         self.last_time: float | None = None  # n == 1: the time of the last token an ITL was measured to
+        self.last_times: dict[int, float] = {}  # n > 1: the same, per sample index
 
 
 class EngineMetrics:
@@ -170,14 +170,21 @@ class EngineMetrics:
                 hist = self.itl.labels(name, tenant)
                 for gap in gaps:
                     hist.observe(max(0.0, gap))
-            itls = ()
-        else:  # an n > 1 group: its metrics are the newest sample's
-            itls = m.itls
-        if len(itls) > t.itls_done:
-            hist = self.itl.labels(name, tenant)
-            for gap in itls[t.itls_done:]:
-                hist.observe(max(0.0, gap))
-            t.itls_done = len(itls)
+        else:  # an n > 1 group: each sample's gaps are its own (vLLM times each child request)
+            # The group's metrics are those of a sample that got a token in this step, so their newest times are
+            # this step's; a streamed sample gets one token a step.  A final_only output brings a sample's tokens
+            # at once: they are timed by the carrying sample's, as samples decode in lockstep (bar preemption).
+            for o, n in zip(out.outputs, fresh):
+                times = m.token_times[-n:] if n else []
+                if not times:
+                    continue
+                last = t.last_times.get(o.index)
+                gaps = [b - a for a, b in zip([last, *times], times) if a is not None]
+                t.last_times[o.index] = times[-1]
+                if gaps:
+                    hist = self.itl.labels(name, tenant)
+                    for gap in gaps:
+                        hist.observe(max(0.0, gap))
         if out.finished:
             reason = next((o.finish_reason for o in out.outputs if o.finish_reason), None) or "stop"
             self.request_success.labels(name, reason, tenant).inc()
@@ -199,8 +206,11 @@ class EngineMetrics:
             self.request_success.labels(self.model_name, "abort", t.tenant).inc()
 
     # -- the engine ---------------------------------------------------------------
-    def observe_step(self, engine, stats: dict | None = None) -> None:
-        """After ``engine.step()``: iteration tokens, preemptions (by mode and tenant), then :meth:`sync`."""
+    def observe_step(self, engine, stats: dict | None = None, tenant_of: Callable[[str], str] | None = None) -> None:
+        """After ``engine.step()``: iteration tokens, preemptions (by mode and tenant), then :meth:`sync`.
+
+        ``tenant_of`` labels a preempted request (default: the tenant it was tracked with, else "unknown").
+        """
         stats = engine.stats() if stats is None else stats
         log = engine.step_log
         rec = log[-1] if len(log) else None
@@ -208,10 +218,10 @@ class EngineMetrics:
             self._last_step = rec.step
             if rec.num_tokens:
                 self.iteration_tokens.labels(self.model_name).observe(rec.num_tokens)
-            self._count_preemptions(engine, rec.preempted, stats)
+            self._count_preemptions(engine, rec.preempted, stats, tenant_of)
         self.sync(stats)
 
-    def _count_preemptions(self, engine, preempted, stats: dict) -> None:
+    def _count_preemptions(self, engine, preempted, stats: dict, label: Callable[[str], str] | None) -> None:
         d_rec = stats.get("num_recompute_preemptions", 0) - self._last.get("num_recompute_preemptions", 0)
         d_swap = stats.get("num_swap_preemptions", 0) - self._last.get("num_swap_preemptions", 0)
         self._last["num_recompute_preemptions"] = stats.get("num_recompute_preemptions", 0)
@@ -228,7 +238,7 @@ class EngineMetrics:
             if left[mode] == 0:
                 continue
             left[mode] -= 1
-            self.preemptions.labels(self.model_name, mode, self.tenant_of(rid)).inc()
+            self.preemptions.labels(self.model_name, mode, (label or self.tenant_of)(rid)).inc()
         for mode, n in left.items():  # preemptions the step log did not name (should not happen)
             if n:
                 self.preemptions.labels(self.model_name, mode, "unknown").inc(n)
@@ -311,7 +321,18 @@ def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[
 
 
 def observe_all(metrics: EngineMetrics, engine, outputs, tenant_of: Callable[[str], str] | None = None) -> None:
-    """Offline helper: after ``outputs = engine.step()``, record the step and its outputs."""
-    metrics.observe_step(engine)
+    """Offline helper: after ``outputs = engine.step()``, record the step and its outputs.
+
+    A request nobody tracked is labelled ``tenant_of(request_id)`` (an ``n > 1`` sample: its parent's), else
+    "default" -- in its preemptions too, which can come before its first output.
+    """
+
+    def label(rid: str) -> str:
+        known = metrics.tenant_of(rid)
+        if known != "unknown":
+            return known
+        return tenant_of(rid.partition("#")[0]) if tenant_of else "default"
+
+    metrics.observe_step(engine, tenant_of=label)
     for out in outputs:
         metrics.observe_output(out, tenant_of(out.request_id) if tenant_of else None)

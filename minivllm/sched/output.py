@@ -51,6 +51,9 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> what failed (the executor fills it)
+    # The clock when step 4 began.  A request first scheduled in this batch stopped queueing then, not when
+    # the forward pass ended: its queue time must not include its own prefill (vLLM stamps it the same way).
+    started: float | None = None
 
     # Plain list comprehensions: on CPython 3.11 they beat ``map(attrgetter(...))`` over slotted objects by
     # about 1.5x (specialised attribute loads), and a filtered one builds no list in a steady decode step.

@@ -130,6 +130,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         if not engine.has_unfinished_requests():
             if i >= n:
                 break
+            if rec.kv_usage and rec.kv_usage[-1][0] < now - t0:  # the idle stretch holds what is left now
+                rec.kv_usage.append((now - t0, engine.kv.usage()))
             nxt = t0 + requests[i].arrival
             if advance is not None:
                 advance(nxt)
@@ -308,6 +310,21 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set(), preemption_cost_model=costs)
 
 
+def time_weighted_mean(samples: list[tuple[float, float]], duration: float) -> float:
+    """The mean over ``[0, duration]`` of a level sampled as ``(time, value)``, each value held until the next.
+
+    Samples come after steps, at most every ``span / kv_samples`` seconds, plus one at the start of each idle
+    stretch; the engine holds nothing before its first step.  A plain mean of the samples would let a burst's
+    few busy samples stand for a long idle run (and count a long step once).
+    """
+    if not samples or duration <= 0:
+        return 0.0
+    area = 0.0
+    for (t, u), (t_next, _) in zip(samples, [*samples[1:], (max(duration, samples[-1][0]), 0.0)]):
+        area += u * (t_next - t)
+    return area / max(duration, samples[-1][0])
+
+
 def report_extras(engine, rec: DriveRecord) -> dict:
     st = engine.stats()
     ex = engine.executor
@@ -318,7 +335,7 @@ def report_extras(engine, rec: DriveRecord) -> dict:
         "prefix_cache_hit_rate": st.get("prefix_cache_hit_rate"),
         "kv_blocks": st["num_blocks"],
         "kv_usage_peak": max(usage) if usage else 0.0,
-        "kv_usage_mean": sum(usage) / len(usage) if usage else 0.0,
+        "kv_usage_mean": time_weighted_mean(rec.kv_usage, rec.duration),
         "kv_usage_over_time": rec.kv_usage,
         "busy_fraction": getattr(ex, "busy_s", 0.0) / rec.duration if rec.duration else None,
         "dense_bound_steps": getattr(ex, "bound_steps", None),
