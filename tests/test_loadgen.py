@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 httpx = pytest.importorskip("httpx")
 
@@ -174,6 +176,31 @@ def test_sse_decoder():
     dec = lg.SSEDecoder()
     assert dec.feed("data") is None and dec.feed("") == ""  # a bare "data" field is an empty line of data
     assert dec.flush() is None
+
+
+@given(st.lists(st.sampled_from(["data: ", "x", "\u2028", "\u2029", "\x85", "\r", "\n", "\r\n", "é"]),
+                max_size=30), st.data())
+@settings(max_examples=300, deadline=None)
+def test_sse_lines_split_only_where_sse_does(pieces, data):
+    """Lines end at CR LF, LF or CR, wherever the chunks happen to be cut, and never at U+2028, U+2029 or
+    U+0085 (``str.splitlines`` -- httpx's ``aiter_lines`` -- breaks there, cutting a JSON data line in two).
+    Oracle: ``re.split`` on the whole body."""
+    import re
+
+    body = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=6)))
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+
+    async def collect():
+        async def gen():
+            for c in chunks:
+                yield c
+        return [line async for line in lg.sse_lines(gen())]
+
+    want = re.split(r"\r\n|\r|\n", body)
+    if want and want[-1] == "":
+        want.pop()  # a body ending in a line break has no unterminated last line
+    assert asyncio.run(collect()) == want
 
 
 # -- statistics against numpy --------------------------------------------------------------

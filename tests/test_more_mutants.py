@@ -136,6 +136,19 @@ def test_a_stop_string_across_tokens_is_cut_exactly_and_never_leaks_early(tokeni
     assert len(last.token_ids if kind == "cumulative" else [t for o in outs for t in o.outputs[0].token_ids]) == 4
 
 
+@pytest.mark.parametrize("stops", [["ND", " E"], [" E", "ND"]])
+def test_one_token_completing_two_stops_cuts_at_the_earlier_in_the_text(tokenizer, stops):
+    """The token ' END' completes both stops; the text is cut at the one that starts first in the text, whatever
+    their order in the list (cut at the first listed, "abc E" would still hold the stop " E").  Oracle:
+    the smallest ``str.find`` over the stops on the decode of the whole script."""
+    ids = tokenizer.encode(STOP_TEXT)
+    full = tokenizer.decode(ids)
+    want = full[:min(full.find(x) for x in stops)]
+    outs = run(tokenizer, {"r": ids}, SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stops))
+    c = outs[-1].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (want, "stop", " E") and want == "abc"
+
+
 def test_final_only_still_honours_stop_strings(tokenizer):
     """Kills: deferring detokenization for every ``final_only`` request (stop strings are then never seen
     and the request runs to ``max_tokens``).  ``LLM.generate`` uses final_only."""

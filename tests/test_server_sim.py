@@ -527,6 +527,78 @@ def test_stats_error_reaches_the_caller_instead_of_hanging(monkeypatch: pytest.M
     asyncio.run(main())
 
 
+def test_a_generated_line_separator_does_not_split_an_sse_data_line() -> None:
+    """A token whose text holds U+2028, U+2029 or U+0085 streams as one ``data:`` line even for a client that
+    splits lines like ``str.splitlines`` (httpx's ``aiter_lines``), and the text arrives intact.  Oracle: the
+    tokenizer's decode: eight whole tokens, as a plain (not streamed) answer has."""
+    import httpx
+
+    class Breaks(_WordTokenizer):
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("a\u2028b\u2029c\x85d " if i % 2 else f"w{i} " for i in ids)
+
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=16, max_model_len=128, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), tokenizer=Breaks(), model_max_len=128, eos_token_ids=set())
+    body = {"model": "sim", "prompt": [10, 11], "max_tokens": 8, "ignore_eos": True, "seed": 3}
+
+    async def main(base: str) -> tuple[str, str]:
+        streamed = ""
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        streamed += json.loads(line[6:])["choices"][0]["text"]
+            plain = (await client.post(base + "/v1/completions", json=body)).json()["choices"][0]["text"]
+        return streamed, plain
+
+    with _Served(engine) as srv:
+        streamed, plain = asyncio.run(main(srv.base))
+    import re
+
+    word = r"(?:a\u2028b\u2029c\x85d |w\d+ )"  # every token's text, whole: 8 of them in each answer
+    for text in (streamed, plain):
+        assert re.fullmatch(word + "{8}", text) and "\u2028" in text, text
+
+
+def test_a_request_added_while_the_engine_loop_dies_gets_engine_dead_not_a_hang() -> None:
+    """The loop thread dies inside a step while another client's add waits in its queue.  The final drain runs
+    that add: it must answer EngineDead (HTTP 503), not register a request on an engine nobody steps again
+    (the client hung for ever).  A command posted after the drain runs at once on the poster's thread."""
+    from minivllm.server.async_engine import AsyncEngine, EngineDead
+
+    engine = _sim_engine()
+    inside, release = threading.Event(), threading.Event()
+
+    def dying_step():
+        inside.set()
+        release.wait(10)
+        raise RuntimeError("a bug inside engine.step")
+
+    async def main() -> None:
+        runner = AsyncEngine(engine, idle_poll_s=0.01)
+        runner.start()
+        try:
+            engine.step = dying_step
+            await runner.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3), "a")
+            assert await asyncio.to_thread(inside.wait, 10)
+            late = asyncio.create_task(runner.add_request({"prompt_token_ids": [4, 5]}, SamplingParams(max_tokens=3),
+                                                          "b"))
+            await asyncio.sleep(0.05)  # the add is queued behind the dying step
+            release.set()
+            with pytest.raises(EngineDead):
+                await asyncio.wait_for(late, timeout=5)
+            assert "b" not in engine.requests
+            await asyncio.to_thread(runner._thread.join, 5)  # the loop thread has drained its queue and ended
+            ran = threading.Event()
+            runner._post(ran.set)
+            assert ran.is_set()  # nobody else would ever run it: the poster did
+        finally:
+            release.set()
+            await asyncio.to_thread(runner.shutdown)
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_add_request_is_aborted_not_leaked() -> None:
     """A client that goes away while its ``add_request`` waits for the loop thread leaves nothing behind.
 

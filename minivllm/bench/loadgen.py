@@ -301,6 +301,27 @@ def plan_from_trace(entries: list[TraceEntry], tenants: list[Tenant], rate: floa
 # -- SSE -----------------------------------------------------------------------------------
 
 
+async def sse_lines(chunks):
+    """The lines of an SSE body from its text chunks, split where SSE splits them: at CR LF, LF or CR only.
+
+    httpx's ``aiter_lines`` splits like ``str.splitlines``, which also breaks at U+2028, U+2029 and U+0085; a
+    server may send those raw inside a JSON string (the SSE spec lets it), and the ``data:`` line would come
+    out in two unparseable halves.
+    """
+    buf = ""
+    async for chunk in chunks:
+        buf += chunk
+        if "\r" in buf:  # CR LF, or a lone CR, ends a line like LF (a CR at the very end may start a CR LF)
+            keep_cr = buf.endswith("\r")
+            body = buf[:-1] if keep_cr else buf
+            buf = body.replace("\r\n", "\n").replace("\r", "\n") + ("\r" if keep_cr else "")
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line
+    if buf:
+        yield buf.rstrip("\r")
+
+
 class SSEDecoder:
     """Incremental server-sent-events decoder (the WHATWG rules that matter here).
 
@@ -423,7 +444,7 @@ async def send_request(client, endpoint: str, model: str, req: PlannedRequest, r
                     return
                 dec = SSEDecoder()
                 done = False
-                async for line in r.aiter_lines():
+                async for line in sse_lines(r.aiter_text()):
                     data = dec.feed(line)
                     if data is None:
                         continue

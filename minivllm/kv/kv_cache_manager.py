@@ -275,6 +275,7 @@ class KVCacheManager:
             self.stats.recompute_hit_tokens += req.num_computed_tokens
         elif self.can_fork(req):  # (asked in the same pass as the admission: the leader has not changed)
             req.prefix_lookup_recorded = True
+            req.num_cached_tokens = req.leader.num_cached_tokens
         else:
             req.prefix_lookup_recorded = True
             self.prefix_cache.record_lookup(req.num_prompt_tokens, req.num_computed_tokens)

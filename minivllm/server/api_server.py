@@ -301,7 +301,13 @@ def _retry_after(out: RequestOutput) -> str:
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    """One SSE event.  Text stays UTF-8 (``ensure_ascii=False``), but the three characters JSON leaves raw that
+    Python's ``str.splitlines`` (so httpx's ``aiter_lines``) breaks a line at -- U+2028, U+2029, U+0085 -- are
+    escaped: a generated one would otherwise cut the ``data:`` line in two for such a client."""
+    data = json.dumps(obj, separators=(',', ':'), ensure_ascii=False)
+    if "\u2028" in data or "\u2029" in data or "\x85" in data:
+        data = data.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029").replace("\x85", "\\u0085")
+    return f"data: {data}\n\n"
 
 
 class OpenAIServer:

@@ -93,6 +93,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._drained = False  # set when the loop thread has stopped and emptied its queue
         self.shutting_down = False
         self.dead: BaseException | None = None
         self.num_aborted = 0
@@ -155,6 +156,9 @@ class AsyncEngine:
             if self.shutting_down:
                 loop.call_soon_threadsafe(settle, EngineShutdown("the server is shutting down"))
                 return
+            if self.dead is not None:  # run by the dead loop's final drain: nobody will ever step it
+                loop.call_soon_threadsafe(settle, EngineDead("the engine loop is not running"))
+                return
             self._streams[request_id] = stream  # before the add: the first step may already answer
             try:
                 self.engine.add_request(prompt, params, request_id, tenant=tenant)
@@ -180,6 +184,20 @@ class AsyncEngine:
 
     def _post(self, cmd: Callable[[], None]) -> None:
         self._cmds.put(cmd)
+        if self._drained:  # the loop thread has stopped and drained its queue: nobody else will run this
+            self._drain()
+
+    def _drain(self) -> None:
+        """Run every queued command (each once: the queue hands it to one caller) on the calling thread."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                cmd()
+            except Exception:  # noqa: BLE001
+                log.exception("a command failed after the engine loop stopped")
 
     # -- the loop thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -211,16 +229,12 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._abort_one(rid, EngineDead(f"the engine loop failed: {type(exc).__name__}: {exc}"))
         finally:
-            # anything posted after the loop stopped still gets an answer
-            while True:
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    cmd()
-                except Exception:  # noqa: BLE001
-                    log.exception("a command failed after the engine loop stopped")
+            # anything posted after the loop stopped still gets an answer: what is queued now runs here, and
+            # once _drained is set a poster runs its own command (then drains again, for one that slipped
+            # in between this drain and the flag)
+            self._drain()
+            self._drained = True
+            self._drain()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         metrics = self.metrics
