@@ -53,6 +53,13 @@ def check_block_hashes(fn) -> CheckResult:
              "chain: key_i = hash((key_{i-1}, tokens_i)) -- KV depends on every earlier token"),
         Case("identical blocks at positions 0 and 1 differ", lambda f: len(set(f([5] * 32, 16))), 2,
              "without the parent key in the hash, two equal blocks collide"),
+        Case("one block repeated four times gives four different keys", lambda f: len(set(f([5] * 64, 16))), 4,
+             "chain by hashing the pair: key_i = hash((key_{i-1}, tokens_i)). Combining two hashes with ^ cancels a "
+             "repeated block (k ^ h ^ h == k), so block 2 gets block 0's key"),
+        Case("the same two blocks in the other order: another second key",
+             lambda f: f(Q + R, 16)[1] != f(R + Q, 16)[1], True,
+             "order matters: Q then R and R then Q are different prefixes with different KV. ^ and + are commutative "
+             "(h(Q) ^ h(R) == h(R) ^ h(Q)); hash the tuple (parent key, block tokens) instead"),
         Case("one token changed mid-block changes that key and every later one",
              lambda f: [x != y for x, y in zip(f(P + Q, 16), f(P[:23] + [999] + P[24:] + Q, 16))], [False, True, True],
              "hash ALL of the block's tokens (the whole tuple of 16), not its first token or a summary of it: "
@@ -99,6 +106,12 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
         bad[keys[1]] = IndexEntry(3, (99, 99, 99, 99), keys[0])
         return f(A + [1], bad, bs, hasher)
 
+    def forged_middle_parent(f):  # block 1's parent is forged, block 2's entry is genuine: stop at block 1
+        keys = hasher(A, bs)
+        bad = dict(idx)
+        bad[keys[1]] = IndexEntry(3, tuple(A[4:8]), "someone else")
+        return f(A + [1], bad, bs, hasher)
+
     def first_with_parent(f):  # the first block's entry claims a parent: it belongs to a longer chain
         keys = hasher(A, bs)
         return f(A + [1], {keys[0]: IndexEntry(7, tuple(A[:4]), "a parent")}, bs, hasher)
@@ -135,6 +148,9 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
              "validate the chain too: entry.parent must be the previous block's key (None for the first)"),
         Case("after a collision, stop -- even where a later entry is genuine", forged_middle, [7],
              "a mismatch ends the match (break, not continue): block 2's KV was computed after the real block 1"),
+        Case("after a wrong parent, stop -- even where a later entry is genuine", forged_middle_parent, [7],
+             "a wrong parent ends the match too (break, not continue): block 1's cached KV belongs to another "
+             "prefix, so nothing after it can be reused"),
         Case("the first block's entry must have no parent", first_with_parent, [],
              "check the parent of block 0 as well: it must be None"),
         Case("a salted prefix needs the same salt", lambda f: (f(A + [1], salted, bs, hasher),
@@ -252,26 +268,45 @@ def hidden_block_hashes(fn, seed: int) -> CheckResult:
     engine's chained hash exactly -- equal where the engine's are equal, different where they differ."""
     rng = random.Random(seed)
 
+    def equalities(f, trial, bs, prompts, salts):
+        mine = [f(list(p), bs, s) if s else f(list(p), bs) for p, s in zip(prompts, salts)]
+        ref = [_ref_hasher(p, bs, s) for p, s in zip(prompts, salts)]
+        if (bad := next((k for k in mine if not isinstance(k, list)), None)) is not None:
+            return f"trial {trial}: returned a {type(bad).__name__}, not a list"  # the signature's container
+        if [len(k) for k in mine] != [len(k) for k in ref]:
+            return f"trial {trial}: wrong number of keys"
+        flat_m = [k for ks in mine for k in ks]
+        flat_r = [k for ks in ref for k in ks]
+        for i in range(len(flat_r)):
+            for j in range(i + 1, len(flat_r)):
+                if (flat_m[i] == flat_m[j]) != (flat_r[i] == flat_r[j]):
+                    return f"trial {trial}: keys equal where they must differ, or the other way round"
+        return None
+
     def same_equalities(f):
         for trial in range(20):
             bs = rng.choice([2, 3, 4, 8])
             prompts = _random_prompts(rng, bs)
             salts = [rng.choice([None, None, "a", "b"]) for _ in prompts]
-            mine = [list(f(list(p), bs, s) if s else f(list(p), bs)) for p, s in zip(prompts, salts)]
-            ref = [_ref_hasher(p, bs, s) for p, s in zip(prompts, salts)]
-            if [len(k) for k in mine] != [len(k) for k in ref]:
-                return f"trial {trial}: wrong number of keys"
-            flat_m = [k for ks in mine for k in ks]
-            flat_r = [k for ks in ref for k in ks]
-            for i in range(len(flat_r)):
-                for j in range(i + 1, len(flat_r)):
-                    if (flat_m[i] == flat_m[j]) != (flat_r[i] == flat_r[j]):
-                        return f"trial {trial}: keys equal where they must differ, or the other way round"
+            if (bad := equalities(f, trial, bs, prompts, salts)) is not None:
+                return bad
         return "all 20 trials match"
+
+    def reordered(f):  # the same blocks in other orders and repeated: order and position must show in the keys
+        for trial in range(10):
+            bs = rng.choice([2, 3, 4, 8])
+            x, y, z = ([rng.randrange(1000) for _ in range(bs)] for _ in range(3))
+            prompts = [x + y, y + x, x * 4, x + y + x + y, y + x + y + x, x + z + y, z + x + y, x + y + z, y + x + z]
+            salt = rng.choice([None, "a"])
+            if (bad := equalities(f, trial, bs, prompts, [salt] * len(prompts))) is not None:
+                return bad
+        return "all 10 trials match"
 
     return run_checks("block_hashes (hidden)", fn, [
         Case("20 random prompt sets: the same equal and different keys as the engine", same_equalities,
              "all 20 trials match"),
+        Case("10 sets of reordered and repeated blocks: the same equal and different keys as the engine", reordered,
+             "all 10 trials match"),
     ], verbose=False)
 
 
@@ -301,7 +336,9 @@ def hidden_match_prefix(fn, seed: int) -> CheckResult:
                 q = q + [rng.randrange(10, 40) for _ in range(rng.randint(0, bs))]
                 s = rng.choice([salt, salt, None if salt else "t"])
                 got = f(list(q), dict(index), bs, _ref_hasher, s) if s else f(list(q), dict(index), bs, _ref_hasher)
-                if list(got) != _ref_matcher(q, index, bs, _ref_hasher, s):
+                if not isinstance(got, list):  # the signature's container, as in the visible cases
+                    return f"trial {trial}: returned a {type(got).__name__}, not a list"
+                if got != _ref_matcher(q, index, bs, _ref_hasher, s):
                     return f"trial {trial} differs"
         return "all 30 trials match"
 

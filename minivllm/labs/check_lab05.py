@@ -556,11 +556,14 @@ def check_swap_or_recompute(fn) -> CheckResult:
 # -- exercise 3: the door rule -----------------------------------------------------------
 
 
-def _stats(waiting: int = 0, free: int = 100, running: int = 0, num_blocks: int = 100, cached: int = 0) -> dict:
+def _stats(waiting: int = 0, free: int = 100, running: int = 0, num_blocks: int = 100, cached: int = 0,
+           swapped: int = 0) -> dict:
     """``engine.stats()``'s shape: ``free`` blocks on the free list and ``cached`` evictable cached ones, which
-    together are the available blocks."""
+    together are the available blocks; ``swapped`` of the ``waiting`` requests are swapped out (as in the engine,
+    ``num_waiting`` already counts them)."""
+    assert swapped <= waiting
     return {"num_waiting": waiting, "free_blocks": free, "available_blocks": free + cached, "num_running": running,
-            "num_blocks": num_blocks, "num_swapped": 0, "num_preemptions": 0}
+            "num_blocks": num_blocks, "num_swapped": swapped, "num_preemptions": 0}
 
 
 def _door_run(fn) -> tuple[int, int]:
@@ -585,6 +588,9 @@ def check_should_reject(fn) -> CheckResult:
              "3 waiting with max_waiting=4: there is still room in the queue"),
         Case("a full queue rejects", lambda f: f(_stats(waiting=4), 4, 16), True,
              "the queue is full when num_waiting has REACHED max_waiting"),
+        Case("swapped requests are already in num_waiting", lambda f: f(_stats(waiting=3, swapped=2), 4, 16), False,
+             "3 waiting, 2 of them swapped out, with max_waiting=4: engine.stats()['num_waiting'] already counts the "
+             "swapped requests (num_swapped is a part of it), so adding num_swapped counts them twice"),
         Case("running requests are not the queue", lambda f: f(_stats(running=50), 4, 16), False,
              "read stats['num_waiting'], not num_running: running requests already have their seats"),
         Case("a full pool with nobody waiting accepts", lambda f: f(_stats(waiting=0, free=0), 4, 16), False,
@@ -667,6 +673,7 @@ def hidden_should_reject(fn, seed: int) -> CheckResult:
             s = _stats(waiting=rng.choice([0, max_waiting - 1, max_waiting, max_waiting + 1, rng.randint(0, 20)]),
                        free=rng.choice([0, min_free - 1, min_free, min_free + 1, rng.randint(0, 100)]),
                        running=rng.randint(0, 60), cached=rng.choice([0, 0, rng.randint(1, 50)]))
+            s["num_swapped"] = rng.choice([0, s["num_waiting"], rng.randint(0, s["num_waiting"])])  # a part of it
             before = dict(s)
             got = f(s, max_waiting, min_free)
             if s != before or bool(got) != engine_should_reject(before, max_waiting, min_free) \

@@ -29,7 +29,7 @@ from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
 from minivllm.metrics.stats import meets_slo, nearest_rank
 from minivllm.sampling_params import SamplingParams
-from minivllm.sched.fairness import RankPreemption, WFQAdmission, new_prompt_tokens
+from minivllm.sched.fairness import DeadlineAdmission, RankPreemption, WFQAdmission, new_prompt_tokens
 from minivllm.sim.executor import SimulatedExecutor
 
 BLOCK_SIZE = 16
@@ -748,6 +748,11 @@ def check_virtual_token_counter(cls) -> CheckResult:
         Case("both token weights", weighted_decode, 6.5, "0.5 x 40 + 3 x 2 = 26, divided by weight 4"),
         Case("a newcomer starts at the minimum of the active tenants", lambda k: lift(k, None, {"x": 500, "y": 300}),
              (300.0, {"x": 500, "y": 300}), "not 0 (it would get the whole engine until it caught up), not the maximum"),
+        Case("a returning tenant below the active minimum is lifted", lambda k: lift(k, 100.0, {"x": 500}),
+             (500.0, {"x": 500}), "lift every tenant that becomes active, not only one never seen before: a tenant "
+                                  "that went idle at 100 while x reached 500 would otherwise bank 400 of credit and "
+                                  "take the whole engine when it returns; its counter becomes max(its own, the "
+                                  "minimum)"),
         Case("a returning tenant keeps a counter that is already higher", lambda k: lift(k, 900.0, {"x": 500}),
              (900.0, {"x": 500}), "activation only ever raises a counter: take the larger of its own and the minimum"),
         Case("alone: nothing to catch up with", lambda k: lift(k, 42.0, {}), (42.0, {}),
@@ -766,19 +771,48 @@ def check_virtual_token_counter(cls) -> CheckResult:
 def hidden_virtual_token_counter(cls, seed: int) -> CheckResult:
     rng = random.Random(seed)
     weights = {t: rng.choice([0.5, 1.0, 2.0, 3.0]) for t in "ab"}
-    ops = [(rng.choice("abc"), rng.randint(0, 300), rng.randint(0, 5)) for _ in range(8)]
+    ops: list[tuple] = []
+    for _ in range(10):
+        t = rng.choice("abc")
+        if rng.random() < 0.3:
+            ops.append(("activate", t, frozenset(rng.sample([u for u in "abc" if u != t], rng.randint(0, 2)))))
+        else:
+            ops.append(("charge", t, rng.randint(0, 300), rng.randint(0, 5)))
     expected: dict = {}
-    for t, p, d in ops:
-        expected[t] = expected.get(t, 0.0) + (1.5 * p + 2.5 * d) / weights.get(t, 1.0)
+
+    def apply(op):
+        if op[0] == "charge":
+            _, t, p, d = op
+            expected[t] = expected.get(t, 0.0) + (1.5 * p + 2.5 * d) / weights.get(t, 1.0)
+        else:
+            _, t, active = op
+            others = [expected.get(u, 0.0) for u in active]
+            if others:
+                expected[t] = max(expected.get(t, 0.0), min(others))
+
+    for op in ops:
+        apply(op)
+    # always end on a returning tenant that is behind: the lowest counter rejoins the others
+    low = min("abc", key=lambda t: (expected.get(t, 0.0), t))
+    if all(expected.get(t, 0.0) <= expected.get(low, 0.0) for t in "abc" if t != low):
+        ops.append(("charge", "c" if low != "c" else "a", 200, 0))  # all equal: put someone ahead first
+        apply(ops[-1])
+    ops.append(("activate", low, frozenset(t for t in "abc" if t != low)))
+    apply(ops[-1])
 
     def run(k):
         v = k(weights, prefill_weight=1.5, decode_weight=2.5)
-        for t, p, d in ops:
-            v.charge(t, p, d)
-        return {t: round(c, 6) for t, c in v.counters.items()}
+        for op in ops:
+            if op[0] == "charge":
+                v.charge(*op[1:])
+            else:
+                v.activate(op[1], set(op[2]))
+        return {t: round(v.counters.get(t, 0.0), 6) for t in "abc"}
 
     return run_checks("virtual token counter (hidden)", cls, [
-        Case("random charges", run, {t: round(c, 6) for t, c in expected.items()})])
+        Case("random charges and activations", run, {t: round(expected.get(t, 0.0), 6) for t in "abc"},
+             "charge adds weighted tokens / weight; activate lifts the tenant (new or returning) to the minimum "
+             "of the other active tenants, never lowering it")])
 
 
 # -- exercise 3: deadline order with aging ---------------------------------------------------------------
@@ -825,6 +859,13 @@ def check_deadline_aging(cls) -> CheckResult:
         k(10.0).order(waiting, [])
         return _ids(waiting)
 
+    running = [_R("bulk", "bulk", 0.0), _R("urgent", "chat", 1.0, deadline=1.5), _R("soon", "chat", 0.5, deadline=4.0)]
+
+    def victim(k):
+        return RankPreemption(k(10.0)).choose_victim(list(running)).request_id
+
+    expected_victim = RankPreemption(DeadlineAdmission(10.0)).choose_victim(list(running)).request_id
+
     cases = [
         Case("the key is the deadline", lambda k: keys(k, [tight]), [1.5],
              "a request with a deadline inside the aging window is ordered by its deadline"),
@@ -842,6 +883,15 @@ def check_deadline_aging(cls) -> CheckResult:
              "with aging 0.1 s, loose is due at 0.1 and none at 0.6"),
         Case("ties go to the earlier arrival", lambda k: order(k, [_R("late", "x", 3.0, 5.0), _R("early", "x", 1.0, 5.0)]),
              ["early", "late"], "rank = (key, arrival time): equal keys keep first come, first served"),
+        Case("rank: smaller is more urgent", lambda k: _ids(sorted(
+            [loose, _R("late", "x", 3.0, 5.0), tight, none, _R("early", "x", 1.0, 5.0)], key=k(10.0).rank)),
+             ["tight", "early", "late", "loose", "none"],
+             "rank(req) = (key, arrival time), smaller = more urgent: the engine sorts by rank, smallest first (the "
+             "most urgent prefill gets the token budget first), and preempts the running request with the largest "
+             "rank. Don't negate it or put the arrival time first: the engine reads rank, not only order()"),
+        Case("the engine preempts the least urgent running request", victim, expected_victim,
+             "RankPreemption(your policy) evicts max(running, key=rank): with rank = (key, arrival time) that is "
+             "the request due last (here the one without a deadline, due at arrival + aging_s), never the urgent one"),
         Case("the engine's queue is not changed", untouched, ["loose", "tight", "none"],
              "return a new sorted list (sorted(...)), don't sort the engine's list in place"),
         Case("the real engine: start order under a stream of tight deadlines",
@@ -878,7 +928,9 @@ def hidden_deadline_aging(cls, seed: int) -> CheckResult:
 
     expected = _ids(sorted(reqs, key=lambda r: (key(r), r.arrival_time)))
     return run_checks("deadline with aging (hidden)", cls, [
-        Case(f"random queue, aging {aging}", lambda k: _ids(k(aging).order(list(reqs), [])), expected)])
+        Case(f"random queue, aging {aging}", lambda k: _ids(k(aging).order(list(reqs), [])), expected),
+        Case(f"random queue sorted by rank, aging {aging}", lambda k: _ids(sorted(reqs, key=k(aging).rank)), expected,
+             "rank(req) = (key, arrival time): smaller is more urgent")])
 
 
 # -- quiz helpers --------------------------------------------------------------------------------------------

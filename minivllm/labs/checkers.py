@@ -73,6 +73,38 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _container_difference(got: Any, expected: Any, where: str = "") -> str | None:
+    """Where ``got`` has ``expected``'s values but a list where a tuple belongs (or the other way round).
+
+    The rule, the same in every checker, visible and hidden: the container type in an exercise's signature is
+    part of its contract (``-> list[int]`` is a list; ``-> tuple[float, float]`` a tuple), so an answer of the
+    right values in the wrong container fails -- with this plain hint, not the hint for a wrong value.
+    ``None`` when the values differ too, or nothing differs.
+    """
+    seq = (list, tuple)
+    if isinstance(got, seq) and isinstance(expected, seq):
+        if len(got) != len(expected):
+            return None
+        if type(got) is not type(expected):
+            if not all(_same_values(g, e) for g, e in zip(got, expected)):
+                return None
+            want, have = type(expected).__name__, type(got).__name__
+            return (f"right values, but return a {want}, not a {have}" if not where
+                    else f"right values, but {where} must be a {want}, not a {have}")
+        for i, (g, e) in enumerate(zip(got, expected)):
+            if (found := _container_difference(g, e, f"item {i}" if not where else f"{where}, item {i}")) is not None:
+                return found
+    return None
+
+
+def _same_values(got: Any, expected: Any) -> bool:
+    """``got == expected`` with lists and tuples read alike, at any depth."""
+    seq = (list, tuple)
+    if isinstance(got, seq) and isinstance(expected, seq):
+        return len(got) == len(expected) and all(_same_values(g, e) for g, e in zip(got, expected))
+    return bool(got == expected)
+
+
 def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bool = True) -> CheckResult:
     """Run ``cases`` against ``candidate`` in order; stop and explain at the first failure."""
     lines: list[str] = []
@@ -110,10 +142,15 @@ def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bo
         lines.append(f"✘ case {i}/{len(cases)} '{case.name}'")
         lines.append(f"  expected: {expected}")
         lines.append(f"  got:      {_short(got)}")
-        try:  # a diagnosis reads an answer of any shape; one it cannot read falls back to the case's hint
-            hint = (case.diagnose(got) if case.diagnose is not None else None) or case.hint
-        except Exception:  # noqa: BLE001
-            hint = case.hint
+        try:  # the right values in the wrong container: say so, not the hint for a wrong value
+            hint = _container_difference(got, case.expected) if case.accept is None else None
+        except Exception:  # noqa: BLE001 - values whose == is not a plain bool
+            hint = None
+        if hint is None:
+            try:  # a diagnosis reads an answer of any shape; one it cannot read falls back to the case's hint
+                hint = (case.diagnose(got) if case.diagnose is not None else None) or case.hint
+            except Exception:  # noqa: BLE001
+                hint = case.hint
         if hint:
             lines.append(f"  hint: {hint}")
         result.failed_case = case.name

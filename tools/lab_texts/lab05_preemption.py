@@ -474,8 +474,9 @@ enters the queue at all: answer **429 Too Many Requests** and let the client (or
 Write `should_reject(stats, max_waiting, min_free_blocks)`, called with `engine.stats()` before every
 `add_request` in the arrival loop. Turn a request away when
 
-1. the **queue is full**: `max_waiting` requests are already waiting (`stats["num_waiting"]`; preempted and swapped
-   requests count, they are ahead of the newcomer), or
+1. the **queue is full**: `max_waiting` requests are already waiting (`stats["num_waiting"]`; it already counts the
+   preempted and swapped-out requests waiting to resume, which are ahead of the newcomer: `stats["num_swapped"]` is
+   a part of `num_waiting`, so don't add it again), or
 2. the **cache is under pressure and there is a queue**: fewer than `min_free_blocks` device blocks are available
    (`stats["available_blocks"]`) *and* someone is already waiting — the newcomer would only queue behind them.
    "Available" is the free list plus cached blocks that no request holds: with prefix caching on (lab 3) the

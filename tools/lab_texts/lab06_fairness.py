@@ -269,8 +269,9 @@ sort key is later than its arrival plus `aging_s`. Write `AgingDeadline`:
 * `key(req)`: `req.deadline`, but never later than `req.arrival_time + aging_s` (a request without a deadline is
   due exactly then), and never earlier than `req.arrival_time` (an already-expired deadline must not jump ahead of
   requests that arrived before it);
-* `rank(req)`: `(key, arrival time)` — the engine also uses it to pick a preemption victim (worst rank) and to
-  decide which prefills get the token budget first;
+* `rank(req)`: `(key, arrival time)`, smaller = more urgent — the engine also uses it to pick a preemption victim
+  (the running request with the largest rank) and to decide which prefills get the token budget first (smallest
+  rank first);
 * `order(waiting, running)`: the waiting requests by rank, best first.
 
 <details><summary>Hint 1</summary>
