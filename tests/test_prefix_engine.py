@@ -126,23 +126,6 @@ def test_tenants_are_isolated_unless_sharing_is_configured(kind):
     assert _run(shared, prompt, tenant="bob").num_cached_tokens == 28
 
 
-def test_every_sample_of_a_group_reports_the_prompts_cached_tokens():
-    """An ``n > 1`` request's prompt hits the cache once, through its leader; the samples forked from it must
-    report that hit too, as the group's output (and the API's ``cached_tokens``) is whichever sample finished
-    last.  Hand count: 30 tokens, blocks of 4, a warm cache holds 7 full blocks = 28 tokens (it said 0)."""
-    prompt = list(range(100, 130))
-    engine = _sim_engine()
-    _run(engine, prompt)
-    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=2, ignore_eos=True,
-                                                                    temperature=1.0, seed=1), request_id="g")
-    seen = {}
-    while engine.has_unfinished_requests():
-        seen.update({rid: r.num_cached_tokens for rid, r in engine.requests.items()})
-        outs = engine.step()
-    assert seen == {"g#0": 28, "g#1": 28, "g#2": 28}
-    assert [o.num_cached_tokens for o in outs if o.request_id == "g"] == [28]
-
-
 def test_recompute_after_preemption_is_not_counted_as_a_hit():
     # 24 blocks of 4 tokens; two requests growing to 54 tokens each must preempt one another
     engine = _sim_engine(blocks=24, prefix_cache="radix")

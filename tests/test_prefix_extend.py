@@ -173,3 +173,24 @@ def test_a_sample_that_starts_without_its_leader_counts_its_own_lookup(prompt_le
         engine.step()
     stats = engine.prefix_cache.stats
     assert not forked and (stats.queries_tokens, stats.hits_tokens) == (queried, hit)
+
+
+def test_every_sample_of_a_group_reports_the_prompts_cached_tokens():
+    """An ``n > 1`` request's prompt hits the cache once, through its leader; the samples forked from it must
+    report that hit too, as the group's output (and the API's ``cached_tokens``) is whichever sample finished
+    last.  Hand count: 30 tokens, blocks of 4, a warm cache holds 7 full blocks = 28 tokens (it said 0)."""
+    prompt = list(range(100, 130))
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_model_len=64, device="cpu",
+                       enable_prefix_caching=True)
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64)
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, ignore_eos=True), request_id="warm")
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=2, ignore_eos=True,
+                                                                    temperature=1.0, seed=1), request_id="g")
+    seen = {}
+    while engine.has_unfinished_requests():
+        seen.update({rid: r.num_cached_tokens for rid, r in engine.requests.items()})
+        outs = engine.step()
+    assert seen == {"g#0": 28, "g#1": 28, "g#2": 28}
+    assert [o.num_cached_tokens for o in outs if o.request_id == "g"] == [28]
