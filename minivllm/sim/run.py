@@ -88,12 +88,12 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     a ValueError, not requests silently held back behind a later one.
     """
     from minivllm.interfaces import VirtualClock, implements
+    from minivllm.sampling_params import SamplingParams
 
     late = next((k for k in range(1, len(requests)) if requests[k].arrival < requests[k - 1].arrival), None)
     if late is not None:
         raise ValueError(f"requests must be sorted by arrival: request {requests[late].index} arrives at "
                          f"{requests[late].arrival:g} s, before the one listed ahead of it ({requests[late - 1].arrival:g} s)")
-    from minivllm.sampling_params import SamplingParams
 
     ex = engine.executor
     advance = ex.advance_to if implements(ex, VirtualClock) else None  # (a forwarding wrapper counts: see implements)
