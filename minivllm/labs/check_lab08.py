@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.live import Sample, SimArrival, SimRun, ramp_arrivals, run_sim_load
 from minivllm.labs.registry import Exercise, Lab
-from minivllm.metrics.prometheus import metrics_from_step_log
+from minivllm.metrics.prometheus import ITL_BUCKETS, metrics_from_step_log
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
 
@@ -403,10 +403,20 @@ def _metric_run(requests: Sequence[tuple[int, int, float]], *, num_blocks: int =
         steps += 1
         if stop_after is not None and steps >= stop_after:
             break
-    samples: dict[str, float] = {}
-    for (name, _), value in metric_samples(metrics.render().decode()).items():
+    samples: dict = {}
+    itl_buckets: dict[float, float] = {}
+    for (name, labels), value in metric_samples(metrics.render().decode()).items():
         samples[name] = samples.get(name, 0.0) + value  # summed over labels
+        if name == "vllm:inter_token_latency_seconds_bucket":
+            le = float(dict(labels)["le"])
+            itl_buckets[le] = itl_buckets.get(le, 0.0) + value
+    samples["itl buckets"] = tuple(int(itl_buckets[le]) for le in sorted(itl_buckets))  # cumulative, as exported
     return engine, samples, prompt_lens, arrivals
+
+
+def _cumulative_buckets(values: Sequence[float]) -> tuple[int, ...]:
+    """A Prometheus histogram's cumulative bucket counts (``value <= le``) for the engine's ITL buckets, +Inf last."""
+    return tuple(sum(1 for v in values if v <= le) for le in (*ITL_BUCKETS, float("inf")))
 
 
 def _prom_view(samples: dict) -> dict:
@@ -422,6 +432,9 @@ def _prom_view(samples: dict) -> dict:
         "ttft sum": round(samples.get("vllm:time_to_first_token_seconds_sum", 0.0), 6),
         "itl count": int(samples.get("vllm:inter_token_latency_seconds_count", 0)),
         "itl sum": round(samples.get("vllm:inter_token_latency_seconds_sum", 0.0), 6),
+        # bucket by bucket: per-token gaps that are wrong but sum to the right total (a token counted one chunk
+        # early, the next one a chunk late) move observations between buckets
+        "itl buckets": samples.get("itl buckets") or _cumulative_buckets([]),
     }
 
 
@@ -432,7 +445,7 @@ def _learner_view(got: dict) -> dict:
         "free_blocks": got["free_blocks"], "preemptions": got["preemptions"],
         "generation_tokens": got["generation_tokens"],
         "ttft count": len(ttft), "ttft sum": round(sum(ttft.values()), 6),
-        "itl count": len(itl), "itl sum": round(sum(itl), 6),
+        "itl count": len(itl), "itl sum": round(sum(itl), 6), "itl buckets": _cumulative_buckets(itl),
     }
 
 
@@ -477,7 +490,7 @@ def check_metrics_from_log(fn) -> CheckResult:
     pair_run, pair_exp = _compare([(16, 150, 0.0)] * 6, num_blocks=24, max_seqs=8)
     exact = _one_request_exact(metrics_from_step_log)[1]
     zero = {"running": 0, "waiting": 0, "used_blocks": 0, "free_blocks": 64, "preemptions": 0, "generation_tokens": 0,
-            "ttft count": 0, "ttft sum": 0.0, "itl count": 0, "itl sum": 0.0}
+            "ttft count": 0, "ttft sum": 0.0, "itl count": 0, "itl sum": 0.0, "itl buckets": _cumulative_buckets([])}
     cases = [
         Case("an empty log", empty, zero, "no steps: nothing running, every block free, no latencies yet"),
         Case("one request: TTFT and ITLs to the step", lambda f: _one_request_exact(f)[0], exact,
@@ -496,7 +509,9 @@ def check_metrics_from_log(fn) -> CheckResult:
         Case("preemption by swap", swap_run, swap_exp, "a swapped request resumes decoding where it stopped"),
         Case("a chunked recompute samples once", rechunk_run, rechunk_exp,
              "with a 64-token budget the recompute of prompt + generated runs in chunks: a chunk samples only if it "
-             "reaches the request's last known token (prompt + generated so far), not merely past the prompt"),
+             "reaches the request's last known token (prompt + generated so far), not merely past the prompt; "
+             "a token timed one chunk early (and the next one a chunk late) keeps the ITL sum but moves the "
+             "gaps between histogram buckets"),
         Case("two victims in one step", pair_run, pair_exp,
              "record.preempted lists every request preempted in that step: a step can have several victims, so "
              "add len(record.preempted), not 1 per step that preempted"),
@@ -536,11 +551,12 @@ def reference_first_alarm(samples: Sequence[Sample], signal: str, threshold: flo
     return None
 
 
-def _series(values: Sequence[float], signal: str = "waiting", step: float = 1.0) -> list[Sample]:
+def _series(values: Sequence[float], signal: str = "waiting", step: float = 1.0,
+            times: Sequence[float] | None = None) -> list[Sample]:
     nan = float("nan")
     out = []
     for i, v in enumerate(values):
-        kw = dict(time=step * (i + 1), running=0, waiting=0, kv_usage=0.0, utilisation=0.0, busy=0.0, ttft_p90=nan,
+        kw = dict(time=step * (i + 1) if times is None else times[i], running=0, waiting=0, kv_usage=0.0, utilisation=0.0, busy=0.0, ttft_p90=nan,
                   itl_p99=nan, tokens_per_s=0.0, arrived=0)
         kw[signal] = v
         out.append(Sample(**kw))
@@ -587,6 +603,14 @@ def check_first_alarm(fn) -> CheckResult:
         Case("for_s is seconds, not scrapes", lambda f: f(_series([0, 5, 5, 5, 5, 5], step=0.5), "waiting", 4, 1),
              2.0, "scrapes every 0.5 s here: above since t=1.0, held 1 s at t=2.0 (3 scrapes) -- compare sample "
              "times, not a count of scrapes"),
+        Case("fires at a scrape, whatever for_s", lambda f: f(_series([5, 5, 5, 5, 5]), "waiting", 4, 1.5), 3.0,
+             "above since t=1; at t=2 it has held 1 s, at t=3 2 s >= 1.5 s: the alarm fires at the scrape that "
+             "sees it, t=3 (not at t=1 + 1.5: nobody looked then)"),
+        Case("uneven scrapes", lambda f: f(_series([5] * 5, times=[1.0, 1.5, 3.5, 4.0, 6.0]), "waiting", 4, 2),
+             3.5, "scrapes at 1, 1.5, 3.5, 4, 6 s, all above: held 2.5 s at t=3.5 -- measure time from the first "
+             "scrape of the streak, do not assume an even interval"),
+        Case("equal breaks a streak", lambda f: f(_series([5, 4, 5, 5]), "waiting", 4, 2), None,
+             "4 is not above 4: the streak restarts at t=3 and holds only 1 s by t=4"),
         Case("on the ramp of section 5", ramp_case, on_ramp, "queue depth > 4, KV usage > 90 %, TTFT p90 > 0.5 s, "
              "each held for 2 s"),
     ]
@@ -598,8 +622,9 @@ def hidden_first_alarm(fn, seed: int) -> CheckResult:
     cases = []
     for k in range(20):
         values = [rng.choice([0, 1, 3, 4, 5, 8, float("nan")]) for _ in range(rng.randint(0, 12))]
-        th, for_s = rng.choice([3, 4, 5]), rng.choice([0, 1, 2, 3])
-        series = _series(values, "ttft_p90", step=rng.choice([0.5, 1.0]))
+        th, for_s = rng.choice([3, 4, 5]), rng.choice([0, 0.7, 1, 1.5, 2, 3])
+        times = list(itertools.accumulate(rng.choice([0.25, 0.5, 1.0, 1.5]) for _ in values))  # uneven scrapes
+        series = _series(values, "ttft_p90", times=times)
         cases.append(Case(f"random series {k}", lambda f, s=series, t=th, d=for_s: f(s, "ttft_p90", t, d),
                           reference_first_alarm(series, "ttft_p90", th, for_s)))
     return run_checks("first_alarm (hidden)", fn, cases)
