@@ -331,7 +331,10 @@ class EngineConfig:
                 raise ValueError(f"tenant names must be non-empty strings, got {name!r}")
             if not isinstance(tc, TenantConfig):
                 raise ValueError(f"tenants[{name!r}] must be a TenantConfig, got {type(tc).__name__}")
-        object.__setattr__(self, "tenants", tuple(sorted(tenants)))
+        names = [name for name, _ in tenants]
+        if len(set(names)) != len(names):  # (the tuple form can repeat a name; a dict cannot)
+            raise ValueError(f"tenant names must be distinct, got {sorted(names)}")
+        object.__setattr__(self, "tenants", tuple(sorted(tenants, key=lambda pair: pair[0])))
         for name in ("wfq_prefill_weight", "wfq_decode_weight", "deadline_aging_s"):
             value = getattr(self, name)
             check_type(name, value, (int, float))

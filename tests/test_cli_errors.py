@@ -277,3 +277,98 @@ def test_sim_accuracy_explain_and_profile_bad_files(tmp_path, capsys):
 @pytest.mark.parametrize("value", ["-1", "nan", "0"])
 def test_grade_timeout(value, capsys):
     _argparse_refuses(cli_main, ["grade", "--timeout", value, "x.ipynb"], "--timeout", capsys)
+
+
+# -- a second audit (stop 35) ------------------------------------------------------------------
+
+
+def test_sim_run_lengths_are_checked_and_replace_a_named_workloads(tmp_path, capsys):
+    """``--input-len`` / ``--output-len`` were dropped in silence with a named workload (the default, chat),
+    unchecked too.  Now a bad one is an error, and a good one replaces the workload's lengths: 20 requests of
+    exactly 4,096 + 200 tokens are 85,920 tokens (chat's own lengths make ~1,850)."""
+    from minivllm.sim.run import main
+
+    _returns_error(main(["--num-requests", "3", "--input-len", "bogus"]), capsys, "'bogus'")
+    _returns_error(main(["--num-requests", "3", "--output-len", "0"]), capsys, "'0'")
+    out = tmp_path / "run.json"
+    assert main(["--num-requests", "20", "--input-len", "4096", "--output-len", "200", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "20 requests, 85920 tokens" in capsys.readouterr().out
+    assert [(t["input_len"], t["output_len"]) for t in doc["tenants"]] == [("fixed:4096", "fixed:200")]
+
+
+def test_a_lognormal_length_is_capped_before_it_can_overflow():
+    """``lognormal:64:800:256`` overflowed a float before the cap applied (OverflowError); an unbounded one could
+    ask the planner for a prompt of 10^300 words.  Samples stay in [1, MAX] (and under MAX_LENGTH); the same
+    seed gives the same lengths as before wherever no cap is reached (oracle: the plain formula)."""
+    import math
+
+    import numpy as np
+
+    from minivllm.bench.loadgen import MAX_LENGTH, LengthDist
+
+    capped = LengthDist.parse("lognormal:64:800:256")
+    rng = np.random.default_rng(0)
+    assert all(1 <= capped.sample(rng) <= 256 for _ in range(200))
+    wild = LengthDist.parse("lognormal:64:800")
+    assert all(1 <= wild.sample(rng) <= MAX_LENGTH for _ in range(200))
+    mild, a, b = LengthDist.parse("lognormal:100:0.5"), np.random.default_rng(3), np.random.default_rng(3)
+    assert [mild.sample(a) for _ in range(50)] == [max(1, round(100 * math.exp(0.5 * b.standard_normal())))
+                                                  for _ in range(50)]
+    for spec in ("fixed:2000000", "lognormal:1e308:5", "uniform:1:1000001"):
+        with pytest.raises(ValueError, match="lengths from 1 to 1,000,000"):
+            LengthDist.parse(spec)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["eager_step", "--device", "tpu"], "unknown device 'tpu'"),
+    (["fleet", "--replicas", "1", "--routers", "round_robin", "--duration", "1", "--out", "FILE/x.json"], "File exists"),
+])
+def test_bench_launcher_turns_a_bad_value_into_one_line(monkeypatch, capsys, tmp_path, argv, needle):
+    """A ValueError or OSError from any benchmark (a bad device, an output path under a file) is one line and
+    exit 2, not a traceback and exit 1."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [a.replace("FILE", str(blocker)) for a in argv]
+    monkeypatch.setattr(sys, "argv", ["minivllm.bench", *argv])
+    with pytest.raises(SystemExit) as exc:
+        runpy.run_module("minivllm.bench", run_name="__main__")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"python -m minivllm.bench {argv[0]}: error:" in err and needle in err, err
+
+
+def test_fleet_summary_line_with_nothing_measured(capsys):
+    """At a rate so low that no request finishes in the window, the (b) line prints "-" like the table (it
+    formatted None and crashed)."""
+    from minivllm.bench import fleet
+
+    assert fleet.main(["--rate", "0.01", "--duration", "1", "--replicas", "1,2", "--routers",
+                       "round_robin,prefix_affinity", "--out", ""]) == 0
+    assert "p99 TTFT - -> - ms" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["", "  \n", "{}"])
+def test_an_api_keys_file_with_no_keys_is_refused(tmp_path, text):
+    """Asking for key authentication with a file that holds none served everyone as one tenant, keyless."""
+    from minivllm.server import load_api_keys
+
+    f = tmp_path / "keys.json"
+    f.write_text(text)
+    with pytest.raises(ValueError, match="keys.json.*holds no keys"):
+        load_api_keys(str(f))
+
+
+def test_a_repeated_tenant_name_is_a_value_error():
+    """The tuple form of ``tenants`` can repeat a name; sorting the pairs then compared two TenantConfigs."""
+    from minivllm.config import EngineConfig, TenantConfig
+
+    with pytest.raises(ValueError, match="distinct"):
+        EngineConfig(tenants=(("a", TenantConfig()), ("a", TenantConfig(weight=2))), device="cpu")
+
+
+def test_grade_refuses_a_missing_notebook(tmp_path, capsys):
+    from minivllm.labs.grade import main
+
+    _returns_error(main([str(tmp_path / "nope.ipynb"), "--csv", str(tmp_path / "g.csv")]), capsys, "nope.ipynb")
+    assert not (tmp_path / "g.csv").exists()

@@ -43,9 +43,14 @@ def main() -> int:
         what = f"unknown benchmark {sys.argv[1]!r}" if len(sys.argv) >= 2 else "name a benchmark"
         print(f"python -m minivllm.bench: error: {what}; choose from {', '.join(NAMES)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(NAMES[sys.argv[1]])
-    sys.argv = [f"minivllm.bench {sys.argv[1]}"] + sys.argv[2:]
-    return module.main() or 0
+    name = sys.argv[1]
+    module = importlib.import_module(NAMES[name])
+    sys.argv = [f"minivllm.bench {name}"] + sys.argv[2:]
+    try:
+        return module.main() or 0
+    except (ValueError, OSError) as exc:  # a bad model, device, dtype or path: one line, not a traceback
+        print(f"python -m minivllm.bench {name}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 sys.exit(main())

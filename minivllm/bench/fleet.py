@@ -152,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r["replicas"], r["router"]): r for r in rows}
     if n_max > 1 and {"round_robin", "prefix_affinity"} <= set(args.routers):
         a, b = by[(n_max, "round_robin")], by[(n_max, "prefix_affinity")]
-        print(f"(b) at {n_max} replicas prefix affinity: hit rate {a['prefix_hit_rate']:.1%} -> {b['prefix_hit_rate']:.1%}, "
-              f"p99 TTFT {a['ttft_ms']['p99']:.0f} -> {b['ttft_ms']['p99']:.0f} ms, goodput "
-              f"{a['goodput_fraction']:.1%} -> {b['goodput_fraction']:.1%} (vs round robin)")
+        print(f"(b) at {n_max} replicas prefix affinity: hit rate {_cell(a['prefix_hit_rate'], '.1%')} -> "
+              f"{_cell(b['prefix_hit_rate'], '.1%')}, p99 TTFT {_cell(a['ttft_ms']['p99'], '.0f')} -> "
+              f"{_cell(b['ttft_ms']['p99'], '.0f')} ms, goodput {_cell(a['goodput_fraction'], '.1%')} -> "
+              f"{_cell(b['goodput_fraction'], '.1%')} (vs round robin)")
     wall = time.perf_counter() - t0
     print(f"{len(rows)} fleet runs in {wall:.1f} s wall")
     if args.out:

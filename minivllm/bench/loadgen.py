@@ -64,9 +64,17 @@ OUTCOMES = ("ok", "rejected", "error", "timeout", "unsent")
 # -- workload ------------------------------------------------------------------------------
 
 
+# No model serves a million-token prompt, and a plan writes every prompt out as words: a length above this is
+# a typo (or a lognormal tail) that would only hang the planner, so specs are refused and samples capped here.
+MAX_LENGTH = 1_000_000
+
+
 @dataclass(frozen=True)
 class LengthDist:
-    """A token-length distribution: ``fixed:N`` (or ``N``), ``uniform:LO:HI``, ``lognormal:MEDIAN:SIGMA[:MAX]``."""
+    """A token-length distribution: ``fixed:N`` (or ``N``), ``uniform:LO:HI``, ``lognormal:MEDIAN:SIGMA[:MAX]``.
+
+    Lengths are at most :data:`MAX_LENGTH`; a lognormal sample is capped at MAX (and at ``MAX_LENGTH``).
+    """
 
     kind: str
     a: float
@@ -80,32 +88,36 @@ class LengthDist:
         try:
             if len(parts) == 1 or (parts[0] == "fixed" and len(parts) == 2):
                 n = int(parts[-1])
-                if n < 1:
+                if not 1 <= n <= MAX_LENGTH:
                     raise ValueError
                 return cls("fixed", n)
             if parts[0] == "uniform" and len(parts) == 3:
                 lo, hi = int(parts[1]), int(parts[2])
-                if not 1 <= lo <= hi:
+                if not 1 <= lo <= hi <= MAX_LENGTH:
                     raise ValueError
                 return cls("uniform", lo, hi)
             if parts[0] == "lognormal" and len(parts) in (3, 4):
                 median, sigma = float(parts[1]), float(parts[2])
                 hi = int(parts[3]) if len(parts) == 4 else None
                 # nan/inf would pass the comparisons and fail only when sampled (an int() of nan or inf)
-                if not (1 <= median < math.inf and 0 <= sigma < math.inf) or (hi is not None and hi < 1):
+                if not (1 <= median <= MAX_LENGTH and 0 <= sigma < math.inf) or (hi is not None and hi < 1):
                     raise ValueError
                 return cls("lognormal", median, sigma, hi)
         except ValueError:
             pass
-        raise ValueError(f"bad length distribution {spec!r}: use N, fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA[:MAX]")
+        raise ValueError(f"bad length distribution {spec!r}: use N, fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA[:MAX], "
+                         f"lengths from 1 to {MAX_LENGTH:,}")
 
     def sample(self, rng: np.random.Generator) -> int:
         if self.kind == "fixed":
             return int(self.a)
         if self.kind == "uniform":
             return int(rng.integers(int(self.a), int(self.b) + 1))
-        n = max(1, int(round(self.a * math.exp(self.b * rng.standard_normal()))))
-        return min(n, self.hi) if self.hi is not None else n
+        top = MAX_LENGTH if self.hi is None else min(self.hi, MAX_LENGTH)
+        e = self.b * rng.standard_normal()
+        if e > math.log(top / self.a) + 1.0:  # far past the cap (exp could overflow a float): the cap
+            return top
+        return min(max(1, int(round(self.a * math.exp(e)))), top)
 
     def __str__(self) -> str:
         if self.kind == "fixed":

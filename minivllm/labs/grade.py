@@ -468,6 +468,10 @@ def choose_seed(seed: int | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    missing = [nb for nb in args.notebooks if not os.path.isfile(nb)]
+    if missing:  # a typo (or a glob the shell left unexpanded) is no student's zero
+        print(f"minivllm grade: error: no such notebook: {', '.join(map(repr, missing))}", file=sys.stderr)
+        return 2
     seed = choose_seed(args.seed)
     to_stdout = "-" in (args.csv, args.json)
     log = sys.stderr if to_stdout else sys.stdout

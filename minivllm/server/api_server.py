@@ -143,6 +143,8 @@ def load_api_keys(path: str | None = None, env: str | None = None) -> dict[str, 
             raw = f.read()
     elif env is not None or os.environ.get("MINIVLLM_API_KEYS"):
         raw = env if env is not None else os.environ["MINIVLLM_API_KEYS"]
+    if (not raw or not raw.strip()) and path:  # asked for key authentication and got none: not an open server
+        raise ValueError(f"API keys file {path!r} holds no keys (leave the option out to serve without keys)")
     if not raw or not raw.strip():
         return {}
     raw = raw.strip()
@@ -161,6 +163,8 @@ def load_api_keys(path: str | None = None, env: str | None = None) -> dict[str, 
             keys[key.strip()] = tenant.strip()
     if not isinstance(keys, dict) or not all(isinstance(k, str) and k and isinstance(t, str) and t for k, t in keys.items()):
         raise ValueError("API keys must map non-empty key strings to non-empty tenant names")
+    if not keys and path:
+        raise ValueError(f"API keys file {path!r} holds no keys (leave the option out to serve without keys)")
     return keys
 
 

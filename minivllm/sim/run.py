@@ -223,6 +223,15 @@ def _rate(rate: float | None, reqs: list[SimRequest]) -> str:
     return "-"
 
 
+def _with_lengths(spec: str, input_len, output_len) -> str:
+    """A named workload's tenant spec with its ``input=`` / ``output=`` replaced by the ones given (if any)."""
+    fields = [f for f in spec.split(",") if not ((input_len is not None and f.startswith("input="))
+                                                  or (output_len is not None and f.startswith("output=")))]
+    fields += [f"input={input_len}"] if input_len is not None else []
+    fields += [f"output={output_len}"] if output_len is not None else []
+    return ",".join(fields)
+
+
 def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list[Tenant]]:
     """The workload of ``args``: a JSONL trace, a named workload, or ``--tenant`` specs."""
     if args.workload in WORKLOADS:
@@ -233,9 +242,17 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
         specs, rate, burst = [], None, 1.0
     else:
         raise ValueError(f"unknown workload {args.workload!r}: a JSONL trace path or one of {', '.join(WORKLOADS)}")
+    # --input-len / --output-len: checked whatever else is given; they replace a named workload's lengths
+    # (dropped in silence, "--workload chat --input-len 4096" simulated chat's short prompts), and fill in a
+    # --tenant spec's missing ones (its own input= / output= win)
+    input_len = LengthDist.parse(args.input_len) if args.input_len is not None else None
+    output_len = LengthDist.parse(args.output_len) if args.output_len is not None else None
+    if not args.tenant:
+        specs = [_with_lengths(spec, input_len, output_len) for spec in specs]
     specs = args.tenant or specs
-    tenants = [parse_tenant(s, args.input_len, args.output_len) for s in specs] or [
-        Tenant("default", None, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))]
+    default_in, default_out = str(input_len or "uniform:32:128"), str(output_len or "fixed:16")
+    tenants = [parse_tenant(s, default_in, default_out) for s in specs] or [
+        Tenant("default", None, 1.0, LengthDist.parse(default_in), LengthDist.parse(default_out))]
     if len({t.name for t in tenants}) != len(tenants):  # as bench serve: two specs of one name would merge silently
         raise ValueError("tenant names must be distinct")
     rate = args.request_rate if args.request_rate is not None else rate
@@ -244,7 +261,7 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
         with open(args.workload, encoding="utf-8") as fh:
             entries = parse_trace(fh)
         names = {e.tenant for e in entries if e.tenant} - {t.name for t in tenants}
-        tenants += [Tenant(name, None, 1.0, LengthDist.parse(args.input_len), LengthDist.parse(args.output_len))
+        tenants += [Tenant(name, None, 1.0, LengthDist.parse(default_in), LengthDist.parse(default_out))
                     for name in sorted(names)]
         plan = plan_from_trace(entries, tenants, rate, args.seed)
         rate = rate if rate is not None else float("nan")
@@ -382,8 +399,11 @@ def _parser() -> argparse.ArgumentParser:
                          "GPU presets (fp8 2x, fp32 on TF32 tensor cores 1/2 of bf16); default: the preset's, and on a "
                          "GPU bf16 as the engine's dtype 'auto' picks there")
     ap.add_argument("--tenant", action="append", default=[], metavar="SPEC", help="as minivllm bench serve --tenant")
-    ap.add_argument("--input-len", default="uniform:32:128")
-    ap.add_argument("--output-len", default="fixed:16")
+    ap.add_argument("--input-len", default=None, metavar="DIST",
+                    help="prompt lengths: N, fixed:N, uniform:LO:HI or lognormal:MEDIAN:SIGMA[:MAX]; replaces a named "
+                         "workload's, fills in a --tenant spec without input= (default uniform:32:128 there)")
+    ap.add_argument("--output-len", default=None, metavar="DIST",
+                    help="output lengths, the same way (default fixed:16 where nothing else says)")
     ap.add_argument("--num-requests", type=positive_int, default=1000)
     ap.add_argument("--request-rate", type=positive_rate, default=None, help="req/s (default: the workload's)")
     ap.add_argument("--burstiness", type=positive_float, default=None)
