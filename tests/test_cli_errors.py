@@ -188,6 +188,8 @@ BENCH = ["--base-url", CLOSED, "--model", "m", "--no-progress", "--request-timeo
     (["--request-timeout", "0"], "--request-timeout"),
     (["--min-goodput", "2"], "--min-goodput"),
     (["--slo-itl-ms", "0"], "--slo-itl-ms"),
+    (["--temperature", "nan"], "--temperature"),  # was sent on: every request an error, exit 0
+    (["--temperature", "-1"], "--temperature"),
 ])
 def test_bench_serve_numbers(extra, flag, capsys):
     from minivllm.bench.loadgen import main

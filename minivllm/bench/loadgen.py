@@ -42,7 +42,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
+from minivllm.argtypes import fraction, nonnegative_float, positive_float, positive_int, positive_rate
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated, meets_slo
 
@@ -843,7 +843,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight (default: none)")
     ap.add_argument("--timeout", type=positive_float, default=600.0, help="hard limit for one run, s")
     ap.add_argument("--request-timeout", type=positive_float, default=120.0, help="limit per request, s")
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                    help="sampling temperature sent with each request (a finite number >= 0; 0 is greedy)")
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="ask for exactly max_tokens (vLLM/SGLang/minivllm extra field)")
     ap.add_argument("--seed", type=int, default=0)
