@@ -9,7 +9,7 @@ import random
 from typing import Any, Callable
 
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError, PoolAdapter
-from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks
+from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks, wrong_container
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 
@@ -243,8 +243,8 @@ def hidden_slot_mapping(fn, seed: int) -> CheckResult:
             start = rng.randint(0, len(table) * bs - 1)
             num = rng.randint(0, len(table) * bs - start)
             got = f(list(table), start, num, bs)
-            if not isinstance(got, list):  # the signature's container, as in the visible cases
-                return f"chunk {k}: returned a {type(got).__name__}, not a list"
+            if (bad := wrong_container(got, list, f"chunk {k}")) is not None:  # as in the visible cases
+                return bad
             if num == 0:
                 if got != []:
                     return f"chunk {k} differs"

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix.learner import IndexEntry, LearnerHashCache
-from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.checkers import Case, CheckResult, run_checks, wrong_container
 from minivllm.labs.registry import Exercise, Lab
 
 
@@ -271,8 +271,9 @@ def hidden_block_hashes(fn, seed: int) -> CheckResult:
     def equalities(f, trial, bs, prompts, salts):
         mine = [f(list(p), bs, s) if s else f(list(p), bs) for p, s in zip(prompts, salts)]
         ref = [_ref_hasher(p, bs, s) for p, s in zip(prompts, salts)]
-        if (bad := next((k for k in mine if not isinstance(k, list)), None)) is not None:
-            return f"trial {trial}: returned a {type(bad).__name__}, not a list"  # the signature's container
+        for keys in mine:  # the signature's container, as in the visible cases
+            if (bad := wrong_container(keys, list, f"trial {trial}")) is not None:
+                return bad
         if [len(k) for k in mine] != [len(k) for k in ref]:
             return f"trial {trial}: wrong number of keys"
         flat_m = [k for ks in mine for k in ks]
@@ -336,8 +337,8 @@ def hidden_match_prefix(fn, seed: int) -> CheckResult:
                 q = q + [rng.randrange(10, 40) for _ in range(rng.randint(0, bs))]
                 s = rng.choice([salt, salt, None if salt else "t"])
                 got = f(list(q), dict(index), bs, _ref_hasher, s) if s else f(list(q), dict(index), bs, _ref_hasher)
-                if not isinstance(got, list):  # the signature's container, as in the visible cases
-                    return f"trial {trial}: returned a {type(got).__name__}, not a list"
+                if (bad := wrong_container(got, list, f"trial {trial}")) is not None:  # as in the visible cases
+                    return bad
                 if got != _ref_matcher(q, index, bs, _ref_hasher, s):
                     return f"trial {trial} differs"
         return "all 30 trials match"

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import BatchBuilder, check_seam
-from minivllm.labs.checkers import Case, CheckResult, run_checks
+from minivllm.labs.checkers import Case, CheckResult, run_checks, wrong_container
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 from minivllm.metrics.stats import nearest_rank
@@ -420,8 +420,8 @@ def hidden_itl_stats(fn, seed: int) -> CheckResult:
                 times[f"r{i}"] = _times(gaps, rng.uniform(0, 5))
             q = rng.choice([50, 90, 95, 99, 99.9, 100, rng.randint(1, 100)])
             got = f({k: list(v) for k, v in times.items()}, q)
-            if not isinstance(got, tuple):  # the signature's container, as in the visible cases
-                return f"trial {trial}: returned a {type(got).__name__}, not a tuple"
+            if (bad := wrong_container(got, tuple, f"trial {trial}")) is not None:  # as in the visible cases
+                return bad
             if not _is_answer(got, times, q):
                 return f"trial {trial} differs"
         return "all 150 match"

@@ -97,6 +97,11 @@ def _container_difference(got: Any, expected: Any, where: str = "") -> str | Non
     return None
 
 
+def wrong_container(got: Any, kind: type, where: str) -> str | None:
+    """A hidden case's verdict on the container rule above: ``"<where>: returned a tuple, not a list"``, or None."""
+    return None if isinstance(got, kind) else f"{where}: returned a {type(got).__name__}, not a {kind.__name__}"
+
+
 def _same_values(got: Any, expected: Any) -> bool:
     """``got == expected`` with lists and tuples read alike, at any depth."""
     seq = (list, tuple)

@@ -69,15 +69,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _Tracked:
     """What the metrics remember about one live request (for incremental TTFT/ITL/token counts)."""
 
-    __slots__ = ("tenant", "ttft_done", "prompt_done", "seen", "last_time", "last_times")
+    __slots__ = ("tenant", "ttft_done", "prompt_done", "seen", "last_times")
 
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         self.ttft_done = False
         self.prompt_done = False
         self.seen: dict[int, int] = {}  # output tokens counted so far, per sample index
-        self.last_time: float | None = None  # n == 1: the time of the last token an ITL was measured to
-        self.last_times: dict[int, float] = {}  # n > 1: the same, per sample index
+        self.last_times: dict[int, float] = {}  # per sample index: the last token an ITL was measured to
 
 
 class EngineMetrics:
@@ -161,30 +160,22 @@ class EngineMetrics:
         if not t.ttft_done and m.ttft is not None:
             t.ttft_done = True
             self.ttft.labels(name, tenant).observe(max(0.0, m.ttft))
-        if len(out.outputs) == 1:  # token_times are this sample's: all so far, or (delta) only this step's
-            times = m.token_times[-fresh[0]:] if fresh[0] else []
-            gaps = [b - a for a, b in zip([t.last_time, *times], times) if a is not None]
-            if times:
-                t.last_time = times[-1]
+        # Each sample's gaps are its own (vLLM times each child request).  The token times are this sample's
+        # for n == 1 (all so far, or with delta output only this step's); an n > 1 group carries those of a sample
+        # that got a token in this step, so their newest are this step's, and a streamed sample gets one token a
+        # step.  A final_only group brings a sample's tokens at once: they are timed by the carrying sample's, as
+        # samples decode in lockstep (bar preemption).
+        for o, n in zip(out.outputs, fresh):
+            times = m.token_times[-n:] if n else []
+            if not times:
+                continue
+            last = t.last_times.get(o.index)
+            gaps = [b - a for a, b in zip([last, *times], times) if a is not None]
+            t.last_times[o.index] = times[-1]
             if gaps:
                 hist = self.itl.labels(name, tenant)
                 for gap in gaps:
                     hist.observe(max(0.0, gap))
-        else:  # an n > 1 group: each sample's gaps are its own (vLLM times each child request)
-            # The group's metrics are those of a sample that got a token in this step, so their newest times are
-            # this step's; a streamed sample gets one token a step.  A final_only output brings a sample's tokens
-            # at once: they are timed by the carrying sample's, as samples decode in lockstep (bar preemption).
-            for o, n in zip(out.outputs, fresh):
-                times = m.token_times[-n:] if n else []
-                if not times:
-                    continue
-                last = t.last_times.get(o.index)
-                gaps = [b - a for a, b in zip([last, *times], times) if a is not None]
-                t.last_times[o.index] = times[-1]
-                if gaps:
-                    hist = self.itl.labels(name, tenant)
-                    for gap in gaps:
-                        hist.observe(max(0.0, gap))
         if out.finished:
             reason = next((o.finish_reason for o in out.outputs if o.finish_reason), None) or "stop"
             self.request_success.labels(name, reason, tenant).inc()

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
@@ -223,15 +223,6 @@ def _rate(rate: float | None, reqs: list[SimRequest]) -> str:
     return "-"
 
 
-def _with_lengths(spec: str, input_len, output_len) -> str:
-    """A named workload's tenant spec with its ``input=`` / ``output=`` replaced by the ones given (if any)."""
-    fields = [f for f in spec.split(",") if not ((input_len is not None and f.startswith("input="))
-                                                  or (output_len is not None and f.startswith("output=")))]
-    fields += [f"input={input_len}"] if input_len is not None else []
-    fields += [f"output={output_len}"] if output_len is not None else []
-    return ",".join(fields)
-
-
 def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list[Tenant]]:
     """The workload of ``args``: a JSONL trace, a named workload, or ``--tenant`` specs."""
     if args.workload in WORKLOADS:
@@ -247,12 +238,12 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
     # --tenant spec's missing ones (its own input= / output= win)
     input_len = LengthDist.parse(args.input_len) if args.input_len is not None else None
     output_len = LengthDist.parse(args.output_len) if args.output_len is not None else None
-    if not args.tenant:
-        specs = [_with_lengths(spec, input_len, output_len) for spec in specs]
-    specs = args.tenant or specs
     default_in, default_out = str(input_len or "uniform:32:128"), str(output_len or "fixed:16")
-    tenants = [parse_tenant(s, default_in, default_out) for s in specs] or [
+    tenants = [parse_tenant(s, default_in, default_out) for s in args.tenant or specs] or [
         Tenant("default", None, 1.0, LengthDist.parse(default_in), LengthDist.parse(default_out))]
+    if not args.tenant:  # a named workload's own lengths give way to the ones given
+        tenants = [replace(t, input_len=input_len or t.input_len, output_len=output_len or t.output_len)
+                   for t in tenants]
     if len({t.name for t in tenants}) != len(tenants):  # as bench serve: two specs of one name would merge silently
         raise ValueError("tenant names must be distinct")
     rate = args.request_rate if args.request_rate is not None else rate
