@@ -130,7 +130,9 @@ def _decode_attention(
     scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
     scores.masked_fill_(pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())
+    # padding keys have probability 0, but 0 * inf/NaN is NaN: their V (another request's block 0, or a
+    # previous owner's stale slots) must not enter the product at all
+    out = torch.matmul(probs, v.float().masked_fill(pad.view(batch, 1, -1, 1), 0.0))
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 

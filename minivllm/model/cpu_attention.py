@@ -39,6 +39,7 @@ import torch
 from minivllm.model.attention import AttentionMetadata, gather_kv, paged_attention_reference, prefill_rows, write_kv
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+KERNEL_MAX_BLOCK, KERNEL_MAX_DIM = 256, 512  # MAX_BLOCK and MAX_DIM of csrc/paged_decode.c
 _lock = threading.Lock()
 _kernel: dict[str, object] = {}  # memo: built once per process (the .so is cached on disk)
 
@@ -179,7 +180,9 @@ class CpuAttentionBackend:
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decodes
-        if q.dtype != torch.float32 or not k_cache.is_contiguous():
+        # beyond the C kernel's MAX_BLOCK / MAX_DIM (csrc/paged_decode.c) the torch path serves the step instead
+        if (q.dtype != torch.float32 or not k_cache.is_contiguous()
+                or k_cache.shape[1] > KERNEL_MAX_BLOCK or q.shape[-1] > KERNEL_MAX_DIM):
             return paged_attention_reference(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         if nd:

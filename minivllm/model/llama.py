@@ -69,6 +69,7 @@ class ModelArgs:
     tie_word_embeddings: bool
     max_position_embeddings: int
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
 
     @classmethod
@@ -80,6 +81,12 @@ class ModelArgs:
                 f"({', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
             )
         heads = config.num_attention_heads
+        max_positions = getattr(config, "max_position_embeddings", 4096)
+        # Sliding-window attention (Mistral; Qwen with use_sliding_window) is not implemented: full attention
+        # equals it only while a sequence fits in the window, so the window bounds the servable length.
+        window = getattr(config, "sliding_window", None)
+        if window and (arch == "mistral" or getattr(config, "use_sliding_window", False)):
+            max_positions = min(max_positions, int(window))
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -91,8 +98,10 @@ class ModelArgs:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             rms_norm_eps=config.rms_norm_eps,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            max_position_embeddings=getattr(config, "max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             qkv_bias=bool(getattr(config, "attention_bias", False)) or arch == "qwen2",
+            # HF's Llama/Qwen3 put attention_bias on o_proj too; Qwen2's o_proj never has one
+            o_bias=bool(getattr(config, "attention_bias", False)) and arch != "qwen2",
             qk_norm=arch == "qwen3",
         )
 
@@ -208,7 +217,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, d = args.hidden_size, args.head_dim
         self.qkv_proj = Projection(h, (args.num_heads + 2 * args.num_kv_heads) * d, bias=args.qkv_bias, **factory)
-        self.o_proj = Projection(args.num_heads * d, h, bias=False, **factory)
+        self.o_proj = Projection(args.num_heads * d, h, bias=args.o_bias, **factory)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps, **factory)
             self.k_norm = RMSNorm(d, args.rms_norm_eps, **factory)

@@ -186,16 +186,19 @@ def read_config(folder: Path):
     Why not ``AutoConfig``: resolving the model-specific class imports
     transformers' modelling stack (about 1,000 modules, 160 MB resident) for
     defaults this engine never uses once the file spells the fields out.  The
-    generic class still standardises the RoPE parameters the same way.  A
-    config that leaves a needed field to its class's default goes through
-    ``AutoConfig``.
+    generic class still standardises the RoPE parameters the same way, for
+    the transformers 5 format (``rope_parameters``).  A config that leaves a
+    needed field to its class's default, or that carries the older
+    ``rope_scaling`` (most hub Llama 3 checkpoints), goes through ``AutoConfig``.
     """
     try:
         raw = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read the model config in {folder}: {exc}") from exc
     try:
-        if all(key in raw for key in _REQUIRED_CONFIG_KEYS):
+        # a transformers-4 style ``rope_scaling`` (what most hub checkpoints ship) is standardised by the
+        # model's own config class only: the generic one fails on (or misreads) some of its types
+        if all(key in raw for key in _REQUIRED_CONFIG_KEYS) and not raw.get("rope_scaling"):
             from transformers.configuration_utils import PretrainedConfig
 
             return PretrainedConfig(**raw)
