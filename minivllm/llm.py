@@ -106,7 +106,8 @@ class LLM:
         prompts = self._as_list(prompts)
         params = self._params_for(prompts, sampling_params)
         # only the final output is returned, so the engine builds no per-step outputs at all
-        params = [replace(p, output_kind="final_only") if p.output_kind == "cumulative" else p for p in params]
+        # (a "delta" request too: its last output would carry only the last step's text and tokens)
+        params = [replace(p, output_kind="final_only") if p.output_kind != "final_only" else p for p in params]
         ids = self._add_all(prompts, params)
         finals: dict[str, RequestOutput] = {}
         bar = self._progress(len(ids), use_tqdm)
@@ -164,7 +165,7 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
         Validation and the template live in :meth:`InputProcessor.encode_chat` (the server's path too)."""
-        if not messages:
+        if not isinstance(messages, list) or not messages:
             raise ValueError("chat() needs a conversation (a non-empty list of messages) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]

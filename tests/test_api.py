@@ -212,3 +212,22 @@ def test_cli_streams(capsys):
     out = capsys.readouterr().out
     assert "Paris" in out and "tokens/s" in out and "TTFT" in out and "KV blocks" in out
     assert main(["generate", "", "--no-chat"]) == 2
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_generate_returns_whole_completions_whatever_the_output_kind(n):
+    """``generate`` hands back one final output per prompt, so a ``delta`` request must be switched to
+    ``final_only`` as a cumulative one is: kept as delta, its "final" output was the last step's token only.
+    Oracle: the simulated executor's token function, applied to each sample's position."""
+    from minivllm.sim import SimulatedExecutor
+    from minivllm.sim.executor import fake_token
+
+    llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=64, max_model_len=96)
+    llm.engine.eos_token_ids = set()
+    vocab = llm.engine.executor.vocab_size
+    [out] = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=n, max_tokens=5, ignore_eos=True,
+                                                                         output_kind="delta"), use_tqdm=False)
+    assert out.finished and len(out.outputs) == n
+    for i, sample in enumerate(out.outputs):
+        rid = out.request_id if n == 1 else f"{out.request_id}#{i}"
+        assert sample.token_ids == [fake_token(rid, 3 + k, vocab) for k in range(5)]

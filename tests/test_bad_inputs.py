@@ -140,6 +140,8 @@ CASES = [
     ("chat message not a dict", chat(["hi"]), "role"),
     ("chat role not a string", chat([{"role": 1, "content": "hi"}]), "role"),
     ("chat with no messages", chat([]), "conversation"),
+    ("chat given one message, not a list", chat({"role": "user", "content": "hi"}), "conversation"),
+    ("chat given a number", chat(5), "conversation"),
     ("chat content with a lone surrogate", chat([{"role": "user", "content": "bad \ud800 text"}]),
      "message 0's content is not valid Unicode"),
     ("chat role with a lone surrogate", chat([{"role": "user", "content": "hi"}, {"role": "\udfff", "content": "x"}]),
@@ -174,6 +176,32 @@ def test_duplicate_and_clashing_ids(api):
     engine.add_request({"prompt_token_ids": [1, 2]}, OK, "k#0")
     with pytest.raises(ValueError, match="clashes"):
         engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(n=2, max_tokens=2), "k")
+    # the other way round: a group's sample id may not be an n > 1 group's own id either ("k#0" is, above)
+    engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(n=2, max_tokens=2), "g#0")
+    with pytest.raises(ValueError, match="clashes"):
+        engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(n=2, max_tokens=2), "g")
     engine.abort_request("dup")
     engine.abort_request("k#0")
+    engine.abort_request("g#0")
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_finished_samples_id_stays_reserved_while_its_group_lives(api):
+    """``g#0`` names sample 0 of group ``g`` for as long as ``g`` lives, even once that sample is gone.  Taken
+    by a caller, aborting ``g`` removed the caller's request from the engine's tables while the scheduler kept
+    it: the next step raised KeyError."""
+    engine = api.engine
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2, max_tokens=8, ignore_eos=True), "g")
+    engine.step()
+    assert engine.abort_request("g#0")  # one sample ends; the group goes on
+    engine.step()  # (which reports it, and forgets it)
+    assert "g#0" not in engine.requests and "g" in engine._groups
+    with pytest.raises(ValueError, match="clashes"):
+        engine.add_request({"prompt_token_ids": [1, 2]}, OK, "g#0")
+    engine.add_request({"prompt_token_ids": [1, 2]}, OK, "g#x")  # not shaped like a sample id: fine
+    assert engine.abort_request("g")
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["g#x"]
     assert engine.pool.num_free == engine.pool.num_blocks

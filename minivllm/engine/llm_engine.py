@@ -233,11 +233,14 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests or request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still in the engine")
+        parent, sep, index = request_id.rpartition("#")
+        if sep and index.isdigit() and parent in self._groups:
+            raise ValueError(f"request id {request_id!r} clashes with a sample id of request {parent!r}, still in the engine")
         arrival = self.executor.now() if arrival_time is None else arrival_time
         samples = self.inputs.process(
             prompt, params, request_id, tenant=tenant, priority=priority, arrival_time=arrival, deadline=deadline
         )
-        if any(r.request_id in self.requests for r in samples):
+        if params.n > 1 and any(r.request_id in self.requests or r.request_id in self._groups for r in samples):
             raise ValueError(f"request id {request_id!r} clashes with a sample id of a request in the engine")
         if not self.kv.could_ever_fit(samples[0]):
             raise ValueError(
@@ -286,8 +289,8 @@ class LLMEngine:
         targets = group if group is not None else [self.requests.get(request_id)]
         found = False
         for req in targets:
-            if req is None or req.request_id not in self.requests:
-                continue
+            if req is None or self.requests.get(req.request_id) is not req:
+                continue  # finished already (its id may be someone else's now)
             self._end(req, RequestStatus.FINISHED_ABORTED)
             self._forget(req)
             found = True
