@@ -205,3 +205,13 @@ def test_a_finished_samples_id_stays_reserved_while_its_group_lives(api):
         outs += engine.step()
     assert [o.request_id for o in outs if o.finished] == ["g#x"]
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_stop_strings_without_a_tokenizer_are_refused():
+    """Stop strings are matched on detokenized text.  An engine with no tokenizer (a simulated one, or a model
+    folder without one) has no text, so they were accepted and never matched: the request ran to max_tokens."""
+    llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=16, max_model_len=64)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, stop=["x"]), "s")
+    llm.engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3, stop_token_ids=[7]), "t")
+    assert list(llm.engine.requests) == ["t"]

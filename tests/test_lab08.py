@@ -142,3 +142,42 @@ def test_the_alarm_story_holds_on_the_ramp():
         assert t is not None and check_lab08.rate_at(t) > best, (signal, t)
     assert check_lab08.rate_at(alarm(ramp.samples, "busy", 0.95, 2.0)) < best
     assert alarm(ramp.samples, "utilisation", 0.5, 2.0) is None
+
+
+def _one_step_s(seconds: float):
+    """A simulated engine whose every step takes ``seconds``, whatever it holds: windows can be counted by hand."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+
+    return sim_engine(executor=SimulatedExecutor(fixed_overhead_s=seconds, per_token_s=0.0, per_context_token_s=0.0),
+                      max_num_batched_tokens=16, max_num_seqs=4)
+
+
+def test_a_step_longer_than_a_window_is_split_across_the_windows_it_spans():
+    """One 16-token prompt and 3 outputs: three 2 s steps, scraped every 0.5 s.  By hand: every window is busy
+    (a step is always running), none is over 100%, and the first token comes out at t = 2.0, so the windows
+    ending at 0.5, 1.0 and 1.5 hold no token.  Before, each step was booked whole to the window it started in:
+    400% busy at t = 0.5, idle windows mid-step, and a first token counted 1.5 s before it existed."""
+    from minivllm.labs.live import SimArrival
+
+    run = run_sim_load(_one_step_s(2.0), [SimArrival(0.0, "r0", "default", 16, 3)], every_s=0.5)
+    assert [s.time for s in run.samples] == [0.5 * k for k in range(1, 13)]
+    assert all(s.busy == pytest.approx(1.0) and s.utilisation <= 1.0 + 1e-9 for s in run.samples)
+    assert [s.tokens_per_s for s in run.samples] == [0, 0, 0, 2.0] * 3  # one token per 2 s step, at its end
+
+
+def test_arrivals_are_counted_in_the_window_they_arrived_in_and_the_last_window_by_its_length():
+    """r1 arrives at 0.45 s, inside a 0.3 s step that ends at 0.6 s: it arrived in the window ending at 0.5 s,
+    although the loop adds it after that step.  And a partial last window (LiveLoad scrapes at the end) is
+    divided by its own length: a steady 10 tokens/s engine reads 10 tokens/s there too."""
+    from minivllm.labs.live import SimArrival
+
+    run = run_sim_load(_one_step_s(0.3), [SimArrival(0.0, "r0", "default", 16, 4),
+                                          SimArrival(0.45, "r1", "default", 16, 2)], every_s=0.5)
+    assert [s.arrived for s in run.samples][:2] == [2, 0]
+    run = run_sim_load(_one_step_s(0.1), [SimArrival(0.0, "r0", "default", 8, 13)], every_s=1.0,
+                       on_sample=lambda r: None)
+    assert run.duration == pytest.approx(1.3)
+    last = run.samples[-1]
+    assert last.time == pytest.approx(1.3)
+    assert last.busy == pytest.approx(1.0) and last.tokens_per_s == pytest.approx(10.0)

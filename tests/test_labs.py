@@ -476,6 +476,55 @@ def test_widget_text_fallback_is_stable():
     assert bundle["text/plain"].startswith("[step controls")
 
 
+def test_a_reprefill_after_recompute_is_drawn_as_a_prefill():
+    """A decode computes one token past the prompt.  A request preempted by recompute computes its prompt *and*
+    its outputs again, so a chunk can start past the prompt with many tokens: the pictures called it a 1-token
+    decode.  Oracle: the engine's own run, where every chunk past the prompt holding more than one token comes
+    after a preemption of that request, and a step's decode tokens are its 1-token chunks past the prompt."""
+    from minivllm import SamplingParams
+
+    eng = workloads.sim_engine(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, model_max_len=40)
+    lens = {}
+    for i in range(3):
+        lens[f"r{i}"] = 6
+        eng.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=20, ignore_eos=True),
+                        request_id=f"r{i}")
+    workloads.drain(eng)
+    log = list(eng.step_log)
+    redo = [(e["step"], rid) for e in log for rid, s, n in e["seqs"] if s >= lens[rid] and n > 1]
+    assert redo, "the run should re-prefill some outputs after a recompute preemption"
+    first_preempted: dict = {}
+    for e in log:
+        for rid in e["preempted"]:
+            first_preempted.setdefault(rid, e["step"])
+    assert all(first_preempted.get(rid, step) < step for step, rid in redo)
+    for e in log:
+        decode = sum(n for rid, s, n in e["seqs"] if s >= lens[rid] and n == 1)
+        assert widgets.step_composition(e["seqs"], lens) == (e["num_tokens"] - decode, decode)
+    rows = widgets.timeline_rows(log, lens)
+    assert not [r for r in rows.values() for _, kind, n in r if kind == "decode" and n > 1]
+    step, rid = redo[0]
+    assert f"{rid} prefill[" in widgets.describe_step(next(e for e in log if e["step"] == step), lens)
+
+
+def test_budget_explorer_sliders_start_where_the_picture_is():
+    """A ``render()`` before ``show()`` moves the picture off the constructor's values; the sliders must follow
+    (they started at the defaults while the picture showed the rendered setting)."""
+    pytest.importorskip("ipywidgets")
+    calls = []
+
+    def simulate(budget, threshold):
+        calls.append((budget, threshold))
+        return {"step_log": [], "prompt_lens": {}, "itls": [], "title": "", "summary": ""}
+
+    ex = widgets.BudgetExplorer(simulate, budget=(64, 4096, 64, 512), threshold=(0, 2048, 64, 256))
+    ex.render(64, 0)
+    ex.show()
+    sliders = ex.widget.children[0].children
+    assert (sliders[0].value, sliders[1].value) == calls[-1] == (64, 0)
+    plt.close("all")
+
+
 def test_paging_beats_reservation_like_the_paper():
     """The lab-2 claim: reservation keeps 20.4-38.2% of memory as real state (PagedAttention), paging > 96%."""
     lens = workloads.lengths_sample(2000, seed=0, max_len=2048)

@@ -68,6 +68,8 @@ class InputProcessor:
         if isinstance(prompt, dict):
             priority = prompt.get("priority", priority)
             deadline = prompt.get("deadline", deadline)
+        if params.stop and self.tokenizer is None:  # matched on detokenized text, which needs a tokenizer
+            raise ValueError("stop strings need a tokenizer and this engine has none: use stop_token_ids")
         text, token_ids, cache_salt, tenant = self._prompt_to_tokens(prompt, tenant)
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")

@@ -26,6 +26,7 @@ Three pieces, each usable alone:
 
 from __future__ import annotations
 
+import bisect
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -143,22 +144,29 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
     i = 0
     win_first: list[float] = []
     win_gaps: list[float] = []
-    win_tokens = win_arrived = 0
+    win_tokens = 0
     win_busy = win_comp = 0.0
+    win_start = ex.clock
+    arrival_times = [a.time for a in pending]
+    counted = 0  # arrivals up to the last scrape (counted by their arrival time, not by when the loop added them)
     last_token_time: dict[str, float] = {}  # per request still running: its latest token's time
 
     def scrape(now: float) -> None:
-        nonlocal win_tokens, win_arrived, win_busy, win_comp
+        nonlocal win_tokens, win_busy, win_comp, win_start, counted
         s = engine.stats()
+        length = now - win_start  # every_s, except the last (partial) window
+        arrived = bisect.bisect_right(arrival_times, now) - counted
         run.samples.append(Sample(
             time=now - t0, running=s["num_running"], waiting=s["num_waiting"], kv_usage=s["kv_cache_usage"],
-            utilisation=win_comp / every_s, busy=min(1.0, win_busy / every_s),
-            ttft_p90=_pct(win_first, 90), itl_p99=_pct(win_gaps, 99), tokens_per_s=win_tokens / every_s,
-            arrived=win_arrived))
+            utilisation=win_comp / length if length > 0 else 0.0,
+            busy=min(1.0, win_busy / length) if length > 0 else 0.0,
+            ttft_p90=_pct(win_first, 90), itl_p99=_pct(win_gaps, 99),
+            tokens_per_s=win_tokens / length if length > 0 else 0.0, arrived=arrived))
         win_first.clear()
         win_gaps.clear()
-        win_tokens = win_arrived = 0
+        win_tokens = 0
         win_busy = win_comp = 0.0
+        win_start, counted = now, counted + arrived
         if on_sample is not None:
             on_sample(run)
 
@@ -174,7 +182,6 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
         while i < len(pending) and pending[i].time <= ex.clock:
             a = pending[i]
             i += 1
-            win_arrived += 1
             prompt = [rng.randrange(10, 900) for _ in range(a.prompt_len)]
             # delta outputs: each step's output carries only that step's token times (a cumulative one would copy
             # every earlier time again, every step -- quadratic in the output length)
@@ -185,10 +192,18 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
             continue
         before = ex.clock
         outputs = engine.step()
-        dt = ex.clock - before
-        rec = engine.step_log[-1]
-        win_busy += dt
-        win_comp += dt * min(1.0, rec.num_tokens / budget)
+        share = min(1.0, engine.step_log[-1].num_tokens / budget)
+        # the step's time goes to the windows it spans; its tokens come out at its end, so the windows that
+        # closed while it ran are scraped before its outputs are counted
+        while ex.clock > next_scrape:
+            part = max(0.0, next_scrape - before)
+            win_busy += part
+            win_comp += part * share
+            before = max(before, next_scrape)
+            scrape(next_scrape)
+            next_scrape += every_s
+        win_busy += ex.clock - before
+        win_comp += (ex.clock - before) * share
         for out in outputs:
             m = out.metrics
             if out.finished and out.outputs[0].finish_reason == "rejected":

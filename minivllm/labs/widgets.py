@@ -144,12 +144,18 @@ def describe_block_pool(pool, tables: dict[str, Sequence[int]]) -> str:
 # -- step timeline -------------------------------------------------------------------
 
 
+def _is_decode(start: int, num: int, prompt_len: int) -> bool:
+    """A decode computes one token past the prompt; more tokens past it are a re-prefill after a recompute
+    preemption (the generated tokens computed again), which the pictures must not call a decode."""
+    return start >= prompt_len and num == 1
+
+
 def timeline_rows(step_log: Sequence[dict], prompt_lens: dict[str, int]) -> dict[str, list[tuple[int, str, int]]]:
     """``{request_id: [(step, 'prefill'|'decode', num_tokens), ...]}`` from ``engine.step_log``."""
     rows: dict[str, list[tuple[int, str, int]]] = {}
     for entry in step_log:
         for rid, start, num in entry["seqs"]:
-            kind = "decode" if start >= prompt_lens[rid] else "prefill"
+            kind = "decode" if _is_decode(start, num, prompt_lens[rid]) else "prefill"
             rows.setdefault(rid, []).append((entry["step"], kind, num))
     return rows
 
@@ -192,7 +198,7 @@ def describe_step(entry: dict, prompt_lens: dict[str, int]) -> str:
     """One line per step: who ran, prefill or decode, how many tokens."""
     parts = []
     for rid, start, num in entry["seqs"]:
-        kind = "decode" if start >= prompt_lens[rid] else f"prefill[{start}:{start + num}]"
+        kind = "decode" if _is_decode(start, num, prompt_lens[rid]) else f"prefill[{start}:{start + num}]"
         parts.append(f"{rid} {kind}")
     extra = f"  preempted: {entry['preempted']}" if entry["preempted"] else ""
     return f"step {entry['step']:3d}: {entry['num_tokens']:4d} tokens | " + ", ".join(parts) + extra
@@ -661,7 +667,7 @@ def draw_time_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *,
     first_seen: dict[str, float] = {}
     for e, (t0, t1) in zip(step_log, spans):
         for rid, s, n in e["seqs"]:
-            if s >= prompt_lens[rid]:
+            if _is_decode(s, n, prompt_lens[rid]):
                 bars.setdefault(rid, {"prefill": [], "decode": []})["decode"].append((t1 - min(tick, t1 - t0), t1))
             else:
                 bars.setdefault(rid, {"prefill": [], "decode": []})["prefill"].append((t0, t0 + 0.85 * (t1 - t0)))
@@ -766,10 +772,11 @@ class BudgetExplorer(PictureWidget):
         return self.png(), self.summary
 
     def controls(self, w) -> list:
+        # the sliders start where the picture is (a render() before show() moved it off the defaults)
         sliders = [w.IntSlider(value=v, min=lo, max=hi, step=st, description=d, continuous_update=False,
                                style={"description_width": "initial"}, layout={"width": "420px"})
-                   for d, (lo, hi, st, v) in (("max_num_batched_tokens", self.budget),
-                                              ("long_prefill_token_threshold", self.threshold))]
+                   for d, (lo, hi, st, _), v in (("max_num_batched_tokens", self.budget, self.values[0]),
+                                                 ("long_prefill_token_threshold", self.threshold, self.values[1]))]
 
         def moved(_change):
             with self._lock:
