@@ -374,3 +374,34 @@ def test_grade_refuses_a_missing_notebook(tmp_path, capsys):
 
     _returns_error(main([str(tmp_path / "nope.ipynb"), "--csv", str(tmp_path / "g.csv")]), capsys, "nope.ipynb")
     assert not (tmp_path / "g.csv").exists()
+
+
+def test_gpu_e2e_refuses_a_prompt_length_it_cannot_draw(monkeypatch, capsys):
+    """Prompt lengths are drawn from [16, --max-prompt-len): 16 or less crashed in randint after the model was
+    built.  Refused before anything runs."""
+    from minivllm.bench import gpu_e2e
+
+    with pytest.raises(SystemExit) as exc:
+        _argv_main(monkeypatch, gpu_e2e.main, ["--max-prompt-len", "16", "--device", "cpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-prompt-len must be more than 16" in err and "Traceback" not in err
+
+
+def test_prefix_structures_with_fewer_requests_than_rounds(capsys):
+    """3 measured requests cut into 8 rounds: the empty rounds' 0 us entered the medians (match and insert read
+    0.0) and the radix/hash ratio divided by zero.  Oracle: serving a real request takes time."""
+    from minivllm.bench import prefix_structures as ps
+
+    w = ps.Workload()
+    stream = ps.make_requests(w, ps.warmup_requests(50, w) + 3, 0)
+    rows = ps.measure_size(50, ["radix", "hash"], stream[:-3], stream[-3:], rounds=8)
+    assert all(r.match_us > 0 and r.insert_us > 0 for r in rows)
+
+
+def test_eager_step_p90_interpolates_like_its_median():
+    """p90 of 1..6 ms by numpy's rule is 5.5 ms; the floor index gave 5 (and with 3 samples, the median)."""
+    from minivllm.bench.eager_step import _stats
+
+    s = _stats([0.001 * k for k in (3, 1, 6, 2, 5, 4)])
+    assert s["p90_ms"] == pytest.approx(5.5) and s["p50_ms"] == pytest.approx(3.5)

@@ -998,3 +998,50 @@ def test_three_class_swaps_long_victims_by_the_cost_model_by_default():
     assert make_policies(fixed)[2].prefers_swap(2048, 128) and not make_policies(fixed)[2].prefers_swap(2047, 128)
     with pytest.raises(ValueError, match="swap_min_tokens"):
         ThreeClassConfig(swap_min_tokens=0)
+
+
+def test_bench_fairness_window_counts_only_steps_that_end_inside_it():
+    """Hand count, 1 s steps: a 4-token prompt with 5 outputs runs steps ending at t = 1, 2, 3, ...  A 2.5 s
+    window holds the first two: the prefill (4 prompt tokens, 1 output) and one decode (1 output).  The
+    benchmark took its snapshot after the first step ending *past* the window, one decode too many."""
+    from minivllm.bench import fairness as bench
+
+    res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 5)], window=2.5,
+                    step=dict(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0))
+    assert res.window_stats == {"a": {"prompt_tokens": 4, "output_tokens": 2}}
+
+
+def test_first_time_prompt_counts_a_reprefill_once():
+    """Recompute preemptions make requests prefill again (prompt and earlier outputs).  Service counts each prompt
+    token once: after the run, exactly the prompts' total.  The scheduler's per-tenant prompt_tokens, which counts
+    every computed token, is larger -- so it is the wrong measure of service."""
+    from minivllm.labs import workloads
+    from minivllm.metrics.step_log import FirstTimePrompt
+
+    eng = workloads.sim_engine(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, model_max_len=40)
+    served = FirstTimePrompt()
+    for i in range(3):
+        eng.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=20, ignore_eos=True),
+                        request_id=f"r{i}")
+        served.track(f"r{i}", "default", 6)
+    while eng.has_unfinished_requests():
+        eng.step()
+        served.observe(eng.step_log[-1])
+        served.observe(eng.step_log[-1])  # a record seen twice counts once
+    assert eng.stats()["num_preemptions"] > 0
+    assert served.by_tenant == {"default": 18}
+    assert eng.scheduler.tenant_stats["default"].prompt_tokens > 18
+
+
+def test_bench_fairness_backlogged_service_excludes_recompute():
+    """Three backlogged equal-weight tenants under WFQ, with recompute preemptions in the window: service as WFQ
+    defines it (first-time prompt tokens + 2 x outputs) is near equal.  Counting re-prefills as service (as the
+    benchmark did) read Jain 0.98 and credited the long-prompt tenant, whose re-prefills are longest, with twice its
+    service."""
+    from minivllm.bench import fairness as bench
+    from minivllm.metrics.stats import jain
+
+    res = bench.run("wfq", bench.backlogged_workload(0), step=bench.FAIR_STEP, window=20.0)
+    assert res.stats["num_preemptions"] > 0
+    service = {t: s["prompt_tokens"] + 2 * s["output_tokens"] for t, s in res.window_stats.items()}
+    assert jain(list(service.values())) > 0.99

@@ -36,12 +36,13 @@ from collections.abc import Callable
 from minivllm.argtypes import nonnegative_float, positive_int
 from minivllm.bench.results import write_result
 from minivllm.engine.startup import frozen_heap
+from minivllm.metrics.stats import interpolated
 
 
 def _stats(xs: list[float]) -> dict:
     s = sorted(xs)
     return {"n": len(s), "min_ms": 1e3 * s[0], "p50_ms": 1e3 * statistics.median(s),
-            "p90_ms": 1e3 * s[int(0.9 * (len(s) - 1))], "max_ms": 1e3 * s[-1],
+            "p90_ms": 1e3 * interpolated(s, 90), "max_ms": 1e3 * s[-1],
             "mean_ms": 1e3 * statistics.fmean(s)}
 
 

@@ -18,7 +18,7 @@ Three workloads, each run with the same arrivals for every policy (virtual clock
    p95 < 60 ms) and agent (TTFT < 2 s, ITL p95 < 120 ms) requests meeting their
    SLOs, and whether batch finished.
 
-    python -m minivllm.bench fairness [--out benchmarks/results/2026-12-01_cpu-2core_fairness_sim.json]
+    python -m minivllm.bench fairness [--out benchmarks/results/2026-12-03_cpu-2core_fairness_sim.json]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 from minivllm.argtypes import positive_float
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import jain, meets_slo, nearest_rank
+from minivllm.metrics.step_log import FirstTimePrompt
 
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
 
@@ -76,7 +77,9 @@ class Arrival:
 class Run:
     outputs: dict = field(default_factory=dict)  # request id -> (tenant, RequestOutput)
     stats: dict = field(default_factory=dict)
-    window_stats: dict = field(default_factory=dict)  # per-tenant stats when the arrival window closed
+    # tenant -> tokens served by the last step that ended in the window: prompt tokens computed for the first time
+    # (a re-prefill after a recompute preemption is the engine's loss, not service, as WFQ charges it) and outputs
+    window_stats: dict = field(default_factory=dict)
     kv_share: dict = field(default_factory=dict)  # tenant -> mean share of the pool held over the window
     clock: float = 0.0
     steps: int = 0
@@ -190,6 +193,7 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
     pending = list(reversed(arrivals))  # a stack: the next arrival on top
     res, owner, held = Run(), {}, {}
     n_window = 0
+    served = FirstTimePrompt()  # prompt tokens computed for the first time, per tenant
     sessions = {k: dict(v) for k, v in (sessions or {}).items()}
     for k in sessions:
         sessions[k]["rng"] = random.Random(k + 7)
@@ -199,6 +203,7 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
                                  SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
                                  tenant=a.tenant, priority=a.priority, arrival_time=a.time, deadline=a.deadline)
         owner[rid] = a
+        served.track(rid, a.tenant, len(a.prompt))
 
     while pending or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests() and pending and pending[-1].time > executor.clock:
@@ -215,16 +220,18 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
                     pending.append(Arrival(nxt[0], a.tenant, nxt[1], nxt[2], session=a.session))
                     pending.sort(key=lambda x: -x.time)
         res.steps += 1
+        if engine.step_log:
+            served.observe(engine.step_log[-1])
         if executor.clock <= window:
             n_window += 1
             for r in engine.scheduler.running:
                 held[r.tenant] = held.get(r.tenant, 0) + len(r.block_ids)
-        elif not res.window_stats:
-            res.window_stats = engine.tenant_stats()
+            # the counters after the last step that ended inside the window (as lab 6's serve() keeps them):
+            # the step that crosses the window's end is not counted
+            res.window_stats = {t: {"prompt_tokens": served.by_tenant.get(t, 0), "output_tokens": c.output_tokens}
+                                for t, c in engine.scheduler.tenant_stats.items()}
         if res.steps >= max_steps:
             raise RuntimeError(f"{policy}: did not drain in {max_steps} steps")
-    if not res.window_stats:
-        res.window_stats = engine.tenant_stats()
     res.kv_share = {t: h / max(1, n_window) / blocks for t, h in held.items()}
     res.stats = engine.stats()
     res.clock = executor.clock

@@ -179,7 +179,8 @@ def main() -> int:
     ap.add_argument("--arch", default="llama-3.2-1b", choices=["llama-3.2-1b", "qwen3-0.6b", "tiny"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="float32 makes both backends exact enough to compare tokens")
-    ap.add_argument("--max-prompt-len", type=int, default=1500)
+    ap.add_argument("--max-prompt-len", type=positive_int, default=1500,
+                    help="parity workload: prompt lengths are drawn from [16, this) (so more than 16)")
     ap.add_argument("--prompts", type=positive_int, default=16)
     ap.add_argument("--max-tokens", type=positive_int, default=64)
     ap.add_argument("--json", default=None)
@@ -196,6 +197,8 @@ def main() -> int:
     ap.add_argument("--save-model", default=None, metavar="DIR",
                     help="only write the random-weight model of --arch to DIR (e.g. for `bench sim_accuracy --model`)")
     a = ap.parse_args()
+    if a.max_prompt_len <= 16:
+        ap.error(f"--max-prompt-len must be more than 16 (prompts are 16 to max-1 tokens), got {a.max_prompt_len}")
     if a.save_model:
         make_model_dir(a.save_model, a.arch)
         print(f"wrote a random-weight {a.arch} to {a.save_model}")

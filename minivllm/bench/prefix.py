@@ -46,7 +46,8 @@ def main() -> int:
     ap.add_argument("--system-tokens", type=positive_int, default=1000)
     ap.add_argument("--conversations", type=positive_int, default=8)
     ap.add_argument("--turns", type=positive_int, default=4)
-    ap.add_argument("--max-tokens", type=positive_int, default=8)
+    ap.add_argument("--max-tokens", type=positive_int, default=8, help="system-prompt workload: tokens per answer")
+    ap.add_argument("--turn-max-tokens", type=positive_int, default=24, help="multi-turn workload: tokens per answer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -69,7 +70,7 @@ def main() -> int:
         "conversations": [[{"role": "system", "content": "You are a friendly tutor."}] for _ in range(a.conversations)],
         "turn_questions": [[f"Turn {t}, learner {c}: explain {rng.choice(topics)} simply." for c in range(a.conversations)]
                            for t in range(a.turns)],
-        "params": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        "params": SamplingParams(temperature=0, max_tokens=a.turn_max_tokens, ignore_eos=True),
     }
     del base
 

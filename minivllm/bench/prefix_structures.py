@@ -157,6 +157,7 @@ def measure_size(
         for tokens in warmup:
             serve(cache, pool, tokens, scratch)
         setups.append((structure, cache, pool, []))
+    rounds = min(rounds, len(measured))  # no empty chunk: its 0 us would enter the median
     chunk = max(1, len(measured) // rounds)
     # Long-lived objects are frozen out of the cyclic GC, as ``minivllm serve`` does;
     # otherwise collector pauses that grow with the heap swamp the timings.

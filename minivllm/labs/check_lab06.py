@@ -28,6 +28,7 @@ from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
 from minivllm.metrics.stats import meets_slo, nearest_rank
+from minivllm.metrics.step_log import FirstTimePrompt
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.fairness import DeadlineAdmission, RankPreemption, WFQAdmission, new_prompt_tokens
 from minivllm.sim.executor import SimulatedExecutor
@@ -198,7 +199,7 @@ class ServeResult:
     window: float = 0.0
     makespan: float = 0.0
     stats: dict = field(default_factory=dict)
-    window_tokens: dict = field(default_factory=dict)  # tenant -> (prompt, output) tokens served in the window
+    window_tokens: dict = field(default_factory=dict)  # tenant -> (prompt computed first time, output) in the window
     first_token: dict = field(default_factory=dict)  # request id -> virtual time of its first token
     finished: dict = field(default_factory=dict)  # request id -> virtual time it finished (or was rejected)
     finish_reason: dict = field(default_factory=dict)  # request id -> "length", "rejected", ...
@@ -356,6 +357,7 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
     pending = list(reversed(arrivals))
     sessions = {k: {**v, "rng": copy.deepcopy(v["rng"])} for k, v in (sessions or {}).items()}  # reruns: same calls
     owner = {}
+    served = FirstTimePrompt()  # prefill service: prompt tokens computed for the first time
     step = 0
 
     def push(a: Arrival) -> None:
@@ -373,6 +375,7 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
             res.tenant_of[a.request_id] = a.tenant
             res.arrival[a.request_id] = a.time
             owner[a.request_id] = a
+            served.track(a.request_id, a.tenant, len(a.prompt))
             if a.session is not None:
                 res.calls.setdefault(a.session, []).append(a.request_id)
             if client is not None:
@@ -403,8 +406,10 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
                 push(a)
         for rid, _, _ in engine.step_log[-1].seqs:
             res.first_step.setdefault(rid, step)
+        served.observe(engine.step_log[-1])
         if ex.clock <= res.window:
-            res.window_tokens = {t: (c.prompt_tokens, c.output_tokens) for t, c in engine.scheduler.tenant_stats.items()}
+            res.window_tokens = {t: (served.by_tenant.get(t, 0), c.output_tokens)
+                                 for t, c in engine.scheduler.tenant_stats.items()}
         step += 1
         if step >= max_steps:
             raise RuntimeError(f"the engine did not drain in {max_steps} steps")

@@ -169,3 +169,36 @@ def tenant_series(records: Iterable[StepRecord], num_blocks: int, tenants: Itera
             "kv_share": [row.kv_blocks / num_blocks for row in rows],
         }
     return out
+
+
+class FirstTimePrompt:
+    """Prompt tokens computed for the first time, per tenant: a tenant's prefill *service*, read off step records.
+
+    Why not the scheduler's per-tenant ``prompt_tokens``: that counts every prompt token the engine computed, and a
+    request preempted by recompute computes its prompt again.  The repeat is the engine's loss, not service to the
+    tenant -- WFQ charges a prompt token once (:func:`minivllm.sched.fairness.new_prompt_tokens`) -- so a fairness
+    measurement counting it credits the tenant preempted most.  Read here from the step log, not from the policy's
+    counters, so the measurement stays independent of the policy it judges.
+    """
+
+    def __init__(self) -> None:
+        self.by_tenant: dict[str, int] = {}
+        self._requests: dict[str, list] = {}  # request id -> [tenant, prompt length, furthest prompt position]
+        self._last_step = -1
+
+    def track(self, request_id: str, tenant: str, prompt_len: int) -> None:
+        self._requests[request_id] = [tenant, prompt_len, 0]
+
+    def observe(self, record: StepRecord) -> None:
+        """Count one step (a record seen before is skipped, so calling this after every engine step is safe)."""
+        if record.step <= self._last_step:
+            return
+        self._last_step = record.step
+        for rid, start, n in zip(record.seq_ids, record.seq_starts, record.seq_tokens):
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            end = min(start + n, req[1])
+            if end > req[2]:
+                self.by_tenant[req[0]] = self.by_tenant.get(req[0], 0) + end - max(start, req[2])
+                req[2] = end

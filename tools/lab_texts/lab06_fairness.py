@@ -66,7 +66,8 @@ quiet's tokens and more than the engine can serve, so its backlog grows for as l
 
 FCFS is "fair" to *requests* (first come, first served) and unfair to *tenants*: a tenant that sends more gets more,
 and everybody else's latency becomes a function of the heaviest sender. To say anything precise we need a metric per
-tenant. We will read three: **p95 TTFT** (the latency promise), **tokens per second** (the service received) and
+tenant. We will read three: **p95 TTFT** (the latency promise), **tokens per second** (the service received: each
+prompt token counted once, since a prompt computed again after a preemption is the engine's loss, not service) and
 **KV share** (the memory held). The engine's step log records, for every step, each tenant's tokens, KV blocks,
 running and waiting requests (`record.tenants`), so all three come from one run.
 
@@ -250,8 +251,9 @@ for name, policy in [("fcfs", {}), ("wfq", wfq_policy(VTC and VTC({}), budget=51
 """),
 ("md", r"""
 WFQ brings quiet's p95 TTFT back to within a couple of steps of its solo value, like the binding cap — but nothing
-is left idle: noisy loses only the tokens quiet now gets (read the tok/s column: the two tenants' total stays about
-where FCFS had it), while the binding cap idled capacity. WFQ is work-conserving. Whenever quiet has nothing waiting,
+is left idle: noisy loses less than quiet gains (read the tok/s column: the two tenants get 6,111 tokens per second
+together under WFQ, 5,678 under FCFS, whose preemptions made it compute prompts twice), while the binding cap idled
+capacity (5,271). WFQ is work-conserving. Whenever quiet has nothing waiting,
 noisy gets everything;
 when quiet has work, it goes first because its counter is lower. On the backlogged workload FCFS gives the tenant
 with the biggest requests most of the service (Jain ≈ 0.57); WFQ equalises it (Jain ≈ 1.0). Weights change the
