@@ -173,8 +173,10 @@ for out in llm.stream("The capital of France is", SamplingParams(max_tokens=6, t
     print(f"step emits token {c.delta_token_ids} -> text {c.delta_text!r}" + ("   (finished)" if out.finished else ""))
 """),
 ("md", r"""
-A, first in line, took the whole 16-token budget as a prefill chunk, so B and C were not admitted yet (no
-budget left), and nothing was sampled: A's prompt is not finished. Step 1 below finishes A's prefill (4 tokens) and
+*Admit* starts a waiting request only while three things are free: a seat (`max_num_seqs`), token budget for
+its first chunk, and KV blocks for the rest of its prompt, which it sets aside on admission (`Scheduler.admit`). A
+request that does not fit waits its turn. Here the budget ran out first: A, first in line, took the whole 16-token
+budget as a prefill chunk, so B and C were not admitted yet, and nothing was sampled: A's prompt is not finished. Step 1 below finishes A's prefill (4 tokens) and
 samples its first token in that same step — **the first output token comes from the prefill step** — while B and
 C start. Watch the rest as a timeline of the step log, one step per click of **next step**: orange = prefill chunk
 (number = tokens), blue = decode. The widget steps its own copy of this engine, built the same way and stepped

@@ -383,8 +383,8 @@ for caching in (False, True):
           + f" | decoders' ITL p99 {s['itl_p99'] * 1000:.0f} ms")
 """),
 ("md", r"""
-A miss is a full 8,192-token prefill that blocks the batch for ~180 ms. A hit computes only the uncached tail (the
-question, plus the last block): the step is barely longer than a decode step, and nobody notices. So the prefix
+A miss is a full 8,192-token prefill that blocks the batch for ~180 ms. A hit computes only the uncached tail (here
+the 32-token question; a prompt cached whole would still recompute its last block, lab 3): the step is barely longer than a decode step, and nobody notices. So the prefix
 cache is also a latency tool for *other* users — and the first request with a new document still pays, which is why
 chunking and caching are used together.
 

@@ -43,8 +43,8 @@ ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when ther
 ("md", r"""
 ## 1. The picture: the pool is empty and a running request needs one more block
 
-Admission (lab 1) only checks that a request's *next chunk* fits. Then every running request grows by one token
-per step, and every `block_size` tokens it needs a new block. Sooner or later the pool is empty while a running
+Admission (lab 1) sets aside blocks for a request's *prompt*, not for the outputs it will generate (reject mode,
+below, is the exception). Then every running request grows by one token per step, and every `block_size` tokens it needs a new block. Sooner or later the pool is empty while a running
 request must write its next token. Someone has to give blocks back:
 
 ```
@@ -274,8 +274,8 @@ for k in (0, 3):
               f"{r.preemption_rate('chat'):.2f} preemptions per chat request")
 """),
 ("md", r"""
-Without the guard, the batch job's latency follows the chat stream: it finishes about two seconds after the stream
-stops, and each doubling of the stream roughly doubles its latency (13 → 23 → 42 s) and adds preemptions (4 → 6 → 16).
+Without the guard, the batch job's latency follows the chat stream: it finishes a few seconds (2.6–4.1 s) after the
+stream stops, and each doubling of the stream roughly doubles its latency (13 → 23 → 42 s) and adds preemptions (4 → 6 → 16).
 Nothing bounds it except the traffic stopping. Meanwhile chat's p99 stays near 2.7 s. A dashboard with one global
 preemption count would show a healthy server. Count preemptions *per tenant* (the server exports
 `vllm:num_preemptions_total{tenant=...}`, lab 8) and the batch tenant stands out: every one of its requests preempted
@@ -464,8 +464,11 @@ The two block-second totals are the same number computed two ways, which is Litt
 average = swapped blocks per second × time each stays*. So the tier a workload needs scales with how long victims
 wait: if they stayed ten times longer (a deep priority queue ahead of them, a scheduler that lets newcomers pass),
 the same swap traffic would need ten times the host memory, and with a fixed tier more victims would fall back to
-recompute. Swap pays when the host tier is large relative to *swap rate × stay* — plentiful CPU memory, victims that
-resume soon.
+recompute. Little's law gives the *average*, though, and a tier must hold the *peak*: 8.3 blocks on average here, 61
+at the peak, and one victim alone can be that large (the 32-block tier, four times the average, still recomputed the
+ten victims bigger than itself). Size the tier for the peak, at least the largest victim; the average says how that
+need grows with the stay. Swap pays when the host tier is large relative to *swap rate × stay* — plentiful CPU
+memory, victims that resume soon.
 
 ## ✏️ Exercise 3 — reject at the door
 
@@ -829,8 +832,9 @@ print_answers(5)   # the answer key: run it after you have answered
 * Why a reject rule at the door keeps latency bounded, and why the reject rate (not GPU utilisation) is what an
   autoscaler should scale on.
 * What a bigger KV memory share buys (concurrency, fewer preemptions) and what it costs (activation room).
-* Why swap mode quietly turns into recompute when the host tier is full, and why the tier a workload needs is
-  swap rate × how long victims stay (Little's law) — short, because swapped victims wait at the front of the queue.
+* Why swap mode quietly turns into recompute when the host tier is full, and why the tier a workload needs is set
+  by its peak (at least the largest victim), while swap rate × how long victims stay (Little's law) gives only the
+  average — small, because swapped victims wait at the front of the queue.
 * How to measure a forward pass's activation peak (new storages counted at creation, subtracted when freed), why it
   grows linearly with the token budget and not with the number of layers, and how many tokens of budget a KV share
   leaves on a given GPU.
