@@ -43,6 +43,12 @@ class InputProcessor:
     def sample_id(parent_id: str, index: int) -> str:
         return f"{parent_id}#{index}"
 
+    @staticmethod
+    def sample_parent(request_id: str) -> str | None:
+        """The parent id if ``request_id`` is shaped like a :meth:`sample_id` (``parent#<digits>``), else None."""
+        parent, sep, index = request_id.rpartition("#")
+        return parent if sep and index.isdigit() else None
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 

@@ -233,8 +233,8 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests or request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still in the engine")
-        parent, sep, index = request_id.rpartition("#")
-        if sep and index.isdigit() and parent in self._groups:
+        parent = self.inputs.sample_parent(request_id)
+        if parent is not None and parent in self._groups:
             raise ValueError(f"request id {request_id!r} clashes with a sample id of request {parent!r}, still in the engine")
         arrival = self.executor.now() if arrival_time is None else arrival_time
         samples = self.inputs.process(
