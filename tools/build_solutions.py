@@ -50,10 +50,11 @@ def build(name: str) -> nbformat.NotebookNode:
     return nb
 
 
-def execute(path: Path, timeout: int = 600) -> float:
+def execute(nb: nbformat.NotebookNode, path: Path, timeout: int = 600) -> float:
+    """Run ``nb`` as if it lay at ``path`` and write it there only once every cell has run: a failing cell
+    leaves the committed notebook (and its stored outputs) as it was."""
     from nbclient import NotebookClient
 
-    nb = nbformat.read(path, as_version=4)
     t0 = time.time()
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     elapsed = time.time() - t0
@@ -80,10 +81,11 @@ def main() -> int:
             for c in nb.cells:
                 if c.cell_type == "code" and c.source in old:
                     c.outputs, c.execution_count = old[c.source].outputs, old[c.source].execution_count
-        nbformat.write(nb, path)
-        print(f"wrote {path.relative_to(ROOT)}")
         if args.execute:
-            print(f"  executed in {execute(path):.1f} s")
+            print(f"  executed in {execute(nb, path):.1f} s")
+        else:
+            nbformat.write(nb, path)
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 

@@ -21,6 +21,7 @@ set -u
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT  # logs and JSONs are packed into $OUT/results.tgz after every step
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + ${BUDGET:-540}))

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         if have.get(n) != text:
             (args.labs / n).write_text(text)
             print(f"wrote labs/{n}")
+    for n in sorted(set(have) - set(want)):  # a solution renamed or removed: --check reports these too
+        (args.labs / n).unlink()
+        print(f"removed labs/{n} (no source in solutions/)")
     return 0
 
 

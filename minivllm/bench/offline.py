@@ -254,13 +254,13 @@ def main() -> int:
               f"{results['minivllm_identical_to_hf']}/{len(requests)})")
     if "vllm_s" in results:
         print(f"vLLM CPU   {results['vllm_s']:7.1f} s  {results['vllm_tok_s']:7.1f} output tok/s  (eager; load "
-              f"{results['vllm_load_s']:.0f} s, peak RSS {results['vllm_peak_rss_mb'] or 0:.0f} MB)")
+              f"{results['vllm_load_s']:.0f} s, peak RSS {results['vllm_peak_rss_mb'] or 0:.0f} MiB)")
         print(f"ratio      minivllm / vLLM = {results['minivllm_vs_vllm']:.2f}x   "
               f"(vLLM token-identical to minivllm: {results['vllm_identical_to_minivllm']}/{len(requests)})")
     print(f"TTFT p50 {results['ttft_p50_ms']:.0f} ms  p95 {results['ttft_p95_ms']:.0f} ms | "
           f"ITL p50 {results['itl_p50_ms']:.0f} ms  p95 {results['itl_p95_ms']:.0f} ms  p99 {results['itl_p99_ms']:.0f} ms")
-    print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} ({results['kv_pool_mb']:.0f} MB pool) | "
-          f"peak RSS {results['peak_rss_mb']:.0f} MB | page faults {faults} | load {load_s:.1f} s | attention {results['attention_backend']}, "
+    print(f"peak KV blocks {peak_blocks}/{results['kv_blocks']} ({results['kv_pool_mb']:.0f} MiB pool) | "
+          f"peak RSS {results['peak_rss_mb']:.0f} MiB | page faults {faults} | load {load_s:.1f} s | attention {results['attention_backend']}, "
           f"linear {results['linear_backend']}")
     print(f"compute floor: {results['workload_gflop']:.0f} GFLOP at {results['matmul_gflops']:.1f} GFLOP/s = "
           f"{results['compute_floor_s']:.1f} s -> minivllm runs at {100 * results['share_of_floor']:.0f}% of the floor")
