@@ -204,6 +204,7 @@ class LLM:
     def _add_all(self, prompts, params) -> list[str]:
         """Add the prompts one by one; if one is refused, abort those already added, so nothing is left
         half-added (the caller gets the ``ValueError`` and the engine holds none of the batch)."""
+        self._router.refuse_if_served()  # before anything is added (pump checks again, for a server started since)
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -254,6 +255,12 @@ class _Router:
             out.append(box.popleft())
         return out
 
+    def refuse_if_served(self) -> None:
+        """A server's loop stepping the engine would take our outputs (and we, its clients'): refuse instead."""
+        if self.engine.served_by() is not None:
+            raise RuntimeError("this engine is being served by a running server: send requests to the server, "
+                               "or stop it first")
+
     def pump(self, ids) -> bool:
         """Make sure one of ``ids`` has output waiting; False if the engine has no work left for them."""
         with self._step_lock:
@@ -261,6 +268,7 @@ class _Router:
                 return True
             if not self.engine.has_unfinished_requests():
                 return False
+            self.refuse_if_served()
             for out in self.engine.step():
                 box = self._boxes.get(out.request_id)
                 if box is not None:

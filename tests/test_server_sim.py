@@ -718,3 +718,99 @@ def test_a_client_gone_mid_body_is_not_an_internal_error(caplog):
         time.sleep(0.5)
         assert not engine.has_unfinished_requests() and engine.pool.num_free == engine.pool.num_blocks
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_a_text_prompt_far_past_the_context_is_refused_before_it_is_tokenized(tokenizer):
+    """A 20 MB text prompt was tokenized in full (43 s on two cores, +2.7 GB of memory) before its 400 said it
+    was 3.5M tokens for a 512-token context.  No token covers more characters than the longest vocabulary entry,
+    so a prompt longer than ``max_model_len`` of those cannot fit: it is refused without tokenizing."""
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=16, max_model_len=512, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer, model_max_len=512)
+    seen: list[int] = []
+    encode = tokenizer.encode
+
+    class _Counting:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def encode(self, text, **kw):
+            seen.append(len(text))
+            return encode(text, **kw)
+
+    engine.inputs.tokenizer = _Counting()
+    with _Served(engine) as srv:
+        url = srv.base + "/v1/completions"
+        r = httpx.post(url, json={"prompt": "hello world " * 200_000, "max_tokens": 4}, timeout=120)  # 2.4 MB
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
+        assert "max_model_len" in r.json()["error"]["message"]
+        chat = httpx.post(srv.base + "/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "hello world " * 200_000}], "max_tokens": 4})
+        assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text[:300]
+        assert not seen or max(seen) < 512 * 100, seen  # never handed the 2.4 MB to the tokenizer
+        ok = httpx.post(url, json={"prompt": "hello world " * 40, "max_tokens": 4}, timeout=30)  # 81 tokens: fine
+        assert ok.status_code == 200, ok.text
+        assert srv.async_engine.wait_idle(10) and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_second_server_on_an_engine_already_served_is_refused_not_a_silent_hang():
+    """Two engine loops on one engine steal each other's outputs (each drops what it has no stream for): a notebook
+    cell that builds ``BackgroundServer(llm.engine)`` twice without stopping the first left some requests of either
+    server waiting forever.  The second server is refused; once the first stops, the engine may be served again."""
+    from minivllm.server import BackgroundServer
+
+    engine = _paced_engine(fixed_overhead_s=0.001, per_token_s=0.0, per_context_token_s=0.0)
+    first = BackgroundServer(engine, "sim", start_timeout_s=20)
+    try:
+        with pytest.raises(RuntimeError, match="already served"):
+            second = BackgroundServer(engine, "sim", start_timeout_s=20)
+            second.stop(10)  # (the current code starts it: stop it, so the failed test leaves no thread behind)
+        body = {"prompt": [10, 11], "max_tokens": 50, "ignore_eos": True}
+        for _ in range(3):
+            assert httpx.post(first.base_url + "/v1/completions", json=body, timeout=10).status_code == 200
+    finally:
+        first.stop(20)
+    assert not first.running
+    with BackgroundServer(engine, "sim", start_timeout_s=20) as again:  # the first one is gone: serving again is fine
+        assert httpx.post(again.base_url + "/v1/completions", json=body, timeout=10).status_code == 200
+    assert engine.pool.num_free == engine.pool.num_blocks and not engine.requests
+
+
+def test_a_request_with_thousands_of_stop_strings_is_a_400_not_a_slower_server_for_everyone():
+    """Every stop string is searched (and its length read) for every request on every step: one request with
+    100k of them (a 1.4 MB body) made another client's 200 tokens take 10x as long.  The list is capped at the
+    boundary (a 400 naming ``stop``, whose message does not echo the whole list); a modest list still works."""
+    engine = _paced_engine(fixed_overhead_s=0.001, per_token_s=0.0, per_context_token_s=0.0)
+    with _Served(engine) as srv:
+        url = srv.base + "/v1/completions"
+        base = {"prompt": [10, 11], "max_tokens": 4, "ignore_eos": True}
+        ok = httpx.post(url, json={**base, "stop": [f"zz{i}" for i in range(16)]}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        for path, body in (("/v1/completions", base),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w10"}], "max_tokens": 4})):
+            r = httpx.post(srv.base + path, json={**body, "stop": [f"zz{i}" for i in range(20_000)]}, timeout=30)
+            assert r.status_code == 400, r.text[:300]
+            err = r.json()["error"]
+            assert err["param"] == "stop" and "at most" in err["message"] and len(err["message"]) < 300, err
+        assert srv.async_engine.wait_idle(10) and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_offline_generate_on_an_engine_a_server_is_serving_is_refused_then_works_once_it_stops():
+    """``LLM.generate`` steps the engine itself; with a server's loop stepping it too, each would take outputs
+    the other's callers wait for.  While the server runs, generate says so; after ``stop()`` it serves again."""
+    from minivllm import LLM
+    from minivllm.server import BackgroundServer
+
+    llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=64, max_model_len=96)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    server = BackgroundServer(llm.engine, "sim", start_timeout_s=20)
+    try:
+        with pytest.raises(RuntimeError, match="served by a running server"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)
+        assert not llm.engine.requests  # refused before anything was added
+        body = {"prompt": [10, 11], "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(server.base_url + "/v1/completions", json=body, timeout=10).status_code == 200
+    finally:
+        server.stop(20)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)
+    assert len(out[0].outputs[0].token_ids) == 3
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.requests

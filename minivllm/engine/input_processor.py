@@ -38,6 +38,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._ids = itertools.count()
+        self._chars_per_token: int | None = None  # the longest vocabulary entry (0: unknown), read on first use
 
     @staticmethod
     def sample_id(parent_id: str, index: int) -> str:
@@ -153,6 +154,11 @@ class InputProcessor:
             raise ValueError("empty prompt")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+        per_token = self._max_chars_per_token()
+        if per_token and len(text) > 2 * per_token * self.max_model_len:
+            # (tokenizing a 20 MB text took 43 s and 2.7 GB only to say it was too long)
+            raise ValueError(f"prompt has {len(text)} characters but max_model_len is {self.max_model_len} tokens, and "
+                             f"no token of this tokenizer covers more than {per_token} characters: it could never fit")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -161,6 +167,18 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt encodes to zero tokens")
         return text, ids
+
+    def _max_chars_per_token(self) -> int:
+        """An upper bound on the characters of text one token covers: its longest vocabulary entry (byte-level
+        BPE writes one character per byte, SentencePiece the piece itself); the caller doubles it for
+        normalizers that drop characters.  0 when the tokenizer has no vocabulary to read (then no check)."""
+        if self._chars_per_token is None:
+            try:
+                vocab = self.tokenizer.get_vocab()
+                self._chars_per_token = max(map(len, vocab), default=0) if isinstance(vocab, dict) else 0
+            except Exception:  # noqa: BLE001 - no get_vocab (a test tokenizer, say): no shortcut, tokenize as before
+                self._chars_per_token = 0
+        return self._chars_per_token
 
     def encode_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The token ids of a conversation rendered by the model's chat template, validated (``ValueError``).
@@ -191,6 +209,11 @@ class InputProcessor:
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template that refuses these messages is the caller's input
             raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
+        per_token = self._max_chars_per_token()
+        if per_token and len(text) > 2 * per_token * self.max_model_len:
+            raise ValueError(f"the conversation has {len(text)} characters but max_model_len is {self.max_model_len} "
+                             f"tokens, and no token of this tokenizer covers more than {per_token} characters: it "
+                             f"could never fit")
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ValueError("the conversation encodes to zero tokens")

@@ -172,6 +172,31 @@ class LLMEngine:
         self.step_time_s: float | None = None  # moving average of the wall (or virtual) time per step
         self._lock = threading.RLock()
         self.closed = False
+        self._driver = None  # the server loop stepping this engine, if any (claim_driver)
+
+    # -- who steps the engine --------------------------------------------
+    def claim_driver(self, driver) -> None:
+        """Make ``driver`` (a server's loop, with an ``is_running`` property) the one loop that steps this engine.
+
+        Whoever steps the engine receives every request's outputs and hands each to the stream waiting for it;
+        a second loop would drop the outputs of the first one's streams, and their clients would wait forever
+        (a notebook cell that starts a server twice).  So a second driver is refused while the first runs.
+        """
+        with self._lock:
+            current = self.served_by()
+            if current is not None and current is not driver:
+                raise RuntimeError("this engine is already served by another running server (stop that one first)")
+            self._driver = driver
+
+    def release_driver(self, driver) -> None:
+        with self._lock:
+            if self._driver is driver:
+                self._driver = None
+
+    def served_by(self):
+        """The running loop that has claimed this engine (:meth:`claim_driver`), or None."""
+        driver = self._driver
+        return driver if driver is not None and driver.is_running else None
 
     # -- construction helpers ---------------------------------------------
     def _eos_ids(self) -> set[int]:

@@ -105,6 +105,7 @@ class AsyncEngine:
         """Start the loop thread; outputs are delivered on ``loop`` (default: the running loop)."""
         if self._thread is not None:
             return
+        self.engine.claim_driver(self)  # RuntimeError if another server's loop steps this engine
         self._loop = loop or asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
         self._thread.start()
@@ -235,6 +236,7 @@ class AsyncEngine:
             self._drain()
             self._drained = True
             self._drain()
+            engine.release_driver(self)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         metrics = self.metrics

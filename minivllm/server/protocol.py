@@ -17,12 +17,16 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 # A real number, strictly: ints are accepted (and become floats), strings and bools are not.  One type
 # rather than ``Union[StrictInt, StrictFloat]``, whose first member's error ("should be a valid integer")
 # is what a client sending ``"temperature": "0.5"`` would read.
 Number = StrictFloat
+
+# Every stop string is searched for on every step of its request, on the engine thread every request shares: a
+# request with thousands of them slows every stream.  (OpenAI allows 4; this leaves room for vLLM-style lists.)
+MAX_STOP_STRINGS = 64
 
 
 class StreamOptions(BaseModel):
@@ -77,6 +81,13 @@ class _SamplingRequest(BaseModel):
     guided_choice: Optional[Any] = None
     guided_grammar: Optional[Any] = None
     structured_outputs: Optional[Any] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stop_strings(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
+        return stop
 
     def unsupported(self) -> Optional[str]:
         """The first field set to something minivllm cannot do, or None.
