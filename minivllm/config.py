@@ -235,7 +235,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int = 0  # a prefill chunk cap (0: none); below max_model_len it needs chunking on
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.4
@@ -391,6 +391,14 @@ class EngineConfig:
                 preset["long_prefill_token_threshold"] = self.three_class.long_prefill_tokens
             if self.preemption_mode == "recompute":
                 preset["preemption_mode"] = "auto"
+        threshold = preset.get("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if threshold and not self.enable_chunked_prefill and threshold < max_len:
+            # the cap holds a prompt to chunks of ``threshold`` tokens, which only chunked prefill can run
+            source = ", set by scheduling_policy='three_class'" if "long_prefill_token_threshold" in preset else ""
+            raise ValueError(
+                f"with chunked prefill off, long_prefill_token_threshold ({threshold}{source}) must be 0 or "
+                f">= max_model_len ({max_len}) or a longer prompt could never be scheduled"
+            )
         for _, tc in self.tenants:
             if tc.max_tokens_per_step is not None and not self.enable_chunked_prefill and tc.max_tokens_per_step < max_len:
                 raise ValueError(

@@ -75,6 +75,9 @@ CASES = [
     ("max_model_len beyond the model", lambda llm: EngineConfig(max_model_len=10**6).resolve(8192), "trained"),
     ("chunking off with a small budget",
      lambda llm: EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=16).resolve(8192), "chunked prefill off"),
+    ("chunking off with a small long-prefill threshold (a longer prompt was admitted and never scheduled)",
+     lambda llm: EngineConfig(enable_chunked_prefill=False, long_prefill_token_threshold=5, max_model_len=64,
+                              max_num_batched_tokens=64).resolve(64), "long_prefill_token_threshold"),
     # sampling parameters
     ("n zero", sp(n=0), "n must"),
     ("n bool", sp(n=True), "n must"),

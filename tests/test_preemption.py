@@ -508,3 +508,33 @@ def test_package_has_no_import_cycles():
         mods.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     code = "import importlib, sys\nfor m in sys.argv[1:]:\n    for k in [k for k in sys.modules if k.startswith('minivllm')]: del sys.modules[k]\n    importlib.import_module(m)\n"
     subprocess.run([sys.executable, "-c", code, *sorted(mods)], check=True, cwd=root)
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_room_bound_counts_cached_blocks_pinned_only_by_a_victim(kind):
+    """``could_start_if_freed`` may only say "certainly not" when it is so.  A request whose prefix twin was
+    cached first caches its later blocks *below the twin*: the twin's block, held by the cache alone, is then
+    pinned by a block only the victim holds -- not evictable now, not in the victim's table, yet evictable once
+    the victim goes.  The oracle is the pool itself: free the victim, then ask whether the blocks are there."""
+    from minivllm.kv.prefix import make_prefix_cache
+
+    def req(rid, toks):
+        return Request(rid, list(toks), SamplingParams(max_tokens=4, ignore_eos=True), 0.0)
+
+    pool = BlockPool(6)
+    kv = KVCacheManager(pool, 2, make_prefix_cache(kind, pool, 2))
+    b, a = req("B", [1, 2, 3, 4, 9]), req("A", [1, 2, 7])
+    assert kv.allocate_slots(b, 4) and kv.allocate_slots(a, 2)
+    a.num_computed_tokens = 2
+    kv.cache_full_blocks(a)  # A's [1, 2] is cached first
+    b.num_computed_tokens = 4
+    kv.cache_full_blocks(b)  # B's twin of it loses; B's [3, 4] is cached below A's block
+    kv.free(a)  # A's block: only the cache holds it, but B's [3, 4] below it pins it
+    c = req("C", range(100, 107))
+    assert kv.allocate_slots(c, 6) and pool.num_free == 0
+    w = req("W", range(200, 205))  # 3 blocks, nothing cached
+    said = kv.could_start_if_freed(w, [b], 0)
+    kv.free(b)
+    assert kv.can_provide(3), "freeing B does make room for W"
+    assert said, "could_start_if_freed said 'certainly not'"
+    assert not kv.could_start_if_freed(req("X", range(300, 309)), [], 0)  # 5 blocks with nothing freed: no

@@ -184,7 +184,17 @@ class KVCacheManager:
         room = self.num_available_blocks + freed - reserved
         hit = () if req.cpu_block_ids else self.match_prefix(req).block_ids
         room -= sum(1 for b in hit if evictable_after(b))
-        return room >= blocks_for(req.num_tokens, self.block_size) - len(hit)
+        need = blocks_for(req.num_tokens, self.block_size) - len(hit)
+        pinned_blocks = getattr(cache, "pinned_blocks", None)  # (lab 3's learner cache pins nothing)
+        if room >= need or pinned_blocks is None:
+            return room >= need
+        # A cached block that only the cache holds may still be pinned by a block below it that only a
+        # victim holds (a request whose prefix twin was cached first caches its later blocks below the
+        # twin): not evictable now, not in a victim's table, yet evictable once the victims go.  Before
+        # saying "certainly not", count those too (O(pinned blocks), asked only on this path).
+        hit_set = set(hit)
+        room += sum(1 for b in pinned_blocks() if b not in held and b not in hit_set and holders_after(b) == 0)
+        return room >= need
 
     def worst_case_new_blocks(self, req: Request) -> int:
         """Blocks ``req`` could still need if it ran to ``max_tokens`` (reject mode reserves these)."""

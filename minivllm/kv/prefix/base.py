@@ -441,8 +441,17 @@ class PinIndex:
             return self.recount(pool)
         return len(self.pins)
 
+    def pinned(self, pool):
+        """The pinned blocks themselves (read-only): the index's keys, or a fresh count for a pool it cannot follow."""
+        if pool is not self._pool and not self.follow(pool):
+            return self._pinned_set(pool)
+        return self.pins.keys()
+
     def recount(self, pool) -> int:
         """Pinned blocks counted from scratch: every locked block and the blocks above it."""
+        return len(self._pinned_set(pool))
+
+    def _pinned_set(self, pool) -> set[int]:
         pinned: set[int] = set()
         for block in self.parent:
             if pool.refcount(block) > 1:
@@ -450,7 +459,7 @@ class PinIndex:
                 while b is not None and b not in pinned:
                     pinned.add(b)
                     b = self.parent[b]
-        return len(pinned)
+        return pinned
 
     def _change(self, block: int | None, delta: int) -> None:
         pins, parent = self.pins, self.parent
@@ -524,6 +533,14 @@ class LeafEviction:
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
         """See :meth:`~minivllm.interfaces.PrefixCache.record_lookup`."""
         self.stats.record_lookup(query_tokens, hit_tokens)
+
+    def pinned_blocks(self):
+        """Cached blocks not evictable now: locked, or above a locked block (read-only view).
+
+        The KV manager's room bound reads it: a block the cache alone holds, pinned only by a victim's
+        block below it, becomes evictable once the victim goes (:meth:`KVCacheManager.could_start_if_freed`).
+        """
+        return self._pins.pinned(self.pool)
 
     def evict(self, num_blocks: int) -> int:
         """See :meth:`~minivllm.interfaces.PrefixCache.evict`; LRU across all namespaces."""
