@@ -55,7 +55,7 @@ class _EngineCounters(TypedDict):
     swapped_in_blocks: int
     swapped_out_bytes: int
     swapped_in_bytes: int
-    num_rejected: int
+    num_rejected: int  # each sample of an n > 1 request counts (Prometheus: the request once)
     num_errors: int
     recompute_hit_tokens: int
     per_tenant: dict[str, TenantStats]

@@ -100,7 +100,7 @@ class EngineMetrics:
             "vllm:num_preemptions", "Preemptions, by mode (recompute|swap) and tenant.", ["model_name", "mode", "tenant"], registry=r
         )
         self.recomputed = Counter("vllm:num_recomputed_tokens", "Tokens computed again after preemption (minivllm).", m, registry=r)
-        self.rejected = Counter("vllm:num_requests_rejected", "Requests turned away by reject mode (minivllm).", mt, registry=r)
+        self.rejected = Counter("vllm:num_requests_rejected", "Requests turned away by reject mode, an n > 1 request once (minivllm).", mt, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", mt, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", mt, registry=r)
         self.request_success = Counter(
