@@ -267,9 +267,19 @@ def test_windowed_summary_counts_only_the_window():
     assert s["offered_rps"] == pytest.approx(len(inside) / (t1 - t0))
     ids = {r.index: rid for rid, r in ((rid, res.result(rid)) for rid in res.outputs)}
     hits = sum(res.cached_tokens[ids[r.index]] for r in inside)
-    assert s["prefix_hit_rate"] == pytest.approx(hits / sum(r.prompt_len - 1 for r in inside))
+    assert s["prefix_hit_rate"] == pytest.approx(hits / sum(r.prompt_len for r in inside))
     # over the whole run, the per-request cached tokens add up to the engines' own hit counters
     assert sum(res.cached_tokens.values()) == sum(st.hit_tokens for st in res.replicas)
+
+
+def test_windowed_hit_rate_over_everything_is_the_engines_hit_rate():
+    # a window holding every request measures what the engines' own counters do: hit tokens over looked-up
+    # prompt tokens (the engine records a lookup of the whole prompt, as vLLM's prefix_cache_queries does)
+    mix = small_mix(rate=8.0, duration=2.0, seed=4)
+    res = run_fleet(mix, 2, "round_robin", engine_factory=small_replica)
+    assert sum(st.query_tokens for st in res.replicas) == sum(r.prompt_len for r in res.results)
+    assert res.summary(window=(-1.0, 1e9))["prefix_hit_rate"] == pytest.approx(res.summary()["prefix_hit_rate"],
+                                                                             rel=1e-12)
 
 
 def test_a_roofline_replica_holds_what_its_device_holds():

@@ -115,3 +115,21 @@ def test_sim_runs_kv_usage_mean_is_weighted_by_time():
     assert report_extras(engine, rec)["kv_usage_mean"] == pytest.approx(1 / 192)
     assert time_weighted_mean([(0.0, 0.5), (1.0, 1.0)], 4.0) == pytest.approx((0.5 + 3.0) / 4)
     assert time_weighted_mean([], 4.0) == 0.0
+
+
+def test_sim_runs_kv_usage_peak_is_the_peak_of_every_step():
+    """``sim run`` samples KV usage at most ``kv_samples`` times over the run, but its "peak" must be the
+    highest usage any step left, not the highest sample.  Hand count (1 s steps, 64 blocks of 16; one sample
+    every 20 s, the span of the arrivals): 20-token prompts with 2 outputs hold 2 blocks after their first step
+    (1 s and 21 s, both sampled); a 40-token one arriving at 5 s holds 3 blocks after its first step (6 s),
+    between samples.  The sampled peak said 2/64."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+    from minivllm.sim.run import report_extras
+
+    engine = sim_engine(executor=SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0),
+                        num_blocks=64, max_num_seqs=8)
+    reqs = [SimRequest(0, 0.0, "t", list(range(10, 30)), 2), SimRequest(1, 5.0, "t", list(range(40, 80)), 2),
+            SimRequest(2, 20.0, "t", list(range(100, 120)), 2)]
+    rec = drive(engine, reqs, kv_samples=1)
+    assert report_extras(engine, rec)["kv_usage_peak"] == pytest.approx(3 / 64)

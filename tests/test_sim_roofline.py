@@ -665,3 +665,26 @@ def test_the_gemm_rate_follows_the_dtype_on_a_datasheet_gpu():
     assert dense[2] == pytest.approx(h100.flops, rel=0.02)
     cpu = hardware_preset("cpu-2core")
     assert cpu.flops_dtype_bytes == 0 and cpu.dtype_scale(2) == cpu.dtype_scale(4) == 1.0
+
+
+def test_sim_run_out_holds_the_per_request_results_it_promises(tmp_path):
+    """``--out`` says it writes "the summary (and per-request results)": the records are there, one per request,
+    and the summary's percentiles are numpy's over them (``--no-requests-in-json`` leaves them out, as
+    ``bench serve``'s does)."""
+    import json
+
+    import numpy as np
+
+    from minivllm.sim.run import main
+
+    out = tmp_path / "sim.json"
+    assert main(["--num-requests", "30", "--request-rate", "20", "--model", "llama-3.2-1b", "--hardware", "l4",
+                 "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    reqs = doc["requests"]
+    assert len(reqs) == 30 and all(r["outcome"] == "ok" for r in reqs)
+    ttft_ms = [1000 * r["ttft"] for r in reqs]
+    assert doc["summary"]["overall"]["ttft_ms"]["p90"] == pytest.approx(np.percentile(ttft_ms, 90))
+    assert main(["--num-requests", "5", "--model", "llama-3.2-1b", "--hardware", "l4", "--no-requests-in-json",
+                 "--out", str(out)]) == 0
+    assert "requests" not in json.loads(out.read_text())

@@ -32,7 +32,7 @@ from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, replica_k
 from minivllm.sim.executor import SimulatedExecutor
 from minivllm.sim.router import ROUTERS
 
-DEFAULT_OUT = "benchmarks/results/2026-12-02_cpu-2core_fleet_sim.json"
+DEFAULT_OUT = "benchmarks/results/2026-12-03_cpu-2core_fleet_sim.json"
 
 
 def _ints(text: str) -> list[int]:

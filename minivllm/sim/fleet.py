@@ -238,8 +238,9 @@ class FleetResult:
             chosen = [r for r in self.results if r.index in ids]
             out = summarize_group(chosen, t1 - t0, slo_ttft, slo_itl)
             rid = {i: k for k, i in self._index.items()}
-            # (a request refused at the door or rejected never looked the cache up: it has no cached_tokens entry)
-            looked = sum(max(0, r.prompt_len - 1) for r in chosen if rid[r.index] in self.cached_tokens)
+            # (a request refused at the door or rejected never looked the cache up: it has no cached_tokens entry;
+            # a lookup counts the whole prompt, as the engines' own counters behind the unwindowed rate do)
+            looked = sum(r.prompt_len for r in chosen if rid[r.index] in self.cached_tokens)
             out["prefix_hit_rate"] = sum(self.cached_tokens.get(rid[r.index], 0) for r in chosen) / looked if looked else 0.0
             out["offered_rps"] = len(chosen) / (t1 - t0)
         out["replica_requests"] = [r.requests for r in self.replicas]

@@ -71,6 +71,7 @@ class DriveRecord:
     check_after_step: list[float] = field(default_factory=list)  # clock at the first arrival check after each step
     # (after a step that ran nothing: its end, before the wait for the next arrival)
     kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (s after t0, fraction of blocks held)
+    kv_peak: float = 0.0  # the highest fraction of blocks held after any step (kv_usage is only sampled)
     injected_before_step: list[int] = field(default_factory=list)  # requests added so far, before each step
     duration: float = 0.0
     wall_s: float = 0.0
@@ -168,8 +169,11 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             if out.finished:
                 _finish(res, out, times, t0)
                 del by_id[out.request_id]
+        usage = engine.kv.usage()  # (O(1): the pool's free count and the cache's evictable count)
+        if usage > rec.kv_peak:
+            rec.kv_peak = usage
         if end >= next_sample:
-            rec.kv_usage.append((end, engine.kv.usage()))
+            rec.kv_usage.append((end, usage))
             next_sample = end + sample_every
     for res, times in by_id.values():  # left unfinished (a policy that never admits them)
         res.outcome, res.error = "timeout", "not finished when the run stopped"
@@ -342,7 +346,7 @@ def report_extras(engine, rec: DriveRecord) -> dict:
         "preemptions": st["num_preemptions"],
         "prefix_cache_hit_rate": st.get("prefix_cache_hit_rate"),
         "kv_blocks": st["num_blocks"],
-        "kv_usage_peak": max(usage) if usage else 0.0,
+        "kv_usage_peak": max([rec.kv_peak, *usage]),  # every step's, not only the samples
         "kv_usage_mean": time_weighted_mean(rec.kv_usage, rec.duration),
         "kv_usage_over_time": rec.kv_usage,
         "busy_fraction": getattr(ex, "busy_s", 0.0) / rec.duration if rec.duration else None,
@@ -413,6 +417,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=None)
     ap.add_argument("--slo-itl-ms", type=positive_float, default=None)
     ap.add_argument("--out", default=None, help="write the summary (and per-request results) as JSON here")
+    ap.add_argument("--no-requests-in-json", action="store_true", help="leave the per-request records out of --out")
     ap.add_argument("--profile", action="store_true", help="run under cProfile and print the top functions")
     return ap
 
@@ -446,6 +451,8 @@ def run_sim(args, out=None) -> dict:
     doc = {"tool": "minivllm sim run", "model": asdict(shape), "hardware": hw.to_dict(), "workload": args.workload,
            "tenants": [t.describe() for t in tenants], "num_requests": len(reqs), "total_tokens": tokens,
            "summary": summary, "sim": extras}
+    if not getattr(args, "no_requests_in_json", False):  # as bench serve's --out: the numbers behind the summary
+        doc["requests"] = [asdict(r) for r in rec.results]
     if args.out:
         write_result(args.out, doc, "minivllm sim run", getattr(args, "argv", None))
         print(f"wrote {args.out}", file=out)
