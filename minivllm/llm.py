@@ -114,8 +114,7 @@ class LLM:
         try:
             while len(finals) < len(ids):
                 if not self._router.pump(ids):
-                    missing = [rid for rid in ids if rid not in finals]
-                    raise RuntimeError(f"requests {missing} were aborted by another caller")
+                    raise RuntimeError(self._router.lost([rid for rid in ids if rid not in finals]))
                 for rid in ids:
                     for out in self._router.take(rid):
                         if out.finished:
@@ -145,8 +144,8 @@ class LLM:
         done = False
         try:
             while not done:
-                if not self._router.pump([rid]):
-                    return
+                if not self._router.pump([rid]):  # its request ended with no final output: an error, not an end
+                    raise RuntimeError(self._router.lost([rid]))
                 for out in self._router.take(rid):
                     yield out
                     done = done or out.finished
@@ -208,9 +207,8 @@ class LLM:
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                added.append(self.engine.add_request(prompt, p))
-                self._router.open(added[-1])
-        except Exception:
+                added.append(self._router.add(prompt, p))
+        except BaseException:  # a KeyboardInterrupt while a long batch is being added, too
             for rid in added:
                 self.engine.abort_request(rid)
             self._router.close(added)
@@ -244,6 +242,14 @@ class _Router:
     def open(self, rid: str) -> None:
         self._boxes[rid] = deque()
 
+    def add(self, prompt, params) -> str:
+        """Add a request and open its mailbox with no step in between (a step run by another consumer between
+        the two would deliver the request's first -- or only -- output to no one)."""
+        with self._step_lock:
+            rid = self.engine.add_request(prompt, params)
+            self.open(rid)
+            return rid
+
     def close(self, ids) -> None:
         for rid in ids:
             self._boxes.pop(rid, None)
@@ -261,14 +267,20 @@ class _Router:
             raise RuntimeError("this engine is being served by a running server: send requests to the server, "
                                "or stop it first")
 
+    def lost(self, ids) -> str:
+        """Why ``ids`` ended without their final outputs."""
+        if self.engine.closed:
+            return f"requests {ids} ended unfinished: the engine was closed"
+        return f"requests {ids} were aborted by another caller"
+
     def pump(self, ids) -> bool:
         """Make sure one of ``ids`` has output waiting; False if the engine has no work left for them."""
         with self._step_lock:
             if any(self._boxes.get(rid) for rid in ids):
                 return True
+            self.refuse_if_served()  # (first: a server that stepped our requests to their end took their outputs)
             if not self.engine.has_unfinished_requests():
                 return False
-            self.refuse_if_served()
             for out in self.engine.step():
                 box = self._boxes.get(out.request_id)
                 if box is not None:

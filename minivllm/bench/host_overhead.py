@@ -134,8 +134,10 @@ def _count_opcodes(engine, steps: int = 16) -> int:
     A machine-independent measure: unlike times it does not move with the load
     of a shared machine, so "flat in output length" can be checked exactly.
     It counts the engine's Python work (and the simulated executor's), not C
-    work such as a list copy.
+    work such as a list copy.  The cycle collector stays off while counting: a collection inside a traced
+    step would run finalizers of unrelated objects (an abandoned stream, say) and count their bytecodes.
     """
+    import gc
     import sys
 
     count = 0
@@ -147,12 +149,17 @@ def _count_opcodes(engine, steps: int = 16) -> int:
             count += 1
         return tracer
 
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     sys.settrace(tracer)
     try:
         for _ in range(steps):
             engine.step()
     finally:
         sys.settrace(None)
+        if was_enabled:
+            gc.enable()
     return count // steps
 
 

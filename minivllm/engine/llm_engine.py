@@ -24,6 +24,7 @@ the executor.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Callable
@@ -171,6 +172,8 @@ class LLMEngine:
         self._last_step_time: float | None = None
         self.step_time_s: float | None = None  # moving average of the wall (or virtual) time per step
         self._lock = threading.RLock()
+        self._in_step = False
+        self._deferred_aborts: list[str] = []
         self.closed = False
         self._driver = None  # the server loop stepping this engine, if any (claim_driver)
 
@@ -297,6 +300,12 @@ class LLMEngine:
         if not isinstance(request_id, str):  # a list or dict would fail as an unhashable key deep inside
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         with self._lock:
+            if self._in_step:
+                # Re-entered on the stepping thread itself (the lock is re-entrant): a finalizer -- an abandoned
+                # LLM.stream that the cycle collector frees at an allocation inside step() -- or a callback.
+                # Ending the request mid-step would pull it out from under the batch; it ends when the step does.
+                self._deferred_aborts.append(request_id)
+                return request_id in self.requests or request_id in self._groups
             return self._abort_request(request_id)
 
     def _abort_request(self, request_id: str) -> bool:
@@ -392,7 +401,7 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration of the serving loop; returns what changed for each request."""
-        with self._lock:
+        with self._lock, self._stepping():
             self._check_open()
             self.scheduler.admit()                             # 1. admit
             batch = self.scheduler.build_batch()               # 2. build batch
@@ -403,6 +412,17 @@ class LLMEngine:
             outputs = self.finish(outputs, batch)              # 7. finish
             self.log_step(batch)
             return outputs
+
+    @contextlib.contextmanager
+    def _stepping(self):
+        """Mark a step in progress; aborts that arrive from inside it (see :meth:`abort_request`) end when it does."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+            while self._deferred_aborts:
+                self._abort_request(self._deferred_aborts.pop(0))
 
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
         """Step 4, guarded: if the executor fails as a whole, the requests of this batch fail, not the engine."""
