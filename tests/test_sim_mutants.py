@@ -397,7 +397,7 @@ def test_windowed_summary_is_half_open():
                       _index={f"r{i}": i for i in range(4)})
     a, b = res.summary(window=(1.0, 3.0)), res.summary(window=(3.0, 4.0))
     assert (a["requests"], b["requests"]) == (2, 1)
-    assert a["offered_rps"] == 1.0 and a["prefix_hit_rate"] == pytest.approx(4 / 8)  # 2 cached of 4 looked up each
+    assert a["offered_rps"] == 1.0 and a["prefix_hit_rate"] == pytest.approx(4 / 10)  # 2 cached of 5 looked up each
 
 
 def test_hash_ring_wraps_past_the_top_to_the_smallest_point():
