@@ -154,11 +154,7 @@ class InputProcessor:
             raise ValueError("empty prompt")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-        per_token = self._max_chars_per_token()
-        if per_token and len(text) > 2 * per_token * self.max_model_len:
-            # (tokenizing a 20 MB text took 43 s and 2.7 GB only to say it was too long)
-            raise ValueError(f"prompt has {len(text)} characters but max_model_len is {self.max_model_len} tokens, and "
-                             f"no token of this tokenizer covers more than {per_token} characters: it could never fit")
+        self._refuse_unfittable(text, "prompt")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -167,6 +163,14 @@ class InputProcessor:
         if not ids:
             raise ValueError("prompt encodes to zero tokens")
         return text, ids
+
+    def _refuse_unfittable(self, text: str, what: str) -> None:
+        """ValueError, before tokenizing, for a text no tokenization of which could fit in ``max_model_len``
+        (tokenizing a 20 MB text took 43 s and 2.7 GB only to say it was too long)."""
+        per_token = self._max_chars_per_token()
+        if per_token and len(text) > 2 * per_token * self.max_model_len:
+            raise ValueError(f"{what} has {len(text)} characters but max_model_len is {self.max_model_len} tokens, and "
+                             f"no token of this tokenizer covers more than {per_token} characters: it could never fit")
 
     def _max_chars_per_token(self) -> int:
         """An upper bound on the characters of text one token covers: its longest vocabulary entry (byte-level
@@ -209,11 +213,7 @@ class InputProcessor:
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # noqa: BLE001 - a template that refuses these messages is the caller's input
             raise ValueError(f"cannot apply the chat template to these messages: {exc}") from exc
-        per_token = self._max_chars_per_token()
-        if per_token and len(text) > 2 * per_token * self.max_model_len:
-            raise ValueError(f"the conversation has {len(text)} characters but max_model_len is {self.max_model_len} "
-                             f"tokens, and no token of this tokenizer covers more than {per_token} characters: it "
-                             f"could never fit")
+        self._refuse_unfittable(text, "the conversation")
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ValueError("the conversation encodes to zero tokens")

@@ -186,10 +186,14 @@ class LLMEngine:
         (a notebook cell that starts a server twice).  So a second driver is refused while the first runs.
         """
         with self._lock:
-            current = self.served_by()
-            if current is not None and current is not driver:
-                raise RuntimeError("this engine is already served by another running server (stop that one first)")
+            self.check_unserved(driver)
             self._driver = driver
+
+    def check_unserved(self, driver=None) -> None:
+        """``RuntimeError`` if a running loop other than ``driver`` steps this engine (:meth:`claim_driver`)."""
+        current = self.served_by()
+        if current is not None and current is not driver:
+            raise RuntimeError("this engine is already served by another running server (stop that one first)")
 
     def release_driver(self, driver) -> None:
         with self._lock:

@@ -38,8 +38,7 @@ class BackgroundServer:
 
         from minivllm.server.api_server import build_app
 
-        if engine.served_by() is not None:  # a cell run twice: the first server's loop still steps this engine
-            raise RuntimeError("this engine is already served by another running server (stop that one first)")
+        engine.check_unserved()  # a cell run twice: the first server's loop still steps this engine
         self.app = build_app(engine, [model_name, *aliases], api_keys, door=door)  # aliases: more served names
         self.model_name = model_name
         self.async_engine = self.app.state.async_engine

@@ -396,7 +396,7 @@ class PinIndex:
     crossing between 1 and 2).  The cache calls :meth:`follow` when it is built,
     and :meth:`num_pinned` follows a pool that replaced it (lab 2 swaps in a
     learner's pool); a pool that cannot report is recounted on every call
-    (:meth:`recount`, the scan this index replaces).
+    (:meth:`_pinned_set`, the scan this index replaces).
     """
 
     def __init__(self) -> None:
@@ -437,21 +437,16 @@ class PinIndex:
         return True
 
     def num_pinned(self, pool) -> int:
-        if pool is not self._pool and not self.follow(pool):  # (a pool replaced since, or one that cannot report)
-            return self.recount(pool)
-        return len(self.pins)
+        return len(self.pinned(pool))
 
     def pinned(self, pool):
         """The pinned blocks themselves (read-only): the index's keys, or a fresh count for a pool it cannot follow."""
-        if pool is not self._pool and not self.follow(pool):
+        if pool is not self._pool and not self.follow(pool):  # (a pool replaced since, or one that cannot report)
             return self._pinned_set(pool)
         return self.pins.keys()
 
-    def recount(self, pool) -> int:
-        """Pinned blocks counted from scratch: every locked block and the blocks above it."""
-        return len(self._pinned_set(pool))
-
     def _pinned_set(self, pool) -> set[int]:
+        """Pinned blocks counted from scratch: every locked block and the blocks above it."""
         pinned: set[int] = set()
         for block in self.parent:
             if pool.refcount(block) > 1:
