@@ -418,19 +418,29 @@ def test_door_sheds_load_with_429_before_the_queue_and_reopens():
     engine = _paced_engine(max_seqs=1, fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
     with _Served(engine, None, door=DoorRule(max_waiting=2)) as srv:
         body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 30, "ignore_eos": True}
+        sched = engine.scheduler
+
+        async def until(cond, what: str) -> None:
+            """Wait (up to 30 s: a loaded 2-core CI box is slow) for a state the test needs, or fail naming it."""
+            for _ in range(3000):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"precondition never held: {what} (waiting={len(sched.waiting)})")
+
+        def seat_holder_has_time() -> bool:  # the long request runs, with >= 1 s (100 steps) still to go
+            return any(len(r.output_token_ids) < r.max_tokens - 100 for r in list(sched.running))
 
         async def main():
-            async with httpx.AsyncClient(timeout=30) as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 post = lambda: client.post(srv.base + "/v1/completions", json=body)  # noqa: E731
-                # the seat holder runs ~3 s, so on a busy machine it is still running when the others queue
-                long = dict(body, max_tokens=300)
+                # the seat holder runs ~4.5 s; the others queue behind it once it holds the one seat
+                long = dict(body, max_tokens=450)
                 first = [asyncio.ensure_future(client.post(srv.base + "/v1/completions", json=long))]
-                await asyncio.sleep(0.2)
+                await until(lambda: len(sched.running) == 1, "the long request holds the seat")
                 first += [asyncio.ensure_future(post()) for _ in range(2)]
-                for _ in range(100):  # until both really sit in the engine's queue
-                    if len(engine.scheduler.waiting) == 2:
-                        break
-                    await asyncio.sleep(0.02)
+                await until(lambda: len(sched.waiting) == 2, "both short requests sit in the engine's queue")
+                assert seat_holder_has_time(), "the machine was too slow: the seat holder is nearly done"
                 shed = await post()
                 done = await asyncio.gather(*first)
                 again = await post()
