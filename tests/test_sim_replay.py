@@ -105,7 +105,7 @@ def test_sim_runs_kv_usage_mean_is_weighted_by_time():
     4 / 64 / 12 = 1/192.  The plain mean of the four samples taken after steps said 1/64, three times more."""
     from minivllm.labs.workloads import sim_engine
     from minivllm.sim.executor import SimulatedExecutor
-    from minivllm.sim.run import report_extras, time_weighted_mean
+    from minivllm.sim.run import report_extras
 
     engine = sim_engine(executor=SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0),
                         num_blocks=64, max_num_seqs=8)
@@ -113,8 +113,31 @@ def test_sim_runs_kv_usage_mean_is_weighted_by_time():
     rec = drive(engine, reqs)
     assert rec.duration == 12.0 and [round(u * 64) for _, u in rec.kv_usage] == [2, 0, 2, 0]
     assert report_extras(engine, rec)["kv_usage_mean"] == pytest.approx(1 / 192)
-    assert time_weighted_mean([(0.0, 0.5), (1.0, 1.0)], 4.0) == pytest.approx((0.5 + 3.0) / 4)
-    assert time_weighted_mean([], 4.0) == 0.0
+
+
+def test_sim_runs_kv_usage_mean_counts_every_step_not_only_the_samples():
+    """The mean must not depend on how often the curve is sampled.  Oracle: the same run sampled after every
+    step (``kv_samples`` far above the step count), its samples integrated by hand, each held until the next.
+    With one sample over the run, a sample-and-hold mean reads the few sampled levels for the whole run."""
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+    from minivllm.sim.run import report_extras
+
+    def run(kv_samples: int):
+        engine = sim_engine(executor=SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0),
+                            num_blocks=64, max_num_seqs=8)
+        reqs = [SimRequest(k, 3.0 * k, "t", list(range(100 * k, 100 * k + 16 + 20 * k)), 4 + 3 * k) for k in range(6)]
+        rec = drive(engine, reqs, kv_samples=kv_samples)
+        return rec, report_extras(engine, rec)["kv_usage_mean"]
+
+    dense, exact = run(10_000)
+    assert len(dense.kv_usage) >= len(dense.step_ends)  # every step sampled
+    span = max(dense.duration, dense.kv_usage[-1][0])
+    area = sum(u * (t_next - t) for (t, u), (t_next, _) in zip(dense.kv_usage, [*dense.kv_usage[1:], (span, 0.0)]))
+    assert exact == pytest.approx(area / span) and exact > 0
+    sparse, mean = run(1)
+    assert len(sparse.kv_usage) < len(sparse.step_ends) / 2  # sampled far less often than it stepped...
+    assert mean == pytest.approx(exact)  # ...and the same mean
 
 
 def test_sim_runs_kv_usage_peak_is_the_peak_of_every_step():

@@ -72,6 +72,8 @@ class DriveRecord:
     # (after a step that ran nothing: its end, before the wait for the next arrival)
     kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (s after t0, fraction of blocks held)
     kv_peak: float = 0.0  # the highest fraction of blocks held after any step (kv_usage is only sampled)
+    kv_area: float = 0.0  # the integral of that fraction over [0, kv_span]: every step's level, held until it changes
+    kv_span: float = 0.0  # the run's duration, or the last step's end if that came later
     injected_before_step: list[int] = field(default_factory=list)  # requests added so far, before each step
     duration: float = 0.0
     wall_s: float = 0.0
@@ -107,6 +109,13 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     span_hint = max((r.arrival for r in requests), default=0.0)
     sample_every = max(span_hint, 1e-3) / max(1, kv_samples)
     next_sample = 0.0
+    level_t, level = 0.0, 0.0  # the KV level since level_t (the engine holds nothing before its first step)
+
+    def level_changes(t: float, u: float) -> None:
+        nonlocal level_t, level
+        rec.kv_area += level * (t - level_t)
+        level_t, level = t, u
+
     i = 0
     idle = 0
     while True:
@@ -131,8 +140,10 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         if not engine.has_unfinished_requests():
             if i >= n:
                 break
-            if rec.kv_usage and rec.kv_usage[-1][0] < now - t0:  # the idle stretch holds what is left now
-                rec.kv_usage.append((now - t0, engine.kv.usage()))
+            left = engine.kv.usage()  # the idle stretch holds what is left now
+            level_changes(now - t0, left)
+            if rec.kv_usage and rec.kv_usage[-1][0] < now - t0:
+                rec.kv_usage.append((now - t0, left))
             nxt = t0 + requests[i].arrival
             if advance is not None:
                 advance(nxt)
@@ -172,6 +183,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         usage = engine.kv.usage()  # (O(1): the pool's free count and the cache's evictable count)
         if usage > rec.kv_peak:
             rec.kv_peak = usage
+        level_changes(end, usage)
         if end >= next_sample:
             rec.kv_usage.append((end, usage))
             next_sample = end + sample_every
@@ -179,6 +191,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         res.outcome, res.error = "timeout", "not finished when the run stopped"
     ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
     rec.duration = max(ends) if ends else ex.now() - t0
+    rec.kv_span = max(rec.duration, level_t)
+    level_changes(rec.kv_span, level)
     rec.wall_s = time.perf_counter() - wall0
     return rec
 
@@ -322,21 +336,6 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     return LLMEngine(config, executor=ex, model_max_len=model_max_len, eos_token_ids=set(), preemption_cost_model=costs)
 
 
-def time_weighted_mean(samples: list[tuple[float, float]], duration: float) -> float:
-    """The mean over ``[0, duration]`` of a level sampled as ``(time, value)``, each value held until the next.
-
-    Samples come after steps, at most every ``span / kv_samples`` seconds, plus one at the start of each idle
-    stretch; the engine holds nothing before its first step.  A plain mean of the samples would let a burst's
-    few busy samples stand for a long idle run (and count a long step once).
-    """
-    if not samples or duration <= 0:
-        return 0.0
-    area = 0.0
-    for (t, u), (t_next, _) in zip(samples, [*samples[1:], (max(duration, samples[-1][0]), 0.0)]):
-        area += u * (t_next - t)
-    return area / max(duration, samples[-1][0])
-
-
 def report_extras(engine, rec: DriveRecord) -> dict:
     st = engine.stats()
     ex = engine.executor
@@ -347,7 +346,9 @@ def report_extras(engine, rec: DriveRecord) -> dict:
         "prefix_cache_hit_rate": st.get("prefix_cache_hit_rate"),
         "kv_blocks": st["num_blocks"],
         "kv_usage_peak": max([rec.kv_peak, *usage]),  # every step's, not only the samples
-        "kv_usage_mean": time_weighted_mean(rec.kv_usage, rec.duration),
+        # every step's level weighted by how long it held, idle stretches included: a plain mean of the samples
+        # would let a burst's few busy samples stand for a long idle run (and count a long step once)
+        "kv_usage_mean": rec.kv_area / rec.kv_span if rec.kv_span > 0 else 0.0,
         "kv_usage_over_time": rec.kv_usage,
         "busy_fraction": getattr(ex, "busy_s", 0.0) / rec.duration if rec.duration else None,
         "dense_bound_steps": getattr(ex, "bound_steps", None),
