@@ -12,8 +12,11 @@ Three sources are accepted, all ending as an HF-style directory
 
 A GGUF file is quantized; transformers + gguf dequantize it, which takes most
 of a minute.  The result is written once to a cache directory
-(``$MINIVLLM_CACHE``, default ``~/.cache/minivllm``) keyed by the file's size
-and modification time, so every later load reads plain safetensors in seconds.
+(``$MINIVLLM_CACHE``, default ``~/.cache/minivllm``) keyed by the file's
+content (sha256, about 0.1 s for the bundled 98 MB file), so every later load
+reads plain safetensors in seconds -- and the same model installed in another
+venv, or reinstalled (a new path or modification time), reuses that copy
+instead of converting again into a new ~0.5 GB folder.
 """
 
 from __future__ import annotations
@@ -103,9 +106,12 @@ def gguf_architecture(path: Path) -> str:
 
 
 def _cache_dir_for(path: Path) -> Path:
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    return cache_root() / f"{path.stem}-{key}"
+    """The cache folder of ``path``'s conversion, named by its bytes: not by where it lies or when it was written."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
 def convert_gguf(path: Path) -> Path:
