@@ -10,6 +10,7 @@ Every case here used to print a traceback, exit 0, or name the wrong thing.  No 
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
 
@@ -159,6 +160,22 @@ def test_calibrate_refit_bad_files(tmp_path, capsys):
     hw_only.write_text(json.dumps({"hardware": {"name": "x", "peak_flops": 1, "mem_bandwidth": 1}}))
     _returns_error(main(["--refit", str(hw_only)]), capsys, "needs model, samples, engine, fit")
     _argparse_refuses(main, ["--repeats", "0"], "--repeats", capsys)
+
+
+def test_calibrate_never_writes_into_an_installed_package(tmp_path, monkeypatch, capsys):
+    """In a source checkout a new profile lands beside the committed ones; in an installed copy (no
+    pyproject.toml above the package) it lands in the current directory, not in site-packages, and an
+    existing one there is refused before minutes of measuring, as in the checkout."""
+    from minivllm.sim import calibrate, presets
+
+    assert calibrate.default_out("My GPU") == os.path.join(presets.PROFILE_DIR, "my_gpu.json")  # this checkout
+    installed = tmp_path / "site-packages" / "minivllm" / "sim" / "profiles"
+    installed.mkdir(parents=True)
+    monkeypatch.setattr(presets, "PROFILE_DIR", str(installed))
+    monkeypatch.chdir(tmp_path)
+    assert calibrate.default_out("My GPU") == str(tmp_path / "my_gpu.json")
+    (tmp_path / "mine.json").write_text("{}")
+    _returns_error(calibrate.main(["--name", "mine"]), capsys, f"{tmp_path / 'mine.json'} exists: pass --out PATH")
 
 
 # -- minivllm bench serve (loadgen) -------------------------------------------------------------

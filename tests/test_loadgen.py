@@ -382,6 +382,20 @@ def test_client_hard_timeouts_and_concurrency():
     assert time.monotonic() - t < 5 and all("request-timeout" in r.error for r in run.results)
 
 
+def test_request_timeout_holds_without_asyncio_timeout(monkeypatch):
+    """Python 3.10 has no ``asyncio.timeout`` (the package supports 3.10): the per-request deadline must not
+    silently disappear there (before, the request waited for the overall --timeout instead)."""
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(30)
+        return httpx.Response(200, content=_sse_body(["a"], usage=1))
+
+    monkeypatch.delattr(asyncio, "timeout", raising=False)
+    plan = [lg.PlannedRequest(i, 0.0, "a", "slow", 1, 1) for i in range(2)]
+    t = time.monotonic()
+    run = _run(slow, plan, timeout=20, request_timeout=0.5)
+    assert time.monotonic() - t < 5 and all("request-timeout" in r.error for r in run.results), run.results
+
+
 def test_open_loop_arrivals_are_kept():
     def handler(request):
         return httpx.Response(200, content=_sse_body(["a", "b"], usage=2))

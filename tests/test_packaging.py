@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_holds_every_package_data_file(tmp_path):
     src = tmp_path / "src"  # a copy, so the build's build/ and *.egg-info never touch the checkout
     shutil.copytree(ROOT / "minivllm", src / "minivllm", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "dist"), str(src)], check=True)
@@ -31,3 +31,5 @@ def test_wheel_holds_every_package_data_file(tmp_path):
     assert data, "no data files under minivllm/: the test lost its oracle"
     missing = [p for p in data if p not in shipped]
     assert not missing, f"not in the wheel (add them to [tool.setuptools.package-data]): {missing}"
+    # Apache-2.0 section 4(a): whoever receives the package receives the license with it
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in shipped), sorted(shipped)[-8:]

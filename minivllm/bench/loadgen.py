@@ -438,59 +438,62 @@ async def send_request(client, endpoint: str, model: str, req: PlannedRequest, r
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.perf_counter()
     res.start, res.outcome = start - t0, "timeout"  # until it finishes one way or another
-    last = start
-    usage = None
-    try:
-        async with asyncio.timeout(request_timeout) if hasattr(asyncio, "timeout") else _nullctx():
-            async with client.stream("POST", url, json=body, headers=headers) as r:
-                res.status = r.status_code
-                if r.status_code != 200:
-                    text = (await r.aread()).decode("utf-8", "replace")
-                    if r.status_code == 429:
-                        res.outcome = "rejected"
-                        res.retry_after = _retry_after(r.headers.get("retry-after"))
-                    else:
-                        res.outcome = "error"
-                    res.error = f"HTTP {r.status_code}: {text[:200]}"
-                    res.e2e = time.perf_counter() - start
-                    return
-                dec = SSEDecoder()
-                done = False
-                async for line in sse_lines(r.aiter_text()):
-                    data = dec.feed(line)
-                    if data is None:
-                        continue
-                    if data.strip() == "[DONE]":
-                        done = True
-                        break
-                    try:
-                        obj = json.loads(data)
-                    except json.JSONDecodeError:
-                        res.outcome, res.error = "error", f"bad SSE data: {data[:100]!r}"
-                        return
-                    if "error" in obj:
-                        res.outcome, res.error = "error", f"stream error: {json.dumps(obj['error'])[:200]}"
-                        return
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-                    for ch in obj.get("choices") or []:
-                        text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                        if text:
-                            now = time.perf_counter()
-                            if res.ttft is None:
-                                res.ttft = now - start
-                            else:
-                                res.itl.append(now - last)
-                            last = now
-                            res.chunks += 1
+
+    async def exchange() -> None:  # the whole request, under one deadline (asyncio.wait_for: Python 3.10 too)
+        last = start
+        usage = None
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            res.status = r.status_code
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")
+                if r.status_code == 429:
+                    res.outcome = "rejected"
+                    res.retry_after = _retry_after(r.headers.get("retry-after"))
+                else:
+                    res.outcome = "error"
+                res.error = f"HTTP {r.status_code}: {text[:200]}"
                 res.e2e = time.perf_counter() - start
-                if not done:
-                    res.outcome, res.error = "error", "stream ended without [DONE]"
+                return
+            dec = SSEDecoder()
+            done = False
+            async for line in sse_lines(r.aiter_text()):
+                data = dec.feed(line)
+                if data is None:
+                    continue
+                if data.strip() == "[DONE]":
+                    done = True
+                    break
+                try:
+                    obj = json.loads(data)
+                except json.JSONDecodeError:
+                    res.outcome, res.error = "error", f"bad SSE data: {data[:100]!r}"
                     return
+                if "error" in obj:
+                    res.outcome, res.error = "error", f"stream error: {json.dumps(obj['error'])[:200]}"
+                    return
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or []:
+                    text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if res.ttft is None:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        res.chunks += 1
+            res.e2e = time.perf_counter() - start
+            if not done:
+                res.outcome, res.error = "error", "stream ended without [DONE]"
+                return
         res.output_tokens = int(usage["completion_tokens"]) if usage and "completion_tokens" in usage else res.chunks
         if usage and "prompt_tokens" in usage:
             res.prompt_tokens = int(usage["prompt_tokens"])
         res.outcome = "ok"
+
+    try:
+        await asyncio.wait_for(exchange(), request_timeout)
     except (TimeoutError, asyncio.TimeoutError):
         res.outcome, res.error = "timeout", f"no answer within --request-timeout {request_timeout:g}s"
     except asyncio.CancelledError:
@@ -499,14 +502,6 @@ async def send_request(client, endpoint: str, model: str, req: PlannedRequest, r
     except Exception as exc:  # noqa: BLE001 - httpx errors, connection resets: count, go on
         res.outcome, res.error = "error", f"{type(exc).__name__}: {exc}"[:200]
         res.e2e = time.perf_counter() - start
-
-
-class _nullctx:
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        return False
 
 
 @dataclass

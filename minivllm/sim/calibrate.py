@@ -563,8 +563,9 @@ def format_profile(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minivllm sim calibrate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json, "
-                    "which must not exist yet unless --force: the committed profiles are what the tests load)")
+    ap.add_argument("--out", default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json in a source checkout, "
+                    "./<name>.json in an installed package; it must not exist yet unless --force: the committed "
+                    "profiles are what the tests load)")
     ap.add_argument("--force", action="store_true", help="let the default --out replace an existing profile")
     ap.add_argument("--name", default=None, help="profile / hardware name (default: cpu-<N>core or the GPU's name)")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
@@ -600,9 +601,24 @@ def _refit_doc(path: str) -> dict:
     return doc
 
 
-def _main(args) -> int:
+def _in_checkout() -> bool:
+    """Is this package a source checkout (``pip install -e``) rather than an installed copy?"""
     from minivllm.sim.presets import PROFILE_DIR
 
+    return os.path.isfile(os.path.join(PROFILE_DIR, os.pardir, os.pardir, os.pardir, "pyproject.toml"))
+
+
+def default_out(name: str) -> str:
+    """Where a new profile goes without ``--out``: beside the committed ones in a source checkout (so
+    ``--hardware NAME`` finds it), else the current directory -- never into an installed package's folder,
+    which pip neither tracks nor removes (``--hardware PATH`` reads it from there)."""
+    from minivllm.sim.presets import PROFILE_DIR
+
+    file = f"{name.replace(' ', '_').lower()}.json"
+    return os.path.join(PROFILE_DIR, file) if _in_checkout() else os.path.abspath(file)
+
+
+def _main(args) -> int:
     if args.refit:
         doc = refit(_refit_doc(args.refit))
         path = args.out or args.refit
@@ -612,16 +628,15 @@ def _main(args) -> int:
         print(f"wrote {path}")
         return 0
     if args.out is None and not args.force:  # refuse before minutes of measuring, not after
-        name = args.name or default_name(args.device, args.clock)
-        path = os.path.join(PROFILE_DIR, f"{name.replace(' ', '_').lower()}.json")
+        path = default_out(args.name or default_name(args.device, args.clock))
         if os.path.exists(path):
-            raise ValueError(f"{path} exists (profiles there are committed and loaded by the tests): pass --out PATH "
-                             f"for your own profile, or --force to replace it")
+            why = " (profiles there are committed and loaded by the tests)" if _in_checkout() else ""
+            raise ValueError(f"{path} exists{why}: pass --out PATH for your own profile, or --force to replace it")
     engine = real_engine(device=args.device, clock=args.clock)
     with frozen_heap():  # measured as `minivllm serve` runs it: see minivllm.engine.startup
         doc = calibrate(engine, scale=0.4 if args.quick else 1.0, name=args.name,
                         pin_bandwidth=not args.fit_bandwidth, repeats=args.repeats)
-    path = args.out or os.path.join(PROFILE_DIR, f"{doc['hardware']['name'].replace(' ', '_').lower()}.json")
+    path = args.out or default_out(doc["hardware"]["name"])
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1)
