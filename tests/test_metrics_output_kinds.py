@@ -122,3 +122,28 @@ def test_an_untracked_request_preempted_before_its_first_token_is_charged_to_its
     total = sum(per_tenant[t]["num_preemptions"] for t in ("alice", "bob"))
     assert metric_value(s, "vllm:num_preemptions_total", tenant="default") == total
     assert metric_value(s, "vllm:num_preemptions_total", tenant="unknown") == 0
+
+
+def test_an_n_group_queue_time_is_the_groups_not_its_last_samples():
+    """An ``n > 1`` group queues until its *first* sample is scheduled, as its TTFT counts to its first token.
+    Hand count on 1 s steps, one seat, n=2, max_tokens=2: g#0 runs steps [0,1], [1,2]; g#1 is first scheduled
+    in the step that starts at 2.  The group queued 0 s and its first token came at 1 s.  It observed 2 s (the
+    queue of g#1, whose metrics the finishing output carries): a request queued longer than its own TTFT."""
+    ex = SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0)
+    llm = LLM(executor=ex, tokenizer=None, num_gpu_blocks_override=64, max_model_len=96, max_num_seqs=1)
+    engine = llm.engine
+    engine.eos_token_ids = set()
+    metrics = EngineMetrics("sim")
+    engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2, max_tokens=2, ignore_eos=True,
+                       temperature=1.0), request_id="g", arrival_time=0.0)
+    seen = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        seen += [(o.metrics.queue_time, o.metrics.ttft) for o in outs]
+        observe_all(metrics, engine, outs)
+    # every output of the group, the last included, carries the group's times, not the sample's that stepped
+    assert seen and set(seen) == {(0.0, 1.0)}, seen
+    s = metric_samples(metrics.render().decode())
+    assert metric_value(s, "vllm:time_to_first_token_seconds_sum") == 1.0
+    assert metric_value(s, "vllm:request_queue_time_seconds_count") == 1
+    assert metric_value(s, "vllm:request_queue_time_seconds_sum") == 0.0

@@ -472,6 +472,9 @@ def test_door_holds_against_a_simultaneous_burst():
         codes = Counter(r.status_code for r in asyncio.run(main()))
         assert set(codes) <= {200, 429} and codes[429] >= 12 - 3, codes  # 2 queued (+1 admitted at most)
         assert max(rec["waiting"] for rec in engine.step_log) <= 2
+        # every shed request is on /metrics (the engine never saw it, so no other series can count it)
+        s = _samples(httpx.get(srv.base + "/metrics", timeout=30).text)
+        assert _value(s, "vllm:num_requests_shed_total", tenant="default") == codes[429]
 
 
 def test_door_counts_evictable_cached_blocks_as_free():

@@ -15,7 +15,12 @@ from typing import TypedDict
 
 
 class TenantStats(TypedDict):
-    """One tenant's row of ``stats()["per_tenant"]``: work in the engine now and what it has been served."""
+    """One tenant's row of ``stats()["per_tenant"]``: work in the engine now and what it has been served.
+
+    Counted as the scheduler sees work, not as a client is billed: each sample of an ``n > 1`` request is
+    a request here (``num_finished``, the latencies), and ``prompt_tokens`` counts the prompt tokens
+    computed: again after a preemption, not those read from the prefix cache.  ``/metrics`` counts as the client sees it (see ``minivllm.metrics.prometheus``).
+    """
 
     prompt_tokens: int
     output_tokens: int

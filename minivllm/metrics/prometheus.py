@@ -22,12 +22,20 @@ Counters (exposed with ``_total``): ``vllm:prefix_cache_queries`` and
 (``mode`` is ``recompute`` or ``swap``), ``vllm:prompt_tokens{tenant}``,
 ``vllm:generation_tokens{tenant}``, ``vllm:request_success{finished_reason, tenant}``
 (every ending: stop, length, abort, rejected, error), and *(minivllm)*
-``vllm:num_recomputed_tokens`` and ``vllm:num_requests_rejected{tenant}``.
+``vllm:num_recomputed_tokens``, ``vllm:num_requests_rejected{tenant}`` and
+``vllm:num_requests_shed{tenant}`` (the server's door: never reached the engine, so no ``request_success``).
 
 Histograms: ``vllm:time_to_first_token_seconds{tenant}``,
 ``vllm:inter_token_latency_seconds{tenant}``, ``vllm:e2e_request_latency_seconds``,
 ``vllm:request_queue_time_seconds``, ``vllm:iteration_tokens_total`` (tokens per
 engine step).
+
+**An ``n > 1`` request counts once**, as the client and its bill see it: one
+``request_success`` (labelled with sample 0's finish reason), one TTFT (its first
+sample's first token), one queue time (its first sample's first step), one e2e and
+its prompt tokens once -- while its generation tokens and ITLs are every sample's.
+vLLM v1 counts each sample as a finished request instead; ``engine.stats()``'s
+per-tenant rows count samples too.
 
 **The ``tenant`` label** is what neither vLLM nor SGLang exports: per-tenant
 token throughput, latency and preemptions.  Tenants come from the server's API
@@ -101,6 +109,8 @@ class EngineMetrics:
         )
         self.recomputed = Counter("vllm:num_recomputed_tokens", "Tokens computed again after preemption (minivllm).", m, registry=r)
         self.rejected = Counter("vllm:num_requests_rejected", "Requests turned away by reject mode, an n > 1 request once (minivllm).", mt, registry=r)
+        self.shed = Counter("vllm:num_requests_shed", "Requests turned away at the server's door before the queue "
+                            "(--max-waiting-requests), 429 queue_full (minivllm).", mt, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", mt, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed.", mt, registry=r)
         self.request_success = Counter(
@@ -184,7 +194,7 @@ class EngineMetrics:
             else:
                 if m.e2e_latency is not None:
                     self.e2e.labels(name).observe(max(0.0, m.e2e_latency))
-                if m.queue_time is not None:
+                if m.queue_time is not None:  # an n > 1 group's: its earliest sample's (OutputProcessor.fold)
                     self.queue_time.labels(name).observe(max(0.0, m.queue_time))
             with self._lock:
                 self._tracked.pop(out.request_id, None)

@@ -412,6 +412,9 @@ class OpenAIServer:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         if self.door is not None and self.door.closed(door_snapshot(self.engine.engine, self._passing)):
             retry = str(max(1, math.ceil(self.door.retry_after_s)))
+            metrics = self.engine.metrics
+            if metrics is not None:  # the engine never sees this request: only here can an operator's alert count it
+                metrics.shed.labels(metrics.model_name, tenant).inc()
             raise APIError(429, "the server's queue is full; retry after the Retry-After header's seconds",
                            "rate_limit_error", None, "queue_full", {"Retry-After": retry})
         self._passing += 1  # through the door, not yet in the queue (counted until the engine thread adds it)
