@@ -142,6 +142,8 @@ CASES = [
     ("chat message without a role", chat([{"content": "hi"}]), "role"),
     ("chat message not a dict", chat(["hi"]), "role"),
     ("chat role not a string", chat([{"role": 1, "content": "hi"}]), "role"),
+    ("chat role misspelt", chat([{"role": "asistant", "content": "hi"}, {"role": "user", "content": "hi"}]),
+     "role must be one of"),
     ("chat with no messages", chat([]), "conversation"),
     ("chat given one message, not a list", chat({"role": "user", "content": "hi"}), "conversation"),
     ("chat given a number", chat(5), "conversation"),

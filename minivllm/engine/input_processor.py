@@ -32,6 +32,11 @@ def check_priority_deadline(priority, deadline) -> None:
         raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {deadline!r}")
 
 
+# OpenAI's roles.  Any other (a typo: "asistant") would be written into the chat template as a turn of its own,
+# a prompt the model never saw in training: a ValueError (HTTP 400, as OpenAI answers), not a quietly odd reply.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -208,6 +213,8 @@ class InputProcessor:
                 except UnicodeEncodeError as exc:
                     raise ValueError(f"message {i}'s {field} is not valid Unicode text "
                                      f"(a lone surrogate at {exc.start}?)") from exc
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"message {i}'s role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)

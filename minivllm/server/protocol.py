@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator, model_validator
 
 # A real number, strictly: ints are accepted (and become floats), strings and bools are not.  One type
 # rather than ``Union[StrictInt, StrictFloat]``, whose first member's error ("should be a valid integer")
@@ -40,7 +40,11 @@ class StreamOptions(BaseModel):
 _NOTHING_ASKED = (("top_logprobs", 0), ("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", {}),
                   ("repetition_penalty", 1), ("length_penalty", 1), ("min_tokens", 0), ("use_beam_search", False),
                   ("prompt_logprobs", None), ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
-                  ("guided_grammar", None), ("structured_outputs", None))
+                  ("guided_grammar", None), ("structured_outputs", None),
+                  # vLLM extras that change which tokens come out: ignored, a client moving from vLLM would get
+                  # text its request forbade (bad_words), or a prompt it asked to have cut (truncate_prompt_tokens)
+                  ("bad_words", []), ("allowed_token_ids", None), ("truncate_prompt_tokens", None),
+                  ("logits_processors", []))
 
 
 class _SamplingRequest(BaseModel):
@@ -81,6 +85,11 @@ class _SamplingRequest(BaseModel):
     guided_choice: Optional[Any] = None
     guided_grammar: Optional[Any] = None
     structured_outputs: Optional[Any] = None
+    bad_words: Optional[Any] = None
+    allowed_token_ids: Optional[Any] = None
+    truncate_prompt_tokens: Optional[Any] = None
+    logits_processors: Optional[Any] = None
+    response_format: Optional[dict] = None  # chat's field, and vLLM's on completions too
 
     @field_validator("stop")
     @classmethod
@@ -97,6 +106,8 @@ class _SamplingRequest(BaseModel):
         """
         if self.logprobs is not None and self.logprobs is not False:
             return "logprobs"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
         for name, default in _NOTHING_ASKED:
             value = getattr(self, name)
             if value is not None and value != default:
@@ -135,6 +146,14 @@ class ChatMessage(BaseModel):
     content: Optional[Union[StrictStr, list[ContentPart]]] = None
     name: Optional[StrictStr] = None
 
+    # (the role is checked where every conversation goes, InputProcessor.encode_chat)
+    @model_validator(mode="after")
+    def _content_given(self):
+        # only an assistant turn may have no content (OpenAI: one that made tool calls)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -145,7 +164,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: Optional[list] = None
     functions: Optional[list] = None  # the legacy form of tools
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict] = None
+    function_call: Optional[Any] = None  # the legacy form of tool_choice
+    modalities: Optional[list] = None
+    audio: Optional[Any] = None
     add_generation_prompt: Optional[StrictBool] = True
 
     def unsupported(self) -> Optional[str]:
@@ -155,8 +176,12 @@ class ChatCompletionRequest(_SamplingRequest):
             return "functions"
         if self.tool_choice not in (None, "none", "auto"):  # "auto" with no tools asks for nothing
             return "tool_choice"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format"
+        if self.function_call not in (None, "none", "auto"):
+            return "function_call"
+        if self.modalities not in (None, [], ["text"]):  # audio out: a text-only reply is not what was asked
+            return "modalities"
+        if self.audio is not None:
+            return "audio"
         for name in ("echo", "continue_final_message", "chat_template_kwargs"):
             if getattr(self, name):
                 return name
