@@ -104,6 +104,21 @@ def test_stats_has_exactly_the_keys_its_typed_definition_names():
         assert set(stats["per_tenant"]["default"]) == set(TenantStats.__annotations__)
 
 
+def test_a_checker_names_the_keys_a_long_dict_answer_gets_wrong():
+    """A failed case prints expected and got cut at 300 characters, which can cut off the one wrong field of a
+    long dict (lab 8's metrics); a ``differs`` line names it.  Short dicts print whole and need no such line."""
+    from minivllm.labs.checkers import Case, run_checks
+
+    want = {f"field_{i:02d}": float(i) for i in range(30)}
+    got = dict(want, field_29=-1.0, extra=0)
+    del got["field_03"]
+    result = run_checks("t", lambda: got, [Case("c", lambda f: f(), want)], verbose=False)
+    assert not result and len(repr(want)) > 300
+    assert "  differs:  'field_03' missing; 'field_29': expected 29.0, got -1.0; 'extra' not expected" in result.lines
+    short = run_checks("t", lambda: {"a": 2}, [Case("c", lambda f: f(), {"a": 1})], verbose=False)
+    assert not short and not any(line.startswith("  differs") for line in short.lines)
+
+
 def test_a_diagnosis_that_cannot_read_the_answer_falls_back_to_the_hint():
     """A learner's answer can be anything; a case's diagnose must never turn a failed case into a crash."""
     from minivllm.labs.checkers import Case, run_checks

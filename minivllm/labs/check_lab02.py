@@ -164,6 +164,8 @@ def check_paged_slots(fn) -> CheckResult:
         Case("several sequences add up", lambda f: f([1, 16, 17, 40], 16), 16 + 16 + 32 + 48,
              "every sequence gets its own blocks: sum the per-sequence reservations"),
         Case("block size 1 wastes nothing", lambda f: f([3, 5, 7], 1), 15, "with 1-token blocks reserved == used"),
+        Case("an empty sequence reserves nothing", lambda f: f([0, 5], 16), 16,
+             "ceil(0 / 16) = 0 blocks: a sequence with no tokens yet holds no block"),
     ]
     return run_checks("paged reservation", fn, cases)
 
@@ -400,5 +402,6 @@ LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", quiz="lab02",
         ("max instead of sum", "return sum(", "return max("),
         ("counts blocks, not slots", "* block_size for n", " for n"),
         ("block size hard-coded to 16", "-(-n // block_size) * block_size", "-(-n // 16) * 16"),
+        ("an empty sequence still takes a block", "-(-n // block_size) * block_size", "max(1, -(-n // block_size)) * block_size"),
     )),
 ))

@@ -886,8 +886,8 @@ def check_deadline_aging(cls) -> CheckResult:
              "sort the waiting requests by key, smallest first"),
         Case("aging_s is the one given to __init__", lambda k: order(k, [loose, none], aging=0.1), ["loose", "none"],
              "with aging 0.1 s, loose is due at 0.1 and none at 0.6"),
-        Case("ties go to the earlier arrival", lambda k: order(k, [_R("late", "x", 3.0, 5.0), _R("early", "x", 1.0, 5.0)]),
-             ["early", "late"], "rank = (key, arrival time): equal keys keep first come, first served"),
+        Case("ties go to the earlier arrival", lambda k: order(k, [_R("late", "x", 3.0, 5.0), _R("z-early", "x", 1.0, 5.0)]),
+             ["z-early", "late"], "rank = (key, arrival time): equal keys keep first come, first served"),
         Case("rank: smaller is more urgent", lambda k: _ids(sorted(
             [loose, _R("late", "x", 3.0, 5.0), tight, none, _R("early", "x", 1.0, 5.0)], key=k(10.0).rank)),
              ["tight", "early", "late", "loose", "none"],
@@ -998,6 +998,7 @@ LAB = Lab(6, "lab06_fairness", "Fairness", quiz="lab06", widgets=(), exercises=(
         ("expired deadlines jump ahead", "return max(req.arrival_time, due)", "return due"),
         ("latest first", "sorted(waiting, key=self.rank)", "sorted(waiting, key=self.rank, reverse=True)"),
         ("ties by the newest", "return (self.key(req), req.arrival_time)", "return (self.key(req), -req.arrival_time)"),
+        ("ties by request id", "return (self.key(req), req.arrival_time)", "return (self.key(req), req.request_id)"),
         ("hard-coded aging", "self.aging_s = aging_s", "self.aging_s = 30.0"),
         ("sorts the engine's queue in place", "return sorted(waiting, key=self.rank)",
          "waiting.sort(key=self.rank)\n        return waiting"),

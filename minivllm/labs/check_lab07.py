@@ -506,7 +506,8 @@ def _diagnose_decode(page: int):
                     "acc by exp(m_i - m_new); then m_i = m_new -- or the table lookup for blocks after the first")
         if out.wrong_lens:
             return (f"finite but wrong even within one block ({list(out.wrong_lens)}): are the scores multiplied by "
-                    "scale, is q the right head's row, is V read from the same slots as K, and is acc / l_i stored?")
+                    "scale, are masked scores -inf (a 0 still weighs exp(0 - m) in the sum), is q the right head's "
+                    "row, is V read from the same slots as K, and is acc / l_i stored?")
         return None
     return diagnose
 

@@ -505,7 +505,8 @@ def check_metrics_from_log(fn) -> CheckResult:
              "two seats, four requests: the wait in the queue is part of TTFT (arrival, not first scheduling)"),
         Case("preemption by recompute", pre_run, pre_exp,
              "a preempted request prefills prompt + generated tokens again; only the chunk that reaches its last "
-             "known token samples a new one. Count every preempted id of every record"),
+             "known token samples a new one. Count every preempted id of every record. A preemption restarts no "
+             "clock: the TTFT stays the time to the first token ever, and the gap across the preemption is one ITL"),
         Case("preemption by swap", swap_run, swap_exp, "a swapped request resumes decoding where it stopped"),
         Case("a chunked recompute samples once", rechunk_run, rechunk_exp,
              "with a 64-token budget the recompute of prompt + generated runs in chunks: a chunk samples only if it "

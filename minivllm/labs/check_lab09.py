@@ -142,7 +142,9 @@ def check_prefix_affinity(cls) -> CheckResult:
     # one full block, then eight different partial ones (a key that keeps the partial block scatters them: with
     # three replicas all eight would share an owner by chance once in 3^7)
     partial = [head[:16] + [t, t + 1, t + 2, t + 3] for t in range(1, 33, 4)]
-    short = [[10, 11, 12], [10, 11, 13]]  # shorter than a block: keyed on the whole prompt
+    # shorter than a block: keyed on the whole prompt; eight of them, whose owners differ, so an answer that keys
+    # every short prompt on the same (empty) head cannot match them all by chance
+    short = [[10, 11, t] for t in range(12, 20)]
 
     def moved_only_to_new(k):
         keys = [_prompt(random.Random(i), 32) for i in range(600)]
@@ -170,10 +172,13 @@ def check_prefix_affinity(cls) -> CheckResult:
     def route(k, loads):
         return _make(k, 3, **kw).route(head, loads)
 
-    def untouched(k):
-        loads = list(over_mean)
-        _make(k, 3, **kw).route(head, loads)
-        return loads == over_mean
+    def untouched(k):  # both answers: the owner kept (quiet) and a spill (over_mean)
+        for given in (quiet, over_mean):
+            loads = list(given)
+            _make(k, 3, **kw).route(head, loads)
+            if loads != given:
+                return False
+        return True
 
     expected_run = _placements(PrefixAffinityRouter(3, block_size=16, key_blocks=5))
 
@@ -291,6 +296,11 @@ LAB = Lab(9, "lab09_fleet", "From one engine to a fleet", quiz="lab09", exercise
          "return (owner + 1) % len(loads)"),
         ("no floor on the bound", "bound = max(self.min_spill_tokens, self.spill_factor * sum(loads) / len(loads))",
          "bound = self.spill_factor * sum(loads) / len(loads)"),
+        ("adds the prompt to the owner's load", "        if loads[owner] <= bound:\n            return owner",
+         "        if loads[owner] <= bound:\n            loads[owner] += len(prompt_token_ids)\n            return owner"),
+        ("keys a short prompt on an empty head",
+         "head = prompt_token_ids[: full * self.block_size] if full else prompt_token_ids",
+         "head = prompt_token_ids[: full * self.block_size]"),
         ("total instead of mean", "self.spill_factor * sum(loads) / len(loads))", "self.spill_factor * sum(loads))"),
     )),
 ))

@@ -73,6 +73,26 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _dict_difference(got: Any, expected: Any, limit: int = 300) -> str | None:
+    """For two dicts too long to print whole: the keys whose values differ (missing and extra keys too).
+
+    ``_short`` cuts a long repr at ``limit`` characters, which can cut off exactly the field that is wrong
+    (a metrics dict of a dozen keys); this line names it.  ``None`` when the dicts print whole or agree.
+    """
+    if not (isinstance(got, dict) and isinstance(expected, dict)):
+        return None
+    if len(repr(got)) <= limit and len(repr(expected)) <= limit:
+        return None
+    parts = []
+    for key in expected:
+        if key not in got:
+            parts.append(f"{key!r} missing")
+        elif not _same_values(got[key], expected[key]):
+            parts.append(f"{key!r}: expected {_short(expected[key], 60)}, got {_short(got[key], 60)}")
+    parts += [f"{key!r} not expected" for key in got if key not in expected]
+    return "; ".join(parts) or None
+
+
 def _container_difference(got: Any, expected: Any, where: str = "") -> str | None:
     """Where ``got`` has ``expected``'s values but a list where a tuple belongs (or the other way round).
 
@@ -147,6 +167,12 @@ def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bo
         lines.append(f"✘ case {i}/{len(cases)} '{case.name}'")
         lines.append(f"  expected: {expected}")
         lines.append(f"  got:      {_short(got)}")
+        try:  # (not for a case that compares its own way, or hides its expected value)
+            differs = _dict_difference(got, case.expected) if case.accept is None and case.show_expected is None else None
+        except Exception:  # noqa: BLE001 - values whose == is not a plain bool
+            differs = None
+        if differs:
+            lines.append(f"  differs:  {differs}")
         try:  # the right values in the wrong container: say so, not the hint for a wrong value
             hint = _container_difference(got, case.expected) if case.accept is None else None
         except Exception:  # noqa: BLE001 - values whose == is not a plain bool
