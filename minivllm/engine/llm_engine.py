@@ -242,7 +242,10 @@ class LLMEngine:
         """Validate and queue a request; returns its id.  Bad input raises ``ValueError``.
 
         ``tenant`` names who sent it (its caps, weight and class come from
-        ``EngineConfig.tenants``); ``priority`` (lower first) and ``deadline`` (seconds
+        ``EngineConfig.tenants``).  Tenants are a small, fixed set -- the server takes
+        them from its API-key table -- because the engine keeps each one's counters
+        for its whole life (about 2.4 KB per name): an end-user id as the tenant would
+        grow them without bound.  ``priority`` (lower first) and ``deadline`` (seconds
         on the executor's clock, like ``arrival_time``) are read by the
         ``"priority"`` and ``"deadline"`` scheduling policies.
         """
