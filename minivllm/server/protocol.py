@@ -41,7 +41,7 @@ _NOTHING_ASKED = (("top_logprobs", 0), ("presence_penalty", 0), ("frequency_pena
                   ("repetition_penalty", 1), ("length_penalty", 1), ("min_tokens", 0), ("use_beam_search", False),
                   ("prompt_logprobs", None), ("guided_json", None), ("guided_regex", None), ("guided_choice", None),
                   ("guided_grammar", None), ("structured_outputs", None),
-                  # vLLM extras that change which tokens come out: ignored, a client moving from vLLM would get
+                  # vLLM extras that change which tokens come out: were they ignored, a client moving from vLLM would get
                   # text its request forbade (bad_words), or a prompt it asked to have cut (truncate_prompt_tokens)
                   ("bad_words", []), ("allowed_token_ids", None), ("truncate_prompt_tokens", None),
                   ("logits_processors", []))
