@@ -214,6 +214,21 @@ def test_bench_serve_numbers(extra, flag, capsys):
     _argparse_refuses(main, [*BENCH, *extra], flag, capsys)
 
 
+def test_bench_serve_figures_without_matplotlib_is_refused_before_the_run(monkeypatch, capsys):
+    """A base install (no labs extra) has no matplotlib: ``--figures`` says so at once, not with an
+    ImportError after the whole load test has run."""
+    import importlib.util
+
+    from minivllm.bench.loadgen import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(["--base-url", CLOSED, "--num-requests", "1", "--figures", "figs"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--figures needs matplotlib" in err and "could not ask" not in err, err
+
+
 def test_bench_serve_files_and_server(tmp_path, capsys):
     from minivllm.bench.loadgen import main
 

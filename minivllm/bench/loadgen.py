@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -960,7 +961,10 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.figures and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the whole run
+        parser.error("--figures needs matplotlib, which the labs extra installs: pip install 'minivllm[labs]'")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records
     try:
         run_benchmark(args)
