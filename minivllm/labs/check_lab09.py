@@ -186,7 +186,12 @@ def check_prefix_affinity(cls) -> CheckResult:
         Case("one replica owns everything", lambda k: {_make(k, 1, **kw).owner(p) for p in prompts[:20]}, {0},
              "with one replica every point on the ring is replica 0's"),
         Case("same first blocks, same owner", lambda k: {_make(k, 3, **kw).owner(p) for p in same},
-             {ref3.owner(head)}, "key on the first key_blocks FULL blocks only: what follows must not matter"),
+             {ref3.owner(head)}, "key on the first key_blocks FULL blocks only: what follows must not matter",
+             # one owner for all three, but not the ring's: a key too short, or the lookup on the ring
+             diagnose=lambda got: ("the three prompts agree on an owner, but not the ring's: is the key all of the "
+                                   "first key_blocks full blocks, and is the owner the first point at or after the "
+                                   "key's hash (bisect_left), wrapping past the top to point 0?"
+                                   if isinstance(got, set) and len(got) == 1 else None)),
         Case("a partial block is not part of the key", lambda k: len({_make(k, 3, **kw).owner(p) for p in partial}),
              1, "full = min(key_blocks, len(prompt) // block_size): a half-filled block cannot be cached yet, so "
                 "prompt[:key_blocks * block_size] is not the key when the prompt has fewer than key_blocks full "
