@@ -284,14 +284,14 @@ def test_windowed_hit_rate_over_everything_is_the_engines_hit_rate():
 
 def test_a_roofline_replica_holds_what_its_device_holds():
     """The router study measures per-replica prefix-cache capacity, so an L4 replica gets an L4's pool (it had
-    the fixed 4,096 blocks, 55% more than 90% of 24 GB leaves after Llama-3-8B's 16 GB of weights)."""
+    the fixed 4,096 blocks, 51% more than 90% of the L4's 23,034 MiB leaves after Llama-3-8B's 16 GB of weights)."""
     from minivllm.sim.fleet import REPLICA, replica_kv_blocks, roofline_factory, sim_replica
     from minivllm.sim.presets import hardware_preset, model_preset
 
     shape, l4 = model_preset("llama-3-8b"), hardware_preset("l4")
     by_hand = int(0.9 * l4.memory_bytes - shape.num_params * shape.dtype_bytes) // (16 * shape.kv_bytes_per_token)
     executor = roofline_factory("l4", "llama-3-8b")()
-    assert replica_kv_blocks(executor) == by_hand == 2641
+    assert replica_kv_blocks(executor) == by_hand == 2707
     assert sim_replica(executor).pool.num_blocks == by_hand
     assert sim_replica(roofline_factory("l4", "llama-3-8b")(), num_blocks=100).pool.num_blocks == 100  # explicit wins
     assert sim_replica().pool.num_blocks == REPLICA["num_blocks"]  # the linear model has no device

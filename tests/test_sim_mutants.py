@@ -489,8 +489,9 @@ def test_presets_carry_the_datasheet_numbers_and_honour_dtype():
     from minivllm.model.loader import resolve_model_dir
     from minivllm.sim.presets import hardware_preset, model_preset
 
-    sheet = {"h100": (989.5e12, 3.35e12, 80e9, 64e9), "h200": (989.5e12, 4.8e12, 141e9, 64e9),
-             "a100": (312e12, 2039e9, 80e9, 32e9), "l4": (121e12, 300e9, 24e9, 32e9)}
+    mib = 2**20  # memory as each card reports it (nvidia-smi memory.total), not its datasheet label
+    sheet = {"h100": (989.5e12, 3.35e12, 81_559 * mib, 64e9), "h200": (989.5e12, 4.8e12, 143_771 * mib, 64e9),
+             "a100": (312e12, 2039e9, 81_920 * mib, 32e9), "l4": (121e12, 300e9, 23_034 * mib, 32e9)}
     for name, (flops, bw, mem, link) in sheet.items():
         hw = hardware_preset(name)
         assert (hw.peak_flops, hw.mem_bandwidth, hw.memory_bytes, hw.swap_bandwidth) == pytest.approx(
@@ -513,7 +514,7 @@ def test_presets_carry_the_datasheet_numbers_and_honour_dtype():
 
 def test_kv_pool_is_device_memory_less_the_weights_in_bytes():
     """``sim run`` sizes the KV pool as ``utilization x memory - weight bytes``.  By hand for Llama-3-8B on an
-    80 GB H100 at 90%: per layer 4096*4096*2 (q, o) + 2*4096*1024 (k, v) + 3*4096*14336 (MLP) weights, 32
+    H100 (81,559 MiB as it reports) at 90%: per layer 4096*4096*2 (q, o) + 2*4096*1024 (k, v) + 3*4096*14336 (MLP) weights, 32
     layers, plus the untied embedding and lm_head (128256 x 4096 each), 2 bytes each in bf16, half that in
     fp8.  Catches counting weights as parameters instead of bytes (a pool 16 GB too large: no preemption
     where a real H100 would preempt)."""
@@ -522,8 +523,9 @@ def test_kv_pool_is_device_memory_less_the_weights_in_bytes():
 
     params = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 2 * 128256 * 4096
     h100 = hardware_preset("h100")
-    assert kv_pool_bytes(model_preset("llama-3-8b"), h100, 0.9) == int(0.9 * 80e9 - 2 * params)
-    assert kv_pool_bytes(model_preset("llama-3-8b", 1), h100, 0.9) == int(0.9 * 80e9 - params)
+    device = 81_559 * 2**20  # what an H100 reports
+    assert kv_pool_bytes(model_preset("llama-3-8b"), h100, 0.9) == int(0.9 * device - 2 * params)
+    assert kv_pool_bytes(model_preset("llama-3-8b", 1), h100, 0.9) == int(0.9 * device - params)
     with pytest.raises(ValueError, match="does not fit"):
         kv_pool_bytes(model_preset("llama-3-8b"), hardware_preset("l4"), 0.5)  # 16 GB of weights in 12 GB
 

@@ -8,6 +8,13 @@ HBM bandwidth; the overheads are typical of a CUDA-graph'ed engine (vLLM-like)
 and are also assumptions.  Calibrate (``minivllm sim calibrate``) on the real
 device to replace all of them with measured values.
 
+Device memory is what the card reports (``nvidia-smi``'s ``memory.total``), not
+the label on the datasheet, because the pool is sized from what the device
+reports: an "80 GB" H100 reports 81,559 MiB = 85.5 GB, and reading its label as
+80e9 bytes would shrink a Llama-3-8B pool by 9%.  CUDA itself
+(``torch.cuda.mem_get_info``, which a calibrated profile records) reports about
+0.6% less on Hopper cards, what the driver keeps for itself.
+
 Model shapes come from each model's published ``config.json`` on the Hugging
 Face hub; the bundled SmolLM2-135M is read from its own config file.
 """
@@ -24,6 +31,7 @@ from minivllm.sim.roofline import HardwareSpec, ModelShape
 GB = 1e9
 TB = 1e12
 GIB = 1024**3
+MIB = 1024**2
 
 # Typical host/launch costs of a GPU engine (assumptions, see the module docstring).
 _GPU_STEP_OVERHEAD_S = 2e-3
@@ -43,21 +51,23 @@ def _datasheet_gpu(name: str, bf16_dense_tflops: float, bandwidth: float, memory
 
 HARDWARE: dict[str, HardwareSpec] = {
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), nvidia.com/en-us/data-center/h100/:
-    # BF16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense; GPU memory 80 GB;
-    # memory bandwidth 3.35 TB/s; interconnect PCIe Gen5 128 GB/s (both directions) -> 64 GB/s one way.
-    "h100": _datasheet_gpu("h100", 989.5, 3.35 * TB, 80 * GB, 64 * GB, "H100 SXM5 80GB, datasheet peaks"),
+    # BF16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense; GPU memory "80 GB", which the card
+    # reports as 81,559 MiB; memory bandwidth 3.35 TB/s; interconnect PCIe Gen5 128 GB/s (both directions)
+    # -> 64 GB/s one way.
+    "h100": _datasheet_gpu("h100", 989.5, 3.35 * TB, 81_559 * MIB, 64 * GB, "H100 SXM5 80GB, datasheet peaks"),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column), nvidia.com/en-us/data-center/h200/:
-    # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 dense; GPU memory 141 GB;
-    # memory bandwidth 4.8 TB/s; PCIe Gen5 128 GB/s (both directions) -> 64 GB/s one way.
-    "h200": _datasheet_gpu("h200", 989.5, 4.8 * TB, 141 * GB, 64 * GB, "H200 SXM 141GB, datasheet peaks"),
+    # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 dense; GPU memory "141 GB", reported as 143,771 MiB
+    # (measured: benchmarks/results/2026-11-30_nvidia-h200_*.txt); memory bandwidth 4.8 TB/s; PCIe Gen5
+    # 128 GB/s (both directions) -> 64 GB/s one way.
+    "h200": _datasheet_gpu("h200", 989.5, 4.8 * TB, 143_771 * MIB, 64 * GB, "H200 SXM 141GB, datasheet peaks"),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column), nvidia.com/en-us/data-center/a100/:
-    # BF16 Tensor Core 312 TFLOPS (624 with sparsity); GPU memory 80 GB HBM2e; memory bandwidth 2,039 GB/s;
-    # PCIe Gen4 64 GB/s (both directions) -> 32 GB/s one way.
-    "a100": _datasheet_gpu("a100", 312, 2039 * GB, 80 * GB, 32 * GB, "A100 SXM4 80GB, datasheet peaks"),
+    # BF16 Tensor Core 312 TFLOPS (624 with sparsity); GPU memory "80 GB" HBM2e, reported as 81,920 MiB;
+    # memory bandwidth 2,039 GB/s; PCIe Gen4 64 GB/s (both directions) -> 32 GB/s one way.
+    "a100": _datasheet_gpu("a100", 312, 2039 * GB, 81_920 * MIB, 32 * GB, "A100 SXM4 80GB, datasheet peaks"),
     # NVIDIA L4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/l4/:
-    # BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense; GPU memory 24 GB GDDR6; memory bandwidth 300 GB/s;
-    # PCIe Gen4 x16 64 GB/s (both directions) -> 32 GB/s one way.
-    "l4": _datasheet_gpu("l4", 121, 300 * GB, 24 * GB, 32 * GB, "L4 24GB, datasheet peaks"),
+    # BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense; GPU memory "24 GB" GDDR6, reported as 23,034 MiB
+    # (ECC on); memory bandwidth 300 GB/s; PCIe Gen4 x16 64 GB/s (both directions) -> 32 GB/s one way.
+    "l4": _datasheet_gpu("l4", 121, 300 * GB, 23_034 * MIB, 32 * GB, "L4 24GB, datasheet peaks"),
 }
 
 MODELS: dict[str, ModelShape] = {

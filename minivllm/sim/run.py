@@ -298,7 +298,7 @@ def kv_pool_bytes(shape, hw, utilization: float) -> int:
     free = hw.memory_bytes * utilization - shape.num_params * shape.dtype_bytes
     if free <= 0:
         raise ValueError(f"{shape.name} ({shape.num_params * shape.dtype_bytes / 1e9:.1f} GB of weights) does not fit "
-                         f"in {utilization:.0%} of {hw.name}'s {hw.memory_bytes / 1e9:.0f} GB")
+                         f"in {utilization:.0%} of {hw.name}'s {hw.memory_bytes / 1e9:.1f} GB")
     return int(free)
 
 

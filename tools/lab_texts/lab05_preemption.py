@@ -682,9 +682,9 @@ print(f"H100, KV share 0.80 -> 0.95: {(lo['room_bytes'] - hi['room_bytes']) / 2*
       f"the KV cache gains {hi['kv_tokens'] - lo['kv_tokens']:,} tokens of context")
 """),
 ("md", r"""
-On the H100 (simulated sizing, analytic counts) the 0.80 → 0.95 move takes 11.2 GiB from the activations — about
-86,000 tokens of budget — and gives the KV cache about 92,000 more tokens of context: a token of budget and a token
-of KV cost about the same here. Even at 0.95, over 28,000 tokens of budget fit, far above the usual 2,048–8,192: on
+On the H100 (simulated sizing, analytic counts) the 0.80 → 0.95 move takes 11.9 GiB from the activations — about
+92,000 tokens of budget — and gives the KV cache about 98,000 more tokens of context: a token of budget and a token
+of KV cost about the same here. Even at 0.95, over 30,000 tokens of budget fit, far above the usual 2,048–8,192: on
 a big GPU the KV share can go high. On the L4 the weights take two thirds of the memory and the same share leaves
 room for a budget of about 8,600 tokens; at a smaller share the room grows but the KV pool (the concurrency of
 section 3) shrinks. Real engines fuse `silu(gate) * up` into one kernel (which removes the `silu(gate)` tensor) and

@@ -617,7 +617,7 @@ and every second beyond it is billed like the dedicated GPU. And the chats' ITL 
 ### Which clause buys what
 
 The seed's point is that every clause of a policy corresponds to a measurable behaviour. Measure it: switch the
-clauses off one at a time. On the H100's full pool (26,674 blocks) memory is never short, so the KV clauses have
+clauses off one at a time. On the H100's full pool (29,043 blocks) memory is never short, so the KV clauses have
 nothing to do; the cell squeezes the same mix into **700 blocks** (11,200 tokens, about what a 70B model leaves on
 one GPU), where they do. A clause is switched off by its knob: no KV reserve, an agent share of everything, batch
 admitted whatever queue of chats waits, no per-tenant cache cap, every victim recomputed. (`chunk_long_prefills` has

@@ -435,8 +435,8 @@ lab 4) it can be. The knee is the number to size a deployment by: run each repli
 `SERVING_GPU` is a three-constant cost model with a small KV pool, chosen so memory binds and the lab stays
 readable. What happens on a real deployment's shape? The cell below reruns the sweep — same arrivals, same engine,
 same SLO — on the roofline simulator (`minivllm.labs.at_scale`): Llama-3-8B in bf16 on the H100 datasheet preset,
-the KV pool sized the way vLLM sizes it (90 % of 80 GB minus the weights), vLLM's default 256 seats and 8,192-token
-step budget.
+the KV pool sized the way vLLM sizes it (90 % of the 81,559 MiB the card reports, minus the weights), vLLM's
+default 256 seats and 8,192-token step budget.
 """),
 ("code", r"""
 from minivllm.labs import at_scale

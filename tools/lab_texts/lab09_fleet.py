@@ -285,8 +285,8 @@ with 64 they even out.
 
 ## 2. The capacity study
 
-Simulated: every replica is the real engine on the **roofline cost model of a Llama-3-8B shape on an L4** (2,641 KV
-blocks of 16 tokens per replica: what 90% of the L4's 24 GB holds after 16 GB of weights; see the top of the lab for
+Simulated: every replica is the real engine on the **roofline cost model of a Llama-3-8B shape on an L4** (2,707 KV
+blocks of 16 tokens per replica: what 90% of the L4's 23,034 MiB holds after 16 GB of weights; see the top of the lab for
 why not the H100). The SLO is a chat SLO — time to first
 token ≤ 500 ms and each request's p99 inter-token latency ≤ 100 ms — and **goodput** is the fraction of requests that meet both (the load generator's definition, `minivllm bench serve`).
 Only requests arriving in the measured window count; the sessions before it warm the fleet up. The question for
