@@ -64,7 +64,7 @@ def _per_request_state(engine: LLMEngine, metrics: EngineMetrics) -> dict[str, i
         "engine._deferred_aborts": len(engine._deferred_aborts),
         "outputs._streams": len(out._streams),
         "outputs._groups": len(out._groups),
-        "outputs._group_firsts": len(out._group_firsts),
+        "outputs._group_samples": len(out._group_samples),
         "scheduler.waiting": len(sched.waiting),
         "scheduler.running": len(sched.running),
         "scheduler._waiting_need": len(sched._waiting_need),

@@ -47,10 +47,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self._streams: dict[str, _Stream] = {}
         self._groups: dict[str, list[CompletionOutput]] = {}  # n > 1: parent id -> one slot per sample
-        # n > 1: parent id -> [first scheduled, first token] of any sample.  A group's output carries one
-        # sample's metrics each step, but the request (what a client and /metrics see) was first scheduled,
-        # and got its first token, when its earliest sample did.
-        self._group_firsts: dict[str, list[float | None]] = {}
+        self._group_samples: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples (read, never changed)
 
     def add(self, samples: list[Request]) -> None:
         for req in samples:
@@ -70,7 +67,7 @@ class OutputProcessor:
             self._groups[first.parent_id] = [
                 CompletionOutput(index=i, text="", token_ids=[]) for i in range(len(samples))
             ]
-            self._group_firsts[first.parent_id] = [None, None]
+            self._group_samples[first.parent_id] = samples
 
     def has_group(self, parent_id: str) -> bool:
         return parent_id in self._groups
@@ -215,10 +212,6 @@ class OutputProcessor:
             else:
                 completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
             changed.setdefault(req.parent_id, {})[req.sample_index] = done
-            firsts = self._group_firsts[req.parent_id]
-            for k, t in enumerate((out.metrics.first_scheduled_time, out.metrics.first_token_time)):
-                if t is not None and (firsts[k] is None or t < firsts[k]):
-                    firsts[k] = t
             if done.delta_token_ids or req.parent_id not in result:
                 # the group's metrics: those of a sample that got a token in this step, if any did, so the
                 # last token time is this step's (the metrics time each sample's gaps by it)
@@ -227,7 +220,11 @@ class OutputProcessor:
             completions = self._groups[parent_id]
             last = result[parent_id]
             finished = all(c.finish_reason is not None for c in completions)
-            scheduled, first_token = self._group_firsts[parent_id]
+            # A group's output carries one sample's metrics each step, but the request (what a client and
+            # /metrics see) was first scheduled, and got its first token, when its earliest sample did.
+            samples = self._group_samples[parent_id]
+            scheduled = _earliest(r.first_scheduled_time for r in samples)
+            first_token = _earliest(r.first_token_time for r in samples)
             result[parent_id] = replace(
                 last,
                 request_id=parent_id,
@@ -236,7 +233,7 @@ class OutputProcessor:
                 metrics=replace(last.metrics, first_scheduled_time=scheduled, first_token_time=first_token),
             )
             if finished:
-                del self._groups[parent_id], self._group_firsts[parent_id]
+                del self._groups[parent_id], self._group_samples[parent_id]
         return list(result.values())
 
     def forget(self, req: Request) -> None:
@@ -244,4 +241,9 @@ class OutputProcessor:
 
     def forget_group(self, parent_id: str) -> None:
         self._groups.pop(parent_id, None)
-        self._group_firsts.pop(parent_id, None)
+        self._group_samples.pop(parent_id, None)
+
+
+def _earliest(times) -> float | None:
+    """The first of some times, ``None`` if none is known yet."""
+    return min((t for t in times if t is not None), default=None)
