@@ -23,7 +23,9 @@ from minivllm.sched.fairness import (
     RankPreemption,
     ThreeClassAdmission,
     WFQAdmission,
+    make_policies,
 )
+from minivllm.sched.policies import FCFSAdmission, PriorityAdmission, RecomputeLatestPreemption
 
 from invariants import KVContents, assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
 
@@ -407,6 +409,37 @@ def test_wfq_charges_service_once_so_two_tenants_cannot_preempt_each_other_for_e
     assert_no_leak(engine)
 
 
+def test_wfq_a_tenant_kept_active_by_one_running_request_banks_no_credit():
+    """A keeps one long decode running (1 token a step: active, never idle) while B is backlogged; then A sends a
+    burst.  Oracle: GPS -- both tenants backlogged, equal weights, so each is served half of what the engine
+    serves from then on.  Before the fix A's counter had fallen behind B's by everything B was served (~6,000),
+    and A took 97% of the service of the next 120 steps (A 5,438, B 172 weighted tokens; B's running requests were
+    preempted for A): idling banked no credit, but trickling did.  Now A, whose queue was empty, rejoins at most two
+    steps' budget behind B (A 2,842, B 2,793)."""
+    engine = make_engine("wfq", num_blocks=600, budget=32, max_seqs=16, max_len=512)
+    wfq = engine.scheduler.admission_policy
+    add(engine, "A", 4, 400, "trickle")
+    for i in range(300):
+        add(engine, "B", 16, 16, f"b{i}")
+    for _ in range(150):
+        engine.step()
+    assert wfq.counter("B") - wfq.counter("A") > 3000  # A trickled: 2 a step, B took the rest
+    for i in range(200):
+        add(engine, "A", 16, 16, f"a{i}")
+
+    def served():
+        per = engine.stats()["per_tenant"]
+        return {t: per[t]["prompt_tokens"] + 2 * per[t]["output_tokens"] for t in "AB"}
+
+    before = served()
+    for _ in range(120):
+        engine.step()
+    after = served()
+    a, b = (after[t] - before[t] for t in "AB")
+    assert engine.scheduler.waiting_by_tenant.keys() == {"A", "B"}, "both must stay backlogged"
+    assert abs(a - b) <= 2 * wfq.margin + 2 * 48, (a, b)  # GPS: equal shares, up to the rejoin slack + a request
+
+
 _bare_ids = itertools.count()
 
 
@@ -428,6 +461,28 @@ def test_wfq_activation_never_lowers_a_counter():
     assert wfq.counter("ahead") == 500.0 and wfq.counter("behind") == 10.0
     wfq.order([req("late"), req("ahead"), req("behind")], [])  # a tenant never seen starts at the minimum
     assert wfq.counter("late") == 10.0
+
+
+def test_wfq_a_tenant_whose_queue_emptied_rejoins_near_the_backlogged_minimum():
+    """The rejoin rule on the policy alone.  "run" has a request running and nothing waiting while "busy" keeps the
+    same requests waiting (backlogged).  When "run" sends again it is lifted to two margins below busy's counter,
+    never lowered; a tenant that stays backlogged keeps its deficit (it could not be served, it did not decline)."""
+    wfq = WFQAdmission(EngineConfig(scheduling_policy="wfq", device="cpu", max_num_batched_tokens=100))
+    busy, slow, running = bare_request("busy"), bare_request("slow"), bare_request("run")
+    wfq.counters.update({"busy": 1000.0, "run": 0.0})
+    wfq.order([busy], [running])
+    wfq.order([busy], [running])
+    assert wfq.counters == {"busy": 1000.0, "run": 0.0}  # nothing waiting for "run": nothing to lift yet
+    wfq.order([busy, bare_request("run")], [running])
+    assert wfq.counter("run") == 1000.0 - 2 * wfq.margin == 800.0
+    wfq.counters["run"] = 950.0
+    wfq.order([busy, bare_request("run")], [running])  # its new request: the old one was admitted meanwhile
+    assert wfq.counter("run") == 950.0  # never lowered
+    wfq.order([busy, slow], [])  # "slow" starts waiting ...
+    wfq.counters["slow"] = 10.0  # ... far behind (say its prompts did not fit)
+    for _ in range(3):
+        wfq.order([busy, slow], [])  # and waits throughout
+    assert wfq.counter("slow") == 10.0
 
 
 def test_wfq_order_charges_each_queued_prompt_provisionally():
@@ -979,7 +1034,6 @@ def test_three_class_swaps_long_victims_by_the_cost_model_by_default():
     tokens for Llama-3-8B), not a fixed 2,048 under which victims of 300-2,000 tokens were recomputed at 3-4x
     the cost.  Oracle: the roofline's own swap and recompute times (labs.at_scale)."""
     from minivllm.labs import at_scale
-    from minivllm.sched.fairness import make_policies
     from minivllm.sim.presets import hardware_preset, model_preset
     from minivllm.sim.run import make_engine as sim_engine
 
@@ -1045,3 +1099,40 @@ def test_bench_fairness_backlogged_service_excludes_recompute():
     assert res.stats["num_preemptions"] > 0
     service = {t: s["prompt_tokens"] + 2 * s["output_tokens"] for t, s in res.window_stats.items()}
     assert jain(list(service.values())) > 0.99
+
+
+class _OldestWorst(FCFSAdmission):
+    """FCFS admission whose ranking calls the *oldest* request (``r0``, the first added) worst: the opposite of
+    every named victim rule, which take the newest among ties."""
+
+    def rank(self, req):
+        return req.request_id == "r0"
+
+
+@pytest.mark.parametrize("policy", ["wfq", "deadline", "three_class"])
+def test_a_callers_admission_policy_also_picks_the_victims_of_a_ranked_policy(policy):
+    """With the caller's own admission policy in place of a named one that ranks its victims, the victim is the one
+    the *caller's* ranking calls worst.  Oracle: ``_OldestWorst`` ranks the oldest running request worst, so under
+    KV pressure the first request (and only it) is ever preempted.  Before, the named ``RankPreemption`` stayed
+    bound to a named admission that the scheduler never called: it preempted the newest."""
+    engine = make_engine(policy, num_blocks=12, block_size=4, budget=64, max_seqs=4, max_len=48)
+    engine = LLMEngine(engine.config, executor=KVContents(4), model_max_len=48, eos_token_ids=set(),
+                       admission_policy=_OldestWorst())
+    reqs = [engine.requests[add(engine, "t", 8, 12, f"r{i}")] for i in range(3)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    preempted = {r.request_id for r in reqs if r.num_preemptions}
+    assert preempted == {"r0"}, preempted
+    assert_no_leak(engine)
+
+
+def test_a_callers_admission_policy_that_ranks_nothing_leaves_the_newest_as_the_victim():
+    """A caller's policy without ``rank`` under ``scheduling_policy="wfq"``: the victim rule falls back to FCFS's
+    newest-first (not a ranking of counters that nothing charges any more)."""
+    config = EngineConfig(scheduling_policy="wfq", device="cpu")
+    plain = FCFSAdmission()
+    admission, preemption, _ = make_policies(config, plain)
+    assert admission is plain and isinstance(preemption, RecomputeLatestPreemption)
+    for ranked in (_OldestWorst(), PriorityAdmission()):
+        admission, preemption, _ = make_policies(config, ranked)
+        assert admission is ranked and isinstance(preemption, RankPreemption) and preemption.policy is ranked

@@ -141,6 +141,10 @@ MUTANTS = [
     ("aborting a finished sample aborts it again", ENGINE,
      "            if sample.status.finished:\n                return False", "            if False:\n                return False",
      ""),
+    ("a WFQ tenant that trickled rejoins with the credit it banked", FAIR, "        if rejoined:\n",
+     "        if False:\n", ""),
+    ("a caller's admission leaves the named victim rule ranking by the named one", FAIR,
+     "        if isinstance(pre, RankPreemption):", "        if False:", ""),
 ]
 
 TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",

@@ -135,8 +135,8 @@ class LLMEngine:
         self.executor = executor
 
         # -- scheduling: the named policy (unless the caller passed its own), caps, the auto-mode cost model
-        named_admission, named_preemption, named_costs = make_policies(config)
-        admission_policy = admission_policy or named_admission
+        named_admission, named_preemption, named_costs = make_policies(config, admission_policy)
+        admission_policy = named_admission  # the caller's, if given
         preemption_policy = preemption_policy or named_preemption
         costs = preemption_cost_model or named_costs
         if costs is None and config.preemption_mode == "auto":

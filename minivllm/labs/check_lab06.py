@@ -547,6 +547,10 @@ class CounterWFQ(WFQAdmission):
             self.vtc.activate(t, set(already))
         self._active = active
 
+    def _raise_to(self, tenant: str, floor: float) -> None:  # the engine's rejoin lift, on the learner's counters
+        if self.counter(tenant) < floor:
+            self.vtc.counters[tenant] = floor
+
     def observe(self, batch, now: float) -> None:
         for s in batch.seqs:
             self.vtc.charge(s.request.tenant, 0 if s.is_decode else new_prompt_tokens(s), 1 if s.samples else 0)

@@ -41,7 +41,11 @@ once, however often a recompute preemption makes the engine compute it again).  
 requests are interleaved lowest counter first.  A tenant that becomes active
 (had nothing waiting or running) starts at ``max(c[t], min of the active
 tenants' counters)`` -- or, when no tenant is active, at the counter of the last
-tenant that went idle -- so idling banks no credit.  A waiting request may preempt a
+tenant that went idle -- so idling banks no credit.  Nor does trickling: a tenant kept active only by
+running requests (nothing waiting) that sends again rejoins at ``max(c[t], m - 2 * margin)``, ``m`` the
+minimum counter of the tenants that kept requests waiting (else of the other active tenants), as VTC lifts
+every client whose queue was empty -- its next request still ranks first, but it banks at most two steps'
+tokens, not everything the backlogged tenants were served meanwhile.  A waiting request may preempt a
 running request of a tenant whose counter is more than one step's budget
 (``max_num_batched_tokens * wfq_prefill_weight``) ahead: that margin keeps two
 backlogged tenants from preempting each other back and forth.
@@ -68,6 +72,7 @@ from dataclasses import dataclass
 from collections.abc import Callable, Collection, Sequence
 
 from minivllm.config import EngineConfig
+from minivllm.interfaces import AdmissionPolicy, RanksRequests, implements
 from minivllm.request import Request
 from minivllm.sched.policies import (
     FCFSAdmission,
@@ -294,6 +299,7 @@ class WFQAdmission:
         self.counters: dict[str, float] = {}
         self._active: set[str] = set()
         self._last_left: float | None = None  # counter of the tenant(s) that went idle last
+        self._waiting_seen: set[str] = set()  # ids of the requests the last ``order`` saw waiting
 
     def weight(self, tenant: str) -> float:
         return float(self.config.tenant_config(tenant).weight)
@@ -316,14 +322,46 @@ class WFQAdmission:
             floor = min(still) if still else self._last_left
             if floor is not None:
                 for t in new:
-                    self.counters[t] = max(self.counter(t), floor)
+                    self._raise_to(t, floor)
         self._active = active
 
+    def _raise_to(self, tenant: str, floor: float) -> None:
+        """Lift ``tenant``'s counter to ``floor``; a counter is never lowered (that would hand out credit)."""
+        if self.counter(tenant) < floor:
+            self.counters[tenant] = floor
+
+    def _rejoin(self, queues: dict[str, list[Request]], running: Sequence[Request]) -> None:
+        """Lift a tenant that stayed active but had *nothing waiting* and now sends again, as VTC lifts every
+        client whose queue was empty when its request arrived.  Staying active through one running request (a
+        long decode, or a closed loop of one call at a time) is not being backlogged: such a tenant takes less
+        than its share, and unlifted its counter would fall behind by everything the backlogged tenants were
+        served -- credit it could then spend on a burst, winning every admission (and preempting the others)
+        until it caught up.  Its floor is the minimum of the tenants that kept requests waiting (the system's
+        virtual time), or, when none did, of the other active tenants, less two steps' budget (``2 * margin``):
+        a light tenant's next request still ranks first and may, with its lead of more than ``margin``, preempt a
+        backlogged tenant that holds the KV cache (the low latency WFQ gives a tenant under its share: lab 6's
+        quiet tenant), but it banks at most two steps' tokens, not the whole gap.
+
+        How an empty queue is seen without a hook on arrival: a tenant none of whose waiting requests were
+        waiting at the last ``order`` had an empty queue in between, since requests leave ``waiting`` only by
+        being admitted (after an ``order``) or by ending."""
+        seen = self._waiting_seen
+        backlogged = {t for t, q in queues.items() if any(r.request_id in seen for r in q)}
+        rejoined = [t for t in queues if t in self._active and t not in backlogged]
+        if rejoined:
+            others = backlogged or (self._active & ({r.tenant for r in running} | set(queues))) - set(rejoined)
+            if others:
+                floor = min(self.counter(u) for u in others) - 2 * self.margin
+                for t in rejoined:
+                    self._raise_to(t, floor)
+
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        self.activity({r.tenant for r in waiting} | {r.tenant for r in running})
         queues: dict[str, list[Request]] = {}
         for r in waiting:
             queues.setdefault(r.tenant, []).append(r)
+        self._rejoin(queues, running)
+        self._waiting_seen = {r.request_id for r in waiting}
+        self.activity(queues.keys() | {r.tenant for r in running})
         heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
         heapq.heapify(heap)
         heads = dict.fromkeys(queues, 0)
@@ -418,25 +456,39 @@ class LongContextSwap:
         return num_tokens >= self.min_tokens
 
 
-def make_policies(config: EngineConfig):
-    """``(admission, preemption, cost_model or None)`` for ``config.scheduling_policy``."""
+def make_policies(config: EngineConfig, admission: AdmissionPolicy | None = None):
+    """``(admission, preemption, cost_model or None)`` for ``config.scheduling_policy``.
+
+    ``admission``: the caller's own admission policy, which then replaces the named one.  A named victim rule
+    that follows the named admission's ranking (wfq, deadline, three_class) follows the caller's instead -- or,
+    if it ranks nothing, preempts the newest request as FCFS does: left bound to the named admission it would
+    read counters that nothing updates any more, since the scheduler calls only the caller's policy.
+    """
     name = config.scheduling_policy
+    costs = None
     if name == "fcfs":
-        return FCFSAdmission(), RecomputeLatestPreemption(), None
-    if name == "priority":
-        return PriorityAdmission(), PriorityPreemption(), None
-    if name == "caps":
-        return CapsAdmission(), RecomputeLatestPreemption(), None
-    if name == "wfq":
+        adm, pre = FCFSAdmission(), RecomputeLatestPreemption()
+    elif name == "priority":
+        adm, pre = PriorityAdmission(), PriorityPreemption()
+    elif name == "caps":
+        adm, pre = CapsAdmission(), RecomputeLatestPreemption()
+    elif name == "wfq":
         adm = WFQAdmission(config)
-        return adm, RankPreemption(adm), None
-    if name == "deadline":
+        pre = RankPreemption(adm)
+    elif name == "deadline":
         adm = DeadlineAdmission(config.deadline_aging_s)
-        return adm, RankPreemption(adm), None
-    if name == "three_class":
+        pre = RankPreemption(adm)
+    elif name == "three_class":
         adm = ThreeClassAdmission(config)
+        pre = RankPreemption(adm)
         # swap_min_tokens None: no rule of our own, so the engine installs its auto mode's cost model (or the
         # simulator its roofline one), which swaps exactly the victims whose recompute would cost more
         threshold = config.three_class.swap_min_tokens
-        return adm, RankPreemption(adm), LongContextSwap(threshold) if threshold is not None else None
-    raise ValueError(f"unknown scheduling_policy {name!r}")
+        costs = LongContextSwap(threshold) if threshold is not None else None
+    else:
+        raise ValueError(f"unknown scheduling_policy {name!r}")
+    if admission is not None:
+        adm = admission
+        if isinstance(pre, RankPreemption):
+            pre = RankPreemption(admission) if implements(admission, RanksRequests) else RecomputeLatestPreemption()
+    return adm, pre, costs

@@ -178,6 +178,10 @@ VTC (Sheng et al., *Fairness in Serving Large Language Models*, OSDI 2024) keeps
 tokens it has been served, divided by its weight. The engine serves the **lowest counter first**. A tenant that sent
 nothing for a while must not bank credit — otherwise it could return and monopolise the engine — so when a tenant
 becomes active its counter is **lifted to the minimum counter of the tenants already active** (never lowered).
+Trickling must not bank credit either: a tenant kept active by one running request, with nothing waiting, takes less
+than its share while the others are served, and a burst would then win every admission until it caught up. So when
+a tenant whose queue had emptied sends again, the engine lifts it to within two steps' budget of the backlogged
+tenants (`WFQAdmission._rejoin`; the checker applies that rule to your counters, it is not part of the exercise).
 
 Write `VirtualTokenCounter`:
 
