@@ -12,8 +12,9 @@ Device memory is what the card reports (``nvidia-smi``'s ``memory.total``), not
 the label on the datasheet, because the pool is sized from what the device
 reports: an "80 GB" H100 reports 81,559 MiB = 85.5 GB, and reading its label as
 80e9 bytes would shrink a Llama-3-8B pool by 9%.  CUDA itself
-(``torch.cuda.mem_get_info``, which a calibrated profile records) reports about
-0.6% less on Hopper cards, what the driver keeps for itself.
+(``torch.cuda.get_device_properties(0).total_memory``, which a calibrated profile
+records) reports about 0.6% less on Hopper cards (an H100: ~81,089 MiB), what the
+driver keeps for itself.
 
 Model shapes come from each model's published ``config.json`` on the Hugging
 Face hub; the bundled SmolLM2-135M is read from its own config file.
@@ -57,7 +58,7 @@ HARDWARE: dict[str, HardwareSpec] = {
     "h100": _datasheet_gpu("h100", 989.5, 3.35 * TB, 81_559 * MIB, 64 * GB, "H100 SXM5 80GB, datasheet peaks"),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column), nvidia.com/en-us/data-center/h200/:
     # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 dense; GPU memory "141 GB", reported as 143,771 MiB
-    # (measured: benchmarks/results/2026-11-30_nvidia-h200_*.txt); memory bandwidth 4.8 TB/s; PCIe Gen5
+    # (measured: benchmarks/results/2026-11-30_nvidia-h200_gpu_checks_run3_summary.txt); memory bandwidth 4.8 TB/s; PCIe Gen5
     # 128 GB/s (both directions) -> 64 GB/s one way.
     "h200": _datasheet_gpu("h200", 989.5, 4.8 * TB, 143_771 * MIB, 64 * GB, "H200 SXM 141GB, datasheet peaks"),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column), nvidia.com/en-us/data-center/a100/:
