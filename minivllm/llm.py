@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -132,27 +132,16 @@ class LLM:
                 bar.close()
         return [finals[rid] for rid in ids]
 
-    def stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None
-    ) -> Iterator[RequestOutput]:
-        """Yield each step's ``RequestOutput`` for one prompt (its ``delta_text`` is the new text).
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> "RequestStream":
+        """Each step's ``RequestOutput`` for one prompt (its ``delta_text`` is the new text), as an iterator.
 
-        Several streams (and ``generate`` calls) can be consumed side by side:
-        none loses another's deltas.
+        The request is added -- and so checked -- by this call: a bad prompt or bad params raise ``ValueError``
+        here, not at the first ``next``.  Several streams (and ``generate`` calls) can be consumed side by
+        side: none loses another's deltas.  A stream left unfinished (``close()``d, or dropped) aborts its
+        request, so its KV blocks go back.
         """
         rid = self._add_all([prompt], [sampling_params or SamplingParams()])[0]
-        done = False
-        try:
-            while not done:
-                if not self._router.pump([rid]):  # its request ended with no final output: an error, not an end
-                    raise RuntimeError(self._router.lost([rid]))
-                for out in self._router.take(rid):
-                    yield out
-                    done = done or out.finished
-        finally:
-            self._router.close([rid])
-            if not done:
-                self.engine.abort_request(rid)
+        return RequestStream(self, rid)
 
     def chat(
         self,
@@ -222,6 +211,70 @@ class LLM:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
+class RequestStream:
+    """What :meth:`LLM.stream` returns: one request's outputs, in order, as the engine produces them.
+
+    Why a class and not a generator function: a generator's body (and so the ``add_request`` in it) runs only
+    at the first ``next``, which put a bad prompt's ``ValueError`` far from the call that sent it.  Here the
+    request is already in the engine; reading it pumps the engine (:class:`_Router`), and a stream closed or
+    freed before its final output aborts the request, as an abandoned generator's ``finally`` did.  An abort
+    from inside a step (the cycle collector freeing a stream there) waits for the step to end (the engine's
+    lock), so it is safe whenever it comes.
+    """
+
+    def __init__(self, llm: LLM, request_id: str) -> None:
+        self.request_id = request_id
+        self._router = llm._router
+        self._engine = llm.engine
+        self._ready: deque[RequestOutput] = deque()
+        self._open = True  # the mailbox is open (closed at the final output, an error or close())
+        self._finished = False
+
+    def __iter__(self) -> "RequestStream":
+        return self
+
+    def __next__(self) -> RequestOutput:
+        rid = self.request_id
+        try:
+            while not self._ready:
+                if not self._open:
+                    raise StopIteration
+                if not self._router.pump([rid]):  # its request ended with no final output: an error, not an end
+                    raise RuntimeError(self._router.lost([rid]))
+                self._ready.extend(self._router.take(rid))
+        except StopIteration:
+            raise
+        except BaseException:  # an error, or Ctrl-C while a step runs: nobody reads this request any more
+            self.close()
+            raise
+        out = self._ready.popleft()
+        if out.finished:
+            self._finished = True
+            self.close()
+        return out
+
+    def close(self) -> None:
+        """Stop reading: a request not finished yet is aborted, its blocks go back.  Idempotent."""
+        self._ready.clear()
+        if self._open:
+            self._open = False
+            self._router.close([self.request_id])
+            if not self._finished:
+                self._engine.abort_request(self.request_id)
+
+    def __enter__(self) -> "RequestStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the engine may be half torn down already
+            pass
 
 
 class _Router:

@@ -141,3 +141,31 @@ def test_a_stream_freed_by_the_cycle_collector_inside_a_step_does_not_break_the_
     assert out.finished and len(out.outputs[0].token_ids) == 5  # another caller's step used to raise KeyError
     assert not llm.engine.requests and not llm.engine.has_unfinished_requests()
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+def test_stream_refuses_bad_input_when_called_not_at_its_first_next():
+    """``LLM.stream`` checks its request when called, as ``generate`` does: a generator function's body used to
+    wait for the first ``next``, so the ``ValueError`` surfaced wherever the caller first read the stream."""
+    llm = _llm()
+    for prompt, params in (({"prompt_token_ids": []}, None), ({"prompt_token_ids": [1, 2]}, "greedy"),
+                           ({"prompt_token_ids": [1] * 500}, None)):
+        with pytest.raises(ValueError):
+            llm.stream(prompt, params)  # no next(): the call itself refuses
+    assert not llm.engine.requests and not llm._router._boxes
+
+
+def test_a_stream_closed_or_dropped_unfinished_aborts_its_request():
+    llm = _llm()
+    stream = llm.stream({"prompt_token_ids": [1, 2, 3]}, LONG)
+    assert stream.request_id in llm.engine.requests  # added by the call, before any next()
+    next(stream)
+    stream.close()
+    assert list(stream) == []  # a closed stream is ended
+    dropped = llm.stream({"prompt_token_ids": [4, 5]}, LONG)
+    rid = dropped.request_id
+    del dropped  # never read: freeing it aborts it
+    assert rid not in llm.engine.requests and not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm._router._boxes
+    with llm.stream({"prompt_token_ids": [6]}, SamplingParams(max_tokens=3, ignore_eos=True)) as s:
+        outs = list(s)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
