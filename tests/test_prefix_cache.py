@@ -165,6 +165,17 @@ def test_inserting_a_block_cached_elsewhere_or_free_is_an_error(kind: str) -> No
     assert cache.num_cached_blocks == 1 and pool.num_free == pool.num_blocks - 2
 
 
+def test_a_refused_insert_leaves_the_lru_order_as_it_was(kind: str) -> None:
+    """An insert whose new blocks fail the check (here a free block) changes nothing a later eviction reads:
+    the prefix it would have extended stays the oldest.  It used to touch that prefix first, then refuse."""
+    cache, pool = new_cache(kind)
+    a = cache_only(cache, pool, toks(1))
+    b = cache_only(cache, pool, toks(2))
+    with pytest.raises(ValueError, match="is free"):
+        cache.insert(toks(1, 3), [a[0], pool.num_blocks - 1])
+    assert cache.evict(1) == 1 and not cache.is_cached(a[0]) and cache.is_cached(b[0])
+
+
 def test_match_only_refreshes_the_blocks_it_used(kind: str) -> None:
     """A hit on the head of a long prefix leaves its tail old (radix: edge split)."""
     cache, pool = new_cache(kind)

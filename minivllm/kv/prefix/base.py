@@ -173,7 +173,9 @@ def split_into_blocks(
 def check_new_blocks(
     new_block_ids: Sequence[int], is_cached: Callable[[int], bool], pool: BlockPool
 ) -> None:
-    """Validate blocks about to be cached, before anything is changed.
+    """Validate blocks about to be cached, before any is cached or any recency changes: if this raises, what
+    is cached and what a lookup returns are as before (a radix walk may have split an edge on the way, which
+    changes neither).
 
     A block holds the KV of one token prefix, so it can sit at one place in
     the cache only; seeing it elsewhere means the caller's table is wrong.

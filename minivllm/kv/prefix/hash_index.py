@@ -159,11 +159,11 @@ class HashIndex(LeafEviction):
     def _cache_below(self, path: list[HashEntry], namespace: Hashable, blocks: list[TokenBlock],
                      new_ids: list[int]) -> None:
         """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first, or
-        only its last entry: see :meth:`extend`): touch it, check the new blocks, make room under the
+        only its last entry: see :meth:`extend`): check the new blocks, touch it, make room under the
         quota (pinning the path's last block), add them below it."""
+        check_new_blocks(new_ids, self.is_cached, self.pool)
         tick = self._clock.tick()
         self._touch_path(path, tick)
-        check_new_blocks(new_ids, self.is_cached, self.pool)
         parent = path[-1] if path else None
         # The new blocks' keys, up to the first one a colliding block already holds: nothing from there on
         # is cached, so room is made (and, under a quota, blocks evicted) for the free run only.

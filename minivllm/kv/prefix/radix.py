@@ -124,7 +124,7 @@ class RadixCache(LeafEviction):
 
         The walk from the root is replaced by the node that holds ``parent_block``: a block sits at one
         place in the tree, and the caller's earlier blocks are its path.  The rest is :meth:`insert`'s
-        own steps in its order (touch the path, check, make room, attach).  The cases where the walk
+        own steps in its order (check, touch the path, make room, attach).  The cases where the walk
         would have split an edge or gone further -- ``parent_block`` inside an edge, or a child that
         starts with the same tokens -- are left to :meth:`insert`.
         """
@@ -145,13 +145,13 @@ class RadixCache(LeafEviction):
     def _cache_below(self, path: list[RadixNode], namespace: Hashable, blocks: list[TokenBlock],
                      new_ids: list[int]) -> None:
         """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first):
-        touch it, check the new blocks, make room under the quota (pinning the path's last block), attach.
+        check the new blocks, touch it, make room under the quota (pinning the path's last block), attach.
 
         The new blocks become a new child edge, or extend the last edge when it is a leaf, so a request
         that inserts again after generating more tokens keeps a single edge."""
+        check_new_blocks(new_ids, self.is_cached, self.pool)
         tick = self._clock.tick()
         self._touch_path(path, tick)
-        check_new_blocks(new_ids, self.is_cached, self.pool)
         num_new = self._make_room(namespace, len(new_ids), path[-1].block_ids[-1] if path else None)
         if num_new:
             self._attach(path[-1] if path else self._root(namespace), blocks[:num_new], new_ids[:num_new], tick)
