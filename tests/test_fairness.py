@@ -485,6 +485,34 @@ def test_wfq_a_tenant_whose_queue_emptied_rejoins_near_the_backlogged_minimum():
     assert wfq.counter("slow") == 10.0
 
 
+def test_wfq_a_backlogged_tenant_whose_waiting_request_is_aborted_after_its_next_arrived_keeps_its_deficit():
+    """"slow" is backlogged throughout: one request runs (its max_running seat), one waits behind its cap.  A new
+    request arrives, *then* the waiting one is aborted: slow's queue never empties, so (as a tenant that stays
+    backlogged) it is not lifted.  Oracle: the same run without the abort -- its counter moves by its own decode
+    (2 a step).  Before the fix the abort made the new request look like a rejoin: lifted by ~4,000."""
+    from minivllm.config import TenantConfig
+
+    def lift(abort):
+        engine = make_engine("wfq", tenants={"slow": TenantConfig(max_running=1)}, num_blocks=600, budget=32,
+                             max_seqs=16, max_len=512)
+        wfq = engine.scheduler.admission_policy
+        add(engine, "slow", 4, 400, "s0")
+        add(engine, "slow", 4, 10, "s1")
+        for i in range(300):
+            add(engine, "busy", 16, 16, f"b{i}")
+        for _ in range(100):
+            engine.step()
+        before = wfq.counter("slow")
+        assert wfq.counter("busy") - before > 2 * wfq.margin
+        add(engine, "slow", 4, 10, "s2")
+        if abort:
+            engine.abort_request("s1")
+        engine.step()
+        return wfq.counter("slow") - before
+
+    assert lift(abort=False) == lift(abort=True) == 2.0
+
+
 def test_wfq_order_charges_each_queued_prompt_provisionally():
     """Within one admission pass a tenant's second prompt is ranked as if its first were already served."""
     wfq = WFQAdmission(EngineConfig(scheduling_policy="wfq", device="cpu"))

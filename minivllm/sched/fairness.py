@@ -73,7 +73,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, RanksRequests, implements
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
 from minivllm.sched.policies import (
     FCFSAdmission,
     PriorityAdmission,
@@ -299,7 +299,7 @@ class WFQAdmission:
         self.counters: dict[str, float] = {}
         self._active: set[str] = set()
         self._last_left: float | None = None  # counter of the tenant(s) that went idle last
-        self._waiting_seen: set[str] = set()  # ids of the requests the last ``order`` saw waiting
+        self._waiting_seen: dict[str, Request] = {}  # the requests the last ``order`` saw waiting, by id
 
     def weight(self, tenant: str) -> float:
         return float(self.config.tenant_config(tenant).weight)
@@ -344,9 +344,14 @@ class WFQAdmission:
 
         How an empty queue is seen without a hook on arrival: a tenant none of whose waiting requests were
         waiting at the last ``order`` had an empty queue in between, since requests leave ``waiting`` only by
-        being admitted (after an ``order``) or by ending."""
+        being admitted (after an ``order``, before anything sent later) or by ending.  An abort can end a waiting
+        request *after* its tenant's next one arrived (the queue never emptied), and which came first cannot be
+        told here: a tenant one of whose seen requests was aborted is not lifted (it may have been backlogged
+        throughout, e.g. behind its own cap, and keeps its deficit as such a tenant does)."""
         seen = self._waiting_seen
         backlogged = {t for t, q in queues.items() if any(r.request_id in seen for r in q)}
+        backlogged |= {r.tenant for r in seen.values()
+                       if r.tenant in queues and r.status is RequestStatus.FINISHED_ABORTED}
         rejoined = [t for t in queues if t in self._active and t not in backlogged]
         if rejoined:
             others = backlogged or (self._active & ({r.tenant for r in running} | set(queues))) - set(rejoined)
@@ -360,7 +365,7 @@ class WFQAdmission:
         for r in waiting:
             queues.setdefault(r.tenant, []).append(r)
         self._rejoin(queues, running)
-        self._waiting_seen = {r.request_id for r in waiting}
+        self._waiting_seen = {r.request_id: r for r in waiting}
         self.activity(queues.keys() | {r.tenant for r in running})
         heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
         heapq.heapify(heap)
