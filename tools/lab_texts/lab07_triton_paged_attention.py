@@ -159,7 +159,8 @@ gqa = make_paged([1, 15, 16, 17, 40], kv_heads=3, group=3, head_dim=16, seed=12)
 args = [gqa[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale")]
 mine, engine = decode_oracle(*args), reference_decode(*args)
 print("NaN in the oracle's output:", torch.isnan(mine).any().item())
-print(f"max |oracle - engine reference| = {(mine - engine).abs().max().item():.1e}")
+diff = (mine - engine).abs().max().item()   # fp32 rounding: a few 1e-7, and not the same on every machine
+print("max |oracle - engine reference|", "< 1e-6" if diff < 1e-6 else f"= {diff:.1e}")
 """),
 ("md", r"""
 ### What the oracle costs: a copy of everything it reads
@@ -332,7 +333,8 @@ args = [ragged[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens
 oracle = reference_decode(*args)
 for name, fn in (("your kernel (or the fallback)", decode), ("engine kernel", engine_decode)):
     got = fn(*args)
-    print(f"{name:30s} max |error| {(got.float() - oracle).abs().max().item():.1e}, all finite: "
+    err = (got.float() - oracle).abs().max().item()   # rounding alone stays below 1e-6; a bug shows its size
+    print(f"{name:30s} max |error| {'< 1e-6' if err < 1e-6 else f'{err:.1e}'}, all finite: "
           f"{torch.isfinite(got).all().item()}")
 """),
 ("md", r"""
