@@ -206,6 +206,18 @@ def test_finish_reasons_eos_stop_token_and_length(tokenizer, kind):
     assert (past.finish_reason, past.token_ids) == ("length", script[:5])
 
 
+@pytest.mark.parametrize("kind", ["cumulative", "final_only"])
+def test_ignore_eos_holds_with_stop_strings_too(tokenizer, kind):
+    """Kills: EOS honoured despite ``ignore_eos`` when the request also has stop strings (the stop check then runs
+    on every token, EOS included).  vLLM: ``ignore_eos`` never stops on EOS; a stop string that never appears
+    leaves the request to run to ``max_tokens``."""
+    words = tokenizer.encode(" a b c d e f")
+    script = words[:3] + [EOS] + words[3:]
+    out = run(tokenizer, {"r": script}, SamplingParams(max_tokens=6, ignore_eos=True, stop=["zzz"],
+                                                        output_kind=kind))[-1].outputs[0]
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("length", None, script[:6])
+
+
 # -- n > 1 ----------------------------------------------------------------------------------------------------
 
 def test_streaming_n_samples_report_each_piece_once_and_finish_together(tokenizer):
