@@ -1,0 +1,99 @@
+"""Server details the end-to-end tests cannot see, checked without a model or a socket.
+
+Found by a mutation pass over ``minivllm/server``: the end-to-end 429 tests only assert ``Retry-After >= 1``, and
+every retry hint they produce is under a second, so rounding the hint down instead of up went unnoticed.
+RFC 9110 section 10.2.3: ``Retry-After`` is whole seconds to wait; a client honouring a rounded-down value retries
+before the server said it could be served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from minivllm.metrics.prometheus import EngineMetrics  # noqa: E402
+from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: E402
+from minivllm.server.api_server import APIError, OpenAIServer, _retry_after  # noqa: E402
+from minivllm.server.door import DoorRule  # noqa: E402
+
+
+@pytest.mark.parametrize("hint, header", [(0.2, "1"), (1.0, "1"), (1.5, "2"), (2.01, "3"), (7.0, "7"),
+                                          (float("inf"), "1"), (float("nan"), "1"), (None, "1")])
+def test_reject_retry_after_is_the_engines_hint_rounded_up_to_whole_seconds(hint, header):
+    assert _retry_after(SimpleNamespace(retry_after_s=hint)) == header
+
+
+def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
+    engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()]),
+                             kv=SimpleNamespace(num_available_blocks=100))
+    metrics = EngineMetrics("m")
+    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics), ["m"], 64,
+                       DoorRule(max_waiting=1, retry_after_s=2.5))
+    with pytest.raises(APIError) as err:
+        asyncio.run(srv._submit({"prompt_token_ids": [1, 2]}, None, "alice", "cmpl"))
+    assert (err.value.status, err.value.code) == (429, "queue_full")
+    assert err.value.headers == {"Retry-After": "3"}
+    s = metric_samples(metrics.render().decode())
+    assert metric_value(s, "vllm:num_requests_shed_total", tenant="alice") == 1
+    assert srv._passing == 0
+
+
+def test_bearer_scheme_is_case_insensitive():
+    """RFC 9110 section 11.1: the auth scheme is case-insensitive (``curl -H 'Authorization: bearer KEY'``)."""
+    from minivllm.server.api_server import _AuthMiddleware
+
+    auth = _AuthMiddleware(None, {"key1": "alice"})
+    for scheme in (b"Bearer", b"bearer", b"BEARER"):
+        assert auth.tenant_for([(b"authorization", scheme + b" key1")]) == "alice"
+    assert auth.tenant_for([(b"authorization", b"Basic key1")]) is None
+    assert auth.tenant_for([(b"authorization", b"Bearer nope")]) is None
+
+
+@pytest.mark.parametrize("running, stopping, code", [(True, False, 200), (True, True, 503), (False, False, 503)])
+def test_health_is_503_while_shutting_down(running, stopping, code):
+    """A draining server must leave the load balancer's pool: ``/health`` is 503 once shutdown has begun."""
+    eng = SimpleNamespace(engine=SimpleNamespace(), metrics=None, is_running=running, shutting_down=stopping)
+    assert asyncio.run(OpenAIServer(eng, ["m"]).health(None)).status_code == code
+
+
+def test_streamed_chat_opens_every_choice_with_the_assistant_role():
+    """OpenAI's stream sends ``delta.role`` once per choice, so an ``n = 2`` client that keys choices by index
+    learns both roles (the ``openai`` helpers and LangChain read the role from the first delta of each)."""
+    import json
+
+    outs = [SimpleNamespace(index=i, delta_text="hi", finish_reason="stop", token_ids=[7]) for i in range(2)]
+    first = SimpleNamespace(outputs=outs, finished=True, prompt_token_ids=[1], num_cached_tokens=0)
+    srv = OpenAIServer(SimpleNamespace(engine=SimpleNamespace(), metrics=None), ["m"])
+
+    async def collect():
+        return [c async for c in srv._stream_chat("id", "m", 0, first, SimpleNamespace(finished=True), False)]
+
+    chunks = [json.loads(c[6:]) for c in asyncio.run(collect()) if c != "data: [DONE]\n\n"]
+    roles = {ch["choices"][0]["index"] for ch in chunks if ch["choices"][0]["delta"].get("role") == "assistant"}
+    assert roles == {0, 1}
+    finished = [ch["choices"][0]["index"] for ch in chunks if ch["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]
+
+
+def test_a_rejected_request_counts_as_rejected_and_stays_out_of_the_latency_histograms():
+    """A 429'd request was never served: counting its (tiny) arrival-to-rejection time as an end-to-end latency
+    would pull the e2e percentiles down exactly when the server is overloaded."""
+    from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+    m = EngineMetrics("m")
+    m.track("r", "alice")
+    m.observe_output(RequestOutput("r", None, [1, 2], [CompletionOutput(0, "", [], "rejected")], True,
+                                   RequestMetrics(arrival_time=0.0, finished_time=0.01), retry_after_s=1.0))
+    m.track("s", "alice")
+    m.observe_output(RequestOutput("s", None, [1, 2], [CompletionOutput(0, "x", [5], "stop", None, "x", [5])], True,
+                                   RequestMetrics(0.0, 0.1, 0.2, [0.2], 2.0)))
+    s = metric_samples(m.render().decode())
+    assert metric_value(s, "vllm:num_requests_rejected_total", tenant="alice") == 1
+    assert metric_value(s, "vllm:request_success_total", finished_reason="rejected") == 1
+    assert metric_value(s, "vllm:e2e_request_latency_seconds_count") == 1
+    assert metric_value(s, "vllm:e2e_request_latency_seconds_sum") == 2.0
+    assert metric_value(s, "vllm:request_queue_time_seconds_count") == 1
