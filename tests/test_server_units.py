@@ -13,12 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("fastapi")
-
-from minivllm.metrics.prometheus import EngineMetrics  # noqa: E402
-from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: E402
-from minivllm.server.api_server import APIError, OpenAIServer, _retry_after  # noqa: E402
-from minivllm.server.door import DoorRule  # noqa: E402
+from minivllm.metrics.prometheus import EngineMetrics
+from minivllm.metrics.scrape import metric_samples, metric_value
+from minivllm.server.api_server import APIError, OpenAIServer, _retry_after
+from minivllm.server.door import DoorRule
 
 
 @pytest.mark.parametrize("hint, header", [(0.2, "1"), (1.0, "1"), (1.5, "2"), (2.01, "3"), (7.0, "7"),
