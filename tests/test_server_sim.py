@@ -168,6 +168,22 @@ def _paced_engine(*, blocks: int = 1024, mode: str = "recompute", prefix: bool =
                      eos_token_ids=set())
 
 
+async def _until(cond, what: str, engine) -> None:
+    """Wait (up to 30 s: a loaded 2-core CI box is slow) for a state a test needs, or fail naming it.
+
+    Tests that need "request A holds its seat when B arrives" wait for that state instead of sleeping a
+    fixed time, and run the engine slowly (``wall_factor``) while they set the scene, so A cannot finish first.
+    """
+    for _ in range(3000):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    sched = engine.scheduler
+    progress = [(len(r.output_token_ids), r.max_tokens) for r in list(sched.running)]
+    raise AssertionError(f"precondition never held: {what} (running={progress}, waiting={len(sched.waiting)}, "
+                         f"steps={len(engine.step_log)})")
+
+
 class _Served:
     """The engine behind :class:`~minivllm.server.BackgroundServer` (uvicorn in a thread on a free 127.0.0.1
     port, what lab 8 uses), as a ``with`` block that checks the thread really stopped."""
@@ -317,7 +333,7 @@ def test_reject_mode_429_retry_after_and_other_tenants_still_served():
     """Reject mode on a tiny pool: a request whose worst case does not fit gets 429 + Retry-After, right away,
     while the admitted ones (both tenants) finish with every token."""
     engine = _paced_engine(blocks=8, mode="reject", max_len=128, fixed_overhead_s=0.01, per_token_s=0.0,
-                           per_context_token_s=0.0)
+                           per_context_token_s=0.0, wall_factor=10.0)  # 0.1 s a step while the scene is set
     with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
         body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 40, "ignore_eos": True}
 
@@ -329,9 +345,11 @@ def test_reject_mode_429_retry_after_and_other_tenants_still_served():
                 # alice takes 4 blocks (16 + 40 tokens), bob 4 more: the pool of 8 is fully reserved
                 a = asyncio.ensure_future(post("ka"))
                 b = asyncio.ensure_future(post("kb"))
-                await asyncio.sleep(0.1)
+                await _until(lambda: len(engine.scheduler.running) == 2, "both first requests are admitted", engine)
                 over = await post("ka", max_tokens=20)
                 over_stream = await post("kb", max_tokens=20, stream=True)
+                assert len(engine.scheduler.running) == 2, "a first request finished before the others were judged"
+                engine.executor.wall_factor = 0.5
                 return await a, await b, over, over_stream
 
         a, b, over, over_stream = asyncio.run(main())
@@ -351,8 +369,8 @@ def test_tenant_over_its_cap_gets_429_while_another_tenant_is_served():
     Retry-After (from the engine's retry hint); bob, uncapped, is served in full at the same time."""
     from minivllm.config import TenantConfig
 
-    engine = _paced_engine(tenants={"alice": TenantConfig(max_running=1, over_cap="reject")},
-                           fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    engine = _paced_engine(tenants={"alice": TenantConfig(max_running=1, over_cap="reject")}, wall_factor=10.0,
+                           fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)  # 0.1 s a step, at first
     with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
         body = {"model": "sim", "prompt": list(range(10, 42)), "max_tokens": 30, "ignore_eos": True}
 
@@ -362,9 +380,11 @@ def test_tenant_over_its_cap_gets_429_while_another_tenant_is_served():
                     return client.post(srv.base + "/v1/completions", json={**body, **extra},
                                        headers={"Authorization": f"Bearer {key}"})
                 first = asyncio.ensure_future(post("ka"))
-                await asyncio.sleep(0.1)  # alice's first request holds her only seat
+                await _until(lambda: len(engine.scheduler.running) == 1, "alice's first request holds her seat", engine)
                 over = await post("ka", max_tokens=5)
                 over_stream = await post("ka", max_tokens=5, stream=True)
+                assert not first.done(), "alice's first request finished before her others were judged"
+                engine.executor.wall_factor = 0.5
                 bobs = await asyncio.gather(*(post("kb") for _ in range(3)))
                 return await first, over, over_stream, bobs
 
@@ -412,36 +432,32 @@ def test_metrics_from_step_log_equals_the_live_series():
 
 def test_door_sheds_load_with_429_before_the_queue_and_reopens():
     """``--max-waiting-requests 2``: one request runs (one seat), two wait, the fourth is turned away at
-    once with 429 + Retry-After and never enters the engine; once the queue drains, the door opens again."""
+    once with 429 + Retry-After and never enters the engine; once the queue drains, the door opens again.
+
+    The seat holder must still be running when the fourth request arrives, however slow the machine. A fixed
+    window of ~4.5 s was once not enough for a loaded 2-core CI box. So the test slows the engine while it sets
+    the scene (0.1 s a step, so 450 tokens take 45 s, past the 30 s it waits for any precondition), and speeds
+    it up once the fourth request has its answer.
+    """
     from minivllm.server.door import DoorRule
 
-    engine = _paced_engine(max_seqs=1, fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    executor_kw = dict(fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+    engine = _paced_engine(max_seqs=1, wall_factor=10.0, **executor_kw)  # 0.1 s a step while the scene is set
     with _Served(engine, None, door=DoorRule(max_waiting=2)) as srv:
         body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 30, "ignore_eos": True}
         sched = engine.scheduler
 
-        async def until(cond, what: str) -> None:
-            """Wait (up to 30 s: a loaded 2-core CI box is slow) for a state the test needs, or fail naming it."""
-            for _ in range(3000):
-                if cond():
-                    return
-                await asyncio.sleep(0.01)
-            raise AssertionError(f"precondition never held: {what} (waiting={len(sched.waiting)})")
-
-        def seat_holder_has_time() -> bool:  # the long request runs, with >= 1 s (100 steps) still to go
-            return any(len(r.output_token_ids) < r.max_tokens - 100 for r in list(sched.running))
-
         async def main():
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with httpx.AsyncClient(timeout=120) as client:
                 post = lambda: client.post(srv.base + "/v1/completions", json=body)  # noqa: E731
-                # the seat holder runs ~4.5 s; the others queue behind it once it holds the one seat
-                long = dict(body, max_tokens=450)
+                long = dict(body, max_tokens=450)  # the seat holder; the others queue behind it
                 first = [asyncio.ensure_future(client.post(srv.base + "/v1/completions", json=long))]
-                await until(lambda: len(sched.running) == 1, "the long request holds the seat")
+                await _until(lambda: len(sched.running) == 1, "the long request holds the seat", engine)
                 first += [asyncio.ensure_future(post()) for _ in range(2)]
-                await until(lambda: len(sched.waiting) == 2, "both short requests sit in the engine's queue")
-                assert seat_holder_has_time(), "the machine was too slow: the seat holder is nearly done"
+                await _until(lambda: len(sched.waiting) == 2, "both short requests sit in the engine's queue", engine)
+                assert [r.max_tokens for r in list(sched.running)] == [450], "the seat holder finished too soon"
                 shed = await post()
+                engine.executor.wall_factor = 0.1  # the scene is set: let the queue drain quickly
                 done = await asyncio.gather(*first)
                 again = await post()
                 return shed, done, again
