@@ -306,23 +306,32 @@ def test_cross_tenant_prefix_cache_timing_probe():
     The paced executor sleeps the cost model's step time, so a 480-token prefill
     takes ~1 s and a cached one (the last block only) ~0.03 s, far apart even on a busy CPU.  If tenants shared cached blocks, bob
     would see alice's prompt come back fast: that is the probe.
+
+    Only the client's own CPU work is timed besides the engine's sleeps: one client for every probe (a new
+    ``httpx.Client`` builds an SSL context, ~0.07 s of CPU, which on a loaded 2-core box once made a warm probe
+    slower than a third of a cold one), and a fast probe is the best of three, so one stall cannot make it slow.
     """
     engine = _paced_engine(prefix=True, fixed_overhead_s=0.002, per_token_s=0.002, per_context_token_s=0.0)
     prompt = list(range(20, 500))  # 480 tokens = 30 full blocks
 
-    def ttft(key: str, salt: str | None = None) -> tuple[float, int]:
+    def ttft(key: str, salt: str | None = None, tries: int = 1) -> tuple[float, int]:
         body = {"model": "sim", "prompt": prompt, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
-        t0 = time.perf_counter()
-        r = httpx.post(srv.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-        assert r.status_code == 200, r.text
-        return time.perf_counter() - t0, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        best, cached = float("inf"), set()
+        for _ in range(tries):  # a cached probe repeated stays cached: its fastest is its time
+            t0 = time.perf_counter()
+            r = client.post(srv.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            best = min(best, time.perf_counter() - t0)
+            assert r.status_code == 200, r.text
+            cached.add(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert len(cached) == 1, cached
+        return best, cached.pop()
 
-    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
+    with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv, httpx.Client(timeout=30) as client:
         cold, c0 = ttft("ka")
-        warm, c1 = ttft("ka")
+        warm, c1 = ttft("ka", tries=3)
         other, c2 = ttft("kb")
         salted, c3 = ttft("kb", salt="alice")  # a client-chosen salt cannot name alice's namespace
-        bob_warm, c4 = ttft("kb")
+        bob_warm, c4 = ttft("kb", tries=3)
     assert c0 == 0 and c1 >= 464 and c2 == 0 and c3 == 0 and c4 >= 464
     assert warm < cold / 3, (cold, warm)  # the probe works within a tenant...
     assert other > 3 * warm and salted > 3 * warm, (warm, other, salted)  # ...and finds nothing across tenants
