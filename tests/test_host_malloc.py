@@ -25,11 +25,12 @@ took = keep_freed_memory() if sys.argv[1] == "keep" else None
 torch.set_num_threads(1)
 x = torch.ones(8 << 20)                       # 32 MiB: one large activation
 y = x * 2; del y                              # first use maps the pages either way
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    y = x * 2; del y                          # the next steps' activations
-faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-print(took, faults / (10 * (32 << 20) // 4096))  # faults per page allocated
+pages, shares = (32 << 20) // 4096, []
+for _ in range(11):                           # the next steps' activations, one at a time
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    y = x * 2; del y
+    shares.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / pages)
+print(took, sorted(shares)[5])                # faults per page allocated, in the median step
 """
 
 
@@ -40,8 +41,9 @@ def _faults_per_page(mode: str) -> tuple[str, float]:
 
 
 def test_freed_activations_are_reused_without_page_faults():
-    # Best of three: something outside the process (the kernel reclaiming idle pages under memory pressure)
-    # can only add faults, never remove them, so the quietest run is the measurement (one CI run read 0.10).
+    # The median step, and the best of three runs: something outside the process (the kernel reclaiming idle
+    # pages under memory pressure) can only add faults, never remove them. Two CI runs read exactly 0.10 as a
+    # total over ten steps: one step in ten had its pages taken back, which says nothing about the setting.
     took, kept = min((_faults_per_page("keep") for _ in range(3)), key=lambda r: r[1])
     assert took == "True", "glibc refused the thresholds"
     assert kept < 0.05, f"{kept:.2f} faults per page: freed memory went back to the kernel"
