@@ -11,6 +11,9 @@ PIP    := $(PY) -m pip
 # disk; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.minivllm-setup
+# pytest-xdist workers for `make test`; each takes whole test files (--dist loadfile), so a module's
+# fixtures (the model, JupyterLab) load once. 2 suits the 2-core CI box; TEST_WORKERS=1 runs serially.
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test test-fast labs lab-files figures bench browser clean
 
@@ -29,10 +32,10 @@ demo: setup
 	$(PY) -m minivllm generate
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 lab-files: setup
 	$(PY) tools/make_labs.py

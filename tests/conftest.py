@@ -7,7 +7,13 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two compute threads, or the cores split between pytest-xdist's workers (``make test`` runs two): torch threads
+# that outnumber the cores spin against each other, and a model test then took five times as long.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:  # the notebooks' kernels and the CLI subprocesses a test starts get the same share
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 LONG_TEXT = (
     "The history of computing is a story of layers. Early machines were programmed by rewiring "
