@@ -1,4 +1,4 @@
-"""Shared fixtures.  The default model is loaded once per test session."""
+"""Shared fixtures.  The default model is loaded once per test session (once per worker under ``make test``)."""
 
 from __future__ import annotations
 
