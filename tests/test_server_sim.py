@@ -168,6 +168,13 @@ def _paced_engine(*, blocks: int = 1024, mode: str = "recompute", prefix: bool =
                      eos_token_ids=set())
 
 
+#: A paced engine's step while a test sets its scene: 0.01 s of modelled time whatever the batch holds, slept ten
+#: times over.  A seat holder of n tokens then keeps its seat for n/10 s of wall time however fast the machine (the
+#: door test's 450 tokens: 45 s, past the 30 s :func:`_until` waits).  Each test speeds the engine up
+#: (``engine.executor.wall_factor``) once its scene is set.
+_SCENE_PACE = dict(fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0, wall_factor=10.0)
+
+
 async def _until(cond, what: str, engine) -> None:
     """Wait (up to 30 s: a loaded 2-core CI box is slow) for a state a test needs, or fail naming it.
 
@@ -341,8 +348,7 @@ def test_cross_tenant_prefix_cache_timing_probe():
 def test_reject_mode_429_retry_after_and_other_tenants_still_served():
     """Reject mode on a tiny pool: a request whose worst case does not fit gets 429 + Retry-After, right away,
     while the admitted ones (both tenants) finish with every token."""
-    engine = _paced_engine(blocks=8, mode="reject", max_len=128, fixed_overhead_s=0.01, per_token_s=0.0,
-                           per_context_token_s=0.0, wall_factor=10.0)  # 0.1 s a step while the scene is set
+    engine = _paced_engine(blocks=8, mode="reject", max_len=128, **_SCENE_PACE)
     with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
         body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 40, "ignore_eos": True}
 
@@ -378,8 +384,7 @@ def test_tenant_over_its_cap_gets_429_while_another_tenant_is_served():
     Retry-After (from the engine's retry hint); bob, uncapped, is served in full at the same time."""
     from minivllm.config import TenantConfig
 
-    engine = _paced_engine(tenants={"alice": TenantConfig(max_running=1, over_cap="reject")}, wall_factor=10.0,
-                           fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)  # 0.1 s a step, at first
+    engine = _paced_engine(tenants={"alice": TenantConfig(max_running=1, over_cap="reject")}, **_SCENE_PACE)
     with _Served(engine, {"ka": "alice", "kb": "bob"}) as srv:
         body = {"model": "sim", "prompt": list(range(10, 42)), "max_tokens": 30, "ignore_eos": True}
 
@@ -450,8 +455,7 @@ def test_door_sheds_load_with_429_before_the_queue_and_reopens():
     """
     from minivllm.server.door import DoorRule
 
-    executor_kw = dict(fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
-    engine = _paced_engine(max_seqs=1, wall_factor=10.0, **executor_kw)  # 0.1 s a step while the scene is set
+    engine = _paced_engine(max_seqs=1, **_SCENE_PACE)
     with _Served(engine, None, door=DoorRule(max_waiting=2)) as srv:
         body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 30, "ignore_eos": True}
         sched = engine.scheduler
