@@ -710,6 +710,91 @@ def test_rule_preempt_batch_first_swap_long():
     assert all(len(finals[f"b{i}"].outputs[0].token_ids) == 60 for i in range(6))
 
 
+
+# -- kept orders (KeepsOrder): the order a policy keeps as the queue changes, against sorting the queue ---------
+
+def _brute_order(policy, waiting) -> list:
+    """What a kept order must equal: the queue stably sorted by the policy's rank (three classes: without the
+    batch class while enough interactive requests wait)."""
+    out = sorted(waiting, key=policy.rank)
+    if isinstance(policy, ThreeClassAdmission) and sum(policy.class_rank(r) == 0 for r in out) >= policy.threshold:
+        out = [r for r in out if policy.class_rank(r) != 2]
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(which=st.sampled_from(["three_class", "deadline"]), threshold=st.integers(1, 3),
+       ops=st.lists(st.tuples(st.sampled_from(["back", "back", "front", "remove"]),
+                              st.sampled_from(["chat", "agent", "bulk", "stranger"]), st.integers(0, 2),
+                              st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([None, 0.2, 3.0]), st.integers(0, 99)),
+                    max_size=60))
+def test_a_kept_order_equals_sorting_the_queue_after_every_change(which, threshold, ops):
+    """Requests enter the queue at the back (new) or the front (preempted) and leave from anywhere; ranks tie
+    often (three arrival times, three priorities).  After every change the order the policy kept equals the
+    queue stably sorted by its rank, and it really is the kept order that answers."""
+    from collections import deque
+
+    cfg = EngineConfig(device="cpu", scheduling_policy="three_class", tenants=CLASSES,
+                       three_class=ThreeClassConfig(batch_max_interactive_queue=threshold))
+    policy = ThreeClassAdmission(cfg) if which == "three_class" else DeadlineAdmission(aging_s=1.0)
+    queue: deque[Request] = deque()
+    policy.track(queue)
+    left: list[Request] = []  # requests that left, to come back at the front as a preempted one would
+    for i, (op, tenant, priority, arrival, deadline, pick) in enumerate(ops):
+        if op == "remove" and queue:
+            req = queue[pick % len(queue)]
+            queue.remove(req)
+            policy.dequeued(req)
+            left.append(req)
+            continue
+        if op == "front" and left:
+            req = left.pop(pick % len(left))
+            queue.appendleft(req)
+        else:
+            req = Request(f"r{i}", [1, 2], greedy(1), arrival, tenant=tenant, priority=priority, deadline=deadline)
+            queue.append(req)
+        policy.enqueued(req, at_front=queue[0] is req and op == "front")
+        assert policy._kept.kept(queue) is not None
+        assert [r.request_id for r in policy.order(queue, [])] == [r.request_id for r in _brute_order(policy, queue)]
+    assert policy.order(list(queue), []) == _brute_order(policy, queue)  # any other sequence: sorted, as before
+
+
+@pytest.mark.parametrize("policy", ["three_class", "deadline"])
+def test_the_scheduler_keeps_a_policys_order_through_preemptions_and_rejections(policy):
+    """The scheduler tells a KeepsOrder policy of every change to its queue -- admissions, preemptions to the
+    front, cap rejections, aborts -- so at every step the kept order answers, and equals sorting the queue.
+    Every request arrives at t = 0: ties in rank are the rule, and only the queue's own order breaks them."""
+    tenants = dict(CLASSES, bulk=TenantConfig(priority_class="batch", max_running=2, over_cap="reject"))
+    engine = make_engine(policy, tenants, num_blocks=24, budget=32, max_seqs=6, max_len=64,
+                         three_class=ThreeClassConfig(interactive_kv_reserve=0.0, agent_kv_share=1.0,
+                                                      swap_min_tokens=10**9),
+                         deadline_aging_s=5.0)
+    sched, pol = engine.scheduler, engine.scheduler.admission_policy
+    asked, wrapped = [], pol.order
+
+    def order(waiting, running):
+        assert pol._kept.kept(waiting) is not None, "the scheduler missed a change to its queue"
+        asked.append(len(waiting))
+        got = wrapped(waiting, running)
+        assert got == _brute_order(pol, waiting)
+        return got
+
+    pol.order = order
+    for i in range(14):
+        add(engine, ("chat", "agent", "bulk")[i % 3], 6 + 2 * (i % 7), 20, f"r{i}", arrival_time=0.0,
+            deadline=None if i % 4 else 0.5)
+    for step in range(200):
+        if step == 3:
+            engine.abort_request("r4")
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert max(asked) >= 5 and sched.stats.num_preemptions > 0, (asked, sched.stats)
+    assert policy == "deadline" or sched.stats.num_rejected > 0
+    drain(engine)
+    assert_no_leak(engine)
+
+
 # -- accounting ------------------------------------------------------------------------------------------
 
 def test_per_tenant_stats_add_up():

@@ -66,10 +66,12 @@ starved by an endless stream of tighter deadlines.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
 from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, RanksRequests, implements
@@ -394,6 +396,47 @@ class WFQAdmission:
             self.counters[t] = self.counter(t) + cost / self.weight(t)
 
 
+class KeptOrder:
+    """The scheduler's waiting queue sorted by a rank fixed while a request waits, kept up to date as requests enter
+    and leave it: what a :class:`~minivllm.interfaces.KeepsOrder` policy holds instead of re-sorting every step.
+
+    Requests are kept in ``buckets`` (a policy's classes; one by default), each sorted by ``rank``.  Ties keep the
+    queue's own order, as a stable sort of the queue would.  That order needs no positions: the queue grows only
+    at its ends (new requests at the back, preempted ones at the front) and never reorders what stays in it, so
+    the n-th request to enter breaks ties by ``+n`` if it entered at the back and by ``-n`` at the front.
+    """
+
+    def __init__(self, rank: Callable[[Request], Any], bucket: Callable[[Request], int] | None = None,
+                 num_buckets: int = 1) -> None:
+        self.rank = rank
+        self.bucket = bucket or (lambda req: 0)
+        self.buckets: tuple[list[Request], ...] = tuple([] for _ in range(num_buckets))
+        self._key: dict[Request, tuple] = {}  # (rank, tie-break) of each kept request
+        self._entries = 0
+        self._queue: Sequence[Request] | None = None
+
+    def track(self, queue: Sequence[Request]) -> None:
+        self._queue = queue
+
+    def add(self, req: Request, at_front: bool) -> None:
+        self._entries += 1
+        self._key[req] = (self.rank(req), -self._entries if at_front else self._entries)
+        bisect.insort(self.buckets[self.bucket(req)], req, key=self._key.__getitem__)
+
+    def remove(self, req: Request) -> None:
+        bucket = self.buckets[self.bucket(req)]
+        del bucket[bisect.bisect_left(bucket, self._key[req], key=self._key.__getitem__)]
+        del self._key[req]
+
+    def kept(self, waiting: Sequence[Request]) -> tuple[list[Request], ...] | None:
+        """The buckets, if ``waiting`` is the tracked queue and they hold exactly it; else None (sort it).
+
+        The count is the guard: a policy object shared by two schedulers hears both queues' changes, and holds
+        as many requests as one of them only while the other's is empty -- when what it holds *is* that queue.
+        """
+        return self.buckets if waiting is self._queue and len(waiting) == len(self._key) else None
+
+
 class DeadlineAdmission:
     """Earliest deadline first, with aging: see the module docstring for the bound."""
 
@@ -401,6 +444,7 @@ class DeadlineAdmission:
 
     def __init__(self, aging_s: float) -> None:
         self.aging_s = float(aging_s)
+        self._kept = KeptOrder(self.rank)  # KeepsOrder: the order of the scheduler's queue, kept
 
     def key(self, req: Request) -> float:
         latest = req.arrival_time + self.aging_s
@@ -411,7 +455,17 @@ class DeadlineAdmission:
         return (self.key(req), req.arrival_time)
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        return sorted(waiting, key=self.rank)
+        kept = self._kept.kept(waiting)
+        return list(kept[0]) if kept is not None else sorted(waiting, key=self.rank)
+
+    def track(self, waiting: Sequence[Request]) -> None:
+        self._kept.track(waiting)
+
+    def enqueued(self, req: Request, at_front: bool) -> None:
+        self._kept.add(req, at_front)
+
+    def dequeued(self, req: Request) -> None:
+        self._kept.remove(req)
 
 
 class ThreeClassAdmission:
@@ -423,6 +477,8 @@ class ThreeClassAdmission:
         self.config = config
         self.threshold = config.three_class.batch_max_interactive_queue
         self._class: dict[str, int] = {}
+        # KeepsOrder: the scheduler's queue kept class by class, each by priority then arrival
+        self._kept = KeptOrder(PriorityAdmission.rank, self.class_rank, len(CLASS_RANK))
 
     def class_rank(self, req: Request) -> int:
         c = self._class.get(req.tenant)
@@ -434,18 +490,30 @@ class ThreeClassAdmission:
         return (self.class_rank(req), req.priority, req.arrival_time)
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        # The order of sorted(waiting, key=self.rank), built class by class: each request's class is looked up
-        # once, and a backlog of batch prompts is left out before it is sorted, not after.
-        by_class: tuple[list[Request], list[Request], list[Request]] = ([], [], [])
-        known = self._class  # class_rank's own table, read inline: this loop runs once per waiting request
-        for r in waiting:
-            c = known.get(r.tenant)
-            by_class[self.class_rank(r) if c is None else c].append(r)
-        interactive, agent, batch = by_class
+        # The order of sorted(waiting, key=self.rank), class by class: kept as the scheduler's queue changed, or
+        # else built here, each request's class looked up once.
+        kept = self._kept.kept(waiting)
+        if kept is None:
+            kept = ([], [], [])
+            known = self._class  # class_rank's own table, read inline: this loop runs once per waiting request
+            for r in waiting:
+                c = known.get(r.tenant)
+                kept[self.class_rank(r) if c is None else c].append(r)
+            for by_class in kept:
+                by_class.sort(key=PriorityAdmission.rank)  # priority, then arrival: the order inside each class
+        interactive, agent, batch = kept
         if len(interactive) >= self.threshold:  # rule batch_only_when_interactive_idle
-            batch = []
-        within = PriorityAdmission.rank  # priority, then arrival: the order inside each class
-        return sorted(interactive, key=within) + sorted(agent, key=within) + sorted(batch, key=within)
+            return interactive + agent  # (a new list: admission changes the queue while it walks the order)
+        return interactive + agent + batch
+
+    def track(self, waiting: Sequence[Request]) -> None:
+        self._kept.track(waiting)
+
+    def enqueued(self, req: Request, at_front: bool) -> None:
+        self._kept.add(req, at_front)
+
+    def dequeued(self, req: Request) -> None:
+        self._kept.remove(req)
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
         return self.class_rank(victim) > self.class_rank(req)

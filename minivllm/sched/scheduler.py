@@ -68,8 +68,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
-from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, HeadOfLine, ObservesSteps, PreemptionCostModel,
-                                 PreemptionPolicy, PreemptsToAdmit, RanksRequests, TracksActivity, implements)
+from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, HeadOfLine, KeepsOrder, ObservesSteps,
+                                 PreemptionCostModel, PreemptionPolicy, PreemptsToAdmit, RanksRequests, TracksActivity,
+                                 implements)
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
@@ -177,6 +178,9 @@ class Scheduler:
         self._activity = pol.activity if implements(pol, TracksActivity) else None
         self._hol_per_tenant = implements(pol, HeadOfLine) and pol.head_of_line == "tenant"
         self.waiting: deque[Request] = deque()
+        self._keeps_order = pol if implements(pol, KeepsOrder) else None  # told of every change to ``waiting``
+        if self._keeps_order is not None:
+            pol.track(self.waiting)
         # requests in ``waiting`` per tenant, kept by every change to the queue (the step log reads it each step)
         self.waiting_by_tenant: dict[str, int] = {}
         # With caps: each waiting request's cap blocks (fixed while it waits), and per tenant how many wait
@@ -206,9 +210,15 @@ class Scheduler:
         self._count_waiting(req, 1)
         self._tenants_added.add(req.tenant)
 
-    def _count_waiting(self, req: Request, delta: int) -> None:
+    def _count_waiting(self, req: Request, delta: int, at_front: bool = False) -> None:
         """Keep :attr:`waiting_by_tenant` (tenants with nobody waiting are dropped) as ``req`` enters or leaves,
-        and with caps the needs admission reads (a waiting request's tokens do not change until it runs)."""
+        with caps the needs admission reads (a waiting request's tokens do not change until it runs), and a
+        policy's kept order (:class:`~minivllm.interfaces.KeepsOrder`).  Every change to ``waiting`` calls this."""
+        if self._keeps_order is not None:
+            if delta > 0:
+                self._keeps_order.enqueued(req, at_front)
+            else:
+                self._keeps_order.dequeued(req)
         counts = self.waiting_by_tenant
         n = counts.get(req.tenant, 0) + delta
         if n:
@@ -757,7 +767,7 @@ class Scheduler:
             self.kv.free(req)
             req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
-        self._count_waiting(req, 1)
+        self._count_waiting(req, 1, at_front=True)
 
     def _wants_swap(self, req: Request) -> bool:
         mode = self.config.preemption_mode
