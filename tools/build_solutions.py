@@ -77,7 +77,10 @@ def main() -> int:
         path.parent.mkdir(exist_ok=True)
         nb = build(name)
         if args.reuse and path.exists():
-            old = {c.source: c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"}
+            stored = nbformat.read(path, as_version=4)
+            # the kernel's language_info from the last run, which build() cannot know without executing
+            nb.metadata["language_info"] = stored.metadata.get("language_info", nb.metadata["language_info"])
+            old = {c.source: c for c in stored.cells if c.cell_type == "code"}
             for c in nb.cells:
                 if c.cell_type == "code" and c.source in old:
                     c.outputs, c.execution_count = old[c.source].outputs, old[c.source].execution_count

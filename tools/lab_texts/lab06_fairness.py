@@ -20,7 +20,7 @@ CELLS = [
    to the batch tier on a mixed workload, and measure why an agent, whose task is many sequential calls, pays its
    per-call queueing once per call.
 
-**Time:** about a minute to run on a CPU laptop; 60 minutes to work through. The large workloads run the real engine
+**Time:** about two minutes to run on a CPU laptop; 60 minutes to work through. The large workloads run the real engine
 (scheduler, KV cache manager, preemption) on a **simulated forward pass** with a virtual clock (`SimulatedExecutor`),
 so a 16-second overload takes a second of CPU and the numbers are exact and reproducible; the real model runs once,
 at the end. Every policy you write is plugged into the engine through its two seams, `admission_policy` (who starts
