@@ -437,7 +437,23 @@ class KeptOrder:
         return self.buckets if waiting is self._queue and len(waiting) == len(self._key) else None
 
 
-class DeadlineAdmission:
+class KeepsItsOrder:
+    """Base of a policy that keeps its order in ``self._kept`` (a :class:`KeptOrder`): the
+    :class:`~minivllm.interfaces.KeepsOrder` hooks the scheduler calls, passed on to it."""
+
+    _kept: KeptOrder
+
+    def track(self, waiting: Sequence[Request]) -> None:
+        self._kept.track(waiting)
+
+    def enqueued(self, req: Request, at_front: bool) -> None:
+        self._kept.add(req, at_front)
+
+    def dequeued(self, req: Request) -> None:
+        self._kept.remove(req)
+
+
+class DeadlineAdmission(KeepsItsOrder):
     """Earliest deadline first, with aging: see the module docstring for the bound."""
 
     head_of_line = "global"
@@ -458,17 +474,8 @@ class DeadlineAdmission:
         kept = self._kept.kept(waiting)
         return list(kept[0]) if kept is not None else sorted(waiting, key=self.rank)
 
-    def track(self, waiting: Sequence[Request]) -> None:
-        self._kept.track(waiting)
 
-    def enqueued(self, req: Request, at_front: bool) -> None:
-        self._kept.add(req, at_front)
-
-    def dequeued(self, req: Request) -> None:
-        self._kept.remove(req)
-
-
-class ThreeClassAdmission:
+class ThreeClassAdmission(KeepsItsOrder):
     """Interactive before agent before batch; batch only while the interactive queue is short."""
 
     head_of_line = "tenant"
@@ -505,15 +512,6 @@ class ThreeClassAdmission:
         if len(interactive) >= self.threshold:  # rule batch_only_when_interactive_idle
             return interactive + agent  # (a new list: admission changes the queue while it walks the order)
         return interactive + agent + batch
-
-    def track(self, waiting: Sequence[Request]) -> None:
-        self._kept.track(waiting)
-
-    def enqueued(self, req: Request, at_front: bool) -> None:
-        self._kept.add(req, at_front)
-
-    def dequeued(self, req: Request) -> None:
-        self._kept.remove(req)
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
         return self.class_rank(victim) > self.class_rank(req)
