@@ -102,6 +102,8 @@ def main() -> int:
     shared = (a.requests - 1) * len(tok.encode(sysmsg))
     for c in ("radix", "hash"):
         saved = sp_off["prefill_tokens_computed"] - results[f"system-prompt/{c}"]["prefill_tokens_computed"]
+        # kept in the result file too, so the share of the shared prefix it skipped follows from the file alone
+        results[f"system-prompt/{c}"].update(shared_prefix_tokens=shared, shared_prefix_skipped=saved / shared)
         print(f"system-prompt/{c}: skipped {saved} of the {shared} shared-prefix tokens "
               f"({100 * saved / shared:.1f}%); TTFT p50 {sp_off['ttft_p50_ms'] / results[f'system-prompt/{c}']['ttft_p50_ms']:.1f}x lower than off")
     if a.json:
