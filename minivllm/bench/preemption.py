@@ -123,6 +123,7 @@ def main() -> int:
     base = next((r for r in rows if r["mode"] == "recompute"), rows[0])
     for r in rows:
         same = all(base["tokens"].get(rid) == toks for rid, toks in r["tokens"].items() if rid in base["tokens"])
+        r[f"outputs_identical_to_{base['mode']}"] = same  # kept in the result file, not only printed
         print(f"{r['mode']:<10} served outputs identical to {base['mode']}: {'yes' if same else 'NO'}; "
               f"leaked blocks: {r['leaked_blocks']}")
     if args.out:
