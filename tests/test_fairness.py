@@ -1249,3 +1249,21 @@ def test_a_callers_admission_policy_that_ranks_nothing_leaves_the_newest_as_the_
     for ranked in (_OldestWorst(), PriorityAdmission()):
         admission, preemption, _ = make_policies(config, ranked)
         assert admission is ranked and isinstance(preemption, RankPreemption) and preemption.policy is ranked
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_named_policy_pickles_and_its_copy_orders_alike(policy):
+    """A policy object pickles (to a worker process, or saved beside a study), a kept order included -- a lambda
+    inside KeptOrder once made deadline's fail -- and the copy orders the same queue the same way."""
+    import pickle
+
+    tenants = CLASSES if policy == "three_class" else {"bulk": TenantConfig(max_running=2)} if policy == "caps" else None
+    engine = make_engine(policy, tenants, num_blocks=24)
+    for i in range(8):
+        add(engine, ("chat", "agent", "bulk")[i % 3], 6 + i, 12, f"r{i}", arrival_time=0.1 * (i % 3))
+    engine.step()
+    original = engine.scheduler.admission_policy
+    copy = pickle.loads(pickle.dumps(original))
+    waiting = list(engine.scheduler.waiting)
+    assert len(waiting) >= 2
+    assert [r.request_id for r in copy.order(waiting, [])] == [r.request_id for r in original.order(waiting, [])]

@@ -396,6 +396,11 @@ class WFQAdmission:
             self.counters[t] = self.counter(t) + cost / self.weight(t)
 
 
+def _one_bucket(req: Request) -> int:
+    """:class:`KeptOrder`'s default: every request in one bucket (a named function, so a policy still pickles)."""
+    return 0
+
+
 class KeptOrder:
     """The scheduler's waiting queue sorted by a rank fixed while a request waits, kept up to date as requests enter
     and leave it: what a :class:`~minivllm.interfaces.KeepsOrder` policy holds instead of re-sorting every step.
@@ -409,7 +414,7 @@ class KeptOrder:
     def __init__(self, rank: Callable[[Request], Any], bucket: Callable[[Request], int] | None = None,
                  num_buckets: int = 1) -> None:
         self.rank = rank
-        self.bucket = bucket or (lambda req: 0)
+        self.bucket = bucket or _one_bucket
         self.buckets: tuple[list[Request], ...] = tuple([] for _ in range(num_buckets))
         self._key: dict[Request, tuple] = {}  # (rank, tie-break) of each kept request
         self._entries = 0
