@@ -511,8 +511,9 @@ class ThreeClassAdmission(KeepsItsOrder):
             for r in waiting:
                 c = known.get(r.tenant)
                 kept[self.class_rank(r) if c is None else c].append(r)
-            for by_class in kept:
-                by_class.sort(key=PriorityAdmission.rank)  # priority, then arrival: the order inside each class
+            for c, by_class in enumerate(kept):  # priority, then arrival: the order inside each class
+                if c < 2 or len(kept[0]) < self.threshold:  # (a batch backlog left out below is not sorted)
+                    by_class.sort(key=PriorityAdmission.rank)
         interactive, agent, batch = kept
         if len(interactive) >= self.threshold:  # rule batch_only_when_interactive_idle
             return interactive + agent  # (a new list: admission changes the queue while it walks the order)
