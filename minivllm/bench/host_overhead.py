@@ -48,7 +48,7 @@ step reads pass 256 and stop being CPython's shared small-int objects (see
 
     python -m minivllm.bench host_overhead [--out results.json]
     python -m minivllm.bench host_overhead --sweep 16,100,200,300,600,900 [--prompt-len 300]
-    python -m minivllm.bench host_overhead --backlog 16,500,2000   (admission beside a capped backlog)
+    python -m minivllm.bench host_overhead --backlog 16,500,2000 [--backlog-policy wfq]   (admission beside a backlog)
 """
 
 from __future__ import annotations
@@ -233,40 +233,51 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     return rows
 
 
-def backlog(sizes: list[int], samples: int, running: int = 32) -> list[dict]:
-    """Host cost per step beside a waiting backlog the caps hold back: what admission pays per waiting request.
+def backlog(sizes: list[int], samples: int, running: int = 32, policy: str = "three_class") -> list[dict]:
+    """Host cost per step beside a waiting backlog that cannot start: what admission pays per waiting request.
 
-    The worked three-class policy, batch requests decoding at the batch tier's KV cap (a pool sized for about
-    ``running`` of them; ``interactive_kv_reserve``: agent and batch together hold at most 75%), and ``size`` more
-    batch prompts waiting behind that cap -- lab 6's backlog of 1,800 prompts in small.  Admission walks the
-    waiting queue every step; nothing can start, so the work it does per waiting request is pure overhead.
-    It remembers, per tenant, the smallest request that failed its caps in the pass and skips the tenant's
-    requests needing as many blocks or more; once no waiting request of the tenant needs fewer (the scheduler
-    keeps each waiting request's need, counted per tenant), it passes the tenant over whole, and once every
-    tenant still waiting is passed over it stops walking (:meth:`~minivllm.sched.scheduler.Scheduler.admit`).
-    And the policy does not order the queue each step: it keeps its order as requests enter and leave
-    (:class:`~minivllm.interfaces.KeepsOrder`).  Reported: opcodes and host CPU time per step, and their growth
-    per waiting request against the smallest backlog.  On the 2-core machine: 0.0 opcodes per waiting request
-    per step; 12.5 (~0.2 us) when the policy re-sorted the queue every step, 70.6 (~1.1 us) with the memo alone,
-    155.0 before it (``*_host_overhead_backlog*.json``).
+    ``three_class`` (the default): the worked three-class policy, batch requests decoding at the batch tier's KV
+    cap (a pool sized for about ``running`` of them; ``interactive_kv_reserve``: agent and batch together hold at
+    most 75%), and ``size`` more batch prompts waiting behind that cap -- lab 6's backlog of 1,800 prompts in
+    small.  Admission walks the waiting queue every step; nothing can start, so the work it does per waiting
+    request is pure overhead.  It remembers, per tenant, the smallest request that failed its caps in the pass
+    and skips the tenant's requests needing as many blocks or more; once no waiting request of the tenant needs
+    fewer (the scheduler keeps each waiting request's need, counted per tenant), it passes the tenant over whole,
+    and once every tenant still waiting is passed over it stops walking
+    (:meth:`~minivllm.sched.scheduler.Scheduler.admit`).  And the policy does not order the queue each step: it
+    keeps its order as requests enter and leave (:class:`~minivllm.interfaces.KeepsOrder`).
+
+    ``wfq``: two tenants (weights 1 and 2) alternate, ``running`` requests fill the KV pool, and the backlog waits
+    for blocks.  Admission stops at the first request (WFQ's head of line is global), so what grows with the
+    backlog is the policy's order: grouping the queue by tenant and merging it by counter, unless it kept both.
+
+    Reported: opcodes and host CPU time per step, and their growth per waiting request against the smallest
+    backlog.  On the 2-core machine: three_class 0.0 opcodes per waiting request per step; 12.5 (~0.2 us) when the
+    policy re-sorted the queue every step, 70.6 (~1.1 us) with the memo alone, 155.0 before it; wfq 0.0, and 129.7
+    before it kept its order (``*_host_overhead_backlog*.json``).
     """
     from minivllm import EngineConfig, LLMEngine, SamplingParams
     from minivllm.config import TenantConfig
 
     def started(size: int):
-        """An engine one step in: as many requests admitted as the batch tier's cap allows (37 for 32), each with
-        15 decode steps before its next block (so the running set, and the cap, stay as they are while it is
-        measured), the rest waiting."""
-        blocks = running * 8 * 4 // 3 + 64  # the running requests fill the batch tier's 75%, the rest stays free
+        """An engine one step in: as many requests admitted as the cap (three_class: the batch tier's, 37 for 32)
+        or the pool (wfq) allows, each with 15 decode steps before its next block (so the running set, and the
+        cap, stay as they are while it is measured), the rest waiting."""
+        if policy == "three_class":
+            blocks = running * 8 * 4 // 3 + 64  # the running requests fill the batch tier's 75%, the rest stays free
+            tenants, names = {"bulk": TenantConfig(priority_class="batch")}, ["bulk"]
+        else:
+            blocks = running * 8 + 4  # the running requests fill the pool
+            tenants, names = {"a": TenantConfig(weight=1.0), "b": TenantConfig(weight=2.0)}, ["a", "b"]
         cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_num_seqs=running + size + 1,
                            max_num_batched_tokens=8192, max_model_len=1024, device="cpu",
-                           scheduling_policy="three_class", tenants={"bulk": TenantConfig(priority_class="batch")})
+                           scheduling_policy=policy, tenants=tenants)
         engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=1024, eos_token_ids=set())
         params = SamplingParams(max_tokens=512, ignore_eos=True)
         for i in range(running + size):  # 112-token prompts: 7 blocks each, 8 from the first sampled token
             engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(112)]}, params,
-                               tenant="bulk")
-        engine.step()  # the first requests start; the cap holds the rest back
+                               tenant=names[i % len(names)])
+        engine.step()  # the first requests start; the cap (or the pool) holds the rest back
         return engine
 
     rows = []
@@ -274,7 +285,8 @@ def backlog(sizes: list[int], samples: int, running: int = 32) -> list[dict]:
         engine = started(size)
         ops = _count_opcodes(engine, 8)
         t = _time_steps(started(size), min(samples, 14))
-        rows.append({"waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
+        rows.append({"policy": policy, "waiting": len(engine.scheduler.waiting),
+                     "running": len(engine.scheduler.running),
                      "python_opcodes_per_step": ops,
                      "host_cpu_us_median": round(statistics.median(t["host_cpu"]), 1)})
     base = rows[0]  # the smallest backlog: the cap binds in every row, so the running set is the same
@@ -310,12 +322,17 @@ def main() -> int:
     ap.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
                     help="instead: host cost per step beside this many requests waiting on a three_class cap "
                          "(e.g. 16,500,2000; the smallest is the baseline)")
+    ap.add_argument("--backlog-policy", choices=("three_class", "wfq"), default="three_class",
+                    help="--backlog: three_class (the backlog waits on a cap) or wfq (it waits for KV blocks)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.backlog:
-        rows = backlog(sorted(args.backlog), args.samples)
+        rows = backlog(sorted(args.backlog), args.samples, policy=args.backlog_policy)
         print(f"host cost per step beside a capped backlog: three_class, {rows[0]['running']} batch requests "
-              "decoding at the batch tier's KV cap, the rest waiting behind it; per step, CPU time in us")
+              "decoding at the batch tier's KV cap, the rest waiting behind it; per step, CPU time in us"
+              if args.backlog_policy == "three_class" else
+              f"host cost per step beside a backlog: wfq, two tenants, {rows[0]['running']} requests decoding in a "
+              "full KV pool, the rest waiting for blocks; per step, CPU time in us")
         for r in rows:
             extra = "" if r["opcodes_per_waiting_request"] is None else (
                 f"   +{r['opcodes_per_waiting_request']:.1f} opcodes, +{r['host_cpu_us_per_waiting_request']:.2f} us "

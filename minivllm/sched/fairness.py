@@ -70,7 +70,7 @@ import bisect
 import heapq
 import math
 from dataclasses import dataclass
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 from minivllm.config import EngineConfig
@@ -283,12 +283,101 @@ class CapsAdmission(FCFSAdmission):
     head_of_line = "tenant"
 
 
-class WFQAdmission:
+def _one_bucket(req: Request) -> int:
+    """:class:`KeptOrder`'s default: every request in one bucket (a named function, so a policy still pickles)."""
+    return 0
+
+
+def _no_rank(req: Request) -> int:
+    """A rank that ties every request: a :class:`KeptOrder` by it keeps the queue's own order."""
+    return 0
+
+
+def _tenant(req: Request) -> str:
+    """WFQ's buckets: one per tenant (a named function, so the policy pickles)."""
+    return req.tenant
+
+
+class KeptOrder:
+    """The scheduler's waiting queue sorted by a rank fixed while a request waits, kept up to date as requests enter
+    and leave it: what a :class:`~minivllm.interfaces.KeepsOrder` policy holds instead of re-sorting every step.
+
+    Requests are kept in ``buckets`` (a policy's classes, or its tenants; one by default), each sorted by ``rank``
+    and each present only while it holds a request.  Ties keep the queue's own order, as a stable sort of the
+    queue would.  That order needs no positions: the queue grows only at its ends (new requests at the back,
+    preempted ones at the front) and never reorders what stays in it, so the n-th request to enter breaks ties
+    by ``+n`` if it entered at the back and by ``-n`` at the front.
+    """
+
+    def __init__(self, rank: Callable[[Request], Any], bucket: Callable[[Request], Hashable] | None = None) -> None:
+        self.rank = rank
+        self.bucket = bucket or _one_bucket
+        self.buckets: dict[Hashable, list[Request]] = {}
+        self._key: dict[Request, tuple] = {}  # (rank, tie-break) of each kept request
+        self._entries = 0
+        self.queue: Sequence[Request] | None = None  # the queue tracked
+
+    def track(self, queue: Sequence[Request]) -> None:
+        self.queue = queue
+
+    def add(self, req: Request, at_front: bool) -> None:
+        self._entries += 1
+        self._key[req] = (self.rank(req), -self._entries if at_front else self._entries)
+        b = self.bucket(req)
+        bucket = self.buckets.get(b)
+        if bucket is None:
+            bucket = self.buckets[b] = []
+        bisect.insort(bucket, req, key=self._key.__getitem__)
+
+    def remove(self, req: Request) -> None:
+        b = self.bucket(req)
+        bucket = self.buckets[b]
+        del bucket[bisect.bisect_left(bucket, self._key[req], key=self._key.__getitem__)]
+        del self._key[req]
+        if not bucket:  # a server that saw many tenants keeps no empty buckets
+            del self.buckets[b]
+
+    def key(self, req: Request) -> tuple:
+        """``req``'s place in the sorted queue; with a rank that ties all, its place in the queue itself."""
+        return self._key[req]
+
+    def kept(self, waiting: Sequence[Request]) -> dict[Hashable, list[Request]] | None:
+        """The buckets, if ``waiting`` is the tracked queue and they hold exactly it; else None (sort it).
+
+        The count is the guard: a policy object shared by two schedulers hears both queues' changes, and holds
+        as many requests as one of them only while the other's is empty -- when what it holds *is* that queue.
+        """
+        return self.buckets if waiting is self.queue and len(waiting) == len(self._key) else None
+
+
+class KeepsItsOrder:
+    """Base of a policy that keeps its order in ``self._kept`` (a :class:`KeptOrder`): the
+    :class:`~minivllm.interfaces.KeepsOrder` hooks the scheduler calls, passed on to it."""
+
+    _kept: KeptOrder
+
+    def track(self, waiting: Sequence[Request]) -> None:
+        self._kept.track(waiting)
+
+    def enqueued(self, req: Request, at_front: bool) -> None:
+        self._kept.add(req, at_front)
+
+    def dequeued(self, req: Request) -> None:
+        self._kept.remove(req)
+
+
+class WFQAdmission(KeepsItsOrder):
     """Weighted fair queueing over tokens: a virtual token counter per tenant (VTC).
 
     Admission stops at the first request that cannot start (as VTC does): a
     tenant with the lowest counter whose long prompt waits for blocks is not
     overtaken by tenants that are already ahead in service.
+
+    The order is each tenant's queue merged by counter.  Given the scheduler's queue it is built from what was
+    kept as that queue changed (:class:`~minivllm.interfaces.KeepsOrder`: each tenant's waiting requests in
+    queue order, and which of them entered or left since the last order) and handed out lazily, so a step costs
+    the tenants and the requests admission looks at, not the backlog.  Given any other sequence it is built
+    from that sequence, as a list.  The two answers are the same (a test replays engines both ways).
     """
 
     head_of_line = "global"
@@ -301,7 +390,52 @@ class WFQAdmission:
         self.counters: dict[str, float] = {}
         self._active: set[str] = set()
         self._last_left: float | None = None  # counter of the tenant(s) that went idle last
-        self._waiting_seen: dict[str, Request] = {}  # the requests the last ``order`` saw waiting, by id
+        # What the rejoin rule reads: the requests the last ``order`` saw waiting, by id -- as a snapshot when that
+        # order was given a sequence of its own, else (None) as the scheduler's queue less what entered it since
+        # (``_fresh``) plus what left it since after being seen (``_seen_left``), both kept by the hooks below.
+        self._waiting_seen: dict[str, Request] | None = {}
+        self._fresh: dict[Request, None] = {}
+        self._seen_left: dict[str, Request] = {}
+        self._kept = KeptOrder(_no_rank, _tenant)  # KeepsOrder: each tenant's waiting requests, in queue order
+        self._tracking = False  # hearing one scheduler's queue (until a second shares the policy)
+        self._shared = False
+
+    def track(self, waiting: Sequence[Request]) -> None:
+        if self._kept.queue is None and not self._shared:
+            self._kept.track(waiting)
+            self._tracking = True
+        elif waiting is not self._kept.queue and self._tracking:
+            # A second scheduler shares this policy: both queues' changes would arrive mixed.  Keep what the last
+            # order saw as a snapshot, drop what was kept, and build every later order from the sequence given.
+            if self._waiting_seen is None:
+                self._waiting_seen = self._seen()
+            self._tracking = False
+            self._shared = True
+            self._kept = KeptOrder(_no_rank, _tenant)
+            self._fresh.clear()
+            self._seen_left.clear()
+
+    def enqueued(self, req: Request, at_front: bool) -> None:
+        if self._tracking:
+            self._kept.add(req, at_front)
+            self._fresh[req] = None
+
+    def dequeued(self, req: Request) -> None:
+        if self._tracking:
+            self._kept.remove(req)
+            if req in self._fresh:
+                del self._fresh[req]
+            else:  # it was waiting when the last order was made
+                self._seen_left[req.request_id] = req
+
+    def _seen(self) -> dict[str, Request]:
+        """The requests the last ``order`` saw waiting, by id."""
+        if self._waiting_seen is not None:
+            return self._waiting_seen
+        fresh = self._fresh
+        seen = {r.request_id: r for r in self._kept.queue if r not in fresh}
+        seen.update(self._seen_left)
+        return seen
 
     def weight(self, tenant: str) -> float:
         return float(self.config.tenant_config(tenant).weight)
@@ -332,6 +466,21 @@ class WFQAdmission:
         if self.counter(tenant) < floor:
             self.counters[tenant] = floor
 
+    def _backlogged(self, queues: dict[str, list[Request]]) -> set[str]:
+        """The tenants in ``queues`` that kept a request waiting since the last ``order`` (see :meth:`_rejoin`)."""
+        if self._waiting_seen is None:  # the scheduler's queue, read from the hooks: what entered since, per tenant
+            fresh: dict[str, int] = {}
+            for r in self._fresh:
+                fresh[r.tenant] = fresh.get(r.tenant, 0) + 1
+            left = self._seen_left
+            backlogged = {t for t, q in queues.items() if len(q) > fresh.get(t, 0)}  # one of them was there then
+            backlogged |= {r.tenant for r in self._fresh if r.request_id in left}  # it left and came back
+        else:
+            left = seen = self._waiting_seen
+            backlogged = {t for t, q in queues.items() if any(r.request_id in seen for r in q)}
+        return backlogged | {r.tenant for r in left.values()
+                             if r.tenant in queues and r.status is RequestStatus.FINISHED_ABORTED}
+
     def _rejoin(self, queues: dict[str, list[Request]], running: Sequence[Request]) -> None:
         """Lift a tenant that stayed active but had *nothing waiting* and now sends again, as VTC lifts every
         client whose queue was empty when its request arrived.  Staying active through one running request (a
@@ -350,10 +499,7 @@ class WFQAdmission:
         request *after* its tenant's next one arrived (the queue never emptied), and which came first cannot be
         told here: a tenant one of whose seen requests was aborted is not lifted (it may have been backlogged
         throughout, e.g. behind its own cap, and keeps its deficit as such a tenant does)."""
-        seen = self._waiting_seen
-        backlogged = {t for t, q in queues.items() if any(r.request_id in seen for r in q)}
-        backlogged |= {r.tenant for r in seen.values()
-                       if r.tenant in queues and r.status is RequestStatus.FINISHED_ABORTED}
+        backlogged = self._backlogged(queues)
         rejoined = [t for t in queues if t in self._active and t not in backlogged]
         if rejoined:
             others = backlogged or (self._active & ({r.tenant for r in running} | set(queues))) - set(rejoined)
@@ -362,25 +508,42 @@ class WFQAdmission:
                 for t in rejoined:
                     self._raise_to(t, floor)
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        queues: dict[str, list[Request]] = {}
-        for r in waiting:
-            queues.setdefault(r.tenant, []).append(r)
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> Iterable[Request]:
+        kept = self._kept.kept(waiting) if self._tracking else None
+        if kept is not None:
+            queues = {t: list(q) for t, q in kept.items()}  # copies (C-level): admission changes the queue
+            place = self._kept.key  # a tenant's place: its first request's in the queue
+            ties = {t: place(q[0]) for t, q in queues.items()}
+        else:
+            queues = {}
+            for r in waiting:
+                queues.setdefault(r.tenant, []).append(r)
+            ties = {t: i for i, t in enumerate(queues)}
         self._rejoin(queues, running)
-        self._waiting_seen = {r.request_id: r for r in waiting}
+        self._waiting_seen = None if kept is not None else {r.request_id: r for r in waiting}
+        self._fresh.clear()
+        self._seen_left.clear()
         self.activity(queues.keys() | {r.tenant for r in running})
-        heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
+        heap = [(self.counter(t), ties[t], t) for t in queues]
         heapq.heapify(heap)
+        merged = self._merge(queues, heap)
+        return merged if kept is not None else list(merged)
+
+    def _merge(self, queues: dict[str, list[Request]], heap: list) -> Iterator[Request]:
+        """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally."""
         heads = dict.fromkeys(queues, 0)
-        out: list[Request] = []
         while heap:
             vc, i, t = heapq.heappop(heap)
-            req = queues[t][heads[t]]
-            heads[t] += 1
-            out.append(req)
-            if heads[t] < len(queues[t]):  # provisionally charge the prompt it will prefill
+            q = queues[t]
+            k = heads[t]
+            if not heap:  # the last tenant left: the rest of its queue, as it stands
+                yield from q[k:]
+                return
+            req = q[k]
+            heads[t] = k + 1
+            if k + 1 < len(q):  # provisionally charge the prompt it will prefill
                 heapq.heappush(heap, (vc + self.prefill_weight * req.num_uncomputed_tokens / self.weight(t), i, t))
-        return out
+            yield req
 
     def rank(self, req: Request) -> tuple:
         return (self.counter(req.tenant), req.arrival_time)
@@ -394,68 +557,6 @@ class WFQAdmission:
             cost = (0.0 if s.is_decode else self.prefill_weight * new_prompt_tokens(s)) + (
                 self.decode_weight if s.samples else 0.0)
             self.counters[t] = self.counter(t) + cost / self.weight(t)
-
-
-def _one_bucket(req: Request) -> int:
-    """:class:`KeptOrder`'s default: every request in one bucket (a named function, so a policy still pickles)."""
-    return 0
-
-
-class KeptOrder:
-    """The scheduler's waiting queue sorted by a rank fixed while a request waits, kept up to date as requests enter
-    and leave it: what a :class:`~minivllm.interfaces.KeepsOrder` policy holds instead of re-sorting every step.
-
-    Requests are kept in ``buckets`` (a policy's classes; one by default), each sorted by ``rank``.  Ties keep the
-    queue's own order, as a stable sort of the queue would.  That order needs no positions: the queue grows only
-    at its ends (new requests at the back, preempted ones at the front) and never reorders what stays in it, so
-    the n-th request to enter breaks ties by ``+n`` if it entered at the back and by ``-n`` at the front.
-    """
-
-    def __init__(self, rank: Callable[[Request], Any], bucket: Callable[[Request], int] | None = None,
-                 num_buckets: int = 1) -> None:
-        self.rank = rank
-        self.bucket = bucket or _one_bucket
-        self.buckets: tuple[list[Request], ...] = tuple([] for _ in range(num_buckets))
-        self._key: dict[Request, tuple] = {}  # (rank, tie-break) of each kept request
-        self._entries = 0
-        self._queue: Sequence[Request] | None = None
-
-    def track(self, queue: Sequence[Request]) -> None:
-        self._queue = queue
-
-    def add(self, req: Request, at_front: bool) -> None:
-        self._entries += 1
-        self._key[req] = (self.rank(req), -self._entries if at_front else self._entries)
-        bisect.insort(self.buckets[self.bucket(req)], req, key=self._key.__getitem__)
-
-    def remove(self, req: Request) -> None:
-        bucket = self.buckets[self.bucket(req)]
-        del bucket[bisect.bisect_left(bucket, self._key[req], key=self._key.__getitem__)]
-        del self._key[req]
-
-    def kept(self, waiting: Sequence[Request]) -> tuple[list[Request], ...] | None:
-        """The buckets, if ``waiting`` is the tracked queue and they hold exactly it; else None (sort it).
-
-        The count is the guard: a policy object shared by two schedulers hears both queues' changes, and holds
-        as many requests as one of them only while the other's is empty -- when what it holds *is* that queue.
-        """
-        return self.buckets if waiting is self._queue and len(waiting) == len(self._key) else None
-
-
-class KeepsItsOrder:
-    """Base of a policy that keeps its order in ``self._kept`` (a :class:`KeptOrder`): the
-    :class:`~minivllm.interfaces.KeepsOrder` hooks the scheduler calls, passed on to it."""
-
-    _kept: KeptOrder
-
-    def track(self, waiting: Sequence[Request]) -> None:
-        self._kept.track(waiting)
-
-    def enqueued(self, req: Request, at_front: bool) -> None:
-        self._kept.add(req, at_front)
-
-    def dequeued(self, req: Request) -> None:
-        self._kept.remove(req)
 
 
 class DeadlineAdmission(KeepsItsOrder):
@@ -477,7 +578,7 @@ class DeadlineAdmission(KeepsItsOrder):
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
         kept = self._kept.kept(waiting)
-        return list(kept[0]) if kept is not None else sorted(waiting, key=self.rank)
+        return list(kept.get(0, ())) if kept is not None else sorted(waiting, key=self.rank)
 
 
 class ThreeClassAdmission(KeepsItsOrder):
@@ -490,7 +591,7 @@ class ThreeClassAdmission(KeepsItsOrder):
         self.threshold = config.three_class.batch_max_interactive_queue
         self._class: dict[str, int] = {}
         # KeepsOrder: the scheduler's queue kept class by class, each by priority then arrival
-        self._kept = KeptOrder(PriorityAdmission.rank, self.class_rank, len(CLASS_RANK))
+        self._kept = KeptOrder(PriorityAdmission.rank, self.class_rank)
 
     def class_rank(self, req: Request) -> int:
         c = self._class.get(req.tenant)
@@ -504,8 +605,10 @@ class ThreeClassAdmission(KeepsItsOrder):
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
         # The order of sorted(waiting, key=self.rank), class by class: kept as the scheduler's queue changed, or
         # else built here, each request's class looked up once.
-        kept = self._kept.kept(waiting)
-        if kept is None:
+        by_class = self._kept.kept(waiting)
+        if by_class is not None:
+            kept = tuple(by_class.get(c, []) for c in range(len(CLASS_RANK)))
+        else:
             kept = ([], [], [])
             known = self._class  # class_rank's own table, read inline: this loop runs once per waiting request
             for r in waiting:
