@@ -276,6 +276,17 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     assert _kept([0.5, 0.3, 0.2], top_p=0.4) == [0]
 
 
+
+def test_top_p_of_one_keeps_every_token_even_when_the_mass_rounds_to_one():
+    """Kills: the nucleus cut applied at ``top_p`` 1.0 too.  Beside a token of probability 1 - 3e-13 the mass
+    before each tail token rounds to exactly 1.0 in float32, so ``mass >= top_p`` holds there; top_p 1.0 means
+    "no nucleus" (the documented default), so the tail stays sampleable.  min_p 1e-20 only makes the filters run."""
+    logits = torch.tensor([[0.0, -30.0, -30.0, -30.0]])
+    probs = torch.softmax(logits, dim=-1)
+    assert (probs.cumsum(-1) - probs)[0, 1:].tolist() == [1.0, 1.0, 1.0]  # the trap is armed
+    out = filter_logits(logits, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([1e-20]))
+    assert torch.isfinite(out).all(), out
+
 def test_min_p_is_relative_to_the_most_likely_token():
     """Kills: min_p scaled by the total probability (an absolute threshold) instead of the top token's.
     Hand-computed: 0.2 * 0.5 = 0.1, so 0.15 stays and 0.05 goes."""

@@ -856,3 +856,33 @@ def test_offline_generate_on_an_engine_a_server_is_serving_is_refused_then_works
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)
     assert len(out[0].outputs[0].token_ids) == 3
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks and not llm.engine.requests
+
+
+def test_a_metrics_scrape_reads_fresh_gauges_while_the_loop_sleeps():
+    """The engine loop syncs the gauges after a step and when it wakes idle; a scrape in between must not serve
+    whatever was there before.  Here the loop is told to sleep an hour between idle wake-ups, so only the scrape
+    itself can fill in the pool's size: the oracle is the engine's own ``stats()``.  (Kills the scrape's sync
+    dropped: the gauge then reads 0.)"""
+    from minivllm.server import build_app
+
+    engine = _sim_engine(blocks=12)
+    app = build_app(engine, ["sim"])
+    app.state.async_engine.idle_poll_s = 3600.0  # before the loop starts: it wakes only for commands
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        end = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < end and thread.is_alive()
+            time.sleep(0.02)
+        s = _samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
+        stats = engine.stats()
+        assert stats["num_blocks"] == 12
+        assert _value(s, "vllm:kv_cache_num_blocks") == 12
+        assert _value(s, "vllm:kv_cache_free_blocks") == stats["free_blocks"] > 0
+    finally:
+        server.should_exit = True
+        thread.join(20)
+    assert not thread.is_alive()
