@@ -723,7 +723,7 @@ def _brute_order(policy, waiting) -> list:
 
 
 @settings(max_examples=200, deadline=None)
-@given(which=st.sampled_from(["three_class", "deadline"]), threshold=st.integers(1, 3),
+@given(which=st.sampled_from(["three_class", "deadline", "priority"]), threshold=st.integers(1, 3),
        ops=st.lists(st.tuples(st.sampled_from(["back", "back", "front", "remove"]),
                               st.sampled_from(["chat", "agent", "bulk", "stranger"]), st.integers(0, 2),
                               st.sampled_from([0.0, 0.5, 1.0]), st.sampled_from([None, 0.2, 3.0]), st.integers(0, 99)),
@@ -736,7 +736,8 @@ def test_a_kept_order_equals_sorting_the_queue_after_every_change(which, thresho
 
     cfg = EngineConfig(device="cpu", scheduling_policy="three_class", tenants=CLASSES,
                        three_class=ThreeClassConfig(batch_max_interactive_queue=threshold))
-    policy = ThreeClassAdmission(cfg) if which == "three_class" else DeadlineAdmission(aging_s=1.0)
+    policy = {"three_class": lambda: ThreeClassAdmission(cfg), "deadline": lambda: DeadlineAdmission(aging_s=1.0),
+              "priority": PriorityAdmission}[which]()
     queue: deque[Request] = deque()
     policy.track(queue)
     left: list[Request] = []  # requests that left, to come back at the front as a preempted one would
@@ -759,7 +760,7 @@ def test_a_kept_order_equals_sorting_the_queue_after_every_change(which, thresho
     assert policy.order(list(queue), []) == _brute_order(policy, queue)  # any other sequence: sorted, as before
 
 
-@pytest.mark.parametrize("policy", ["three_class", "deadline"])
+@pytest.mark.parametrize("policy", ["three_class", "deadline", "priority"])
 def test_the_scheduler_keeps_a_policys_order_through_preemptions_and_rejections(policy):
     """The scheduler tells a KeepsOrder policy of every change to its queue -- admissions, preemptions to the
     front, cap rejections, aborts -- so at every step the kept order answers, and equals sorting the queue.
@@ -782,7 +783,7 @@ def test_the_scheduler_keeps_a_policys_order_through_preemptions_and_rejections(
     pol.order = order
     for i in range(14):
         add(engine, ("chat", "agent", "bulk")[i % 3], 6 + 2 * (i % 7), 20, f"r{i}", arrival_time=0.0,
-            deadline=None if i % 4 else 0.5)
+            deadline=None if i % 4 else 0.5, priority=i % 2 if policy == "priority" else 0)
     for step in range(200):
         if step == 3:
             engine.abort_request("r4")
@@ -790,7 +791,7 @@ def test_the_scheduler_keeps_a_policys_order_through_preemptions_and_rejections(
             break
         engine.step()
     assert max(asked) >= 5 and sched.stats.num_preemptions > 0, (asked, sched.stats)
-    assert policy == "deadline" or sched.stats.num_rejected > 0
+    assert policy != "three_class" or sched.stats.num_rejected > 0
     drain(engine)
     assert_no_leak(engine)
 

@@ -12,6 +12,7 @@ from operator import attrgetter
 from typing import Sequence
 
 from minivllm.request import Request
+from minivllm.sched.kept import KeepsItsOrder, KeptOrder
 
 
 class FCFSAdmission:
@@ -32,19 +33,26 @@ class RecomputeLatestPreemption:
         return running[-1]
 
 
-class PriorityAdmission:
+class PriorityAdmission(KeepsItsOrder):
     """Lower ``priority`` value first, ties by arrival (vLLM's priority policy).
 
     A waiting request may preempt a running one of strictly lower priority
     (larger value) to get a seat or blocks, as vLLM does when ``max_num_seqs``
     is the limit (vLLM #40004); see the optional hooks in :mod:`minivllm.interfaces`.
+
+    The scheduler's queue is kept in this order as it changes (:class:`~minivllm.interfaces.KeepsOrder`)
+    rather than sorted every step: beside 2,000 waiting requests the sort was half of a step's host time.
     """
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        return sorted(waiting, key=self.rank)
+    def __init__(self) -> None:
+        self._kept = KeptOrder(self.rank)
 
-    #: ``rank(req) == (req.priority, req.arrival_time)``.  An ``attrgetter`` rather than a function: admission
-    #: sorts the whole waiting queue by it every step, and a C key is several times cheaper per request.
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
+        kept = self._kept.kept(waiting)
+        return list(kept.get(0, ())) if kept is not None else sorted(waiting, key=self.rank)
+
+    #: ``rank(req) == (req.priority, req.arrival_time)``.  An ``attrgetter`` rather than a function: a C key is
+    #: several times cheaper per request, for a sort and for the kept order's inserts alike.
     rank = staticmethod(attrgetter("priority", "arrival_time"))
 
     @staticmethod
