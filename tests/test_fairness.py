@@ -1384,3 +1384,35 @@ def test_a_wfq_policy_shared_by_two_engines_orders_as_the_unkept_one_does():
     for engine in [*first.values(), *second.values()]:
         drain(engine)
         assert_no_leak(engine)
+
+
+def test_wfq_given_another_sequence_while_it_keeps_a_queue_decides_as_the_original():
+    """A tracking WFQ asked to order some other sequence (a subset of its queue, say) builds the answer from that
+    sequence, its rejoin rule included: what the last (kept) order saw becomes a snapshot first.  Oracle: the same
+    policy that never tracked a queue.  Tenant a's a1 was seen waiting and still waits, a2 came since; ordering
+    [a1, b1] must not lift a's counter (found by a review: it was lifted 0 -> 84)."""
+    from collections import deque
+
+    cfg = EngineConfig(scheduling_policy="wfq", max_num_batched_tokens=8, max_model_len=64, device="cpu",
+                       tenants={"a": TenantConfig(weight=1.0), "b": TenantConfig(weight=1.0)})
+
+    def req(rid, tenant, at):
+        return Request(rid, [1, 2, 3, 4], SamplingParams(max_tokens=4), at, tenant=tenant)
+
+    a1, b1, a2 = req("a1", "a", 0.0), req("b1", "b", 0.1), req("a2", "a", 0.2)
+    kept, unkept = WFQAdmission(cfg), WFQAdmission(cfg)
+    queue: deque = deque()
+    kept.track(queue)
+    for r in (a1, b1):
+        queue.append(r)
+        kept.enqueued(r, False)
+    list(kept.order(queue, []))  # the kept path (a lazy answer)
+    unkept.order(list(queue), [])
+    for p in (kept, unkept):  # service since: b far ahead of a
+        p.counters.update(a=0.0, b=100.0)
+    queue.append(a2)
+    kept.enqueued(a2, False)
+    assert kept.order([a1, b1], []) == unkept.order([a1, b1], []) == [a1, b1]
+    assert kept.counters == unkept.counters == {"a": 0.0, "b": 100.0}
+    assert list(kept.order(queue, [])) == unkept.order(list(queue), [])  # and the kept path takes over again
+    assert kept.counters == unkept.counters

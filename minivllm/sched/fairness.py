@@ -440,6 +440,8 @@ class WFQAdmission(KeepsItsOrder):
             for r in waiting:
                 queues.setdefault(r.tenant, []).append(r)
             ties = {t: i for i, t in enumerate(queues)}
+            if self._waiting_seen is None:  # the last order was kept: what it saw, as the original keeps it
+                self._waiting_seen = self._seen()
         self._rejoin(queues, running)
         self._waiting_seen = None if kept is not None else {r.request_id: r for r in waiting}
         self._fresh.clear()
