@@ -8,6 +8,7 @@ responses, and the offline helper records the same numbers without a server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -84,11 +85,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_server_on_the_simulated_engine_counts_per_tenant():
-    from minivllm.server import build_app
-
-    engine = _sim_engine("swap")
-    app = build_app(engine, ["sim"], {"ka": "alice", "kb": "bob"})
+@contextlib.contextmanager
+def _serving(app):
+    """``app`` served by uvicorn from a thread on a free local port: yields its base URL, then stops it."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -98,7 +97,19 @@ def test_server_on_the_simulated_engine_counts_per_tenant():
         while not server.started:
             assert time.monotonic() < end and thread.is_alive()
             time.sleep(0.02)
-        base = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+    assert not thread.is_alive()
+
+
+def test_server_on_the_simulated_engine_counts_per_tenant():
+    from minivllm.server import build_app
+
+    engine = _sim_engine("swap")
+    app = build_app(engine, ["sim"], {"ka": "alice", "kb": "bob"})
+    with _serving(app) as base:
 
         async def main() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=30) as client:
@@ -121,10 +132,6 @@ def test_server_on_the_simulated_engine_counts_per_tenant():
             == stats["num_preemptions"]
         assert _value(s, "vllm:generation_tokens_total", tenant="alice") == 60
         assert _value(s, "vllm:generation_tokens_total", tenant="bob") == 60
-    finally:
-        server.should_exit = True
-        thread.join(20)
-    assert not thread.is_alive()
 
 
 # -- a paced simulated executor: the engine's steps take wall time, so clients can overlap them -------------
@@ -868,21 +875,9 @@ def test_a_metrics_scrape_reads_fresh_gauges_while_the_loop_sleeps():
     engine = _sim_engine(blocks=12)
     app = build_app(engine, ["sim"])
     app.state.async_engine.idle_poll_s = 3600.0  # before the loop starts: it wakes only for commands
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        end = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < end and thread.is_alive()
-            time.sleep(0.02)
-        s = _samples(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text)
+    with _serving(app) as base:
+        s = _samples(httpx.get(base + "/metrics", timeout=30).text)
         stats = engine.stats()
         assert stats["num_blocks"] == 12
         assert _value(s, "vllm:kv_cache_num_blocks") == 12
         assert _value(s, "vllm:kv_cache_free_blocks") == stats["free_blocks"] > 0
-    finally:
-        server.should_exit = True
-        thread.join(20)
-    assert not thread.is_alive()
