@@ -1386,11 +1386,9 @@ def test_a_wfq_policy_shared_by_two_engines_orders_as_the_unkept_one_does():
         assert_no_leak(engine)
 
 
-def test_wfq_given_another_sequence_while_it_keeps_a_queue_decides_as_the_original():
-    """A tracking WFQ asked to order some other sequence (a subset of its queue, say) builds the answer from that
-    sequence, its rejoin rule included: what the last (kept) order saw becomes a snapshot first.  Oracle: the same
-    policy that never tracked a queue.  Tenant a's a1 was seen waiting and still waits, a2 came since; ordering
-    [a1, b1] must not lift a's counter (found by a review: it was lifted 0 -> 84)."""
+def _wfq_kept_and_unkept_after_a1_was_seen():
+    """Two WFQs, one keeping a queue from the hooks and one given lists (the original): a1 and b1 waited at an
+    order, b has since been served far ahead of a (counters 0 and 100, two steps' margin 16), and a2 arrived."""
     from collections import deque
 
     cfg = EngineConfig(scheduling_policy="wfq", max_num_batched_tokens=8, max_model_len=64, device="cpu",
@@ -1408,11 +1406,34 @@ def test_wfq_given_another_sequence_while_it_keeps_a_queue_decides_as_the_origin
         kept.enqueued(r, False)
     list(kept.order(queue, []))  # the kept path (a lazy answer)
     unkept.order(list(queue), [])
-    for p in (kept, unkept):  # service since: b far ahead of a
+    for p in (kept, unkept):
         p.counters.update(a=0.0, b=100.0)
     queue.append(a2)
     kept.enqueued(a2, False)
+    return kept, unkept, queue, (a1, b1, a2)
+
+
+def test_wfq_given_another_sequence_while_it_keeps_a_queue_decides_as_the_original():
+    """A tracking WFQ asked to order some other sequence (a subset of its queue, say) builds the answer from that
+    sequence, its rejoin rule included: what the last (kept) order saw becomes a snapshot first.  Oracle: the same
+    policy that never tracked a queue.  Tenant a's a1 was seen waiting and still waits, a2 came since; ordering
+    [a1, b1] must not lift a's counter (found by a review: it was lifted 0 -> 84)."""
+    kept, unkept, queue, (a1, b1, a2) = _wfq_kept_and_unkept_after_a1_was_seen()
     assert kept.order([a1, b1], []) == unkept.order([a1, b1], []) == [a1, b1]
     assert kept.counters == unkept.counters == {"a": 0.0, "b": 100.0}
     assert list(kept.order(queue, [])) == unkept.order(list(queue), [])  # and the kept path takes over again
     assert kept.counters == unkept.counters
+
+
+def test_wfq_kept_rejoin_rule_holds_back_a_tenant_whose_seen_request_was_aborted():
+    """The rejoin rule's abort clause, on the kept path, without luck: a1 was seen waiting, a2 arrived, then a1
+    was aborted.  Whether a's queue ever emptied cannot be told, so a is not lifted -- on the kept path as on the
+    original (the same policy given a list).  Random engine runs reach this rarely (a reviewer counted about 2 in
+    40), so it is built here by hand; without the clause the kept path lifts a from 0 to 84."""
+    kept, unkept, queue, (a1, b1, a2) = _wfq_kept_and_unkept_after_a1_was_seen()
+    queue.remove(a1)  # the abort: the request leaves the queue, finished
+    kept.dequeued(a1)
+    a1.status = RequestStatus.FINISHED_ABORTED
+    assert kept._kept.kept(queue) is not None  # the kept path answers
+    assert list(kept.order(queue, [])) == unkept.order(list(queue), []) == [a2, b1]
+    assert kept.counters == unkept.counters == {"a": 0.0, "b": 100.0}
