@@ -23,7 +23,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import re
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ pytest.importorskip("nbval")
 
 def _run_nbval(path: Path, strict: bool) -> tuple[subprocess.CompletedProcess, float]:
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-current-env",
-            f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "--rootdir", str(ROOT)]
+            f"--nbval-cell-timeout={CELL_TIMEOUT_S}", "--rootdir", str(ROOT), "--durations=4"]
     args += ["--nbval", "--nbval-sanitize-with", str(SANITIZE)] if strict else ["--nbval-lax"]
     env = dict(os.environ, PYTHONHASHSEED="0")
     t0 = time.time()
@@ -50,11 +52,24 @@ def _report(proc: subprocess.CompletedProcess) -> str:
     return (proc.stdout[-6000:] + "\n" + proc.stderr[-2000:]).strip()
 
 
+def _slowest_cells(stdout: str) -> str:
+    """nbval's ``--durations`` lines ("12.3s call  lab.ipynb::Cell 5") as "Cell 5 12.3 s, ..."."""
+    found = re.findall(r"^([0-9.]+)s call\s+\S+::(Cell \d+)$", stdout, re.MULTILINE)
+    return ", ".join(f"{cell} {float(sec):.0f} s" for sec, cell in found)
+
+
 def _assert_ran_in_budget(path: Path, proc: subprocess.CompletedProcess, elapsed: float) -> None:
-    """nbval passed, and within the course's budget (with room for a shared CI machine)."""
+    """nbval passed, and within the course's budget (with room for a shared CI machine).
+
+    Between the budget and three times it the test passes with a warning that names the slowest cells, so a
+    CI log says which cell a loaded machine slowed down instead of only that the notebook was slow."""
     print(f"{path.name}: {elapsed:.0f} s")
     assert proc.returncode == 0, _report(proc)
-    assert elapsed < 3 * BUDGET_S, f"{path.name} took {elapsed:.0f} s (budget {BUDGET_S} s on an idle CPU)"
+    assert elapsed < 3 * BUDGET_S, (f"{path.name} took {elapsed:.0f} s (budget {BUDGET_S} s on an idle CPU); "
+                                    f"slowest cells: {_slowest_cells(proc.stdout)}")
+    if elapsed > BUDGET_S:
+        warnings.warn(f"{path.name} took {elapsed:.0f} s, over the course's {BUDGET_S} s (a loaded machine?); "
+                      f"slowest cells: {_slowest_cells(proc.stdout)}", stacklevel=2)
 
 
 def _run_by_the_browser_test(session: pytest.Session, path: Path) -> bool:

@@ -48,7 +48,7 @@ step reads pass 256 and stop being CPython's shared small-int objects (see
 
     python -m minivllm.bench host_overhead [--out results.json]
     python -m minivllm.bench host_overhead --sweep 16,100,200,300,600,900 [--prompt-len 300]
-    python -m minivllm.bench host_overhead --backlog 16,500,2000 [--backlog-policy wfq]   (admission beside a backlog)
+    python -m minivllm.bench host_overhead --backlog 16,500,2000 [--backlog-policy wfq|priority]   (admission beside a backlog)
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def backlog(sizes: list[int], samples: int, running: int = 32, policy: str = "th
 
     def started(size: int):
         """An engine one step in: as many requests admitted as the cap (three_class: the batch tier's, 37 for 32)
-        or the pool (wfq) allows, each with 15 decode steps before its next block (so the running set, and the
+        or the pool (wfq, priority) allows, each with 15 decode steps before its next block (so the running set, and the
         cap, stay as they are while it is measured), the rest waiting."""
         if policy == "three_class":
             blocks = running * 8 * 4 // 3 + 64  # the running requests fill the batch tier's 75%, the rest stays free
@@ -322,8 +322,8 @@ def main() -> int:
     ap.add_argument("--sweep", type=comma_list(positive_int), default=None, metavar="N,N,...",
                     help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
     ap.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
-                    help="instead: host cost per step beside this many requests waiting on a three_class cap "
-                         "(e.g. 16,500,2000; the smallest is the baseline)")
+                    help="instead: host cost per step beside this many waiting requests (on a three_class cap, or for "
+                         "KV blocks: --backlog-policy; e.g. 16,500,2000; the smallest is the baseline)")
     ap.add_argument("--backlog-policy", choices=("three_class", "wfq", "priority"), default="three_class",
                     help="--backlog: three_class (the backlog waits on a cap), or wfq or priority (it waits for KV "
                          "blocks)")
