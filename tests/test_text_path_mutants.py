@@ -1,0 +1,90 @@
+"""Tests from a second hand mutation pass over the text path: stop handling, hold-back and ``n > 1`` fan-in.
+
+Each test pins one behaviour a planted bug changed without any other test noticing (the mutant it kills is
+named in its docstring).  As in ``test_more_mutants``, nothing runs a model: the engine runs on a scripted
+simulated executor, and the oracles are independent of the code under test -- the tokenizer's own ``decode``
+of the scripted tokens, ``str.find`` on that decode, and vLLM's stop rules written out by hand.
+"""
+
+from __future__ import annotations
+
+from minivllm import LLM, SamplingParams
+from tests.test_more_mutants import EOS, STOP_TEXT, ScriptedExecutor, run
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_still_stops_and_cuts(tokenizer):
+    """Kills: the length check made before the stop-string check.  When the ``max_tokens``-th token completes a
+    stop string the request must finish as vLLM's does -- ``"stop"`` with the string as ``stop_reason`` and the
+    text cut before it -- not as ``"length"`` with the stop string left in the text.  Oracle: ``str.find`` on
+    the decode of the scripted tokens (' xyz' is completed by the fourth token, 'z')."""
+    ids = tokenizer.encode(STOP_TEXT)
+    full = tokenizer.decode(ids[:4])
+    assert full.endswith(" xyz")
+    for kind in ("cumulative", "delta", "final_only"):
+        outs = run(tokenizer, {"r": ids}, SamplingParams(max_tokens=4, ignore_eos=True, stop=" xyz", output_kind=kind))
+        last = outs[-1].outputs[0]
+        text = "".join(o.outputs[0].delta_text for o in outs) if kind == "delta" else last.text
+        assert (last.finish_reason, last.stop_reason, text) == ("stop", " xyz", full[: full.find(" xyz")]), kind
+
+
+def test_eos_listed_in_stop_token_ids_still_reports_no_stop_reason(tokenizer):
+    """Kills: the stop-token check made before the EOS check.  vLLM checks EOS first, so an EOS that the caller
+    also listed in ``stop_token_ids`` (as OpenAI clients often do) ends the request with ``stop_reason`` None,
+    exactly as an unlisted EOS does; with ``ignore_eos`` the listed EOS is an ordinary stop token again and
+    reports its id."""
+    words = tokenizer.encode(" a b c d")
+    script = words[:2] + [EOS] + words[2:]
+    for ignore_eos, reason in ((False, None), (True, EOS)):
+        last = run(tokenizer, {"r": script}, SamplingParams(max_tokens=6, stop_token_ids=[EOS, words[3]],
+                                                            ignore_eos=ignore_eos))[-1].outputs[0]
+        assert (last.finish_reason, last.stop_reason, last.token_ids) == ("stop", reason, script[:3])
+
+
+def test_streamed_text_is_held_back_by_exactly_the_longest_stop_less_one(tokenizer):
+    """Kills: holding back one character more than needed.  A suffix of ``len(stop) - 1`` characters is all
+    that can still turn into a stop string; holding more delays text a streaming client could already show.
+    Oracle: at step ``k`` the cumulative text is the decode of the first ``k`` tokens less exactly that many
+    characters (ASCII words, so no token ends mid-character), and at the end it is the whole decode."""
+    ids = tokenizer.encode(" one two three four five six")
+    stops = ["@@@@", "#"]  # never in the text; the longest has 4 characters, so 3 are held
+    outs = run(tokenizer, {"r": ids}, SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=stops))
+    for k, o in enumerate(outs[:-1], start=1):
+        full = tokenizer.decode(ids[:k])
+        assert o.outputs[0].text == full[: max(0, len(full) - 3)], k
+    assert outs[-1].outputs[0].text == tokenizer.decode(ids)
+
+
+def test_a_cumulative_group_carries_only_this_steps_deltas(tokenizer):
+    """Kills: a folded cumulative ``n > 1`` output that keeps a sample's last ``delta_text`` after the step it
+    was new in.  ``LLM.stream`` (cumulative by default) documents ``delta_text`` as the new text: a sample that
+    finished earlier, or got no token this step, must carry none, or a client appending deltas repeats it.
+    Oracle: each sample's scripted tokens decoded by the tokenizer, built from the deltas alone."""
+    a, b = tokenizer.encode(" short one"), tokenizer.encode(" a much longer second sample")
+    outs = run(tokenizer, {"r#0": a, "r#1": b},
+               SamplingParams(n=2, max_tokens=len(b), ignore_eos=True, stop_token_ids=[a[-1]]))
+    text, ids = {0: "", 1: ""}, {0: [], 1: []}
+    for o in outs:
+        for c in o.outputs:
+            text[c.index] += c.delta_text
+            ids[c.index] += c.delta_token_ids
+    assert text == {0: tokenizer.decode(a[:-1]), 1: tokenizer.decode(b)}
+    assert ids == {0: a, 1: b}
+    assert [c.text for c in outs[-1].outputs] == [text[0], text[1]]
+
+
+def test_max_tokens_is_capped_by_the_room_left_in_max_model_len(tokenizer):
+    """Kills: ``max_tokens`` taken as the caller gave it, not capped at ``max_model_len - len(prompt)``.  A
+    request asking for more than fits must stop with ``"length"`` when prompt plus output fill the model's
+    length, never run past it (the positions beyond ``max_model_len`` do not exist).  Hand-computed: a
+    10-token prompt in a 16-token model has room for exactly 6 output tokens, whatever ``max_tokens`` says."""
+    words = tokenizer.encode(" a b c d e f g h i j k l m n o p")
+    for max_tokens in (100, None):
+        llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": words}), tokenizer=tokenizer,
+                  num_gpu_blocks_override=64, max_model_len=16)
+        llm.engine.add_request({"prompt_token_ids": list(range(100, 110))},
+                               SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="r")
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += llm.engine.step()
+        last = outs[-1].outputs[0]
+        assert (last.finish_reason, last.token_ids) == ("length", words[:6]), max_tokens
