@@ -295,3 +295,46 @@ def test_an_empty_model_name_means_the_served_model_as_in_vllm():
         other = httpx.post(srv.base + "/v1/completions", timeout=30, json={"model": "x", "prompt": [11], "max_tokens": 2})
     assert empty.status_code == 200 and empty.json()["model"] == "sim", empty.text
     assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+
+
+# -- the checks tests/test_server.py makes with the real model, made here without it -------------------------
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logprobs": 0}, "logprobs"),  # a number, even 0, asks for log-probabilities (vLLM returns them for 0)
+    ({"logprobs": 1}, "logprobs"),
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: OpenAI's and vLLM's 400
+], ids=["logprobs 0", "logprobs 1", "continuous_usage_stats", "stream_options without stream"])
+def test_what_minivllm_cannot_do_is_a_400_naming_the_field_and_the_engine_stays_clean(body, param):
+    """The fast suite's copy of ``test_server.py``'s refusals (which load the model): a field minivllm cannot
+    honour is refused with the field named, never silently ignored, and a control request without it is
+    served.  Kills: ``logprobs: 0`` taken as "no" (a truthiness test), ``continuous_usage_stats`` accepted,
+    ``stream_options`` accepted without ``stream``."""
+    engine = _engine()
+    with _Served(engine) as srv:
+        bad = httpx.post(srv.base + "/v1/completions", timeout=30, json={"prompt": [11, 12], "max_tokens": 2, **body})
+        ok = httpx.post(srv.base + "/v1/completions", timeout=30, json={"prompt": [11, 12], "max_tokens": 2})
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == param
+    assert ok.status_code == 200, ok.text
+    assert engine.stats()["used_blocks"] == 0
+
+
+def test_a_request_that_exactly_fills_the_context_is_served_and_one_token_more_is_a_400():
+    """OpenAI's and vLLM's rule: prompt plus ``max_tokens`` may reach ``max_model_len`` but not pass it.  A
+    4-token prompt in a 64-token model may ask for 60 tokens (and gets all 60, EOS ignored); 61 is a 400
+    naming ``max_tokens``.  Kills: the room check made with ``<`` (a request that exactly fills the context
+    refused)."""
+    engine = _engine(max_len=64, blocks=64)
+    with _Served(engine) as srv:
+        def post(n):
+            return httpx.post(srv.base + "/v1/completions", timeout=30,
+                              json={"prompt": [11, 12, 13, 14], "max_tokens": n, "ignore_eos": True})
+        fills, over = post(60), post(61)
+    assert fills.status_code == 200, fills.text
+    assert fills.json()["usage"]["completion_tokens"] == 60
+    assert fills.json()["choices"][0]["finish_reason"] == "length"
+    assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+    assert engine.stats()["used_blocks"] == 0
