@@ -22,13 +22,7 @@ from minivllm.metrics.prometheus import EngineMetrics, metrics_from_step_log, ob
 from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: E402
 from minivllm.metrics.step_log import StepRecord  # noqa: E402
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
-
-
-def _sse(chunks, done=True, usage=None):
-    parts = [f"data: {json.dumps({'choices': [{'index': 0, 'text': c}]})}\n\n" for c in chunks]
-    if usage is not None:
-        parts.append(f"data: {json.dumps({'choices': [], 'usage': {'prompt_tokens': 5, 'completion_tokens': usage}})}\n\n")
-    return ("".join(parts) + ("data: [DONE]\n\n" if done else "")).encode()
+from tests.test_loadgen import _sse_body  # noqa: E402
 
 
 def _load(handler, plan):
@@ -50,10 +44,10 @@ def test_latency_percentiles_count_only_served_requests():
         if i == 1:
             return httpx.Response(429, headers={"Retry-After": "2"}, json={"error": {"message": "busy"}})
         if i == 2:
-            return httpx.Response(200, content=_sse(["a", "b", "c", "d"], done=False))  # cut mid-stream
+            return httpx.Response(200, content=_sse_body(["a", "b", "c", "d"], done=False))  # cut mid-stream
         if i == 3:
             return httpx.Response(503, json={"error": {"message": "overloaded"}})
-        return httpx.Response(200, content=_sse(["a", "b", "c"], usage=3))
+        return httpx.Response(200, content=_sse_body(["a", "b", "c"], usage=3))
 
     run = _load(handler, [lg.PlannedRequest(i, 0.0, "a", f"p {i}", 2, 4) for i in range(4)])
     assert [r.outcome for r in run.results] == ["ok", "rejected", "error", "error"]
@@ -75,7 +69,7 @@ def test_run_duration_runs_from_the_start_to_the_last_finish():
     0.3 s in, so the run lasts at least that long whatever the machine's speed; each request takes
     milliseconds.  Kills: the duration taken as ``max(e2e)`` (throughput overstated by the arrival span)."""
     def handler(request):
-        return httpx.Response(200, content=_sse(["a", "b"], usage=2))
+        return httpx.Response(200, content=_sse_body(["a", "b"], usage=2))
 
     run = _load(handler, [lg.PlannedRequest(0, 0.0, "a", "p", 1, 2), lg.PlannedRequest(1, 0.3, "a", "p", 1, 2)])
     assert all(r.outcome == "ok" for r in run.results)

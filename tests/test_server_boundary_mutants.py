@@ -16,19 +16,11 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from minivllm.bench.loadgen import iter_sse  # noqa: E402
 from minivllm.config import EngineConfig  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
-
-
-class _WordTokenizer:
-    """Token id ``i`` is the word ``w<i> ``: text to stream without a vocabulary."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f"w{i} " for i in ids)
-
-    def encode(self, text, add_special_tokens=True):
-        return [int(w[1:]) for w in text.split()]
+from tests.test_server_sim import _Served, _WordTokenizer  # noqa: E402
 
 
 def _engine(max_len: int = 64, blocks: int = 64) -> LLMEngine:
@@ -38,30 +30,9 @@ def _engine(max_len: int = 64, blocks: int = 64) -> LLMEngine:
                      eos_token_ids=set())
 
 
-class _Served:
-    def __init__(self, engine, door=None) -> None:
-        self.engine, self.door = engine, door
-
-    def __enter__(self):
-        from minivllm.server import BackgroundServer
-
-        self.bg = BackgroundServer(self.engine, "sim", None, start_timeout_s=20, door=self.door)
-        self.base = self.bg.base_url
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.bg.stop(20)
-        assert not self.bg.running
-
-
 def _events(text: str) -> list:
     """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
-    out = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
+    return [data if data == "[DONE]" else json.loads(data) for data in iter_sse(text.splitlines())]
 
 
 # -- usage with several choices --------------------------------------------------------------------------------
