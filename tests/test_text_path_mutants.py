@@ -88,3 +88,80 @@ def test_max_tokens_is_capped_by_the_room_left_in_max_model_len(tokenizer):
             outs += llm.engine.step()
         last = outs[-1].outputs[0]
         assert (last.finish_reason, last.token_ids) == ("length", words[:6]), max_tokens
+
+
+def test_an_n_group_finishes_when_its_last_sample_does(tokenizer):
+    """Kills: a finished group's ``finished_time`` taken from its first sample.  The client's request ends
+    when its last sample does, so its e2e latency runs to there.  Hand count on 1 s steps: r#0 (the leader)
+    prefills in the step [0, 1] and stops on its second token at 2 s; r#1 shares that prefill, gets its first
+    token at 2 s and its fourth at 5 s.  (r#0's finish would say 2 s.)"""
+    a, b = tokenizer.encode(" a b"), tokenizer.encode(" c d e f")
+    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r#0": a, "r#1": b},
+                          fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0)
+    llm = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=64)
+    llm.engine.add_request({"prompt_token_ids": [19556, 905]}, SamplingParams(
+        n=2, max_tokens=4, ignore_eos=True, stop_token_ids=[a[1]]), request_id="r", arrival_time=0.0)
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    last = outs[-1]
+    assert last.finished and [c.finish_reason for c in last.outputs] == ["stop", "length"]
+    assert (last.metrics.finished_time, last.metrics.e2e_latency) == (5.0, 5.0)
+
+
+def test_no_max_tokens_means_up_to_the_room_left_in_max_model_len(tokenizer):
+    """Kills: ``max_tokens=None`` read as some fixed default (``SamplingParams``' 16).  vLLM documents
+    ``max_tokens=None`` as "as many as fit": a 10-token prompt in a 40-token model generates 30 tokens and
+    stops with ``"length"`` (hand-computed, more than the 16 a default would allow)."""
+    words = tokenizer.encode(" " + " ".join("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"))
+    assert len(words) > 30
+    llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": words}), tokenizer=tokenizer,
+              num_gpu_blocks_override=64, max_model_len=40)
+    llm.engine.add_request({"prompt_token_ids": list(range(100, 110))},
+                           SamplingParams(max_tokens=None, ignore_eos=True), request_id="r")
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    last = outs[-1].outputs[0]
+    assert (last.finish_reason, last.token_ids) == ("length", words[:30])
+
+
+class _BrokenTokenizer:
+    """The real tokenizer, except that decoding any text that contains token ``bad`` raises."""
+
+    def __init__(self, tokenizer, bad):
+        self._tok, self._bad = tokenizer, bad
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def decode(self, ids, **kw):
+        if self._bad in ids:
+            raise RuntimeError(f"cannot decode token {self._bad}")
+        return self._tok.decode(ids, **kw)
+
+
+def test_a_request_that_fails_to_decode_reports_the_same_text_whatever_its_output_kind(tokenizer):
+    """Kills: a final-only request's catch-up decode restarting from its first token when it is retried.  A
+    request whose token cannot be decoded finishes with ``"error"`` and the text decoded before it, whether it
+    streamed or not (the output kind changes only what is reported on the way).  A ``final_only`` request
+    decodes at its end; when that fails, its error output must not decode the whole output again (which fails
+    again and loses all its text).  Oracle: the tokenizer's decode of the tokens before the bad one."""
+    ids = tokenizer.encode(" one two three four five")
+    bad = ids[3]
+    assert bad not in ids[:3]
+    for kind in ("cumulative", "delta", "final_only"):
+        ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": ids})
+        llm = LLM(executor=ex, tokenizer=_BrokenTokenizer(tokenizer, bad), num_gpu_blocks_override=64,
+                  max_model_len=64)
+        llm.engine.add_request({"prompt_token_ids": [19556, 905]},
+                               SamplingParams(max_tokens=len(ids), ignore_eos=True, output_kind=kind), request_id="r")
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += llm.engine.step()
+        last = outs[-1].outputs[0]
+        text = "".join(o.outputs[0].delta_text for o in outs) if kind == "delta" else last.text
+        assert (last.finish_reason, text) == ("error", tokenizer.decode(ids[:3])), kind
