@@ -249,6 +249,20 @@ def test_bench_writes_its_table(tmp_path, capsys):
     assert {(r["replicas"], r["router"]) for r in data["rows"]} == {(n, p) for n in (1, 2) for p in
                                                                     ("round_robin", "least_outstanding", "prefix_affinity")}
     assert "(a) smallest fleet" in capsys.readouterr().out
+    assert [(m["from"], m["to"]) for m in data["key_movement"]] == [(1, 2), (2, 3)]
+
+
+def test_the_bench_measures_key_movement_against_the_closed_forms():
+    """The committed fleet result carries the ring-vs-modulo numbers lab 9 teaches, so check them against algebra:
+    ``hash % N`` keeps a key only when ``hash mod N(N+1) < N`` (a share of exactly ``1/(N+1)`` of uniform hashes),
+    and a consistent-hash ring moves keys only to the replica that joined, about ``1/(N+1)`` of them."""
+    from minivllm.bench.fleet import key_movement
+
+    for m in key_movement([2, 4, 8], num_keys=4000, seed=5):
+        n = m["from"]
+        assert abs(m["modulo_moved"] - n / (n + 1)) < 0.03, m
+        assert m["ring_moved_elsewhere"] == 0, m
+        assert 0.5 / (n + 1) < m["ring_moved"] < 1.6 / (n + 1), m
 
 
 def test_arrivals_before_the_clock_starts_are_refused():

@@ -22,6 +22,7 @@ model; see :mod:`minivllm.sim.fleet`.  Runs on a CPU in seconds.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from pathlib import Path
@@ -30,9 +31,9 @@ from minivllm.argtypes import fraction, positive_float
 from minivllm.bench.results import write_result
 from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, replica_kv_blocks, roofline_factory, run_fleet
 from minivllm.sim.executor import SimulatedExecutor
-from minivllm.sim.router import ROUTERS
+from minivllm.sim.router import ROUTERS, HashRing
 
-DEFAULT_OUT = "benchmarks/results/2026-12-03_cpu-2core_fleet_sim.json"
+DEFAULT_OUT = "benchmarks/results/2026-12-04_cpu-2core_fleet_sim.json"
 
 
 def _ints(text: str) -> list[int]:
@@ -98,6 +99,28 @@ def sweep(workload: ChatMix, replicas: list[int], routers: list[str], slo_ttft: 
     return rows
 
 
+def key_movement(sizes: list[int], num_keys: int = 4000, seed: int = 0) -> list[dict]:
+    """The share of prefix keys that change owner when a fleet of N replicas grows to N + 1.
+
+    Why it is part of the capacity plan: a key that changes owner lands on a replica whose cache has never seen
+    its conversation, so every moved key is a cold prefill.  The ring (the router's own :class:`HashRing`,
+    64 virtual nodes) should move about ``1/(N+1)`` of them, all to the new replica; ``hash % N`` keeps a key
+    only when ``hash mod N(N+1) < N``, so it moves ``N/(N+1)`` of them.  Keys are random 64-bit hashes, as
+    :func:`~minivllm.sim.router.prefix_key` makes them.
+    """
+    rng = random.Random(seed)
+    keys = [rng.getrandbits(64) for _ in range(num_keys)]
+    rows = []
+    for n in sizes:
+        old, new = HashRing(n), HashRing(n + 1)
+        moved = [k for k in keys if old.owner(k) != new.owner(k)]
+        rows.append({"from": n, "to": n + 1, "keys": num_keys, "ring_moved": len(moved) / num_keys,
+                     "ring_moved_elsewhere": sum(new.owner(k) != n for k in moved),
+                     "modulo_moved": sum(k % n != k % (n + 1) for k in keys) / num_keys,
+                     "ideal_ring": 1 / (n + 1), "ideal_modulo": n / (n + 1)})
+    return rows
+
+
 def smallest_meeting(rows: list[dict], router: str, min_goodput: float) -> int | None:
     """The fewest replicas whose goodput fraction reaches ``min_goodput`` with ``router`` (None: none swept)."""
     ok = [r["replicas"] for r in rows if r["router"] == router and (r["goodput_fraction"] or 0) >= min_goodput]
@@ -156,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{_cell(b['prefix_hit_rate'], '.1%')}, p99 TTFT {_cell(a['ttft_ms']['p99'], '.0f')} -> "
               f"{_cell(b['ttft_ms']['p99'], '.0f')} ms, goodput {_cell(a['goodput_fraction'], '.1%')} -> "
               f"{_cell(b['goodput_fraction'], '.1%')} (vs round robin)")
+    moves = key_movement(list(range(max(1, min(args.replicas)), n_max + 1)))
+    print("(c) keys that change owner when one replica is added (a moved key is a cold prefill): " + ", ".join(
+        f"{m['from']}->{m['to']}: ring {m['ring_moved']:.0%} (ideal {m['ideal_ring']:.0%}), hash % N {m['modulo_moved']:.0%}"
+        for m in moves))
     wall = time.perf_counter() - t0
     print(f"{len(rows)} fleet runs in {wall:.1f} s wall")
     if args.out:
@@ -167,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             "workload": {"kind": "ChatMix", "rate": args.rate, "duration_s": args.duration, "seed": args.seed,
                          "sessions": len(workload.arrivals()), "requests": workload.num_requests()},
             "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms, "min_goodput": args.min_goodput},
-            "rows": rows, "smallest_fleet_meeting_slo": answers, "wall_s": wall,
+            "rows": rows, "smallest_fleet_meeting_slo": answers, "key_movement": moves, "wall_s": wall,
         }, "python -m minivllm.bench fleet", argv)
         print(f"wrote {out}")
     return 0
