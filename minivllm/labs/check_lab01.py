@@ -184,6 +184,8 @@ LAB = Lab(1, "lab01_serving_loop", "The serving loop", quiz="lab01",
         ("returns (decode, prefill)", "return prefill, decode", "return decode, prefill"),
         ("last prompt token counted as decode", "if start >= prompt_lens[request_id]:",
          "if start >= prompt_lens[request_id] - 1:"),
+        # the signature's container is part of the contract: kills a Case that compares lists and tuples alike
+        ("returns a list, not the signature's tuple", "return prefill, decode", "return [prefill, decode]"),
     )),
     Exercise("static_batching", "StaticBatching", check_static_batching, points=1, hidden=hidden_static_batching,
              mutants=(

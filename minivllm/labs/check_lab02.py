@@ -382,6 +382,11 @@ LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", quiz="lab02",
          'if self.counts[block_id] < 0:\n            raise ValueError(f"incref'),
         ("decref reports a shared block as freed", "return True\n        return False", "return True\n        return True"),
         ("allocate takes from the back", "self.free.popleft()", "self.free.pop()"),
+        # the engine never double-frees, so only the error-type case sees this: kills an expect_raises that
+        # counts any exception as the one asked for
+        ("double free caught by an assert, not a ValueError",
+         'if self.counts[block_id] <= 0:\n            raise ValueError(f"decref on free block {block_id} (double free)")',
+         'assert self.counts[block_id] > 0, "double free"'),
     )),
     Exercise("slot_mapping", "slot_mapping", check_slot_mapping, points=1, hidden=hidden_slot_mapping, mutants=(
         ("block index and offset swapped", "block_table[p // block_size] * block_size + p % block_size",

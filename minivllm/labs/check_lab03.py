@@ -427,6 +427,10 @@ LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
          "parent = hash((parent, block[0], salt if i == 0 else None))"),
         ("hashes the block's sum", "parent = hash((parent, block, salt if i == 0 else None))",
          "parent = hash((parent, sum(block), salt if i == 0 else None))"),
+        # chaining carries a first-key salt to every key; a salt in the last key changes only that one: kills a
+        # salt case that accepts *some* changed key instead of every one
+        ("salt mixed into the last key only", "salt if i == 0 else None",
+         "salt if i == len(token_ids) // block_size - 1 else None"),
     )),
     Exercise("match_prefix", "match_prefix", check_match_prefix, points=2, hidden=hidden_match_prefix, mutants=(
         ("matches the last token too", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids, block_size, salt)"),

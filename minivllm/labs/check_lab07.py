@@ -327,10 +327,14 @@ def check_gather_kv(fn) -> CheckResult:
         return lambda got: symptom(got, int(c["seq_lens"][i]))
 
     def untouched(f):
-        cache_copy, table_copy = cache.clone(), tables.clone()
-        f(cache, tables[3], 17)
-        same_cache = torch.equal(torch.nan_to_num(cache, 7.0), torch.nan_to_num(cache_copy, 7.0))
-        return same_cache, torch.equal(tables, table_copy)
+        # a pool of its own: the cases before this one already ran f on ``cache``, so a write that makes the same
+        # change each time (the NaN padding cleaned in place) would find nothing left to change there
+        d = make_paged([1, 15, 16, 17, 40], kv_heads=2, head_dim=8, seed=1)
+        pool, table = d["k_cache"], d["block_tables"]
+        cache_copy, table_copy = pool.clone(), table.clone()
+        f(pool, table[3], 17)
+        same_cache = torch.equal(torch.nan_to_num(pool, 7.0), torch.nan_to_num(cache_copy, 7.0))
+        return same_cache, torch.equal(table, table_copy)
 
     def agrees_with_engine(f):
         d = make_paged([3, 16, 31, 32, 33, 50], kv_heads=3, head_dim=4, page=8, share_first=True, seed=2)
@@ -656,6 +660,9 @@ GATHER_MUTANTS = (
      "blocks.transpose(0, 1).flatten(0, 1)"),
     ("block size hard-coded to 16", "-(-kv_len // block_size)", "-(-kv_len // 16)"),
     ("off by one: starts at the second token", "[:kv_len]", "[1:kv_len + 1]"),
+    # the right rows, but the shared pool is written: kills an "untouched" case that no longer compares the cache
+    ("cleans the pool's NaN padding in place", "cache[block_table[:num_blocks].long()]",
+     "cache.nan_to_num_()[block_table[:num_blocks].long()]"),
 )
 
 KERNEL_MUTANTS = (

@@ -1,0 +1,159 @@
+"""Pins on the checker framework and the grader found by planting bugs in them (not in the learners' code).
+
+``tests/test_labs.py`` proves each checker rejects wrong learner solutions, and ``tests/test_grade.py`` that
+the grader scores the solutions, the stubs and one planted bug per lab.  A bug in the machinery itself -- a
+comparison that gives up in the learner's favour, a seed that never reaches the hidden cases, a total that
+adds the wrong column -- slipped past both; each test below names the planted bug it kills.  Fast: no kernel,
+no notebook, no model.
+"""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import nbformat
+
+from minivllm.labs import grade, workloads
+from minivllm.labs.checkers import Case, run_checks
+from minivllm.labs.registry import Exercise, Lab, exercise
+
+
+def test_an_answer_that_cannot_be_compared_fails_its_case():
+    """Kills: ``ok = case.passes(got)`` without its ``bool()``, whose truth value is then taken outside the guard.
+
+    A numpy array's ``==`` has no single truth value: a learner who returns an array instead of a list must get
+    the "return plain Python values" line, not a checker crash (or a green tick)."""
+    import numpy as np
+
+    result = run_checks("t", lambda: np.array([1, 2]), [Case("c", lambda f: f(), [1, 2])], verbose=False)
+    assert not result and result.num_passed == 0
+    assert "could not be compared" in result.lines[-1]
+
+
+def test_a_nested_list_where_a_tuple_belongs_gets_the_container_hint():
+    """Kills: the container hint that looks only at the outer level.
+
+    ``[(0, 0), [1, 2]]`` against ``[(0, 0), (1, 2)]`` has the right values in the wrong inner container; the
+    hint must say where (item 1), not fall back to the case's hint for a wrong value."""
+    case = Case("c", lambda f: f(), [(0, 0), (1, 2)], hint="the hint for a wrong value")
+    result = run_checks("t", lambda: [(0, 0), [1, 2]], [case], verbose=False)
+    assert not result
+    assert "  hint: right values, but item 1 must be a tuple, not a list" in result.lines
+
+
+def test_the_grading_seed_reaches_the_hidden_cases():
+    """Kills: ``run_exercise`` calling the hidden cases with a fixed seed instead of the grading seed.
+
+    Oracle: the inputs a recording ``paged_slots`` sees when the checker and the hidden cases are called
+    directly with that seed; the grader must show it exactly those, and two seeds must draw different ones
+    (else every class is graded on the same "hidden" instances, which one leaked answer key defeats)."""
+    _, ex = exercise("paged_slots")
+    calls: list = []
+
+    def recording(seq_lens, block_size):
+        calls.append((tuple(seq_lens), block_size))
+        return workloads.reserved_slots_paged(seq_lens, block_size)
+
+    def seen(run) -> list:
+        calls.clear()
+        with redirect_stdout(io.StringIO()):
+            run()
+        return list(calls)
+
+    graded = {s: seen(lambda s=s: grade.run_exercise(ex, recording, s)) for s in (1, 2)}
+    direct = {s: seen(lambda s=s: (ex.check(recording), ex.hidden(recording, s))) for s in (1, 2)}
+    assert graded == direct
+    assert graded[1] != graded[2]
+
+
+def _one_exercise_lab(hidden_cases: list[Case]) -> tuple[Lab, Exercise]:
+    """A lab of one 2-point exercise ``f(x) == x``: a visible case, and ``hidden_cases`` as the hidden ones."""
+    def check(f):
+        return run_checks("t", f, [Case("visible", lambda f: f(1), 1)], verbose=False)
+
+    def hidden(f, seed):
+        return run_checks("t (hidden)", f, hidden_cases, verbose=False)
+
+    ex = Exercise("t", "t", check, points=2, mutants=(), hidden=hidden)
+    return Lab(99, "lab99_test", "test", exercises=(ex,)), ex
+
+
+def test_a_hidden_case_failing_after_others_passed_still_costs_the_points():
+    """Kills: a grader that scores 0 only when *no* hidden case passed.
+
+    The one grader test of hidden failures has a single hidden case, so it fails at case 1 of 1 either way.
+    Here the second of two hidden cases fails: the exercise gets 0 and the reason names that case."""
+    lab, ex = _one_exercise_lab([Case("h1", lambda f: f(1), 1), Case("h2", lambda f: f(2), 2)])
+    row = grade._row("s", "s.ipynb", lab, ex, 0, grade.run_exercise(ex, lambda x: 1, 0), {}, None)
+    assert (row.points, row.checker, row.hidden) == (0, "passed", "failed")
+    assert "'h2'" in row.reason
+    right = grade._row("s", "s.ipynb", lab, ex, 0, grade.run_exercise(ex, lambda x: x, 0), {}, None)
+    assert (right.points, right.hidden) == (2, "passed")
+
+
+def test_the_reason_names_the_case_number_the_checker_printed():
+    """Kills: the grader's reason counting cases from 0 (``num_passed`` instead of ``num_passed + 1``).
+
+    Oracle: the checker's own first "✘ case k/n 'name'" line for the same wrong answer; the learner who
+    reads the grade and then the notebook must find the same case number in both."""
+    lab, ex = exercise("paged_slots")
+
+    def floored(seq_lens, block_size):
+        return sum(n // block_size * block_size for n in seq_lens)
+
+    with redirect_stdout(io.StringIO()) as buf:
+        ex.check(floored)
+    shown = next(line for line in buf.getvalue().splitlines() if line.startswith("✘ case"))
+    number, name = shown.split()[2], shown.split("'")[1]
+    row = grade._row("s", "s.ipynb", lab, ex, 0, grade.run_exercise(ex, floored, 0), {}, None)
+    assert row.points == 0 and row.reason == f"checker: case {number} '{name}' failed"
+
+
+def test_the_table_total_adds_the_points_earned_not_the_points_possible():
+    """Kills: a total line that sums ``max_points`` twice (every student reads as full marks)."""
+    rows = [grade.ExerciseGrade("ann", "ann/lab01.ipynb", 1, "split_step", 1, 1, "passed", "passed", "", 0),
+            grade.ExerciseGrade("ann", "ann/lab01.ipynb", 1, "static_batching", 0, 2, "failed", "-", "why", 0)]
+    total = [line.split() for line in grade.format_table(rows).splitlines() if line.strip().startswith("total")]
+    assert total == [["total", "1/3"]]
+
+
+def test_a_notebook_without_exercise_tags_is_found_by_its_file_name():
+    """Kills: ``identify_lab`` taking the best tag match even when no tag matched (every such notebook is lab 1).
+
+    A learner's notebook can lose every tag (cells copied into a fresh notebook); its file name still names
+    the lab, and a file that names none is not a lab notebook at all."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1")]
+    assert grade.identify_lab(nb, Path("alice/lab03_prefix_caching.ipynb")).number == 3
+    assert grade.identify_lab(nb, Path("alice/lab05.ipynb")).number == 5
+    assert grade.identify_lab(nb, Path("alice/notes.ipynb")) is None
+
+
+def test_the_answer_key_letter_is_the_letter_the_quiz_printed():
+    """Kills: ``correct_answer`` lettering the options in the bank's order (correct answer first) instead of the
+    shuffled order the questions were printed in -- the key would say "A)" for an option shown as "C)".
+
+    Oracle: the printed quiz itself; the option text carrying each letter is read back from ``format_quiz``."""
+    from minivllm.labs import quiz
+
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        printed = quiz.format_quiz(bank.stem).splitlines()
+        for n, q in enumerate(quiz.load_bank(bank.stem), 1):
+            if q["type"] != "multiple_choice":
+                continue
+            right = next(a["answer"] for a in q["answers"] if a["correct"])
+            start = printed.index(f"Q{n}. {q['question']}")
+            shown = next(line.strip() for line in printed[start + 1:] if line.strip().endswith(f") {right}"))
+            assert quiz.correct_answer(q) == shown, (bank.stem, n)
+
+
+def test_the_option_order_depends_on_the_question_text_only():
+    """Kills: the shuffle seeded by another field (the why): rewording an explanation would reorder the
+    options of a printed quiz, and the strict notebook run compares printed quizzes."""
+    from minivllm.labs import quiz
+
+    for q in quiz.load_bank(2):
+        reworded = dict(q, why=q["why"] + " (reworded)")
+        assert quiz.shuffled_answers(reworded) == quiz.shuffled_answers(q), q["id"]
