@@ -145,11 +145,28 @@ MUTANTS = [
      "        if False:\n", ""),
     ("a caller's admission leaves the named victim rule ranking by the named one", FAIR,
      "        if isinstance(pre, RankPreemption):", "        if False:", ""),
+    # a later pass over the fairness policies alone (tests/test_fairness_mutants.py pins each)
+    ("a rejoining WFQ tenant is lifted from the most-served backlogged tenant", FAIR,
+     "floor = min(self.counter(u) for u in others) - 2 * self.margin",
+     "floor = max(self.counter(u) for u in others) - 2 * self.margin", ""),
+    ("WFQ ties go by tenant name, not by queue place", FAIR,
+     "heap = [(self.counter(t), ties[t], t) for t in queues]", "heap = [(self.counter(t), t, t) for t in queues]", ""),
+    ("caps hold every tenant behind one tenant's head request", FAIR,
+     'class CapsAdmission(FCFSAdmission):\n    """FCFS order; a tenant whose head request cannot start does not hold up '
+     'other tenants."""\n\n    head_of_line = "tenant"',
+     'class CapsAdmission(FCFSAdmission):\n    """FCFS order; a tenant whose head request cannot start does not hold up '
+     'other tenants."""\n\n    head_of_line = "global"', ""),
+    ("deadlines let other tenants pass a head request that does not fit", FAIR,
+     'class DeadlineAdmission(KeepsItsOrder):\n    """Earliest deadline first, with aging: see the module docstring for '
+     'the bound."""\n\n    head_of_line = "global"',
+     'class DeadlineAdmission(KeepsItsOrder):\n    """Earliest deadline first, with aging: see the module docstring for '
+     'the bound."""\n\n    head_of_line = "tenant"', ""),
 ]
 
 TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",
          "tests/test_prefix_engine.py", "tests/test_prefix_extend.py", "tests/test_reliability.py",
-         "tests/test_fairness.py", "tests/test_small_contracts.py", "tests/test_api.py"]
+         "tests/test_fairness.py", "tests/test_small_contracts.py", "tests/test_api.py",
+         "tests/test_fairness_mutants.py"]
 
 
 def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:
