@@ -475,3 +475,26 @@ def test_host_overhead_reports_the_output_length_each_sample_was_taken_at(monkey
     row = ho.measure(4, 2, 3, 5, "final_only")
     assert [len(s) for s in seen] == [1, 1]  # every sequence at the same length
     assert [row["tokens_early"], row["tokens_late"]] == [min(seen[0]), min(seen[1])]
+
+
+def test_the_prefix_bench_skipped_shares_by_hand():
+    """Kills: a skipped share taken against the wrong workload's cache-off run, or the shared prefix counted for
+    all N requests instead of the N - 1 that can reuse it.
+
+    16 requests of 1,000 prompt tokens share a 900-token system prompt: off computes 16,000 tokens; a cache that
+    reuses 56 full 16-token blocks (896 tokens) for each of the 15 later requests computes 16,000 - 13,440 =
+    2,560.  Skipped vs off: 1 - 2,560/16,000 = 84%; of the 15 x 900 = 13,500 shareable tokens it skipped 13,440
+    (99.6%).  A second workload with its own off run (5,000 -> 2,000: 60%) must not be read against the first's."""
+    results = {"system-prompt/off": {"prefill_tokens_computed": 16_000},
+               "system-prompt/radix": {"prefill_tokens_computed": 2_560},
+               "system-prompt/hash": {"prefill_tokens_computed": 2_560},
+               "multi-turn/off": {"prefill_tokens_computed": 5_000},
+               "multi-turn/radix": {"prefill_tokens_computed": 2_000}}
+    prefix.add_skipped_shares(results, shared_prefix_tokens=15 * 900)
+    assert results["system-prompt/off"]["prefill_skipped_vs_off"] == 0
+    assert results["system-prompt/radix"]["prefill_skipped_vs_off"] == pytest.approx(0.84)
+    assert results["multi-turn/radix"]["prefill_skipped_vs_off"] == pytest.approx(0.6)
+    for c in ("radix", "hash"):
+        r = results[f"system-prompt/{c}"]
+        assert (r["shared_prefix_tokens"], r["shared_prefix_saved"]) == (13_500, 13_440)
+        assert r["shared_prefix_skipped"] == pytest.approx(13_440 / 13_500)
