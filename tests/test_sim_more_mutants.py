@@ -1,0 +1,241 @@
+"""A second mutation pass over ``minivllm/sim`` (roofline, calibrate, presets): behaviours no other test pinned.
+
+Each test kills one planted bug that every other sim test let through.  Expectations come from the public
+formulas worked by hand for a tiny model shape, or from the definition the code documents, never from the
+code under test.  None of them needs the real model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+
+from minivllm.kv.kv_cache_manager import BlockMoves
+from minivllm.sim.roofline import HardwareSpec, ModelShape, RooflineExecutor, RooflinePreemptionCosts
+
+# 2 layers, hidden 8, MLP 16, 2 query heads sharing 1 KV head of 4, vocab 32, bf16 (as in test_sim_mutants).
+TINY = ModelShape("tiny", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                  head_dim=4, vocab_size=32, dtype_bytes=2)
+
+
+def _batch(seqs):
+    """A scheduled batch as the executor reads it: ``seqs`` are (start, num_tokens, request length)."""
+    items = [SimpleNamespace(start=s, num_tokens=n, samples=s + n == total,
+                             request=SimpleNamespace(request_id=f"q{i}", num_tokens=total))
+             for i, (s, n, total) in enumerate(seqs)]
+    return SimpleNamespace(seqs=items, moves=BlockMoves(), num_tokens=sum(n for _, n, _ in seqs))
+
+
+# -- roofline.py -----------------------------------------------------------------------------------
+
+
+def test_recomputing_a_victim_reads_the_lm_head_only_in_its_last_chunk():
+    """Kills: ``recompute_s`` marking every re-prefill chunk as sampling.  Only the chunk that ends the prompt
+    computes logits, so earlier chunks must not pay for the lm_head's weights and the fp32 logits; charging
+    them inflates recomputation of long victims and tilts the auto mode towards swapping.
+
+    By hand, memory bound at 1 B/s, no decodes beside the victim (so the base step costs nothing), a 6-token
+    victim in chunks of 3.  Chunk 1 (0..3, no sample): layer weights 2 x 576 x 2 B = 2304, activations
+    2 layers x 104 elements x 3 tokens x 2 B = 1248; K/V 32 B x (3 context + 3 written) = 192, Q in + O out
+    2 x 2 layers x 8 x 2 B x 3 = 192.  Chunk 2 (3..6, samples): 2304 + lm_head 8 x 32 x 2 = 512 + 1248 + logits
+    32 x 4 = 128; K/V 32 x (6 + 3) = 288, Q/O 192."""
+    hw = HardwareSpec("toy", peak_flops=1e30, mem_bandwidth=1.0)
+    costs = RooflinePreemptionCosts(TINY, hw, block_size=4, chunk=3, decodes=0)
+    chunk1 = 2304 + 1248 + 192 + 192
+    chunk2 = 2304 + 512 + 1248 + 128 + 288 + 192
+    assert costs.recompute_s(6) == pytest.approx(chunk1 + chunk2)  # 8608 s
+
+
+def test_a_config_without_tie_word_embeddings_or_kv_heads_reads_as_untied_multi_head():
+    """Kills: ``from_hf_config`` defaulting a missing ``tie_word_embeddings`` to True.  Llama, Mistral and Qwen2
+    configs default to an untied lm_head, so a config.json that omits the key has a separate output matrix:
+    counting it once would under-size the weights (and over-size the simulated KV pool) by vocab x hidden.
+    A missing ``num_key_value_heads`` means plain multi-head attention."""
+    cfg = {"num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+           "vocab_size": 32}
+    shape = ModelShape.from_hf_config(cfg, name="t")
+    assert (shape.tie_word_embeddings, shape.num_kv_heads, shape.head_dim) == (False, 2, 4)
+    # one layer: q, k, v, o 4 x 8x8 + MLP 3 x 8x16 = 256 + 384; embedding and lm_head 32 x 8 each
+    assert shape.num_params == 2 * 640 + 2 * 256
+    assert ModelShape.from_hf_config({**cfg, "tie_word_embeddings": True}).num_params == 2 * 640 + 256
+
+
+def test_executor_counts_steps_by_the_bound_of_their_dense_phase():
+    """Kills: ``bound_steps`` counting the attention phase's bound.  The ``sim run`` report says "dense phase
+    memory-bound N / compute-bound M steps"; a step whose GEMMs stream weights (memory bound) while its
+    attention is compute bound must count as memory bound."""
+    hw = HardwareSpec("toy", peak_flops=1e30, mem_bandwidth=1.0, attention_flops=1e-6, attention_bandwidth=1e30)
+    ex = RooflineExecutor(TINY, hw, block_size=4)
+    ex.execute(_batch([(5, 1, 6)]))
+    assert ex.bound_steps == {"compute": 0, "memory": 1}
+
+
+def test_advancing_the_roofline_clock_to_the_past_leaves_it_where_it_is():
+    """Kills: ``RooflineExecutor.advance_to`` setting the clock unconditionally.  The driver asks to idle until
+    the next arrival, which may already have passed during a long step; moving the clock back would make time
+    run backwards (negative ITL, arrivals admitted twice as "early")."""
+    hw = HardwareSpec("toy", peak_flops=1e30, mem_bandwidth=1e30, step_overhead_s=2.0)
+    ex = RooflineExecutor(TINY, hw, block_size=4)
+    ex.execute(_batch([(5, 1, 6)]))
+    assert ex.now() == 2.0
+    ex.advance_to(1.0)
+    assert ex.now() == 2.0
+    ex.advance_to(3.5)
+    assert ex.now() == 3.5
+
+
+# -- calibrate.py ----------------------------------------------------------------------------------
+
+
+def test_refit_reports_the_largest_error_relative_to_the_measured_time():
+    """Kills: ``refit``'s ``max_abs_rel_error`` dividing by the prediction.  Relative error is relative to what
+    was measured (as the rms error is); dividing by the prediction understates a step the fit predicts too slow
+    and overstates one it predicts too fast, so the profile's headline number would lie."""
+    from minivllm.sim.calibrate import refit
+
+    seqs = [[[0, 16, True]], [[0, 64, True]], [[0, 256, True]], [[8, 1, True]], [[8, 1, True]] * 4,
+            [[40, 1, True]] * 8, [[0, 32, True], [8, 1, True]], [[100, 1, True]] * 2]
+    times = [0.010, 0.013, 0.030, 0.004, 0.009, 0.006, 0.020, 0.003]  # noisy: no fit is exact
+    doc = {"model": asdict(TINY), "engine": {"block_size": 4}, "fit": {}, "hardware": {"name": "toy"},
+           "samples": [{"seqs": s, "swapped_blocks": 0, "time_s": t} for s, t in zip(seqs, times)]}
+    refit(doc)
+    worst = max(abs(s["pred_s"] - s["time_s"]) / s["time_s"] for s in doc["samples"])
+    assert worst > 0.01  # the data really are noisy, so the two definitions differ
+    assert doc["fit"]["max_abs_rel_error"] == pytest.approx(worst)
+
+
+def test_a_fit_exactly_at_the_trusted_limit_draws_no_warning():
+    """Kills: ``fit_warning`` using ``<`` for ``<=``.  The warning says the error is *above* 15%; a fit at exactly
+    15% is within the limit and must pass silently."""
+    from minivllm.sim.calibrate import MAX_TRUSTED_RMS, fit_warning
+
+    assert MAX_TRUSTED_RMS == 0.15
+    assert fit_warning({"fit": {"rms_rel_error": 0.15}}) is None
+    assert fit_warning({"fit": {"rms_rel_error": 0.1501}}) is not None
+
+
+def test_the_cpu_clock_skips_each_idle_gap_on_top_of_the_earlier_ones():
+    """Kills: ``RecordingExecutor._advance_to`` replacing its offset instead of adding to it.  On the CPU-time
+    clock each idle wait jumps the offset over the gap; forgetting the earlier jumps would move the clock back
+    at the second idle gap of a calibration run, and every later step's start would be wrong.  The thread's
+    CPU time is replaced by a fixed value, so the timeline is traced by hand."""
+    import minivllm.sim.calibrate as cal
+
+    rec = cal.RecordingExecutor(SimpleNamespace(), clock="cpu")
+    cpu = [10.0]
+    real = cal.time.thread_time
+    cal.time.thread_time = lambda: cpu[0]
+    try:
+        rec.advance_to(15.0)  # idle 10 -> 15: offset 5
+        assert rec.now() == 15.0
+        cpu[0] = 11.0  # one CPU second of work: clock 16
+        assert rec.now() == 16.0
+        rec.advance_to(20.0)  # idle 16 -> 20: offset 5 + 4
+        assert rec.now() == 20.0
+        cpu[0] = 12.0
+        assert rec.now() == 21.0
+    finally:
+        cal.time.thread_time = real
+
+
+# -- presets.py ------------------------------------------------------------------------------------
+
+
+def test_a_gpu_profiles_missing_compute_roof_comes_at_its_own_dtypes_rate_and_utilisation():
+    """Kills: ``profile_spec`` ignoring the profile model's dtype (taking bf16), and dropping the division by the
+    profile's ``flops_util``.  An fp32 calibration on an H200 whose grid never reached the compute roof gets
+    the datasheet's *achievable fp32* rate: 989.5 TFLOP/s x 0.7 (GEMM util) x 0.5 (TF32 is half of BF16) =
+    346.3 TFLOP/s as the effective roof, whatever utilisation the profile stores."""
+    from minivllm.sim.presets import profile_spec
+
+    doc = {"device": "cuda", "model": {"dtype_bytes": 4},
+           "hardware": {"name": "NVIDIA H200", "peak_flops": 1e30, "mem_bandwidth": 4e12, "attention_flops": 1e30,
+                        "memory_bytes": 150e9, "flops_util": 0.5}}
+    spec = profile_spec(doc)
+    assert spec.flops == pytest.approx(989.5e12 * 0.7 * 0.5)
+    assert spec.attn_flops == pytest.approx(989.5e12 * 0.7 * 0.5)
+
+
+def test_an_explicit_fp32_simulation_on_a_gpu_stays_fp32():
+    """Kills: ``simulated_shape`` switching fp32 to bf16 on a GPU even when the dtype was asked for.  bf16 is
+    only the default (what the engine's dtype "auto" picks on a GPU); ``--dtype-bytes 4`` must simulate fp32,
+    twice the weight and K/V bytes."""
+    from minivllm.sim.presets import HARDWARE, simulated_shape
+
+    assert simulated_shape("llama-3-8b", HARDWARE["h200"], dtype_bytes=4).dtype_bytes == 4
+    assert simulated_shape("llama-3-8b", HARDWARE["h200"]).dtype_bytes == 2
+
+
+def test_a_profile_that_names_no_device_is_a_cpu_profile():
+    """Kills: ``profile_spec`` treating a profile without a ``device`` key as a GPU's.  Profiles written before
+    the key existed were CPU calibrations with no device memory; read as a GPU's they match no datasheet and
+    are refused ("its KV pool cannot be sized") instead of loading as fitted."""
+    from minivllm.sim.presets import profile_spec
+
+    doc = {"hardware": {"name": "cpu-2core", "peak_flops": 5e10, "mem_bandwidth": 1e10, "step_overhead_s": 0.003}}
+    spec = profile_spec(doc)
+    assert (spec.peak_flops, spec.memory_bytes, spec.step_overhead_s) == (5e10, 0.0, 0.003)
+
+
+# -- replay.py -------------------------------------------------------------------------------------
+
+
+def test_a_replayed_step_never_moves_the_clock_back_past_an_idle_jump():
+    """Kills: ``ReplayExecutor.execute`` setting the clock to the recorded time without the ``max``.  After the
+    driver idled the clock forward (``advance_to``) past a recorded boundary, replaying that boundary must not
+    make time run backwards; past the recording's end each call adds ``tail_step_s``."""
+    from minivllm.sim.replay import ReplayExecutor
+
+    ex = ReplayExecutor([1.0, 2.0], tail_step_s=0.5)
+    ex.advance_to(5.0)
+    ex.execute(_batch([(5, 1, 6)]))
+    assert ex.now() == 5.0
+    ex.execute(_batch([(6, 1, 7)]))
+    assert ex.now() == 5.0
+    ex.execute(_batch([(7, 1, 8)]))
+    assert ex.now() == 5.5
+
+
+def test_replay_samples_only_the_rows_that_finish_their_prompt():
+    """Kills: ``ReplayExecutor.execute`` returning a token for every scheduled row.  A middle chunk of a prompt
+    samples nothing; a token for it would append an output the real engine never produced, and the replayed
+    step log would differ from the recorded one for a simulator bug that is not there."""
+    from minivllm.sim.replay import ReplayExecutor
+
+    out = ReplayExecutor([1.0]).execute(_batch([(0, 3, 10), (9, 1, 10)]))  # a prompt chunk 0..3 of 10, a decode
+    assert set(out) == {"q1"}
+
+
+# -- run.py ----------------------------------------------------------------------------------------
+
+
+def test_requests_arriving_together_keep_their_plan_order():
+    """Kills: ``requests_from_plan`` breaking arrival ties by descending index.  Requests at the same instant
+    (a burst, a calibration group at t=0) join the engine in plan order, so FCFS serves request 0 first, as
+    the real load generator sends it."""
+    from minivllm.sim.run import requests_from_plan
+
+    plan = [SimpleNamespace(index=k, arrival=a, tenant="t", prompt="hello world", max_tokens=1)
+            for k, a in ((2, 0.5), (0, 0.5), (1, 0.0), (3, 0.5))]
+    assert [r.index for r in requests_from_plan(plan)] == [1, 0, 2, 3]
+
+
+def test_word_token_ids_stay_inside_the_vocabulary_and_clear_of_the_special_ids():
+    """Kills: ``word_token_ids`` hashing into ``vocab_size`` ids and then adding 10.  Words outside the load
+    generator's list hash to ``crc32 % (vocab - 10) + 10``: every id in [10, vocab), so a small-vocabulary
+    model is never fed an id past its embedding table."""
+    from minivllm.sim.run import word_token_ids
+
+    ids = word_token_ids(" ".join(f"zq{k}" for k in range(400)), vocab_size=50)
+    assert all(10 <= t < 50 for t in ids) and max(ids) >= 45  # the top of the range is reached
+
+
+def test_linear_executor_samples_only_the_rows_that_finish_their_prompt():
+    """Kills: ``SimulatedExecutor.execute`` returning a token for every scheduled row.  A middle prompt chunk
+    samples nothing (the engine would otherwise append an output token mid-prompt)."""
+    from minivllm.sim.executor import SimulatedExecutor
+
+    out = SimulatedExecutor().execute(_batch([(0, 3, 10), (9, 1, 10)]))
+    assert set(out) == {"q1"}
