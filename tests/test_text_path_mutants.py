@@ -8,6 +8,8 @@ of the scripted tokens, ``str.find`` on that decode, and vLLM's stop rules writt
 
 from __future__ import annotations
 
+import pytest
+
 from minivllm import LLM, SamplingParams
 from tests.test_more_mutants import EOS, STOP_TEXT, ScriptedExecutor, run
 
@@ -72,22 +74,26 @@ def test_a_cumulative_group_carries_only_this_steps_deltas(tokenizer):
     assert [c.text for c in outs[-1].outputs] == [text[0], text[1]]
 
 
-def test_max_tokens_is_capped_by_the_room_left_in_max_model_len(tokenizer):
-    """Kills: ``max_tokens`` taken as the caller gave it, not capped at ``max_model_len - len(prompt)``.  A
-    request asking for more than fits must stop with ``"length"`` when prompt plus output fill the model's
-    length, never run past it (the positions beyond ``max_model_len`` do not exist).  Hand-computed: a
-    10-token prompt in a 16-token model has room for exactly 6 output tokens, whatever ``max_tokens`` says."""
-    words = tokenizer.encode(" a b c d e f g h i j k l m n o p")
-    for max_tokens in (100, None):
-        llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": words}), tokenizer=tokenizer,
-                  num_gpu_blocks_override=64, max_model_len=16)
-        llm.engine.add_request({"prompt_token_ids": list(range(100, 110))},
-                               SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="r")
-        outs = []
-        while llm.engine.has_unfinished_requests():
-            outs += llm.engine.step()
-        last = outs[-1].outputs[0]
-        assert (last.finish_reason, last.token_ids) == ("length", words[:6]), max_tokens
+@pytest.mark.parametrize("max_model_len, max_tokens, room", [(16, 100, 6), (16, None, 6), (40, None, 30)])
+def test_max_tokens_is_capped_by_the_room_left_in_max_model_len(tokenizer, max_model_len, max_tokens, room):
+    """Kills: ``max_tokens`` taken as the caller gave it, not capped at ``max_model_len - len(prompt)``; and
+    ``max_tokens=None`` read as some fixed default (``SamplingParams``' 16) rather than vLLM's "as many as fit".
+
+    A request must stop with ``"length"`` when prompt plus output fill the model's length, never run past it
+    (the positions beyond ``max_model_len`` do not exist).  Hand-computed for a 10-token prompt: a 16-token model
+    has room for exactly 6 output tokens, whatever ``max_tokens`` says; a 40-token model for 30 when the caller
+    sets no limit (more than a default of 16 would allow)."""
+    words = tokenizer.encode(" " + " ".join("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"))
+    assert len(words) > 30
+    llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": words}), tokenizer=tokenizer,
+              num_gpu_blocks_override=64, max_model_len=max_model_len)
+    llm.engine.add_request({"prompt_token_ids": list(range(100, 110))},
+                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="r")
+    outs = []
+    while llm.engine.has_unfinished_requests():
+        outs += llm.engine.step()
+    last = outs[-1].outputs[0]
+    assert (last.finish_reason, last.token_ids) == ("length", words[:room])
 
 
 def test_an_n_group_finishes_when_its_last_sample_does(tokenizer):
@@ -109,21 +115,6 @@ def test_an_n_group_finishes_when_its_last_sample_does(tokenizer):
     assert (last.metrics.finished_time, last.metrics.e2e_latency) == (5.0, 5.0)
 
 
-def test_no_max_tokens_means_up_to_the_room_left_in_max_model_len(tokenizer):
-    """Kills: ``max_tokens=None`` read as some fixed default (``SamplingParams``' 16).  vLLM documents
-    ``max_tokens=None`` as "as many as fit": a 10-token prompt in a 40-token model generates 30 tokens and
-    stops with ``"length"`` (hand-computed, more than the 16 a default would allow)."""
-    words = tokenizer.encode(" " + " ".join("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"))
-    assert len(words) > 30
-    llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": words}), tokenizer=tokenizer,
-              num_gpu_blocks_override=64, max_model_len=40)
-    llm.engine.add_request({"prompt_token_ids": list(range(100, 110))},
-                           SamplingParams(max_tokens=None, ignore_eos=True), request_id="r")
-    outs = []
-    while llm.engine.has_unfinished_requests():
-        outs += llm.engine.step()
-    last = outs[-1].outputs[0]
-    assert (last.finish_reason, last.token_ids) == ("length", words[:30])
 
 
 class _BrokenTokenizer:
