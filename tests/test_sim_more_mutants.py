@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from minivllm.kv.kv_cache_manager import BlockMoves
-from minivllm.sim.roofline import HardwareSpec, ModelShape, RooflineExecutor, RooflinePreemptionCosts
+from minivllm.sim.roofline import (
+    HardwareSpec, ModelShape, RooflineExecutor, RooflinePreemptionCosts, StepCost, combine,
+)
 
 # 2 layers, hidden 8, MLP 16, 2 query heads sharing 1 KV head of 4, vocab 32, bf16 (as in test_sim_mutants).
 TINY = ModelShape("tiny", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
@@ -239,3 +241,95 @@ def test_linear_executor_samples_only_the_rows_that_finish_their_prompt():
 
     out = SimulatedExecutor().execute(_batch([(0, 3, 10), (9, 1, 10)]))
     assert set(out) == {"q1"}
+
+
+# -- calibrate.fit_roof ----------------------------------------------------------------------------------
+
+
+def _dense_steps(p, tokens, group):
+    """Decode-shaped steps whose only roof terms are dense: ``tokens`` FLOPs against 10 + tokens/10 bytes,
+    1-3 sequences each, timed exactly as 1 s + 0.1 s/sequence + combine(FLOPs, bytes, p) at 1 s per unit."""
+    costs, times = [], []
+    for i, n in enumerate(tokens):
+        seqs = 1 + i % 3
+        c = StepCost(num_seqs=seqs, num_tokens=seqs, num_sampled=seqs, dense_flops=float(n), dense_bytes=10 + 0.1 * n)
+        costs.append(c)
+        times.append(1.0 + 0.1 * seqs + combine(c.dense_flops, c.dense_bytes, p))
+    return costs, times, [group] * len(tokens)
+
+
+def test_the_roofline_corner_is_chosen_by_the_error_that_weighs_every_group_the_same():
+    """Kills: ``fit_roof`` choosing ``roof_p`` by the per-step (unweighted) rms error instead of the
+    group-weighted one the fit minimises.  The calibration grid yields dozens of decode steps per group and a
+    handful per prefill group; chosen per step, the corner would be decided by the many short decodes, while
+    every parameter around it was fitted to treat the groups alike (the long steps set TTFT).
+
+    Data: one group of 13 steps timed with a sharp corner (``max``) and two groups of 2 steps near the ridge
+    timed with ``p=2``.  Per step, the sharp group is the majority; per group, the minority -- and the two
+    errors pick different corners.  Oracle: for each candidate, the public ``fit`` at that corner gives the
+    parameters; the prediction ``a + s*seqs + combine(f*FLOPs, bytes, p)`` is computed here by hand, and the
+    weighted error is the root of the mean over groups of each group's mean squared relative error."""
+    import numpy as np
+
+    from minivllm.sim.calibrate import ROOF_P_CANDIDATES, fit, fit_roof
+
+    parts = [_dense_steps(None, [1, 2, 4, 6, 8, 10, 11, 12, 14, 16, 20, 30, 40], 0),
+             _dense_steps(2.0, [9, 12], 1), _dense_steps(2.0, [10, 11], 2)]
+    costs = [c for cs, _, _ in parts for c in cs]
+    times = np.array([t for _, ts, _ in parts for t in ts])
+    groups = [g for _, _, gs in parts for g in gs]
+
+    weighted, unweighted = {}, {}
+    for p in ROOF_P_CANDIDATES:
+        theta, _ = fit(costs, list(times), groups=groups, s_per_byte=1.0, roof_p=p)
+        a, s, f, by = theta[:4]
+        pred = np.array([a + s * c.num_seqs + combine(f * c.dense_flops, by * c.dense_bytes, p) for c in costs])
+        rel2 = ((pred - times) / times) ** 2
+        weighted[p] = float(np.sqrt(np.mean([rel2[np.array(groups) == g].mean() for g in set(groups)])))
+        unweighted[p] = float(np.sqrt(rel2.mean()))
+    best = min(weighted, key=weighted.get)
+    per_step_best = min(unweighted, key=unweighted.get)
+    assert best != per_step_best  # the data do tell the two choices apart
+    assert sorted(weighted.values())[1] - weighted[best] > 1e-3 * weighted[best]  # and not by a hair
+
+    theta, err, roof_p = fit_roof(costs, list(times), groups=groups, s_per_byte=1.0)
+    assert roof_p == best
+    assert err == pytest.approx(unweighted[best], rel=1e-9)  # the error it reports stays the per-step one
+
+
+# -- calibrate.measure -----------------------------------------------------------------------------------
+
+
+def test_measured_samples_leave_out_the_steps_that_ran_no_sequence():
+    """Kills: ``measure`` keeping a step that ran no sequence (the list comprehension's trailing ``if seqs``
+    dropped).  Such a step is the engine finding nothing to run -- here the step after the last running
+    request finished while two preempted ones wait to be re-admitted -- and on the roofline it takes no time:
+    kept, it would be a sample with no shape and a time of 0, which the fit refuses (times must be > 0) or,
+    on a real clock, a few microseconds of host loop taught to the fit as a batch.
+
+    Setup: 8 blocks of 4 tokens, three 6-token prompts that each want 12 more tokens, so the pool runs out
+    and requests are preempted (recompute) and the engine idles one step before re-admitting them.  Oracle:
+    a wrapper of our own under the recorder counts, per ``execute`` call, the sequences it was given."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, measure
+    from minivllm.sim.presets import hardware_preset, model_preset
+    from minivllm.sim.roofline import RooflineExecutor
+    from minivllm.sim.run import SimRequest
+
+    class Counting(RooflineExecutor):
+        def execute(self, batch):
+            self.seqs_per_call.append(len(batch.seqs))
+            return super().execute(batch)
+
+    counting = Counting(model_preset("smollm2-135m").with_dtype(4), hardware_preset("h100"))
+    counting.seqs_per_call = []
+    cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks_override=8, max_model_len=20,
+                       device="cpu", block_size=4)
+    engine = LLMEngine(cfg, executor=RecordingExecutor(counting), model_max_len=20, eos_token_ids=set())
+    samples, _ = measure(engine, [SimRequest(i, 0.0, "t", [11 + i] * 6, 12) for i in range(3)])
+
+    assert 0 in counting.seqs_per_call  # the run did have a step with nothing to run
+    assert len(samples) == sum(1 for n in counting.seqs_per_call if n > 0)
+    assert all(s.seqs for s in samples)
+    assert [len(s.seqs) for s in samples] == [n for n in counting.seqs_per_call if n > 0]

@@ -156,3 +156,37 @@ def test_a_request_that_fails_to_decode_reports_the_same_text_whatever_its_outpu
         last = outs[-1].outputs[0]
         text = "".join(o.outputs[0].delta_text for o in outs) if kind == "delta" else last.text
         assert (last.finish_reason, text) == ("error", tokenizer.decode(ids[:3])), kind
+
+
+def test_an_aborted_sample_keeps_the_time_it_was_aborted_at_when_its_group_is_reported(tokenizer):
+    """Kills: ``finish`` overwriting an aborted sample's ``finished_time`` with the time of the step that
+    reports it (``if req.finished_time is None or req.status is not FINISHED_ABORTED`` made ``if True``).  An
+    aborted sample of an ``n > 1`` group is reported one step after the abort; its end is the abort, and the
+    group's ``finished_time`` (its client's e2e latency) is when its last sample really ended -- not one step
+    later, which would charge the engine for a step the sample never ran.
+
+    Hand count on 1 s steps: group ``r`` (n=2) and request ``x`` arrive at 0 and prefill in [0, 1].  r#0
+    stops on its second token at 2 s; x keeps the clock moving (8 tokens).  After the step ending at 3 s the
+    caller aborts r#1, so r#1 ends at 3 s; the next step (x alone) ends at 4 s and reports the group.  The
+    group finished at 3 s (the mutant says 4)."""
+    a = tokenizer.encode(" a b")
+    long = tokenizer.encode(" c d e f g h i j k l")
+    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r#0": a, "r#1": long, "x": long},
+                          fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0)
+    llm = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=64)
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": [19556, 905]}, SamplingParams(
+        n=2, max_tokens=8, ignore_eos=True, stop_token_ids=[a[1]]), request_id="r", arrival_time=0.0)
+    engine.add_request({"prompt_token_ids": [19556, 905]}, SamplingParams(max_tokens=8, ignore_eos=True),
+                       request_id="x", arrival_time=0.0)
+    outs = []
+    while engine.executor.now() < 3.0:
+        outs += engine.step()
+    assert engine.executor.now() == 3.0
+    assert engine.abort_request("r#1")
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    group = [o for o in outs if o.request_id == "r" and o.finished]
+    assert len(group) == 1
+    assert [c.finish_reason for c in group[0].outputs] == ["stop", "abort"]
+    assert (group[0].metrics.finished_time, group[0].metrics.e2e_latency) == (3.0, 3.0)
