@@ -20,6 +20,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
+from tests.test_request_state_leaks import _per_request_state
 
 PROMPT = {"prompt_token_ids": [11, 12, 13]}
 
@@ -31,17 +32,8 @@ def _engine(executor=None, blocks: int = 64) -> LLMEngine:
 
 
 def _held(engine: LLMEngine) -> dict[str, int]:
-    """Everything the engine keeps per request, and the blocks in use: all zero once nothing is in flight."""
-    out = engine.outputs
-    counts = {
-        "requests": len(engine.requests), "groups": len(engine._groups),
-        "finished_elsewhere": len(engine._finished_elsewhere), "deferred_aborts": len(engine._deferred_aborts),
-        "output streams": len(out._streams), "output groups": len(out._groups),
-        "output group samples": len(out._group_samples),
-        "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-        "used blocks": engine.pool.num_blocks - engine.pool.num_free,
-    }
-    return {k: v for k, v in counts.items() if v}
+    """What the engine still keeps per request, and the blocks in use (only the non-zero entries)."""
+    return {k: v for k, v in _per_request_state(engine).items() if v}
 
 
 # -- the engine's request table: abort and close ------------------------------------------------------------------

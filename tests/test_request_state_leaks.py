@@ -55,9 +55,11 @@ class _Flaky(SimulatedExecutor):
         return super().execute(batch)
 
 
-def _per_request_state(engine: LLMEngine, metrics: EngineMetrics) -> dict[str, int]:
+def _per_request_state(engine: LLMEngine, metrics: EngineMetrics | None = None) -> dict[str, int]:
+    """Everything the engine (and ``metrics``, if given) keeps per request, and the blocks in use: all zero
+    once nothing is in flight."""
     sched, out = engine.scheduler, engine.outputs
-    return {
+    state = {
         "engine.requests": len(engine.requests),
         "engine._groups": len(engine._groups),
         "engine._finished_elsewhere": len(engine._finished_elsewhere),
@@ -71,10 +73,12 @@ def _per_request_state(engine: LLMEngine, metrics: EngineMetrics) -> dict[str, i
         "scheduler._needs_by_tenant": len(sched._needs_by_tenant),
         "scheduler.waiting_by_tenant": len(sched.waiting_by_tenant),
         "scheduler._cap_rejected": len(sched._cap_rejected),
-        "metrics._tracked": len(metrics._tracked),
         "used_blocks": engine.stats()["used_blocks"],
         "cpu_blocks_used": engine.stats()["cpu_blocks_used"],
     }
+    if metrics is not None:
+        state["metrics._tracked"] = len(metrics._tracked)
+    return state
 
 
 def _serve(mode: str, tenants=None, rounds: int = 6, per_round: int = 120) -> tuple[LLMEngine, EngineMetrics, dict]:
