@@ -34,12 +34,13 @@ POLICIES = ["fcfs", "priority", "caps", "wfq", "deadline", "three_class"]
 
 
 def make_engine(policy="fcfs", tenants=None, num_blocks=48, block_size=4, budget=32, max_seqs=6, max_len=64,
-                mode="recompute", **options):
+                mode="recompute", admission=None, **options):
     cfg = EngineConfig(num_gpu_blocks_override=num_blocks, num_cpu_blocks_override=32, block_size=block_size,
                        max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_len,
                        preemption_mode=mode, scheduling_policy=policy, tenants=tenants, device="cpu", **options)
     # KVContents: every KV slot a step attends is checked, under every policy's preemptions and swaps
-    return LLMEngine(cfg, executor=KVContents(block_size), model_max_len=max_len, eos_token_ids=set())
+    return LLMEngine(cfg, executor=KVContents(block_size), model_max_len=max_len, eos_token_ids=set(),
+                     admission_policy=admission)
 
 
 def greedy(n: int) -> SamplingParams:

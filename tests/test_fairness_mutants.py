@@ -11,6 +11,7 @@ from minivllm import EngineConfig, SamplingParams
 from minivllm.config import TenantConfig
 from minivllm.request import Request
 from minivllm.sched.fairness import CapTable, DeadlineAdmission, ThreeClassAdmission, WFQAdmission
+from tests.test_fairness import make_engine
 
 _ids = itertools.count()
 
@@ -194,18 +195,6 @@ def test_the_agent_seat_cap_rounds_down():
     assert cfg.three_class.agent_max_running_share == 0.5 and agent.max_running == 2
 
 
-def small_engine(policy: str = "fcfs", num_blocks: int = 48, budget: int = 32, max_len: int = 64, admission=None,
-                 **kw):
-    from minivllm import LLMEngine
-    from invariants import KVContents  # noqa: E402  (tests/ is on sys.path)
-
-    cfg = EngineConfig(num_gpu_blocks_override=num_blocks, num_cpu_blocks_override=32, block_size=4,
-                       max_num_batched_tokens=budget, max_num_seqs=6, max_model_len=max_len, scheduling_policy=policy,
-                       device="cpu", **kw)
-    return LLMEngine(cfg, executor=KVContents(4), model_max_len=max_len, eos_token_ids=set(),
-                     admission_policy=admission)
-
-
 def add(engine, rid: str, tenant: str, prompt_len: int, max_tokens: int = 2, **kw) -> None:
     engine.add_request({"prompt_token_ids": [7] * prompt_len}, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                        rid, tenant=tenant, **kw)
@@ -220,7 +209,7 @@ def test_caps_a_tenant_whose_head_request_does_not_fit_does_not_block_the_next_t
     from invariants import drain  # noqa: E402
 
     not_binding = {"A": TenantConfig(max_running=4)}  # the caps policy needs a cap; this one never bites here
-    engine = small_engine("caps", num_blocks=12, budget=64, max_len=48, tenants=not_binding)
+    engine = make_engine("caps", num_blocks=12, budget=64, max_len=48, tenants=not_binding)
     add(engine, "a0", "A", 40)
     add(engine, "a1", "A", 20)
     add(engine, "b0", "B", 4)
@@ -240,8 +229,8 @@ def test_a_priority_policy_shared_by_two_engines_admits_only_each_engines_own_re
     from minivllm.sched.policies import PriorityAdmission
 
     shared = PriorityAdmission()
-    one = small_engine("priority", admission=shared)
-    two = small_engine("priority", admission=shared)
+    one = make_engine("priority", admission=shared)
+    two = make_engine("priority", admission=shared)
     add(one, "one-a", "t", 4, priority=0)  # engine 1's request waits (engine 1 has not stepped)
     add(two, "two-a", "t", 4, priority=1)
     two.step()
@@ -275,7 +264,7 @@ def test_deadline_admission_stops_at_the_first_request_that_does_not_fit_whateve
     waits behind it."""
     from invariants import drain  # noqa: E402
 
-    engine = small_engine("deadline", num_blocks=12, budget=64, max_len=48)
+    engine = make_engine("deadline", num_blocks=12, budget=64, max_len=48)
     add(engine, "a0", "A", 36, max_tokens=3)
     engine.step()
     add(engine, "x", "A", 20)

@@ -42,10 +42,14 @@ class ScriptedExecutor(SimulatedExecutor):
         return out
 
 
-def run(tokenizer, scripts, params, prompt=(19556, 905)):
-    """Every output the engine reports for request ``"r"`` (or group ``"r"``), step by step."""
-    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts=scripts)
-    llm = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=256)
+def run(tokenizer, scripts, params, prompt=(19556, 905), *, max_model_len=256, decode_with=None, **timing):
+    """Every output the engine reports for request ``"r"`` (or group ``"r"``), step by step.
+
+    ``decode_with``: the tokenizer the engine decodes with, if not ``tokenizer`` (a broken one); ``timing``: the
+    scripted executor's step-time constants (``fixed_overhead_s=1.0`` and zeros give a 1 s step clock)."""
+    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts=scripts, **timing)
+    llm = LLM(executor=ex, tokenizer=tokenizer if decode_with is None else decode_with, num_gpu_blocks_override=64,
+              max_model_len=max_model_len)
     llm.engine.inputs.vocab_size = len(tokenizer)
     engine = llm.engine
     engine.add_request({"prompt_token_ids": list(prompt)}, params, request_id="r")

@@ -85,13 +85,8 @@ def test_max_tokens_is_capped_by_the_room_left_in_max_model_len(tokenizer, max_m
     sets no limit (more than a default of 16 would allow)."""
     words = tokenizer.encode(" " + " ".join("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ"))
     assert len(words) > 30
-    llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": words}), tokenizer=tokenizer,
-              num_gpu_blocks_override=64, max_model_len=max_model_len)
-    llm.engine.add_request({"prompt_token_ids": list(range(100, 110))},
-                           SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="r")
-    outs = []
-    while llm.engine.has_unfinished_requests():
-        outs += llm.engine.step()
+    outs = run(tokenizer, {"r": words}, SamplingParams(max_tokens=max_tokens, ignore_eos=True), range(100, 110),
+               max_model_len=max_model_len)
     last = outs[-1].outputs[0]
     assert (last.finish_reason, last.token_ids) == ("length", words[:room])
 
@@ -102,19 +97,11 @@ def test_an_n_group_finishes_when_its_last_sample_does(tokenizer):
     prefills in the step [0, 1] and stops on its second token at 2 s; r#1 shares that prefill, gets its first
     token at 2 s and its fourth at 5 s.  (r#0's finish would say 2 s.)"""
     a, b = tokenizer.encode(" a b"), tokenizer.encode(" c d e f")
-    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r#0": a, "r#1": b},
-                          fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0)
-    llm = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=64)
-    llm.engine.add_request({"prompt_token_ids": [19556, 905]}, SamplingParams(
-        n=2, max_tokens=4, ignore_eos=True, stop_token_ids=[a[1]]), request_id="r", arrival_time=0.0)
-    outs = []
-    while llm.engine.has_unfinished_requests():
-        outs += llm.engine.step()
+    outs = run(tokenizer, {"r#0": a, "r#1": b}, SamplingParams(n=2, max_tokens=4, ignore_eos=True, stop_token_ids=[a[1]]),
+               fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0)
     last = outs[-1]
     assert last.finished and [c.finish_reason for c in last.outputs] == ["stop", "length"]
     assert (last.metrics.finished_time, last.metrics.e2e_latency) == (5.0, 5.0)
-
-
 
 
 class _BrokenTokenizer:
@@ -145,14 +132,8 @@ def test_a_request_that_fails_to_decode_reports_the_same_text_whatever_its_outpu
     bad = ids[3]
     assert bad not in ids[:3]
     for kind in ("cumulative", "delta", "final_only"):
-        ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r": ids})
-        llm = LLM(executor=ex, tokenizer=_BrokenTokenizer(tokenizer, bad), num_gpu_blocks_override=64,
-                  max_model_len=64)
-        llm.engine.add_request({"prompt_token_ids": [19556, 905]},
-                               SamplingParams(max_tokens=len(ids), ignore_eos=True, output_kind=kind), request_id="r")
-        outs = []
-        while llm.engine.has_unfinished_requests():
-            outs += llm.engine.step()
+        outs = run(tokenizer, {"r": ids}, SamplingParams(max_tokens=len(ids), ignore_eos=True, output_kind=kind),
+                   decode_with=_BrokenTokenizer(tokenizer, bad))
         last = outs[-1].outputs[0]
         text = "".join(o.outputs[0].delta_text for o in outs) if kind == "delta" else last.text
         assert (last.finish_reason, text) == ("error", tokenizer.decode(ids[:3])), kind

@@ -288,7 +288,10 @@ def _brute_gather(cache, table, kv_len):
 
 def check_gather_kv(fn) -> CheckResult:
     """Check ``fn(cache, block_table, kv_len) -> [kv_len, kv_heads, head_dim]``."""
-    c = make_paged([1, 15, 16, 17, 40], kv_heads=2, head_dim=8, seed=1)
+    def layout():  # the cases' pool and tables; ``untouched`` gets a fresh copy of its own
+        return make_paged([1, 15, 16, 17, 40], kv_heads=2, head_dim=8, seed=1)
+
+    c = layout()
     cache, tables = c["k_cache"], c["block_tables"]
 
     def same(i):
@@ -329,7 +332,7 @@ def check_gather_kv(fn) -> CheckResult:
     def untouched(f):
         # a pool of its own: the cases before this one already ran f on ``cache``, so a write that makes the same
         # change each time (the NaN padding cleaned in place) would find nothing left to change there
-        d = make_paged([1, 15, 16, 17, 40], kv_heads=2, head_dim=8, seed=1)
+        d = layout()
         pool, table = d["k_cache"], d["block_tables"]
         cache_copy, table_copy = pool.clone(), table.clone()
         f(pool, table[3], 17)
