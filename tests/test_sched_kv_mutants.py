@@ -9,6 +9,8 @@ hand-built batch.
 
 from __future__ import annotations
 
+import pytest
+
 from minivllm.sampling_params import SamplingParams
 
 from tests.invariants import KVContents, assert_no_leak, drain, tiny_engine
@@ -73,3 +75,52 @@ def test_a_one_token_prefill_row_is_not_counted_as_a_decode_token():
     assert batch.num_decode_tokens == 1
     assert batch.num_prefill_tokens == 4
     assert batch.num_tokens == 5
+
+
+class RecountsCacheHits(KVContents):
+    """Reads the prefix cache's work off the rows it runs: a request's first row starts at the tokens its first
+    lookup found (``prefix_cache_hits``), and the first row after each recompute preemption (the step's
+    ``batch.preempted`` names the victims) starts at the tokens it found again (``recompute_hit_tokens``)."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.seen: set[str] = set()
+        self.restarting: set[str] = set()
+        self.first_hits = 0
+        self.restart_hits = 0
+        self.restarts = 0
+
+    def execute(self, batch):
+        for s in batch.seqs:
+            rid = s.request.request_id
+            if rid not in self.seen:
+                self.seen.add(rid)
+                self.first_hits += s.start
+            elif rid in self.restarting:
+                self.restarting.discard(rid)
+                self.restarts += 1
+                self.restart_hits += s.start
+        self.restarting.update(r.request_id for r in batch.preempted)
+        return super().execute(batch)
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_tokens_a_preempted_request_finds_again_are_counted_exactly_as_recompute_hits(kind):
+    """Kills: ``record_admission`` crediting a re-admitted request with anything but the tokens its lookup
+    found again (its prompt length, one block, nothing); the other tests only asked for "more than zero".
+    Lab 4 weighs recompute against swap with this count.  Oracle: where each restarted request's first row
+    begins, as the executor sees it; and the same for a first admission's hits.  Two requests share a 12-token
+    prefix so that both kinds of hit occur."""
+    ex = RecountsCacheHits(4)
+    engine = tiny_engine(num_blocks=14, max_seqs=3, max_len=40, prefix=kind)
+    engine.executor = ex
+    shared = list(range(50, 62))
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": shared + [10 + i] * 5}, SamplingParams(max_tokens=14, ignore_eos=True))
+    drain(engine)
+    stats = engine.stats()
+    assert ex.restarts > 0 and stats["num_recompute_preemptions"] >= ex.restarts, "the workload must restart requests"
+    assert ex.restart_hits > 0 and ex.first_hits > 0, "both kinds of hit must occur for the test to mean anything"
+    assert stats["recompute_hit_tokens"] == ex.restart_hits
+    assert stats["prefix_cache_hits"] == ex.first_hits
+    assert_no_leak(engine)
