@@ -434,3 +434,33 @@ def test_a_step_that_both_swaps_and_recomputes_labels_each_victim_with_its_own_m
     got = Counter({(m, t): metric_value(s, "vllm:num_preemptions_total", mode=m, tenant=t)
                    for m in ("swap", "recompute") for t in [f"t{i}" for i in range(8)] + ["unknown"]})
     assert +got == expected
+
+
+class _SampleOneStops(SimulatedExecutor):
+    """Sample ``#1`` of an ``n > 1`` request draws the end-of-sequence token (id 0) on its third token; every
+    other row draws what the simulator draws.  A known per-choice ending for the test below."""
+
+    def execute(self, batch):
+        out = super().execute(batch)
+        for s in batch.seqs:
+            rid = s.request.request_id
+            if rid in out and rid.endswith("#1") and len(s.request.output_token_ids) == 2:
+                out[rid] = 0
+        return out
+
+
+def test_each_choice_of_a_completion_reports_its_own_finish_reason():
+    """With ``n > 1`` the choices end independently: one may stop at EOS while the others run to ``max_tokens``.
+    A client that retries truncated answers reads each choice's ``finish_reason``.  Oracle: the executor above
+    (choice 1 draws EOS as its third token), read through the official ``openai`` client.
+    Kills: every choice reporting the group's first finish reason."""
+    openai = pytest.importorskip("openai")
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_model_len=64, max_num_seqs=8, device="cpu")
+    engine = LLMEngine(cfg, executor=_SampleOneStops(), tokenizer=_WordTokenizer(), model_max_len=64,
+                       eos_token_ids={0})
+    with _Served(engine) as srv:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=30)
+        got = client.completions.create(model="sim", prompt=[11, 12, 13], max_tokens=6, n=3, temperature=1.0, seed=1)
+    reasons = {c.index: c.finish_reason for c in got.choices}
+    assert reasons == {0: "length", 1: "stop", 2: "length"}
+    assert len(got.choices[1].text.split()) == 2 and got.usage.completion_tokens == 6 + 3 + 6
