@@ -77,6 +77,27 @@ def test_streamed_deltas_add_up_to_the_full_decode_and_never_show_half_a_charact
     assert [o.outputs[0].delta_token_ids for o in outs] == [[i] for i in ids]
 
 
+def test_a_prompt_that_ends_mid_character_streams_that_character_once_completed(tokenizer):
+    """A prompt sent as token ids can stop inside a character (an emoji's first bytes); the first output tokens
+    complete it.  That character must reach the client: measured from the prompt's U+FFFD placeholder, the
+    completed character is no longer than the placeholder and used to be dropped.  Oracle: the tokenizer's decode
+    of prompt + output, less the prompt's complete characters; every cut of ``TEXT`` inside a character."""
+    ids = tokenizer.encode(TEXT)
+    cuts = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert len(cuts) >= 3  # the case is real: the emoji and the CJK characters span several tokens
+    for k in cuts:
+        outs = run(tokenizer, {"r": ids[k:]}, SamplingParams(max_tokens=len(ids) - k, ignore_eos=True,
+                                                               output_kind="delta"), prompt=ids[:k])
+        deltas = [o.outputs[0].delta_text for o in outs]
+        expected = tokenizer.decode(ids)[len(tokenizer.decode(ids[:k]).rstrip("\ufffd")):]
+        assert "".join(deltas) == expected, (k, deltas)
+        assert all("\ufffd" not in d for d in deltas), (k, deltas)
+    # a prompt whose last character *is* U+FFFD is complete: none of it is output again
+    prompt, out = tokenizer.encode("odd \ufffd"), tokenizer.encode(" then 😀")
+    outs = run(tokenizer, {"r": out}, SamplingParams(max_tokens=len(out), ignore_eos=True), prompt=prompt)
+    assert outs[-1].outputs[0].text == tokenizer.decode(prompt + out)[len(tokenizer.decode(prompt)):] == " then 😀"
+
+
 def test_cumulative_outputs_carry_all_tokens_and_the_decoded_prefix(tokenizer):
     """Kills: a cumulative output that lists only this step's token ids.  Every cumulative output must hold
     all token ids so far and text that is a prefix of (and at the end equal to) the full decode."""

@@ -6,6 +6,8 @@ replacement character ``\ufffd`` for the incomplete bytes.  So the detokenizer
 re-decodes a short window ending at the newest token and releases new text
 only when it no longer ends in an incomplete character.  The window starts a
 few tokens back because many tokenizers decide a leading space from context.
+A prompt given as token ids may itself end mid-character; the first output
+token that completes it releases the whole character.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class IncrementalDetokenizer:
         self._tokens.append(token_id)
         before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         after = self._decode(self._tokens[self._prefix_offset :])
+        if before.endswith("\ufffd") and not after.startswith(before):
+            # The prompt (token ids sent as such) ended mid-character and this token completes it: the
+            # character is the output's first text.  Measured from the prompt's U+FFFD instead, it would be
+            # lost (the completed text is no longer than that placeholder), and with it a real character.
+            before = before.rstrip("\ufffd")
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""  # an incomplete character, or a token that decodes to nothing yet
         delta = after[len(before) :]
