@@ -445,6 +445,8 @@ def test_metrics_from_step_log_equals_the_live_series():
     assert got["generation_tokens"] == _value(s, "vllm:generation_tokens_total")
     assert (got["running"], got["waiting"]) == (_value(s, "vllm:num_requests_running"), _value(s, "vllm:num_requests_waiting"))
     assert got["free_blocks"] == _value(s, "vllm:kv_cache_free_blocks") < 12
+    # no prefix cache: used = pool - free exactly (a used count that was the free count passed every line above)
+    assert got["used_blocks"] == _value(s, "vllm:kv_cache_used_blocks") == 12 - got["free_blocks"]
     assert len(got["ttft"]) == _value(s, "vllm:time_to_first_token_seconds_count")
     assert abs(sum(got["ttft"].values()) - _value(s, "vllm:time_to_first_token_seconds_sum")) < 1e-9
     assert len(got["itl"]) == _value(s, "vllm:inter_token_latency_seconds_count")
