@@ -125,13 +125,15 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     assert err <= TOLERANCE[dtype], f"max error {err:.3g} (absolute, relative above 1) > {TOLERANCE[dtype]}"
 
 
-def make_tiny_llama(path, head_dim: int = 32, seed: int = 0) -> str:
-    """Save a random-weight 2-layer Llama (4 query / 2 KV heads) as an HF model directory."""
+def make_tiny_llama(path, head_dim: int = 32, seed: int = 0, tie: bool = False) -> str:
+    """Save a random-weight 2-layer Llama (4 query / 2 KV heads) as an HF model directory.
+    ``tie``: the vocabulary projection shares the embedding (as SmolLM2's does)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         intermediate_size=256, vocab_size=512, num_hidden_layers=2, max_position_embeddings=256,
+        tie_word_embeddings=tie,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
     return str(path)
