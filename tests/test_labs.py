@@ -476,11 +476,9 @@ def test_widget_text_fallback_is_stable():
     assert bundle["text/plain"].startswith("[step controls")
 
 
-def test_a_reprefill_after_recompute_is_drawn_as_a_prefill():
-    """A decode computes one token past the prompt.  A request preempted by recompute computes its prompt *and*
-    its outputs again, so a chunk can start past the prompt with many tokens: the pictures called it a 1-token
-    decode.  Oracle: the engine's own run, where every chunk past the prompt holding more than one token comes
-    after a preemption of that request, and a step's decode tokens are its 1-token chunks past the prompt."""
+def recompute_run():
+    """Lab 1's small engine overloaded so that requests are preempted (recompute) and re-prefilled, run to the
+    end: ``(engine, {request_id: prompt length})``."""
     from minivllm import SamplingParams
 
     eng = workloads.sim_engine(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, model_max_len=40)
@@ -490,6 +488,15 @@ def test_a_reprefill_after_recompute_is_drawn_as_a_prefill():
         eng.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=20, ignore_eos=True),
                         request_id=f"r{i}")
     workloads.drain(eng)
+    return eng, lens
+
+
+def test_a_reprefill_after_recompute_is_drawn_as_a_prefill():
+    """A decode computes one token past the prompt.  A request preempted by recompute computes its prompt *and*
+    its outputs again, so a chunk can start past the prompt with many tokens: the pictures called it a 1-token
+    decode.  Oracle: the engine's own run, where every chunk past the prompt holding more than one token comes
+    after a preemption of that request, and a step's decode tokens are its 1-token chunks past the prompt."""
+    eng, lens = recompute_run()
     log = list(eng.step_log)
     redo = [(e["step"], rid) for e in log for rid, s, n in e["seqs"] if s >= lens[rid] and n > 1]
     assert redo, "the run should re-prefill some outputs after a recompute preemption"
