@@ -81,13 +81,22 @@ def test_cli_numbers_refused_before_the_model_loads(argv, flag, capsys, monkeypa
     _argparse_refuses(cli_main, argv, flag, capsys)
 
 
-def test_api_keys_file_errors_name_the_file(tmp_path, capsys):
+def test_api_keys_file_errors_name_the_file(tmp_path, capsys, monkeypatch):
+    """The keys file is read before the model loads: an operator's typo costs no model load.  ``LLM`` is replaced
+    by a stand-in that fails, so a keys file left unread fails this test at once instead of serving for ever."""
+    import minivllm
+
     bad = tmp_path / "keys.json"
     bad.write_text("{not json")
     from minivllm.server import load_api_keys
 
     with pytest.raises(ValueError, match="keys.json.*not valid JSON"):
         load_api_keys(str(bad))
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the API-keys file was read")
+
+    monkeypatch.setattr(minivllm, "LLM", no_model)
     _returns_error(cli_main(["serve", "--api-keys-file", str(tmp_path / "missing.json")]), capsys, "missing.json")
 
 
