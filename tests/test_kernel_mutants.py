@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from paged_cases import assert_close, make_case, nan_like  # noqa: E402  (tests/ is on sys.path)
+from test_triton_attention import run_decode as decode  # noqa: E402  (all rows of a decode-only case)
 
 from minivllm.model.attention import write_kv  # noqa: E402
 from minivllm.model.kernels import (  # noqa: E402
@@ -26,14 +27,6 @@ from minivllm.model.kernels import (  # noqa: E402
     triton_attention,
     write_kv_triton,
 )
-
-
-def decode(case, **kwargs) -> torch.Tensor:
-    """The decode kernel on all rows of a decode-only case, into a NaN-poisoned buffer."""
-    out = nan_like(case.q)
-    paged_decode(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens, case.scale,
-                 max_seq_len=int(case.meta.seq_lens.max()), out=out, **kwargs)
-    return out
 
 
 def test_split_merge_stays_finite_when_logits_are_large() -> None:
