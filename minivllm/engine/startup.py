@@ -4,7 +4,7 @@ Why: loading a model builds some 200,000 objects the collector tracks (modules,
 parameters' wrappers, the tokenizer's tables) that live until the process exits.
 A full collection walks every one of them to find cycles that are never there:
 with SmolLM2-135M loaded, 210,000 objects and 120 ms on the course's 2-core CPU
-(``python -m minivllm.bench eager_step`` records it; frozen: under 0.01 ms), and
+(``python -m minivllm.bench eager_step`` records it; frozen: 0.0005 ms at the median), and
 the pause lands inside whichever step is running, so in every running request's
 inter-token latency.
 ``gc.freeze`` moves them to a permanent generation the collector never visits;

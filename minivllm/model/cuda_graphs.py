@@ -1,9 +1,12 @@
 """CUDA graphs for decode steps: launch a whole forward pass with one call.
 
-Why: a decode step of a 1B model on a modern GPU is a few milliseconds of
-kernels, but the Python that launches them (30 layers x ~10 kernels) takes about
-as long.  A CUDA graph records the launches once and replays them with a single
-call, so a decode step costs the GPU time alone.  vLLM and nano-vllm do the same.
+Why: a decode step of a 1B model on a modern GPU is under a millisecond of
+kernels by the roofline, but the Python that launches them takes far longer:
+Llama-3.2-1B's 16 layers make 706 launches a step, and on an H200 an eager step
+(64 or 512 prompt tokens) took 10.5-10.9 ms where a graphed decode step took
+2.5 ms.  A CUDA graph records the launches once and replays them with a single
+call, so a decode step costs little more than the GPU time.  vLLM and nano-vllm
+do the same.
 
 What a graph demands, and how this module meets it:
 

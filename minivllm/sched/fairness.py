@@ -5,7 +5,8 @@ policy here is a pair behind the two existing seams
 (:class:`~minivllm.interfaces.AdmissionPolicy`,
 :class:`~minivllm.interfaces.PreemptionPolicy`) plus, where it needs them, the
 optional protocols the scheduler asks about (``rank``, ``may_preempt_for``,
-``observe``, ``head_of_line``; see :mod:`minivllm.interfaces`).  Pick one by
+``observe``, ``activity``, ``head_of_line``, and ``track`` / ``enqueued`` / ``dequeued``
+to keep an order as the queue changes; see :mod:`minivllm.interfaces`).  Pick one by
 name with ``LLM(scheduling_policy=...)``:
 
 ========================  ==============================================================
