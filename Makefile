@@ -2,6 +2,7 @@
 #   make demo   the bundled model streams answers to a few prompts, then a summary line
 #   make test   the whole test suite (what CI runs)
 #   make labs   JupyterLab on the student notebooks
+#   make fuzz   the property tests searched FUZZ_SCALE (default 20) times as hard as CI does
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,7 +16,7 @@ STAMP  := $(VENV)/.minivllm-setup
 # fixtures (the model, JupyterLab) load once. 2 suits the 2-core CI box; TEST_WORKERS=1 runs serially.
 TEST_WORKERS ?= 2
 
-.PHONY: setup demo test test-fast labs lab-files figures bench browser clean
+.PHONY: setup demo test test-fast fuzz labs lab-files figures bench browser clean
 
 setup: $(STAMP)
 
@@ -36,6 +37,16 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+# The files with hypothesis properties (tests/fuzz.py says why); at the default scale about 20 times CI's time
+# for them, so not part of `make test`.
+FUZZ_SCALE ?= 20
+FUZZ_FILES := tests/test_scheduler_invariants.py tests/test_preemption.py tests/test_fairness.py \
+	tests/test_prefix_cache.py tests/test_reliability.py tests/test_cpu_attention.py tests/test_loadgen.py \
+	tests/test_server_fuzz.py
+fuzz: setup
+	FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider --timeout 3600 \
+	  --hypothesis-show-statistics $(FUZZ_FILES)
 
 lab-files: setup
 	$(PY) tools/make_labs.py

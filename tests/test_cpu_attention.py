@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from minivllm.model.attention import AttentionMetadata, paged_attention_reference
 from minivllm.model.backends import get_attention_backend
 from minivllm.model.cpu_attention import CpuAttentionBackend, load_kernel, paged_decode
+from tests.fuzz import examples
 
 pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C compiler: the CPU kernel cannot be built")
 
@@ -52,7 +53,7 @@ def _meta(lens, table, query_lens=None):
         query_lens=list(query_lens), context_lens=[n - q for n, q in zip(lens, query_lens)])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
     block_size=st.sampled_from([1, 2, 4, 16, 32]),
@@ -105,7 +106,7 @@ def test_auto_picks_cpu_kernel_and_bad_inputs_are_refused():
         paged_decode(torch.randn(1, 5, 8), k2, v2, t2, torch.tensor([5]), 1.0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     q_len=st.integers(1, 40),
     context=st.sampled_from([0, 0, 1, 15, 33]),

@@ -28,6 +28,7 @@ from minivllm.sched.fairness import (
 from minivllm.sched.policies import FCFSAdmission, PriorityAdmission, RecomputeLatestPreemption
 
 from invariants import KVContents, assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+from tests.fuzz import examples
 
 
 POLICIES = ["fcfs", "priority", "caps", "wfq", "deadline", "three_class"]
@@ -199,7 +200,7 @@ def test_one_admission_pass_counts_what_it_just_admitted_against_a_kv_cap():
     assert_no_leak(engine)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=30), policy=st.sampled_from(POLICIES),
        caps=st.lists(caps_strategy, min_size=3, max_size=3), mode=st.sampled_from(["recompute", "swap"]),
        blocks=st.integers(40, 64), prefix=st.booleans(), chunked=st.booleans())
@@ -243,7 +244,7 @@ def test_every_policy_keeps_invariants_and_caps_are_never_exceeded(ops, policy, 
 
 # -- deadline: the aging bound ---------------------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(st.tuples(st.floats(0, 3), st.one_of(st.none(), st.floats(-1, 5)), st.integers(1, 40),
                                st.integers(1, 12)), min_size=2, max_size=25),
        aging=st.sampled_from([0.05, 0.3, 1.0]), seats=st.integers(1, 4))
@@ -723,7 +724,7 @@ def _brute_order(policy, waiting) -> list:
     return out
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(which=st.sampled_from(["three_class", "deadline", "priority"]), threshold=st.integers(1, 3),
        ops=st.lists(st.tuples(st.sampled_from(["back", "back", "front", "remove"]),
                               st.sampled_from(["chat", "agent", "bulk", "stranger"]), st.integers(0, 2),
@@ -1071,7 +1072,7 @@ def cached_blocks_of(cache, tenant) -> set[int]:
 QUOTAS = {"a": 3, "b": 6, "c": None}  # c falls back to the engine-wide quota below (None: unbounded)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["radix", "hash"]), fallback=st.sampled_from([None, 5]),
        ops=st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from([None, "s"]), st.integers(0, 3),
                               st.integers(1, 5), st.booleans()), min_size=1, max_size=40))
@@ -1283,7 +1284,7 @@ class _WFQUnkept:
             setattr(self, name, getattr(self.inner, name))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # found by a search over seeds: a tenant's only waiting request was seen, admitted, then preempted back to the
 # queue before the next order -- not a rejoin, so its counter must not be lifted (1 run in 180 reaches it)
 @example(seed=13, mode="swap", caps=True, weights=[1.0, 1.0, 3.0])

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 httpx = pytest.importorskip("httpx")
 
 from minivllm.bench import loadgen as lg  # noqa: E402
+from tests.fuzz import examples  # noqa: E402
 
 # -- arrivals ------------------------------------------------------------------------------
 
@@ -180,7 +181,7 @@ def test_sse_decoder():
 
 @given(st.lists(st.sampled_from(["data: ", "x", "\u2028", "\u2029", "\x85", "\r", "\n", "\r\n", "é"]),
                 max_size=30), st.data())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_sse_lines_split_only_where_sse_does(pieces, data):
     """Lines end at CR LF, LF or CR, wherever the chunks happen to be cut, and never at U+2028, U+2029 or
     U+0085 (``str.splitlines`` -- httpx's ``aiter_lines`` -- breaks there, cutting a JSON data line in two).

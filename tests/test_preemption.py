@@ -20,6 +20,7 @@ from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim import SimulatedExecutor
 
 from invariants import KVContents, assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from tests.fuzz import examples
 
 MODES = ["recompute", "swap", "reject", "auto"]
 
@@ -40,7 +41,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op, min_size=1, max_size=40),
     mode=st.sampled_from(MODES),

@@ -31,6 +31,7 @@ from minivllm.kv.prefix import (
     sha256_block_hash,
 )
 from minivllm.kv.prefix.radix import RadixCache
+from tests.fuzz import examples
 
 BS = 4
 KINDS = ["radix", "hash"]
@@ -677,7 +678,7 @@ def test_against_brute_force_model(kind: str, quota: int | None, hash_fn, exact:
     run_state_machine_as_test(
         lambda: PrefixCacheMachine(kind, quota, hash_fn, exact),
         settings=settings(
-            max_examples=400,  # x 5 cases = 2000 random programs
+            max_examples=examples(400),  # x 5 cases = 2000 random programs
             stateful_step_count=20,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

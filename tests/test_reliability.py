@@ -22,6 +22,7 @@ from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.sim import SimulatedExecutor
 
 from invariants import KVContents, assert_no_leak, drain  # noqa: E402  (tests/ is on sys.path)
+from tests.fuzz import examples
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -85,7 +86,7 @@ def test_defect1_tenant_and_salt_never_share_a_namespace(kind, first, second):
     assert out.num_cached_tokens == expected
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pairs=st.lists(st.tuples(st.sampled_from(["a", "a|salt=x", "x", "a|", "|", "salt"]),
                                 st.one_of(st.none(), st.sampled_from(["x", "salt=x", "|x", "a"]))),
                       min_size=2, max_size=6))
@@ -477,7 +478,7 @@ ops = st.lists(st.one_of(
 ), min_size=1, max_size=30)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=ops, mode=st.sampled_from(["recompute", "swap", "reject"]), prefix=st.sampled_from([None, "radix"]))
 def test_random_programs_of_valid_and_invalid_operations(program, mode, prefix):
     engine = sim_engine(num_blocks=28, mode=mode, prefix=prefix)

@@ -17,6 +17,7 @@ from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.sim.executor import SimulatedExecutor
 
 from invariants import KVContents, assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from tests.fuzz import examples
 
 
 make_engine = tiny_engine
@@ -73,7 +74,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=st.lists(op, min_size=1, max_size=40),
     chunked=st.booleans(),
@@ -249,7 +250,7 @@ def fail_on_futile_preemption(sched) -> None:
     sched._preempt_to_admit, sched.admit = preempt, admit
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(ranked_op, min_size=1, max_size=30), blocks=st.integers(16, 40),
        policy=st.sampled_from(["priority", "deadline"]), mode=st.sampled_from(["recompute", "swap", "reject"]),
        budget=st.sampled_from([4, 8, 32]), max_seqs=st.integers(2, 6), prefix=st.sampled_from([None, "radix", "hash"]))

@@ -45,8 +45,9 @@ from minivllm.server import BackgroundServer
 from minivllm.sim.executor import SimulatedExecutor
 
 from test_server_sim import _PacedExecutor, _WordTokenizer  # tests/ is on sys.path
+from tests.fuzz import examples
 
-MAX_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "100"))
+MAX_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", examples(100)))  # FUZZ_EXAMPLES overrides FUZZ_SCALE here
 ROUNDS = int(os.environ.get("FUZZ_ROUNDS", "1"))
 
 
