@@ -433,7 +433,7 @@ a kernel the host has not issued yet. When a kernel's own work is shorter than t
 one, the GPU waits:
 
 ```
- eager decode step (one layer of ~37 operations, then the next layer ...)
+ eager decode step (one layer of ~30 operations, then the next layer ...)
  host  |norm|qkv|rope|attn| o |add|norm|gate_up|act|down|add|norm|qkv| ...     every box: ~5-15 µs of host
  GPU     ▌    ▌   ▌    ▌    ▌   ▌   ▌     ▌     ▌    ▌   ▌    ▌   ▌          every bar: ~1 µs of work
                                                           -> step time = operations x host time per launch
@@ -448,8 +448,10 @@ q, k and v with one stacked projection, `qkv_proj`, and gate and up with one, `g
 in one pass; FlashAttention-style kernels like yours fuse the scores, the softmax and the weighted sum into one
 launch that never writes the scores out), **CUDA graphs** (record a whole decode step once, replay it with a single
 launch: `minivllm/model/cuda_graphs.py`), and compilers that do both (`torch.compile`). First, count what an eager
-step issues. The count is the same on every device, so the CPU can tell us the GPU's number of launches (the Triton
-attention kernel aside):
+step issues. The model's operations are the same on every device, so the CPU can tell us the GPU's number of launches
+(the Triton attention kernel aside), less one CPU-only detail: a decode step pads each projection's input to at least
+four rows for oneDNN (`new_zeros` and `cat`, two operations per projection; `ONEDNN_MIN_ROWS` in
+`minivllm/model/llama.py`), which a GPU does not do:
 """),
 ("code", r"""
 # NBVAL_IGNORE_OUTPUT  (counts depend on the machine's CPU kernels: e.g. oneDNN's row padding adds operations)
@@ -464,7 +466,8 @@ for kind, c in ops.items():
     print(f"{kind:6s} step: {c.n:5d} tensor operations = {c.n / layers:4.1f} per layer   ({top}, ...)")
 """),
 ("md", r"""
-About a thousand operations per step, three dozen per layer — each a launch on a GPU. What does one cost? Time the
+About a thousand operations per step, three dozen per layer. Take away the padding (`new_zeros` 120, `cat` 120) and a
+GPU's eager decode step issues 880, about 29 per layer — each a launch. What does one cost? Time the
 cheapest operation there is, an elementwise add, on one core, on tensors from 64 numbers to a million:
 """),
 ("code", r"""
@@ -539,7 +542,8 @@ weights take microseconds to read (4.8 TB/s), so the roles swap. An eager step o
 whether it carries 64 or 512 prompt tokens — eight times the prompt, the same time — because 700 launches at
 ~15 µs of host each *are* the step; the GPU's own work, by the roofline, is 0.6–1.5 ms. The same model's decode
 step replayed as a CUDA graph took 2.5 ms, scheduling and sampling included: one launch instead of hundreds. And
-the bundled 135M model on that GPU, eager, would spend about 17 ms launching for 0.07 ms of work. That is the seed
+the bundled 135M model on that GPU, eager, would spend about 14 ms launching (880 launches; the bar above multiplies
+all 1,120 of the CPU's operations, padding included, and says 17 ms) for 0.07 ms of work. That is the seed
 lesson's last line — *launch overhead can dominate a decode step* — in numbers: on a GPU a small model's decode
 step is not memory-bound or compute-bound but **launch-bound**, until graphs or fusion take the host out of the
 loop.
