@@ -7,10 +7,9 @@ refcount must equal the number of block tables (and the prefix cache) that hold 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from minivllm import EngineConfig, LLMEngine
-from minivllm.labs import workloads
 from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: F401  (re-exported: older imports)
 from minivllm.request import RequestStatus
 from minivllm.sim.executor import SimulatedExecutor
@@ -120,17 +119,33 @@ def assert_no_leak(engine: LLMEngine) -> None:
         assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
 
 
+def steps(engine: LLMEngine, max_steps: int = 5000) -> Iterator[list]:
+    """Step ``engine`` while it has unfinished requests, yielding each ``engine.step()``'s outputs.
+
+    Why not ``while engine.has_unfinished_requests()``: a bug that keeps one request from ever finishing (a
+    length check that never fires, a starved or deadlocked queue) spins such a loop until pytest-timeout kills
+    it 900 s later, with nothing named; here it is an ``AssertionError`` after ``max_steps`` steps.  The
+    default is far above any workload in these tests; pass more for one that needs it.
+    """
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return
+        yield engine.step()
+    if engine.has_unfinished_requests():
+        raise AssertionError(f"engine did not drain in {max_steps} steps "
+                             "(a request that never finishes, starvation or deadlock)")
+
+
 def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], object] | None = None) -> dict:
     """Step ``engine`` until every request has finished; ``{request_id: final output}``.
 
     After every step both tiers are recounted (:func:`check_both_tiers`) and ``each(engine)`` runs, if
     given.  Fails when requests are left after ``max_steps`` (a policy that starves one, or a deadlock).
     """
-    def check(e: LLMEngine) -> None:
-        check_both_tiers(e)
+    finals = {}
+    for outs in steps(engine, max_steps):
+        finals.update((out.request_id, out) for out in outs if out.finished)
+        check_both_tiers(engine)
         if each is not None:
-            each(e)
-
-    finals = workloads.drain(engine, max_steps=max_steps, each=check)
-    assert not engine.has_unfinished_requests(), "engine did not drain (starvation or deadlock)"
+            each(engine)
     return finals

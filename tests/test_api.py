@@ -6,6 +6,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.engine.detokenizer import IncrementalDetokenizer
+from tests.invariants import steps
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -67,8 +68,8 @@ def test_duplicate_request_id(small_llm):
     engine.add_request("Hi", GREEDY, request_id="dup")
     with pytest.raises(ValueError, match="duplicate request id"):
         engine.add_request("Hi again", GREEDY, request_id="dup")
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     _assert_still_serving(small_llm)
 
 

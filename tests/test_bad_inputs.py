@@ -12,6 +12,7 @@ import pytest
 
 from minivllm import LLM, EngineConfig, SamplingParams
 from minivllm.sim import SimulatedExecutor
+from tests.invariants import steps
 
 OK = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -206,8 +207,8 @@ def test_a_finished_samples_id_stays_reserved_while_its_group_lives(api):
     engine.add_request({"prompt_token_ids": [1, 2]}, OK, "g#x")  # not shaped like a sample id: fine
     assert engine.abort_request("g")
     outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    for new in steps(engine):
+        outs += new
     assert [o.request_id for o in outs if o.finished] == ["g#x"]
     assert engine.pool.num_free == engine.pool.num_blocks
 

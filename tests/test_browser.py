@@ -384,12 +384,12 @@ def test_request_colour_is_stable_while_others_finish():
     from matplotlib.figure import Figure
 
     from minivllm.labs import widgets
+    from tests.invariants import steps
 
     eng = _engine(n=6, seed=3)
     seen: dict[str, set] = {}
     finished_while_others_ran = False
-    while eng.has_unfinished_requests():
-        eng.step()
+    for _ in steps(eng):
         owners = widgets.block_owners(eng)
         if owners and len(owners) < len(seen):
             finished_while_others_ran = True

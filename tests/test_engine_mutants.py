@@ -20,6 +20,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
+from tests.invariants import steps
 from tests.test_request_state_leaks import _per_request_state
 
 PROMPT = {"prompt_token_ids": [11, 12, 13]}
@@ -143,8 +144,8 @@ def test_aborting_a_group_after_one_of_its_samples_reports_nothing_and_the_engin
     assert engine.abort_request("g")
     outs = engine.step()
     assert [o.request_id for o in outs] == ["other"]
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     assert not _held(engine)
 
 
@@ -158,8 +159,8 @@ def test_the_id_of_an_n_group_in_flight_is_refused_as_a_duplicate():
     with pytest.raises(ValueError, match="duplicate"):
         engine.add_request(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True), "g")
     finals = []
-    while engine.has_unfinished_requests():
-        finals += [o for o in engine.step() if o.finished]
+    for outs in steps(engine):
+        finals += [o for o in outs if o.finished]
     [out] = finals
     assert out.request_id == "g" and [len(c.token_ids) for c in out.outputs] == [3, 3]
 

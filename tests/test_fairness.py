@@ -27,7 +27,7 @@ from minivllm.sched.fairness import (
 )
 from minivllm.sched.policies import FCFSAdmission, PriorityAdmission, RecomputeLatestPreemption
 
-from invariants import KVContents, assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain, steps  # noqa: E402  (tests/ is on sys.path)
 from tests.fuzz import examples
 
 
@@ -856,8 +856,7 @@ def test_step_log_per_tenant_fields_match_a_recount_of_the_queues():
     for i in range(6):
         for t in "ab":
             owner[add(engine, t, 10 + 3 * i, 6, f"{t}{i}")] = t
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
         rec, sched = engine.step_log[-1], engine.scheduler
         assert rec.seq_tenants == tuple(owner[rid] for rid, _, _ in rec.seqs)
         for t in "ab":  # brute force from the scheduler's queues as they stand after the step
@@ -1194,8 +1193,7 @@ def test_first_time_prompt_counts_a_reprefill_once():
         eng.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=20, ignore_eos=True),
                         request_id=f"r{i}")
         served.track(f"r{i}", "default", 6)
-    while eng.has_unfinished_requests():
-        eng.step()
+    for _ in steps(eng):
         served.observe(eng.step_log[-1])
         served.observe(eng.step_log[-1])  # a record seen twice counts once
     assert eng.stats()["num_preemptions"] > 0
@@ -1235,8 +1233,8 @@ def test_a_callers_admission_policy_also_picks_the_victims_of_a_ranked_policy(po
     engine = LLMEngine(engine.config, executor=KVContents(4), model_max_len=48, eos_token_ids=set(),
                        admission_policy=_OldestWorst())
     reqs = [engine.requests[add(engine, "t", 8, 12, f"r{i}")] for i in range(3)]
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     preempted = {r.request_id for r in reqs if r.num_preemptions}
     assert preempted == {"r0"}, preempted
     assert_no_leak(engine)

@@ -26,7 +26,7 @@ from minivllm.sim.router import (
     stable_hash,
 )
 
-from invariants import assert_no_leak, check_both_tiers  # noqa: E402  (tests/ is on sys.path)
+from invariants import assert_no_leak, check_both_tiers, steps  # noqa: E402  (tests/ is on sys.path)
 
 SMALL = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
 
@@ -172,8 +172,8 @@ def test_fleet_conservation_and_outputs_match_one_engine(router):
         one.add_request({"prompt_token_ids": list(a.prompt)}, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
                         a.request_id)
     expected = {}
-    while one.has_unfinished_requests():
-        for out in one.step():
+    for outs in steps(one):
+        for out in outs:
             if out.finished:
                 expected[out.request_id] = list(out.outputs[0].token_ids)
     assert res.outputs == expected

@@ -27,6 +27,7 @@ from minivllm.model.runner import BatchPreparer, build_attention_metadata
 from minivllm.request import Request
 from minivllm.sched.output import ScheduledSeq
 from minivllm.sim import SimulatedExecutor
+from tests.invariants import steps
 
 
 class _CheckingExecutor(SimulatedExecutor):
@@ -93,8 +94,8 @@ def test_incremental_preparation_matches_reference(mode, prefix, threshold, stag
         if ids and rng.random() < 0.04:
             engine.abort_request(ids.pop(rng.randrange(len(ids))))
         engine.step()
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     stats = engine.stats()
     assert not ex.mismatches, ex.mismatches[:3]
     assert not bulk_mismatches, bulk_mismatches[:3]
@@ -195,8 +196,8 @@ def _final_outputs(kind: str, seed: int) -> dict:
             engine.add_request({"prompt_token_ids": prompt}, params, request_id=f"r{step}")
         for out in engine.step():
             last[out.request_id] = out
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    for outs in steps(engine):
+        for out in outs:
             last[out.request_id] = out
     return {rid: (out.finished, [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason) for c in out.outputs])
             for rid, out in last.items()}

@@ -14,6 +14,7 @@ import torch
 from minivllm.bench.eager_step import OpCounter
 from minivllm.labs.check_lab07 import op_floor_us, step_operations
 from minivllm.sampling_params import SamplingParams
+from tests.invariants import steps
 
 
 def test_op_counter_counts_each_operation_once_and_views_not_at_all():
@@ -65,7 +66,7 @@ def test_step_operations_agree_with_the_profiler_and_the_architecture(small_llm)
         engine.step()
     finally:
         del model.forward
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     for name in ("mul", "add", "pow", "mean", "rsqrt"):
         assert ops["decode"].names[name] == seen[f"aten::{name}"], name

@@ -29,6 +29,7 @@ from minivllm.metrics.scrape import label_values, metric_samples, metric_value  
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.server.background import BackgroundServer  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
+from tests.invariants import steps  # noqa: E402
 
 
 def test_metrics_parser_reads_labels_and_sums():
@@ -121,8 +122,7 @@ def test_kv_block_seconds_equal_a_recount_from_the_block_tables():
                            SamplingParams(max_tokens=rng.randint(5, 60), ignore_eos=True), f"q{i}",
                            tenant="long" if i % 3 == 0 else "short")
     held: list[tuple[float, dict[str, int]]] = []
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
         now: dict[str, int] = {}
         for r in engine.scheduler.running:
             now[r.tenant] = now.get(r.tenant, 0) + len(r.block_ids)

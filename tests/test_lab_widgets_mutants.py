@@ -28,7 +28,7 @@ from minivllm.kv.prefix.radix import RadixCache  # noqa: E402
 from minivllm.labs import widgets, workloads  # noqa: E402
 from minivllm.request import RequestStatus  # noqa: E402
 
-from tests.invariants import tiny_engine  # noqa: E402
+from tests.invariants import steps, tiny_engine  # noqa: E402
 from tests.test_labs import recompute_run  # noqa: E402
 
 
@@ -98,8 +98,7 @@ def test_block_owners_lists_each_table_in_token_order():
         eng.add_request({"prompt_token_ids": [rng.randrange(10, 900) for _ in range(rng.randrange(5, 20))]},
                         SamplingParams(max_tokens=rng.randrange(4, 16), ignore_eos=True), f"r{i}")
     bs, unsorted = 4, 0
-    while eng.has_unfinished_requests():
-        eng.step()
+    for _ in steps(eng):
         running = {r.request_id: r for r in eng.scheduler.running}
         for rid, table in widgets.block_owners(eng).items():
             req = running[rid]
@@ -200,8 +199,7 @@ def test_tier_owners_and_the_tier_line_match_a_recount_of_both_pools():
     and the requests' statuses, at every step of a run that swaps out and back in."""
     eng = _swap_engine()
     moved = 0
-    while eng.has_unfinished_requests():
-        eng.step()
+    for _ in steps(eng):
         _check_tiers(eng)
         moved += bool(eng.step_log[-1]["swapped_out"]) + bool(eng.step_log[-1]["swapped_in"])
     assert moved >= 2

@@ -12,6 +12,7 @@ import pytest
 
 from minivllm import LLM, SamplingParams
 from minivllm.sim import SimulatedExecutor
+from tests.invariants import steps
 
 
 # LLM's router: a step run by another consumer between ``add_request`` and the mailbox loses no output.
@@ -88,8 +89,8 @@ def test_a_stream_whose_request_a_server_stepped_to_its_end_raises_the_server_er
         is_running = True
 
     llm.engine.claim_driver(Loop())
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
+    for _ in steps(llm.engine):
+        pass
     with pytest.raises(RuntimeError, match="served"):
         next(stream)
 

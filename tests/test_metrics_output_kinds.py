@@ -14,6 +14,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.metrics.prometheus import EngineMetrics, observe_all
 from minivllm.metrics.scrape import metric_samples, metric_value
 from minivllm.sim import SimulatedExecutor
+from tests.invariants import steps
 
 
 def _run(kind: str, n: int = 1):
@@ -23,8 +24,8 @@ def _run(kind: str, n: int = 1):
     metrics = EngineMetrics("sim")
     engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=n, max_tokens=5, ignore_eos=True,
                                                                        output_kind=kind), request_id="r")
-    while engine.has_unfinished_requests():
-        observe_all(metrics, engine, engine.step())
+    for outs in steps(engine):
+        observe_all(metrics, engine, outs)
     return metric_samples(metrics.render().decode())
 
 
@@ -83,8 +84,7 @@ def test_queue_time_ends_when_the_first_step_begins():
                            request_id=rid, arrival_time=0.0, tenant="t")
         metrics.track(rid, "t")
     done = {}
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    for outs in steps(engine):
         observe_all(metrics, engine, outs)
         done.update({o.request_id: o.metrics for o in outs if o.finished})
     assert (done["a"].queue_time, done["b"].queue_time) == (0.0, 3.0)
@@ -109,8 +109,8 @@ def test_an_untracked_request_preempted_before_its_first_token_is_charged_to_its
         for i, tenant in enumerate(tenants):
             engine.add_request({"prompt_token_ids": list(range(10 + i, 22 + i))},
                                SamplingParams(max_tokens=8, ignore_eos=True), request_id=f"r{i}", tenant=tenant)
-        while engine.has_unfinished_requests():
-            observe_all(metrics, engine, engine.step(), tenant_of)
+        for outs in steps(engine):
+            observe_all(metrics, engine, outs, tenant_of)
         return metric_samples(metrics.render().decode()), engine.stats()["per_tenant"]
 
     s, per_tenant = run(lambda rid: tenants[int(rid[1:])])
@@ -137,8 +137,7 @@ def test_an_n_group_queue_time_is_the_groups_not_its_last_samples():
     engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2, max_tokens=2, ignore_eos=True,
                        temperature=1.0), request_id="g", arrival_time=0.0)
     seen = []
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    for outs in steps(engine):
         seen += [(o.metrics.queue_time, o.metrics.ttft) for o in outs]
         observe_all(metrics, engine, outs)
     # every output of the group, the last included, carries the group's times, not the sample's that stepped

@@ -23,6 +23,7 @@ from minivllm.model.sampler import filter_logits
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minivllm.server.door import DoorRule, door_snapshot
 from minivllm.sim import SimulatedExecutor
+from tests.invariants import steps
 
 EOS = 2  # the bundled tokenizer's <|im_end|>
 
@@ -54,8 +55,8 @@ def run(tokenizer, scripts, params, prompt=(19556, 905), *, max_model_len=256, d
     engine = llm.engine
     engine.add_request({"prompt_token_ids": list(prompt)}, params, request_id="r")
     outs = []
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.request_id == "r"]
+    for new in steps(engine):
+        outs += [o for o in new if o.request_id == "r"]
     return outs
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
+from tests.invariants import steps
 
 pytestmark = pytest.mark.slow
 SYSTEM = (
@@ -85,8 +86,7 @@ def test_copy_on_write_gives_each_sample_its_own_last_block():
     engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64)
     engine.add_request({"prompt_token_ids": list(range(10, 20))}, SamplingParams(n=4, max_tokens=3, temperature=1, seed=1))
     seen_shared = False
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
         running = engine.scheduler.running
         if len(running) == 4:
             tables = [r.block_ids for r in running]
@@ -107,8 +107,8 @@ def _sim_engine(blocks=64, **options):
 def _run(engine, prompt, **kw):
     engine.add_request({"prompt_token_ids": prompt, **kw.pop("extra", {})}, SamplingParams(max_tokens=2, ignore_eos=True), **kw)
     outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    for new in steps(engine):
+        outs += new
     return [o for o in outs if o.finished][-1]
 
 
@@ -131,8 +131,8 @@ def test_recompute_after_preemption_is_not_counted_as_a_hit():
     engine = _sim_engine(blocks=24, prefix_cache="radix")
     for start in (10, 50):
         engine.add_request({"prompt_token_ids": list(range(start, start + 24))}, SamplingParams(max_tokens=30, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     st = engine.stats()
     assert st["num_preemptions"] > 0
     assert st["prefix_cache_hits"] == 0, "a preempted request's own blocks were counted as cache hits"
@@ -149,8 +149,8 @@ def test_a_swapped_in_request_is_neither_a_hit_nor_a_recompute_hit():
     engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=256)
     for i in range(3):
         engine.add_request({"prompt_token_ids": [100 + i] * 40}, SamplingParams(max_tokens=120, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     st = engine.stats()
     assert st["num_swap_preemptions"] > 0 and st["swapped_in_blocks"] > 0 and st["num_recompute_preemptions"] == 0
     assert st["recompute_hit_tokens"] == 0 and st["prefix_cache_hits"] == 0

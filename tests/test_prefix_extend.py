@@ -20,7 +20,7 @@ from minivllm.kv.prefix import make_prefix_cache
 from minivllm.request import Request
 from minivllm.sim.executor import SimulatedExecutor
 
-from invariants import tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from invariants import steps, tiny_engine  # noqa: E402  (tests/ is on sys.path)
 
 
 def _dump(cache) -> tuple:
@@ -169,8 +169,8 @@ def test_a_sample_that_starts_without_its_leader_counts_its_own_lookup(prompt_le
     engine.kv.fork = lambda parent, child: (forked.append(child.request_id), fork(parent, child))[1]
     params = SamplingParams(max_tokens=1, n=2, ignore_eos=True, temperature=1.0, seed=1)
     engine.add_request({"prompt_token_ids": list(range(100, 100 + prompt_len))}, params, "g")
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     stats = engine.prefix_cache.stats
     assert not forked and (stats.queries_tokens, stats.hits_tokens) == (queried, hit)
 
@@ -184,8 +184,8 @@ def test_every_sample_of_a_group_reports_the_prompts_cached_tokens():
                        enable_prefix_caching=True)
     engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64)
     engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, ignore_eos=True), request_id="warm")
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     engine.add_request({"prompt_token_ids": prompt}, SamplingParams(n=3, max_tokens=2, ignore_eos=True,
                                                                     temperature=1.0, seed=1), request_id="g")
     seen = {}

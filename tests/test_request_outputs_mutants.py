@@ -14,6 +14,7 @@ from minivllm.config import TenantConfig
 from minivllm.outputs import CompletionOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sim import SimulatedExecutor
+from tests.invariants import steps
 
 from tests.test_fairness import add, make_engine
 
@@ -60,8 +61,8 @@ def _lone_request_metrics(max_tokens: int):
     engine.add_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                        request_id="r", arrival_time=0.0)
     done = []
-    while engine.has_unfinished_requests():
-        done += [o.metrics for o in engine.step() if o.finished]
+    for outs in steps(engine):
+        done += [o.metrics for o in outs if o.finished]
     return done[-1]
 
 

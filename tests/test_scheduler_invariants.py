@@ -16,7 +16,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.sim.executor import SimulatedExecutor
 
-from invariants import KVContents, assert_no_leak, check_both_tiers, drain, tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain, steps, tiny_engine  # noqa: E402  (tests/ is on sys.path)
 from tests.fuzz import examples
 
 
@@ -121,8 +121,8 @@ def test_preemption_requeues_at_front_and_recomputes():
     a = engine.add_request({"prompt_token_ids": [3] * 16}, SamplingParams(max_tokens=20, ignore_eos=True))
     b = engine.add_request({"prompt_token_ids": [4] * 16}, SamplingParams(max_tokens=20, ignore_eos=True))
     finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    for outs in steps(engine):
+        for out in outs:
             if out.finished:
                 finals[out.request_id] = out
         check_blocks(engine)
@@ -145,8 +145,8 @@ def test_request_that_can_never_fit_is_rejected_and_engine_keeps_serving():
     engine.add_request({"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=100, ignore_eos=True))
     rid = engine.add_request({"prompt_token_ids": [1] * 4}, SamplingParams(max_tokens=4, ignore_eos=True))
     outs = []
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    for new in steps(engine):
+        outs += new
     finals = {o.request_id: o for o in outs if o.finished}
     assert len(finals[rid].outputs[0].token_ids) == 4
     assert finals[rid].outputs[0].finish_reason == "length"
@@ -195,8 +195,7 @@ def test_no_admission_in_the_step_after_a_preemption():
         engine.add_request({"prompt_token_ids": [tok] * 16}, SamplingParams(max_tokens=20, ignore_eos=True),
                            priority=5)
     late, waited = None, 0
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
         if late is None and engine.step_log[-1]["preempted"]:
             late = engine.add_request({"prompt_token_ids": [5] * 2}, SamplingParams(max_tokens=1, ignore_eos=True),
                                       priority=0)
@@ -216,8 +215,8 @@ def test_continuous_batching_admits_while_others_run():
         engine.step()
     late = engine.add_request({"prompt_token_ids": [2] * 8}, SamplingParams(max_tokens=2, ignore_eos=True))
     done = []
-    while engine.has_unfinished_requests():
-        done += [o.request_id for o in engine.step() if o.finished]
+    for outs in steps(engine):
+        done += [o.request_id for o in outs if o.finished]
     assert done == [late, first], "a late short request should finish while the long one keeps running"
 
 
@@ -326,11 +325,11 @@ def test_a_cached_prefix_counts_once_when_admission_weighs_a_preemption():
     fail_on_futile_preemption(engine.scheduler)
     # (shared head tokens, own tokens, max_tokens, priority, steps run after adding it)
     program = [(24, 0, 5, 2, 1), (0, 18, 4, 1, 0), (16, 18, 4, 0, 3), (24, 17, 1, 1, 0)]
-    for i, (shared, own, max_tokens, priority, steps) in enumerate(program):
+    for i, (shared, own, max_tokens, priority, run_after) in enumerate(program):
         prompt = [5, 6, 7, 8] * (shared // 4) + [100 + i] * own
         engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                            priority=priority, request_id=f"r{i}")
-        for _ in range(steps):
+        for _ in range(run_after):
             engine.step()
     drain(engine, each=check_counts)
     assert not any(rec.preempted for rec in engine.step_log)
@@ -390,8 +389,7 @@ def test_a_policy_may_return_the_waiting_queue_itself():
         for n in (5, 9, 3, 7):
             engine.add_request({"prompt_token_ids": [3] * n}, SamplingParams(max_tokens=4, ignore_eos=True))
         first: dict = {}
-        while engine.has_unfinished_requests():
-            engine.step()
+        for _ in steps(engine):
             for rid, _, _ in engine.step_log[-1]["seqs"]:
                 first.setdefault(rid, engine.step_log[-1]["step"])
         return first

@@ -23,6 +23,7 @@ from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.metrics.scrape import label_values, metric_samples, metric_value  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
+from tests.invariants import steps  # noqa: E402
 from tests.test_server_sim import _Served, _WordTokenizer  # noqa: E402
 
 
@@ -211,8 +212,8 @@ def test_histograms_have_vllms_bucket_boundaries():
     engine = _engine()
     metrics = EngineMetrics("sim")
     engine.add_request({"prompt_token_ids": [11, 12, 13]}, SamplingParams(max_tokens=3, ignore_eos=True), "r")
-    while engine.has_unfinished_requests():
-        observe_all(metrics, engine, engine.step())
+    for outs in steps(engine):
+        observe_all(metrics, engine, outs)
     s = metric_samples(metrics.render().decode())
     for name, edges in _VLLM_BUCKETS.items():
         les = {float(le) for le in label_values(s, name + "_bucket", "le")}
@@ -245,8 +246,8 @@ def test_free_blocks_gauge_is_the_free_list_not_what_eviction_could_free():
     engine = _engine(prefix=True, blocks=32)
     metrics = EngineMetrics("sim")
     engine.add_request({"prompt_token_ids": list(range(10, 30))}, SamplingParams(max_tokens=4, ignore_eos=True), "r")
-    while engine.has_unfinished_requests():
-        observe_all(metrics, engine, engine.step())
+    for outs in steps(engine):
+        observe_all(metrics, engine, outs)
     s = metric_samples(metrics.render().decode())
     cached, free = metric_value(s, "vllm:kv_cache_cached_blocks"), metric_value(s, "vllm:kv_cache_free_blocks")
     assert cached > 0 and metric_value(s, "vllm:kv_cache_used_blocks") == 0
@@ -296,8 +297,7 @@ def test_a_preempted_sample_of_an_n_request_is_charged_to_its_tenant_as_the_serv
                                  SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=i, ignore_eos=True),
                                  tenant=f"t{i % 2}")
         metrics.track(rid, f"t{i % 2}")
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    for outs in steps(engine):
         metrics.observe_step(engine)
         for out in outs:
             metrics.observe_output(out)
@@ -335,8 +335,7 @@ def test_prefix_cache_hits_count_the_tokens_the_outputs_say_were_cached():
     cached = 0
     for rid in ("cold", "warm"):
         engine.add_request({"prompt_token_ids": list(range(10, 30))}, SamplingParams(max_tokens=2, ignore_eos=True), rid)
-        while engine.has_unfinished_requests():
-            outs = engine.step()
+        for outs in steps(engine):
             observe_all(metrics, engine, outs)
             cached += sum(int(o.num_cached_tokens or 0) for o in outs if o.finished)
     s = metric_samples(metrics.render().decode())
@@ -400,8 +399,7 @@ def test_a_step_that_both_swaps_and_recomputes_labels_each_victim_with_its_own_m
         metrics.track(rid, f"t{i}")
     expected: Counter = Counter()
     mixed = 0
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
         metrics.observe_step(engine)
         modes = {rid: "swap" if engine.requests[rid].status is RequestStatus.SWAPPED else "recompute"
                  for rid in engine.step_log[-1].preempted}

@@ -25,6 +25,7 @@ from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: E402
 from minivllm.sampling_params import SamplingParams  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
+from tests.invariants import steps  # noqa: E402
 
 
 def _sim_engine(mode: str = "recompute", blocks: int = 12) -> LLMEngine:
@@ -48,8 +49,7 @@ def test_offline_metrics_count_preemptions_by_mode_and_tenant():
         tenants[rid] = f"t{i % 2}"
         metrics.track(rid, tenants[rid])
     generated = 0
-    while engine.has_unfinished_requests():
-        outs = engine.step()
+    for outs in steps(engine):
         generated += sum(len(o.delta_token_ids) for out in outs for o in out.outputs)
         observe_all(metrics, engine, outs, tenants.get)
     stats = engine.stats()
@@ -523,8 +523,8 @@ def test_door_counts_evictable_cached_blocks_as_free():
     for i in range(8):
         engine.add_request({"prompt_token_ids": [100 * i + j for j in range(100)]},
                            SamplingParams(max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     engine.add_request({"prompt_token_ids": list(range(5, 40))}, SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.pool.num_free < 8 < engine.kv.num_available_blocks == 48  # the cache holds most blocks
     snap = door_snapshot(engine)

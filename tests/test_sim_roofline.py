@@ -72,12 +72,13 @@ def test_the_engine_runs_the_lm_head_only_in_steps_that_sample():
         return original(hidden)
 
     model.logits = counting
-    steps = 0
+    from tests.invariants import steps
+
+    taken = 0
     llm.engine.add_request({"prompt_token_ids": list(range(100, 140))}, SamplingParams(max_tokens=2, ignore_eos=True))
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-        steps += 1
-    assert (steps, rows) == (4, [1, 1])
+    for _ in steps(llm.engine):
+        taken += 1
+    assert (taken, rows) == (4, [1, 1])
 
 
 def test_roofline_time_by_hand():

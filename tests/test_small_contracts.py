@@ -328,6 +328,7 @@ def test_an_executor_wrapper_is_put_in_when_the_engine_is_built():
     from minivllm.sampling_params import SamplingParams
     from minivllm.sim.calibrate import RecordingExecutor
     from minivllm.sim.executor import SimulatedExecutor
+    from tests.invariants import steps
 
     def build(wrapper):
         cfg = EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, num_gpu_blocks_override=64, device="cpu")
@@ -338,8 +339,8 @@ def test_an_executor_wrapper_is_put_in_when_the_engine_is_built():
     assert isinstance(engine.executor, RecordingExecutor) and isinstance(engine.executor.inner, SimulatedExecutor)
     for i, n in enumerate((100, 30, 7)):
         engine.add_request(list(range(10, 10 + n)), SamplingParams(max_tokens=5, temperature=0.0), f"r{i}")
-    while engine.has_unfinished_requests():
-        engine.step()
+    for _ in steps(engine):
+        pass
     logged = [[(s, n) for _, s, n in rec.seqs] for rec in engine.step_log if rec.seq_ids]
     recorded = [[(s, n) for s, n, _ in seqs] for seqs, _ in engine.executor.batches]
     assert recorded == logged and len(logged) == 7  # 137 prompt tokens under a 64-token budget, then decodes

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
+from tests.invariants import steps
 from tests.test_more_mutants import EOS, STOP_TEXT, ScriptedExecutor, run
 
 
@@ -165,8 +166,8 @@ def test_an_aborted_sample_keeps_the_time_it_was_aborted_at_when_its_group_is_re
         outs += engine.step()
     assert engine.executor.now() == 3.0
     assert engine.abort_request("r#1")
-    while engine.has_unfinished_requests():
-        outs += engine.step()
+    for new in steps(engine):
+        outs += new
     group = [o for o in outs if o.request_id == "r" and o.finished]
     assert len(group) == 1
     assert [c.finish_reason for c in group[0].outputs] == ["stop", "abort"]
