@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from minivllm import EngineConfig, LLMEngine
+from minivllm.labs import workloads
 from minivllm.metrics.scrape import metric_samples, metric_value  # noqa: F401  (re-exported: older imports)
 from minivllm.request import RequestStatus
 from minivllm.sim.executor import SimulatedExecutor
@@ -131,6 +132,10 @@ def steps(engine: LLMEngine, max_steps: int = 5000) -> Iterator[list]:
         if not engine.has_unfinished_requests():
             return
         yield engine.step()
+    _assert_drained(engine, max_steps)
+
+
+def _assert_drained(engine: LLMEngine, max_steps: int) -> None:
     if engine.has_unfinished_requests():
         raise AssertionError(f"engine did not drain in {max_steps} steps "
                              "(a request that never finishes, starvation or deadlock)")
@@ -142,10 +147,11 @@ def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], 
     After every step both tiers are recounted (:func:`check_both_tiers`) and ``each(engine)`` runs, if
     given.  Fails when requests are left after ``max_steps`` (a policy that starves one, or a deadlock).
     """
-    finals = {}
-    for outs in steps(engine, max_steps):
-        finals.update((out.request_id, out) for out in outs if out.finished)
-        check_both_tiers(engine)
+    def check(e: LLMEngine) -> None:
+        check_both_tiers(e)
         if each is not None:
-            each(engine)
+            each(e)
+
+    finals = workloads.drain(engine, max_steps=max_steps, each=check)
+    _assert_drained(engine, max_steps)
     return finals
