@@ -15,6 +15,7 @@ returns a *new* frozen config with the defaults that depend on the model
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,6 +215,12 @@ class EngineConfig:
     ``step_log_max_entries`` bounds the step log (a ring buffer) in scheduled
     sequences, about 100 bytes each.
 
+    ``stall_timeout_s``: a run of steps that compute nothing and end nothing
+    (a scheduling deadlock) fails the requests still in the engine once it is
+    ``llm_engine.STALL_STEPS`` steps long and has lasted this many seconds of
+    the executor's clock -- or at once, on a clock that has not moved (nothing
+    timed can change then).  ``None`` turns the watchdog off.
+
     The running set is capped at ``min(max_num_seqs, max_num_batched_tokens)``
     with chunked prefill on, so that every running decode fits every step.
 
@@ -254,6 +261,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (vLLM's flag); no effect on a CPU
     cpu_keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed activations for reuse (model/host_malloc.py)
     step_log_max_entries: int = 500_000
+    stall_timeout_s: float | None = 10.0
     scheduling_policy: str = "fcfs"
     tenants: Any = None  # {name: TenantConfig}; stored as a sorted tuple of pairs (hashable, frozen)
     wfq_prefill_weight: float = 1.0
@@ -275,7 +283,7 @@ class EngineConfig:
             check_type(name, getattr(self, name), bool)
         for name in ("gpu_memory_utilization", "swap_space"):
             check_type(name, getattr(self, name), (int, float))
-        for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
+        for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s", "stall_timeout_s"):
             check_type(name, getattr(self, name), (int, float), optional=True)
         for name in ("prefix_cache", "preemption_mode", "attention_backend", "linear_backend"):
             check_type(name, getattr(self, name), str)
@@ -298,6 +306,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.swap_space < 1024:
             raise ValueError(f"swap_space is in GiB and must be in [0, 1024), got {self.swap_space}")
+        if self.stall_timeout_s is not None and not 0 <= self.stall_timeout_s < math.inf:
+            raise ValueError(f"stall_timeout_s must be a number of seconds >= 0 (or None: no watchdog), "
+                             f"got {self.stall_timeout_s}")
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:

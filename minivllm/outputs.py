@@ -71,3 +71,4 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     retry_after_s: float | None = None  # finish_reason "rejected": seconds after which a retry may fit
+    error: str | None = None  # finish_reason "error": what went wrong, in words

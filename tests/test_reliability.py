@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.sim import SimulatedExecutor
 
-from invariants import KVContents, assert_no_leak, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, drain, steps  # noqa: E402  (tests/ is on sys.path)
 from tests.fuzz import examples
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -47,11 +47,13 @@ class HistoryExecutor(KVContents):
         return out
 
 
-def sim_engine(num_blocks=48, mode="recompute", prefix=None, executor=None, **options) -> LLMEngine:
+def sim_engine(num_blocks=48, mode="recompute", prefix=None, executor=None, seams=None, **options) -> LLMEngine:
+    """A small engine on :class:`HistoryExecutor`; ``options`` go to the config, ``seams`` (policies, a batch
+    builder) to the engine."""
     cfg = EngineConfig(num_gpu_blocks_override=num_blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
                        max_model_len=96, device="cpu", preemption_mode=mode, num_cpu_blocks_override=32,
                        enable_prefix_caching=prefix is not None, prefix_cache=prefix or "radix", **options)
-    return LLMEngine(cfg, executor=executor or HistoryExecutor(), model_max_len=96, eos_token_ids=set())
+    return LLMEngine(cfg, executor=executor or HistoryExecutor(), model_max_len=96, eos_token_ids=set(), **(seams or {}))
 
 
 def run_all(engine: LLMEngine) -> dict:
@@ -195,6 +197,18 @@ def test_defect2_a_failing_request_finishes_with_error_and_others_go_on(mode):
     for rid in ["a", "b", "c"]:
         assert finals[rid].outputs[0].token_ids == alone[rid]
     assert engine.stats()["num_errors"] == 1
+    no_leak(engine)
+
+
+def test_defect2_a_group_whose_one_sample_failed_says_why_when_the_other_finishes():
+    """Sample 1 of an ``n = 2`` request fails in sampling; sample 0 runs on to its length.  The group's last
+    output comes from sample 0, yet its ``error`` must still say why sample 1 ended (a caller reads one output
+    per request)."""
+    engine = sim_engine(executor=FailingExecutor("g#1"))
+    engine.add_request({"prompt_token_ids": [4] * 9}, SamplingParams(n=2, max_tokens=6, ignore_eos=True), "g")
+    out = run_all(engine)["g"]
+    assert [c.finish_reason for c in out.outputs] == ["length", "error"]
+    assert out.error == "sampling failed: probability tensor contains nan"
     no_leak(engine)
 
 
@@ -451,6 +465,169 @@ def test_defect7_text_errors_are_clear(small_llm):
     out = small_llm.generate(["fine"], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
     assert small_llm.engine.pool.num_free == small_llm.engine.pool.num_blocks
+
+
+# -- defect 8: a deadlock spins for ever -------------------------------------------------------------
+
+class _Refuser:
+    """An admission policy that admits no one while ``refuse`` is set (a learner's lab-3 policy with a bug)."""
+
+    def __init__(self) -> None:
+        self.refuse = True
+
+    def order(self, waiting, running):
+        return [] if self.refuse else list(waiting)
+
+
+def _alone(prompt: list[int], params: SamplingParams) -> list[int]:
+    """The oracle: the tokens of ``prompt`` run by itself on a fresh engine."""
+    solo = sim_engine()
+    solo.add_request({"prompt_token_ids": prompt}, params, "solo")
+    return run_all(solo)["solo"].outputs[0].token_ids
+
+
+def test_defect8_a_policy_that_admits_no_one_fails_its_requests_with_a_reason_after_stall_steps():
+    """Before: ``step()`` ran empty batches for ever and ``LLM.generate`` never returned.  Now the
+    :data:`~minivllm.engine.llm_engine.STALL_STEPS`-th step in a row that schedules nothing and ends nothing
+    fails every stuck request as ``"error"``, saying why, frees its blocks, and the engine serves the next
+    request exactly as a fresh engine would."""
+    from minivllm.engine.llm_engine import STALL_STEPS
+
+    policy = _Refuser()
+    engine = sim_engine(seams={"admission_policy": policy})
+    for rid in ["a", "b", "c"]:
+        engine.add_request({"prompt_token_ids": [ord(rid)] * 9}, GREEDY, rid)
+    seen = [out for outs in steps(engine, max_steps=STALL_STEPS + 10) for out in outs]
+    assert engine.scheduler.stats.num_steps == STALL_STEPS  # not one step sooner: the pause after a preemption
+    assert sorted(o.request_id for o in seen) == ["a", "b", "c"]
+    for out in seen:
+        assert out.finished and out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+        assert f"no progress in {STALL_STEPS} steps" in out.error and "3 waiting and 0 running" in out.error
+    no_leak(engine)
+    policy.refuse = False
+    engine.add_request({"prompt_token_ids": [7] * 9}, GREEDY, "after")
+    assert run_all(engine)["after"].outputs[0].token_ids == _alone([7] * 9, GREEDY)
+    assert engine.stats()["num_errors"] == 3
+    no_leak(engine)
+
+
+def test_defect8_a_stalled_n_2_request_reports_one_output_with_the_reason():
+    """The samples of an ``n > 1`` request are failed one by one; the caller still gets one output for the
+    group, both samples ``"error"``, and the group's ``error`` carries the reason."""
+    engine = sim_engine(seams={"admission_policy": _Refuser()})
+    engine.add_request({"prompt_token_ids": [4] * 9}, SamplingParams(n=2, max_tokens=4), "g")
+    finals = run_all(engine)
+    assert list(finals) == ["g"]
+    assert [c.finish_reason for c in finals["g"].outputs] == ["error", "error"]
+    assert "no progress in 64 steps" in finals["g"].error
+    no_leak(engine)
+
+
+def test_defect8_a_batch_builder_that_stops_scheduling_frees_the_blocks_of_running_requests():
+    """A builder that schedules for four steps, then returns nothing: the running requests hold KV blocks
+    (their prompts are half computed) and are never scheduled again.  They end as ``"error"`` and their
+    blocks go back; a request that arrives later, once the builder works again, gets its own tokens."""
+    from minivllm.engine.llm_engine import STALL_STEPS
+
+    calls = []
+
+    def builder(running, budget, threshold):
+        calls.append(len(running))
+        if len(calls) > 4 and len(calls) <= 4 + STALL_STEPS:
+            return []
+        picked, left = [], budget
+        for req in running:
+            tokens = min(req.num_tokens - req.num_computed_tokens, left, threshold or left)
+            if tokens > 0:
+                picked.append((req, tokens))
+                left -= tokens
+        return picked
+
+    engine = sim_engine(seams={"batch_builder": builder}, long_prefill_token_threshold=8)
+    for rid in ["a", "b"]:
+        engine.add_request({"prompt_token_ids": [ord(rid)] * 40}, GREEDY, rid)
+    finals = {}
+    for outs in steps(engine, max_steps=STALL_STEPS + 10):
+        finals.update((o.request_id, o) for o in outs if o.finished)
+        if len(calls) == 4:
+            assert engine.pool.num_free < engine.pool.num_blocks  # the prompts are part-way in
+    assert {r: o.outputs[0].finish_reason for r, o in finals.items()} == {"a": "error", "b": "error"}
+    assert "0 waiting and 2 running" in finals["a"].error
+    no_leak(engine)
+    engine.add_request({"prompt_token_ids": [9] * 40}, GREEDY, "after")
+    assert run_all(engine)["after"].outputs[0].token_ids == _alone([9] * 40, GREEDY)
+
+
+class _WallLikeExecutor(HistoryExecutor):
+    """A clock that moves on every step, empty ones too (a real executor's wall clock, made exact)."""
+
+    def execute(self, batch):
+        self.clock += 0.125
+        return super().execute(batch)
+
+
+class _Pairs:
+    """Start requests only two at a time: it waits, legitimately, for a second arrival."""
+
+    def order(self, waiting, running):
+        return list(waiting) if len(waiting) >= 2 or running else []
+
+
+def test_defect8_a_policy_waiting_for_an_arrival_is_not_failed_before_the_stall_timeout():
+    """On a moving clock, a policy may hold everything back while it waits for something outside the engine.
+    Here two more requests arrive after 200 empty steps (25 s of the clock, over three times STALL_STEPS):
+    with ``stall_timeout_s=30`` nothing is failed and every request gets exactly its own tokens; with 10 s, the
+    first is failed at the first step at or past 10 s, the 81st (the clock moves 0.125 s a step), and the
+    late pair is served."""
+    for timeout, expect in [(30.0, ["length"] * 3), (10.0, ["error", "length", "length"])]:
+        engine = sim_engine(executor=_WallLikeExecutor(), seams={"admission_policy": _Pairs()},
+                            stall_timeout_s=timeout)
+        prompts = {"first": [5] * 9, "second": [6] * 9, "third": [7] * 9}
+        engine.add_request({"prompt_token_ids": prompts["first"]}, GREEDY, "first")
+        finals = {}
+        for _ in range(200):
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        for rid in ("second", "third"):
+            engine.add_request({"prompt_token_ids": prompts[rid]}, GREEDY, rid)
+        finals.update(run_all(engine))
+        assert [finals[r].outputs[0].finish_reason for r in prompts] == expect, timeout
+        for rid, prompt in prompts.items():
+            if finals[rid].outputs[0].finish_reason == "length":
+                assert finals[rid].outputs[0].token_ids == _alone(prompt, GREEDY), rid
+        if timeout == 10.0:
+            assert "no progress in 81 steps (10 s;" in finals["first"].error
+        assert engine.stats()["num_stalls"] == (timeout == 10.0)
+        no_leak(engine)
+
+
+def test_defect8_the_watchdog_can_be_turned_off_and_its_timeout_is_checked():
+    """``stall_timeout_s=None``: no watchdog (an engine that steps empty for ever, as before).  A negative or
+    non-numeric timeout is refused where the config is built."""
+    engine = sim_engine(seams={"admission_policy": _Refuser()}, stall_timeout_s=None)
+    engine.add_request({"prompt_token_ids": [5] * 9}, GREEDY, "held")
+    for _ in range(500):
+        assert engine.step() == []
+    assert engine.requests and engine.stats()["num_stalls"] == 0
+    for bad in (-1.0, "10", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="stall_timeout_s"):
+            EngineConfig(stall_timeout_s=bad)
+
+
+@pytest.mark.timeout(120)
+def test_defect8_llm_generate_returns_under_a_deadlock_instead_of_hanging():
+    """The offline loop steps while requests remain, with no cap of its own: it ends because the engine
+    fails the stuck requests (before, this test ran until pytest-timeout).  The outputs come back in order,
+    each saying why; the engine is left empty."""
+    policy = _Refuser()
+    llm = LLM(executor=HistoryExecutor(), tokenizer=None, num_gpu_blocks_override=64, block_size=4,
+              max_model_len=96, admission_policy=policy)
+    outs = llm.generate([{"prompt_token_ids": [i] * 6} for i in (1, 2)], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+    assert all("admits no one" in o.error for o in outs)
+    assert llm.engine.pool.num_free == 64 and not llm.engine.requests
+    policy.refuse = False
+    done = llm.generate([{"prompt_token_ids": [3] * 6}], GREEDY, use_tqdm=False)[0]
+    assert done.outputs[0].finish_reason == "length" and done.error is None
 
 
 # -- the property: random programs of valid and invalid operations ----------------------------------

@@ -883,3 +883,30 @@ def test_a_metrics_scrape_reads_fresh_gauges_while_the_loop_sleeps():
         assert stats["num_blocks"] == 12
         assert _value(s, "vllm:kv_cache_num_blocks") == 12
         assert _value(s, "vllm:kv_cache_free_blocks") == stats["free_blocks"] > 0
+
+
+def test_a_scheduler_that_admits_no_one_is_a_500_naming_the_deadlock_and_the_server_serves_on():
+    """A deadlocked scheduler used to keep the engine loop stepping empty batches while every client waited for
+    ever.  The engine now fails the stuck requests after ``STALL_STEPS`` empty steps, so the client gets a 500
+    whose message says why, the blocks are back, and the next request (the policy mended) is served whole."""
+    from minivllm.server import build_app
+
+    class Refuser:
+        refuse = True
+
+        def order(self, waiting, running):
+            return [] if self.refuse else list(waiting)
+
+    policy = Refuser()
+    cfg = EngineConfig(num_gpu_blocks_override=12, block_size=4, max_model_len=40, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=40, eos_token_ids=set(),
+                       admission_policy=policy)
+    with _serving(build_app(engine, ["sim"])) as base:
+        body = {"model": "sim", "prompt": list(range(10, 22)), "max_tokens": 5, "ignore_eos": True}
+        stuck = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert stuck.status_code == 500, stuck.text
+        assert "no progress in 64 steps" in stuck.json()["error"]["message"]
+        assert engine.stats()["used_blocks"] == 0 and not engine.requests
+        policy.refuse = False
+        served = httpx.post(base + "/v1/completions", json=body, timeout=60)
+        assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5

@@ -25,6 +25,7 @@ the executor.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -50,7 +51,25 @@ from minivllm.sched.scheduler import PreemptionCosts, Scheduler
 SIM_BYTES_PER_TOKEN = 1024
 """KV bytes per token assumed with an executor that does not say (sizes ``kv_cache_memory_bytes`` and swap)."""
 
+log = logging.getLogger(__name__)
+
 _EMA = 0.2  # weight of the newest step in the step-time and prefill-rate estimates
+
+STALL_STEPS = 64
+"""Steps in a row that compute nothing and end nothing, with requests in the engine, before it looks for a stall.
+
+Every request the engine holds is either schedulable or waiting on something
+a step frees, so a working scheduler moves at most a step or two without
+computing a token or ending a request (the pause after a preemption: the
+longest such run over the whole test suite is 2 steps).  A longer run is a
+deadlock -- a learner's admission policy that admits no one, a block lost by
+its owner -- unless the policy is waiting for something outside the engine: a
+second arrival, a time window.  So the stuck requests are failed only once the
+run has also lasted ``EngineConfig.stall_timeout_s`` of the executor's clock,
+or when that clock has not moved at all (a simulated clock stands still on
+empty steps, and nothing timed can change).  Failing them with a message that
+says so turns the hang into an error a caller can read, and keeps the engine
+serving."""
 
 
 class LLMEngine:
@@ -166,9 +185,12 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples
-        self._finished_elsewhere: list[Request] = []  # aborted samples of live groups, reported next step
+        self._finished_elsewhere: list[Request] = []  # ended outside a step's batch (aborted samples, a stall)
         self.step_log = StepLog(config.step_log_max_entries)  # read by widgets, labs and benchmarks
         self.num_errors = 0
+        self._idle_steps = 0  # steps in a row that ran nothing and ended nothing while work remained
+        self._idle_since = 0.0  # the executor's clock at the first of them
+        self.num_stalls = 0
         self._last_step_time: float | None = None
         self.step_time_s: float | None = None  # moving average of the wall (or virtual) time per step
         self._lock = threading.RLock()
@@ -388,6 +410,7 @@ class LLMEngine:
             "swapped_in_bytes": kv.stats.swapped_in_blocks * self.bytes_per_block,
             "num_rejected": sched.num_rejected,
             "num_errors": self.num_errors,
+            "num_stalls": self.num_stalls,
             "recompute_hit_tokens": kv.stats.recompute_hit_tokens,
             "per_tenant": self.tenant_stats(),
         }
@@ -484,6 +507,7 @@ class LLMEngine:
         and samples aborted since the last step.
         """
         now = self.executor.now()
+        self._watch_progress(batch, outputs, now)
         for req in batch.rejected:
             req.finished_time = now
             req.retry_after_s = self.retry_after(req)
@@ -515,6 +539,35 @@ class LLMEngine:
             if out.finished:
                 self._groups.pop(out.request_id, None)
         return folded
+
+    def _watch_progress(self, batch: ScheduledBatch, outputs: list[RequestOutput], now: float) -> None:
+        """Count steps that made no progress; fail what is stuck once they are a stall (see :data:`STALL_STEPS`).
+
+        Progress is a scheduled sequence (every one computes at least one
+        token) or a request that ends or reports this step.  The stuck requests
+        end as ``"error"`` through :attr:`_finished_elsewhere`, so this step's
+        :meth:`finish` reports them and frees their blocks like any other.
+        """
+        if batch.seqs or outputs or batch.rejected or self._finished_elsewhere or not self.scheduler.has_work():
+            self._idle_steps = 0
+            return
+        if not self._idle_steps:
+            self._idle_since = now
+        self._idle_steps += 1
+        waited, timeout = now - self._idle_since, self.config.stall_timeout_s
+        if timeout is None or self._idle_steps < STALL_STEPS or 0 < waited < timeout:
+            return
+        sched = self.scheduler
+        why = (f"the engine made no progress in {self._idle_steps} steps ({waited:.3g} s; nothing scheduled, "
+               f"nothing finished) with {len(sched.waiting)} waiting and {len(sched.running)} running, "
+               f"{self.pool.num_free} KV blocks free: a scheduling deadlock (an admission policy that admits "
+               f"no one?); the request was failed so the engine keeps serving")
+        log.warning("%s (%d requests failed)", why, len(sched.waiting) + len(sched.running))
+        for req in [*sched.running, *sched.waiting]:
+            req.status, req.error = RequestStatus.FINISHED_ERROR, why
+            self._finished_elsewhere.append(req)
+        self._idle_steps = 0
+        self.num_stalls += 1
 
     def _account_finished(self, req: Request) -> None:
         """Per-tenant latency samples of a finished request (the tenant's counters record them themselves)."""

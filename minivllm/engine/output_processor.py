@@ -187,7 +187,7 @@ class OutputProcessor:
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, token_times,
                                  req.finished_time, req.num_preemptions)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics,
-                             req.num_cached_tokens, req.retry_after_s)
+                             req.num_cached_tokens, req.retry_after_s, req.error)
 
     # -- step 7: finish (the caller's side) -----------------------------------
     def fold(self, outputs: list[tuple[Request, RequestOutput]]) -> list[RequestOutput]:
@@ -231,6 +231,7 @@ class OutputProcessor:
                 outputs=[fresh.get(i, c) for i, c in enumerate(completions)],
                 finished=finished,
                 metrics=replace(last.metrics, first_scheduled_time=scheduled, first_token_time=first_token),
+                error=next((r.error for r in samples if r.error is not None), None),  # any failed sample's why
             )
             if finished:
                 del self._groups[parent_id], self._group_samples[parent_id]

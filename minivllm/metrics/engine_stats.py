@@ -62,6 +62,7 @@ class _EngineCounters(TypedDict):
     swapped_in_bytes: int
     num_rejected: int  # each sample of an n > 1 request counts (Prometheus: the request once)
     num_errors: int
+    num_stalls: int  # times stuck requests were failed (see ``llm_engine.STALL_STEPS``)
     recompute_hit_tokens: int
     per_tenant: dict[str, TenantStats]
 

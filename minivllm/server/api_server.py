@@ -446,7 +446,8 @@ class OpenAIServer:
                            "retry after the Retry-After header's seconds", "rate_limit_error", None,
                            "rate_limit_exceeded", {"Retry-After": _retry_after(out)})
         if out.finished and _finish_reason(out) == "error":
-            raise APIError(500, "the request failed inside the engine", "internal_error", None, "engine_error")
+            raise APIError(500, f"the request failed inside the engine: {out.error or 'no reason given'}",
+                           "internal_error", None, "engine_error")
         return out
 
     async def _run(self, request: Request, prompt, params: SamplingParams, tenant: str, prefix: str,

@@ -329,6 +329,11 @@ rule: admit only when nothing is running. The engine's `max_num_seqs` caps the b
 Two situations: something is still running (then nobody new may start), or nothing is (then everybody waiting may
 try, first come first served). Return a *list* in both.
 </details>
+
+If your policy leaves everyone out while nothing runs, the engine cannot move. It does not spin for ever: after 64
+steps that compute nothing (on this simulated clock, which stands still on an empty step), it ends the stuck
+requests with `finish_reason="error"`, and their output's `error` says why. The checker below then shows requests
+that were never scheduled.
 """),
 ("code", r"""
 class StaticBatching:
