@@ -558,6 +558,22 @@ def test_defect8_a_batch_builder_that_stops_scheduling_frees_the_blocks_of_runni
     assert run_all(engine)["after"].outputs[0].token_ids == _alone([9] * 40, GREEDY)
 
 
+def test_defect8_a_request_that_never_stops_ends_once_it_can_no_longer_fit(monkeypatch):
+    """A bug of the other kind: the stop checks never fire (as if the length check were lost), so a request
+    computes on past ``max_tokens``.  It grows until it fills the pool, is preempted, and can never be admitted
+    again: a stall, so it ends as ``"error"`` with its blocks back, where ``LLM.generate`` used to spin for ever."""
+    from minivllm.engine.output_processor import OutputProcessor
+
+    monkeypatch.setattr(OutputProcessor, "_check_stop", lambda self, req, token, stream: None)
+    engine = sim_engine(num_blocks=24)  # one request of max_model_len (96 tokens) just fits
+    engine.add_request({"prompt_token_ids": [5] * 9}, GREEDY, "runaway")
+    out = run_all(engine)["runaway"]
+    assert out.outputs[0].finish_reason == "error" and "1 waiting and 0 running" in out.error
+    assert len(out.outputs[0].token_ids) > GREEDY.max_tokens
+    assert engine.scheduler.stats.num_preemptions >= 1
+    no_leak(engine)
+
+
 class _WallLikeExecutor(HistoryExecutor):
     """A clock that moves on every step, empty ones too (a real executor's wall clock, made exact)."""
 

@@ -561,7 +561,7 @@ class LLMEngine:
         why = (f"the engine made no progress in {self._idle_steps} steps ({waited:.3g} s; nothing scheduled, "
                f"nothing finished) with {len(sched.waiting)} waiting and {len(sched.running)} running, "
                f"{self.pool.num_free} KV blocks free: a scheduling deadlock (an admission policy that admits "
-               f"no one?); the request was failed so the engine keeps serving")
+               f"no one, a request that can never fit?); the request was failed so the engine keeps serving")
         log.warning("%s (%d requests failed)", why, len(sched.waiting) + len(sched.running))
         for req in [*sched.running, *sched.waiting]:
             req.status, req.error = RequestStatus.FINISHED_ERROR, why
