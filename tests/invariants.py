@@ -120,32 +120,39 @@ def assert_no_leak(engine: LLMEngine) -> None:
         assert engine.kv.cpu_pool.num_free == engine.kv.cpu_pool.num_blocks
 
 
-def steps(engine: LLMEngine, max_steps: int = 5000) -> Iterator[list]:
+def steps(engine: LLMEngine, max_steps: int = 5000, stalls_ok: bool = False) -> Iterator[list]:
     """Step ``engine`` while it has unfinished requests, yielding each ``engine.step()``'s outputs.
 
     Why not ``while engine.has_unfinished_requests()``: a bug that keeps one request from ever finishing (a
     length check that never fires, a starved or deadlocked queue) spins such a loop until pytest-timeout kills
     it 900 s later, with nothing named; here it is an ``AssertionError`` after ``max_steps`` steps.  The
-    default is far above any workload in these tests; pass more for one that needs it.
+    default is far above any workload in these tests; pass more for one that needs it.  The engine's own stall
+    watchdog (``llm_engine.STALL_STEPS``) ends a deadlock sooner, failing the stuck requests; a working
+    scheduler never sets it off, so that too fails here unless ``stalls_ok``.
     """
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
-            return
+            break
         yield engine.step()
-    _assert_drained(engine, max_steps)
+    _assert_drained(engine, max_steps, stalls_ok)
 
 
-def _assert_drained(engine: LLMEngine, max_steps: int) -> None:
+def _assert_drained(engine: LLMEngine, max_steps: int, stalls_ok: bool) -> None:
     if engine.has_unfinished_requests():
         raise AssertionError(f"engine did not drain in {max_steps} steps "
                              "(a request that never finishes, starvation or deadlock)")
+    if not stalls_ok and getattr(engine, "num_stalls", 0):
+        raise AssertionError(f"the engine's stall watchdog fired {engine.num_stalls} time(s): requests stuck "
+                             "with nothing scheduled were failed (a deadlock)")
 
 
-def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], object] | None = None) -> dict:
+def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], object] | None = None,
+          stalls_ok: bool = False) -> dict:
     """Step ``engine`` until every request has finished; ``{request_id: final output}``.
 
     After every step both tiers are recounted (:func:`check_both_tiers`) and ``each(engine)`` runs, if
-    given.  Fails when requests are left after ``max_steps`` (a policy that starves one, or a deadlock).
+    given.  Fails when requests are left after ``max_steps`` (a policy that starves one, or a deadlock), or
+    when the engine's stall watchdog failed any (unless ``stalls_ok``; see :func:`steps`).
     """
     def check(e: LLMEngine) -> None:
         check_both_tiers(e)
@@ -153,5 +160,5 @@ def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], 
             each(e)
 
     finals = workloads.drain(engine, max_steps=max_steps, each=check)
-    _assert_drained(engine, max_steps)
+    _assert_drained(engine, max_steps, stalls_ok)
     return finals
