@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from minivllm.argtypes import nonnegative_int, port, positive_int
+from minivllm.argtypes import nonnegative_float, nonnegative_int, port, positive_int
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--min-free-blocks", type=nonnegative_int, default=0,
                    help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are "
                         "available (free, or holding cached prefixes no request uses)")
+    s.add_argument("--stall-timeout-s", type=nonnegative_float, default=None,
+                   help="seconds a scheduling deadlock may last (nothing scheduled for 64 steps and more) before the "
+                        "stuck requests get an error (default: the engine's 10)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # -h before the name is this parser's help; after it, REMAINDER hands it to the named tool
     b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server")
@@ -150,7 +153,7 @@ def serve(args: argparse.Namespace) -> int:
     options = {
         name: getattr(args, name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "preemption_mode",
-                     "num_gpu_blocks_override", "dtype", "attention_backend", "linear_backend")
+                     "num_gpu_blocks_override", "dtype", "attention_backend", "linear_backend", "stall_timeout_s")
         if getattr(args, name) is not None
     }
     if args.enable_prefix_caching:

@@ -144,11 +144,12 @@ def test_serve_forwards_every_engine_and_server_flag_as_typed(monkeypatch, tmp_p
         "--api-keys-file", str(keys), "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--max-model-len", "128",
         "--block-size", "8", "--enable-prefix-caching", "--preemption-mode", "swap", "--num-gpu-blocks-override", "50",
         "--dtype", "float32", "--attention-backend", "torch", "--linear-backend", "torch",
-        "--max-waiting-requests", "5", "--min-free-blocks", "2", "--log-level", "warning"])
+        "--max-waiting-requests", "5", "--min-free-blocks", "2", "--log-level", "warning", "--stall-timeout-s", "2.5"])
     assert seen["model"] == "some/dir"
     assert seen["options"] == dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=128, block_size=8,
                                    preemption_mode="swap", num_gpu_blocks_override=50, dtype="float32",
-                                   attention_backend="torch", linear_backend="torch", enable_prefix_caching=True)
+                                   attention_backend="torch", linear_backend="torch", enable_prefix_caching=True,
+                                   stall_timeout_s=2.5)
     assert seen["model_names"] == ["a", "b"] and seen["api_keys"] == {"k1": "alice"}
     assert (seen["door"].max_waiting, seen["door"].min_free_blocks) == (5, 2)
     config = seen["config"]
