@@ -358,6 +358,8 @@ class Tokenizer(Protocol):
     A Hugging Face ``PreTrainedTokenizerFast`` satisfies it, and so does a three-method stand-in (the tests'
     word tokenizer).  ``apply_chat_template`` is needed only by ``LLM.chat`` and the server's chat endpoint,
     and ``eos_token_id`` only when the caller does not give the stop ids; neither is part of this protocol.
+    A tokenizer with a ``len()`` (its vocabulary, as Hugging Face's) bounds the prompt ids an engine on a
+    stand-in executor accepts: an id it could not decode is refused at the door, not failed mid-step.
     """
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -101,7 +101,11 @@ class LLM:
 
         Safe to call from several threads at once, and while streams are open:
         all callers share one engine, and every step's outputs are routed to
-        the caller that owns each request.
+        the caller that owns each request.  A request that fails comes back
+        with ``finish_reason == "error"`` and its ``error`` saying why; so
+        does one the scheduler can never run (a deadlock: see
+        :data:`~minivllm.engine.llm_engine.STALL_STEPS`), rather than this
+        call spinning for ever.
         """
         prompts = self._as_list(prompts)
         params = self._params_for(prompts, sampling_params)

@@ -434,6 +434,24 @@ def test_fuzz_bodies(servers, kind, chat):
     _idle_and_free(srv)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_id_past_the_tokenizers_vocabulary_is_a_400_not_a_failed_request(servers, stream):
+    """Found by ``make fuzz`` (FUZZ_SCALE=20): on an engine with a real tokenizer and a stand-in executor,
+    ``"prompt": [2**63]`` was accepted and failed inside the step (the detokenizer cannot take an id past a C
+    long): a 500.  The tokenizer's own ``len()`` now bounds the ids at the door.  Oracle: the vocabulary size
+    the tokenizer reports; its last id is still served."""
+    srv = servers("real_tok")
+    vocab = len(srv.async_engine.engine.tokenizer)
+    with httpx.Client(timeout=30) as client:
+        for ids, status in (([2**63], 400), ([vocab], 400), ([vocab - 1, 5], 200)):
+            body = {"model": "sim", "prompt": ids, "max_tokens": 4, "stream": stream}
+            r = client.post(srv.base_url + "/v1/completions", json=body)
+            assert r.status_code == status, (ids, r.text[:500])
+            if status == 400:
+                assert f"[0, {vocab})" in r.json()["error"]["message"], r.text
+    _idle_and_free(srv)
+
+
 # -- the official client on valid bodies --------------------------------------------------------------
 
 

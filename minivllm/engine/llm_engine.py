@@ -113,6 +113,8 @@ class LLMEngine:
             tokenizer = self.loaded.tokenizer
             model_max_len = self.loaded.model.args.max_position_embeddings
             vocab_size = self.loaded.model.args.vocab_size
+        elif tokenizer is not None and hasattr(tokenizer, "__len__"):
+            vocab_size = len(tokenizer)  # a prompt id past the vocabulary could not be detokenized: refuse it
         self.config = config = config.resolve(model_max_len)
         self.tokenizer = tokenizer
 
