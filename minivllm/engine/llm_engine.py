@@ -560,12 +560,13 @@ class LLMEngine:
         if timeout is None or self._idle_steps < STALL_STEPS or 0 < waited < timeout:
             return
         sched = self.scheduler
+        stuck = [*sched.running, *sched.waiting]
         why = (f"the engine made no progress in {self._idle_steps} steps ({waited:.3g} s; nothing scheduled, "
                f"nothing finished) with {len(sched.waiting)} waiting and {len(sched.running)} running, "
                f"{self.pool.num_free} KV blocks free: a scheduling deadlock (an admission policy that admits "
                f"no one, a request that can never fit?); the request was failed so the engine keeps serving")
-        log.warning("%s (%d requests failed)", why, len(sched.waiting) + len(sched.running))
-        for req in [*sched.running, *sched.waiting]:
+        log.warning("%s (%d requests failed)", why, len(stuck))
+        for req in stuck:
             req.status, req.error = RequestStatus.FINISHED_ERROR, why
             self._finished_elsewhere.append(req)
         self._idle_steps = 0
