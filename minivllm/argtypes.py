@@ -53,6 +53,20 @@ def nonnegative_float(text: str) -> float:
     return x
 
 
+def seconds_or_off(text: str) -> float:
+    """A finite number of seconds >= 0, or ``off``: never, read as ``math.inf``.
+
+    ``inf`` rather than ``None`` because ``None`` already means "not given, keep the default"
+    to the callers that forward options; each caller turns ``inf`` into its own "no limit".
+    """
+    if text.strip().lower() == "off":
+        return math.inf
+    x = _number(text, float)
+    if not x >= 0:  # (inf is "off" spelled as a number; nan is neither)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 or 'off', got {text!r}")
+    return x
+
+
 def positive_rate(text: str) -> float:
     """A rate > 0; ``inf`` allowed (the load generator's "everything at once")."""
     x = _number(text, float)

@@ -11,10 +11,11 @@ closes the run.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
-from minivllm.argtypes import nonnegative_float, nonnegative_int, port, positive_int
+from minivllm.argtypes import nonnegative_int, port, positive_int, seconds_or_off
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -61,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--min-free-blocks", type=nonnegative_int, default=0,
                    help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are "
                         "available (free, or holding cached prefixes no request uses)")
-    s.add_argument("--stall-timeout-s", type=nonnegative_float, default=None,
+    s.add_argument("--stall-timeout-s", type=seconds_or_off, default=None,
                    help="seconds a scheduling deadlock may last (nothing scheduled for 64 steps and more) before the "
-                        "stuck requests get an error (default: the engine's 10)")
+                        "stuck requests get an error; 'off': never (default: the engine's 10)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # -h before the name is this parser's help; after it, REMAINDER hands it to the named tool
     b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server")
@@ -156,6 +157,8 @@ def serve(args: argparse.Namespace) -> int:
                      "num_gpu_blocks_override", "dtype", "attention_backend", "linear_backend", "stall_timeout_s")
         if getattr(args, name) is not None
     }
+    if options.get("stall_timeout_s") == math.inf:
+        options["stall_timeout_s"] = None  # --stall-timeout-s off: the engine's "no watchdog"
     if args.enable_prefix_caching:
         options["enable_prefix_caching"] = True
     api_keys = load_api_keys(args.api_keys_file)

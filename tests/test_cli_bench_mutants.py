@@ -167,6 +167,18 @@ def test_serve_defaults_leave_the_engine_alone_and_listen_on_loopback_port_8000(
     assert (seen["config"].host, seen["config"].port, seen["config"].log_level) == ("127.0.0.1", 8000, "info")
 
 
+@pytest.mark.parametrize("spelling", ["off", "OFF", "inf"])
+def test_serve_stall_timeout_off_turns_the_engines_watchdog_off(monkeypatch, spelling):
+    """Kills: ``off`` forwarded as ``inf`` (the engine refuses a timeout that is not finite, so the server would
+    not start) or dropped (the engine's 10 s default would stay on).  Oracle: ``EngineConfig``'s own meaning,
+    ``stall_timeout_s=None`` is "no watchdog", checked on a config built from the forwarded options."""
+    from minivllm.config import EngineConfig
+
+    seen = _record_serve(monkeypatch, ["--stall-timeout-s", spelling])
+    assert seen["options"] == {"stall_timeout_s": None}
+    assert EngineConfig(**seen["options"]).stall_timeout_s is None
+
+
 def test_python_dash_m_minivllm_exits_with_mains_status():
     """Kills: ``python -m minivllm`` calling ``main()`` without ``sys.exit`` (every error exited 0, so a script
     or CI step could not tell).  Oracle: the subprocess's exit status for a missing API-keys file, an error

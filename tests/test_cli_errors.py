@@ -68,6 +68,8 @@ def test_tool_help_still_reaches_the_tool(capsys):
     (["serve", "--max-waiting-requests", "0"], "--max-waiting-requests"),
     (["serve", "--min-free-blocks", "-1"], "--min-free-blocks"),
     (["serve", "--stall-timeout-s", "-1"], "--stall-timeout-s"),
+    (["serve", "--stall-timeout-s", "nan"], "--stall-timeout-s"),
+    (["serve", "--stall-timeout-s", "never"], "--stall-timeout-s"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "hi", "--block-size", "0"], "--block-size"),
 ])
