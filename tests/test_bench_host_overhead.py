@@ -49,3 +49,14 @@ def test_wfq_beside_a_backlog_does_little_per_waiting_request():
     rows = backlog([16, 500], samples=3, policy="wfq")
     assert rows[0]["running"] == rows[1]["running"] == 32 and rows[1]["waiting"] - rows[0]["waiting"] == 484, rows
     assert rows[1]["opcodes_per_waiting_request"] < 1, rows
+
+
+def test_fcfs_beside_a_backlog_walks_no_waiting_request_in_python():
+    """FCFS beside requests waiting for KV blocks: admission stops at the head, and the copy of the queue it walks
+    is made in C.  The opcode count is exact: 0.0 per waiting request; 4.4 if the policy's order is built in Python
+    (``[r for r in waiting]``), more if admission walked past the head."""
+    from minivllm.bench.host_overhead import backlog
+
+    rows = backlog([16, 500], samples=3, policy="fcfs")
+    assert rows[0]["running"] == rows[1]["running"] == 32 and rows[1]["waiting"] - rows[0]["waiting"] == 484, rows
+    assert rows[1]["opcodes_per_waiting_request"] < 1, rows

@@ -247,16 +247,17 @@ def backlog(sizes: list[int], samples: int, running: int = 32, policy: str = "th
     (:meth:`~minivllm.sched.scheduler.Scheduler.admit`).  And the policy does not order the queue each step: it
     keeps its order as requests enter and leave (:class:`~minivllm.interfaces.KeepsOrder`).
 
-    ``wfq`` and ``priority``: two tenants (weights 1 and 2) alternate, ``running`` requests fill the KV pool, and
+    ``fcfs``, ``wfq`` and ``priority``: two tenants (weights 1 and 2) alternate, ``running`` requests fill the KV pool, and
     the backlog waits for blocks.  Admission stops at the first request (head of line is global), so what grows
-    with the backlog is the policy's order: WFQ grouping the queue by tenant and merging it by counter, priority
-    sorting it (in C: no opcodes, only time), unless the policy kept it.
+    with the backlog is the policy's order: FCFS's copy of the queue (admission changes the queue while it walks
+    the order; in C: no opcodes, only time), WFQ grouping the queue by tenant and merging it by counter, priority
+    sorting it (in C as well), unless the policy kept it.
 
     Reported: opcodes and host CPU time per step, and their growth per waiting request against the smallest
     backlog.  On the 2-core machine: three_class 0.0 opcodes per waiting request per step; 12.5 (~0.2 us) when the
     policy re-sorted the queue every step, 70.6 (~1.1 us) with the memo alone, 155.0 before it; wfq 0.0, and 129.7
-    before it kept its order; priority 0.02 us a waiting request, 0.25 us when it sorted
-    (``*_host_overhead_backlog*.json``).
+    before it kept its order; priority 0.02 us a waiting request, 0.25 us when it sorted; fcfs 0.005 us, its copy
+    of the queue (``*_host_overhead_backlog*.json``).
     """
     from minivllm import EngineConfig, LLMEngine, SamplingParams
     from minivllm.config import TenantConfig
@@ -324,8 +325,8 @@ def main() -> int:
     ap.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
                     help="instead: host cost per step beside this many waiting requests (on a three_class cap, or for "
                          "KV blocks: --backlog-policy; e.g. 16,500,2000; the smallest is the baseline)")
-    ap.add_argument("--backlog-policy", choices=("three_class", "wfq", "priority"), default="three_class",
-                    help="--backlog: three_class (the backlog waits on a cap), or wfq or priority (it waits for KV "
+    ap.add_argument("--backlog-policy", choices=("three_class", "fcfs", "wfq", "priority"), default="three_class",
+                    help="--backlog: three_class (the backlog waits on a cap), or fcfs, wfq or priority (it waits for KV "
                          "blocks)")
     args = ap.parse_args()
     torch.set_num_threads(1)
