@@ -510,6 +510,50 @@ def test_drift_probe_reads_a_known_slowdown(factor):
     assert took / ref_s == pytest.approx(factor, rel=1e-9)
 
 
+def test_the_drift_adjusted_simulation_is_slowed_by_the_mean_of_the_probes_around_the_workload(monkeypatch, tmp_path):
+    """sim_accuracy's drift-adjusted column, on a "real" engine that is a roofline device of known speed.  Its
+    speed moves during the run: calibrated at x1.00, it runs the probe before the workload at x1.00, the workload
+    at x1.10 and the probe after it at x1.20 (a machine slowing steadily).  The mean of the two probes is the
+    workload's own speed, so the adjusted simulation is this device exactly (errors ~0) while the verdict's
+    simulation, at the calibrated speed, is fast on every metric.  Kills: the adjustment slowing by the probe after (x1.20) or before (x1.00) alone,
+    dividing by the drift, or leaving the column out.  Oracle: the device's speed, set by the test."""
+    import json
+
+    from minivllm.bench import sim_accuracy
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, calibrate
+
+    shape = model_preset("smollm2-135m").with_dtype(4)
+    truth = HardwareSpec("truth", peak_flops=80e9, mem_bandwidth=15e9, attention_flops=20e9, roof_p=3.0,
+                         attention_bandwidth=2e9, step_overhead_s=3e-3, seq_overhead_s=0.2e-3,
+                         eager_step_overhead_s=4e-3)
+    cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512, max_model_len=4096,
+                       device="cpu")
+    device = RooflineExecutor(shape, truth)
+    real = LLMEngine(cfg, executor=RecordingExecutor(device), model_max_len=4096, eos_token_ids=set())
+    profile = tmp_path / "device.json"
+    profile.write_text(json.dumps(calibrate(real, shape=shape, scale=0.6, name="sim-device", out=None,
+                                            pin_bandwidth=False)))
+    probes = iter([(1.0, 1.10), (1.20, 1.20)])  # per probe: the device's speed during it, then after it
+    real_probe = sim_accuracy.probe_seconds
+
+    def probe_then_change_speed(engine, groups, repeats=3):
+        during, after = next(probes)
+        device.hardware = truth.slowed(during)
+        got = real_probe(engine, groups, repeats)
+        device.hardware = truth.slowed(after)
+        return got
+
+    monkeypatch.setattr(sim_accuracy, "probe_seconds", probe_then_change_speed)
+    res = sim_accuracy._against_real(real, 0.5, str(profile), ["decode_heavy"], io.StringIO(), None, 1, 1)
+    row = res["workloads"]["decode_heavy"]
+    assert row["drift"]["before"] == pytest.approx(1.0) and row["drift"]["after"] == pytest.approx(1.2)
+    assert all(abs(e) < 1e-6 for e in row["rel_error_drift_adjusted"].values()), row["rel_error_drift_adjusted"]
+    assert all(e < 0 for e in row["rel_error"].values()) and min(row["rel_error"].values()) < -0.1, row["rel_error"]
+    assert res["within_10pct_drift_adjusted"] == "5/5"
+
+
 def test_calibration_repeats_take_the_median_step(monkeypatch):
     """A device that triples every 13th step it runs: one run fits it badly, the median of three runs (what
     ``repeats=3`` keeps per step) gives the true parameters back.  The hiccups are periodic rather than
