@@ -65,7 +65,7 @@ def max_rate_meeting_slo(sweep: dict[float, dict], ttft_s: float = SLO_TTFT_S, i
 
 
 def ramp_run(seed: int = 1, every_s: float = 1.0) -> SimRun:
-    """The ramp of section 5: 2 -> 16 req/s in steps of 5 s, scraped every second."""
+    """The ramp of section 3: 2 -> 16 req/s in steps of 5 s, scraped every second."""
     return run_sim_load(lab_engine(), ramp_arrivals(RAMP_RATES, 5.0, seed=seed), every_s=every_s)
 
 
@@ -612,7 +612,7 @@ def check_first_alarm(fn) -> CheckResult:
              "scrape of the streak, do not assume an even interval"),
         Case("equal breaks a streak", lambda f: f(_series([5, 4, 5, 5]), "waiting", 4, 2), None,
              "4 is not above 4: the streak restarts at t=3 and holds only 1 s by t=4"),
-        Case("on the ramp of section 5", ramp_case, on_ramp, "queue depth > 4, KV usage > 90 %, TTFT p90 > 0.5 s, "
+        Case("on the ramp of section 3", ramp_case, on_ramp, "queue depth > 4, KV usage > 90 %, TTFT p90 > 0.5 s, "
              "each held for 2 s"),
     ]
     return run_checks("first_alarm", fn, cases)

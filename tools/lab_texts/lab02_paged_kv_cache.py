@@ -208,8 +208,9 @@ print("free blocks at the end:", engine.pool.num_free, "of", engine.pool.num_blo
 ## 3. Sharing and copy-on-write
 
 Two samples of one prompt (or two requests with a cached prefix) can point at the *same* physical blocks: the
-prompt's KV is identical, so it is computed and stored once. `KVCacheManager.fork` does that by `incref`-ing every
-block of the parent. The picture shows refcounts `×2`.
+prompt's KV is identical, so it is computed and stored once. `KVCacheManager.fork` does that by `incref`-ing the
+parent's prompt blocks: all those that hold the first `prompt_len - 1` tokens, since the child recomputes the last
+prompt token to get its own logits. The picture shows refcounts `×2`.
 
 The catch is the last, partly filled block: both samples want to write their *own* next token into it. Before a
 request writes into a block someone else holds, the manager **copies** it into a private block
@@ -227,8 +228,8 @@ kv.fork(parent, child)
 fig, axes = plt.subplots(1, 2, figsize=(11, 1.8))
 widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.block_ids}, cols=12, ax=axes[0],
                         title="after fork: 3 shared blocks")
-child.output_token_ids.append(42)          # the child sampled a token; its KV goes into the shared last block
-assert kv.allocate_slots(child, 1)         # ... so the manager copies that block first
+child.output_token_ids.append(42)          # the child will sample its own tokens; first it recomputes its
+assert kv.allocate_slots(child, 1)         # last prompt token, whose KV lands in the shared last block: copied first
 widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.block_ids}, cols=12, ax=axes[1],
                         title="child writes: last block copied")
 plt.show()
@@ -342,9 +343,10 @@ flight it adds up — but to blocks, not to whole reservations.
 ### Measured on the engine: what the waste costs in throughput
 
 Reserving `max_model_len` per request *is* paging with one giant block: `block_size = 2048`. So the same engine can
-run both designs on the same KV budget (16,384 token slots) and the same 64 requests. The executor models a GPU,
-where a decode step costs about the same for 1 or 30 sequences (it is memory-bound, see lab 1): more requests in
-the batch means more tokens per second.
+run both designs on the same KV budget (16,384 token slots) and the same 64 requests. The executor models a GPU:
+a fixed 15 ms per step, plus a little per token and (its default `per_context_token_s`) per KV token read, so a
+decode step of 30 sequences costs about 2.6 times one of a single sequence while producing 30 tokens (decode is
+memory-bound, see lab 1): more requests in the batch means more tokens per second.
 """),
 ("code", r"""
 from minivllm.sim.executor import SimulatedExecutor

@@ -417,8 +417,9 @@ for label, outs in runs.items():
 """),
 ("md", r"""
 The hit computes only the 16 new tokens, not the 256 cached ones, so its TTFT is a fraction of a miss's. A miss
-with the cache on should cost about what it would with caching off (not measured here): the lookup is one dict
-access per block, microseconds beside a 272-token prefill.
+with the cache on should cost about what it would with caching off (not measured here): the lookup (here the
+engine's default radix tree, `prefix_cache="radix"`: a walk down its edges, one tuple comparison per block) costs
+microseconds beside a 272-token prefill.
 
 At the seed's scale — its 3,000-token system prompt — the same arithmetic on a datacenter GPU: the roofline
 simulator with Llama-3-8B on the H100 preset (`minivllm.labs.at_scale`; simulated, nothing ran on an H100). A

@@ -281,8 +281,8 @@ preemption count would show a healthy server. Count preemptions *per tenant* (th
 `vllm:num_preemptions_total{tenant=...}`, lab 8) and the batch tenant stands out: every one of its requests preempted
 again and again.
 
-With the guard, the job is preempted three times, then keeps its blocks. It finishes at 10.2 s whatever the length
-of the stream. The cost lands on chat: its p99 latency rises to about 4.2 s, and chat requests are preempted two to
+With the guard, the job is preempted three times, then keeps its blocks. It finishes 10.2 s after it arrives
+(at t = 1 s), whatever the length of the stream. The cost lands on chat: its p99 latency rises to about 4.2 s, and chat requests are preempted two to
 three times as often, because once the job is protected a chat request has to give way instead. That is the trade
 the guard makes: a bounded worst case for the victim, paid for by everyone else.
 

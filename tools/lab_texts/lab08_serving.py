@@ -13,7 +13,7 @@ CELLS = [
    later than scaling on queue depth, TTFT or cache pressure (✏️ exercise 2);
 5. tune while watching preemptions, cache hit rate and latency percentiles *together*.
 
-**Time:** about two minutes to run on a CPU laptop; 45–60 minutes to work through. Section 3 serves the bundled
+**Time:** about two minutes to run on a CPU laptop; 45–60 minutes to work through. Section 2 serves the bundled
 SmolLM2-135M for real; every bigger measurement runs the real engine (scheduler, KV cache manager, preemption) on
 a simulated forward pass with a virtual clock — the `SERVING_GPU` preset of `check_lab08.py`, an 8B-class model
 on one datacenter GPU (12 ms per step + 30 µs per batched token + 0.3 µs per KV token read) with 512 KV blocks of 16
@@ -154,8 +154,8 @@ metrics_check = check_metrics_from_log(metrics_from_log)
 log_metrics = choose(metrics_check, metrics_from_log, metrics_from_step_log, "metrics_from_log")
 """),
 ("md", r"""
-The measurement: a burst of 40 requests on the simulated GPU with a KV pool too small for all of them, the engine's
-Prometheus metrics attached (what the server does after every step). Stop halfway, then compare.
+The measurement: a burst of 35 requests (20 a second for 2 s) on the simulated GPU with a KV pool too small for
+all of them, the engine's Prometheus metrics attached (what the server does after every step). Stop halfway, then compare.
 """),
 ("code", r"""
 engine = lab_engine(num_blocks=160)
