@@ -210,7 +210,8 @@ class EngineConfig:
     recompute by a cost model that uses ``swap_bandwidth_gbps`` and
     ``prefill_tokens_per_s``; either is measured when not given).
     A request preempted ``preemption_protect_after`` times is chosen as a
-    victim only when every running request is protected (anti-thrash).
+    victim only when every running request is protected, or every running
+    request of the group whose KV cap forces the preemption (anti-thrash).
 
     ``step_log_max_entries`` bounds the step log (a ring buffer) in scheduled
     sequences, about 100 bytes each.

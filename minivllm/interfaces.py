@@ -106,9 +106,10 @@ class ObservesSteps(Protocol):
 @runtime_checkable
 class TracksActivity(Protocol):
     """An admission policy that must know when a tenant goes idle (weighted fair queueing: idling banks no
-    credit).  ``order`` sees who is active whenever something waits; this hook covers the steps it is not
-    called in -- nothing waiting, or the step after a preemption -- when a tenant can finish its last request
-    and go idle unseen."""
+    credit).  ``order`` sees who is active whenever admission walks the waiting queue; this hook covers the
+    steps it is not called in -- nothing waiting, the step after a preemption, or every seat taken with no
+    policy able to free one (no ``may_preempt_for``, no caps) -- when a tenant can finish its last request, or
+    have its last waiting one aborted, and go idle unseen.  So each admission calls exactly one of the two."""
 
     def activity(self, tenants: Collection[str]) -> None:
         """The tenants with a request waiting or running, at a step whose admission did not call ``order``."""
@@ -183,7 +184,8 @@ class PreemptionPolicy(Protocol):
 class PreemptionCostModel(Protocol):
     def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
         """Should a victim with ``num_tokens`` computed tokens in ``num_blocks`` blocks be swapped out
-        (True) rather than recomputed (False)?  Asked only when the host tier has room."""
+        (True) rather than recomputed (False)?  Asked before the host tier's room is checked: a victim it
+        would swap is recomputed when the host tier is full."""
         ...
 
 

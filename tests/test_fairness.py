@@ -393,6 +393,39 @@ def test_wfq_a_tenant_that_goes_idle_while_nothing_waits_banks_no_credit():
     assert_no_leak(engine)
 
 
+def test_a_policy_that_tracks_activity_hears_of_every_admission_even_a_saturated_one():
+    """The TracksActivity contract: each admission calls exactly one of ``order`` and ``activity``, so a policy
+    sees a tenant go idle.  A caller's policy with both hooks and no ``may_preempt_for``, one seat: A runs, B's
+    one request waits, then is aborted while the seat is taken.  The saturated admission used to call neither,
+    and the policy last saw B active.  Oracle: the tenants the test put in and took out."""
+    from minivllm.sched.policies import FCFSAdmission
+
+    class Watching(FCFSAdmission):
+        def __init__(self):
+            self.heard = []
+
+        def order(self, waiting, running):
+            self.heard.append(("order", {r.tenant for r in [*waiting, *running]}))
+            return super().order(waiting, running)
+
+        def activity(self, tenants):
+            self.heard.append(("activity", set(tenants)))
+
+    policy = Watching()
+    engine = make_engine(num_blocks=64, max_seqs=1, max_len=256, admission=policy)
+    add(engine, "A", 4, 6, "a0")
+    add(engine, "B", 4, 2, "b0")
+    for step in range(3):
+        engine.step()
+        assert len(policy.heard) == step + 1, policy.heard  # one call per admission, ordered or not
+        assert policy.heard[-1][1] == {"A", "B"}, policy.heard
+    engine.abort_request("b0")
+    engine.step()
+    assert policy.heard[-1] == ("activity", {"A"}), policy.heard  # B went idle while A held the seat
+    drain(engine)
+    assert_no_leak(engine)
+
+
 def test_wfq_charges_service_once_so_two_tenants_cannot_preempt_each_other_for_ever():
     """Anti-thrash off (``preemption_protect_after=0``), a pool too small for both tenants' requests: each admission
     preempts the other tenant's request by recompute.  When a re-prefill was charged as service again, the

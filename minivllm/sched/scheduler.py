@@ -39,7 +39,9 @@ right after a preemption made while allocating (the pool is full; admitting
 would only preempt again -- a preemption made on purpose to seat a
 better-ranked request does not pause admission), and a request preempted
 ``preemption_protect_after`` times is only chosen as a victim when every
-running request is protected.  So no request is
+running request is protected (or, when a group's KV cap makes it preempt its
+own work, every running request of that group; preempting to seat a
+better-ranked request never takes a protected one).  So no request is
 preempted "every step" (cf. vLLM issue #25538) while others could give way.
 
 A request that could never fit the pool is rejected when it is added, so
@@ -377,14 +379,13 @@ class Scheduler:
         (thrash).  (``allocate`` clears the flag first, so a preemption made
         here, to seat a better-ranked request, does not pause admission.)
         """
-        if self._preempted_last_step or not self.waiting:
+        if (self._preempted_last_step or not self.waiting
+                or len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None):
+            # The last clause: every seat is taken and no policy may free one, so nothing below could admit or
+            # reject anyone (with caps it could: an over-cap request is rejected whatever the seats).  Returning
+            # here keeps a saturated step from walking the waiting queue.
             if self._activity is not None:  # no ordering this step: tell the policy who is still active
                 self._activity(self.waiting_by_tenant.keys() | {r.tenant for r in self.running})
-            return []
-        if len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None:
-            # Every seat is taken and no policy may free one: nothing below could admit or reject anyone
-            # (with caps it could: an over-cap request is rejected whatever the seats).  Returning here
-            # keeps a saturated step from walking the running set and the waiting queue.
             return []
         caps = self.caps
         usage = self._group_usage() if caps is not None else None
