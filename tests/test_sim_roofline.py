@@ -554,6 +554,29 @@ def test_the_drift_adjusted_simulation_is_slowed_by_the_mean_of_the_probes_aroun
     assert res["within_10pct_drift_adjusted"] == "5/5"
 
 
+def test_the_quick_calibration_grid_drops_only_the_big_decode_groups_and_keeps_the_probe_in_place():
+    """A quick grid (``scale`` < 1, sim_accuracy's quick run) leaves out the decode groups holding more than 2,048
+    tokens of context -- the slow ones on a CPU -- and nothing else; the groups before them, the drift probe's
+    two among them, keep their index and their shape, so a probe reads the same steps in either grid.  Kills:
+    the filter dropped (the quick grid as slow as the full one) or applied to every scale (the full grid
+    without its long-context decodes, which the K/V-reading term needs).  Oracle: the grid's own list of
+    decode shapes, counted here by hand: 11 decode groups, of which (12, 384) and (4, 1024) exceed 2,048."""
+    from minivllm.bench.sim_accuracy import PROBE_GROUPS
+    from minivllm.sim.calibrate import calibration_grid
+
+    def shapes(grid):
+        return [(len(g), len(g[0].prompt_token_ids), g[0].max_tokens) for g in grid]
+
+    full, quick = shapes(calibration_grid(scale=1.0)), shapes(calibration_grid(scale=0.6))
+    assert len(full) == 11 + 11 and len(quick) == 11 + 9
+    decodes = [(b, p) for b, p, _ in full[11:]]
+    assert [(b, p) for b, p, _ in quick[11:]] == [(b, p) for b, p in decodes if b * p <= 2048]
+    assert {(12, 384), (4, 1024)} == set(decodes) - {(b, p) for b, p, _ in quick[11:]}
+    assert quick[:11] == full[:11]  # prefills and mixed groups: the same at any scale
+    for g in PROBE_GROUPS:
+        assert quick[g][:2] == full[g][:2], g  # the same shape at the same index (decode steps scale)
+
+
 def test_calibration_repeats_take_the_median_step(monkeypatch):
     """A device that triples every 13th step it runs: one run fits it badly, the median of three runs (what
     ``repeats=3`` keeps per step) gives the true parameters back.  The hiccups are periodic rather than
