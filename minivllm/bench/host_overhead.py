@@ -208,8 +208,8 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     On the 2-core machine, with 64-token prompts, most of the rise is a step, not a slope: ~166 us
     up to 100 output tokens, ~183 us once the requests hold more than 256 tokens in all, 183-188 us
     from there to 900 output tokens (``*_host_overhead_sweep.json``).  With 300-token prompts the
-    first figure is already 178-181 us, then 187-191 at 300 output tokens, 190-193 at 600 and
-    195-200 at 900 (``*_sweep_prompt300.json``, three runs).  The step: CPython keeps one shared
+    first figure is already 177 us, then 186 at 300 output tokens, 193 at 600 and 197 at 900
+    (``*_sweep_prompt300.json``).  The step: CPython keeps one shared
     object for each integer from -5 to 256; a larger one -- ``len()`` of a 300-token list, a
     ``num_computed_tokens`` past 256, ``prompt + output`` -- is a fresh heap object each time it
     is computed, and reading it is one more memory access.  The step's code is the same at every
@@ -255,7 +255,7 @@ def backlog(sizes: list[int], samples: int, running: int = 32, policy: str = "th
 
     Reported: opcodes and host CPU time per step, and their growth per waiting request against the smallest
     backlog.  On the 2-core machine: three_class 0.0 opcodes per waiting request per step; 12.5 (~0.2 us) when the
-    policy re-sorted the queue every step, 70.6 (~1.1 us) with the memo alone, 155.0 before it; wfq 0.0, and 129.7
+    policy re-sorted the queue every step, 70.6 (~1.1 us) with the memo alone, 155.0 before it; wfq none (-0.5 and -0.1), and 129.7
     before it kept its order; priority 0.02 us a waiting request, 0.25 us when it sorted; fcfs 0.005 us, its copy
     of the queue (``*_host_overhead_backlog*.json``).
     """

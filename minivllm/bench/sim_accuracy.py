@@ -386,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="cpu: the real engine's clock is its thread's CPU time (one torch thread), immune to other "
                          "processes on a shared machine")
     ap.add_argument("--save-profile", default=None, help="also write the fresh calibration as a profile JSON here")
-    ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json)")
+    ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json, "
+                    "..._sim_accuracy_cputime.json with --clock cpu)")
     ap.add_argument("--model", default=None, help="an HF model directory instead of the bundled model "
                     "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
     ap.add_argument("--real-repeats", type=positive_int, default=2,

@@ -308,7 +308,7 @@ class ModelRunner:
         seqs = batch.seqs  # one-token rows first, as the scheduler built it
         input_ids, positions, meta = self.prep.prepare(seqs)
         if self.graphs is not None and self.graphs.can_run(meta):
-            hidden = self.graphs.run(input_ids, positions, meta)  # one replay instead of ~300 launches
+            hidden = self.graphs.run(input_ids, positions, meta)  # one replay, not hundreds of launches (cuda_graphs.py)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)
         rows = [i for i, s in enumerate(seqs) if s.samples]

@@ -567,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                     "./<name>.json in an installed package; it must not exist yet unless --force: the committed "
                     "profiles are what the tests load)")
     ap.add_argument("--force", action="store_true", help="let the default --out replace an existing profile")
-    ap.add_argument("--name", default=None, help="profile / hardware name (default: cpu-<N>core or the GPU's name)")
+    ap.add_argument("--name", default=None, help="profile / hardware name (default: cpu-<N>core, <device>-1thread-cputime "
+                    "with --clock cpu, or the GPU's name)")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",

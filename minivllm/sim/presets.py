@@ -11,7 +11,7 @@ device to replace all of them with measured values.
 Device memory is what the card reports (``nvidia-smi``'s ``memory.total``), not
 the label on the datasheet, because the pool is sized from what the device
 reports: an "80 GB" H100 reports 81,559 MiB = 85.5 GB, and reading its label as
-80e9 bytes would shrink a Llama-3-8B pool by 9%.  CUDA itself
+80e9 bytes would shrink a Llama-3-8B pool by 8%.  CUDA itself
 (``torch.cuda.get_device_properties(0).total_memory``, which a calibrated profile
 records) reports about 0.6% less on Hopper cards (an H100: ~81,089 MiB), what the
 driver keeps for itself.
