@@ -65,8 +65,8 @@ MUTANTS = [
      "if len(interactive) > self.threshold:", ""),
     ("eviction survivors lose their age", LEAVES, "            self.touch(leaf, tick)\n        return freed",
      "            self.touch(leaf, tick + 1)\n        return freed", ""),
-    ("admission right after an allocator's preemption", SCH, "if self._preempted_last_step or not self.waiting:",
-     "if not self.waiting:", ""),
+    ("admission right after an allocator's preemption", SCH, "if (self._preempted_last_step or not self.waiting",
+     "if (not self.waiting", ""),
     # the prefix caches, namespaces and the engine's request table
     ("radix extend ignores the namespace", RADIX,
      "if node is None or node.namespace != namespace or node.block_ids[-1] != parent_block:",
