@@ -156,7 +156,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
-        Validation and the template live in :meth:`InputProcessor.encode_chat` (the server's path too)."""
+        Validation and the template live in :meth:`~minivllm.engine.input_processor.InputProcessor.encode_chat` (the server's path too)."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("chat() needs a conversation (a non-empty list of messages) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -224,8 +224,9 @@ class RequestStream:
     at the first ``next``, which put a bad prompt's ``ValueError`` far from the call that sent it.  Here the
     request is already in the engine; reading it pumps the engine (:class:`_Router`), and a stream closed or
     freed before its final output aborts the request, as an abandoned generator's ``finally`` did.  An abort
-    from inside a step (the cycle collector freeing a stream there) waits for the step to end (the engine's
-    lock), so it is safe whenever it comes.
+    from another thread waits for the step to end (the engine's lock); one from inside a step (the cycle
+    collector freeing a stream there) is deferred by the engine until the step ends, so it is safe whenever
+    it comes.
     """
 
     def __init__(self, llm: LLM, request_id: str) -> None:

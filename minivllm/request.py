@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_REJECTED = "rejected"  # reject mode: could not be served without preempting others
+    FINISHED_REJECTED = "rejected"  # reject mode (could not be served without preempting others) or over_cap="reject"
     FINISHED_ERROR = "error"  # something failed for this request alone (its neighbours went on)
 
     finished: bool  # set on every member below
@@ -117,8 +117,9 @@ class Request:
     def is_decode(self) -> bool:
         """The prompt is in the cache and exactly one token -- the last sampled -- still lacks K/V.
 
-        The one definition of "decode" in minivllm (the scheduler, the batch
-        and the step log all ask this property).  A one-token prefill chunk
+        The one definition of "decode" in minivllm (the scheduler asks this
+        property, or :meth:`split_decodes`' copy of its rule, and the batch
+        keeps the answer in ``ScheduledSeq.is_decode``).  A one-token prefill chunk
         (the last prompt token of a forked ``n > 1`` sample, say) is not a
         decode, even though the attention kernels treat it as a one-token row.
         """

@@ -235,6 +235,23 @@ def test_an_untracked_samples_preemption_is_charged_to_its_parents_tenant():
     assert metric_value(s, "vllm:num_preemptions_total") == 1
 
 
+def test_an_untracked_preemption_whose_id_holds_a_hash_is_charged_to_its_own_tenant():
+    """Request ids may contain ``#``; only a ``parent#<digits>`` id is a sample, split at its *last* ``#`` (the
+    input processor's rule).  A request ``user#3x`` is its own parent, and ``job#7#1`` is a sample of ``job#7``.
+    Oracle: the caller's own table.  Kills: splitting at the first ``#`` (both went to "None": ``user`` and
+    ``job`` are no one's ids), or at the last whatever follows it."""
+    e = _FakeEngine({**_zero_stats(), "num_recompute_preemptions": 2})
+    e.step_log.append(_rec(0, preempted=["user#3x", "job#7#1"]))
+    m = EngineMetrics("mm")
+    observe_all(m, e, [], {"user#3x": "alice", "job#7": "bob", "user": "mallory"}.get)
+    s = metric_samples(m.render().decode())
+    assert metric_value(s, "vllm:num_preemptions_total", mode="recompute", tenant="alice") == 1
+    assert metric_value(s, "vllm:num_preemptions_total", mode="recompute", tenant="bob") == 1
+    assert metric_value(s, "vllm:num_preemptions_total") == 2
+    m.track("user", "mallory")  # the server's path: tracked requests, by the same rule
+    assert m.tenant_of("user#3") == "mallory" and m.tenant_of("user#3x") == "unknown"
+
+
 def test_preemptions_never_exceed_the_engines_own_counters():
     """The preemption counter follows the engine's cumulative counters; a step record naming a preemption that
     the (possibly older) stats snapshot does not count yet adds nothing, and the scrape still works.  Oracle:

@@ -60,6 +60,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from minivllm.engine.input_processor import InputProcessor
 from minivllm.metrics.engine_stats import EngineStats
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -108,7 +109,7 @@ class EngineMetrics:
             "vllm:num_preemptions", "Preemptions, by mode (recompute|swap) and tenant.", ["model_name", "mode", "tenant"], registry=r
         )
         self.recomputed = Counter("vllm:num_recomputed_tokens", "Tokens computed again after preemption (minivllm).", m, registry=r)
-        self.rejected = Counter("vllm:num_requests_rejected", "Requests turned away by reject mode, an n > 1 request once (minivllm).", mt, registry=r)
+        self.rejected = Counter("vllm:num_requests_rejected", "Requests turned away by reject mode or a tenant cap with over_cap=reject, an n > 1 request once (minivllm).", mt, registry=r)
         self.shed = Counter("vllm:num_requests_shed", "Requests turned away at the server's door before the queue "
                             "(--max-waiting-requests), 429 queue_full (minivllm).", mt, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", mt, registry=r)
@@ -140,8 +141,8 @@ class EngineMetrics:
 
     def tenant_of(self, request_id: str) -> str:
         t = self._tracked.get(request_id)
-        if t is None and "#" in request_id:  # a sample of an n > 1 group
-            t = self._tracked.get(request_id.rpartition("#")[0])
+        if t is None and (parent := InputProcessor.sample_parent(request_id)) is not None:  # a sample of an n > 1 group
+            t = self._tracked.get(parent)
         return t.tenant if t is not None else "unknown"
 
     def observe_output(self, out, tenant: str | None = None) -> None:
@@ -332,7 +333,7 @@ def observe_all(metrics: EngineMetrics, engine, outputs, tenant_of: Callable[[st
         known = metrics.tenant_of(rid)
         if known != "unknown":
             return known
-        return tenant_of(rid.partition("#")[0]) if tenant_of else "default"
+        return tenant_of(InputProcessor.sample_parent(rid) or rid) if tenant_of else "default"
 
     metrics.observe_step(engine, tenant_of=label)
     for out in outputs:

@@ -23,8 +23,8 @@ Behaviour worth knowing:
   passes ``json.dumps([tenant, cache_salt])`` to the engine, so a client's
   salt can only split its own tenant's space further and can never name
   another tenant's namespace (not even with ``share_prefix_cache_across_tenants``).
-* **Overload.** A request the engine turns away (``preemption_mode="reject"``,
-  ``finish_reason == "rejected"``) is a 429 with ``Retry-After`` (whole seconds,
+* **Overload.** A request the engine turns away (``preemption_mode="reject"``, or a
+  tenant at its cap with ``TenantConfig(over_cap="reject")``: ``finish_reason == "rejected"``) is a 429 with ``Retry-After`` (whole seconds,
   from the engine's ``retry_after_s``).  A streamed request answers only once
   its first output exists, so a rejection is a 429 before any byte of a stream.
 * **Disconnects.** A client that goes away (streaming or not) has its
@@ -396,8 +396,10 @@ class OpenAIServer:
         """A prompt plus an explicit ``max_tokens`` past the context is a 400, as OpenAI and vLLM answer.
 
         The engine itself clamps ``max_tokens`` to the room left (``LLM.generate`` callers get what fits);
-        a client that asked for N tokens over HTTP is told instead of quietly getting fewer.  Without
-        ``max_tokens`` the reply may fill the context.  A prompt alone too long is the engine's error.
+        a client that asked for N tokens over HTTP is told instead of quietly getting fewer.  A completion
+        request without ``max_tokens`` asks for OpenAI's default of 16, which is checked the same way; a chat
+        request without ``max_tokens`` (or ``max_completion_tokens``) may fill the context.  A prompt alone
+        too long is the engine's error.
         """
         limit = self.max_model_len
         if max_tokens is None or not limit or num_prompt_tokens >= limit or num_prompt_tokens + max_tokens <= limit:
