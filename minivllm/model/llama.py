@@ -9,7 +9,8 @@ is wasted on that (the only padding is a few rows: decode batches to a captured
 CUDA-graph size, and 1-3 rows to 4 for oneDNN's faster kernel).
 
 Covers Llama 2/3 (incl. Llama 3's RoPE scaling), SmolLM/SmolLM2, Qwen2
-(bias on q/k/v) and Qwen3 (RMSNorm on q and k per head).
+(bias on q/k/v), Qwen3 (RMSNorm on q and k per head) and Mistral (its sliding
+window is not implemented, so it bounds the servable length instead).
 """
 
 from __future__ import annotations
