@@ -116,6 +116,7 @@ def test_api_keys_file_errors_name_the_file(tmp_path, capsys, monkeypatch):
     (["--dtype-bytes", "3"], "--dtype-bytes"),  # no element is 3 bytes wide
     (["--slo-ttft-ms", "-1"], "--slo-ttft-ms"),
     (["--slo-itl-ms", "0"], "--slo-itl-ms"),
+    (["--seed", "-1"], "--seed"),  # was numpy's "expected non-negative integer", naming no flag
 ])
 def test_sim_run_numbers(extra, flag, capsys):
     from minivllm.sim.run import main
@@ -219,6 +220,7 @@ BENCH = ["--base-url", CLOSED, "--model", "m", "--no-progress", "--request-timeo
     (["--slo-itl-ms", "0"], "--slo-itl-ms"),
     (["--temperature", "nan"], "--temperature"),  # was sent on: every request an error, exit 0
     (["--temperature", "-1"], "--temperature"),
+    (["--seed", "-1"], "--seed"),  # was numpy's "expected non-negative integer", naming no flag
 ])
 def test_bench_serve_numbers(extra, flag, capsys):
     from minivllm.bench.loadgen import main

@@ -359,3 +359,17 @@ def test_a_request_refused_at_the_door_does_not_count_as_a_cache_lookup():
         rates.append(res.summary(window=(0.0, 10.0))["prefix_hit_rate"])
     assert res.result("long").outcome == "error"
     assert rates[0] > 0.5 and rates[1] == rates[0]
+
+
+def test_prefix_affinity_routes_a_prompt_the_engine_will_refuse_instead_of_crashing_the_fleet():
+    """A router runs before the engine sees the prompt, so it must not be the one to choke on it.  Round robin
+    serves these arrivals (a negative id is refused at the door as an error; an id past 2**32 is served), but
+    prefix affinity packed ids as uint32 and the whole run died in a ``struct.error``.  Oracle: the same
+    outcomes as round robin, and in-range keys unchanged (two equal prompts still share an owner)."""
+    for prompt in ((-1, 5), (2**32, 5)):
+        arrivals = [FleetArrival(0.0, "a", prompt, 3), FleetArrival(0.1, "b", (5, 6, 7), 3)]
+        want = [r.outcome for r in Fleet(2, RoundRobinRouter(), engine_factory=small_replica).run(arrivals).results]
+        got = Fleet(2, PrefixAffinityRouter(2), engine_factory=small_replica).run(arrivals).results
+        assert [r.outcome for r in got] == want, prompt
+    assert stable_hash([1, 2]) == stable_hash(bytes([1, 0, 0, 0, 2, 0, 0, 0]))  # in-range ids: the same hash as before
+    assert stable_hash([-1, 5]) == stable_hash([-1, 5]) != stable_hash([2**32 - 1, 5])

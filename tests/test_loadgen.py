@@ -494,3 +494,47 @@ def test_end_to_end_against_own_server(tmp_path):
         thread.join(30)
         llm.close()
     assert not thread.is_alive(), "the server thread did not stop"
+
+
+def test_a_trace_prompt_len_above_the_length_cap_is_refused_at_the_line():
+    """The cap that refuses ``--tenant input=2000000`` holds for a trace's ``prompt_len`` too: a trace line asking
+    for 10^12 tokens was accepted and the planner died in a MemoryError traceback writing its words out.  The
+    oracle is :data:`MAX_LENGTH` itself: the cap passes, one token more is a ValueError naming the line."""
+    ok = lg.parse_trace([json.dumps({"timestamp": 0, "prompt_len": lg.MAX_LENGTH})])
+    assert ok[0].prompt_len == lg.MAX_LENGTH
+    for n in (lg.MAX_LENGTH + 1, 10**12):
+        with pytest.raises(ValueError, match="trace line 2: 'prompt_len'"):
+            lg.parse_trace(["# header", json.dumps({"timestamp": 0, "prompt_len": n})])
+
+
+def test_tenant_shares_whose_sum_overflows_still_split_the_arrivals_by_share():
+    """Each share is a finite number > 0, so the spec is valid; two of 1e308 sum to inf, and the plan died in
+    numpy's "Probabilities do not sum to 1", naming no tenant.  Equal shares, however large, are a 50/50 split:
+    the plan must match the one with shares 1 and 1 (same seed, same draws)."""
+    big = [lg.parse_tenant("name=a,share=1e308"), lg.parse_tenant("name=b,share=1e308")]
+    unit = [lg.parse_tenant("name=a,share=1"), lg.parse_tenant("name=b,share=1")]
+    assert [p.tenant for p in lg.plan_requests(big, 40, 5.0, seed=3)] == [p.tenant for p in lg.plan_requests(unit, 40, 5.0, seed=3)]
+
+
+def test_a_near_regular_gamma_process_still_spaces_arrivals_one_over_the_rate_apart():
+    """Burstiness is the gamma shape: the larger it is, the closer the gaps come to exactly 1/rate.  With shape
+    1e308 the scale 1/(rate*shape) overflowed to 1/inf = 0 and every request arrived at t=0, the opposite of
+    the smooth process asked for.  Oracle: the gaps' mean is 1/rate (and 1e300, which never overflowed, agrees)."""
+    for shape in (1e300, 1e308):
+        t = lg.arrival_times(6, 10.0, shape, np.random.default_rng(0))
+        assert np.allclose(np.diff(t), 0.1, rtol=1e-6), (shape, t)
+
+
+def test_a_tenant_named_overall_keeps_its_row_in_the_table():
+    """format_table told the overall row from a tenant's by its name: a lone tenant called "overall" was taken
+    for the overall row and skipped, so the table had a header and no rows at all.  Oracle: the row shows the
+    tenant's request count (5) next to its name."""
+    rs = [lg.RequestResult(i, "overall", 0.1 * i, 8, 4, outcome="ok", start=0.1 * i, ttft=0.05, itl=[0.01] * 3,
+                           e2e=0.08, output_tokens=4) for i in range(5)]
+    table = lg.format_table(lg.summarize(lg.RunResult(10.0, 1.0, rs)))
+    rows = [line for line in table.splitlines() if line.startswith("overall ")]
+    assert len(rows) == 1 and rows[0].split()[1] == "5", table
+    two = rs + [lg.RequestResult(9, "b", 0.0, 8, 4, outcome="ok", start=0.0, ttft=0.05, e2e=0.08, output_tokens=4)]
+    table = lg.format_table(lg.summarize(lg.RunResult(10.0, 1.0, two)))
+    assert [line.split()[:2] for line in table.splitlines() if line.split()[:1] in (["b"], ["overall"])] == [
+        ["b", "1"], ["overall", "5"], ["overall", "6"]], table  # both tenants, then the overall row last

@@ -43,7 +43,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from minivllm.argtypes import fraction, nonnegative_float, positive_float, positive_int, positive_rate
+from minivllm.argtypes import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, positive_rate
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated, meets_slo
 
@@ -210,7 +210,8 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, rng: np.random.G
     if math.isinf(rate):
         return np.zeros(n)
     rng = rng if rng is not None else np.random.default_rng(0)
-    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n - 1)
+    rb = rate * burstiness  # (which can overflow to inf, a scale of 0: every arrival at once)
+    gaps = rng.gamma(burstiness, 1.0 / rb if math.isfinite(rb) else 1.0 / rate / burstiness, n - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
@@ -221,6 +222,9 @@ def plan_requests(tenants: list[Tenant], n: int, rate: float, burstiness: float 
     rng = np.random.default_rng(seed)
     times = arrival_times(n, rate, burstiness, np.random.default_rng([seed, 1]))
     shares = np.array([t.share for t in tenants], dtype=float)
+    with np.errstate(over="ignore"):  # finite shares can still sum to inf (1e308 + 1e308)
+        if not math.isfinite(shares.sum()):
+            shares = shares / shares.max()
     who = rng.choice(len(tenants), size=n, p=shares / shares.sum())
     out = []
     for i in range(n):
@@ -264,8 +268,8 @@ def parse_trace(lines: Iterable[str]) -> list[TraceEntry]:
         plen = obj.get("prompt_len", obj.get("input_len"))
         if prompt is not None and (not isinstance(prompt, str) or not prompt):
             raise ValueError(f"trace line {no}: 'prompt' must be a non-empty string")
-        if plen is not None and (isinstance(plen, bool) or not isinstance(plen, int) or plen < 1):
-            raise ValueError(f"trace line {no}: 'prompt_len' must be a positive integer")
+        if plen is not None and (isinstance(plen, bool) or not isinstance(plen, int) or not 1 <= plen <= MAX_LENGTH):
+            raise ValueError(f"trace line {no}: 'prompt_len' must be an integer from 1 to {MAX_LENGTH:,}")
         if prompt is None and plen is None:
             raise ValueError(f"trace line {no}: needs 'prompt' or 'prompt_len'")
         mt = obj.get("max_tokens", obj.get("output_len"))
@@ -641,12 +645,12 @@ def format_table(summary: dict, slo_text: str = "") -> str:
     head = (f"{'tenant':<10} {'sent':>4} {'ok':>4} {'429':>4} {'err':>4} | {'TTFT ms p50/p90/p99':>20} | "
             f"{'ITL ms p50/p90/p99':>20} | {'e2e s p50/p90/p99':>18} | {'req/s':>6} {'tok/s':>7} | {'good':>5} {'good/s':>6}")
     lines = [head, "-" * len(head)]
-    rows = list(summary["tenants"].items()) + [("overall", summary["overall"])]
-    for name, s in rows:
-        if name == "overall" and len(rows) > 2:
+    rows = list(summary["tenants"].items())
+    if len(rows) > 1:  # (one tenant's row is the overall one; told apart by position: a tenant may be named "overall")
+        rows.append(("overall", summary["overall"]))
+    for k, (name, s) in enumerate(rows):
+        if k == len(summary["tenants"]):
             lines.append("-" * len(head))
-        elif name == "overall":
-            continue
         t, i, e = s["ttft_ms"], s["itl_ms"], s["e2e_s"]
         sent = s["requests"] - s["unsent"]
         lines.append(
@@ -843,7 +847,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="sampling temperature sent with each request (a finite number >= 0; 0 is greedy)")
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="ask for exactly max_tokens (vLLM/SGLang/minivllm extra field)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)  # (numpy's generators take no negative seed)
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=None)
     ap.add_argument("--slo-itl-ms", type=positive_float, default=None)
     ap.add_argument("--slo-itl-stat", choices=("p99", "max", "mean"), default="p99",

@@ -46,7 +46,11 @@ def stable_hash(data: bytes | str | Sequence[int]) -> int:
     elif isinstance(data, (bytes, bytearray)):
         raw = bytes(data)
     else:
-        raw = struct.pack(f"<{len(data)}I", *data)
+        try:
+            raw = struct.pack(f"<{len(data)}I", *data)
+        except struct.error:  # an id outside uint32 (one the engine will refuse, say): a key all the same, never a
+            # crash inside the router, which runs before the engine can refuse the prompt on its own terms
+            raw = b"\xffids:" + ",".join(str(int(x)) for x in data).encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
 
 

@@ -24,7 +24,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 
-from minivllm.argtypes import fraction, positive_float, positive_int, positive_rate
+from minivllm.argtypes import fraction, nonnegative_int, positive_float, positive_int, positive_rate
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
                                     parse_tenant, parse_trace, plan_from_trace, plan_requests, summarize)
 from minivllm.bench.results import write_result
@@ -403,7 +403,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=positive_int, default=1000)
     ap.add_argument("--request-rate", type=positive_rate, default=None, help="req/s (default: the workload's)")
     ap.add_argument("--burstiness", type=positive_float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)  # (numpy's generators take no negative seed)
     ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument("--max-num-seqs", type=positive_int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
