@@ -377,8 +377,8 @@ def test_admission_reserves_the_private_copy_a_just_forked_sample_will_need():
 
 def test_a_policy_may_return_the_waiting_queue_itself():
     """"When nothing runs, return the waiting list as it is" (lab 1's hint) -- taken literally, a policy returns
-    the scheduler's own deque, which admission removes from while it walks the order.  Oracle: FCFS, whose
-    order is a copy of the same queue: the same requests admitted in the same steps."""
+    the queue it was given, which must not be the one admission removes from while it walks the order.  Oracle:
+    the FCFS order written out as a new list: the same requests admitted in the same steps."""
     class AsIs:
         def order(self, waiting, running):
             return waiting
@@ -394,5 +394,8 @@ def test_a_policy_may_return_the_waiting_queue_itself():
                 first.setdefault(rid, engine.step_log[-1]["step"])
         return first
 
-    from minivllm.sched.policies import FCFSAdmission
-    assert admitted_steps(AsIs()) == admitted_steps(FCFSAdmission())
+    class NewList:
+        def order(self, waiting, running):
+            return [r for r in waiting]
+
+    assert admitted_steps(AsIs()) == admitted_steps(NewList())

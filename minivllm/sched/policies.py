@@ -16,10 +16,14 @@ from minivllm.sched.kept import KeepsItsOrder, KeptOrder
 
 
 class FCFSAdmission:
-    """Admit in queue order: preempted requests (at the front) first, then by arrival."""
+    """Admit in queue order: preempted requests (at the front) first, then by arrival.
 
-    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
-        return list(waiting)
+    The queue as given is the order: the scheduler hands a policy like this one its own copy of the queue
+    (it reads and changes the real one while it admits), so a second copy here would only cost a step time.
+    """
+
+    def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> Sequence[Request]:
+        return waiting
 
 
 class RecomputeLatestPreemption:

@@ -83,6 +83,14 @@ from minivllm.sched.policies import FCFSAdmission, RecomputeLatestPreemption
 _SAMPLES_KEPT = 2048  # per tenant: the newest finished requests' TTFTs and ITLs kept for percentiles
 
 
+def _named(answer) -> str:
+    """A policy's wrong answer in an error message: a request by its id (a whole Request's repr would bury the
+    message), a plain value as itself, anything else by its type."""
+    if isinstance(answer, Request):
+        return f"request {answer.request_id!r}"
+    return repr(answer) if answer is None or isinstance(answer, (str, int, float)) else f"a {type(answer).__name__}"
+
+
 @dataclass
 class PreemptionCosts:
     """The auto mode's default cost model (a :class:`~minivllm.interfaces.PreemptionCostModel`):
@@ -342,7 +350,7 @@ class Scheduler:
                  if r not in admitted and (not limit or r.num_preemptions < limit) and self._may_preempt_for(req, r)]
         if not cands or not self._victims_could_make_room(req, cands):
             return False
-        victim = self.preemption_policy.choose_victim(cands)
+        victim = self._choose_victim(cands)
         self._preempt(victim)
         self._admission_preempted.append(victim)
         return True
@@ -402,16 +410,30 @@ class Scheduler:
         # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
         cap_closed: set[str] = set()
         swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
-        order = self.admission_policy.order(self.waiting, self.running)
-        if order is self.waiting:  # a policy may hand back the queue itself ("all of them, as they are"),
-            order = list(order)  # which admission changes while it walks the order
+        trusted = self._keeps_order is not None
+        if trusted:  # a policy that keeps its order recognises the queue itself, and reads it only
+            order = self.admission_policy.order(self.waiting, self.running)
+            if order is self.waiting:  # it may hand the queue back ("all of them, as they are"),
+                order = list(order)  # which admission changes while it walks the order
+        else:  # any other policy gets copies (lists, as a lab's checker gives it): one that pops what it was
+            order = self.admission_policy.order(list(self.waiting), list(self.running))  # handed loses no request
+        try:
+            order = iter(order)
+        except TypeError:
+            raise ValueError(self._not_an_order(order)) from None
         for req in order:
+            if not isinstance(req, Request):
+                raise ValueError(self._not_an_order(req))
             if req.tenant in blocked or req.tenant in cap_closed or req.status is RequestStatus.FINISHED_REJECTED:
                 continue  # (rejected in this pass together with its group's leader)
+            if req.status is RequestStatus.RUNNING and req in admitted:
+                continue  # listed twice, and admitted the first time
             if req.leader is not None and not self._leader_ready(req):
                 continue  # n > 1: a sibling sample forks once its leader has prefilled the prompt
             if caps is not None:
-                need = self._waiting_need[req]
+                need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
+                if need is None:
+                    raise ValueError(self._not_an_order(req))
                 if need >= cap_failed.get(req.tenant, need + 1):
                     continue  # as over its caps as a request of its tenant that already failed them
                 if not self._within_caps(req, usage, need):
@@ -426,6 +448,8 @@ class Scheduler:
                             if self._all_passed_over(blocked, cap_closed):
                                 break  # the rest of the order is passed over too
                     continue  # its tenant (or class) is at a cap: it waits, the others do not
+            elif not trusted and req not in self.waiting:  # (by identity, in C; the removal below scans as far)
+                raise ValueError(self._not_an_order(req))
             while True:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
                 if caps is not None:
@@ -470,6 +494,27 @@ class Scheduler:
                     u[1] += len(req.block_ids) + self._reservation(req)
                     u[2] += self._chunk_cap(req)
         return admitted
+
+    def _not_an_order(self, answer) -> str:
+        """What is wrong with an admission policy's ``answer`` (its order, or one item of it), said at the
+        boundary as a batch builder's is: before anything is allocated for it, not as an error from deep in
+        the KV manager.  A request is named by its id: a whole Request's repr would bury the message."""
+        name = f"admission policy {type(self.admission_policy).__name__}.order returned"
+        if not isinstance(answer, Request):
+            return (f"{name} {_named(answer)}; it must return waiting requests (the Request objects it was given) in the "
+                    f"order to try them, e.g. a list, or [] to admit no one this step")
+        return (f"{name} {_named(answer)} ({answer.status.value}), which is not in the waiting queue "
+                f"it was given; return only requests from that queue")
+
+    def _choose_victim(self, candidates: list[Request]) -> Request:
+        """The preemption policy's choice among ``candidates``, made on its own copy of them (one that removes
+        its victim from the list it was offered leaves the scheduler's alone) and checked here, at the boundary."""
+        victim = self.preemption_policy.choose_victim(list(candidates))
+        if victim not in candidates:  # (by identity: a Request compares by identity)
+            raise ValueError(f"preemption policy {type(self.preemption_policy).__name__}.choose_victim returned "
+                             f"{_named(victim)}, which is not one of the {len(candidates)} running requests it was offered; "
+                             f"return one of them")
+        return victim
 
     def _all_passed_over(self, blocked: set[str], closed: set[str]) -> bool:
         """Is every tenant still waiting head-of-line ``blocked`` or ``closed`` by its caps in this pass?
@@ -662,7 +707,7 @@ class Scheduler:
                 continue  # it gave way to its own group's cap
             before = len(req.block_ids)
             while not self.kv.allocate_slots(req, seq.num_tokens):
-                victim = self.preemption_policy.choose_victim(self._victim_candidates())
+                victim = self._choose_victim(self._victim_candidates())
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
@@ -699,7 +744,7 @@ class Scheduler:
                 continue
             while self._held.get(g.key, 0) + grow > g.max_blocks:
                 members = [r for r in self.running if g in self.caps.groups(r)]
-                victim = self.preemption_policy.choose_victim(self._victim_candidates(members))
+                victim = self._choose_victim(self._victim_candidates(members))
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
