@@ -91,8 +91,9 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         ids = tuple(self.stop_token_ids or ())
-        if any(not _is_int(t) or t < 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        bad = next((i for i, t in enumerate(ids) if not _is_int(t) or t < 0), None)
+        if bad is not None:  # the offending entry, not the whole list (which may hold thousands)
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {ids[bad]!r} at index {bad}")
         # frozen: the validated, normalised forms are set once, here
         object.__setattr__(self, "_stop_list", stops)
         object.__setattr__(self, "stop_token_ids", ids)

@@ -845,6 +845,47 @@ def test_a_request_with_thousands_of_stop_strings_is_a_400_not_a_slower_server_f
         assert srv.async_engine.wait_idle(10) and engine.pool.num_free == engine.pool.num_blocks
 
 
+class _CountedId(int):
+    """A token id that counts how often it is compared for equality (a set lookup by hash compares ~never)."""
+
+    compared = hashed = 0
+
+    def __eq__(self, other):
+        type(self).compared += 1
+        return int.__eq__(self, other)
+
+    def __hash__(self):
+        type(self).hashed += 1
+        return int.__hash__(self)
+
+
+def test_a_long_stop_token_ids_list_costs_no_per_token_scan_and_a_bad_entry_is_not_echoed_whole():
+    """``stop_token_ids`` is uncapped (a set lookup per token is cheap), but a request that also has a stop
+    string had every generated token compared with every one of its stop ids, on the engine thread all clients
+    share: one request with 300k ids and ``n=32`` made another client's 100 tokens take 60x as long.  Oracle,
+    not a clock: the equality comparisons the ids see while 8 samples' 20 tokens are checked -- a hash lookup
+    makes none (no id is ever generated), a scan makes 160 per id -- and the hashes the set of them costs (once
+    per request, not once per sample).  And a 400 about one bad id among 100k quotes that id,
+    not a 700 kB message (as ``stop``'s own 400 does not echo the list)."""
+    engine = _paced_engine(fixed_overhead_s=0.001, per_token_s=0.0, per_context_token_s=0.0)
+    _CountedId.compared = _CountedId.hashed = 0
+    ids = [_CountedId(100_000 + i) for i in range(1000)]  # never generated: the simulator's vocabulary is 1000
+    engine.add_request({"prompt_token_ids": [10, 11]}, SamplingParams(max_tokens=20, ignore_eos=True, stop=["zz"],
+                                                                      n=8, temperature=1.0, stop_token_ids=ids))
+    for _ in steps(engine):
+        pass
+    assert _CountedId.compared < len(ids), f"{_CountedId.compared} comparisons for 8x20 tokens and {len(ids)} stop ids"
+    # the ids are hashed into one set for the request, not one per sample (n=128 x 1M ids stalled the loop 4 s)
+    assert _CountedId.hashed < 2 * len(ids), f"{_CountedId.hashed} hashes of {len(ids)} stop ids for 8 samples"
+    with _Served(engine) as srv:
+        r = httpx.post(srv.base + "/v1/completions", timeout=30, json={
+            "prompt": [10, 11], "max_tokens": 2, "stop_token_ids": list(range(100_000)) + [-1]})
+        assert r.status_code == 400, r.text[:300]
+        err = r.json()["error"]
+        assert err["param"] == "stop_token_ids" and "-1" in err["message"] and len(err["message"]) < 300, err["message"][:300]
+        assert srv.async_engine.wait_idle(10) and engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_offline_generate_on_an_engine_a_server_is_serving_is_refused_then_works_once_it_stops():
     """``LLM.generate`` steps the engine itself; with a server's loop stepping it too, each would take outputs
     the other's callers wait for.  While the server runs, generate says so; after ``stop()`` it serves again."""
