@@ -173,3 +173,21 @@ def test_the_student_is_the_folder_only_when_the_file_keeps_its_lab_name():
     assert student_name(Path("submissions/carol/lab02.ipynb")) == "carol"
     assert student_name(Path("submissions/lab02_dave.ipynb")) == "lab02_dave"
     assert student_name(Path("submissions/erin.ipynb")) == "erin"
+
+
+@pytest.mark.parametrize("cell", [
+    {"cell_type": "code", "metadata": {"tags": ["exercise:split_step"]}, "outputs": [], "execution_count": None},
+    {"cell_type": "code", "metadata": {"tags": None}, "source": "x = 1", "outputs": [], "execution_count": None},
+    {"cell_type": "code", "metadata": {"tags": [1]}, "source": "x = 1", "outputs": [], "execution_count": None},
+    {"metadata": {}, "source": "x = 1"},
+], ids=["cell without source", "tags null", "a tag not a string", "cell without cell_type"])
+def test_a_notebook_that_is_json_but_not_a_valid_notebook_is_a_zero_with_a_reason(cell, tmp_path):
+    """A hand-edited or tool-mangled submission parses as JSON, and nbformat only logs that it is invalid; the grader
+    must still give it a row with a reason, never a traceback (which ends the class's run: no table, no CSV for
+    anyone graded before or after it).  Oracle: the README's promise for a notebook that "is not a notebook"."""
+    path = tmp_path / "mallory" / f"{get_lab(1).stem}.ipynb"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [cell]}))
+    rows = grade.grade_notebook(path, seed=1, timeout=30)
+    assert [(r.student, r.points) for r in rows] == [("mallory", 0)]
+    assert "cannot read" in rows[0].reason, rows[0].reason

@@ -353,15 +353,17 @@ def grade_notebook(path: str | Path, *, seed: int, timeout: float = DEFAULT_TIME
     path = Path(path)
     try:
         nb = nbformat.read(path, as_version=4)
+        # JSON that nbformat only logs as invalid (a cell without source, tags that are not strings) fails here
+        lab = identify_lab(nb, path)
+        cells = graded_cells(nb, lab, run_all) if lab is not None and lab.exercises else []
     except Exception as exc:
         return [ExerciseGrade(student_name(path), str(path), None, "-", 0, 0, "-", "-",
                               f"cannot read the notebook: {type(exc).__name__}: {exc}"[:300], seed)]
-    lab = identify_lab(nb, path)
     if lab is None or not lab.exercises:
         return [ExerciseGrade(student_name(path), str(path), lab.number if lab else None, "-", 0, 0, "-", "-",
                               "not a registered lab notebook (no known exercise tags or lab file name)", seed)]
     student = student_name(path)
-    results, errors, fatal = _run_in_kernel(graded_cells(nb, lab, run_all), lab, seed, timeout)
+    results, errors, fatal = _run_in_kernel(cells, lab, seed, timeout)
     return [_row(student, path, lab, ex, seed, results.get(ex.name), errors, fatal) for ex in lab.exercises]
 
 
