@@ -187,6 +187,7 @@ def test_a_notebook_that_is_json_but_not_a_valid_notebook_is_a_zero_with_a_reaso
     anyone graded before or after it).  Oracle: the README's promise for a notebook that "is not a notebook"."""
     path = tmp_path / "mallory" / f"{get_lab(1).stem}.ipynb"
     path.parent.mkdir()
+    cell = {"id": "c0", **cell}  # (the one defect each case plants is the point: ids are not missing)
     path.write_text(json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [cell]}))
     rows = grade.grade_notebook(path, seed=1, timeout=30)
     assert [(r.student, r.points) for r in rows] == [("mallory", 0)]
