@@ -481,15 +481,10 @@ def test_recorded_steps_carry_what_they_cost_the_host():
     assert row[2] == [[0, 16, True]] and row[3] == [host.cpu_s, host.minor_faults, host.involuntary_switches]
 
 
-@pytest.mark.parametrize("factor", [1.0, 1.25])
-def test_drift_probe_reads_a_known_slowdown(factor):
-    """sim_accuracy's drift probe, on a "device" that is a roofline: calibrate on it, then slow it by a known
-    factor (``HardwareSpec.slowed``) -- every step of the probe must take exactly that factor longer than the
-    calibration recorded, with the roofs, fixed costs and the eager-step cost all slowed alike."""
-    from minivllm.bench.sim_accuracy import PROBE_GROUPS, probe_reference, probe_seconds
+def _known_device():
+    """A "device" that is a roofline of known parameters (a prompt-step cost and a rounded roof corner included)
+    and sim_accuracy's engine configuration: what the drift tests calibrate on, then slow down."""
     from minivllm.config import EngineConfig
-    from minivllm.engine.llm_engine import LLMEngine
-    from minivllm.sim.calibrate import RecordingExecutor, calibrate, calibration_grid
 
     shape = model_preset("smollm2-135m").with_dtype(4)
     truth = HardwareSpec("truth", peak_flops=80e9, mem_bandwidth=15e9, attention_flops=20e9, roof_p=3.0,
@@ -497,6 +492,19 @@ def test_drift_probe_reads_a_known_slowdown(factor):
                          eager_step_overhead_s=4e-3)
     cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512, max_model_len=4096,
                        device="cpu")
+    return shape, truth, cfg
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.25])
+def test_drift_probe_reads_a_known_slowdown(factor):
+    """sim_accuracy's drift probe, on a "device" that is a roofline: calibrate on it, then slow it by a known
+    factor (``HardwareSpec.slowed``) -- every step of the probe must take exactly that factor longer than the
+    calibration recorded, with the roofs, fixed costs and the eager-step cost all slowed alike."""
+    from minivllm.bench.sim_accuracy import PROBE_GROUPS, probe_reference, probe_seconds
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, calibrate, calibration_grid
+
+    shape, truth, cfg = _known_device()
 
     def engine(spec):
         return LLMEngine(cfg, executor=RecordingExecutor(RooflineExecutor(shape, spec)), model_max_len=4096,
@@ -520,16 +528,10 @@ def test_the_drift_adjusted_simulation_is_slowed_by_the_mean_of_the_probes_aroun
     import json
 
     from minivllm.bench import sim_accuracy
-    from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sim.calibrate import RecordingExecutor, calibrate
 
-    shape = model_preset("smollm2-135m").with_dtype(4)
-    truth = HardwareSpec("truth", peak_flops=80e9, mem_bandwidth=15e9, attention_flops=20e9, roof_p=3.0,
-                         attention_bandwidth=2e9, step_overhead_s=3e-3, seq_overhead_s=0.2e-3,
-                         eager_step_overhead_s=4e-3)
-    cfg = EngineConfig(max_num_batched_tokens=512, max_num_seqs=32, num_gpu_blocks_override=512, max_model_len=4096,
-                       device="cpu")
+    shape, truth, cfg = _known_device()
     device = RooflineExecutor(shape, truth)
     real = LLMEngine(cfg, executor=RecordingExecutor(device), model_max_len=4096, eos_token_ids=set())
     profile = tmp_path / "device.json"
