@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def _number(text: str, kind: type) -> int | float:
@@ -89,6 +90,19 @@ def port(text: str) -> int:
     if not 0 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 0-65535, got {text!r}")
     return n
+
+
+def output_file(text: str) -> str:
+    """A result file to write: not empty, not a directory.
+
+    Checked where it is typed because the file is written last: ``--json ''`` wrote nothing and exited 0, and
+    ``--out ''`` or ``--out DIR`` failed with ``Is a directory: '.'`` only after the whole benchmark had run.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    return text
 
 
 def comma_list(item):

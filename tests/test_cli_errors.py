@@ -451,3 +451,181 @@ def test_eager_step_p90_interpolates_like_its_median():
 
     s = _stats([0.001 * k for k in (3, 1, 6, 2, 5, 4)])
     assert s["p90_ms"] == pytest.approx(5.5) and s["p50_ms"] == pytest.approx(3.5)
+
+
+# -- a third audit (huntK: the benchmarks' and tools' own command lines) ------------------------
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a bad gpu_e2e flag got past argparse: the random-weight model was being written")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--workload", "nano", "--backends", "bogus"], "--backends"),  # ran no minivllm engine: "0 tok/s", exit 0
+    (["--workload", "nano", "--backends", ""], "--backends"),  # the same, silently
+    (["--workload", "nano", "--backends", "torch,,triton"], "--backends"),
+    (["--dtype", "bogus"], "--dtype"),  # failed only after the model of random weights was written
+])
+def test_gpu_e2e_backends_and_dtype_are_refused_before_the_model_is_written(monkeypatch, capsys, argv, flag):
+    from minivllm.bench import gpu_e2e
+
+    monkeypatch.setattr(gpu_e2e, "make_model_dir", _no_model)
+    _argparse_refuses(lambda a: _argv_main(monkeypatch, gpu_e2e.main, a), ["--device", "cpu", *argv], flag, capsys)
+
+
+@pytest.mark.parametrize("workload", ["parity", "nano"])
+def test_gpu_e2e_json_carries_the_command_it_was_run_with(monkeypatch, tmp_path, workload):
+    """Every other benchmark's result file says how to rerun it (``write_result``); gpu_e2e's held only the
+    numbers.  The engines are stand-ins: this pins the file, not the measurement."""
+    from minivllm.bench import gpu_e2e
+
+    monkeypatch.setattr(gpu_e2e, "make_model_dir", lambda path, arch: None)
+    monkeypatch.setattr(gpu_e2e, "run", lambda model_dir, backend, prompts, *a, **k: ([[1, 2]] * len(prompts), 10.0))
+    monkeypatch.setattr(gpu_e2e, "run_nano_minivllm", lambda *a, **k: 10.0)
+    monkeypatch.setattr(gpu_e2e, "run_nano_hf", lambda *a, **k: 1.0)
+    out = tmp_path / "e2e.json"
+    argv = ["--device", "cpu", "--workload", workload, "--prompts", "2", "--scale", "0.01", "--json", str(out)]
+    assert _argv_main(monkeypatch, gpu_e2e.main, argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"] == " ".join(["python -m minivllm.bench gpu_e2e", *argv]) and "machine" in doc, doc
+
+
+@pytest.mark.parametrize("dtype,want", [("fp32", "float32"), ("bf16", "bfloat16"), ("auto", "float32"),
+                                        ("float16", "float16")])
+def test_gpu_e2e_hf_run_reads_dtype_as_the_engine_does(monkeypatch, dtype, want):
+    """``--workload nano --dtype fp32`` served minivllm, then died in ``getattr(torch, 'fp32')`` (AttributeError)
+    when HF's turn came.  HF gets the dtype the engine's spelling names (``auto`` on a CPU: float32)."""
+    import torch
+    import transformers
+
+    from minivllm.bench import gpu_e2e
+
+    got = []
+
+    def from_pretrained(path, dtype=None, **kwargs):
+        got.append(dtype)
+        raise KeyboardInterrupt  # stop here: only the dtype is under test
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_e2e.run_nano_hf("unused", [([1, 2], 1)], "cpu", dtype, 1)
+    assert got == [getattr(torch, want)]
+
+
+def test_make_labs_refuses_a_solutions_folder_without_notebooks(tmp_path, capsys):
+    """``--solutions`` with a typo found no solutions, so every student notebook in ``--labs`` was "stale":
+    all were deleted, exit 0."""
+    import shutil
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import make_labs
+
+    labs = tmp_path / "labs"
+    labs.mkdir()
+    one = sorted(Path(make_labs.ROOT, "labs").glob("lab*.ipynb"))[0]
+    shutil.copy(one, labs / one.name)
+    with pytest.raises(SystemExit) as exc:
+        make_labs.main(["--solutions", str(tmp_path / "no_such_dir"), "--labs", str(labs)])
+    assert exc.value.code == 2 and "no_such_dir" in capsys.readouterr().err
+    assert (labs / one.name).read_bytes() == one.read_bytes()
+
+
+def test_build_solutions_refuses_an_unknown_lab_name(tmp_path, monkeypatch, capsys):
+    """An unknown name was a FileNotFoundError traceback from importlib (after creating ``solutions/``)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import build_solutions
+
+    monkeypatch.setattr(build_solutions, "ROOT", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["build_solutions.py", "lab01_nope"])
+    with pytest.raises(SystemExit) as exc:
+        build_solutions.main()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'lab01_nope'" in err and "Traceback" not in err, err
+    assert not (tmp_path / "solutions" / "lab01_nope.ipynb").exists()
+
+
+def test_sim_accuracy_resimulate_never_overwrites_the_result_it_reads(tmp_path, capsys):
+    """``--help`` promises RESULT is never overwritten; ``--out RESULT`` replaced the recorded real runs with a
+    re-simulation of them."""
+    import shutil
+    from pathlib import Path
+
+    from minivllm.bench.sim_accuracy import main
+
+    src = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("*cpu-2core_sim_accuracy*.json"))[-1]
+    result = tmp_path / "r.json"
+    shutil.copy(src, result)
+    with pytest.raises(SystemExit) as exc:
+        main(["--resimulate", str(result), "--profile", "cpu-2core", "--out", str(tmp_path / "." / "r.json")])
+    assert exc.value.code == 2 and "never overwritten" in capsys.readouterr().err
+    assert result.read_bytes() == src.read_bytes()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--csv", "-", "--json", "-"], "both write to '-'"),  # CSV then JSON on stdout, exit 0: neither parses
+    (["--csv", "g.out", "--json", "g.out"], "both write to 'g.out'"),  # the JSON replaced the CSV
+    (["--csv", ""], "--csv needs a file name"),  # nothing written, exit 0
+    (["--json", " "], "--json needs a file name"),
+])
+def test_grade_output_targets(tmp_path, monkeypatch, capsys, extra, needle):
+    import nbformat
+
+    from minivllm.labs.grade import main
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1", id="a")]
+    nbformat.write(nb, tmp_path / "nb.ipynb")
+    monkeypatch.chdir(tmp_path)
+    _returns_error(main(["nb.ipynb", "--quiet", "--seed", "1", *extra]), capsys, needle)
+
+
+@pytest.mark.parametrize("device", ["tpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="a real GPU: 'cuda' is a good device here"))])
+def test_calibrate_bad_device_is_one_line(monkeypatch, capsys, device):
+    """Naming the default profile asked ``torch.cuda.get_device_name()`` for any device but 'cpu': torch's
+    ``AssertionError: Torch not compiled with CUDA enabled`` traceback, exit 1."""
+    from minivllm.sim import calibrate
+
+    monkeypatch.setattr(calibrate, "real_engine", _no_model)
+    _returns_error(calibrate.main(["--device", device]), capsys, repr(device))
+
+
+def test_prefix_structures_quick_keeps_explicit_sizes_and_requests(capsys):
+    """``--quick`` replaced ``--sizes 300 --requests 20`` with its own 200, 1000 and 200, in silence."""
+    from minivllm.bench import prefix_structures
+
+    prefix_structures.main(["--quick", "--sizes", "300", "--requests", "20", "--rounds", "1", "--structures", "radix"])
+    out = capsys.readouterr().out
+    sizes = [line.split()[0] for line in out.splitlines() if line.split()[1:2] == ["radix"]]
+    assert "20 measured requests per row" in out and sizes == ["300"], out
+
+
+RESULT_FLAGS = [("offline", "--json"), ("attention", "--json"), ("prefix", "--json"), ("prefix_structures", "--json"),
+                ("preemption", "--out"), ("host_overhead", "--out"), ("gpu_e2e", "--json"), ("fairness", "--out"),
+                ("sim_accuracy", "--out"), ("sim_accuracy", "--save-profile"), ("linear", "--json"),
+                ("eager_step", "--json"), ("activations", "--json")]
+
+
+@pytest.mark.parametrize("module,flag", RESULT_FLAGS)
+@pytest.mark.parametrize("kind", ["empty", "directory"])
+def test_a_result_file_that_cannot_be_written_is_refused_before_the_run(monkeypatch, capsys, tmp_path, module, flag,
+                                                                        kind):
+    """The result file is written last: ``--json ''`` wrote nothing and exited 0, and ``--out ''`` or a directory
+    failed with ``Is a directory: '.'`` only after the whole benchmark had run.  ``parse_args`` is stopped on
+    return, so a value it accepts fails here without running anything."""
+    import argparse
+    import importlib
+
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, *a, **k):
+        real(self, *a, **k)
+        raise AssertionError(f"{flag} {value!r} was accepted: the benchmark would run")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    value = "" if kind == "empty" else str(tmp_path)
+    mod = importlib.import_module(f"minivllm.bench.{module}")
+    _argparse_refuses(lambda a: _argv_main(monkeypatch, mod.main, a), [flag, value], flag, capsys)

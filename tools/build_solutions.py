@@ -71,7 +71,11 @@ def main() -> int:
     ap.add_argument("--execute", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="copy outputs of unchanged code cells from the current file")
     args = ap.parse_args()
-    names = args.labs or sorted(p.stem for p in TEXTS.glob("lab*.py"))
+    known = sorted(p.stem for p in TEXTS.glob("lab*.py"))
+    unknown = [n for n in args.labs if n not in known]
+    if unknown:  # was a FileNotFoundError traceback from the import machinery
+        ap.error(f"unknown lab text(s) {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    names = args.labs or known
     for name in names:
         path = ROOT / "solutions" / f"{name}.ipynb"
         path.parent.mkdir(exist_ok=True)

@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--labs", type=Path, default=ROOT / "labs")
     args = parser.parse_args(argv)
     want = expected_labs(args.solutions)
+    if not want:  # a typo in --solutions: every notebook in labs/ would be removed as having no source
+        parser.error(f"--solutions {str(args.solutions)!r}: no lab*.ipynb there")
     have = {p.name: p.read_text() for p in sorted(args.labs.glob("lab*.ipynb"))} if args.labs.exists() else {}
     if args.check:
         stale = sorted(n for n in want if have.get(n) != want[n])

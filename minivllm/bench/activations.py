@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Iterable
 
-from minivllm.argtypes import positive_int
+from minivllm.argtypes import output_file, positive_int
 from minivllm.bench.results import write_result
 
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="an HF model directory (default: the bundled model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args(argv)
     res = run(a.tokens, a.device, a.dtype, a.model)
     for n, p in res["peak_bytes"].items():

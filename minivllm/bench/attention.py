@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 import torch
 
+from minivllm.argtypes import output_file
 from minivllm.bench.results import write_result
 from minivllm.model.attention import AttentionMetadata, paged_attention_reference, write_kv
 
@@ -421,7 +422,7 @@ def environment(device: torch.device, copy_gbps: float, smoke: bool) -> dict[str
 # --------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--json", type=output_file, metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--smoke", action="store_true", help="tiny run on the CPU under TRITON_INTERPRET=1")
     return parser.parse_args(argv)
 

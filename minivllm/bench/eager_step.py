@@ -33,7 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from minivllm.argtypes import nonnegative_float, positive_int
+from minivllm.argtypes import nonnegative_float, output_file, positive_int
 from minivllm.bench.results import write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import interpolated
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=positive_int, default=30)
     ap.add_argument("--gap", type=nonnegative_float, default=0.5, help="idle seconds before each step of the idle series")
     ap.add_argument("--profile-steps", type=positive_int, default=3)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args(argv)
     res = run(a.model, a.device, a.dtype, a.prompt_len, a.repeats, a.gap, a.profile_steps)
     for k, v in res.items():

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minivllm.argtypes import positive_float
+from minivllm.argtypes import output_file, positive_float
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import jain, meets_slo, nearest_rank
 from minivllm.metrics.step_log import FirstTimePrompt
@@ -388,7 +388,7 @@ def main() -> int:
     ap.add_argument("--duration", type=positive_float, default=40.0, help="seconds of arrivals (virtual clock)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the result JSON here")
     ap.add_argument("--calibrate", action="store_true",
                     help="only time the real engine on this machine (calibrate_step: one thread, CPU time) and print "
                          "the fitted step cost beside the CLASS_STEP the lab's mix uses; --out writes it")

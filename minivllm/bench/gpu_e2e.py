@@ -25,7 +25,10 @@ import time
 
 import torch
 
-from minivllm.argtypes import nonnegative_int, positive_float, positive_int
+from minivllm.argtypes import comma_list, nonnegative_int, output_file, positive_float, positive_int
+from minivllm.bench.results import write_result
+
+BACKENDS = ("torch", "triton", "triton-eager")
 
 
 def make_model_dir(path: str, arch: str) -> None:
@@ -119,7 +122,11 @@ def run_nano_hf(model_dir: str, work, device: str, dtype: str, batch: int) -> fl
 
     from minivllm.bench.offline import run_hf
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    from minivllm.config import parse_device, parse_dtype
+
+    # the engine's spellings (fp32, bf16, auto), not getattr(torch, ...): --dtype fp32 was an AttributeError here
+    torch_dtype = parse_dtype(dtype, parse_device(device))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
     run_hf(model, [(p, min(n, 8)) for p, n in work[:2]], batch, 0, device)  # warm-up: a few tokens suffice
     seconds, _ = run_hf(model, work, batch, 0, device)
     return sum(n for _, n in work) / seconds
@@ -136,15 +143,14 @@ def nano_main(a, model_dir: str) -> dict:
 
     def save() -> None:
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=2)
+            write_result(a.json, res, "python -m minivllm.bench gpu_e2e")
 
     def record(key: str, value: float) -> None:
         res[key] = value
         print(f"{key}: {value:.1f}", flush=True)
         save()
 
-    backends = a.backends.split(",")
+    backends = a.backends
     for backend in [b for b in backends if b in ("torch", "triton")]:
         record(f"minivllm_{backend}_tok_s", run_nano_minivllm(model_dir, backend, work, a.device, a.dtype))
     # HF on the first --hf-requests only: static batches cost minutes on a 15-minute GPU lease, and
@@ -174,22 +180,38 @@ def first_divergence(a, b):
     return None
 
 
+def _backend(text: str) -> str:
+    """One of ``--backends``: a typo ran no minivllm engine at all and reported 0 tok/s with exit 0."""
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choose from {', '.join(BACKENDS)}")
+    return text
+
+
+def _dtype(text: str) -> str:
+    """``--dtype``, checked before a model of random weights is written (a typo failed after that)."""
+    from minivllm.config import _DTYPES
+
+    if text != "auto" and text not in _DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; use one of auto, {', '.join(sorted(_DTYPES))}")
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="llama-3.2-1b", choices=["llama-3.2-1b", "qwen3-0.6b", "tiny"])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16", help="float32 makes both backends exact enough to compare tokens")
+    ap.add_argument("--dtype", type=_dtype, default="bfloat16", help="float32 makes both backends exact enough to compare tokens")
     ap.add_argument("--max-prompt-len", type=positive_int, default=1500,
                     help="parity workload: prompt lengths are drawn from [16, this) (so more than 16)")
     ap.add_argument("--prompts", type=positive_int, default=16)
     ap.add_argument("--max-tokens", type=positive_int, default=64)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     ap.add_argument("--workload", choices=["parity", "nano"], default="parity")
     ap.add_argument("--requests", type=positive_int, default=256, help="nano workload: number of requests")
     ap.add_argument("--hf-batch", type=positive_int, default=32, help="nano workload: HF generate's static batch size")
     ap.add_argument("--hf-requests", type=nonnegative_int, default=0,
                     help="nano workload: run HF on the first N requests only (0: all), to fit a short GPU lease")
-    ap.add_argument("--backends", default="torch,triton,triton-eager",
+    ap.add_argument("--backends", type=comma_list(_backend), default=list(BACKENDS),
                     help="nano workload: which minivllm runs (comma-separated; HF always runs)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="serve this HF model directory (e.g. one --save-model wrote) instead of writing one")
@@ -237,8 +259,7 @@ def parity_main(a, model_dir: str) -> int:
     print(f"{a.arch} {a.dtype}: {identical}/{a.prompts} prompts token-identical over {a.max_tokens} greedy tokens; "
           f"output tok/s (prefill included) torch {torch_tps:.0f}, triton {triton_tps:.0f}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_result(a.json, result, "python -m minivllm.bench gpu_e2e")
     return 0
 
 

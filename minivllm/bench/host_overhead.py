@@ -56,11 +56,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from minivllm.argtypes import comma_list, nonnegative_int, positive_int
+from minivllm.argtypes import comma_list, nonnegative_int, output_file, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import nearest_rank
 
@@ -316,7 +315,7 @@ def main() -> int:
     ap.add_argument("--later", type=positive_int, default=400, help="decode steps between the two measurements")
     ap.add_argument("--samples", type=positive_int, default=50)
     ap.add_argument("--kinds", type=comma_list(_kind), default=list(KINDS), help="output kinds to measure, comma-separated")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=output_file, default=None)
     ap.add_argument("--prompt-len", type=positive_int, default=64, help="--sweep: prompt length of every request")
     ap.add_argument("--prefix-cache", choices=("off", "radix", "hash"), default="off",
                     help="--sweep: with prefix caching (a decode's filled block is offered to the cache)")

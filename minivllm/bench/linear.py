@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from minivllm.argtypes import positive_int
+from minivllm.argtypes import output_file, positive_int
 from minivllm.bench.results import write_result
 
 
@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rows", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 256, 2048])
     ap.add_argument("--repeats", type=positive_int, default=5)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args()
 
     from minivllm.model.backends import onednn_linear_works

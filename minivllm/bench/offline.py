@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from minivllm.argtypes import nonnegative_float, positive_int
+from minivllm.argtypes import nonnegative_float, output_file, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 
@@ -181,7 +181,7 @@ def main() -> int:
     ap.add_argument("--sampled-too", action="store_true",
                     help="also run minivllm with temperature 0.8 (unseeded) on the same workload, same process: "
                          "what drawing tokens costs beside greedy decoding")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", type=output_file, default=None, help="write the results here")
     a = ap.parse_args()
 
     from minivllm import LLM

@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 
-from minivllm.argtypes import nonnegative_int, positive_float, positive_int
+from minivllm.argtypes import nonnegative_int, output_file, positive_float, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 
@@ -108,7 +107,7 @@ def main() -> int:
     ap.add_argument("--cpu-blocks", type=nonnegative_int, default=256, help="host-tier blocks for swap / auto")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the result JSON here")
     args = ap.parse_args()
     n = args.requests or (16 if args.executor == "model" else 400)
     workload = make_workload(n, args.seed, vocab=49152)

@@ -18,7 +18,7 @@ import argparse
 import random
 import time
 
-from minivllm.argtypes import positive_int
+from minivllm.argtypes import output_file, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 
@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=positive_int, default=8, help="system-prompt workload: tokens per answer")
     ap.add_argument("--turn-max-tokens", type=positive_int, default=24, help="multi-turn workload: tokens per answer")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args()
 
     from minivllm import LLM, SamplingParams

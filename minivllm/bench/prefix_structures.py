@@ -34,7 +34,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from minivllm.argtypes import positive_int
+from minivllm.argtypes import output_file, positive_int
 from minivllm.bench.results import write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.kv.block_pool import BlockPool
@@ -239,16 +239,17 @@ def check_same_hits(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1_000, 10_000, 100_000])
-    parser.add_argument("--requests", type=positive_int, default=2_000, help="measured requests per size")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", default=None, help="default 1000 10000 100000 (--quick: 200 1000)")
+    parser.add_argument("--requests", type=positive_int, default=None, help="measured requests per size (default 2000, --quick: 200)")
     parser.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
     parser.add_argument("--rounds", type=positive_int, default=8, help="chunks per row (median taken)")
     parser.add_argument("--quick", action="store_true", help="small sizes, few requests")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the rows and the radix/hash ratios here")
+    parser.add_argument("--json", type=output_file, default=None, help="also write the rows and the radix/hash ratios here")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.sizes, args.requests = [200, 1_000], 200
+    # --quick fills in only what was not given (it replaced an explicit --sizes / --requests in silence)
+    args.sizes = args.sizes or ([200, 1_000] if args.quick else [1_000, 10_000, 100_000])
+    args.requests = args.requests or (200 if args.quick else 2_000)
     workload = Workload()
     rows = []
     for size in args.sizes:

@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 
-from minivllm.argtypes import positive_float, positive_int
+from minivllm.argtypes import output_file, positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import write_result
 from minivllm.engine.startup import frozen_heap
@@ -385,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the real engine's clock is its thread's CPU time (one torch thread), immune to other "
                          "processes on a shared machine")
-    ap.add_argument("--save-profile", default=None, help="also write the fresh calibration as a profile JSON here")
-    ap.add_argument("--out", default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json, "
+    ap.add_argument("--save-profile", type=output_file, default=None, help="also write the fresh calibration as a profile JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json, "
                     "..._sim_accuracy_cputime.json with --clock cpu)")
     ap.add_argument("--model", default=None, help="an HF model directory instead of the bundled model "
                     "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
@@ -432,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.resimulate:
         if not args.profile:
             ap.error("--resimulate needs --profile (the profile JSON with the model shape and fitted hardware)")
+        if args.out and os.path.realpath(args.out) == os.path.realpath(args.resimulate):
+            ap.error(f"--out {args.out!r} is the --resimulate result itself: a measurement is never overwritten")
         try:  # two files named on the command line: either may be missing, not JSON, or the wrong kind
             with open(args.resimulate, encoding="utf-8") as fh:
                 result = json.load(fh)

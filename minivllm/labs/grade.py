@@ -470,6 +470,14 @@ def choose_seed(seed: int | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag, target in (("--csv", args.csv), ("--json", args.json)):
+        if target is not None and not target.strip():  # was: nothing written, exit 0
+            print(f"minivllm grade: error: {flag} needs a file name ('-': stdout), got {target!r}", file=sys.stderr)
+            return 2
+    if args.csv is not None and args.csv == args.json:  # both to one place: CSV then JSON, neither parseable
+        print(f"minivllm grade: error: --csv and --json both write to {args.csv!r}; give them different files",
+              file=sys.stderr)
+        return 2
     missing = [nb for nb in args.notebooks if not os.path.isfile(nb)]
     if missing:  # a typo (or a glob the shell left unexpanded) is no student's zero
         print(f"minivllm grade: error: no such notebook: {', '.join(map(repr, missing))}", file=sys.stderr)

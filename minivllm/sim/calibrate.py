@@ -492,11 +492,14 @@ def default_name(device: str, clock: str = "wall") -> str:
     or the GPU's name."""
     import torch
 
+    from minivllm.config import parse_device
+
+    dev = parse_device(device)  # a ValueError for 'tpu', or 'cuda' without a GPU (torch's AssertionError was a traceback)
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = dev.type
     if clock == "cpu":
         return f"{device}-1thread-cputime"
-    return f"cpu-{os.cpu_count()}core" if device == "cpu" else torch.cuda.get_device_name()
+    return f"cpu-{os.cpu_count()}core" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
 
 
 MAX_TRUSTED_RMS = 0.15
