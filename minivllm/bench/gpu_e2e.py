@@ -188,11 +188,14 @@ def _backend(text: str) -> str:
 
 
 def _dtype(text: str) -> str:
-    """``--dtype``, checked before a model of random weights is written (a typo failed after that)."""
-    from minivllm.config import _DTYPES
+    """``--dtype``, checked by the engine's own rule before a model of random weights is written (a typo failed
+    after that)."""
+    from minivllm.config import parse_dtype
 
-    if text != "auto" and text not in _DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; use one of auto, {', '.join(sorted(_DTYPES))}")
+    try:
+        parse_dtype(text, torch.device("cpu"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
