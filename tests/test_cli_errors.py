@@ -279,6 +279,7 @@ def test_fleet_inf_rate_and_an_empty_window(tmp_path, capsys):
     ("host_overhead", ["--kinds", "bogus", "--seqs", "2", "--samples", "1", "--warmup", "1", "--later", "1"], "--kinds"),
     ("host_overhead", ["--sweep", "1,abc", "--seqs", "2", "--samples", "1"], "--sweep"),
     ("host_overhead", ["--backlog", "0,16"], "--backlog"),
+    ("host_overhead", ["--sweep", "16", "--backlog", "16"], "--backlog"),  # was: only the backlog ran, in silence
     ("preemption", ["--executor", "sim", "--requests", "4", "--budget", "0"], "--budget"),
     ("preemption", ["--executor", "sim", "--requests", "4", "--kv-share", "0", "--modes", "reject"], "--kv-share"),
     ("fairness", ["--duration", "0", "--policies", "fcfs"], "--duration"),
@@ -591,6 +592,16 @@ def test_calibrate_bad_device_is_one_line(monkeypatch, capsys, device):
 
     monkeypatch.setattr(calibrate, "real_engine", _no_model)
     _returns_error(calibrate.main(["--device", device]), capsys, repr(device))
+
+
+@pytest.mark.parametrize("kind", ["empty", "directory"])
+def test_calibrate_refuses_a_profile_path_it_cannot_write_before_measuring(monkeypatch, capsys, tmp_path, kind):
+    """``minivllm sim calibrate --out DIR`` failed only when the profile was written, after minutes of measuring
+    the grid.  Oracle: argparse's one-line error naming the flag, and no engine ever built."""
+    from minivllm.sim import calibrate
+
+    monkeypatch.setattr(calibrate, "real_engine", _no_model)
+    _argparse_refuses(calibrate.main, ["--out", "" if kind == "empty" else str(tmp_path)], "--out", capsys)
 
 
 def test_prefix_structures_quick_keeps_explicit_sizes_and_requests(capsys):

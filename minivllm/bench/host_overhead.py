@@ -319,11 +319,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=positive_int, default=64, help="--sweep: prompt length of every request")
     ap.add_argument("--prefix-cache", choices=("off", "radix", "hash"), default="off",
                     help="--sweep: with prefix caching (a decode's filled block is offered to the cache)")
-    ap.add_argument("--sweep", type=comma_list(positive_int), default=None, metavar="N,N,...",
-                    help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
-    ap.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
-                    help="instead: host cost per step beside this many waiting requests (on a three_class cap, or for "
-                         "KV blocks: --backlog-policy; e.g. 16,500,2000; the smallest is the baseline)")
+    instead = ap.add_mutually_exclusive_group()  # (given both, only the backlog ran, in silence)
+    instead.add_argument("--sweep", type=comma_list(positive_int), default=None, metavar="N,N,...",
+                         help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
+    instead.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
+                         help="instead: host cost per step beside this many waiting requests (on a three_class cap, or "
+                              "for KV blocks: --backlog-policy; e.g. 16,500,2000; the smallest is the baseline)")
     ap.add_argument("--backlog-policy", choices=("three_class", "fcfs", "wfq", "priority"), default="three_class",
                     help="--backlog: three_class (the backlog waits on a cap), or fcfs, wfq or priority (it waits for KV "
                          "blocks)")

@@ -76,7 +76,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from minivllm.argtypes import positive_int
+from minivllm.argtypes import output_file, positive_int
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.engine.startup import frozen_heap
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
@@ -566,7 +566,7 @@ def format_profile(doc: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minivllm sim calibrate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json in a source checkout, "
+    ap.add_argument("--out", type=output_file, default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json in a source checkout, "
                     "./<name>.json in an installed package; it must not exist yet unless --force: the committed "
                     "profiles are what the tests load)")
     ap.add_argument("--force", action="store_true", help="let the default --out replace an existing profile")
