@@ -127,6 +127,8 @@ def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequ
     """The shortest context (on ``lengths``, default 16..131072 on a geometric grid) from which swapping
     is cheaper than recomputing at every longer length on the grid, or None if swap never wins."""
     grid = list(lengths) if lengths is not None else context_grid()
+    if not grid:
+        raise ValueError("crossover_tokens needs at least one context length in lengths")
     swap_wins = [swap_s(n, model, hardware) < recompute_s(n, model, hardware, **recompute_options) for n in grid]
     if not swap_wins[-1]:
         return None
@@ -138,6 +140,9 @@ def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequ
 
 def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[int]:
     """Context lengths from ``lo`` to ``hi`` on a geometric grid, whole blocks."""
+    if not 0 < lo <= hi or per_octave < 1:
+        raise ValueError(f"context_grid needs 0 < lo <= hi and per_octave >= 1, got lo={lo}, hi={hi}, "
+                         f"per_octave={per_octave}")
     n_pts = int(round(math.log2(hi / lo) * per_octave)) + 1
     vals = {max(BLOCK_SIZE, int(round(lo * 2 ** (i / per_octave) / BLOCK_SIZE)) * BLOCK_SIZE) for i in range(n_pts)}
     return sorted(vals)
@@ -151,6 +156,8 @@ def pool_blocks(model: str = MODEL, hardware: str = HARDWARE, memory_share: floa
     as ``minivllm sim run`` sizes its pool: :func:`~minivllm.sim.run.kv_pool_blocks`)."""
     from minivllm.sim.run import kv_pool_blocks
 
+    if not 0 < memory_share <= 1:  # above 1 would hand out more KV memory than the device has
+        raise ValueError(f"pool_blocks needs 0 < memory_share <= 1, got {memory_share}")
     return kv_pool_blocks(*presets(model, hardware), memory_share, BLOCK_SIZE)
 
 

@@ -57,6 +57,11 @@ def ramp_arrivals(rates: Sequence[float], seconds_each: float, *, prompt=(64, 51
     """
     if seconds_each <= 0 or not rates or any(not (r > 0) for r in rates):
         raise ValueError("ramp_arrivals needs rates > 0 and seconds_each > 0")
+    if not tenants:
+        raise ValueError("ramp_arrivals needs at least one tenant in tenants")
+    for name, (lo, hi) in (("prompt", prompt), ("output", output)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"ramp_arrivals needs {name}=(lo, hi) with 1 <= lo <= hi, got {(lo, hi)}")
     rng = random.Random(seed)
     out: list[SimArrival] = []
     for k, rate in enumerate(rates):
@@ -133,6 +138,8 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
     ahead).  Token times come from the engine's own ``RequestOutput.metrics``,
     so TTFT and ITL here are exactly what its Prometheus histograms observe.
     """
+    if not every_s > 0:  # a zero or negative window never advances the next scrape: the loop would never end
+        raise ValueError(f"run_sim_load needs every_s > 0, got {every_s}")
     ex = engine.executor
     budget = engine.config.max_num_batched_tokens
     rng = random.Random(seed)

@@ -79,6 +79,9 @@ def drain(engine: LLMEngine, *, max_steps: int = 100_000, each: Callable[[LLMEng
 
 def throughput(finals: dict, engine: LLMEngine) -> float:
     """Output tokens per second of engine clock over the whole run."""
+    if not finals:
+        raise ValueError("throughput needs at least one finished request in finals (none finished: "
+                         "did the admission policy never admit anything?)")
     tokens = sum(len(o.outputs[0].token_ids) for o in finals.values())
     start = min(o.metrics.arrival_time for o in finals.values())
     end = max(o.metrics.finished_time for o in finals.values())
@@ -110,6 +113,8 @@ def reserved_slots_paged(seq_lens: Sequence[int], block_size: int) -> int:
 
 def utilization(seq_lens: Sequence[int], reserved: int) -> float:
     """Fraction of reserved KV slots that hold a real token."""
+    if reserved <= 0:
+        raise ValueError(f"utilization needs reserved > 0 slots, got {reserved}")
     return sum(seq_lens) / reserved
 
 
@@ -159,6 +164,8 @@ def rag_workload(n: int = 40, *, seed: int = 0, num_docs: int = 20, doc_len: int
     Only the instruction and a leading run of the *same documents in the same
     order* is a shared prefix: RAG hits less than a system prompt does.
     """
+    if not 0 <= docs_per_request <= num_docs:  # distinct documents: more than there are would never be drawn
+        raise ValueError(f"rag_workload needs 0 <= docs_per_request <= num_docs, got docs_per_request={docs_per_request}, num_docs={num_docs}")
     rng = random.Random(seed)
     instr = _tokens(rng, instr_len)
     docs = [_tokens(rng, doc_len) for _ in range(num_docs)]
@@ -205,7 +212,10 @@ def hit_rate(records: Sequence[dict]) -> float:
     Not quite the engine's ``prefix_cache_hit_rate``, which (like vLLM's counters) divides by the whole
     prompt: on the default system-prompt workload 84.93% here against 84.65% there.
     """
-    return sum(r["hit_tokens"] for r in records) / sum(r["prompt_tokens"] - 1 for r in records)
+    looked_up = sum(r["prompt_tokens"] - 1 for r in records)
+    if looked_up <= 0:
+        raise ValueError("hit_rate needs records with at least one looked-up token (prompts longer than 1 token)")
+    return sum(r["hit_tokens"] for r in records) / looked_up
 
 
 class PrefixReplay:

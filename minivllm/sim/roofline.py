@@ -360,6 +360,13 @@ class RooflinePreemptionCosts:
     decodes: int = 32
     decode_context: int = 2048
 
+    def __post_init__(self) -> None:
+        if self.chunk < 1:  # a zero chunk never advances through the victim's prompt: recompute_s would not return
+            raise ValueError(f"RooflinePreemptionCosts needs chunk >= 1, got {self.chunk}")
+        if self.decodes < 0 or self.decode_context < 0:
+            raise ValueError(f"RooflinePreemptionCosts needs decodes >= 0 and decode_context >= 0, "
+                             f"got {self.decodes} and {self.decode_context}")
+
     def recompute_s(self, num_tokens: int) -> float:
         dec = [(self.decode_context, 1, True)] * self.decodes
         base = roofline_time(step_cost(self.shape, dec, block_size=self.block_size), self.shape, self.hardware).total

@@ -1,0 +1,100 @@
+"""Edge values a lab invites, passed to the helpers the notebooks call (workloads, at_scale, live).
+
+A learner who tries a window of 0 s, an empty tenant list, more documents per RAG prompt than there are
+documents, a recompute chunk of 0 or a run where nothing finished must get a ValueError that names the
+argument, at once.  Before these checks some of those calls never returned (a notebook cell spinning
+forever), and the rest failed deep inside with ``ZeroDivisionError``/``IndexError``/"min() arg is an empty
+sequence", or returned a number bigger than the device (a memory share above 1).  Each case runs with an
+alarm so a hang fails the test instead of stalling the suite; no numbers are timed.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from minivllm.labs import at_scale, live, workloads
+
+
+@pytest.fixture(autouse=True)
+def _no_hang():
+    """A call that loops forever is the bug: turn it into a failure after a generous 20 s."""
+    def _hung(*_):
+        raise TimeoutError("the helper did not return: an edge value sent it into an endless loop")
+
+    old = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def test_a_zero_or_negative_scrape_window_is_refused_not_looped_on_forever():
+    """Kills: no check on ``every_s`` (``next_scrape += 0`` never passes the next arrival)."""
+    arrivals = live.ramp_arrivals([5], 1.0, seed=0)
+    for every_s in (0, -1.0):
+        with pytest.raises(ValueError, match="every_s"):
+            live.run_sim_load(workloads.sim_engine(), arrivals, every_s=every_s)
+
+
+def test_an_empty_tenant_list_is_refused_by_name():
+    """Kills: ``tenants[i % len(tenants)]`` reached with no tenants (ZeroDivisionError)."""
+    with pytest.raises(ValueError, match="tenant"):
+        live.ramp_arrivals([5], 1.0, tenants=())
+
+
+def test_a_reversed_length_range_is_refused_by_name():
+    """Kills: ``rng.randint(512, 64)`` failing with "empty range for randrange()"."""
+    with pytest.raises(ValueError, match="prompt"):
+        live.ramp_arrivals([5], 1.0, prompt=(512, 64))
+    with pytest.raises(ValueError, match="output"):
+        live.ramp_arrivals([5], 1.0, output=(0, 8))
+
+
+def test_more_documents_per_rag_prompt_than_documents_is_refused_not_drawn_forever():
+    """Kills: the distinct-document draw looping forever when ``docs_per_request > num_docs``."""
+    with pytest.raises(ValueError, match="docs_per_request"):
+        workloads.rag_workload(2, num_docs=2, docs_per_request=3)
+    prompts = workloads.rag_workload(3, num_docs=3, docs_per_request=3, instr_len=4, doc_len=5)
+    assert all(len(p) >= 4 + 3 * 5 + 8 for p in prompts)  # every document once, plus the question
+
+
+def test_a_zero_recompute_chunk_is_refused_not_looped_on_forever():
+    """Kills: ``recompute_s`` advancing its start by ``min(0, ...)`` = 0 tokens per chunk, forever."""
+    with pytest.raises(ValueError, match="chunk"):
+        at_scale.recompute_s(1024, chunk=0)
+    with pytest.raises(ValueError, match="chunk"):
+        at_scale.crossover_tokens(lengths=[16, 4096], chunk=0)
+
+
+def test_an_empty_or_inverted_context_grid_is_refused_by_name():
+    """Kills: ``swap_wins[-1]`` on an empty grid (IndexError), ``log2(hi / 0)`` (ZeroDivisionError), and
+    ``context_grid(hi < lo)`` silently returning ``[]``."""
+    with pytest.raises(ValueError, match="lengths"):
+        at_scale.crossover_tokens(lengths=[])
+    with pytest.raises(ValueError, match="lo"):
+        at_scale.context_grid(0, 1024)
+    with pytest.raises(ValueError, match="hi"):
+        at_scale.context_grid(1024, 16)
+
+
+def test_a_memory_share_above_one_is_refused_not_sized_bigger_than_the_device():
+    """Kills: no upper bound on ``memory_share`` (2.0 gave more KV blocks than the whole device holds)."""
+    with pytest.raises(ValueError, match="memory_share"):
+        at_scale.pool_blocks(memory_share=2.0)
+    assert at_scale.pool_blocks(memory_share=1.0) > at_scale.pool_blocks(memory_share=0.5) > 0
+
+
+def test_throughput_of_a_run_where_nothing_finished_says_so():
+    """Kills: ``min()`` of no arrival times ("min() arg is an empty sequence") when a lab-1 policy never admits."""
+    with pytest.raises(ValueError, match="finals"):
+        workloads.throughput({}, None)
+
+
+def test_ratios_over_nothing_are_refused_by_name():
+    """Kills: ZeroDivisionError from ``hit_rate([])`` and ``utilization([], 0)``."""
+    with pytest.raises(ValueError, match="hit_rate"):
+        workloads.hit_rate([])
+    with pytest.raises(ValueError, match="reserved"):
+        workloads.utilization([], 0)
