@@ -440,3 +440,48 @@ def test_each_choice_of_a_completion_reports_its_own_finish_reason():
     reasons = {c.index: c.finish_reason for c in got.choices}
     assert reasons == {0: "length", 1: "stop", 2: "length"}
     assert len(got.choices[1].text.split()) == 2 and got.usage.completion_tokens == 6 + 3 + 6
+
+
+def test_a_request_the_dead_engine_loop_failed_is_counted_as_an_error_not_an_abort():
+    """When the engine loop dies (a bug inside ``step()``), every request in flight ends with ``EngineDead``
+    (a 503 to its client): the engine failed it, nobody gave up on it.  ``request_success`` counts every
+    ending by its reason, so an alert on ``finished_reason="error"`` must see these.  Oracle: the exception the
+    client itself received.  Before: ``AsyncEngine`` reported them through ``observe_abort``, labelled
+    ``"abort"``, so a dead engine looked like impatient clients."""
+    import asyncio
+
+    from minivllm.metrics.prometheus import EngineMetrics
+    from minivllm.server.async_engine import AsyncEngine, EngineDead
+
+    calls = []
+
+    def builder(running, budget, threshold):
+        calls.append(len(running))
+        if len(calls) > 2:
+            raise RuntimeError("a bug in the batch builder")
+        return [(r, min(r.num_tokens - r.num_computed_tokens, 4)) for r in running]
+
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_model_len=64, max_num_seqs=8, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64, eos_token_ids=set(), batch_builder=builder)
+    metrics = EngineMetrics("sim")
+    async_engine = AsyncEngine(engine, metrics)
+
+    async def run() -> BaseException | None:
+        async_engine.start()
+        stream = await async_engine.add_request({"prompt_token_ids": [3] * 30},
+                                                SamplingParams(max_tokens=8, ignore_eos=True), "a", tenant="alice")
+        try:
+            while not (await stream.get()).finished:
+                pass
+        except EngineDead as exc:
+            return exc
+        return None
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+    assert isinstance(got, EngineDead)
+    s = metric_samples(metrics.render().decode())
+    assert metric_value(s, "vllm:request_success_total", finished_reason="error", tenant="alice") == 1
+    assert metric_value(s, "vllm:request_success_total", finished_reason="abort") == 0

@@ -200,12 +200,13 @@ class EngineMetrics:
             with self._lock:
                 self._tracked.pop(out.request_id, None)
 
-    def observe_abort(self, request_id: str) -> None:
-        """A request the caller gave up on (the engine reports nothing more for it)."""
+    def observe_abort(self, request_id: str, reason: str = "abort") -> None:
+        """A request ended outside the engine's outputs (the engine reports nothing more for it): one the caller
+        gave up on (``"abort"``), or one failed because the engine loop died (``"error"``)."""
         with self._lock:
             t = self._tracked.pop(request_id, None)
         if t is not None:
-            self.request_success.labels(self.model_name, "abort", t.tenant).inc()
+            self.request_success.labels(self.model_name, reason, t.tenant).inc()
 
     # -- the engine ---------------------------------------------------------------
     def observe_step(self, engine, stats: dict | None = None, tenant_of: Callable[[str], str] | None = None) -> None:

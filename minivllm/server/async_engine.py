@@ -262,8 +262,8 @@ class AsyncEngine:
         if found:
             self.num_aborted += 1
             self.aborted_ids.append(request_id)
-            if self.metrics is not None:
-                self.metrics.observe_abort(request_id)
+            if self.metrics is not None:  # a dead loop failed the request: an error, not a caller's abort
+                self.metrics.observe_abort(request_id, "error" if isinstance(exc, EngineDead) else "abort")
         if stream is not None and exc is not None and self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
