@@ -337,7 +337,10 @@ class _Router:
             if any(self._boxes.get(rid) for rid in ids):
                 return True
             self.refuse_if_served()  # (first: a server that stepped our requests to their end took their outputs)
-            if not self.engine.has_unfinished_requests():
+            # None of ids left in the engine (aborted by another caller, the engine closed): no step can bring
+            # their outputs.  Waiting for an empty engine instead ran everyone else's work first, for ever
+            # under a steady load.
+            if not self.engine.holds_any(ids) or not self.engine.has_unfinished_requests():
                 return False
             for out in self.engine.step():
                 box = self._boxes.get(out.request_id)

@@ -430,6 +430,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._finished_elsewhere)
 
+    def holds_any(self, request_ids) -> bool:
+        """Whether any of ``request_ids`` (ids :meth:`add_request` returned) is still in the engine, so a
+        step may yet report it: False once each has finished or been aborted.  C-level set tests, no Python loop."""
+        with self._lock:
+            return not (self.requests.keys().isdisjoint(request_ids) and self._groups.keys().isdisjoint(request_ids))
+
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration of the serving loop; returns what changed for each request."""

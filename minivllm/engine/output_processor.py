@@ -110,7 +110,7 @@ class OutputProcessor:
                     outputs.append(self._make_output(req, stream, [token]))
             except Exception as exc:  # noqa: BLE001 - isolated: reported as finish_reason "error"
                 req.status, req.error = RequestStatus.FINISHED_ERROR, f"output processing failed: {exc}"
-                outputs.append(self.final_output(req))
+                outputs.append(self.final_output(req, [token]))  # the token is the request's: its delta reports it
         return outputs
 
     @staticmethod
@@ -125,15 +125,17 @@ class OutputProcessor:
         for token in tokens:
             stream.detok.add_token(token)
 
-    def final_output(self, req: Request) -> RequestOutput:
-        """The last output of a request that finished outside the normal path (rejected, failed, aborted sample)."""
+    def final_output(self, req: Request, new_tokens: list[int] | None = None) -> RequestOutput:
+        """The last output of a request that finished outside the normal path (rejected, failed, aborted sample);
+        ``new_tokens``: what this step added to it (a token whose output processing failed), if anything."""
         stream = self._streams.get(req.request_id)
+        new_tokens = new_tokens or []
         try:
             if stream is not None:
                 self._catch_up(req, stream)
-            return self._make_output(req, stream, [])
+            return self._make_output(req, stream, new_tokens)
         except Exception:  # noqa: BLE001 - the stream itself is broken: report the tokens without text
-            return self._make_output(req, None, [])
+            return self._make_output(req, None, new_tokens)
 
     def _check_stop(self, req: Request, token: int, stream: _Stream) -> None:
         params = req.sampling_params
