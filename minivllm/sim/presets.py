@@ -174,12 +174,14 @@ def profile_spec(doc: dict) -> HardwareSpec:
 
     A calibration fits only what its grid of batch shapes reaches: on an H200 no step of a 1B model up to
     1,024 prompt tokens is compute bound, so the fitted compute roof is "infinite", and an 8K-token prefill of
-    an 8B model would be predicted at a third of the time the GPU's peak allows.  Nor did older profiles
-    record device memory.  For a GPU whose name names a datasheet preset (the word ``H200`` in ``NVIDIA
-    H200``; an ``L40S`` is not an ``L4``), an unidentified compute roof becomes the datasheet's achievable one,
-    at the profile's own dtype, and missing memory the datasheet's; any other GPU profile without memory is an
-    error, since its KV pool could not be sized.  A CPU profile has no device memory (the engine's CPU default
-    pool applies) and is returned as fitted.
+    an 8B model would be predicted at a third of the time the GPU's peak allows.  A grid that barely reaches
+    the roof fits it loosely: the first H200 profile put it at 1,763 TFLOP/s, 1.8x the BF16 peak, and predicted
+    that prefill in less time than its GEMMs take at the peak.  Nor did older profiles record device memory.
+    For a GPU whose name names a datasheet preset (the word ``H200`` in ``NVIDIA H200``; an ``L40S`` is not an
+    ``L4``), a compute roof that is unidentified or above the datasheet's peak becomes the datasheet's
+    achievable one, at the profile's own dtype, and missing memory the datasheet's; any other GPU profile
+    without memory is an error, since its KV pool could not be sized.  A CPU profile has no device memory (the
+    engine's CPU default pool applies) and is returned as fitted.
     """
     from dataclasses import replace
 
@@ -198,10 +200,14 @@ def profile_spec(doc: dict) -> HardwareSpec:
         filled["memory_bytes"] = match.memory_bytes
         notes.append(f"memory from the {match.name} datasheet")
     dtype_bytes = doc.get("model", {}).get("dtype_bytes", 2)  # the fitted roofs hold for the profile's dtype
+    peak = match.peak_flops * match.dtype_scale(dtype_bytes)  # what no kernel exceeds at that dtype
     for roof in ("peak_flops", "attention_flops"):
-        if (getattr(spec, roof) or 0) >= _UNIDENTIFIED:
+        fitted = getattr(spec, roof) or 0
+        if fitted >= _UNIDENTIFIED or fitted * spec.flops_util > peak:
             filled[roof] = match.flops * match.dtype_scale(dtype_bytes) / spec.flops_util
-            notes.append(f"{roof} not identified by the grid: the {match.name} datasheet's achievable one")
+            why = ("" if fitted >= _UNIDENTIFIED
+                   else f" (fitted {fitted * spec.flops_util / 1e12:.0f} TFLOP/s, above its peak)")
+            notes.append(f"{roof} not identified by the grid{why}: the {match.name} datasheet's achievable one")
     if not filled:
         return spec
     return replace(spec, notes="; ".join([spec.notes, *notes]) if spec.notes else "; ".join(notes), **filled)

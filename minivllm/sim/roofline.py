@@ -189,6 +189,15 @@ class HardwareSpec:
                 raise ValueError(f"HardwareSpec.{k} must be >= 0, got {getattr(self, k)!r}")
         if self.roof_p is not None and not self.roof_p >= 1:
             raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {self.roof_p!r}")
+        # The attention roofs divide a step's terms as the others do: a zero one failed every step inside the
+        # executor (each request "execution failed"), a negative one lost to the other limit in silence.
+        for k in ("attention_flops", "attention_bandwidth"):
+            v = getattr(self, k)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"HardwareSpec.{k} must be a number > 0 or None (the GEMMs' roof), got {v!r}")
+        if self.flops_dtype_bytes != 0 and self.flops_dtype_bytes not in TENSOR_CORE_SCALE:
+            raise ValueError(f"HardwareSpec.flops_dtype_bytes must be 0 (the calibrated dtype) or one of "
+                             f"{sorted(TENSOR_CORE_SCALE)}, got {self.flops_dtype_bytes!r}")
 
     @property
     def flops(self) -> float:
