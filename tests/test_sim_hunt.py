@@ -67,3 +67,28 @@ def test_a_profile_with_an_impossible_attention_roof_is_refused_when_loaded(tmp_
     with pytest.raises(ValueError, match=field):
         HardwareSpec("toy", peak_flops=1e12, mem_bandwidth=1e11, **{field: value})
     HardwareSpec("toy", peak_flops=1e12, mem_bandwidth=1e11, attention_flops=None, attention_bandwidth=None)
+
+
+def test_an_fp32_model_on_a_datasheet_gpu_runs_at_the_fp32_units_peak_not_tf32():
+    """torch leaves TF32 off for fp32 matmuls and the engine's Triton kernels ask for exact fp32 dots, so an fp32
+    model on this engine computes on the FP32 units: each preset's FP32 datasheet figure (H100/H200 67, A100
+    19.5, L4 30.3 TFLOP/s), not half the BF16 rate (TF32), which priced compute-bound fp32 steps 7-8x too fast.
+    The oracle is the engine's own setting, read from torch, and the datasheet figures."""
+    import torch
+
+    assert torch.backends.cuda.matmul.allow_tf32 is False  # what the rate below assumes of the engine
+    fp32 = {"h100": 67e12, "h200": 67e12, "a100": 19.5e12, "l4": 30.3e12}
+    for name, rate in fp32.items():
+        hw = HARDWARE[name]
+        assert hw.peak_flops * hw.dtype_scale(4) == pytest.approx(rate), name
+        assert hw.dtype_scale(2) == 1.0 and hw.dtype_scale(1) == 2.0
+
+
+def test_an_fp32_model_on_a_spec_with_no_fp32_rate_is_an_error_not_a_guess():
+    """A hand-built spec quoted for bf16 without ``fp32_peak_flops`` cannot price an fp32 model: the error names
+    the field to give, rather than the TF32 ratio this engine does not run at."""
+    hw = HardwareSpec("mine", peak_flops=100e12, mem_bandwidth=1e12, flops_dtype_bytes=2)
+    with pytest.raises(ValueError, match="fp32_peak_flops"):
+        hw.dtype_scale(4)
+    with pytest.raises(ValueError, match="fp32_peak_flops"):
+        HardwareSpec("mine", peak_flops=100e12, mem_bandwidth=1e12, fp32_peak_flops=0.0)

@@ -148,16 +148,16 @@ def test_the_cpu_clock_skips_each_idle_gap_on_top_of_the_earlier_ones():
 def test_a_gpu_profiles_missing_compute_roof_comes_at_its_own_dtypes_rate_and_utilisation():
     """Kills: ``profile_spec`` ignoring the profile model's dtype (taking bf16), and dropping the division by the
     profile's ``flops_util``.  An fp32 calibration on an H200 whose grid never reached the compute roof gets
-    the datasheet's *achievable fp32* rate: 989.5 TFLOP/s x 0.7 (GEMM util) x 0.5 (TF32 is half of BF16) =
-    346.3 TFLOP/s as the effective roof, whatever utilisation the profile stores."""
+    the datasheet's *achievable fp32* rate: 67 TFLOP/s (the FP32 units; torch leaves TF32 off) x 0.7 (GEMM
+    util) = 46.9 TFLOP/s as the effective roof, whatever utilisation the profile stores."""
     from minivllm.sim.presets import profile_spec
 
     doc = {"device": "cuda", "model": {"dtype_bytes": 4},
            "hardware": {"name": "NVIDIA H200", "peak_flops": 1e30, "mem_bandwidth": 4e12, "attention_flops": 1e30,
                         "memory_bytes": 150e9, "flops_util": 0.5}}
     spec = profile_spec(doc)
-    assert spec.flops == pytest.approx(989.5e12 * 0.7 * 0.5)
-    assert spec.attn_flops == pytest.approx(989.5e12 * 0.7 * 0.5)
+    assert spec.flops == pytest.approx(67e12 * 0.7)
+    assert spec.attn_flops == pytest.approx(67e12 * 0.7)
 
 
 def test_an_explicit_fp32_simulation_on_a_gpu_stays_fp32():

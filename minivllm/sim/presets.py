@@ -41,34 +41,36 @@ _GPU_SEQ_OVERHEAD_S = 5e-6
 _GEMM_UTIL = 0.7
 _HBM_UTIL = 0.85
 
-def _datasheet_gpu(name: str, bf16_dense_tflops: float, bandwidth: float, memory: float, host_link: float,
-                   notes: str) -> HardwareSpec:
+def _datasheet_gpu(name: str, bf16_dense_tflops: float, fp32_tflops: float, bandwidth: float, memory: float,
+                   host_link: float, notes: str) -> HardwareSpec:
     """A datasheet GPU: its peaks, the assumed utilisations and the typical host/launch costs above."""
     return HardwareSpec(name, peak_flops=bf16_dense_tflops * TB, mem_bandwidth=bandwidth, memory_bytes=memory,
                         step_overhead_s=_GPU_STEP_OVERHEAD_S, layer_overhead_s=_GPU_LAYER_OVERHEAD_S,
                         seq_overhead_s=_GPU_SEQ_OVERHEAD_S, swap_bandwidth=host_link,
-                        flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, flops_dtype_bytes=2, notes=notes)
+                        flops_util=_GEMM_UTIL, bw_util=_HBM_UTIL, flops_dtype_bytes=2,
+                        fp32_peak_flops=fp32_tflops * TB, notes=notes)
 
 
 HARDWARE: dict[str, HardwareSpec] = {
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), nvidia.com/en-us/data-center/h100/:
     # BF16 Tensor Core 1,979 TFLOPS *with sparsity* -> 989.5 dense; GPU memory "80 GB", which the card
     # reports as 81,559 MiB; memory bandwidth 3.35 TB/s; interconnect PCIe Gen5 128 GB/s (both directions)
-    # -> 64 GB/s one way.
-    "h100": _datasheet_gpu("h100", 989.5, 3.35 * TB, 81_559 * MIB, 64 * GB, "H100 SXM5 80GB, datasheet peaks"),
+    # -> 64 GB/s one way.  FP32 67 TFLOPS (not tensor cores: TENSOR_CORE_SCALE says why fp32 runs there).
+    "h100": _datasheet_gpu("h100", 989.5, 67, 3.35 * TB, 81_559 * MIB, 64 * GB, "H100 SXM5 80GB, datasheet peaks"),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column), nvidia.com/en-us/data-center/h200/:
     # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989.5 dense; GPU memory "141 GB", reported as 143,771 MiB
     # (measured: benchmarks/results/2026-11-30_nvidia-h200_gpu_checks_run3_summary.txt); memory bandwidth 4.8 TB/s; PCIe Gen5
-    # 128 GB/s (both directions) -> 64 GB/s one way.
-    "h200": _datasheet_gpu("h200", 989.5, 4.8 * TB, 143_771 * MIB, 64 * GB, "H200 SXM 141GB, datasheet peaks"),
+    # 128 GB/s (both directions) -> 64 GB/s one way.  FP32 67 TFLOPS.
+    "h200": _datasheet_gpu("h200", 989.5, 67, 4.8 * TB, 143_771 * MIB, 64 * GB, "H200 SXM 141GB, datasheet peaks"),
     # NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM column), nvidia.com/en-us/data-center/a100/:
     # BF16 Tensor Core 312 TFLOPS (624 with sparsity); GPU memory "80 GB" HBM2e, reported as 81,920 MiB;
-    # memory bandwidth 2,039 GB/s; PCIe Gen4 64 GB/s (both directions) -> 32 GB/s one way.
-    "a100": _datasheet_gpu("a100", 312, 2039 * GB, 81_920 * MIB, 32 * GB, "A100 SXM4 80GB, datasheet peaks"),
+    # memory bandwidth 2,039 GB/s; PCIe Gen4 64 GB/s (both directions) -> 32 GB/s one way.  FP32 19.5 TFLOPS.
+    "a100": _datasheet_gpu("a100", 312, 19.5, 2039 * GB, 81_920 * MIB, 32 * GB, "A100 SXM4 80GB, datasheet peaks"),
     # NVIDIA L4 Tensor Core GPU datasheet, nvidia.com/en-us/data-center/l4/:
     # BF16 Tensor Core 242 TFLOPS with sparsity -> 121 dense; GPU memory "24 GB" GDDR6, reported as 23,034 MiB
     # (ECC on); memory bandwidth 300 GB/s; PCIe Gen4 x16 64 GB/s (both directions) -> 32 GB/s one way.
-    "l4": _datasheet_gpu("l4", 121, 300 * GB, 23_034 * MIB, 32 * GB, "L4 24GB, datasheet peaks"),
+    # FP32 30.3 TFLOPS.
+    "l4": _datasheet_gpu("l4", 121, 30.3, 300 * GB, 23_034 * MIB, 32 * GB, "L4 24GB, datasheet peaks"),
 }
 
 MODELS: dict[str, ModelShape] = {

@@ -135,9 +135,13 @@ class ModelShape:
 
 
 # Dense tensor-core throughput by element size, relative to 16-bit, on the datasheet GPUs (H100, H200, A100,
-# L4): FP8 (or INT8 on the A100, which has no FP8) runs at twice the BF16 rate, FP32 matmuls on TF32 tensor cores
-# at half of it (H100 SXM: 1,979 / 989.5 / 494.7 dense TFLOP/s; A100: 624 TOPS / 312 / 156; L4: 242.5 / 121 / 60).
-TENSOR_CORE_SCALE = {1: 2.0, 2: 1.0, 4: 0.5}
+# L4): FP8 (or INT8 on the A100, which has no FP8) runs at twice the BF16 rate (H100 SXM: 1,979 / 989.5 dense
+# TFLOP/s; A100: 624 TOPS / 312; L4: 242.5 / 121).  FP32 is not here on purpose: tensor cores would run it as
+# TF32 at half the BF16 rate, but torch leaves TF32 off for matmuls (``torch.backends.cuda.matmul.allow_tf32``
+# is False, the float32 matmul precision "highest") and the engine's Triton kernels ask for exact fp32 dots, so
+# an fp32 model on this engine runs on the ordinary FP32 units -- ``HardwareSpec.fp32_peak_flops``, a datasheet
+# figure of its own (H100 67 TFLOP/s, 15x below BF16; A100 19.5, 16x; L4 30.3, 4x), not a ratio.
+TENSOR_CORE_SCALE = {1: 2.0, 2: 1.0}
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,10 @@ class HardwareSpec:
     # another dtype runs at that dtype's tensor-core rate (TENSOR_CORE_SCALE).  0: the roof holds for the
     # dtype it was measured with -- a calibration fits its own model's dtype and nothing else.
     flops_dtype_bytes: int = 0
+    # The datasheet's FP32 (non-tensor) peak, where an fp32 model's GEMMs and attention run on this engine
+    # (see TENSOR_CORE_SCALE for why not TF32); None: unknown, and an fp32 model on a spec quoted for another
+    # dtype is an error rather than a guess.  Unused when ``flops_dtype_bytes`` is 0.
+    fp32_peak_flops: float | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -191,10 +199,10 @@ class HardwareSpec:
             raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {self.roof_p!r}")
         # The attention roofs divide a step's terms as the others do: a zero one failed every step inside the
         # executor (each request "execution failed"), a negative one lost to the other limit in silence.
-        for k in ("attention_flops", "attention_bandwidth"):
+        for k in ("attention_flops", "attention_bandwidth", "fp32_peak_flops"):
             v = getattr(self, k)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"HardwareSpec.{k} must be a number > 0 or None (the GEMMs' roof), got {v!r}")
+                raise ValueError(f"HardwareSpec.{k} must be a number > 0 or None, got {v!r}")
         if self.flops_dtype_bytes != 0 and self.flops_dtype_bytes not in TENSOR_CORE_SCALE:
             raise ValueError(f"HardwareSpec.flops_dtype_bytes must be 0 (the calibrated dtype) or one of "
                              f"{sorted(TENSOR_CORE_SCALE)}, got {self.flops_dtype_bytes!r}")
@@ -216,12 +224,19 @@ class HardwareSpec:
         return (self.attention_bandwidth if self.attention_bandwidth is not None else self.mem_bandwidth) * self.bw_util
 
     def dtype_scale(self, dtype_bytes: int) -> float:
-        """How much faster than ``peak_flops`` tensor cores run a model of ``dtype_bytes`` per element."""
+        """How much faster than ``peak_flops`` this device runs a model of ``dtype_bytes`` per element: the
+        tensor-core ratio for fp8 and bf16, the FP32 units' own peak for fp32 (TENSOR_CORE_SCALE says why)."""
         if not self.flops_dtype_bytes or dtype_bytes == self.flops_dtype_bytes:
             return 1.0
+        if dtype_bytes == 4:
+            if self.fp32_peak_flops is None:
+                raise ValueError(f"no fp32 rate for {self.name}: its peak_flops is quoted for "
+                                 f"{self.flops_dtype_bytes}-byte elements; give fp32_peak_flops (the datasheet's "
+                                 f"FP32 figure)")
+            return self.fp32_peak_flops / self.peak_flops
         if dtype_bytes not in TENSOR_CORE_SCALE:
             raise ValueError(f"no tensor-core rate for {dtype_bytes}-byte elements on {self.name} "
-                             f"(known: {sorted(TENSOR_CORE_SCALE)})")
+                             f"(known: {sorted(TENSOR_CORE_SCALE)} and 4 with fp32_peak_flops)")
         return TENSOR_CORE_SCALE[dtype_bytes] / TENSOR_CORE_SCALE[self.flops_dtype_bytes]
 
     def slowed(self, factor: float) -> "HardwareSpec":

@@ -392,7 +392,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="llama-3-8b", help="llama-3-8b, llama-3.2-1b, qwen3-0.6b, smollm2-135m")
     ap.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=None,
                     help="bytes per weight/KV element: 1 (fp8), 2 (bf16), 4 (fp32); the GEMM rate follows it on the "
-                         "GPU presets (fp8 2x, fp32 on TF32 tensor cores 1/2 of bf16); default: the preset's, and on a "
+                         "GPU presets (fp8 2x bf16's; fp32 the FP32 units' datasheet peak, TF32 being off); default: the preset's, and on a "
                          "GPU bf16 as the engine's dtype 'auto' picks there")
     ap.add_argument("--tenant", action="append", default=[], metavar="SPEC", help="as minivllm bench serve --tenant")
     ap.add_argument("--input-len", default=None, metavar="DIST",
