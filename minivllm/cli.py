@@ -192,7 +192,11 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.min_free_blocks and args.max_waiting_requests is None:
+        # the door rule reads both; alone, --min-free-blocks was dropped without a word and nothing was shed
+        parser.error("argument --min-free-blocks: needs --max-waiting-requests (the door sheds only with a queue limit)")
     try:
         if args.command == "generate":
             return generate(args)

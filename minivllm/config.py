@@ -156,10 +156,23 @@ class ThreeClassConfig:
                 raise ValueError(f"ThreeClassConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
+_TORCH_DTYPES = frozenset(_DTYPES.values()) | {torch.float64}
+"""The ``torch.dtype`` objects a model can be served in: the named ones, and fp64 (exact, slow, for checks)."""
+
+
 def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"`` is fp32 on CPU (exact, and CPU half matmuls are slow) and bf16 on GPU."""
+    """``"auto"`` is fp32 on CPU (exact, and CPU half matmuls are slow) and bf16 on GPU.
+
+    A ``torch.dtype`` must be a floating-point one the model can run in: ``torch.int8`` was accepted, the weights
+    were cast to it, and every request then failed in the first step ("silu_cpu not implemented for 'Char'").
+    """
     if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"dtype {dtype} cannot serve a model; use one of "
+                             f"{', '.join(sorted(str(d) for d in _TORCH_DTYPES))} (or a name: auto, float32, ...)")
         return dtype
+    if not isinstance(dtype, str):  # (a list reached the dict lookup below as "unhashable type")
+        raise ValueError(f"dtype must be a str or torch.dtype, got {dtype!r} ({type(dtype).__name__})")
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
@@ -424,6 +437,11 @@ class EngineConfig:
 
     def check_kv_capacity(self, num_blocks: int) -> None:
         need = -(-self.max_model_len // self.block_size)
+        if num_blocks == 0:
+            raise ValueError(
+                f"the KV memory does not hold one block of block_size={self.block_size} tokens; "
+                f"use a smaller block_size or give more KV memory"
+            )
         if num_blocks < need:
             raise ValueError(
                 f"KV cache of {num_blocks} blocks of {self.block_size} tokens cannot hold one request of "

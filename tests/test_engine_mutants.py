@@ -438,8 +438,9 @@ def test_a_copy_on_write_alone_copies_k_and_v_in_every_layer():
 
 def test_kv_sizing_from_hand_counts():
     """Kills: a block's bytes counted for K only (the pool would then be sized for twice the blocks the memory
-    holds, and the first long batch runs the device out of memory); a budget smaller than one block giving a
-    pool of 0 blocks (the engine then refuses every request) instead of 1; and the host tier ignoring
+    holds, and the first long batch runs the device out of memory); a budget smaller than one block rounded up
+    to 1 block (allocated past the budget; the engine refuses the 0-block pool at build, naming block_size --
+    tests/test_config_hunt.py); and the host tier ignoring
     ``num_cpu_blocks_override``.  Oracle: hand counts -- K and V, 2 layers, 16-token blocks, 3 KV heads of
     64 dims in bf16 is 2 * 2 * 16 * 3 * 64 * 2 bytes."""
     import torch
@@ -449,7 +450,8 @@ def test_kv_sizing_from_hand_counts():
     per_block = bytes_per_block(2, 16, 3, 64, torch.bfloat16)
     assert per_block == 2 * 2 * 16 * 3 * 64 * 2
     assert num_kv_blocks(10 * per_block + 1, per_block, torch.device("cpu"), 0.9) == 10
-    assert num_kv_blocks(per_block - 1, per_block, torch.device("cpu"), 0.9) == 1
+    assert num_kv_blocks(per_block - 1, per_block, torch.device("cpu"), 0.9) == 0
+    assert num_kv_blocks(per_block, per_block, torch.device("cpu"), 0.9) == 1
     swap = EngineConfig(preemption_mode="swap", num_cpu_blocks_override=7, device="cpu")
     assert num_host_blocks(swap, per_block) == 7
     assert num_host_blocks(EngineConfig(preemption_mode="swap", swap_space=1, device="cpu"), 1 << 20) == 1024

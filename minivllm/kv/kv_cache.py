@@ -41,14 +41,18 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def num_kv_blocks(budget_bytes: int | None, per_block: int, device: torch.device, gpu_memory_utilization: float) -> int:
-    """How many blocks a KV budget buys: the given bytes, else a share of free GPU memory, else 1 GiB."""
+    """How many blocks a KV budget buys: the given bytes, else a share of free GPU memory, else 1 GiB.
+
+    0 when one block costs more than the budget (a huge ``block_size``): the engine then refuses the config
+    (``EngineConfig.check_kv_capacity``) before allocating anything.  Rounding that up to 1 block allocated past
+    the budget -- and for ``block_size=2**40`` died in the allocator with a ``RuntimeError`` traceback."""
     if budget_bytes is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget_bytes = int(free * gpu_memory_utilization)
         else:
             budget_bytes = DEFAULT_CPU_KV_BYTES
-    return max(1, budget_bytes // per_block)
+    return budget_bytes // per_block
 
 
 def num_host_blocks(config, bytes_per_block: int) -> int:
