@@ -140,6 +140,19 @@ class LLMEngine:
                 config.prefix_cache, pool, config.block_size, config.prefix_cache_quota_blocks,
                 quota_group=KVCacheManager.namespace_tenant if tenant_quota else None, quota_for=tenant_quota,
             )
+        elif prefix_cache is not None:
+            # The caller built its cache before this pool existed, so on a pool of its own: it must take its
+            # references on this one (the rebinding ``KVCacheManager.replace_pool`` does).  A cache that already
+            # holds blocks names memory this engine never wrote, and one of another block size would match
+            # other tokens per block: both are refused here, not inside a later step.
+            if prefix_cache.block_size != config.block_size:
+                raise ValueError(f"prefix_cache has block_size={prefix_cache.block_size}, the engine "
+                                 f"block_size={config.block_size}; build it with the engine's block size")
+            if prefix_cache.num_cached_blocks:
+                raise ValueError(f"prefix_cache already holds {prefix_cache.num_cached_blocks} cached block(s) of "
+                                 f"another pool; pass an empty cache")
+            if hasattr(prefix_cache, "pool"):
+                prefix_cache.pool = pool
         self.kv = KVCacheManager(pool, config.block_size, prefix_cache, cpu_pool, config.share_prefix_cache_across_tenants)
         if self.loaded is not None:
             self.model_runner = executor = ModelRunner(
@@ -470,6 +483,11 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - reported per request as finish_reason "error"
             for seq in batch.seqs:
                 batch.errors.setdefault(seq.request.request_id, f"execution failed: {type(exc).__name__}: {exc}")
+            # A victim swapped out in this step is in no row, so it does not fail; but its copy out may never
+            # have run, and swapped back in it would attend garbage: it is recomputed instead.
+            for req in batch.preempted:
+                if req.status is RequestStatus.SWAPPED:
+                    self.scheduler.swap_out_failed(req)
             return {}
 
     def append(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:

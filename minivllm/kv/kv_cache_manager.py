@@ -460,6 +460,12 @@ class KVCacheManager:
         self.stats.swapped_out_blocks += keep
         return True
 
+    def drop_swapped_copy(self, req: Request) -> None:
+        """Undo :meth:`swap_out` for a request whose copy out never ran (the step that carried it failed): its host
+        blocks hold nothing it wrote, so they go back and the request starts over, as a recomputed one does."""
+        self.stats.swapped_out_blocks -= len(req.cpu_block_ids)
+        self.free(req)
+
     def swap_in(self, req: Request) -> None:
         """Bring a swapped-out request's KV back into fresh device blocks (the caller checked room)."""
         assert req.cpu_block_ids and not req.block_ids, "swap_in needs a swapped-out request"

@@ -815,6 +815,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._count_waiting(req, 1, at_front=True)
 
+    def swap_out_failed(self, req: Request) -> None:
+        """``req`` was swapped out in a step whose execution failed, perhaps before its KV was copied out (the
+        executor copies first, and may fail there): its host copy cannot be trusted, so it is recomputed instead.
+        It stays where the preemption put it, at the front of the queue."""
+        computed = req.num_computed_tokens
+        self.kv.drop_swapped_copy(req)
+        self.stats.num_swap_preemptions -= 1
+        self.stats.num_recompute_preemptions += 1
+        self.stats.num_recomputed_tokens += computed
+        req.num_recomputed_tokens += computed
+        req.num_tokens_computed_once = max(req.num_tokens_computed_once, computed)
+        req.status = RequestStatus.PREEMPTED
+
     def _wants_swap(self, req: Request) -> bool:
         mode = self.config.preemption_mode
         if mode == "swap":

@@ -1,0 +1,115 @@
+"""KV-manager edges found by a bug hunt through the public engine API, each pinned by a test that failed before.
+
+1. A prefix cache object of the caller's (``LLMEngine(prefix_cache=...)``, ``LLM(prefix_cache=...)``) serves exactly
+   as the engine's own cache does.  The seam is documented ("a prefix cache of your own go[es] in as keyword
+   arguments"), and its obvious use is the hash index with a stable hash (``HashIndex(pool, block_size,
+   hash_fn=sha256_block_hash)``).  But a cache holds references on *a pool*, and the engine builds its pool inside
+   its constructor, after the caller built the cache: a cache bound to any pool but the engine's takes references
+   on blocks the engine never handed out.  The first filled block then failed the cache's own check ("block 0 is
+   free; the caller must hold it") and the step raised.  Nor was a cache of another block size refused: its block
+   ids cannot line up with the engine's blocks (an 8-token cache in a 4-token engine failed later, inside a step).
+2. A request swapped out in a step whose execution failed is recomputed, not swapped back in: the executor
+   performs a step's block moves first and may fail right there, so its host copy may hold nothing.  The engine
+   failed the batch's rows but left the victim, which is in no row, SWAPPED, and it came back attending garbage.
+
+The oracles are independent of the code under test: every KV slot each step attends is checked against the token
+written there (:class:`invariants.KVContents`), block ownership is recounted after every step
+(:func:`invariants.check_both_tiers`), and for 1 the engine with its built-in hash index runs the same workload.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm import EngineConfig, LLMEngine, SamplingParams
+from minivllm.kv import BlockPool
+from minivllm.kv.prefix import HashIndex, RadixCache, sha256_block_hash
+from minivllm.request import RequestStatus
+
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+
+SYSTEM = list(range(100, 123))  # 23 tokens: five full 4-token blocks and a partial one
+
+
+def _engine(cache=None, **options) -> LLMEngine:
+    cfg = EngineConfig(num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                       max_model_len=64, device="cpu", **options)
+    return LLMEngine(cfg, executor=KVContents(4), prefix_cache=cache, model_max_len=64, eos_token_ids=set())
+
+
+def _workload(engine: LLMEngine) -> dict:
+    """Requests sharing a system prompt, arriving one after another, so later ones hit the cache."""
+    finals = {}
+    for i in range(4):
+        engine.add_request({"prompt_token_ids": SYSTEM + [200 + i] * (i + 1)},
+                           SamplingParams(max_tokens=6, ignore_eos=True), f"r{i}")
+        finals.update(drain(engine))
+    return finals
+
+
+@pytest.mark.parametrize("make", [
+    lambda pool: HashIndex(pool, 4, hash_fn=sha256_block_hash),
+    lambda pool: RadixCache(pool, 4),
+], ids=["hash-sha256", "radix"])
+def test_a_callers_prefix_cache_object_serves_like_the_engines_own(make):
+    own = _engine(enable_prefix_caching=True, prefix_cache="hash")
+    expected = _workload(own)
+    # The caller cannot reach the engine's pool before the engine exists: it builds the cache on a pool of its own.
+    cache = make(BlockPool(24))
+    engine = _engine(cache=cache)
+    finals = _workload(engine)
+    tokens = {rid: out.outputs[0].token_ids for rid, out in finals.items()}
+    assert tokens == {rid: out.outputs[0].token_ids for rid, out in expected.items()}
+    cached = [finals[f"r{i}"].num_cached_tokens for i in range(4)]
+    assert cached == [expected[f"r{i}"].num_cached_tokens for i in range(4)]
+    assert finals["r3"].num_cached_tokens == 20, "the later requests hit the five cached system-prompt blocks"
+    assert_no_leak(engine)
+
+
+def test_a_callers_prefix_cache_of_another_block_size_is_refused_when_the_engine_is_built():
+    """An 8-token cache in a 4-token engine would match 8 tokens per 4-token block: refused up front, not in a step."""
+    with pytest.raises(ValueError, match="block_size"):
+        _engine(cache=HashIndex(BlockPool(24), 8))
+
+
+def test_a_callers_prefix_cache_that_already_holds_blocks_is_refused():
+    """Blocks cached on another pool name memory this engine never wrote."""
+    pool = BlockPool(24)
+    cache = HashIndex(pool, 4)
+    blocks = pool.allocate_many(2)
+    cache.insert(list(range(8)), blocks)
+    with pytest.raises(ValueError, match="already"):
+        _engine(cache=cache)
+
+
+class FailsBeforeItsFirstSwapOut(KVContents):
+    """An executor whose step fails once, before it performs any block move: the first step that swaps a request out."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.victims: list[str] = []
+
+    def execute(self, batch):
+        if batch.moves.swap_out and not self.victims:
+            self.victims = [r.request_id for r in batch.preempted if r.status is RequestStatus.SWAPPED]
+            raise RuntimeError("device copy failed")
+        return super().execute(batch)
+
+
+def test_a_request_swapped_out_in_a_failed_step_is_recomputed_not_swapped_back_in_with_garbage():
+    """Three requests outgrow an 8-block pool, so decode growth swaps one out; that step fails before any copy.
+    The two in the batch end with "error"; the victim must still finish whole, attending only its own tokens."""
+    cfg = EngineConfig(num_gpu_blocks_override=8, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
+                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
+    executor = FailsBeforeItsFirstSwapOut(4)
+    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set())
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=16, ignore_eos=True), f"r{i}")
+    finals = drain(engine)  # check_both_tiers after every step: no slot attended holds another token
+    assert executor.victims, "the workload must swap a request out"
+    for rid in executor.victims:
+        assert finals[rid].outputs[0].finish_reason == "length"
+        assert len(finals[rid].outputs[0].token_ids) == 16
+    assert any(out.outputs[0].finish_reason == "error" for out in finals.values())
+    check_both_tiers(engine)
+    assert_no_leak(engine)
