@@ -55,6 +55,13 @@ log = logging.getLogger(__name__)
 
 _EMA = 0.2  # weight of the newest step in the step-time and prefill-rate estimates
 
+
+def _hint(seconds: float) -> float:
+    """A retry hint in milliseconds, never below one: rounded to 0.0, a fast executor's sub-millisecond step
+    would tell a rejected caller to retry at once, into the same full pool (a hint is > 0 by contract)."""
+    return max(round(seconds, 3), 0.001)
+
+
 STALL_STEPS = 64
 """Steps in a row that compute nothing and end nothing, with requests in the engine, before it looks for a stall.
 
@@ -688,7 +695,7 @@ class LLMEngine:
         step = self.step_time_s or 0.05
         cap_steps = self.scheduler.cap_retry_steps(req)  # turned away by its tenant's cap, not by the pool
         if cap_steps is not None:
-            return round(step * cap_steps, 3)
+            return _hint(step * cap_steps)
         deficit = kv.worst_case_new_blocks(req) + sum(kv.worst_case_new_blocks(r) for r in running)
         deficit -= kv.num_available_blocks
         remaining = 1
@@ -697,6 +704,6 @@ class LLMEngine:
                 break
             deficit -= len(r.block_ids) + kv.worst_case_new_blocks(r)
             remaining = max(1, r.max_tokens - len(r.output_token_ids))
-        return round(step * remaining, 3)
+        return _hint(step * remaining)
 
 

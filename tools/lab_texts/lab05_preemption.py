@@ -65,7 +65,8 @@ slow one holds what waits. Recompute wastes **compute**, swap wastes **link band
 — but it is honest, and a rising reject rate is exactly what an autoscaler wants to see. Preemption also has a
 fairness side: a request preempted again and again has unbounded latency even though the system is "up", so we
 track preemptions **per tenant**. (Two engine rules keep it from thrashing: nothing is admitted in the step right
-after a preemption, and a request preempted `preemption_protect_after` times is chosen only when everyone is.)
+after a preemption made for lack of blocks -- one made to seat a better-ranked request does not pause admission --
+and a request preempted `preemption_protect_after` times is chosen only when everyone is.)
 
 ## 2. Watch blocks leave and come back
 
