@@ -421,7 +421,7 @@ class LLMEngine:
             "cpu_blocks_used": cpu_pool.num_used if cpu_pool else 0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": sum(1 for r in self.scheduler.waiting if r.status is RequestStatus.SWAPPED),
+            "num_swapped": kv.num_swapped,
             "num_preemptions": sched.num_preemptions,
             "num_recompute_preemptions": sched.num_recompute_preemptions,
             "num_swap_preemptions": sched.num_swap_preemptions,
