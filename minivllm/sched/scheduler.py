@@ -58,7 +58,8 @@ request that would grow its group past the KV cap preempts within its own
 group.  Policies with a ``rank`` also order the prefill chunks of a batch by
 rank, count against an admission's token budget only the running prefills
 ranked ahead of it, and (with ``may_preempt_for``) preempt a worse-ranked
-running request to seat a better-ranked one.  Once a victim has been swapped
+running request to seat a better-ranked one (under a global head of line, nothing ranked behind that
+victim is then admitted in the same pass: it would take the victim's room).  Once a victim has been swapped
 out to seat another, no swapped request is swapped back in during the same
 admission (the victim's freed device blocks could be overwritten before the
 executor copies them out).
@@ -80,6 +81,8 @@ from minivllm.sched.output import ScheduledBatch, ScheduledSeq
 from minivllm.sched.fairness import CapTable
 from minivllm.sched.policies import FCFSAdmission, RecomputeLatestPreemption
 
+#: ``Scheduler._try_admit``'s answer for a whole prefill (chunked prefill off) over the token budget left
+_SHORT_OF_BUDGET = object()
 _SAMPLES_KEPT = 2048  # per tenant: the newest finished requests' TTFTs and ITLs kept for percentiles
 
 
@@ -410,6 +413,11 @@ class Scheduler:
         # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
         cap_closed: set[str] = set()
         swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
+        # The best rank among the victims preempted in this admit to seat a better-ranked request.  Under a global
+        # head of line, a request ranked behind one of them is not admitted in the same pass: it would take the
+        # room the victim gave up (a priority-2 request running while the priority-1 victim waits, an inversion
+        # of the policy's order).  (Per tenant, a head that cannot start lets other tenants pass by design.)
+        victim_rank = None
         trusted = self._keeps_order is not None
         if trusted:  # a policy that keeps its order recognises the queue itself, and reads it only
             order = self.admission_policy.order(self.waiting, self.running)
@@ -450,6 +458,8 @@ class Scheduler:
                     continue  # its tenant (or class) is at a cap: it waits, the others do not
             elif not trusted and req not in self.waiting:  # (by identity, in C; the removal below scans as far)
                 raise ValueError(self._not_an_order(req))
+            if victim_rank is not None and self._rank(req) > victim_rank:
+                break  # it waits behind a victim, which cannot start again in this pass: the head of the line
             while True:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
                 if caps is not None:
@@ -460,9 +470,14 @@ class Scheduler:
                 # step that swapped a victim out (its blocks are not back until the copy-out ran).
                 stuck = budget <= 0 or (swapped_out and req.status is RequestStatus.SWAPPED)
                 fit = self._try_admit(req, budget, reserved) if seated and not stuck else None
+                if fit is _SHORT_OF_BUDGET:  # its whole prompt is over the budget left (no chunking): as above
+                    fit, stuck = None, True
                 if fit is not None or stuck or not self._preempt_to_admit(req, admitted):
                     break
                 swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
+                victim = self._admission_preempted[-1]
+                if not self._hol_per_tenant and (victim_rank is None or self._rank(victim) < victim_rank):
+                    victim_rank = self._rank(victim)
                 reserved = self._reserved_blocks()
                 if caps is not None:
                     usage = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
@@ -532,8 +547,10 @@ class Scheduler:
             return True
         return leader.num_computed_tokens >= leader.num_prompt_tokens
 
-    def _try_admit(self, req: Request, budget: int, reserved: int) -> tuple[int, int] | None:
-        """``(tokens this step, blocks to reserve)`` if ``req`` can start now, else None (nothing held)."""
+    def _try_admit(self, req: Request, budget: int, reserved: int) -> tuple[int, int] | object | None:
+        """``(tokens this step, blocks to reserve)`` if ``req`` can start now, else None (nothing held) -- or
+        :data:`_SHORT_OF_BUDGET` when, with chunked prefill off, its prefill (after any cached prefix) is more
+        than ``budget``: a reason ``admit`` must not preempt for, unlike a lack of blocks."""
         kv = self.kv
         if req.status is RequestStatus.SWAPPED:
             tokens = min(self._chunk_cap(req), budget)
@@ -550,7 +567,7 @@ class Scheduler:
         want = self._chunk_cap(req)
         if not self.config.enable_chunked_prefill and want > budget:
             kv.free(req)
-            return None
+            return _SHORT_OF_BUDGET
         tokens = min(want, budget)
         blocks = self._reservation(req)
         if not kv.can_provide(reserved + blocks):
