@@ -360,6 +360,11 @@ def check_pick_budget(fn) -> CheckResult:
         f(lambda b: (seen.append(b), m(b))[1], list(curve), 0.030)
         return len(seen) == len(set(seen))
 
+    def untouched(f):
+        budgets = [1024, 128, 512, 256]
+        f(_Measure(curve), budgets, 0.030)
+        return budgets
+
     def sim(f):
         def measure(budget):  # the same keys as the notebook's measure(b)
             return dict(summarize(serve(mixed_arrivals(num_long=2, seed=3), budget)[1]),
@@ -386,6 +391,9 @@ def check_pick_budget(fn) -> CheckResult:
              "the target is on measure(b)['itl_p99']; the worst gap is reported, not the criterion"),
         Case("no budget measured twice", calls, True,
              "a measurement is a whole run: call measure(b) at most once per budget and keep the result"),
+        Case("the budgets are only read", untouched, [1024, 128, 512, 256],
+             "don't sort the list you are given: it is the caller's (the notebook passes its BUDGETS, in the order "
+             "its table and plots use); sorted(budgets) makes a new list"),
         Case("a real sweep on the simulated engine", sim, True, "measure(b) runs the engine; compare its 'itl_p99'"),
     ]
     return run_checks("pick_budget", fn, cases)
@@ -431,7 +439,8 @@ def hidden_itl_stats(fn, seed: int) -> CheckResult:
 
 
 def hidden_pick_budget(fn, seed: int) -> CheckResult:
-    """Random sweep tables (any order, ties on the target, nothing qualifying), no budget measured twice."""
+    """Random sweep tables (any order, ties on the target, nothing qualifying), no budget measured twice, the
+    list of budgets only read."""
     rng = random.Random(seed)
 
     def random_sweeps(f):
@@ -441,8 +450,10 @@ def hidden_pick_budget(fn, seed: int) -> CheckResult:
             target = rng.choice([round(rng.uniform(0.0, 0.07), 3), rng.choice(list(table.values()))[0]])
             seen: list = []
             m = _Measure(table)
-            got = f(lambda b: (seen.append(b), m(b))[1], list(budgets), target)
-            if got != _pick_budget_oracle(_Measure(table), budgets, target) or len(seen) != len(set(seen)):
+            given = list(budgets)
+            got = f(lambda b: (seen.append(b), m(b))[1], given, target)
+            if got != _pick_budget_oracle(_Measure(table), budgets, target) or len(seen) != len(set(seen)) \
+                    or given != budgets:
                 return f"sweep {trial} differs"
         return "all 100 match"
 
@@ -662,5 +673,7 @@ LAB = Lab(4, "lab04_chunked_prefill", "Chunked prefill", quiz="lab04", exercises
          "return max(meets) if meets else max(budgets)"),
         ("measures twice", '[b for b in budgets if measure(b)["itl_p99"] <= itl_target_s]',
          '[b for b in budgets if measure(b)["itl_p99"] <= itl_target_s and measure(b)]'),
+        ("sorts the caller's list", "meets = [b for b in budgets",
+         "budgets.sort()\n    meets = [b for b in budgets"),
     )),
 ))

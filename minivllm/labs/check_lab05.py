@@ -591,6 +591,10 @@ def check_should_reject(fn) -> CheckResult:
         Case("swapped requests are already in num_waiting", lambda f: f(_stats(waiting=3, swapped=2), 4, 16), False,
              "3 waiting, 2 of them swapped out, with max_waiting=4: engine.stats()['num_waiting'] already counts the "
              "swapped requests (num_swapped is a part of it), so adding num_swapped counts them twice"),
+        Case("swapped requests still fill the queue", lambda f: f(_stats(waiting=4, swapped=2), 4, 16), True,
+             "4 waiting, 2 of them swapped out, with max_waiting=4: the queue is full. A swapped-out request waits "
+             "to resume ahead of the newcomer, so it counts like any other: compare num_waiting itself, don't "
+             "subtract num_swapped"),
         Case("running requests are not the queue", lambda f: f(_stats(running=50), 4, 16), False,
              "read stats['num_waiting'], not num_running: running requests already have their seats"),
         Case("a full pool with nobody waiting accepts", lambda f: f(_stats(waiting=0, free=0), 4, 16), False,
@@ -749,6 +753,8 @@ LAB = Lab(5, "lab05_preemption", "Preemption", quiz="lab05",
         ("exactly min_free_blocks counts as pressure", 'stats["available_blocks"] < min_free_blocks',
          'stats["available_blocks"] <= min_free_blocks'),
         ("reads the free list only", 'stats["available_blocks"]', 'stats["free_blocks"]'),
+        ("swapped requests not counted as waiting", 'waiting = stats["num_waiting"]',
+         'waiting = stats["num_waiting"] - stats["num_swapped"]'),
         ("both conditions required", "waiting >= max_waiting or (", "waiting >= max_waiting and ("),
         ("inverted answer", "return waiting >= max_waiting or", "return not waiting >= max_waiting or"),
         ("changes the stats", 'waiting = stats["num_waiting"]', 'waiting = stats.pop("num_waiting")'),

@@ -488,6 +488,15 @@ def check_metrics_from_log(fn) -> CheckResult:
     rechunk_run, rechunk_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40, budget=64)
     # six equal requests cross a block edge in the same step: one step preempts two of them
     pair_run, pair_exp = _compare([(16, 150, 0.0)] * 6, num_blocks=24, max_seqs=8)
+
+    def inputs_read_only(f):
+        # the notebook passes its own prompt_lens and arrivals: an answer that counts generated tokens by raising
+        # prompt_lens[rid] in place gets every number right once, and wrong when the cell runs again
+        engine, _, plens, arr = _metric_run([(20, 5, 0.0), (40, 3, 0.01)], budget=16)
+        given_plens, given_arr = dict(plens), dict(arr)
+        f(engine.step_log, given_plens, given_arr, 64)
+        return given_plens == plens, given_arr == arr
+
     exact = _one_request_exact(metrics_from_step_log)[1]
     zero = {"running": 0, "waiting": 0, "used_blocks": 0, "free_blocks": 64, "preemptions": 0, "generation_tokens": 0,
             "ttft count": 0, "ttft sum": 0.0, "itl count": 0, "itl sum": 0.0, "itl buckets": _cumulative_buckets([])}
@@ -516,6 +525,9 @@ def check_metrics_from_log(fn) -> CheckResult:
         Case("two victims in one step", pair_run, pair_exp,
              "record.preempted lists every request preempted in that step: a step can have several victims, so "
              "add len(record.preempted), not 1 per step that preempted"),
+        Case("prompt_lens and arrivals are only read", inputs_read_only, (True, True),
+             "keep what you count in dicts of your own (generated tokens per request): the caller's prompt_lens "
+             "and arrivals must come back unchanged, or running the cell twice gives other numbers"),
     ]
     return run_checks("metrics_from_log", fn, cases)
 
@@ -668,6 +680,9 @@ MUTANTS_METRICS = (
      "preemptions += bool(rec.preempted)"),
     ("the first token's wait counted as an ITL too", "ttft[rid] = rec.time - arrivals[rid]",
      "ttft[rid] = rec.time - arrivals[rid]\n                    itl.append(ttft[rid])"),
+    ("counts tokens in the caller's prompt_lens",
+     "if start + n == prompt_lens[rid] + generated.get(rid, 0):  # computed every known token: samples one\n",
+     "if start + n == prompt_lens[rid]:\n                prompt_lens[rid] += 1\n"),
 )
 
 MUTANTS_ALARM = (

@@ -468,9 +468,9 @@ for name, policy, client in defences:
 ("md", r"""
 * **WFQ** protects quiet from the storm as it did from the bulk importer: 0.37 s, the same as beside a patient app
   (first WFQ row) — the storm's cost lands on the tenant that makes it. But WFQ does not stop the storm: it shares tokens and cannot
-  know that a request is abandoned. App still sends 51 requests, 88% of the server's work on it is for nobody, and
-  9 of its 15 jobs fail. With a client that cancels, WFQ gives the best row of the table: quiet protected, all
-  15 jobs done, 1.4 requests per job.
+  know that a request is abandoned. App still sends 55 requests, 92% of the server's work on it is for nobody, and
+  10 of its 15 jobs fail. With a client that cancels, WFQ gives the best row of the table: quiet protected, all
+  15 jobs done, 1.3 requests per job.
 * **A cap that waits** isolates quiet too, and makes the storm worse *for app*: its abandoned requests keep its two
   seats, so its retries queue behind its own abandoned work. 2 of 15 jobs get done.
 * **A cap that rejects** makes an over-cap request cost nothing: turned away at once, it spends no tokens (0% for
