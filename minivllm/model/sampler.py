@@ -1,7 +1,10 @@
 """Turning logits into the next token, for the whole batch at once, on the logits' device.
 
-Greedy rows take the argmax.  Sampled rows apply, in vLLM's order, temperature,
-top-k, top-p (nucleus) and min-p, then draw one token.  Everything is a tensor
+Greedy rows take the argmax.  Sampled rows apply temperature, top-k, top-p
+(nucleus) and min-p, in that order -- transformers' order and vLLM v0's; vLLM v1
+runs min-p first, straight after temperature, which can keep fewer tokens when
+min-p and top-p both cut (min-p's survivors, renormalised, fill the nucleus
+sooner) -- then draw one token.  Everything is a tensor
 operation over all sampled rows together, so a GPU step does not wait on a
 Python loop, and the batch crosses to the host once, as the final token ids.
 
