@@ -44,7 +44,10 @@ _NOTHING_ASKED = (("top_logprobs", 0), ("presence_penalty", 0), ("frequency_pena
                   # vLLM extras that change which tokens come out: were they ignored, a client moving from vLLM would get
                   # text its request forbade (bad_words), or a prompt it asked to have cut (truncate_prompt_tokens)
                   ("bad_words", []), ("allowed_token_ids", None), ("truncate_prompt_tokens", None),
-                  ("logits_processors", []))
+                  ("logits_processors", []),
+                  # vLLM's scheduling priority: the server does not pass a client's priority to the engine (any
+                  # client could put itself ahead of every other tenant), so a non-zero one is refused, not dropped
+                  ("priority", 0))
 
 
 class _SamplingRequest(BaseModel):
@@ -89,6 +92,7 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: Optional[Any] = None
     truncate_prompt_tokens: Optional[Any] = None
     logits_processors: Optional[Any] = None
+    priority: Optional[Any] = None
     response_format: Optional[dict] = None  # chat's field, and vLLM's on completions too
 
     @field_validator("stop")
