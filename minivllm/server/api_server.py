@@ -578,10 +578,13 @@ class OpenAIServer:
         """The SSE body both endpoints share: one chunk per choice that changed, usage, ``[DONE]``.
 
         ``choice(completion)`` shapes one choice the endpoint's way (chat deltas or completion text).
-        A choice that finished is never sent again; a shutdown ends the stream with an error event.
+        A choice that finished is never sent again; a shutdown ends the stream with an error event, and so does a
+        request the engine failed once its stream had begun (its 200 is sent): the event carries the reason the
+        non-streamed request's 500 gives, where a bare ``finish_reason: "error"`` chunk told the client nothing
+        (the ``openai`` client raises ``APIError`` on the event, as it does on the 500).
         """
         done: set[int] = set()
-        last = first
+        last, failed = first, None  # failed: the engine's reason, once a choice finished with "error"
         try:
             async for out in self._outputs(first, stream):
                 last = out
@@ -590,9 +593,16 @@ class OpenAIServer:
                         continue
                     if o.finish_reason:
                         done.add(o.index)
+                        if o.finish_reason == "error" and failed is None:
+                            failed = out.error or "no reason given"
                     yield _sse({**base, "choices": [choice(o)], **extra})
         except (EngineShutdown, EngineDead) as exc:
             yield _sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None, "code": 503}})
+            yield "data: [DONE]\n\n"
+            return
+        if failed is not None:
+            yield _sse({"error": {"message": f"the request failed inside the engine: {failed}",
+                                  "type": "internal_error", "param": None, "code": "engine_error"}})
             yield "data: [DONE]\n\n"
             return
         if include_usage:
