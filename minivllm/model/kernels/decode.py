@@ -41,6 +41,9 @@ import triton
 import triton.language as tl
 
 from minivllm.model.kernels.launch import (
+    check_rows,
+    check_shapes,
+    check_tile,
     dot_precision,
     dot_tile,
     is_gpu,
@@ -250,16 +253,18 @@ def paged_decode(
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
+    check_shapes(q, k_cache, v_cache)
+    check_rows(batch, block_tables, seq_lens)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    if num_heads % kv_heads:
-        raise ValueError(f"q_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
     group = num_heads // kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(batch, kv_heads, max_seq_len, num_compute_units(q.device))
-    block_n = block_n or _default_block_n(q)
+    if num_splits < 1:  # a grid with no programs would return `out` unwritten
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    block_n = check_tile("block_n", block_n or _default_block_n(q))
     block_d = dot_tile(head_dim)
     direct = num_splits == 1
 

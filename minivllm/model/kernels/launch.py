@@ -46,6 +46,42 @@ def dot_tile(n: int) -> int:
     return max(16, next_power_of_2(n))
 
 
+def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Refuse a query and caches that do not describe the same heads (the kernels would not notice).
+
+    The kernels take ``head_dim`` from ``q`` and read only that many elements of each cached row, so a
+    cache with another head size (or a V cache unlike the K cache) gives a wrong answer, not an error.
+    """
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape")
+    if q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"q head_dim={q.shape[-1]} does not match the cache's head_dim={k_cache.shape[-1]}")
+    if q.shape[-2] % k_cache.shape[-2]:
+        raise ValueError(f"q_heads={q.shape[-2]} is not a multiple of kv_heads={k_cache.shape[-2]}")
+
+
+def check_rows(num_seqs: int, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Refuse a launch for more sequences than the metadata describes.
+
+    A program past the end of ``seq_lens`` / ``block_tables`` reads a length and page ids from beyond
+    them and gathers from wherever those point: garbage, or (in the interpreter) a segmentation fault.
+    """
+    if num_seqs > min(block_tables.shape[0], seq_lens.shape[0]):
+        raise ValueError(f"{num_seqs} sequences, but block_tables has {block_tables.shape[0]} rows "
+                         f"and seq_lens {seq_lens.shape[0]} entries")
+
+
+def check_tile(name: str, n: int) -> int:
+    """``n`` if it is a legal ``tl.dot`` tile (a power of two >= 16), else ValueError.
+
+    The interpreter accepts a tile of 8, so without this a test can pass on a CPU with a size that
+    does not compile on a GPU (and a tile that is not a power of two fails deep inside ``tl.arange``).
+    """
+    if n < 16 or n & (n - 1):
+        raise ValueError(f"{name}={n} must be a power of two >= 16 (a tl.dot dimension)")
+    return n
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``input_precision`` for ``tl.dot``: exact fp32 for fp32 inputs, the fast default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -39,7 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.model.kernels.launch import dot_precision, dot_tile, is_gpu, needs_upcast
+from minivllm.model.kernels.launch import (
+    check_rows,
+    check_shapes,
+    check_tile,
+    dot_precision,
+    dot_tile,
+    is_gpu,
+    needs_upcast,
+)
 from minivllm.model.kernels.tiles import load_paged_tile, online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -190,11 +198,14 @@ def paged_prefill(
         return out
     _, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_cache.shape
-    if num_heads % kv_heads:
-        raise ValueError(f"q_heads={num_heads} is not a multiple of kv_heads={kv_heads}")
+    check_shapes(q, k_cache, v_cache)
+    check_rows(first_seq + num_seqs, block_tables, seq_lens)
+    if query_start_loc.shape[0] < first_seq + num_seqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries, "
+                         f"sequences {first_seq}..{first_seq + num_seqs - 1} need {first_seq + num_seqs + 1}")
     default_m, default_n, num_warps = _default_tiles(q)
-    block_m = block_m or default_m
-    block_n = block_n or default_n
+    block_m = check_tile("block_m", block_m or default_m)
+    block_n = check_tile("block_n", block_n or default_n)
     num_q_tiles = triton.cdiv(max_query_len, block_m)
     launch = {"num_warps": num_warps, "num_stages": 2} if is_gpu(q) else {}
     _prefill_kernel[(num_heads, num_q_tiles, num_seqs)](
