@@ -125,7 +125,15 @@ class LengthDist:
             return f"fixed:{int(self.a)}"
         if self.kind == "uniform":
             return f"uniform:{int(self.a)}:{int(self.b)}"
-        return f"lognormal:{self.a:g}:{self.b:g}" + (f":{self.hi}" if self.hi is not None else "")
+        return f"lognormal:{_exact(self.a)}:{_exact(self.b)}" + (f":{self.hi}" if self.hi is not None else "")
+
+
+def _exact(x: float) -> str:
+    """``x`` as short as ``:g`` writes it when that reads back as ``x``, else in full: the spec is parsed again
+    (``sim run`` fills a tenant's missing lengths from it, a result file records it), and ``:g``'s six digits made
+    ``lognormal:12345.67:0.5`` come back as ``12345.7``, a different distribution and so a different workload."""
+    s = f"{x:g}"
+    return s if float(s) == x else repr(x)
 
 
 @dataclass
