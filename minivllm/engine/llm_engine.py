@@ -147,19 +147,7 @@ class LLMEngine:
                 config.prefix_cache, pool, config.block_size, config.prefix_cache_quota_blocks,
                 quota_group=KVCacheManager.namespace_tenant if tenant_quota else None, quota_for=tenant_quota,
             )
-        elif prefix_cache is not None:
-            # The caller built its cache before this pool existed, so on a pool of its own: it must take its
-            # references on this one (the rebinding ``KVCacheManager.replace_pool`` does).  A cache that already
-            # holds blocks names memory this engine never wrote, and one of another block size would match
-            # other tokens per block: both are refused here, not inside a later step.
-            if prefix_cache.block_size != config.block_size:
-                raise ValueError(f"prefix_cache has block_size={prefix_cache.block_size}, the engine "
-                                 f"block_size={config.block_size}; build it with the engine's block size")
-            if prefix_cache.num_cached_blocks:
-                raise ValueError(f"prefix_cache already holds {prefix_cache.num_cached_blocks} cached block(s) of "
-                                 f"another pool; pass an empty cache")
-            if hasattr(prefix_cache, "pool"):
-                prefix_cache.pool = pool
+        # (a caller's own cache object is bound to this pool by the KV manager, its owner)
         self.kv = KVCacheManager(pool, config.block_size, prefix_cache, cpu_pool, config.share_prefix_cache_across_tenants)
         if self.loaded is not None:
             self.model_runner = executor = ModelRunner(

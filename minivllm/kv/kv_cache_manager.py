@@ -105,6 +105,26 @@ class KVCacheManager:
         # the host blocks change hands: ``LLMEngine.stats()`` runs every served step, and counting them by a
         # walk over the waiting queue cost 1.4 ms a step with 10,000 waiting, eight times the step's own host work.
         self.num_swapped = 0
+        if prefix_cache is not None:
+            self._adopt(prefix_cache)
+
+    def _adopt(self, cache: PrefixCache) -> None:
+        """Make ``cache`` take its references on this manager's pool.
+
+        A cache built by its caller (``LLM(prefix_cache=HashIndex(...))``) was built before the engine's pool
+        existed, so on a pool of its own: it would incref blocks this pool never handed out ("block 0 is free"
+        at the first filled block).  It is rebound here, as :meth:`replace_pool` rebinds, if it holds nothing
+        yet; one that already holds blocks names memory this pool never wrote, and one of another block size
+        would match other tokens per block: both are refused before anything runs.
+        """
+        if cache.block_size != self.block_size:
+            raise ValueError(f"prefix_cache has block_size={cache.block_size}, the engine block_size="
+                             f"{self.block_size}; build it with the engine's block size")
+        if getattr(cache, "pool", self.pool) is not self.pool:
+            if cache.num_cached_blocks:
+                raise ValueError(f"prefix_cache already holds {cache.num_cached_blocks} cached block(s) of "
+                                 f"another pool; pass an empty cache")
+            cache.pool = self.pool
 
     def replace_pool(self, pool) -> None:
         """Run on another pool object (lab 2's learner pool); only before any request is added."""
