@@ -484,7 +484,7 @@ class Scheduler:
                     cap_failed.clear()
                     cap_closed.clear()
             if fit is None:
-                if seated and budget > 0 and self._should_reject(req, budget):
+                if seated and not stuck and self._should_reject(req):  # (stuck: short of budget, back next step)
                     self._reject(req)
                     continue
                 if self._hol_per_tenant:
@@ -593,17 +593,16 @@ class Scheduler:
             return self.kv.worst_case_new_blocks(req)
         return self.kv.num_new_blocks(req, req.num_uncomputed_tokens) + self.kv.num_copy_on_write_blocks(req)
 
-    def _should_reject(self, req: Request, budget: int) -> bool:
+    def _should_reject(self, req: Request) -> bool:
         """Reject mode: a request that found no room is turned away, unless it is already in flight.
 
         A sample of an ``n > 1`` request (one with a leader) is in flight once its group is: the group
         is accepted or turned away whole, at its leader, so a caller never gets some samples and a
         "rejected" for the others.  A sample that finds no room waits for running work to finish.
-        Only a lack of KV rejects: with chunked prefill off, a prompt longer than this step's token budget
-        left (``budget``) waits for the next step, whose budget any prompt fits (the config checks that).
+        Only a lack of KV rejects (``admit`` asks only then): a prompt short of this step's token budget waits
+        for the next step, whose budget any prompt fits (the config checks that).
         """
-        return (self.config.preemption_mode == "reject" and req.status is RequestStatus.WAITING and req.leader is None
-                and (self.config.enable_chunked_prefill or self._chunk_cap(req) <= budget))
+        return self.config.preemption_mode == "reject" and req.status is RequestStatus.WAITING and req.leader is None
 
     def cap_retry_steps(self, req: Request) -> int | None:
         """Steps until the tenant cap that rejected ``req`` has room (None: a cap did not reject it)."""
