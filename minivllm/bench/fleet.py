@@ -33,7 +33,7 @@ from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, replica_k
 from minivllm.sim.executor import SimulatedExecutor
 from minivllm.sim.router import ROUTERS, HashRing
 
-DEFAULT_OUT = "benchmarks/results/2026-12-04_cpu-2core_fleet_sim.json"
+DEFAULT_OUT = "benchmarks/results/2026-12-05_cpu-2core_fleet_sim.json"
 
 
 def _ints(text: str) -> list[int]:
@@ -56,13 +56,13 @@ def _routers(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench fleet", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", type=positive_float, default=30.0, help="offered load while sessions overlap, requests/s (default 30)")
+    ap.add_argument("--rate", type=positive_float, default=20.0, help="offered load while sessions overlap, requests/s (default 20)")
     ap.add_argument("--duration", type=positive_float, default=6.0, help="seconds measured after the warm-up (virtual, default 6)")
     ap.add_argument("--hardware", default="l4", help="roofline hardware preset (l4, a100, h100, h200) or 'linear' "
                     "(default l4: an H100 serves this mix at ~100 requests/s per replica, and simulating a fleet of them "
                     "takes minutes on a laptop; try --hardware h100 --rate 200)")
     ap.add_argument("--model", default="llama-3-8b", help="roofline model preset (default llama-3-8b)")
-    ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4], help="replica counts to sweep (default 1,2,3,4)")
+    ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4, 5, 6], help="replica counts to sweep (default 1-6)")
     ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help="routers (default all three)")
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=500.0)
     ap.add_argument("--slo-itl-ms", type=positive_float, default=100.0, help="per-request p99 ITL bound")

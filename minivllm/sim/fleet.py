@@ -66,7 +66,11 @@ class ChatMix:
     rate that makes about ``rate`` requests per second once sessions overlap;
     the ``warmup`` (about one session's length) brings the fleet to that steady
     state, and ``window = (warmup, warmup + duration)`` is what
-    :meth:`FleetResult.summary` should measure.  Every prompt starts with one of
+    :meth:`FleetResult.summary` should measure.  A session's length counts an
+    answer as ``answer_s`` seconds: by default its mean output tokens at 60 ms
+    a decode step (an L4-class replica's step for an 8B model; at least 1 s).
+    Shorter than the answers really take, the window would be a ramp: a chat's
+    later turns, the ones with the longest histories, arrive only after it.  Every prompt starts with one of
     ``num_system_prompts`` system prompts.  A chat's next turn is *closed
     loop*: it arrives a think time after the previous answer finished, and its
     prompt is the whole conversation so far -- the previous prompt, the answer
@@ -82,7 +86,8 @@ class ChatMix:
 
     def __init__(self, rate: float = 20.0, duration: float = 10.0, *, seed: int = 0, num_system_prompts: int = 2,
                  system_len: int = 256, turns: int = 4, single_shot_share: float = 0.3,
-                 user_range=(64, 256), output_range=(32, 160), think_s=(1.0, 3.0), vocab: int = 900) -> None:
+                 user_range=(64, 256), output_range=(32, 160), think_s=(1.0, 3.0), vocab: int = 900,
+                 answer_s: float | None = None) -> None:
         if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
             raise ValueError(f"rate must be a positive finite number, got {rate!r}")
         if not (isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration)):
@@ -91,6 +96,10 @@ class ChatMix:
             raise ValueError("turns must be an int >= 1 and 0 <= single_shot_share <= 1")
         if not (len(think_s) == 2 and all(math.isfinite(x) for x in think_s) and 0 <= think_s[0] <= think_s[1]):
             raise ValueError(f"think_s must be (low, high) seconds with 0 <= low <= high, got {think_s!r}")
+        if answer_s is None:
+            answer_s = max(1.0, 0.06 * sum(output_range) / 2)
+        if not (isinstance(answer_s, (int, float)) and answer_s >= 0 and math.isfinite(answer_s)):
+            raise ValueError(f"answer_s must be a finite number of seconds >= 0, got {answer_s!r}")
         self.rate, self.duration, self.seed, self.turns = rate, duration, seed, turns
         self.user_range, self.output_range, self.think_s, self.vocab = user_range, output_range, think_s, vocab
         rng = random.Random(seed)
@@ -98,7 +107,7 @@ class ChatMix:
         session_rate = rate / (single_shot_share + (1 - single_shot_share) * turns)
         self.session_turns: dict[int, int] = {}
         self._first: list[FleetArrival] = []
-        self.warmup = (turns - 1) * (sum(think_s) / 2 + 1.0)  # about one session: turns, answers, thinking
+        self.warmup = (turns - 1) * (sum(think_s) / 2 + answer_s)  # about one session: turns, answers, thinking
         self.window = (self.warmup, self.warmup + duration)
         t = rng.expovariate(session_rate)
         while t < self.window[1]:
@@ -226,12 +235,16 @@ class FleetResult:
         """Loadgen's summary (TTFT/ITL/e2e percentiles, goodput under the SLOs) plus the fleet's hit rate and load.
 
         With ``window=(t0, t1)`` only requests arriving in it count, rates are per
-        second of the window, and the hit rate is theirs (cached prompt tokens over
-        looked-up ones): the steady state, without warm-up and drain.
+        second of the window, and the hit rates, fleet-wide and per replica, are theirs
+        (cached prompt tokens over looked-up ones), as are the requests per replica: the
+        steady state, without warm-up and drain.  The busy fractions, spill and
+        preemption counts are the whole run's.
         """
         if window is None:
             out = summarize_group(self.results, self.duration, slo_ttft, slo_itl)
             out["prefix_hit_rate"] = self.hit_rate
+            out["replica_requests"] = [r.requests for r in self.replicas]
+            out["replica_hit_rate"] = [r.hit_rate for r in self.replicas]
         else:
             t0, t1 = window
             ids = {r.index for r in self.results if t0 <= r.arrival < t1}
@@ -243,9 +256,23 @@ class FleetResult:
             looked = sum(r.prompt_len for r in chosen if rid[r.index] in self.cached_tokens)
             out["prefix_hit_rate"] = sum(self.cached_tokens.get(rid[r.index], 0) for r in chosen) / looked if looked else 0.0
             out["offered_rps"] = len(chosen) / (t1 - t0)
-        out["replica_requests"] = [r.requests for r in self.replicas]
+            # per replica, the same recount over the window's requests admitted there (a rejected request was
+            # admitted, as the replica's own count has it, but looked nothing up)
+            n = len(self.replicas)
+            requests, hits, queries = [0] * n, [0] * n, [0] * n
+            for r in chosen:
+                key = rid[r.index]
+                k = self.placement.get(key)
+                if k is None:  # (a result built by hand, with no placement)
+                    continue
+                if key in self.cached_tokens:
+                    hits[k] += self.cached_tokens[key]
+                    queries[k] += r.prompt_len
+                if key in self.cached_tokens or r.outcome == "rejected":
+                    requests[k] += 1
+            out["replica_requests"] = requests
+            out["replica_hit_rate"] = [h / q if q else 0.0 for h, q in zip(hits, queries)]
         out["replica_busy_fraction"] = [r.busy_s / self.duration if self.duration else 0.0 for r in self.replicas]
-        out["replica_hit_rate"] = [r.hit_rate for r in self.replicas]
         out["spilled"] = self.spilled
         out["preemptions"] = sum(r.preemptions for r in self.replicas)
         return out

@@ -147,7 +147,7 @@ for name, router in (("round robin", RoundRobinRouter()), ("least outstanding", 
           f"requests per replica {s['replica_requests']}")
 """),
 ("md", r"""
-No better — in this run the TTFT tail is even longer (read the p99 column). On a mix of many similar requests round
+No better — in this run the two are within a few milliseconds of each other (read the p99 column). On a mix of many similar requests round
 robin is already nearly balanced, and the outstanding-token count adds little (it can even send a chat's next turn
 to the replica that just happened to drain, breaking up nothing useful but also gaining nothing). Load awareness
 pays when sizes vary a lot — one replica stuck with two long-context requests while round robin keeps feeding it —
@@ -294,8 +294,8 @@ a fixed offered load: how many replicas, with which router?
 """),
 ("code", r"""
 # simulated: roofline, Llama-3-8B on an L4 per replica
-study = ChatMix(rate=30, duration=6, seed=0)
-REPLICAS = [1, 2, 3, 4]
+study = ChatMix(rate=20, duration=6, seed=0)
+REPLICAS = [1, 2, 3, 4, 5, 6]
 rows = sweep(study, REPLICAS, ["round_robin", "least_outstanding", "prefix_affinity"], 0.5, 0.1, L4_LLAMA8B)
 by = {(r["replicas"], r["router"]): r for r in rows}
 routers = ["round_robin", "least_outstanding", "prefix_affinity"]
@@ -322,9 +322,10 @@ Read the two plots together:
   SLOs. In between, the binding SLO is the inter-token one: each step that carries a chunk of someone's prefill is
   longer for every decoder in the batch (lab 4), so a replica's p99 ITL rises with the prefill tokens it has to do.
   That is why capacity is planned at the SLO, not at average utilisation.
-* **Hit rate by router:** with one replica every router is the same. From two replicas on, round robin and least
-  outstanding scatter each chat's turns and the hit rate falls towards "the system prompt only"; prefix affinity
-  keeps it where a single replica had it, because each chat's history stays in one cache.
+* **Hit rate by router:** with one replica every router is the same (and that replica, far past capacity, evicts
+  what it cached). From two replicas on, round robin and least outstanding scatter each chat's turns and the hit
+  rate falls towards "the system prompt only" as the fleet grows; prefix affinity keeps it at every size, because
+  each chat's history stays in one cache.
 * **Hit rate is capacity here.** Every cached prompt token is a prefill token no step has to carry, so affinity's
   replicas run shorter steps and meet the ITL SLO with **one replica fewer** in this run (the printed lines below the
   plots). Well above the cliff the SLO is met anyway and the gain shows only as a shorter TTFT tail. Spill-over (the
@@ -401,7 +402,7 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
     not noise. Prompt steps that follow idle time or graph replays took 14–28 ms, where the back-to-back steps the
     calibration measured took 11–13 ms.
 * **What that means for section 2.** Trust the simulator most for *comparisons under one cost model* — round robin
-  against affinity, 3 replicas against 4 — where a bias shared by both sides cancels; trust it least for absolute
+  against affinity, 5 replicas against 6 — where a bias shared by both sides cancels; trust it least for absolute
   tail latencies on hardware whose prompt steps are launch-bound. Before a real purchase, calibrate on that
   hardware (`minivllm sim calibrate`) and run `sim_accuracy` there.
 
