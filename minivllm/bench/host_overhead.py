@@ -215,8 +215,17 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     length (its opcode count does not change); how many of the integers it touches pass 256 does.
     What remains after the step, about 1% per 100 tokens, is the requests' lists and integers
     spreading over more memory.
+
+    Each row is labelled with the output length its measurement started at: a point less than
+    ``samples`` above the one before has already been passed, and is measured where the previous
+    measurement left off.
     """
-    engine = _engine(seqs, max(points) + samples + 16, output_kind, prompt_len, prefix_cache)
+    # The prompts are prefilled a budget at a time, and the first ones decode while the rest wait for theirs: by
+    # the time the last has its first token the first are up to ``stagger`` tokens ahead (twice the prefill
+    # steps: decodes share the budget).  Without that margin they finished inside the last row's measurement
+    # (256 x 300-token prompts: 256 sequences at the start of the 900-token row, 99 at its end).
+    stagger = 2 * -(-seqs * prompt_len // max(2048, seqs))
+    engine = _engine(seqs, max(points) + samples + 16 + stagger, output_kind, prompt_len, prefix_cache)
     _prefill_all(engine)
     rows, done = [], 1
     for point in sorted(points):
@@ -224,7 +233,9 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
             engine.step()
             done += 1
         t = _time_steps(engine, samples)
-        rows.append({"output_tokens": point, "total_tokens": point + prompt_len,
+        # ``done``, not ``point``: timing a point takes ``samples`` steps, so a point less than that above the one
+        # before is already behind the sequences (asked 250, 270, 300 with 50 samples: measured 250, 300, 350)
+        rows.append({"output_tokens": done, "total_tokens": done + prompt_len,
                      "host_cpu_us_median": round(statistics.median(t["host_cpu"]), 1),
                      "host_cpu_us_mean": round(statistics.fmean(t["host_cpu"]), 1),
                      "prep_cpu_us_median": round(statistics.median(t["prep_cpu"]), 1)})
