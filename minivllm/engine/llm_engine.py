@@ -143,9 +143,13 @@ class LLMEngine:
             from minivllm.kv.prefix import make_prefix_cache
 
             tenant_quota = tenant_cache_quota(config, num_blocks)  # per-tenant cache shares (rule capped_prefix_cache)
+            # Any quota counts per tenant, all its salts together: the salt comes from the client, and a quota per
+            # (tenant, salt) would be multiplied by every salt it invents -- and would turn into a per-tenant one
+            # as soon as some other tenant got a max_cache_share.
+            by_tenant = tenant_quota is not None or config.prefix_cache_quota_blocks is not None
             prefix_cache = make_prefix_cache(
                 config.prefix_cache, pool, config.block_size, config.prefix_cache_quota_blocks,
-                quota_group=KVCacheManager.namespace_tenant if tenant_quota else None, quota_for=tenant_quota,
+                quota_group=KVCacheManager.namespace_tenant if by_tenant else None, quota_for=tenant_quota,
             )
         # (a caller's own cache object is bound to this pool by the KV manager, its owner)
         self.kv = KVCacheManager(pool, config.block_size, prefix_cache, cpu_pool, config.share_prefix_cache_across_tenants)

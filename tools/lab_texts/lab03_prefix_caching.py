@@ -164,8 +164,9 @@ print("section 2 replays", "your functions" if hash_check and match_check else "
 
 `LearnerHashCache` assembles your two functions into a prefix cache with the engine's methods (`match`, `insert`,
 `evict`). Each workload is replayed the way the engine admits requests: look up, take references on the hits,
-allocate the rest, insert the full blocks, finish. The hit rate is counted in tokens, like vLLM's
-`prefix_cache_hits / prefix_cache_queries`.
+allocate the rest, insert the full blocks, finish. The hit rate is counted in tokens: hit tokens over the tokens
+a lookup can match, each prompt less its last token. (vLLM's `prefix_cache_hits / prefix_cache_queries`, and the
+engine's `prefix_cache_hit_rate`, divide by the whole prompt, so they read a little lower.)
 
 * **system prompt**: 40 requests = one 256-token system prompt + a short question;
 * **multi-turn**: 8 chats × 5 turns, each turn's prompt = the whole history so far (interleaved);
