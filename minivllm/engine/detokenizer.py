@@ -54,3 +54,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         self.text += delta
         return delta
+
+    def flush(self) -> str:
+        """At the request's end, release what :meth:`add_token` still holds as a maybe-incomplete character, as
+        ``decode`` writes it: a U+FFFD the model generated as a whole character (one token in byte-level
+        vocabularies) is real text, and bytes no later token will complete decode to U+FFFD.  Held back for
+        good, the final text was not the decode of the output's token ids."""
+        if self.tokenizer is None or self._read_offset == len(self._tokens):
+            return ""
+        before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        after = self._decode(self._tokens[self._prefix_offset :])
+        if before.endswith("\ufffd") and not after.startswith(before):
+            before = before.rstrip("\ufffd")  # the prompt's own incomplete character, as in add_token
+        delta = after[len(before) :] if len(after) > len(before) else ""
+        self._prefix_offset = self._read_offset = len(self._tokens)
+        self.text += delta
+        return delta

@@ -205,6 +205,7 @@ class InputProcessor:
             raise ValueError("this model has no tokenizer, so no chat template")
         if not isinstance(conversation, list) or not conversation:
             raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
+        conversation = [_joined_parts(m) for m in conversation]
         for i, m in enumerate(conversation):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
@@ -228,3 +229,16 @@ class InputProcessor:
         if not ids:
             raise ValueError("the conversation encodes to zero tokens")
         return list(ids)
+
+
+def _joined_parts(message):
+    """A message whose content is OpenAI's list of text parts, with the parts joined as paragraphs (vLLM joins
+    them with newlines): the chat template takes a string.  ``LLM.chat`` gets the same conversations the server
+    does, so the parts are joined here, on the one chat path, not at one door only.  Anything else is returned
+    as it is, for the checks that follow."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    parts = message["content"]
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str) for p in parts):
+        raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {parts!r}")
+    return {**message, "content": "\n".join(p.get("text", "") for p in parts)}

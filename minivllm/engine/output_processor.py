@@ -106,6 +106,7 @@ class OutputProcessor:
                 finished = req.status.finished
                 if finished:
                     self._catch_up(req, stream)
+                    stream.detok.flush()  # (after a stop string nothing is held: it was found in released text)
                 if stream.every_step or finished:
                     outputs.append(self._make_output(req, stream, [token]))
             except Exception as exc:  # noqa: BLE001 - isolated: reported as finish_reason "error"

@@ -516,7 +516,7 @@ class OpenAIServer:
             if isinstance(content, list):
                 if any(part.type != "text" for part in content):
                     raise APIError(400, "only text content parts are supported", "invalid_request_error", "messages", "unsupported")
-                content = "\n".join(part.text or "" for part in content)  # parts are paragraphs (as vLLM joins)
+                content = [{"type": "text", "text": part.text or ""} for part in content]  # joined by encode_chat
             conversation.append({"role": m.role, "content": content or ""})
         try:
             ids = await asyncio.to_thread(self.engine.engine.inputs.encode_chat, conversation,
