@@ -207,8 +207,9 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     On the 2-core machine, with 64-token prompts, most of the rise is a step, not a slope: ~166 us
     up to 100 output tokens, ~183 us once the requests hold more than 256 tokens in all, 183-188 us
     from there to 900 output tokens (``*_host_overhead_sweep.json``).  With 300-token prompts the
-    first figure is already 177 us, then 186 at 300 output tokens, 193 at 600 and 197 at 900
-    (``*_sweep_prompt300.json``).  The step: CPython keeps one shared
+    first figure is already 181-191 us, then 198-206 at 300 output tokens, 192-197 at 600 and
+    198-225 at 900 (five runs, ``2026-12-05_*_sweep_prompt300.json`` the first; the 2026-11-30 file's
+    197 at 900 was measured while sequences finished).  The step: CPython keeps one shared
     object for each integer from -5 to 256; a larger one -- ``len()`` of a 300-token list, a
     ``num_computed_tokens`` past 256, ``prompt + output`` -- is a fresh heap object each time it
     is computed, and reading it is one more memory access.  The step's code is the same at every
