@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.sim.fleet import ChatMix, FleetArrival, Fleet, run_fleet, sim_replica
+from minivllm.sim.fleet import ChatMix, FleetArrival, Fleet, run_fleet
 from minivllm.sim.router import RoundRobinRouter
 
-SMALL = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
-
-
-def small_replica(executor):
-    return sim_replica(executor, **SMALL)
+import test_fleet  # noqa: E402  (tests/ is on sys.path): its small replica and chat mix
+from test_fleet import small_replica  # noqa: E402
 
 
 def small_mix(rate=8.0, duration=2.0, seed=4):
-    return ChatMix(rate, duration, seed=seed, system_len=64, user_range=(32, 64), output_range=(4, 16), turns=3,
-                   think_s=(0.2, 0.6))
+    return test_fleet.small_mix(rate, duration, seed)
 
 
 def recount(res, window, num_replicas):
