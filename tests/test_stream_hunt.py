@@ -8,15 +8,10 @@ the request's own state).  A streamed request that fails on its last token repor
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.sim import SimulatedExecutor
+
+from test_llm_callers import _llm  # noqa: E402  (tests/ is on sys.path): a simulated LLM with no EOS
 
 LONG = SamplingParams(max_tokens=80, ignore_eos=True, output_kind="delta")
-
-
-def _llm():
-    llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=64, max_model_len=96)
-    llm.engine.eos_token_ids = set()
-    return llm
 
 
 def test_a_stream_aborted_by_another_caller_raises_without_running_other_callers_requests_to_their_end():
