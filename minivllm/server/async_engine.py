@@ -218,6 +218,13 @@ class AsyncEngine:
                         cmd = None
                 if self._stop:
                     break
+                if engine.closed:
+                    # Closed under the server (``LLM.close()``, a ``with`` block's exit): it aborted every request,
+                    # so no output will ever reach these streams, and their clients would wait for ever.
+                    self.dead = RuntimeError("the engine was closed")
+                    for rid in list(self._streams):
+                        self._abort_one(rid, EngineDead("the engine was closed while the server was running"))
+                    break
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     self.num_steps += 1
