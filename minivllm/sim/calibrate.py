@@ -159,7 +159,8 @@ def _predict(theta: np.ndarray, costs: list[StepCost], p: float | None = None):
 
 def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
         groups: list[int] | None = None, s_per_byte: float | None = None,
-        roof_p: float | None = None, prompt_term: bool = True) -> tuple[np.ndarray, float]:
+        roof_p: float | None = None, prompt_term: bool = True,
+        swap_bandwidth: float = PCIE4_X16_BYTES_PER_S) -> tuple[np.ndarray, float]:
     """Fit ``PARAMS`` (seconds per unit of each term) to measured step times; returns (theta, rms relative error).
 
     The fit minimises relative error.  ``groups`` (one label per step, e.g. the
@@ -175,18 +176,22 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
     corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.  ``prompt_term``:
     steps with prompt tokens get their own fixed cost (``HardwareSpec.eager_step_overhead_s``: kernel
     launches no CUDA graph hides on a GPU, the prefill path's per-layer work on a CPU); False leaves it out.
+    ``swap_bandwidth`` (the profile's, measured apart): a step's block moves take ``swap_bytes / swap_bandwidth``,
+    which :func:`~minivllm.sim.roofline.roofline_time` adds to the fitted terms, so the fit takes it off first.
     """
-    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term)
+    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term, swap_bandwidth)
     return theta, err
 
 
-def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term=True) -> tuple[np.ndarray, float, float]:
+def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term=True,
+         swap_bandwidth=PCIE4_X16_BYTES_PER_S) -> tuple[np.ndarray, float, float]:
     """:func:`fit`'s work; also returns the weighted error it minimised (what :func:`fit_roof` compares)."""
     t = np.asarray(times, dtype=float)
     if len(costs) != len(t) or len(t) < len(PARAMS):
         raise ValueError(f"need at least {len(PARAMS)} measured steps with their costs, got {len(t)}")
-    if not (t > 0).all():
-        raise ValueError("step times must be > 0")
+    if not (np.isfinite(t) & (t > 0)).all():  # an inf passed "> 0" and failed inside the fit
+        raise ValueError("step times must be finite and > 0")
+    swap = np.array([c.swap_bytes for c in costs], dtype=float) / swap_bandwidth  # known: not fitted
     w = 1.0 / t  # relative error
     if groups is not None:
         if len(groups) != len(t):
@@ -205,15 +210,16 @@ def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term=True)
             seen.add(key)
             A = np.array([_columns(c, sh, prompt_term) for c, sh in zip(costs, shares)])
             if s_per_byte is None:
-                theta = nnls(A * w[:, None], t * w)
+                theta = nnls(A * w[:, None], (t - swap) * w)
             else:  # the bytes column is known: move it to the right-hand side, fit the others
-                rest = nnls(np.delete(A, 3, axis=1) * w[:, None], (t - s_per_byte * A[:, 3]) * w)
+                rest = nnls(np.delete(A, 3, axis=1) * w[:, None], (t - swap - s_per_byte * A[:, 3]) * w)
                 theta = np.insert(rest, 3, s_per_byte)
             pred, shares = _predict(theta, costs, roof_p)
+            pred = pred + swap
             err = float(np.sqrt(np.sum(((pred - t) * w) ** 2) / np.sum((w * t) ** 2)))  # weighted relative rms
             if err < best_err:
                 best, best_err = theta, err
-    pred, _ = _predict(best, costs, roof_p)
+    pred = _predict(best, costs, roof_p)[0] + swap
     return best, float(np.sqrt(np.mean(((pred - t) / t) ** 2))), best_err
 
 
@@ -221,7 +227,8 @@ ROOF_P_CANDIDATES = (None, 8.0, 4.0, 3.0, 2.0, 1.5)
 
 
 def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None = None,
-             s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES, prompt_term: bool = True):
+             s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES, prompt_term: bool = True,
+             swap_bandwidth: float = PCIE4_X16_BYTES_PER_S):
     """:func:`fit` for each candidate ``roof_p``; returns ``(theta, rms error, roof_p)`` of the best.
 
     One discrete shape parameter, chosen on the same weighted error the fit
@@ -230,7 +237,7 @@ def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None
     """
     best = None
     for p in candidates:
-        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, prompt_term)
+        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, prompt_term, swap_bandwidth)
         if best is None or weighted < best[0] - 1e-9:
             best = (weighted, theta, err, p)
     return best[1], best[2], best[3]
@@ -536,9 +543,11 @@ def refit(doc: dict, notes: str | None = None) -> dict:
     times = [s["time_s"] for s in samples]
     groups = [s["group"] for s in samples] if all("group" in s for s in samples) else None
     read_bw = doc["fit"].get("measured_read_bandwidth")
-    theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None)
     hw = doc["hardware"]
-    spec = spec_from_theta(theta, hw["name"], swap_bandwidth=hw.get("swap_bandwidth", PCIE4_X16_BYTES_PER_S), roof_p=roof_p,
+    swap_bw = hw.get("swap_bandwidth", PCIE4_X16_BYTES_PER_S)
+    theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None,
+                                  swap_bandwidth=swap_bw)
+    spec = spec_from_theta(theta, hw["name"], swap_bandwidth=swap_bw, roof_p=roof_p,
                            memory_bytes=hw.get("memory_bytes", 0.0), notes=notes or hw.get("notes", ""))
     pred = [roofline_time(c, shape, spec).total for c in costs]
     doc["hardware"] = spec.to_dict()
