@@ -112,6 +112,23 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
         bad[keys[1]] = IndexEntry(3, tuple(A[4:8]), "someone else")
         return f(A + [1], bad, bs, hasher)
 
+    def parent_elsewhere(f):  # block 2's entry names a real cached key as parent, but not block 1's
+        keys = hasher(A, bs)
+        bad = dict(idx)
+        bad[keys[2]] = IndexEntry(9, tuple(A[8:12]), keys[0])
+        return f(A + [1], bad, bs, hasher)
+
+    def index_untouched(f):  # entries the matcher must skip, not clean up: the cache owns them
+        keys = hasher(A, bs)
+        for forged in (IndexEntry(3, (99, 99, 99, 99), keys[0]), IndexEntry(3, tuple(A[4:8]), "someone else")):
+            bad = dict(idx)
+            bad[keys[1]] = forged
+            before = dict(bad)
+            f(A + [1], bad, bs, hasher)
+            if bad != before:
+                return False
+        return True
+
     def first_with_parent(f):  # the first block's entry claims a parent: it belongs to a longer chain
         keys = hasher(A, bs)
         return f(A + [1], {keys[0]: IndexEntry(7, tuple(A[:4]), "a parent")}, bs, hasher)
@@ -151,6 +168,12 @@ def check_match_prefix(fn, hasher: Callable | None = None) -> CheckResult:
         Case("after a wrong parent, stop -- even where a later entry is genuine", forged_middle_parent, [7],
              "a wrong parent ends the match too (break, not continue): block 1's cached KV belongs to another "
              "prefix, so nothing after it can be reused"),
+        Case("an entry whose parent is another cached key is a miss", parent_elsewhere, [7, 3],
+             "compare entry.parent with the PREVIOUS block's key exactly; being some cached key (or one of this "
+             "prompt's earlier keys) is not enough"),
+        Case("the index is only read", index_untouched, True,
+             "don't delete or change entries, even a colliding one: the cache holds a pool reference for every "
+             "entry, and one removed behind its back is never freed"),
         Case("the first block's entry must have no parent", first_with_parent, [],
              "check the parent of block 0 as well: it must be None"),
         Case("a salted prefix needs the same salt", lambda f: (f(A + [1], salted, bs, hasher),
@@ -336,9 +359,12 @@ def hidden_match_prefix(fn, seed: int) -> CheckResult:
             for q in prompts:
                 q = q + [rng.randrange(10, 40) for _ in range(rng.randint(0, bs))]
                 s = rng.choice([salt, salt, None if salt else "t"])
-                got = f(list(q), dict(index), bs, _ref_hasher, s) if s else f(list(q), dict(index), bs, _ref_hasher)
+                given = dict(index)
+                got = f(list(q), given, bs, _ref_hasher, s) if s else f(list(q), given, bs, _ref_hasher)
                 if (bad := wrong_container(got, list, f"trial {trial}")) is not None:  # as in the visible cases
                     return bad
+                if given != index:
+                    return f"trial {trial} changed the index"
                 if got != _ref_matcher(q, index, bs, _ref_hasher, s):
                     return f"trial {trial} differs"
         return "all 30 trials match"
@@ -444,6 +470,16 @@ LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
         ("no parent validation", "if entry.parent != parent:", "if False:"),
         ("salt dropped", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids[:-1], block_size)"),
         ("drops two tokens", "hasher(token_ids[:-1], block_size, salt)", "hasher(token_ids[:-2], block_size, salt)"),
+        # the forged parents above are strings no index holds: kills a case that never names a cached key
+        ("parent only checked to be cached", "if entry.parent != parent:",
+         "if (entry.parent is not None) if i == 0 else (entry.parent not in index):"),
+        # the cache holds a pool reference per entry, dropped only when it evicts: these leak a block
+        ("deletes a colliding entry",
+         "!= tuple(token_ids[i * block_size:(i + 1) * block_size]):\n            break",
+         "!= tuple(token_ids[i * block_size:(i + 1) * block_size]):\n            if entry is not None:\n"
+         "                del index[key]\n            break"),
+        ("deletes an entry with a wrong parent", "if entry.parent != parent:\n            break",
+         "if entry.parent != parent:\n            del index[key]\n            break"),
         ("drops the last token in place", "for i, key in enumerate(hasher(token_ids[:-1], block_size, salt)):",
          "token_ids.pop()\n    for i, key in enumerate(hasher(token_ids, block_size, salt)):"),
     )),
