@@ -97,7 +97,9 @@ THREE_CLASS_RULES = {
                            "(TenantConfig.max_cache_share or prefix_cache_quota_blocks win)",
     "chunk_long_prefills": "no request prefills more than long_prefill_tokens tokens in one step, so longer "
                            "prompts are chunked (long_prefill_token_threshold)",
-    "preempt_batch_first_swap_long": "victims are batch before agent before interactive; a victim whose context is "
+    "preempt_batch_first_swap_long": "victims are batch before agent before interactive, among the requests "
+                                     "anti-thrash leaves open (one preempted preemption_protect_after times is spared, "
+                                     "whatever its class, until everyone is); a victim whose context is "
                                      "long enough that swapping it costs less than recomputing it (the auto mode's "
                                      "cost model, or swap_min_tokens computed tokens if set) is swapped, a shorter "
                                      "one recomputed",
