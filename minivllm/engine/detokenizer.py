@@ -40,20 +40,7 @@ class IncrementalDetokenizer:
         if self.tokenizer is None:
             return ""
         self._tokens.append(token_id)
-        before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        after = self._decode(self._tokens[self._prefix_offset :])
-        if before.endswith("\ufffd") and not after.startswith(before):
-            # The prompt (token ids sent as such) ended mid-character and this token completes it: the
-            # character is the output's first text.  Measured from the prompt's U+FFFD instead, it would be
-            # lost (the completed text is no longer than that placeholder), and with it a real character.
-            before = before.rstrip("\ufffd")
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return ""  # an incomplete character, or a token that decodes to nothing yet
-        delta = after[len(before) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
-        self.text += delta
-        return delta
+        return self._release(final=False)
 
     def flush(self) -> str:
         """At the request's end, release what :meth:`add_token` still holds as a maybe-incomplete character, as
@@ -62,11 +49,21 @@ class IncrementalDetokenizer:
         good, the final text was not the decode of the output's token ids."""
         if self.tokenizer is None or self._read_offset == len(self._tokens):
             return ""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        """The text the tokens past the read offset add, once it does not end mid-character (or ``final``)."""
         before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         after = self._decode(self._tokens[self._prefix_offset :])
         if before.endswith("\ufffd") and not after.startswith(before):
-            before = before.rstrip("\ufffd")  # the prompt's own incomplete character, as in add_token
-        delta = after[len(before) :] if len(after) > len(before) else ""
-        self._prefix_offset = self._read_offset = len(self._tokens)
+            # The prompt (token ids sent as such) ended mid-character and this token completes it: the
+            # character is the output's first text.  Measured from the prompt's U+FFFD instead, it would be
+            # lost (the completed text is no longer than that placeholder), and with it a real character.
+            before = before.rstrip("\ufffd")
+        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+            return ""  # an incomplete character, or a token that decodes to nothing yet
+        delta = after[len(before) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
         self.text += delta
         return delta

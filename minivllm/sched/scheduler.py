@@ -474,8 +474,8 @@ class Scheduler:
                     fit, stuck = None, True
                 if fit is not None or stuck or not self._preempt_to_admit(req, admitted):
                     break
-                swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
                 victim = self._admission_preempted[-1]
+                swapped_out |= victim.status is RequestStatus.SWAPPED
                 if not self._hol_per_tenant and (victim_rank is None or self._rank(victim) < victim_rank):
                     victim_rank = self._rank(victim)
                 reserved = self._reserved_blocks()
@@ -825,10 +825,7 @@ class Scheduler:
             req.status = RequestStatus.SWAPPED
         else:
             if computed > 0:
-                self.stats.num_recompute_preemptions += 1
-                self.stats.num_recomputed_tokens += computed
-                req.num_recomputed_tokens += computed
-                req.num_tokens_computed_once = max(req.num_tokens_computed_once, computed)
+                self._count_recompute(req, computed)
             self.kv.free(req)
             req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
@@ -841,11 +838,15 @@ class Scheduler:
         computed = req.num_computed_tokens
         self.kv.drop_swapped_copy(req)
         self.stats.num_swap_preemptions -= 1
+        self._count_recompute(req, computed)
+        req.status = RequestStatus.PREEMPTED
+
+    def _count_recompute(self, req: Request, computed: int) -> None:
+        """A preemption by recompute: ``computed`` tokens thrown away, to be computed again."""
         self.stats.num_recompute_preemptions += 1
         self.stats.num_recomputed_tokens += computed
         req.num_recomputed_tokens += computed
         req.num_tokens_computed_once = max(req.num_tokens_computed_once, computed)
-        req.status = RequestStatus.PREEMPTED
 
     def _wants_swap(self, req: Request) -> bool:
         mode = self.config.preemption_mode
