@@ -474,8 +474,8 @@ class Scheduler:
                     fit, stuck = None, True
                 if fit is not None or stuck or not self._preempt_to_admit(req, admitted):
                     break
+                swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
                 victim = self._admission_preempted[-1]
-                swapped_out |= victim.status is RequestStatus.SWAPPED
                 if not self._hol_per_tenant and (victim_rank is None or self._rank(victim) < victim_rank):
                     victim_rank = self._rank(victim)
                 reserved = self._reserved_blocks()
