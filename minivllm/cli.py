@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--stall-timeout-s", type=seconds_or_off, default=None,
                    help="seconds a scheduling deadlock may last (nothing scheduled for 64 steps and more) before the "
                         "stuck requests get an error; 'off': never (default: the engine's 10)")
+    s.add_argument("--scheduling-policy", default=None, choices=["fcfs", "caps", "wfq", "three_class"],
+                   help="who is served first (minivllm.sched.fairness; default fcfs). 'priority' and 'deadline' are "
+                        "not offered: over HTTP no request carries a priority or a deadline, so they would serve FCFS")
+    s.add_argument("--tenants-file", default=None,
+                   help='JSON {"tenant": {"weight": 2, "max_running": 4, "max_kv_share": 0.5, "over_cap": "reject", '
+                        '"priority_class": "batch", ...}}: TenantConfig per tenant of --api-keys-file ("*": the rest)')
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     # -h before the name is this parser's help; after it, REMAINDER hands it to the named tool
     b = sub.add_parser("bench", help="benchmarks: 'bench serve --base-url URL' load-tests an OpenAI-compatible server")
@@ -149,12 +155,13 @@ def serve(args: argparse.Namespace) -> int:
 
     from minivllm import LLM
     from minivllm.engine.startup import freeze_startup_heap
-    from minivllm.server import build_app, load_api_keys
+    from minivllm.server import build_app, load_api_keys, load_tenants
 
     options = {
         name: getattr(args, name)
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "preemption_mode",
-                     "num_gpu_blocks_override", "dtype", "attention_backend", "linear_backend", "stall_timeout_s")
+                     "num_gpu_blocks_override", "dtype", "attention_backend", "linear_backend", "stall_timeout_s",
+                     "scheduling_policy")
         if getattr(args, name) is not None
     }
     if options.get("stall_timeout_s") == math.inf:
@@ -162,6 +169,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.enable_prefix_caching:
         options["enable_prefix_caching"] = True
     api_keys = load_api_keys(args.api_keys_file)
+    if args.tenants_file is not None:  # read before the model loads: a typo costs no load
+        options["tenants"] = load_tenants(args.tenants_file, api_keys)
     llm = LLM(args.model, **options)
     door = None
     if args.max_waiting_requests is not None:
@@ -180,7 +189,8 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     tenants = sorted(set(api_keys.values())) or ["default (no API keys)"]
     print(f"minivllm: serving {app.state.handlers.model_names} on http://{args.host}:{args.port} "
-          f"| tenants: {', '.join(tenants)} | KV blocks: {llm.engine.pool.num_blocks} "
+          f"| tenants: {', '.join(tenants)} | policy: {llm.engine.config.scheduling_policy} "
+          f"| KV blocks: {llm.engine.pool.num_blocks} "
           f"| {frozen} start-up objects frozen out of the garbage collector", file=sys.stderr, flush=True)
     try:
         _Server(config).run()  # uvicorn re-raises the signal once shut down: Ctrl-C lands here

@@ -103,6 +103,77 @@ def test_api_keys_file_errors_name_the_file(tmp_path, capsys, monkeypatch):
     _returns_error(cli_main(["serve", "--api-keys-file", str(tmp_path / "missing.json")]), capsys, "missing.json")
 
 
+def _serve_options(monkeypatch, argv):
+    """The keyword arguments ``minivllm serve ARGV`` builds its ``LLM`` with (the model is never loaded)."""
+    import minivllm
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def capture(model, **options):
+        seen.update(options)
+        raise Loaded
+
+    monkeypatch.setattr(minivllm, "LLM", capture)
+    with pytest.raises(Loaded):
+        cli_main(["serve", *argv])
+    return seen
+
+
+def test_serve_hands_the_tenants_file_and_policy_to_the_engine(tmp_path, monkeypatch):
+    """``--tenants-file`` and ``--scheduling-policy`` reach ``LLM`` as ``TenantConfig`` objects and the policy name;
+    a server had no way to set a tenant's weight, caps or class before, so every HTTP tenant ran as ``TenantConfig()``
+    under FCFS whatever the operator meant."""
+    from minivllm.config import TenantConfig
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"k1": "chat", "k2": "batch"}))
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"chat": {"weight": 3, "max_running": 4},
+                                   "*": {"max_kv_share": 0.5, "over_cap": "reject", "priority_class": "batch"}}))
+    seen = _serve_options(monkeypatch, ["--api-keys-file", str(keys), "--tenants-file", str(tenants),
+                                        "--scheduling-policy", "wfq"])
+    assert seen["scheduling_policy"] == "wfq"
+    assert seen["tenants"] == {"chat": TenantConfig(weight=3, max_running=4),
+                               "*": TenantConfig(max_kv_share=0.5, over_cap="reject", priority_class="batch")}
+    assert "tenants" not in _serve_options(monkeypatch, [])  # no file: the engine's default tenants
+
+
+@pytest.mark.parametrize("keys,body,needles", [
+    ({"k1": "chat"}, {"chta": {"weight": 2}}, ["'chta'", "no API key maps to", "chat"]),  # a typo binds nobody
+    (None, {"alice": {"weight": 2}}, ["'alice'", "default"]),  # keyless: everyone is tenant "default"
+    ({"k1": "chat"}, {"chat": {"max_runing": 2}}, ["max_runing", "max_running"]),  # names the valid fields
+    ({"k1": "chat"}, {"chat": {"max_running": 0}}, ["'chat'", "max_running must be >= 1"]),
+    ({"k1": "chat"}, {"chat": 2}, ["'chat'", "object of TenantConfig fields"]),
+    ({"k1": "chat"}, [], ["non-empty JSON object"]),
+    ({"k1": "chat"}, "{not json", ["not valid JSON"]),
+])
+def test_a_bad_tenants_file_is_an_error_naming_the_problem_before_the_model_loads(tmp_path, monkeypatch, capsys,
+                                                                                  keys, body, needles):
+    import minivllm
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the tenants file was checked")
+
+    monkeypatch.setattr(minivllm, "LLM", no_model)
+    argv = ["serve"]
+    if keys is not None:
+        (tmp_path / "keys.json").write_text(json.dumps(keys))
+        argv += ["--api-keys-file", str(tmp_path / "keys.json")]
+    path = tmp_path / "tenants.json"
+    path.write_text(body if isinstance(body, str) else json.dumps(body))
+    _returns_error(cli_main([*argv, "--tenants-file", str(path)]), capsys, "tenants.json", *needles)
+
+
+def test_serve_does_not_offer_policies_no_http_request_can_steer(capsys):
+    """Over HTTP no request carries a priority (a client's is refused) or a deadline, so ``priority`` and ``deadline``
+    would serve FCFS while the operator believed otherwise: argparse refuses them and the help says why."""
+    for policy in ("priority", "deadline"):
+        _argparse_refuses(cli_main, ["serve", "--scheduling-policy", policy], "--scheduling-policy", capsys)
+
+
 # -- minivllm sim run ---------------------------------------------------------------------------
 
 

@@ -18,7 +18,10 @@ Behaviour worth knowing:
   ``"default"``; with keys, a request without a valid ``Authorization: Bearer``
   key gets 401.  The tenant is the request's prefix-cache namespace (the
   engine keys cached blocks by ``(tenant, cache_salt)``), so tenants never
-  share cached blocks and cannot probe each other's prompts by timing.
+  share cached blocks and cannot probe each other's prompts by timing.  A
+  tenant's scheduling settings (``TenantConfig``: weight, caps, class) come
+  from ``--tenants-file tenants.json`` (:func:`load_tenants`), read with
+  ``--scheduling-policy``; a client's own ``priority`` field is refused.
 * **``cache_salt``** (vLLM's extra field) is *accepted but scoped*: the server
   passes ``json.dumps([tenant, cache_salt])`` to the engine, so a client's
   salt can only split its own tenant's space further and can never name
@@ -59,6 +62,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from minivllm.config import TenantConfig
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -166,6 +170,42 @@ def load_api_keys(path: str | None = None, env: str | None = None) -> dict[str, 
     if not keys and path:
         raise ValueError(f"API keys file {path!r} holds no keys (leave the option out to serve without keys)")
     return keys
+
+
+def load_tenants(path: str, api_keys: dict[str, str]) -> dict[str, TenantConfig]:
+    """``{tenant: TenantConfig}`` from a JSON file ``{"alice": {"weight": 2, "max_running": 4}, "*": {...}}``.
+
+    Each object holds :class:`~minivllm.config.TenantConfig`'s fields; ``"*"`` sets every tenant not listed.  The
+    names are checked against ``api_keys`` because over HTTP a request's tenant comes only from its key: a name no key
+    maps to (a typo, or anything but ``default`` on a server without keys) would hold settings no request ever meets,
+    and a cap meant to protect the others would bind nobody -- silently.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"tenants file {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f'tenants file {path!r} must be a non-empty JSON object {{"tenant": {{"weight": 2, ...}}}}')
+    known = set(api_keys.values()) or {"default"}
+    fields = [f.name for f in dataclasses.fields(TenantConfig)]
+    tenants = {}
+    for name, settings in raw.items():
+        if name != "*" and name not in known:
+            raise ValueError(f"tenants file {path!r} names tenant {name!r}, which no API key maps to "
+                             f"(tenants: {', '.join(sorted(known))}; '*' sets every tenant not listed)")
+        if not isinstance(settings, dict):
+            raise ValueError(f"tenants file {path!r}: {name!r} must map to an object of TenantConfig fields, "
+                             f"got {type(settings).__name__}")
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            raise ValueError(f"tenants file {path!r}: {name!r} has unknown field(s) {', '.join(unknown)} "
+                             f"(TenantConfig's fields: {', '.join(fields)})")
+        try:
+            tenants[name] = TenantConfig(**settings)
+        except ValueError as exc:
+            raise ValueError(f"tenants file {path!r}: {name!r}: {exc}") from None
+    return tenants
 
 
 class _AuthMiddleware:
