@@ -46,3 +46,15 @@ def test_temperatures_below_the_greedy_epsilon_are_the_argmax():
         params = [SamplingParams(temperature=t)] * 2
         for seed in range(10):
             assert sample(logits, params, [None, None], torch.Generator().manual_seed(seed)) == [1, 2], (t, seed)
+
+
+def test_a_temperature_past_float32s_range_samples_the_uniform_limit_not_nothing():
+    """``SamplingParams`` takes any finite Python float, but the sampler divides in float32, where 1e300 is ``inf``:
+    a masked logit (``-inf``) then became ``-inf / inf = NaN`` and the row sampled nothing (the request failed).
+    The oracle is the limit itself: as T grows, softmax(x / T) tends to the uniform distribution over the finite
+    logits, so every allowed token appears and the masked one never does."""
+    logits = torch.tensor([[0.0, 5.0, float("-inf"), 1.0]])
+    gen = torch.Generator().manual_seed(0)
+    drawn = [sample(logits, [SamplingParams(temperature=1e300)], [None], gen)[0] for _ in range(300)]
+    assert None not in drawn and 2 not in drawn
+    assert all(60 <= drawn.count(t) <= 140 for t in (0, 1, 3)), [drawn.count(t) for t in range(4)]

@@ -60,6 +60,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -79,7 +82,10 @@ def sample(
     if rows:
         device = logits.device
         chosen = [params[i] for i in rows]
-        scaled = logits[rows] / torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(1)
+        # float32 holds no temperature past ~3.4e38 (1e300 would be inf, and a masked -inf / inf a NaN): capped
+        # there, a huge temperature gives its limit, uniform over the allowed tokens
+        temps = torch.tensor([min(p.temperature, _FLOAT32_MAX) for p in chosen], device=device)
+        scaled = logits[rows] / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
             scaled = filter_logits(
                 scaled,
