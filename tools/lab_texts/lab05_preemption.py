@@ -486,7 +486,7 @@ Write `should_reject(stats, max_waiting, min_free_blocks)`, called with `engine.
    "Available" is the free list plus cached blocks that no request holds: with prefix caching on (lab 3) the
    allocator evicts those on demand, so a warm cache is not pressure. `stats["free_blocks"]` counts the free list
    alone; this lab's engine caches no prefixes, so the two are equal here, but the server's door
-   (`minivllm serve --max-waiting-requests`) runs your rule next to a cache.
+   (`minivllm serve --max-waiting-requests N --min-free-blocks M`) runs your rule next to a cache.
 
 Otherwise accept. An idle engine must never reject.
 
