@@ -291,6 +291,20 @@ def test_sweep_verdict():
     assert (all_pass["max_rate_meeting_slo"], all_pass["first_failing_rate"], all_pass["crossing_rate"]) == (8, None, None)
 
 
+
+def test_the_sweep_crossing_is_where_the_first_slo_breaks_ttft_included():
+    """With a TTFT SLO beside the ITL one, the next rate can fail on TTFT alone.  The crossing was interpolated on
+    p99 ITL only, which both rates meet, so it was clamped to the failing rate itself (4 req/s) -- a rate the
+    sweep had just measured as failing.  The oracle is the line through the two measured p99 TTFTs: 200 ms at
+    2 req/s, 1,000 ms at 4, the 500 ms SLO crossed at 2.75 req/s.  With both SLOs broken, the earlier crossing."""
+    rows = [_fake_summary(2, 300, p99_ttft_ms=200), _fake_summary(4, 400, p99_ttft_ms=1000)]
+    v = lg.sweep_verdict(rows, "itl", 0.5, 0.5, 0.9)
+    assert (v["max_rate_meeting_slo"], v["first_failing_rate"]) == (2, 4)
+    assert v["crossing_rate"] == pytest.approx(2.75)
+    rows[1]["overall"]["itl_ms"]["p99"] = 1300  # ITL crosses 500 ms at 2 + 2 * 200 / 1000 = 2.4 req/s, first
+    assert lg.sweep_verdict(rows, "itl", 0.5, 0.5, 0.9)["crossing_rate"] == pytest.approx(2.4)
+
+
 # -- the client against fake transports ----------------------------------------------------
 
 

@@ -700,7 +700,8 @@ def sweep_verdict(summaries: list[dict], criterion: str, slo_ttft: float | None,
     """The highest swept rate meeting the criterion, and where the curve crosses it above that rate.
 
     ``crossing_rate`` interpolates linearly between that rate and the next (failing) one, on p99
-    ITL for the ``itl`` criterion and on the goodput fraction for ``goodput``.  Lower rates that
+    ITL and p99 TTFT (with ``slo_ttft``; the lower crossing) for the ``itl`` criterion and on the
+    goodput fraction for ``goodput``; None where no line crosses (the next rate failed otherwise).  Lower rates that
     fail anyway are listed in ``failing_below``: latency should not fall as load rises, so they
     point at noise (a shared machine) or too few requests per rate.
     """
@@ -716,12 +717,18 @@ def sweep_verdict(summaries: list[dict], criterion: str, slo_ttft: float | None,
             a, b = rows[idx], rows[idx + 1]
             first_fail = b["rate"]
             if criterion == "goodput":
-                ya, yb, target = a["overall"]["goodput_fraction"], b["overall"]["goodput_fraction"], min_goodput
+                lines = [("goodput_fraction", None, min_goodput)]
             else:
-                ya, yb, target = a["overall"]["itl_ms"]["p99"], b["overall"]["itl_ms"]["p99"], slo_itl * 1000
-            if ya is not None and yb is not None and yb != ya and math.isfinite(b["rate"]):
-                frac = min(1.0, max(0.0, (target - ya) / (yb - ya)))
-                crossing = a["rate"] + frac * (b["rate"] - a["rate"])
+                lines = [("itl_ms", "p99", slo_itl * 1000)] + ([("ttft_ms", "p99", slo_ttft * 1000)] if slo_ttft else [])
+            fracs = []
+            for key, sub, target in lines:  # each SLO's straight line between the two rates; the first one to break
+                ya, yb = a["overall"][key], b["overall"][key]
+                if sub is not None:
+                    ya, yb = ya[sub], yb[sub]
+                if ya is not None and yb is not None and yb != ya and 0 <= (target - ya) / (yb - ya) <= 1:
+                    fracs.append((target - ya) / (yb - ya))
+            if fracs and math.isfinite(b["rate"]):
+                crossing = a["rate"] + min(fracs) * (b["rate"] - a["rate"])
     failing_below = [s["rate"] for s, ok in zip(rows[:idx or 0], passes) if not ok]
     return {"criterion": criterion, "passes": dict(zip([s["rate"] for s in rows], passes)),
             "max_rate_meeting_slo": best, "first_failing_rate": first_fail, "crossing_rate": crossing,
