@@ -529,3 +529,59 @@ def test_chunk_sweep_reports_the_longest_single_request_chunk_and_tokens_over_vi
     served = sum(len(a.prompt) + len(finals[a.request_id].outputs[0].token_ids) for a in arrivals)
     assert served == 300 + 5 + 700 + 7
     assert row["tokens_per_s"] == pytest.approx(served / end)
+
+
+def test_a_request_that_failed_before_its_first_token_is_neither_served_nor_a_token():
+    """A request the engine fails with no token (here a scheduling deadlock: the admission policy never admits
+    ``b``, so the stall watchdog ends it as ``"error"``) produced nothing: it must not add an output token to
+    tokens/s nor count as served.  Oracle: the token times the engine's outputs carried, counted step by step."""
+    from minivllm.labs.live import SimArrival, run_sim_load
+    from minivllm.sim.executor import SimulatedExecutor
+
+    class OnlyA:
+        def order(self, waiting, running):
+            return [r for r in waiting if r.request_id == "a"]
+
+    eng = workloads.sim_engine(executor=SimulatedExecutor(fixed_overhead_s=0.1, per_token_s=0.0,
+                                                          per_context_token_s=0.0),
+                               max_num_batched_tokens=16, max_num_seqs=4, admission_policy=OnlyA())
+    inner, tokens, reasons = eng.step, {}, {}
+
+    def step():
+        outs = inner()
+        for o in outs:
+            tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.metrics.token_times)
+            if o.finished:
+                reasons[o.request_id] = o.outputs[0].finish_reason
+        return outs
+
+    eng.step = step
+    run = run_sim_load(eng, [SimArrival(0.0, "a", "default", 8, 3), SimArrival(0.0, "b", "default", 8, 3)])
+    assert reasons == {"a": "length", "b": "error"} and tokens == {"a": 3, "b": 0}
+    s = run.summary()
+    assert s["tokens_per_s"] == pytest.approx(sum(tokens.values()) / run.duration)
+    assert s["served"] == 1
+
+
+def test_a_stepper_counts_and_a_timeline_shows_the_steps_a_wrapped_step_log_still_holds():
+    """The step log is a ring buffer (``step_log_max_entries``): once it drops old records, its length is no
+    longer the number of steps run, and its records carry step numbers past its length.  The stepper's
+    "steps run" must still count every step, and the timeline's x range must cover the steps it draws.
+    Oracle: the steps the stepper itself ran, and the step numbers of the records kept."""
+    eng = workloads.sim_engine(num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                               model_max_len=64, step_log_max_entries=40)
+    lens = {f"r{i}": 8 for i in range(3)}
+    for rid in lens:
+        eng.add_request({"prompt_token_ids": list(range(10, 18))}, SamplingParams(max_tokens=20, ignore_eos=True),
+                        rid)
+    stepper = widgets.Stepper(eng, draw=lambda e, ax: widgets.draw_timeline(e.step_log, lens, ax=ax),
+                              describe=lambda e: "")
+    stepper.step(10_000)
+    assert eng.step_log[0]["step"] > 0, "the log did not wrap: the test needs a smaller step_log_max_entries"
+    assert stepper.position() == f"steps run: {stepper.steps_taken} -- no work left"
+    ax = Figure().add_subplot()
+    widgets.draw_timeline(eng.step_log, lens, ax=ax)
+    lo, hi = ax.get_xlim()
+    xs = [p.get_x() for p in ax.patches]
+    assert xs and lo <= min(xs) and max(xs) + 0.95 <= hi
+    assert min(xs) == eng.step_log[0]["step"] and max(xs) == eng.step_log[-1]["step"]

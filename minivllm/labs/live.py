@@ -117,7 +117,9 @@ class SimRun:
     def summary(self) -> dict:
         """p50/p90/p99 of TTFT and ITL (ms), p50/p99 of e2e (s), served requests and output tokens per second."""
         itl, ttft, e2e = self.all_itls(), list(self.ttft.values()), list(self.e2e.values())
-        tokens = sum(len(g) + 1 for g in self.itls.values())
+        # a request's tokens are its first one and one per gap after it; a request failed before its first
+        # token (a stall, an error) has an empty entry in ``itls`` and no TTFT: it produced nothing
+        tokens = sum(len(self.itls.get(r, ())) + 1 for r in self.ttft)
         return {
             "served": len(self.e2e), "rejected": len(self.rejected),
             **{f"ttft_p{q}_ms": 1000 * _pct(ttft, q) for q in (50, 90, 99)},
@@ -231,7 +233,7 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
                 last_token_time[out.request_id] = prev
             if out.finished:
                 last_token_time.pop(out.request_id, None)
-                if m.e2e_latency is not None:
+                if m.e2e_latency is not None and out.request_id in run.ttft:  # served: it got a token at least
                     run.e2e[out.request_id] = m.e2e_latency
         while ex.clock >= next_scrape:
             scrape(next_scrape)

@@ -183,7 +183,8 @@ def draw_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax=N
             if annotate and kind == "prefill":
                 ax.text(step + 0.47, -y, str(num), ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks([-y for y in range(len(names))], names, fontsize=8)
-    ax.set_xlim(0, max(steps, 1))
+    first = step_log[0]["step"] if steps else 0  # a wrapped (ring-buffer) log starts past step 0
+    ax.set_xlim(first, max(step_log[-1]["step"] + 1 if steps else 0, first + 1))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(-len(names) + 0.4, 0.6)
     ax.set_xlabel("engine step")
@@ -471,8 +472,8 @@ class Stepper(PictureWidget):
         """Where the engine is, written under the picture: a step can leave the view itself unchanged (a decode
         that stays inside its block), and a click must still visibly do something."""
         engine = self.engine
-        if hasattr(engine, "step_log"):
-            n = len(engine.step_log)
+        if hasattr(engine, "step_log"):  # a ring buffer: its length stops growing once it drops old steps
+            n = engine.step_log[-1]["step"] + 1 if len(engine.step_log) else 0
         elif hasattr(engine, "records"):
             n = len(engine.records)
         else:
