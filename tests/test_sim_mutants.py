@@ -221,7 +221,8 @@ def test_table_counts_timeouts_in_the_error_column():
 def test_sweep_criterion_passes_at_the_slo_and_clamps_the_crossing():
     """A rate whose p99 ITL equals the SLO meets it; and the interpolated crossing stays between the last
     passing and the first failing rate even when the failing rate failed on TTFT with its ITL still under the
-    SLO (the straight line would cross far beyond it).  Catches a strict ``<`` and a missing clamp."""
+    SLO (ITL's straight line would cross far beyond it; TTFT's crosses at 1.5).  Catches a strict ``<`` and a
+    crossing read off the ITL line alone."""
     from minivllm.bench.loadgen import sweep_verdict
 
     def row(rate, itl, ttft=100.0):
@@ -233,8 +234,8 @@ def test_sweep_criterion_passes_at_the_slo_and_clamps_the_crossing():
     assert v["crossing_rate"] == pytest.approx(2.0)  # 500 is the target itself
     v = sweep_verdict([row(1, 100.0), row(2, 200.0, ttft=900.0)], "itl", 0.5, 0.5, 0.9)
     assert v["max_rate_meeting_slo"] == 1 and v["first_failing_rate"] == 2
-    # unclamped: 1 + (500 - 100) / (200 - 100) = 5, past the failing rate
-    assert v["crossing_rate"] == pytest.approx(2.0)
+    # on ITL alone: 1 + (500 - 100) / (200 - 100) = 5, past the failing rate; TTFT: 1 + (500 - 100) / 800 = 1.5
+    assert v["crossing_rate"] == pytest.approx(1.5)
 
 
 # -- router.py ----------------------------------------------------------------------------------------
