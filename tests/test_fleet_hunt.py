@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.sim.fleet import ChatMix, FleetArrival, Fleet, run_fleet
-from minivllm.sim.router import RoundRobinRouter
+from minivllm.sim.fleet import ChatMix, Fleet, FleetArrival, FleetResult, ReplicaStats, run_fleet, sim_replica
+from minivllm.sim.router import PrefixAffinityRouter, RoundRobinRouter
 
 import test_fleet  # noqa: E402  (tests/ is on sys.path): its small replica and chat mix
 from test_fleet import small_replica  # noqa: E402
@@ -84,3 +84,44 @@ def test_the_default_chat_mix_window_is_the_steady_state_with_every_turn_in_it(r
             turns[int(rid.split("t")[-1])] += 1
     assert min(turns) > 0, turns
     assert abs(sum(turns) / (t1 - t0) - rate) <= 0.25 * rate, turns
+
+
+class _RecordingAffinity(PrefixAffinityRouter):
+    """Prefix affinity that notes, per routing call (the fleet routes in arrival order, and a result's ``index``
+    is that order), whether it sent the request somewhere other than the ring's owner."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.away = []
+
+    def route(self, prompt_token_ids, loads):
+        k = super().route(prompt_token_ids, loads)
+        self.away.append(k != self.owner(prompt_token_ids))
+        return k
+
+
+def test_the_windowed_spill_preemption_and_busy_figures_are_the_windows_own():
+    """``bench fleet`` prints spills and preemptions beside the window's rates, and ``replica_busy_fraction`` sits
+    beside them in its JSON; all three were the whole run's (warm-up and drain included) and the spill count was
+    the router's lifetime counter.  Oracles: the router's own record of each request it sent away from its owner,
+    the replicas' step logs (each request id a step preempted), and busy time recounted from hand-made spans."""
+    mix = ChatMix(12.0, 3.0, seed=2, system_len=64, user_range=(32, 64), output_range=(8, 24), turns=3,
+                  think_s=(0.2, 0.6))
+    router = _RecordingAffinity(2, key_blocks=4, spill_factor=1.0, min_spill_tokens=0)  # one key: spills
+    fleet = Fleet(2, router, engine_factory=lambda ex: sim_replica(ex, **{**test_fleet.SMALL, "num_blocks": 32}))  # tight: preemptions
+    res = fleet.run(mix.arrivals(), follow_up=mix.follow_up)
+    t0, t1 = mix.window
+    inside = {r.index for r in res.results if t0 <= r.arrival < t1}
+    ids = {rid for rid, i in res._index.items() if i in inside}
+    spills = sum(1 for i, away in enumerate(router.away) if away and i in inside)
+    preempted = sum(rid in ids for e in fleet.engines for rec in e.step_log for rid in rec.preempted)
+    whole, s = res.summary(), res.summary(window=mix.window)
+    assert 0 < spills < whole["spilled"] == sum(router.away)
+    assert 0 < preempted < whole["preemptions"]
+    assert (s["spilled"], s["preemptions"]) == (spills, preempted)
+    everything = res.summary(window=(-1.0, 1e9))
+    assert everything["replica_busy_fraction"] == pytest.approx([r.busy_s / (1e9 + 1) for r in res.replicas])
+
+    made = FleetResult([], [ReplicaStats(busy_s=2.0, step_spans=[(0.0, 1.0), (2.0, 3.0)])], {}, {}, 3.0)
+    assert made.summary(window=(0.5, 2.5))["replica_busy_fraction"] == [pytest.approx(0.5)]  # 0.5 + 0.5 of 2 s
+    assert made.summary()["replica_busy_fraction"] == [pytest.approx(2 / 3)]

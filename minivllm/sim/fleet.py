@@ -201,6 +201,7 @@ class ReplicaStats:
     busy_s: float = 0.0
     peak_outstanding: int = 0
     preemptions: int = 0
+    step_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)  # (start, end) of each step
 
     @property
     def hit_rate(self) -> float:
@@ -218,6 +219,8 @@ class FleetResult:
     duration: float  # first arrival to last finish, virtual seconds
     spilled: int = 0
     cached_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens served from cache
+    spilled_ids: set[str] = field(default_factory=set)  # requests the router sent past their owner
+    preempted: dict[str, int] = field(default_factory=dict)  # request id -> times preempted (if any)
     _index: dict[str, int] = field(default_factory=dict)  # request id -> RequestResult.index
 
     @property
@@ -236,9 +239,10 @@ class FleetResult:
 
         With ``window=(t0, t1)`` only requests arriving in it count, rates are per
         second of the window, and the hit rates, fleet-wide and per replica, are theirs
-        (cached prompt tokens over looked-up ones), as are the requests per replica: the
-        steady state, without warm-up and drain.  The busy fractions, spill and
-        preemption counts are the whole run's.
+        (cached prompt tokens over looked-up ones), as are the requests per replica, the
+        spill and preemption counts (of the window's requests, wherever they happened)
+        and the busy fractions (step time inside the window): the steady state, without
+        warm-up and drain.
         """
         if window is None:
             out = summarize_group(self.results, self.duration, slo_ttft, slo_itl)
@@ -272,6 +276,12 @@ class FleetResult:
                     requests[k] += 1
             out["replica_requests"] = requests
             out["replica_hit_rate"] = [h / q if q else 0.0 for h, q in zip(hits, queries)]
+            keys = {rid[r.index] for r in chosen}
+            out["spilled"] = len(self.spilled_ids & keys)
+            out["preemptions"] = sum(self.preempted.get(key, 0) for key in keys)
+            out["replica_busy_fraction"] = [sum(max(0.0, min(end, t1) - max(start, t0)) for start, end in r.step_spans)
+                                            / (t1 - t0) for r in self.replicas]
+            return out
         out["replica_busy_fraction"] = [r.busy_s / self.duration if self.duration else 0.0 for r in self.replicas]
         out["spilled"] = self.spilled
         out["preemptions"] = sum(r.preemptions for r in self.replicas)
@@ -341,6 +351,8 @@ class Fleet:
         results: dict[str, RequestResult] = {}
         outputs: dict[str, list[int]] = {}
         cached: dict[str, int] = {}
+        spilled: set[str] = set()
+        preempted: dict[str, int] = {}
         steps = 0
         t0 = pending[0][0] if pending else 0.0
         # Tokens a replica's step streamed back, taken off the router's count only at the step's end: the
@@ -355,7 +367,10 @@ class Fleet:
                 while drops and drops[0][0] <= a.time:
                     _, _, k, done = heapq.heappop(drops)
                     loads[k] -= done
+                spills_before = getattr(self.router, "num_spilled", 0)
                 k = self.router.route(a.prompt, list(loads))
+                if getattr(self.router, "num_spilled", 0) != spills_before:
+                    spilled.add(a.request_id)
                 if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(engines):
                     raise ValueError(f"router returned {k!r}; expected a replica index in [0, {len(engines)})")
                 ex = engines[k].executor
@@ -390,6 +405,7 @@ class Fleet:
             outs = eng.step()
             stats[k_min].steps += 1
             stats[k_min].busy_s += eng.executor.clock - before
+            stats[k_min].step_spans.append((before, eng.executor.clock))
             for out in outs:
                 rid = out.request_id
                 a = by_id[rid]
@@ -413,6 +429,8 @@ class Fleet:
                     outputs[rid] = list(out.outputs[0].token_ids)
                     if outcome != "rejected":  # (a rejected request was never admitted: no lookup)
                         cached[rid] = out.num_cached_tokens
+                    if m.num_preemptions:
+                        preempted[rid] = m.num_preemptions
                     stats[k_min].output_tokens += n_out
                     if follow_up is not None and outcome == "ok":
                         nxt = follow_up(a, outputs[rid], eng.executor.clock)
@@ -438,7 +456,8 @@ class Fleet:
         ends = [r.arrival + r.e2e for r in results.values() if r.e2e is not None]
         duration = (max(ends) - t0) if ends else 0.0
         return FleetResult(sorted(results.values(), key=lambda r: r.index), stats, placement, outputs, duration,
-                           spilled=getattr(self.router, "num_spilled", 0), cached_tokens=cached, _index=order)
+                           spilled=len(spilled), cached_tokens=cached, spilled_ids=spilled, preempted=preempted,
+                           _index=order)
 
 
 def run_fleet(workload: "ChatMix | Sequence[FleetArrival]", num_replicas: int, router: Router | str, *,
