@@ -153,7 +153,7 @@ def test_fit_line_and_the_budget_arithmetic():
     from minivllm.sim.presets import hardware_preset, model_preset
 
     big, h100 = model_preset("llama-3-8b"), hardware_preset("h100")
-    assert analytic_bytes_per_token(big) == (3 * 4096 + 4 * 14336 + 2 * 128) * 2
+    assert analytic_bytes_per_token(big) == (3 * 4096 + 4 * 14336) * 2 + 2 * 128 * 4  # cos/sin rows stay fp32
     lo, hi = budget_room(big, h100, 0.8), budget_room(big, h100, 0.95)
     # weights + KV + room = the whole device (81,559 MiB as the card reports it), at any share; 15 points of
     # share = 15 % of it
@@ -183,3 +183,32 @@ def test_bench_measures_the_bundled_model(tmp_path):
     assert main(["--tokens", "16", "32", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "activations" and set(doc["peak_bytes"]) == {"16", "32"}
+
+
+@pytest.mark.parametrize("arch,dtype,intermediate", [
+    ("llama", torch.bfloat16, 1024),  # the MLP is widest; RoPE's cos/sin rows are fp32 even in a bf16 model
+    ("llama", torch.bfloat16, 96),    # RoPE is widest: _rotate works in fp32 (five fp32 tensors)
+    ("llama", torch.float32, 96),     # RoPE is widest in fp32 too when the MLP is narrow (four: no upcast)
+    ("qwen3", torch.float32, 96),     # Qwen3 rotates q alone, after its per-head norm
+])
+def test_analytic_count_equals_the_meter_whichever_point_of_the_layer_is_widest(tmp_path, arch, dtype, intermediate):
+    """The count is what the lab and ``budget_room`` apply to models nobody ran, so it must hold beyond the
+    bundled fp32 model: it once counted only the MLP point, with cos/sin in the model's dtype, and came out 20 %
+    low for SmolLM2 in bf16 (16,000 B/token against 20,096 measured; bf16 is the GPU default) and 6 % low for
+    Qwen3-0.6B widths in fp32.  Oracle: the meter on the real engine, one prefill forward of a random model."""
+    from minivllm.bench.activations import make_engine, prefill_peaks
+    from minivllm.sim.roofline import ModelShape
+
+    transformers = pytest.importorskip("transformers")
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    cfg = cls[0](hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=256,
+                 tie_word_embeddings=True)
+    torch.manual_seed(0)
+    cls[1](cfg).to(dtype).save_pretrained(str(tmp_path))
+    engine = make_engine(48, dtype=str(dtype).removeprefix("torch."), model=str(tmp_path))
+    peaks = prefill_peaks(engine, (16, 48))
+    shape = ModelShape.from_hf_config(cfg.to_dict(), dtype_bytes=dtype.itemsize)
+    per_token = analytic_bytes_per_token(shape, **({"qk_norm": True} if arch == "qwen3" else {}))
+    assert {n: p / n for n, p in peaks.items()} == {16: per_token, 48: per_token}

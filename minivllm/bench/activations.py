@@ -158,21 +158,42 @@ def fit_line(peaks: dict[int, int]) -> tuple[float, float]:
     return slope, my - slope * mx
 
 
-def analytic_bytes_per_token(shape) -> int:
+def analytic_bytes_per_token(shape, qk_norm: bool = False) -> int:
     """Peak activation bytes per token of this engine's decoder (``minivllm/model/llama.py``), from the shape.
 
-    The widest point of a layer is the MLP's ``silu(gate) * up``: alive at that
-    moment are the layer's input (the caller still holds it), the residual sum
-    after attention, the normed MLP input, the fused gate|up output
-    (``2 x intermediate``), ``silu(gate)`` and the product (``intermediate``
-    each) -- ``3 h + 4 I`` elements a token -- plus the step's RoPE cos and sin
-    rows (``2 x head_dim``), kept for every layer.  Layers run one after the
-    other, so the peak does not grow with the number of layers.  Compare
-    ``ModelShape.act_elems_per_token_layer``: the activation *traffic* of one
-    layer's GEMMs (each reads its input, writes its output), not what is alive
-    at once.
+    A layer has two candidates for its widest point; the peak is the larger:
+
+    * the MLP's ``silu(gate) * up``: alive are the layer's input (the caller
+      still holds it), the residual sum after attention, the normed MLP input,
+      the fused gate|up output (``2 x intermediate``), ``silu(gate)`` and the
+      product (``intermediate`` each) -- ``3 h + 4 I`` elements a token;
+    * RoPE's ``x * cos + swapped * sin``, which ``_rotate`` computes in fp32
+      whatever the model's dtype: alive are the layer's input, its normed
+      input, the fused q|k|v output, then the fp32 upcast of the rotated
+      heads (a new tensor unless the model is fp32 already), their half-swapped
+      copy, the two products and the sum -- four or five fp32 tensors the width
+      of the rotated heads (q and k together; with Qwen3's ``qk_norm`` q alone,
+      after its norm's output).  In bf16 this is SmolLM2's widest point (20,096
+      B against the MLP's 16,256), and with Qwen3's wide heads in any dtype.
+
+    Both add the step's RoPE cos and sin rows (``2 x head_dim``), kept for every
+    layer and held in fp32 whatever the model's dtype (``RotaryEmbedding``'s
+    tables are not cast).  Layers run one after the other, so the peak does not
+    grow with the number of layers.  Compare ``ModelShape.act_elems_per_token_layer``:
+    the activation *traffic* of one layer's GEMMs (each reads its input, writes
+    its output), not what is alive at once.  Not counted: the attention
+    backend's own tensors (a CPU bf16 step runs the fp32 reference attention,
+    whose copies can be wider still).
     """
-    return (3 * shape.hidden_size + 4 * shape.intermediate_size + 2 * shape.head_dim) * shape.dtype_bytes
+    h, i, d, b = shape.hidden_size, shape.intermediate_size, shape.head_dim, shape.dtype_bytes
+    hq, hk = shape.num_heads, shape.num_kv_heads
+    tables = 2 * d * 4  # cos and sin rows, fp32
+    mlp = (3 * h + 4 * i) * b + tables
+    fp32_tensors = 4 if b == 4 else 5  # x.float() of an fp32 tensor is the tensor itself
+    rotated = hq * d if qk_norm else (hq + hk) * d
+    held = (2 * h + (hq + 2 * hk) * d + (hq * d if qk_norm else 0)) * b
+    rope = held + tables + fp32_tensors * 4 * rotated
+    return max(mlp, rope)
 
 
 def budget_room(shape, hw, kv_share: float) -> dict:

@@ -661,10 +661,11 @@ one after another and each frees its intermediates before the next begins. (The 
 `act_elems_per_token_layer` is a different quantity — the activation bytes one layer's GEMMs read and write — and
 lands 6 % above.)
 
-Now the trade-off in numbers. The same count for Llama-3-8B in bf16 is `(3·4096 + 4·14336 + 2·128) × 2` bytes a
-token. On a GPU the share given to KV is `gpu_memory_utilization`: the simulator sizes the pool as
-`share × memory − weights` (`minivllm.sim.run.kv_pool_bytes`), and what is left of the device is the room for one
-step's activations:
+Now the trade-off in numbers. The same count for Llama-3-8B in bf16 is `(3·4096 + 4·14336) × 2 + 2·128 × 4` bytes a
+token (the cos and sin rows stay fp32 in a bf16 model; in bf16 RoPE's fp32 arithmetic can be the widest point
+instead — it is for SmolLM2 — and `analytic_bytes_per_token` takes the larger of the two). On a GPU the share
+given to KV is `gpu_memory_utilization`: the simulator sizes the pool as `share × memory − weights`
+(`minivllm.sim.run.kv_pool_bytes`), and what is left of the device is the room for one step's activations:
 """),
 ("code", r"""
 # Analytic, not measured: Llama-3-8B (bf16) shapes on the H100 and L4 datasheet presets; nothing ran on those GPUs.
@@ -684,7 +685,7 @@ print(f"H100, KV share 0.80 -> 0.95: {(lo['room_bytes'] - hi['room_bytes']) / 2*
 """),
 ("md", r"""
 On the H100 (simulated sizing, analytic counts) the 0.80 → 0.95 move takes 11.9 GiB from the activations — about
-92,000 tokens of budget — and gives the KV cache about 98,000 more tokens of context: a token of budget and a token
+91,000 tokens of budget — and gives the KV cache about 98,000 more tokens of context: a token of budget and a token
 of KV cost about the same here. Even at 0.95, over 30,000 tokens of budget fit, far above the usual 2,048–8,192: on
 a big GPU the KV share can go high. On the L4 the weights take two thirds of the memory and the same share leaves
 room for a budget of about 8,600 tokens; at a smaller share the room grows but the KV pool (the concurrency of
