@@ -242,7 +242,8 @@ class EngineConfig:
     ``"fcfs"``, ``"priority"``, ``"caps"``, ``"wfq"`` (token-weighted fair queueing,
     charging ``wfq_prefill_weight`` per prefill token and ``wfq_decode_weight`` per
     output token), ``"deadline"`` (earliest deadline first; no request is passed by
-    one that arrived more than ``deadline_aging_s`` after it) or ``"three_class"``
+    one that arrived more than ``deadline_aging_s`` after it, unless its tenant's cap
+    holds it back) or ``"three_class"``
     (the preset in :class:`ThreeClassConfig`).  ``tenants`` maps tenant names to
     :class:`TenantConfig` (the key ``"*"`` sets every unlisted tenant).
     """

@@ -272,6 +272,32 @@ def test_deadline_no_request_is_passed_by_one_that_arrived_more_than_aging_s_lat
                 assert first_step[r] <= first_step[s], f"{s} (arrived {arrival[s]:.2f}) passed {r} ({arrival[r]:.2f})"
 
 
+@pytest.mark.parametrize("policy", ["deadline", "fcfs"])
+def test_a_sample_waiting_for_its_leaders_prefill_keeps_its_seat_from_a_later_request(policy):
+    """The aging bound (and FCFS's order) covers every sample of an ``n > 1`` request: the sibling waits only for
+    its leader's prefill, so a request that arrived long after the pair must not take the seat it will need.
+
+    Two seats; the pair's leader prefills 40 tokens over three 16-token steps, and meanwhile a request arrives
+    more than ``deadline_aging_s`` later.  Oracle: the bound read literally -- the sibling starts no later than the
+    late request (it once started only after the leader had finished, the late request holding its seat)."""
+    engine = make_engine(policy, max_seqs=2, budget=16, deadline_aging_s=0.5)
+    engine.add_request({"prompt_token_ids": [9] * 40}, SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=0),
+                       "pair", arrival_time=0.0)
+    first = {}
+    for step in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        if step == 1:  # the leader is mid-prefill
+            engine.executor.clock = max(engine.executor.clock, 1.0)
+            add(engine, "t", 8, 30, "late", arrival_time=1.0)  # arrived 1.0 s > aging_s after the pair
+        engine.step()
+        for rid, _, _ in engine.step_log[-1].seqs:
+            first.setdefault(rid, step)
+    assert not engine.has_unfinished_requests()
+    assert first["pair#1"] <= first["late"], first
+    assert_no_leak(engine)
+
+
 def test_deadline_aging_serves_a_request_under_an_endless_stream_of_tighter_deadlines():
     """Without aging, EDF starves the request without a deadline; with it, it runs within the bound."""
     waits = {}

@@ -56,9 +56,11 @@ backlogged tenants from preempting each other back and forth.
 deadline_aging_s``).  *Bound:* a request that arrived at ``a`` is never admitted
 after a request that arrived later than ``a + deadline_aging_s`` (that request's
 key is past ``a + deadline_aging_s``, this one's is not, and admission stops at the
-first request that does not fit).  So its wait is at most ``deadline_aging_s``
+first request that does not fit; a sample of an ``n > 1`` request holds its seat
+while its leader prefills).  So its wait is at most ``deadline_aging_s``
 plus the time to serve what arrived before ``a + deadline_aging_s``; nothing is
-starved by an endless stream of tighter deadlines.
+starved by an endless stream of tighter deadlines.  Caps come first: a request
+its tenant's cap holds back is passed by other tenants' requests, however late.
 
 **Three classes** (:class:`ThreeClassAdmission`, knobs in
 :class:`~minivllm.config.ThreeClassConfig`), one named rule per clause of the worked policy

@@ -418,6 +418,7 @@ class Scheduler:
         # room the victim gave up (a priority-2 request running while the priority-1 victim waits, an inversion
         # of the policy's order).  (Per tenant, a head that cannot start lets other tenants pass by design.)
         victim_rank = None
+        held_seats = 0  # seats kept for samples whose leader is still prefilling (global head of line)
         trusted = self._keeps_order is not None
         if trusted:  # a policy that keeps its order recognises the queue itself, and reads it only
             order = self.admission_policy.order(self.waiting, self.running)
@@ -437,7 +438,12 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and req in admitted:
                 continue  # listed twice, and admitted the first time
             if req.leader is not None and not self._leader_ready(req):
-                continue  # n > 1: a sibling sample forks once its leader has prefilled the prompt
+                # n > 1: a sibling sample forks once its leader has prefilled the prompt.  Under a global head of
+                # line it keeps a seat meanwhile: a request ranked behind it must not take the seat it will need
+                # in a step or two (the deadline policy's aging bound, FCFS's order), only the room it leaves.
+                if not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING:
+                    held_seats += 1
+                continue
             if caps is not None:
                 need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
                 if need is None:
@@ -464,7 +470,7 @@ class Scheduler:
                 budget = unranked_budget if self._rank is None else self._admission_budget(req)
                 if caps is not None:
                     budget = self._cap_budget(req, usage, budget)
-                seated = len(self.running) < self.config.max_num_seqs
+                seated = len(self.running) + held_seats < self.config.max_num_seqs
                 # Preemption cannot help with these two: the token budget (the victims' own tokens this step,
                 # one per decode, rarely cover it, and it comes back next step anyway), and a swap-in in the
                 # step that swapped a victim out (its blocks are not back until the copy-out ran).

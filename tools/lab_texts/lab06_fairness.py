@@ -327,7 +327,9 @@ Deadline = choose(deadline_check, AgingDeadline, None, "deadline order")   # Non
 **The bound.** A request that arrived at time `a` has a key of at most `a + aging_s`; one that arrives later than
 `a + aging_s` has a key larger than that. The engine admits in key order and stops at the first request that does
 not fit, so **no request is ever started after a request that arrived more than `aging_s` after it**. Its wait is
-at most `aging_s` plus the time to serve what arrived before `a + aging_s` — finite, whatever keeps arriving.
+at most `aging_s` plus the time to serve what arrived before `a + aging_s` — finite, whatever keeps arriving. (Two
+fine prints: a tenant cap outranks the order, so a capped tenant's request is passed by the others, however late;
+and a second sample of an `n > 1` request keeps its seat while its leader prefills the shared prompt.)
 
 Measure it: three bulk jobs without deadlines arrive at t = 0, then a chat every 20 ms due 50 ms after arrival, on an
 engine with only two seats. Plain EDF (aging of 1,000 s) against aging of 0.5 s. Then the noisy/quiet workload,
