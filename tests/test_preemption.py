@@ -539,3 +539,29 @@ def test_room_bound_counts_cached_blocks_pinned_only_by_a_victim(kind):
     assert kv.can_provide(3), "freeing B does make room for W"
     assert said, "could_start_if_freed said 'certainly not'"
     assert not kv.could_start_if_freed(req("X", range(300, 309)), [], 0)  # 5 blocks with nothing freed: no
+
+
+def test_an_idle_stretch_between_requests_is_not_measured_as_step_time_or_prefill_rate():
+    """A server steps only while it has work, so the time from the last step of one burst to the first step of
+    the next is idle, not a step.  Counted as one, a quiet minute made the next prefill look 100x slower (auto
+    mode then swapped victims that were far cheaper to recompute) and the measured step, which every reject
+    hint multiplies, minutes long.  The oracle is the simulated executor's own price of each step."""
+    engine = make_engine("auto", num_blocks=40, cpu_blocks=64, max_len=128, budget=64, swap_bandwidth_gbps=1.0)
+    ex = engine.executor
+    durations = []
+
+    def serve(prompt):
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            start = ex.now()
+            engine.step()
+            durations.append(ex.now() - start)
+
+    for k in range(3):
+        serve([5 + k] * 32)
+    rate_before = engine.scheduler.costs.prefill_tokens_per_s
+    ex.advance_to(ex.now() + 60.0)  # a quiet minute
+    serve([9] * 32)
+    assert engine.step_time_s <= max(durations)
+    # no step prefilled slower than 32 tokens in the longest step: the estimate may not fall below that
+    assert engine.scheduler.costs.prefill_tokens_per_s >= min(rate_before, 32 / max(durations))

@@ -326,6 +326,8 @@ class LLMEngine:
             )
         if params.n > 1:
             self._groups[request_id] = samples
+        if not self.scheduler.has_work():  # the engine was idle: time its next step from now, not from the last
+            self._last_step_time = self.executor.now()  # step (a quiet minute is no step's cost; see _observe_step)
         self.outputs.add(samples)
         for req in samples:
             self.requests[req.request_id] = req
@@ -664,7 +666,12 @@ class LLMEngine:
 
     # -- estimates: step time, prefill rate, retry hints ---------------------------
     def _observe_step(self, batch: ScheduledBatch, now: float) -> None:
-        """Moving averages of the step time and the prefill rate (what retry hints and auto mode use)."""
+        """Moving averages of the step time and the prefill rate (what retry hints and auto mode use).
+
+        A step is timed from the end of the one before, so host work between steps counts -- except after the
+        engine ran dry: a driver steps only while there is work, so the wait for the next request is idle time,
+        and :meth:`add_request` restarts the clock when it ends.
+        """
         last, self._last_step_time = self._last_step_time, now
         if last is None or not batch.seqs or now <= last:
             return
