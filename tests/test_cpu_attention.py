@@ -183,3 +183,47 @@ def test_the_build_keys_its_cached_library_by_the_cpu(tmp_path, monkeypatch):
         monkeypatch.setattr(ca, "_cpu_identity", lambda cpu=cpu: cpu)
         assert ca._build() is not None
     assert len(list(tmp_path.glob("paged_decode_*.so"))) == 2
+
+
+def _fresh_kernel_memo(monkeypatch, tmp_path):
+    """A process whose kernel was never built: an empty memo and a cache directory of the test's own."""
+    from minivllm.model import cpu_attention as ca
+
+    monkeypatch.setattr(ca, "_kernel", {})
+    monkeypatch.delenv("MINIVLLM_CPU_KERNEL", raising=False)
+    return ca
+
+
+def test_a_cache_directory_that_cannot_be_made_means_no_kernel_not_a_crash(tmp_path, monkeypatch):
+    """load_kernel promises ``None`` when building is impossible, and ``auto`` then picks the torch path. A home
+    directory that cannot be written (the user ``nobody``, HOME=/nonexistent; a read-only container) made the
+    cache's ``mkdir`` raise, and every ``LLM()`` on that machine died with PermissionError before serving."""
+    ca = _fresh_kernel_memo(monkeypatch, tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("MINIVLLM_CACHE", str(blocker / "cache"))  # mkdir fails here even for root
+    assert ca.load_kernel() is None
+    assert get_attention_backend("auto", "cpu").name == "torch"
+
+
+def test_a_compiler_named_by_cc_that_does_not_exist_means_no_kernel(tmp_path, monkeypatch):
+    """``CC`` naming a compiler that is not installed is the same as no compiler: the torch path, no traceback."""
+    ca = _fresh_kernel_memo(monkeypatch, tmp_path)
+    monkeypatch.setattr(ca, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert ca.load_kernel() is None
+    assert get_attention_backend("auto", "cpu").name == "torch"
+
+
+def test_cc_may_carry_a_wrapper_and_flags_as_make_allows(tmp_path, monkeypatch):
+    """``CC="ccache gcc"`` is how build tools spell a compiler behind a wrapper; it is a command line, not one
+    file name. ``env`` stands in for the wrapper here (it runs its arguments and is always installed)."""
+    import shutil
+
+    gcc = shutil.which("gcc")
+    if gcc is None or shutil.which("env") is None:
+        pytest.skip("needs gcc and env")
+    ca = _fresh_kernel_memo(monkeypatch, tmp_path)
+    monkeypatch.setattr(ca, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("CC", f"env {gcc}")
+    assert ca.load_kernel() is not None

@@ -88,3 +88,20 @@ def test_the_engine_sets_it_for_a_cpu_model_and_the_config_can_say_no(monkeypatc
     assert calls == [1]
     with pytest.raises(ValueError, match="cpu_keep_freed_memory"):
         EngineConfig(cpu_keep_freed_memory="yes")
+
+
+def test_a_threshold_beyond_what_mallopt_takes_is_refused_not_wrapped():
+    # mallopt's value is a C int. Passed as a bare Python int, ctypes keeps its low 32 bits: 4 GiB became 0,
+    # an mmap threshold of zero, so every allocation was mapped and unmapped afresh -- the opposite of the
+    # request -- and the function still returned True. Run in its own interpreter: on the old code the
+    # call changes the process's allocator for good.
+    probe = """
+from minivllm.model.host_malloc import keep_freed_memory
+for value in (4 << 30, 2 << 30, -1):
+    try:
+        print(keep_freed_memory(value))
+    except ValueError:
+        print("refused")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["refused"] * 3

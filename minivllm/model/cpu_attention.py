@@ -29,6 +29,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import threading
@@ -80,8 +81,19 @@ def _library_name(source: bytes, flags: list[str], cpu: bytes) -> str:
 
 
 def _build():
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or not SOURCE.exists():
+    """The loaded kernel, or ``None`` where it cannot be had: no compiler (``CC`` naming one that is not
+    installed included), a failed compile, or a cache directory that cannot be made or written (a read-only
+    or missing home, ``HOME=/nonexistent``) -- the caller then serves with the torch path."""
+    try:
+        return _build_or_raise()
+    except OSError:
+        return None
+
+
+def _build_or_raise():
+    # CC is a command line, as make reads it ("ccache gcc", "gcc -m64"), not one file name
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("gcc") or shutil.which("cc")]
+    if compiler[0] is None or not SOURCE.exists():
         return None
     source = SOURCE.read_bytes()
     # -march=native: the .so is built for the CPU that runs it; the hash keeps one per CPU model, feature
@@ -96,8 +108,8 @@ def _build():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         obj = target.with_suffix(f".{os.getpid()}.o")
-        steps = ([compiler, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
-                 [compiler, *link_flags, str(obj), "-o", str(tmp), "-lm"])
+        steps = ([*compiler, *compile_flags, "-c", str(SOURCE), "-o", str(obj)],
+                 [*compiler, *link_flags, str(obj), "-o", str(tmp), "-lm"])
         try:
             for cmd in steps:
                 if subprocess.run(cmd, capture_output=True, text=True).returncode != 0:

@@ -49,6 +49,7 @@ import platform
 # mallopt's parameter numbers, from glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+INT_MAX = 2**31 - 1  # mallopt(int param, int value)
 
 THRESHOLD = 256 << 20  # bytes: above a step's activations, below an engine's KV pool (see above)
 
@@ -56,8 +57,12 @@ THRESHOLD = 256 << 20  # bytes: above a step's activations, below an engine's KV
 def keep_freed_memory(threshold: int = THRESHOLD) -> bool:
     """Raise glibc's mmap and trim thresholds to ``threshold`` bytes; True if the C library took both.
 
-    Returns False (and changes nothing) where the C library is not glibc.
+    Returns False (and changes nothing) where the C library is not glibc.  ``threshold`` must fit
+    mallopt's C ``int`` (0 to 2 GiB - 1): ctypes would otherwise keep only its low 32 bits, and
+    4 GiB would become 0 -- every allocation mapped afresh, the opposite of the request.
     """
+    if not 0 <= threshold <= INT_MAX:
+        raise ValueError(f"threshold must be 0..{INT_MAX} bytes (mallopt takes a C int), got {threshold}")
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:
@@ -65,7 +70,8 @@ def keep_freed_memory(threshold: int = THRESHOLD) -> bool:
     except OSError:
         return False
     # mallopt returns 1 on success, 0 when it refuses a value
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) & bool(libc.mallopt(M_TRIM_THRESHOLD, threshold))
+    value = ctypes.c_int(threshold)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, value)) & bool(libc.mallopt(M_TRIM_THRESHOLD, value))
 
 
 __all__ = ["keep_freed_memory", "THRESHOLD"]
