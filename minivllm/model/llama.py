@@ -173,6 +173,13 @@ class RotaryEmbedding(nn.Module):
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        factors = getattr(hf_config, "rope_freq_factors", None)
+        if factors is not None:
+            # a Llama 3 GGUF's RoPE scaling as llama.cpp stores it (the loader's ``gguf_rope_freq_factors``): each
+            # frequency divided by its factor -- what HF's ``llama3`` initialiser computes from the config's numbers
+            if len(factors) != inv_freq.numel():
+                raise ValueError(f"rope_freq_factors has {len(factors)} entries; head_dim {head_dim} needs {inv_freq.numel()}")
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float)
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)

@@ -105,13 +105,37 @@ def gguf_architecture(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
+# Bumped when the conversion writes something new (2: ``rope_freq_factors``): a folder an older converter wrote
+# lacks it and is not reused, so a cache is never edited in place (it may be shared, or read-only).
+CONVERSION_VERSION = 2
+
+
 def _cache_dir_for(path: Path) -> Path:
-    """The cache folder of ``path``'s conversion, named by its bytes: not by where it lies or when it was written."""
-    digest = hashlib.sha256()
+    """The cache folder of ``path``'s conversion, named by its bytes (not by where it lies or when it was written)
+    and by :data:`CONVERSION_VERSION`."""
+    digest = hashlib.sha256(f"minivllm-gguf-conversion-{CONVERSION_VERSION}".encode())
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
+
+
+def gguf_rope_freq_factors(path: Path) -> list[float] | None:
+    """The GGUF's ``rope_freqs.weight``: llama.cpp's form of Llama 3's RoPE scaling, or None.
+
+    llama.cpp's converter writes Llama 3.1/3.2's ``rope_scaling`` into no
+    metadata field: it stores the divisor of each RoPE frequency as this
+    tensor, and transformers' GGUF loader drops it, so without it a converted
+    Llama 3 would run plain RoPE.  The loader keeps the divisors in the
+    converted ``config.json`` (``rope_freq_factors``, read by
+    :class:`~minivllm.model.llama.RotaryEmbedding`).
+    """
+    from gguf import GGUFReader, dequantize
+
+    for tensor in GGUFReader(str(path)).tensors:
+        if tensor.name == "rope_freqs.weight":
+            return [float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+    return None
 
 
 def convert_gguf(path: Path) -> Path:
@@ -127,13 +151,18 @@ def convert_gguf(path: Path) -> Path:
     import_off_stack("torch._dynamo")  # see import_off_stack: transformers' model classes import it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except RuntimeError as exc:  # transformers reads the shape from metadata it maps (a Qwen3 GGUF's head_dim it
+        # does not: 128 is assumed), and a tensor of another shape fails deep inside it
+        raise ValueError(f"{path}: transformers cannot rebuild this {arch} GGUF's model ({str(exc)[:300]})") from exc
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(hf).__name__]
+    config["rope_freq_factors"] = gguf_rope_freq_factors(path)  # None when the GGUF has none
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if config.get("tie_word_embeddings"):

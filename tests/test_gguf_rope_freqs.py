@@ -1,0 +1,140 @@
+"""A Llama 3 GGUF must keep its RoPE scaling.
+
+llama.cpp's converter does not write Llama 3.1/3.2's ``rope_scaling`` into the
+GGUF's metadata: it stores the per-frequency divisors it implies as a tensor,
+``rope_freqs.weight`` (llama.cpp PR 8676), and transformers' GGUF loader drops
+that tensor, so a converted model ran plain RoPE -- different logits at every
+position, silently.  The oracle here is the HF model the GGUF was written from:
+a tiny random Llama with ``rope_type="llama3"``, written the way
+``convert_hf_to_gguf.py`` writes one (q/k rows permuted for llama.cpp's rope,
+the scaling as ``rope_freqs``), then served and compared logit for logit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.kv_cache import KVCache
+from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.request import Request
+from minivllm.sched.scheduler import ScheduledBatch, ScheduledSeq
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+np = pytest.importorskip("numpy")
+
+ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.down_proj": "ffn_down",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output"}
+
+
+def _llama_cpp_permute(w, n_head):
+    """``convert_hf_to_gguf.py``'s ``LlamaModel.permute``: rotate-half pairs become adjacent rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama_cpp_rope_factors(config):
+    """``convert_hf_to_gguf.py``'s Llama 3 ``rope_freqs``, computed from the HF config as llama.cpp does."""
+    rope, dim = config.rope_parameters, config.head_dim
+    old = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    factors = []
+    for freq in (1.0 / rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)).tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _write_gguf(hf, path, tokenizer_source):
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_rope_dimension_count(cfg.head_dim)
+    for key, field in tokenizer_source.fields.items():  # the bundled model's tokenizer (the vocab sizes match)
+        if key.startswith("tokenizer."):
+            kind = gguf.GGUFValueType(field.types[0])
+            sub = gguf.GGUFValueType(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, field.contents(), kind, sub_type=sub)
+    w.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(cfg))
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+            continue
+        if name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+            continue
+        parts = name.split(".")
+        module = ".".join(parts[3:-1])
+        if module == "self_attn.q_proj":
+            a = _llama_cpp_permute(a, cfg.num_attention_heads)
+        elif module == "self_attn.k_proj":
+            a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+        w.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _teacher_forced_logits(llm, prompt):
+    runner = llm.engine.model_runner
+    args = runner.model.args
+    cache = KVCache(args.num_layers, 40, 16, args.num_kv_heads, args.head_dim, torch.float32, torch.device("cpu"))
+    saved, runner.kv_cache = runner.kv_cache, cache
+    try:
+        kv = KVCacheManager(BlockPool(40), 16)
+        req = Request("tf", list(prompt), SamplingParams(temperature=0, max_tokens=1), arrival_time=0.0)
+        assert kv.allocate_slots(req, len(prompt))
+        return runner.logits_for(ScheduledBatch([ScheduledSeq(req, len(prompt), 0)]))["tf"]
+    finally:
+        runner.kv_cache = saved
+
+
+def test_a_llama3_gguf_is_served_with_its_rope_scaling(tmp_path, monkeypatch):
+    from minivllm.model.loader import default_model_file
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2, rope_parameters=dict(ROPE))
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.08) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
+    path = tmp_path / "tiny-llama3.gguf"
+    _write_gguf(hf, path, gguf.GGUFReader(str(default_model_file())))
+
+    prompt = torch.randint(3, config.vocab_size, (200,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    llm = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=32)
+    got = _teacher_forced_logits(llm, prompt)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"max relative logit error {rel:.2e}: the GGUF's rope_freqs (Llama 3 RoPE scaling) was lost"
