@@ -394,6 +394,25 @@ def test_sim_accuracy_explain_and_profile_bad_files(tmp_path, capsys):
         assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
 
 
+
+def test_sim_accuracy_refuses_a_profile_timed_on_another_clock(monkeypatch, capsys):
+    """A profile fitted on the CPU-time clock predicts CPU seconds; the default ``--clock wall`` times the real
+    engine in wall seconds, so every error in the table would mix two clocks (the module docstring: calibration
+    and validation "both use that clock").  It ran in silence, and the result keeps no trace of the profile's
+    clock.  Oracle: the profile's own ``clock`` field.  Refused before the model loads (``run`` never called)."""
+    from minivllm.bench import sim_accuracy
+
+    def measured(*args, **kwargs):
+        raise AssertionError("the real engine was measured against a profile of another clock")
+
+    monkeypatch.setattr(sim_accuracy, "run", measured)
+    for argv, needle in ((["--profile", "cpu-1thread-cputime"], "--clock cpu"),
+                         (["--profile", "cpu-2core", "--clock", "cpu"], "--clock wall")):
+        with pytest.raises(SystemExit) as exc:
+            sim_accuracy.main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
+
 @pytest.mark.parametrize("value", ["-1", "nan", "0"])
 def test_grade_timeout(value, capsys):
     _argparse_refuses(cli_main, ["grade", "--timeout", value, "x.ipynb"], "--timeout", capsys)

@@ -131,3 +131,34 @@ def test_walk_stepper_redraws_in_place_without_pyplot():
     assert plt.get_fignums() == [], "the widget drew on a pyplot figure"
     last = walk.trace[-1]
     assert [t["block"] for t in walk.trace] == [0, 1, 2] and last["max"] == max(t["chunk_max"] for t in walk.trace)
+
+
+def test_a_kernel_that_ignores_its_scale_argument_is_rejected(tmp_path):
+    """Kills: every checker case built with ``scale = 1 / sqrt(head_dim)``.
+
+    Then a kernel that multiplies its scores by the textbook ``1 / sqrt(HEAD_DIM)`` instead of its ``scale``
+    argument passes every case, yet is wrong for any model that picks its own scale (Gemma 2's
+    ``query_pre_attn_scalar``, Granite's attention multiplier).  Oracle: the engine's torch reference with a
+    scale of 0.1 disagrees with that kernel, so the checker must say no."""
+    import importlib.util
+    import io
+    from contextlib import redirect_stdout
+
+    src = _exercise_source("decode_kernel")
+    hard_coded = src.replace('* scale, float("-inf"))', '/ tl.sqrt(HEAD_DIM * 1.0), float("-inf"))')
+    assert hard_coded != src, "the solution's score line moved: update this mutant"
+    module = tmp_path / "lab07_hard_coded_scale.py"
+    module.write_text("import triton\nimport triton.language as tl\n\n" + hard_coded + "\n")
+    spec = importlib.util.spec_from_file_location("lab07_hard_coded_scale", module)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    case = lab7.make_paged([17, 5], seed=1)
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens")]
+    got = lab7.launch_decode(mod.decode_kernel, *args, 0.1)
+    assert (got - lab7.reference_decode(*args, 0.1)).abs().max() > 1e-2, "the mutant is not wrong at scale 0.1"
+    with redirect_stdout(io.StringIO()) as buf:
+        result = lab7.check_decode_kernel(mod.decode_kernel, big_pool=False)
+    assert not result, "the checker accepts a kernel that ignores its scale argument"
+    assert "scale" in buf.getvalue().split("✘", 1)[-1]
+

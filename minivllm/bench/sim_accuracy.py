@@ -412,9 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         from minivllm.sim.presets import load_profile
 
         try:  # checked before a calibration-free run spends minutes loading the model
-            load_profile(args.profile)
+            stored = load_profile(args.profile)
         except ValueError as exc:
             ap.error(str(exc))
+        timed_on = stored.get("clock")  # (profiles before the CPU-time clock say nothing: wall)
+        if timed_on in ("wall", "cpu") and timed_on != args.clock:
+            ap.error(f"--profile {args.profile!r} was timed on the {timed_on} clock and this run would time the real "
+                     f"engine on the {args.clock} clock: pass --clock {timed_on} (the simulator predicts the seconds "
+                     "of the clock it was calibrated on)")
     if args.explain:
         from minivllm.sim.presets import load_profile
 

@@ -56,7 +56,7 @@ engine_gather_kv = gather_kv
 def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: int = 16, page: int = PAGE,
                dtype: torch.dtype = torch.float32, shuffle: bool = True, share_first: bool = False,
                q_scale: float = 1.0, seed: int = 0, device: str = "cpu", interleaved: bool = False,
-               spike_first: float = 0.0) -> dict:
+               spike_first: float = 0.0, scale: float | None = None) -> dict:
     """A filled paged cache for sequences of ``lens`` tokens, and one decode query per sequence.
 
     Blocks are handed out in a random order (``shuffle``) from a pool with
@@ -71,8 +71,12 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
     finds it (``block * PAGE * stride_kv_token`` lands in the wrong block).
     ``spike_first`` gives each sequence's token 0 a score of that much (its K is
     the query, rescaled), so the largest score is in the first block and the
-    running max must *not* fall when later blocks score lower.
+    running max must *not* fall when later blocks score lower.  ``scale``: the
+    softmax scale the case passes (default ``1 / sqrt(head_dim)``); another value
+    tells a kernel that multiplies by its ``scale`` argument from one that
+    hard-codes the textbook value.
     """
+    scale = 1 / math.sqrt(head_dim) if scale is None else scale
     gen = torch.Generator().manual_seed(seed)
     per_seq = [max(1, math.ceil(n / page)) for n in lens]
     num_blocks = sum(per_seq) + 2
@@ -101,13 +105,12 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
             v_cache[block, slot] = torch.randn(kv_heads, head_dim, generator=gen).to(dtype)
     q = (torch.randn(len(lens), kv_heads * group, head_dim, generator=gen) * q_scale).to(dtype)
     if spike_first:
-        scale = 1 / math.sqrt(head_dim)
         for i in range(len(lens)):
             for h in range(kv_heads):
                 qh = q[i, h * group].float()  # the group's first query head gets the spike
                 k_cache[int(tables[i, 0]), 0, h] = (qh * spike_first / (scale * float(qh @ qh))).to(dtype)
     case = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables,
-            "seq_lens": torch.tensor(lens, dtype=torch.int32), "scale": 1 / math.sqrt(head_dim)}
+            "seq_lens": torch.tensor(lens, dtype=torch.int32), "scale": scale}
     if device != "cpu":
         case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     return case
@@ -573,6 +576,10 @@ def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
              close({"lens": [20, 7], "interleaved": True, "seed": 9}), accept=ok, show_expected=shown(),
              hint="address a block as block_id * stride_kv_block, not block_id * PAGE_SIZE * stride_kv_token: "
                   "a pool may hold more than this cache's rows between two of its blocks"),
+        Case("a softmax scale other than 1/sqrt(head_dim)", close({"lens": [17, 5], "scale": 0.1, "seed": 10}),
+             accept=ok, show_expected=shown(), diagnose=by_symptom,
+             hint="multiply the scores by the kernel's scale argument, not by 1/sqrt(HEAD_DIM): a model may pick "
+                  "its own (Gemma 2's query_pre_attn_scalar, Granite's attention multiplier)"),
     ]
     if big_pool and device == "cuda" and torch.cuda.mem_get_info()[0] < 10 * 2 ** 30:
         print("(the 2^32-element pool case needs 10 GiB of free GPU memory and is left out on this GPU; "
@@ -689,6 +696,8 @@ KERNEL_MUTANTS = (
     ("every sequence reads sequence 0's table row", "table_ptr + seq * stride_table_seq + b", "table_ptr + b"),
     ("blocks assumed contiguous: block * PAGE_SIZE * stride_kv_token", "slots = block * stride_kv_block +",
      "slots = block * PAGE_SIZE * stride_kv_token +"),
+    ("scale hard-coded to 1/sqrt(HEAD_DIM), the scale argument ignored", '* scale, float("-inf"))',
+     '/ tl.sqrt(HEAD_DIM * 1.0), float("-inf"))'),
 )
 
 
