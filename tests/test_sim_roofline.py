@@ -760,3 +760,34 @@ def test_sim_run_out_holds_the_per_request_results_it_promises(tmp_path):
     assert main(["--num-requests", "5", "--model", "llama-3.2-1b", "--hardware", "l4", "--no-requests-in-json",
                  "--out", str(out)]) == 0
     assert "requests" not in json.loads(out.read_text())
+
+
+def test_the_drift_line_names_its_reference_when_the_profile_has_no_probe_steps(tmp_path):
+    """A profile without probe steps (the bundled ``cpu-2core``'s samples carry no group) leaves nothing to compare
+    the probe with, so drift is measured against this run's own first probe: x1.000 at the start by construction.
+    The line said "against the calibration's" all the same, on a device 1.5x slower than its calibration -- a
+    comparison that never happened.  Oracle: the device's speed, set by the test (1.5 read against a tagged
+    profile; the untagged one must say what it compared with)."""
+    import json
+
+    from minivllm.bench import sim_accuracy
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.calibrate import RecordingExecutor, calibrate
+
+    shape, truth, cfg = _known_device()
+    doc = calibrate(LLMEngine(cfg, executor=RecordingExecutor(RooflineExecutor(shape, truth)), model_max_len=4096,
+                              eos_token_ids=set()), shape=shape, scale=0.6, name="sim-device", out=None,
+                    pin_bandwidth=False)
+    tagged, untagged = tmp_path / "tagged.json", tmp_path / "untagged.json"
+    tagged.write_text(json.dumps(doc))
+    untagged.write_text(json.dumps({**doc, "samples": [{k: v for k, v in x.items() if k != "group"}
+                                                       for x in doc["samples"]]}))
+    for profile, reference, start in ((tagged, "calibration", 1.5), (untagged, "first probe", 1.0)):
+        slow = LLMEngine(cfg, executor=RecordingExecutor(RooflineExecutor(shape, truth.slowed(1.5))),
+                         model_max_len=4096, eos_token_ids=set())
+        out = io.StringIO()
+        res = sim_accuracy._against_real(slow, 0.5, str(profile), ["decode_heavy"], out, None, 1, 1)
+        assert res["probe"]["reference"] == reference
+        assert res["workloads"]["decode_heavy"]["drift"]["before"] == pytest.approx(start)
+        said = "against the calibration's" if reference == "calibration" else "against this run's first"
+        assert said in out.getvalue(), out.getvalue()[-400:]
