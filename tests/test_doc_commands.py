@@ -74,7 +74,8 @@ def _check_sim_run_values(args: argparse.Namespace) -> None:
     from minivllm.sim.run import WORKLOADS
 
     simulated_shape(args.model, hardware_preset(args.hardware), args.dtype_bytes)
-    assert args.workload in WORKLOADS or args.workload.endswith(".jsonl"), f"no workload {args.workload!r}"
+    assert args.workload is None or args.workload in WORKLOADS or args.workload.endswith(".jsonl"), \
+        f"no workload {args.workload!r}"  # (None: chat, or the --tenant specs)
 
 
 VALUE_CHECKS = {"minivllm.bench.loadgen": _check_loadgen_values, "minivllm.sim.run": _check_sim_run_values}

@@ -34,3 +34,24 @@ def test_sim_run_plans_the_load_generators_workload_for_a_fractional_lognormal_i
     got, _, _ = sim_run.build_requests(args, 49152)
     assert [(r.arrival, r.tenant, len(r.prompt_token_ids), r.max_tokens) for r in got] == [
         (p.arrival, p.tenant, p.prompt_len, p.max_tokens) for p in want]
+
+
+def test_sim_run_given_only_tenant_specs_neither_names_nor_paces_itself_by_the_chat_workload():
+    """``--workload`` defaulted to ``chat``, so ``sim run --tenant name=a`` (no workload named) simulated tenant
+    ``a`` alone but printed and wrote "workload chat" and took chat's 200 req/s; the branch for "no workload"
+    (10 req/s) could never run.  Oracle: :func:`plan_requests` for the given tenant at 10 req/s, and a report
+    that names no workload whose tenants were not simulated.  A plain ``sim run`` still means ``chat``."""
+    import io
+
+    argv = ["--tenant", "name=a,input=fixed:8,output=fixed:2", "--num-requests", "30", "--model", "smollm2-135m",
+            "--num-gpu-blocks-override", "64"]
+    got, rate, tenants = sim_run.build_requests(sim_run._parser().parse_args(argv), 49152)
+    want = lg.plan_requests([lg.parse_tenant("name=a,input=fixed:8,output=fixed:2", "uniform:32:128", "fixed:16")],
+                            30, 10.0, 1.0, seed=0)
+    assert rate == 10.0 and [t.name for t in tenants] == ["a"]
+    assert [(r.arrival, r.tenant) for r in got] == [(p.arrival, p.tenant) for p in want]
+    out = io.StringIO()
+    doc = sim_run.run_sim(sim_run._parser().parse_args(argv), out=out)
+    assert doc["workload"] is None and "workload chat" not in out.getvalue()
+    plain = sim_run._parser().parse_args(["--num-requests", "3"])
+    assert sim_run.build_requests(plain, 49152)[1] == 200.0  # chat's rate: no --tenant, no --workload

@@ -242,7 +242,13 @@ def _rate(rate: float | None, reqs: list[SimRequest]) -> str:
 
 
 def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list[Tenant]]:
-    """The workload of ``args``: a JSONL trace, a named workload, or ``--tenant`` specs."""
+    """The workload of ``args``: a JSONL trace, a named workload, or ``--tenant`` specs.
+
+    With neither ``--workload`` nor ``--tenant`` the workload is ``chat``; ``--tenant`` specs alone are a workload
+    of their own (10 req/s unless ``--request-rate`` says), not chat's tenants replaced at chat's rate.
+    """
+    if args.workload is None and not args.tenant:
+        args.workload = "chat"
     if args.workload in WORKLOADS:
         specs, rate, burst = WORKLOADS[args.workload]
     elif args.workload is None:
@@ -387,7 +393,8 @@ def _spark_top(x: dict) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minivllm sim run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", default="chat", help=f"a JSONL trace path or one of {', '.join(WORKLOADS)}")
+    ap.add_argument("--workload", default=None,
+                    help=f"a JSONL trace path or one of {', '.join(WORKLOADS)} (default: chat, unless --tenant is given)")
     ap.add_argument("--hardware", default="h100", help="h100, h200, a100, l4, or a calibration profile (name or path)")
     ap.add_argument("--model", default="llama-3-8b", help="llama-3-8b, llama-3.2-1b, qwen3-0.6b, smollm2-135m")
     ap.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=None,
@@ -443,7 +450,8 @@ def run_sim(args, out=None) -> dict:
     summary = summarize(RunResult(rate, rec.duration, rec.results), slo_ttft, slo_itl)
     extras = report_extras(engine, rec)
     tokens = sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
-    print(f"== simulated: {shape.name} on {hw.name} | {len(reqs)} requests, {tokens} tokens | workload {args.workload}"
+    print(f"== simulated: {shape.name} on {hw.name} | {len(reqs)} requests, {tokens} tokens | workload "
+          f"{args.workload or 'of the --tenant specs'}"
           f" | offered {_rate(rate, reqs)} req/s | {rec.duration:.1f} s simulated in {rec.wall_s:.1f} s wall", file=out)
     slo = ", ".join(x for x in (f"TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "",
                                 f"p99 ITL <= {args.slo_itl_ms:g} ms" if slo_itl else "") if x)
