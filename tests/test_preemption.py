@@ -565,3 +565,44 @@ def test_an_idle_stretch_between_requests_is_not_measured_as_step_time_or_prefil
     assert engine.step_time_s <= max(durations)
     # no step prefilled slower than 32 tokens in the longest step: the estimate may not fall below that
     assert engine.scheduler.costs.prefill_tokens_per_s >= min(rate_before, 32 / max(durations))
+
+
+def test_auto_mode_on_a_real_model_starts_from_a_measured_prefill_rate_not_a_guess(tmp_path, monkeypatch):
+    """Auto mode prices a recompute by a prefill rate it learns from prefill steps; a run in which every victim
+    is swapped has none, and the starting guess (1,000 tokens/s, a CPU's order) stood for ever: 10-50x too slow
+    on a GPU, so swap won choices it should lose (8x the cost per victim on a slow link).  The engine now times
+    one prefill at start-up, as it times the link.  Oracles: a model slowed by a known sleep bounds the measured
+    rate from above (tokens / sleep), and the probe writes only the blocks its tokens need, all free."""
+    import time
+
+    from minivllm import LLM
+    from minivllm.model.runner import ModelRunner
+    from tests.paged_cases import make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path)
+    seen = []
+    real = ModelRunner.measure_prefill_rate
+
+    def slowed(self, num_tokens):
+        forward = self.model.forward
+
+        def slow_forward(ids, positions, layers, meta):
+            seen.append((ids.numel(), int(meta.slot_mapping.max())))
+            time.sleep(0.05)
+            return forward(ids, positions, layers, meta)
+
+        monkeypatch.setattr(self.model, "forward", slow_forward)
+        try:
+            return real(self, num_tokens)
+        finally:
+            monkeypatch.setattr(self.model, "forward", forward)
+
+    monkeypatch.setattr(ModelRunner, "measure_prefill_rate", slowed)
+    llm = LLM(model_dir, preemption_mode="auto", max_num_batched_tokens=64, max_model_len=64, device="cpu")
+    rate = llm.engine.scheduler.costs.prefill_tokens_per_s
+    assert seen == [(64, 63), (64, 63)]  # the budget's tokens, twice (warm-up, then timed), in blocks 0-3 only
+    assert 0 < rate <= 64 / 0.05
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks  # nothing allocated, nothing left held
+    given = LLM(model_dir, preemption_mode="auto", prefill_tokens_per_s=777.0, max_model_len=64, device="cpu")
+    assert given.engine.scheduler.costs.prefill_tokens_per_s == 777.0
+    assert len(seen) == 2  # a given rate is not measured

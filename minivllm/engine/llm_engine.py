@@ -184,7 +184,11 @@ class LLMEngine:
                     swap_bw = self.model_runner.kv_cache.measure_swap_bandwidth()
                 elif swap_bw is None:
                     swap_bw = device.swap_bytes_per_s if device is not None else PCIE4_X16_BYTES_PER_S
-                costs = PreemptionCosts(bytes_per_block, swap_bw, config.prefill_tokens_per_s or 1000.0)
+                rate = config.prefill_tokens_per_s
+                if rate is None and self.model_runner is not None:  # measured, as the link is (a guess stands
+                    # for ever where every victim is swapped: no prefill step ever corrects it)
+                    rate = self.model_runner.measure_prefill_rate(min(config.max_num_batched_tokens, 256))
+                costs = PreemptionCosts(bytes_per_block, swap_bw, rate or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks), batch_builder)
         # The prefill rate is learnt only into a cost model the engine built itself: a caller's own object (and

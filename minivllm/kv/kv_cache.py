@@ -134,6 +134,18 @@ class KVCache:
             k[dst] = k[src]
             v[dst] = v[src]
 
+    def scratch_request(self, num_tokens: int):
+        """A stand-in request of ``num_tokens`` tokens whose table is the first blocks, for a start-up probe
+        (:meth:`~minivllm.model.runner.ModelRunner.measure_prefill_rate`): the blocks are written, not allocated,
+        so no refcount moves.  Valid only before any request runs, while every block is free."""
+        from minivllm.request import Request
+        from minivllm.sampling_params import SamplingParams
+
+        num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size))
+        probe = Request("scratch-probe", [0] * num_tokens, SamplingParams(max_tokens=1), arrival_time=0.0)
+        probe.block_ids = list(range(-(-num_tokens // self.block_size)))
+        return probe
+
     def measure_swap_bandwidth(self, num_blocks: int = 8) -> float:
         """Bytes per second of device -> host block copies (what auto mode weighs).
 

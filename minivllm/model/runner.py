@@ -301,6 +301,31 @@ class ModelRunner:
         return time.perf_counter()
 
     @torch.inference_mode()
+    def measure_prefill_rate(self, num_tokens: int) -> float:
+        """Prompt tokens per second of one ``num_tokens``-token prefill (what auto mode prices a recompute by).
+
+        Auto mode learns the rate from steps that carry prefill tokens, but needs a first estimate, and a run in
+        which every victim is swapped runs no such step: a guess (1,000 tokens/s, a CPU's order) would then stand
+        for ever, 10-50x too slow on a GPU, and swap would win every choice.  Like
+        :meth:`~minivllm.kv.kv_cache.KVCache.measure_swap_bandwidth` it writes K/V into the first blocks, which
+        hold nothing yet: call it before any request runs.  The second of two runs is timed (the first warms up).
+        """
+        probe = self.kv_cache.scratch_request(num_tokens)  # the first blocks, written, not allocated
+        input_ids, positions, meta = build_attention_metadata([ScheduledSeq(probe, probe.num_prompt_tokens, 0)],
+                                                              self.kv_cache.block_size, self.device)
+        num_tokens = probe.num_prompt_tokens
+        times = []
+        for _ in range(2):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            self.model(input_ids, positions, self.kv_cache.layers, meta)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times.append(time.perf_counter() - start)
+        return num_tokens / max(times[-1], 1e-9)
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
         self.kv_cache.apply(batch.moves)
         if not batch.seqs:
