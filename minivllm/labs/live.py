@@ -139,6 +139,11 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float = 1.0
     time whether or not earlier ones have finished (an idle engine's clock jumps
     ahead).  Token times come from the engine's own ``RequestOutput.metrics``,
     so TTFT and ITL here are exactly what its Prometheus histograms observe.
+
+    ``run.samples`` holds one sample per whole window of ``every_s``; the last,
+    partial window is scraped too only when ``on_sample`` is given, because a live
+    picture must show how the run ended, while a table of rates per window would
+    put a short window's rate beside whole ones.
     """
     if not every_s > 0:  # a zero or negative window never advances the next scrape: the loop would never end
         raise ValueError(f"run_sim_load needs every_s > 0, got {every_s}")
