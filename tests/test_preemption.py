@@ -232,6 +232,8 @@ def test_reject_mode_accepts_or_rejects_an_n_group_whole():
     assert [o.finish_reason for o in finals[rid].outputs] == ["rejected"] * 3
     assert not any(o.token_ids for o in finals[rid].outputs) and finals[rid].retry_after_s > 0
     assert finals["big"].outputs[0].finish_reason == "length"
+    # one request turned away, as the server's 429 and Prometheus's counter have it (each sample was counted)
+    assert engine.stats()["num_rejected"] == 1 and engine.stats()["per_tenant"]["default"]["num_rejected"] == 1
     assert_no_leak(engine)
 
 

@@ -60,7 +60,7 @@ class _EngineCounters(TypedDict):
     swapped_in_blocks: int
     swapped_out_bytes: int
     swapped_in_bytes: int
-    num_rejected: int  # each sample of an n > 1 request counts (Prometheus: the request once)
+    num_rejected: int  # requests turned away (an n > 1 request once, as Prometheus and the server count it)
     num_errors: int
     num_stalls: int  # times stuck requests were failed (see ``llm_engine.STALL_STEPS``)
     recompute_hit_tokens: int

@@ -627,9 +627,9 @@ class Scheduler:
             self.waiting.remove(r)
             self._count_waiting(r, -1)
             r.status = RequestStatus.FINISHED_REJECTED
-            self.stats.num_rejected += 1
-            self.tenant(r.tenant).rejected += 1
             self._rejected.append(r)
+        self.stats.num_rejected += 1  # one request turned away, however many samples: the server's one 429
+        self.tenant(req.tenant).rejected += 1
 
     # -- step 2: build the batch ---------------------------------------------
     def build_batch(self) -> ScheduledBatch:
