@@ -228,3 +228,19 @@ def test_the_quiz_quotes_the_batch_cost_runs(batch_cost):
     assert f"alone they took {alone['gpu_s']:.2f} s" in text
     assert f"finished at {shared['batch_done_s']:.1f} s" in text and f"last chat ({chats['gpu_s']:.1f} s)" in text
     assert f"p95 {chats['chat_itl_p95'] * 1e3:.0f} -> {shared['chat_itl_p95'] * 1e3:.0f} ms" in text
+
+
+def test_the_quiz_quotes_the_retry_storm_runs():
+    """The retry-storm question quotes section 3's runs (the naive client, T = 2 s, under FCFS and under WFQ); its
+    numbers are printed beside the lab's tables, so they must be the ones those tables print. The WFQ share went
+    stale once (88% quoted after the fairness fix moved the WFQ row to 92%)."""
+    from minivllm.labs.quiz import load_bank
+
+    q = next(q for q in load_bank(6) if q["id"] == "retry-storm")
+    text = q["question"] + q.get("why", "") + json.dumps(q["answers"], ensure_ascii=False)
+    fcfs_res, fcfs = _storm(timeout_s=2.0)
+    wfq_res, wfq = _storm(lab.wfq_policy(None), timeout_s=2.0)
+    f, w = fcfs.summary(fcfs_res), wfq.summary(wfq_res)
+    assert f"send {f['sent']} requests for {f['jobs']} jobs" in text
+    assert f"{f['wasted share']:.0%} of its server tokens went to nobody" in text
+    assert f"{w['wasted share']:.0%} of its server work was for nobody" in text
