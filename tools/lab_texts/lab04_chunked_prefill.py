@@ -98,8 +98,9 @@ Left: each blue tick is a token coming out of a stream; orange bars are prefill 
 prefill is one long step, and every chat row has a white gap just as long — each stream waits ~180 ms for its next
 token (the lonely bar at the right of the histogram). With a budget of 512 the prefill becomes 17 short chunks, the
 ticks keep coming (a little further apart), no gap exceeds ~25 ms, and `L0`'s first
-token comes later. (Look at p99 in the first run: 17 ms. Each stream met the stall once among ~40 gaps, so the 99th
-percentile does not see it — only the worst gap does. Keep that in mind for section 3.) And `c2`, `c3`, which
+token comes later. (Look at p99 in the first run: 17 ms. Only the two streams decoding when `L0` arrived met the
+stall, once each: 2 of ~250 gaps, under 1 %, so the 99th percentile does not see it — only the worst gap does. Keep
+that in mind for section 3.) And `c2`, `c3`, which
 arrive during the prefill, wait for it to end in both runs; section 5 shows the knob for that. Now build the piece
 of the engine that makes this decision.
 
