@@ -471,10 +471,12 @@ class Scheduler:
                 if caps is not None:
                     budget = self._cap_budget(req, usage, budget)
                 seated = len(self.running) + held_seats < self.config.max_num_seqs
-                # Preemption cannot help with these two: the token budget (the victims' own tokens this step,
+                # Preemption cannot help with these: the token budget (the victims' own tokens this step,
                 # one per decode, rarely cover it, and it comes back next step anyway), and a swap-in in the
                 # step that swapped a victim out (its blocks are not back until the copy-out ran).
-                stuck = budget <= 0 or (swapped_out and req.status is RequestStatus.SWAPPED)
+                # Nor with a seat that a sample ranked ahead holds: the seat a victim frees would be the sample's.
+                stuck = (budget <= 0 or (swapped_out and req.status is RequestStatus.SWAPPED)
+                         or (held_seats > 0 and not seated))
                 fit = self._try_admit(req, budget, reserved) if seated and not stuck else None
                 if fit is _SHORT_OF_BUDGET:  # its whole prompt is over the budget left (no chunking): as above
                     fit, stuck = None, True
