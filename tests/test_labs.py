@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import math
 import sys
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -287,6 +288,29 @@ def test_checker_output_shows_case_expected_got_and_hint():
     assert "expected: 16" in text and "got:      0" in text and "hint:" in text
 
 
+def _paged_blocks_not_slots(seq_lens, block_size):
+    return sum(-(-n // block_size) for n in seq_lens)
+
+
+def _itl_of_merged_streams(token_times, q=99):
+    times = sorted(t for ts in token_times.values() for t in ts)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    return (gaps[max(math.ceil(q / 100 * len(gaps)), 1) - 1], gaps[-1]) if gaps else (0.0, 0.0)
+
+
+@pytest.mark.parametrize("check, wrong, mistake", [
+    (check_lab02.check_paged_slots, _paged_blocks_not_slots, "number of blocks"),
+    (check_lab04.check_itl_stats, _itl_of_merged_streams, "merge the lists"),
+], ids=["paged_slots counts blocks", "itl_stats merges the streams"])
+def test_a_typical_mistake_gets_the_hint_for_that_mistake(check, wrong, mistake):
+    """The first case these answers fail was written for another bug; its hint alone (``a block is the unit of
+    allocation``, ``a request with a single token has no gap``) points the learner away from theirs."""
+    with redirect_stdout(io.StringIO()) as buf:
+        assert not check(wrong)
+    hint = next(line for line in buf.getvalue().splitlines() if line.lstrip().startswith("hint:"))
+    assert mistake in hint, hint
+
+
 def test_checker_reports_exceptions_as_failed_cases():
     def boom(seq_lens, block_size):
         raise KeyError("oops")
@@ -421,6 +445,47 @@ def test_lab03_fallback_is_the_engine_not_a_solution_copy():
     assert not hasattr(check_lab03, "engine_reference")
     source = (ROOT / "tools" / "lab_texts" / "lab03_prefix_caching.py").read_text()
     assert "from minivllm.kv.prefix.hash_index import HashIndex" in source
+
+
+def test_lab03_collision_demo_serves_blocks_on_the_engine_fallback_too():
+    """A learner whose matcher has not passed sees the validated row run on the engine's HashIndex.
+
+    The replay caches under the request's namespace (tenant, salt); a lookup in another namespace matches
+    nothing, and the row read "0 blocks served" -- as if validation threw every hit away, the opposite of
+    the lesson.  Oracle: the replay's own admission on the same cache finds exactly the blocks the row counts."""
+    nb = _nb(LABS / "lab03_prefix_caching.ipynb")
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and '"validated (engine)"' in c.source)
+    ns: dict = {}
+    exec(compile(_setup_source(nb), "<lab03 setup>", "exec"), ns)
+    ns.update(match_check=False, match_prefix=None, picker=None)  # the learner's state before exercise 2 passes
+    with redirect_stdout(io.StringIO()) as buf:
+        exec(compile(cell, "<lab03 collision demo>", "exec"), ns)
+    plt.close("all")
+    row = next(line for line in buf.getvalue().splitlines() if line.startswith("validated (engine)"))
+    served, wrong = (int(part.split()[0]) for part in row.split(":")[1].split(","))
+    pool = ns["BlockPool"](1024)
+    records = workloads.replay_prefix_cache(ns["HashIndex"](pool, ns["BLOCK"], hash_fn=ns["weak_engine_hash"]),
+                                            pool, ns["prompts"])
+    admitted = sum(r["hit_tokens"] for r in records) // ns["BLOCK"]
+    assert admitted > 0 and (served, wrong) == (admitted, 0), row
+
+
+def test_lab06_cap_fallback_admits_what_the_exercise_admits():
+    """Until TenantCap passes, lab 6 measures its caps on the engine's fallback, and the lesson under the table
+    ("a cap of 4 leaves quiet starving") must hold for it too.  The engine's ``"caps"`` policy also lets a
+    tenant whose head request cannot start be passed by the others, which the exercise's order does not do:
+    with noisy's prompts waiting for KV that alone rescues quiet.  Oracle: the solution's TenantCap, step by step."""
+    from minivllm.labs.check_lab06 import cap_policy, lab_engine, noisy_quiet, serve
+
+    lab = next(lab for lab in REGISTERED if lab.number == 6)
+    cap = _load(lab, next(ex for ex in lab.exercises if ex.name == "tenant_cap"))
+
+    def running(policy):
+        res = serve(lab_engine(policy), noisy_quiet(4.0), window=4.0)
+        return [(r.tenant("noisy").running, r.tenant("quiet").running) for r in res.records]
+
+    caps = {"noisy": 4}
+    assert running(cap_policy(None, caps)) == running(cap_policy(cap(caps), caps))
 
 
 # -- widgets and workloads ---------------------------------------------------------------------

@@ -157,7 +157,9 @@ def check_paged_slots(fn) -> CheckResult:
     """Check ``fn(seq_lens, block_size) -> int`` (KV slots reserved with paging)."""
     cases = [
         Case("no sequences", lambda f: f([], 16), 0, "the sum over no sequences is 0"),
-        Case("one token needs a whole block", lambda f: f([1], 16), 16, "a block is the unit of allocation"),
+        Case("one token needs a whole block", lambda f: f([1], 16), 16, "a block is the unit of allocation",
+             diagnose=lambda got: ("1 is the number of blocks; the answer is in slots (tokens of capacity): "
+                                   "each block holds block_size of them" if got == 1 else None)),
         Case("exactly one full block", lambda f: f([16], 16), 16,
              "16 tokens fit in one 16-slot block: use ceiling division, not len // bs + 1"),
         Case("one past the boundary", lambda f: f([17], 16), 32, "17 tokens spill into a second block"),

@@ -287,7 +287,9 @@ def check_itl_stats(fn) -> CheckResult:
     cases = [
         Case("no requests", lambda f: f({}), (0.0, 0.0), "no gaps at all: return (0.0, 0.0)"),
         Case("one token each: no gaps", lambda f: f({"a": [1.0], "b": [2.0]}), (0.0, 0.0),
-             "a request with a single token has no inter-token gap (its first token is TTFT, not ITL)"),
+             "a request with a single token has no inter-token gap (its first token is TTFT, not ITL)",
+             diagnose=lambda got: ("the gap you found, 1.0, runs from a's token to b's: gaps are differences WITHIN "
+                                   "one request's list; don't merge the lists first" if list(got) == [1.0, 1.0] else None)),
         Case("gaps are per request, never across requests", lambda f: f({"a": [0, 4, 8], "b": [1, 5, 9]}, 50),
              (4, 4), "take differences of consecutive times WITHIN each request's list; two streams interleaved "
                      "in time do not shorten each other's gaps"),

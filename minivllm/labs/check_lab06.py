@@ -8,8 +8,8 @@ log's per-tenant rows, and :class:`TenantTimeline`, the widget of per-tenant
 queues and KV shares over time.  Every learner object is plugged into the
 *real* engine through its policy seams (``admission_policy`` and
 ``preemption_policy``, see :mod:`minivllm.interfaces`); until a checker passes,
-the lab falls back to the engine's own policy of the same name
-(``scheduling_policy="caps"``, ``"wfq"``, ``"deadline"``).  The module ends with
+the lab falls back to the engine's own policies
+(FCFS with ``TenantConfig`` caps, ``"wfq"``, ``"deadline"``).  The module ends with
 the lab's registration (:data:`LAB`, see :mod:`minivllm.labs.registry`).
 """
 
@@ -568,9 +568,13 @@ def wfq_policy(vtc_or_none, weights: dict | None = None, budget: int = 2048) -> 
 
 def cap_policy(cap_or_none, max_running: dict) -> dict:
     """Engine keyword arguments for per-tenant seat caps (``{tenant: max running}``): the learner's order, or
-    the engine's ``"caps"`` with the same caps as ``TenantConfig(max_running=...)``."""
+    the engine's FCFS with the same caps as ``TenantConfig(max_running=...)``.
+
+    FCFS, not ``"caps"``: that policy also lets other tenants pass a tenant whose head request cannot start
+    (``CapsAdmission.head_of_line``), which the exercise's order does not do -- on lab 6's workload that alone
+    rescues quiet at a cap of 4, and the fallback would contradict the lesson it stands in for."""
     if cap_or_none is None:
-        return {"scheduling_policy": "caps", "tenants": {t: TenantConfig(max_running=n) for t, n in max_running.items()}}
+        return {"scheduling_policy": "fcfs", "tenants": {t: TenantConfig(max_running=n) for t, n in max_running.items()}}
     return {"admission_policy": cap_or_none}
 
 

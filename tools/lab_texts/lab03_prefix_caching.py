@@ -368,6 +368,9 @@ def weak_engine_hash(key):   # the same 3 bits for the engine's HashIndex, whose
 
 
 prompts = workloads.rag_workload(40, seed=3)
+# The namespace the replay's requests cache under: the engine's (tenant, cache salt), tenant "default", no salt
+# (KVCacheManager.namespace). The engine's HashIndex hashes and validates it, so a lookup must name it too.
+NAMESPACE = ("default", None)
 validated = (("validated (yours)", lambda pool: LearnerHashCache(pool, BLOCK, weak, match_prefix, picker))
              if match_check else ("validated (engine)", lambda pool: HashIndex(pool, BLOCK, hash_fn=weak_engine_hash)))
 for name, make in [validated, ("trusting", lambda pool: LearnerHashCache(pool, BLOCK, weak, trusting_match, picker))]:
@@ -375,7 +378,7 @@ for name, make in [validated, ("trusting", lambda pool: LearnerHashCache(pool, B
     cache = make(pool)
     wrong = served = 0
     for p in prompts:
-        for i, b in enumerate(cache.match(p[:-1])):
+        for i, b in enumerate(cache.match(p[:-1], NAMESPACE)):
             served += 1
             wrong += stored_tokens(cache, b) != tuple(p[i * BLOCK:(i + 1) * BLOCK])
         workloads.replay_prefix_cache(cache, pool, [p])

@@ -149,7 +149,7 @@ class TenantCap:
 """, ["exercise:tenant_cap"]),
 ("code", r"""
 cap_check = check_tenant_cap(TenantCap)
-Cap = choose(cap_check, TenantCap, None, "per-tenant cap")   # None: the engine's scheduling_policy="caps"
+Cap = choose(cap_check, TenantCap, None, "per-tenant cap")   # None: the engine's FCFS with TenantConfig caps
 """),
 ("md", r"""
 Now cap noisy at 4, 2 and 1 running requests and measure. (`cap_policy` plugs your class into the engine as

@@ -117,9 +117,8 @@ tokens: 1 TTFT, 4 ITLs.
 def metrics_from_log(step_log, prompt_lens: dict, arrivals: dict, num_blocks: int) -> dict:
     '''Gauges from the last record; preemptions, sampled tokens, TTFT and ITL from all of them.'''
     # TODO: walk the records; for each chunk decide whether the step sampled a token for that request
-    #   (it did when start + n reaches every token the request knows: prompt + generated so far);
-    #   record TTFT for a request's first token, an ITL for every later one; count preemptions;
-    #   read the gauges from the last record
+    #   (the one rule above -- see the hints); record TTFT for a request's first token, an ITL for every
+    #   later one; count preemptions; read the gauges from the last record
     ### BEGIN SOLUTION
     generated: dict[str, int] = {}
     last: dict[str, float] = {}
