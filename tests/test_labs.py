@@ -398,6 +398,17 @@ def test_quiz_options_are_shuffled_deterministically(bank):
         assert all(a["feedback"] for a in once), "every option keeps its own why"
 
 
+def test_the_longest_option_is_not_a_reliable_cue_for_the_right_one():
+    """A learner who always picks the longest option must not pass the quizzes: shuffling hides the position of
+    the right answer, not its length.  With 3-4 options chance is about 30%; allow up to a third (the banks once
+    had the right answer strictly longest in 48 of 63 questions, so "pick the longest" scored 76%)."""
+    mc = [q for lab in range(1, 10) for q in quiz.load_bank(lab) if q["type"] == "multiple_choice"]
+    cued = [q["id"] for q in mc
+            if len(next(a for a in q["answers"] if a["correct"])["answer"])
+            > max(len(a["answer"]) for a in q["answers"] if not a["correct"])]
+    assert len(cued) <= len(mc) // 3, f"{len(cued)} of {len(mc)} right answers are the strictly longest option: {cued}"
+
+
 def test_quiz_cells_keep_answers_out_of_the_question_output():
     """Each lab prints the questions in one cell and the answer key in a later, separate cell."""
     for path in SOLUTIONS:
