@@ -218,16 +218,20 @@ class LLMEngine:
         self._driver = None  # the server loop stepping this engine, if any (claim_driver)
 
     # -- who steps the engine --------------------------------------------
-    def claim_driver(self, driver) -> None:
+    def claim_driver(self, driver, start: Callable[[], None] | None = None) -> None:
         """Make ``driver`` (a server's loop, with an ``is_running`` property) the one loop that steps this engine.
 
         Whoever steps the engine receives every request's outputs and hands each to the stream waiting for it;
         a second loop would drop the outputs of the first one's streams, and their clients would wait forever
         (a notebook cell that starts a server twice).  So a second driver is refused while the first runs.
+        ``start`` (the driver's thread) runs under the same lock: a driver counts as serving only once it runs,
+        and a second one claiming in between -- two servers started at once -- would find it not running yet.
         """
         with self._lock:
             self.check_unserved(driver)
             self._driver = driver
+            if start is not None:
+                start()
 
     def check_unserved(self, driver=None) -> None:
         """``RuntimeError`` if a running loop other than ``driver`` steps this engine (:meth:`claim_driver`)."""
@@ -403,7 +407,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """Gauges and counters for metrics, labs and benchmarks (a typed dict, cheap to build: see
-        :mod:`minivllm.metrics.engine_stats` for every key)."""
+        :mod:`minivllm.metrics.engine_stats` for every key).  Under the engine lock: a caller on another thread
+        than the one stepping (a monitor beside ``LLM.generate``) waits for the step to end rather than walk the
+        scheduler's tables while the step changes them."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> EngineStats:
         pool, kv, sched = self.pool, self.kv, self.scheduler.stats
         cache = self.prefix_cache
         available = kv.num_available_blocks  # free + evictable cached: counted once, the rest derive from it
@@ -608,6 +618,10 @@ class LLMEngine:
     def tenant_stats(self) -> dict[str, TenantStats]:
         """Per-tenant accounting: tokens in/out, KV blocks held, running/waiting, queue time, preemptions,
         rejects, and TTFT/ITL percentiles (seconds) of the newest finished requests."""
+        with self._lock:  # (see stats)
+            return self._tenant_stats()
+
+    def _tenant_stats(self) -> dict[str, TenantStats]:
         live: dict[str, list[int]] = {}
         for r in self.scheduler.running:
             row = live.setdefault(r.tenant, [0, 0, 0])

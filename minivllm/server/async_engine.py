@@ -105,10 +105,13 @@ class AsyncEngine:
         """Start the loop thread; outputs are delivered on ``loop`` (default: the running loop)."""
         if self._thread is not None:
             return
-        self.engine.claim_driver(self)  # RuntimeError if another server's loop steps this engine
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
-        self._thread.start()
+
+        def run_loop() -> None:
+            self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
+            self._thread.start()
+
+        self.engine.claim_driver(self, run_loop)  # RuntimeError if another server's loop steps this engine
 
     @property
     def is_running(self) -> bool:
@@ -165,7 +168,9 @@ class AsyncEngine:
                 self.engine.add_request(prompt, params, request_id, tenant=tenant)
             except Exception as exc:  # noqa: BLE001 - ValueError is the caller's fault; others go back too
                 self._streams.pop(request_id, None)
-                loop.call_soon_threadsafe(settle, exc)
+                # closed by another thread (LLM.close()) before this loop saw it: a 503, not the engine's 500
+                err = EngineDead("the engine was closed while the server was running") if self.engine.closed else exc
+                loop.call_soon_threadsafe(settle, err)
                 return
             if self.metrics is not None:
                 self.metrics.track(request_id, tenant)
@@ -226,7 +231,12 @@ class AsyncEngine:
                         self._abort_one(rid, EngineDead("the engine was closed while the server was running"))
                     break
                 if engine.has_unfinished_requests():
-                    outputs = engine.step()
+                    try:
+                        outputs = engine.step()
+                    except RuntimeError:
+                        if not engine.closed:
+                            raise
+                        continue  # closed by another thread since the check above: the next pass ends the streams
                     self.num_steps += 1
                     self._deliver(outputs)
                 elif self.metrics is not None:
