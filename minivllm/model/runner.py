@@ -308,14 +308,16 @@ class ModelRunner:
         which every victim is swapped runs no such step: a guess (1,000 tokens/s, a CPU's order) would then stand
         for ever, 10-50x too slow on a GPU, and swap would win every choice.  Like
         :meth:`~minivllm.kv.kv_cache.KVCache.measure_swap_bandwidth` it writes K/V into the first blocks, which
-        hold nothing yet: call it before any request runs.  The second of two runs is timed (the first warms up).
+        hold nothing yet: call it before any request runs.  The first run warms up; the faster of the next two
+        counts, so a moment of contention (another process on a 2-core machine can make one pass 10x slower)
+        does not set the engine's estimate.
         """
         probe = self.kv_cache.scratch_request(num_tokens)  # the first blocks, written, not allocated
         input_ids, positions, meta = build_attention_metadata([ScheduledSeq(probe, probe.num_prompt_tokens, 0)],
                                                               self.kv_cache.block_size, self.device)
         num_tokens = probe.num_prompt_tokens
         times = []
-        for _ in range(2):
+        for _ in range(3):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             start = time.perf_counter()
@@ -323,7 +325,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             times.append(time.perf_counter() - start)
-        return num_tokens / max(times[-1], 1e-9)
+        return num_tokens / max(min(times[1:]), 1e-9)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
