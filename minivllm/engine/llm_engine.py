@@ -186,8 +186,11 @@ class LLMEngine:
                     swap_bw = device.swap_bytes_per_s if device is not None else PCIE4_X16_BYTES_PER_S
                 rate = config.prefill_tokens_per_s
                 if rate is None and self.model_runner is not None:  # measured, as the link is (a guess stands
-                    # for ever where every victim is swapped: no prefill step ever corrects it)
-                    rate = self.model_runner.measure_prefill_rate(min(config.max_num_batched_tokens, 256))
+                    # for ever where every victim is swapped: no prefill step ever corrects it).  A GPU is
+                    # launch-bound below a few hundred tokens, so it gets a long probe (milliseconds); a CPU's
+                    # rate is flat from ~128 tokens on, and each pass there costs ~0.3 s of start-up
+                    probe = 2048 if self.model_runner.device.type == "cuda" else 128
+                    rate = self.model_runner.measure_prefill_rate(min(config.max_num_batched_tokens, probe))
                 costs = PreemptionCosts(bytes_per_block, swap_bw, rate or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks), batch_builder)
