@@ -415,7 +415,7 @@ for b in (1, 16, 256):
     print(f"block_size {b:4d}: {step_ms[b]:5.2f} ms, {1024 // b:5d} table entries per sequence")
 """),
 ("md", r"""
-On the 2-core machines this notebook was built on, quiet runs took 12–18 ms at 1-token blocks, 2–6 ms at 16 and
+On the 2-core machines this notebook was built on, quiet runs took 12–18 ms at 1-token blocks, 2–6.1 ms at 16 and
 2.0–5.7 ms at 256: the smallest blocks cost three to seven times the largest, and the big-block times moved most
 from one machine (and day) to the next. When other work shares the two cores every size slows and the ratio
 shrinks: four busy runs took 18–59 ms, 7–26 ms and 7.5–20 ms, two to four times. Your numbers will differ; the
