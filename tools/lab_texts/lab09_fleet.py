@@ -15,7 +15,7 @@ CELLS = [
 5. say how far those simulated answers can be trusted: how the simulator is validated against the real engine, and
    which of its conclusions survive its known errors.
 
-**Time:** about two minutes to run on a CPU laptop; 45–60 minutes to work through. **Everything here is simulated:**
+**Time:** about a minute and a half to run on a CPU laptop; 45–60 minutes to work through. **Everything here is simulated:**
 every replica is the real engine (scheduler, KV cache manager, prefix cache — the code of labs 1–5), and only the
 forward pass is replaced by a cost model on a virtual clock. Cells that report latencies say which model: the
 **roofline** cost model of a **Llama-3-8B** shape on an **H100** or an **L4** (datasheet presets,
