@@ -1496,3 +1496,31 @@ def test_wfq_kept_rejoin_rule_holds_back_a_tenant_whose_seen_request_was_aborted
     assert kept._kept.kept(queue) is not None  # the kept path answers
     assert list(kept.order(queue, [])) == unkept.order(list(queue), []) == [a2, b1]
     assert kept.counters == unkept.counters == {"a": 0.0, "b": 100.0}
+
+
+def test_a_sample_its_tenants_cap_holds_back_keeps_no_seat_from_another_tenant():
+    """A sample waiting for its leader's prefill keeps a seat under a global head of line -- but only one it could
+    take: caps come first (``fairness``'s bound), and a request its tenant's cap holds back is passed by other
+    tenants' requests.  Tenant A may run one request; its pair's leader prefills 80 tokens in 16-token chunks, so
+    the sibling can start only when the leader is done.  Another tenant's request arriving meanwhile once waited
+    for the whole prefill, for a seat the sibling could not use.  Oracle: the same run without the pair's sibling
+    (n=1) -- the second seat is free, so B starts at once; with the sibling it must start as early."""
+    first = {}
+    for n in (1, 2):
+        engine = make_engine("fcfs", tenants={"A": TenantConfig(max_running=1)}, max_seqs=2, budget=32,
+                             num_blocks=64, max_len=128, long_prefill_token_threshold=16)
+        engine.add_request({"prompt_token_ids": [9] * 80}, SamplingParams(max_tokens=4, n=n, temperature=1.0, seed=0),
+                           "pair", arrival_time=0.0, tenant="A")
+        seen = first[n] = {}
+        for step in range(300):
+            if not engine.has_unfinished_requests():
+                break
+            if step == 1:  # the leader is mid-prefill
+                add(engine, "B", 8, 4, "b", arrival_time=engine.executor.now())
+            engine.step()
+            for rid, _, _ in engine.step_log[-1].seqs:
+                seen.setdefault(rid, step)
+        assert not engine.has_unfinished_requests()
+        assert_no_leak(engine)
+    assert first[1]["b"] == 1, first
+    assert first[2]["b"] == first[1]["b"], first

@@ -608,3 +608,24 @@ def test_auto_mode_on_a_real_model_starts_from_a_measured_prefill_rate_not_a_gue
     given = LLM(model_dir, preemption_mode="auto", prefill_tokens_per_s=777.0, max_model_len=64, device="cpu")
     assert given.engine.scheduler.costs.prefill_tokens_per_s == 777.0
     assert len(seen) == 3  # a given rate is not measured
+
+
+def test_auto_mode_starts_on_a_model_whose_context_is_shorter_than_the_prefill_probe(tmp_path):
+    """The start-up prefill probe (128 tokens of the budget on a CPU) placed its tokens at positions 0..127, but a
+    model trained for fewer positions has no RoPE row past its context: ``LLM(..., preemption_mode="auto")``
+    crashed with an IndexError in the rotary lookup before serving anything, where recompute mode starts.  The
+    probe is a prompt like any other, so it is no longer than ``max_model_len`` (which the config keeps within
+    the model's positions).  Oracle: the same model starts in recompute mode, and the probe's rate is positive."""
+    import transformers
+
+    from minivllm import LLM
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=96, vocab_size=128, num_hidden_layers=2,
+                                   max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    assert LLM(str(tmp_path), preemption_mode="recompute", device="cpu").engine.config.max_model_len == 64
+    llm = LLM(str(tmp_path), preemption_mode="auto", device="cpu")  # budget 2,048 > 64 positions
+    assert llm.engine.scheduler.costs.prefill_tokens_per_s > 0
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks

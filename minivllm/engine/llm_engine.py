@@ -190,7 +190,10 @@ class LLMEngine:
                     # launch-bound below a few hundred tokens, so it gets a long probe (milliseconds); a CPU's
                     # rate is flat from ~128 tokens on, and each pass there costs ~0.3 s of start-up
                     probe = 2048 if self.model_runner.device.type == "cuda" else 128
-                    rate = self.model_runner.measure_prefill_rate(min(config.max_num_batched_tokens, probe))
+                    # (a prompt like any other: no longer than max_model_len, or a model trained for fewer
+                    # positions has no RoPE row for the probe's last tokens)
+                    rate = self.model_runner.measure_prefill_rate(
+                        min(config.max_num_batched_tokens, config.max_model_len, probe))
                 costs = PreemptionCosts(bytes_per_block, swap_bw, rate or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks), batch_builder)

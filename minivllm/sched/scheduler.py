@@ -337,6 +337,18 @@ class Scheduler:
                 return False
         return True
 
+    def _seat_within_caps(self, req: Request, usage: dict) -> bool:
+        """Would a sample waiting for its leader's prefill keep its tenant's running and KV caps (``admit``'s held
+        seats)?  The per-step token cap is left out: the leader's own prefill chunks fill it until the sample forks."""
+        need = self._waiting_need[req]
+        for g in self.caps.groups(req):
+            u = usage.get(g.key, (0, 0, 0))
+            if g.max_running is not None and u[0] >= g.max_running:
+                return False
+            if g.max_blocks is not None and u[1] + need > g.max_blocks:
+                return False
+        return True
+
     def _cap_budget(self, req: Request, usage: dict, budget: int) -> int:
         for g in self.caps.groups(req):
             if g.max_tokens is not None:
@@ -441,7 +453,9 @@ class Scheduler:
                 # n > 1: a sibling sample forks once its leader has prefilled the prompt.  Under a global head of
                 # line it keeps a seat meanwhile: a request ranked behind it must not take the seat it will need
                 # in a step or two (the deadline policy's aging bound, FCFS's order), only the room it leaves.
-                if not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING:
+                # Caps come first: a sample its tenant's cap holds back could not use the seat, so it keeps none.
+                if (not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING
+                        and (caps is None or self._seat_within_caps(req, usage))):
                     held_seats += 1
                 continue
             if caps is not None:
