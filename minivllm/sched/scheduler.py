@@ -324,28 +324,18 @@ class Scheduler:
                 u[2] += self._chunk_cap(r)
         return usage
 
-    def _within_caps(self, req: Request, usage: dict, need_blocks: int) -> bool:
+    def _within_caps(self, req: Request, usage: dict, need_blocks: int, per_step: bool = True) -> bool:
         """Would ``req`` (needing ``need_blocks``) keep every cap of its groups?  Monotone: with ``usage``
-        unchanged, a request of the same tenant needing as many blocks or more fails too (``admit`` uses it)."""
+        unchanged, a request of the same tenant needing as many blocks or more fails too (``admit`` uses it).
+        ``per_step=False`` leaves out the per-step token cap: a sample waiting for its leader's prefill (``admit``'s
+        held seats) would pass it next step, once the leader's own chunks stop filling it."""
         for g in self.caps.groups(req):
             u = usage.get(g.key, (0, 0, 0))
             if g.max_running is not None and u[0] >= g.max_running:
                 return False
             if g.max_blocks is not None and u[1] + need_blocks > g.max_blocks:
                 return False
-            if g.max_tokens is not None and u[2] >= g.max_tokens:
-                return False
-        return True
-
-    def _seat_within_caps(self, req: Request, usage: dict) -> bool:
-        """Would a sample waiting for its leader's prefill keep its tenant's running and KV caps (``admit``'s held
-        seats)?  The per-step token cap is left out: the leader's own prefill chunks fill it until the sample forks."""
-        need = self._waiting_need[req]
-        for g in self.caps.groups(req):
-            u = usage.get(g.key, (0, 0, 0))
-            if g.max_running is not None and u[0] >= g.max_running:
-                return False
-            if g.max_blocks is not None and u[1] + need > g.max_blocks:
+            if per_step and g.max_tokens is not None and u[2] >= g.max_tokens:
                 return False
         return True
 
@@ -455,7 +445,7 @@ class Scheduler:
                 # in a step or two (the deadline policy's aging bound, FCFS's order), only the room it leaves.
                 # Caps come first: a sample its tenant's cap holds back could not use the seat, so it keeps none.
                 if (not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING
-                        and (caps is None or self._seat_within_caps(req, usage))):
+                        and (caps is None or self._within_caps(req, usage, self._waiting_need[req], per_step=False))):
                     held_seats += 1
                 continue
             if caps is not None:
