@@ -149,13 +149,10 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve(args: argparse.Namespace) -> int:
-    """``minivllm serve``: load the model, then run uvicorn until SIGINT/SIGTERM (which aborts in-flight requests)."""
-    import uvicorn
-
-    from minivllm import LLM
-    from minivllm.engine.startup import freeze_startup_heap
-    from minivllm.server import build_app, load_api_keys, load_tenants
+def serve_options(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
+    """``minivllm serve``'s engine options (``LLM``'s keyword arguments) and its API keys (``{key: tenant}``), from
+    its parsed flags: one function, so a test can serve exactly what the CLI would build (tenants file included)."""
+    from minivllm.server import load_api_keys, load_tenants
 
     options = {
         name: getattr(args, name)
@@ -171,6 +168,18 @@ def serve(args: argparse.Namespace) -> int:
     api_keys = load_api_keys(args.api_keys_file)
     if args.tenants_file is not None:  # read before the model loads: a typo costs no load
         options["tenants"] = load_tenants(args.tenants_file, api_keys)
+    return options, api_keys
+
+
+def serve(args: argparse.Namespace) -> int:
+    """``minivllm serve``: load the model, then run uvicorn until SIGINT/SIGTERM (which aborts in-flight requests)."""
+    import uvicorn
+
+    from minivllm import LLM
+    from minivllm.engine.startup import freeze_startup_heap
+    from minivllm.server import build_app
+
+    options, api_keys = serve_options(args)
     llm = LLM(args.model, **options)
     door = None
     if args.max_waiting_requests is not None:

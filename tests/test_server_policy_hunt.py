@@ -8,6 +8,7 @@ value, never silently ignored".  Runs on the simulated executor (no model), so i
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -66,4 +67,96 @@ def test_a_vllm_priority_on_a_priority_server_is_honoured_or_refused_never_dropp
             first_step.setdefault(rid, i)
     assert first_step[high.json()["id"]] < first_step[low.json()["id"]], \
         "priority -5 was scheduled after priority 5: the field was dropped"
+    assert engine.stats()["used_blocks"] == 0
+
+
+def _served_as_the_cli_builds_it(tmp_path, keys: dict, tenants: dict, *argv: str) -> tuple[LLMEngine, dict]:
+    """The engine ``minivllm serve --api-keys-file K --tenants-file T ARGV`` would run, on the paced simulator.
+
+    The options come from :func:`minivllm.cli.serve_options` -- the very function ``serve`` hands to ``LLM`` -- fed
+    the real parser's namespace, so what is tested is what the CLI serves; only the model is swapped for the
+    simulated executor (the pool and batch sizes below are the simulator's, set where the CLI leaves them unset).
+    """
+    from minivllm.cli import _parser, serve_options
+
+    (tmp_path / "keys.json").write_text(json.dumps(keys))
+    (tmp_path / "tenants.json").write_text(json.dumps(tenants))
+    args = _parser().parse_args(["serve", "--api-keys-file", str(tmp_path / "keys.json"),
+                                 "--tenants-file", str(tmp_path / "tenants.json"), *argv])
+    options, api_keys = serve_options(args)
+    cfg = EngineConfig(**{"num_gpu_blocks_override": 1024, "block_size": 16, "max_model_len": 512,
+                          "max_num_batched_tokens": 1024, "device": "cpu", **options})
+    engine = LLMEngine(cfg, executor=_PacedExecutor(**_SCENE_PACE), tokenizer=_WordTokenizer(), model_max_len=512,
+                       eos_token_ids=set())
+    return engine, api_keys
+
+
+def test_a_tenants_file_reaches_requests_over_http(tmp_path):
+    """``minivllm serve --tenants-file --scheduling-policy wfq --max-num-seqs 1``: the file binds the tenant each
+    API key names, over HTTP.
+
+    ``batch`` is ``{"max_running": 1, "over_cap": "reject"}``: while its first request holds the seat, a second is a
+    429 with ``Retry-After`` (streamed or not).  ``chat`` is ``{"weight": 3}`` beside ``bulk`` (weight 1, the
+    default), six equal requests each, queued alternately behind that seat: while both are backlogged WFQ serves
+    chat about three times bulk's tokens (the oracle: the engine's step log, tokens per tenant); every request is
+    served in full.  The CLI wiring test only saw ``TenantConfig`` objects handed to a mocked ``LLM``; here requests
+    meet them.  Were the file dropped on the way (every tenant ``TenantConfig()``), batch's second request would be
+    a 200 and chat would get bulk's share.
+    """
+    engine, api_keys = _served_as_the_cli_builds_it(
+        tmp_path, {"kc": "chat", "kb": "batch", "ku": "bulk"},
+        {"chat": {"weight": 3}, "batch": {"max_running": 1, "over_cap": "reject"}},
+        "--scheduling-policy", "wfq", "--max-num-seqs", "1")
+    sched = engine.scheduler
+    with _Served(engine, api_keys) as srv:
+        body = {"model": "sim", "prompt": list(range(10, 26)), "max_tokens": 16, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                def post(key, **extra):
+                    return asyncio.ensure_future(client.post(
+                        srv.base + "/v1/completions", json={**body, **extra},
+                        headers={"Authorization": f"Bearer {key}"}))
+                holder = post("kb", max_tokens=60)
+                await _until(lambda: len(sched.running) == 1, "batch's first request holds the seat", engine)
+                over, over_stream = post("kb", max_tokens=5), post("kb", max_tokens=5, stream=True)
+                await _until(lambda: (over.done() and over_stream.done()) or sched.waiting, "batch's others are judged",
+                             engine)
+                assert over.done() and over_stream.done() and not sched.waiting, \
+                    "batch's second request was queued, not refused: the tenants file's max_running=1 did not bind"
+                queued = []
+                for key in ["ku", "kc"] * 6:  # bulk, chat, bulk, ...: arrival order alone would alternate them
+                    queued.append((key, post(key)))
+                    n = len(queued)
+                    await _until(lambda: queued[-1][1].done() or len(sched.waiting) == n, f"request {n} waits", engine)
+                assert not holder.done(), "batch's first request finished before the others queued behind it"
+                engine.executor.wall_factor = 0.05  # the scene is set: let the queue drain
+                return await holder, over.result(), over_stream.result(), [(key, await job) for key, job in queued]
+
+        holder, over, over_stream, queued = asyncio.run(main())
+    assert holder.status_code == 200 and holder.json()["usage"]["completion_tokens"] == 60, holder.text
+    for r in (over, over_stream):
+        assert r.status_code == 429, f"batch's max_running=1 from the tenants file did not bind: {r.status_code}"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert [r.status_code for _, r in queued] == [200] * 12, [r.text for _, r in queued]
+    assert all(r.json()["usage"]["completion_tokens"] == 16 for _, r in queued)
+    tenant_of = {r.json()["id"]: {"kc": "chat", "ku": "bulk"}[key] for key, r in queued}
+    # the window while both are backlogged: up to the step where either tenant's last request is first scheduled
+    unstarted = {"chat": 6, "bulk": 6}
+    served = {"chat": 0, "bulk": 0}
+    started = set()
+    for rec in engine.step_log:
+        for rid, _, tokens in rec["seqs"]:
+            if rid in tenant_of and rid not in started:
+                started.add(rid)
+                unstarted[tenant_of[rid]] -= 1
+        if min(unstarted.values()) == 0:
+            break
+        for rid, _, tokens in rec["seqs"]:
+            if rid in tenant_of:
+                served[tenant_of[rid]] += tokens
+    assert 2 * served["bulk"] <= served["chat"] <= 4 * served["bulk"], \
+        f"weight 3 against weight 1 while both were backlogged served {served}: the tenants file's weight was lost"
+    assert engine.stats()["per_tenant"]["batch"]["num_rejected"] == 2
     assert engine.stats()["used_blocks"] == 0
