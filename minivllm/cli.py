@@ -108,7 +108,6 @@ def generate(args: argparse.Namespace) -> int:
     for i, prompt in enumerate(prompts):
         source = prompt if args.no_chat or llm.tokenizer is None else llm.chat_prompt([{"role": "user", "content": prompt}])
         ids[engine.add_request(source, params)] = i
-    peak_blocks = 0
     finals: dict[int, object] = {}
     pending = ["" for _ in prompts]  # text not yet shown, per prompt
     shown = 0  # prompts are shown in order: the current one streams live, later ones catch up
@@ -134,7 +133,6 @@ def generate(args: argparse.Namespace) -> int:
             pending[i] += out.outputs[0].delta_text
             if out.finished:
                 finals[i] = out
-        peak_blocks = max(peak_blocks, engine.pool.num_used)
         flush()
     sys.stdout.write("\n")
     outs = [finals[i] for i in sorted(finals)]
@@ -144,7 +142,8 @@ def generate(args: argparse.Namespace) -> int:
     print(
         f"-- {len(outs)} requests | load {load_s:.1f}s | TTFT mean {sum(ttfts) / len(ttfts) * 1000:.0f} ms "
         f"| {n_tokens} tokens in {span:.2f}s = {n_tokens / span:.1f} tokens/s "
-        f"| KV blocks used (peak) {peak_blocks}/{engine.pool.num_blocks} of {engine.config.block_size} tokens"
+        f"| KV blocks used (peak) {engine.scheduler.stats.peak_used_blocks}/{engine.pool.num_blocks} "
+        f"of {engine.config.block_size} tokens"
     )
     return 0
 

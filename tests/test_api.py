@@ -215,6 +215,19 @@ def test_cli_streams(capsys):
     assert main(["generate", "", "--no-chat"]) == 2
 
 
+def test_cli_peak_kv_blocks_count_the_step_a_request_finishes_in(capsys, tokenizer):
+    """The summary's peak is the most blocks the prompts held at once.  Read after each step it missed every
+    block freed within that step: with ``--max-tokens 1`` each request prefills, samples and leaves in one step,
+    and the line said ``KV blocks used (peak) 0/...`` for prompts that filled several blocks."""
+    from minivllm.cli import main
+
+    prompts = ["The quick brown fox jumps over the lazy dog, then runs home to sleep.", "One two three four five"]
+    assert main(["generate", *prompts, "--no-chat", "--max-tokens", "1", "--block-size", "4"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    peak = int(summary.split("KV blocks used (peak) ")[1].split("/")[0])
+    assert peak == sum(-(-len(tokenizer.encode(p)) // 4) for p in prompts), summary
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_generate_returns_whole_completions_whatever_the_output_kind(n):
     """``generate`` hands back one final output per prompt, so a ``delta`` request must be switched to

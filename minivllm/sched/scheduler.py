@@ -126,6 +126,9 @@ class SchedulerStats:
     num_swap_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_rejected: int = 0
+    # the most device blocks held at once: read once a step, after allocation and before finished requests free
+    # theirs (a pool read after the step misses a request that came and went in it: --max-tokens 1 read 0)
+    peak_used_blocks: int = 0
 
 
 @dataclass
@@ -752,6 +755,8 @@ class Scheduler:
             batch.seqs = [s for s in batch.seqs if s.request.status is RequestStatus.RUNNING]
         batch.moves = self.kv.take_block_moves()
         self.stats.num_steps += 1
+        pool = self.kv.pool
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, pool.num_blocks - pool.num_free)
         return batch
 
     def _group_held(self) -> dict:
