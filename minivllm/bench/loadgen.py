@@ -725,8 +725,9 @@ def sweep_verdict(summaries: list[dict], criterion: str, slo_ttft: float | None,
                 ya, yb = a["overall"][key], b["overall"][key]
                 if sub is not None:
                     ya, yb = ya[sub], yb[sub]
-                if ya is not None and yb is not None and yb != ya and 0 <= (target - ya) / (yb - ya) <= 1:
-                    fracs.append((target - ya) / (yb - ya))
+                frac = (target - ya) / (yb - ya) if ya is not None and yb is not None and yb != ya else None
+                if frac is not None and 0 <= frac <= 1:
+                    fracs.append(frac)
             if fracs and math.isfinite(b["rate"]):
                 crossing = a["rate"] + min(fracs) * (b["rate"] - a["rate"])
     failing_below = [s["rate"] for s, ok in zip(rows[:idx or 0], passes) if not ok]

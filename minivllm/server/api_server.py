@@ -189,6 +189,7 @@ def load_tenants(path: str, api_keys: dict[str, str]) -> dict[str, TenantConfig]
         raise ValueError(f'tenants file {path!r} must be a non-empty JSON object {{"tenant": {{"weight": 2, ...}}}}')
     known = set(api_keys.values()) or {"default"}
     fields = [f.name for f in dataclasses.fields(TenantConfig)]
+    allowed = set(fields)
     tenants = {}
     for name, settings in raw.items():
         if name != "*" and name not in known:
@@ -197,7 +198,7 @@ def load_tenants(path: str, api_keys: dict[str, str]) -> dict[str, TenantConfig]
         if not isinstance(settings, dict):
             raise ValueError(f"tenants file {path!r}: {name!r} must map to an object of TenantConfig fields, "
                              f"got {type(settings).__name__}")
-        unknown = sorted(set(settings) - set(fields))
+        unknown = sorted(set(settings) - allowed)
         if unknown:
             raise ValueError(f"tenants file {path!r}: {name!r} has unknown field(s) {', '.join(unknown)} "
                              f"(TenantConfig's fields: {', '.join(fields)})")

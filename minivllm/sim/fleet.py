@@ -217,11 +217,15 @@ class FleetResult:
     placement: dict[str, int]  # request id -> replica index
     outputs: dict[str, list[int]]  # request id -> generated token ids
     duration: float  # first arrival to last finish, virtual seconds
-    spilled: int = 0
     cached_tokens: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens served from cache
     spilled_ids: set[str] = field(default_factory=set)  # requests the router sent past their owner
     preempted: dict[str, int] = field(default_factory=dict)  # request id -> times preempted (if any)
     _index: dict[str, int] = field(default_factory=dict)  # request id -> RequestResult.index
+
+    @property
+    def spilled(self) -> int:
+        """Requests the router sent past their ring owner (prefix affinity's spill-over)."""
+        return len(self.spilled_ids)
 
     @property
     def hit_rate(self) -> float:
@@ -456,8 +460,7 @@ class Fleet:
         ends = [r.arrival + r.e2e for r in results.values() if r.e2e is not None]
         duration = (max(ends) - t0) if ends else 0.0
         return FleetResult(sorted(results.values(), key=lambda r: r.index), stats, placement, outputs, duration,
-                           spilled=len(spilled), cached_tokens=cached, spilled_ids=spilled, preempted=preempted,
-                           _index=order)
+                           cached_tokens=cached, spilled_ids=spilled, preempted=preempted, _index=order)
 
 
 def run_fleet(workload: "ChatMix | Sequence[FleetArrival]", num_replicas: int, router: Router | str, *,
