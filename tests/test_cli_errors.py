@@ -378,6 +378,68 @@ def test_sim_accuracy_resimulate_bad_files(tmp_path, capsys):
     _returns_error(main(["--resimulate", str(junk), "--profile", "cpu-2core"]), capsys, "not a sim_accuracy result")
 
 
+_STORED_RESULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                              "2026-12-04_cpu-2core_sim_accuracy_stop44.json")
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda r: r.update(calibration={}), "ModelShape needs"),
+    (lambda r: r["calibration"].pop("hardware"), "HardwareSpec needs"),
+    (lambda r: r["calibration"]["model"].update(num_layers="12"), "num_layers must be a positive integer"),
+    (lambda r: r["workloads"].update(w=5), "workload 'w' is not an object"),
+    (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1]]]}), "step [0, 0.1] is not"),
+    (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1, [[0, 5]]]]]}), "is not [index, seconds"),
+])
+def test_sim_accuracy_explain_hand_made_results(tmp_path, capsys, change, needle):
+    """A result edited by hand (or cut short) is a one-line error naming what is wrong: these were a bare
+    ``KeyError: 'model'``, a ``TypeError`` from ``ModelShape(**...)`` and an ``IndexError`` from a step."""
+    import json
+
+    from minivllm.bench.sim_accuracy import main
+
+    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
+    change(result)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    with pytest.raises(SystemExit) as exc:
+        main(["--explain", str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_sim_accuracy_explain_reads_a_well_formed_hand_made_step(tmp_path, capsys):
+    """The checks above refuse only what is malformed: one hand-written prompt step is explained."""
+    import json
+
+    from minivllm.bench.sim_accuracy import main
+
+    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
+    result["workloads"] = {"w": {"real_step_logs": [[[0, 0.1, [[0, 5, 1]]]]]}}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    assert main(["--explain", str(path)]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:3] == ["w", "prompt", "1"] and row[5] == "100.0ms", row
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda r: r.pop("scale"), "lacks scale"),
+    (lambda r: r["workloads"]["decode_heavy"].pop("real_runs"), "lacks workloads.decode_heavy"),
+    (lambda r: r.update(engine=None), "lacks engine"),
+])
+def test_sim_accuracy_resimulate_hand_made_results(tmp_path, capsys, change, needle):
+    """``--resimulate`` reads the same files: a missing field is named (it was a ``KeyError`` traceback)."""
+    import json
+
+    from minivllm.bench.sim_accuracy import main
+
+    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
+    change(result)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    _returns_error(main(["--resimulate", str(path), "--profile", "cpu-2core"]), capsys, needle)
+
+
 def test_sim_accuracy_explain_and_profile_bad_files(tmp_path, capsys):
     """``--explain`` and ``--profile`` name files: missing, not JSON, or the wrong kind is argparse's one-line
     error naming the file (they were tracebacks, one a bare ``KeyError: 'calibration'``)."""

@@ -174,7 +174,7 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
     from minivllm.sim.run import drive
 
     out = out or sys.stdout
-    shape, spec = ModelShape(**doc["model"]), HardwareSpec.from_dict(doc["hardware"])
+    shape, spec = ModelShape.from_dict(doc.get("model")), HardwareSpec.from_dict(doc.get("hardware"))
     rows = {}
     for name, old in result["workloads"].items():
         reqs = workload_requests(name, None, result["scale"], vocab_size=shape.vocab_size)
@@ -237,11 +237,11 @@ def _against_real(real, scale: float, profile: str | None, names, out, model: st
     grid_scale = 0.6 if scale < 1 else 1.0
     if profile:
         doc = load_profile(profile)
-        spec = HardwareSpec.from_dict(doc["hardware"])  # the fit as stored: see resimulate()
+        spec = HardwareSpec.from_dict(doc.get("hardware"))  # the fit as stored: see resimulate()
     else:
         print("calibrating on the grid of batch shapes (the training set)...", file=out, flush=True)
         doc = calibrate(real, shape=shape, scale=grid_scale, out=out, repeats=calibration_repeats)
-        spec = HardwareSpec.from_dict(doc["hardware"])
+        spec = HardwareSpec.from_dict(doc.get("hardware"))
     print(format_profile(doc), file=out, flush=True)
     shape = shape.with_dtype(doc["model"]["dtype_bytes"])
     cfg = real.config  # the simulated engine gets the real one's configuration
@@ -297,6 +297,21 @@ def _against_real(real, scale: float, profile: str | None, names, out, model: st
             "within_10pct_drift_adjusted": f"{sum(adjusted)}/{len(adjusted)}", "_profile": doc}
 
 
+def _step_seqs(workload: str, step) -> list[tuple]:
+    """A recorded step's sequences, ``[(start, tokens, samples), ...]``; a step of another shape is a ValueError.
+
+    Step logs are read from files (``--explain``), so a hand-made or truncated one is an error that says
+    which workload it is in, not an ``IndexError`` from deep inside the comparison.
+    """
+    try:
+        seqs = [tuple(q) for q in step[2]]
+        if isinstance(step[1], (int, float)) and all(len(q) == 3 for q in seqs):
+            return seqs
+    except (TypeError, IndexError, KeyError):
+        pass
+    raise ValueError(f"workload {workload!r}: step {step!r} is not [index, seconds, [[start, tokens, samples], ...]]")
+
+
 def explain(result: dict, doc: dict) -> dict:
     """Take a stored result's misses apart step by step: each recorded real step against the profile's prediction.
 
@@ -311,7 +326,7 @@ def explain(result: dict, doc: dict) -> dict:
     """
     from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
 
-    shape, spec = ModelShape(**doc["model"]), HardwareSpec.from_dict(doc["hardware"])
+    shape, spec = ModelShape.from_dict(doc.get("model")), HardwareSpec.from_dict(doc.get("hardware"))
     block = doc.get("engine", {}).get("block_size", 16)  # a result's own calibration block carries no engine
 
     def kind(seqs) -> str:
@@ -322,11 +337,13 @@ def explain(result: dict, doc: dict) -> dict:
 
     rows = {}
     for name, w in result["workloads"].items():
+        if not isinstance(w, dict):
+            raise ValueError(f"workload {name!r} is not an object")
         logs = w.get("real_step_logs") or []
         by_kind: dict[str, dict] = {}
         for log in logs:
             for step in log:
-                seqs = [tuple(q) for q in step[2]]
+                seqs = _step_seqs(name, step)
                 pred = roofline_time(step_cost(shape, seqs, 0, block), shape, spec).total
                 k = by_kind.setdefault(kind(seqs), {"ratio": [], "real": [], "host": []})
                 k["ratio"].append(step[1] / pred)
@@ -450,8 +467,18 @@ def main(argv: list[str] | None = None) -> int:
             profile = load_profile(args.profile)
             if not isinstance(result, dict) or "workloads" not in result:
                 raise ValueError(f"--resimulate {args.resimulate!r} is not a sim_accuracy result (no 'workloads')")
+            lacks = [k for k, kind in (("scale", (int, float)), ("engine", dict), ("workloads", dict))
+                     if not isinstance(result.get(k), kind)]
+            lacks += [f"workloads.{w}" for w, row in result.get("workloads", {}).items()
+                      if not (isinstance(row, dict) and isinstance(row.get("requests"), int)
+                              and isinstance(row.get("real_runs"), list))]
+            if lacks:  # a hand-edited or truncated result: say what is missing, not a KeyError traceback
+                raise ValueError(f"--resimulate {args.resimulate!r} lacks {', '.join(lacks)} "
+                                 "(a sim_accuracy result records each workload's requests and real_runs)")
             if not isinstance(profile.get("model"), dict):
                 raise ValueError(f"--profile {args.profile!r} has no 'model' shape to simulate")
+            if not isinstance(profile.get("engine"), dict) or not isinstance(profile["engine"].get("block_size"), int):
+                raise ValueError(f"--profile {args.profile!r} has no engine block_size (written by minivllm sim calibrate)")
             doc = resimulate(result, profile)
         except (ValueError, OSError) as exc:
             print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)

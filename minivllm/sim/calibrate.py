@@ -536,7 +536,7 @@ def refit(doc: dict, notes: str | None = None) -> dict:
     profile lets a GPU calibration (15 minutes of a lent machine) be re-used by a later version of
     the cost model on any machine: ``minivllm sim calibrate --refit PROFILE``.
     """
-    shape = ModelShape(**doc["model"])
+    shape = ModelShape.from_dict(doc.get("model"))
     samples = doc["samples"]
     costs = [step_cost(shape, [tuple(x) for x in s["seqs"]], s["swapped_blocks"], doc["engine"]["block_size"])
              for s in samples]

@@ -47,6 +47,25 @@ from dataclasses import MISSING, dataclass, field, replace
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 
 
+def _from_dict(cls, d):
+    """``cls(**d)`` for a dict read from a JSON file: what is missing or ill-typed is a ValueError naming it.
+
+    Why: profiles and results are files a person may have edited or written by hand, and the commands that
+    read them report a ValueError as a one-line error; a ``KeyError`` or ``TypeError`` would be a traceback.
+    Unknown keys are ignored, so an older reader takes a newer file.
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"{cls.__name__} needs an object of fields, got {type(d).__name__}")
+    missing = [k for k, f in cls.__dataclass_fields__.items()
+               if f.default is MISSING and f.default_factory is MISSING and k not in d]
+    if missing:
+        raise ValueError(f"{cls.__name__} needs {', '.join(missing)}")
+    try:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+    except TypeError as exc:  # a string where a number belongs: the comparisons in __post_init__ fail
+        raise ValueError(f"bad {cls.__name__} field: {exc}") from None
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the cost model needs to know about a decoder-only (Llama-style) model."""
@@ -70,6 +89,11 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{k} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelShape":
+        """From a profile's or a result's ``model`` object; missing or ill-typed fields are a ValueError."""
+        return _from_dict(cls, d)
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str | None = None, dtype_bytes: int = 2) -> "ModelShape":
@@ -256,14 +280,7 @@ class HardwareSpec:
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareSpec":
         """From :meth:`to_dict` (or a profile's ``hardware``); missing or non-numeric fields are a ValueError."""
-        missing = [k for k, f in cls.__dataclass_fields__.items()
-                   if f.default is MISSING and f.default_factory is MISSING and k not in d]
-        if missing:
-            raise ValueError(f"HardwareSpec needs {', '.join(missing)}")
-        try:
-            return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
-        except TypeError as exc:  # a string where a number belongs: the comparisons in __post_init__ fail
-            raise ValueError(f"bad HardwareSpec field: {exc}") from None
+        return _from_dict(cls, d)
 
 
 @dataclass
