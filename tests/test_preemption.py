@@ -320,8 +320,8 @@ def test_auto_mode_follows_the_cost_model():
 
 
 def test_the_prefill_rate_is_learnt_only_into_the_engines_own_cost_model():
-    """Auto mode learns the prefill rate from measured steps (an EMA), but a cost model the caller passed in
-    is the caller's object: the engine uses it and leaves its numbers alone."""
+    """Auto mode learns the prefill rate from measured steps (a fit of their times), but a cost model the caller
+    passed in is the caller's object: the engine uses it and leaves its numbers alone."""
     mine = PreemptionCosts(bytes_per_block=1_000_000, swap_bytes_per_s=10e9, prefill_tokens_per_s=5000.0)
     cfg = EngineConfig(num_gpu_blocks_override=40, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=64,
                        max_num_seqs=6, max_model_len=128, preemption_mode="auto", device="cpu")

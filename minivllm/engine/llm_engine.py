@@ -46,14 +46,14 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.kv.kv_cache_manager import blocks_for
 from minivllm.sched.fairness import CapTable, make_policies, tenant_cache_quota
 from minivllm.sched.output import ScheduledBatch
-from minivllm.sched.scheduler import PreemptionCosts, Scheduler
+from minivllm.sched.scheduler import PreemptionCosts, PrefillRateFit, Scheduler
 
 SIM_BYTES_PER_TOKEN = 1024
 """KV bytes per token assumed with an executor that does not say (sizes ``kv_cache_memory_bytes`` and swap)."""
 
 log = logging.getLogger(__name__)
 
-_EMA = 0.2  # weight of the newest step in the step-time and prefill-rate estimates
+_EMA = 0.2  # weight of the newest step in the step-time estimate
 
 
 def _hint(seconds: float) -> float:
@@ -201,6 +201,8 @@ class LLMEngine:
         # its numbers) stays as the caller made it.
         self._learnt_costs = costs if (preemption_cost_model is None and isinstance(costs, PreemptionCosts)
                                        and config.prefill_tokens_per_s is None) else None
+        # the marginal prefill cost, fitted from the steps; the start-up rate stands until the fit is trusted
+        self._prefill_fit = PrefillRateFit(costs.prefill_tokens_per_s) if self._learnt_costs is not None else None
         self.bytes_per_block = bytes_per_block
 
         # -- the caller's side
@@ -690,21 +692,29 @@ class LLMEngine:
 
     # -- estimates: step time, prefill rate, retry hints ---------------------------
     def _observe_step(self, batch: ScheduledBatch, now: float) -> None:
-        """Moving averages of the step time and the prefill rate (what retry hints and auto mode use).
+        """A moving average of the step time (what retry hints use) and the fit of the marginal prefill rate
+        (what auto mode prices a recompute by: :class:`~minivllm.sched.scheduler.PrefillRateFit`).
 
         A step is timed from the end of the one before, so host work between steps counts -- except after the
         engine ran dry: a driver steps only while there is work, so the wait for the next request is idle time,
         and :meth:`add_request` restarts the clock when it ends.
+
+        Every step feeds the fit, decode-only ones included: they are what tells the per-step and per-decode
+        costs apart from the per-prefill-token one.  A step that swapped KV does not: its time holds link copies
+        that are neither prefill nor decode work.
         """
         last, self._last_step_time = self._last_step_time, now
         if last is None or not batch.seqs or now <= last:
             return
         dt = now - last
         self.step_time_s = dt if self.step_time_s is None else (1 - _EMA) * self.step_time_s + _EMA * dt
-        costs = self._learnt_costs
-        if costs is not None and batch.num_prefill_tokens > 0:
-            rate = batch.num_tokens / dt
-            costs.prefill_tokens_per_s = (1 - _EMA) * costs.prefill_tokens_per_s + _EMA * rate
+        fit = self._prefill_fit
+        if fit is not None and not (batch.moves.swap_in or batch.moves.swap_out):
+            prefill = batch.num_prefill_tokens  # builds no list in a decode-only step
+            fit.add(prefill, batch.num_decode_tokens if prefill else len(batch.seqs), dt)
+            rate = fit.rate()
+            if rate is not None:
+                self._learnt_costs.prefill_tokens_per_s = rate
 
     def retry_after(self, req: Request) -> float:
         """When a rejected request might fit: the time until running requests free enough blocks.

@@ -118,6 +118,87 @@ class PreemptionCosts:
         return self.swap_s(num_blocks) < self.recompute_s(num_tokens)
 
 
+class PrefillRateFit:
+    """The marginal cost of a prefill token, fitted from measured steps: what auto mode prices a recompute by.
+
+    Recomputing a victim of ``N`` tokens adds ``N`` prefill tokens to steps that run anyway, so its cost is
+    ``N`` times the *marginal* seconds of a prefill token -- not a share of everything else in those steps.
+    Dividing a mixed step's whole time by all its tokens (the estimate this replaces) charged each prefill token
+    a slice of the per-step cost (the weights are read once a step, host work) and of the decode rows riding
+    along, which cost far more per token than prefill tokens: on a busy, decode-heavy stream the rate came out
+    about 2x too low (SmolLM2-135M on one CPU thread, chat-sized prompts: 143 tokens/s against 255-285 for a
+    plain prefill of 64-256 tokens; the fit learnt 275 from the same steps), and auto mode swapped victims that
+    were cheaper to recompute.
+
+    So each step's time ``T`` is fitted as ``a + b * P + c * D`` (``P`` prefill tokens, ``D`` decode rows) by
+    least squares, and the rate is ``1 / b``.  The fit keeps running, exponentially decayed sums (a weighted
+    Welford update of the means and co-moments: ten floats, O(1) and no container per step, and no cancellation
+    from subtracting large raw sums); ``decay`` per step forgets old steps (a half-life of ~35 steps at 0.98), so
+    a machine that slows down or speeds up is followed.
+
+    It says nothing (:meth:`rate` returns ``None``, and the caller keeps what it had: the start-up probe's
+    rate, :meth:`~minivllm.model.runner.ModelRunner.measure_prefill_rate`, until a fit is trusted) when
+
+    * fewer than ``min_steps`` steps' worth of weight has been seen;
+    * ``P`` is (almost) a linear function of ``D``: a lone request alternates "whole prefill, no decode" and
+      "one decode, no prefill", and a stream whose steps all fill the token budget has ``P + D`` fixed; then
+      any split of the time between ``b`` and ``c`` fits equally well.  When ``D`` does not vary at all,
+      ``c * D`` is a constant and ``b`` is fitted with ``a`` alone;
+    * the slope is not positive or not clearly above its noise (``b`` under ``min_t`` standard errors: a near
+      zero slope would mean a near-infinite rate, and every victim recomputed);
+    * ``1 / b`` is more than ``max_ratio`` times away from ``prior`` (the probe timed a whole prefill on this
+      machine; a fitted slope that far off comes from a step time that is not linear in ``P`` -- a GPU's
+      memory-bound steps, where small chunks ride free -- or from contention, not from the machine).
+    """
+
+    __slots__ = ("prior", "decay", "min_steps", "min_t", "max_ratio", "w", "mp", "md", "mt",
+                 "cpp", "cpd", "cdd", "cpt", "cdt", "ctt")
+
+    def __init__(self, prior: float, *, decay: float = 0.98, min_steps: float = 10.0, min_t: float = 3.0,
+                 max_ratio: float = 20.0):
+        self.prior, self.decay, self.min_steps, self.min_t, self.max_ratio = prior, decay, min_steps, min_t, max_ratio
+        self.w = self.mp = self.md = self.mt = 0.0
+        self.cpp = self.cpd = self.cdd = self.cpt = self.cdt = self.ctt = 0.0
+
+    def add(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
+        """One step: ``prefill_tokens`` prefill tokens and ``decode_tokens`` decode rows took ``seconds``."""
+        k = self.decay
+        self.w = w = k * self.w + 1.0
+        dp, dd, dt = prefill_tokens - self.mp, decode_tokens - self.md, seconds - self.mt
+        self.mp += dp / w
+        self.md += dd / w
+        self.mt += dt / w
+        # co-moments: (x - old mean) * (y - new mean), previous sums decayed like the weights
+        ep, ed, et = prefill_tokens - self.mp, decode_tokens - self.md, seconds - self.mt
+        self.cpp = k * self.cpp + dp * ep
+        self.cpd = k * self.cpd + dp * ed
+        self.cdd = k * self.cdd + dd * ed
+        self.cpt = k * self.cpt + dp * et
+        self.cdt = k * self.cdt + dd * et
+        self.ctt = k * self.ctt + dt * et
+
+    def rate(self) -> float | None:
+        """``1 / b`` in prefill tokens per second when the fit can be trusted, else ``None`` (see the class)."""
+        if self.w < self.min_steps or self.cpp <= 0.0:
+            return None
+        cpp, cpd, cdd, cpt, cdt = self.cpp, self.cpd, self.cdd, self.cpt, self.cdt
+        if cdd > 1e-6 * self.w:  # D varies: b from P's part not explained by D (the Schur complement)
+            spread = cpp - cpd * cpd / cdd
+            b = (cpt - cpd * cdt / cdd) / spread if spread > 1e-4 * cpp else None
+            c, params = ((cdt - cpd * b) / cdd if b is not None else 0.0), 3
+        else:  # D is constant: c * D folds into the intercept
+            spread, b, c, params = cpp, cpt / cpp, 0.0, 2
+        if b is None or b <= 0.0 or self.w <= params:
+            return None
+        residual = max(0.0, self.ctt - b * cpt - c * cdt) / (self.w - params)  # the noise variance per step
+        if b * b * spread < self.min_t * self.min_t * residual:  # b within min_t standard errors of 0
+            return None
+        rate = 1.0 / b
+        if not self.prior / self.max_ratio <= rate <= self.prior * self.max_ratio:
+            return None
+        return rate
+
+
 @dataclass
 class SchedulerStats:
     num_steps: int = 0
