@@ -587,6 +587,26 @@ def test_gpu_e2e_refuses_a_prompt_length_it_cannot_draw(monkeypatch, capsys):
     assert "--max-prompt-len must be more than 16" in err and "Traceback" not in err
 
 
+def test_gpu_e2e_parity_leaves_room_for_every_asked_token(monkeypatch):
+    """``--max-prompt-len 4090``: the engine was built with max_model_len 4096, so a 4089-token prompt could get
+    only 7 of the 64 tokens asked (``InputProcessor`` caps max_tokens at what fits), and the summary claimed 64.
+    The engines are stand-ins following that capping rule; oracle: every output is as long as asked."""
+    from minivllm.bench import gpu_e2e
+
+    lengths = []
+
+    def run(model_dir, backend, prompts, params, *a, max_model_len=4096, **k):
+        toks = [[1] * min(params.max_tokens, max_model_len - len(p["prompt_token_ids"])) for p in prompts]
+        lengths.extend(len(t) for t in toks)
+        return toks, 1.0
+
+    monkeypatch.setattr(gpu_e2e, "make_model_dir", lambda path, arch: None)
+    monkeypatch.setattr(gpu_e2e, "run", run)
+    argv = ["--device", "cpu", "--prompts", "64", "--max-prompt-len", "4090", "--max-tokens", "64"]
+    assert _argv_main(monkeypatch, gpu_e2e.main, argv) == 0
+    assert len(lengths) == 128 and set(lengths) == {64}
+
+
 def test_prefix_structures_with_fewer_requests_than_rounds(capsys):
     """3 measured requests cut into 8 rounds: the empty rounds' 0 us entered the medians (match and insert read
     0.0) and the radix/hash ratio divided by zero.  Oracle: serving a real request takes time."""
@@ -643,6 +663,23 @@ def test_gpu_e2e_json_carries_the_command_it_was_run_with(monkeypatch, tmp_path,
     assert doc["command"] == " ".join(["python -m minivllm.bench gpu_e2e", *argv]) and "machine" in doc, doc
 
 
+@pytest.mark.parametrize("backends,best", [("triton-eager", 30.0), ("torch,triton-eager", 30.0), ("torch", 20.0),
+                                           ("triton,triton-eager,torch", 40.0)])
+def test_gpu_e2e_vs_hf_counts_every_minivllm_run(monkeypatch, tmp_path, backends, best):
+    """``--backends triton-eager`` served minivllm at 30 tok/s, and the summary read "minivllm 0 tok/s = 0.0x HF":
+    the best was taken over the torch and triton runs only.  Oracle: by hand, the largest of the runs' rates."""
+    from minivllm.bench import gpu_e2e
+
+    rates = {("torch", False): 20.0, ("triton", False): 40.0, ("triton", True): 30.0}
+    monkeypatch.setattr(gpu_e2e, "make_model_dir", lambda path, arch: None)
+    monkeypatch.setattr(gpu_e2e, "run_nano_minivllm", lambda _dir, backend, *a, eager=False: rates[backend, eager])
+    monkeypatch.setattr(gpu_e2e, "run_nano_hf", lambda *a, **k: 10.0)
+    out = tmp_path / "e2e.json"
+    argv = ["--device", "cpu", "--workload", "nano", "--scale", "0.01", "--backends", backends, "--json", str(out)]
+    assert _argv_main(monkeypatch, gpu_e2e.main, argv) == 0
+    assert json.loads(out.read_text())["vs_hf"] == pytest.approx(best / 10.0)
+
+
 @pytest.mark.parametrize("dtype,want", [("fp32", "float32"), ("bf16", "bfloat16"), ("auto", "float32"),
                                         ("float16", "float16")])
 def test_gpu_e2e_hf_run_reads_dtype_as_the_engine_does(monkeypatch, dtype, want):
@@ -663,6 +700,51 @@ def test_gpu_e2e_hf_run_reads_dtype_as_the_engine_does(monkeypatch, dtype, want)
     with pytest.raises(KeyboardInterrupt):
         gpu_e2e.run_nano_hf("unused", [([1, 2], 1)], "cpu", dtype, 1)
     assert got == [getattr(torch, want)]
+
+
+def test_gpu_e2e_reads_cuda_n_as_a_gpu(monkeypatch, tmp_path):
+    """``--device cuda:0`` compared unequal to ``"cuda"``: on a GPU the result was labelled "cpu", the engine got the
+    CPU's 256 MiB KV pool instead of 16 GiB, and the timing ran without a sync.  The GPU and the engine are
+    stand-ins: oracle, ``cuda:0`` and ``cuda`` name the same kind of device, so the run must be the same."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import minivllm
+    from minivllm.bench import gpu_e2e
+
+    seen = []
+
+    class Engine:  # records how it was built; every request gets exactly the tokens it asked for
+        def __init__(self, model_dir, **kwargs):
+            seen.append(kwargs["kv_cache_memory_bytes"])
+
+        def generate(self, prompts, params, use_tqdm=False):
+            params = params if isinstance(params, list) else [params] * len(prompts)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1] * p.max_tokens)]) for p in params]
+
+    monkeypatch.setattr(minivllm, "LLM", Engine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "StandInGPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("sync"))
+    monkeypatch.setattr(gpu_e2e, "make_model_dir", lambda path, arch: None)
+    monkeypatch.setattr(gpu_e2e, "run_nano_hf", lambda *a, **k: 1.0)
+    runs = {}
+    for device in ("cuda", "cuda:0"):
+        seen.clear()
+        out = tmp_path / f"{device.replace(':', '_')}.json"
+        argv = ["--device", device, "--workload", "nano", "--scale", "0.01", "--backends", "torch", "--json", str(out)]
+        assert _argv_main(monkeypatch, gpu_e2e.main, argv) == 0
+        runs[device] = (json.loads(out.read_text())["device"], list(seen))
+    assert runs["cuda:0"] == runs["cuda"] == ("StandInGPU", [16 << 30, "sync", "sync"])
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "meta"])
+def test_gpu_e2e_refuses_a_bad_device_before_the_model_is_written(monkeypatch, capsys, device):
+    from minivllm.bench import gpu_e2e
+
+    monkeypatch.setattr(gpu_e2e, "make_model_dir", _no_model)
+    _argparse_refuses(lambda a: _argv_main(monkeypatch, gpu_e2e.main, a), ["--device", device], "--device", capsys)
 
 
 def test_make_labs_refuses_a_solutions_folder_without_notebooks(tmp_path, capsys):

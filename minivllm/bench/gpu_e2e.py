@@ -77,7 +77,7 @@ def run(model_dir: str, backend: str, prompts, params, device: str, dtype: str, 
     from minivllm import LLM
 
     if kv_bytes is None:
-        kv_bytes = 8 << 30 if device == "cuda" else 256 << 20
+        kv_bytes = 8 << 30 if on_gpu(device) else 256 << 20
 
     llm = LLM(model_dir, dtype=dtype, device=device, attention_backend=backend, enforce_eager=eager,
               max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes)
@@ -87,7 +87,7 @@ def run(model_dir: str, backend: str, prompts, params, device: str, dtype: str, 
     # meet, so no kernel is compiled inside the timing (the first GPU run warmed up on two prompts, and its
     # fp32 Triton figure mostly timed compilation)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if on_gpu(device) else (lambda: None)
     sync()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -111,7 +111,7 @@ def run_nano_minivllm(model_dir: str, backend: str, work, device: str, dtype: st
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     tokens, tps = run(model_dir, backend, prompts, params, device, dtype, eager=eager,
-                      max_model_len=max(len(p) + n for p, n in work) + 16, kv_bytes=16 << 30 if device == "cuda" else None)
+                      max_model_len=max(len(p) + n for p, n in work) + 16, kv_bytes=16 << 30 if on_gpu(device) else None)
     assert [len(t) for t in tokens] == [n for _, n in work]
     return tps
 
@@ -137,7 +137,7 @@ def nano_main(a, model_dir: str) -> dict:
     lo, hi = max(4, int(100 * a.scale)), max(8, int(1024 * a.scale))
     work = nano_workload(max(2, int(a.requests * a.scale)), lo, hi)
     hf_work = work[: a.hf_requests] if a.hf_requests else work
-    res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "arch": a.arch,
+    res = {"device": device_label(a.device), "arch": a.arch,
            "dtype": a.dtype, "requests": len(work), "lengths": [lo, hi], "output_tokens": sum(n for _, n in work),
            "hf_requests": len(hf_work), "hf_batch": a.hf_batch}
 
@@ -159,7 +159,9 @@ def nano_main(a, model_dir: str) -> dict:
     if "triton-eager" in backends:
         record("minivllm_triton_eager_tok_s",
                run_nano_minivllm(model_dir, "triton", work, a.device, a.dtype, eager=True))
-    best = max(res.get("minivllm_torch_tok_s", 0.0), res.get("minivllm_triton_tok_s", 0.0))
+    # the best of the minivllm runs that happened: with --backends triton-eager alone, a max over torch and
+    # triton only was 0, and the summary said "minivllm 0 tok/s = 0.0x HF" of an engine that had just run
+    best = max(res[f"minivllm_{b.replace('-', '_')}_tok_s"] for b in backends)
     res["vs_hf"] = best / res["hf_tok_s"]
     if "minivllm_torch_tok_s" in res and "minivllm_triton_tok_s" in res:
         res["triton_vs_torch"] = res["minivllm_triton_tok_s"] / res["minivllm_torch_tok_s"]
@@ -187,6 +189,29 @@ def _backend(text: str) -> str:
     return text
 
 
+def on_gpu(device: str) -> bool:
+    """Is ``device`` a GPU?  By its type, not its spelling: ``cuda:0`` compared unequal to ``"cuda"``, and a run on
+    it was labelled "cpu", got the CPU's 256 MiB KV pool instead of 8-16 GiB, and was timed without a sync."""
+    return torch.device(device).type == "cuda"
+
+
+def device_label(device: str) -> str:
+    """What the result file names the machine by: the GPU's own name, or ``"cpu"``."""
+    return torch.cuda.get_device_name(device) if on_gpu(device) else "cpu"
+
+
+def _device(text: str) -> str:
+    """``--device``: refused here, before a model of random weights is written, unless torch reads it as a CPU or
+    a CUDA device (a typo used to fail only after the model had been written)."""
+    try:
+        kind = torch.device(text).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cuda, cuda:N or cpu")
+    return text
+
+
 def _dtype(text: str) -> str:
     """``--dtype``, checked by the engine's own rule before a model of random weights is written (a typo failed
     after that)."""
@@ -202,7 +227,7 @@ def _dtype(text: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="llama-3.2-1b", choices=["llama-3.2-1b", "qwen3-0.6b", "tiny"])
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", type=_device, default="cuda", help="cuda, cuda:N or cpu")
     ap.add_argument("--dtype", type=_dtype, default="bfloat16", help="float32 makes both backends exact enough to compare tokens")
     ap.add_argument("--max-prompt-len", type=positive_int, default=1500,
                     help="parity workload: prompt lengths are drawn from [16, this) (so more than 16)")
@@ -228,7 +253,7 @@ def main() -> int:
         make_model_dir(a.save_model, a.arch)
         print(f"wrote a random-weight {a.arch} to {a.save_model}")
         return 0
-    if a.device == "cuda" and not torch.cuda.is_available():
+    if on_gpu(a.device) and not torch.cuda.is_available():
         print("no CUDA device: this check needs a GPU (or, for a dry run on the CPU, TRITON_INTERPRET=1 and "
               "--device cpu --arch tiny)")
         return 2
@@ -249,12 +274,16 @@ def parity_main(a, model_dir: str) -> int:
     prompts = [{"prompt_token_ids": torch.randint(10, 30000, (int(n),), generator=g).tolist()}
                for n in torch.randint(16, a.max_prompt_len, (a.prompts,), generator=g)]
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens, ignore_eos=True)
-    ref, torch_tps = run(model_dir, "torch", prompts, params, a.device, a.dtype)
-    got, triton_tps = run(model_dir, "triton", prompts, params, a.device, a.dtype)
+    # room for the longest prompt and all its tokens: at the fixed 4096, a prompt of 4090 tokens got 6 of the 64
+    # asked (the engine caps max_tokens at what fits) while the summary spoke of 64, and one of 4096 or more failed
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
+    max_model_len = max(4096, longest + a.max_tokens)
+    ref, torch_tps = run(model_dir, "torch", prompts, params, a.device, a.dtype, max_model_len=max_model_len)
+    got, triton_tps = run(model_dir, "triton", prompts, params, a.device, a.dtype, max_model_len=max_model_len)
     div = [first_divergence(x, y) for x, y in zip(ref, got)]
     identical = sum(d is None for d in div)
     result = {
-        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "arch": a.arch, "dtype": a.dtype, "prompts": a.prompts, "max_tokens": a.max_tokens,
+        "device": device_label(a.device), "arch": a.arch, "dtype": a.dtype, "prompts": a.prompts, "max_tokens": a.max_tokens,
         "identical_prompts": identical, "first_divergence": div,
         "torch_backend_tok_s": torch_tps, "triton_backend_tok_s": triton_tps,
     }
