@@ -933,9 +933,13 @@ def test_step_log_per_tenant_fields_match_a_recount_of_the_queues():
 
 
 def test_a_single_tenant_run_logs_no_per_tenant_fields():
+    """Every step is still logged -- only the per-tenant fields are left empty.  (``all()`` of an empty log is
+    true: without the count below, a single-tenant run that logged no steps at all passed.)  Hand count: an
+    8-token prompt fits the 32-token budget, so 3 tokens take one prefill step and two decode steps."""
     engine = make_engine()
-    add(engine, "default", 8, 3)
+    rid = add(engine, "default", 8, 3)
     drain(engine)
+    assert [r.seq_ids for r in engine.step_log] == [(rid,)] * 3
     assert all(r.seq_tenants == () and r.tenants == () for r in engine.step_log)
 
 

@@ -192,12 +192,25 @@ def test_one_replica_fleet_matches_an_independent_arrival_loop():
 
 
 def test_replicas_never_run_ahead_of_an_arrival():
-    """Every request's first step starts at or after its arrival, on whichever replica it landed."""
+    """Every request's first step starts at or after its arrival, on whichever replica it landed.
+
+    Positive TTFTs alone miss a replica that steps past a pending arrival (the request then waits for the
+    replica's later clock, which only makes its TTFT larger).  Oracle: given where each request landed, the
+    replicas are independent, so lab 5's ``serve`` loop (its own code) run on each replica's share alone must
+    reproduce every TTFT and latency."""
     arrivals = _fixed_arrivals(40, seed=8)
     res = Fleet(3, LeastOutstandingRouter(), engine_factory=small_replica).run(arrivals)
     for r in res.results:
         assert r.ttft > 0 and r.e2e >= r.ttft
         assert all(g > 0 for g in r.itl)
+    assert len({res.placement[a.request_id] for a in arrivals}) > 1, "the check needs more than one busy replica"
+    for k in range(3):
+        mine = [a for a in arrivals if res.placement[a.request_id] == k]
+        ref = serve(small_replica(SimulatedExecutor(**GPU_LIKE)),
+                    [Arrival(a.time, a.request_id, a.tenant, a.prompt, a.max_tokens) for a in mine])
+        got = {a.request_id: res.result(a.request_id) for a in mine}
+        assert {i: round(got[i].ttft, 9) for i in got} == {i: round(ref.ttft[i], 9) for i in got}, k
+        assert {i: round(got[i].e2e, 9) for i in got} == {i: round(ref.latency[i], 9) for i in got}, k
 
 
 def test_closed_loop_chats_finish_every_turn():
@@ -258,7 +271,9 @@ def test_the_bench_measures_key_movement_against_the_closed_forms():
     and a consistent-hash ring moves keys only to the replica that joined, about ``1/(N+1)`` of them."""
     from minivllm.bench.fleet import key_movement
 
-    for m in key_movement([2, 4, 8], num_keys=4000, seed=5):
+    rows = key_movement([2, 4, 8], num_keys=4000, seed=5)
+    assert [(m["from"], m["to"], m["keys"]) for m in rows] == [(2, 3, 4000), (4, 5, 4000), (8, 9, 4000)]  # a row per size
+    for m in rows:
         n = m["from"]
         assert abs(m["modulo_moved"] - n / (n + 1)) < 0.03, m
         assert m["ring_moved_elsewhere"] == 0, m

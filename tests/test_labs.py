@@ -378,6 +378,8 @@ def test_quiz_renders_both_ways(bank):
     key = quiz.format_answers(bank.stem)
     assert key.count("why:") == len(questions)
     items = quiz.jupyterquiz_questions(bank.stem)
+    # zip() stops at the shorter list: without this, a question dropped from the interactive quiz went unseen
+    assert [item["question"] for item in items] == [q["question"] for q in questions]
     for item, q in zip(items, questions):
         assert set(item) <= {"question", "type", "answers", "precision"}
         assert any("Why:" in a["feedback"] for a in item["answers"] if a["correct"])
