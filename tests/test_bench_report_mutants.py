@@ -477,6 +477,15 @@ def test_host_overhead_reports_the_output_length_each_sample_was_taken_at(monkey
     assert [row["tokens_early"], row["tokens_late"]] == [min(seen[0]), min(seen[1])]
 
 
+def test_the_prefix_bench_says_whether_ttft_went_down_or_up():
+    """A cached run slower than off (8,328 ms against 6,918 ms, seen on a loaded 2-core machine) printed
+    "0.8x lower than off".  Oracle by hand: 6,918 / 8,328 = 0.83, i.e. 8,328 / 6,918 = 1.2x higher; 6,918 /
+    1,000 = 6.9x lower."""
+    assert prefix.ttft_vs_off(6918.0, 8328.0) == "1.2x higher than off"
+    assert prefix.ttft_vs_off(6918.0, 1000.0) == "6.9x lower than off"
+    assert prefix.ttft_vs_off(500.0, 500.0) == "1.0x lower than off"
+
+
 def test_the_prefix_bench_skipped_shares_by_hand():
     """Kills: a skipped share taken against the wrong workload's cache-off run, or the shared prefix counted for
     all N requests instead of the N - 1 that can reuse it.

@@ -355,6 +355,8 @@ def test_fleet_inf_rate_and_an_empty_window(tmp_path, capsys):
     ("preemption", ["--executor", "sim", "--requests", "4", "--kv-share", "0", "--modes", "reject"], "--kv-share"),
     ("fairness", ["--duration", "0", "--policies", "fcfs"], "--duration"),
     ("prefix_structures", ["--quick", "--rounds", "0", "--structures", "radix"], "--rounds"),
+    # below the pool's floor the cache held 154 blocks while the comparison line and the JSON said 50
+    ("prefix_structures", ["--sizes", "50", "--requests", "8", "--structures", "radix", "hash"], "--sizes"),
 ])
 def test_bench_numbers(monkeypatch, capsys, module, argv, flag):
     import importlib
@@ -367,6 +369,15 @@ def test_activations_tokens(capsys):
     from minivllm.bench.activations import main
 
     _argparse_refuses(main, ["--tokens", "0"], "--tokens", capsys)
+
+
+def test_prefix_requests_needs_a_second_request(monkeypatch, capsys):
+    """``--requests 1``: one request shares its system prompt with nobody, so the shareable prefix is 0 tokens
+    and the skipped share divided by zero -- a ZeroDivisionError traceback after all six runs.  Refused where
+    it is typed."""
+    from minivllm.bench import prefix
+
+    _argparse_refuses(lambda a: _argv_main(monkeypatch, prefix.main, a), ["--requests", "1"], "--requests", capsys)
 
 
 def test_sim_accuracy_resimulate_bad_files(tmp_path, capsys):
@@ -874,3 +885,21 @@ def test_a_result_file_that_cannot_be_written_is_refused_before_the_run(monkeypa
     value = "" if kind == "empty" else str(tmp_path)
     mod = importlib.import_module(f"minivllm.bench.{module}")
     _argparse_refuses(lambda a: _argv_main(monkeypatch, mod.main, a), [flag, value], flag, capsys)
+
+
+def test_prefix_structures_serves_every_measured_request(monkeypatch):
+    """20 measured requests in 8 rounds: chunks of 20 // 8 = 2 served 16 and dropped 4, while the header says
+    "20 measured requests per row" and the hit rate claims to cover them.  Oracle: a spy on ``serve`` counts
+    the calls after the warm-up, which must be every measured request, once per structure."""
+    from minivllm.bench import prefix_structures as ps
+
+    w = ps.Workload()
+    stream = ps.make_requests(w, ps.warmup_requests(300, w) + 20, 0)
+    warmup, measured = stream[:-20], stream[-20:]
+    served = []
+    real = ps.serve
+    monkeypatch.setattr(ps, "serve", lambda cache, pool, tokens, t: (served.append(tokens), real(cache, pool, tokens, t)))
+    for rounds in (8, 3, 20):
+        served.clear()
+        ps.measure_size(300, ["radix", "hash"], warmup, measured, rounds)
+        assert sorted(map(tuple, served[2 * len(warmup):])) == sorted(map(tuple, 2 * measured)), rounds

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from minivllm.argtypes import output_file, positive_int
-from minivllm.bench.results import write_result
+from minivllm.bench.results import times, write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache_manager import KVCacheManager
@@ -158,14 +158,17 @@ def measure_size(
             serve(cache, pool, tokens, scratch)
         setups.append((structure, cache, pool, []))
     rounds = min(rounds, len(measured))  # no empty chunk: its 0 us would enter the median
-    chunk = max(1, len(measured) // rounds)
+    # Chunk boundaries spread the remainder over the chunks, so every measured request is served (a fixed
+    # ``len // rounds`` chunk left the last ``len % rounds`` out, while the header counts them all); chunk
+    # means are per request, so chunks one request apart in size weigh alike in the median.
+    bounds = [len(measured) * k // rounds for k in range(rounds + 1)]
     # Long-lived objects are frozen out of the cyclic GC, as ``minivllm serve`` does;
     # otherwise collector pauses that grow with the heap swamp the timings.
     with frozen_heap():
-        for start in range(0, chunk * rounds, chunk):
+        for start, stop in zip(bounds, bounds[1:]):
             for structure, cache, pool, chunks in setups:
                 timings = Timings()
-                for tokens in measured[start : start + chunk]:
+                for tokens in measured[start:stop]:
                     serve(cache, pool, tokens, timings)
                 chunks.append(timings)
         return [_summarize(size, structure, cache, chunks) for structure, cache, _, chunks in setups]
@@ -189,6 +192,26 @@ def _summarize(size: int, structure: str, cache: PrefixCache, chunks: list[Timin
         hits,
         evictable_us,
     )
+
+
+def min_cache_size(workload: Workload) -> int:
+    """The smallest ``size`` a row can honour: :func:`measure_size` makes the pool at least twice the full
+    blocks of the longest prompt, and the workload's longest has ``system + user`` full blocks at most (its
+    partial tail holds none).  Below it the cache would sit at that floor, not at the size the row is labelled
+    with."""
+    return 2 * (workload.system_blocks[1] + workload.user_blocks[1])
+
+
+def cache_size(text: str) -> int:
+    """``type=`` for ``--sizes``: a size in blocks the default workload's pool can be made to (see
+    :func:`min_cache_size`)."""
+    n = positive_int(text)
+    floor = min_cache_size(Workload())
+    if n < floor:
+        raise argparse.ArgumentTypeError(
+            f"must be at least {floor} blocks (twice the longest prompt's {floor // 2}), got {text!r}: the pool "
+            f"is made big enough for the prompts, so the cache measured would be larger than {n}")
+    return n
 
 
 def warmup_requests(size: int, workload: Workload) -> int:
@@ -222,10 +245,8 @@ def radix_vs_hash(rows: list[Row]) -> list[tuple[int, Row, Row]]:
 def print_comparison(rows: list[Row]) -> None:
     """One line per size: how radix compares with the default hash index."""
     for size, radix, hashed in radix_vs_hash(rows):
-        ratio = hashed.lookup_us / radix.lookup_us
-        faster = "faster" if ratio >= 1 else "slower"
         print(
-            f"{size:>7,} blocks: radix match+insert is {max(ratio, 1 / ratio):.2f}x {faster} "
+            f"{size:>7,} blocks: radix match+insert is {times(hashed.lookup_us / radix.lookup_us, 'faster', 'slower')} "
             f"than hash ({radix.lookup_us:.1f} vs {hashed.lookup_us:.1f} us/request)"
         )
 
@@ -239,7 +260,7 @@ def check_same_hits(rows: list[Row]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=positive_int, nargs="+", default=None, help="default 1000 10000 100000 (--quick: 200 1000)")
+    parser.add_argument("--sizes", type=cache_size, nargs="+", default=None, help="default 1000 10000 100000 (--quick: 200 1000)")
     parser.add_argument("--requests", type=positive_int, default=None, help="measured requests per size (default 2000, --quick: 200)")
     parser.add_argument("--structures", nargs="+", default=list(STRUCTURES), choices=STRUCTURES)
     parser.add_argument("--rounds", type=positive_int, default=8, help="chunks per row (median taken)")

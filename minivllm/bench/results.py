@@ -51,3 +51,10 @@ def write_result(path: str | os.PathLike, doc: dict[str, Any], prog: str,
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(json_safe(full), fh, indent=1)
+
+
+def times(ratio: float, above: str, below: str, digits: int = 2) -> str:
+    """``ratio`` said as a factor of at least 1 with its direction in a word: ``times(0.8, "lower", "higher")``
+    is ``"1.25x higher"``.  Why: "0.8x lower" reads as lower to anyone who takes the word at its meaning; a
+    factor under 1 next to a direction word is how a benchmark line comes to say the opposite of its numbers."""
+    return f"{max(ratio, 1 / ratio):.{digits}f}x {above if ratio >= 1 else below}"

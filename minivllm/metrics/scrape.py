@@ -4,8 +4,10 @@ One parser for the whole project (labs and tests alike), on top of prometheus_cl
 :func:`metric_samples` turns a page into ``{(sample name, frozenset(labels)): value}`` and
 :func:`metric_value` sums the samples of one name whose labels include the ones asked for -- PromQL's
 ``sum(name{label="value"})`` without the time window.  :func:`label_values` lists the values a label takes
-(which tenants, which models a page has series for).  Pages scraped from several replicas merge with
-``{**a, **b}``: each replica labels its series with its own ``model_name``, so nothing collides.
+(which tenants, which models a page has series for).  Pages scraped from replicas that
+label their series with different ``model_name`` values (the fleet's replicas do) merge with ``{**a, **b}``;
+two replicas of one model name would overwrite each other's samples there, so such pages need a label of their
+own first (Prometheus adds ``instance``).
 """
 
 from __future__ import annotations
