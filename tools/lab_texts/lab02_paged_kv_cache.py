@@ -253,12 +253,16 @@ which *logical* block of the request holds it, and where inside that block it si
 </details>
 <details><summary>Hint 2</summary>
 
-Logical block and offset come from integer division and remainder by `block_size`. The block table turns the
-logical block into a physical one.
+Watch the units. A position counts tokens of *this request*; the block table is indexed by blocks of this request;
+a slot counts tokens of the *whole pool*. Going from a position to a logical block is a change from tokens to whole
+blocks: which integer operation does that, and which one gives what is left over? Only the block table knows
+which physical block a logical one is.
 </details>
 <details><summary>Hint 3</summary>
 
-Physical block `b` owns slots `b * block_size` to `b * block_size + block_size - 1` of the flat cache.
+A worked example (not a checker case): `block_size` 4, block table `[3, 8]`, positions 5 and 6. Position 5 lies in
+the request's second block (its positions 4–7), one token in. That block is physical block 8, which owns slots
+32–35 of the pool, so position 5 is slot 33 and position 6 is slot 34.
 </details>
 """),
 ("code", r"""
@@ -287,16 +291,24 @@ these sequences — each gets whole blocks, as few as hold its tokens.
 
 <details><summary>Hint 1</summary>
 
-A 1-token sequence still holds one whole block; a sequence of exactly `block_size` tokens holds one, not two.
+Per sequence, two numbers matter: how many blocks it holds and how many slots a block has. A 1-token sequence
+still holds one whole block; a sequence of exactly `block_size` tokens holds one, not two.
 </details>
 <details><summary>Hint 2</summary>
 
-Blocks per sequence is a division rounded **up**. In integers: `-(-a // b)` or `(a + b - 1) // b`.
+Count blocks first, then turn blocks into slots. Plain `//` rounds *down*: for which lengths does it count one
+block too few? Try lengths `block_size - 1`, `block_size` and `block_size + 1` by hand, then find integer
+arithmetic (no floats, no `math`) that gets all three right.
+</details>
+<details><summary>Hint 3</summary>
+
+A worked example (not a checker case): `block_size` 8, lengths `[5, 8, 9, 20]`. 5 tokens hold 1 block, 8 hold 1,
+9 hold 2, 20 hold 3: 7 blocks, so 56 slots reserved for 42 tokens.
 </details>
 """),
 ("code", r"""
 def paged_slots(seq_lens: list[int], block_size: int) -> int:
-    '''KV slots reserved when each sequence holds ceil(len / block_size) whole blocks.'''
+    '''KV slots reserved when each sequence holds as few whole blocks as fit its tokens.'''
     # TODO: total slots paging reserves for these sequences -- see the hints above
     ### BEGIN SOLUTION
     return sum(-(-n // block_size) * block_size for n in seq_lens)

@@ -74,18 +74,21 @@ How many keys? One per *full* block: the tokens after the last full block get no
 </details>
 <details><summary>Hint 2</summary>
 
-Keep the previous key in a variable as you walk the blocks (nothing before the first). Each new key hashes a tuple
-of that previous key and the block's tokens (a tuple, so it is hashable).
+Which values must go into key *i* so that two prompts get equal keys only when everything up to block *i* is equal?
+Carry one value from block to block as you walk them (and decide what stands in for it before the first block).
+A list cannot be hashed; a tuple can.
 </details>
 <details><summary>Hint 3</summary>
 
-The salt goes into the first block's tuple only; later blocks put `None` in its place. The chain carries the salt
-on, so two tenants' keys differ at every block. The engine does the same in `HashIndex._key`.
+A worked example (not a checker case): `block_size` 3, tokens `[4, 4, 7, 1, 2, 9, 5]`, salt `"t1"`. Two full
+blocks, `(4, 4, 7)` and `(1, 2, 9)`; token 5 gets no key. Key 0 is built from "nothing before", `(4, 4, 7)` and
+`"t1"`; key 1 from key 0, `(1, 2, 9)` and no salt (the same placeholder on every later block). Salt `"t2"` changes
+key 0, and therefore key 1 as well. The engine's version is `HashIndex._key`.
 </details>
 """),
 ("code", r"""
 def block_hashes(token_ids: list[int], block_size: int, salt: str | None = None) -> list:
-    '''One chained key per full block: key_i = hash((key_{i-1}, tokens of block i, salt if i == 0)).'''
+    '''One chained key per full block; each key identifies its whole prefix, and the salt enters the first only.'''
     # TODO: one chained key per full block -- see the hints above
     ### BEGIN SOLUTION
     keys, parent = [], None

@@ -196,13 +196,15 @@ so never merge the lists before taking differences.
 </details>
 <details><summary>Hint 2</summary>
 
-Sort all the gaps. With `n` gaps, the nearest rank (counting from 1) is `q / 100 * n` rounded **up**; `math.ceil`
-does that. A 0-based list then needs one less.
+Sort all the gaps: the answer is then a *rank*, a position in that list. Of `n` gaps, how many must be at or below
+the answer for "at least `q` %" to hold? When that count is not a whole number, do you round toward more gaps or
+fewer? Ranks count from 1, Python lists from 0.
 </details>
 <details><summary>Hint 3</summary>
 
-Check the edges: 100 gaps at q = 99 is the 99th smallest; 150 gaps at q = 99 is the 149th (148.5 rounds up);
-q = 100 is the largest gap.
+A worked example (not a checker case): 40 gaps at q = 95 — 95 % of 40 is 38, so the 38th smallest (index 37).
+30 gaps at q = 95 — 95 % of 30 is 28.5; 28 gaps would be under 95 %, so the 29th smallest. Whatever `n`, q = 100
+is the largest gap, and q = 0 must still return a gap: the smallest.
 </details>
 """),
 ("code", r"""

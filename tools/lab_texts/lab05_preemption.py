@@ -184,8 +184,8 @@ tokens whose K/V are in the cache right now. A prompt still in chunked prefill h
 </details>
 <details><summary>Hint 2</summary>
 
-Build the candidate list first (a list comprehension with a fallback: `candidates or list(running)`), then pick
-from it. Don't sort or pop the list the engine gave you.
+Work in two stages: first the candidates (who *may* give way — and what if nobody may?), then the choice among
+them. Build new lists; don't sort or pop the list the engine gave you.
 </details>
 <details><summary>Hint 3</summary>
 
@@ -292,33 +292,37 @@ the guard makes: a bounded worst case for the victim, paid for by everyone else.
 Both cost time, in different currencies:
 
 * **recompute** a victim with `num_tokens` computed tokens: prefill them again, at `prefill_tokens_per_s`;
-* **swap** a victim holding `num_blocks` blocks of `bytes_per_block` bytes: copy them over the host link at
-  `link_bytes_per_s` — and remember they come back later over the same link.
+* **swap** a victim holding `num_blocks` blocks of `bytes_per_block` bytes: its KV is copied to host memory over
+  the host link (`link_bytes_per_s`), and the victim decodes again only once its KV is back on the device.
 
 Write `swap_or_recompute(...)`: return `"swap"` when swapping is strictly cheaper, else `"recompute"` (a tie
 recomputes: swap also holds host memory while the request waits).
 
 <details><summary>Hint 1</summary>
 
-Turn both options into **seconds**. Bytes divided by bytes-per-second is seconds; so are tokens divided by
-tokens-per-second.
+Sort the five arguments into two piles: what the cost of a recompute depends on, and what the cost of a swap
+depends on. No argument is in both piles, and you never need to turn tokens into blocks or back.
 </details>
 <details><summary>Hint 2</summary>
 
-How many times does a swapped victim's KV cross the link before it decodes again?
+The piles are priced in different currencies, tokens and bytes, so compare neither count directly: bring each
+option to **seconds** first (what does dividing a count by a per-second rate give?). Then follow a swapped victim
+from its preemption to its next decode: how many trips over the link does its KV make?
 </details>
 <details><summary>Hint 3</summary>
 
-Check your units on the first checker case by hand: 64 blocks of 1 MB over 10 GB/s, against 1024 tokens at 5000
-tokens/s. Which is bigger, and by how much?
+A worked example (not a checker case): a victim with 320 computed tokens in 20 blocks of 0.5 MB, a link of
+2 GB/s, a prefill rate of 6,400 tokens/s. Recomputing takes 320 / 6,400 = 0.05 s = 50 ms. The KV is
+20 × 0.5 MB = 10 MB; one trip over the link takes 10 MB / 2 GB/s = 5 ms, and it makes two (out now, back before it
+decodes): 10 ms. 10 ms < 50 ms: swap. On a 0.1 GB/s link one trip takes 100 ms, two take 200 ms > 50 ms: recompute.
 </details>
 """),
 ("code", r"""
 def swap_or_recompute(num_tokens: int, num_blocks: int, *, bytes_per_block: int, link_bytes_per_s: float,
                       prefill_tokens_per_s: float) -> str:
-    '''"swap" if moving the victim's KV out and back costs less time than recomputing it, else "recompute".'''
-    # TODO: the seconds a swap costs (the KV goes out now and comes back later) and the seconds a recompute
-    #   costs; "swap" only when swapping is strictly cheaper
+    '''"swap" if swapping the victim costs less time than recomputing it, else "recompute".'''
+    # TODO: price both options in one unit and compare them; "swap" only when swapping is strictly cheaper
+    #   -- see the hints above
     ### BEGIN SOLUTION
     swap_s = 2 * num_blocks * bytes_per_block / link_bytes_per_s
     recompute_s = num_tokens / prefill_tokens_per_s
@@ -502,8 +506,8 @@ Boundaries: is a queue of exactly `max_waiting` full? Is exactly `min_free_block
 ("code", r"""
 def should_reject(stats: dict, max_waiting: int, min_free_blocks: int) -> bool:
     '''True: answer 429 and do not add the arriving request.'''
-    # TODO: reject when the queue already holds max_waiting requests, or when fewer than min_free_blocks
-    #   blocks are available while someone is already waiting; read the stats, never change them
+    # TODO: True on a full queue, or on cache pressure while someone waits (rules 1 and 2 above);
+    #   read the stats, never change them
     ### BEGIN SOLUTION
     waiting = stats["num_waiting"]
     return waiting >= max_waiting or (waiting > 0 and stats["available_blocks"] < min_free_blocks)

@@ -199,8 +199,10 @@ Two tenants of weight 1 and 2 served the same tokens: whose counter should be hi
 </details>
 <details><summary>Hint 2</summary>
 
-For `activate`: collect the counters of the other active tenants. If there are none, there is nothing to catch up
-with. Otherwise the new counter is the larger of its own and their minimum.
+A worked example of `activate` (not a checker case): counters `a` 120, `b` 90, `c` 40 (`c` was idle).
+`activate("c", {"a", "b"})` lifts `c` to 90, the lowest of the others. Had `c` stood at 150, it would stay at 150.
+With no other tenant active there is nobody to catch up with: `c` keeps 40. A tenant that has no counter yet has
+been served nothing.
 </details>
 """),
 ("code", r"""

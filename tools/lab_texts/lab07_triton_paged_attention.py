@@ -259,11 +259,14 @@ In a pool of a few million blocks, `block * stride_kv_block` no longer fits in 3
 Logical token of slot `i` in block `b` is `b * PAGE_SIZE + i`. It exists only if it is below `seq_len`. Use that
 mask twice: on the loads (so garbage is never read) and on the scores (so masked slots get weight exactly 0).
 </details>
-<details><summary>Hint 4 — the online softmax update</summary>
+<details><summary>Hint 4 — the online softmax update, by numbers</summary>
 
-Per block: the new max is the larger of the old one and this block's max. The rescale factor for the old state is
-`exp(old max - new max)` (it is 0 on the first block, when the old max is -inf). The new weights are
-`exp(scores - new max)`. Update the sum and the accumulator with them, then remember the new max.
+A worked example (not a checker case). After some blocks the state is `m_i = 2.0`, `l_i = 1.5`; the next block's
+unmasked scores are `[1.0, 3.0]`. The max becomes 3.0. Everything in `l_i` was weighted relative to 2.0, so it
+shrinks by a factor of e^(2.0 − 3.0) ≈ 0.368, to 0.552. The new scores weigh e^(1.0 − 3.0) ≈ 0.135 and
+e^(3.0 − 3.0) = 1 relative to 3.0, so `l_i` becomes 0.552 + 0.135 + 1 = 1.687. `acc` goes through the same two
+moves, each weight multiplying its row of `v`. On the very first block the old max is −inf: what factor does the
+old (empty) state get then?
 </details>
 """),
 ("code", r"""

@@ -186,11 +186,14 @@ bisect) and their replicas.
 </details>
 <details><summary>Hint 2</summary>
 
-The number of full blocks is `len(prompt) // block_size`, capped at `key_blocks`. Zero full blocks: the whole prompt.
+A worked example of the key (not a checker case): `block_size` 16, `key_blocks` 2. A 50-token prompt has 3 full
+blocks; the key reads 2 of them, its first 32 tokens. A 20-token prompt has 1 full block: the key reads 16 tokens.
+A 10-token prompt has none: the key reads all 10.
 </details>
 <details><summary>Hint 3</summary>
 
-Wrap-around: a bisect position equal to the number of points means "past the top": take it modulo that number.
+Wrap-around: `bisect_left` returns the number of points when the key is above every point. On a ring, which point
+comes after the largest one?
 </details>
 """),
 ("code", r"""
