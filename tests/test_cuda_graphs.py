@@ -66,6 +66,27 @@ def test_staging_pads_with_row_zero_and_returns_only_real_rows():
     assert seen["context"] == [4, 5, 6, 7, 8, 4, 4, 4]
 
 
+def test_a_narrower_step_after_a_wider_one_sees_no_stale_table_entries():
+    """The static buffers live across steps: a step whose tables are 2 wide, after one 5 wide, must find zeros
+    past its width, not the block ids the earlier step left there (another request's blocks).  A fresh runner
+    starts zeroed, so only a second step can see whether staging clears what it does not overwrite.  Oracle:
+    the tables the test passes, padded with zeros by hand."""
+    seen = {}
+
+    def forward(ids, pos, meta):
+        seen["tables"] = meta.block_tables.clone()
+        return ids.float()[:, None]
+
+    runner = DecodeGraphRunner(forward, max_batch=8, max_blocks=6, max_seq_len=96, device="cpu", capture=False)
+    wide = _meta(4, 5)
+    runner.run(torch.arange(4), torch.arange(4) + 4, wide)
+    narrow = _meta(4, 2)
+    narrow.block_tables = narrow.block_tables + 1000  # ids no earlier step used
+    runner.run(torch.arange(4), torch.arange(4) + 4, narrow)
+    expected = [row + [0] * 4 for row in narrow.block_tables.tolist()]
+    assert seen["tables"].tolist() == expected
+
+
 def test_only_decode_batches_that_fit_use_the_graphs():
     runner = DecodeGraphRunner(lambda *a: None, max_batch=4, max_blocks=2, max_seq_len=32, device="cpu", capture=False)
     assert not runner.can_run(_meta(5, 2))  # more rows than the largest graph
