@@ -168,16 +168,24 @@ class KVCacheManager:
         blocks still needed to hold every token the requests have, private copies of shared partly filled
         blocks included.  One loop with no call per request, because the scheduler asks it for all running
         requests in every step that something waits for admission."""
-        bs, total = self.block_size, 0
+        bs, total, shared = self.block_size, 0, self._may_share()
         for r in reqs:
             table = r.block_ids
             need = -(-(len(r.prompt_token_ids) + len(r.output_token_ids)) // bs) - len(table)
             if need > 0:
                 total += need
             done = r.num_computed_tokens
-            if done % bs and table and done < len(table) * bs and self.pool.refcount(table[-1]) > 1:
+            if shared and done % bs and table and done < len(table) * bs and self.pool.refcount(table[-1]) > 1:
                 total += 1  # the next write copies the shared last block (see _last_block_is_shared)
         return total
+
+    def _may_share(self) -> bool:
+        """Could any block have two holders (so a write may have to copy it first)?  ``False`` only when the
+        engine's own pool counts none: then the copy-on-write checks of a whole batch or of every running
+        request are skipped, which at block size 16 is a refcount lookup for 15 of 16 decodes.  Only the
+        engine's own pool is trusted with the count (a learner's pool, or a subclass overriding
+        incref/decref, may not keep it)."""
+        return not (type(self.pool) is BlockPool and self.pool.num_shared == 0)
 
     def could_start_if_freed(self, req: Request, reqs, reserved: int) -> bool:
         """Could a waiting ``req`` get its blocks if ``reqs`` gave theirs back, ``reserved`` blocks staying
@@ -391,9 +399,7 @@ class KVCacheManager:
         block size 16 that is 15 of 16 decodes.  One comprehension, no call per sequence.
         """
         bs, refcount = self.block_size, self.pool.refcount
-        # No block with two holders: no copy-on-write to look for.  Only the engine's own pool is trusted with
-        # the count (a learner's pool, or a subclass overriding incref/decref, may not keep it).
-        if type(self.pool) is BlockPool and self.pool.num_shared == 0:
+        if not self._may_share():  # no block with two holders: no copy-on-write to look for
             return [s for s in seqs if (r := s.request).num_computed_tokens + s.num_tokens > len(r.block_ids) * bs]
         return [s for s in seqs
                 if (c := (r := s.request).num_computed_tokens) + s.num_tokens > len(r.block_ids) * bs
