@@ -181,3 +181,34 @@ def test_arrivals_are_counted_in_the_window_they_arrived_in_and_the_last_window_
     last = run.samples[-1]
     assert last.time == pytest.approx(1.3)
     assert last.busy == pytest.approx(1.0) and last.tokens_per_s == pytest.approx(10.0)
+
+
+def test_first_alarm_check_is_the_same_whatever_ran_before_it():
+    """The checker keeps the ramp for the whole process (functools.cache); a learner function that reads its list
+    by popping it must not shorten that copy.  Oracle: the same check run first in a fresh state -- its expected
+    answers, and the verdict on a function that is right on every list it is given, must not move."""
+
+    def consuming(samples, signal, threshold, for_s):  # right on every series, but it empties its input
+        start = None
+        while samples:
+            s = samples.pop(0)
+            if getattr(s, signal) > threshold:
+                start = s.time if start is None else start
+                if s.time - start >= for_s:
+                    return s.time
+            else:
+                start = None
+        return None
+
+    fresh = check_lab08.ramp_run().samples  # the ramp as a first check sees it
+    seen = []
+
+    def reference(samples, *args):  # the reference, noting how much of the ramp it is given
+        seen.append(len(samples))
+        return check_lab08.reference_first_alarm(samples, *args)
+
+    with redirect_stdout(io.StringIO()):
+        verdicts = [check_lab08.check_first_alarm(consuming).passed for _ in range(2)]
+        assert check_lab08.check_first_alarm(reference).passed
+    assert verdicts == [True, True]
+    assert seen[-3:] == [len(fresh)] * 3  # the three ramp calls saw the whole ramp

@@ -31,3 +31,25 @@ def test_every_row_of_the_mutation_pass_still_applies():
         text = (ROOT / rel).read_text()
         assert text.count(old) == 1 and old != new, name
     assert all((ROOT / t).exists() for t in mp.TESTS)
+
+
+def test_only_kv_changes_block_refcounts():
+    """One owner per resource: block refcounts, the free list and the pool itself change only in ``minivllm/kv/``
+    (the KV cache manager and the prefix caches it drives).  Everyone else asks the manager, so a leaked or
+    double-freed block has one module to look in.  The lab 2 checker is the exception: it grades the learner's
+    own pool by calling its methods.  Read from the source (AST): a call of a pool mutator outside those places."""
+    import ast
+
+    mutators = {"incref", "decref", "free_all", "allocate_many", "copy_on_write", "replace_pool"}
+    allowed = (ROOT / "minivllm" / "kv", ROOT / "minivllm" / "labs" / "check_lab02.py")
+    found = []
+    for path in sorted((ROOT / "minivllm").rglob("*.py")):
+        if any(path == a or path.is_relative_to(a) for a in allowed):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name = node.func.attr
+                # ``allocate()`` with no argument is the pool's; the scheduler's ``allocate(batch)`` is another layer
+                if name in mutators or (name == "allocate" and not node.args and not node.keywords):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} .{name}()")
+    assert not found, found

@@ -342,9 +342,6 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-CAPS = {"*": None}  # filled in main() (needs the budget)
-
-
 def slo_report(res: Run, slos: dict) -> dict:
     out = {}
     for cls, (ttft_slo, itl_slo) in slos.items():

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.kv.kv_cache_manager import BlockMoves
+from minivllm.kv.kv_cache_manager import BlockMoves, blocks_for
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 """KV memory on a CPU device when no size is given (1 GiB)."""
@@ -143,7 +143,7 @@ class KVCache:
 
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size))
         probe = Request("scratch-probe", [0] * num_tokens, SamplingParams(max_tokens=1), arrival_time=0.0)
-        probe.block_ids = list(range(-(-num_tokens // self.block_size)))
+        probe.block_ids = list(range(blocks_for(num_tokens, self.block_size)))
         return probe
 
     def measure_swap_bandwidth(self, num_blocks: int = 8) -> float:

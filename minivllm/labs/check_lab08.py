@@ -577,20 +577,24 @@ def _series(values: Sequence[float], signal: str = "waiting", step: float = 1.0,
 
 
 @functools.cache
-def _ramp_for_checker() -> SimRun:
-    """The checker's copy of the ramp (computed once per process: mutation tests call the checker often)."""
-    return ramp_run()
+def _ramp_for_checker() -> tuple[Sample, ...]:
+    """The checker's copy of the ramp's samples (computed once per process: mutation tests call the checker often).
+
+    A tuple, and each learner call gets a list of its own: the copy outlives one check, so a function that
+    consumed its list (``samples.pop(0)`` in a loop) would otherwise shorten it for every later check in the
+    process -- the reference's expected answers included, so a verdict would depend on what ran before."""
+    return tuple(ramp_run().samples)
 
 
 def check_first_alarm(fn) -> CheckResult:
     """Check ``fn(samples, signal, threshold, for_s) -> time or None``."""
     ramp = _ramp_for_checker()
     nan = float("nan")
-    on_ramp = {sig: reference_first_alarm(ramp.samples, sig, th, 2.0)
+    on_ramp = {sig: reference_first_alarm(ramp, sig, th, 2.0)
                for sig, th in (("waiting", 4), ("kv_usage", 0.9), ("ttft_p90", 0.5))}
 
     def ramp_case(f):
-        return {sig: f(ramp.samples, sig, th, 2.0) for sig, th in (("waiting", 4), ("kv_usage", 0.9), ("ttft_p90", 0.5))}
+        return {sig: f(list(ramp), sig, th, 2.0) for sig, th in (("waiting", 4), ("kv_usage", 0.9), ("ttft_p90", 0.5))}
 
     cases = [
         Case("never above: no alarm", lambda f: f(_series([0, 1, 2, 1]), "waiting", 4, 0), None,

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 from minivllm.kv.block_pool import BlockPool
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.interfaces import Executor
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -27,9 +28,12 @@ from minivllm.sim.executor import SimulatedExecutor
 def sim_engine(*, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 8,
                max_num_batched_tokens: int = 512, model_max_len: int = 2048,
                admission_policy: Any = None, preemption_policy: Any = None,
-               executor: SimulatedExecutor | None = None, preemption_cost_model: Any = None,
+               executor: Executor | None = None, preemption_cost_model: Any = None,
                batch_builder: Any = None, **options: Any) -> LLMEngine:
-    """A real :class:`LLMEngine` whose forward pass is a virtual-clock cost model."""
+    """A real :class:`LLMEngine` whose forward pass is a virtual-clock cost model.
+
+    ``executor`` is any :class:`~minivllm.interfaces.Executor` (the fleet passes a roofline one); the default
+    is the linear :class:`SimulatedExecutor`."""
     options.setdefault("max_model_len", min(model_max_len, num_blocks * block_size))
     config = EngineConfig(block_size=block_size, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,

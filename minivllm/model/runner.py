@@ -17,6 +17,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.kv.kv_cache import KVCache, bytes_per_block, num_host_blocks, num_kv_blocks
+from minivllm.kv.kv_cache_manager import blocks_for
 from minivllm.model.attention import AttentionMetadata
 from minivllm.model.llama import LlamaForServing
 from minivllm.model.loader import LoadedModel, load_model
@@ -294,7 +295,7 @@ class ModelRunner:
         model, layers = self.model, self.kv_cache.layers
         return DecodeGraphRunner(lambda ids, pos, meta: model(ids, pos, layers, meta),
                                  max_batch=min(max_batch, 512), max_seq_len=max_model_len,
-                                 max_blocks=-(-max_model_len // self.kv_cache.block_size),
+                                 max_blocks=blocks_for(max_model_len, self.kv_cache.block_size),
                                  device=self.device, capture=capture)
 
     def now(self) -> float:
