@@ -484,7 +484,8 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
         "engine": {"block_size": engine.config.block_size, "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                    "max_num_seqs": engine.config.max_num_seqs},
         "hardware": {"name": hw_name, "swap_bandwidth": swap_bw,  # a GPU's memory sizes its KV pool in sim run
-                     "memory_bytes": float(torch.cuda.get_device_properties(0).total_memory) if device != "cpu" else 0.0},
+                     "memory_bytes": float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+                     if torch.device(device).type == "cuda" else 0.0},  # the calibrated GPU's, not GPU 0's
         "fit": {"repeats": repeats, "measured_read_bandwidth": read_bw},  # when set, the memory roof is pinned to it
         "samples": [{"seqs": s.seqs, "swapped_blocks": s.swapped_blocks, "time_s": s.time_s, "group": g}
                     for s, g in zip(samples, labels)],
