@@ -203,6 +203,9 @@ class LLMEngine:
                                        and config.prefill_tokens_per_s is None) else None
         # the marginal prefill cost, fitted from the steps; the start-up rate stands until the fit is trusted
         self._prefill_fit = PrefillRateFit(costs.prefill_tokens_per_s) if self._learnt_costs is not None else None
+        # decode-only steps replayed as CUDA graphs run another code path, without the eager launch cost a
+        # step with prefill pays: fitted with the others, that cost would be charged to the prefill tokens
+        self._fit_decode_steps = getattr(self.model_runner, "graphs", None) is None
         self.bytes_per_block = bytes_per_block
 
         # -- the caller's side
@@ -699,9 +702,11 @@ class LLMEngine:
         engine ran dry: a driver steps only while there is work, so the wait for the next request is idle time,
         and :meth:`add_request` restarts the clock when it ends.
 
-        Every step feeds the fit, decode-only ones included: they are what tells the per-step and per-decode
-        costs apart from the per-prefill-token one.  A step that swapped KV does not: its time holds link copies
-        that are neither prefill nor decode work.
+        Every step feeds the fit, decode-only ones included: they help tell the per-step and per-decode costs
+        apart from the per-prefill-token one.  Two kinds do not: a step that swapped KV (its time holds link
+        copies that are neither prefill nor decode work), and, where decode-only steps are CUDA graphs, those
+        (a graph replay skips the launch cost every step with prefill pays, so one intercept cannot fit both
+        kinds; the steps with prefill still vary in prefill tokens and decode rows).
         """
         last, self._last_step_time = self._last_step_time, now
         if last is None or not batch.seqs or now <= last:
@@ -711,6 +716,8 @@ class LLMEngine:
         fit = self._prefill_fit
         if fit is not None and not (batch.moves.swap_in or batch.moves.swap_out):
             prefill = batch.num_prefill_tokens  # builds no list in a decode-only step
+            if not prefill and not self._fit_decode_steps:
+                return
             fit.add(prefill, batch.num_decode_tokens if prefill else len(batch.seqs), dt)
             rate = fit.rate()
             if rate is not None:
