@@ -89,3 +89,48 @@ def test_lab06_noisy_losses_and_jain_index_are_quoted_as_printed():
 def test_lab07_h200_attention_is_quoted_as_the_notebook_prints_it():
     m = re.search(r"= ([\d.]+) TB/s = (\d+)% of the copy", _printed("lab07_triton_paged_attention"))
     assert f"{m.group(1)} TB/s = {m.group(2)}% of the copy" in README
+
+
+def test_lab07_per_operation_host_cost_is_inside_the_quoted_range():
+    """The README quotes a range "by run and load"; the notebook a learner opens must fall inside it."""
+    m = re.search(r"this CPU: (\d+) operations x ([\d.]+) µs", _printed("lab07_triton_paged_attention"))
+    assert m, "lab 7 no longer prints its per-operation host cost"
+    quoted = re.search(r"(\d[\d,]*) per decode step on the CPU.*?the host cost of one operation \(([\d.]+)–([\d.]+) µs",
+                       README)
+    assert quoted, "the README no longer quotes lab 7's per-operation host cost"
+    assert int(quoted.group(1).replace(",", "")) == int(m.group(1))
+    assert float(quoted.group(2)) <= float(m.group(2)) <= float(quoted.group(3)), (m.group(2), quoted.groups())
+
+
+def test_offline_page_fault_range_covers_every_kept_run_that_records_faults():
+    """The allocator paragraph quotes the page faults of the kept offline runs as a range; a run kept later
+    (the 2026-12-04 linear-backend pair: 28.6 and 29.0 k) must not fall outside it, and a run that records the
+    faults must have been made with the setting on, as the sentence says."""
+    import json
+
+    m = re.search(r"every kept offline run (?:that records its faults )?has the setting on: (\d+)-(\d+) k faults", README)
+    assert m, "the README no longer quotes the kept offline runs' page faults"
+    runs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted((ROOT / "benchmarks" / "results").glob("*_offline*.json"))]
+    faults = [r for r in runs if "minor_page_faults" in r]
+    assert faults, "no kept offline run records its page faults"
+    assert all(r.get("cpu_keep_freed_memory") is True for r in faults)
+    low, high = min(r["minor_page_faults"] for r in faults), max(r["minor_page_faults"] for r in faults)
+    assert (round(low / 1000), round(high / 1000)) == (int(m.group(1)), int(m.group(2))), (low, high)
+
+
+BENCH_README = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+
+
+def test_fleet_run_count_and_wall_time_are_the_committed_files():
+    """benchmarks/README.md's fleet command names the file it wrote; the run count and the wall time it quotes for
+    that file are the file's own (a re-run under load kept the sentence's earlier 15.0 s beside a file of 74.2 s)."""
+    import json
+
+    m = re.search(r"--out benchmarks/results/(\S+_fleet_sim\.json)` \((\d+) fleet\s+runs", BENCH_README)
+    assert m, "benchmarks/README.md no longer quotes the fleet command and its run count"
+    result = json.loads((ROOT / "benchmarks" / "results" / m.group(1)).read_text(encoding="utf-8"))
+    assert int(m.group(2)) == len(result["rows"])
+    # the first wall time after the command is the one it is read as: "N s wall" or "the file's `wall_s` is N s"
+    quoted = re.search(r"([\d.]+) s wall|`wall_s` is ([\d.]+) s", BENCH_README[m.end():m.end() + 400])
+    assert quoted, "the fleet command's wall time is no longer quoted"
+    assert float(quoted.group(1) or quoted.group(2)) == round(result["wall_s"], 1), (quoted.groups(), result["wall_s"])
