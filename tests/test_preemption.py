@@ -5,11 +5,13 @@ no starvation, the swap data path, the cost model and the anti-thrash rule.  No 
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
@@ -314,6 +316,112 @@ def test_reject_mode_retry_hint_grows_with_the_work_ahead():
     assert out.outputs[0].finish_reason == "rejected"
     # the running request still has ~57 tokens to go, each a step of the measured length
     assert out.retry_after_s == pytest.approx(engine.step_time_s * 57, rel=0.1)
+
+
+# -- auto mode with the engine's own, learnt cost model: random programs on a noisy clock ------------------
+
+class NoisyHistory(KVContents):
+    """A stand-in model for the learnt prefill rate: the next token is a function of the whole context (so
+    "the same tokens as a recompute-only run" checks that a swap or a recompute gave each request exactly its
+    own context back), every KV slot a step attends is checked (:class:`KVContents`), and each step's time is
+    the simulator's price times the next of ``factors`` in turn (jitter, a rare 10x step, a step the clock does
+    not see: factor 0), and three times that from step ``slow_after`` on (a machine that slows down mid-run),
+    so the fit sees the noise and the drift it was built to survive."""
+
+    def __init__(self, block_size: int, factors: list[float], slow_after: int | None = None, **kwargs) -> None:
+        super().__init__(block_size, **kwargs)
+        self.factors, self.slow_after, self.k = factors, slow_after, 0
+
+    def step_time(self, batch):
+        self.k += 1
+        slow = 3.0 if self.slow_after is not None and self.k >= self.slow_after else 1.0
+        return super().step_time(batch) * self.factors[self.k % len(self.factors)] * slow
+
+    def execute(self, batch):
+        out = super().execute(batch)
+        for s in batch.seqs:
+            if s.samples:
+                out[s.request.request_id] = 10 + zlib.crc32(repr(s.request.all_token_ids).encode()) % 900
+        return out
+
+
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 24), st.integers(1, 10)),
+        st.tuples(st.just("step"), st.integers(1, 8), st.just(0), st.just(0)),
+        st.tuples(st.just("abort"), st.integers(0, 30), st.just(0), st.just(0)),
+        st.tuples(st.just("idle"), st.integers(1, 60), st.just(0), st.just(0)),
+    ), min_size=1, max_size=30),
+    blocks=st.integers(16, 32),
+    cpu_blocks=st.integers(0, 24),
+    gbps=st.sampled_from([0.001, 0.002, 0.005, 0.01, 1.0]),  # around the crossover (~2-5 MB/s here) and far past it
+    # each step's time is the simulator's times one of these, in turn: a quiet machine, jitter, rare extremes
+    factors=st.sampled_from([[1.0], [0.9, 1.1, 1.0, 1.05], [1.0] * 6 + [0.0, 10.0], [0.1, 2.0, 0.5, 1.0, 1.0]]),
+    slow_after=st.sampled_from([None, 20, 60]),
+    prefix=st.sampled_from([None, "radix", "hash"]),
+)
+def test_auto_mode_with_a_learnt_prefill_rate_keeps_every_invariant(ops, blocks, cpu_blocks, gbps, factors, slow_after,
+                                                                    prefix):
+    """Auto mode on the engine's own cost model (no ``prefill_tokens_per_s`` given: the rate is fitted from the
+    steps, :class:`~minivllm.sched.scheduler.PrefillRateFit`), under random arrivals, aborts and idle stretches
+    on a noisy clock that may slow down.  After every step both tiers recount and the rate auto mode prices a recompute by is
+    positive, finite and within the fit's bounds around its prior; the engine drains and holds nothing; and every
+    request that ran to its length got the tokens a recompute-only engine gives it alone."""
+    def build(mode, executor, **options):  # tiny_engine's sizes, on the given executor
+        cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                           max_model_len=64, preemption_mode=mode, device="cpu", **options)
+        return LLMEngine(cfg, executor=executor, model_max_len=64, eos_token_ids=set())
+
+    ex = NoisyHistory(4, factors, slow_after)
+    engine = build("auto", ex, num_cpu_blocks_override=cpu_blocks, swap_bandwidth_gbps=gbps,
+                   enable_prefix_caching=prefix is not None, prefix_cache=prefix or "radix")
+    costs, fit = engine.scheduler.costs, engine._prefill_fit
+    assert engine._learnt_costs is costs and fit is not None, "auto mode should learn into its own cost model"
+    prior = costs.prefill_tokens_per_s
+    lo, hi = prior / fit.max_ratio, prior * fit.max_ratio
+
+    def check(e):
+        check_both_tiers(e)
+        rate = e.scheduler.costs.prefill_tokens_per_s
+        assert math.isfinite(rate) and lo <= rate <= hi, f"learnt prefill rate {rate} (prior {prior})"
+
+    added, aborted, finals = {}, set(), {}
+    # a warm-up burst of mixed lengths, so that the random program mostly runs on a fitted rate, not the prior
+    for i in range(8):
+        prompt, params = [9 + i] * (4 + 4 * i), SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True)
+        added[engine.add_request({"prompt_token_ids": prompt}, params)] = (prompt, params)
+    for kind, a, b, count in ops:
+        if kind == "add":
+            for i in range(count):  # a burst: enough at once to run the pool dry and preempt
+                prompt = ([5, 6, 7, 8] * 10)[: max(1, a - 3 - i)] + [(a + i) % 3] * min(a, 3)
+                params = SamplingParams(max_tokens=b + i, temperature=0, ignore_eos=True)
+                added[engine.add_request({"prompt_token_ids": prompt}, params)] = (prompt, params)
+        elif kind == "abort" and added:
+            rid = list(added)[a % len(added)]
+            if engine.abort_request(rid):
+                aborted.add(rid)
+        elif kind == "idle":
+            ex.advance_to(ex.now() + a)
+        else:
+            for _ in range(a):
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                check(engine)
+    finals.update(drain(engine, each=check))
+    assert_no_leak(engine)
+    event(f"learnt rate moved off the prior: {costs.prefill_tokens_per_s != prior}")
+    event(f"swap preemptions: {engine.stats()['num_swap_preemptions'] > 0}, "
+          f"recompute preemptions: {engine.stats()['num_recompute_preemptions'] > 0}")
+    for rid, (prompt, params) in added.items():
+        out = finals.get(rid)
+        if rid in aborted or out is None or out.outputs[0].finish_reason != "length":
+            continue
+        solo = build("recompute", NoisyHistory(4, [1.0]))
+        solo.add_request({"prompt_token_ids": prompt}, params, rid)
+        want = drain(solo)[rid].outputs[0].token_ids
+        assert out.outputs[0].token_ids == want, f"{rid} differs from a recompute-only run alone"
 
 
 def test_auto_mode_follows_the_cost_model():

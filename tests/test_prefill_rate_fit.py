@@ -196,3 +196,27 @@ def test_graphed_decode_steps_do_not_charge_the_eager_launch_cost_to_prefill_tok
 def test_an_engine_without_graphs_fits_decode_only_steps_too():
     """On a CPU (or with enforce_eager) there is no graph runner, so every step feeds the fit."""
     assert busy_engine(LinearSteps())._fit_decode_steps is True
+
+
+class FailingPrefills(LinearSteps):
+    """Every third step with prefill fails after 1 ms (an out-of-memory error, say): its time is no measure of
+    the work it was given."""
+
+    def execute(self, batch):
+        if any(not s.is_decode for s in batch.seqs):
+            self.prefill_steps = getattr(self, "prefill_steps", 0) + 1
+            if self.prefill_steps % 3 == 0:
+                self.clock += 0.001
+                raise RuntimeError("out of memory")
+        return super().execute(batch)
+
+
+def test_a_step_that_failed_as_a_whole_does_not_feed_the_fit():
+    """Fitted as work, the failed steps (many prefill tokens in 1 ms) pulled the slope toward zero and the fit
+    stopped trusting it: the rate stayed at the probe's 1,000 tokens/s.  Left out, the rest fit 1/b."""
+    executor = FailingPrefills()
+    engine = busy_engine(executor)
+    serve_busy_stream(engine, 160)
+    assert executor.prefill_steps >= 30  # ten or more steps failed
+    rate = engine.scheduler.costs.prefill_tokens_per_s
+    assert abs(rate * B - 1) < 0.10, f"learnt {rate:.0f} tokens/s, true {1 / B:.0f}"

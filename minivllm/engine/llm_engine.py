@@ -703,10 +703,11 @@ class LLMEngine:
         and :meth:`add_request` restarts the clock when it ends.
 
         Every step feeds the fit, decode-only ones included: they help tell the per-step and per-decode costs
-        apart from the per-prefill-token one.  Two kinds do not: a step that swapped KV (its time holds link
-        copies that are neither prefill nor decode work), and, where decode-only steps are CUDA graphs, those
-        (a graph replay skips the launch cost every step with prefill pays, so one intercept cannot fit both
-        kinds; the steps with prefill still vary in prefill tokens and decode rows).
+        apart from the per-prefill-token one.  Three kinds do not: a step that swapped KV (its time holds link
+        copies that are neither prefill nor decode work); a step whose every row failed (the executor raised:
+        its time is how long the failure took, not what the work costs); and, where decode-only steps are
+        CUDA graphs, those (a graph replay skips the launch cost every step with prefill pays, so one
+        intercept cannot fit both kinds; the steps with prefill still vary in prefill tokens and decode rows).
         """
         last, self._last_step_time = self._last_step_time, now
         if last is None or not batch.seqs or now <= last:
@@ -714,7 +715,7 @@ class LLMEngine:
         dt = now - last
         self.step_time_s = dt if self.step_time_s is None else (1 - _EMA) * self.step_time_s + _EMA * dt
         fit = self._prefill_fit
-        if fit is not None and not (batch.moves.swap_in or batch.moves.swap_out):
+        if fit is not None and not (batch.moves.swap_in or batch.moves.swap_out) and len(batch.errors) < len(batch.seqs):
             prefill = batch.num_prefill_tokens  # builds no list in a decode-only step
             if not prefill and not self._fit_decode_steps:
                 return
