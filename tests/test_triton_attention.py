@@ -214,24 +214,10 @@ def tiny_llama_dir(tmp_path_factory) -> str:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def _engine_with_backend_choice():
-    """``(LLM, SamplingParams)`` if the engine exists and accepts ``attention_backend``, else None."""
-    try:
-        from minivllm.config import EngineConfig
-        from minivllm.llm import LLM
-        from minivllm.sampling_params import SamplingParams
-    except ImportError:
-        return None
-    if "attention_backend" not in EngineConfig.__dataclass_fields__:
-        return None
-    return LLM, SamplingParams
-
-
 def test_engine_greedy_tokens_match_torch_backend(request: pytest.FixtureRequest) -> None:
-    engine = _engine_with_backend_choice()
-    if engine is None:
-        pytest.skip("engine API missing: minivllm.llm.LLM(attention_backend=...) does not exist yet")
-    LLM, SamplingParams = engine
+    from minivllm.llm import LLM
+    from minivllm.sampling_params import SamplingParams
+
     tiny_llama_dir = request.getfixturevalue("tiny_llama_dir")  # built only when the engine exists
     prompts = [{"prompt_token_ids": [1, 5, 9, 200, 33, 7]}, {"prompt_token_ids": list(range(3, 40))}]
     params = SamplingParams(temperature=0, max_tokens=8)
