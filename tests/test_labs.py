@@ -400,6 +400,17 @@ def test_quiz_options_are_shuffled_deterministically(bank):
         assert all(a["feedback"] for a in once), "every option keeps its own why"
 
 
+def test_recompute_answer_counts_the_victims_tokens_not_the_steps():
+    """Lab 5's right answer on why a recompute is cheap once said "a decode step [reads the weights] for one" token:
+    false in a batched engine, where lab 1 measured a step of 8 decodes for little more than one (its own quiz: a
+    batch of 8 decodes uses each weight it reads for 8 tokens).  What holds is per request: each read serves one of
+    the victim's tokens in decode, many of them in prefill."""
+    q = next(q for q in quiz.load_bank(5) if q["id"] == "lab01-recompute")
+    right = next(a for a in q["answers"] if a["correct"])
+    assert "of its tokens" in right["answer"], right["answer"]
+    assert "other running requests" in right["feedback"]
+
+
 def test_the_longest_option_is_not_a_reliable_cue_for_the_right_one():
     """A learner who always picks the longest option must not pass the quizzes: shuffling hides the position of
     the right answer, not its length.  With 3-4 options chance is about 30%; allow an eighth, so that "pick the
@@ -475,6 +486,21 @@ def test_student_notebooks_hand_over_no_formula():
     text = "\n".join(c.source for p in sorted(LABS.glob("*.ipynb")) for c in _nb(p).cells)
     found = [s for s in HANDED_OVER if s in text]
     assert not found, f"the student notebooks state an exercise's answer: {found}"
+
+
+# A worked example says "not a checker case": its numbers must then be none of a case's, or the learner who follows
+# it has replayed the case instead of applying the method.  Each fragment is a hint's once (the checker's numbers).
+REPLAYS_A_CASE = (
+    ("lab09", "`block_size` 16, `key_blocks` 2"),  # check_prefix_affinity's kw; its 20-token "partial" prompts
+    ("lab05", "0.1 GB/s"),                          # check_swap_or_recompute's "a slow link recomputes" (0.1e9)
+)
+
+
+@pytest.mark.parametrize("lab,fragment", REPLAYS_A_CASE)
+def test_worked_examples_use_numbers_of_their_own(lab, fragment):
+    path = next(LABS.glob(f"{lab}_*.ipynb"))
+    text = "\n".join(c.source for c in _nb(path).cells if c.cell_type == "markdown")
+    assert fragment not in text, f"{path.name}: a worked example uses a checker case's numbers: {fragment!r}"
 
 
 def test_lab03_fallback_is_the_engine_not_a_solution_copy():

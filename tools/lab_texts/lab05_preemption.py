@@ -314,7 +314,8 @@ from its preemption to its next decode: how many trips over the link does its KV
 A worked example (not a checker case): a victim with 320 computed tokens in 20 blocks of 0.5 MB, a link of
 2 GB/s, a prefill rate of 6,400 tokens/s. Recomputing takes 320 / 6,400 = 0.05 s = 50 ms. The KV is
 20 × 0.5 MB = 10 MB; one trip over the link takes 10 MB / 2 GB/s = 5 ms, and it makes two (out now, back before it
-decodes): 10 ms. 10 ms < 50 ms: swap. On a 0.1 GB/s link one trip takes 100 ms, two take 200 ms > 50 ms: recompute.
+decodes): 10 ms. 10 ms < 50 ms: swap. On a 0.25 GB/s link one trip takes 40 ms, two take 80 ms > 50 ms: recompute
+(counting one trip, 40 ms < 50 ms, would have swapped).
 </details>
 """),
 ("code", r"""

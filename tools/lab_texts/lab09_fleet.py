@@ -162,7 +162,7 @@ Send requests that share a prefix to the replica that has it cached. The key of 
 
 How long should the key be? It must reach **past what every request shares**. This app's system prompts are
 256 tokens, 16 blocks: a key of 8 blocks would read only the system prompt, give every chat of one app the same key,
-and send all of them to one replica (spill-over would then scatter the excess at random). The walkthrough above used
+and send all of them to one replica (spill-over would then send the excess to whichever replica is least loaded, with no regard for its cache). The walkthrough above used
 `key_blocks=20`: the system prompt plus the first 64 tokens of the conversation, which tell chats apart while turn
 after turn of one chat still shares them.
 
@@ -186,9 +186,9 @@ bisect) and their replicas.
 </details>
 <details><summary>Hint 2</summary>
 
-A worked example of the key (not a checker case): `block_size` 16, `key_blocks` 2. A 50-token prompt has 3 full
-blocks; the key reads 2 of them, its first 32 tokens. A 20-token prompt has 1 full block: the key reads 16 tokens.
-A 10-token prompt has none: the key reads all 10.
+A worked example of the key (not a checker case): `block_size` 8, `key_blocks` 3. A 50-token prompt has 6 full
+blocks; the key reads 3 of them, its first 24 tokens. A 13-token prompt has 1 full block: the key reads 8 tokens.
+A 6-token prompt has none: the key reads all 6.
 </details>
 <details><summary>Hint 3</summary>
 
