@@ -680,12 +680,11 @@ def test_an_idle_stretch_between_requests_is_not_measured_as_step_time_or_prefil
 
     for k in range(3):
         serve([5 + k] * 32)
-    rate_before = engine.scheduler.costs.prefill_tokens_per_s
     ex.advance_to(ex.now() + 60.0)  # a quiet minute
     serve([9] * 32)
     assert engine.step_time_s <= max(durations)
-    # no step prefilled slower than 32 tokens in the longest step: the estimate may not fall below that
-    assert engine.scheduler.costs.prefill_tokens_per_s >= min(rate_before, 32 / max(durations))
+    # (the prefill rate's side is test_prefill_rate_fit's quiet-minute test: one request at a time never feeds
+    # the fit a trusted rate, so a bound on it here held whether or not the quiet minute was counted)
 
 
 def test_auto_mode_on_a_real_model_starts_from_a_measured_prefill_rate_not_a_guess(tmp_path, monkeypatch):

@@ -91,6 +91,23 @@ def test_the_fit_follows_a_machine_that_changes():
     assert abs(rate * 2 * B - 1) < 0.10, f"learnt {rate:.0f} tokens/s, true {1 / (2 * B):.0f}"
 
 
+def test_a_quiet_minute_between_bursts_is_not_fitted_as_a_step():
+    """A server steps only while it has work: the wait for the next burst is idle time, and ``add_request``
+    restarts the step clock when it ends.  Counted as one step (60 s with a prefill in it), the quiet minute
+    poisons the fit: its residual holds the fit's noise far above any slope for hundreds of steps (decay 0.98), so
+    the rate is frozen at whatever it was -- the next burst's 40 requests learn nothing.  Oracle: the known
+    ``1 / b``; the fit is trusted again, and right, after the quiet minute."""
+    ex = LinearSteps()
+    engine = busy_engine(ex)
+    serve_busy_stream(engine, 60)
+    ex.advance_to(ex.now() + 60.0)  # a quiet minute
+    ex.b = 2 * B  # the machine changed meanwhile: only a fit that still learns notices
+    serve_busy_stream(engine, 60, seed=2)
+    assert engine._prefill_fit.rate() is not None, "the quiet minute was fitted as a step"
+    rate = engine.scheduler.costs.prefill_tokens_per_s
+    assert abs(rate * 2 * B - 1) < 0.10, f"learnt {rate:.0f} tokens/s, true {1 / (2 * B):.0f}"
+
+
 def test_one_request_at_a_time_keeps_the_probes_rate():
     """Served one by one, every step is either a whole prefill with no decode or one decode with no prefill:
     prefill tokens are a linear function of decode rows, so a step's time cannot be split between them (the
@@ -146,6 +163,20 @@ def test_the_fit_guards_against_too_few_collinear_negative_and_absurd_samples():
         p = 10 * (i % 7)
         far.add(p, i % 3, A + 0.1 * p)
     assert far.rate() is None
+
+
+def test_a_decay_that_can_never_gather_min_steps_of_weight_is_refused():
+    """The decayed weight tends to ``1 / (1 - decay)``; at decay 0.9 that is 10, never above the default
+    ``min_steps`` of 10, so 1,000 clean steps left :meth:`rate` at ``None`` for good.  Refused when built."""
+    import pytest
+
+    for bad in (0.9, 0.5, 0.0, 1.5):
+        with pytest.raises(ValueError, match="decay"):
+            PrefillRateFit(1000.0, decay=bad)
+    ok = PrefillRateFit(1000.0, decay=0.95)  # keeps 20 steps' weight
+    for i in range(200):
+        ok.add(10 * (i % 7), i % 3, A + B * 10 * (i % 7) + C * (i % 3))
+    assert abs(ok.rate() * B - 1) < 1e-6
 
 
 def test_a_caller_given_rate_or_cost_model_is_not_fitted():

@@ -301,15 +301,17 @@ def _step_seqs(workload: str, step) -> list[tuple]:
     """A recorded step's sequences, ``[(start, tokens, samples), ...]``; a step of another shape is a ValueError.
 
     Step logs are read from files (``--explain``), so a hand-made or truncated one is an error that says
-    which workload it is in, not an ``IndexError`` from deep inside the comparison.
+    which workload it is in, not an ``IndexError`` or ``TypeError`` from deep inside the comparison.  A step
+    runs at least one sequence, and ``start`` and ``tokens`` are counts (the cost model adds them up).
     """
     try:
         seqs = [tuple(q) for q in step[2]]
-        if isinstance(step[1], (int, float)) and all(len(q) == 3 for q in seqs):
+        if (isinstance(step[1], (int, float)) and seqs and all(len(q) == 3 for q in seqs)
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for q in seqs for x in q[:2])):
             return seqs
     except (TypeError, IndexError, KeyError):
         pass
-    raise ValueError(f"workload {workload!r}: step {step!r} is not [index, seconds, [[start, tokens, samples], ...]]")
+    raise ValueError(f"workload {workload!r}: step {step!r} is not [began_s, seconds, [[start, tokens, samples], ...]]")
 
 
 def explain(result: dict, doc: dict) -> dict:
@@ -326,8 +328,12 @@ def explain(result: dict, doc: dict) -> dict:
     """
     from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
 
+    if not isinstance(doc, dict) or not isinstance(result.get("workloads"), dict):
+        raise ValueError("the calibration and the result's workloads must be JSON objects")
     shape, spec = ModelShape.from_dict(doc.get("model")), HardwareSpec.from_dict(doc.get("hardware"))
-    block = doc.get("engine", {}).get("block_size", 16)  # a result's own calibration block carries no engine
+    block = (doc.get("engine") or {}).get("block_size", 16)  # a result's own calibration block carries no engine
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"the calibration's engine block_size must be a positive integer, got {block!r}")
 
     def kind(seqs) -> str:
         return "prompt" if any(n > 1 for _, n, _ in seqs) else "decode"
@@ -340,6 +346,8 @@ def explain(result: dict, doc: dict) -> dict:
         if not isinstance(w, dict):
             raise ValueError(f"workload {name!r} is not an object")
         logs = w.get("real_step_logs") or []
+        if not isinstance(logs, list) or not all(isinstance(log, list) for log in logs):
+            raise ValueError(f"workload {name!r}: real_step_logs is not a list of runs, each a list of steps")
         by_kind: dict[str, dict] = {}
         for log in logs:
             for step in log:
@@ -469,9 +477,17 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--resimulate {args.resimulate!r} is not a sim_accuracy result (no 'workloads')")
             lacks = [k for k, kind in (("scale", (int, float)), ("engine", dict), ("workloads", dict))
                      if not isinstance(result.get(k), kind)]
-            lacks += [f"workloads.{w}" for w, row in result.get("workloads", {}).items()
+            workloads = result.get("workloads")
+            lacks += [f"workloads.{w}" for w, row in (workloads.items() if isinstance(workloads, dict) else ())
                       if not (isinstance(row, dict) and isinstance(row.get("requests"), int)
                               and isinstance(row.get("real_runs"), list))]
+            engine = result.get("engine")
+            # sim_engine's sizes, as a run records them (ENGINE); block_size comes from the profile
+            lacks += [f"engine.{k}" for k in ENGINE
+                      if isinstance(engine, dict) and not isinstance(engine.get(k), int)]
+            if isinstance(engine, dict) and set(engine) - set(ENGINE):
+                raise ValueError(f"--resimulate {args.resimulate!r}: engine has unknown fields "
+                                 f"{', '.join(sorted(map(str, set(engine) - set(ENGINE))))}")
             if lacks:  # a hand-edited or truncated result: say what is missing, not a KeyError traceback
                 raise ValueError(f"--resimulate {args.resimulate!r} lacks {', '.join(lacks)} "
                                  "(a sim_accuracy result records each workload's requests and real_runs)")

@@ -156,6 +156,12 @@ class PrefillRateFit:
 
     def __init__(self, prior: float, *, decay: float = 0.98, min_steps: float = 10.0, min_t: float = 3.0,
                  max_ratio: float = 20.0):
+        # the weight seen tends to 1 / (1 - decay): at or below min_steps (decay 0.9 with the default 10) no fit
+        # would ever be trusted, and the probe's rate would stand for ever without a word (the tolerance: in
+        # floats the weight at decay 0.9 settles just under 10 while 1 / (1 - 0.9) computes just over it)
+        if not 0.0 < decay <= 1.0 or (1.0 - decay) * min_steps >= 1.0 - 1e-9:
+            raise ValueError(f"decay must be in (0, 1] and keep more than min_steps ({min_steps}) steps' weight, "
+                             f"got {decay} (it keeps {1.0 / (1.0 - decay) if 0.0 < decay < 1.0 else 0.0:.1f})")
         self.prior, self.decay, self.min_steps, self.min_t, self.max_ratio = prior, decay, min_steps, min_t, max_ratio
         self.w = self.mp = self.md = self.mt = 0.0
         self.cpp = self.cpd = self.cdd = self.cpt = self.cdt = self.ctt = 0.0
