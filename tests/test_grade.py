@@ -66,7 +66,8 @@ def test_full_marks_zero_and_partial_for_every_lab(lab: Lab, tmp_path):
 def test_a_bug_only_the_hidden_cases_see_costs_the_points(tmp_path):
     """A paged_slots that special-cases the visible inputs passes the checker, not the grader."""
     lab = get_lab(2)
-    visible = "{(): 0, (1,): 16, (16,): 16, (17,): 32, (1, 16, 17, 40): 112, (3, 5, 7): 15, (0, 5): 16}"
+    visible = ("{(): 0, (1,): 16, (16,): 16, (17,): 32, (1, 16, 17, 40): 112, (3, 5, 7): 15, (0, 5): 16, "
+               "(16, 16, 5, 5): 64}")
     path = _with_cell(ROOT / "solutions" / f"{lab.stem}.ipynb", tmp_path / f"{lab.stem}.ipynb", "paged_slots",
                       lambda s: s.replace("### BEGIN SOLUTION",
                                           f"### BEGIN SOLUTION\n    return {visible}.get(tuple(seq_lens), 0)", 1))

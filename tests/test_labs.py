@@ -253,7 +253,8 @@ def test_hidden_cases_catch_planted_bugs_on_their_own(lab, ex):
 def test_hidden_cases_defeat_a_lookup_table():
     """An answer that memorises the visible cases passes the checker and fails the hidden cases."""
     visible = {((), 16): 0, ((1,), 16): 16, ((16,), 16): 16, ((17,), 16): 32, ((1, 16, 17, 40), 16): 112,
-               ((3, 5, 7), 1): 15, ((0, 5), 16): 16}
+               ((3, 5, 7), 1): 15, ((0, 5), 16): 16,
+               ((16, 16, 5, 5), 16): 64}
 
     def memorised(seq_lens, block_size):
         return visible.get((tuple(seq_lens), block_size), 0)

@@ -27,6 +27,25 @@ def check_split_step(fn) -> CheckResult:
         ok = all(p + d == e["num_tokens"] for (p, d), e in zip(got, eng.step_log))
         return ok and sum(d for _, d in got) == sum(m for _, m in reqs) - len(reqs)
 
+    def recompute_case(budget):
+        """A pool too small for four requests: the engine preempts (recompute) and later runs a victim's prompt
+        AND its generated tokens again from position 0 -- in one chunk under a big budget (it starts in the
+        prompt and ends past it), in several under a budget of 16 (a chunk of many tokens starts past the
+        prompt).  Oracle: the timeline's own split."""
+        from minivllm.labs.widgets import step_composition
+
+        def case(f):
+            eng = sim_engine(block_size=4, max_num_batched_tokens=budget, num_blocks=12 if budget > 16 else 16)
+            reqs = random_requests(4, seed=2, prompt_range=(5, 30), output_range=(20, 40))
+            run_engine(eng, reqs)
+            lens = {f"r{i}": len(p) for i, (p, _) in enumerate(reqs)}
+            for e in eng.step_log:
+                got, want = f(list(e["seqs"]), dict(lens)), step_composition(e["seqs"], lens)
+                if got != want:
+                    return f"step {e['step']}: seqs {e['seqs']} with prompt_lens {lens} gave {got}, not {want}"
+            return "every step matches"
+        return case
+
     cases = [
         Case("an empty step", lambda f: f([], {}), (0, 0), "no sequences: no tokens of either kind"),
         Case("one whole prompt", lambda f: f([("a", 0, 7)], {"a": 7}), (7, 0),
@@ -34,11 +53,18 @@ def check_split_step(fn) -> CheckResult:
         Case("one decode token", lambda f: f([("a", 7, 1)], {"a": 7}), (0, 1),
              "position 7 of a 7-token prompt is the first OUTPUT token: start >= prompt_len means decode"),
         Case("a 1-token prefill chunk is still prefill", lambda f: f([("a", 6, 1)], {"a": 7}), (1, 0),
-             "don't classify by num_tokens == 1: the last prompt token of a chunked prefill is one token too"),
+             "don't classify by num_tokens == 1 alone: the last prompt token of a chunked prefill is one token too"),
         Case("count tokens, not sequences", lambda f: f([("a", 0, 5), ("b", 3, 1), ("c", 0, 9)], {"a": 12, "b": 3, "c": 20}),
              (14, 1), "add num_tokens for prefill chunks; each decode contributes exactly its 1 token"),
         Case("a whole engine run adds up", engine_case, True,
              "prefill + decode must equal the step's num_tokens, and decode steps = outputs - 1 per request"),
+        Case("a preempted request's recompute is prefill", recompute_case(256), "every step matches",
+             "after a recompute preemption a request runs its prompt and its generated tokens again, from position "
+             "0, in one sequence: it starts inside the prompt, so all of it is prefill -- decide by where a "
+             "sequence starts, not by where it ends, and don't split one sequence between the two kinds"),
+        Case("a recompute chunk past the prompt is prefill", recompute_case(16), "every step matches",
+             "under a small budget the recompute comes in chunks, and a later chunk starts past the prompt: a decode "
+             "computes exactly one token, so a sequence of several tokens is prefill wherever it starts"),
     ]
     return run_checks("split_step", fn, cases)
 
@@ -100,8 +126,8 @@ def hidden_split_step(fn, seed: int) -> CheckResult:
                 if rng.random() < 0.5:
                     start = rng.randint(0, p - 1)
                     seqs.append((rid, start, rng.randint(1, p - start)))
-                else:
-                    seqs.append((rid, rng.randint(p, p + 40), 1))
+                else:  # past the prompt: a decode, or now and then a chunk of a recompute
+                    seqs.append((rid, rng.randint(p, p + 40), 1 if rng.random() < 0.8 else rng.randint(2, 24)))
             if f(list(seqs), dict(lens)) != step_composition(seqs, lens):
                 return f"entry {k} differs"
         return "all 200 match"
@@ -177,15 +203,23 @@ def quiz_prefill_steps_chunked() -> int:
 LAB = Lab(1, "lab01_serving_loop", "The serving loop", quiz="lab01",
           widgets=("next step", "run to end"), exercises=(
     Exercise("split_step", "split_step", check_split_step, points=1, hidden=hidden_split_step, mutants=(
-        ("first output token counted as prefill", "if start >= prompt_lens[request_id]:",
-         "if start > prompt_lens[request_id]:"),
-        ("classifies by chunk size", "if start >= prompt_lens[request_id]:", "if num_tokens == 1:"),
+        ("first output token counted as prefill", "if start >= prompt_lens[request_id] and",
+         "if start > prompt_lens[request_id] and"),
+        ("classifies by chunk size", "if start >= prompt_lens[request_id] and num_tokens == 1:", "if num_tokens == 1:"),
         ("counts sequences, not tokens", "prefill += num_tokens", "prefill += 1"),
         ("returns (decode, prefill)", "return prefill, decode", "return decode, prefill"),
-        ("last prompt token counted as decode", "if start >= prompt_lens[request_id]:",
-         "if start >= prompt_lens[request_id] - 1:"),
+        ("last prompt token counted as decode", "if start >= prompt_lens[request_id] and",
+         "if start >= prompt_lens[request_id] - 1 and"),
         # the signature's container is part of the contract: kills a Case that compares lists and tuples alike
         ("returns a list, not the signature's tuple", "return prefill, decode", "return [prefill, decode]"),
+        ("a recompute chunk running past the prompt counted as decode",
+         "if start >= prompt_lens[request_id] and num_tokens == 1:", "if start + num_tokens > prompt_lens[request_id]:"),
+        ("a recompute chunk starting past the prompt counted as decode",
+         "if start >= prompt_lens[request_id] and num_tokens == 1:", "if start >= prompt_lens[request_id]:"),
+        ("splits a chunk at the prompt's end", "        if start >= prompt_lens[request_id] and num_tokens == 1:\n"
+         "            decode += num_tokens\n        else:\n            prefill += num_tokens\n",
+         "        in_prompt = max(0, min(num_tokens, prompt_lens[request_id] - start))\n"
+         "        prefill += in_prompt\n        decode += num_tokens - in_prompt\n"),
     )),
     Exercise("static_batching", "StaticBatching", check_static_batching, points=1, hidden=hidden_static_batching,
              mutants=(

@@ -165,6 +165,9 @@ def check_paged_slots(fn) -> CheckResult:
         Case("one past the boundary", lambda f: f([17], 16), 32, "17 tokens spill into a second block"),
         Case("several sequences add up", lambda f: f([1, 16, 17, 40], 16), 16 + 16 + 32 + 48,
              "every sequence gets its own blocks: sum the per-sequence reservations"),
+        Case("sequences of the same length each count", lambda f: f([16, 16, 5, 5], 16), 64,
+             "two sequences with equal lengths still hold two sets of blocks: sum over the list itself, not over "
+             "its distinct lengths (a set, or a dict keyed by length, keeps one of each)"),
         Case("block size 1 wastes nothing", lambda f: f([3, 5, 7], 1), 15, "with 1-token blocks reserved == used"),
         Case("an empty sequence reserves nothing", lambda f: f([0, 5], 16), 16,
              "ceil(0 / 16) = 0 blocks: a sequence with no tokens yet holds no block"),
@@ -410,5 +413,7 @@ LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", quiz="lab02",
         ("counts blocks, not slots", "* block_size for n", " for n"),
         ("block size hard-coded to 16", "-(-n // block_size) * block_size", "-(-n // 16) * 16"),
         ("an empty sequence still takes a block", "-(-n // block_size) * block_size", "max(1, -(-n // block_size)) * block_size"),
+        ("one reservation per distinct length", "sum(-(-n // block_size) * block_size for n in seq_lens)",
+         "sum({n: -(-n // block_size) * block_size for n in seq_lens}.values())"),
     )),
 ))

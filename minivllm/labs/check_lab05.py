@@ -460,6 +460,7 @@ def check_victim_policy(cls) -> CheckResult:
     expected_run = _expected_victim_run()
     a, b, c = _R("a", "batch", 40), _R("b", "batch", 12), _R("c", "batch", 25)
     chat_small, batch_big = _R("chat", "chat", 4), _R("big", "batch", 300)
+    voice_small = _R("voice", "voice", 2)
 
     def pick(k, running, protected=("chat",)):
         return k(protected).choose_victim(running)
@@ -488,6 +489,10 @@ def check_victim_policy(cls) -> CheckResult:
              "drop requests whose tenant is protected BEFORE looking for the least work"),
         Case("other tenants can be protected", lambda k: pick(k, [chat_small, batch_big], ("batch",)).request_id, "chat",
              "use the tenants given to __init__, not a hard-coded name"),
+        Case("every listed tenant is protected", lambda k: pick(k, [voice_small, chat_small, batch_big],
+                                                                ("chat", "voice")).request_id, "big",
+             "protected_tenants may name several tenants: spare every one of them, not only the first "
+             "(keep them all, e.g. in a set)"),
         Case("everyone protected: still a victim", lambda k: pick(k, [_R("p", "chat", 50), _R("q", "chat", 20)]).request_id,
              "q", "the engine needs a victim: when all are protected, choose among all of them"),
         Case("returns one of the running requests, unchanged", lambda k: (same_object(k), untouched(k)), (True, True),
@@ -556,6 +561,13 @@ def check_swap_or_recompute(fn) -> CheckResult:
 # -- exercise 3: the door rule -----------------------------------------------------------
 
 
+def _kind(value) -> str:
+    """A value's type as a learner should read it: the bare name for a builtin, else with its module -- numpy 2
+    names its boolean scalar ``bool`` too, and a bare-name check would take ``numpy.bool`` for Python's."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _stats(waiting: int = 0, free: int = 100, running: int = 0, num_blocks: int = 100, cached: int = 0,
            swapped: int = 0) -> dict:
     """``engine.stats()``'s shape: ``free`` blocks on the free list and ``cached`` evictable cached ones, which
@@ -607,7 +619,7 @@ def check_should_reject(fn) -> CheckResult:
              "2 blocks on the free list but 40 more hold cached KV nobody uses: the allocator evicts them on demand. "
              "Read stats['available_blocks'], not stats['free_blocks']"),
         Case("the stats are only read", frozen, True, "don't change the dict: the engine's counters are not yours"),
-        Case("the answer is a bool", lambda f: [type(f(s, 4, 16)).__name__ for s in (
+        Case("the answer is a bool", lambda f: [_kind(f(s, 4, 16)) for s in (
             _stats(), _stats(waiting=4), _stats(waiting=1, free=15), _stats(waiting=0, free=0))], ["bool"] * 4,
              "return True or False: `waiting and free < min_free` is 0 (an int) when nobody waits -- "
              "compare instead (waiting > 0)"),
@@ -656,7 +668,11 @@ def hidden_swap_or_recompute(fn, seed: int) -> CheckResult:
             bpb = rng.choice([4096, 256 * 1024, 1_000_000, 2 * 1024 * 1024])
             link = rng.choice([1e8, 1e9, 8e9, 25e9, 64e9, rng.uniform(1e8, 1e11)])
             rate = rng.choice([1e3, 5e3, 2e4, 5e4, rng.uniform(1e3, 1e5)])
-            if rng.random() < 0.1:  # an exact tie: swap time == recompute time
+            if rng.random() < 0.1:  # an exact tie: swap time == recompute time, in powers of two, so that every
+                # order of the same arithmetic lands on it (2 * 392 * 262144 / 205520896 is 1.0, but
+                # 392 * (262144 / 205520896) * 2 is 0.9999999999999999: a right answer would read a "swap")
+                blocks = 2 ** rng.randint(0, 8)
+                tokens, bpb = blocks * rng.choice([1, 8, 16, 32]), rng.choice([4096, 256 * 1024, 2 * 1024 * 1024])
                 link, rate = 2 * blocks * bpb, tokens
             kw = dict(bytes_per_block=bpb, link_bytes_per_s=link, prefill_tokens_per_s=rate)
             if f(tokens, blocks, **kw) != reference_swap_or_recompute(tokens, blocks, **kw):
@@ -729,6 +745,8 @@ LAB = Lab(5, "lab05_preemption", "Preemption", quiz="lab05",
         ("no victim when everyone is protected", " or list(running)", ""),
         ("prompt length instead of computed work", "key=lambda r: r.num_computed_tokens", "key=lambda r: r.num_prompt_tokens"),
         ("hard-coded tenant", "self.protected = set(protected_tenants)", 'self.protected = {"chat"}'),
+        ("only the first protected tenant", "self.protected = set(protected_tenants)",
+         "self.protected = {protected_tenants[0]}"),
         ("sorts the engine's list in place", "candidates = [r for r in running",
          "running.sort(key=lambda r: r.num_computed_tokens)\n        candidates = [r for r in running"),
     )),

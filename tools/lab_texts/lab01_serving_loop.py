@@ -204,7 +204,10 @@ plt.show()
 
 Each entry of `engine.step_log` lists the sequences of a step as `(request_id, start, num_tokens)`: the request ran
 `num_tokens` tokens starting at position `start`. Write `split_step(seqs, prompt_lens)` that returns
-`(prefill_tokens, decode_tokens)` for one step. Careful: a chunked prefill can end with a 1-token chunk.
+`(prefill_tokens, decode_tokens)` for one step. Careful: a chunked prefill can end with a 1-token chunk. And a
+request that was preempted to free memory (lab 5 shows how) later computes its prompt *and the tokens it had
+already generated* again, as prefill, in chunks when the budget is small: a chunk of many tokens can start past the
+prompt.
 
 Try it without help first; open the hints one at a time.
 
@@ -214,8 +217,9 @@ Decide per sequence, then add up tokens, not sequences: one entry of `seqs` can 
 </details>
 <details><summary>Hint 2</summary>
 
-What a sequence is doing depends on *where* it starts, not on how many tokens it runs: is the token at `start` still
-part of the prompt, or an output token the model sampled earlier?
+Start from *where* a sequence starts: is the token at `start` still part of the prompt, or an output token the model
+sampled earlier? Then, for one that starts past the prompt: how many tokens does a decode step compute for its
+request, and what else could many tokens past the prompt be?
 </details>
 <details><summary>Hint 3</summary>
 
@@ -230,7 +234,7 @@ def split_step(seqs: list[tuple[str, int, int]], prompt_lens: dict[str, int]) ->
     ### BEGIN SOLUTION
     prefill = decode = 0
     for request_id, start, num_tokens in seqs:
-        if start >= prompt_lens[request_id]:
+        if start >= prompt_lens[request_id] and num_tokens == 1:
             decode += num_tokens
         else:
             prefill += num_tokens
