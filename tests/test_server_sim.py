@@ -951,3 +951,30 @@ def test_a_scheduler_that_admits_no_one_is_a_500_naming_the_deadlock_and_the_ser
         policy.refuse = False
         served = httpx.post(base + "/v1/completions", json=body, timeout=60)
         assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 5
+
+
+def test_an_oversize_prompt_is_a_400_even_while_the_door_sheds_load():
+    """A prompt longer than ``max_model_len`` can never run, so it is a 400 whether or not the queue is full.
+
+    Found by a sustained-overload soak: with ``--max-waiting-requests`` and the queue full, such a prompt got
+    the door's 429 "retry after 1 s" (its length was only checked by the engine, behind the door), so a client
+    that honours ``Retry-After`` retried a request that can never succeed until the burst ended, adding load.
+    Here the door is shut outright (a full queue, deterministically)."""
+    from minivllm.server.door import DoorRule
+
+    class _Shut(DoorRule):
+        def closed(self, stats: dict) -> bool:
+            return True
+
+    engine = _paced_engine(max_len=32, fixed_overhead_s=0.001)
+    with _Served(engine, None, door=_Shut(max_waiting=1)) as srv:
+        cmpl = httpx.post(srv.base + "/v1/completions", timeout=30,
+                          json={"model": "sim", "prompt": list(range(10, 50)), "max_tokens": 1})
+        chat = httpx.post(srv.base + "/v1/chat/completions", timeout=30,
+                          json={"model": "sim", "messages": [{"role": "user", "content": "word " * 60}]})
+        fits = httpx.post(srv.base + "/v1/completions", timeout=30,
+                          json={"model": "sim", "prompt": list(range(10, 20)), "max_tokens": 1})
+    assert cmpl.status_code == 400 and cmpl.json()["error"]["param"] == "prompt", cmpl.text
+    assert "max_model_len" in cmpl.json()["error"]["message"]
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    assert fits.status_code == 429 and fits.headers["Retry-After"] == "1"  # the door still sheds what could run

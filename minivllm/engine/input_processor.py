@@ -22,6 +22,17 @@ from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 
 
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room for one output token: one that fills the context can never run.
+
+    One rule for both doors a prompt comes in by: the engine's (:meth:`InputProcessor.process`) and the HTTP
+    server's, which checks before its admission door so such a prompt is a 400, never a 429 to retry.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: "
+                         "no room for even one output token")
+
+
 def check_priority_deadline(priority, deadline) -> None:
     """The scheduling fields a caller sets, checked at the boundary (``ValueError``)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -89,11 +100,7 @@ class InputProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         max_len = self.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {max_len}: "
-                f"no room for even one output token"
-            )
+        check_prompt_fits(len(token_ids), max_len)
         max_tokens = min(params.max_tokens or max_len, max_len - len(token_ids))
         samples: list[Request] = []
         for i in range(params.n):

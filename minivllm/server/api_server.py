@@ -63,6 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minivllm.config import TenantConfig
+from minivllm.engine.input_processor import check_prompt_fits
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -433,17 +434,26 @@ class OpenAIServer:
             prompt["cache_salt"] = json.dumps([tenant, salt])  # scoped to the caller's own tenant
         return prompt
 
-    def _check_room(self, num_prompt_tokens: int, max_tokens: int | None, field: str) -> None:
+    def _check_room(self, num_prompt_tokens: int, max_tokens: int | None, field: str,
+                    prompt_field: str = "prompt") -> None:
         """A prompt plus an explicit ``max_tokens`` past the context is a 400, as OpenAI and vLLM answer.
 
         The engine itself clamps ``max_tokens`` to the room left (``LLM.generate`` callers get what fits);
         a client that asked for N tokens over HTTP is told instead of quietly getting fewer.  A completion
         request without ``max_tokens`` asks for OpenAI's default of 16, which is checked the same way; a chat
-        request without ``max_tokens`` (or ``max_completion_tokens``) may fill the context.  A prompt alone
-        too long is the engine's error.
+        request without ``max_tokens`` (or ``max_completion_tokens``) may fill the context.
+
+        A prompt alone too long is refused here too (the engine would refuse it with the same words), because
+        this runs *before* the door: checked only by the engine, behind the door, such a prompt got the door's
+        429 while the queue was full, and a client honouring ``Retry-After`` retried a request that can never run.
         """
         limit = self.max_model_len
-        if max_tokens is None or not limit or num_prompt_tokens >= limit or num_prompt_tokens + max_tokens <= limit:
+        if limit:
+            try:
+                check_prompt_fits(num_prompt_tokens, limit)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "invalid_request_error", prompt_field, "invalid_value") from None
+        if max_tokens is None or not limit or num_prompt_tokens + max_tokens <= limit:
             return
         raise APIError(400, f"{field} is too large: {max_tokens}. This model's maximum context length is {limit} "
                             f"tokens and your request has {num_prompt_tokens} input tokens "
@@ -568,7 +578,7 @@ class OpenAIServer:
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = getattr(req, field)
         params = self._sampling_params(req, max_tokens, field)
-        self._check_room(len(ids), max_tokens, field)
+        self._check_room(len(ids), max_tokens, field, "messages")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = int(time.time())
 
