@@ -978,3 +978,45 @@ def test_an_oversize_prompt_is_a_400_even_while_the_door_sheds_load():
     assert "max_model_len" in cmpl.json()["error"]["message"]
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
     assert fits.status_code == 429 and fits.headers["Retry-After"] == "1"  # the door still sheds what could run
+
+
+def test_a_request_that_could_never_run_is_a_400_even_while_the_door_sheds_load():
+    """The same for a request over its tenant's KV cap, which the engine refuses as "could never run": the soak
+    found it answered with the door's 429 while the queue was full (under three_class, an agent request past its
+    class's cap); the server now asks the engine (:meth:`LLMEngine.never_runs`) before its door.  (A request
+    bigger than the whole pool cannot reach it: the config makes the pool hold one max_model_len request.)"""
+    from minivllm.config import TenantConfig
+    from minivllm.server.door import DoorRule
+
+    class _Shut(DoorRule):
+        def closed(self, stats: dict) -> bool:
+            return True
+
+    # 32 blocks of 16 tokens (one 512-token request); tenant "small" may hold a quarter: 8 blocks, 128 tokens
+    engine = _paced_engine(blocks=32, max_len=512, fixed_overhead_s=0.001,
+                           tenants={"small": TenantConfig(max_kv_share=0.25)})
+    with _Served(engine, {"ks": "small", "kb": "big"}, door=_Shut(max_waiting=1)) as srv:
+        def post(path, key, body):
+            return httpx.post(srv.base + path, timeout=30, json={"model": "sim", **body},
+                              headers={"Authorization": f"Bearer {key}"})
+        capped = post("/v1/completions", "ks", {"prompt": list(range(10, 20)), "max_tokens": 200})
+        streamed = post("/v1/completions", "ks", {"prompt": list(range(10, 20)), "max_tokens": 119, "stream": True})
+        big = post("/v1/completions", "kb", {"prompt": list(range(10, 20)), "max_tokens": 200})
+        fits = post("/v1/completions", "ks", {"prompt": list(range(10, 20)), "max_tokens": 40})
+    for r in (capped, streamed):  # 10 + 119 tokens: one over the cap's 128
+        assert r.status_code == 400 and "its KV cap" in r.json()["error"]["message"], r.text
+    for r in (big, fits):  # the door still sheds what could run
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+
+
+def test_never_runs_names_the_pool_and_the_tenant_cap():
+    """The engine's own answer, which add_request and the server share: the pool first, then the tenant's cap."""
+    from minivllm.config import TenantConfig
+
+    engine = _paced_engine(blocks=32, max_len=512, tenants={"small": TenantConfig(max_kv_share=0.25)})
+    assert engine.never_runs(128, "small") is None and engine.never_runs(512, "big") is None
+    assert "tenant 'small' may hold at most 128 (its KV cap)" in engine.never_runs(129, "small")
+    assert "whole pool holds 512" in engine.never_runs(513, "big")
+    with pytest.raises(ValueError, match="its KV cap"):
+        engine.add_request({"prompt_token_ids": list(range(10, 30))}, SamplingParams(max_tokens=200), tenant="small")
+    assert engine.pool.num_free == 32

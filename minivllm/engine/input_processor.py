@@ -33,6 +33,13 @@ def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
                          "no room for even one output token")
 
 
+def output_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The output tokens a request is given: what it asked for (``None``: as many as fit), clamped to the room
+    its prompt leaves in the context.  The engine sizes a request's KV worst case by it, and the server asks
+    the same question before its door (:meth:`~minivllm.engine.llm_engine.LLMEngine.never_runs`)."""
+    return min(max_tokens or max_model_len, max_model_len - num_prompt_tokens)
+
+
 def check_priority_deadline(priority, deadline) -> None:
     """The scheduling fields a caller sets, checked at the boundary (``ValueError``)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
@@ -101,7 +108,7 @@ class InputProcessor:
             raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
         max_len = self.max_model_len
         check_prompt_fits(len(token_ids), max_len)
-        max_tokens = min(params.max_tokens or max_len, max_len - len(token_ids))
+        max_tokens = output_room(len(token_ids), params.max_tokens, max_len)
         samples: list[Request] = []
         for i in range(params.n):
             req = Request(

@@ -283,6 +283,23 @@ class LLMEngine:
         return self.kv.prefix_cache
 
     # -- public API ---------------------------------------------------------
+    def never_runs(self, max_total_tokens: int, tenant: str) -> str | None:
+        """Why a request that may come to hold ``max_total_tokens`` tokens of KV could never run here, or ``None``.
+
+        Alone in the pool it must fit the whole pool, and its tenant's KV cap.  Asked by :meth:`add_request`,
+        and by the HTTP server before its admission door, so a request that can never run is a 400 there rather
+        than a 429 whose client would retry it.  Reads only sizes fixed at start-up: safe from any thread.
+        """
+        bs = self.config.block_size
+        if not self.kv.could_ever_hold(max_total_tokens):
+            return (f"needs up to {max_total_tokens} tokens of KV but the whole pool holds "
+                    f"{self.pool.num_blocks * bs}; it could never run")
+        cap = self.scheduler.caps.max_blocks_for(tenant) if self.scheduler.caps is not None else None
+        if cap is not None and blocks_for(max_total_tokens, bs) > cap:
+            return (f"needs up to {max_total_tokens} tokens of KV but tenant {tenant!r} may hold at most "
+                    f"{cap * bs} (its KV cap); it could never run")
+        return None
+
     def add_request(
         self,
         prompt: str | dict | list[int],
@@ -332,17 +349,9 @@ class LLMEngine:
         )
         if params.n > 1 and any(r.request_id in self.requests or r.request_id in self._groups for r in samples):
             raise ValueError(f"request id {request_id!r} clashes with a sample id of a request in the engine")
-        if not self.kv.could_ever_fit(samples[0]):
-            raise ValueError(
-                f"request {request_id!r} needs up to {samples[0].max_total_tokens} tokens of KV but the whole "
-                f"pool holds {self.pool.num_blocks * self.config.block_size}; it could never run"
-            )
-        cap = self.scheduler.caps.max_blocks(samples[0]) if self.scheduler.caps is not None else None
-        if cap is not None and blocks_for(samples[0].max_total_tokens, self.config.block_size) > cap:
-            raise ValueError(
-                f"request {request_id!r} needs up to {samples[0].max_total_tokens} tokens of KV but tenant "
-                f"{samples[0].tenant!r} may hold at most {cap * self.config.block_size} (its KV cap); it could never run"
-            )
+        why = self.never_runs(samples[0].max_total_tokens, samples[0].tenant)
+        if why is not None:
+            raise ValueError(f"request {request_id!r} {why}")
         if params.n > 1:
             self._groups[request_id] = samples
         if not self.scheduler.has_work():  # the engine was idle: time its next step from now, not from the last

@@ -233,9 +233,9 @@ class KVCacheManager:
         cow = int(self._last_block_is_shared(req))
         return max(0, blocks_for(req.max_total_tokens, self.block_size) - len(req.block_ids)) + cow
 
-    def could_ever_fit(self, req: Request) -> bool:
-        """Would this request fit the whole pool if it were alone?"""
-        return blocks_for(req.max_total_tokens, self.block_size) <= self.pool.num_blocks
+    def could_ever_hold(self, num_tokens: int) -> bool:
+        """Would ``num_tokens`` tokens of one request fit the whole pool if it were alone?"""
+        return blocks_for(num_tokens, self.block_size) <= self.pool.num_blocks
 
     def usage(self) -> float:
         """Fraction of blocks held by requests (cached-only blocks count as free)."""

@@ -220,7 +220,12 @@ class CapTable:
 
     def max_blocks(self, req: Request) -> int | None:
         """The most blocks ``req`` may ever hold under its caps (None: no KV cap)."""
-        caps = [g.max_blocks for g in self.groups(req) if g.max_blocks is not None]
+        return self.max_blocks_for(req.tenant)
+
+    def max_blocks_for(self, tenant: str) -> int | None:
+        """The most blocks a request of ``tenant`` may ever hold (None: no KV cap).  Built from the config, not
+        read from the per-tenant cache, so another thread (the server, before its door) may ask."""
+        caps = [g.max_blocks for g in self._groups.get(tenant) or self._build(tenant) if g.max_blocks is not None]
         return min(caps) if caps else None
 
 

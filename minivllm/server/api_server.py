@@ -63,7 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minivllm.config import TenantConfig
-from minivllm.engine.input_processor import check_prompt_fits
+from minivllm.engine.input_processor import check_prompt_fits, output_room
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -463,7 +463,15 @@ class OpenAIServer:
     async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str,
                       prompt_field: str = "prompt") -> tuple[str, RequestStream]:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        if self.door is not None and self.door.closed(door_snapshot(self.engine.engine, self._passing)):
+        # a request that could never run is a 400 whatever the load: checked before the door, whose 429 would
+        # have its client retry it (the engine asks the same when it adds the request)
+        engine, num_prompt = self.engine.engine, len(prompt["prompt_token_ids"])
+        if self.max_model_len:
+            total = num_prompt + output_room(num_prompt, params.max_tokens, self.max_model_len)
+            why = engine.never_runs(total, tenant)
+            if why is not None:
+                raise APIError(400, f"this request {why}", "invalid_request_error", None, "invalid_value")
+        if self.door is not None and self.door.closed(door_snapshot(engine, self._passing)):
             retry = str(max(1, math.ceil(self.door.retry_after_s)))
             metrics = self.engine.metrics
             if metrics is not None:  # the engine never sees this request: only here can an operator's alert count it
