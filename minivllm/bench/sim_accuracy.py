@@ -194,7 +194,7 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
 
 def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall",
         model: str | None = None, device: str = "auto", dtype: str = "auto", real_repeats: int = 2,
-        calibration_repeats: int = 3, freeze_heap: bool = True) -> dict:
+        calibration_repeats: int = 3, freeze_heap: bool = True, checkpoint=None) -> dict:
     """Calibrate (or load ``profile``), then real vs simulated on the held-out workloads.
 
     ``model`` (an HF directory, e.g. a random-weight Llama-3.2-1B on a GPU machine
@@ -202,24 +202,36 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     ``freeze_heap``: once the real engine is built, freeze what is alive out of the
     garbage collector while measuring, as ``minivllm serve`` does
     (:mod:`minivllm.engine.startup`); ``False`` measures with the live heap, as
-    results before 2026-12-02 did.
+    results before 2026-12-02 did.  ``checkpoint(doc)``, if given, is called with the result so far once
+    the profile is ready and after each workload (see :func:`_against_real`).
     """
     from minivllm.sim.calibrate import real_engine
 
     load_before = os.getloadavg()
     t_start = time.perf_counter()
     real = real_engine(clock=clock, model=model, device=device, dtype=dtype, **ENGINE)
+    def document(doc: dict, frozen: int) -> dict:
+        host = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"}
+        return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "clock": clock, "host": host, **doc, "gc_frozen_objects": frozen,
+                "seconds": time.perf_counter() - t_start}
+
     with frozen_heap() if freeze_heap else contextlib.nullcontext(0) as frozen:
-        doc = _against_real(real, scale, profile, names, out or sys.stdout, model, real_repeats, calibration_repeats)
-    host = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"}
-    return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "clock": clock,
-            "host": host, **doc, "gc_frozen_objects": frozen, "seconds": time.perf_counter() - t_start}
+        doc = _against_real(real, scale, profile, names, out or sys.stdout, model, real_repeats, calibration_repeats,
+                            checkpoint=checkpoint and (lambda part: checkpoint(document(part, frozen))))
+    return document(doc, frozen)
 
 
 def _against_real(real, scale: float, profile: str | None, names, out, model: str | None, real_repeats: int,
-                  calibration_repeats: int) -> dict:
-    """:func:`run`'s measurements on the built ``real`` engine: calibration, then each held-out workload."""
+                  calibration_repeats: int, checkpoint=None) -> dict:
+    """:func:`run`'s measurements on the built ``real`` engine: calibration, then each held-out workload.
+
+    ``checkpoint(doc)`` is called with the result so far (``unfinished_workloads`` naming those still to run)
+    once the profile is ready and after each workload.  Why: on a lent GPU the run has a time box, and a run
+    ended by it used to leave nothing -- not the calibration, not the workloads already measured -- so the
+    next step that needed the profile failed too.
+    """
     import torch
 
     from minivllm.sim.calibrate import calibrate, calibration_grid, format_profile, measure
@@ -262,7 +274,22 @@ def _against_real(real, scale: float, profile: str | None, names, out, model: st
 
     drift = first / reference
     rows = {}
-    for name in names or WORKLOADS:
+    names = list(names or WORKLOADS)
+
+    def result() -> dict:
+        within, adjusted = within_10pct(rows), within_10pct(rows, "rel_error_drift_adjusted")
+        doc_so_far = {"engine": ENGINE, "scale": scale, "real_repeats": real_repeats,
+                      "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
+                      "workloads": rows, "within_10pct": f"{sum(within)}/{len(within)}",
+                      "probe": {"groups": list(PROBE_GROUPS), "calibration_s": ref_s, "reference_s": reference,
+                                "seconds": probes, "reference": "calibration" if calibrated else "first probe"},
+                      "within_10pct_drift_adjusted": f"{sum(adjusted)}/{len(adjusted)}", "_profile": doc}
+        unfinished = [n for n in names if n not in rows]
+        return dict(doc_so_far, unfinished_workloads=unfinished) if unfinished else doc_so_far
+
+    if checkpoint:
+        checkpoint(result())
+    for name in names:
         reqs = workload_requests(name, real.tokenizer, scale, vocab_size=shape.vocab_size)
         measured = [measure(real, reqs) for _ in range(max(1, real_repeats))]
         recs_real = [rec for _, rec in measured]
@@ -279,6 +306,8 @@ def _against_real(real, scale: float, profile: str | None, names, out, model: st
             rows[name]["rel_error_drift_adjusted"] = compare(rows[name]["real_runs"], m_adj)["rel_error"]
         print(f"  {name}: {len(reqs)} requests, real runs {', '.join(f'{r.wall_s:.1f}' for r in recs_real)} s, "
               f"probe x{before:.3f} before, x{drift:.3f} after", file=out, flush=True)
+        if checkpoint:
+            checkpoint(result())
     print("\n" + format_table(rows), file=out)
     within = within_10pct(rows)
     print(f"{sum(within)}/{len(within)} metrics within 10%", file=out)
@@ -290,11 +319,7 @@ def _against_real(real, scale: float, profile: str | None, names, out, model: st
         spreads = [e for r in rows.values() for e in r["real_spread"].values() if e is not None]
         print(f"the real engine's own run-to-run spread: median {100 * statistics.median(spreads):.1f}%, "
               f"max {100 * max(spreads):.1f}% ({real_repeats} runs per workload)", file=out)
-    return {"engine": ENGINE, "scale": scale, "real_repeats": real_repeats, "calibration": {k: doc[k] for k in ("hardware", "fit", "model")},
-            "workloads": rows, "within_10pct": f"{sum(within)}/{len(within)}",
-            "probe": {"groups": list(PROBE_GROUPS), "calibration_s": ref_s, "reference_s": reference, "seconds": probes,
-                      "reference": "calibration" if calibrated else "first probe"},
-            "within_10pct_drift_adjusted": f"{sum(adjusted)}/{len(adjusted)}", "_profile": doc}
+    return result()
 
 
 def _step_seqs(workload: str, step) -> list[tuple]:
@@ -506,19 +531,26 @@ def main(argv: list[str] | None = None) -> int:
             write_result(args.out, kept, "python -m minivllm.bench sim_accuracy", argv)
             print(f"wrote {args.out}")
         return 0
-    doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
-              dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats,
-              freeze_heap=not args.live_heap)
-    if args.save_profile and not args.profile:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
-        with open(args.save_profile, "w", encoding="utf-8") as fh:
-            json.dump(doc.pop("_profile"), fh, indent=1)
-        print(f"wrote {args.save_profile}")
-    doc.pop("_profile", None)
     suffix = "" if args.clock == "wall" else "_cputime"
     path = args.out or os.path.join("benchmarks", "results",
                                     f"{time.strftime('%Y-%m-%d')}_cpu-{os.cpu_count()}core_sim_accuracy{suffix}.json")
-    write_result(path, doc, "python -m minivllm.bench sim_accuracy", argv)
+
+    def save(doc: dict) -> None:
+        """The profile (a fresh calibration's) and the result so far, on disk: a time box that ends the run
+        keeps them (tools/gpu_checks.sh packs what a step left, and its next step reads the profile)."""
+        if args.save_profile and not args.profile:
+            os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
+            with open(args.save_profile, "w", encoding="utf-8") as fh:
+                json.dump(doc["_profile"], fh, indent=1)
+        write_result(path, {k: v for k, v in doc.items() if k != "_profile"}, "python -m minivllm.bench sim_accuracy",
+                     argv)
+
+    doc = run(args.scale, args.profile, args.workload, clock=args.clock, model=args.model, device=args.device,
+              dtype=args.dtype, real_repeats=args.real_repeats, calibration_repeats=args.calibration_repeats,
+              freeze_heap=not args.live_heap, checkpoint=save)
+    save(doc)
+    if args.save_profile and not args.profile:
+        print(f"wrote {args.save_profile}")
     print(f"wrote {path}")
     return 0
 
