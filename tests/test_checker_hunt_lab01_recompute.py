@@ -8,12 +8,10 @@ or splitting it at the prompt's end, passed both.  Oracle: the timeline's split
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 from minivllm.labs import check_lab01
 from minivllm.labs.widgets import step_composition
 from minivllm.labs.workloads import random_requests, run_engine, sim_engine
+from tests.checker_verdicts import accepts, refuses
 
 
 def _by_end(seqs, prompt_lens):
@@ -44,16 +42,6 @@ def _by_start_only(seqs, prompt_lens):  # the lab's reference before a chunked r
     return prefill, decode
 
 
-def _reference(seqs, prompt_lens):
-    prefill = decode = 0
-    for rid, start, n in seqs:
-        if start >= prompt_lens[rid] and n == 1:
-            decode += n
-        else:
-            prefill += n
-    return prefill, decode
-
-
 def test_the_checkers_run_has_recompute_chunks_and_both_wrong_answers_miscount_them():
     eng = sim_engine(block_size=4, max_num_batched_tokens=256, num_blocks=12)
     reqs = random_requests(4, seed=2, prompt_range=(5, 30), output_range=(20, 40))
@@ -63,20 +51,16 @@ def test_the_checkers_run_has_recompute_chunks_and_both_wrong_answers_miscount_t
     assert chunks, "the run no longer preempts: the case tests nothing"
     rid, start, n = chunks[0]
     seqs = [(rid, start, n)]
-    assert step_composition(seqs, lens) == _reference(seqs, lens) == (n, 0)
+    assert step_composition(seqs, lens) == (n, 0)
     assert _by_end(seqs, lens) == (0, n)
     assert _split_at_prompt_end(seqs, lens) == (lens[rid], n - lens[rid])
 
 
 def test_answers_that_misread_a_recompute_chunk_fail_the_checker():
     for wrong in (_by_end, _split_at_prompt_end):
-        with contextlib.redirect_stdout(io.StringIO()) as out:
-            result = check_lab01.check_split_step(wrong)
-        assert not result and result.failed_case == "a preempted request's recompute is prefill", out.getvalue()
-        assert "where a sequence starts" in out.getvalue()
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert check_lab01.check_split_step(_reference)
-        assert check_lab01.check_split_step(step_composition)
+        refuses(check_lab01.check_split_step, wrong, "a preempted request's recompute is prefill",
+                "where a sequence starts")
+    accepts(check_lab01.check_split_step, step_composition)  # (the lab's own answer: tests/test_labs.py)
 
 
 def test_a_chunked_recompute_starting_past_the_prompt_is_prefill():
@@ -90,7 +74,5 @@ def test_a_chunked_recompute_starting_past_the_prompt_is_prefill():
     lens = {f"r{i}": len(p) for i, (p, _) in enumerate(reqs)}
     past = [(r, s, n) for e in eng.step_log for r, s, n in e["seqs"] if s >= lens[r] and n > 1]
     assert past, "the run no longer recomputes in chunks: the case tests nothing"
-    assert all(step_composition([c], lens) == _reference([c], lens) == (c[2], 0) for c in past)
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        result = check_lab01.check_split_step(_by_start_only)
-    assert not result and result.failed_case == "a recompute chunk past the prompt is prefill", out.getvalue()
+    assert all(step_composition([c], lens) == (c[2], 0) for c in past)
+    refuses(check_lab01.check_split_step, _by_start_only, "a recompute chunk past the prompt is prefill")

@@ -6,10 +6,8 @@ Oracle: :func:`minivllm.labs.workloads.reserved_slots_paged`, the reservation th
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 from minivllm.labs import check_lab02, workloads
+from tests.checker_verdicts import accepts, refuses
 
 
 def _per_distinct_length(seq_lens, block_size):
@@ -19,10 +17,7 @@ def _per_distinct_length(seq_lens, block_size):
 def test_a_reservation_per_distinct_length_fails_the_checker():
     assert workloads.reserved_slots_paged([16, 16, 5, 5], 16) == 64
     assert _per_distinct_length([16, 16, 5, 5], 16) == 32  # two sequences' blocks never counted
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        result = check_lab02.check_paged_slots(_per_distinct_length)
-    assert not result and result.failed_case == "sequences of the same length each count", out.getvalue()
-    assert "distinct lengths" in out.getvalue()
+    refuses(check_lab02.check_paged_slots, _per_distinct_length, "sequences of the same length each count",
+            "distinct lengths")
     assert not check_lab02.hidden_paged_slots(_per_distinct_length, 7)
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert check_lab02.check_paged_slots(workloads.reserved_slots_paged)
+    accepts(check_lab02.check_paged_slots, workloads.reserved_slots_paged)

@@ -7,10 +7,8 @@ and lost its points only in the grader's hidden cases.  Oracle: the rule itself,
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 from minivllm.labs import check_lab04
+from tests.checker_verdicts import accepts, refuses
 
 _MEASURED: dict = {}
 
@@ -31,9 +29,5 @@ def test_a_pick_budget_that_caches_measurements_across_calls_fails():
     assert check_lab04.engine_pick_budget(check_lab04._Measure(slow), list(fast), 0.030) == 128
     assert _pick_with_global_cache(check_lab04._Measure(slow), list(fast), 0.030) == 512  # the first sweep's answer
     _MEASURED.clear()
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        result = check_lab04.check_pick_budget(_pick_with_global_cache)
-    assert not result and result.failed_case == "every call measures afresh", out.getvalue()
-    assert "a cache in a global" in out.getvalue()
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert check_lab04.check_pick_budget(check_lab04.engine_pick_budget)
+    refuses(check_lab04.check_pick_budget, _pick_with_global_cache, "every call measures afresh", "a cache in a global")
+    accepts(check_lab04.check_pick_budget, check_lab04.engine_pick_budget)

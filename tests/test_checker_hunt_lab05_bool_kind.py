@@ -6,12 +6,10 @@ learner loses at grading.  Oracle: the exercise's ``-> bool`` and the hidden cas
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import numpy as np
 
 from minivllm.labs import check_lab05
+from tests.checker_verdicts import accepts, refuses
 
 
 def _numpy_door(stats, max_waiting, min_free_blocks):
@@ -22,9 +20,5 @@ def _numpy_door(stats, max_waiting, min_free_blocks):
 def test_a_door_returning_numpy_bool_fails_the_visible_checker_as_it_fails_the_grader():
     assert not isinstance(_numpy_door(check_lab05._stats(waiting=4), 4, 16), bool)
     assert not check_lab05.hidden_should_reject(_numpy_door, 7)
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        result = check_lab05.check_should_reject(_numpy_door)
-    assert not result and result.failed_case == "the answer is a bool", out.getvalue()
-    assert "numpy" in out.getvalue()
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert check_lab05.check_should_reject(check_lab05.engine_should_reject)
+    refuses(check_lab05.check_should_reject, _numpy_door, "the answer is a bool", "numpy")
+    accepts(check_lab05.check_should_reject, check_lab05.engine_should_reject)

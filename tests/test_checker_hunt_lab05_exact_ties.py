@@ -7,11 +7,11 @@ rule lost the exercise's points for the tie rule they had right.  Oracle: exact 
 
 from __future__ import annotations
 
-import contextlib
-import io
 from fractions import Fraction
 
+from tests.checker_verdicts import accepts
 from minivllm.labs import check_lab05
+from tests.checker_verdicts import accepts, refuses
 
 
 def _per_block_seconds(num_tokens, num_blocks, *, bytes_per_block, link_bytes_per_s, prefill_tokens_per_s):
@@ -30,8 +30,7 @@ def test_the_per_block_formula_is_the_rule_on_a_tie():
     assert _exact(3131, 392, **kw) == "recompute"  # 1 s either way: a tie recomputes
     assert check_lab05.reference_swap_or_recompute(3131, 392, **kw) == "recompute"
     assert 392 * (262144 / (2 * 392 * 262144)) * 2 < 1.0  # the per-block grouping rounds a hair under
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert check_lab05.check_swap_or_recompute(_per_block_seconds)
+    accepts(check_lab05.check_swap_or_recompute, _per_block_seconds)
 
 
 def test_the_hidden_ties_do_not_depend_on_how_the_arithmetic_is_grouped():

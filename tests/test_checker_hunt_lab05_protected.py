@@ -6,10 +6,8 @@ took the points).  Oracle: the lab's fallback :class:`~minivllm.labs.check_lab05
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 from minivllm.labs import check_lab05
+from tests.checker_verdicts import accepts, refuses
 
 
 class _FirstTenantOnly:
@@ -29,9 +27,5 @@ def test_a_policy_that_protects_only_the_first_tenant_fails_the_checker():
     protected = ("chat", "voice")
     assert check_lab05.ReferenceVictim(protected).choose_victim(running).request_id == "big"
     assert _FirstTenantOnly(protected).choose_victim(running).request_id == "voice"  # a protected tenant preempted
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        result = check_lab05.check_victim_policy(_FirstTenantOnly)
-    assert not result and result.failed_case == "every listed tenant is protected", out.getvalue()
-    assert "not only the first" in out.getvalue()
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert check_lab05.check_victim_policy(check_lab05.ReferenceVictim)
+    refuses(check_lab05.check_victim_policy, _FirstTenantOnly, "every listed tenant is protected", "not only the first")
+    accepts(check_lab05.check_victim_policy, check_lab05.ReferenceVictim)

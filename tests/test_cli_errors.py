@@ -393,65 +393,22 @@ _STORED_RESULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__
                               "2026-12-04_cpu-2core_sim_accuracy_stop44.json")
 
 
+def _edited_result(tmp_path, change) -> str:
+    """A copy of a stored sim_accuracy result, edited by ``change`` as a person (or a cut-short run) might."""
+    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
+    change(result)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
 @pytest.mark.parametrize("change, needle", [
     (lambda r: r.update(calibration={}), "ModelShape needs"),
     (lambda r: r["calibration"].pop("hardware"), "HardwareSpec needs"),
     (lambda r: r["calibration"]["model"].update(num_layers="12"), "num_layers must be a positive integer"),
     (lambda r: r["workloads"].update(w=5), "workload 'w' is not an object"),
     (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1]]]}), "step [0, 0.1] is not"),
-    (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1, [[0, 5]]]]]}), "is not [began_s, seconds"),
-])
-def test_sim_accuracy_explain_hand_made_results(tmp_path, capsys, change, needle):
-    """A result edited by hand (or cut short) is a one-line error naming what is wrong: these were a bare
-    ``KeyError: 'model'``, a ``TypeError`` from ``ModelShape(**...)`` and an ``IndexError`` from a step."""
-    import json
-
-    from minivllm.bench.sim_accuracy import main
-
-    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
-    change(result)
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
-    with pytest.raises(SystemExit) as exc:
-        main(["--explain", str(path)])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
-
-
-def test_sim_accuracy_explain_reads_a_well_formed_hand_made_step(tmp_path, capsys):
-    """The checks above refuse only what is malformed: one hand-written prompt step is explained."""
-    import json
-
-    from minivllm.bench.sim_accuracy import main
-
-    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
-    result["workloads"] = {"w": {"real_step_logs": [[[0, 0.1, [[0, 5, 1]]]]]}}
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
-    assert main(["--explain", str(path)]) == 0
-    row = capsys.readouterr().out.splitlines()[1].split()
-    assert row[:3] == ["w", "prompt", "1"] and row[5] == "100.0ms", row
-
-
-@pytest.mark.parametrize("change, needle", [
-    (lambda r: r.pop("scale"), "lacks scale"),
-    (lambda r: r["workloads"]["decode_heavy"].pop("real_runs"), "lacks workloads.decode_heavy"),
-    (lambda r: r.update(engine=None), "lacks engine"),
-])
-def test_sim_accuracy_resimulate_hand_made_results(tmp_path, capsys, change, needle):
-    """``--resimulate`` reads the same files: a missing field is named (it was a ``KeyError`` traceback)."""
-    import json
-
-    from minivllm.bench.sim_accuracy import main
-
-    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
-    change(result)
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
-    _returns_error(main(["--resimulate", str(path), "--profile", "cpu-2core"]), capsys, needle)
-
-
-@pytest.mark.parametrize("change, needle", [
+    (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1, [[0, 5]]]]]}), "is not [began_s"),
     (lambda r: r.update(workloads=[1, 2]), "must be JSON objects"),
     (lambda r: r.update(calibration=[1]), "must be JSON objects"),
     (lambda r: r["calibration"].update(engine={"block_size": "16"}), "block_size must be a positive integer"),
@@ -460,39 +417,42 @@ def test_sim_accuracy_resimulate_hand_made_results(tmp_path, capsys, change, nee
     (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1, [["a", "b", "c"]]]]]}), "is not [began_s"),
     (lambda r: r["workloads"].update(w={"real_step_logs": [[[0, 0.1, []]]]}), "is not [began_s"),
 ])
-def test_sim_accuracy_explain_malformed_beyond_missing_fields(tmp_path, capsys, change, needle):
-    """The shapes past a missing field were still tracebacks: a list where the workloads or the calibration
-    belong (``AttributeError``), a step log that is not a list or a step of strings (``TypeError``), a step with
-    no sequence (``ZeroDivisionError``: its prediction is 0 s).  Each is now the one-line error it promises."""
-    import json
-
+def test_sim_accuracy_explain_hand_made_results(tmp_path, capsys, change, needle):
+    """A result edited by hand (or cut short) is a one-line error naming what is wrong.  These were a bare
+    ``KeyError: 'model'``, a ``TypeError`` from ``ModelShape(**...)``, an ``AttributeError`` for a list where an
+    object belongs, an ``IndexError`` or ``TypeError`` from a step, a ``ZeroDivisionError`` for a step with no
+    sequence (its prediction is 0 s)."""
     from minivllm.bench.sim_accuracy import main
 
-    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
-    change(result)
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
     with pytest.raises(SystemExit) as exc:
-        main(["--explain", str(path)])
+        main(["--explain", _edited_result(tmp_path, change)])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and needle in err and "Traceback" not in err, err
 
 
+def test_sim_accuracy_explain_reads_a_well_formed_hand_made_step(tmp_path, capsys):
+    """The checks above refuse only what is malformed: one hand-written prompt step is explained."""
+    from minivllm.bench.sim_accuracy import main
+
+    path = _edited_result(tmp_path, lambda r: r.update(workloads={"w": {"real_step_logs": [[[0, 0.1, [[0, 5, 1]]]]]}}))
+    assert main(["--explain", path]) == 0
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:3] == ["w", "prompt", "1"] and row[5] == "100.0ms", row
+
+
 @pytest.mark.parametrize("change, needle", [
+    (lambda r: r.pop("scale"), "lacks scale"),
+    (lambda r: r["workloads"]["decode_heavy"].pop("real_runs"), "lacks workloads.decode_heavy"),
+    (lambda r: r.update(engine=None), "lacks engine"),
     (lambda r: r.update(workloads=[1, 2]), "lacks workloads"),  # the check itself called .items() on the list
     (lambda r: r["engine"].pop("num_blocks"), "lacks engine.num_blocks"),  # was sim_engine()'s TypeError
     (lambda r: r["engine"].update(block_size=16), "engine has unknown fields block_size"),
 ])
-def test_sim_accuracy_resimulate_malformed_engine_and_workloads(tmp_path, capsys, change, needle):
-    import json
-
+def test_sim_accuracy_resimulate_hand_made_results(tmp_path, capsys, change, needle):
+    """``--resimulate`` reads the same files: what is missing or unknown is named (they were tracebacks)."""
     from minivllm.bench.sim_accuracy import main
 
-    result = json.loads(open(_STORED_RESULT, encoding="utf-8").read())
-    change(result)
-    path = tmp_path / "r.json"
-    path.write_text(json.dumps(result))
-    _returns_error(main(["--resimulate", str(path), "--profile", "cpu-2core"]), capsys, needle)
+    _returns_error(main(["--resimulate", _edited_result(tmp_path, change), "--profile", "cpu-2core"]), capsys, needle)
 
 
 def test_sim_accuracy_explain_and_profile_bad_files(tmp_path, capsys):
