@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from tests.checker_verdicts import accepts
 from minivllm.labs import check_lab05
-from tests.checker_verdicts import accepts, refuses
+from tests.checker_verdicts import accepts
 
 
 def _per_block_seconds(num_tokens, num_blocks, *, bytes_per_block, link_bytes_per_s, prefill_tokens_per_s):
