@@ -10,7 +10,8 @@ simulator vs the real engine on held-out workloads), ``linear`` (the model's pro
 ``eager_step`` (where a step that carries prompt tokens spends its time: spread, idle, GC, profile),
 ``activations`` (peak activation memory of one forward against the token budget), ``gpu_e2e`` (the engine
 end to end on a CUDA GPU: Triton vs torch backend, CUDA graphs, nano-vllm's workload vs HF ``generate``),
-``fairness`` (noisy vs quiet tenant per scheduling policy, Jain's index, three classes; simulated).
+``fairness`` (noisy vs quiet tenant per scheduling policy, Jain's index, three classes; simulated),
+``prefill_rate`` (auto preemption's learnt prefill rate on a busy stream against a plain prefill).
 """
 
 import importlib
@@ -31,6 +32,7 @@ NAMES = {
     "linear": "minivllm.bench.linear",
     "eager_step": "minivllm.bench.eager_step",
     "activations": "minivllm.bench.activations",
+    "prefill_rate": "minivllm.bench.prefill_rate",
 }
 
 
