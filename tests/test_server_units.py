@@ -15,6 +15,7 @@ import pytest
 
 from minivllm.metrics.prometheus import EngineMetrics
 from minivllm.metrics.scrape import metric_samples, metric_value
+from minivllm.sampling_params import SamplingParams
 from minivllm.server.api_server import APIError, OpenAIServer, _retry_after
 from minivllm.server.door import DoorRule
 
@@ -26,13 +27,16 @@ def test_reject_retry_after_is_the_engines_hint_rounded_up_to_whole_seconds(hint
 
 
 def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
+    asked = []  # a request that could never run is refused before the door: the engine is asked first
     engine = SimpleNamespace(scheduler=SimpleNamespace(waiting=[object()]),
-                             kv=SimpleNamespace(num_available_blocks=100))
+                             kv=SimpleNamespace(num_available_blocks=100),
+                             never_runs=lambda total, tenant: asked.append((total, tenant)))
     metrics = EngineMetrics("m")
     srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics), ["m"], 64,
                        DoorRule(max_waiting=1, retry_after_s=2.5))
     with pytest.raises(APIError) as err:
-        asyncio.run(srv._submit({"prompt_token_ids": [1, 2]}, None, "alice", "cmpl"))
+        asyncio.run(srv._submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4), "alice", "cmpl"))
+    assert asked == [(6, "alice")]  # 2 prompt tokens + 4 asked
     assert (err.value.status, err.value.code) == (429, "queue_full")
     assert err.value.headers == {"Retry-After": "3"}
     s = metric_samples(metrics.render().decode())

@@ -20,6 +20,35 @@ def test_write_result_refuses_a_doc_that_would_replace_its_own_keys(tmp_path):
     assert doc["command"] == "python -m minivllm.bench x --flag" and "cpus" in doc["machine"] and doc["arch"] == "x86_64"
 
 
+def test_a_result_rewrite_cut_off_half_way_leaves_the_file_before_it(tmp_path, monkeypatch):
+    """``sim_accuracy`` rewrites its result (and profile) after each workload so that the time box that ends a GPU
+    run keeps them; ``timeout`` kills it at any moment, a rewrite included.  Written in place, the file was
+    truncated by ``open(path, "w")`` and left half-written: the checkpoint before it was lost too.  Oracle: the
+    first write, read back after a second one is cut off half-way through its text."""
+    import json
+
+    from minivllm.bench import results
+
+    path = tmp_path / "r.json"
+    write_result(path, {"workloads": {"a": 1}}, "python -m minivllm.bench x", [])
+    first = json.loads(path.read_text())
+
+    def killed_half_way(obj, fh, **kw):
+        fh.write(json.dumps(obj)[:20])
+        fh.flush()
+        raise KeyboardInterrupt  # stands for the SIGTERM: nothing after this line runs
+
+    monkeypatch.setattr(results.json, "dump", killed_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        write_result(path, {"workloads": {"a": 1, "b": 2}}, "python -m minivllm.bench x", [])
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == first
+    # a link (like --out /dev/stdout) is written through, not replaced by a file of its own name
+    link = tmp_path / "link.json"
+    link.symlink_to(path)
+    write_result(link, {"workloads": {}}, "python -m minivllm.bench x", [])
+    assert link.is_symlink() and json.loads(path.read_text())["workloads"] == {}
+
 def test_a_request_keeps_its_letter_colour_whatever_its_prefix():
     """The README figure names requests "req A", "req B", "req C": a trailing lone letter is the request's letter,
     so B and C get the colours B and C get everywhere else (before, both hashed to the same colour)."""

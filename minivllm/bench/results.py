@@ -48,9 +48,28 @@ def write_result(path: str | os.PathLike, doc: dict[str, Any], prog: str,
         raise ValueError(f"write_result adds {sorted(clash)} itself; name the benchmark's own key differently")
     args = list(sys.argv[1:] if argv is None else argv)
     full = {"command": " ".join([prog, *args]), "machine": machine(), **doc}
+    write_json(path, json_safe(full))
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all: written to a file beside it, then renamed over it.
+
+    Why: ``sim_accuracy`` rewrites its result and profile after each workload so that a time box that kills it
+    keeps them; a kill (``timeout``'s SIGTERM) while a plain ``open(path, "w")`` was writing left a truncated
+    file, losing the checkpoint written before it too.  A rename within one directory is atomic.  A path that
+    is not a plain file (``--out /dev/stdout``, a pipe, a link) is written through, as it always was: a rename
+    would replace the device or the link itself.
+    """
+    path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(json_safe(full), fh, indent=1)
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=1)
+        return
+    partial = path + ".partial"
+    with open(partial, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1)
+    os.replace(partial, path)
 
 
 def times(ratio: float, above: str, below: str, digits: int = 2) -> str:

@@ -48,7 +48,7 @@ import time
 
 from minivllm.argtypes import output_file, positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
-from minivllm.bench.results import write_result
+from minivllm.bench.results import write_json, write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import nearest_rank
 
@@ -539,9 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         """The profile (a fresh calibration's) and the result so far, on disk: a time box that ends the run
         keeps them (tools/gpu_checks.sh packs what a step left, and its next step reads the profile)."""
         if args.save_profile and not args.profile:
-            os.makedirs(os.path.dirname(os.path.abspath(args.save_profile)), exist_ok=True)
-            with open(args.save_profile, "w", encoding="utf-8") as fh:
-                json.dump(doc["_profile"], fh, indent=1)
+            write_json(args.save_profile, doc["_profile"])
         write_result(path, {k: v for k, v in doc.items() if k != "_profile"}, "python -m minivllm.bench sim_accuracy",
                      argv)
 

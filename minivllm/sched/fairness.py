@@ -223,8 +223,9 @@ class CapTable:
         return self.max_blocks_for(req.tenant)
 
     def max_blocks_for(self, tenant: str) -> int | None:
-        """The most blocks a request of ``tenant`` may ever hold (None: no KV cap).  Built from the config, not
-        read from the per-tenant cache, so another thread (the server, before its door) may ask."""
+        """The most blocks a request of ``tenant`` may ever hold (None: no KV cap).  Read from the per-tenant
+        cache when the engine's thread has filled it, else built from the config without storing it: only the
+        engine's thread writes the cache, so another thread (the server, before its door) may ask."""
         caps = [g.max_blocks for g in self._groups.get(tenant) or self._build(tenant) if g.max_blocks is not None]
         return min(caps) if caps else None
 

@@ -417,8 +417,8 @@ print_answers(1)   # the answer key: run it after you have answered
   read), and why batching decodes is almost free until the arithmetic units are busy — with your measured ratios.
 * The seven steps of `LLMEngine.step()` in order, and which of them samples a request's first token (the step
   that prefills its last prompt token) and which frees its blocks (finish).
-* How to read the step log: prefill chunk vs decode by the position a sequence starts at, and why a 1-token chunk
-  can still be prefill.
+* How to read the step log: prefill chunk vs decode by the position a sequence starts at and the tokens it runs,
+  why a 1-token chunk can still be prefill, and why a recomputed request's chunks past its prompt are too.
 * TTFT vs ITL, and why ITL is reported as percentiles (p50/p99) with the worst gap, not as a mean.
 * Why continuous batching beats static batching when output lengths differ (empty seats), and what the gain
   depends on (how much a step's cost grows with its batch).
