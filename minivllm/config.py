@@ -52,7 +52,8 @@ class TenantConfig:
     * ``weight`` -- its share under ``scheduling_policy="wfq"`` (a tenant of weight 2
       is served twice the tokens of a tenant of weight 1 when both are backlogged).
     * ``max_running`` -- at most this many of its requests hold a seat at once.
-    * ``max_tokens_per_step`` -- at most this many of its tokens in one step's batch.
+    * ``max_tokens_per_step`` -- at most this many of its tokens in one step's batch (held by the
+      scheduler's own step 2; a custom ``batch_builder`` replaces that step, this limit included).
     * ``max_kv_share`` -- at most this fraction of the KV pool's blocks held by its
       running requests (a request that could never fit under it is refused at
       ``add_request``; one that would grow past it preempts its own tenant's work).
@@ -113,8 +114,8 @@ class ThreeClassConfig:
       blocks and seats (rule ``bounded_agent_queue``);
     * ``batch_max_interactive_queue`` -- batch work is admitted only while fewer interactive
       requests than this wait (rule ``batch_only_when_interactive_idle``);
-    * ``tenant_cache_share`` -- prefix caching is on, each tenant's namespace may keep at most
-      this fraction of the pool cached (rule ``capped_prefix_cache``; an explicit
+    * ``tenant_cache_share`` -- prefix caching is on, each tenant (all its cache salts together)
+      may keep at most this fraction of the pool cached (rule ``capped_prefix_cache``; an explicit
       ``prefix_cache_quota_blocks`` wins);
     * ``long_prefill_tokens`` -- no request prefills more than this many tokens in one step, so a
       prompt above it is chunked (rule ``chunk_long_prefills``; vLLM's

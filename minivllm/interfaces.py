@@ -23,7 +23,8 @@ and the real serving loop runs with it:
 * :class:`PrefixCache` -- which cached blocks hold the longest prefix of a
   prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`).
 * :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
-  attends through block tables (plain torch or Triton kernels).
+  attends through block tables (plain torch, a C kernel for CPU decodes, or
+  Triton kernels; see :mod:`minivllm.model.backends`).
 * :class:`Router` -- which replica of a fleet serves a request (round-robin,
   least outstanding tokens, prefix affinity; see :mod:`minivllm.sim.router`).
 * :class:`Tokenizer` -- text to token ids and back (a Hugging Face tokenizer

@@ -57,8 +57,9 @@ _EMA = 0.2  # weight of the newest step in the step-time estimate
 
 
 def _hint(seconds: float) -> float:
-    """A retry hint in milliseconds, never below one: rounded to 0.0, a fast executor's sub-millisecond step
-    would tell a rejected caller to retry at once, into the same full pool (a hint is > 0 by contract)."""
+    """A retry hint in seconds, rounded to the millisecond and never below one millisecond: rounded to 0.0, a
+    fast executor's sub-millisecond step would tell a rejected caller to retry at once, into the same full pool
+    (a hint is > 0 by contract)."""
     return max(round(seconds, 3), 0.001)
 
 
@@ -316,8 +317,9 @@ class LLMEngine:
         ``tenant`` names who sent it (its caps, weight and class come from
         ``EngineConfig.tenants``).  Tenants are a small, fixed set -- the server takes
         them from its API-key table -- because the engine keeps each one's counters
-        for its whole life (about 2.4 KB per name): an end-user id as the tenant would
-        grow them without bound.  ``priority`` (lower first) and ``deadline`` (seconds
+        for its whole life (about 2 KB for a name seen once, up to ~130 KB once its
+        TTFT and ITL windows hold their 2,048 samples each): an end-user id as the
+        tenant would grow them without bound.  ``priority`` (lower first) and ``deadline`` (seconds
         on the executor's clock, like ``arrival_time``) are read by the
         ``"priority"`` and ``"deadline"`` scheduling policies.
         """

@@ -144,8 +144,11 @@ class KVCacheManager:
     def can_provide(self, num_blocks: int) -> bool:
         """Could ``num_blocks`` blocks be handed out now (evicting cached ones if needed)?
 
-        Free blocks are checked first: counting evictable cached blocks walks the
-        cache, so it is only done when the free list alone is not enough.
+        Free blocks are checked first: the engine's caches keep their evictable
+        count up to date (O(1) to ask, see :class:`~minivllm.kv.prefix.base.PinIndex`),
+        but a learner's cache, or one on a pool that cannot report sharing, counts
+        it by a walk over every cached block -- asked only when the free list alone
+        is not enough.
         """
         return num_blocks <= self.pool.num_free or num_blocks <= self.num_available_blocks
 

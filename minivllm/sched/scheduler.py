@@ -22,8 +22,10 @@ Preemption modes (``EngineConfig.preemption_mode``)
   forgotten; it goes back to the *front* of ``waiting`` and prefills again
   (prompt and generated tokens) when readmitted.  Costs compute.
 * ``swap`` -- the victim's KV is copied to a host tier and its device blocks
-  freed; it waits at the front and is swapped back in, ahead of new
-  admissions, as soon as blocks allow.  Costs link traffic (twice its KV bytes).
+  freed; it waits at the front of ``waiting`` and is swapped back in as soon
+  as blocks allow -- ahead of new admissions in queue order (FCFS); a ranking
+  policy (priority, deadline, ...) orders it by its rank like any waiting
+  request.  Costs link traffic (twice its KV bytes).
   When the host tier is full the victim is recomputed instead.
 * ``reject`` -- nothing running is ever preempted: a request is admitted only
   if the pool can hold its *worst case* (prompt + ``max_tokens``) next to the
@@ -53,11 +55,13 @@ Fairness (:mod:`minivllm.sched.fairness`)
 Per-tenant (and, under the three-class preset, per-class) caps are enforced here
 for every policy, through a :class:`~minivllm.sched.fairness.CapTable`: a request
 whose group is at ``max_running`` or would pass its KV cap is held back at
-admission; a group's tokens in one batch never pass ``max_tokens``; a running
-request that would grow its group past the KV cap preempts within its own
-group.  Policies with a ``rank`` also order the prefill chunks of a batch by
+admission; a group's tokens in one batch never pass ``max_tokens`` (in the
+scheduler's own step 2: a :class:`~minivllm.interfaces.BatchBuilder` replaces
+that limit with the rest of step 2, and its answer is not checked against it);
+a running request that would grow its group past the KV cap preempts within
+its own group.  Policies with a ``rank`` also order the prefill chunks of a batch by
 rank, count against an admission's token budget only the running prefills
-ranked ahead of it, and (with ``may_preempt_for``) preempt a worse-ranked
+ranked at or ahead of it, and (with ``may_preempt_for``) preempt a worse-ranked
 running request to seat a better-ranked one (under a global head of line, nothing ranked behind that
 victim is then admitted in the same pass: it would take the victim's room).  Once a victim has been swapped
 out to seat another, no swapped request is swapped back in during the same
@@ -126,8 +130,9 @@ class PrefillRateFit:
     Dividing a mixed step's whole time by all its tokens (the estimate this replaces) charged each prefill token
     a slice of the per-step cost (the weights are read once a step, host work) and of the decode rows riding
     along, which cost far more per token than prefill tokens: on a busy, decode-heavy stream the rate came out
-    about 2x too low (SmolLM2-135M on one CPU thread, chat-sized prompts: 143 tokens/s against 255-285 for a
-    plain prefill of 64-256 tokens; the fit learnt 275 from the same steps), and auto mode swapped victims that
+    1.7x too low (SmolLM2-135M on one quiet CPU thread, chat-sized prompts: 503 tokens/s against 798-840 for a
+    plain prefill of 64-256 tokens; the fit learnt 852 from the same steps --
+    ``benchmarks/results/2026-12-05_cpu-2core_prefill_rate_chat.json``), and auto mode swapped victims that
     were cheaper to recompute.
 
     So each step's time ``T`` is fitted as ``a + b * P + c * D`` (``P`` prefill tokens, ``D`` decode rows) by

@@ -276,8 +276,9 @@ class LeafLru(Generic[K]):
     O(log n); the heap is rebuilt from the dict when stale entries pile up.
 
     Whether a leaf is *evictable* also depends on pool refcounts, which
-    change without the cache being told.  So :meth:`evict` pops leaves in
-    LRU order, asks the owner to evict from each, and pushes back the ones
+    change in the pool; this LRU is not told (the pool reports sharing to the
+    cache's :class:`PinIndex`, which only counts).  So :meth:`evict` pops leaves
+    in LRU order, asks the owner to evict from each, and pushes back the ones
     that turned out to be locked.
     """
 
@@ -477,7 +478,8 @@ class LeafEviction:
 
     Lookup and insertion are one algorithm on either structure (:meth:`match`, :meth:`insert`); what
     differs is how a structure is walked and grown.  A subclass adds its structure (a tree, a dict) after
-    these fields, plus ``num_cached_blocks`` and these hooks:
+    these fields, the protocol members this class does not supply (``num_cached_blocks``, ``is_cached``,
+    ``num_evictable_blocks``, ``extend``) and these hooks:
 
     - ``_walk(namespace, blocks) -> path``: the entries (nodes) holding the longest cached prefix of
       ``blocks``, root first;
@@ -517,7 +519,9 @@ class LeafEviction:
         """See :meth:`~minivllm.interfaces.PrefixCache.insert`.
 
         The part of the sequence already cached keeps its cached blocks (they become the canonical ones,
-        and the caller swaps its duplicates for them); only the blocks past it are cached, below it.
+        reported in the result; the engine does not swap its duplicates for them: a block table is
+        append-only, so ``KVCacheManager.cache_full_blocks`` keeps its own blocks and stops caching); only
+        the blocks past it are cached, below it.
         """
         blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
         path = self._walk(namespace, blocks)
