@@ -357,6 +357,9 @@ def test_fleet_inf_rate_and_an_empty_window(tmp_path, capsys):
     ("prefix_structures", ["--quick", "--rounds", "0", "--structures", "radix"], "--rounds"),
     # below the pool's floor the cache held 154 blocks while the comparison line and the JSON said 50
     ("prefix_structures", ["--sizes", "50", "--requests", "8", "--structures", "radix", "hash"], "--sizes"),
+    ("prefill_rate", ["--output-range", "9,3"], "--output-range"),
+    # a directory failed with "Is a directory" only after the model had loaded and the whole stream had run
+    ("prefill_rate", ["--requests", "1", "--json", "."], "--json"),
 ])
 def test_bench_numbers(monkeypatch, capsys, module, argv, flag):
     import importlib

@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-from minivllm.argtypes import positive_int
+from minivllm.argtypes import output_file, positive_int
 from minivllm.bench.results import write_result
 
 _OLD_EMA = 0.2  # the weight the replaced estimate gave the newest step
@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=positive_int, default=256, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--json", default=None, help="result JSON (default: benchmarks/results/<date>_cpu-<N>core_prefill_rate.json)")
+    ap.add_argument("--json", type=output_file, default=None,
+                    help="result JSON (default: benchmarks/results/<date>_cpu-<N>core_prefill_rate.json)")
     args = ap.parse_args(argv)
 
     import torch
@@ -120,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     terms = step_terms(engine.step_log, prompt_lens)
     learnt = engine.scheduler.costs.prefill_tokens_per_s
-    fit = engine._prefill_fit
     plain = {n: engine.model_runner.measure_prefill_rate(n) for n in (64, 128, 256)}
     with_prefill = [t for t in terms if t[0]]
     doc = {
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "mean_prefill_tokens_in_prefill_steps": sum(p for p, _, _ in with_prefill) / max(1, len(with_prefill)),
         "mean_decode_rows_in_prefill_steps": sum(d for _, d, _ in with_prefill) / max(1, len(with_prefill)),
         "wall_s": wall, "startup_probe_rate": probe, "learnt_rate": learnt,
-        "fit_trusted": fit is not None and fit.rate() is not None,
+        "learnt_from_fit": learnt != probe,  # the probe's rate stands until the fit trusts a slope
         "whole_step_rate_baseline": whole_step_rate(terms, probe), "least_squares": least_squares(terms),
         "plain_prefill_rate": {str(n): r for n, r in plain.items()},
     }
@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(terms)} steps ({len(with_prefill)} with prefill: {doc['mean_prefill_tokens_in_prefill_steps']:.0f} "
           f"prefill tokens and {doc['mean_decode_rows_in_prefill_steps']:.1f} decode rows on average), {wall:.1f} s")
     print(f"start-up probe                  {probe:8.0f} tokens/s")
-    print(f"learnt (marginal fit)           {learnt:8.0f} tokens/s   fit trusted: {doc['fit_trusted']}")
+    print(f"learnt (marginal fit)           {learnt:8.0f} tokens/s   "
+          f"{'fitted' if doc['learnt_from_fit'] else 'the probe still: no fit trusted yet'}")
     print(f"baseline: whole-step average    {doc['whole_step_rate_baseline']:8.0f} tokens/s   (the estimate the fit replaced)")
     print(f"check: least squares, all steps {ls['rate'] or float('nan'):8.0f} tokens/s   "
           f"(a {1e3 * ls['step_s']:.1f} ms, b {1e6 * ls['per_prefill_token_s']:.0f} us/token, "
