@@ -1020,3 +1020,22 @@ def test_never_runs_names_the_pool_and_the_tenant_cap():
     with pytest.raises(ValueError, match="its KV cap"):
         engine.add_request({"prompt_token_ids": list(range(10, 30))}, SamplingParams(max_tokens=200), tenant="small")
     assert engine.pool.num_free == 32
+
+
+def test_best_of_below_n_is_a_400_and_model_cards_keep_their_created_time():
+    """OpenAI: ``best_of`` is "at least n" (``best_of=1, n=2`` was accepted and served two samples), and a model
+    card's ``created`` is a fixed time (it was the time of each call, so two reads of one card differed)."""
+    engine = _paced_engine(fixed_overhead_s=0.001)
+    with _Served(engine) as srv:
+        bad = httpx.post(srv.base + "/v1/completions", timeout=30,
+                         json={"model": "sim", "prompt": [10, 11, 12], "max_tokens": 2, "n": 2, "best_of": 1})
+        ok = httpx.post(srv.base + "/v1/completions", timeout=30,
+                        json={"model": "sim", "prompt": [10, 11, 12], "max_tokens": 2, "n": 1, "best_of": 1})
+        first = httpx.get(srv.base + "/v1/models", timeout=30).json()["data"][0]["created"]
+        time.sleep(1.1)
+        again = httpx.get(srv.base + "/v1/models", timeout=30).json()["data"][0]["created"]
+        card = httpx.get(srv.base + "/v1/models/sim", timeout=30).json()["created"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of", bad.text
+    assert "at least n" in bad.json()["error"]["message"]
+    assert ok.status_code == 200, ok.text
+    assert first == again == card

@@ -367,6 +367,7 @@ class OpenAIServer:
         self.door = door  # load shedding before the queue (--max-waiting-requests); None: everyone queues
         self._passing = 0  # requests past the door whose add the engine thread has not done yet
         self.tokenizer = getattr(async_engine.engine, "tokenizer", None)
+        self._created = int(time.time())  # the models' ``created``: when this server began serving them
 
     # -- helpers --------------------------------------------------------------
     def _check_model(self, name: str | None) -> str:
@@ -397,6 +398,10 @@ class OpenAIServer:
         bad = req.unsupported()
         if bad:
             raise APIError(400, f"{bad} is not supported by minivllm", "invalid_request_error", bad, "unsupported")
+        best_of = getattr(req, "best_of", None)  # completions only; above 1 is refused as unsupported just above
+        if best_of is not None and req.n is not None and best_of < req.n:  # OpenAI: best_of is "at least n"
+            raise APIError(400, f"best_of must be at least n, got best_of={best_of} and n={req.n}",
+                           "invalid_request_error", "best_of", "invalid_value")
         if req.stream_options is not None and not req.stream:  # as vLLM and OpenAI answer
             raise APIError(400, "stream_options can only be given when stream is true", "invalid_request_error",
                            "stream_options", "invalid_value")
@@ -669,14 +674,19 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     async def models(self, request: Request):
-        return ModelList(data=[ModelCard(id=name, max_model_len=self.max_model_len) for name in self.model_names]).model_dump()
+        return ModelList(data=[self._card(name) for name in self.model_names]).model_dump()
 
     async def model(self, request: Request):
         """``GET /v1/models/{model}`` (the client's ``models.retrieve``): its card, or 404 as for a request."""
         if not request.path_params["model"]:  # "/v1/models/": the list, as without the slash
             return await self.models(request)
         name = self._check_model(request.path_params["model"])
-        return ModelCard(id=name, max_model_len=self.max_model_len).model_dump()
+        return self._card(name).model_dump()
+
+    def _card(self, name: str) -> ModelCard:
+        """A model's card, ``created`` when this server started serving it: the same on every call, as OpenAI's
+        is (it was the time of the call, so a client caching cards saw each one change)."""
+        return ModelCard(id=name, max_model_len=self.max_model_len, created=self._created)
 
     async def metrics(self, request: Request):
         m = self.engine.metrics
