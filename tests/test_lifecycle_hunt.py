@@ -22,6 +22,16 @@ from minivllm.sim import SimulatedExecutor
 GUARD_S = 10  # only a hang guard: every wait below ends on an event the code under test must cause
 
 
+async def running_stream(runner: AsyncEngine):
+    """Request "a" (80 tokens, streamed as deltas) added to ``runner``, returned once its first output arrived:
+    a request the engine is still running, for a close or an abort to land on."""
+    stream = await runner.add_request({"prompt_token_ids": [1, 2, 3]},
+                                      SamplingParams(max_tokens=80, ignore_eos=True, output_kind="delta"), "a")
+    first = await asyncio.wait_for(stream.get(), GUARD_S)
+    assert not first.finished
+    return stream
+
+
 class _HeldAtSecondStep(SimulatedExecutor):
     """Holds the loop's second step until the test has queued the close: the close lands while the request
     is still running, however fast the simulated steps are."""
@@ -47,10 +57,7 @@ def test_closing_the_llm_under_a_running_server_ends_its_open_streams_with_engin
         runner = AsyncEngine(llm.engine, idle_poll_s=0.01)
         runner.start()
         try:
-            stream = await runner.add_request({"prompt_token_ids": [1, 2, 3]},
-                                              SamplingParams(max_tokens=80, ignore_eos=True, output_kind="delta"), "a")
-            first = await asyncio.wait_for(stream.get(), GUARD_S)
-            assert not first.finished
+            stream = await running_stream(runner)
             runner._post(llm.close)  # another thread's close runs between two steps, as this does
             executor.gate.set()
             outs = []

@@ -21,6 +21,7 @@ import pytest
 from minivllm import LLM, SamplingParams
 from minivllm.server.async_engine import AsyncEngine, EngineDead
 from minivllm.sim import SimulatedExecutor
+from tests.test_lifecycle_hunt import running_stream
 
 GUARD_S = 10  # only a hang guard: every wait below ends on an event the code under test must cause
 
@@ -72,10 +73,7 @@ def test_a_close_between_the_loops_work_check_and_its_step_ends_the_streams_as_c
         runner = AsyncEngine(engine, idle_poll_s=0.01)
         runner.start()
         try:
-            stream = await runner.add_request({"prompt_token_ids": [1, 2, 3]},
-                                              SamplingParams(max_tokens=80, ignore_eos=True, output_kind="delta"), "a")
-            first = await asyncio.wait_for(stream.get(), GUARD_S)
-            assert not first.finished
+            stream = await running_stream(runner)
             armed.set()
             with pytest.raises(EngineDead, match="closed") as info:
                 while True:
