@@ -138,6 +138,30 @@ def gguf_rope_freq_factors(path: Path) -> list[float] | None:
     return None
 
 
+def gguf_head_dim(path: Path, arch: str) -> int | None:
+    """The width of the GGUF's attention heads (``<arch>.attention.key_length``), or None when it does not say.
+
+    transformers' GGUF config mapping reads this key for a few architectures
+    only (not Qwen3): elsewhere it takes head_dim from hidden/heads or from the
+    config class's default (128 for Qwen3), so a model whose heads are another
+    width was rebuilt with the wrong shapes and could not load.  llama.cpp's
+    converter writes the key whenever the HF config names a head_dim, so it is
+    the file's own answer.  A ``value_length`` unlike it is refused here, before
+    anything is dequantized: one head_dim serves q, k and v in this engine and
+    in transformers' Llama/Qwen classes, so a V head of another width fits neither.
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    key, value = (fields.get(f"{arch}.attention.{name}") for name in ("key_length", "value_length"))
+    key_length = int(key.contents()) if key is not None else None
+    value_length = int(value.contents()) if value is not None else None
+    if value_length is not None and value_length != (key_length or value_length):
+        raise ValueError(f"{path}: {arch}.attention.value_length={value_length} differs from key_length={key_length};"
+                         " only models whose K and V heads have one width (head_dim) are supported")
+    return key_length or value_length
+
+
 def convert_gguf(path: Path) -> Path:
     """Dequantize a GGUF file into a cached HF directory (once) and return the directory."""
     out = _cache_dir_for(path)
@@ -149,12 +173,17 @@ def convert_gguf(path: Path) -> Path:
     from safetensors.torch import save_file
 
     import_off_stack("torch._dynamo")  # see import_off_stack: transformers' model classes import it
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    head_dim = gguf_head_dim(path, arch)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    except RuntimeError as exc:  # transformers reads the shape from metadata it maps (a Qwen3 GGUF's head_dim it
-        # does not: 128 is assumed), and a tensor of another shape fails deep inside it
+        hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        if head_dim is not None:
+            hf_config.head_dim = head_dim
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=hf_config,
+                                                  dtype=torch.float32)
+    except RuntimeError as exc:  # transformers reads the shapes from the metadata it maps, and a tensor of
+        # another shape fails deep inside it
         raise ValueError(f"{path}: transformers cannot rebuild this {arch} GGUF's model ({str(exc)[:300]})") from exc
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")

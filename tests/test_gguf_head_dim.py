@@ -1,0 +1,118 @@
+"""A GGUF whose head_dim is not hidden/heads must load with its own head_dim.
+
+transformers' GGUF config mapping does not read ``qwen3.attention.key_length``
+(llama.cpp's name for head_dim), so it rebuilt a Qwen3 with its config class's
+default head_dim (128) and the q/k/v tensors failed to fit: such a file was
+refused.  Qwen3-0.6B itself has head_dim 128 != 1024/16, so the default only
+hid the gap for checkpoints that happen to use 128.  The oracle is the HF model
+the GGUF is written from: a tiny random Qwen3 with head_dim 24 (hidden/heads is
+16, and neither is 128), written the way ``convert_hf_to_gguf.py`` writes a
+Qwen3 (no q/k permutation, key/value_length set), then served and compared
+logit for logit and token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from tests.test_gguf_rope_freqs import _teacher_forced_logits
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.down_proj": "ffn_down",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+# a byte-level BPE vocabulary of 256 symbols and one merge: the conversion needs a tokenizer, and a tiny one keeps
+# the test fast (the bundled model's 49,152-token one takes seconds to convert)
+VOCAB = [chr(c) for c in range(ord("!"), ord("!") + 256)] + ["!!"]
+
+
+def _write_qwen3_gguf(hf, path, value_length=None):
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    w.add_name("tiny-qwen3")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(value_length or cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(VOCAB)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(VOCAB))
+    w.add_token_merges(["! !"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        a = t.float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        else:
+            parts = name.split(".")
+            module = ".".join(parts[3:-1])
+            if value_length and module == "self_attn.v_proj":  # V heads of their own width, as such a file has
+                a = a[: cfg.num_key_value_heads * value_length]
+            elif value_length and module == "self_attn.o_proj":
+                a = a[:, : cfg.num_attention_heads * value_length].copy()
+            w.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _tiny_qwen3():
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default",
+                                                                                      "rope_theta": 10000.0})
+    hf = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
+    return hf
+
+
+def test_a_qwen3_gguf_with_its_own_head_dim_is_served_like_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    hf = _tiny_qwen3()
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_qwen3_gguf(hf, path)
+
+    llm = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=16)
+    assert llm.engine.model_runner.model.args.head_dim == 24
+    prompt = torch.randint(3, len(VOCAB), (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with torch.inference_mode():
+        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+        ref = hf(torch.tensor([greedy])).logits[0].float()
+    assert prompt + list(out[0].outputs[0].token_ids) == greedy
+    got = _teacher_forced_logits(llm, greedy)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"max relative logit error {rel:.2e}"
+
+def test_v_heads_of_another_width_than_k_heads_are_refused_by_name(tmp_path, monkeypatch):
+    """One head_dim serves q, k and v here (and in transformers' Llama/Qwen): V heads of another width fit
+    neither, and the refusal should name the reason (before, a shape error deep inside transformers)."""
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-qwen3.gguf"
+    _write_qwen3_gguf(_tiny_qwen3(), path, value_length=16)
+    with pytest.raises(ValueError, match=r"value_length=16 differs from key_length=24"):
+        LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=16)
