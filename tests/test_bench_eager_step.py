@@ -7,6 +7,11 @@ and its profile must count one fused QKV, one output, one gate/up and one down p
 the LM head once) -- the number of linear calls is fixed by the architecture, not by the timing.
 """
 
+import json
+
+import pytest
+
+from minivllm.bench import eager_step
 from minivllm.bench.eager_step import run
 from minivllm.sim.presets import bundled_shape
 
@@ -14,7 +19,11 @@ from minivllm.sim.presets import bundled_shape
 def test_eager_step_times_the_prompt_step_and_profiles_the_model():
     # 128 prompt tokens: several times a decode step's work, so the comparison below survives a busy machine
     # (noise only adds time, so it compares the fastest of each)
-    res = run(None, "cpu", "auto", prompt_len=128, repeats=2, gap_s=0.01, profile_steps=1, eager_decode=True)
+    saved = []  # the checkpoints: each the result so far; the result itself is today's shape, no "unfinished"
+    res = run(None, "cpu", "auto", prompt_len=128, repeats=2, gap_s=0.01, profile_steps=1, eager_decode=True,
+              checkpoint=saved.append)
+    assert "unfinished" not in res and [len(doc["unfinished"]) for doc in saved] == [7, 6, 5, 4, 3, 2, 1]
+    assert saved[-1]["unfinished"] == ["decode_profile"] and set(saved[-1]) - {"unfinished"} < set(res)
     for key in ("back_to_back", "after_0.01s_idle", "back_to_back_gc_frozen", "decode_step"):
         s = res[key]
         assert 0 < s["min_ms"] <= s["p50_ms"] <= s["max_ms"], key
@@ -31,3 +40,27 @@ def test_eager_step_times_the_prompt_step_and_profiles_the_model():
     # one decode step runs the same projections once (one row): the Python profile sees them, per step
     calls = {e["function"].split(" ")[0]: e["calls_per_step"] for e in res["decode_python"]}
     assert calls.get("linear") == 4 * bundled_shape().num_layers + 1, res["decode_python"][:5]
+
+
+def test_a_time_boxed_run_keeps_the_measurements_it_finished(tmp_path, monkeypatch):
+    """``tools/gpu_checks.sh`` time-boxes ``bench eager_step``; the result file used to be written only at the end,
+    so a run killed after minutes of timing left nothing.  Oracle: ``run``'s docstring promise -- the file is
+    rewritten after each finished measurement and names the ones still to come (a whole run's result, without
+    ``unfinished``, is checked above).  The interruption: the third measurement raises
+    KeyboardInterrupt (what a SIGINT does; a SIGTERM kills between writes, which are atomic)."""
+    path = tmp_path / "eager.json"
+    argv = ["--device", "cpu", "--prompt-len", "16", "--repeats", "2", "--gap", "0", "--profile-steps", "1",
+            "--json", str(path)]
+    with monkeypatch.context() as m:
+        def killed(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        m.setattr(eager_step, "full_collection_pause", killed)
+        with pytest.raises(KeyboardInterrupt):
+            eager_step.main(argv)
+    doc = json.loads(path.read_text())
+    for key in ("back_to_back", "after_0s_idle"):
+        assert doc[key]["n"] >= 2 and 0 < doc[key]["min_ms"] <= doc[key]["max_ms"], key
+    assert doc["unfinished"] == ["full_collection", "back_to_back_gc_frozen", "decode_step", "profile",
+                                 "decode_profile"]
+    assert doc["command"].startswith("python -m minivllm.bench eager_step") and "machine" in doc

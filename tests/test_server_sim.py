@@ -1009,6 +1009,45 @@ def test_a_request_that_could_never_run_is_a_400_even_while_the_door_sheds_load(
         assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
 
 
+def test_a_shutting_down_server_answers_every_new_request_503_whatever_it_asks():
+    """The module docstring: shutdown refuses new requests (``begin_shutdown``: "Refuse new requests"), and
+    ``/health`` is 503 from then on so load balancers send clients elsewhere.  A request that could never run
+    *here* (a prompt over this server's ``max_model_len``, a tenant over its KV cap) got a 400 instead, once
+    those checks moved before the engine (which answers 503 first), and so did every other request the handler
+    judged before submitting: a draining server told clients "your request is wrong, never retry it" about a
+    replica that is leaving, where another replica may be configured to serve it.  Oracle: the docstring's
+    promise; every new completion request, whatever its body, is a 503 ``shutting_down``."""
+    from minivllm.config import TenantConfig
+
+    engine = _paced_engine(blocks=32, max_len=512, fixed_overhead_s=0.001,
+                           tenants={"small": TenantConfig(max_kv_share=0.25)})
+    ok = {"model": "sim", "prompt": list(range(10, 20)), "max_tokens": 4}
+    asks = {
+        "fits": ok,
+        "prompt over max_model_len": {**ok, "prompt": list(range(10, 530))},
+        "chat over max_model_len": {"model": "sim", "messages": [{"role": "user", "content": "word " * 600}]},
+        "over its tenant's KV cap": {**ok, "max_tokens": 200},
+        "over its tenant's KV cap, streamed": {**ok, "max_tokens": 200, "stream": True},
+        "max_tokens past the context": {**ok, "max_tokens": 600},
+        "a value SamplingParams refuses": {**ok, "temperature": -1},
+        "unknown model": {**ok, "model": "gpt-4"},
+        "malformed JSON": b'{"prompt": [1, 2',
+    }
+    with _Served(engine, {"ks": "small"}) as srv:
+        before = httpx.post(srv.base + "/v1/completions", json=asks["over its tenant's KV cap"], timeout=30,
+                            headers={"Authorization": "Bearer ks"})
+        srv.async_engine.begin_shutdown()  # what SIGINT/SIGTERM do in `minivllm serve`
+        got = {}
+        for what, body in asks.items():
+            path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = httpx.post(srv.base + path, timeout=30, headers={"Authorization": "Bearer ks"}, **kw)
+            got[what] = (r.status_code, r.json()["error"]["code"])
+    assert before.status_code == 400, before.text  # while serving, the same request is the client's fault
+    assert got == {what: (503, "shutting_down") for what in asks}, got
+    assert not engine.requests
+
+
 def test_never_runs_names_the_pool_and_the_tenant_cap():
     """The engine's own answer, which add_request and the server share: the pool first, then the tenant's cap."""
     from minivllm.config import TenantConfig

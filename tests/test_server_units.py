@@ -32,7 +32,7 @@ def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
                              kv=SimpleNamespace(num_available_blocks=100),
                              never_runs=lambda total, tenant: asked.append((total, tenant)))
     metrics = EngineMetrics("m")
-    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics), ["m"], 64,
+    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics, shutting_down=False), ["m"], 64,
                        DoorRule(max_waiting=1, retry_after_s=2.5))
     with pytest.raises(APIError) as err:
         asyncio.run(srv._submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4), "alice", "cmpl"))

@@ -82,9 +82,15 @@ def prompt_step_times(engine, prompt_len: int, repeats: int, vocab: int, gap_s: 
 
 
 def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: int, gap_s: float,
-        profile_steps: int, eager_decode: bool | None = None) -> dict:
+        profile_steps: int, eager_decode: bool | None = None, checkpoint=None) -> dict:
     """The measurements of the module docstring; ``eager_decode`` (default: on a GPU only) adds the decode step
-    of a second engine with CUDA graphs off, and that step's tensor operations."""
+    of a second engine with CUDA graphs off, and that step's tensor operations.
+
+    ``checkpoint(doc)``, if given, is called with the result so far after each finished measurement, with
+    ``unfinished`` naming the keys still to come (the returned result has no such key).  Why: on a lent GPU
+    ``tools/gpu_checks.sh`` time-boxes this step, and a run ended by the box used to leave no file at all,
+    losing the measurements it had already made.
+    """
     import torch
 
     from minivllm.sim.calibrate import real_engine
@@ -102,28 +108,45 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
            "prompt_len": prompt_len, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if torch.cuda.is_available() and engine.config.device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
-    out["back_to_back"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
-    out[f"after_{gap_s:g}s_idle"] = _stats(prompt_step_times(engine, prompt_len, max(3, repeats // 3), vocab, gap_s))
-    out["full_collection"] = full_collection_pause()
-    with frozen_heap():
-        out["back_to_back_gc_frozen"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
-    out["decode_step"] = decode_step_stats(engine, vocab)
     if eager_decode is None:
         eager_decode = out["device"].startswith("cuda")
+    idle = f"after_{gap_s:g}s_idle"
+    parts = ["back_to_back", idle, "full_collection", "back_to_back_gc_frozen", "decode_step",
+             *(["decode_step_eager"] if eager_decode else []), "profile", "decode_profile"]
+
+    def finished() -> None:
+        if checkpoint:
+            checkpoint(dict(out, unfinished=[k for k in parts if k not in out]))
+
+    out["back_to_back"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
+    finished()
+    out[idle] = _stats(prompt_step_times(engine, prompt_len, max(3, repeats // 3), vocab, gap_s))
+    finished()
+    out["full_collection"] = full_collection_pause()
+    finished()
+    with frozen_heap():
+        out["back_to_back_gc_frozen"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
+    finished()
+    out["decode_step"] = decode_step_stats(engine, vocab)
+    finished()
     if eager_decode:  # the same decode step launched kernel by kernel: what the graph saves
         eager = real_engine(model=model, device=device, dtype=dtype, enforce_eager=True)
         decode_step_stats(eager, vocab)  # warm-up
-        out["decode_step_eager"] = decode_step_stats(eager, vocab)
-        out["decode_step_eager"]["tensor_ops"] = forward_ops(eager, lambda: decode_step_stats(eager, vocab, 2))[-1].n
+        eager_stats = decode_step_stats(eager, vocab)
+        eager_stats["tensor_ops"] = forward_ops(eager, lambda: decode_step_stats(eager, vocab, 2))[-1].n
+        out["decode_step_eager"] = eager_stats  # whole or absent: a checkpoint never holds half of it
         del eager
+        finished()
 
     acts = [torch.profiler.ProfilerActivity.CPU]
     if out["device"].startswith("cuda"):
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=acts) as prof:
         prompt_step_times(engine, prompt_len, profile_steps, vocab)
-    out["profile"] = _ops(prof, profile_steps)
-    out["profile"]["tensor_ops_per_step"] = tensor_ops(engine, prompt_len, vocab)
+    profile = _ops(prof, profile_steps)
+    profile["tensor_ops_per_step"] = tensor_ops(engine, prompt_len, vocab)
+    out["profile"] = profile
+    finished()
     out["decode_profile"], out["decode_python"] = _profile_decode(engine, acts, vocab)
     return out
 
@@ -276,7 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=positive_int, default=3)
     ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args(argv)
-    res = run(a.model, a.device, a.dtype, a.prompt_len, a.repeats, a.gap, a.profile_steps)
+
+    def save(doc: dict) -> None:
+        """The result so far, on disk (atomically, as every write is): a time box that ends the run keeps it."""
+        write_result(a.json, doc, "python -m minivllm.bench eager_step", argv)
+
+    res = run(a.model, a.device, a.dtype, a.prompt_len, a.repeats, a.gap, a.profile_steps,
+              checkpoint=save if a.json else None)
     for k, v in res.items():
         if isinstance(v, dict) and "p50_ms" in v:
             print(f"{k:<24} n={v['n']:3d}  min {v['min_ms']:7.2f}  p50 {v['p50_ms']:7.2f}  p90 {v['p90_ms']:7.2f}  "
@@ -292,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in res["decode_python"][:10]:
         print(f"  {e['function'][:60]:<60} {e['calls_per_step']:6.1f} calls {e['self_us_per_step']:8.0f} us")
     if a.json:
-        write_result(a.json, res, "python -m minivllm.bench eager_step", argv)
+        save(res)
     return 0
 
 

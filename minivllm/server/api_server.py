@@ -11,7 +11,8 @@ Behaviour worth knowing:
 * **Errors** have OpenAI's body, ``{"error": {"message", "type", "param",
   "code"}}``.  Bad input (malformed JSON, wrong types, values the engine's
   ``SamplingParams`` or ``add_request`` refuse, an oversize prompt) is a 400,
-  an unknown model a 404, a missing or wrong API key a 401 -- never a 5xx.
+  an unknown model a 404, a missing or wrong API key a 401 -- never a 5xx
+  (except during shutdown, below).
 * **Tenants.** API keys map to tenants (``--api-keys-file keys.json`` with
   ``{"key": "tenant"}``, or ``MINIVLLM_API_KEYS`` holding the same JSON or
   ``key=tenant,key2=tenant2``).  With no keys configured everyone is tenant
@@ -34,6 +35,9 @@ Behaviour worth knowing:
   request aborted; its KV blocks go back before the next engine step.
 * **Shutdown** aborts in-flight requests (streams end with an error event and
   ``[DONE]``; waiting non-streamed requests get 503) and stops the loop thread.
+  From its start every new completion request is a 503 ``shutting_down``
+  before it is read, bad input included: a 400 (or the door's 429) from a
+  replica that is leaving would judge a request another replica may serve.
   Whoever runs uvicorn calls ``app.state.async_engine.begin_shutdown()`` when
   the server is told to exit (``minivllm serve`` in ``handle_exit``,
   ``BackgroundServer.stop``): uvicorn alone waits for open requests first.
@@ -370,6 +374,18 @@ class OpenAIServer:
         self._created = int(time.time())  # the models' ``created``: when this server began serving them
 
     # -- helpers --------------------------------------------------------------
+    def _check_open(self) -> None:
+        """A 503 ``shutting_down`` once shutdown has begun, asked before a request is read and again before it
+        is submitted (shutdown may begin while its prompt is tokenized).
+
+        Why before every other check: a draining server answers every new request alike, as ``/health`` and
+        the engine do, so a client or load balancer goes to another replica.  Judged first, a prompt over
+        *this* replica's ``max_model_len`` or a tenant over its KV cap here was a 400 ("never retry") from a
+        server that is leaving, and the door's 429 said "come back here".
+        """
+        if self.engine.shutting_down:
+            raise APIError(503, "the server is shutting down", "service_unavailable", None, "shutting_down")
+
     def _check_model(self, name: str | None) -> str:
         if name is None or name == "":
             return self.model_names[0]
@@ -468,6 +484,7 @@ class OpenAIServer:
     async def _submit(self, prompt, params: SamplingParams, tenant: str, prefix: str,
                       prompt_field: str = "prompt") -> tuple[str, RequestStream]:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        self._check_open()
         # a request that could never run is a 400 whatever the load: checked before the door, whose 429 would
         # have its client retry it (the engine asks the same when it adds the request)
         engine, num_prompt = self.engine.engine, len(prompt["prompt_token_ids"])
@@ -488,7 +505,7 @@ class OpenAIServer:
             stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
         except ValueError as exc:
             raise _bad_value(exc, prompt_field)
-        except EngineShutdown as exc:
+        except EngineShutdown as exc:  # shutdown began after _check_open, before the engine thread added it
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down")
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "engine_dead")
@@ -536,6 +553,7 @@ class OpenAIServer:
 
     # -- endpoints ------------------------------------------------------------------
     async def completions(self, request: Request):
+        self._check_open()
         req: CompletionRequest = await self._parse(request, CompletionRequest)
         model = self._check_model(req.model)
         tenant = request.state.tenant
@@ -569,6 +587,7 @@ class OpenAIServer:
         return await self._run(request, prompt, params, tenant, "cmpl", bool(req.stream), body)
 
     async def chat_completions(self, request: Request):
+        self._check_open()
         req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         model = self._check_model(req.model)
         tenant = request.state.tenant
