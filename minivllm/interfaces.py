@@ -214,7 +214,9 @@ class SimulatedDevice(Protocol):
     On a real device the engine measures these: the KV pool is what the model's cache layout leaves of the
     device's memory, and a swap's cost is a timed copy to pinned host memory.  A simulated device says them,
     so the pool (``kv_cache_memory_bytes // kv_bytes_per_block``) and the swap-or-recompute choice come out
-    as they would on the device simulated."""
+    as they would on the device simulated.  One more number is optional (read with ``getattr``, so not a member
+    here): ``prefill_tokens_per_s``, the rate auto mode starts from where a real engine would time a probe (a
+    replay of a recorded run says that run's probe: :meth:`~minivllm.sim.replay.ReplayExecutor.from_record`)."""
 
     kv_bytes_per_block: int
     swap_bytes_per_s: float

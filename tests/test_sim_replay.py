@@ -44,7 +44,7 @@ def test_replayed_step_times_give_identical_step_logs(tokenizer):
     if rec.step_ends[0] < 0.1:  # a machine not starved by other processes: the late arrivals joined mid-run
         assert rec.injected_before_step[0] < len(reqs)
 
-    sim = LLMEngine(EngineConfig(**options), executor=ReplayExecutor(rec.check_after_step), model_max_len=8192,
+    sim = LLMEngine(EngineConfig(**options), executor=ReplayExecutor.from_record(rec), model_max_len=8192,
                     eos_token_ids=set())
     rec_sim = drive(sim, reqs)
     assert _log(sim) == real_log

@@ -195,6 +195,10 @@ class LLMEngine:
                     # positions has no RoPE row for the probe's last tokens)
                     rate = self.model_runner.measure_prefill_rate(
                         min(config.max_num_batched_tokens, config.max_model_len, probe))
+                elif rate is None and device is not None:  # a simulated device may say its rate as it says its
+                    # link: a replay starts from the recorded engine's probe, or its auto mode would choose
+                    # differently until (if ever) its fit is trusted (ReplayExecutor.from_record)
+                    rate = getattr(device, "prefill_tokens_per_s", None)
                 costs = PreemptionCosts(bytes_per_block, swap_bw, rate or 1000.0)
         self.scheduler = Scheduler(config, self.kv, admission_policy, preemption_policy, costs,
                                    CapTable(config, num_blocks), batch_builder)

@@ -8,6 +8,12 @@ injected), then run the same arrivals on a :class:`ReplayExecutor` that moves
 its virtual clock to exactly those times.  The engine then sees the same
 requests at the same step boundaries, so the two step logs must be identical;
 any difference is a simulator bug (or hidden nondeterminism in the engine).
+
+Times are not all a real engine measures: ``preemption_mode="auto"`` starts
+from a timed prefill probe and a timed copy over the host link.  A replay
+built with :meth:`ReplayExecutor.from_record` starts from those same numbers
+(a plain ``ReplayExecutor(times)`` says the simulator's defaults, and its
+auto mode swaps where the real one recomputed).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from dataclasses import dataclass, field
 
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.sim.roofline import fake_token
+from minivllm.sim.run import DriveRecord
 
 
 @dataclass
@@ -24,15 +31,32 @@ class ReplayExecutor:
 
     ``times`` are seconds on the run's clock (``DriveRecord.check_after_step``);
     past the end of the list the clock advances by ``tail_step_s`` per call.
+    ``prefill_tokens_per_s``: auto mode's start-up prefill rate (None: the engine's default guess).
     """
 
     times: list[float]
+    # The recorded run's sampled tokens by request id (DriveRecord.output_token_ids), written in place of made-up
+    # ones.  With a prefix cache they decide what is shared: a model gives two equal prompts equal outputs, whose
+    # full blocks are cached once; a token made up per request keeps them apart.
+    tokens: dict[str, list[int]] | None = field(default=None, kw_only=True)  # (keyword only: the later fields keep their positions)
     vocab_size: int = 49152
     tail_step_s: float = 0.01
     clock: float = 0.0
     calls: int = 0
     kv_bytes_per_block: int = field(default=16 * 1024)
     swap_bytes_per_s: float = PCIE4_X16_BYTES_PER_S
+    prefill_tokens_per_s: float | None = None
+
+    @classmethod
+    def from_record(cls, rec: DriveRecord, **kwargs) -> ReplayExecutor:
+        """The replay of a recorded run: its step times, its tokens, its KV block size and auto mode's start-up
+        numbers."""
+        known: dict = {"tokens": rec.output_token_ids}
+        if rec.kv_bytes_per_block:
+            known["kv_bytes_per_block"] = rec.kv_bytes_per_block
+        if rec.start_costs is not None:
+            known["swap_bytes_per_s"], known["prefill_tokens_per_s"] = rec.start_costs
+        return cls(list(rec.check_after_step), **{**known, **kwargs})
 
     def now(self) -> float:
         return self.clock
@@ -45,8 +69,12 @@ class ReplayExecutor:
         k, self.calls = self.calls, self.calls + 1
         self.clock = max(self.clock, self.times[k] if k < len(self.times) else self.clock + self.tail_step_s)
         out = {}
+        recorded = self.tokens or {}
         for s in batch.seqs:
             req = s.request
             if s.start + s.num_tokens == req.num_tokens:
-                out[req.request_id] = fake_token(req.request_id, req.num_tokens, self.vocab_size)
+                sampled = recorded.get(req.request_id, ())
+                k = len(req.output_token_ids)  # the position of the token this row samples, among the outputs
+                out[req.request_id] = sampled[k] if k < len(sampled) else fake_token(req.request_id, req.num_tokens,
+                                                                                       self.vocab_size)
         return out

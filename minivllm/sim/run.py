@@ -66,6 +66,9 @@ class DriveRecord:
     """What :func:`drive` saw: one result per request, the step boundaries, KV usage over time."""
 
     results: list[RequestResult]
+    # each request's sampled tokens by its engine id: a replay writes these (ReplayExecutor.tokens), since with a
+    # prefix cache what a block holds decides what it shares
+    output_token_ids: dict[str, list[int]] = field(default_factory=dict, kw_only=True)
     step_starts: list[float] = field(default_factory=list)  # clock (s after t0) before each step
     step_ends: list[float] = field(default_factory=list)  # clock (s after t0) after each step
     check_after_step: list[float] = field(default_factory=list)  # clock at the first arrival check after each step
@@ -75,6 +78,11 @@ class DriveRecord:
     kv_area: float = 0.0  # the integral of that fraction over [0, kv_span]: every step's level, held until it changes
     kv_span: float = 0.0  # the run's duration, or the last step's end if that came later
     injected_before_step: list[int] = field(default_factory=list)  # requests added so far, before each step
+    # What a replay needs besides the times to decide as this engine did (ReplayExecutor.from_record): its KV
+    # block size in bytes (it sizes a swap_space host tier and prices a swap), and auto mode's start-up numbers,
+    # (link bytes/s, prefill tokens/s), measured on a real engine by timing, which no step time reproduces
+    kv_bytes_per_block: int | None = None
+    start_costs: tuple[float, float] | None = None
     duration: float = 0.0
     wall_s: float = 0.0
 
@@ -92,6 +100,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     """
     from minivllm.interfaces import VirtualClock, implements
     from minivllm.sampling_params import SamplingParams
+    from minivllm.sched.scheduler import PreemptionCosts
 
     late = next((k for k in range(1, len(requests)) if requests[k].arrival < requests[k - 1].arrival), None)
     if late is not None:
@@ -105,7 +114,10 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     n = len(requests)
     results = [RequestResult(r.index, r.tenant, r.arrival, len(r.prompt_token_ids), r.max_tokens) for r in requests]
     by_id: dict[str, tuple[RequestResult, list[float]]] = {}
-    rec = DriveRecord(results)
+    rec = DriveRecord(results, kv_bytes_per_block=engine.bytes_per_block)
+    costs = engine.scheduler.costs
+    if isinstance(costs, PreemptionCosts):  # (read before the first step: the fit moves the rate later)
+        rec.start_costs = (costs.swap_bytes_per_s, costs.prefill_tokens_per_s)
     span_hint = max((r.arrival for r in requests), default=0.0)
     sample_every = max(span_hint, 1e-3) / max(1, kv_samples)
     next_sample = 0.0
@@ -118,8 +130,14 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
 
     i = 0
     idle = 0
+    # A check that ends a wait is taken at the time waited for: the run's start (t0), or the arrival an idle
+    # engine slept until.  A real clock reads later (the moment between the two reads, a sleep's overshoot:
+    # milliseconds on a busy machine), and a request arriving in that moment would join a step that a replay of
+    # the same run (its virtual clock exactly at t0, or at the arrival) leaves it out of.
+    wake: float | None = t0
     while True:
-        now = ex.now()
+        now = ex.now() if wake is None else wake
+        wake = None
         if len(rec.check_after_step) < len(rec.step_ends):
             rec.check_after_step.append(now - t0)
         while i < n and t0 + requests[i].arrival <= now:
@@ -136,6 +154,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
                 res.outcome, res.error = "error", str(exc)
             else:
                 by_id[rid] = (res, [])
+                rec.output_token_ids[rid] = []
             i += 1
         if not engine.has_unfinished_requests():
             if i >= n:
@@ -154,6 +173,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
                                        f"{ex.now() - t0:.6f}")
             else:
                 time.sleep(max(0.0, nxt - ex.now()))
+                if ex.now() >= nxt:  # (a sleep cut short checks the clock again: never inject a request early)
+                    wake = nxt
             continue
         rec.step_starts.append(now - t0)
         rec.injected_before_step.append(i)
@@ -177,6 +198,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             res, times = entry
             m = out.metrics
             times.extend(m.token_times)
+            if out.outputs:
+                rec.output_token_ids[out.request_id].extend(out.outputs[0].delta_token_ids)
             if out.finished:
                 _finish(res, out, times, t0)
                 del by_id[out.request_id]
