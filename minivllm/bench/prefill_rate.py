@@ -45,14 +45,17 @@ def int_range(text: str) -> tuple[int, int]:
 def step_terms(step_log, prompt_lens: dict[str, int]) -> list[tuple[int, int, float]]:
     """``(prefill tokens, decode rows, seconds)`` per step, each timed from the end of the step before.
 
-    A row is a decode when it computes one token past its prompt (the engine's rule; a recompute's chunks
-    past the prompt are prefill).  Steps that moved KV over the host link are left out, as the engine's fit
+    A row is a decode as the engine's record counts it (``num_decodes``: a recompute's chunks past the prompt,
+    one-token ones included, are prefill), or, in a record without the count, when it computes one token past
+    its prompt.  Steps that moved KV over the host link are left out, as the engine's fit
     leaves them out: their time holds copies that are neither kind of work.
     """
     out, last = [], None
     for rec in step_log:
         if last is not None and rec.seq_ids and not (rec.swapped_in or rec.swapped_out) and rec.time > last:
-            decode = sum(1 for rid, start, n in rec.seqs if n == 1 and start >= prompt_lens[rid])
+            decode = rec.num_decodes
+            if decode is None:
+                decode = sum(1 for rid, start, n in rec.seqs if n == 1 and start >= prompt_lens[rid])
             out.append((rec.num_tokens - decode, decode, rec.time - last))
         last = rec.time
     return out

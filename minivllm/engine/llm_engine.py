@@ -696,6 +696,7 @@ class LLMEngine:
                 seq_starts=tuple([s.start for s in seqs]),
                 seq_tokens=seq_tokens,
                 num_tokens=sum(seq_tokens),  # (batch.num_tokens would walk the batch again)
+                num_decodes=batch.num_decode_tokens,  # (carried by the batch: no pass over it)
                 preempted=tuple(r.request_id for r in batch.preempted),
                 swapped_out=len(batch.moves.swap_out),
                 swapped_in=len(batch.moves.swap_in),

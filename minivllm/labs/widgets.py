@@ -150,19 +150,34 @@ def _is_decode(start: int, num: int, prompt_len: int) -> bool:
     return start >= prompt_len and num == 1
 
 
+def _decode_flags(entry, prompt_lens: dict[str, int]) -> list[bool]:
+    """Which of a step-log entry's ``seqs`` are decodes.
+
+    The engine's records say it (``num_decodes``: the leading rows): a one-token chunk of a re-prefill past the
+    prompt looks like a decode in ``(id, start, tokens)``, and only the engine knew the request had computed that
+    position before.  An entry without the count (written by hand) is read by position (:func:`_is_decode`).
+    """
+    seqs, num_decodes = entry["seqs"], entry.get("num_decodes")
+    if num_decodes is None:
+        return [_is_decode(start, num, prompt_lens[rid]) for rid, start, num in seqs]
+    return [i < num_decodes for i in range(len(seqs))]
+
+
 def timeline_rows(step_log: Sequence[dict], prompt_lens: dict[str, int]) -> dict[str, list[tuple[int, str, int]]]:
     """``{request_id: [(step, 'prefill'|'decode', num_tokens), ...]}`` from ``engine.step_log``."""
     rows: dict[str, list[tuple[int, str, int]]] = {}
     for entry in step_log:
-        for rid, start, num in entry["seqs"]:
-            kind = "decode" if _is_decode(start, num, prompt_lens[rid]) else "prefill"
-            rows.setdefault(rid, []).append((entry["step"], kind, num))
+        for (rid, _, num), decode in zip(entry["seqs"], _decode_flags(entry, prompt_lens)):
+            rows.setdefault(rid, []).append((entry["step"], "decode" if decode else "prefill", num))
     return rows
 
 
-def step_composition(seqs: Sequence[tuple[str, int, int]], prompt_lens: dict[str, int]) -> tuple[int, int]:
-    """``(prefill tokens, decode tokens)`` of one step-log entry's ``seqs``: how the timeline colours a step."""
-    rows = timeline_rows([{"step": 0, "seqs": seqs}], prompt_lens)
+def step_composition(seqs: Sequence[tuple[str, int, int]], prompt_lens: dict[str, int],
+                     num_decodes: int | None = None) -> tuple[int, int]:
+    """``(prefill tokens, decode tokens)`` of one step-log entry's ``seqs``: how the timeline colours a step.
+
+    ``num_decodes`` is the entry's own count of its leading decode rows (``record.num_decodes``), when known."""
+    rows = timeline_rows([{"step": 0, "seqs": seqs, "num_decodes": num_decodes}], prompt_lens)
     prefill = sum(n for r in rows.values() for _, kind, n in r if kind == "prefill")
     decode = sum(n for r in rows.values() for _, kind, n in r if kind == "decode")
     return prefill, decode
@@ -198,8 +213,8 @@ def draw_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax=N
 def describe_step(entry: dict, prompt_lens: dict[str, int]) -> str:
     """One line per step: who ran, prefill or decode, how many tokens."""
     parts = []
-    for rid, start, num in entry["seqs"]:
-        kind = "decode" if _is_decode(start, num, prompt_lens[rid]) else f"prefill[{start}:{start + num}]"
+    for (rid, start, num), decode in zip(entry["seqs"], _decode_flags(entry, prompt_lens)):
+        kind = "decode" if decode else f"prefill[{start}:{start + num}]"
         parts.append(f"{rid} {kind}")
     extra = f"  preempted: {entry['preempted']}" if entry["preempted"] else ""
     return f"step {entry['step']:3d}: {entry['num_tokens']:4d} tokens | " + ", ".join(parts) + extra
@@ -667,8 +682,8 @@ def draw_time_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *,
     bars: dict[str, dict[str, list]] = {}
     first_seen: dict[str, float] = {}
     for e, (t0, t1) in zip(step_log, spans):
-        for rid, s, n in e["seqs"]:
-            if _is_decode(s, n, prompt_lens[rid]):
+        for (rid, s, n), decode in zip(e["seqs"], _decode_flags(e, prompt_lens)):
+            if decode:
                 bars.setdefault(rid, {"prefill": [], "decode": []})["decode"].append((t1 - min(tick, t1 - t0), t1))
             else:
                 bars.setdefault(rid, {"prefill": [], "decode": []})["prefill"].append((t0, t0 + 0.85 * (t1 - t0)))

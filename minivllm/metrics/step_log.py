@@ -4,8 +4,8 @@ Widgets draw timelines from it, labs compute TTFT/ITL breakdowns from it, and
 benchmarks read peak block usage from it.  Two things keep it cheap:
 
 * a record is a slotted dataclass of plain values (ids, counts, three flat tuples
-  for the scheduled sequences, read together as ``record.seqs``), never a
-  reference to a live request;
+  for the scheduled sequences, read together as ``record.seqs``, and how many of
+  them lead as decodes), never a reference to a live request;
 * the buffer is bounded by the number of *sequence entries* it holds (a step of
   256 decodes by one tenant costs 258 entries: one per sequence, one per tenant
   row and one for the step; an idle step one), so a long run at large
@@ -92,6 +92,11 @@ class StepRecord:
     waiting: int
     seq_tenants: tuple[str, ...] = ()  # the tenant of each entry of ``seqs`` (empty: single-tenant run)
     tenants: tuple[TenantStep, ...] = ()  # per tenant with work in the engine (empty: single-tenant run)
+    # The first ``num_decodes`` entries of ``seqs`` are decodes (a batch puts its decode rows first); the rest are
+    # prefill.  Why it is kept: ``(id, start, tokens)`` cannot tell a decode from a one-token chunk of a re-prefill
+    # past the prompt (after a recompute preemption), and one count per step can.  None: not recorded (a record
+    # built by hand), and a reader falls back to "one token past the prompt".
+    num_decodes: int | None = None
 
     @property
     def seqs(self) -> tuple[tuple[str, int, int], ...]:

@@ -38,7 +38,8 @@ class ScheduledBatch:
     """What the executor runs.
 
     ``seqs`` are ordered one-token rows first (the attention backends batch
-    those together); ``moves`` are the block copies to perform before the
+    those together), the decode rows leading (so the step log keeps which rows
+    are decodes as one count); ``moves`` are the block copies to perform before the
     forward pass.  ``preempted`` and ``rejected`` are what the scheduler did
     to make the step fit; the engine reports them.  An executor that fails
     for one request (a sampling error, say) records it in ``errors`` and
@@ -54,6 +55,11 @@ class ScheduledBatch:
     # The clock when step 4 began.  A request first scheduled in this batch stopped queueing then, not when
     # the forward pass ended: its queue time must not include its own prefill (vLLM stamps it the same way).
     started: float | None = None
+    # ``(prefill tokens, decode rows)``, counted by the scheduler while it builds the batch (it adds up both as it
+    # spends the token budget): the scheduler and the engine read them every step, and a step of 256 decodes
+    # would otherwise be walked again for each read.  None -- a batch built by hand, or one whose rows changed
+    # after it was counted -- is counted from ``seqs`` on each read.
+    split: tuple[int, int] | None = None
 
     # Plain list comprehensions: on CPython 3.11 they beat ``map(attrgetter(...))`` over slotted objects by
     # about 1.5x (specialised attribute loads), and a filtered one builds no list in a steady decode step.
@@ -63,11 +69,13 @@ class ScheduledBatch:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum([s.is_decode for s in self.seqs])
+        split = self.split
+        return split[1] if split is not None else sum([s.is_decode for s in self.seqs])
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum([s.num_tokens for s in self.seqs if not s.is_decode])
+        split = self.split
+        return split[0] if split is not None else sum([s.num_tokens for s in self.seqs if not s.is_decode])
 
     def __len__(self) -> int:
         return len(self.seqs)

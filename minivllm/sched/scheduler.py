@@ -757,6 +757,8 @@ class Scheduler:
             decodes = []
         else:
             decodes, prefills = Request.split_decodes(self.running)
+        num_decodes = len(seqs)  # the rows so far are all decodes (none yet with caps)
+        num_prefill = 0
         if self._rank is not None:
             prefills.sort(key=self._rank)  # better-ranked prefills get the budget first
         first_prefill = len(seqs)
@@ -773,15 +775,21 @@ class Scheduler:
                     continue  # its group used its tokens for this step
             if n < req.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
                 continue
-            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
+            is_decode = req.is_decode
+            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, is_decode))
             budget -= n
+            if is_decode:
+                num_decodes += 1
+            else:
+                num_prefill += n
             if caps is not None:
                 for g in caps.groups(req):
                     if g.max_tokens is not None:
                         used[g.key] = used.get(g.key, 0) + n
         # One-token rows first.  Everything before ``first_prefill`` is a decode (one token), so only the
-        # tail needs sorting; a stable sort keeps each part in scheduling order.
+        # tail needs sorting; a stable sort keeps each part in scheduling order (decodes, scheduled first, lead).
         seqs[first_prefill:] = sorted(seqs[first_prefill:], key=lambda s: s.num_tokens != 1)
+        batch.split = (num_prefill, num_decodes)
         return batch
 
     def _build_batch_by(self, builder: BatchBuilder) -> ScheduledBatch:
@@ -793,7 +801,7 @@ class Scheduler:
         running = set(map(id, self.running))
         seen: set[int] = set()
         seqs: list[ScheduledSeq] = []
-        total = 0
+        total = num_decodes = 0
         for req, n in builder(list(self.running), budget, self.config.long_prefill_token_threshold):
             if id(req) not in running or id(req) in seen:
                 raise ValueError(f"build_batch returned {getattr(req, 'request_id', req)!r}, which is not "
@@ -803,11 +811,15 @@ class Scheduler:
                                  f"{req.num_uncomputed_tokens} to compute (give 1 .. that many, or leave it out)")
             seen.add(id(req))
             total += n
-            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, req.is_decode))
+            is_decode = req.is_decode
+            num_decodes += is_decode
+            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens, is_decode))
         if total > budget:
             raise ValueError(f"build_batch scheduled {total} tokens, over the budget of {budget}")
-        seqs.sort(key=lambda s: s.num_tokens != 1)  # one-token rows first: the attention backends' layout
-        batch = ScheduledBatch(seqs, preempted=self._admission_preempted, rejected=self._rejected)
+        # One-token rows first (the attention backends' layout), decodes leading them (the step log counts them).
+        seqs.sort(key=lambda s: (s.num_tokens != 1) + (not s.is_decode))
+        batch = ScheduledBatch(seqs, preempted=self._admission_preempted, rejected=self._rejected,
+                               split=(total - num_decodes, num_decodes))  # (a decode row is one token)
         self._rejected = []
         self._admission_preempted = []
         return batch
@@ -845,6 +857,7 @@ class Scheduler:
         self._held = None
         if len(batch.preempted) > preempted_before:  # someone gave way: drop the victims' rows
             batch.seqs = [s for s in batch.seqs if s.request.status is RequestStatus.RUNNING]
+            batch.split = None  # counted with the victims' rows: the survivors are counted when read
         batch.moves = self.kv.take_block_moves()
         self.stats.num_steps += 1
         pool = self.kv.pool

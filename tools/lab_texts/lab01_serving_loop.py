@@ -207,7 +207,9 @@ Each entry of `engine.step_log` lists the sequences of a step as `(request_id, s
 `(prefill_tokens, decode_tokens)` for one step. Careful: a chunked prefill can end with a 1-token chunk. And a
 request that was preempted to free memory (lab 5 shows how) later computes its prompt *and the tokens it had
 already generated* again, as prefill, in chunks when the budget is small: a chunk of many tokens can start past the
-prompt.
+prompt. (One case `seqs` alone cannot settle: a one-token chunk of such a recompute looks exactly like a decode.
+The engine's own record counts its decode rows, `entry["num_decodes"]`, for that reason; this exercise leaves that
+case out.)
 
 Try it without help first; open the hints one at a time.
 
