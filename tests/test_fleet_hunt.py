@@ -125,3 +125,29 @@ def test_the_windowed_spill_preemption_and_busy_figures_are_the_windows_own():
     made = FleetResult([], [ReplicaStats(busy_s=2.0, step_spans=[(0.0, 1.0), (2.0, 3.0)])], {}, {}, 3.0)
     assert made.summary(window=(0.5, 2.5))["replica_busy_fraction"] == [pytest.approx(0.5)]  # 0.5 + 0.5 of 2 s
     assert made.summary()["replica_busy_fraction"] == [pytest.approx(2 / 3)]
+
+
+def test_the_chat_mix_warm_up_counts_answers_at_the_replicas_own_decode_step():
+    """``ChatMix``'s docstring: an answer's default ``answer_s`` is its mean output tokens at the decode step the
+    replicas' executor predicts for a full batch of mid-session chats.  It was a fixed 60 ms whatever the fleet
+    ran, so an L4 fleet's warm-up was too short (a ramp in the window) and an H100's far too long.  Oracle: the
+    roofline model itself, priced here from ``step_cost``/``roofline_time`` on the same (start, tokens, samples)
+    rows, not through the executor: the L4 (300 GB/s) steps slower than the H100 (3.35 TB/s), so its answers and
+    warm-up are longer; an explicit ``answer_s`` still wins."""
+    from minivllm.sim.fleet import REPLICA, roofline_factory
+    from minivllm.sim.presets import hardware_preset, simulated_shape
+    from minivllm.sim.roofline import roofline_time, step_cost
+
+    kw = dict(seed=0, system_len=256, turns=4, user_range=(64, 256), output_range=(200, 400))  # answers above 1 s
+    context = round(256 + 4 * (64 + 256 + 200 + 400) / 4)  # the system prompt and half a session, at the means
+    answers = {}
+    for hw in ("l4", "h100"):
+        spec = hardware_preset(hw)
+        shape = simulated_shape("llama-3-8b", spec)
+        step = roofline_time(step_cost(shape, [(context - 1, 1, True)] * REPLICA["max_num_seqs"]), shape, spec).total
+        mix = ChatMix(10.0, 2.0, executor_factory=roofline_factory(hw), **kw)
+        answers[hw] = mix.warmup / (4 - 1) - 2.0  # warmup = (turns - 1) * (mean think 2 s + answer_s)
+        assert answers[hw] == pytest.approx(step * 300, rel=1e-9), hw
+    assert answers["l4"] > 4 * answers["h100"] > 4.0, answers
+    fixed = ChatMix(10.0, 2.0, executor_factory=roofline_factory("l4"), answer_s=3.0, **kw)
+    assert fixed.warmup == pytest.approx(3 * (2.0 + 3.0))

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from minivllm.argtypes import fraction, positive_float
 from minivllm.bench.results import write_result
-from minivllm.sim.fleet import GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, replica_kv_blocks, roofline_factory, run_fleet
-from minivllm.sim.executor import SimulatedExecutor
+from minivllm.sim.fleet import (GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, gpu_like_executor, replica_kv_blocks,
+                                roofline_factory, run_fleet)
 from minivllm.sim.router import ROUTERS, HashRing
 
 DEFAULT_OUT = "benchmarks/results/2026-12-05_cpu-2core_fleet_sim.json"
@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
                     "(default l4: an H100 serves this mix at ~100 requests/s per replica, and simulating a fleet of them "
                     "takes minutes on a laptop; try --hardware h100 --rate 200)")
     ap.add_argument("--model", default="llama-3-8b", help="roofline model preset (default llama-3-8b)")
-    ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4, 5, 6], help="replica counts to sweep (default 1-6)")
+    ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4, 5, 6, 7, 8], help="replica counts to sweep (default 1-8)")
     ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help="routers (default all three)")
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=500.0)
     ap.add_argument("--slo-itl-ms", type=positive_float, default=100.0, help="per-request p99 ITL bound")
@@ -147,10 +147,9 @@ def format_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     t0 = time.perf_counter()
-    workload = ChatMix(args.rate, args.duration, seed=args.seed)
     slo_ttft, slo_itl = args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
     if args.hardware == "linear":
-        factory, cost = (lambda: SimulatedExecutor(**GPU_LIKE)), f"linear step cost {GPU_LIKE}"
+        factory, cost = gpu_like_executor, f"linear step cost {GPU_LIKE}"
     else:
         try:
             factory = roofline_factory(args.hardware, args.model)
@@ -158,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m minivllm.bench fleet: error: {exc}", file=sys.stderr)
             return 2
         cost = f"roofline, {args.model} on {args.hardware}"
+    workload = ChatMix(args.rate, args.duration, seed=args.seed, executor_factory=factory)  # warm-up: these replicas' answers
     replica = dict(REPLICA, num_blocks=replica_kv_blocks(factory()) or REPLICA["num_blocks"])
     sized = "what the device holds after the weights at 90%" if replica["num_blocks"] != REPLICA["num_blocks"] else "fixed"
     print(f"fleet (simulated: real engines; {cost}; {replica['num_blocks']} KV blocks of 16 tokens per replica, {sized})")

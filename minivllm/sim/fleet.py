@@ -67,10 +67,15 @@ class ChatMix:
     the ``warmup`` (about one session's length) brings the fleet to that steady
     state, and ``window = (warmup, warmup + duration)`` is what
     :meth:`FleetResult.summary` should measure.  A session's length counts an
-    answer as ``answer_s`` seconds: by default its mean output tokens at 60 ms
-    a decode step (an L4-class replica's step for an 8B model; at least 1 s).
-    Shorter than the answers really take, the window would be a ramp: a chat's
-    later turns, the ones with the longest histories, arrive only after it.  Every prompt starts with one of
+    answer as ``answer_s`` seconds: by default its mean output tokens at the
+    decode step the replicas' executor predicts (``executor_factory``, the one
+    given to :class:`Fleet`; default the fleet's, :func:`gpu_like_executor`)
+    for a full batch of mid-session chats (:func:`typical_decode_step_s`;
+    at least 1 s).  Why the executor's own step: for Llama-3-8B it is 88 ms
+    on an L4 and 10 ms on an H100, and a warm-up shorter than the answers
+    really take makes the window a ramp (a chat's later turns, the ones with
+    the longest histories, arrive only after it); a longer one costs only
+    simulated seconds, hence the full batch.  Every prompt starts with one of
     ``num_system_prompts`` system prompts.  A chat's next turn is *closed
     loop*: it arrives a think time after the previous answer finished, and its
     prompt is the whole conversation so far -- the previous prompt, the answer
@@ -87,7 +92,7 @@ class ChatMix:
     def __init__(self, rate: float = 20.0, duration: float = 10.0, *, seed: int = 0, num_system_prompts: int = 2,
                  system_len: int = 256, turns: int = 4, single_shot_share: float = 0.3,
                  user_range=(64, 256), output_range=(32, 160), think_s=(1.0, 3.0), vocab: int = 900,
-                 answer_s: float | None = None) -> None:
+                 answer_s: float | None = None, executor_factory: Callable[[], Any] | None = None) -> None:
         if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
             raise ValueError(f"rate must be a positive finite number, got {rate!r}")
         if not (isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration)):
@@ -97,7 +102,9 @@ class ChatMix:
         if not (len(think_s) == 2 and all(math.isfinite(x) for x in think_s) and 0 <= think_s[0] <= think_s[1]):
             raise ValueError(f"think_s must be (low, high) seconds with 0 <= low <= high, got {think_s!r}")
         if answer_s is None:
-            answer_s = max(1.0, 0.06 * sum(output_range) / 2)
+            step_s = typical_decode_step_s((executor_factory or gpu_like_executor)(), system_len, turns,
+                                           user_range, output_range)
+            answer_s = max(1.0, step_s * sum(output_range) / 2)
         if not (isinstance(answer_s, (int, float)) and answer_s >= 0 and math.isfinite(answer_s)):
             raise ValueError(f"answer_s must be a finite number of seconds >= 0, got {answer_s!r}")
         self.rate, self.duration, self.seed, self.turns = rate, duration, seed, turns
@@ -152,6 +159,29 @@ class ChatMix:
                             self._max_tokens(s, k), arrival.tenant, s, k)
 
 
+def gpu_like_executor() -> SimulatedExecutor:
+    """The fleet's default replica executor: the linear cost model with :data:`GPU_LIKE` costs."""
+    return SimulatedExecutor(**GPU_LIKE)
+
+
+def typical_decode_step_s(executor: Any, system_len: int, turns: int, user_range: Sequence[int],
+                          output_range: Sequence[int]) -> float:
+    """The decode step ``executor`` predicts for a replica full of chats half-way through their sessions.
+
+    A batch of :data:`REPLICA`'s ``max_num_seqs`` sequences, each decoding one token after a context of the
+    system prompt plus half a session's questions and answers (at their means).  Asked of the executor's own
+    ``step_time``, the call that advances its clock in a run, so the answer is whatever cost model the fleet
+    runs: a roofline preset or the linear model.
+    """
+    from minivllm.request import Request
+    from minivllm.sched.output import ScheduledBatch, ScheduledSeq
+
+    context = max(1, round(system_len + turns * (sum(user_range) + sum(output_range)) / 4))
+    seqs = [ScheduledSeq(Request(f"typical-{i}", [0] * context, SamplingParams(max_tokens=1), 0.0),
+                         num_tokens=1, start=context - 1, is_decode=True) for i in range(REPLICA["max_num_seqs"])]
+    return executor.step_time(ScheduledBatch(seqs))
+
+
 def roofline_factory(hardware: str = "h100", model: str = "llama-3-8b", block_size: int = 16) -> Callable[[], Any]:
     """Executors for :class:`Fleet`: the roofline cost model (:mod:`minivllm.sim.roofline`) of ``model`` on ``hardware``."""
     from minivllm.sim.presets import hardware_preset, simulated_shape
@@ -184,7 +214,7 @@ def sim_replica(executor: Any = None, *, enable_prefix_caching: bool = True, pre
     sizes = {**REPLICA, **options}
     if "num_blocks" not in options and executor is not None:
         sizes["num_blocks"] = replica_kv_blocks(executor) or sizes["num_blocks"]
-    return sim_engine(executor=executor if executor is not None else SimulatedExecutor(**GPU_LIKE),
+    return sim_engine(executor=executor if executor is not None else gpu_like_executor(),
                       enable_prefix_caching=enable_prefix_caching, prefix_cache=prefix_cache, **sizes)
 
 
@@ -309,7 +339,7 @@ class Fleet:
         if not callable(getattr(router, "route", None)):
             raise ValueError("router must have a route(prompt_token_ids, loads) method")
         self.router = router
-        make_exec = executor_factory or (lambda: SimulatedExecutor(**GPU_LIKE))
+        make_exec = executor_factory or gpu_like_executor
         make_engine = engine_factory or sim_replica
         self.engines = [make_engine(make_exec()) for _ in range(num_replicas)]
         for e in self.engines:
@@ -484,4 +514,4 @@ def run_fleet(workload: "ChatMix | Sequence[FleetArrival]", num_replicas: int, r
 
 
 __all__ = ["KEY_BLOCKS", "Fleet", "FleetArrival", "FleetResult", "ReplicaStats", "GPU_LIKE", "REPLICA", "ChatMix",
-           "run_fleet", "sim_replica", "roofline_factory"]
+           "run_fleet", "sim_replica", "roofline_factory", "gpu_like_executor", "typical_decode_step_s"]

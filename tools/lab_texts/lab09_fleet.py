@@ -73,7 +73,7 @@ single questions; each next turn arrives one to three seconds after the previous
 whole conversation. Follow one chat through a three-replica fleet with a blind router and with a prefix-aware one:
 """),
 ("code", r"""
-mix = ChatMix(rate=10, duration=4, seed=3)
+mix = ChatMix(rate=10, duration=4, seed=3, executor_factory=H100_LLAMA8B)  # (its warm-up counts answers at an H100 step)
 paths = {}
 for name, router in (("round robin", RoundRobinRouter()), ("prefix affinity", PrefixAffinityRouter(3, key_blocks=20))):
     res = Fleet(3, router, executor_factory=H100_LLAMA8B).run(mix.arrivals(), follow_up=mix.follow_up)
@@ -138,7 +138,7 @@ Does load awareness matter on this chat mix? Two replicas near their capacity, t
 (the last column is how many requests each replica got):
 """),
 ("code", r"""
-busy = ChatMix(rate=14, duration=4, seed=5)
+busy = ChatMix(rate=14, duration=4, seed=5, executor_factory=L4_LLAMA8B)
 print("simulated: roofline, Llama-3-8B on an L4 per replica; 2 replicas")
 for name, router in (("round robin", RoundRobinRouter()), ("least outstanding", LOT())):
     res = Fleet(2, router, executor_factory=L4_LLAMA8B).run(busy.arrivals(), follow_up=busy.follow_up)
@@ -147,7 +147,7 @@ for name, router in (("round robin", RoundRobinRouter()), ("least outstanding", 
           f"requests per replica {s['replica_requests']}")
 """),
 ("md", r"""
-No better — in this run the two are within a few milliseconds of each other (read the p99 column). On a mix of many similar requests round
+No better — in this run the two are within 5% of each other (read the p99 column). On a mix of many similar requests round
 robin is already nearly balanced, and the outstanding-token count adds little (it can even send a chat's next turn
 to the replica that just happened to drain, breaking up nothing useful but also gaining nothing). Load awareness
 pays when sizes vary a lot — one replica stuck with two long-context requests while round robin keeps feeding it —
@@ -297,8 +297,8 @@ a fixed offered load: how many replicas, with which router?
 """),
 ("code", r"""
 # simulated: roofline, Llama-3-8B on an L4 per replica
-study = ChatMix(rate=20, duration=6, seed=0)
-REPLICAS = [1, 2, 3, 4, 5, 6]
+study = ChatMix(rate=20, duration=6, seed=0, executor_factory=L4_LLAMA8B)
+REPLICAS = [1, 2, 3, 4, 5, 6, 7, 8]
 rows = sweep(study, REPLICAS, ["round_robin", "least_outstanding", "prefix_affinity"], 0.5, 0.1, L4_LLAMA8B)
 by = {(r["replicas"], r["router"]): r for r in rows}
 routers = ["round_robin", "least_outstanding", "prefix_affinity"]
@@ -330,7 +330,7 @@ Read the two plots together:
   rate falls towards "the system prompt only" as the fleet grows; prefix affinity keeps it at every size, because
   each chat's history stays in one cache.
 * **Hit rate is capacity here.** Every cached prompt token is a prefill token no step has to carry, so affinity's
-  replicas run shorter steps and meet the ITL SLO with **one replica fewer** in this run (the printed lines below the
+  replicas run shorter steps and meet the ITL SLO with **two replicas fewer** in this run (the printed lines below the
   plots). Well above the cliff the SLO is met anyway and the gain shows only as a shorter TTFT tail. Spill-over (the
   `spilled` count in `rows`) is what keeps affinity safe when one app's traffic is hot.
 
@@ -405,7 +405,7 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
     not noise. Prompt steps that follow idle time or graph replays took 14–28 ms, where the back-to-back steps the
     calibration measured took 11–13 ms.
 * **What that means for section 2.** Trust the simulator most for *comparisons under one cost model* — round robin
-  against affinity, 5 replicas against 6 — where a bias shared by both sides cancels; trust it least for absolute
+  against affinity, 5 replicas against 7 — where a bias shared by both sides cancels; trust it least for absolute
   tail latencies on hardware whose prompt steps are launch-bound. Before a real purchase, calibrate on that
   hardware (`minivllm sim calibrate`) and run `sim_accuracy` there.
 
