@@ -333,3 +333,20 @@ def test_measured_samples_leave_out_the_steps_that_ran_no_sequence():
     assert len(samples) == sum(1 for n in counting.seqs_per_call if n > 0)
     assert all(s.seqs for s in samples)
     assert [len(s.seqs) for s in samples] == [n for n in counting.seqs_per_call if n > 0]
+
+
+def test_attention_runs_at_the_dtypes_rate_like_the_gemms():
+    """An fp32 model on a spec quoted for bf16 runs its attention on the FP32 units too (TENSOR_CORE_SCALE's
+    comment: the engine's kernels ask for exact fp32 dots), and an fp8 one at twice the bf16 rate.  Hand case:
+    peak 100 FLOP/s (bf16), FP32 peak 10, bandwidth so high that memory takes ~0 s; one 4-token prefill of a
+    1-layer, 1-head, head_dim-2 model: 4 * 2 * 10 pairs = 80 attention FLOPs -> 8 s at fp32, 0.4 s at fp8.
+    Catches the attention phase left at the quoted rate whatever the dtype (0.8 s for both)."""
+    from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
+
+    hw = HardwareSpec("hand", peak_flops=100.0, mem_bandwidth=1e30, flops_dtype_bytes=2, fp32_peak_flops=10.0)
+    for dtype_bytes, seconds in ((4, 8.0), (1, 0.4), (2, 0.8)):
+        shape = ModelShape("t", num_layers=1, hidden_size=2, intermediate_size=2, num_heads=1, num_kv_heads=1,
+                           head_dim=2, vocab_size=16, dtype_bytes=dtype_bytes)
+        cost = step_cost(shape, [(0, 4, False)])
+        assert cost.attn_flops == 4.0 * 1 * 1 * 2 * (1 + 2 + 3 + 4)
+        assert roofline_time(cost, shape, hw).attention == pytest.approx(seconds)

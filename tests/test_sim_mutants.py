@@ -351,6 +351,21 @@ def test_fleet_timeline_loads_busy_time_and_duration_by_hand():
     assert s["request_throughput"] == pytest.approx(3 / 10.0)
 
 
+def test_peak_outstanding_is_the_highest_load_not_the_last():
+    """``ReplicaStats.peak_outstanding`` is the most tokens a replica ever had outstanding.  The timeline of the
+    test above, worked by hand: replica 1 takes A2 at t=2 (40 prompt + 5 output = 45 outstanding), and at t=6,
+    when A2 has streamed its prompt and 4 tokens, B (12 + 3) joins a load of 1: 16.  Its peak is 45, not 16;
+    replica 0 held only A (20 + 10 = 30).  Catches the peak overwritten by each new arrival's load."""
+    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+
+    arrivals = [FleetArrival(2.0, "A", tuple(range(10, 30)), 10), FleetArrival(2.0, "A2", tuple(range(10, 50)), 5),
+                FleetArrival(6.0, "B", tuple(range(100, 112)), 3)]
+    fleet = Fleet(2, _Scripted([0, 1, 1]), executor_factory=_one_second_steps,
+                  engine_factory=lambda ex: sim_replica(ex, **_SMALL))
+    res = fleet.run(arrivals)
+    assert [s.peak_outstanding for s in res.replicas] == [20 + 10, 40 + 5]
+
+
 def test_no_follow_up_turn_after_a_refused_request():
     """A chat's next turn is sent only after an answer; a request the engine rejected (reject preemption mode
     under KV pressure) ends its conversation.  Catches asking ``follow_up`` for failed requests too (a
@@ -373,6 +388,81 @@ def test_no_follow_up_turn_after_a_refused_request():
     assert "rejected" in outcomes.values() and "ok" in outcomes.values()
     assert sorted(asked) == sorted(rid for rid, o in outcomes.items() if o == "ok")
     assert fleet.loads == [0]
+
+
+def test_windowed_busy_fraction_clips_steps_to_the_window():
+    """The windowed ``replica_busy_fraction`` counts step time inside ``[t0, t1)`` only, a step that straddles an
+    edge by its part inside.  The 1-second-step timeline above, by hand: replica 0 steps without a break from 2
+    to 12, replica 1 from 2 to 9.  In (2.5, 5.0) replica 0 is busy all 2.5 s (half of the step 2-3 counts);
+    in (8.5, 10.0) replica 0 is busy 1.5 of 1.5 s and replica 1 only 0.5 s (the second half of its step 8-9).
+    Catches whole steps counted by where they start."""
+    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+
+    arrivals = [FleetArrival(2.0, "A", tuple(range(10, 30)), 10), FleetArrival(2.0, "A2", tuple(range(10, 50)), 5),
+                FleetArrival(6.0, "B", tuple(range(100, 112)), 3)]
+    fleet = Fleet(2, _Scripted([0, 1, 1]), executor_factory=_one_second_steps,
+                  engine_factory=lambda ex: sim_replica(ex, **_SMALL))
+    res = fleet.run(arrivals)
+    assert res.replicas[0].step_spans[0] == (2.0, 3.0) and res.replicas[1].step_spans[-1] == (8.0, 9.0)
+    assert res.summary(window=(2.5, 5.0))["replica_busy_fraction"] == pytest.approx([1.0, 1.0])
+    assert res.summary(window=(8.5, 10.0))["replica_busy_fraction"] == pytest.approx([1.0, 0.5 / 1.5])
+
+
+def test_windowed_replica_requests_count_rejected_requests_as_the_whole_run_does():
+    """A request the engine rejected (reject preemption mode) was admitted to its replica: the unwindowed
+    ``replica_requests`` (the replica's own count) has it, and a window that covers the whole run must give the
+    same count.  Catches the windowed recount keeping only requests that looked the cache up."""
+    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.sim.router import RoundRobinRouter
+
+    arrivals = [FleetArrival(0.0, f"r{i}", tuple(range(10 + i, 50 + i)), 40) for i in range(6)]
+    fleet = Fleet(1, RoundRobinRouter(), engine_factory=lambda ex: sim_replica(
+        ex, num_blocks=12, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, model_max_len=512,
+        preemption_mode="reject"))
+    res = fleet.run(arrivals)
+    assert any(r.outcome == "rejected" for r in res.results)
+    assert res.summary()["replica_requests"] == [6]
+    assert res.summary(window=(0.0, 1e9))["replica_requests"] == [6]
+
+
+def test_chat_mix_warmup_is_the_closed_loop_ramp_of_one_session():
+    """The warm-up is about one chat's span after its first turn: ``turns - 1`` rounds of think time and answer.
+    Hand values: 3 turns, think 1-3 s (mean 2), answers counted as 2 s: 2 * (2 + 2) = 8 s, so the window is
+    (8, 8 + duration).  Single-question traffic has no closed loop and needs no warm-up: window (0, duration).
+    Catches counting a round per turn (a 1-turn mix warming up for nothing)."""
+    from minivllm.sim.fleet import ChatMix
+
+    mix = ChatMix(5.0, 10.0, seed=1, turns=3, think_s=(1.0, 3.0), answer_s=2.0)
+    assert mix.warmup == pytest.approx(8.0) and mix.window == pytest.approx((8.0, 18.0))
+    single = ChatMix(5.0, 10.0, seed=1, turns=1, think_s=(1.0, 3.0), answer_s=2.0)
+    assert single.warmup == 0.0 and single.window == (0.0, 10.0)
+
+
+def test_named_prefix_affinity_keys_on_key_blocks_blocks():
+    """``run_fleet(..., "prefix_affinity")`` keys on :data:`KEY_BLOCKS` (20) blocks of 16 tokens, so prompts
+    that share a 16-block system prompt but differ in block 17 are told apart.  Oracle: a brute-force ring --
+    every replica's 64 points scanned for the first at or after the key's hash (wrapping to the smallest) --
+    on the hash of each prompt's first 320 tokens.  8 prompts of 340 tokens stay under the 4,096-token spill
+    floor, so every request goes to its owner.  Catches the router's own default (16 blocks: one key, one
+    replica for all of them)."""
+    from minivllm.sim.fleet import KEY_BLOCKS, FleetArrival, run_fleet, sim_replica
+    from minivllm.sim.router import stable_hash
+
+    assert KEY_BLOCKS == 20
+    system = list(range(10, 10 + 16 * 16))
+    arrivals = [FleetArrival(0.0, f"q{i}", tuple(system + [500 + 7 * i + j for j in range(80)]), 4) for i in range(8)]
+    n = 3
+    points = [(stable_hash(f"replica-{r}#{v}"), r) for r in range(n) for v in range(64)]
+
+    def brute_owner(prompt):
+        key = stable_hash(list(prompt[:20 * 16]))
+        after = [p for p in points if p[0] >= key]
+        return min(after or points)[1]
+
+    res = run_fleet(arrivals, n, "prefix_affinity", engine_factory=lambda ex: sim_replica(ex, **_SMALL))
+    assert res.spilled == 0
+    assert res.placement == {a.request_id: brute_owner(a.prompt) for a in arrivals}
+    assert len(set(res.placement.values())) > 1
 
 
 def test_chat_mix_offers_the_requested_rate():

@@ -73,8 +73,8 @@ class ReplayExecutor:
         for s in batch.seqs:
             req = s.request
             if s.start + s.num_tokens == req.num_tokens:
-                sampled = recorded.get(req.request_id, ())
-                k = len(req.output_token_ids)  # the position of the token this row samples, among the outputs
-                out[req.request_id] = sampled[k] if k < len(sampled) else fake_token(req.request_id, req.num_tokens,
-                                                                                       self.vocab_size)
+                sampled = recorded.get(req.request_id)
+                k = len(req.output_token_ids) if sampled else 0  # the position this row samples, among the outputs
+                out[req.request_id] = sampled[k] if sampled and k < len(sampled) else fake_token(
+                    req.request_id, req.num_tokens, self.vocab_size)
         return out
