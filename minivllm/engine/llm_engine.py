@@ -360,8 +360,12 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} {why}")
         if params.n > 1:
             self._groups[request_id] = samples
-        if not self.scheduler.has_work():  # the engine was idle: time its next step from now, not from the last
-            self._last_step_time = self.executor.now()  # step (a quiet minute is no step's cost; see _observe_step)
+        if not self.scheduler.has_work():  # the engine was idle: time its next step from this arrival, not from the
+            # last step's end (a quiet minute is no step's cost; see _observe_step).  The arrival, not a clock read
+            # here: a replay of the run (sim.replay) has its clock exactly there, where a real clock reads a driver's
+            # sleep overshoot later, and the first step after the wait would be timed differently in the two
+            last = self._last_step_time
+            self._last_step_time = arrival if last is None or arrival > last else last
         self.outputs.add(samples)
         for req in samples:
             self.requests[req.request_id] = req
@@ -518,7 +522,7 @@ class LLMEngine:
 
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
         """Step 4, guarded: if the executor fails as a whole, the requests of this batch fail, not the engine."""
-        batch.started = self.executor.now()
+        batch.started = self._last_step_time  # (the end of the step before: see ScheduledBatch.started)
         try:
             return self.executor.execute(batch)
         except Exception as exc:  # noqa: BLE001 - reported per request as finish_reason "error"
@@ -530,6 +534,22 @@ class LLMEngine:
                 if req.status is RequestStatus.SWAPPED:
                     self.scheduler.swap_out_failed(req)
             return {}
+        finally:
+            self._step_end(batch)
+
+    def _step_end(self, batch: ScheduledBatch) -> float:
+        """The clock at the end of ``batch``'s step: read once, right after the forward pass, and used by every
+        stage after it (the step time and prefill-rate fit, token times, finish times, the step log).
+
+        One reading, not one per stage: a replay (:mod:`minivllm.sim.replay`) can put its clock at one time per
+        step -- the step log's -- and with a reading per stage the later ones came a varying moment of host work
+        after it, so the real engine's step-time average, prefill-rate fit and retry hints were fed times its
+        replay never showed (and auto mode could swap in one where the other recomputed).  A batch whose
+        executor was called by hand (lab 1 walks the steps one by one) is read at the first stage that asks.
+        """
+        if batch.ended is None:
+            batch.ended = self.executor.now()
+        return batch.ended
 
     def append(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
         """Step 5: the K/V written in this step is now part of each request; sampled tokens join it.
@@ -537,7 +557,7 @@ class LLMEngine:
         Newly filled blocks are offered to the prefix cache right away, so the
         next request (or the next turn of this chat) can reuse them.
         """
-        now = self.executor.now()
+        now = self._step_end(batch)
         self._observe_step(batch, now)
         self.scheduler.observe(batch, sampled, now)
         grew: list[Request] = []
@@ -549,7 +569,8 @@ class LLMEngine:
                 req.status, req.error = RequestStatus.FINISHED_ERROR, errors[req.request_id]
                 continue
             if not seq.is_decode and req.first_scheduled_time is None:  # (a decode was scheduled before)
-                req.first_scheduled_time = now if batch.started is None else batch.started
+                started = batch.started  # (None: a batch run by hand; a request may arrive after a step began)
+                req.first_scheduled_time = now if started is None else max(started, req.arrival_time)
             req.num_computed_tokens += seq.num_tokens
             token = token_of(req.request_id)
             if token is not None:
@@ -573,7 +594,7 @@ class LLMEngine:
         their last output here: rejected ones (with a retry hint), failed ones
         and samples aborted since the last step.
         """
-        now = self.executor.now()
+        now = self._step_end(batch)
         self._watch_progress(batch, outputs, now)
         for req in batch.rejected:
             req.finished_time = now
@@ -691,7 +712,7 @@ class LLMEngine:
         self.step_log.append(
             StepRecord(
                 step=self.scheduler.stats.num_steps - 1,
-                time=self.executor.now(),
+                time=self._step_end(batch),  # (the time the step's tokens and finishes carry)
                 seq_ids=tuple([s.request.request_id for s in seqs]),
                 seq_starts=tuple([s.start for s in seqs]),
                 seq_tokens=seq_tokens,
@@ -716,7 +737,8 @@ class LLMEngine:
 
         A step is timed from the end of the one before, so host work between steps counts -- except after the
         engine ran dry: a driver steps only while there is work, so the wait for the next request is idle time,
-        and :meth:`add_request` restarts the clock when it ends.
+        and :meth:`add_request` restarts the clock at the arrival that ends it.  ``now`` is the step's one
+        reading (:meth:`_step_end`), a time a replay of the run reproduces exactly.
 
         Every step feeds the fit, decode-only ones included: they help tell the per-step and per-decode costs
         apart from the per-prefill-token one.  Three kinds do not: a step that swapped KV (its time holds link

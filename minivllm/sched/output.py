@@ -52,9 +52,13 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> what failed (the executor fills it)
-    # The clock when step 4 began.  A request first scheduled in this batch stopped queueing then, not when
-    # the forward pass ended: its queue time must not include its own prefill (vLLM stamps it the same way).
+    # The clock when this step began: the end of the step before (``ended``), or the arrival that woke an idle
+    # engine.  A request first scheduled in this batch stopped queueing then, not when the forward pass ended:
+    # its queue time must not include its own prefill.  Steps tile the clock ([started, ended] is the time the
+    # engine's step-time average counts), and both ends are times a replay's clock reproduces.
     started: float | None = None
+    # The clock right after the forward pass, read once (LLMEngine._step_end): every later stage's time.
+    ended: float | None = None
     # ``(prefill tokens, decode rows)``, counted by the scheduler while it builds the batch (it adds up both as it
     # spends the token budget): the scheduler and the engine read them every step, and a step of 256 decodes
     # would otherwise be walked again for each read.  None -- a batch built by hand, or one whose rows changed

@@ -3,10 +3,13 @@
 The simulator's claim is that only the *clock* is simulated: every scheduling
 decision is the real scheduler's.  :class:`ReplayExecutor` makes that
 testable.  Record a real run with :func:`minivllm.sim.run.drive` (it notes the
-clock at the first moment after each step, when the next arrivals are
-injected), then run the same arrivals on a :class:`ReplayExecutor` that moves
-its virtual clock to exactly those times.  The engine then sees the same
-requests at the same step boundaries, so the two step logs must be identical;
+clock at the end of each step, as the engine read it once for the step's
+token times, its step-time average and its prefill-rate fit; the next arrivals
+are injected at that time), then run the same arrivals on a
+:class:`ReplayExecutor` that moves its virtual clock to exactly those times.
+The engine then sees the same requests at the same step boundaries and
+measures the same step times, so the two step logs must be identical, and so
+must the estimates (``step_time_s``, the learnt prefill rate, retry hints);
 any difference is a simulator bug (or hidden nondeterminism in the engine).
 
 Times are not all a real engine measures: ``preemption_mode="auto"`` starts
@@ -29,7 +32,7 @@ from minivllm.sim.run import DriveRecord
 class ReplayExecutor:
     """An :class:`~minivllm.interfaces.Executor` whose clock after its ``k``-th call is ``times[k]``.
 
-    ``times`` are seconds on the run's clock (``DriveRecord.check_after_step``);
+    ``times`` are seconds on the run's clock (``DriveRecord.step_ends``, each step's end as its engine read it);
     past the end of the list the clock advances by ``tail_step_s`` per call.
     ``prefill_tokens_per_s``: auto mode's start-up prefill rate (None: the engine's default guess).
     """
@@ -56,7 +59,7 @@ class ReplayExecutor:
             known["kv_bytes_per_block"] = rec.kv_bytes_per_block
         if rec.start_costs is not None:
             known["swap_bytes_per_s"], known["prefill_tokens_per_s"] = rec.start_costs
-        return cls(list(rec.check_after_step), **{**known, **kwargs})
+        return cls(list(rec.step_ends), **{**known, **kwargs})
 
     def now(self) -> float:
         return self.clock

@@ -69,10 +69,12 @@ class DriveRecord:
     # each request's sampled tokens by its engine id: a replay writes these (ReplayExecutor.tokens), since with a
     # prefix cache what a block holds decides what it shares
     output_token_ids: dict[str, list[int]] = field(default_factory=dict, kw_only=True)
-    step_starts: list[float] = field(default_factory=list)  # clock (s after t0) before each step
-    step_ends: list[float] = field(default_factory=list)  # clock (s after t0) after each step
-    check_after_step: list[float] = field(default_factory=list)  # clock at the first arrival check after each step
-    # (after a step that ran nothing: its end, before the wait for the next arrival)
+    # clock (s after t0) where each step began: the arrival check before it (the end of the step before, or the
+    # arrival an idle engine waited for), so the steps tile the run as the engine's step-time average counts them
+    step_starts: list[float] = field(default_factory=list)
+    # clock (s after t0) at each step's end as the engine read it (its step log's time: the time of the step's
+    # tokens and finishes, and what its step-time average and prefill-rate fit were fed)
+    step_ends: list[float] = field(default_factory=list)
     kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (s after t0, fraction of blocks held)
     kv_peak: float = 0.0  # the highest fraction of blocks held after any step (kv_usage is only sampled)
     kv_area: float = 0.0  # the integral of that fraction over [0, kv_span]: every step's level, held until it changes
@@ -85,6 +87,13 @@ class DriveRecord:
     start_costs: tuple[float, float] | None = None
     duration: float = 0.0
     wall_s: float = 0.0
+
+    @property
+    def check_after_step(self) -> list[float]:
+        """The clock at the arrival check after each step: the step's end (``step_ends``), where :func:`drive`
+        takes it, so a replay whose clock stands at these times (:class:`~minivllm.sim.replay.ReplayExecutor`)
+        shows its engine every time the recorded engine read."""
+        return self.step_ends
 
 
 def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_samples: int = 200,
@@ -130,16 +139,15 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
 
     i = 0
     idle = 0
-    # A check that ends a wait is taken at the time waited for: the run's start (t0), or the arrival an idle
-    # engine slept until.  A real clock reads later (the moment between the two reads, a sleep's overshoot:
-    # milliseconds on a busy machine), and a request arriving in that moment would join a step that a replay of
-    # the same run (its virtual clock exactly at t0, or at the arrival) leaves it out of.
+    # A check is taken at a time the replay of the run (sim.replay) has its clock at, never at a fresh read of a
+    # real clock, which comes a varying moment later (host work, a sleep's overshoot: milliseconds on a busy
+    # machine), and a request arriving in that moment would join a step the replay leaves it out of: after a
+    # step, at the step's end as the engine read it (its step log's time); after a wait, at the time waited
+    # for (the run's start t0, or the arrival an idle engine slept until).
     wake: float | None = t0
     while True:
         now = ex.now() if wake is None else wake
         wake = None
-        if len(rec.check_after_step) < len(rec.step_ends):
-            rec.check_after_step.append(now - t0)
         while i < n and t0 + requests[i].arrival <= now:
             r = requests[i]
             rid = f"r{r.index}"
@@ -179,14 +187,15 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         rec.step_starts.append(now - t0)
         rec.injected_before_step.append(i)
         outputs = engine.step()
-        end = ex.now() - t0
+        last = engine.step_log[-1]  # (the log keeps at least its newest record)
+        wake = last.time
+        end = wake - t0
         rec.step_ends.append(end)
-        last = engine.step_log[-1] if len(engine.step_log) else None
-        if last is not None and not last.seqs and not (last.swapped_in or last.swapped_out):
+        if not last.seqs and not (last.swapped_in or last.swapped_out):
             idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
             if i < n and advance is not None:
-                rec.check_after_step.append(ex.now() - t0)  # the step's own boundary, before the idle jump
-                advance(t0 + requests[i].arrival)
+                wake = max(wake, t0 + requests[i].arrival)  # (the step's end, before the jump, is in step_ends)
+                advance(wake)
             elif idle > max_idle_steps:
                 break
         else:
