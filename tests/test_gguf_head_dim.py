@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from tests.test_gguf_rope_freqs import _teacher_forced_logits
+from tests.test_gguf_rope_freqs import _teacher_forced_logits, gguf_writer_for, write_tensors_and_close
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -33,19 +33,9 @@ VOCAB = [chr(c) for c in range(ord("!"), ord("!") + 256)] + ["!!"]
 
 def _write_qwen3_gguf(hf, path, value_length=None):
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "qwen3")
-    w.add_name("tiny-qwen3")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer_for(cfg, path, "qwen3")
     w.add_key_length(cfg.head_dim)
     w.add_value_length(value_length or cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(VOCAB)
@@ -53,26 +43,14 @@ def _write_qwen3_gguf(hf, path, value_length=None):
     w.add_token_merges(["! !"])
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied
-        a = t.float().numpy().copy()
-        if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", a)
-        elif name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", a)
-        else:
-            parts = name.split(".")
-            module = ".".join(parts[3:-1])
-            if value_length and module == "self_attn.v_proj":  # V heads of their own width, as such a file has
-                a = a[: cfg.num_key_value_heads * value_length]
-            elif value_length and module == "self_attn.o_proj":
-                a = a[:, : cfg.num_attention_heads * value_length].copy()
-            w.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    def own_v_width(module, a):  # V heads of their own width, as such a file has
+        if value_length and module == "self_attn.v_proj":
+            return a[: cfg.num_key_value_heads * value_length]
+        if value_length and module == "self_attn.o_proj":
+            return a[:, : cfg.num_attention_heads * value_length].copy()
+        return a
+
+    write_tensors_and_close(w, hf, GGUF_NAMES, own_v_width)
 
 
 def _tiny_qwen3():

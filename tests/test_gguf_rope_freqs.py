@@ -58,10 +58,11 @@ def _llama_cpp_rope_factors(config):
     return np.array(factors, dtype=np.float32)
 
 
-def _write_gguf(hf, path, tokenizer_source):
-    cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-llama3")
+def gguf_writer_for(cfg, path, arch: str):
+    """A GGUFWriter with the shape keys llama.cpp's converter writes for every Llama-like model (also used by
+    tests/test_gguf_head_dim.py)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -71,6 +72,12 @@ def _write_gguf(hf, path, tokenizer_source):
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def _write_gguf(hf, path, tokenizer_source):
+    cfg = hf.config
+    w = gguf_writer_for(cfg, path, "llama")
     w.add_rope_dimension_count(cfg.head_dim)
     for key, field in tokenizer_source.fields.items():  # the bundled model's tokenizer (the vocab sizes match)
         if key.startswith("tokenizer."):
@@ -78,23 +85,27 @@ def _write_gguf(hf, path, tokenizer_source):
             sub = gguf.GGUFValueType(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), kind, sub_type=sub)
     w.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(cfg))
+    permute = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+    write_tensors_and_close(w, hf, GGUF_NAMES,
+                            lambda module, a: _llama_cpp_permute(a, permute[module]) if module in permute else a)
+
+
+def write_tensors_and_close(w, hf, names, transform):
+    """Write ``hf``'s weights under llama.cpp's names (``names``: HF module -> GGUF name; the tied lm_head is
+    left out), each layer tensor through ``transform(module, array)`` (the converter's own rewrites), then the
+    file."""
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
         a = t.float().numpy().copy()
         if name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", a)
-            continue
-        if name == "model.norm.weight":
+        elif name == "model.norm.weight":
             w.add_tensor("output_norm.weight", a)
-            continue
-        parts = name.split(".")
-        module = ".".join(parts[3:-1])
-        if module == "self_attn.q_proj":
-            a = _llama_cpp_permute(a, cfg.num_attention_heads)
-        elif module == "self_attn.k_proj":
-            a = _llama_cpp_permute(a, cfg.num_key_value_heads)
-        w.add_tensor(f"blk.{parts[2]}.{GGUF_NAMES[module]}.{parts[-1]}", a)
+        else:
+            parts = name.split(".")
+            module = ".".join(parts[3:-1])
+            w.add_tensor(f"blk.{parts[2]}.{names[module]}.{parts[-1]}", transform(module, a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
