@@ -36,3 +36,30 @@ def test_a_replay_with_a_prefix_cache_writes_the_recorded_tokens():
     replay = sim_engine(executor=ReplayExecutor(rec.check_after_step, tokens=rec.output_token_ids), **options)
     drive(replay, reqs)
     assert _log(replay) == _log(real)
+
+
+def test_a_replay_samples_each_request_its_own_recorded_tokens_in_order():
+    """The replay's promise (``ReplayExecutor.tokens``): it writes the recorded run's sampled tokens, each
+    request its own, at the position its row samples -- recomputed victims included, whose last chunk samples
+    the next output, not one again.  The test above cannot tell: its two requests have equal outputs, so a
+    replay that wrote a token one position ahead, or another request's token, cached the same twin block.
+    Oracle: the recorded outputs themselves; each request's prompt is its own, so its outputs are too."""
+    import zlib
+
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+
+    class Greedy(SimulatedExecutor):
+        def execute(self, batch):
+            ids = {s.request.request_id: s.request.all_token_ids for s in batch.seqs}
+            return {rid: zlib.crc32(str(ids[rid]).encode()) % 900 + 10 for rid in super().execute(batch)}
+
+    reqs = [SimRequest(k, 0.002 * k, "t", list(range(100 + 7 * k, 112 + 7 * k)), 12 + k) for k in range(6)]
+    options = dict(num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=32, enable_prefix_caching=True)
+    real = sim_engine(executor=Greedy(), **options)
+    rec = drive(real, reqs)
+    assert real.scheduler.stats.num_recompute_preemptions > 0  # victims recomputed: the position rule is tested
+    assert len({tuple(v) for v in rec.output_token_ids.values()}) == len(reqs)  # every request's own outputs
+    replay = sim_engine(executor=ReplayExecutor.from_record(rec), **options)
+    assert drive(replay, reqs).output_token_ids == rec.output_token_ids
+    assert _log(replay) == _log(real)

@@ -48,3 +48,43 @@ def test_requests_arriving_while_a_real_clock_reads_late_join_no_step_the_replay
         rec_replay = drive(replay, reqs)
         assert rec_replay.injected_before_step == rec.injected_before_step
         assert _log(replay) == _log(real)
+
+
+def test_a_sleep_cut_short_injects_no_request_before_its_arrival(monkeypatch):
+    """drive's promise after a wait: a sleep that wakes early (a signal; a clock other than the sleep's) checks
+    the clock again, and a request joins only once its arrival has come.  Oracle: the wall clock stand-in's own
+    time at each ``add_request``, never before the request's ``arrival_time``.  The stand-in's sleep wakes after
+    half the time asked."""
+    import types
+
+    import minivllm.sim.run as sim_run
+    from minivllm.labs.workloads import sim_engine
+    from minivllm.sim.executor import SimulatedExecutor
+
+    class Wall:  # no advance_to: drive sleeps
+        def __init__(self):
+            self.sim = SimulatedExecutor(fixed_overhead_s=0.01, per_token_s=0.0, per_context_token_s=0.0)
+
+        def now(self):
+            return self.sim.clock
+
+        def execute(self, batch):
+            return self.sim.execute(batch)
+
+    wall = Wall()
+    monkeypatch.setattr(sim_run, "time", types.SimpleNamespace(
+        perf_counter=sim_run.time.perf_counter, sleep=lambda s: setattr(wall.sim, "clock", wall.sim.clock + s / 2)))
+    engine = sim_engine(executor=wall, num_blocks=64, max_num_seqs=8)
+    early = []
+    add = engine.add_request
+
+    def watched(*args, arrival_time=None, **kwargs):
+        if wall.now() < arrival_time:
+            early.append((kwargs.get("request_id"), wall.now(), arrival_time))
+        return add(*args, arrival_time=arrival_time, **kwargs)
+
+    engine.add_request = watched
+    reqs = [SimRequest(k, t, "t", list(range(10 + 20 * k, 30 + 20 * k)), 2) for k, t in enumerate((0.0, 0.5, 1.5))]
+    rec = drive(engine, reqs)
+    assert [r.outcome for r in rec.results] == ["ok"] * 3
+    assert not early, early
