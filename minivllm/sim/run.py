@@ -41,6 +41,9 @@ class SimRequest:
     tenant: str
     prompt_token_ids: list[int]
     max_tokens: int
+    # samples per prompt (SamplingParams.n): they share the prompt's prefill and its blocks, so a workload of n > 1
+    # requests loads the engine unlike n separate ones; its result counts every sample's tokens
+    n: int = 1
 
 
 def word_token_ids(text: str, vocab_size: int = 49152) -> list[int]:
@@ -107,6 +110,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     arrival order (the loop admits a prefix of the list): an unsorted list is
     a ValueError, not requests silently held back behind a later one.
     """
+    from minivllm.engine.input_processor import InputProcessor
     from minivllm.interfaces import VirtualClock, implements
     from minivllm.sampling_params import SamplingParams
     from minivllm.sched.scheduler import PreemptionCosts
@@ -116,6 +120,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         raise ValueError(f"requests must be sorted by arrival: request {requests[late].index} arrives at "
                          f"{requests[late].arrival:g} s, before the one listed ahead of it ({requests[late - 1].arrival:g} s)")
 
+    sample_id = InputProcessor.sample_id
     ex = engine.executor
     advance = ex.advance_to if implements(ex, VirtualClock) else None  # (a forwarding wrapper counts: see implements)
     wall0 = time.perf_counter()
@@ -145,6 +150,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     # step, at the step's end as the engine read it (its step log's time); after a wait, at the time waited
     # for (the run's start t0, or the arrival an idle engine slept until).
     wake: float | None = t0
+    after_preemption = False  # the step before preempted a request (the next one may be the guard's pause)
     while True:
         now = ex.now() if wake is None else wake
         wake = None
@@ -152,7 +158,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             r = requests[i]
             rid = f"r{r.index}"
             params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=temperature,
-                                    output_kind="delta")
+                                    output_kind="delta", n=r.n)
             res = results[i]
             res.start = r.arrival
             try:
@@ -162,7 +168,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
                 res.outcome, res.error = "error", str(exc)
             else:
                 by_id[rid] = (res, [])
-                rec.output_token_ids[rid] = []
+                for k in range(r.n):  # keyed as the engine names the samples, which is what a replay looks up
+                    rec.output_token_ids[rid if r.n == 1 else sample_id(rid, k)] = []
             i += 1
         if not engine.has_unfinished_requests():
             if i >= n:
@@ -193,13 +200,17 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         rec.step_ends.append(end)
         if not last.seqs and not (last.swapped_in or last.swapped_out):
             idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
-            if i < n and advance is not None:
+            # -- unless the step before preempted: the step after a preemption admits nothing by design (the
+            # scheduler's thrash guard) and the next one runs again, as a real engine, stepping at once, shows;
+            # that empty step is a pause, and a jump to the next arrival would idle every waiting request till then
+            if i < n and advance is not None and not after_preemption:
                 wake = max(wake, t0 + requests[i].arrival)  # (the step's end, before the jump, is in step_ends)
                 advance(wake)
             elif idle > max_idle_steps:
                 break
         else:
             idle = 0
+        after_preemption = bool(last.preempted)
         for out in outputs:
             entry = by_id.get(out.request_id)
             if entry is None:
@@ -207,8 +218,14 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             res, times = entry
             m = out.metrics
             times.extend(m.token_times)
-            if out.outputs:
-                rec.output_token_ids[out.request_id].extend(out.outputs[0].delta_token_ids)
+            if len(out.outputs) == 1:
+                new = out.outputs[0].delta_token_ids
+                rec.output_token_ids[out.request_id].extend(new)
+                res.output_tokens += len(new)
+            else:  # an n > 1 group: one completion per sample, each with its own new tokens
+                for c in out.outputs:
+                    rec.output_token_ids[sample_id(out.request_id, c.index)].extend(c.delta_token_ids)
+                    res.output_tokens += len(c.delta_token_ids)
             if out.finished:
                 _finish(res, out, times, t0)
                 del by_id[out.request_id]
@@ -233,7 +250,8 @@ def _finish(res: RequestResult, out, times: list[float], t0: float) -> None:
     m = out.metrics
     reason = out.outputs[0].finish_reason if out.outputs else None
     res.prompt_tokens = len(out.prompt_token_ids or ())
-    res.output_tokens = len(times)
+    # (output_tokens is counted as the tokens come, over every sample; times are the group's, one per step in
+    # which any sample got a token: the chunks a streaming client sees)
     res.chunks = len(times)
     if reason == "rejected":
         res.outcome, res.retry_after = "rejected", getattr(out, "retry_after_s", None)
