@@ -756,6 +756,17 @@ def test_sim_run_header_and_sparkline_say_something_at_low_load():
     assert line[0] == " " and all(c != " " for c in line[1:]) and line[-1] == "█"
 
 
+def test_sim_run_sparkline_scale_is_the_peak_per_cent_exactly_when_it_is_whole():
+    """The low-load scale is the peak "rounded up to a whole per cent": a peak already whole keeps its value.
+    Hand case: 7 of 100 blocks held -> 7%, and the peak column a full block (0.035 half of it: 4 of 8 bars).
+    It was 8% (0.07 * 100 is 7.000000000000001 in floats), the peak drawn as 7 of 8 bars under a wrong label."""
+    from minivllm.sim.run import _spark_top, sparkline
+
+    top = _spark_top({"kv_usage_peak": 7 / 100})
+    assert top == 0.07
+    assert sparkline([0.0, 0.035, 7 / 100], top=top) == " ▄█"
+
+
 def test_the_gemm_rate_follows_the_dtype_on_a_datasheet_gpu():
     """A datasheet quotes BF16 tensor-core FLOP/s; an fp8 model runs twice as fast on them, and an fp32 one at
     the FP32 units' own datasheet peak (67 of 989.5 TFLOP/s on an H100; not TF32's half, which torch leaves off)

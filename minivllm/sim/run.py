@@ -438,7 +438,9 @@ def _spark_top(x: dict) -> float:
     """The sparkline's full scale: 100%, or, when the pool was never a tenth full, the peak rounded up to a
     whole per cent (so a lightly loaded run still shows its shape)."""
     peak = x["kv_usage_peak"] or 0.0
-    return 1.0 if peak >= 0.1 else max(0.01, math.ceil(peak * 100) / 100)
+    # (per cent rounded to 1e-9 before the ceiling: 7 of 100 blocks is the float 0.07, whose 100-fold is
+    # 7.000000000000001, and a bare ceiling made the scale 8% -- the peak drawn short of a full block)
+    return 1.0 if peak >= 0.1 else max(0.01, math.ceil(round(peak * 100, 9)) / 100)
 
 
 def _parser() -> argparse.ArgumentParser:
