@@ -4,14 +4,12 @@ and the measuring ``calibrate`` are replaced by fakes, so each flag's effect is 
 wrote, refused or asked for.  Each test names the mutant it kills and its oracle."""
 
 import json
-from dataclasses import asdict
 
 import pytest
 
 import minivllm.sim.calibrate as cal
 from minivllm.cli import main as cli_main
-from minivllm.sim.presets import model_preset
-from minivllm.sim.roofline import HardwareSpec, roofline_time, step_cost
+from tests.test_calibrate_mutants import toy_profile
 
 # A profile as calibrate returns it, cut to what the command prints (format_profile, fit_warning) and writes.
 FAKE_DOC = {"hardware": {"name": "mine", "step_overhead_s": 4e-3, "seq_overhead_s": 0.3e-3, "peak_flops": 60e9,
@@ -48,19 +46,6 @@ def test_force_lets_the_default_out_replace_an_existing_profile(monkeypatch, tmp
     assert f"wrote {target}" in capsys.readouterr().out
 
 
-def _toy_profile() -> dict:
-    """A profile with stored samples: ten steps timed exactly by a known spec (quick to fit)."""
-    shape = model_preset("smollm2-135m").with_dtype(4)
-    truth = HardwareSpec("truth", peak_flops=60e9, mem_bandwidth=12e9, attention_flops=25e9,
-                         attention_bandwidth=3e9, step_overhead_s=4e-3, seq_overhead_s=0.3e-3)
-    batches = [[(0, n, True)] for n in (16, 64, 160, 320, 512)] + [[(ctx, 1, True)] * b for b, ctx in
-                                                                   ((1, 40), (4, 40), (16, 40), (4, 400), (12, 400))]
-    times = [roofline_time(step_cost(shape, b, 0, 16), shape, truth).total for b in batches]
-    return {"device": "cpu", "model": asdict(shape), "engine": {"block_size": 16}, "fit": {},
-            "hardware": {"name": "toy", "memory_bytes": 0.0},
-            "samples": [{"seqs": [list(x) for x in b], "swapped_blocks": 0, "time_s": t} for b, t in zip(batches, times)]}
-
-
 def test_refit_with_out_writes_there_and_leaves_the_source_profile_alone(monkeypatch, tmp_path, capsys):
     """``--refit PROFILE`` writes back to PROFILE "unless --out" (the help): with ``--out`` the source must stay
     byte for byte, and the new file holds the same samples re-fitted: ten steps timed exactly by a spec of the
@@ -68,7 +53,7 @@ def test_refit_with_out_writes_there_and_leaves_the_source_profile_alone(monkeyp
     the refit writing to PROFILE whatever ``--out`` says (the new file missing, the source overwritten)."""
     monkeypatch.setattr(cal, "real_engine", lambda **kw: (_ for _ in ()).throw(AssertionError("measured")))
     src, dst = tmp_path / "a.json", tmp_path / "b.json"
-    src.write_text(json.dumps(_toy_profile()))
+    src.write_text(json.dumps(toy_profile()))
     before = src.read_bytes()
     assert cal.main(["--refit", str(src), "--out", str(dst)]) == 0
     assert src.read_bytes() == before

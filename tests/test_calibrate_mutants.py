@@ -104,14 +104,20 @@ def test_a_refit_keeps_the_device_memory_the_calibration_recorded():
     """A GPU profile's ``memory_bytes`` sizes its KV pool in ``sim run``; re-fitting its samples
     (``--refit``) changes the cost model, not the device.  Hand case: a toy grid timed by a known spec, the
     profile's hardware recording 80 GiB -> still 80 GiB after the refit.  Kills: the refit dropping it to 0."""
+    doc = toy_profile(device="cuda:0", memory_bytes=80 * 2**30)
+    cal.refit(doc)
+    assert doc["hardware"]["memory_bytes"] == 80 * 2**30
+
+
+def toy_profile(device: str = "cpu", memory_bytes: float = 0.0) -> dict:
+    """A profile with stored samples: ten steps timed exactly by a known spec (GEMM 60 GFLOP/s; quick to fit).
+    Also used by tests/test_calibrate_cli_mutants.py."""
     shape = model_preset("smollm2-135m").with_dtype(4)
     truth = HardwareSpec("truth", peak_flops=60e9, mem_bandwidth=12e9, attention_flops=25e9,
                          attention_bandwidth=3e9, step_overhead_s=4e-3, seq_overhead_s=0.3e-3)
     batches = [[(0, n, True)] for n in (16, 64, 160, 320, 512)] + [[(ctx, 1, True)] * b for b, ctx in
                                                                    ((1, 40), (4, 40), (16, 40), (4, 400), (12, 400))]
     times = [roofline_time(step_cost(shape, b, 0, 16), shape, truth).total for b in batches]
-    doc = {"device": "cuda:0", "model": asdict(shape), "engine": {"block_size": 16}, "fit": {},
-           "hardware": {"name": "toy", "memory_bytes": 80 * 2**30},
-           "samples": [{"seqs": [list(x) for x in b], "swapped_blocks": 0, "time_s": t} for b, t in zip(batches, times)]}
-    cal.refit(doc)
-    assert doc["hardware"]["memory_bytes"] == 80 * 2**30
+    return {"device": device, "model": asdict(shape), "engine": {"block_size": 16}, "fit": {},
+            "hardware": {"name": "toy", "memory_bytes": memory_bytes},
+            "samples": [{"seqs": [list(x) for x in b], "swapped_blocks": 0, "time_s": t} for b, t in zip(batches, times)]}
