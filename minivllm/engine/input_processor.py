@@ -67,6 +67,12 @@ class InputProcessor:
     def sample_id(parent_id: str, index: int) -> str:
         return f"{parent_id}#{index}"
 
+    @classmethod
+    def engine_id(cls, request_id: str, n: int, index: int) -> str:
+        """The engine's id for sample ``index`` of a request of ``n`` samples: the request's own id when it is
+        the only one, else :meth:`sample_id` (a replay looks recorded tokens up by it)."""
+        return request_id if n == 1 else cls.sample_id(request_id, index)
+
     @staticmethod
     def sample_parent(request_id: str) -> str | None:
         """The parent id if ``request_id`` is shaped like a :meth:`sample_id` (``parent#<digits>``), else None."""
@@ -112,7 +118,7 @@ class InputProcessor:
         samples: list[Request] = []
         for i in range(params.n):
             req = Request(
-                request_id=request_id if params.n == 1 else self.sample_id(request_id, i),
+                request_id=self.engine_id(request_id, params.n, i),
                 prompt_token_ids=token_ids,
                 sampling_params=params,
                 arrival_time=arrival_time,

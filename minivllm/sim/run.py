@@ -120,14 +120,14 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         raise ValueError(f"requests must be sorted by arrival: request {requests[late].index} arrives at "
                          f"{requests[late].arrival:g} s, before the one listed ahead of it ({requests[late - 1].arrival:g} s)")
 
-    sample_id = InputProcessor.sample_id
+    engine_id = InputProcessor.engine_id
     ex = engine.executor
     advance = ex.advance_to if implements(ex, VirtualClock) else None  # (a forwarding wrapper counts: see implements)
     wall0 = time.perf_counter()
     t0 = ex.now()
     n = len(requests)
     results = [RequestResult(r.index, r.tenant, r.arrival, len(r.prompt_token_ids), r.max_tokens) for r in requests]
-    by_id: dict[str, tuple[RequestResult, list[float]]] = {}
+    by_id: dict[str, tuple[RequestResult, list[float], int]] = {}  # (result, token times, samples)
     rec = DriveRecord(results, kv_bytes_per_block=engine.bytes_per_block)
     costs = engine.scheduler.costs
     if isinstance(costs, PreemptionCosts):  # (read before the first step: the fit moves the rate later)
@@ -167,9 +167,9 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             except ValueError as exc:  # refused at the door (too long, over a tenant's cap): an error, as HTTP 400 is
                 res.outcome, res.error = "error", str(exc)
             else:
-                by_id[rid] = (res, [])
+                by_id[rid] = (res, [], r.n)
                 for k in range(r.n):  # keyed as the engine names the samples, which is what a replay looks up
-                    rec.output_token_ids[rid if r.n == 1 else sample_id(rid, k)] = []
+                    rec.output_token_ids[engine_id(rid, r.n, k)] = []
             i += 1
         if not engine.has_unfinished_requests():
             if i >= n:
@@ -215,17 +215,12 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             entry = by_id.get(out.request_id)
             if entry is None:
                 continue
-            res, times = entry
+            res, times, samples = entry
             m = out.metrics
             times.extend(m.token_times)
-            if len(out.outputs) == 1:
-                new = out.outputs[0].delta_token_ids
-                rec.output_token_ids[out.request_id].extend(new)
-                res.output_tokens += len(new)
-            else:  # an n > 1 group: one completion per sample, each with its own new tokens
-                for c in out.outputs:
-                    rec.output_token_ids[sample_id(out.request_id, c.index)].extend(c.delta_token_ids)
-                    res.output_tokens += len(c.delta_token_ids)
+            for c in out.outputs:  # one completion per sample, each with its own new tokens
+                rec.output_token_ids[engine_id(out.request_id, samples, c.index)].extend(c.delta_token_ids)
+                res.output_tokens += len(c.delta_token_ids)
             if out.finished:
                 _finish(res, out, times, t0)
                 del by_id[out.request_id]
@@ -236,7 +231,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         if end >= next_sample:
             rec.kv_usage.append((end, usage))
             next_sample = end + sample_every
-    for res, times in by_id.values():  # left unfinished (a policy that never admits them)
+    for res, times, _ in by_id.values():  # left unfinished (a policy that never admits them)
         res.outcome, res.error = "timeout", "not finished when the run stopped"
     ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
     rec.duration = max(ends) if ends else ex.now() - t0
