@@ -134,3 +134,7 @@ def test_fleet_run_count_and_wall_time_are_the_committed_files():
     quoted = re.search(r"([\d.]+) s wall|`wall_s` is ([\d.]+) s", BENCH_README[m.end():m.end() + 400])
     assert quoted, "the fleet command's wall time is no longer quoted"
     assert float(quoted.group(1) or quoted.group(2)) == round(result["wall_s"], 1), (quoted.groups(), result["wall_s"])
+    # ``--out``'s help names "the committed run": the file the README reads, not an earlier one it replaced
+    from minivllm.bench.fleet import DEFAULT_OUT
+
+    assert DEFAULT_OUT == f"benchmarks/results/{m.group(1)}"

@@ -33,7 +33,7 @@ from minivllm.sim.fleet import (GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, gpu_like
                                 roofline_factory, run_fleet)
 from minivllm.sim.router import ROUTERS, HashRing
 
-DEFAULT_OUT = "benchmarks/results/2026-12-05_cpu-2core_fleet_sim.json"
+DEFAULT_OUT = "benchmarks/results/2026-12-05_cpu-2core_warmup_fleet_sim.json"
 
 
 def _ints(text: str) -> list[int]:
