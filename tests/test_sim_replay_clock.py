@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import types
 
-import pytest
 
 from minivllm.config import TenantConfig
 from minivllm.labs.workloads import sim_engine
@@ -34,18 +33,20 @@ class WallLike:
         return self.sim.execute(batch)
 
 
-def _record_and_replay(monkeypatch, requests, **options):
+def _record_and_replay(monkeypatch, requests, origin=0.0, **options):
     import minivllm.sim.run as sim_run
 
     wall = WallLike()
+    wall.sim.clock = origin  # where the clock stands when the run begins (perf_counter: seconds since boot)
 
     def sleep(seconds):  # a sleep overshoots by 2 ms
         wall.sim.clock += seconds + 0.002
 
     monkeypatch.setattr(sim_run, "time", types.SimpleNamespace(perf_counter=sim_run.time.perf_counter, sleep=sleep))
-    real = sim_engine(executor=wall, preemption_mode="auto", **options)
+    options.setdefault("preemption_mode", "auto")
+    real = sim_engine(executor=wall, **options)
     rec = drive(real, requests)
-    replay = sim_engine(executor=ReplayExecutor.from_record(rec), preemption_mode="auto", **options)
+    replay = sim_engine(executor=ReplayExecutor.from_record(rec), **options)
     return real, rec, replay, drive(replay, requests)
 
 
@@ -73,14 +74,14 @@ def test_a_replay_swaps_and_recomputes_the_victims_the_real_run_did(monkeypatch)
     assert real._prefill_fit.rate() is not None  # and its fit is trusted (it moves the threshold)
     assert _log(replay) == _log(real)
     assert rec_replay.injected_before_step == rec.injected_before_step
-    assert replay.step_time_s == pytest.approx(real.step_time_s, abs=1e-9)
-    assert replay._learnt_costs.prefill_tokens_per_s == pytest.approx(real._learnt_costs.prefill_tokens_per_s, abs=1e-9)
+    assert replay.step_time_s == real.step_time_s
+    assert replay._learnt_costs.prefill_tokens_per_s == real._learnt_costs.prefill_tokens_per_s
     # every time the engine stamped is the replay's too: token times, finishes, the step log
     def stamps(r):
         return [r.ttft, r.e2e, *r.itl]
 
-    assert [stamps(r) for r in rec_replay.results] == [pytest.approx(stamps(r), abs=1e-9) for r in rec.results]
-    assert [r.time for r in replay.step_log] == pytest.approx([r.time for r in real.step_log], abs=1e-9)
+    assert [stamps(r) for r in rec_replay.results] == [stamps(r) for r in rec.results]
+    assert [r.time for r in replay.step_log] == [r.time for r in real.step_log]
 
 
 def test_a_replay_gives_rejected_requests_the_retry_hints_the_real_run_gave(monkeypatch):
@@ -96,4 +97,27 @@ def test_a_replay_gives_rejected_requests_the_retry_hints_the_real_run_gave(monk
     assert len(hints) > 10
     assert [(r.index, r.retry_after) for r in rec_replay.results if r.outcome == "rejected"] == hints
     assert _log(replay) == _log(real)
-    assert replay.step_time_s == pytest.approx(real.step_time_s, abs=1e-9)
+    assert replay.step_time_s == real.step_time_s
+
+
+def test_a_replay_reads_the_recorded_clock_so_tied_deadlines_tie_again(monkeypatch):
+    """A deadline is ``arrival + gap`` on the engine's clock, and the deadline policy's key is
+    ``min(deadline, arrival + deadline_aging_s)``.  Here several keys tie exactly in real arithmetic (gaps of
+    1, 10 and 40 ms against an aging of 50 ms, arrivals on a 1 ms grid).  On a clock counting from boot (17,384 s)
+    those sums round to one float or its neighbour; on a replay clock from 0 they round otherwise, and the tie is
+    broken the other way: the replay served another request first (the bench ``replay`` grid found it on the
+    bundled model).  ``ReplayExecutor.from_record`` now starts at the recorded clock's origin and replays its
+    very readings.  Oracle: the recorded run's own step log and estimates, compared exactly."""
+    from minivllm.bench.replay import workload
+
+    requests = workload(0, ("a", "b"), False, 49152, deadlines=True)
+    options = dict(num_blocks=14, max_num_seqs=5, max_num_batched_tokens=40, scheduling_policy="deadline",
+                   deadline_aging_s=0.05, preemption_mode="recompute")
+    real, rec, replay, _ = _record_and_replay(monkeypatch, requests, origin=17384.123456, **options)
+    assert rec.clock_origin == 17384.123456
+    assert _log(replay) == _log(real)
+    assert replay.step_time_s == real.step_time_s  # exactly: the same readings, the same sums
+    # the hazard is real in this workload: the same times on a clock from 0 decide otherwise
+    from_zero = sim_engine(executor=ReplayExecutor(list(rec.step_ends), tokens=rec.output_token_ids), **options)
+    drive(from_zero, requests)
+    assert _log(from_zero) != _log(real)

@@ -11,7 +11,8 @@ simulator vs the real engine on held-out workloads), ``linear`` (the model's pro
 ``activations`` (peak activation memory of one forward against the token budget), ``gpu_e2e`` (the engine
 end to end on a CUDA GPU: Triton vs torch backend, CUDA graphs, nano-vllm's workload vs HF ``generate``),
 ``fairness`` (noisy vs quiet tenant per scheduling policy, Jain's index, three classes; simulated),
-``prefill_rate`` (auto preemption's learnt prefill rate on a busy stream against a plain prefill).
+``prefill_rate`` (auto preemption's learnt prefill rate on a busy stream against a plain prefill),
+``replay`` (the simulator replaying real runs' step times over a grid of policies: identical decisions?).
 """
 
 import importlib
@@ -33,6 +34,7 @@ NAMES = {
     "eager_step": "minivllm.bench.eager_step",
     "activations": "minivllm.bench.activations",
     "prefill_rate": "minivllm.bench.prefill_rate",
+    "replay": "minivllm.bench.replay",
 }
 
 

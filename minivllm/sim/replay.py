@@ -32,7 +32,8 @@ from minivllm.sim.run import DriveRecord
 class ReplayExecutor:
     """An :class:`~minivllm.interfaces.Executor` whose clock after its ``k``-th call is ``times[k]``.
 
-    ``times`` are seconds on the run's clock (``DriveRecord.step_ends``, each step's end as its engine read it);
+    ``times`` are readings of the run's clock, each step's end as its engine read it (:meth:`from_record` gives
+    the recorded run's own readings; a plain ``ReplayExecutor(rec.step_ends)`` replays them on a clock from 0);
     past the end of the list the clock advances by ``tail_step_s`` per call.
     ``prefill_tokens_per_s``: auto mode's start-up prefill rate (None: the engine's default guess).
     """
@@ -53,13 +54,20 @@ class ReplayExecutor:
     @classmethod
     def from_record(cls, rec: DriveRecord, **kwargs) -> ReplayExecutor:
         """The replay of a recorded run: its step times, its tokens, its KV block size and auto mode's start-up
-        numbers."""
-        known: dict = {"tokens": rec.output_token_ids}
+        numbers, on the recorded clock itself.
+
+        The clock starts where the real one did (``rec.clock_origin``) and moves to the very readings the real
+        engine took: ``origin + (reading - origin)`` is the reading exactly while the reading is at most twice the
+        origin (Sterbenz: the difference was exact), as on a clock counting from boot.  So every sum the engine
+        forms from the clock rounds as it did in the real run: two deadlines that tie there tie here too.
+        """
+        origin = rec.clock_origin
+        known: dict = {"tokens": rec.output_token_ids, "clock": origin}
         if rec.kv_bytes_per_block:
             known["kv_bytes_per_block"] = rec.kv_bytes_per_block
         if rec.start_costs is not None:
             known["swap_bytes_per_s"], known["prefill_tokens_per_s"] = rec.start_costs
-        return cls(list(rec.step_ends), **{**known, **kwargs})
+        return cls([origin + t for t in rec.step_ends], **{**known, **kwargs})
 
     def now(self) -> float:
         return self.clock

@@ -44,6 +44,8 @@ class SimRequest:
     # samples per prompt (SamplingParams.n): they share the prompt's prefill and its blocks, so a workload of n > 1
     # requests loads the engine unlike n separate ones; its result counts every sample's tokens
     n: int = 1
+    # seconds after the start of the run: the "deadline" policy serves earliest deadlines first (None: none)
+    deadline: float | None = None
 
 
 def word_token_ids(text: str, vocab_size: int = 49152) -> list[int]:
@@ -88,6 +90,11 @@ class DriveRecord:
     # (link bytes/s, prefill tokens/s), measured on a real engine by timing, which no step time reproduces
     kv_bytes_per_block: int | None = None
     start_costs: tuple[float, float] | None = None
+    # The executor's clock when the run began (``t0``; the times above are after it).  A replay starts its clock
+    # here (ReplayExecutor.from_record): every time the engine computes (an arrival, a deadline's aging, a step's
+    # length) then rounds as in the real run, where a clock started at 0 rounds the same sums otherwise, and two
+    # deadlines tied in one run come apart in the other.
+    clock_origin: float = 0.0
     duration: float = 0.0
     wall_s: float = 0.0
 
@@ -128,7 +135,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     n = len(requests)
     results = [RequestResult(r.index, r.tenant, r.arrival, len(r.prompt_token_ids), r.max_tokens) for r in requests]
     by_id: dict[str, tuple[RequestResult, list[float], int]] = {}  # (result, token times, samples)
-    rec = DriveRecord(results, kv_bytes_per_block=engine.bytes_per_block)
+    rec = DriveRecord(results, kv_bytes_per_block=engine.bytes_per_block, clock_origin=t0)
     costs = engine.scheduler.costs
     if isinstance(costs, PreemptionCosts):  # (read before the first step: the fit moves the rate later)
         rec.start_costs = (costs.swap_bytes_per_s, costs.prefill_tokens_per_s)
@@ -163,7 +170,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             res.start = r.arrival
             try:
                 engine.add_request({"prompt_token_ids": r.prompt_token_ids}, params, request_id=rid, tenant=r.tenant,
-                                   arrival_time=t0 + r.arrival)
+                                   arrival_time=t0 + r.arrival,
+                                   deadline=None if r.deadline is None else t0 + r.deadline)
             except ValueError as exc:  # refused at the door (too long, over a tenant's cap): an error, as HTTP 400 is
                 res.outcome, res.error = "error", str(exc)
             else:

@@ -1,0 +1,71 @@
+"""``python -m minivllm.bench replay``: the replay-identity grid finds what it claims to find.
+
+The oracle for "identical decisions" is the real run itself; what these tests add is that the benchmark's
+comparison can fail: a replay that is wrong by one step's time, or that lacks the real run's tokens, is
+reported as diverged at the step where it went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minivllm.bench import replay
+from tests.paged_cases import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+def test_first_difference_counts_a_shorter_log_at_its_end():
+    assert replay.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert replay.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert replay.first_difference([1, 2, 3], [1, 2]) == 2
+    assert replay.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.parametrize("setting", ["auto", "caps_reject"])
+def test_a_replay_from_the_record_makes_the_real_runs_decisions(tiny, setting):
+    row = replay.run_case(tiny, setting, seed=0)
+    assert row["record"]["first_divergent_step"] is None, row["record"]
+    assert row["record"]["estimates_differ"] == [], row["record"]
+    assert row["record"]["clock_max_abs_diff_s"] == 0.0
+    # the case exercised the mechanism it is named for
+    assert row["preempted" if setting == "auto" else "rejected"] > 0, row
+
+
+def test_a_replay_one_step_late_is_reported_at_that_step(tiny, monkeypatch):
+    """Mutant check: delay the replay's clock by a second from step 5 on; a deadline-aging scheduler then
+    decides otherwise, and the benchmark must say so (a comparison that cannot fail would still say 0)."""
+    from minivllm.sim import replay as sim_replay
+
+    original = sim_replay.ReplayExecutor.from_record
+
+    def late(rec, **kw):
+        ex = original(rec, **kw)
+        ex.times = ex.times[:5] + [t + 1.0 for t in ex.times[5:]]
+        return ex
+
+    monkeypatch.setattr(sim_replay.ReplayExecutor, "from_record", staticmethod(late))
+    row = replay.run_case(tiny, "deadline", seed=0)
+    assert row["record"]["clock_max_abs_diff_s"] == pytest.approx(1.0)
+    assert row["record"]["first_divergent_step"] is not None or row["record"]["estimates_differ"]
+    assert replay.summarize([row])["deadline"]["diverged_record"] == 1
+
+
+def test_the_cli_writes_a_summary_that_adds_up(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    assert replay.main(["--model", tiny, "--seeds", "1", "--settings", "swap,prefix", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python -m minivllm.bench replay")
+    assert doc["total"]["runs"] == 2 and doc["total"]["diverged_record"] == 0
+    assert [(c["setting"], c["seed"]) for c in doc["cases"]] == [("swap", 0), ("prefix", 0)]
+    for name, s in doc["settings"].items():
+        cases = [c for c in doc["cases"] if c["setting"] == name]
+        assert s["runs"] == len(cases) == 1
+        assert s["steps"] == sum(c["steps"] for c in cases)
+        assert s["diverged_times_only"] == sum(c["times_only"]["first_divergent_step"] is not None
+                                               or bool(c["times_only"]["estimates_differ"]) for c in cases)
