@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 
 from minivllm.config import TenantConfig
 from minivllm.labs.workloads import sim_engine
@@ -100,23 +101,28 @@ def test_a_replay_gives_rejected_requests_the_retry_hints_the_real_run_gave(monk
     assert replay.step_time_s == real.step_time_s
 
 
-def test_a_replay_reads_the_recorded_clock_so_tied_deadlines_tie_again(monkeypatch):
+@pytest.mark.parametrize("origin", [17384.123456, 0.3])  # a clock from boot; one the run outlasts many times
+def test_a_replay_reads_the_recorded_clock_so_tied_deadlines_tie_again(monkeypatch, origin):
     """A deadline is ``arrival + gap`` on the engine's clock, and the deadline policy's key is
     ``min(deadline, arrival + deadline_aging_s)``.  Here several keys tie exactly in real arithmetic (gaps of
     1, 10 and 40 ms against an aging of 50 ms, arrivals on a 1 ms grid).  On a clock counting from boot (17,384 s)
     those sums round to one float or its neighbour; on a replay clock from 0 they round otherwise, and the tie is
     broken the other way: the replay served another request first (the bench ``replay`` grid found it on the
     bundled model).  ``ReplayExecutor.from_record`` now starts at the recorded clock's origin and replays its
-    very readings.  Oracle: the recorded run's own step log and estimates, compared exactly."""
+    very readings (not the origin plus each time after it, which can round where the run outlasts the origin).
+    Oracle: the recorded run's own step log and estimates, compared exactly."""
     from minivllm.bench.replay import workload
 
     requests = workload(0, ("a", "b"), False, 49152, deadlines=True)
     options = dict(num_blocks=14, max_num_seqs=5, max_num_batched_tokens=40, scheduling_policy="deadline",
                    deadline_aging_s=0.05, preemption_mode="recompute")
-    real, rec, replay, _ = _record_and_replay(monkeypatch, requests, origin=17384.123456, **options)
-    assert rec.clock_origin == 17384.123456
+    real, rec, replay, rec_replay = _record_and_replay(monkeypatch, requests, origin=origin, **options)
+    assert rec.clock_origin == origin
     assert _log(replay) == _log(real)
     assert replay.step_time_s == real.step_time_s  # exactly: the same readings, the same sums
+    assert rec_replay.step_end_readings == rec.step_end_readings
+    if origin < 1:
+        return
     # the hazard is real in this workload: the same times on a clock from 0 decide otherwise
     from_zero = sim_engine(executor=ReplayExecutor(list(rec.step_ends), tokens=rec.output_token_ids), **options)
     drive(from_zero, requests)

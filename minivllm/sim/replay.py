@@ -57,17 +57,15 @@ class ReplayExecutor:
         numbers, on the recorded clock itself.
 
         The clock starts where the real one did (``rec.clock_origin``) and moves to the very readings the real
-        engine took: ``origin + (reading - origin)`` is the reading exactly while the reading is at most twice the
-        origin (Sterbenz: the difference was exact), as on a clock counting from boot.  So every sum the engine
-        forms from the clock rounds as it did in the real run: two deadlines that tie there tie here too.
+        engine took (``rec.step_end_readings``).  So every sum the engine forms from the clock rounds as it did in
+        the real run: two deadlines that tie there tie here too, and the step-time average is the same float.
         """
-        origin = rec.clock_origin
-        known: dict = {"tokens": rec.output_token_ids, "clock": origin}
+        known: dict = {"tokens": rec.output_token_ids, "clock": rec.clock_origin}
         if rec.kv_bytes_per_block:
             known["kv_bytes_per_block"] = rec.kv_bytes_per_block
         if rec.start_costs is not None:
             known["swap_bytes_per_s"], known["prefill_tokens_per_s"] = rec.start_costs
-        return cls([origin + t for t in rec.step_ends], **{**known, **kwargs})
+        return cls(list(rec.step_end_readings), **{**known, **kwargs})
 
     def now(self) -> float:
         return self.clock

@@ -90,11 +90,13 @@ class DriveRecord:
     # (link bytes/s, prefill tokens/s), measured on a real engine by timing, which no step time reproduces
     kv_bytes_per_block: int | None = None
     start_costs: tuple[float, float] | None = None
-    # The executor's clock when the run began (``t0``; the times above are after it).  A replay starts its clock
-    # here (ReplayExecutor.from_record): every time the engine computes (an arrival, a deadline's aging, a step's
-    # length) then rounds as in the real run, where a clock started at 0 rounds the same sums otherwise, and two
-    # deadlines tied in one run come apart in the other.
+    # The executor's clock when the run began (``t0``; the times above are after it), and its reading at each
+    # step's end (``step_ends`` before t0 is taken away: a difference can round, so it cannot give them back).
+    # A replay starts its clock at the origin and moves it to those readings (ReplayExecutor.from_record): every
+    # time the engine computes (an arrival, a deadline's aging, a step's length) then rounds as in the real run,
+    # where a clock started at 0 rounds the same sums otherwise, and two deadlines tied in one run come apart.
     clock_origin: float = 0.0
+    step_end_readings: list[float] = field(default_factory=list)
     duration: float = 0.0
     wall_s: float = 0.0
 
@@ -206,6 +208,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         wake = last.time
         end = wake - t0
         rec.step_ends.append(end)
+        rec.step_end_readings.append(wake)
         if not last.seqs and not (last.swapped_in or last.swapped_out):
             idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
             # -- unless the step before preempted: the step after a preemption admits nothing by design (the
