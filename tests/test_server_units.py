@@ -55,6 +55,35 @@ def test_bearer_scheme_is_case_insensitive():
     assert auth.tenant_for([(b"authorization", b"Bearer nope")]) is None
 
 
+def test_a_401_carries_a_bearer_challenge():
+    """RFC 9110 section 11.6.1: "A server generating a 401 (Unauthorized) response MUST send a WWW-Authenticate
+    header field containing at least one challenge"; RFC 6750 section 3 names the challenge for a bearer-token
+    resource, scheme ``Bearer``.  Without it a client cannot tell which credentials to send (curl's
+    ``--anyauth`` and other generic HTTP clients read the scheme from it).  Missing and wrong keys alike; a
+    request with the right key gets no challenge.  Driven over ASGI through the middleware alone."""
+    import httpx
+
+    from minivllm.server.api_server import _AuthMiddleware
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def main():
+        transport = httpx.ASGITransport(app=_AuthMiddleware(inner, {"key1": "alice"}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return [await client.get("/v1/models", headers=h)
+                    for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key1"},
+                              {"Authorization": "Bearer key1"})]
+
+    *refused, ok = asyncio.run(main())
+    for r in refused:
+        assert r.status_code == 401, r.text
+        challenge = r.headers.get("WWW-Authenticate", "")
+        assert challenge.split(" ", 1)[0].lower() == "bearer", r.headers  # the auth-scheme is case-insensitive
+    assert ok.status_code == 200 and "WWW-Authenticate" not in ok.headers
+
+
 @pytest.mark.parametrize("running, stopping, code", [(True, False, 200), (True, True, 503), (False, False, 503)])
 def test_health_is_503_while_shutting_down(running, stopping, code):
     """A draining server must leave the load balancer's pool: ``/health`` is 503 once shutdown has begun."""

@@ -238,8 +238,11 @@ class _AuthMiddleware:
         if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
             tenant = self.tenant_for(scope.get("headers", []))
             if tenant is None:
+                # RFC 9110 section 11.6.1: a 401 MUST carry a challenge (RFC 6750 section 3: Bearer's), or a
+                # client cannot tell which credentials to send
                 resp = error_response(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                      "authentication_error", None, "invalid_api_key")
+                                      "authentication_error", None, "invalid_api_key",
+                                      {"WWW-Authenticate": 'Bearer realm="minivllm"'})
                 await resp(scope, receive, send)
                 return
             scope.setdefault("state", {})["tenant"] = tenant
@@ -346,8 +349,14 @@ def _usage(out: RequestOutput) -> dict:
 
 
 def _retry_after(out: RequestOutput) -> str:
-    s = out.retry_after_s
-    return str(max(1, math.ceil(s))) if isinstance(s, (int, float)) and math.isfinite(s) else "1"
+    return retry_after_header(out.retry_after_s)
+
+
+def retry_after_header(seconds) -> str:
+    """RFC 9110 section 10.2.3: ``Retry-After`` is whole seconds, so a hint is rounded *up* (a client honouring a
+    rounded-down value retries before the server said it could be served), and at least 1; no usable hint: 1."""
+    ok = isinstance(seconds, (int, float)) and math.isfinite(seconds)
+    return str(max(1, math.ceil(seconds))) if ok else "1"
 
 
 def _sse(obj: Any) -> str:
@@ -494,7 +503,7 @@ class OpenAIServer:
             if why is not None:
                 raise APIError(400, f"this request {why}", "invalid_request_error", None, "invalid_value")
         if self.door is not None and self.door.closed(door_snapshot(engine, self._passing)):
-            retry = str(max(1, math.ceil(self.door.retry_after_s)))
+            retry = retry_after_header(self.door.retry_after_s)
             metrics = self.engine.metrics
             if metrics is not None:  # the engine never sees this request: only here can an operator's alert count it
                 metrics.shed.labels(metrics.model_name, tenant).inc()
