@@ -53,7 +53,8 @@ def test_a_replay_one_step_late_is_reported_at_that_step(tiny, monkeypatch):
     row = replay.run_case(tiny, "deadline", seed=0)
     assert row["record"]["clock_max_abs_diff_s"] == pytest.approx(1.0)
     assert row["record"]["first_divergent_step"] is not None or row["record"]["estimates_differ"]
-    assert replay.summarize([row])["deadline"]["diverged_record"] == 1
+    summary = replay.summarize([row])["deadline"]
+    assert summary["diverged_record"] + summary["estimates_only_record"] == 1
 
 
 def test_the_cli_writes_a_summary_that_adds_up(tiny, tmp_path):
@@ -61,11 +62,12 @@ def test_the_cli_writes_a_summary_that_adds_up(tiny, tmp_path):
     assert replay.main(["--model", tiny, "--seeds", "1", "--settings", "swap,prefix", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("python -m minivllm.bench replay")
-    assert doc["total"]["runs"] == 2 and doc["total"]["diverged_record"] == 0
+    assert doc["total"]["runs"] == 2 and doc["total"]["diverged_record"] == doc["total"]["estimates_only_record"] == 0
     assert [(c["setting"], c["seed"]) for c in doc["cases"]] == [("swap", 0), ("prefix", 0)]
     for name, s in doc["settings"].items():
         cases = [c for c in doc["cases"] if c["setting"] == name]
         assert s["runs"] == len(cases) == 1
         assert s["steps"] == sum(c["steps"] for c in cases)
-        assert s["diverged_times_only"] == sum(c["times_only"]["first_divergent_step"] is not None
-                                               or bool(c["times_only"]["estimates_differ"]) for c in cases)
+        assert s["diverged_times_only"] == sum(c["times_only"]["first_divergent_step"] is not None for c in cases)
+        assert s["estimates_only_times_only"] == sum(c["times_only"]["first_divergent_step"] is None
+                                                     and bool(c["times_only"]["estimates_differ"]) for c in cases)

@@ -159,15 +159,21 @@ def _diverged(case: dict) -> bool:
 
 
 def summarize(rows: list[dict]) -> dict[str, dict]:
-    """Per setting: runs, diverged runs per replay, and how much the runs exercised (totals)."""
+    """Per setting: runs; per replay, the runs whose decisions diverged and those whose estimates alone differed
+    (the same decisions, but a step-time average, learnt rate or retry hint that is not the real run's float);
+    and how much the runs exercised (totals)."""
     out: dict[str, dict] = {}
     for row in rows:
-        s = out.setdefault(row["setting"], {"runs": 0, "diverged_record": 0, "diverged_times_only": 0,
+        s = out.setdefault(row["setting"], {"runs": 0, "diverged_record": 0, "estimates_only_record": 0,
+                                            "diverged_times_only": 0, "estimates_only_times_only": 0,
                                             "steps": 0, "preempted": 0, "blocks_swapped_out": 0, "rejected": 0,
                                             "chunked_prefill_steps": 0})
         s["runs"] += 1
-        s["diverged_record"] += _diverged(row["record"])
-        s["diverged_times_only"] += _diverged(row["times_only"])
+        for label in ("record", "times_only"):
+            case = row[label]
+            decided_otherwise = case["first_divergent_step"] is not None
+            s[f"diverged_{label}"] += decided_otherwise
+            s[f"estimates_only_{label}"] += not decided_otherwise and bool(case["estimates_differ"])
         for k in ("steps", "preempted", "blocks_swapped_out", "rejected", "chunked_prefill_steps"):
             s[k] += row[k]
     return out
@@ -204,15 +210,20 @@ def main(argv: list[str] | None = None) -> int:
                 if _diverged(row[label]):
                     print(f"{name} seed {seed}: the {label} replay diverged: {row[label]}", flush=True)
     summary = summarize(rows)
-    print(f"{'setting':16s} {'runs':>4s} {'diverged':>8s} {'times only':>10s} {'steps':>6s} {'preempt':>7s} "
+    print("runs whose decisions diverged (+ runs with the same decisions but other estimates), per replay")
+    print(f"{'setting':16s} {'runs':>4s} {'record':>8s} {'times only':>10s} {'steps':>6s} {'preempt':>7s} "
           f"{'swapped':>7s} {'reject':>6s} {'chunked':>7s}")
     for name, s in summary.items():
-        print(f"{name:16s} {s['runs']:4d} {s['diverged_record']:8d} {s['diverged_times_only']:10d} {s['steps']:6d} "
+        rec_col = f"{s['diverged_record']}+{s['estimates_only_record']}"
+        times_col = f"{s['diverged_times_only']}+{s['estimates_only_times_only']}"
+        print(f"{name:16s} {s['runs']:4d} {rec_col:>8s} {times_col:>10s} {s['steps']:6d} "
               f"{s['preempted']:7d} {s['blocks_swapped_out']:7d} {s['rejected']:6d} {s['chunked_prefill_steps']:7d}")
-    total = {k: sum(s[k] for s in summary.values()) for k in ("runs", "diverged_record", "diverged_times_only")}
+    keys = ("runs", "diverged_record", "estimates_only_record", "diverged_times_only", "estimates_only_times_only")
+    total = {k: sum(s[k] for s in summary.values()) for k in keys}
     wall = time.perf_counter() - t0
-    print(f"{total['diverged_record']} of {total['runs']} replays from the record diverged "
-          f"({total['diverged_times_only']} replaying step times only); {wall:.1f} s")
+    print(f"replayed from the record: {total['diverged_record']} of {total['runs']} runs decided otherwise, "
+          f"{total['estimates_only_record']} more estimated otherwise; replaying step times only: "
+          f"{total['diverged_times_only']} and {total['estimates_only_times_only']}; {wall:.1f} s")
     if args.out:
         from minivllm.bench.results import write_result
 
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "total": total, "settings": summary, "wall_s": wall, "cases": rows},
                      "python -m minivllm.bench replay", argv)
         print(f"wrote {args.out}")
-    return 1 if total["diverged_record"] else 0
+    return 1 if total["diverged_record"] or total["estimates_only_record"] else 0
 
 
 if __name__ == "__main__":
