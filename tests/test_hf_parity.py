@@ -13,6 +13,8 @@ from minivllm.model.runner import ModelRunner
 from minivllm.request import Request
 from minivllm.sched.scheduler import ScheduledBatch, ScheduledSeq
 
+from conftest import hf_greedy  # noqa: E402  (tests/ is on sys.path)
+
 pytestmark = pytest.mark.slow
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
@@ -125,3 +127,68 @@ def test_padded_decode_graph_path_matches_hf(parity_prompts, hf_reference_tokens
     assert [o.outputs[0].token_ids for o in outs] == [ref[:n] for ref, n in zip(hf_reference_tokens, lengths)]
     assert {7, 6, 5, 3} <= set(calls), f"padded sizes were not exercised: {sorted(set(calls))}"
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+def test_greedy_matches_hf_when_a_step_fails_before_its_swap_in_ran_for_a_request_without_a_row(
+        parity_prompts, hf_model):
+    """A step fails before it performs its block moves -- among them the copy in of request b, which a batch
+    builder (a supported seam) gave no row that step.  b must not go on attending device blocks that never
+    received its KV: recomputed, it still decodes exactly HF's greedy tokens, and every block comes back."""
+    from minivllm import EngineConfig, LLMEngine
+    from minivllm.request import RequestStatus
+
+    held: set[str] = set()
+
+    def holds_back(running, budget, threshold):  # the scheduler's order, whole chunks, never a request in ``held``
+        rows = []
+        for r in running:
+            n = min(r.num_uncomputed_tokens, budget, threshold or budget)
+            if r.request_id not in held and n > 0:
+                rows.append((r, n))
+                budget -= n
+        return rows
+
+    class FailsAtTheStepThatSwapsBIn:
+        """The model runner, except that the step carrying b's copy in fails before it runs any copy."""
+
+        def __init__(self, inner):
+            self.inner, self.failed_rows = inner, None
+
+        def execute(self, batch):
+            swapped_in = {gpu for _, gpu in batch.moves.swap_in}
+            if self.failed_rows is None and swapped_in and swapped_in <= set(b.block_ids):
+                self.failed_rows = [s.request.request_id for s in batch.seqs]
+                raise RuntimeError("device copy failed")
+            return self.inner.execute(batch)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    # 6 blocks of 16: a (20 + 32 tokens) and b (45 + 32) outgrow it as they decode, and the newer, b, is swapped out
+    cfg = EngineConfig(dtype="float32", num_gpu_blocks_override=6, num_cpu_blocks_override=16, max_model_len=96,
+                       max_num_batched_tokens=96, preemption_mode="swap", device="cpu")
+    engine = LLMEngine(cfg, batch_builder=holds_back, executor_wrapper=FailsAtTheStepThatSwapsBIn)
+    a, b_prompt, c = parity_prompts[0], parity_prompts[1], parity_prompts[0][:10]
+    engine.add_request({"prompt_token_ids": a}, GREEDY_32, "a")
+    engine.add_request({"prompt_token_ids": b_prompt}, GREEDY_32, "b")
+    b = engine.requests["b"]
+    finals = {}
+    while b.status is not RequestStatus.SWAPPED:
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert len(engine.step_log) < 100, "the workload must swap b out"
+    held.add("b")
+    engine.add_request({"prompt_token_ids": c}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), "c")
+    while engine.executor.failed_rows is None:
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert len(engine.step_log) < 100, "b must be swapped back in"
+    assert engine.executor.failed_rows and "b" not in engine.executor.failed_rows
+    held.clear()
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert len(engine.step_log) < 300
+    assert finals["b"].outputs[0].token_ids == hf_greedy(hf_model, b_prompt, 32)
+    for rid, prompt, n in (("a", a, 32), ("c", c, 4)):  # the failed rows end "error"; the others match HF too
+        done = finals[rid].outputs[0]
+        want = ("error",) if rid in engine.executor.failed_rows else ("length", hf_greedy(hf_model, prompt, n))
+        assert (done.finish_reason, done.token_ids)[:len(want)] == want
+    assert engine.pool.num_free == 6 and engine.kv.cpu_pool.num_free == 16

@@ -11,6 +11,10 @@
 2. A request swapped out in a step whose execution failed is recomputed, not swapped back in: the executor
    performs a step's block moves first and may fail right there, so its host copy may hold nothing.  The engine
    failed the batch's rows but left the victim, which is in no row, SWAPPED, and it came back attending garbage.
+3. Likewise a request swapped *in* by a failed step but given no row in it (a batch builder may leave anyone out,
+   and the scheduler's own step 2 does under WFQ): it stayed RUNNING on device blocks its copy in may never have
+   reached, and attended garbage from its next step on (the real model then decoded other tokens than HF:
+   ``test_hf_parity``).  It is now recomputed.
 
 The oracles are independent of the code under test: every KV slot each step attends is checked against the token
 written there (:class:`invariants.KVContents`), block ownership is recounted after every step
@@ -146,4 +150,137 @@ def test_the_swapped_count_in_stats_equals_a_recount_of_the_queue_through_swaps_
         assert step < 500
     assert seen_swapped >= 2 and aborted == 2, "the workload must hold several requests in the host tier at once"
     assert engine.stats()["num_swapped"] == 0
+    assert_no_leak(engine)
+
+
+class FailsAtTheStepThatSwapsBIn(KVContents):
+    """An executor whose step fails once, before any block move: the step that swaps request ``b`` back in."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.b = None  # request b, once it is added
+        self.failed_rows: list[str] | None = None  # the rows of the failed step, once it failed
+
+    def execute(self, batch):
+        swapped_in = {gpu for _, gpu in batch.moves.swap_in}
+        if self.failed_rows is None and swapped_in and swapped_in <= set(self.b.block_ids):
+            self.failed_rows = [s.request.request_id for s in batch.seqs]
+            raise RuntimeError("device copy failed")
+        return super().execute(batch)
+
+
+def test_a_request_swapped_in_during_a_failed_step_without_a_row_is_recomputed_not_run_on_garbage():
+    """A swap-in is a copy the executor performs before the forward pass, and a failed step may not have run it.
+    A request swapped in by that step's admission but given no row (here a batch builder -- a supported seam --
+    holds it back for that step) does not fail with the rows, so it must not keep RUNNING on device blocks that
+    never received its KV: it is recomputed, and finishes whole, attending only its own tokens
+    (:class:`invariants.KVContents` checks every slot it reads), with every block back at the end."""
+    held: set[str] = set()
+
+    def holds_back(running, budget, threshold):
+        """The scheduler's order, each request's whole remaining tokens, but never a request in ``held``."""
+        rows = []
+        for r in running:
+            n = min(r.num_uncomputed_tokens, budget)
+            if r.request_id not in held and n > 0:
+                rows.append((r, n))
+                budget -= n
+        return rows
+
+    cfg = EngineConfig(num_gpu_blocks_override=10, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
+                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
+    executor = FailsAtTheStepThatSwapsBIn(4)
+    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set(), batch_builder=holds_back)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": [11] * 6}, params, "a")
+    engine.add_request({"prompt_token_ids": [12] * 6}, params, "b")
+    executor.b = b = engine.requests["b"]
+    finals: dict = {}
+
+    def step() -> None:
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+        check_both_tiers(engine)  # block ownership recounted, and no slot attended holds another token
+
+    while b.status is not RequestStatus.SWAPPED:  # a and b outgrow the pool: the newer, b, is swapped out
+        step()
+        assert len(engine.step_log) < 100, "the workload must swap b out"
+    held.add("b")  # from now on b gets no row until the failed step is over
+    engine.add_request({"prompt_token_ids": [13] * 5}, SamplingParams(max_tokens=3, ignore_eos=True), "c")
+    while executor.failed_rows is None:
+        before = engine.stats()
+        step()
+        assert len(engine.step_log) < 100, "b must be swapped back in"
+    assert "b" not in executor.failed_rows and executor.failed_rows, "b swapped in with no row, beside failed rows"
+    held.clear()
+    assert b.status is RequestStatus.PREEMPTED and not b.block_ids and not b.cpu_block_ids, \
+        "b must not keep running on device blocks its KV may never have been copied into"
+    assert engine.scheduler.waiting[0] is b and b.num_computed_tokens == 0 and b.num_preemptions == 2
+    after = engine.stats()
+    assert (after["num_preemptions"], after["num_recompute_preemptions"], after["num_swap_preemptions"]) == (
+        before["num_preemptions"] + 1, before["num_recompute_preemptions"] + 1, before["num_swap_preemptions"])
+    assert after["swapped_in_blocks"] == before["swapped_in_blocks"], "a swap-in that may not have run is not counted"
+    while engine.has_unfinished_requests():
+        step()
+        assert len(engine.step_log) < 300
+    assert {rid: out.outputs[0].finish_reason for rid, out in finals.items()} == {
+        **{rid: "error" for rid in executor.failed_rows}, **{rid: "length" for rid in {"a", "b", "c"} - set(executor.failed_rows)}}
+    assert finals["b"].outputs[0].token_ids == b.output_token_ids and len(b.output_token_ids) == 20
+    assert_no_leak(engine)
+
+
+class FailsAtTheFirstSwapInLeftWithoutARow(KVContents):
+    """An executor whose step fails once, before any block move: the first step that swaps a request in and
+    gives it no row (found by asking the engine it serves, ``engine``, which requests its copies land in)."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.engine = None
+        self.left_out: list[str] = []  # the requests swapped in without a row by the failed step
+        self.failed_rows: list[str] = []
+
+    def execute(self, batch):
+        if batch.moves.swap_in and not self.left_out:
+            swapped_in, rows = {gpu for _, gpu in batch.moves.swap_in}, {id(s.request) for s in batch.seqs}
+            self.left_out = [r.request_id for r in self.engine.scheduler.running
+                             if id(r) not in rows and swapped_in & set(r.block_ids)]
+            if self.left_out:
+                self.failed_rows = [s.request.request_id for s in batch.seqs]
+                raise RuntimeError("device copy failed")
+        return super().execute(batch)
+
+
+def test_under_wfq_the_schedulers_own_batch_can_leave_a_swapped_in_request_out_and_a_failed_step_recomputes_it():
+    """The default step 2 reaches the case too.  WFQ admits in its merged order, which charges each prompt it
+    hands out to its tenant provisionally, but ranks prefills by the counters as they stand: here b6 is
+    admitted, its tenant charged past c's counter, so the swapped c5 comes next and b7 after it -- yet b7 ranks
+    ahead of c5 (b's counter is lower), so each was admitted on the budget the prefills ranked ahead of it
+    leave, and step 2, serving prefills by rank, gives b6 and b7 the whole budget and c5 no row.  (Harmless
+    in itself: its copy in runs, and it computes next step.)  When that step fails before its copies, c5 must
+    be recomputed, and finish whole, attending only its own tokens.  A small workload found by a seeded search;
+    ``(step it arrives, tenant, prompt tokens, max_tokens)``."""
+    work = [(0, "b", 17, 11), (0, "c", 35, 10), (2, "a", 35, 5), (3, "b", 6, 7), (3, "c", 7, 4), (4, "c", 24, 2),
+            (14, "b", 26, 5), (19, "b", 7, 11)]
+    cfg = EngineConfig(num_gpu_blocks_override=16, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=16,
+                       max_num_seqs=3, max_model_len=48, preemption_mode="swap", scheduling_policy="wfq", device="cpu")
+    executor = FailsAtTheFirstSwapInLeftWithoutARow(4)
+    engine = LLMEngine(cfg, executor=executor, model_max_len=48, eos_token_ids=set())
+    executor.engine = engine
+    finals: dict = {}
+    for step in range(300):
+        for i, (at, tenant, prompt, max_tokens) in enumerate(work):
+            if at == step:
+                engine.add_request({"prompt_token_ids": [100 + i] * prompt},
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"{tenant}{i}", tenant=tenant)
+        if step > work[-1][0] and not engine.has_unfinished_requests():
+            break
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+        check_both_tiers(engine)  # block ownership recounted, and no slot attended holds another token
+    assert executor.left_out == ["c5"] and executor.failed_rows, "the workload must swap c5 in without giving it a row"
+    assert not set(executor.left_out) & set(executor.failed_rows)
+    assert len(finals) == len(work)
+    for i, (_, tenant, _, max_tokens) in enumerate(work):
+        done = finals[f"{tenant}{i}"].outputs[0]
+        if done.finish_reason != "error":
+            assert (done.finish_reason, len(done.token_ids)) == ("length", max_tokens)
+    assert {rid for rid, out in finals.items() if out.outputs[0].finish_reason == "error"} == set(executor.failed_rows)
     assert_no_leak(engine)

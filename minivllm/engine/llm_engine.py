@@ -533,6 +533,13 @@ class LLMEngine:
             for req in batch.preempted:
                 if req.status is RequestStatus.SWAPPED:
                     self.scheduler.swap_out_failed(req)
+            # Likewise a request swapped in for this step but given no row (a batch builder, or WFQ's step 2):
+            # it does not fail, but its copy in may never have run, and left running it would attend garbage.
+            if batch.swapped_in:
+                rows = {id(seq.request) for seq in batch.seqs}
+                for req in batch.swapped_in:
+                    if req.status is RequestStatus.RUNNING and id(req) not in rows:
+                        self.scheduler.swap_in_failed(req)
             return {}
         finally:
             self._step_end(batch)

@@ -501,6 +501,12 @@ class KVCacheManager:
         self.stats.swapped_out_blocks -= len(req.cpu_block_ids)
         self.free(req)
 
+    def uncount_swap_in(self, req: Request) -> None:
+        """Take back the count of :meth:`swap_in` for a request whose copy in may never have run (the step that
+        carried it failed), as :meth:`drop_swapped_copy` does for a copy out.  Its device blocks stay its own
+        until the scheduler preempts it by recompute, which frees them with its computed tokens."""
+        self.stats.swapped_in_blocks -= blocks_for(req.num_computed_tokens, self.block_size)
+
     def swap_in(self, req: Request) -> None:
         """Bring a swapped-out request's KV back into fresh device blocks (the caller checked room)."""
         assert req.cpu_block_ids and not req.block_ids, "swap_in needs a swapped-out request"

@@ -7,6 +7,7 @@ importing the scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from minivllm.kv.kv_cache_manager import BlockMoves
@@ -52,6 +53,10 @@ class ScheduledBatch:
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> what failed (the executor fills it)
+    # Requests swapped back in by this step's admission (their copies in are among ``moves``).  If the step fails,
+    # one that got no row must not run on: the copy may never have happened (``LLMEngine.execute``).  A tuple
+    # unless a swap-in happened, so a step without one allocates nothing for it.
+    swapped_in: Sequence[Request] = ()
     # The clock when this step began: the end of the step before (``ended``), or the arrival that woke an idle
     # engine.  A request first scheduled in this batch stopped queueing then, not when the forward pass ended:
     # its queue time must not include its own prefill.  Steps tile the clock ([started, ended] is the time the

@@ -304,6 +304,7 @@ class Scheduler:
         self._rejected: list[Request] = []
         self._cap_rejected: set[Request] = set()  # rejected by a tenant cap (their hint: cap_retry_steps)
         self._admission_preempted: list[Request] = []
+        self._swapped_in: list[Request] = []  # swapped in by admission since the last batch was built
         self._held: dict | None = None  # during allocate: KV blocks held per cap group
 
     def tenant(self, name: str) -> TenantCounters:
@@ -666,6 +667,7 @@ class Scheduler:
             if not kv.can_provide(reserved + blocks):
                 return None
             kv.swap_in(req)
+            self._swapped_in.append(req)
             return tokens, self._reservation(req)
         if kv.can_fork(req):
             kv.fork(req.leader, req)
@@ -746,6 +748,7 @@ class Scheduler:
         batch = ScheduledBatch(rejected=self._rejected, preempted=self._admission_preempted)
         self._rejected = []
         self._admission_preempted = []
+        self._hand_over_swap_ins(batch)
         caps = self.caps
         seqs = batch.seqs
         if caps is None:
@@ -822,7 +825,15 @@ class Scheduler:
                                split=(total - num_decodes, num_decodes))  # (a decode row is one token)
         self._rejected = []
         self._admission_preempted = []
+        self._hand_over_swap_ins(batch)
         return batch
+
+    def _hand_over_swap_ins(self, batch: ScheduledBatch) -> None:
+        """Give ``batch`` the requests swapped in since the last batch was built: their copies in ride in its
+        moves, so its execution is what they depend on (see :meth:`swap_in_failed`).  Handed over with this
+        step's other admission results, and kept, like them, when a batch builder's answer is refused."""
+        if self._swapped_in:  # (a step without a swap-in builds no list)
+            batch.swapped_in, self._swapped_in = self._swapped_in, []
 
     # -- step 3: allocate ----------------------------------------------------
     def allocate(self, batch: ScheduledBatch) -> ScheduledBatch:
@@ -929,8 +940,8 @@ class Scheduler:
         if self._observe is not None:
             self._observe(batch, now)
 
-    def _preempt(self, req: Request) -> None:
-        """Give back ``req``'s device blocks by swap (if the mode and the host tier allow) or recompute."""
+    def _preempt(self, req: Request, may_swap: bool = True) -> None:
+        """Give back ``req``'s device blocks by swap (if ``may_swap``, the mode and the host tier allow) or recompute."""
         self.running.remove(req)
         if self._held is not None:
             for g in self.caps.groups(req):
@@ -942,7 +953,7 @@ class Scheduler:
             self.stats.num_preemptions += 1
             self.tenant(req.tenant).preemptions += 1
             req.num_preemptions += 1
-        if computed > 0 and self._wants_swap(req) and self.kv.swap_out(req):
+        if computed > 0 and may_swap and self._wants_swap(req) and self.kv.swap_out(req):
             self.stats.num_swap_preemptions += 1
             req.status = RequestStatus.SWAPPED
         else:
@@ -962,6 +973,18 @@ class Scheduler:
         self.stats.num_swap_preemptions -= 1
         self._count_recompute(req, computed)
         req.status = RequestStatus.PREEMPTED
+
+    def swap_in_failed(self, req: Request) -> None:
+        """``req`` was swapped in for a step whose execution failed, perhaps before its KV was copied in (the
+        executor copies first, and may fail there), and it had no row in that step, so it did not fail with the
+        rows.  Left running, it would attend device blocks that may hold anything.  Its host copy cannot be
+        used instead: the swap-in gave those host blocks back, and a victim swapped out in the same step may
+        have been handed them.  So it is preempted again, by recompute (a swap out would save the
+        garbage), and counted so; it waits at the front of the queue, as any victim does."""
+        self.kv.uncount_swap_in(req)
+        paused = self._preempted_last_step
+        self._preempt(req, may_swap=False)
+        self._preempted_last_step = paused  # the pool did not run dry: no reason to pause the next admission
 
     def _count_recompute(self, req: Request, computed: int) -> None:
         """A preemption by recompute: ``computed`` tokens thrown away, to be computed again."""
