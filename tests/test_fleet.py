@@ -73,7 +73,9 @@ def test_hash_ring_matches_brute_force():
     rng = random.Random(1)
     for n in (1, 2, 5):
         ring = HashRing(n, vnodes=16)
-        keys = [rng.getrandbits(64) for _ in range(300)] + [0, 2**64 - 1, ring.hashes[0], ring.hashes[-1]]
+        keys = [rng.getrandbits(64) for _ in range(300)] + [0, 2**64 - 1]
+        points = [stable_hash(f"replica-{r}#{v}") for r in range(n) for v in range(16)]  # the definition's, not the ring's
+        keys += [h + d for h in points for d in (-1, 0, 1)]  # every arc's both ends: a point dropped or misplaced shows
         assert [ring.owner(k) for k in keys] == [_brute_owner(n, 16, k) for k in keys]
 
 
@@ -125,6 +127,22 @@ def test_prefix_affinity_same_prefix_same_replica_unless_overloaded():
         assert {router.route(p, [0, 0, 0, 0]) for p in prompts} == {ring_owner}  # idle fleet: the owner
 
 
+def test_prefix_affinity_spills_only_above_the_floor():
+    """The owner keeps a request while its outstanding tokens are *at most* ``max(min_spill_tokens, factor *
+    mean)``.  With a quiet fleet the floor decides: the owner at exactly the floor keeps it, one token over
+    spills to the least-loaded replica -- both ends pinned by hand, where random loads never land exactly."""
+    router = PrefixAffinityRouter(4, block_size=4, key_blocks=1, spill_factor=1.5, min_spill_tokens=1000)
+    prompt = [7, 8, 9, 10, 11]
+    owner = router.owner(prompt)
+    other = (owner + 1) % 4
+    for owner_load, expected, spilled in ((1000, owner, 0), (1001, other, 1)):
+        loads = [5] * 4
+        loads[owner], loads[other] = owner_load, 0
+        assert 1.5 * sum(loads) / 4 < 1000  # the floor, not the mean, is the bound here
+        assert router.route(prompt, loads) == expected, owner_load
+        assert router.num_spilled == spilled
+
+
 def test_router_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown router"):
         make_router("random", 2)
@@ -134,6 +152,10 @@ def test_router_bad_input_is_a_clear_error():
         PrefixAffinityRouter(2, spill_factor=0.5)
     with pytest.raises(ValueError, match="ring has 2"):
         PrefixAffinityRouter(2).route([1, 2, 3], [0, 0, 0])
+    with pytest.raises(ValueError, match="ring has 3"):  # fewer loads than replicas: not an IndexError (or a
+        PrefixAffinityRouter(3).route([1, 2, 3], [0, 0])  # silent route) depending on where the key lands
+    with pytest.raises(ValueError, match="block_size"):  # True is an int to Python, not a block size
+        PrefixAffinityRouter(2, block_size=True)
     with pytest.raises(ValueError, match="at least one replica"):
         LeastOutstandingRouter().route([1], [])
 

@@ -283,4 +283,39 @@ def test_under_wfq_the_schedulers_own_batch_can_leave_a_swapped_in_request_out_a
         if done.finish_reason != "error":
             assert (done.finish_reason, len(done.token_ids)) == ("length", max_tokens)
     assert {rid for rid, out in finals.items() if out.outputs[0].finish_reason == "error"} == set(executor.failed_rows)
+
+
+class CountsMovesPerformed(FailsBeforeItsFirstSwapOut):
+    """Counts the swap copies the executor really performs: a failed step performs none."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.out = self.into = 0
+
+    def execute(self, batch):
+        failing = bool(batch.moves.swap_out) and not self.victims
+        result = super().execute(batch)  # raises on the failing step, before the counts below
+        assert not failing
+        self.out += len(batch.moves.swap_out)
+        self.into += len(batch.moves.swap_in)
+        return result
+
+
+def test_swap_block_counts_in_stats_leave_out_the_copies_of_a_failed_step():
+    """Kills: undoing a swap-out whose step failed (the victim is recomputed instead) without taking its blocks
+    back out of ``swapped_out_blocks``.  That count, and ``swapped_out_bytes`` made from it, is what lab 5 weighs
+    swap against recompute with; it must say what crossed to the host, and a failed step copied nothing.
+    Oracle: the swap moves of the steps the executor performed, counted by the executor."""
+    cfg = EngineConfig(num_gpu_blocks_override=8, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
+                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
+    executor = CountsMovesPerformed(4)
+    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set())
+    for i in range(5):
+        engine.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=16, ignore_eos=True), f"r{i}")
+    drain(engine)
+    stats = engine.stats()
+    assert executor.victims and executor.out > 0, "a step must fail on its swap-out and a later one swap out"
+    assert stats["swapped_out_blocks"] == executor.out
+    assert stats["swapped_in_blocks"] == executor.into
+    assert stats["swapped_out_bytes"] == executor.out * engine.bytes_per_block
     assert_no_leak(engine)

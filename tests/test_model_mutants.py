@@ -269,6 +269,32 @@ def test_the_engine_samples_each_prompt_from_its_last_token_like_transformers_gr
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_a_chunked_prompt_samples_only_after_its_last_chunk_like_transformers_greedy(tmp_path):
+    """A prompt prefilled in chunks gets its first token from the step that computes its *last* prompt chunk;
+    the earlier chunks' steps run the model but sample nothing for it.  The runner keeps only the rows whose
+    ``samples`` flag is set; sampling every row appended a token after each mid-prompt chunk (mutant:
+    ``rows`` = every sequence), which no test saw because the chunked-prefill tests run the simulated
+    executor.  Oracle: transformers' own greedy loop on the tiny checkpoint; chunks of 3 tokens cut the
+    prompts of 7 and 4 tokens into 3 and 2 steps, beside a one-token prompt."""
+    from minivllm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    hf = _tiny_llama_folder(tmp_path, tie=False)
+    prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60, 21], [7]]
+    want = []
+    for ids in prompts:
+        ids = list(ids)
+        with torch.inference_mode():
+            for _ in range(3):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+        want.append(ids[-3:])
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32,
+              max_num_batched_tokens=3, long_prefill_token_threshold=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_rms_norm_in_bfloat16_rounds_where_transformers_does():
     """HF's ``LlamaRMSNorm`` normalises in fp32, casts back to the input dtype, *then* multiplies by the
     weight; multiplying in fp32 first and casting once rounds differently in bf16 (fp32 cannot tell), and

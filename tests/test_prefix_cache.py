@@ -339,6 +339,9 @@ def test_total_hash_collision_never_returns_wrong_blocks() -> None:
     assert cache.num_cached_blocks == 1  # block 2's key is taken by block 1
     assert cache.match(toks(1, 2)) == a[:1]  # correct hits still work
     assert cache.match(toks(2, 1)) == []
+    # Same key, same tokens, same namespace -- but the second "1" block follows another prefix, so its KV differs:
+    # only the parent check tells them apart (the longest cached prefix of 1,1 is one block).
+    assert cache.match(toks(1, 1)) == a[:1]
     assert cache.match(toks(1), "other") == []
     b = pool.allocate_many(2)
     assert cache.insert(toks(3, 4), b) == InsertResult(0, b)

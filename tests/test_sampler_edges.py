@@ -1,8 +1,11 @@
 """Sampler edges the frequency tests cannot see: a filter's boundary value, a seeded row behind greedy rows,
-and temperatures below GREEDY_EPSILON."""
+temperatures below GREEDY_EPSILON, a top_k at or past the vocabulary, and the inverse-CDF draw itself."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from minivllm.model.sampler import filter_logits, sample
@@ -58,3 +61,60 @@ def test_a_temperature_past_float32s_range_samples_the_uniform_limit_not_nothing
     drawn = [sample(logits, [SamplingParams(temperature=1e300)], [None], gen)[0] for _ in range(300)]
     assert None not in drawn and 2 not in drawn
     assert all(60 <= drawn.count(t) <= 140 for t in (0, 1, 3)), [drawn.count(t) for t in range(4)]
+
+
+def test_top_p_at_an_exact_boundary_keeps_the_prefix_that_reaches_it():
+    """Eight equal logits (probability 1/8 each, exact in float32, and so is every partial sum): the nucleus
+    for ``top_p = j/8`` is exactly ``j`` tokens -- the smallest prefix whose mass *reaches* top_p, as the
+    docstring says and as transformers' ``TopPLogitsWarper`` (the independent oracle) keeps.  Ties are what
+    make an exact boundary common in practice (a flat distribution at a high temperature); a cut at mass
+    ``> top_p`` instead of ``>= top_p`` kept one token more, which random logits never show."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.zeros(1, 8)
+    for j in range(1, 8):
+        top_p = j / 8
+        ours = torch.isfinite(filter_logits(logits, torch.tensor([0]), torch.tensor([top_p]), torch.tensor([0.0])))
+        hf = torch.isfinite(TopPLogitsWarper(top_p)(torch.zeros(1, 1, dtype=torch.long), logits.clone()))
+        assert int(ours.sum()) == int(hf.sum()) == j, (top_p, int(ours.sum()), int(hf.sum()))
+
+
+@pytest.mark.parametrize("top_k", [4, 5, 2**63])
+def test_a_top_k_at_or_past_the_vocabulary_keeps_every_token(top_k, monkeypatch):
+    """``top_k`` of V or more keeps the whole vocabulary of V.  With the uniform pinned at its top end the
+    inverse-CDF draw takes the *last* allowed token, which here is the least likely one (p = 0.08): a top_k
+    clamped one short of the vocabulary drops exactly that token, and frequencies cannot see a token that
+    rare among the bins the frequency test checks."""
+    import minivllm.model.sampler as sampler
+
+    full = torch.full
+    monkeypatch.setattr(sampler.torch, "rand", lambda *shape, **kw: full(shape, 1.0 - 2**-24, dtype=kw.get("dtype")))
+    logits = torch.tensor([[1.0, 0.5, 0.0, -1.0]])
+    assert sample(logits, [SamplingParams(temperature=1.0, top_k=top_k)], [None], torch.Generator()) == [3]
+
+
+def test_the_draw_is_the_inverse_cdf_of_the_distribution():
+    """For a fixed ``u``, the token is the first whose cumulative probability exceeds ``u`` -- recomputed here
+    in float64 from the softmax, token by token, over a grid of 400 ``u`` values (those within 1e-5 of a
+    cumulative boundary, where float32 may round either way, skipped) and points just either side of each
+    boundary.  A uniform scaled short of 1 (never drawing the top 0.1% of the CDF, so every token loses
+    0.1% of its mass to the one before it) shows here; 40,000-draw frequencies cannot resolve it."""
+    import minivllm.model.sampler as sampler
+
+    probs64 = [0.4, 0.3, 0.2, 0.05, 0.04, 0.01]
+    logits = torch.tensor([[math.log(p) for p in probs64]], dtype=torch.float32)
+    weights = [math.exp(x) for x in logits[0].double().tolist()]
+    cdf = [sum(weights[: i + 1]) / sum(weights) for i in range(len(weights))]
+    # a grid, plus points 2e-5 either side of each boundary (a draw that moves u by even 0.1% crosses one)
+    grid = [(i + 0.5) / 400 for i in range(400)] + [c + d for c in cdf[:-1] for d in (-2e-5, 2e-5)] + [1.0 - 2**-24]
+    checked = 0
+    for u in grid:
+        if any(abs(u - c) < 1e-5 for c in cdf):
+            continue
+        expected = next(i for i, c in enumerate(cdf) if c > u)
+        for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=6)):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(sampler.torch, "rand", lambda *shape, _u=u, **kw: torch.full(shape, _u, dtype=kw.get("dtype")))
+                assert sample(logits, [params], [None], torch.Generator()) == [expected], (u, params.top_k)
+        checked += 1
+    assert checked > 400

@@ -5,6 +5,10 @@ changed while every existing test still passed.
 Everything runs on the simulated executor.  The oracles are independent of the counters under test: a
 recount of what each step's rows really (re)computed, made from the batches the executor receives, and a
 hand-built batch.
+
+The tests from ``test_kv_cache_usage_...`` on (KV usage, the pool adapter, the pool's boundaries, a forked
+sample's copy) come from a third pass, over the KV manager, the pool and the prefix caches only; their oracles are
+recounts of the blocks the live tables hold, a five-method pool written plainly here, and hand counts.
 """
 
 from __future__ import annotations
@@ -124,3 +128,209 @@ def test_tokens_a_preempted_request_finds_again_are_counted_exactly_as_recompute
     assert stats["recompute_hit_tokens"] == ex.restart_hits
     assert stats["prefix_cache_hits"] == ex.first_hits
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_kv_cache_usage_counts_the_blocks_requests_hold_not_the_idle_cached_ones(kind):
+    """Kills: ``KVCacheManager.usage`` reading the free list alone, so that blocks only the prefix cache keeps
+    count as used.  ``usage`` is ``kv_cache_usage`` in ``stats()`` and the ``vllm:kv_cache_usage_perc`` gauge;
+    its promise is "blocks held by requests (cached-only blocks count as free)": with a warm cache and nothing
+    running it must read 0, not the cache's size.  Oracle: a recount of the distinct blocks in the live
+    requests' tables after every step.  Requests run one after another (each hits the one before), so every
+    cached block a request does not hold has nothing locked below it and is evictable."""
+    engine = tiny_engine(num_blocks=16, max_len=40, prefix=kind)
+    system = list(range(50, 62))
+    seen = []
+
+    def recount(e):
+        held = {b for r in list(e.scheduler.running) + list(e.scheduler.waiting) for b in r.block_ids}
+        seen.append(len(held))
+        assert e.stats()["kv_cache_usage"] == pytest.approx(len(held) / e.pool.num_blocks)
+
+    for i in range(3):
+        engine.add_request({"prompt_token_ids": system + [10 + i] * 3}, SamplingParams(max_tokens=6, ignore_eos=True))
+        drain(engine, each=recount)
+    assert max(seen) > 0 and engine.prefix_cache.num_cached_blocks > 0, "the cache must be warm for this to mean anything"
+    assert engine.stats()["kv_cache_usage"] == 0.0
+    assert_no_leak(engine)
+
+
+class PlainPool:
+    """The five methods a lab 2 learner writes, written as plainly as possible: the reference the
+    :class:`~minivllm.kv.block_pool.PoolAdapter` builds the rest of the engine's pool interface on."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free = list(range(num_blocks))
+        self.refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int:
+        if not self.free:
+            from minivllm.kv.block_pool import OutOfBlocksError
+            raise OutOfBlocksError("empty")
+        b = self.free.pop(0)
+        self.refs[b] = 1
+        return b
+
+    def incref(self, b: int) -> None:
+        self.refs[b] += 1
+
+    def decref(self, b: int) -> bool:
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            self.free.append(b)
+            return True
+        return False
+
+    def refcount(self, b: int) -> int:
+        return self.refs[b]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_pool_adapter_and_the_engines_pool_agree_on_every_answer(seed):
+    """Kills, in :class:`PoolAdapter` (lab 2 runs the engine on a learner's pool through it): a copy-on-write
+    that keeps the caller's reference on the shared block (a leak), a ``free_all`` that frees head-first (the
+    block ids a later request gets change, so the learner's step log parts from the reference one), and an
+    ``allocate_many`` that refuses an exact fit.  The lab's own check compares only the step log's request ids,
+    which none of these change.  Oracle: the engine's :class:`BlockPool`, driven with the same random calls,
+    and a recount of the holders each call adds or drops."""
+    import random
+    from collections import Counter
+
+    from minivllm.kv.block_pool import BlockPool, OutOfBlocksError, PoolAdapter
+
+    rng = random.Random(seed)
+    n = 6
+    ref, ada = BlockPool(n), PoolAdapter(PlainPool(n), n)
+    tables: list[list[int]] = []
+    for _ in range(300):
+        op = rng.choice(["many", "many", "share", "cow", "free"])
+        if op == "many":
+            k = rng.randint(0, n)
+            if k > ref.num_free:
+                for pool in (ref, ada):
+                    with pytest.raises(OutOfBlocksError):
+                        pool.allocate_many(k)
+                continue
+            got = ref.allocate_many(k)
+            assert ada.allocate_many(k) == got
+            tables.append(got)
+        elif op == "share" and tables:
+            t = list(rng.choice(tables))
+            for b in t:
+                ref.incref(b)
+                ada.incref(b)
+            tables.append(t)
+        elif op == "cow" and tables and ref.num_free:
+            t = rng.choice(tables)
+            if t:
+                i = rng.randrange(len(t))
+                got = ref.copy_on_write(t[i])
+                assert ada.copy_on_write(t[i]) == got
+                t[i] = got[0]
+        elif op == "free" and tables:
+            t = tables.pop(rng.randrange(len(tables)))
+            ref.free_all(t)
+            ada.free_all(t)
+        holders = Counter(b for t in tables for b in t)
+        assert [ada.refcount(b) for b in range(n)] == [holders[b] for b in range(n)]
+        assert [ref.refcount(b) for b in range(n)] == [holders[b] for b in range(n)]
+        assert ada.num_free == ref.num_free == sum(1 for b in range(n) if not holders[b])
+        assert ada.num_used == ref.num_used
+    for t in tables:
+        ref.free_all(t)
+        ada.free_all(t)
+    # the free lists' order is the allocate/free history: both must hand out the same ids next
+    assert ada.allocate_many(n) == ref.allocate_many(n)
+
+
+def test_block_pool_takes_an_exact_fit_and_refuses_a_reference_on_a_free_block():
+    """Kills: ``allocate_many`` refusing ``n == num_free`` (a request needing exactly the free blocks would
+    wait forever in a learner's replay), and ``incref`` accepting a free block -- that reference would sit on a
+    block the free list still hands out, the double-free guard's mirror image.  Oracle: hand counts."""
+    from minivllm.kv.block_pool import BlockPool
+
+    pool = BlockPool(3)
+    assert pool.allocate_many(3) == [0, 1, 2] and pool.num_free == 0
+    pool.free_all([0, 1, 2])
+    with pytest.raises(ValueError, match="free block"):
+        pool.incref(1)
+    assert pool.refcount(1) == 0 and pool.num_free == 3
+
+
+@pytest.mark.parametrize("new_tokens, free_left", [(1, 0), (4, 1)], ids=["copy-only", "copy-and-a-block"])
+def test_allocate_slots_counts_the_private_copy_and_changes_nothing_when_it_is_short(new_tokens, free_left):
+    """Kills: ``allocate_slots`` checking room for its new blocks but not for the copy of a shared last block.
+    Its promise is all or nothing: short of room it returns False and changes nothing, so the scheduler can
+    preempt and retry.  Counting without the copy it went ahead and hit an empty free list half way
+    (``OutOfBlocksError`` out of the step, a table half grown).  Oracle: hand counts -- a sample forked from a
+    6-token prompt (block size 4) shares both prompt blocks and writes its 6th token into the second, so it needs
+    one private copy, plus one block when it also takes tokens 7 to 9."""
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.kv_cache_manager import KVCacheManager
+    from minivllm.request import Request
+
+    pool = BlockPool(3 + free_left)
+    kv = KVCacheManager(pool, 4)
+    params = SamplingParams(max_tokens=4)
+    parent = Request("p", list(range(6)), params, 0.0)
+    assert kv.allocate_slots(parent, 6)
+    parent.num_computed_tokens = 6
+    child = Request("c", list(range(6)), params, 0.0)
+    kv.fork(parent, child)
+    other = Request("o", [7], params, 0.0)
+    assert kv.allocate_slots(other, 1)  # takes the third block: exactly ``free_left`` stay free
+    assert pool.num_free == free_left
+    before = (list(child.block_ids), [pool.refcount(b) for b in range(pool.num_blocks)], pool.num_free)
+    assert kv.allocate_slots(child, new_tokens) is False
+    assert (list(child.block_ids), [pool.refcount(b) for b in range(pool.num_blocks)], pool.num_free) == before
+    assert not kv.take_block_moves()
+    kv.free(other)  # one more block: now the copy (and the new block) fit
+    assert kv.allocate_slots(child, new_tokens)
+    assert kv.take_block_moves().copies == [(parent.block_ids[1], child.block_ids[1])]
+    for r in (parent, child):
+        kv.free(r)
+    assert pool.num_free == pool.num_blocks
+
+
+def _prefix_run(kind: str, plain: bool) -> list:
+    """A tight pool, a shared prefix and a warm cache: what the scheduler saw after every step."""
+    from minivllm.kv.block_pool import PoolAdapter
+    from minivllm.labs import workloads
+
+    engine = tiny_engine(num_blocks=12, max_seqs=3, max_len=40, prefix=kind)
+    if plain:
+        engine.kv.replace_pool(PoolAdapter(PlainPool(12), 12))
+    system = list(range(50, 58))
+    for i in range(6):
+        engine.add_request({"prompt_token_ids": system + [10 + i] * (3 + i % 3)},
+                           SamplingParams(max_tokens=8, ignore_eos=True), f"r{i}")
+    seen = []
+
+    def record(e):
+        assert not e.executor.wrong, e.executor.wrong[0]
+        seen.append(([(r.request_id, tuple(r.block_ids)) for r in e.scheduler.running],
+                     e.kv.num_available_blocks, e.pool.num_free))
+
+    finals = workloads.drain(engine, max_steps=2000, each=record)
+    assert len(finals) == 6
+    engine.prefix_cache.reset()
+    assert engine.pool.num_free == 12
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_learner_pool_with_prefix_caching_runs_step_for_step_like_the_engines_pool(kind):
+    """Kills: the recount of pinned cached blocks (used for a pool that cannot report sharing, as a lab 2
+    learner's pool behind :class:`PoolAdapter` cannot) counting every cached block as pinned: the cache then
+    reports nothing evictable, admission waits for blocks eviction would give, and the learner's run parts
+    from the reference run.  Also fails for an adapter that frees head-first (the block ids part).
+    Oracle: the same workload on the engine's own :class:`BlockPool`, whose evictable count the prefix cache
+    keeps from the pool's sharing reports (checked against a brute-force model in test_prefix_cache.py):
+    every step's running tables, available blocks and free blocks must match."""
+    reference = _prefix_run(kind, plain=False)
+    assert any(avail > free for _, avail, free in reference), "cached blocks must be evictable at some step"
+    assert _prefix_run(kind, plain=True) == reference
