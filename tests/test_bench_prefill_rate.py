@@ -8,6 +8,7 @@ baseline must equal a hand-rolled moving average, and each row must be counted a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -73,3 +74,108 @@ def test_int_range_refuses_what_is_not_lo_below_hi(text):
     with pytest.raises(argparse.ArgumentTypeError):
         int_range(text)
     assert int_range("8,40") == (8, 40)
+
+
+SWAP_S = 0.05  # each block moved over the host link: time that is neither prefill nor decode
+
+
+class _ExactWithSwaps(_Exact):
+    def step_time(self, batch) -> float:
+        return super().step_time(batch) + SWAP_S * (len(batch.moves.swap_in) + len(batch.moves.swap_out))
+
+
+def test_steps_that_move_kv_over_the_host_link_are_left_out():
+    """A swap step's time holds copies, so its (tokens, time) would bias the check; the step after it is timed
+    from the swap step's end, not from the step before."""
+    cfg = EngineConfig(num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                       max_model_len=96, device="cpu", preemption_mode="swap", num_cpu_blocks_override=256)
+    engine = LLMEngine(cfg, executor=_ExactWithSwaps(), model_max_len=256, eos_token_ids=set())
+    lens = {}
+    for k in range(10):
+        prompt = list(range(5, 5 + 7 + 5 * k))
+        rid = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6 + k, ignore_eos=True))
+        lens[rid] = len(prompt)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(rec.swapped_in or rec.swapped_out for rec in engine.step_log)  # the run did swap
+    terms = step_terms(engine.step_log, lens)
+    assert terms
+    for p, d, dt in terms:
+        assert dt == pytest.approx(A + B * p + C * d)  # no swap time in any kept step
+
+
+def test_a_record_without_the_decode_count_reads_one_token_past_the_prompt_as_a_decode():
+    """Records built by hand carry no ``num_decodes``; the fallback must agree with the engine's count where
+    there is no preemption (the first decode starts exactly at the prompt's length), and never count a row of
+    several tokens as a decode (a decode computes one token), even a re-prefill chunk past the prompt."""
+    engine, lens = _run()
+    counted = step_terms(engine.step_log, lens)
+    bare = [dataclasses.replace(rec, num_decodes=None) for rec in engine.step_log]
+    assert step_terms(bare, lens) == counted
+
+    cfg = EngineConfig(num_gpu_blocks_override=16, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
+                       max_model_len=64, device="cpu")
+    engine = LLMEngine(cfg, executor=_Exact(), model_max_len=256, eos_token_ids=set())
+    lens = {}
+    for k in range(4):  # short prompts, long answers, a budget of 8: re-prefills in chunks past the prompt
+        prompt = list(range(5, 8 + k))
+        lens[engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, ignore_eos=True))] = len(prompt)
+    while engine.has_unfinished_requests():
+        engine.step()
+    records = [rec for rec in engine.step_log]
+    assert any(n > 1 and start >= lens[rid] for rec in records for rid, start, n in rec.seqs)
+    bare = [dataclasses.replace(rec, num_decodes=None) for rec in records]
+    timed = [rec for rec, last in zip(records[1:], records) if rec.seq_ids and rec.time > last.time]
+    for (p, d, _), rec in zip(step_terms(bare, lens), timed, strict=True):
+        assert d <= sum(1 for n in rec.seq_tokens if n == 1)
+        assert p + d == rec.num_tokens
+
+
+def test_the_report_is_read_from_the_run_it_served(tmp_path, monkeypatch):
+    """``main`` end to end on the simulated engine (the real model stands behind ``LLM`` in a real run): the
+    requests it serves, the flag saying whether the fit replaced the probe, the per-step means and the baseline
+    are recomputed here from the same engine's step log."""
+    import json
+    from types import SimpleNamespace
+
+    import minivllm
+    from minivllm.bench import prefill_rate
+
+    engines = []
+
+    class SimulatedLLM:
+        def __init__(self, *, preemption_mode, device, max_num_seqs, max_num_batched_tokens, max_model_len):
+            cfg = EngineConfig(num_gpu_blocks_override=4096, block_size=4, max_num_batched_tokens=max_num_batched_tokens,
+                               max_num_seqs=max_num_seqs, max_model_len=max_model_len, device="cpu",
+                               preemption_mode=preemption_mode)
+            self.engine = LLMEngine(cfg, executor=_Exact(), model_max_len=max_model_len, eos_token_ids=set())
+            self.engine.model_runner = SimpleNamespace(measure_prefill_rate=lambda n: 1 / B)  # the plain prefill
+            engines.append(self.engine)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(minivllm, "LLM", SimulatedLLM)
+    path = tmp_path / "result.json"
+    argv = ["--requests", "9", "--max-num-seqs", "3", "--budget", "48", "--prompt-range", "8,40",
+            "--output-range", "4,12", "--json", str(path)]
+    assert prefill_rate.main(argv) == 0
+    doc = json.loads(path.read_text())
+    (engine,) = engines
+    served = {rid for rec in engine.step_log for rid in rec.seq_ids}
+    assert len(served) == 9 == doc["requests"]  # one new request per finish, until --requests were added
+    lens = {rid: 0 for rid in served}
+    for rec in engine.step_log:  # a prompt's length: where its first decode row starts
+        for i, (rid, start, _) in enumerate(rec.seqs):
+            if i < rec.num_decodes and not lens[rid]:
+                lens[rid] = start
+    terms = step_terms(engine.step_log, lens)
+    with_prefill = [t for t in terms if t[0]]
+    assert doc["steps"] == len(terms) and doc["steps_with_prefill"] == len(with_prefill)
+    assert doc["mean_prefill_tokens_in_prefill_steps"] == pytest.approx(sum(p for p, _, _ in with_prefill) / len(with_prefill))
+    assert doc["mean_decode_rows_in_prefill_steps"] == pytest.approx(sum(d for _, d, _ in with_prefill) / len(with_prefill))
+    assert doc["startup_probe_rate"] == 1000.0  # no model runner at start-up: the engine's default rate
+    assert doc["learnt_rate"] == pytest.approx(1 / B) and doc["learnt_from_fit"] is True  # exact steps: the fit is 1 / b
+    assert doc["whole_step_rate_baseline"] == pytest.approx(whole_step_rate(terms, 1000.0))
+    assert doc["least_squares"]["rate"] == pytest.approx(1 / B)
+    assert doc["plain_prefill_rate"] == {"64": 1 / B, "128": 1 / B, "256": 1 / B}

@@ -43,6 +43,69 @@ def test_a_nested_list_where_a_tuple_belongs_gets_the_container_hint():
     assert "  hint: right values, but item 1 must be a tuple, not a list" in result.lines
 
 
+def test_wrong_values_in_the_wrong_container_get_the_hint_for_a_wrong_value():
+    """Kills: the container hint given without comparing the values, or without comparing the lengths.
+
+    ``[9, 9]`` against ``(1, 2)`` and ``[1, 2]`` against ``(1, 2, 3)`` are wrong answers that also use the wrong
+    container; telling the learner "right values" sends them to fix the container and leaves the bug (a
+    missing item is no right value: ``zip`` alone would compare only the first two)."""
+    case = Case("c", lambda f: f(), (1, 2, 3), hint="the hint for a wrong value")
+    for wrong, expected in (([9, 9, 9], (1, 2, 3)), ([1, 2], (1, 2, 3)), ((1, 2, 3, 4), [1, 2, 3])):
+        case.expected = expected
+        result = run_checks("t", lambda w=wrong: w, [case], verbose=False)
+        assert not result
+        assert "  hint: the hint for a wrong value" in result.lines, (wrong, result.lines)
+        assert not any("right values" in line for line in result.lines), (wrong, result.lines)
+
+
+def test_an_answer_that_raises_still_gets_the_cases_hint():
+    """Kills: the hint printed only for a wrong value, not for an exception.
+
+    The usual first bug in ``itl_stats`` is no empty case: ``gaps[...]`` on no gaps raises IndexError.  The
+    learner must see the case, the exception, and the hint written for exactly that ("no gaps at all")."""
+    import math
+
+    from minivllm.labs.check_lab04 import check_itl_stats
+
+    def no_empty_case(token_times, q=99):
+        gaps = sorted(b - a for times in token_times.values() for a, b in zip(times, times[1:]))
+        return gaps[max(math.ceil(q / 100 * len(gaps)), 1) - 1], gaps[-1]
+
+    with redirect_stdout(io.StringIO()):
+        result = check_itl_stats(no_empty_case)
+    assert not result and result.failed_case == "no requests"
+    assert any("'no requests': raised IndexError" in line and "in no_empty_case)" in line  # where it raised
+               for line in result.lines), result.lines
+    assert "  hint: no gaps at all: return (0.0, 0.0)" in result.lines, result.lines
+
+
+def test_a_stub_reached_through_expect_raises_reads_not_implemented():
+    """Kills: ``expect_raises`` without its ``except NotImplementedError: raise``.
+
+    A learner who wrote every method but one gets "not implemented yet" for the stub, not a failed case that
+    reports ``NotImplementedError`` as the wrong kind of error (which reads as a bug in code they never wrote)."""
+    from minivllm.labs.checkers import expect_raises
+
+    def stub():
+        raise NotImplementedError("decref")
+
+    case = Case("double free raises ValueError", lambda f: expect_raises(ValueError, f), "ValueError")
+    result = run_checks("pool", stub, [case], verbose=False)
+    assert not result and result.not_implemented
+    assert result.lines == ["pool: not implemented yet -- decref"]
+
+
+def test_a_case_that_hides_its_expected_value_prints_its_own_text_and_long_values_are_marked_cut():
+    """Kills: ``show_expected`` ignored (a learner reads ``expected: True`` for "every step matches"), and a
+    long value cut without the ``...`` that says it was cut."""
+    case = Case("c", lambda f: f(), True, show_expected="all 5 finish; first scheduled in steps [0, 0, 11, 11, 20]")
+    result = run_checks("t", lambda: False, [case], verbose=False)
+    assert "  expected: all 5 finish; first scheduled in steps [0, 0, 11, 11, 20]" in result.lines
+    long = run_checks("t", lambda: list(range(200)), [Case("c", lambda f: f(), [])], verbose=False)
+    got = next(line for line in long.lines if line.startswith("  got:"))
+    assert got.endswith("...") and len(got) == len("  got:      ") + 300
+
+
 def test_the_grading_seed_reaches_the_hidden_cases():
     """Kills: ``run_exercise`` calling the hidden cases with a fixed seed instead of the grading seed.
 
@@ -157,3 +220,58 @@ def test_the_option_order_depends_on_the_question_text_only():
     for q in quiz.load_bank(2):
         reworded = dict(q, why=q["why"] + " (reworded)")
         assert quiz.shuffled_answers(reworded) == quiz.shuffled_answers(q), q["id"]
+
+
+def test_the_answer_key_explains_each_wrong_option_under_the_letter_it_was_printed_with():
+    """Kills: the "not X:" lines of the key lettered in the bank's order, not the printed (shuffled) one -- a
+    learner who picked "B" would read the explanation of another option under "not B".
+
+    Oracle: the printed quiz (which letter shows which option) and the bank (which feedback belongs to which
+    option); ``correct_positions`` must name the letters the key gives as right."""
+    from minivllm.labs import quiz
+
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        printed = quiz.format_quiz(bank.stem).splitlines()
+        key = quiz.format_answers(bank.stem).splitlines()
+        right_letters = []
+        for n, q in enumerate(quiz.load_bank(bank.stem), 1):
+            if q["type"] != "multiple_choice":
+                continue
+            start = printed.index(f"Q{n}. {q['question']}")
+            shown = {}
+            for line in printed[start + 1:start + 1 + len(q["answers"])]:
+                letter, text = line.strip().split(") ", 1)
+                shown[letter] = text
+            feedback = {a["answer"]: a["feedback"] for a in q["answers"]}
+            right = next(a["answer"] for a in q["answers"] if a["correct"])
+            right_letters.append(next(letter for letter, text in shown.items() if text == right))
+            at = next(i for i, line in enumerate(key) if line.startswith(f"Q{n}: "))
+            nots = [line.strip() for line in key[at + 1:at + len(q["answers"])]]
+            assert len(nots) == len(q["answers"]) - 1 and all(line.startswith("not ") for line in nots), nots
+            for line in nots:
+                letter, text = line[len("not "):].split(": ", 1)
+                assert shown[letter] != right and text == feedback[shown[letter]], (bank.stem, n, line)
+        assert [quiz.LETTERS[i] for i in quiz.correct_positions(bank.stem)] == right_letters, bank.stem
+
+
+def test_the_interactive_quiz_gives_the_why_with_the_right_answer_only():
+    """Kills: the question's *why* appended to every option's feedback: a learner who clicks a wrong option
+    would read the explanation of the right one.  Oracle: the bank's own feedback per option."""
+    from minivllm.labs import quiz
+
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        for item, q in zip(quiz.jupyterquiz_questions(bank.stem), quiz.load_bank(bank.stem), strict=True):
+            for a, own in zip(item["answers"], quiz.shuffled_answers(q), strict=True):  # (the order shown)
+                if not own["correct"]:
+                    assert a["feedback"] == own["feedback"] and q["why"] not in a["feedback"], (bank.stem, q["id"])
+
+
+def test_numeric_questions_keep_their_answers_in_the_banks_order():
+    """Kills: numeric answers shuffled like options.  They are not options but the right value and feedback
+    ranges, which ``shuffled_answers`` promises to keep as the bank orders them (its docstring)."""
+    from minivllm.labs import quiz
+
+    numeric = [q for lab in range(1, 10) for q in quiz.load_bank(lab) if q["type"] == "numeric"]
+    assert numeric
+    for q in numeric:
+        assert quiz.shuffled_answers(q) == q["answers"], q["id"]

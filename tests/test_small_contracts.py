@@ -146,6 +146,14 @@ def test_a_checker_names_the_keys_a_long_dict_answer_gets_wrong():
     assert "  differs:  'field_03' missing; 'field_29': expected 29.0, got -1.0; 'extra' not expected" in result.lines
     short = run_checks("t", lambda: {"a": 2}, [Case("c", lambda f: f(), {"a": 1})], verbose=False)
     assert not short and not any(line.startswith("  differs") for line in short.lines)
+    # a short answer to a long expected dict: the expected line is the one cut, so the missing keys need naming
+    few = run_checks("t", lambda: {"field_00": 0.0}, [Case("c", lambda f: f(), want)], verbose=False)
+    assert len(repr({"field_00": 0.0})) <= 300
+    assert any(line.startswith("  differs:  'field_01' missing;") and "'field_29' missing" in line for line in few.lines)
+    # a list field one item short (lab 8's ITLs) is a difference, though every item it has is right
+    gaps = dict(want, field_07=[0.1, 0.2, 0.3])
+    short_list = run_checks("t", lambda: dict(gaps, field_07=[0.1, 0.2]), [Case("c", lambda f: f(), gaps)], verbose=False)
+    assert "  differs:  'field_07': expected [0.1, 0.2, 0.3], got [0.1, 0.2]" in short_list.lines, short_list.lines
 
 
 def test_a_diagnosis_that_cannot_read_the_answer_falls_back_to_the_hint():

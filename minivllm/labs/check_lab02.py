@@ -382,7 +382,10 @@ LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", quiz="lab02",
         ("LIFO: freed block goes to the front", "self.free.append(block_id)", "self.free.appendleft(block_id)"),
         ("no double-free check", 'raise ValueError(f"decref on free block {block_id} (double free)")', "pass"),
         ("allocate leaves the count at 0", "self.counts[block_id] = 1", "self.counts[block_id] += 0"),
-        ("empty pool raises IndexError", 'if not self.free:\n            raise OutOfBlocksError("no free KV blocks")\n', ""),
+        # (the old text ends with the next line's indent, so that the cut leaves valid Python: a planted bug
+        # that does not parse never reaches the checker)
+        ("empty pool raises IndexError", 'if not self.free:\n            raise OutOfBlocksError("no free KV blocks")\n        ',
+         ""),
         ("incref on a free block allowed", 'if self.counts[block_id] <= 0:\n            raise ValueError(f"incref',
          'if self.counts[block_id] < 0:\n            raise ValueError(f"incref'),
         ("decref reports a shared block as freed", "return True\n        return False", "return True\n        return True"),

@@ -671,7 +671,7 @@ LAB = Lab(4, "lab04_chunked_prefill", "Chunked prefill", quiz="lab04", exercises
          "return gaps[max(rank, 1) - 1], gaps[max(rank, 1) - 1]"),
         ("mean instead of percentile", "return gaps[max(rank, 1) - 1], gaps[-1]",
          "return sum(gaps) / len(gaps), gaps[-1]"),
-        ("no empty case", "if not gaps:\n        return 0.0, 0.0\n", ""),
+        ("no empty case", "if not gaps:\n        return 0.0, 0.0\n    ", ""),  # (ends with the next line's indent)
     )),
     Exercise("pick_budget", "pick_budget", check_pick_budget, points=1, hidden=hidden_pick_budget, mutants=(
         ("smallest instead of largest", "max(meets)", "min(meets)"),

@@ -776,5 +776,7 @@ LAB = Lab(5, "lab05_preemption", "Preemption", quiz="lab05",
         ("both conditions required", "waiting >= max_waiting or (", "waiting >= max_waiting and ("),
         ("inverted answer", "return waiting >= max_waiting or", "return not waiting >= max_waiting or"),
         ("changes the stats", 'waiting = stats["num_waiting"]', 'waiting = stats.pop("num_waiting")'),
+        # the mistake the bool case's hint names: right truth values, but 0 (an int) when nobody waits
+        ("`waiting and ...` answers 0 when nobody waits", "(waiting > 0 and stats", "(waiting and stats"),
     )),
 ))

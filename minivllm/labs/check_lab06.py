@@ -997,6 +997,8 @@ LAB = Lab(6, "lab06_fairness", "Fairness", quiz="lab06", widgets=(), exercises=(
          "max(self.counters.get(tenant, 0.0), max(others))"),
         ("activation can lower a counter", "max(self.counters.get(tenant, 0.0), min(others))", "min(others)"),
         ("no activation at all", "        if others:\n", "        if False:\n"),
+        ("a tenant alone takes the minimum of nobody", "if others:\n            self.counters[tenant]",
+         "self.counters[tenant]"),
         ("unlisted tenants weigh 0.5", "self.weights.get(tenant, 1.0)", "self.weights.get(tenant, 0.5)"),
     )),
     Exercise("deadline_aging", "AgingDeadline", check_deadline_aging, points=2, hidden=hidden_deadline_aging, mutants=(

@@ -687,6 +687,7 @@ MUTANTS_METRICS = (
     ("counts tokens in the caller's prompt_lens",
      "if start + n == prompt_lens[rid] + generated.get(rid, 0):  # computed every known token: samples one\n",
      "if start + n == prompt_lens[rid]:\n                prompt_lens[rid] += 1\n"),
+    ("an empty log read at its last record", "end = step_log[-1] if len(step_log) else None", "end = step_log[-1]"),
 )
 
 MUTANTS_ALARM = (
