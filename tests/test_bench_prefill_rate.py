@@ -26,10 +26,10 @@ class _Exact(SimulatedExecutor):
         return A + B * p + C * d
 
 
-def _run(blocks: int = 4096, max_len: int = 256):
+def _run(blocks: int = 4096, max_len: int = 256, executor=None, **options):
     cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
-                       max_model_len=max_len, device="cpu")
-    engine = LLMEngine(cfg, executor=_Exact(), model_max_len=256, eos_token_ids=set())
+                       max_model_len=max_len, device="cpu", **options)
+    engine = LLMEngine(cfg, executor=executor or _Exact(), model_max_len=256, eos_token_ids=set())
     lens = {}
     for k in range(10):
         prompt = list(range(5, 5 + 7 + 5 * k))
@@ -87,16 +87,7 @@ class _ExactWithSwaps(_Exact):
 def test_steps_that_move_kv_over_the_host_link_are_left_out():
     """A swap step's time holds copies, so its (tokens, time) would bias the check; the step after it is timed
     from the swap step's end, not from the step before."""
-    cfg = EngineConfig(num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
-                       max_model_len=96, device="cpu", preemption_mode="swap", num_cpu_blocks_override=256)
-    engine = LLMEngine(cfg, executor=_ExactWithSwaps(), model_max_len=256, eos_token_ids=set())
-    lens = {}
-    for k in range(10):
-        prompt = list(range(5, 5 + 7 + 5 * k))
-        rid = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6 + k, ignore_eos=True))
-        lens[rid] = len(prompt)
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine, lens = _run(24, 96, _ExactWithSwaps(), preemption_mode="swap", num_cpu_blocks_override=256)
     assert any(rec.swapped_in or rec.swapped_out for rec in engine.step_log)  # the run did swap
     terms = step_terms(engine.step_log, lens)
     assert terms

@@ -100,15 +100,22 @@ class FailsBeforeItsFirstSwapOut(KVContents):
         return super().execute(batch)
 
 
+def _swapping_engine(executor, n: int) -> LLMEngine:
+    """``n`` requests of 6 + 16 tokens on an 8-block pool (blocks of 4) with a 16-block host tier: decode growth
+    swaps some out."""
+    cfg = EngineConfig(num_gpu_blocks_override=8, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
+                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
+    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set())
+    for i in range(n):
+        engine.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=16, ignore_eos=True), f"r{i}")
+    return engine
+
+
 def test_a_request_swapped_out_in_a_failed_step_is_recomputed_not_swapped_back_in_with_garbage():
     """Three requests outgrow an 8-block pool, so decode growth swaps one out; that step fails before any copy.
     The two in the batch end with "error"; the victim must still finish whole, attending only its own tokens."""
-    cfg = EngineConfig(num_gpu_blocks_override=8, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
-                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
     executor = FailsBeforeItsFirstSwapOut(4)
-    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set())
-    for i in range(3):
-        engine.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=16, ignore_eos=True), f"r{i}")
+    engine = _swapping_engine(executor, 3)
     finals = drain(engine)  # check_both_tiers after every step: no slot attended holds another token
     assert executor.victims, "the workload must swap a request out"
     for rid in executor.victims:
@@ -306,12 +313,8 @@ def test_swap_block_counts_in_stats_leave_out_the_copies_of_a_failed_step():
     back out of ``swapped_out_blocks``.  That count, and ``swapped_out_bytes`` made from it, is what lab 5 weighs
     swap against recompute with; it must say what crossed to the host, and a failed step copied nothing.
     Oracle: the swap moves of the steps the executor performed, counted by the executor."""
-    cfg = EngineConfig(num_gpu_blocks_override=8, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
-                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
     executor = CountsMovesPerformed(4)
-    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set())
-    for i in range(5):
-        engine.add_request({"prompt_token_ids": [10 + i] * 6}, SamplingParams(max_tokens=16, ignore_eos=True), f"r{i}")
+    engine = _swapping_engine(executor, 5)
     drain(engine)
     stats = engine.stats()
     assert executor.victims and executor.out > 0, "a step must fail on its swap-out and a later one swap out"

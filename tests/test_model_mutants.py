@@ -245,6 +245,15 @@ def test_the_cpu_attention_backend_is_refused_for_a_cuda_device():
         get_attention_backend("cpu", "cuda")
 
 
+def _greedy_by_full_forward(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens with no cache at all: the whole sequence through the model for each token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def test_the_engine_samples_each_prompt_from_its_last_token_like_transformers_greedy(tmp_path):
     """The runner projects only one hidden row per sequence to logits: the *last* token of what the step
     computed.  Taking each sequence's first row instead still yields plausible tokens, and the fast tests
@@ -256,13 +265,7 @@ def test_the_engine_samples_each_prompt_from_its_last_token_like_transformers_gr
 
     hf = _tiny_llama_folder(tmp_path, tie=False)
     prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60], [7]]
-    want = []
-    for ids in prompts:
-        ids = list(ids)
-        with torch.inference_mode():
-            for _ in range(4):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        want.append(ids[-4:])
+    want = [_greedy_by_full_forward(hf, ids, 4) for ids in prompts]
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -281,13 +284,7 @@ def test_a_chunked_prompt_samples_only_after_its_last_chunk_like_transformers_gr
 
     hf = _tiny_llama_folder(tmp_path, tie=False)
     prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60, 21], [7]]
-    want = []
-    for ids in prompts:
-        ids = list(ids)
-        with torch.inference_mode():
-            for _ in range(3):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-        want.append(ids[-3:])
+    want = [_greedy_by_full_forward(hf, ids, 3) for ids in prompts]
     llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32,
               max_num_batched_tokens=3, long_prefill_token_threshold=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
