@@ -274,3 +274,29 @@ def test_deadline_admission_stops_at_the_first_request_that_does_not_fit_whateve
     assert [r.request_id for r in engine.scheduler.waiting] == ["x", "y"]
     finals = drain(engine)
     assert set(finals) == {"a0", "x", "y"}
+
+
+def test_wfq_preemption_margin_is_one_steps_budget_in_weighted_prefill_tokens():
+    """Kills: the margin left in raw tokens when ``wfq_prefill_weight`` is not 1.  Counters are charged in
+    weighted tokens, so the margin must be too: one step's budget times the prefill weight (the module
+    docstring).  Hand count: budget 100 at weight 0.5 is a margin of 50; a victim's tenant 60 ahead may be
+    preempted, one 50 ahead may not."""
+    policy = wfq(max_num_batched_tokens=100, wfq_prefill_weight=0.5)
+    poor, rich = request("poor"), request("rich")
+    policy.counters.update({"poor": 0.0, "rich": 60.0})
+    assert policy.may_preempt_for(poor, rich)
+    policy.counters["rich"] = 50.0
+    assert not policy.may_preempt_for(poor, rich)
+
+
+def test_a_tenants_kv_cap_is_the_tightest_of_its_groups():
+    """Kills: ``CapTable.max_blocks_for`` answering the loosest of a request's KV caps.  The engine refuses at
+    the door a request that could never fit its cap (it would otherwise preempt its own group for ever), so the
+    answer must be the tightest.  Hand count, 100 blocks under three_class: a batch tenant with its own share of
+    0.9 (90 blocks) also counts against agent+batch, which leaves the 50% interactive reserve out (50 blocks)."""
+    from minivllm.config import ThreeClassConfig
+
+    cfg = EngineConfig(scheduling_policy="three_class", device="cpu",
+                       tenants={"etl": TenantConfig(priority_class="batch", max_kv_share=0.9)},
+                       three_class=ThreeClassConfig(interactive_kv_reserve=0.5))
+    assert CapTable(cfg, 100).max_blocks_for("etl") == 50
