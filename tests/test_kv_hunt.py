@@ -297,7 +297,7 @@ class CountsMovesPerformed(FailsBeforeItsFirstSwapOut):
 
     def __init__(self, block_size: int) -> None:
         super().__init__(block_size)
-        self.out = self.into = 0
+        self.out = self.into = self.swapped_victims = 0
 
     def execute(self, batch):
         failing = bool(batch.moves.swap_out) and not self.victims
@@ -305,6 +305,7 @@ class CountsMovesPerformed(FailsBeforeItsFirstSwapOut):
         assert not failing
         self.out += len(batch.moves.swap_out)
         self.into += len(batch.moves.swap_in)
+        self.swapped_victims += sum(r.status is RequestStatus.SWAPPED for r in batch.preempted)
         return result
 
 
@@ -321,4 +322,8 @@ def test_swap_block_counts_in_stats_leave_out_the_copies_of_a_failed_step():
     assert stats["swapped_out_blocks"] == executor.out
     assert stats["swapped_in_blocks"] == executor.into
     assert stats["swapped_out_bytes"] == executor.out * engine.bytes_per_block
+    # and the preemption counts: the failed step's victim was recomputed, not swapped (a swap preemption counted
+    # for it as well would count one preemption twice)
+    assert stats["num_swap_preemptions"] == executor.swapped_victims > 0
+    assert stats["num_swap_preemptions"] + stats["num_recompute_preemptions"] == stats["num_preemptions"]
     assert_no_leak(engine)
