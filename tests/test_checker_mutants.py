@@ -275,3 +275,54 @@ def test_numeric_questions_keep_their_answers_in_the_banks_order():
     assert numeric
     for q in numeric:
         assert quiz.shuffled_answers(q) == q["answers"], q["id"]
+
+
+# -- the grader's rows for one hand-made exercise --------------------------------------------------
+
+
+def _lab_of(ex: Exercise) -> Lab:
+    return Lab(99, "lab99_test", "test", exercises=(ex,))
+
+
+def _visible(f):
+    return run_checks("t", f, [Case("visible", lambda f: f(1), 1)], verbose=False)
+
+
+def test_a_lab_without_hidden_cases_gives_the_points_for_a_passing_checker():
+    """Kills: the "checker re-run" row (an exercise registered without hidden cases) scoring 0.
+
+    By hand: ``f(x) = x`` passes the one visible case, so it earns the exercise's 2 points."""
+    ex = Exercise("t", "t", _visible, points=2, mutants=(), hidden=None)
+    row = grade._row("s", "s.ipynb", _lab_of(ex), ex, 0, grade.run_exercise(ex, lambda x: x, 0), {}, None)
+    assert (row.points, row.max_points, row.checker, row.hidden) == (2, 2, "passed", "checker re-run")
+
+
+def test_hidden_cases_that_crash_are_reported_as_the_hidden_cases_not_the_checker():
+    """Kills: every crashed exercise reported as ``checker: error`` (the learner saw that checker pass)."""
+    def hidden(f, seed):
+        raise KeyError("generator")
+
+    ex = Exercise("t", "t", _visible, points=2, mutants=(), hidden=hidden)
+    row = grade._row("s", "s.ipynb", _lab_of(ex), ex, 0, grade.run_exercise(ex, lambda x: x, 0), {}, None)
+    assert (row.points, row.checker, row.hidden) == (0, "passed", "error")
+    assert row.reason == "the hidden cases could not run it: KeyError: 'generator'"
+
+
+def test_a_failing_checker_is_the_reason_even_when_the_hidden_cases_would_crash():
+    """Kills: the hidden cases run after a failed checker (the docstring: "only if it passed").
+
+    A wrong answer the hidden cases cannot even run (here they raise) must still be reported by the visible case it
+    failed -- the line the learner can find in their notebook -- not as a crash of the hidden cases."""
+    def hidden(f, seed):
+        raise RuntimeError("the hidden cases ran")
+
+    ex = Exercise("t", "t", _visible, points=2, mutants=(), hidden=hidden)
+    row = grade._row("s", "s.ipynb", _lab_of(ex), ex, 0, grade.run_exercise(ex, lambda x: 0, 0), {}, None)
+    assert (row.points, row.checker, row.hidden, row.reason) == (0, "failed", "-", "checker: case 1/1 'visible' failed")
+
+
+def test_a_timed_out_grading_cell_says_what_it_was_checking():
+    """Kills: the "checking `<object>`" prefix dropped from a timeout (which step ran over is then unsaid)."""
+    ex = Exercise("t", "my_fn", _visible, points=2, mutants=(), hidden=None)
+    row = grade._row("s", "s.ipynb", _lab_of(ex), ex, 0, None, {"grade:t": "timed out after 8 s"}, None)
+    assert (row.points, row.reason) == (0, "checking `my_fn` timed out after 8 s")

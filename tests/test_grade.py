@@ -85,6 +85,81 @@ def test_a_lost_tag_is_found_by_the_definition(tmp_path):
         ex.name: ex.points for ex in lab.exercises}
 
 
+# -- hand-built notebooks, in-process: what a messy submission scores ------------------------------
+
+# A right paged_slots (lab 2, 1 point): each sequence reserves whole blocks, ceil(n / block_size) of them.
+_PAGED_RIGHT = "def paged_slots(seq_lens, block_size):\n    return sum(-(-n // block_size) * block_size for n in seq_lens)\n"
+_PAGED_WRONG = "def paged_slots(seq_lens, block_size):\n    return sum(seq_lens)\n"  # no rounding up to a block
+
+
+def _notebook(path: Path, cells: list[tuple[str, list[str]]]) -> Path:
+    """Write a notebook of code cells ``(source, tags)`` to ``path``."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src, id=f"c{i}", metadata={"tags": tags}) for i, (src, tags) in enumerate(cells)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def _scores(rows) -> dict[str, tuple[int, int]]:
+    return {r.exercise: (r.points, r.max_points) for r in rows}
+
+
+def test_a_renamed_notebook_is_found_by_its_exercise_tags(tmp_path):
+    """Kills: ``identify_lab`` going straight to the file name (a tagged notebook saved as ``alice.ipynb`` is no lab).
+
+    By hand: the tag names lab 2's paged_slots, whose right answer earns its 1 point; lab 2's two other exercises
+    (block_pool 2 points, slot_mapping 1) are absent, so 0 -- total 1/4, not "not a registered lab notebook"."""
+    path = _notebook(tmp_path / "submissions" / "alice.ipynb", [(_PAGED_RIGHT, ["exercise:paged_slots"])])
+    rows = grade.grade_in_process(path, seed=3)
+    assert {r.lab for r in rows} == {2} and {r.student for r in rows} == {"alice"}
+    assert _scores(rows) == {"block_pool": (0, 2), "slot_mapping": (0, 1), "paged_slots": (1, 1)}
+
+
+def test_a_lost_tag_grades_the_last_binding_of_the_name_def_or_assignment(tmp_path):
+    """Kills: the untagged fallback taking the *first* cell that defines the object, and ``_defines`` ignoring
+    assignments (its docstring promises "a def, a class or an assignment").
+
+    By hand: run top to bottom, the notebook leaves ``paged_slots`` bound to the right lambda of the last cell,
+    so the learner earns the exercise's 1 point; grading the first (wrong) def, or finding no definition, gives 0."""
+    right = "paged_slots = lambda seq_lens, block_size: sum(-(-n // block_size) * block_size for n in seq_lens)\n"
+    path = _notebook(tmp_path / "ann" / "lab02_paged_kv_cache.ipynb", [(_PAGED_WRONG, []), (right, [])])
+    assert _scores(grade.grade_in_process(path, seed=3))["paged_slots"] == (1, 1)
+    path = _notebook(tmp_path / "ben" / "lab02_paged_kv_cache.ipynb", [(_PAGED_WRONG, []), (_PAGED_RIGHT, [])])
+    assert _scores(grade.grade_in_process(path, seed=3))["paged_slots"] == (1, 1)
+
+
+def test_a_missing_object_names_the_cell_that_failed(tmp_path):
+    """Kills: the "(its cell: ...)" and "(setup: ...)" attributions swapped.
+
+    By hand: the setup cell raises NameError and the paged_slots cell ZeroDivisionError before its def; neither
+    object exists.  paged_slots' own cell is the cause; slot_mapping has no cell at all, so setup's error is the
+    only lead.  All of lab 2 scores 0."""
+    path = _notebook(tmp_path / "cy" / "lab02_paged_kv_cache.ipynb",
+                     [("import math\nundefined_helper()\n", ["setup"]), ("1 / 0\n" + _PAGED_RIGHT, ["exercise:paged_slots"])])
+    rows = {r.exercise: r for r in grade.grade_in_process(path, seed=3)}
+    assert rows["paged_slots"].reason == "`paged_slots` is not defined (its cell: ZeroDivisionError: division by zero)"
+    assert rows["slot_mapping"].reason == ("`slot_mapping` is not defined "
+                                           "(setup: NameError: name 'undefined_helper' is not defined)")
+    assert sum(r.points for r in rows.values()) == 0
+
+
+def test_run_all_runs_every_code_cell_in_order():
+    """Kills: ``--run-all`` running only the tagged cells (a learner's untagged helper never runs).
+
+    By hand: the four code cells, in notebook order, named by their tag or their index; the markdown cell is
+    skipped but still counts in the index."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# lab 2", id="m"),
+                nbformat.v4.new_code_cell("import math", id="a", metadata={"tags": ["setup"]}),
+                nbformat.v4.new_code_cell("def ceil_div(a, b):\n    return -(-a // b)", id="b"),
+                nbformat.v4.new_code_cell("paged_slots = 1", id="c", metadata={"tags": ["exercise:paged_slots"]}),
+                nbformat.v4.new_code_cell("print(paged_slots)", id="d")]
+    assert grade.graded_cells(nb, get_lab(2), run_all=True) == [
+        ("setup", "import math"), ("cell 2", "def ceil_div(a, b):\n    return -(-a // b)"),
+        ("exercise:paged_slots", "paged_slots = 1"), ("cell 4", "print(paged_slots)")]
+
+
 # -- the real path: kernels, timeouts, crashes, CSV/JSON (lab 1) -----------------------------------
 
 
@@ -193,3 +268,25 @@ def test_a_notebook_that_is_json_but_not_a_valid_notebook_is_a_zero_with_a_reaso
     rows = grade.grade_notebook(path, seed=1, timeout=30)
     assert [(r.student, r.points) for r in rows] == [("mallory", 0)]
     assert "cannot read" in rows[0].reason, rows[0].reason
+
+
+def test_a_result_file_the_notebook_wrote_itself_scores_nothing(tmp_path):
+    """A notebook that forges its result files and then kills its kernel (so no grading cell overwrites them)
+    must get 0: the module docstring promises a notebook "cannot forge a result file ahead of time".  Kills: the
+    token check accepting any token.  By hand: no grading cell ran, so both lab 1 exercises score 0 with the
+    dead kernel as the reason (a forged file would have read 1/1 and 1/1)."""
+    lab = get_lab(1)
+    forge = ("import json, os, pathlib\n"
+             "ok = {'passed': True, 'not_implemented': False, 'failed_case': None, 'num_passed': 1, 'num_cases': 1}\n"
+             f"for name in {[ex.name for ex in lab.exercises]!r}:\n"
+             "    pathlib.Path('..', f'result-{name}.json').write_text(json.dumps(\n"
+             "        {'checker': ok, 'hidden': {**ok, 'rerun': False}, 'error': None, 'token': 'forged'}))\n"
+             "os._exit(0)\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(forge, id="f", metadata={"tags": ["setup"]})]
+    path = tmp_path / "eve" / f"{lab.stem}.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    rows = grade.grade_notebook(path, seed=1, timeout=30)
+    assert {r.exercise: r.points for r in rows} == {ex.name: 0 for ex in lab.exercises}
+    assert all("kernel died" in r.reason for r in rows), [r.reason for r in rows]
