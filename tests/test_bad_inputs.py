@@ -137,6 +137,7 @@ CASES = [
     ("priority float", add(priority=0.5), "priority"),
     ("arrival_time as a string", add(arrival_time="x"), "arrival_time"),
     ("arrival_time nan", add(arrival_time=float("nan")), "arrival_time"),
+    ("arrival_time a bool", add(arrival_time=True), "arrival_time"),  # a bool is an int to Python, not a time
     ("params not SamplingParams", add(params={"max_tokens": 3}), "SamplingParams"),
     # chat
     ("chat content None", chat([{"role": "user", "content": None}]), "content"),
