@@ -404,6 +404,12 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
   * *Decode-heavy:* the runs agree with each other, and the simulator is still 30–43% low. That is a missing term,
     not noise. Prompt steps that follow idle time or graph replays took 14–28 ms, where the back-to-back steps the
     calibration measured took 11–13 ms.
+* **The decisions are exact.** A simulated number rests on a second claim too: the simulator runs the real
+  scheduler, so fed a real run's step times it must decide what the real run decided. `python -m minivllm.bench
+  replay` checks that on the real model: ten policy settings (auto, swap, deadlines, three classes, WFQ, rejecting
+  caps, prefix caching, no chunking) × ten seeds. All 100 replays batched, preempted, swapped and rejected as the
+  real runs did, step for step, and ended with the same step-time average and learnt prefill rate, bit for bit
+  (`2026-12-05_cpu-2core_replay.json`). So every error in the plot above is the cost model's, never the scheduler's.
 * **What that means for section 2.** Trust the simulator most for *comparisons under one cost model* — round robin
   against affinity, 5 replicas against 7 — where a bias shared by both sides cancels; trust it least for absolute
   tail latencies on hardware whose prompt steps are launch-bound. Before a real purchase, calibrate on that
