@@ -182,7 +182,7 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
             raise ValueError(f"{name}: {len(reqs)} requests regenerated, {old['requests']} recorded")
         rec = drive(sim_engine(spec, shape, block_size=doc["engine"]["block_size"], **result["engine"]), reqs)
         kept = {k: v for k, v in old.items() if k not in _OLD_SIMULATION_ROW}
-        rows[name] = dict(kept, **compare(old["real_runs"], metrics(rec)), sim_steps=len(rec.step_ends))
+        rows[name] = dict(kept, **compare(old["real_runs"], metrics(rec)), sim_steps=len(rec.step_end_readings))
     print(format_table(rows), file=out)
     within = within_10pct(rows)
     print(f"{sum(within)}/{len(within)} metrics within 10% (re-simulated with {spec.name}, recorded real runs)", file=out)
@@ -298,7 +298,7 @@ def _against_real(real, scale: float, profile: str | None, names, out, model: st
         around = (before + drift) / 2
         rows[name] = {**compare([metrics(r) for r in recs_real], metrics(rec_sim)),
                       "requests": len(reqs), "tokens": sum(len(r.prompt_token_ids) + r.max_tokens for r in reqs),
-                      "real_steps": len(recs_real[0].step_ends), "sim_steps": len(rec_sim.step_ends),
+                      "real_steps": len(recs_real[0].step_end_readings), "sim_steps": len(rec_sim.step_end_readings),
                       "real_step_logs": [step_log(samples) for samples, _ in measured],
                       "drift": {"before": before, "after": drift}}
         if abs(around - 1) > 1e-3:

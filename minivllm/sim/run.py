@@ -77,9 +77,6 @@ class DriveRecord:
     # clock (s after t0) where each step began: the arrival check before it (the end of the step before, or the
     # arrival an idle engine waited for), so the steps tile the run as the engine's step-time average counts them
     step_starts: list[float] = field(default_factory=list)
-    # clock (s after t0) at each step's end as the engine read it (its step log's time: the time of the step's
-    # tokens and finishes, and what its step-time average and prefill-rate fit were fed)
-    step_ends: list[float] = field(default_factory=list)
     kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (s after t0, fraction of blocks held)
     kv_peak: float = 0.0  # the highest fraction of blocks held after any step (kv_usage is only sampled)
     kv_area: float = 0.0  # the integral of that fraction over [0, kv_span]: every step's level, held until it changes
@@ -91,14 +88,22 @@ class DriveRecord:
     kv_bytes_per_block: int | None = None
     start_costs: tuple[float, float] | None = None
     # The executor's clock when the run began (``t0``; the times above are after it), and its reading at each
-    # step's end (``step_ends`` before t0 is taken away: a difference can round, so it cannot give them back).
-    # A replay starts its clock at the origin and moves it to those readings (ReplayExecutor.from_record): every
-    # time the engine computes (an arrival, a deadline's aging, a step's length) then rounds as in the real run,
-    # where a clock started at 0 rounds the same sums otherwise, and two deadlines tied in one run come apart.
+    # step's end, as the engine read it (its step log's time: the time of the step's tokens and finishes, and what
+    # its step-time average and prefill-rate fit were fed).  The readings are kept, not their times after t0
+    # (``step_ends``, derived): a difference can round, so it cannot give a reading back.  A replay starts its clock
+    # at the origin and moves it to those readings (ReplayExecutor.from_record): every time the engine computes (an
+    # arrival, a deadline's aging, a step's length) then rounds as in the real run, where a clock started at 0
+    # rounds the same sums otherwise, and two deadlines tied in one run come apart.
     clock_origin: float = 0.0
     step_end_readings: list[float] = field(default_factory=list)
     duration: float = 0.0
     wall_s: float = 0.0
+
+    @property
+    def step_ends(self) -> list[float]:
+        """Each step's end in seconds after t0 (built on each read from ``step_end_readings``)."""
+        t0 = self.clock_origin
+        return [t - t0 for t in self.step_end_readings]
 
     @property
     def check_after_step(self) -> list[float]:
@@ -207,7 +212,6 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         last = engine.step_log[-1]  # (the log keeps at least its newest record)
         wake = last.time
         end = wake - t0
-        rec.step_ends.append(end)
         rec.step_end_readings.append(wake)
         if not last.seqs and not (last.swapped_in or last.swapped_out):
             idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
@@ -403,7 +407,7 @@ def report_extras(engine, rec: DriveRecord) -> dict:
     ex = engine.executor
     usage = [u for _, u in rec.kv_usage]
     return {
-        "steps": len(rec.step_ends),
+        "steps": len(rec.step_end_readings),
         "preemptions": st["num_preemptions"],
         "prefix_cache_hit_rate": st.get("prefix_cache_hit_rate"),
         "kv_blocks": st["num_blocks"],
