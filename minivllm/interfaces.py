@@ -78,7 +78,10 @@ class RanksRequests(Protocol):
     def rank(self, req: "Request") -> Any:
         """A sortable key, smaller is better.  With it the scheduler gives a batch's prefill chunks to
         better-ranked requests first and, when admitting ``req``, counts against the token budget every running
-        decode but only the running prefills ranked at or ahead of ``req``."""
+        decode but only the running prefills ranked at or ahead of ``req``.  So within a step it must agree with
+        ``order``: a request handed out later must not rank ahead of one handed out before it, or step 2 gives
+        the later one the budget admission counted on for the earlier, which is then admitted without a row
+        (WFQ ranks by each request's place in its merged order for this reason)."""
         ...
 
 

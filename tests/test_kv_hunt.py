@@ -12,13 +12,15 @@
    performs a step's block moves first and may fail right there, so its host copy may hold nothing.  The engine
    failed the batch's rows but left the victim, which is in no row, SWAPPED, and it came back attending garbage.
 3. Likewise a request swapped *in* by a failed step but given no row in it (a batch builder may leave anyone out,
-   and the scheduler's own step 2 does under WFQ): it stayed RUNNING on device blocks its copy in may never have
-   reached, and attended garbage from its next step on (the real model then decoded other tokens than HF:
-   ``test_hf_parity``).  It is now recomputed.
+   and the scheduler's own step 2 did under WFQ until admission and step 2 shared one order): it stayed RUNNING on
+   device blocks its copy in may never have reached, and attended garbage from its next step on (the real model
+   then decoded other tokens than HF: ``test_hf_parity``).  It is now recomputed.
 
 The oracles are independent of the code under test: every KV slot each step attends is checked against the token
 written there (:class:`invariants.KVContents`), block ownership is recounted after every step
 (:func:`invariants.check_both_tiers`), and for 1 the engine with its built-in hash index runs the same workload.
+The swap counts in ``stats()`` are checked against the copies the executor performed: a failed step performed none,
+whoever they were for (a row that failed, a request with no row, one swapped in and out again in that very step).
 """
 
 from __future__ import annotations
@@ -235,41 +237,38 @@ def test_a_request_swapped_in_during_a_failed_step_without_a_row_is_recomputed_n
     assert_no_leak(engine)
 
 
-class FailsAtTheFirstSwapInLeftWithoutARow(KVContents):
-    """An executor whose step fails once, before any block move: the first step that swaps a request in and
-    gives it no row (found by asking the engine it serves, ``engine``, which requests its copies land in)."""
+class NotesSwapIns(KVContents):
+    """Notes, step by step, each request whose copies in a step carries, with a row in that step or without
+    (found by asking the engine it serves, ``engine``, which running requests the copies land in)."""
 
     def __init__(self, block_size: int) -> None:
         super().__init__(block_size)
         self.engine = None
-        self.left_out: list[str] = []  # the requests swapped in without a row by the failed step
-        self.failed_rows: list[str] = []
+        self.with_row: list[str] = []
+        self.left_out: list[str] = []
 
     def execute(self, batch):
-        if batch.moves.swap_in and not self.left_out:
+        if batch.moves.swap_in:
             swapped_in, rows = {gpu for _, gpu in batch.moves.swap_in}, {id(s.request) for s in batch.seqs}
-            self.left_out = [r.request_id for r in self.engine.scheduler.running
-                             if id(r) not in rows and swapped_in & set(r.block_ids)]
-            if self.left_out:
-                self.failed_rows = [s.request.request_id for s in batch.seqs]
-                raise RuntimeError("device copy failed")
+            for r in self.engine.scheduler.running:
+                if swapped_in & set(r.block_ids):
+                    (self.with_row if id(r) in rows else self.left_out).append(r.request_id)
         return super().execute(batch)
 
 
-def test_under_wfq_the_schedulers_own_batch_can_leave_a_swapped_in_request_out_and_a_failed_step_recomputes_it():
-    """The default step 2 reaches the case too.  WFQ admits in its merged order, which charges each prompt it
-    hands out to its tenant provisionally, but ranks prefills by the counters as they stand: here b6 is
-    admitted, its tenant charged past c's counter, so the swapped c5 comes next and b7 after it -- yet b7 ranks
-    ahead of c5 (b's counter is lower), so each was admitted on the budget the prefills ranked ahead of it
-    leave, and step 2, serving prefills by rank, gives b6 and b7 the whole budget and c5 no row.  (Harmless
-    in itself: its copy in runs, and it computes next step.)  When that step fails before its copies, c5 must
-    be recomputed, and finish whole, attending only its own tokens.  A small workload found by a seeded search;
-    ``(step it arrives, tenant, prompt tokens, max_tokens)``."""
+def test_under_wfq_the_schedulers_own_batch_gives_each_request_it_swaps_in_its_row():
+    """The workload (found by a seeded search) on which the default step 2 left a swapped-in request out.  WFQ
+    admitted b6, whose provisional charge put b past c, then the swapped c5, then b7; but step 2 ranked b7 by b's
+    counter as it stood, ahead of c5, and gave b6 and b7 the budget admission had counted on for c5, which got no
+    row: its copy in ran a step early, into blocks others could have used (and in a step that failed it would
+    have been left on blocks its copy never reached: the test above).  Step 2 now follows admission's order, so
+    every request swapped in, c5 among them, gets its row in the step that swaps it in, and every request
+    finishes whole, attending only its own tokens.  ``(step it arrives, tenant, prompt tokens, max_tokens)``."""
     work = [(0, "b", 17, 11), (0, "c", 35, 10), (2, "a", 35, 5), (3, "b", 6, 7), (3, "c", 7, 4), (4, "c", 24, 2),
             (14, "b", 26, 5), (19, "b", 7, 11)]
     cfg = EngineConfig(num_gpu_blocks_override=16, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=16,
                        max_num_seqs=3, max_model_len=48, preemption_mode="swap", scheduling_policy="wfq", device="cpu")
-    executor = FailsAtTheFirstSwapInLeftWithoutARow(4)
+    executor = NotesSwapIns(4)
     engine = LLMEngine(cfg, executor=executor, model_max_len=48, eos_token_ids=set())
     executor.engine = engine
     finals: dict = {}
@@ -282,14 +281,13 @@ def test_under_wfq_the_schedulers_own_batch_can_leave_a_swapped_in_request_out_a
             break
         finals.update({out.request_id: out for out in engine.step() if out.finished})
         check_both_tiers(engine)  # block ownership recounted, and no slot attended holds another token
-    assert executor.left_out == ["c5"] and executor.failed_rows, "the workload must swap c5 in without giving it a row"
-    assert not set(executor.left_out) & set(executor.failed_rows)
+    assert executor.left_out == [], "admitted by a swap-in, then given no row"
+    assert "c5" in executor.with_row, "the workload must swap c5 back in"
     assert len(finals) == len(work)
     for i, (_, tenant, _, max_tokens) in enumerate(work):
         done = finals[f"{tenant}{i}"].outputs[0]
-        if done.finish_reason != "error":
-            assert (done.finish_reason, len(done.token_ids)) == ("length", max_tokens)
-    assert {rid for rid, out in finals.items() if out.outputs[0].finish_reason == "error"} == set(executor.failed_rows)
+        assert (done.finish_reason, len(done.token_ids)) == ("length", max_tokens)
+    assert_no_leak(engine)
 
 
 class CountsMovesPerformed(FailsBeforeItsFirstSwapOut):
@@ -326,4 +324,93 @@ def test_swap_block_counts_in_stats_leave_out_the_copies_of_a_failed_step():
     # for it as well would count one preemption twice)
     assert stats["num_swap_preemptions"] == executor.swapped_victims > 0
     assert stats["num_swap_preemptions"] + stats["num_recompute_preemptions"] == stats["num_preemptions"]
+    assert_no_leak(engine)
+
+
+class FailsWhenASwapInIsSwappedOutAgain(KVContents):
+    """Counts the swap copies the executor performs, and fails once, before any copy: in the first step that
+    swaps a request in and out again."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.into = self.out = 0
+        self.back_out: list[str] = []  # the requests of the failed step swapped in and out again
+
+    def execute(self, batch):
+        if not self.back_out:
+            self.back_out = [r.request_id for r in batch.swapped_in if r in batch.preempted]
+            if self.back_out:
+                raise RuntimeError("device copy failed")
+        result = super().execute(batch)
+        self.into += len(batch.moves.swap_in)
+        self.out += len(batch.moves.swap_out)
+        return result
+
+
+def test_a_request_swapped_in_and_out_again_by_a_failed_step_leaves_neither_copy_counted():
+    """Kills: taking a failed step's copies in out of ``swapped_in_blocks`` only for the requests still running
+    without a row.  A request that step swapped in and then, short of blocks, swapped out again is SWAPPED when the
+    step fails: its copy out is dropped (it is recomputed), and its copy in, which may never have run either,
+    stayed counted.  The engine's own admission reserves every block a step will claim, so the squeeze comes from
+    outside: in the step that swaps b back in, every free block is held elsewhere while step 3 allocates, and b,
+    the newest, gives way again.  Oracle: the swap moves of the steps the executor performed, counted by it."""
+    cfg = EngineConfig(num_gpu_blocks_override=10, num_cpu_blocks_override=16, block_size=4, max_num_batched_tokens=32,
+                       max_num_seqs=4, max_model_len=32, preemption_mode="swap", device="cpu")
+    executor = FailsWhenASwapInIsSwappedOutAgain(4)
+    engine = LLMEngine(cfg, executor=executor, model_max_len=32, eos_token_ids=set())
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": [11] * 6}, params, "a")
+    engine.add_request({"prompt_token_ids": [12] * 6}, params, "b")
+    b, pool, allocate = engine.requests["b"], engine.kv.pool, engine.scheduler.allocate
+
+    def allocate_with_no_block_free(batch):
+        if b not in batch.swapped_in:
+            return allocate(batch)
+        held = pool.allocate_many(pool.num_free)
+        try:
+            return allocate(batch)
+        finally:
+            pool.free_all(held)
+
+    engine.scheduler.allocate = allocate_with_no_block_free
+    finals = drain(engine)  # check_both_tiers after every step: no slot attended holds another token
+    assert executor.back_out == ["b"], "the workload must swap b in and out again in one step"
+    stats = engine.stats()
+    assert stats["swapped_in_blocks"] == executor.into  # (b, recomputed since, is never swapped in again: 0)
+    assert stats["swapped_out_blocks"] == executor.out > 0  # b's first swap out, the one step 3 of a step that ran
+    assert finals["b"].outputs[0].finish_reason == "length" and len(finals["b"].outputs[0].token_ids) == 20
+    assert_no_leak(engine)
+
+
+class FailsAtItsFirstSwapIn(KVContents):
+    """Counts the swap copies the executor performs, and fails once, before any copy: in the first step that
+    swaps a request in."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.into = self.out = 0
+        self.rows_of_failed: list[str] = []  # the requests swapped in by the failed step that had a row in it
+
+    def execute(self, batch):
+        if batch.moves.swap_in and not self.rows_of_failed:
+            rows = {id(s.request) for s in batch.seqs}
+            self.rows_of_failed = [r.request_id for r in batch.swapped_in if id(r) in rows]
+            raise RuntimeError("device copy failed")
+        result = super().execute(batch)
+        self.into += len(batch.moves.swap_in)
+        self.out += len(batch.moves.swap_out)
+        return result
+
+
+def test_the_copy_in_of_a_failed_step_is_not_counted_for_a_request_with_a_row_in_it_either():
+    """Kills: leaving a failed step's copy in counted when its request had a row (the row failed with the step).
+    A failed step copied nothing, whoever its copies were for.  Oracle: the swap moves of the steps the executor
+    performed, counted by it."""
+    executor = FailsAtItsFirstSwapIn(4)
+    engine = _swapping_engine(executor, 3)
+    drain(engine)
+    assert executor.rows_of_failed, "a step must fail that swaps a request in and gives it a row"
+    stats = engine.stats()
+    assert stats["swapped_in_blocks"] == executor.into
+    assert stats["swapped_out_blocks"] == executor.out > 0
     assert_no_leak(engine)

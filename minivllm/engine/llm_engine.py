@@ -528,12 +528,16 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - reported per request as finish_reason "error"
             for seq in batch.seqs:
                 batch.errors.setdefault(seq.request.request_id, f"execution failed: {type(exc).__name__}: {exc}")
+            # Its copies in may never have run either: none of them is counted as swapped in, whoever they
+            # were for (a row that failed, a request with no row, one preempted again in this very step).
+            if batch.moves.swap_in:
+                self.kv.uncount_swap_ins(batch.moves)
             # A victim swapped out in this step is in no row, so it does not fail; but its copy out may never
             # have run, and swapped back in it would attend garbage: it is recomputed instead.
             for req in batch.preempted:
                 if req.status is RequestStatus.SWAPPED:
                     self.scheduler.swap_out_failed(req)
-            # Likewise a request swapped in for this step but given no row (a batch builder, or WFQ's step 2):
+            # Likewise a request swapped in for this step but given no row (a batch builder may leave one out):
             # it does not fail, but its copy in may never have run, and left running it would attend garbage.
             if batch.swapped_in:
                 rows = {id(seq.request) for seq in batch.seqs}

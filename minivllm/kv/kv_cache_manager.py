@@ -501,11 +501,14 @@ class KVCacheManager:
         self.stats.swapped_out_blocks -= len(req.cpu_block_ids)
         self.free(req)
 
-    def uncount_swap_in(self, req: Request) -> None:
-        """Take back the count of :meth:`swap_in` for a request whose copy in may never have run (the step that
-        carried it failed), as :meth:`drop_swapped_copy` does for a copy out.  Its device blocks stay its own
-        until the scheduler preempts it by recompute, which frees them with its computed tokens."""
-        self.stats.swapped_in_blocks -= blocks_for(req.num_computed_tokens, self.block_size)
+    def uncount_swap_ins(self, moves: BlockMoves) -> None:
+        """Take back the count of :meth:`swap_in` for the copies in of a step that failed (``moves``, the step's
+        block moves): the executor performs them first and may fail right there, so they may never have run,
+        and ``swapped_in_blocks`` counts what crossed the link, as :meth:`drop_swapped_copy` keeps
+        ``swapped_out_blocks``.  Counted from the moves, not per request: a request swapped in by that step may
+        since have been preempted again (freed, its computed tokens forgotten, or swapped out once more), and
+        its copy in was counted all the same.  The blocks themselves are the scheduler's to deal with."""
+        self.stats.swapped_in_blocks -= len(moves.swap_in)
 
     def swap_in(self, req: Request) -> None:
         """Bring a swapped-out request's KV back into fresh device blocks (the caller checked room)."""

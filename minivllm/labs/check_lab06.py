@@ -541,6 +541,7 @@ class CounterWFQ(WFQAdmission):
         return self.vtc.weight(tenant)
 
     def activity(self, tenants) -> None:
+        self._forget_places()  # as the engine's WFQ does: a new step, counters that may move
         active = set(tenants)
         already = active & self._active
         for t in sorted(active - self._active):
@@ -552,6 +553,7 @@ class CounterWFQ(WFQAdmission):
             self.vtc.counters[tenant] = floor
 
     def observe(self, batch, now: float) -> None:
+        self._forget_places()
         for s in batch.seqs:
             self.vtc.charge(s.request.tenant, 0 if s.is_decode else new_prompt_tokens(s), 1 if s.samples else 0)
 

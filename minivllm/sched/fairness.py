@@ -329,6 +329,8 @@ class WFQAdmission(KeepsItsOrder):
         self._fresh: dict[Request, None] = {}
         self._seen_left: dict[str, Request] = {}
         self._kept = KeptOrder(no_rank, _tenant)  # KeepsOrder: each tenant's waiting requests, in queue order
+        # This step's order: each request the last ``order`` handed out, by its place in it (what ``rank`` reads).
+        self._places: dict[Request, tuple] = {}
         self._tracking = False  # hearing one scheduler's queue (until a second shares the policy)
         self._shared = False
 
@@ -380,6 +382,7 @@ class WFQAdmission(KeepsItsOrder):
         the tenants already active (or, when none is, at the counter of the last tenant that went idle), as in
         VTC: idling banks no credit.  (:class:`~minivllm.interfaces.TracksActivity`: the scheduler also calls
         this in steps that do not order the queue, so a tenant that goes idle then is seen to.)"""
+        self._forget_places()
         active = set(tenants)
         left = self._active - active
         if left:
@@ -392,6 +395,13 @@ class WFQAdmission(KeepsItsOrder):
                 for t in new:
                     self._raise_to(t, floor)
         self._active = active
+
+    def _forget_places(self) -> None:
+        """The counters an order's places were reckoned from move (a step's service is charged, a tenant is
+        lifted), or a step orders nothing: its places no longer say where anyone stands, so ``rank`` falls back to
+        the counters as they stand until the next ``order``."""
+        if self._places:
+            self._places.clear()
 
     def _raise_to(self, tenant: str, floor: float) -> None:
         """Lift ``tenant``'s counter to ``floor``; a counter is never lowered (that would hand out credit)."""
@@ -441,6 +451,7 @@ class WFQAdmission(KeepsItsOrder):
                     self._raise_to(t, floor)
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> Iterable[Request]:
+        self._forget_places()
         kept = self._kept.kept(waiting) if self._tracking else None
         if kept is not None:
             queues = {t: list(q) for t, q in kept.items()}  # copies (C-level): admission changes the queue
@@ -464,28 +475,52 @@ class WFQAdmission(KeepsItsOrder):
         return merged if kept is not None else list(merged)
 
     def _merge(self, queues: dict[str, list[Request]], heap: list) -> Iterator[Request]:
-        """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally."""
+        """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally.
+
+        Each request handed out gets its place (what :meth:`rank` reads): the key it left the heap with -- its
+        tenant's counter plus the provisional charges of its tenant's requests handed out before it -- and, to
+        break ties as the heap broke them, how many requests were handed out before it.
+        """
         heads = dict.fromkeys(queues, 0)
+        places = self._places
         while heap:
             vc, i, t = heapq.heappop(heap)
             q = queues[t]
             k = heads[t]
-            if not heap:  # the last tenant left: the rest of its queue, as it stands
-                yield from q[k:]
+            if not heap:  # the last tenant left: the rest of its queue, as it stands (placed as the heap would)
+                for req in q[k:]:
+                    places[req] = (vc, 1, len(places))
+                    vc = vc + self.prefill_weight * req.num_uncomputed_tokens / self.weight(t)
+                    yield req
                 return
             req = q[k]
             heads[t] = k + 1
+            places[req] = (vc, 1, len(places))
             if k + 1 < len(q):  # provisionally charge the prompt it will prefill
                 heapq.heappush(heap, (vc + self.prefill_weight * req.num_uncomputed_tokens / self.weight(t), i, t))
             yield req
 
     def rank(self, req: Request) -> tuple:
-        return (self.counter(req.tenant), req.arrival_time)
+        """Where ``req`` stands in this step's order: one order for admission and for step 2.
+
+        A request the last ``order`` handed out ranks by its place in that order (:meth:`_merge`), which counts
+        the prompts of its tenant's requests handed out before it.  Ranked by its tenant's counter as it stands
+        instead, a tenant's second request admitted in a step ranked level with its first, ahead of another
+        tenant's request admitted between the two; step 2, serving prefills by rank, then gave the two the
+        budget admission had counted on for the one between, which got no row: its KV blocks (or its swap-in)
+        were taken a step early, from requests that could have run.  By place, a request admitted later in a
+        pass ranks behind every one admitted before it, so each is admitted on the very budget step 2 leaves it.
+        Any other request (running since an earlier step, or not reached) ranks by its tenant's counter as it
+        stands, ahead of the requests handed out at that counter, then by arrival.
+        """
+        place = self._places.get(req)
+        return place if place is not None else (self.counter(req.tenant), 0, req.arrival_time)
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
         return victim.tenant != req.tenant and self.counter(victim.tenant) - self.counter(req.tenant) > self.margin
 
     def observe(self, batch, now: float) -> None:
+        self._forget_places()
         for s in batch.seqs:
             t = s.request.tenant
             cost = (0.0 if s.is_decode else self.prefill_weight * new_prompt_tokens(s)) + (

@@ -980,8 +980,8 @@ class Scheduler:
         rows.  Left running, it would attend device blocks that may hold anything.  Its host copy cannot be
         used instead: the swap-in gave those host blocks back, and a victim swapped out in the same step may
         have been handed them.  So it is preempted again, by recompute (a swap out would save the
-        garbage), and counted so; it waits at the front of the queue, as any victim does."""
-        self.kv.uncount_swap_in(req)
+        garbage), and counted so; it waits at the front of the queue, as any victim does.  (Its copy in is taken
+        out of the swap counts with the rest of the failed step's: ``KVCacheManager.uncount_swap_ins``.)"""
         paused = self._preempted_last_step
         self._preempt(req, may_swap=False)
         self._preempted_last_step = paused  # the pool did not run dry: no reason to pause the next admission
