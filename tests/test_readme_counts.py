@@ -138,3 +138,24 @@ def test_fleet_run_count_and_wall_time_are_the_committed_files():
     from minivllm.bench.fleet import DEFAULT_OUT
 
     assert DEFAULT_OUT == f"benchmarks/results/{m.group(1)}"
+
+
+def test_mixed_replay_counts_and_wall_time_are_the_committed_files():
+    """benchmarks/README.md's mixed replay paragraph names the file its command wrote; the run count, the
+    record replays that went otherwise, the times-only ones and the wall time it quotes are that file's own."""
+    import json
+
+    m = re.search(r"--out benchmarks/results/(\S+_replay_mixed\.json)`\s+\((\d+) runs, ([\d.]+) s wall", BENCH_README)
+    assert m, "benchmarks/README.md no longer quotes the mixed replay command, its run count and wall time"
+    result = json.loads((ROOT / "benchmarks" / "results" / m.group(1)).read_text(encoding="utf-8"))
+    assert result["workload"] == "mixed"
+    total = result["total"]
+    assert int(m.group(2)) == total["runs"] == len(result["cases"])
+    assert float(m.group(3)) == round(result["wall_s"], 1)
+    after = BENCH_README[m.end():m.end() + 1200]
+    quoted = re.search(r"\*\*(\d+) of (\d+)\*\* replays from the record", after)
+    assert quoted and int(quoted.group(1)) == total["diverged_record"] + total["estimates_only_record"]
+    assert int(quoted.group(2)) == total["runs"]
+    times = re.search(r"step times alone, (\d+) decided otherwise and (\d+) more estimated otherwise", after)
+    assert times and (int(times.group(1)), int(times.group(2))) == (total["diverged_times_only"],
+                                                                    total["estimates_only_times_only"])

@@ -20,10 +20,15 @@ Two replays run per case, in the same run:
 
     python -m minivllm.bench replay                       # 10 settings x 5 seeds on the bundled model
     python -m minivllm.bench replay --seeds 10 --settings auto,swap --out benchmarks/results/FILE.json
+    python -m minivllm.bench replay --workload mixed --seeds 3          # n > 1, long prompts, shared prefixes
 
-The workload is deliberately tight (14 KV blocks, 5 seats, 40 tokens a step, requests arriving in bursts), so
+The engine is deliberately tight (14 KV blocks, 5 seats, 40 tokens a step, requests arriving in bursts), so
 that preemption, swapping, rejection and chunking all happen; the result counts them per setting, which shows
-the grid exercised what it claims to check.
+the grid exercised what it claims to check.  Two workload shapes: ``bursts`` (the default: short prompts, one
+sample each) and ``mixed`` (:func:`mixed_workload`: requests of n > 1, prompts longer than a step's budget, and
+system prompts shared across tenants, with prefix caching on and shared across tenants in every setting), which
+reaches the decisions ``bursts`` never asks for: sibling samples sharing blocks, prefix-cache hits that shorten
+a prefill, chunk boundaries that fall after a hit.
 """
 
 from __future__ import annotations
@@ -96,6 +101,43 @@ def workload(seed: int, tenants: tuple[str, ...], shared: bool, vocab_size: int,
     return out
 
 
+def mixed_workload(seed: int, tenants: tuple[str, ...], vocab_size: int, deadlines: bool = False) -> list:
+    """``REQUESTS`` seeded requests in bursts, as :func:`workload`, but shaped to reach what its short prompts
+    cannot: about half start with one of two system prompts (32 and 48 tokens: two and three full blocks) and
+    come from any tenant, so with a prefix cache shared across tenants a hit crosses tenants; about a third are
+    long (62-100 prompt tokens, chunked at the 40-token budget, hit or not); about four in ten ask for n = 2 or 3
+    samples, which share their prompt's blocks through the cache.  Every prompt plus its outputs fits
+    ``ENGINE['max_model_len']`` (128), so no request is refused at the door: each one is scheduled.
+    ``deadlines``: as :func:`workload`."""
+    from minivllm.sim.run import SimRequest
+
+    rng = random.Random(seed)
+    top = min(vocab_size, 40000)
+    base = [rng.randrange(100, top) for _ in range(400)]
+    systems = (base[:32], base[32:80])
+    t, out = 0.0, []
+    for i in range(REQUESTS):
+        t += rng.choice([0.0, 0.0, 0.001, 0.003, 0.01])
+        long = rng.random() < 0.35
+        head = list(rng.choice(systems)) if rng.random() < 0.5 else []
+        length = rng.randint(62, 100) - len(head) if long else rng.randint(6, 24)
+        offset = rng.randint(80, 400 - length)
+        prompt = head + base[offset:offset + length]
+        max_tokens = rng.randint(4, min(24, ENGINE["max_model_len"] - len(prompt)))
+        req = SimRequest(i, round(t, 4), rng.choice(tenants), prompt, max_tokens, n=rng.choice([1, 1, 1, 2, 3]))
+        if deadlines:
+            gap = rng.choice([0.001, 0.01, 0.04, None])
+            req.deadline = None if gap is None else req.arrival + gap
+        out.append(req)
+    return out
+
+
+WORKLOADS = ("bursts", "mixed")
+# what the mixed shape turns on in every setting: its shared system prompts hit only with a cache, and they
+# cross tenants only where the cache is shared
+MIXED_OPTIONS = dict(enable_prefix_caching=True, share_prefix_cache_across_tenants=True)
+
+
 def decisions(engine) -> list[tuple]:
     """What the engine decided at each step, as plain values to compare."""
     return [(r.seqs, r.num_decodes, r.preempted, r.rejected, r.failed, r.swapped_in, r.swapped_out, r.running,
@@ -117,18 +159,23 @@ def _estimates(engine, rec) -> dict:
             "retry_hints": sorted((r.index, r.retry_after) for r in rec.results if r.retry_after is not None)}
 
 
-def run_case(model: str | None, name: str, seed: int, device: str = "cpu") -> dict:
-    """One setting and seed: the real run, then both replays; what each replay got wrong (if anything)."""
+def run_case(model: str | None, name: str, seed: int, device: str = "cpu", shape: str = "bursts") -> dict:
+    """One setting and seed of workload ``shape`` (:data:`WORKLOADS`): the real run, then both replays; what each
+    replay got wrong (if anything)."""
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sim.replay import ReplayExecutor
     from minivllm.sim.run import drive
 
     extra, tenants, shared = _settings()[name]
-    options = {**ENGINE, "model": model, "device": device, "dtype": "float32", **extra}
+    if shape not in WORKLOADS:
+        raise ValueError(f"unknown workload {shape!r}; choose from {', '.join(WORKLOADS)}")
+    mixed = shape == "mixed"
+    options = {**ENGINE, "model": model, "device": device, "dtype": "float32", **extra, **(MIXED_OPTIONS if mixed else {})}
     real = LLMEngine(EngineConfig(**options))
-    reqs = workload(seed, tenants, shared, real.loaded.model.args.vocab_size,
-                    deadlines=extra.get("scheduling_policy") == "deadline")
+    vocab, deadlines = real.loaded.model.args.vocab_size, extra.get("scheduling_policy") == "deadline"
+    reqs = (mixed_workload(seed, tenants, vocab, deadlines) if mixed
+            else workload(seed, tenants, shared, vocab, deadlines=deadlines))
     rec = drive(real, reqs)
     want, want_est = decisions(real), _estimates(real, rec)
     row = {"setting": name, "seed": seed, "steps": len(want),
@@ -136,7 +183,9 @@ def run_case(model: str | None, name: str, seed: int, device: str = "cpu") -> di
            "blocks_swapped_out": sum(r.swapped_out for r in real.step_log),
            "rejected": sum(len(r.rejected) for r in real.step_log),
            "chunked_prefill_steps": sum(1 for r in real.step_log
-                                        if any(s > 0 and n > 1 for _, s, n in r.seqs))}
+                                        if any(s > 0 and n > 1 for _, s, n in r.seqs)),
+           "prefix_hit_tokens": real.stats().get("prefix_cache_hits", 0),
+           "samples_of_n_gt_1": sum(r.n for r in reqs if r.n > 1)}
     for label, ex in (("record", ReplayExecutor.from_record(rec)), ("times_only", ReplayExecutor(list(rec.step_ends)))):
         sim = LLMEngine(EngineConfig(**options), executor=ex, model_max_len=real.config.max_model_len,
                         eos_token_ids=set())
@@ -158,6 +207,10 @@ def _diverged(case: dict) -> bool:
     return case["first_divergent_step"] is not None or bool(case["estimates_differ"])
 
 
+COUNTS = ("steps", "preempted", "blocks_swapped_out", "rejected", "chunked_prefill_steps", "prefix_hit_tokens",
+          "samples_of_n_gt_1")  # how much each run exercised, summed per setting
+
+
 def summarize(rows: list[dict]) -> dict[str, dict]:
     """Per setting: runs; per replay, the runs whose decisions diverged and those whose estimates alone differed
     (the same decisions, but a step-time average, learnt rate or retry hint that is not the real run's float);
@@ -166,15 +219,14 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     for row in rows:
         s = out.setdefault(row["setting"], {"runs": 0, "diverged_record": 0, "estimates_only_record": 0,
                                             "diverged_times_only": 0, "estimates_only_times_only": 0,
-                                            "steps": 0, "preempted": 0, "blocks_swapped_out": 0, "rejected": 0,
-                                            "chunked_prefill_steps": 0})
+                                            **dict.fromkeys(COUNTS, 0)})
         s["runs"] += 1
         for label in ("record", "times_only"):
             case = row[label]
             decided_otherwise = case["first_divergent_step"] is not None
             s[f"diverged_{label}"] += decided_otherwise
             s[f"estimates_only_{label}"] += not decided_otherwise and bool(case["estimates_differ"])
-        for k in ("steps", "preempted", "blocks_swapped_out", "rejected", "chunked_prefill_steps"):
+        for k in COUNTS:
             s[k] += row[k]
     return out
 
@@ -193,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--seeds", type=positive_int, default=5, help="seeds per setting (default 5)")
     ap.add_argument("--settings", type=_names, default=list(_settings()), help="settings (default: all ten)")
+    ap.add_argument("--workload", choices=WORKLOADS, default="bursts",
+                    help="bursts: short prompts, one sample each (default); mixed: n > 1, long prompts, system prompts "
+                         "shared across tenants, prefix caching on")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=output_file, default=None, help="write the JSON result here (default: print only)")
     args = ap.parse_args(argv)
@@ -204,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.settings:
         for seed in range(args.seeds):
-            row = run_case(args.model, name, seed, args.device)
+            row = run_case(args.model, name, seed, args.device, args.workload)
             rows.append(row)
             for label in ("record", "times_only"):
                 if _diverged(row[label]):
@@ -212,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows)
     print("runs whose decisions diverged (+ runs with the same decisions but other estimates), per replay")
     print(f"{'setting':16s} {'runs':>4s} {'record':>8s} {'times only':>10s} {'steps':>6s} {'preempt':>7s} "
-          f"{'swapped':>7s} {'reject':>6s} {'chunked':>7s}")
+          f"{'swapped':>7s} {'reject':>6s} {'chunked':>7s} {'hit tok':>7s} {'n>1':>4s}")
     for name, s in summary.items():
         rec_col = f"{s['diverged_record']}+{s['estimates_only_record']}"
         times_col = f"{s['diverged_times_only']}+{s['estimates_only_times_only']}"
         print(f"{name:16s} {s['runs']:4d} {rec_col:>8s} {times_col:>10s} {s['steps']:6d} "
-              f"{s['preempted']:7d} {s['blocks_swapped_out']:7d} {s['rejected']:6d} {s['chunked_prefill_steps']:7d}")
+              f"{s['preempted']:7d} {s['blocks_swapped_out']:7d} {s['rejected']:6d} {s['chunked_prefill_steps']:7d} "
+              f"{s['prefix_hit_tokens']:7d} {s['samples_of_n_gt_1']:4d}")
     keys = ("runs", "diverged_record", "estimates_only_record", "diverged_times_only", "estimates_only_times_only")
     total = {k: sum(s[k] for s in summary.values()) for k in keys}
     wall = time.perf_counter() - t0
@@ -228,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         from minivllm.bench.results import write_result
 
         write_result(args.out, {"benchmark": "replay", "model": args.model or "SmolLM2-135M-Instruct (bundled)",
-                                "engine": ENGINE, "requests_per_case": REQUESTS, "seeds": args.seeds,
+                                "engine": {**ENGINE, **(MIXED_OPTIONS if args.workload == "mixed" else {})},
+                                "workload": args.workload, "requests_per_case": REQUESTS, "seeds": args.seeds,
                                 "total": total, "settings": summary, "wall_s": wall, "cases": rows},
                      "python -m minivllm.bench replay", argv)
         print(f"wrote {args.out}")
