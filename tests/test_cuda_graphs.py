@@ -96,3 +96,49 @@ def test_only_decode_batches_that_fit_use_the_graphs():
     assert not runner.can_run(mixed)
     with pytest.raises(ValueError, match="CUDA"):
         DecodeGraphRunner(lambda *a: None, max_batch=4, max_blocks=2, max_seq_len=32, device="cpu", capture=True)
+
+
+def test_a_full_batch_and_a_full_width_table_still_fit():
+    """The fit rule at its edges: ``max_batch`` decodes (the engine's ``max_num_seqs``, a busy server's usual step)
+    and a request whose block table is ``max_blocks`` wide (one at ``max_model_len``) run in the graphs.  A strict
+    ``<`` on either bound sends exactly the steps the graphs were captured for back to eager launches.  Oracle:
+    the captured sizes (1, 2, 4 here) and the static table width, read by hand."""
+    runner = DecodeGraphRunner(lambda *a: None, max_batch=4, max_blocks=3, max_seq_len=32, device="cpu", capture=False)
+    assert runner.sizes[-1] == 4
+    assert runner.can_run(_meta(4, 2))  # as many rows as the largest graph
+    assert runner.can_run(_meta(2, 3))  # a table exactly as wide as the static buffer
+    assert runner.can_run(_meta(4, 3))
+
+
+def test_the_model_sees_a_well_formed_decode_batch_of_the_padded_size_step_after_step():
+    """What the forward pass receives is a decode batch of ``size`` rows in the shape :class:`AttentionMetadata`
+    documents: ``query_start_loc`` the ``size + 1`` cumulative query lengths ``0, 1, ..., size``, every row a
+    decode, one query token each.  And every pad row is row 0 again, also when exactly one row is padded after a
+    step that filled the buffers (4 rows, then 3 in the 4-row graph): a pad row left as the previous step's row
+    would write that request's K/V slot and read its table.  Oracle: the metadata written out by hand from the
+    contract, and the rows the test passes."""
+    seen = []
+
+    def forward(ids, pos, meta):
+        seen.append(dict(ids=ids.tolist(), slots=meta.slot_mapping.tolist(), lens=meta.seq_lens.tolist(),
+                         tables=meta.block_tables.tolist(), qsl=meta.query_start_loc.tolist(),
+                         num_decodes=meta.num_decodes, query_lens=list(meta.query_lens), num_seqs=meta.num_seqs))
+        return ids.float()[:, None]
+
+    runner = DecodeGraphRunner(forward, max_batch=4, max_blocks=2, max_seq_len=32, device="cpu", capture=False)
+    full = _meta(4, 2)
+    runner.run(torch.tensor([21, 22, 23, 24]), torch.tensor([4, 5, 6, 7]), full)
+    three = _meta(3, 2)
+    three.slot_mapping = three.slot_mapping + 500  # slots and tables no earlier row used
+    three.block_tables = three.block_tables + 500
+    out = runner.run(torch.tensor([31, 32, 33]), torch.tensor([8, 9, 10]), three)
+    assert out[:, 0].tolist() == [31, 32, 33]
+    for step, size in zip(seen, (4, 4)):
+        assert step["qsl"] == list(range(size + 1))
+        assert step["num_decodes"] == step["num_seqs"] == size and step["query_lens"] == [1] * size
+    last = seen[1]
+    tables = three.block_tables.tolist()
+    assert last["ids"] == [31, 32, 33, 31]
+    assert last["slots"] == [503, 510, 517, 503]  # row 0's slot, not the 4-row step's row 3 (24)
+    assert last["lens"] == [5, 6, 7, 5]
+    assert last["tables"] == tables + [tables[0]]

@@ -105,3 +105,18 @@ for value in (4 << 30, 2 << 30, -1):
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["refused"] * 3
+
+
+def test_both_ends_of_mallopts_range_are_taken():
+    # The promised range is mallopt's C int, 0 to 2 GiB - 1, ends included; the oracle is glibc itself (mallopt
+    # called through ctypes on each end, in the same interpreter, says it takes them). A range check one off at
+    # either end refuses a value glibc takes: 0 is a real setting (map every block), INT_MAX the largest one.
+    probe = """
+import ctypes
+from minivllm.model.host_malloc import INT_MAX, keep_freed_memory
+libc = ctypes.CDLL("libc.so.6")
+for value in (INT_MAX, 0):
+    print(bool(libc.mallopt(-3, ctypes.c_int(value))), keep_freed_memory(value))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True"] * 2

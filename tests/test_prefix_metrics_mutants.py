@@ -258,6 +258,52 @@ def test_first_time_prompt_counts_a_chunk_past_the_old_front_only_once():
     assert served.by_tenant == {"a": 10}
 
 
+def test_tenant_series_against_hand_built_records():
+    """Kills: ``tenant_series`` with ``waiting`` and ``running`` swapped, and ``time`` read from the step number.
+    Every column of ``tenant_series`` read back against records built by hand: the clock (not the step
+    number) as ``time``, each tenant's own waiting, running, tokens and KV share, and by default every tenant
+    seen in *any* record -- ``b`` first has work in the second step, ``a`` has none there (zeros).  Distinct
+    numbers in every field, so two swapped columns cannot agree."""
+    def rec(step, time, rows):
+        return StepRecord(step, time, (), (), (), 0, (), 0, 0, (), (), 0, 0, 0, tenants=rows)
+
+    records = [rec(3, 0.25, (TenantStep("a", 7, 2, 1, 4),)),
+               rec(4, 0.75, (TenantStep("b", 5, 6, 3, 9),))]
+    out = tenant_series(records, num_blocks=8)
+    assert set(out) == {"time", "step", "a", "b"}
+    assert out["time"] == [0.25, 0.75] and out["step"] == [3, 4]
+    assert out["a"] == {"waiting": [4, 0], "running": [1, 0], "tokens": [7, 0], "kv_share": [0.25, 0.0]}
+    assert out["b"] == {"waiting": [0, 9], "running": [0, 3], "tokens": [0, 5], "kv_share": [0.0, 0.75]}
+
+
+def test_first_time_prompt_skips_an_untracked_request_and_counts_the_rest_of_the_step():
+    """Kills: ``FirstTimePrompt.observe`` stopping at the first untracked request of a step (``return`` for
+    ``continue``).  A request nobody tracked (another tenant's, or one added before tracking began) is skipped, and the
+    tracked requests after it in the same step still count.  Hand count: ``r`` prefills 6 of its 6 prompt
+    tokens in the step, behind ``x``."""
+    served = FirstTimePrompt()
+    served.track("r", "a", 6)
+    served.observe(StepRecord(0, 0.0, ("x", "r"), (0, 0), (4, 6), 10, (), 0, 0, (), (), 0, 2, 0))
+    assert served.by_tenant == {"a": 6}
+
+
+def test_a_step_log_needs_room_for_one_entry():
+    """Kills: the guard letting ``max_entries=0`` through.  ``max_entries`` below 1 is refused when the log is made (a budget of 0 cannot hold even an idle step's
+    one entry, so it would silently keep only the newest record); 1 is the smallest budget."""
+    with pytest.raises(ValueError, match="max_entries"):
+        StepLog(max_entries=0)
+    assert StepLog(max_entries=1).max_entries == 1
+
+
+def test_a_record_answers_get_like_the_dict_it_replaced():
+    """Kills: ``get`` answering its default for a field the record has.  ``record.get(key, default)`` reads the field whenever the record has one (the per-tenant rows too), and the
+    default only for a key no record has."""
+    rows = (TenantStep("a", 1, 0, 1, 0),)
+    r = StepRecord(0, 0.0, ("q",), (0,), (1,), 1, (), 0, 0, (), (), 0, 1, 0, seq_tenants=("a",), tenants=rows)
+    assert r.get("tenants") == rows and r.get("seq_tenants") == ("a",) and r["seqs"] == (("q", 0, 1),)
+    assert r.get("no_such_field", 5) == 5
+
+
 # -- the summary statistics --------------------------------------------------------------------------------------
 
 
