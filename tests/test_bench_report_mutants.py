@@ -507,3 +507,192 @@ def test_the_prefix_bench_skipped_shares_by_hand():
         r = results[f"system-prompt/{c}"]
         assert (r["shared_prefix_tokens"], r["shared_prefix_saved"]) == (13_500, 13_440)
         assert r["shared_prefix_skipped"] == pytest.approx(13_440 / 13_500)
+
+
+# -- a second mutation pass: the result writer, preemption, prefix and offline --------------------------------
+
+
+def test_write_result_records_the_typed_command_and_the_machine_facts(tmp_path, monkeypatch):
+    """Kills: the whole ``sys.argv`` recorded when no ``argv`` is passed (every ``python -m minivllm.bench NAME``
+    main passes none, and ``__main__`` sets argv[0] to "minivllm.bench NAME": the rerun command then said the
+    benchmark's name twice and could not be pasted), and ``load_average_at_end`` written under another key (the
+    60 committed result files use this one).  Oracle: the command line as typed, and ``os``/``platform``."""
+    import os
+    import platform
+    import sys
+
+    import torch
+
+    monkeypatch.setattr(sys, "argv", ["minivllm.bench preemption", "--executor", "sim", "--out", "p.json"])
+    path = tmp_path / "r.json"
+    write_result(path, {"x": 1}, "python -m minivllm.bench preemption")
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "python -m minivllm.bench preemption --executor sim --out p.json"
+    assert list(doc) == ["command", "machine", "x"]
+    m = doc["machine"]
+    assert (m["cpus"], m["python"], m["torch"]) == (os.cpu_count(), platform.python_version(), torch.__version__)
+    if hasattr(os, "getloadavg"):
+        assert len(m["load_average_at_end"]) == 3
+
+
+def test_preemption_row_copies_each_engine_counter_into_its_own_column(monkeypatch):
+    """Kills: ``swapped_in_bytes`` read from the swap-out counter (after a run that swapped every victim back in the
+    two are equal, so no real run tells them apart) and ``leaked_blocks`` written as a constant 0 (the no-leak
+    check above cannot fail then).  Oracle: engine stats with distinct made-up values, and the blocks still held
+    (40 - 32 = 8) by hand."""
+    from minivllm import LLMEngine
+
+    real = LLMEngine.stats
+    made_up = dict(num_rejected=1, num_preemptions=2, num_swap_preemptions=3, num_recompute_preemptions=4,
+                   recomputed_tokens=5, swapped_out_bytes=6, swapped_in_bytes=7, num_blocks=40, free_blocks=32)
+    monkeypatch.setattr(LLMEngine, "stats", lambda self: {**real(self), **made_up})
+    args = argparse.Namespace(executor="sim", budget=512, cpu_blocks=0)
+    row = preemption.run_mode("recompute", preemption.make_workload(2, 0, vocab=49152), args, 64)
+    keys = ("rejected", "preemptions", "swap_preemptions", "recompute_preemptions", "recomputed_tokens",
+            "swapped_out_bytes", "swapped_in_bytes", "leaked_blocks")
+    assert [row[k] for k in keys] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_preemption_main_says_no_for_a_mode_that_served_other_tokens(tmp_path, monkeypatch):
+    """Kills: the per-mode verdict "served outputs identical to recompute" taken as *any* request matching instead
+    of every one: a mode that changed one request's tokens was recorded as identical.  Oracle: made-up rows,
+    compared by eye (a mode that served fewer requests is judged on those it served)."""
+    import sys
+
+    tokens = {"recompute": {"a": [1, 2], "b": [3, 4]}, "swap": {"a": [1, 2], "b": [3, 5]}, "reject": {"a": [1, 2]}}
+
+    def fake_run_mode(mode, workload, args, blocks):
+        row = dict.fromkeys(("served", "rejected", "preemptions", "swap_preemptions", "recompute_preemptions",
+                             "recomputed_tokens", "swapped_out_bytes", "swapped_in_bytes", "leaked_blocks"), 0)
+        row.update(dict.fromkeys(("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"), 1.0))
+        return {**row, "mode": mode, "tokens": tokens[mode], "order": list(tokens[mode])}
+
+    monkeypatch.setattr(preemption, "run_mode", fake_run_mode)
+    out = tmp_path / "p.json"
+    monkeypatch.setattr(sys, "argv", ["x", "--executor", "sim", "--requests", "4", "--modes", "recompute", "swap",
+                                      "reject", "--out", str(out)])
+    assert preemption.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["outputs_identical_to_recompute"]) for r in rows] == [
+        ("recompute", True), ("swap", False), ("reject", True)]
+
+
+def test_preemption_workload_draws_prompts_and_outputs_from_their_own_ranges():
+    """Kills: the output lengths drawn from the prompt range (60-240 decode steps instead of 24-96: a different,
+    much longer workload than the header promises).  Oracle: the documented ranges, and 400 seeded draws reaching
+    near both ends of each."""
+    w = preemption.make_workload(400, 0, vocab=49152)
+    plens, outs = [len(p) for p, _ in w], [m for _, m in w]
+    assert 60 <= min(plens) < 70 and 230 < max(plens) <= 240
+    assert 24 <= min(outs) < 30 and 90 < max(outs) <= 96
+    assert all(100 <= t < 49151 for p, _ in w for t in p)
+
+
+def test_prefix_bench_refuses_fewer_than_two_requests_and_reports_output_tokens_per_second():
+    """Kills: ``--requests 1`` accepted (the shared-prefix share then divides by zero after all six runs), and the
+    output throughput counting prompt tokens too.  Oracle: the type's contract, and the stub's 4 requests x 3
+    output tokens over the run's own wall time."""
+    with pytest.raises(argparse.ArgumentTypeError):
+        prefix.at_least_two("1")
+    assert prefix.at_least_two("2") == 2
+    workload = {"conversations": [[{"role": "system", "content": "s"}] for _ in range(2)],
+                "turn_questions": [["a", "b"], ["c", "d"]], "params": None}
+    r = prefix.run_turns(_StubLLM([0.1, 0.2, 0.3, 0.4]), workload)
+    assert r["output_tok_s"] * r["wall_s"] == pytest.approx(12)
+
+
+def test_offline_matmul_roof_counts_two_flops_per_multiply_add(monkeypatch):
+    """Kills: an n x n matmul counted as n**3 FLOPs (it is n**2 outputs of n multiply-adds, 2 n**3 FLOPs), which
+    halves the roof and doubles the "x% of the floor" line.  Oracle by hand: a clock that advances 1 s per read
+    lets one matmul run inside a 2 s budget and reads 3 s at the end: 2 x 4**3 x 1 / 3."""
+    ticks = iter(range(100))
+    monkeypatch.setattr(offline.time, "perf_counter", lambda: float(next(ticks)))
+    assert offline.matmul_flops(seconds=2.0, n=4) == pytest.approx(2 * 4**3 / 3)
+
+
+def test_offline_hf_baseline_left_pads_each_batch_and_reads_each_requests_own_new_tokens():
+    """Kills: the generated ids sliced one column early (the last prompt token counted as the first output, so
+    "identical to HF" compares shifted lists).  Oracle: a stand-in model whose new token j of row r is
+    1000 (r + 1) + j, and the left padding and mask written out by hand."""
+    import torch
+
+    seen = []
+
+    class Echo:
+        def generate(self, input_ids, attention_mask, max_new_tokens, min_new_tokens, do_sample, pad_token_id):
+            seen.append((input_ids.tolist(), attention_mask.tolist(), max_new_tokens))
+            new = torch.tensor([[1000 * (r + 1) + j for j in range(max_new_tokens)] for r in range(len(input_ids))])
+            return torch.cat([input_ids, new], 1)
+
+    _, outs = offline.run_hf(Echo(), [([5, 6, 7], 2), ([8], 3), ([9, 9], 1)], batch_size=2, pad_id=0)
+    assert outs == [[1000, 1001], [2000, 2001, 2002], [1000]]
+    assert seen == [([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], 3), ([[9, 9]], [[1, 1]], 1)]
+
+
+def test_offline_workload_cuts_each_chat_prompt_to_its_drawn_length():
+    """Kills: the chat-formatted prompt kept whole (the template's tokens on top of the drawn 20-300 words: prompts
+    longer than the documented range).  Oracle: a stand-in tokenizer whose template adds 50 tokens to one per word;
+    every prompt must be a prefix of its tokenization, at most 300 tokens long."""
+
+    class Tok:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return list(range(len(messages[0]["content"].split()) + 50))
+
+    reqs = offline.make_workload(Tok(), 32, 0)
+    assert all(20 <= len(p) <= 300 and p == list(range(len(p))) and 16 <= m <= 128 for p, m in reqs)
+
+
+def test_host_overhead_splits_a_step_into_host_prep_and_executor_time(monkeypatch):
+    """Kills: the simulated executor's own time left in "host", wall or CPU (it is reported beside, not counted:
+    "host" is the figure held against nano-vllm's scheduler + postprocess).  Oracle by hand: scripted clocks, each
+    step 10 us wall / 8 us CPU, of which the batch preparation took 3 / 2 and the executor 4 / 1."""
+    from minivllm.bench import host_overhead as ho
+
+    clock = {"wall": 0, "cpu": 0}
+
+    class Engine:
+        executor = types.SimpleNamespace(last=(3000, 2000, 4000, 1000))
+
+        def step(self):
+            clock["wall"] += 10_000
+            clock["cpu"] += 8_000
+
+    monkeypatch.setattr(ho.time, "perf_counter_ns", lambda: clock["wall"])
+    monkeypatch.setattr(ho.time, "thread_time_ns", lambda: clock["cpu"])
+    assert ho._time_steps(Engine(), 2) == {"host": [3.0, 3.0], "host_cpu": [5.0, 5.0], "prep": [3.0, 3.0],
+                                           "prep_cpu": [2.0, 2.0], "exec": [4.0, 4.0], "exec_cpu": [1.0, 1.0]}
+
+
+def test_host_overhead_p90_is_the_nearest_rank_90th_of_the_host_samples(monkeypatch):
+    """Kills: the p90 column taken at the 95th rank.  Oracle: the nearest-rank rule by hand on 20 samples of
+    1..20 us: p90 is the 18th value, the median 10.5."""
+    from minivllm.bench import host_overhead as ho
+
+    samples = {k: [float(i) for i in range(1, 21)] for k in ("host", "host_cpu", "prep", "prep_cpu", "exec", "exec_cpu")}
+    monkeypatch.setattr(ho, "_time_steps", lambda engine, n: samples)
+    monkeypatch.setattr(ho, "_count_opcodes", lambda engine, steps=16: 0)
+    row = ho.measure(2, 1, 1, 20, "final_only")
+    assert row["host_us_p90_early"] == row["host_us_p90_late"] == 18.0
+    assert row["host_us_median_early"] == row["host_cpu_us_median_late"] == 10.5
+
+
+def test_host_overhead_opcodes_are_per_step_and_backlog_growth_is_per_extra_waiting_request(monkeypatch):
+    """Kills: the opcode count returned as the total over the traced steps (16x the per-step figure the table and
+    the docstring quote), and the backlog's growth divided by every waiting request instead of those beyond the
+    smallest backlog.  Oracles: a step that does the same work each time costs the same per step however many are
+    traced; and a stand-in cost of 500 + 10 opcodes and 100 + 0.5 us per waiting request, whose growth per extra
+    waiting request is 10 and 0.5 by hand."""
+    from minivllm.bench import host_overhead as ho
+
+    class Engine:
+        def step(self):
+            return sum(i * i for i in range(20))
+
+    assert ho._count_opcodes(Engine(), steps=1) == ho._count_opcodes(Engine(), steps=4) > 20
+
+    monkeypatch.setattr(ho, "_count_opcodes", lambda engine, steps=16: 500 + 10 * len(engine.scheduler.waiting))
+    monkeypatch.setattr(ho, "_time_steps", lambda engine, n: {"host_cpu": [100 + 0.5 * len(engine.scheduler.waiting)]})
+    rows = ho.backlog([4, 12], samples=3, running=8, policy="fcfs")
+    assert rows[1]["waiting"] - rows[0]["waiting"] == 8
+    assert [(r["opcodes_per_waiting_request"], r["host_cpu_us_per_waiting_request"]) for r in rows] == [
+        (None, None), (10.0, 0.5)]

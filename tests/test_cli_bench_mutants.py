@@ -293,18 +293,23 @@ def test_fairness_kv_share_is_the_mean_over_the_windows_steps_of_the_pool():
 def test_fairness_slo_report_scores_each_request_on_its_own_itl_p95_and_counts_finished_requests():
     """Kills: a request's ITL judged by its median instead of its p95, the "finished" count reading the wrong
     finish reason (the benchmark's requests ignore EOS: they all end by "length"), the last finish taken as the
-    first, and the TTFT-only attainment divided by every request of the run.  Oracle: by hand."""
+    first, the TTFT-only attainment divided by every request of the run, a request's ITL judged by its p99 (one
+    spike in 20 gaps is its p99, not its p95), and every request counted as finished (a rejected one is not).
+    Oracle: by hand, the nearest-rank rule (p95 of 20 gaps is the 19th)."""
     from minivllm.bench import fairness as bench
 
     smooth = _out(0.1, itls=[0.01] * 20, finished=5.0)
     spiky = _out(0.1, itls=[0.01] * 18 + [0.5, 0.5], finished=9.0)  # median 10 ms, p95 500 ms
     late = _out(3.0, itls=[0.01] * 20, finished=7.0)
     other = _out(0.1, finished=1.0)
-    res = bench.Run(outputs={"a": ("chat", smooth), "b": ("chat", spiky), "c": ("chat", late), "d": ("bulk", other)})
+    one_spike = _out(0.1, itls=[0.01] * 19 + [0.5], finished=2.0)  # p95 10 ms, p99 500 ms
+    refused = _out(5.0, finished=0.5, reason="rejected")
+    res = bench.Run(outputs={"a": ("chat", smooth), "b": ("chat", spiky), "c": ("chat", late), "d": ("bulk", other),
+                             "e": ("chat", one_spike), "f": ("chat", refused)})
     r = bench.slo_report(res, {"chat": (0.7, 0.060)})["chat"]
-    assert r["requests"] == 3 and r["slo_attainment"] == pytest.approx(1 / 3)
-    assert r["ttft_slo_attainment"] == pytest.approx(2 / 3)
-    assert r["finished"] == 3 and r["last_finish_s"] == 9.0
+    assert r["requests"] == 5 and r["slo_attainment"] == pytest.approx(2 / 5)
+    assert r["ttft_slo_attainment"] == pytest.approx(3 / 5)
+    assert r["finished"] == 4 and r["last_finish_s"] == 9.0
 
 
 def test_an_agents_next_call_is_not_made_when_its_output_could_not_fit_the_context():

@@ -302,6 +302,57 @@ def test_the_bench_measures_key_movement_against_the_closed_forms():
         assert 0.5 / (n + 1) < m["ring_moved"] < 1.6 / (n + 1), m
 
 
+def test_the_key_movement_rows_print_the_closed_forms_as_their_ideals():
+    """Lab 9's line "ring 26% (ideal 25%), hash % N 75%" prints ``ideal_ring`` beside the measured share: it is
+    ``1/(N+1)`` (the new replica's fair share of the keys), not ``1/N``.  Oracle: the closed forms by hand."""
+    from minivllm.bench.fleet import key_movement
+
+    rows = key_movement([1, 3], num_keys=200, seed=0)
+    assert [(m["ideal_ring"], m["ideal_modulo"]) for m in rows] == [(pytest.approx(1 / 2), pytest.approx(1 / 2)),
+                                                                    (pytest.approx(1 / 4), pytest.approx(3 / 4))]
+
+
+def test_the_smallest_fleet_is_the_fewest_replicas_whose_goodput_reaches_the_goal():
+    """Answer (a) of the capacity plan: the fewest replicas whose goodput fraction is *at least* the goal (a fleet
+    exactly at 95% meets a 95% goal), per router; None when no swept size meets it (a row without a measured
+    request has goodput None).  Oracle: hand-made rows, read by eye."""
+    from minivllm.bench.fleet import smallest_meeting
+
+    rows = [{"replicas": n, "router": "round_robin", "goodput_fraction": g}
+            for n, g in ((1, 0.50), (2, 0.95), (3, 0.99), (4, 1.0))]
+    rows += [{"replicas": 1, "router": "prefix_affinity", "goodput_fraction": None},
+             {"replicas": 2, "router": "prefix_affinity", "goodput_fraction": 0.9}]
+    assert smallest_meeting(rows, "round_robin", 0.95) == 2
+    assert smallest_meeting(rows, "round_robin", 0.99) == 3
+    assert smallest_meeting(rows, "prefix_affinity", 0.95) is None
+
+
+def test_the_sweep_rows_carry_each_fleets_own_latencies():
+    """Each row's TTFT and ITL columns are the ones its fleet run measured (the ITL column copied from the TTFT
+    one would pass every ITL SLO by eye).  Oracle: the same fleet run by hand, its summary read directly."""
+    from minivllm.bench import fleet as bench
+
+    mix = small_mix(rate=8.0, duration=2.0, seed=4)
+    rows = bench.sweep(mix, [2], ["round_robin"], 0.5, 0.1)
+    s = run_fleet(mix, 2, "round_robin").summary(0.5, 0.1, window=mix.window)
+    assert s["itl_ms"] != s["ttft_ms"]  # (else this test could not tell the two columns apart)
+    assert (rows[0]["ttft_ms"], rows[0]["itl_ms"], rows[0]["good"]) == (s["ttft_ms"], s["itl_ms"], s["good"])
+
+
+def test_the_bench_reads_its_slo_flags_as_milliseconds(tmp_path):
+    """``--slo-ttft-ms 40`` is 40 ms: on the linear cost model every step takes at least its 50 ms fixed overhead,
+    so no request gets its first token within 40 ms and none is good.  Read as 40 *seconds*, every request was.
+    Oracle: the cost model's fixed overhead (a first token needs at least one step)."""
+    from minivllm.bench import fleet as bench
+
+    out = tmp_path / "fleet.json"
+    assert bench.main(["--hardware", "linear", "--rate", "3", "--duration", "2", "--replicas", "1", "--routers",
+                       "round_robin", "--slo-ttft-ms", "40", "--slo-itl-ms", "100000", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["requests"] > 0 and row["ttft_ms"]["p50"] >= 1e3 * GPU_LIKE["fixed_overhead_s"]
+    assert row["good"] == 0 and row["goodput_fraction"] == 0.0
+
+
 def test_arrivals_before_the_clock_starts_are_refused():
     a = FleetArrival(-1.0, "early", (1, 2, 3), 2)
     with pytest.raises(ValueError, match="precedes the replicas' clocks"):

@@ -108,7 +108,9 @@ def test_roofline_executor_charges_swap_in_and_swap_out_and_counts_busy_time():
 def test_linear_executor_step_time_by_hand():
     """The linear cost model's step: fixed + per token + per context token (the whole context after the step,
     new tokens included, as attention reads it) + swapped blocks over the link.  Catches counting only the
-    context *before* the step and dropping the swap term."""
+    context *before* the step and dropping the swap term; a step that only swaps (a victim's blocks leave, no row
+    runs) charged nothing, as if the link were free exactly when the server thrashes; and ``advance_to`` with a
+    time already passed moving the clock back (every later timestamp would then precede the step before it)."""
     from minivllm.sim.executor import SimulatedExecutor
 
     ex = SimulatedExecutor(fixed_overhead_s=0.5, per_token_s=0.25, per_context_token_s=0.125, vocab_size=50,
@@ -120,6 +122,12 @@ def test_linear_executor_step_time_by_hand():
     assert ex.now() == pytest.approx(0.5 + 1.0 + 1.125 + 6.0)
     ex.advance_to(20.0)
     assert ex.now() == 20.0
+    ex.advance_to(7.5)  # an arrival the clock has already passed: idling until then takes no time
+    assert ex.now() == 20.0
+    ex.execute(_batch([], swap_out=1))  # no row runs; one block goes over the link: overhead + 64 B / 32 B/s
+    assert ex.now() == pytest.approx(20.0 + 0.5 + 64 / 32)
+    ex.execute(_batch([]))  # nothing to run, nothing to move: no step, no time
+    assert ex.now() == pytest.approx(22.5)
 
 
 def test_head_dim_defaults_to_hidden_over_query_heads():
