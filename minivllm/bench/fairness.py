@@ -18,7 +18,7 @@ Three workloads, each run with the same arrivals for every policy (virtual clock
    p95 < 60 ms) and agent (TTFT < 2 s, ITL p95 < 120 ms) requests meeting their
    SLOs, and whether batch finished.
 
-    python -m minivllm.bench fairness [--out benchmarks/results/2026-12-03_cpu-2core_fairness_sim.json]
+    python -m minivllm.bench fairness [--out benchmarks/results/2026-12-05_cpu-2core_fairness_sim.json]
 """
 
 from __future__ import annotations
