@@ -545,6 +545,10 @@ def test_door_rule_validates_and_matches_brute_force():
         DoorRule(0)
     with pytest.raises(ValueError):
         DoorRule(2, -1)
+    # counts, strictly: a fractional limit is a typo (``--max-waiting-requests`` parses an int), not "between two"
+    for bad in ((1.5,), ("3",), (2, 0.5)):
+        with pytest.raises(ValueError):
+            DoorRule(*bad)
     rule = DoorRule(3, 10)
     for waiting in range(6):
         for free in range(0, 20, 3):
