@@ -162,3 +162,29 @@ def drain(engine: LLMEngine, max_steps: int = 5000, each: Callable[[LLMEngine], 
     finals = workloads.drain(engine, max_steps=max_steps, each=check)
     _assert_drained(engine, max_steps, stalls_ok)
     return finals
+
+
+def serve_arrivals(engine: LLMEngine, work, max_steps: int = 400,
+                   each: Callable[[LLMEngine], object] | None = None) -> dict:
+    """Serve a workload that arrives over steps: ``work`` is ``(step it arrives, tenant, prompt tokens,
+    max_tokens)`` per request, request ``i`` named ``f"{tenant}{i}"`` with a prompt of its own token,
+    ``100 + i``, and ``ignore_eos`` (so each runs to ``max_tokens``).  Steps until the last has arrived and
+    every request finished, running ``each(engine)`` after every step; ``{request_id: final output}``.  Fails,
+    as :func:`steps` does, when requests are left after ``max_steps``."""
+    from minivllm.sampling_params import SamplingParams
+
+    last = max(at for at, *_ in work)
+    finals: dict = {}
+    for step in range(max_steps):
+        for i, (at, tenant, prompt, max_tokens) in enumerate(work):
+            if at == step:
+                engine.add_request({"prompt_token_ids": [100 + i] * prompt},
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"{tenant}{i}", tenant=tenant)
+        if step > last and not engine.has_unfinished_requests():
+            break
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+        if each is not None:
+            each(engine)
+    _assert_drained(engine, max_steps, stalls_ok=False)
+    return finals
+

@@ -32,7 +32,7 @@ from minivllm.kv import BlockPool
 from minivllm.kv.prefix import HashIndex, RadixCache, sha256_block_hash
 from minivllm.request import RequestStatus
 
-from invariants import KVContents, assert_no_leak, check_both_tiers, drain  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, check_both_tiers, drain, serve_arrivals  # noqa: E402  (tests/ is on sys.path)
 
 SYSTEM = list(range(100, 123))  # 23 tokens: five full 4-token blocks and a partial one
 
@@ -271,16 +271,8 @@ def test_under_wfq_the_schedulers_own_batch_gives_each_request_it_swaps_in_its_r
     executor = NotesSwapIns(4)
     engine = LLMEngine(cfg, executor=executor, model_max_len=48, eos_token_ids=set())
     executor.engine = engine
-    finals: dict = {}
-    for step in range(300):
-        for i, (at, tenant, prompt, max_tokens) in enumerate(work):
-            if at == step:
-                engine.add_request({"prompt_token_ids": [100 + i] * prompt},
-                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"{tenant}{i}", tenant=tenant)
-        if step > work[-1][0] and not engine.has_unfinished_requests():
-            break
-        finals.update({out.request_id: out for out in engine.step() if out.finished})
-        check_both_tiers(engine)  # block ownership recounted, and no slot attended holds another token
+    # block ownership recounted after every step, and no slot attended holds another token
+    finals = serve_arrivals(engine, work, max_steps=300, each=check_both_tiers)
     assert executor.left_out == [], "admitted by a swap-in, then given no row"
     assert "c5" in executor.with_row, "the workload must swap c5 back in"
     assert len(finals) == len(work)

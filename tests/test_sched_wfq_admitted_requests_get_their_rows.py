@@ -25,6 +25,8 @@ from minivllm.config import TenantConfig
 from minivllm.request import RequestStatus
 from minivllm.sim import SimulatedExecutor
 
+from invariants import serve_arrivals  # noqa: E402  (tests/ is on sys.path)
+
 
 class RecordsRows(SimulatedExecutor):
     """Keeps each step's rows as ``{request id: tokens}``, read off the batch the executor receives."""
@@ -87,15 +89,7 @@ def _admitted_without_a_row(seed: int, mode: str) -> tuple[list[tuple[int, str]]
     scheduler.admit, executor.execute = admit_and_note, execute_and_check
     work = sorted((rng.randint(0, 12), rng.choice("abc"), rng.randint(1, 30), rng.randint(1, 11))
                   for _ in range(rng.randint(4, 16)))
-    for step in range(400):
-        for i, (at, tenant, prompt, max_tokens) in enumerate(work):
-            if at == step:
-                engine.add_request({"prompt_token_ids": [100 + i] * prompt},
-                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), f"{tenant}{i}", tenant=tenant)
-        if step > work[-1][0] and not engine.has_unfinished_requests():
-            break
-        engine.step()
-    assert not engine.has_unfinished_requests()
+    serve_arrivals(engine, work)
     return missing, count[0]
 
 
