@@ -312,17 +312,42 @@ def test_fairness_slo_report_scores_each_request_on_its_own_itl_p95_and_counts_f
     assert r["finished"] == 4 and r["last_finish_s"] == 9.0
 
 
-def test_an_agents_next_call_is_not_made_when_its_output_could_not_fit_the_context():
-    """Kills: the agent's next call checked against ``max_len`` without room for its answer.  Oracle: a call's
-    prompt plus its ``max_tokens`` (up to 100 by default) must fit the model's length, as the engine requires:
-    with an 83-token context (2 prompt + 1 output + 80 tool tokens) and ``max_len`` 150 it cannot."""
-    from minivllm.bench.fairness import next_agent_call
+def test_an_agents_next_call_is_made_exactly_when_the_engine_would_serve_its_whole_answer():
+    """Kills: the agent's next call checked against ``max_len`` without room for its answer, and the check
+    refusing one token early (``len(ctx) + 100 >= max_len`` refused an 83-token call with up to 100 output tokens
+    at ``max_len`` 183, which the engine serves whole).  Oracle: the engine itself, given that very call (its
+    prompt and ``max_tokens``) at each ``max_len`` around the edge: the call is made exactly when the engine
+    accepts it and returns all ``max_tokens`` tokens (at one less the engine cuts the answer short, and a prompt
+    that fills the context it refuses outright)."""
+    import copy
 
-    s = {"calls_left": 3, "rng": random.Random(0)}
-    assert next_agent_call(s, [1, 2], [3], 0.0, 150) is None
-    s = {"calls_left": 3, "rng": random.Random(0)}
-    t, prompt, n = next_agent_call(s, [1, 2], [3], 0.0, 184)
-    assert len(prompt) == 83 and len(prompt) + n <= 184
+    from minivllm import EngineConfig, LLMEngine, SamplingParams
+    from minivllm.bench.fairness import next_agent_call
+    from minivllm.sim import SimulatedExecutor
+
+    def engine_serves_whole(prompt: list[int], max_tokens: int, max_len: int) -> bool:
+        cfg = EngineConfig(num_gpu_blocks_override=64, block_size=16, max_model_len=max_len, device="cpu")
+        engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=max_len, eos_token_ids=set())
+        try:
+            engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        except ValueError:
+            return False
+        out = [o for _ in range(10_000) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
+        return len(out[0].outputs[0].token_ids) == max_tokens
+
+    session = {"calls_left": 3, "rng": random.Random(0)}
+    _, ctx, n = next_agent_call(copy.deepcopy(session), [1, 2], [3], 0.0, 10**6)  # the call, whatever the limit
+    assert len(ctx) == 83 and 40 <= n <= 100
+    edge = len(ctx) + n
+    seen = {}
+    for max_len in (len(ctx), len(ctx) + 1, edge - 1, edge, edge + 1):
+        call = next_agent_call(copy.deepcopy(session), [1, 2], [3], 0.0, max_len)
+        assert call is None or (call[1], call[2]) == (ctx, n)
+        seen[max_len] = call is not None
+        assert seen[max_len] == engine_serves_whole(ctx, n, max_len), max_len
+    assert seen == {len(ctx): False, len(ctx) + 1: False, edge - 1: False, edge: True, edge + 1: True}
+    # at 183 (83 + the default range's top, 100) the call is made whatever it draws: the engine serves it whole
+    assert next_agent_call({"calls_left": 3, "rng": random.Random(0)}, [1, 2], [3], 0.0, 183) is not None
 
 
 def test_fairness_calibration_recovers_the_simulators_cost_model_from_median_step_times(monkeypatch):

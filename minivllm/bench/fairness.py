@@ -31,6 +31,7 @@ from pathlib import Path
 
 from minivllm.argtypes import output_file, positive_float
 from minivllm.bench.results import write_result
+from minivllm.engine.input_processor import output_room
 from minivllm.metrics.stats import jain, meets_slo, nearest_rank
 from minivllm.metrics.step_log import FirstTimePrompt
 
@@ -167,15 +168,23 @@ def next_agent_call(session: dict, prompt, output_ids, now: float, max_len: int)
     ``think_s`` (tool time, default 0.05 s).  Returns ``(arrival time, prompt,
     max_tokens)``.  Shared by :func:`run` and lab 6's
     :func:`minivllm.labs.check_lab06.serve`.
+
+    The session ends (None) once the engine would not serve the next call whole: asked by the engine's own
+    :func:`~minivllm.engine.input_processor.output_room` (a prompt that fills the context has room for no
+    token), so a task stops exactly where ``max_len`` would cut its answer short, not a token earlier.
     """
     if session["calls_left"] <= 0:
         return None
     session["calls_left"] -= 1
-    ctx = list(prompt) + list(output_ids) + _tokens(session["rng"], session.get("tool_tokens", 80))
-    if len(ctx) + 100 >= max_len:
-        return None
+    rng = session["rng"]
+    ctx = list(prompt) + list(output_ids) + _tokens(rng, session.get("tool_tokens", 80))
     lo, hi = session.get("max_tokens", (40, 100))
-    return now + session.get("think_s", 0.05), ctx, session["rng"].randint(lo, hi)
+    # drawn before the check, which asks about this very call: a refused call ends the session, so the extra
+    # draw moves no later call's
+    max_tokens = rng.randint(lo, hi)
+    if output_room(len(ctx), max_tokens, max_len) < max_tokens:
+        return None
+    return now + session.get("think_s", 0.05), ctx, max_tokens
 
 
 def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
