@@ -485,3 +485,48 @@ def test_a_request_the_dead_engine_loop_failed_is_counted_as_an_error_not_an_abo
     s = metric_samples(metrics.render().decode())
     assert metric_value(s, "vllm:request_success_total", finished_reason="error", tenant="alice") == 1
     assert metric_value(s, "vllm:request_success_total", finished_reason="abort") == 0
+
+
+def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles():
+    """A client that leaves aborts its request between two steps; when it was the last one, no step follows, so
+    no step's sync zeroes the gauges -- only the loop's sync while idle does.  A ``/metrics`` scrape syncs on its
+    own, so Prometheus never sees the stale values; but ``BackgroundServer.metrics`` is public "for inspection"
+    (a lab cell, or an exporter serving the same registry, reads it between scrapes) and it would keep reporting
+    a running request and its KV blocks until the next request came.  Oracle: the engine's ``stats()`` (nothing
+    held), and both the direct page and the scraped page read back by prometheus_client's own parser.
+    Kills: the idle sync in ``AsyncEngine._run`` deleted (the direct page then kept running 1 and the
+    aborted request's blocks)."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minivllm.server import BackgroundServer
+    from tests.test_server_sim import _PacedExecutor
+
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:kv_cache_used_blocks")
+
+    def read(text: str) -> dict:
+        return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name in gauges}
+
+    # each step sleeps 100 ms of wall time: the 60-token request runs for 6 s, time enough, on a loaded machine
+    # too, for the client to see it running and leave while it still runs
+    engine = _engine(executor=_PacedExecutor(wall_factor=10.0, fixed_overhead_s=0.01, per_token_s=0.0,
+                                             per_context_token_s=0.0))
+    with BackgroundServer(engine, "sim", start_timeout_s=20) as bg:
+        body = {"prompt": [11, 12, 13], "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", bg.base_url + "/v1/completions", json=body, timeout=30) as r:
+            next(line for line in r.iter_lines() if line.startswith("data:"))  # its first token: it runs
+            mid = read(bg.metrics.render().decode())
+        assert mid["vllm:num_requests_running"] == 1 and mid["vllm:kv_cache_used_blocks"] > 0, mid
+        assert bg.async_engine.wait_idle(10)
+        stats = engine.stats()
+        assert stats["num_running"] == stats["num_waiting"] == stats["used_blocks"] == 0
+        assert bg.async_engine.aborted_ids, "the client's leaving did not abort its request"
+        want = dict.fromkeys(gauges, 0.0)
+        deadline = time.monotonic() + 5  # a hang guard: the idle loop syncs every idle_poll_s (0.25 s)
+        while (direct := read(bg.metrics.render().decode())) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert direct == want, f"gauges read directly after the loop went idle: {direct}"
+        assert read(httpx.get(bg.base_url + "/metrics", timeout=30).text) == want

@@ -240,6 +240,9 @@ class AsyncEngine:
                     self.num_steps += 1
                     self._deliver(outputs)
                 elif self.metrics is not None:
+                    # idle: an abort of the last request (its client left) has no step after it to sync, and
+                    # ``metrics`` read directly, not through a /metrics scrape (which syncs itself), would keep
+                    # showing it running with its blocks held
                     self.metrics.sync(engine.stats())
         except BaseException as exc:  # noqa: BLE001 - a bug in the engine: fail every request, keep the process up
             log.exception("the engine loop failed")
