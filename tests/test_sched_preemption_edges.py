@@ -18,6 +18,7 @@ from minivllm import EngineConfig, LLMEngine
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.policies import FCFSAdmission, PriorityAdmission
 from minivllm.sched.scheduler import PrefillRateFit
+from minivllm.sim import SimulatedExecutor
 
 from tests.invariants import assert_no_leak, drain, tiny_engine
 from tests.test_sched_caps_ranks_tenant_metrics import RecordsRows
@@ -162,3 +163,50 @@ def test_the_prefill_rate_fit_says_nothing_when_no_step_is_left_to_measure_the_n
     assert fit.rate() is None
     fit.add(30, 4, 0.0801)  # a third step: one degree of freedom for the noise, and a clear slope of ~1e-3
     assert fit.rate() == pytest.approx(1000.0, rel=1e-2)
+
+
+def test_a_victim_with_nothing_computed_still_pauses_the_next_admission():
+    """The pause's reason is that the pool ran dry while allocating, so admitting next step would only preempt
+    again; whether the victim had computed anything does not change that.  A batch builder (a supported seam) can
+    make such a victim: it holds ``r`` back, admitted but given no rows, while ``a`` and ``c`` decode into the
+    blocks ``r``'s admission counted on; when it lets ``r`` in, ``a`` and ``c`` (full tables, served first) take
+    the last two blocks and ``r`` finds none: it gives way itself, the newest, still at 0 computed.  ``c``
+    finishes in that step, so at the next admission ``r`` fits again.  Oracle: the rule as :meth:`Scheduler.admit` states
+    it, counted by hand: the step after the preemption admits no one, the one after admits ``r``.
+    Kills: the pause set only for a victim that had computed tokens (``r`` then came back the very next step)."""
+    release = {"r": False}
+
+    def holds_r_back(running, budget, threshold):
+        """Every request's whole remaining tokens, in running order, but none for ``r`` until it is released."""
+        rows = []
+        for q in running:
+            n = min(q.num_uncomputed_tokens, budget)
+            if n > 0 and (q.request_id != "r" or release["r"]):
+                rows.append((q, n))
+                budget -= n
+        return rows
+
+    cfg = EngineConfig(num_gpu_blocks_override=6, block_size=4, max_num_batched_tokens=64, max_num_seqs=4,
+                       max_model_len=24, enable_prefix_caching=False, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=24, eos_token_ids=set(),
+                       batch_builder=holds_r_back)
+    engine.add_request({"prompt_token_ids": [11] * 4}, SamplingParams(max_tokens=16, ignore_eos=True), "a")
+    engine.add_request({"prompt_token_ids": [12] * 4}, SamplingParams(max_tokens=6, ignore_eos=True), "c")
+    engine.add_request({"prompt_token_ids": [13] * 8}, SamplingParams(max_tokens=2, ignore_eos=True), "r")
+    sched, r = engine.scheduler, engine.requests["r"]
+    # by hand: step 0 prefills a and c (1 block each) and admits r with no row; step 1 writes their 5th tokens
+    # (a 2nd block each: 2 free); steps 2-4 fill those blocks; step 5 writes their 9th tokens and c's last
+    for _ in range(5):
+        engine.step()
+    assert r in sched.running and r.num_computed_tokens == 0 and engine.pool.num_free == 2
+    release["r"] = True
+    engine.step()  # step 5: a and c take the 2 free blocks, r finds none and gives way; c finishes (3 back)
+    assert engine.step_log[-1].preempted == ("r",)
+    assert r.num_computed_tokens == 0 and r in sched.waiting and "c" not in engine.requests
+    engine.step()  # step 6: paused, although r now fits (3 free, a needs none)
+    assert r in sched.waiting, "admitted in the step right after a preemption made while allocating"
+    engine.step()  # step 7: r comes back
+    assert r in sched.running and r.num_computed_tokens == 8
+    finals = drain(engine)
+    assert len(finals["a"].outputs[0].token_ids) == 16 and len(finals["r"].outputs[0].token_ids) == 2
+    assert_no_leak(engine)

@@ -38,8 +38,9 @@ Preemption modes (``EngineConfig.preemption_mode``)
 
 Two rules keep preemption from thrashing: nothing is admitted in the step
 right after a preemption made while allocating (the pool is full; admitting
-would only preempt again -- a preemption made on purpose to seat a
-better-ranked request does not pause admission), and a request preempted
+would only preempt again -- so it pauses even when the victim had nothing
+computed yet; a preemption made on purpose to seat a better-ranked request
+does not pause admission), and a request preempted
 ``preemption_protect_after`` times is only chosen as a victim when every
 running request is protected (or, when a group's KV cap makes it preempt its
 own work, every running request of that group; preempting to seat a
@@ -484,9 +485,10 @@ class Scheduler:
         """Move waiting requests into ``running`` while seats, budget and blocks allow.
 
         Nothing is admitted in a step right after a preemption made while
-        allocating: the pool is full, and admitting would only preempt again
-        (thrash).  (``allocate`` clears the flag first, so a preemption made
-        here, to seat a better-ranked request, does not pause admission.)
+        allocating, whatever the victim had computed: the pool is full, and
+        admitting would only preempt again (thrash).  (``allocate`` clears the
+        flag first, so a preemption made here, to seat a better-ranked request,
+        does not pause admission.)
         """
         if (self._preempted_last_step or not self.waiting
                 or len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None):
@@ -947,9 +949,11 @@ class Scheduler:
             for g in self.caps.groups(req):
                 if g.max_blocks is not None:
                     self._held[g.key] -= len(req.block_ids)
+        # Any victim pauses the next admission (see admit), one with nothing computed too: it lost no work, but
+        # it gave way because the pool (or a group's cap) ran dry, and that is what the pause is for.
+        self._preempted_last_step = True
         computed = req.num_computed_tokens
         if computed > 0:
-            self._preempted_last_step = True
             self.stats.num_preemptions += 1
             self.tenant(req.tenant).preemptions += 1
             req.num_preemptions += 1
