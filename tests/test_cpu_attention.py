@@ -123,8 +123,9 @@ def test_prefill_chunk_matches_reference(q_len, context, block_size, group, kv_h
     k, v, table = _paged([context + q_len], block_size, kv_heads, 16, seed)
     k, v = k.nan_to_num(0), v.nan_to_num(0)
     q = torch.randn(q_len, kv_heads * group, 16, generator=torch.Generator().manual_seed(seed + 2))
-    torch.testing.assert_close(prefill_chunk(q, k, v, table[0], context, 0.25),
-                               _prefill_attention(q, k, v, table[0], context, 0.25), rtol=1e-5, atol=1e-5)
+    # 0.3, not 16 ** -0.5 (= 0.25, SDPA's default): a call that dropped ``scale`` would pass unnoticed
+    torch.testing.assert_close(prefill_chunk(q, k, v, table[0], context, 0.3),
+                               _prefill_attention(q, k, v, table[0], context, 0.3), rtol=1e-5, atol=1e-5)
 
 
 def test_loading_the_kernel_keeps_subnormals():

@@ -164,3 +164,36 @@ def test_a_zero_length_decode_row_merges_to_zeros_as_the_direct_store_does() -> 
     assert torch.equal(outs[0][1], torch.zeros_like(outs[0][1]))
     assert torch.equal(outs[1][1], outs[0][1])
     assert_close(outs[1][:1], case.reference()[:1], torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [80, 8])
+def test_a_head_dim_below_its_tile_reads_no_column_of_the_neighbouring_slot(head_dim: int) -> None:
+    """With ``head_dim`` not a power of two >= 16 (80: OpenLLaMA-3B's 100 is the same case), the K/V tile is
+    ``BLOCK_D`` wide and its load must mask the columns past ``head_dim``.
+
+    Unmasked, the last KV head's row runs on into the *next* cache slot -- the tail of a partly filled
+    block, or another request's block -- and a NaN or inf there turns the output NaN (``0 * NaN`` in the
+    ``q @ k^T`` of q's zero padding columns), even though that slot belongs to nobody in this batch.  The
+    case poisons every slot no sequence owns with NaN.  Mutant: ``mask=token_ok[:, None]`` (``dim_ok``
+    dropped) in ``load_paged_tile``.  Oracle: the fp32 torch reference.
+    """
+    seqs = [(5, 1), (20, 1), (3, 6), (0, 9)]  # two decodes, a chunk after cached tokens, a fresh prompt
+    case = make_case(seqs, num_decodes=2, kv_heads=2, group=2, head_dim=head_dim, seed=12)
+    out = TritonAttentionBackend().attend(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close(out, case.reference(), torch.float32)
+
+
+def test_the_split_count_gives_every_compute_unit_its_waves_of_programs() -> None:
+    """Below the caps, ``choose_num_splits`` takes the *smallest* split count whose ``batch * kv_heads * S``
+    programs reach ``_WAVES_PER_UNIT`` per SM (its docstring's promise), i.e. it rounds up.
+
+    Oracle: a brute-force search for that smallest count.  Mutant: ``wanted`` by floor division (one split
+    short, a partly idle GPU) -- the existing cases divide evenly or are capped, so they cannot tell.
+    """
+    from minivllm.model.kernels.decode import _MAX_SPLITS, _WAVES_PER_UNIT
+
+    for units in (1, 7, 132):
+        for programs in (1, 3, 25 * 4, 97, 600):
+            want = next(s for s in range(1, 10_000) if programs * s >= _WAVES_PER_UNIT * units)
+            want = min(want, _MAX_SPLITS)
+            assert choose_num_splits(batch=programs, kv_heads=1, max_seq_len=1 << 24, num_units=units) == want

@@ -34,7 +34,11 @@ def _save(path, config, cls=transformers.LlamaForCausalLM):
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
-                                         "rope_theta": 500000.0}])
+                                         "rope_theta": 500000.0},
+                                  # YaRN (Qwen2.5 / Qwen3 long-context configs) also scales cos and sin by its
+                                  # attention factor, which neither of the others has (it is 1 for them)
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                   "rope_theta": 10000.0}])
 def test_generic_config_reads_like_autoconfig(tmp_path, rope):
     kwargs = dict(COMMON, rope_parameters=rope) if rope else dict(COMMON)
     folder = _save(tmp_path, transformers.LlamaConfig(**kwargs))

@@ -103,6 +103,22 @@ def test_attention_bias_covers_the_output_projection_too(tmp_path, arch):
     _assert_same(_paged_logits(net, TOKENS, CHUNKS), _hf_logits(folder, cls, TOKENS))
 
 
+def test_a_config_that_leaves_tie_word_embeddings_to_its_default_keeps_its_own_lm_head(tmp_path):
+    """Older hub Llama configs omit ``tie_word_embeddings``; Llama's (and Qwen's, Mistral's) default is False.
+    Such a file is complete enough for the generic config the loader prefers, which has no such attribute at
+    all, so the model's own default must come from :meth:`ModelArgs.from_hf_config`: tying there would drop the
+    checkpoint's ``lm_head`` and project with the embedding (mutant: ``getattr(config, "tie_word_embeddings",
+    True)``).  Oracle: transformers' model on the same files."""
+    config = transformers.LlamaConfig(tie_word_embeddings=False, **SMALL)
+    folder = _save(tmp_path, config, transformers.LlamaForCausalLM)
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    net = load_model(str(folder)).model
+    assert not net.args.tie_word_embeddings
+    _assert_same(_paged_logits(net, TOKENS, CHUNKS), _hf_logits(folder, transformers.LlamaForCausalLM, TOKENS))
+
+
 def test_a_sliding_window_bounds_the_servable_length(tmp_path):
     """Sliding-window attention is not implemented.  Full attention equals it while a sequence fits in the
     window, so the window caps the model's positions (the engine then refuses a longer ``max_model_len``);
