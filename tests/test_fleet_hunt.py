@@ -1,6 +1,8 @@
 """The fleet's windowed summary against a recount from its own per-request records (found by the fleet
 semantics hunt): with ``window=(t0, t1)`` only requests arriving in the window count, so the per-replica
 request counts and hit rates must be those of the window's requests, as the fleet-wide hit rate already is.
+At the end, from a later mutation hunt: ChatMix's think times and single-question tenant, and the default
+replica's costs against the datasheet they claim.
 """
 
 from __future__ import annotations
@@ -151,3 +153,50 @@ def test_the_chat_mix_warm_up_counts_answers_at_the_replicas_own_decode_step():
     assert answers["l4"] > 4 * answers["h100"] > 4.0, answers
     fixed = ChatMix(10.0, 2.0, executor_factory=roofline_factory("l4"), answer_s=3.0, **kw)
     assert fixed.warmup == pytest.approx(3 * (2.0 + 3.0))
+
+
+def test_a_chats_next_turn_arrives_a_uniform_think_time_after_the_answer():
+    """``ChatMix``'s next turn arrives a think time after the previous answer finished, drawn from ``think_s``
+    (seeded per session and turn); the warm-up counts its mean, (low + high) / 2.  Oracle: the uniform
+    distribution on (1, 3) s: every gap inside it, the sample mean near 2 s (within 0.15 s: ~6 standard
+    errors for ~100 draws) and the draws not all one value.  Kills: a think time fixed at one end of the range."""
+    mix = ChatMix(8.0, 30.0, seed=1, turns=3, think_s=(1.0, 3.0), answer_s=1.0)
+    gaps = []
+    for a in mix.arrivals():
+        nxt = mix.follow_up(a, [11, 12], finished_at=a.time + 5.0)
+        if nxt is not None:
+            assert nxt.prompt == a.prompt + (11, 12) + nxt.prompt[len(a.prompt) + 2:]
+            gaps.append(nxt.time - (a.time + 5.0))
+    assert len(gaps) >= 80
+    assert all(1.0 - 1e-6 <= g <= 3.0 + 1e-6 for g in gaps)
+    assert sum(gaps) / len(gaps) == pytest.approx(2.0, abs=0.15)
+    assert max(gaps) - min(gaps) > 1.0
+
+
+def test_the_default_replica_costs_are_llama_3_8b_on_an_l4_by_hand():
+    """``GPU_LIKE`` claims a Llama-3-8B-class model (fp16) on an L4-class GPU.  Oracle, by hand from the NVIDIA
+    L4 datasheet (121 TFLOP/s dense BF16/FP16, 300 GB/s) and Llama-3-8B's config (8.03e9 parameters; 32 layers x
+    8 KV heads x 128 x 2 (K, V) x 2 bytes = 128 KiB of KV a token): a step reads the 16 GB of weights, 53 ms;
+    a prompt token costs 2 x 8.03e9 FLOPs, 133 us; a context token's KV read, 0.44 us.  Each cost within 15%.
+    Kills: a unit slip in any of the three (10x)."""
+    from minivllm.sim.fleet import GPU_LIKE
+
+    weights_s = 2 * 8.03e9 / 300e9
+    token_s = 2 * 8.03e9 / 121e12
+    kv_s = 32 * 8 * 128 * 2 * 2 / 300e9
+    assert GPU_LIKE["fixed_overhead_s"] == pytest.approx(weights_s, rel=0.15)
+    assert GPU_LIKE["per_token_s"] == pytest.approx(token_s, rel=0.15)
+    assert GPU_LIKE["per_context_token_s"] == pytest.approx(kv_s, rel=0.15)
+
+
+def test_single_questions_are_their_own_tenant_at_the_single_shot_share():
+    """A session of one turn is tenant ``single``, one of several turns tenant ``chat`` (per-tenant tables tell
+    them apart), and ``single_shot_share`` of the sessions are single.  Oracle: each session's drawn turn count,
+    and the share (0.3) within 0.08 over the ~270 sessions (about 3 standard errors)."""
+    mix = ChatMix(20.0, 30.0, seed=2, turns=4, single_shot_share=0.3, answer_s=1.0)
+    firsts = mix.arrivals()
+    assert len(firsts) >= 150
+    for a in firsts:
+        assert a.tenant == ("single" if mix.session_turns[a.conversation] == 1 else "chat")
+    share = sum(a.tenant == "single" for a in firsts) / len(firsts)
+    assert share == pytest.approx(0.3, abs=0.08)
