@@ -172,3 +172,73 @@ def test_an_aborted_sample_keeps_the_time_it_was_aborted_at_when_its_group_is_re
     assert len(group) == 1
     assert [c.finish_reason for c in group[0].outputs] == ["stop", "abort"]
     assert (group[0].metrics.finished_time, group[0].metrics.e2e_latency) == (3.0, 3.0)
+
+
+def test_text_shorter_than_the_hold_back_shows_nothing_yet(tokenizer):
+    """Kills: the held-back branch of ``_make_output`` leaving ``visible`` negative when the text is shorter than
+    the hold (the longest stop less one).  A cumulative output then shows ``text[:visible]`` -- the text less
+    its *last* few characters, not none of it -- and here that is the space that starts the stop string, which
+    the final output cuts away again: a client would see text that is later taken back.  Oracle: the decode
+    of the first ``k`` tokens less the 3 held characters, as in the test above, and ``str.find`` for the cut."""
+    ids = tokenizer.encode(" a b c d")
+    assert tokenizer.decode(ids[:1]) == " a"  # two characters, fewer than the three held
+    outs = run(tokenizer, {"r": ids}, SamplingParams(max_tokens=len(ids), ignore_eos=True, stop=[" a b"]))
+    assert [o.outputs[0].text for o in outs] == ["", ""]
+    assert (outs[-1].outputs[0].finish_reason, outs[-1].outputs[0].stop_reason) == ("stop", " a b")
+
+
+def test_a_group_with_a_failed_sample_reports_why_even_when_another_sample_got_a_token(tokenizer):
+    """Kills: the group's ``error`` taken from the output whose metrics it carries.  In the step where sample 0
+    fails to decode, sample 1 gets a token, so the group's output is built on sample 1's (no error); the
+    group must still say why its sample 0 ended with ``"error"`` (``RequestOutput.error``: the server sends it
+    to the client), in that step and in the group's last output.  Hand-worked: sample 0 fails on its third
+    token, whose decode raises; sample 1 runs to ``max_tokens``."""
+    a, b = tokenizer.encode(" one two three four"), tokenizer.encode(" five six seven eight")
+    bad = a[2]
+    assert bad not in a[:2] and bad not in b
+    outs = run(tokenizer, {"r#0": a, "r#1": b}, SamplingParams(n=2, max_tokens=len(b), ignore_eos=True),
+               decode_with=_BrokenTokenizer(tokenizer, bad))
+    failed_at = next(k for k, o in enumerate(outs) if o.outputs[0].finish_reason == "error")
+    assert outs[failed_at].outputs[1].delta_token_ids  # the case is real: sample 1 got a token in that step
+    for o in outs[failed_at:]:
+        assert o.error is not None and f"cannot decode token {bad}" in o.error
+    last = outs[-1]
+    assert last.finished and [c.finish_reason for c in last.outputs] == ["error", "length"]
+    assert last.outputs[0].text == tokenizer.decode(a[:2]) and last.outputs[1].text == tokenizer.decode(b)
+
+
+def test_an_aborted_final_only_sample_reports_the_text_of_its_tokens(tokenizer):
+    """Kills: ``final_output`` skipping the catch-up decode.  A ``final_only`` request decodes nothing until it
+    ends; a sample aborted mid-run ends outside ``emit``, and its last output (in its group's, which the caller
+    still gets) must carry the text of the tokens it did generate, not an empty string beside a list of token
+    ids.  Oracle: the tokenizer's decode of the token ids that output reports."""
+    a, b = tokenizer.encode(" a b c d e f g h"), tokenizer.encode(" one two three four five six seven eight")
+    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"r#0": a, "r#1": b})
+    engine = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=64).engine
+    engine.add_request({"prompt_token_ids": [19556, 905]}, SamplingParams(
+        n=2, max_tokens=8, ignore_eos=True, output_kind="final_only"), request_id="r")
+    outs = []
+    while len(engine.requests["r#1"].output_token_ids) < 3:
+        outs += engine.step()
+    assert engine.abort_request("r#1")
+    for new in steps(engine):
+        outs += new
+    assert [o.finished for o in outs][-1] and sum(o.finished for o in outs) == 1
+    aborted = [o.outputs[1] for o in outs if o.outputs[1].finish_reason == "abort"]
+    assert aborted and all(c.text == tokenizer.decode(c.token_ids) for c in aborted)
+    s0, s1 = outs[-1].outputs
+    assert (s0.finish_reason, s1.finish_reason) == ("length", "abort")
+    assert len(s1.token_ids) >= 3 and s1.token_ids == b[: len(s1.token_ids)]
+    assert s1.text == tokenizer.decode(s1.token_ids) and s0.text == tokenizer.decode(a)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_every_group_output_lists_its_samples_by_their_own_index(tokenizer, kind):
+    """Kills: a group's not-yet-reported samples listed with index 0.  The leader prefills alone, so the
+    group's first output comes before its other samples have a token; their slots must still say which sample
+    they are (OpenAI's ``choices[i].index == i``; a client keys its streams by it and would append sample 2's
+    first text to sample 0's).  Hand-worked: three samples, indices 0, 1, 2 in every output."""
+    s = {f"r#{i}": tokenizer.encode(f" sample {i} says hello") for i in range(3)}
+    outs = run(tokenizer, s, SamplingParams(n=3, max_tokens=4, ignore_eos=True, output_kind=kind))
+    assert not all(c.token_ids for c in outs[0].outputs)  # the case is real: some sample had no token yet
+    assert all([c.index for c in o.outputs] == [0, 1, 2] for o in outs)
