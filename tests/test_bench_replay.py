@@ -98,13 +98,24 @@ def test_a_mixed_replay_from_the_record_makes_the_real_runs_decisions(tiny, sett
     """The mixed shape on the stand-in model: sibling samples, chunked long prompts and prefix hits across
     tenants, replayed from the record, decide and estimate exactly as the real run did.  Replayed from step
     times alone, the run decides otherwise (made-up tokens part greedy siblings whose outputs, and so whose
-    cached blocks, the real model made equal): the comparison can fail on this shape."""
-    row = replay.run_case(tiny, setting, seed=0, shape="mixed")
-    assert row["record"]["first_divergent_step"] is None, row["record"]
-    assert row["record"]["estimates_differ"] == [], row["record"]
-    assert row["samples_of_n_gt_1"] > 0 and row["chunked_prefill_steps"] > 0 and row["prefix_hit_tokens"] > 0, row
-    assert row["preempted"] > 0, row
-    assert row["times_only"]["first_divergent_step"] is not None, row["times_only"]
+    cached blocks, the real model made equal): the comparison can fail on this shape.
+
+    The real run's decisions follow its clock (a request joins the step that is running when it arrives), so
+    whether one seed preempts varies from run to run: about 1 in 18 runs of seed 0 under three_class preempted
+    nothing on a loaded machine.  So seeds are run until one preempts and one diverges without its record (seed 0
+    nearly always does both); every one of them must replay exactly from its record."""
+    preempted = times_only_diverged = False
+    for seed in range(4):
+        row = replay.run_case(tiny, setting, seed=seed, shape="mixed")
+        assert row["record"]["first_divergent_step"] is None, row["record"]
+        assert row["record"]["estimates_differ"] == [], row["record"]
+        assert row["samples_of_n_gt_1"] > 0 and row["chunked_prefill_steps"] > 0 and row["prefix_hit_tokens"] > 0, row
+        preempted = preempted or row["preempted"] > 0
+        times_only_diverged = times_only_diverged or row["times_only"]["first_divergent_step"] is not None
+        if preempted and times_only_diverged:
+            break
+    assert preempted, "four seeds of the mixed shape preempted nothing: the tight pool no longer binds"
+    assert times_only_diverged, "replayed from step times alone, no seed decided otherwise: the check cannot fail"
 
 
 def test_the_cli_runs_the_mixed_workload_and_says_so(tiny, tmp_path):
