@@ -78,6 +78,24 @@ def _settings() -> dict[str, tuple[dict, tuple[str, ...], bool]]:
     }
 
 
+def _token_list(rng: random.Random, vocab_size: int, n: int) -> list[int]:
+    """``n`` seeded token ids that every prompt of a workload is cut from (so prompts can share prefixes)."""
+    top = min(vocab_size, 40000)
+    return [rng.randrange(100, top) for _ in range(n)]
+
+
+def _next_arrival(rng: random.Random, t: float) -> float:
+    """Bursts: several requests at once, then gaps of 1-10 ms."""
+    return t + rng.choice([0.0, 0.0, 0.001, 0.003, 0.01])
+
+
+def _draw_deadline(rng: random.Random, req) -> None:
+    """A deadline 1-40 ms after ``req``'s arrival, or none (then it ages into line ``deadline_aging_s`` after it).
+    Drawn last for each request, so a workload without deadlines draws the same requests."""
+    gap = rng.choice([0.001, 0.01, 0.04, None])
+    req.deadline = None if gap is None else req.arrival + gap
+
+
 def workload(seed: int, tenants: tuple[str, ...], shared: bool, vocab_size: int, deadlines: bool = False) -> list:
     """``REQUESTS`` seeded requests arriving in bursts (several at once, then gaps of 1-10 ms), prompts of 6-60
     tokens cut from one seeded token list (so with ``shared`` most start alike), 4-30 tokens out each.
@@ -86,17 +104,15 @@ def workload(seed: int, tenants: tuple[str, ...], shared: bool, vocab_size: int,
     from minivllm.sim.run import SimRequest
 
     rng = random.Random(seed)
-    top = min(vocab_size, 40000)
-    base = [rng.randrange(100, top) for _ in range(300)]
+    base = _token_list(rng, vocab_size, 300)
     t, out = 0.0, []
     for i in range(REQUESTS):
-        t += rng.choice([0.0, 0.0, 0.001, 0.003, 0.01])
+        t = _next_arrival(rng, t)
         length = rng.randint(6, 60)
         offset = 0 if shared and rng.random() < 0.6 else rng.randint(0, 200)
         req = SimRequest(i, round(t, 4), rng.choice(tenants), base[offset:offset + length], rng.randint(4, 30))
-        if deadlines:  # (drawn last: the other settings' workloads stay as they were)
-            gap = rng.choice([0.001, 0.01, 0.04, None])
-            req.deadline = None if gap is None else req.arrival + gap
+        if deadlines:
+            _draw_deadline(rng, req)
         out.append(req)
     return out
 
@@ -112,12 +128,11 @@ def mixed_workload(seed: int, tenants: tuple[str, ...], vocab_size: int, deadlin
     from minivllm.sim.run import SimRequest
 
     rng = random.Random(seed)
-    top = min(vocab_size, 40000)
-    base = [rng.randrange(100, top) for _ in range(400)]
+    base = _token_list(rng, vocab_size, 400)
     systems = (base[:32], base[32:80])
     t, out = 0.0, []
     for i in range(REQUESTS):
-        t += rng.choice([0.0, 0.0, 0.001, 0.003, 0.01])
+        t = _next_arrival(rng, t)
         long = rng.random() < 0.35
         head = list(rng.choice(systems)) if rng.random() < 0.5 else []
         length = rng.randint(62, 100) - len(head) if long else rng.randint(6, 24)
@@ -126,8 +141,7 @@ def mixed_workload(seed: int, tenants: tuple[str, ...], vocab_size: int, deadlin
         max_tokens = rng.randint(4, min(24, ENGINE["max_model_len"] - len(prompt)))
         req = SimRequest(i, round(t, 4), rng.choice(tenants), prompt, max_tokens, n=rng.choice([1, 1, 1, 2, 3]))
         if deadlines:
-            gap = rng.choice([0.001, 0.01, 0.04, None])
-            req.deadline = None if gap is None else req.arrival + gap
+            _draw_deadline(rng, req)
         out.append(req)
     return out
 
@@ -186,7 +200,7 @@ def run_case(model: str | None, name: str, seed: int, device: str = "cpu", shape
                                         if any(s > 0 and n > 1 for _, s, n in r.seqs)),
            "prefix_hit_tokens": real.stats().get("prefix_cache_hits", 0),
            "samples_of_n_gt_1": sum(r.n for r in reqs if r.n > 1)}
-    for label, ex in (("record", ReplayExecutor.from_record(rec)), ("times_only", ReplayExecutor(list(rec.step_ends)))):
+    for label, ex in (("record", ReplayExecutor.from_record(rec)), ("times_only", ReplayExecutor(rec.step_ends))):
         sim = LLMEngine(EngineConfig(**options), executor=ex, model_max_len=real.config.max_model_len,
                         eos_token_ids=set())
         rec_sim = drive(sim, reqs)
