@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import pytest
 
+from minivllm.bench.replay import decisions
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sim.replay import ReplayExecutor
 from minivllm.sim.run import SimRequest, drive
-
-
-def _log(engine):
-    return [(r.seqs, r.preempted, r.rejected, r.swapped_in, r.swapped_out, r.running, r.waiting, r.free_blocks)
-            for r in engine.step_log]
 
 
 @pytest.mark.slow
@@ -35,7 +31,7 @@ def test_replayed_step_times_give_identical_step_logs(tokenizer):
     real = LLMEngine(EngineConfig(**options))
     rec = drive(real, reqs)
     assert all(r.outcome == "ok" for r in rec.results)
-    real_log = _log(real)
+    real_log = decisions(real)
     # the run is worth replaying: chunked prefills, mixed batches, requests joining mid-run
     assert any(n > 1 and start > 0 for rec_ in real.step_log for _, start, n in rec_.seqs)
     assert any(len(r.seqs) > 1 and any(n == 1 for _, _, n in r.seqs) and any(n > 1 for _, _, n in r.seqs)
@@ -47,7 +43,7 @@ def test_replayed_step_times_give_identical_step_logs(tokenizer):
     sim = LLMEngine(EngineConfig(**options), executor=ReplayExecutor.from_record(rec), model_max_len=8192,
                     eos_token_ids=set())
     rec_sim = drive(sim, reqs)
-    assert _log(sim) == real_log
+    assert decisions(sim) == real_log
     assert rec_sim.injected_before_step == rec.injected_before_step
     # and the clocks agree at every step boundary, so the latencies the two report agree too
     assert rec_sim.check_after_step == rec.check_after_step

@@ -3,15 +3,11 @@ measured costs, so it swaps and recomputes the same victims."""
 
 from __future__ import annotations
 
+from minivllm.bench.replay import decisions
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sim.replay import ReplayExecutor
 from minivllm.sim.run import SimRequest, drive
-
-
-def _log(engine):
-    return [(r.seqs, r.preempted, r.rejected, r.swapped_in, r.swapped_out, r.running, r.waiting, r.free_blocks)
-            for r in engine.step_log]
 
 
 def test_a_replayed_auto_mode_run_starts_from_the_recorded_engines_measured_costs(tmp_path, monkeypatch):
@@ -34,4 +30,4 @@ def test_a_replayed_auto_mode_run_starts_from_the_recorded_engines_measured_cost
     assert any(r.preempted for r in real.step_log) and not any(r.swapped_out for r in real.step_log)
     sim = LLMEngine(EngineConfig(**options), executor=ReplayExecutor.from_record(rec), eos_token_ids=set())
     drive(sim, reqs)
-    assert _log(sim) == _log(real)
+    assert decisions(sim) == decisions(real)

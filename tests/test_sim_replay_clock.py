@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+from minivllm.bench.replay import decisions
 from minivllm.config import TenantConfig
 from minivllm.labs.workloads import sim_engine
 from minivllm.sim.executor import SimulatedExecutor
@@ -51,11 +52,6 @@ def _record_and_replay(monkeypatch, requests, origin=0.0, **options):
     return real, rec, replay, drive(replay, requests)
 
 
-def _log(engine):
-    return [(r.seqs, r.preempted, r.rejected, r.swapped_in, r.swapped_out, r.running, r.waiting, r.free_blocks)
-            for r in engine.step_log]
-
-
 def test_a_replay_swaps_and_recomputes_the_victims_the_real_run_did(monkeypatch):
     """The engine read the clock at each stage after the forward pass (append, finish, the step log) and its
     step-time average and prefill-rate fit took append's reading, while a replay's clock stood at drive's
@@ -73,7 +69,7 @@ def test_a_replay_swaps_and_recomputes_the_victims_the_real_run_did(monkeypatch)
     # the run is worth replaying: victims on both sides of the threshold (swapped, and recomputed)
     assert any(r.swapped_out for r in real.step_log) and any(r.preempted and not r.swapped_out for r in real.step_log)
     assert real._prefill_fit.rate() is not None  # and its fit is trusted (it moves the threshold)
-    assert _log(replay) == _log(real)
+    assert decisions(replay) == decisions(real)
     assert rec_replay.injected_before_step == rec.injected_before_step
     assert replay.step_time_s == real.step_time_s
     assert replay._learnt_costs.prefill_tokens_per_s == real._learnt_costs.prefill_tokens_per_s
@@ -97,7 +93,7 @@ def test_a_replay_gives_rejected_requests_the_retry_hints_the_real_run_gave(monk
     hints = [(r.index, r.retry_after) for r in rec.results if r.outcome == "rejected"]
     assert len(hints) > 10
     assert [(r.index, r.retry_after) for r in rec_replay.results if r.outcome == "rejected"] == hints
-    assert _log(replay) == _log(real)
+    assert decisions(replay) == decisions(real)
     assert replay.step_time_s == real.step_time_s
 
 
@@ -118,7 +114,7 @@ def test_a_replay_reads_the_recorded_clock_so_tied_deadlines_tie_again(monkeypat
                    deadline_aging_s=0.05, preemption_mode="recompute")
     real, rec, replay, rec_replay = _record_and_replay(monkeypatch, requests, origin=origin, **options)
     assert rec.clock_origin == origin
-    assert _log(replay) == _log(real)
+    assert decisions(replay) == decisions(real)
     assert replay.step_time_s == real.step_time_s  # exactly: the same readings, the same sums
     assert rec_replay.step_end_readings == rec.step_end_readings
     if origin < 1:
@@ -126,4 +122,4 @@ def test_a_replay_reads_the_recorded_clock_so_tied_deadlines_tie_again(monkeypat
     # the hazard is real in this workload: the same times on a clock from 0 decide otherwise
     from_zero = sim_engine(executor=ReplayExecutor(list(rec.step_ends), tokens=rec.output_token_ids), **options)
     drive(from_zero, requests)
-    assert _log(from_zero) != _log(real)
+    assert decisions(from_zero) != decisions(real)

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from minivllm.bench.replay import decisions
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sim.replay import ReplayExecutor
 from minivllm.sim.run import SimRequest, drive
 
 
-def _log(engine):
-    return [(r.seqs, r.num_decodes, r.preempted, r.rejected, r.swapped_in, r.swapped_out, r.running, r.waiting,
-             r.free_blocks) for r in engine.step_log]
-
-
 @pytest.mark.slow
-def test_a_replay_of_a_run_with_samples_gives_the_identical_step_log(tmp_path):
+def test_a_replay_of_a_run_with_samples_gives_the_identical_stepdecisions(tmp_path):
     """Samples of one prompt fork its prefill (one prefill row, then one decode row per sample), and with a
     prefix cache greedy samples' equal output blocks are cached once: what a replay writes for each sample
     decides what it shares, so drive records the tokens under the engine's sample ids.  Oracle: the recorded
@@ -40,6 +36,6 @@ def test_a_replay_of_a_run_with_samples_gives_the_identical_step_log(tmp_path):
 
     replay = LLMEngine(EngineConfig(**options), executor=ReplayExecutor.from_record(rec), eos_token_ids=set())
     rec_replay = drive(replay, reqs)
-    assert _log(replay) == _log(real)
+    assert decisions(replay) == decisions(real)
     assert rec_replay.output_token_ids == rec.output_token_ids
     assert [r.output_tokens for r in rec_replay.results] == [60, 6, 40]

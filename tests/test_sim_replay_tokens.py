@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
+from minivllm.bench.replay import decisions
 from minivllm.sim.replay import ReplayExecutor
 from minivllm.sim.run import SimRequest, drive
-
-
-def _log(engine):
-    return [(r.seqs, r.preempted, r.rejected, r.swapped_in, r.swapped_out, r.running, r.waiting, r.free_blocks)
-            for r in engine.step_log]
 
 
 def test_a_replay_with_a_prefix_cache_writes_the_recorded_tokens():
@@ -35,7 +31,7 @@ def test_a_replay_with_a_prefix_cache_writes_the_recorded_tokens():
     assert rec.output_token_ids["r0"] == rec.output_token_ids["r1"] and len(rec.output_token_ids["r1"]) == 24
     replay = sim_engine(executor=ReplayExecutor(rec.check_after_step, tokens=rec.output_token_ids), **options)
     drive(replay, reqs)
-    assert _log(replay) == _log(real)
+    assert decisions(replay) == decisions(real)
 
 
 def test_a_replay_samples_each_request_its_own_recorded_tokens_in_order():
@@ -62,4 +58,4 @@ def test_a_replay_samples_each_request_its_own_recorded_tokens_in_order():
     assert len({tuple(v) for v in rec.output_token_ids.values()}) == len(reqs)  # every request's own outputs
     replay = sim_engine(executor=ReplayExecutor.from_record(rec), **options)
     assert drive(replay, reqs).output_token_ids == rec.output_token_ids
-    assert _log(replay) == _log(real)
+    assert decisions(replay) == decisions(real)

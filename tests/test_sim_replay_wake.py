@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
+from minivllm.bench.replay import decisions
 from minivllm.sim.replay import ReplayExecutor
 from minivllm.sim.run import SimRequest, drive
-
-
-def _log(engine):
-    return [(r.seqs, r.preempted, r.rejected, r.swapped_in, r.swapped_out, r.running, r.waiting, r.free_blocks)
-            for r in engine.step_log]
 
 
 def test_requests_arriving_while_a_real_clock_reads_late_join_no_step_the_replay_leaves_them_out_of(monkeypatch):
@@ -47,7 +43,7 @@ def test_requests_arriving_while_a_real_clock_reads_late_join_no_step_the_replay
         replay = sim_engine(executor=ReplayExecutor(rec.check_after_step), num_blocks=64, max_num_seqs=8)
         rec_replay = drive(replay, reqs)
         assert rec_replay.injected_before_step == rec.injected_before_step
-        assert _log(replay) == _log(real)
+        assert decisions(replay) == decisions(real)
 
 
 def test_a_sleep_cut_short_injects_no_request_before_its_arrival(monkeypatch):
