@@ -170,3 +170,19 @@ def test_the_report_is_read_from_the_run_it_served(tmp_path, monkeypatch):
     assert doc["whole_step_rate_baseline"] == pytest.approx(whole_step_rate(terms, 1000.0))
     assert doc["least_squares"]["rate"] == pytest.approx(1 / B)
     assert doc["plain_prefill_rate"] == {"64": 1 / B, "128": 1 / B, "256": 1 / B}
+
+
+def test_a_step_after_an_empty_one_is_timed_from_the_empty_steps_end():
+    """The engine's fit restarts its clock at the end of every step, one that ran nothing included
+    (``LLMEngine._observe_step`` reads ``now`` for each), so the benchmark's terms must too: a step after an empty
+    one (here 3 ms after it) took those 3 ms, not the empty step's time as well.  The log is a simulated run's with
+    one empty record put in by hand.  Oracle: the hand subtraction of the two clock readings."""
+    engine, lens = _run()
+    log = list(engine.step_log)
+    k = next(i for i in range(1, len(log)) if log[i].seq_ids and log[i - 1].seq_ids)
+    empty = dataclasses.replace(log[k - 1], seq_ids=(), seq_starts=(), seq_tokens=(), seq_tenants=(), num_tokens=0,
+                                num_decodes=0, time=log[k].time - 0.003)
+    terms = step_terms(log[:k] + [empty] + log[k:], lens)
+    assert len(terms) == len(log) - 1
+    p, d, dt = terms[k - 1]  # the term of log[k]: the empty record adds none of its own
+    assert (p, d) == (log[k].num_tokens - log[k].num_decodes, log[k].num_decodes) and dt == pytest.approx(0.003)

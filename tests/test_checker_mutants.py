@@ -326,3 +326,33 @@ def test_a_timed_out_grading_cell_says_what_it_was_checking():
     ex = Exercise("t", "my_fn", _visible, points=2, mutants=(), hidden=None)
     row = grade._row("s", "s.ipynb", _lab_of(ex), ex, 0, None, {"grade:t": "timed out after 8 s"}, None)
     assert (row.points, row.reason) == (0, "checking `my_fn` timed out after 8 s")
+
+
+def _jupyterquiz_verdict(item: dict, typed: float):
+    """jupyterquiz's numeric check (``js/numeric.js``) written out: the typed number and each listed value are
+    rounded to ``precision`` significant digits (``toPrecision``), and the first listed value equal to the typed
+    one decides.  Returns that answer (None: none matched, the catch-all range decides)."""
+    def sig(x: float) -> float:
+        return float(f"{x:.{item['precision']}g}") if item.get("precision", 0) > 0 else x
+
+    return next((a for a in item["answers"] if "value" in a and sig(a["value"]) == sig(typed)), None)
+
+
+def test_every_listed_numeric_answer_gets_its_own_verdict_in_the_interactive_quiz():
+    """Kills: the interactive quiz's default precision cut to one significant digit.  jupyterquiz rounds both the
+    typed number and each listed answer to ``precision`` significant digits before comparing, so at one digit
+    lab 3's 96 (right) and 100 (wrong) both read 100 and typing the wrong 100 is marked correct; lab 6's 310 and
+    309 merge likewise.  A question without its own ``precision`` must keep every listed value apart, and the
+    right value typed exactly must be marked right.  Oracle: jupyterquiz's comparison, written out above."""
+    from minivllm.labs import quiz
+
+    checked = 0
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        for item in quiz.jupyterquiz_questions(bank.stem):
+            if item["type"] != "numeric":
+                continue
+            for answer in item["answers"]:
+                if "value" in answer:
+                    assert _jupyterquiz_verdict(item, answer["value"]) is answer, (bank.stem, item["question"][:60])
+                    checked += 1
+    assert checked >= 30

@@ -239,6 +239,19 @@ def test_a_stepper_click_runs_one_engine_step_and_honours_its_stop_rule():
     assert len(eng.step_log) == 4 and st.position() == "steps run: 4"
 
 
+
+def test_run_to_end_reports_the_last_step_it_ran_and_that_the_work_is_done():
+    """"run to end" answers in two lines: the last step's log line, then "no work left".  With only the second a
+    click that ran a hundred steps reads as if it ran none (the learner cannot tell what the last step did, which
+    is what the redrawn picture shows).  Oracle: the engine's step log -- the last step's number is its length
+    less one."""
+    eng = tiny_engine()
+    eng.add_request({"prompt_token_ids": list(range(10, 30))}, SamplingParams(max_tokens=8, ignore_eos=True), "r")
+    st = widgets.Stepper(eng, draw=lambda e, ax: None, describe=lambda e: f"step {e.step_log[-1]['step']}")
+    run_to_end = dict(st.actions())["run to end"]
+    assert run_to_end().splitlines() == [f"step {len(eng.step_log) - 1}", "no work left"]
+    assert len(eng.step_log) > 2 and not eng.has_unfinished_requests()
+
 # -- BudgetExplorer and the ITL histogram ------------------------------------------------------------------------
 
 

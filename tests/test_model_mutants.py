@@ -7,6 +7,7 @@ torch's own SDPA, or a brute-force loop.  Tiny tensors only, no model loads.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minivllm.model.sampler import filter_logits
@@ -311,3 +312,31 @@ def test_rms_norm_in_bfloat16_rounds_where_transformers_does():
         ours.weight.copy_(weight)
         theirs.weight.copy_(weight)
         assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("timed", [(0.500, 0.200), (0.200, 0.500)])
+def test_the_prefill_probe_rates_the_faster_of_its_two_timed_runs_never_the_warm_up(monkeypatch, timed):
+    """``measure_prefill_rate`` runs the prompt three times: the first warms up and is not counted, the faster
+    of the other two is.  Here the warm-up happens to be the fastest (10 ms) and contention slows one timed run
+    (500 ms, first or last): the rate must come from the 200 ms run.  Counting the warm-up gave 50x the rate
+    (auto mode then recomputed victims it should have swapped); the slower or the mean run, 2.5x or 1.75x too
+    low.  Oracle: the hand division, 64 tokens / 0.2 s = 320 tokens/s, on a clock the test drives."""
+    import types
+
+    from minivllm.kv.kv_cache import KVCache
+    from minivllm.model import runner as runner_mod
+    from minivllm.model.runner import ModelRunner
+
+    clock = [0.0]
+    durations = iter([0.010, *timed])
+
+    def forward(ids, positions, layers, meta):
+        assert ids.numel() == 64  # the whole probe prompt, each run
+        clock[0] += next(durations)
+
+    monkeypatch.setattr(runner_mod.time, "perf_counter", lambda: clock[0])
+    cache = types.SimpleNamespace(block_size=16, layers=None,
+                                  scratch_request=lambda n: KVCache.scratch_request(
+                                      types.SimpleNamespace(num_blocks=8, block_size=16), n))
+    runner = types.SimpleNamespace(kv_cache=cache, device=torch.device("cpu"), model=forward)
+    assert ModelRunner.measure_prefill_rate(runner, 64) == pytest.approx(64 / 0.2)

@@ -194,3 +194,57 @@ def test_every_sample_of_a_group_reports_the_prompts_cached_tokens():
         outs = engine.step()
     assert seen == {"g#0": 28, "g#1": 28, "g#2": 28}
     assert [o.num_cached_tokens for o in outs if o.request_id == "g"] == [28]
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_request_that_shared_a_cached_prefix_hands_the_cache_only_the_blocks_it_computed(kind):
+    """A request that found 3 cached blocks and then fills a 4th offers the cache that one block: ``extend`` from
+    the last shared block with its 4 tokens, not a whole insert of all 16 again.  ``share_prefix`` records the
+    shared blocks as already offered; counted as none, every hit request re-walked its whole prefix once (the
+    cache ends up the same, so only the work shows).  Oracle: a hand count of what crosses into the cache."""
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, 4, prefix_cache=make_prefix_cache(kind, pool, 4))
+    first = Request("first", list(range(100, 113)), SamplingParams(max_tokens=4), 0.0)
+    assert kv.allocate_slots(first, 13)
+    first.num_computed_tokens = 13
+    kv.cache_full_blocks(first)  # 3 full blocks cached
+    second = Request("second", list(range(100, 117)), SamplingParams(max_tokens=4), 0.0)
+    hit = kv.match_prefix(second)
+    assert hit.num_tokens == 12
+    kv.share_prefix(second, hit)
+    calls = []
+    cache = kv.prefix_cache
+    insert, extend = cache.insert, cache.extend
+    cache.insert = lambda tokens, blocks, ns=None: (calls.append(("insert", len(tokens))), insert(tokens, blocks, ns))[1]
+    cache.extend = lambda parent, tokens, blocks, ns=None: (calls.append(("extend", len(tokens))),
+                                                            extend(parent, tokens, blocks, ns))[1]
+    assert kv.allocate_slots(second, 5)
+    second.num_computed_tokens = 16
+    kv.cache_full_blocks(second)
+    assert calls == [("extend", 4)]
+    assert cache.match(second.all_token_ids, kv.namespace(second)) == second.block_ids[:4]
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_request_that_found_a_twin_caches_nothing_more_and_leaves_the_twin_evictable(kind):
+    """Two requests computed the same 8-token prompt side by side; the first cached it, so the second found a twin
+    and keeps its own blocks uncached.  Its later blocks must stay out of the cache too: hung below the twin, a
+    block the second request holds would pin the twin's blocks (a cached block above a held one cannot go), so
+    once the first request has finished they could not be evicted while the second runs.  Hand count: after the
+    second request fills a third block, the cache holds the twin's 2 blocks, both evictable, and evicts both."""
+    pool = BlockPool(16)
+    kv = KVCacheManager(pool, 4, prefix_cache=make_prefix_cache(kind, pool, 4))
+    prompt = list(range(200, 208))
+    first, second = (Request(rid, prompt + [9], SamplingParams(max_tokens=8), 0.0) for rid in ("first", "second"))
+    for req in (first, second):
+        assert kv.allocate_slots(req, 9)
+        req.num_computed_tokens = 9
+        kv.cache_full_blocks(req)
+    assert kv.prefix_cache.match(prompt, kv.namespace(first)) == first.block_ids[:2] != second.block_ids[:2]
+    kv.free(first)
+    second.output_token_ids += [1, 2, 3]  # three decodes fill the request's third block
+    assert kv.allocate_slots(second, 3)
+    second.num_computed_tokens = 12
+    kv.cache_full_blocks(second)
+    assert kv.prefix_cache.num_cached_blocks == 2 and not kv.prefix_cache.is_cached(second.block_ids[2])
+    assert kv.prefix_cache.evict(2) == 2

@@ -168,6 +168,62 @@ def test_the_learners_insert_reports_only_the_leading_cached_run():
     assert cache.insert(prompt, fresh).num_already_cached_tokens == 0
 
 
+def _sum_hasher(token_ids, block_size, salt=None):
+    """A weak chained hash for collisions on purpose: a block counts only by the sum of its tokens, so
+    ``[1, 1, 1, 1]`` and ``[0, 0, 2, 2]`` collide, and so do the keys of every block after them."""
+    sums = [sum(token_ids[i * block_size:(i + 1) * block_size]) for i in range(len(token_ids) // block_size)]
+    return [(salt, tuple(sums[: i + 1])) for i in range(len(sums))]
+
+
+def _validating_matcher(token_ids, index, block_size, hasher, salt=None):
+    """A validated matcher, as lab 3 asks for: a hit only where the entry holds these very tokens below the previous
+    key."""
+    out, parent = [], None
+    for i, key in enumerate(hasher(token_ids[:-1], block_size, salt)):
+        entry = index.get(key)
+        if entry is None or entry.tokens != tuple(token_ids[i * block_size:(i + 1) * block_size]) or entry.parent != parent:
+            break
+        out.append(entry.block_id)
+        parent = key
+    return out
+
+
+def test_the_learners_insert_caches_nothing_past_a_colliding_block():
+    """Kills: ``LearnerHashCache.insert`` going on past a key collision instead of stopping.  A prompt whose first
+    block collides with a cached block of other tokens is not cached from there on: its second block's K/V were
+    computed after *its* first block, so an entry for it belongs to no cached path (no validated match can reach
+    it), and it held a pool reference for nothing.  Hand count: the cache holds only the colliding block, the
+    insert reports the caller's own blocks with nothing already cached, and freeing the prompt's blocks returns
+    both to the pool."""
+    pool = BlockPool(8)
+    cache = LearnerHashCache(pool, BS, _sum_hasher, _validating_matcher, _leaves_first)
+    x, y = [1, 1, 1, 1], [0, 0, 2, 2]
+    assert _sum_hasher(x, BS) == _sum_hasher(y, BS)  # the collision the test is about
+    (held,) = cached_then_released(cache, pool, x)
+    mine = pool.allocate_many(2)
+    result = cache.insert(y + toks(5), mine)
+    assert (result.num_already_cached_tokens, result.block_ids) == (0, mine)
+    assert cache.num_cached_blocks == 1 and cache.stats.inserted_blocks == 1 and not cache.is_cached(mine[1])
+    pool.free_all(mine)
+    assert pool.num_free == 7
+    assert cache.match(x + toks(5)) == [held]  # the other prompt's block never serves this one's second
+
+
+def test_a_learners_lookup_that_missed_makes_no_block_recent():
+    """Kills: ``LearnerHashCache.match`` stamping every key of the query, not only the hits.  A lookup of a block
+    whose key collides with a cached block of other tokens is a miss; it used nothing, so it must not make the
+    colliding block recent and save it from eviction (nor leave access stamps for keys nothing caches).  LRU by
+    hand: X cached first, Z second, then a missed lookup of X's colliding twin; the oldest used block is X."""
+    pool = BlockPool(8)
+    cache = LearnerHashCache(pool, BS, _sum_hasher, _validating_matcher, _leaves_first)
+    x, y, z = [1, 1, 1, 1], [0, 0, 2, 2], toks(7)
+    (bx,) = cached_then_released(cache, pool, x)
+    cached_then_released(cache, pool, z)
+    assert cache.match(y + toks(8)) == []  # (the query cut before its last token: y and a whole block of 8s)
+    assert set(cache.last_access) == set(cache.index)
+    assert cache.evict(1) == 1 and not cache.is_cached(bx)
+
+
 # -- the step log ------------------------------------------------------------------------------------------------
 
 

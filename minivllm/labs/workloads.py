@@ -163,7 +163,7 @@ def shared_system_chats(n_conversations: int = 3, turns: int = 3, *, seed: int =
 
 def rag_workload(n: int = 40, *, seed: int = 0, num_docs: int = 20, doc_len: int = 128,
                  docs_per_request: int = 3, instr_len: int = 32) -> list[list[int]]:
-    """Instruction + retrieved documents (popular ones repeat, in varying order) + question.
+    """Instruction + retrieved documents (popular ones repeat, in varying order) + a question of 8-32 tokens.
 
     Only the instruction and a leading run of the *same documents in the same
     order* is a shared prefix: RAG hits less than a system prompt does.
