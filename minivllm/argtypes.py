@@ -62,7 +62,10 @@ def seconds_or_off(text: str) -> float:
     """
     if text.strip().lower() == "off":
         return math.inf
-    x = _number(text, float)
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan  # a word: the refusal names 'off', the one word taken (``none`` got "expected a number")
     if not x >= 0:  # (inf is "off" spelled as a number; nan is neither)
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 or 'off', got {text!r}")
     return x

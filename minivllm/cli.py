@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream answers to one or more prompts")
     g.add_argument("prompts", nargs="*", help="prompts (default: three demo questions)")
     g.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
-    g.add_argument("--max-tokens", type=positive_int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0.0: greedy, so the demo's answers are reproducible)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
@@ -43,8 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (FastAPI + uvicorn)")
     s.add_argument("model", nargs="?", default=None, help="HF directory, .gguf file or hub id (default: bundled SmolLM2-135M)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=port, default=8000)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server, "
+                        "unauthenticated unless --api-keys-file, to the network)")
+    s.add_argument("--port", type=port, default=8000, help="TCP port (default 8000, vLLM's)")
     s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use in 'model' (default: the model's)")
     s.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant"}; else $MINIVLLM_API_KEYS; none: one tenant, no auth')
     s.add_argument("--max-num-seqs", type=positive_int, default=None)

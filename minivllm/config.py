@@ -212,8 +212,10 @@ class EngineConfig:
 
     KV capacity: give ``num_gpu_blocks_override`` (blocks, vLLM's name) or
     ``kv_cache_memory_bytes`` (bytes); otherwise 1 GiB on CPU,
-    ``gpu_memory_utilization`` of free GPU memory on CUDA, and 4,096 blocks
-    on a simulated executor (``kv.kv_cache.DEFAULT_SIM_KV_BLOCKS``).
+    ``gpu_memory_utilization`` (default 0.4) of the GPU memory still free once
+    the weights are loaded on CUDA, and 4,096 blocks on a simulated executor
+    (``kv.kv_cache.DEFAULT_SIM_KV_BLOCKS``).  A share of what is *free*, not
+    of the whole GPU as vLLM's 0.9 is: the two numbers are not comparable.
 
     Preemption (what happens when KV blocks run out, see
     :mod:`minivllm.sched.scheduler`): ``preemption_mode`` is ``"recompute"``

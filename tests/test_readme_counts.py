@@ -159,3 +159,24 @@ def test_mixed_replay_counts_and_wall_time_are_the_committed_files():
     times = re.search(r"step times alone, (\d+) decided otherwise and (\d+) more estimated otherwise", after)
     assert times and (int(times.group(1)), int(times.group(2))) == (total["diverged_times_only"],
                                                                     total["estimates_only_times_only"])
+
+
+def test_fairness_bench_deadlines_and_priorities_are_the_ones_the_workload_carries():
+    """benchmarks/README.md states what the noisy-vs-quiet requests tell the ``priority`` and ``deadline`` policies;
+    the workload's requests themselves (not the constants that build them) must carry exactly that: a deadline
+    moved in the code or in the text alone fails here.  The quiet tenant's 1 s deadline is what makes ``deadline``
+    protect it, and it was stated nowhere."""
+    from minivllm.bench.fairness import noisy_quiet_workload
+    from minivllm.config import EngineConfig
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "benchmarks/README.md").read_text(encoding="utf-8").split())
+    m = re.search(r"quiet requests have priority (\d+) and a deadline ([\d.]+) s after arrival, noisy ones priority "
+                  r"(\d+) and a deadline ([\d.]+) s after arrival \(the engine's `deadline_aging_s`", text)
+    assert m, "benchmarks/README.md no longer states the fairness workload's priorities and deadlines"
+    stated = {"quiet": (int(m.group(1)), float(m.group(2))), "noisy": (int(m.group(3)), float(m.group(4)))}
+    arrivals = noisy_quiet_workload(0, 10.0)
+    assert {a.tenant for a in arrivals} == {"quiet", "noisy"}
+    for a in arrivals:
+        priority, due_after = stated[a.tenant]
+        assert a.priority == priority and abs(a.deadline - a.time - due_after) < 1e-9, (a.tenant, a.priority, a.deadline - a.time)
+    assert stated["noisy"][1] == EngineConfig().deadline_aging_s  # "(the engine's `deadline_aging_s`"

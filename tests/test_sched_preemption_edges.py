@@ -1,7 +1,7 @@
 """Scheduler edges a mutation pass over ``minivllm/sched`` found unpinned (every existing test still passed with
 the planted bug): a second recompute preemption partway through a re-prefill, a whole prompt that exactly fills
-the token budget left with chunked prefill off (or falls short of it in step 2), and the prefill-rate fit's trust
-guards at their edges.  Each test names the bug it kills.
+the token budget left with chunked prefill off (or falls short of it in step 2), the prefill-rate fit's trust
+guards at their edges, and a victim of preempt-to-admit taken from the same admission pass.  Each test names the bug it kills.
 
 Oracles: the rows the executor receives (how far each request's computation really reached, recounted from
 them), a brute-force count of the service WFQ must charge, schedules worked out by hand, and an ordinary least
@@ -15,7 +15,10 @@ import math
 import pytest
 
 from minivllm import EngineConfig, LLMEngine
+from minivllm.config import TenantConfig
+from minivllm.request import RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.sched.fairness import WFQAdmission
 from minivllm.sched.policies import FCFSAdmission, PriorityAdmission
 from minivllm.sched.scheduler import PrefillRateFit
 from minivllm.sim import SimulatedExecutor
@@ -209,4 +212,39 @@ def test_a_victim_with_nothing_computed_still_pauses_the_next_admission():
     assert r in sched.running and r.num_computed_tokens == 8
     finals = drain(engine)
     assert len(finals["a"].outputs[0].token_ids) == 16 and len(finals["r"].outputs[0].token_ids) == 2
+    assert_no_leak(engine)
+
+
+def test_admission_never_preempts_a_request_it_admitted_earlier_in_the_same_pass():
+    """Kills: preempt-to-admit taking, as its victim, a request admitted earlier in the same admission pass.
+
+    The rule (:mod:`minivllm.sched.scheduler`): a ranking policy preempts a *worse-ranked* running request to seat
+    a better-ranked one.  A request admitted earlier in the pass was handed out earlier in the policy's order, so
+    it ranks at or ahead of every later one.  WFQ is where this bites: whom it may preempt for whom reads the
+    tenants' counters (more than a margin apart), its order the counters plus the prompts handed out so far.
+    Hand-worked: budget 64 (margin 64), tenant ``y`` of weight 0.25 at counter 0, ``x`` at 70; 12-token prompts,
+    so each of y's requests charges y 48.  The merge hands out y1 (0), y2 (48), x1 (70), y3 (96).  The pool (10
+    blocks of 4) seats y1, y2 and x1 (3 blocks each); y3 does not fit.  x's counter is 70 ahead of y's, past the
+    margin, but x1 ranks ahead of y3 in this very order: it keeps its seat and y3 waits.  With the guard gone,
+    x1 was preempted before it ran a token and y3 took its place."""
+    cfg = EngineConfig(num_gpu_blocks_override=10, block_size=4, max_num_batched_tokens=64, max_num_seqs=6,
+                       max_model_len=16, scheduling_policy="wfq", tenants={"y": TenantConfig(weight=0.25)},
+                       device="cpu")
+    ex = RecordsRows(4)
+    engine = LLMEngine(cfg, executor=ex, model_max_len=16, eos_token_ids=set())
+    policy = engine.scheduler.admission_policy
+    policy.counters.update(y=0.0, x=70.0)
+    for rid, tenant in [("y1", "y"), ("y2", "y"), ("x1", "x"), ("y3", "y")]:
+        engine.add_request({"prompt_token_ids": [9] * 12}, SamplingParams(max_tokens=2, ignore_eos=True), rid,
+                           tenant=tenant)
+    twin = WFQAdmission(cfg)  # the hand count, on a policy of its own (ordering moves a policy's state)
+    twin.counters.update(policy.counters)
+    assert [r.request_id for r in twin.order(list(engine.scheduler.waiting), [])] == ["y1", "y2", "x1", "y3"]
+    assert policy.may_preempt_for(engine.requests["y3"], engine.requests["x1"])  # the counters alone would allow it
+    engine.step()
+    assert ex.rows == [{"y1": 12, "y2": 12, "x1": 12}]
+    assert engine.step_log[-1].preempted == ()
+    assert engine.requests["x1"].status is RequestStatus.RUNNING
+    assert engine.requests["y3"].status is RequestStatus.WAITING
+    drain(engine)
     assert_no_leak(engine)

@@ -11,7 +11,8 @@ could have run, and the WFQ order itself was broken.
 
 Oracles: a schedule worked out by hand from the merge rule (:class:`~minivllm.sched.fairness.WFQAdmission`), and
 over seeded WFQ workloads the promise itself, checked step by step: every request admitted in a step and still
-running after step 3 has a row in that step's batch.  Everything runs on the simulated executor.
+running after step 3 has a row in that step's batch; and, for requests running since an earlier step, the rank's
+documented tie-break (a tenant's counter, then arrival).  Everything runs on the simulated executor.
 """
 
 from __future__ import annotations
@@ -106,3 +107,27 @@ def test_every_request_wfq_admits_in_a_step_gets_a_row_in_it_over_seeded_workloa
             found[seed] = missing
     assert admissions > 1000, "the workloads must admit requests in many steps"
     assert not found, f"admitted without a row (seed: [(step, request)]): {found}"
+
+
+def test_running_prefills_tied_on_their_tenants_counter_are_served_in_arrival_order():
+    """Kills: WFQ's rank of a running request dropping its arrival tie-break (judged near-equivalent: ties need
+    two running prefills of one tenant, or of tenants at equal counters, left short of the budget together).
+
+    Oracle, the documented rule (:meth:`WFQAdmission.rank`): a request running since an earlier step ranks by its
+    tenant's counter as it stands, then by arrival; step 2 serves prefills by rank.  Hand-worked: one tenant,
+    budget 7, chunks of at most 4 (``long_prefill_token_threshold``), two 16-token prompts; ``late`` (arrived at
+    1.0) reaches the queue before ``early`` (arrived at 0.0), as a trace replayed out of order or a re-admitted
+    victim does.  Step 1 follows the merged order (queue order): late 4, early 3.  From step 2 on both rank by the
+    same counter, so ``early`` goes first: early 4, late 3 for three steps; then early's last token with late's
+    last 3.  Without the tie-break the tie kept the running order, ``late`` first, and it took 4 every step."""
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=4, max_num_batched_tokens=7, max_num_seqs=6,
+                       max_model_len=64, long_prefill_token_threshold=4, scheduling_policy="wfq", device="cpu")
+    ex = RecordsRows()
+    engine = LLMEngine(cfg, executor=ex, model_max_len=64, eos_token_ids=set())
+    for rid, arrival in [("late", 1.0), ("early", 0.0)]:
+        engine.add_request({"prompt_token_ids": [9] * 16}, SamplingParams(max_tokens=2, ignore_eos=True), rid,
+                           tenant="t", arrival_time=arrival)
+    for _ in range(6):
+        engine.step()
+    assert ex.rows == [{"late": 4, "early": 3}] + [{"early": 4, "late": 3}] * 3 + [{"early": 1, "late": 3},
+                                                                                   {"early": 1, "late": 1}]

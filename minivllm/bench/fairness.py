@@ -97,13 +97,22 @@ def _poisson(rng: random.Random, rate: float, until: float):
         t += rng.expovariate(rate)
 
 
+# What the noisy-vs-quiet requests carry for the two policies that read it (benchmarks/README.md states both):
+# ``priority`` ranks quiet (0) before noisy (1); ``deadline`` sees each quiet chat due 1 s after it arrives and
+# each noisy prompt 30 s after -- the engine's ``deadline_aging_s``, so a noisy request's key (``max(arrival,
+# min(deadline, arrival + aging))``) is arrival + 30 s, as it would be with no deadline at all.
+QUIET_PRIORITY, QUIET_DEADLINE_S = 0, 1.0
+NOISY_PRIORITY, NOISY_DEADLINE_S = 1, 30.0
+
+
 def noisy_quiet_workload(seed: int, duration: float, quiet_alone: bool = False) -> list[Arrival]:
     rng = random.Random(seed)
-    out = [Arrival(t, "quiet", _tokens(rng, rng.randint(150, 450)), rng.randint(20, 60), priority=0, deadline=t + 1.0)
+    out = [Arrival(t, "quiet", _tokens(rng, rng.randint(150, 450)), rng.randint(20, 60), priority=QUIET_PRIORITY,
+                   deadline=t + QUIET_DEADLINE_S)
            for t in _poisson(rng, 4.0, duration)]
     if not quiet_alone:
-        out += [Arrival(t, "noisy", _tokens(rng, rng.randint(3000, 5000)), rng.randint(40, 120), priority=1,
-                        deadline=t + 30.0)
+        out += [Arrival(t, "noisy", _tokens(rng, rng.randint(3000, 5000)), rng.randint(40, 120),
+                        priority=NOISY_PRIORITY, deadline=t + NOISY_DEADLINE_S)
                 for t in _poisson(rng, 2.5, duration)]
     return sorted(out, key=lambda a: a.time)
 

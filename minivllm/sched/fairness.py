@@ -243,6 +243,15 @@ def new_prompt_tokens(seq) -> int:
     return max(0, min(seq.start + seq.num_tokens, len(req.prompt_token_ids)) - first)
 
 
+def uncharged_prompt_tokens(req: Request) -> int:
+    """The prompt tokens of ``req`` that WFQ will still charge as prefill (:func:`new_prompt_tokens` summed over its
+    remaining chunks): those no computation has reached yet.  What :meth:`WFQAdmission._merge` charges a waiting
+    request provisionally -- not ``num_uncomputed_tokens``, which for a request preempted by recompute is its
+    whole re-prefill (prompt and outputs again): charged that, its tenant's later requests were ordered behind
+    other tenants' as if it had been served tokens it will never be charged for."""
+    return max(0, len(req.prompt_token_ids) - max(req.num_computed_tokens, req.num_tokens_computed_once))
+
+
 def _steps_left(req: Request, chunk: int) -> int:
     """Steps ``req`` still needs if it runs every step: its uncomputed tokens in chunks (the rest of the prompt,
     or prompt and outputs again after a recompute preemption; a decode's is its last token), the last of which
@@ -475,7 +484,8 @@ class WFQAdmission(KeepsItsOrder):
         return merged if kept is not None else list(merged)
 
     def _merge(self, queues: dict[str, list[Request]], heap: list) -> Iterator[Request]:
-        """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally.
+        """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally (the
+        tokens ``observe`` will charge for it: :func:`uncharged_prompt_tokens`).
 
         Each request handed out gets its place (what :meth:`rank` reads): the key it left the heap with -- its
         tenant's counter plus the provisional charges of its tenant's requests handed out before it -- and, to
@@ -490,14 +500,14 @@ class WFQAdmission(KeepsItsOrder):
             if not heap:  # the last tenant left: the rest of its queue, as it stands (placed as the heap would)
                 for req in q[k:]:
                     places[req] = (vc, 1, len(places))
-                    vc = vc + self.prefill_weight * req.num_uncomputed_tokens / self.weight(t)
+                    vc = vc + self.prefill_weight * uncharged_prompt_tokens(req) / self.weight(t)
                     yield req
                 return
             req = q[k]
             heads[t] = k + 1
             places[req] = (vc, 1, len(places))
-            if k + 1 < len(q):  # provisionally charge the prompt it will prefill
-                heapq.heappush(heap, (vc + self.prefill_weight * req.num_uncomputed_tokens / self.weight(t), i, t))
+            if k + 1 < len(q):  # provisionally charge the prompt tokens it will be charged for
+                heapq.heappush(heap, (vc + self.prefill_weight * uncharged_prompt_tokens(req) / self.weight(t), i, t))
             yield req
 
     def rank(self, req: Request) -> tuple:
