@@ -137,13 +137,16 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event_then_done():
 def test_a_stream_is_marked_uncacheable_event_stream():
     """A stream is ``text/event-stream`` with ``Cache-Control: no-cache``, as OpenAI's and vLLM's are: a caching
     proxy or CDN in front of the server would otherwise hold the chunks back (or serve one client's stream to
-    another).  Kills: the ``Cache-Control`` header dropped from the SSE response."""
+    another).  nginx, the usual proxy, buffers a proxied response unless it says ``X-Accel-Buffering: no`` (nginx's
+    ``proxy_buffering`` documentation), which would hold a stream's chunks until the end.
+    Kills: the ``Cache-Control`` or the ``X-Accel-Buffering`` header dropped from the SSE response."""
     with _Served(_engine()) as srv:
         r = httpx.post(srv.base + "/v1/completions", timeout=30,
                        json={"prompt": [11, 12, 13], "max_tokens": 2, "stream": True})
     assert r.status_code == 200
     assert r.headers["content-type"].split(";")[0].strip() == "text/event-stream"
     assert "no-cache" in r.headers.get("cache-control", "").lower()
+    assert r.headers.get("x-accel-buffering", "").lower() == "no"
 
 
 class _FailingExecutor(SimulatedExecutor):
