@@ -1,4 +1,7 @@
-"""OpenAI API request and response models (the subset minivllm serves), as pydantic models.
+"""OpenAI API request models (the subset minivllm serves) and the models endpoint's cards, as pydantic models.
+
+Responses are plain dicts built where they are sent (``api_server``): one definition of each shape, checked
+against the official ``openai`` client's own types in the tests rather than restated here.
 
 Requests accept OpenAI's fields plus a few of vLLM's extras (``top_k``,
 ``min_p``, ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
@@ -192,96 +195,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return super().unsupported()
 
 
-# -- responses -----------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: None = None
-    finish_reason: Optional[str] = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class DeltaMessage(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: Optional[str] = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Optional[UsageInfo] = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Optional[UsageInfo] = None
+# -- the models endpoint ---------------------------------------------------------
 
 
 class ModelCard(BaseModel):
