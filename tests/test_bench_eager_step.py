@@ -64,3 +64,44 @@ def test_a_time_boxed_run_keeps_the_measurements_it_finished(tmp_path, monkeypat
     assert doc["unfinished"] == ["full_collection", "back_to_back_gc_frozen", "decode_step", "profile",
                                  "decode_profile"]
     assert doc["command"].startswith("python -m minivllm.bench eager_step") and "machine" in doc
+
+
+@pytest.fixture(scope="module")
+def long_context_llama(tmp_path_factory):
+    """A random 2-layer Llama with 4096 positions (room for a prompt beyond the default 512-token step budget)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    path = tmp_path_factory.mktemp("llama_4k")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   intermediate_size=128, vocab_size=512, num_hidden_layers=2,
+                                   max_position_embeddings=4096)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_prompt_longer_than_the_default_budget_is_timed_as_one_step(monkeypatch, long_context_llama):
+    """``--prompt-len 600``: the engine's step budget was the fixed 512 tokens, so chunked prefill split each prompt
+    into 512 + 88 and the "prompt step" timed (and the tensor operations counted) was the first chunk's, while
+    the result said ``prompt_len: 600``.  Oracle: the shape of every step the benchmark timed as a prompt step, as
+    the engine recorded it -- one fresh sequence with all 600 tokens.  The measurements that do not time prompt
+    steps are stand-ins (this test is about which step is timed)."""
+    import minivllm.sim.calibrate as calibrate
+
+    real_measure, timed = calibrate.measure, []
+
+    def spy(engine, requests):
+        samples, rec = real_measure(engine, requests)
+        if requests[0].tenant == "p":
+            timed.append([new for _, new, *_ in samples[0].seqs])
+        return samples, rec
+
+    monkeypatch.setattr(calibrate, "measure", spy)
+    monkeypatch.setattr(eager_step, "full_collection_pause", lambda: {})
+    monkeypatch.setattr(eager_step, "decode_step_stats", lambda engine, vocab, *a: {})
+    monkeypatch.setattr(eager_step, "_profile_decode", lambda engine, acts, vocab: ({}, []))
+    res = run(long_context_llama, "cpu", "auto", prompt_len=600, repeats=1, gap_s=0.0, profile_steps=1,
+              eager_decode=False)
+    assert res["prompt_len"] == 600 and res["back_to_back"]["n"] == 1
+    assert timed and all(t == [600] for t in timed), timed

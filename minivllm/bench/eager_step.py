@@ -77,6 +77,9 @@ def prompt_step_times(engine, prompt_len: int, repeats: int, vocab: int, gap_s: 
             time.sleep(gap_s)
         ids = [int(x) for x in rng.integers(10, vocab - 1, prompt_len)]  # fresh ids: no prefix-cache hit
         samples, _ = measure(engine, [SimRequest(i, 0.0, "p", ids, 1)])
+        if [new for _, new, *_ in samples[0].seqs] != [prompt_len]:  # a chunk is not the step this times
+            raise RuntimeError(f"the first step carried {samples[0].seqs}, not the whole {prompt_len}-token prompt: "
+                               "the engine's step budget is smaller than the prompt")
         times.append(samples[0].time_s)
     return times
 
@@ -95,7 +98,9 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
 
     from minivllm.sim.calibrate import real_engine
 
-    engine = real_engine(model=model, device=device, dtype=dtype)
+    # The step budget holds the whole prompt: at ``real_engine``'s 512 a longer prompt was prefilled in chunks,
+    # and what was timed (and its operations counted) as the prompt step was its first chunk.
+    engine = real_engine(model=model, device=device, dtype=dtype, max_num_batched_tokens=max(512, prompt_len))
     if model is None:
         from minivllm.sim.presets import bundled_shape
 
