@@ -519,6 +519,44 @@ def test_profile_summary_counts_kernel_and_graph_launches_per_step():
     assert got["top_cpu_self"][0] == {"op": "aten::mm", "calls_per_step": 2.0, "self_cpu_us_per_step": 20.0}
 
 
+def test_decode_step_stats_leave_the_prompt_step_out(monkeypatch):
+    """Kills: the prompt step counted among the decode steps.  Oracle: the docstring ("its prompt step left out"),
+    by hand: a 500 ms prompt step then decode steps of 1, 2 and 3 ms are n=3, max 3 ms, mean 2 ms.  The engine is a
+    stand-in (``measure`` returns the step times)."""
+    import minivllm.sim.calibrate as calibrate
+    from minivllm.bench import eager_step
+
+    times = [0.5, 0.001, 0.002, 0.003]
+    monkeypatch.setattr(calibrate, "measure", lambda engine, reqs: ([SimpleNamespace(time_s=t) for t in times], None))
+    s = eager_step.decode_step_stats(None, vocab=100, max_tokens=4)
+    assert (s["n"], s["max_ms"], s["mean_ms"]) == (3, pytest.approx(3.0), pytest.approx(2.0))
+
+
+def test_decode_profile_reports_python_self_time_in_microseconds_per_step():
+    """Kills: cProfile's seconds scaled by 1e3 under the ``self_us_per_step`` key (milliseconds labelled us).
+    Oracle: a stand-in engine whose every step sleeps 2 ms: ``time.sleep`` is called once a step and never returns
+    early, so its own time is at least 2,000 us a step."""
+    import time
+
+    import torch
+
+    from minivllm.bench.eager_step import _profile_decode
+
+    class Engine:
+        def add_request(self, *args, **kwargs):
+            pass
+
+        def step(self):
+            time.sleep(0.002)
+
+        def has_unfinished_requests(self):
+            return False
+
+    _, python = _profile_decode(Engine(), [torch.profiler.ProfilerActivity.CPU], vocab=100, steps=4)
+    sleep = next(e for e in python if "sleep" in e["function"])
+    assert sleep["calls_per_step"] == 1.0 and 1_990 <= sleep["self_us_per_step"] < 1_000_000
+
+
 # -- bench attention: the report arithmetic (the timer replaced by a fixed number) --------------------------------
 
 
