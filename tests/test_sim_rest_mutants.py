@@ -85,3 +85,89 @@ def test_a_request_the_reject_mode_turns_away_is_rejected_with_a_retry_hint_not_
     rec = drive(engine, [SimRequest(k, 0.0, "t", [11 + k] * 8, 40) for k in range(3)])
     assert [(r.outcome, r.error) for r in rec.results] == [("ok", None), ("rejected", None), ("rejected", None)]
     assert all(r.retry_after is not None and r.retry_after > 0 for r in rec.results[1:])
+
+
+def test_a_forward_pass_reads_every_weight_but_the_embedding_table():
+    """``ModelShape.weight_bytes_per_step``: what one forward pass reads, every layer's GEMMs and the lm_head, the
+    embedding being a gather of a few rows.  Oracle: Meta-Llama-3-8B's config.json by hand (hidden 4096, 32
+    layers, 32 heads, 8 KV heads of 128, intermediate 14336, vocab 128256, untied), bf16.  One layer: q and o
+    4096 x 4096 each, k and v 4096 x 1024 each, gate/up/down 3 x 4096 x 14336 = 218,103,808 weights; 32 layers =
+    6,979,321,856; lm_head 128256 x 4096 = 525,336,576; x 2 bytes = 15,009,316,864 (the published 8.03e9
+    parameters less the embedding table, in bytes).  Kills: the lm_head left out (13,958,643,712)."""
+    llama = model_preset("llama-3-8b")
+    layer = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336
+    assert layer == 218_103_808
+    assert llama.weight_bytes_per_step == (32 * layer + 128256 * 4096) * 2 == 15_009_316_864
+    assert llama.weight_bytes_per_step == (llama.num_params - 128256 * 4096) * 2
+
+
+def test_each_phase_names_its_own_binding_roof():
+    """``StepTime.attention_bound`` says which roof bound the *attention* phase, whatever bound the GEMMs (a decode
+    batch at long context: GEMMs near the compute roof, attention reading K/V).  Hand case: a 2-layer toy model
+    (hidden 8, 2 heads and 1 KV head of 4, MLP 16, vocab 32, bf16), a 3-token prefill and a decode at position 5,
+    on a device of 1000 FLOP/s, 1e6 B/s for GEMMs and 10 B/s for attention.  Dense: 10240 FLOPs / 1000 = 10.24 s
+    against 4736 B / 1e6 -- compute.  Attention: 768 FLOPs / 1000 = 0.768 s against 672 B / 10 = 67.2 s -- memory
+    (terms as in test_sim_roofline's hand count).  Kills: the attention phase labelled by the dense phase's roof."""
+    from minivllm.sim.roofline import ModelShape, roofline_time, step_cost
+
+    tiny = ModelShape("tiny", num_layers=2, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
+                      head_dim=4, vocab_size=32, dtype_bytes=2)
+    hw = HardwareSpec("toy", peak_flops=1000, mem_bandwidth=1e6, attention_bandwidth=10)
+    t = roofline_time(step_cost(tiny, [(0, 3, True), (5, 1, True)]), tiny, hw)
+    assert (t.dense, t.dense_bound) == (pytest.approx(10.24), "compute")
+    assert (t.attention, t.attention_bound) == (pytest.approx(67.2), "memory")
+
+
+
+def test_auto_mode_prices_a_recompute_beside_32_decodes_at_2048_tokens_of_context():
+    """The auto mode of ``sim run`` prices a recompute as the time its chunks add to a busy server's steps, a
+    server decoding 32 sequences at 2,048 tokens of context (RooflinePreemptionCosts' background, the one lab 5's
+    curves and ``labs.at_scale.recompute_s`` quote).  Oracle: the steps built by hand -- a 5,000-token victim in
+    2,048-token chunks is 2,048 + 2,048 + 904 tokens, each beside the 32 decodes, only the last one sampling --
+    each less the decodes-only step.  Kills: another background (16 decodes, or 1,024 tokens of context), which
+    moves every swap-or-recompute decision the simulated engine takes."""
+    from minivllm.sim.presets import hardware_preset
+    from minivllm.sim.roofline import roofline_time, step_cost
+
+    shape, hw = model_preset("llama-3-8b"), hardware_preset("h100")
+    costs = make_engine(shape, hw, num_gpu_blocks_override=4096, max_num_batched_tokens=2048,
+                        preemption_mode="auto").scheduler.costs
+    decodes = [(2048, 1, True)] * 32
+
+    def seconds(seqs):
+        return roofline_time(step_cost(shape, seqs), shape, hw).total
+
+    chunks = [(0, 2048, False), (2048, 2048, False), (4096, 904, True)]
+    want = sum(seconds(decodes + [c]) - seconds(decodes) for c in chunks)
+    assert costs.recompute_s(5000) == pytest.approx(want, rel=1e-12)
+
+
+def test_sim_runs_header_counts_every_prompt_and_output_token_it_offers():
+    """``sim run``'s header and its JSON's ``total_tokens`` count the work offered: every request's prompt and
+    output tokens.  Hand case: 5 requests of a fixed 32-token prompt and 8 outputs = 5 * (32 + 8) = 200 tokens.
+    Kills: counting the prompts alone (160)."""
+    import io
+
+    from minivllm.sim.run import _parser, run_sim
+
+    args = _parser().parse_args(["--model", "smollm2-135m", "--tenant", "name=a,input=fixed:32,output=fixed:8",
+                                 "--num-requests", "5", "--request-rate", "100", "--no-requests-in-json"])
+    out = io.StringIO()
+    doc = run_sim(args, out)
+    assert doc["total_tokens"] == 200 and doc["num_requests"] == 5
+    assert "| 5 requests, 200 tokens |" in out.getvalue()
+
+
+def test_sim_runs_extras_line_puts_each_number_under_its_own_label():
+    """The line under ``sim run``'s table: KV peak and time-weighted mean, and how many steps' GEMMs were memory
+    and compute bound.  Hand case: peak 50%, mean 25%, 5 memory-bound steps and 2 compute-bound ones, busy 40%.
+    Kills: the peak printed as the mean (and back), and the two step counts under each other's labels (a decode
+    heavy run reading as compute bound)."""
+    from minivllm.sim.run import format_extras
+
+    x = {"steps": 7, "preemptions": 2, "prefix_cache_hit_rate": None, "kv_blocks": 100, "kv_usage_peak": 0.5,
+         "kv_usage_mean": 0.25, "kv_usage_over_time": [(0.0, 0.5)], "busy_fraction": 0.4,
+         "dense_bound_steps": {"memory": 5, "compute": 2}}
+    text = format_extras(x)
+    assert "KV blocks 100 (peak 50%, mean 25%)" in text and "busy 40%" in text
+    assert "memory-bound 5 / compute-bound 2 steps" in text
