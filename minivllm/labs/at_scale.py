@@ -115,11 +115,11 @@ def swap_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE) -> flo
     return costs(model, hardware).swap_s(math.ceil(num_tokens / BLOCK_SIZE))
 
 
-def recompute_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE, *, chunk: int = 2048,
-                decodes: int = 32, decode_context: int = 2048) -> float:
+def recompute_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE, **options: Any) -> float:
     """Extra seconds a busy engine spends prefilling a victim's ``num_tokens`` again, in chunks of ``chunk``
-    next to ``decodes`` sequences decoding at ``decode_context`` (see :class:`RooflinePreemptionCosts`)."""
-    return costs(model, hardware, chunk=chunk, decodes=decodes, decode_context=decode_context).recompute_s(num_tokens)
+    next to ``decodes`` sequences decoding at ``decode_context`` (``options``; the defaults, 2,048-token chunks
+    beside 32 decodes at 2,048 tokens, are :class:`RooflinePreemptionCosts`' own)."""
+    return costs(model, hardware, **options).recompute_s(num_tokens)
 
 
 def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequence[int] | None = None,
