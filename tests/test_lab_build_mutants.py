@@ -225,3 +225,29 @@ def test_every_code_cell_of_a_regenerated_lab_is_cleared_and_every_exercise_is_a
                 assert "SOLUTION" not in c.source, (sol.name, c.id)
                 code = "\n".join("" if x.lstrip().startswith(("%", "!")) else x for x in c.source.split("\n"))
                 ast.parse(code, f"{sol.name} {c.id}")  # a stub keeps the region's indentation
+
+
+def test_check_reports_a_student_notebook_that_differs_only_in_whitespace(tmp_path):
+    """Indentation is Python syntax: a stub re-indented by hand (or by an editor) is a different notebook, so
+    --check must compare the exact text it would write, not a whitespace-blind form of it."""
+    labs = tmp_path / "labs"
+    assert make_labs.main(["--labs", str(labs)]) == 0
+    first = sorted(labs.glob("lab*.ipynb"))[0]
+    text = first.read_text()
+    assert "    raise NotImplementedError(" in text
+    first.write_text(text.replace("    raise NotImplementedError(", "  raise NotImplementedError(", 1))
+    assert make_labs.main(["--check", "--labs", str(labs)]) == 1
+    first.write_text(text.rstrip("\n") + "\n\n")  # one blank line more at the end is a difference too
+    assert make_labs.main(["--check", "--labs", str(labs)]) == 1
+
+
+def test_a_cell_keeps_every_tag_its_lab_text_gives_it(tmp_path, monkeypatch):
+    """A cell may carry several tags (an exercise tag beside nbval's): build() must keep all of them, in order,
+    and add nbval's ignore tag after them when the first line asks for it."""
+    (tmp_path / "lab99_tags.py").write_text(
+        'CELLS = [("code", "x = 1", ["exercise:x", "nbval-skip", "setup"]),\n'
+        '         ("code", "# NBVAL_IGNORE_OUTPUT timing\\nprint(1)", ("a", "b"))]\n')
+    monkeypatch.setattr(build_solutions, "TEXTS", tmp_path)
+    nb = build_solutions.build("lab99_tags")
+    assert [c.metadata.get("tags") for c in nb.cells] == [
+        ["exercise:x", "nbval-skip", "setup"], ["a", "b", "nbval-ignore-output"]]

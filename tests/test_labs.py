@@ -684,6 +684,9 @@ def test_prefix_workloads_order_of_hit_rates():
 
 
 def test_figures_script_draws_every_figure(tmp_path):
+    """figures/ must be what the script draws today, byte for byte: the script promises identical reruns (seeded,
+    no date stamp; matplotlib is pinned), so a figure that no longer matches shows the README and the labs a
+    picture of an engine, a seed or a workload the code has moved away from."""
     import make_figures
 
     assert make_figures.main(["--out", str(tmp_path)]) == 0
@@ -691,6 +694,8 @@ def test_figures_script_draws_every_figure(tmp_path):
     assert names >= {"block_table.png", "radix_tree.png", "step_timeline.png", "fragmentation.png", "prefix_hit_rates.png"}
     committed = {p.name for p in (ROOT / "figures").glob("*.png")}
     assert names == committed, "figures/ is stale: run python tools/make_figures.py"
+    stale = sorted(n for n in names if (tmp_path / n).read_bytes() != (ROOT / "figures" / n).read_bytes())
+    assert not stale, f"figures/ {stale} differ from what tools/make_figures.py draws: run it"
 
 
 def test_a_cell_covered_by_the_solution_run_is_skipped_only_in_the_student_copy():
