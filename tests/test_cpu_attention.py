@@ -93,6 +93,23 @@ def test_mixed_batch_through_the_backend():
     torch.testing.assert_close(got, paged_attention_reference(q, k.nan_to_num(0), v.nan_to_num(0), meta, 0.25), rtol=1e-5, atol=1e-5)
 
 
+
+def test_a_bfloat16_batch_through_the_backend_matches_the_float32_reference():
+    """The C kernel reads float32 only, so the backend must send a bf16 model's step down the torch path rather
+    than into the kernel, which refuses it: a CPU engine in ``dtype="bfloat16"`` then decodes instead of raising
+    on its first decode step.  Oracle: the torch reference in float32 on the same (bf16-rounded) values, to bf16's
+    rounding."""
+    lens = [17, 40, 9 + 12]  # two decodes, then a 12-token chunk on a 9-token context
+    query_lens = [1, 1, 12]
+    k, v, table = _paged(lens, 4, 2, 16, seed=11)
+    k, v = k.nan_to_num(0).bfloat16(), v.nan_to_num(0).bfloat16()
+    q = torch.randn(sum(query_lens), 6, 16, generator=torch.Generator().manual_seed(12)).bfloat16()
+    meta = _meta(lens, table, query_lens)
+    got = CpuAttentionBackend().attend(q, k, v, meta, 0.25)
+    want = paged_attention_reference(q.float(), k.float(), v.float(), meta, 0.25)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
 def test_auto_picks_cpu_kernel_and_bad_inputs_are_refused():
     assert get_attention_backend("auto", "cpu").name == "cpu"
     assert get_attention_backend("torch", "cpu").name == "torch"
