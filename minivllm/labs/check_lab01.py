@@ -200,8 +200,7 @@ def quiz_prefill_steps_chunked() -> int:
 
 # -- the registration ---------------------------------------------------------------------
 
-LAB = Lab(1, "lab01_serving_loop", "The serving loop", quiz="lab01",
-          widgets=("next step", "run to end"), exercises=(
+LAB = Lab(1, "lab01_serving_loop", "The serving loop", widgets=("next step", "run to end"), exercises=(
     Exercise("split_step", "split_step", check_split_step, points=1, hidden=hidden_split_step, mutants=(
         ("first output token counted as prefill", "if start >= prompt_lens[request_id] and",
          "if start > prompt_lens[request_id] and"),

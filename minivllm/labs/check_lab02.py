@@ -372,8 +372,7 @@ def quiz_slot_of_token_37() -> int:
 
 # -- the registration ---------------------------------------------------------------------
 
-LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", quiz="lab02",
-          widgets=("next step", "run to end"), exercises=(
+LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", widgets=("next step", "run to end"), exercises=(
     Exercise("block_pool", "MyBlockPool", check_block_pool, points=2, hidden=hidden_block_pool, mutants=(
         ("refcount not decremented on decref", "self.counts[block_id] -= 1\n        if self.counts[block_id] == 0:",
          "if self.counts[block_id] == 1:"),

@@ -438,8 +438,7 @@ def quiz_exact_repeat_hit_tokens() -> int:
 
 # -- the registration ---------------------------------------------------------------------
 
-LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", quiz="lab03",
-          widgets=("next step", "run to end"), exercises=(
+LAB = Lab(3, "lab03_prefix_caching", "Prefix caching", widgets=("next step", "run to end"), exercises=(
     Exercise("block_hashes", "block_hashes", check_block_hashes, points=1, hidden=hidden_block_hashes, mutants=(
         ("no chaining", "parent = hash((parent, block, salt if i == 0 else None))",
          "parent = hash((block, salt if i == 0 else None))"),

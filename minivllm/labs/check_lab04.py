@@ -646,7 +646,7 @@ __all__ = [
 
 # -- the registration ---------------------------------------------------------------------------------
 
-LAB = Lab(4, "lab04_chunked_prefill", "Chunked prefill", quiz="lab04", exercises=(
+LAB = Lab(4, "lab04_chunked_prefill", "Chunked prefill", exercises=(
     Exercise("build_batch", "build_batch", check_build_batch, points=2, hidden=hidden_build_batch, mutants=(
         ("prefills before decodes", "for req in decodes + prefills:", "for req in prefills + decodes:"),
         ("running order, not decode-first", "for req in decodes + prefills:", "for req in running:"),

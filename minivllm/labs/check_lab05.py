@@ -731,8 +731,7 @@ def quiz_crossover_gbps() -> float:
 
 # -- the registration ---------------------------------------------------------------------
 
-LAB = Lab(5, "lab05_preemption", "Preemption", quiz="lab05",
-          widgets=("next step", "next swap", "run to end"), exercises=(
+LAB = Lab(5, "lab05_preemption", "Preemption", widgets=("next step", "next swap", "run to end"), exercises=(
     Exercise("victim_policy", "ProtectInteractive", check_victim_policy, points=2, hidden=hidden_victim_policy,
              mutants=(
         ("ignores the protected tenants", "[r for r in running if r.tenant not in self.protected] or list(running)",

@@ -971,7 +971,7 @@ def quiz_jain_two_to_one() -> float:
     return round(jain([2.0, 1.0]), 2)
 
 
-LAB = Lab(6, "lab06_fairness", "Fairness", quiz="lab06", widgets=(), exercises=(
+LAB = Lab(6, "lab06_fairness", "Fairness", widgets=(), exercises=(
     Exercise("tenant_cap", "TenantCap", check_tenant_cap, points=1, hidden=hidden_tenant_cap, mutants=(
         ("off by one: cap + 1 seats", "seats.get(r.tenant, 0) < cap:", "seats.get(r.tenant, 0) <= cap:"),
         ("keeps the caller's dict", "self.max_running = dict(max_running)", "self.max_running = max_running"),

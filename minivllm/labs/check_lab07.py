@@ -711,7 +711,6 @@ LAB = Lab(
         Exercise("decode_kernel", "decode_kernel", check_decode_kernel, points=2, mutants=KERNEL_MUTANTS,
                  hidden=hidden_decode_kernel),
     ),
-    quiz="lab07",
     widgets=("next block",),
 )
 

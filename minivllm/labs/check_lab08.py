@@ -711,6 +711,5 @@ LAB = Lab(
         Exercise("first_alarm", "first_alarm", check_first_alarm, points=1, mutants=MUTANTS_ALARM,
                  hidden=hidden_first_alarm),
     ),
-    quiz="lab08",
     widgets=("run again",),
 )

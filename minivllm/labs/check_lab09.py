@@ -273,7 +273,7 @@ def quiz_spill_choice() -> int:
     return 1 if loads[1] <= bound else min(range(3), key=lambda i: (loads[i], i))
 
 
-LAB = Lab(9, "lab09_fleet", "From one engine to a fleet", quiz="lab09", exercises=(
+LAB = Lab(9, "lab09_fleet", "From one engine to a fleet", exercises=(
     Exercise("least_outstanding", "LeastOutstanding", check_least_outstanding, points=1,
              hidden=hidden_least_outstanding, mutants=(
         ("ties go to the last replica", "if loads[i] < loads[best]:", "if loads[i] <= loads[best]:"),

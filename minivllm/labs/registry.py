@@ -85,8 +85,13 @@ class Lab:
     stem: str
     title: str
     exercises: tuple[Exercise, ...] = ()
-    quiz: str | None = None  # bank name under minivllm/labs/quizzes/, e.g. "lab06"
     widgets: tuple[str, ...] = field(default=())  # button labels a browser test can click
+
+    @property
+    def quiz(self) -> str:
+        """The lab's quiz bank under ``minivllm/labs/quizzes/`` (``lab06``): named by the lab's number, as
+        :func:`minivllm.labs.quiz.load_bank` names it, so a lab cannot be registered with another lab's bank."""
+        return f"lab{self.number:02d}"
 
     @property
     def total_points(self) -> int:
