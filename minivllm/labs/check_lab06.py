@@ -695,9 +695,9 @@ def hidden_tenant_cap(cls, seed: int) -> CheckResult:
 # -- exercise 2: the WFQ virtual token counter ---------------------------------------------------------------
 
 
-def _wfq_engine_run(policy: dict, seed: int = 2) -> tuple:
+def _wfq_engine_run(policy: dict, seed: int = 2, window: float = 1.5) -> tuple:
     """Three backlogged tenants of very different request sizes (each sends about the same tokens): who gets
-    each step's tokens, and each tenant's weighted service in the first 1.5 s."""
+    each step's tokens, and each tenant's weighted service in the first ``window`` seconds."""
     rng = random.Random(seed)
     shapes = {"long": (12, (1200, 1600), (10, 20)), "medium": (36, (300, 500), (10, 30)),
               "short": (120, (60, 150), (4, 12))}
@@ -709,16 +709,16 @@ def _wfq_engine_run(policy: dict, seed: int = 2) -> tuple:
             prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(*p)))
             arrivals.append(Arrival(0.0005 * len(arrivals), f"{name}-{i}", name, prompt, rng.randint(*o)))
     engine = lab_engine(policy, num_blocks=1024, budget=512, max_seqs=24)
-    res = serve(engine, arrivals, window=1.5)
+    res = serve(engine, arrivals, window=window)
     service = {t: res.service(t) for t in res.tenants()}
     per_step = tuple(r.seqs for r in res.records[:400])
     return per_step, service
 
 
-def backlogged(policy: dict) -> dict:
+def backlogged(policy: dict, window: float = 1.5) -> dict:
     """Weighted token service of three backlogged tenants (12 long / 36 medium / 120 short requests, all sent
-    at once) in the first 1.5 s."""
-    return _wfq_engine_run(policy)[1]
+    at once) in the first ``window`` seconds (at 3 s every tenant still has work queued, equal weights or not)."""
+    return _wfq_engine_run(policy, window=window)[1]
 
 
 def aging_run(policy: dict) -> ServeResult:
