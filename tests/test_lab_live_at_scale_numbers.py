@@ -320,3 +320,41 @@ def test_the_batch_backlog_draws_both_ends_of_its_documented_lengths(monkeypatch
     assert len(batch) == 6000 and {a.time for a in batch} == {0.0}
     assert (min(a.prompt_len for a in batch), max(a.prompt_len for a in batch)) == (500, 1000)
     assert (min(a.max_tokens for a in batch), max(a.max_tokens for a in batch)) == (100, 300)
+
+
+def test_agent_calls_resend_the_run_so_far_and_hit_what_a_brute_force_replay_finds():
+    """Lab 3's agent workload: every agent starts with one shared 384-token system prompt and its own task; call
+    k + 1's prompt is call k's prompt + a tool call (8-32 tokens) + a tool result (32-160), calls interleaved round
+    robin.  Oracle for the hits: a brute-force replay (each prompt hits the longest whole-block prefix of its first
+    ``len - 1`` tokens that an earlier prompt's full blocks cover; 1,024 blocks hold them all) -- the radix cache must
+    agree.  And the lab's claim that the hit rate rises over a run: the last two calls hit more than the first.
+    Kills: a call that drops the history (hits fall to the system prompt), agents that do not share the system
+    prompt, calls not interleaved, a growth outside 40-192 tokens."""
+    from minivllm.kv.block_pool import BlockPool
+    from minivllm.kv.prefix import make_prefix_cache
+
+    agents, calls = 4, 6
+    prompts = workloads.agent_workload(agents, calls)
+    assert len(prompts) == agents * calls
+    assert len({tuple(p[:384]) for p in prompts}) == 1
+    assert len({tuple(p[:385]) for p in prompts[:agents]}) == agents  # each agent's task differs at once
+    for k in range(1, calls):
+        for a in range(agents):
+            before, after = prompts[(k - 1) * agents + a], prompts[k * agents + a]
+            assert after[:len(before)] == before and 40 <= len(after) - len(before) <= 192
+    hits = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            n = 0
+            while (n + 1) * 16 <= min(len(p) - 1, len(q)) and p[n * 16:(n + 1) * 16] == q[n * 16:(n + 1) * 16]:
+                n += 1
+            best = max(best, n * 16)
+        hits.append(best)
+    pool = BlockPool(1024)
+    records = workloads.replay_prefix_cache(make_prefix_cache("radix", pool, 16), pool, prompts)
+    assert [r["hit_tokens"] for r in records] == hits
+    first, last = workloads.hit_rate(records[:agents]), workloads.hit_rate(records[-2 * agents:])
+    assert last > first + 0.1
+    with pytest.raises(ValueError, match="n_agents"):
+        workloads.agent_workload(0, 3)

@@ -188,6 +188,29 @@ def rag_workload(n: int = 40, *, seed: int = 0, num_docs: int = 20, doc_len: int
     return requests
 
 
+def agent_workload(n_agents: int = 4, calls: int = 6, *, seed: int = 0, system_len: int = 384,
+                   task_range=(16, 48), call_range=(8, 32), result_range=(32, 160)) -> list[list[int]]:
+    """Agents: each task makes ``calls`` sequential model calls; call k's prompt is the previous call's prompt +
+    the model's tool call + the tool's result.  Every agent shares one system prompt (instructions and tool
+    definitions), and each starts from its own task.
+
+    This is the seed's "many sequential calls": unlike a chat, whose user types between turns, an agent calls
+    again as soon as its tool returns, so nearly the whole prompt was sent a moment ago and is still cached.
+    Calls are interleaved across agents (round robin), as a server sees several agents at once.
+    """
+    if n_agents < 1 or calls < 1:
+        raise ValueError(f"agent_workload needs n_agents >= 1 and calls >= 1, got n_agents={n_agents}, calls={calls}")
+    rng = random.Random(seed)
+    system = _tokens(rng, system_len)
+    histories = [system + _tokens(rng, rng.randint(*task_range)) for _ in range(n_agents)]
+    requests = []
+    for _ in range(calls):
+        for a in range(n_agents):
+            requests.append(list(histories[a]))
+            histories[a] += _tokens(rng, rng.randint(*call_range)) + _tokens(rng, rng.randint(*result_range))
+    return requests
+
+
 def replay_prefix_cache(cache: Any, pool: BlockPool, prompts: Sequence[list[int]], *,
                         namespaces: Sequence[str] | None = None, block_size: int = 16,
                         prefill_cost: Callable[[int], float] | None = None) -> list[dict]:

@@ -7,7 +7,7 @@ CELLS = [
 1. explain why the KV of a shared prompt prefix can be reused, and why only whole blocks are;
 2. build the block-hash index vLLM uses (✏️ chained hashes, ✏️ prefix match with validation) and compare it with
    SGLang's radix tree;
-3. measure hit rates on system-prompt, multi-turn and RAG workloads;
+3. measure hit rates on system-prompt, multi-turn, RAG and agent workloads;
 4. choose what to evict (✏️ LRU leaf, never a locked one) and protect a tenant with a quota;
 5. show the cross-tenant timing leak (vLLM CVE-2025-46570, arXiv 2411.18191) and close it with a salt.
 
@@ -163,7 +163,7 @@ def yours_or_engine(pool, hasher=None, picker=None):
 print("section 2 replays", "your functions" if hash_check and match_check else "the engine's HashIndex")
 """),
 ("md", r"""
-## 2. Hit rates on three workloads
+## 2. Hit rates on four workloads
 
 `LearnerHashCache` assembles your two functions into a prefix cache with the engine's methods (`match`, `insert`,
 `evict`). Each workload is replayed the way the engine admits requests: look up, take references on the hits,
@@ -174,12 +174,15 @@ engine's `prefix_cache_hit_rate`, divide by the whole prompt, so they read a lit
 * **system prompt**: 40 requests = one 256-token system prompt + a short question;
 * **multi-turn**: 8 chats × 5 turns, each turn's prompt = the whole history so far (interleaved);
 * **RAG**: instruction + 3 retrieved documents (popular ones repeat, in varying order) + question;
+* **agent**: 4 agents × 6 sequential calls sharing a 384-token system prompt (instructions and tool definitions);
+  each call's prompt = the previous call's prompt + the model's tool call + the tool's result (interleaved);
 * **unique prompts**: 40 one-off prompts that share nothing — the baseline.
 """),
 ("code", r"""
 WORKLOADS = {"system prompt": workloads.system_prompt_workload(40),
              "multi-turn": workloads.multi_turn_workload(8, 5),
              "RAG": workloads.rag_workload(40),
+             "agent": workloads.agent_workload(4, 6),
              "unique": [p for p, _ in workloads.random_requests(40, seed=3, prompt_range=(64, 400))]}
 MINE = "yours (hash index)" if hash_check and match_check else "engine, for yours"   # who fills row 1
 CACHES = {MINE: yours_or_engine,
@@ -196,13 +199,33 @@ for cname, make in CACHES.items():
 ("md", r"""
 Same numbers for all three: they cache the same blocks; they differ in *how* they find them. The system prompt
 hits most (everybody shares 256 tokens); multi-turn hits the history; RAG only hits where the same documents come in
-the same order. Unique prompts hit **0 %**: a block's key covers every token before it, so nothing is shared, and
+the same order. The agent hits as much as the system prompt, for another reason: besides the shared system prompt,
+each call re-sends the whole run so far, a moment after the last call cached it. Unique prompts hit **0 %**: a block's key covers every token before it, so nothing is shared, and
 turning the cache on only adds lookup and bookkeeping. Measure your own traffic before expecting a win.
 
 Why not 100 % for the system prompt? The first request has nothing to hit, and every request's question is new,
 so its tokens are always computed. (Had the system prompt been, say, 250 tokens, its last 10 tokens would share a
 block with the question: that block differs per request, so those 10 tokens would miss too. Here 256 = 16 × 16
 blocks, so the system prompt ends exactly on a block boundary and all of it hits.)
+
+An agent's prompt grows with every call, but what it computes per call does not: only the new tool call and
+result, plus the tokens of the previous prompt's last, partly filled block. So its hit rate climbs as the run goes on
+(not strictly: a long tool result adds more new tokens):
+"""),
+("code", r"""
+calls = workloads.agent_workload(4, 6)
+pool = BlockPool(1024)
+records = workloads.replay_prefix_cache(RadixCache(pool, BLOCK), pool, calls)
+for k in range(6):                        # calls are interleaved: the k-th call of each of the 4 agents
+    batch = records[4 * k:4 * k + 4]
+    computed = sum(r["prompt_tokens"] - r["hit_tokens"] for r in batch) / 4
+    print(f"call {k + 1}: prompt {sum(r['prompt_tokens'] for r in batch) / 4:6.0f} tokens, "
+          f"computed {computed:4.0f}, hit rate {workloads.hit_rate(batch):5.1%}")
+"""),
+("md", r"""
+The first call pays for the task (and, for the first agent, the system prompt); every later call computes about
+the same hundred-odd tokens while its prompt keeps growing. Without a cache each call would prefill the whole run
+again, so an agent's total prefill grows with the square of its number of calls; with one, linearly.
 
 ## 3. The radix tree, step by step
 
@@ -524,7 +547,8 @@ print_answers(3)   # the answer key: run it after you have answered
   blocks are cached, and why even a fully cached prompt recomputes its last token.
 * How a chained block hash identifies a whole prefix, where the salt enters, and how a radix tree finds the same
   blocks by walking edges instead.
-* Which workloads hit (system prompts, multi-turn, RAG in a stable order) and which do not (unique prompts: 0 %).
+* Which workloads hit (system prompts, multi-turn, agents, RAG in a stable order) and which do not (unique
+  prompts: 0 %), and why an agent's hit rate climbs with every call.
 * What a hit saves (prefill of the cached tokens: TTFT, measured on the real engine) and what it does not (queueing,
   decode).
 * Why eviction takes unlocked leaves in LRU order, how a quota keeps one tenant from flushing another, and why an
