@@ -69,6 +69,28 @@ def test_a_counter_that_leaves_a_zero_unwritten_passes_the_visible_checker():
     assert result, text
 
 
+class _DividesTheRunningTotal(_LiftOnlyWhenRaising):
+    """Divides the counter, not the charge, by the weight: ``(counter + cost) / weight``.  Right for a tenant of
+    weight 1 and for a first charge; wrong from the second charge of a weighted tenant on, which divides every
+    earlier charge again (a weight-2 tenant charged 60 then 40 prefill tokens has served 100 / 2 = 50, not 35)."""
+
+    def charge(self, tenant, prefill_tokens, output_tokens):
+        cost = self.prefill_weight * prefill_tokens + self.decode_weight * output_tokens
+        self.counters[tenant] = (self.counters.get(tenant, 0.0) + cost) / self.weight(tenant)
+
+
+def test_a_counter_that_divides_its_running_total_fails_visible_and_hidden():
+    by_hand = _DividesTheRunningTotal({"a": 2.0})  # the exercise's rule, by hand: (60 + 40) / 2 = 50
+    by_hand.charge("a", 60, 0)
+    by_hand.charge("a", 40, 0)
+    assert by_hand.counters["a"] == 35.0 != (60 + 40) / 2
+    result, text = _quiet(check_lab06.check_virtual_token_counter, _DividesTheRunningTotal)
+    assert not result, text
+    assert "Divide each charge's cost" in text
+    assert not any(check_lab06.hidden_virtual_token_counter(_DividesTheRunningTotal, seed) for seed in range(20))
+    assert all(check_lab06.hidden_virtual_token_counter(_LiftOnlyWhenRaising, seed) for seed in range(20))
+
+
 # -- lab 4: pick the budget --------------------------------------------------------------------------------
 
 
@@ -118,3 +140,60 @@ def test_metrics_that_change_the_callers_prompt_lens_fail():
     assert first["generation_tokens"] == 5 and again["generation_tokens"] != 5
     result, text = _quiet(check_lab08.check_metrics_from_log, _metrics_counting_in_prompt_lens)
     assert not result and result.failed_case == "prompt_lens and arrivals are only read", text
+
+
+# -- lab 6: the deadline key's two clamps ------------------------------------------------------------------
+
+
+class _AgingDeadline:
+    """A right ``AgingDeadline``, written here: the clamps as an if-chain instead of min and max."""
+
+    def __init__(self, aging_s):
+        self.aging_s = aging_s
+
+    def key(self, req):
+        latest = req.arrival_time + self.aging_s
+        if req.deadline is None or req.deadline > latest:
+            return latest
+        return max(req.deadline, req.arrival_time)
+
+    def rank(self, req):
+        return (self.key(req), req.arrival_time)
+
+    def order(self, waiting, running):
+        return sorted(waiting, key=self.rank)
+
+
+class _ExpiredMeansNegative(_AgingDeadline):
+    """Reads "an already-expired deadline" as "a negative deadline": a request that arrived at 2.0 due at 1.0
+    keeps the key 1.0 and jumps ahead of requests that arrived before it."""
+
+    def key(self, req):
+        latest = req.arrival_time + self.aging_s
+        due = latest if req.deadline is None else min(req.deadline, latest)
+        return req.arrival_time if due < 0 else due
+
+
+class _AgingFromTimeZero(_AgingDeadline):
+    """Pulls a deadline in to ``aging_s`` rather than to ``arrival_time + aging_s``: the same key for a request
+    that arrived at 0.0 (as the visible far-deadline request did), too early for every later one."""
+
+    def key(self, req):
+        latest = req.arrival_time + self.aging_s
+        due = latest if req.deadline is None else min(req.deadline, self.aging_s)
+        return max(req.arrival_time, due)
+
+
+def test_deadline_keys_clamped_at_the_wrong_bound_fail_visible_and_hidden():
+    from minivllm.labs.check_lab06 import _R
+
+    # the exercise's rule by hand: arrived 2.0 due 1.0 -> 2.0; arrived 2.0 due 40 with aging 10 -> 12.0
+    assert _AgingDeadline(10.0).key(_R("p", "t", 2.0, 1.0)) == 2.0 != _ExpiredMeansNegative(10.0).key(_R("p", "t", 2.0, 1.0))
+    assert _AgingDeadline(10.0).key(_R("f", "t", 2.0, 40.0)) == 12.0 != _AgingFromTimeZero(10.0).key(_R("f", "t", 2.0, 40.0))
+    for wrong in (_ExpiredMeansNegative, _AgingFromTimeZero):
+        result, text = _quiet(check_lab06.check_deadline_aging, wrong)
+        assert not result, (wrong.__name__, text)
+        assert not any(check_lab06.hidden_deadline_aging(wrong, seed) for seed in range(20)), wrong.__name__
+    result, text = _quiet(check_lab06.check_deadline_aging, _AgingDeadline)
+    assert result, text
+    assert all(check_lab06.hidden_deadline_aging(_AgingDeadline, seed) for seed in range(20))

@@ -122,3 +122,30 @@ def test_a_match_that_deletes_a_colliding_entry_fails_the_checker():
     assert "the index is only read" in text
     assert check_lab03.check_match_prefix(read_only)  # the same hits, leaving the index alone, still pass
     assert not check_lab03.hidden_match_prefix(_match_dropping_stale, 0)
+
+
+# -- lab 3: a block's tokens as one string of digits --------------------------------------------------------
+
+
+def _digits_joined(token_ids, block_size, salt=None):
+    """A chained hash of each block's tokens joined into one string ("".join(map(str, block))): chained, salted
+    on the first key, order-sensitive -- and blind to where one token ends and the next begins."""
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        text = "".join(map(str, token_ids[i * block_size:(i + 1) * block_size]))
+        parent = hash((parent, text, salt if i == 0 else None))
+        keys.append(parent)
+    return keys
+
+
+def test_a_hash_of_the_joined_digits_fails_visible_and_hidden():
+    # the exercise's rule (a key per full block identifies its whole prefix) by hand: 1, 23 and 12, 3 are different
+    # blocks, so the right chain gives different keys; the joined digits are the same text, so this gives one key
+    assert _chain([1, 23, 4, 5], 4) != _chain([12, 3, 4, 5], 4)
+    assert _digits_joined([1, 23, 4, 5], 4) == _digits_joined([12, 3, 4, 5], 4)
+    result, text = _quiet(check_lab03.check_block_hashes, _digits_joined)
+    assert not result, text
+    assert "joining their digits" in text
+    assert not any(check_lab03.hidden_block_hashes(_digits_joined, seed) for seed in range(20))
+    assert _quiet(check_lab03.check_block_hashes, _chain)[0]
+    assert all(check_lab03.hidden_block_hashes(_chain, seed) for seed in range(20))

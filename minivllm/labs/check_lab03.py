@@ -67,6 +67,9 @@ def check_block_hashes(fn) -> CheckResult:
         Case("the same tokens in another order are another block",
              lambda f: f(P[:16], 16) != f(P[15::-1], 16), True,
              "a sum or a set forgets the order; KV depends on it: hash the tokens as a tuple"),
+        Case("tokens 1, 23 and 12, 3 are another block", lambda f: f([1, 23] * 8, 16) != f([12, 3] * 8, 16), True,
+             "hash the tuple of token ids itself: joining their digits into one string ('123...') makes 1, 23 and "
+             "12, 3 the same text, so two different blocks share a key"),
         Case("a salt changes every key", lambda f: (lambda s, u: all(x != y for x, y in zip(s, u)))(
             f(P + Q, 16, salt="alice"), f(P + Q, 16)), True,
              "mix the salt into the FIRST key; chaining carries it to all later keys"),
@@ -326,7 +329,14 @@ def hidden_block_hashes(fn, seed: int) -> CheckResult:
                 return bad
         return "all 10 trials match"
 
+    def run_together(f):  # random tokens of 1-3 digits rarely spell the same digits: these always do
+        bs = rng.choice([2, 4, 8])
+        x, y = [1, 23] * (bs // 2), [12, 3] * (bs // 2)
+        return equalities(f, "digits", bs, [x, y, x + y, y + x, x + x], [None] * 5) or "keys as the engine's"
+
     return run_checks("block_hashes (hidden)", fn, [
+        Case("blocks whose digits run together: the same equal and different keys as the engine", run_together,
+             "keys as the engine's"),
         Case("20 random prompt sets: the same equal and different keys as the engine", same_equalities,
              "all 20 trials match"),
         Case("10 sets of reordered and repeated blocks: the same equal and different keys as the engine", reordered,

@@ -737,7 +737,8 @@ def check_virtual_token_counter(cls) -> CheckResult:
 
     def charged(k):
         v = k({"a": 2.0}, prefill_weight=1.0, decode_weight=2.0)
-        v.charge("a", 100, 0)
+        v.charge("a", 60, 0)  # in two steps: an answer that divides the running total divides the 60 twice
+        v.charge("a", 40, 0)
         v.charge("b", 100, 0)
         v.charge("b", 0, 3)
         return round(v.counters["a"], 6), round(v.counters["b"], 6)
@@ -761,7 +762,8 @@ def check_virtual_token_counter(cls) -> CheckResult:
     cases = [
         Case("prefill tokens, divided by the weight", charged, (50.0, 106.0),
              "counter += (prefill_weight x prefill tokens + decode_weight x output tokens) / the tenant's weight; "
-             "an unlisted tenant has weight 1"),
+             "an unlisted tenant has weight 1. Divide each charge's cost, not the counter: (counter + cost) / weight "
+             "divides every earlier charge again"),
         Case("both token weights", weighted_decode, 6.5, "0.5 x 40 + 3 x 2 = 26, divided by weight 4"),
         Case("a newcomer starts at the minimum of the active tenants", lambda k: lift(k, None, {"x": 500, "y": 300}),
              (300.0, {"x": 500, "y": 300}), "not 0 (it would get the whole engine until it caught up), not the maximum"),
@@ -788,7 +790,10 @@ def check_virtual_token_counter(cls) -> CheckResult:
 def hidden_virtual_token_counter(cls, seed: int) -> CheckResult:
     rng = random.Random(seed)
     weights = {t: rng.choice([0.5, 1.0, 2.0, 3.0]) for t in "ab"}
-    ops: list[tuple] = []
+    # a, b may both draw weight 1, and neither may be charged twice: d, weighted and charged twice whatever the
+    # seed, tells dividing each charge from dividing the running total (d takes no rng draw, no activation)
+    weights["d"] = 2.0
+    ops: list[tuple] = [("charge", "d", 120, 1), ("charge", "d", 40, 3)]
     for _ in range(10):
         t = rng.choice("abc")
         if rng.random() < 0.3:
@@ -824,10 +829,10 @@ def hidden_virtual_token_counter(cls, seed: int) -> CheckResult:
                 v.charge(*op[1:])
             else:
                 v.activate(op[1], set(op[2]))
-        return {t: round(v.counters.get(t, 0.0), 6) for t in "abc"}
+        return {t: round(v.counters.get(t, 0.0), 6) for t in "abcd"}
 
     return run_checks("virtual token counter (hidden)", cls, [
-        Case("random charges and activations", run, {t: round(expected.get(t, 0.0), 6) for t in "abc"},
+        Case("random charges and activations", run, {t: round(expected.get(t, 0.0), 6) for t in "abcd"},
              "charge adds weighted tokens / weight; activate lifts the tenant (new or returning) to the minimum "
              "of the other active tenants, never lowering it")])
 
@@ -870,6 +875,8 @@ def check_deadline_aging(cls) -> CheckResult:
     loose = _R("loose", "bulk", 0.0, deadline=40.0)
     none = _R("none", "bulk", 0.5)
     expired = _R("expired", "chat", 2.0, deadline=-3.0)
+    past_positive = _R("past", "chat", 2.0, deadline=1.0)
+    far_late = _R("far-late", "bulk", 2.0, deadline=40.0)
 
     def untouched(k):
         waiting = [loose, tight, none]
@@ -888,10 +895,14 @@ def check_deadline_aging(cls) -> CheckResult:
              "a request with a deadline inside the aging window is ordered by its deadline"),
         Case("no deadline: arrival + aging_s", lambda k: keys(k, [none]), [10.5],
              "a request without a deadline is due aging_s after it arrived"),
-        Case("a far deadline is pulled in to arrival + aging_s", lambda k: keys(k, [loose]), [10.0],
-             "aging: nobody's key is later than its arrival + aging_s (take the smaller of the two)"),
-        Case("an expired deadline does not jump ahead of its own arrival", lambda k: keys(k, [expired]), [2.0],
-             "a deadline already past when the request arrived counts as its arrival time (the larger of the two)"),
+        # loose arrived at 0.0, where arrival + aging_s and aging_s agree: far_late tells them apart
+        Case("a far deadline is pulled in to arrival + aging_s", lambda k: keys(k, [loose, far_late]), [10.0, 12.0],
+             "aging: nobody's key is later than its arrival + aging_s (take the smaller of the two); the bound counts "
+             "from the request's own arrival_time, not from time 0"),
+        # past_positive: past when it arrived, though not negative
+        Case("an expired deadline does not jump ahead of its own arrival", lambda k: keys(k, [expired, past_positive]),
+             [2.0, 2.0], "a deadline already past when the request arrived counts as its arrival time (the larger of "
+                         "the two) -- any deadline before arrival_time, not only a negative one"),
         Case("a deadline of 0.0 is a deadline", lambda k: keys(k, [_R("zero", "chat", 0.0, deadline=0.0)]), [0.0],
              "test `req.deadline is None`, not its truth: 0.0 is falsy but a real (very urgent) deadline"),
         Case("earliest key first", lambda k: order(k, [loose, tight, none]), ["tight", "loose", "none"],
@@ -944,7 +955,13 @@ def hidden_deadline_aging(cls, seed: int) -> CheckResult:
         return max(r.arrival_time, latest if r.deadline is None else min(r.deadline, latest))
 
     expected = _ids(sorted(reqs, key=lambda r: (key(r), r.arrival_time)))
+    # The random queue need not hold a deadline between 0 and its arrival, nor a far deadline on a late arrival,
+    # and a wrong clamp there may leave the order alone: these two are in every seed's key case.
+    pinned = [_R("past", "t", 2.5, 0.5), _R("far", "t", 2.0, round(2.0 + 3 * aging, 3))]
     return run_checks("deadline with aging (hidden)", cls, [
+        Case(f"keys of a random queue, aging {aging}", lambda k: [round(k(aging).key(r), 6) for r in reqs + pinned],
+             [round(key(r), 6) for r in reqs + pinned],
+             "key = the deadline clamped into [arrival_time, arrival_time + aging_s]; no deadline: arrival + aging_s"),
         Case(f"random queue, aging {aging}", lambda k: _ids(k(aging).order(list(reqs), [])), expected),
         Case(f"random queue sorted by rank, aging {aging}", lambda k: _ids(sorted(reqs, key=k(aging).rank)), expected,
              "rank(req) = (key, arrival time): smaller is more urgent")])
