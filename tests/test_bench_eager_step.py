@@ -8,6 +8,9 @@ the LM head once) -- the number of linear calls is fixed by the architecture, no
 """
 
 import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -105,3 +108,62 @@ def test_a_prompt_longer_than_the_default_budget_is_timed_as_one_step(monkeypatc
               eager_decode=False)
     assert res["prompt_len"] == 600 and res["back_to_back"]["n"] == 1
     assert timed and all(t == [600] for t in timed), timed
+
+
+class _Stop(Exception):
+    """Raised at the idle series: what ``run`` asked for is known by then, and nothing after it needs to run."""
+
+
+def _idle_series_asked(monkeypatch, argv: list[str]) -> tuple[int, float]:
+    """(steps, idle seconds) that ``main(argv)`` asks of its idle series; no model is loaded, no step timed."""
+    import torch
+
+    import minivllm.sim.calibrate as calibrate
+
+    engine = SimpleNamespace(config=SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32))
+    calls = []
+
+    def series(engine, prompt_len, repeats, vocab, gap_s=0.0):
+        calls.append((repeats, gap_s))
+        if len(calls) == 3:  # the warm-up, the back-to-back series, then the idle series
+            raise _Stop
+        return [1e-3] * repeats
+
+    with monkeypatch.context() as m:
+        m.setattr(calibrate, "real_engine", lambda **kwargs: engine)
+        m.setattr(eager_step, "prompt_step_times", series)
+        with pytest.raises(_Stop):
+            eager_step.main(argv)
+    return calls[2]
+
+
+def _numbers(pattern: str, text: str, where: str) -> tuple[str, ...]:
+    m = re.search(pattern, " ".join(text.split()))
+    assert m, f"{where} no longer states {pattern!r}"
+    return m.groups()
+
+
+def test_the_idle_series_length_and_gap_are_the_ones_help_and_the_readme_state(monkeypatch, capsys):
+    """The idle series' length (a share of ``--repeats``, with a floor) and ``--gap``'s default were stated
+    nowhere, and a mutation pass changed either without a test failing.  Oracle: the numbers ``--help`` and
+    benchmarks/README.md state, read from their text (both must agree), against what ``main`` asks of the
+    idle series for several ``--repeats`` -- so changing the code or one text alone fails."""
+    with pytest.raises(SystemExit):
+        eager_step.main(["--help"])
+    help_text = capsys.readouterr().out
+    readme = (Path(__file__).resolve().parent.parent / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    stated = {
+        "--help": (*_numbers(r"\(default (\d+)\); the idle series times 1/(\d+) as many, at least (\d+)",
+                             help_text, "--help"),
+                   *_numbers(r"each step of the idle series \(default ([\d.]+)\)", help_text, "--help")),
+        "README": _numbers(r"`--repeats` times back to back \(default (\d+)\), then 1/(\d+) as many times, "
+                           r"at least (\d+), each after `--gap` seconds idle \(default ([\d.]+)\)",
+                           readme, "benchmarks/README.md"),
+    }
+    assert stated["--help"] == stated["README"], stated
+    repeats, share, least = (int(x) for x in stated["README"][:3])
+    gap = float(stated["README"][3])
+    assert _idle_series_asked(monkeypatch, []) == (max(least, repeats // share), gap)
+    for n in (1, 2, 8, 9, 10, 31, 60):
+        assert _idle_series_asked(monkeypatch, ["--repeats", str(n)]) == (max(least, n // share), gap), n
+    assert _idle_series_asked(monkeypatch, ["--gap", "0.25"])[1] == 0.25

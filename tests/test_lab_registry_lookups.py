@@ -12,15 +12,18 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from minivllm.labs import answers, mutants, quiz
-from minivllm.labs.registry import apply_mutant, exercise, get_lab, labs
+from minivllm.labs.registry import MutantError, apply_mutant, exercise, get_lab, labs
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import make_labs  # noqa: E402
 REGISTERED = labs()
 
 # A hint above the region quotes the solution's line: learners are told what to write, not how.
@@ -49,6 +52,31 @@ def test_a_planted_bug_patches_one_occurrence_and_skips_a_region_without_it():
         "### BEGIN SOLUTION\nb = x + x\n### END SOLUTION\n"
     )
     assert apply_mutant(source, ("one x", "x", "y")) == source.replace("b = x + x", "b = y + x")
+
+
+# A comment quotes the marker mid-line above the region: it marks nothing; the line after it is given code.
+QUOTED_MARKER = (
+    "def mean(xs):\n"
+    "    n = len(xs)  # the ### BEGIN SOLUTION region below divides by n\n"
+    "    total = sum(xs)\n"
+    "    ### BEGIN SOLUTION\n"
+    "    return sum(xs) / n\n"
+    "    ### END SOLUTION\n"
+)
+
+
+def test_a_marker_quoted_mid_line_is_no_marker_for_the_grader_nor_for_the_student_notebook():
+    """``apply_mutant`` used to take a marker anywhere in a line, ``tools/make_labs.py`` only at its start: the
+    quoted marker opened a region for the grader, which then planted the bug in ``total = sum(xs)``, a line the
+    student notebook gives the learner.  Oracle: the student notebook itself -- a bug planted in a solution
+    region is in lines ``make_labs`` replaces, so the stub it writes is the same with or without the bug."""
+    stub = make_labs.stub_source(QUOTED_MARKER)
+    assert "    total = sum(xs)\n" in stub and "return sum(xs) / n" not in stub  # make_labs' reading, by hand
+    got = apply_mutant(QUOTED_MARKER, ("sums one short", "sum(xs)", "sum(xs[1:])"))
+    assert got == QUOTED_MARKER.replace("return sum(xs) / n", "return sum(xs[1:]) / n")
+    assert make_labs.stub_source(got) == stub
+    with pytest.raises(MutantError):  # text only in the given lines is no solution code to plant a bug in
+        apply_mutant(QUOTED_MARKER, ("no total", "total = sum(xs)", "total = 0"))
 
 
 def test_each_lab_is_registered_under_its_notebook_number_in_lab_order():

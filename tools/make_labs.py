@@ -24,7 +24,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the markers are the registry's
-from minivllm.labs.registry import BEGIN, END  # noqa: E402  (one definition: the grader patches the same regions)
+from minivllm.labs.registry import BEGIN, END, solution_marker  # noqa: E402  (one definition: the grader patches the same regions)
 
 DEFAULT_TODO = "replace this line with your code"
 
@@ -39,15 +39,15 @@ def stub_source(source: str, where: str = "") -> str:
     lines = source.split("\n")
     inside = False
     for n, line in enumerate(lines, 1):
-        stripped = line.strip()
-        if stripped.startswith(BEGIN):
+        marker = solution_marker(line)
+        if marker == BEGIN:
             if inside:
                 raise MarkerError(f"{where} line {n}: nested {BEGIN}")
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
             todo = _todo_above(out)
             out.append(f"{indent}raise NotImplementedError({todo!r})")
-        elif stripped.startswith(END):
+        elif marker == END:
             if not inside:
                 raise MarkerError(f"{where} line {n}: {END} without {BEGIN}")
             inside = False
@@ -86,7 +86,7 @@ def make_lab(nb: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode
     for i, cell in enumerate(lab.cells):
         if cell.cell_type == "code":
             if COVERED in cell.metadata.get("tags", []):
-                if BEGIN in cell.source:
+                if any(solution_marker(line) == BEGIN for line in cell.source.split("\n")):
                     raise MarkerError(f"{name} cell {i}: tagged {COVERED!r} but holds an exercise")
                 cell.metadata["tags"] = [*cell.metadata["tags"], "nbval-skip"]
             cell.source = stub_source(cell.source, f"{name} cell {i}")

@@ -38,6 +38,36 @@ from minivllm.bench.results import write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import interpolated
 
+IDLE_GAP_S = 0.5
+"""``--gap``'s default: seconds the engine sits idle before each step of the idle series.
+
+Why 0.5 s: the question is whether a prompt step that follows a pause is slower than one that follows
+another step, and the pauses that matter are the ones between arrivals in ``bench sim_accuracy``'s held-out
+workloads, where the prompt steps varied (1.5, 1 and 0.4 requests/s: 0.67, 1 and 2.5 s apart on average).
+Half a second is a pause of that order at its short end, and keeps the idle series' sleeping to about 5 s
+at the default ``--repeats``.  (The H200 runs of 2026-11-30 used ``--gap 1``.)
+"""
+
+IDLE_SERIES_SHARE = 3
+"""The idle series times ``--repeats`` // this many steps (a third: 10 at the default 30), not ``--repeats``.
+
+Why fewer: each of its steps costs ``--gap`` seconds of sleep on top of the step, so a full-length series
+would multiply the run's time by the idle it waits; a third still gives it a median and a p90 next to the
+back-to-back series' (see :data:`IDLE_SERIES_MIN` for small ``--repeats``).
+"""
+
+IDLE_SERIES_MIN = 3
+"""The idle series' fewest steps, whatever ``--repeats``.
+
+Why: ``--repeats 2`` // :data:`IDLE_SERIES_SHARE` is 0, and an empty series has no statistics (``_stats``
+fails on it); three is the fewest whose median is not one of the extremes.
+"""
+
+
+def idle_series_length(repeats: int) -> int:
+    """Steps in the idle series for a ``--repeats`` of ``repeats`` (the two constants above)."""
+    return max(IDLE_SERIES_MIN, repeats // IDLE_SERIES_SHARE)
+
 
 def _stats(xs: list[float]) -> dict:
     s = sorted(xs)
@@ -125,7 +155,7 @@ def run(model: str | None, device: str, dtype: str, prompt_len: int, repeats: in
 
     out["back_to_back"] = _stats(prompt_step_times(engine, prompt_len, repeats, vocab))
     finished()
-    out[idle] = _stats(prompt_step_times(engine, prompt_len, max(3, repeats // 3), vocab, gap_s))
+    out[idle] = _stats(prompt_step_times(engine, prompt_len, idle_series_length(repeats), vocab, gap_s))
     finished()
     out["full_collection"] = full_collection_pause()
     finished()
@@ -299,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--prompt-len", type=positive_int, default=64)
-    ap.add_argument("--repeats", type=positive_int, default=30)
-    ap.add_argument("--gap", type=nonnegative_float, default=0.5, help="idle seconds before each step of the idle series")
+    ap.add_argument("--repeats", type=positive_int, default=30,
+                    help="prompt steps in each back-to-back series (default 30); the idle series times "
+                         "1/3 as many, at least 3")
+    ap.add_argument("--gap", type=nonnegative_float, default=IDLE_GAP_S,
+                    help="idle seconds before each step of the idle series (default 0.5)")
     ap.add_argument("--profile-steps", type=positive_int, default=3)
     ap.add_argument("--json", type=output_file, default=None)
     a = ap.parse_args(argv)

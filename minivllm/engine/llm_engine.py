@@ -56,6 +56,19 @@ log = logging.getLogger(__name__)
 _EMA = 0.2  # weight of the newest step in the step-time estimate
 
 
+UNTIMED_STEP_S = 0.05
+"""The seconds a retry hint counts per step before any step has been timed (``step_time_s`` still None).
+
+A step is timed from the end of the one before it, or from the arrival that woke an idle engine, so on a
+clock that moves the first step a request is rejected in already has a time; this value stands in where no
+step has taken time on the executor's clock yet -- a simulator whose clock stands still, or a driver that
+asks for a hint by hand.  Why 0.05 s: a step of the right order between the devices this engine runs on (on
+the H200, a graphed decode step of a 1B model took 2.5 ms and an eager prompt step about 10 ms; on this
+repository's 2-core CPU a lone SmolLM2-135M decode step takes 66 ms), so a hint is off by a factor of a few
+at worst, and the first timed step replaces it.  The README states it where it explains the hint.
+"""
+
+
 def _hint(seconds: float) -> float:
     """A retry hint in seconds, rounded to the millisecond and never below one millisecond: rounded to 0.0, a
     fast executor's sub-millisecond step would tell a rejected caller to retry at once, into the same full pool
@@ -782,7 +795,7 @@ class LLMEngine:
         and what was reserved for it), each step taking the measured average.
         """
         kv, running = self.kv, self.scheduler.running
-        step = self.step_time_s or 0.05
+        step = self.step_time_s or UNTIMED_STEP_S
         cap_steps = self.scheduler.cap_retry_steps(req)  # turned away by its tenant's cap, not by the pool
         if cap_steps is not None:
             return _hint(step * cap_steps)

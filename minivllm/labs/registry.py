@@ -34,6 +34,43 @@ BEGIN = "### BEGIN SOLUTION"
 END = "### END SOLUTION"
 
 
+def solution_marker(line: str) -> str | None:
+    """:data:`BEGIN` or :data:`END` if ``line`` is a solution marker, else None.
+
+    A marker is a line whose code starts with one (indentation before it and words after it are allowed); the
+    same text later in a line -- a comment or a hint that quotes it, a string -- marks nothing.  One definition
+    for :func:`apply_mutant` and ``tools/make_labs.py``: the grader must plant its bugs in exactly the lines the
+    student notebook replaces with a stub.  Where the two read markers differently, a marker quoted mid-line
+    above a region started :func:`apply_mutant`'s region early, and a planted bug could land in code the
+    learner is given rather than in code they write: the checker would then be tested on a bug no learner
+    can make.
+    """
+    code = line.lstrip()
+    if code.startswith(BEGIN):
+        return BEGIN
+    if code.startswith(END):
+        return END
+    return None
+
+
+def solution_regions(source: str) -> list[tuple[int, int]]:
+    """``(start, end)`` offsets of each solution region of ``source``: the lines between a :data:`BEGIN` line
+    and the next :data:`END` line, the marker lines left out (:func:`solution_marker` says which lines those
+    are).  A BEGIN inside a region, or one never closed, opens nothing; ``tools/make_labs.py`` refuses both."""
+    regions: list[tuple[int, int]] = []
+    start, pos = None, 0
+    for line in source.split("\n"):
+        after = pos + len(line) + 1
+        marker = solution_marker(line)
+        if marker == BEGIN and start is None:
+            start = after
+        elif marker == END and start is not None:
+            regions.append((start, pos))
+            start = None
+        pos = after
+    return regions
+
+
 class MutantError(ValueError):
     """A planted bug whose ``old`` text no longer occurs in any solution region (the solution moved on)."""
 
@@ -46,15 +83,10 @@ def apply_mutant(source: str, mutant: Mutant) -> str:
     "survive" for the wrong reason.
     """
     description, old, new = mutant
-    pos = 0
-    while (start := source.find(BEGIN, pos)) != -1:
-        end = source.find(END, start)
-        if end == -1:
-            break
+    for start, end in solution_regions(source):
         region = source[start:end]
         if old in region:
             return source[:start] + region.replace(old, new, 1) + source[end:]
-        pos = end
     raise MutantError(f"mutant {description!r} no longer applies to the solution")
 
 
