@@ -257,6 +257,44 @@ def test_prefix_affinity_beats_round_robin_on_shared_prefixes():
     assert hits["prefix_affinity"] > hits["round_robin"] + 0.1, hits
 
 
+def test_a_router_answering_with_a_numpy_integer_places_like_the_int_it_equals():
+    """``np.argmin(loads)`` is a right least-outstanding router (lowest index on ties, ValueError when empty), and
+    lab 9's checker rejected it at its last case: the fleet refused ``np.int64(0)`` as "not a replica index in
+    [0, 3)".  Oracle: the same router answering ``int(np.argmin(loads))``; placements stay plain ints."""
+    import io
+    from contextlib import redirect_stdout
+
+    import numpy as np
+
+    from minivllm.labs import check_lab09
+
+    class NumpyArgmin:
+        def route(self, prompt, loads):
+            return np.argmin(loads)
+
+    class IntArgmin:
+        def route(self, prompt, loads):
+            return int(np.argmin(loads))
+
+    runs = [Fleet(3, r, engine_factory=small_replica).run(_fixed_arrivals(12)) for r in (NumpyArgmin(), IntArgmin())]
+    assert runs[0].placement == runs[1].placement
+    assert all(type(k) is int for k in runs[0].placement.values())
+    with redirect_stdout(io.StringIO()) as out:
+        assert check_lab09.check_least_outstanding(NumpyArgmin), out.getvalue()
+    assert check_lab09.hidden_least_outstanding(NumpyArgmin, 7)
+
+    class Floaty:  # still no index: a float, a bool
+        def __init__(self, answer):
+            self.answer = answer
+
+        def route(self, prompt, loads):
+            return self.answer
+
+    for answer in (1.0, True, np.float64(1.0)):
+        with pytest.raises(ValueError, match="replica index"):
+            Fleet(2, Floaty(answer), engine_factory=small_replica).run(_fixed_arrivals(3))
+
+
 def test_fleet_rejects_bad_routers_and_sizes():
     class Bad:
         def route(self, prompt, loads):

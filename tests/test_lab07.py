@@ -90,6 +90,63 @@ def test_engine_fallbacks_agree_with_the_oracle():
         assert torch.equal(rows, lab7._brute_gather(case["k_cache"], case["block_tables"][i], n))
 
 
+@pytest.mark.parametrize("layout", [{}, {"interleaved": True}, {"heads_apart": True, "kv_heads": 2}])
+def test_a_case_keeps_its_cache_layout_on_another_device(layout):
+    """Kills: the caches moved to the device view by view.
+
+    ``.to(device)`` of a view that skips part of its pool (K next to V) is a *contiguous* copy, so on a GPU the
+    interleaved cases held an ordinary cache, and a kernel that assumes ``block * PAGE_SIZE * stride_kv_token``
+    (or ``kv_head * HEAD_DIM``) passed those cases there.  Oracle: the CPU case's strides.  The meta device takes
+    the same ``.to(device)`` path as CUDA, on any machine."""
+    cpu = lab7.make_paged([20, 7], seed=9, **layout)
+    moved = lab7.make_paged([20, 7], seed=9, device="meta", **layout)
+    for name in ("k_cache", "v_cache"):
+        assert moved[name].device.type == "meta"
+        assert moved[name].stride() == cpu[name].stride(), (name, layout)
+        assert moved[name].shape == cpu[name].shape
+
+
+def _kernel_module(tmp_path, name: str, source: str):
+    import importlib.util
+
+    module = tmp_path / f"{name}.py"
+    module.write_text("import triton\nimport triton.language as tl\n\n" + source + "\n")
+    spec = importlib.util.spec_from_file_location(name, module)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.decode_kernel
+
+
+def test_a_kernel_that_steps_kv_heads_by_head_dim_is_rejected(tmp_path):
+    """Kills: every checker cache with its KV heads side by side (``stride_kv_head == HEAD_DIM``).
+
+    Then ``kv_head * HEAD_DIM`` in place of ``kv_head * stride_kv_head`` passed every visible and hidden case, yet
+    reads the wrong head in a pool that keeps each head's K next to its V -- a layout the launcher accepts (K and V
+    with the same strides, head_dim contiguous) and the engine's kernel reads right.  Oracle: the engine's torch
+    reference on that layout."""
+    import io
+    from contextlib import redirect_stdout
+
+    src = _exercise_source("decode_kernel")
+    wrong_src = src.replace("kv_head * stride_kv_head", "kv_head * HEAD_DIM")
+    assert wrong_src != src, "the solution's address line moved: update this wrong answer"
+    wrong = _kernel_module(tmp_path, "lab07_head_dim_stride", wrong_src)
+    right = _kernel_module(tmp_path, "lab07_solution_kernel", src)
+
+    case = lab7.make_paged([17, 6], kv_heads=2, group=2, heads_apart=True, seed=1)
+    args = [case[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "scale")]
+    want = lab7.reference_decode(*args)
+    assert (lab7.launch_decode(wrong, *args) - want).abs().max() > 1e-2, "the wrong answer is not wrong here"
+    assert (lab7.engine_decode(*args) - want).abs().max() < 1e-4  # the layout is one the engine serves
+    with redirect_stdout(io.StringIO()) as buf:
+        result = lab7.check_decode_kernel(wrong, big_pool=False)
+    assert not result and result.failed_case == "K and V side by side per KV head: a head's stride is its own"
+    assert "stride_kv_head" in buf.getvalue().split("✘", 1)[-1]
+    with redirect_stdout(io.StringIO()):
+        assert not lab7.hidden_decode_kernel(wrong, 7)
+        assert lab7.check_decode_kernel(right, big_pool=False) and lab7.hidden_decode_kernel(right, 7)
+
+
 def test_online_softmax_trace_matches_softmax():
     scores = torch.randn(37, generator=torch.Generator().manual_seed(0)) * 5
     last = lab7.online_softmax_trace(scores.tolist(), 8)[-1]

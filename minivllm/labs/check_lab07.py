@@ -56,7 +56,7 @@ engine_gather_kv = gather_kv
 def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: int = 16, page: int = PAGE,
                dtype: torch.dtype = torch.float32, shuffle: bool = True, share_first: bool = False,
                q_scale: float = 1.0, seed: int = 0, device: str = "cpu", interleaved: bool = False,
-               spike_first: float = 0.0, scale: float | None = None) -> dict:
+               spike_first: float = 0.0, scale: float | None = None, heads_apart: bool = False) -> dict:
     """A filled paged cache for sequences of ``lens`` tokens, and one decode query per sequence.
 
     Blocks are handed out in a random order (``shuffle``) from a pool with
@@ -69,6 +69,9 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
     ``interleaved`` stores each block's K and then its V next to each other in
     one pool, so a block's stride is twice its K rows: only ``stride_kv_block``
     finds it (``block * PAGE * stride_kv_token`` lands in the wrong block).
+    ``heads_apart`` stores each KV head's K next to its V (``[block, slot, head, K|V, dim]``), so consecutive
+    heads are ``2 * head_dim`` apart: only ``stride_kv_head`` finds head 1 (``kv_head * HEAD_DIM`` lands on
+    head 0's V, finite and wrong).
     ``spike_first`` gives each sequence's token 0 a score of that much (its K is
     the query, rescaled), so the largest score is in the first block and the
     running max must *not* fall when later blocks score lower.  ``scale``: the
@@ -92,12 +95,24 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
         donors = [i for i, n in enumerate(lens) if n > page]
         for i in donors[1:]:
             tables[i, 0] = tables[donors[0], 0]
+    if interleaved and heads_apart:
+        raise ValueError("interleaved and heads_apart are two layouts of one pool: pick one")
     if interleaved:
         pool = torch.full((num_blocks + 1, 2, page, kv_heads, head_dim), float("nan"), dtype=dtype)
-        k_cache, v_cache = pool[:num_blocks, 0], pool[:num_blocks, 1]
+
+        def views(p):
+            return p[:num_blocks, 0], p[:num_blocks, 1]
+    elif heads_apart:
+        pool = torch.full((num_blocks + 1, page, kv_heads, 2, head_dim), float("nan"), dtype=dtype)
+
+        def views(p):
+            return p[:num_blocks, :, :, 0], p[:num_blocks, :, :, 1]
     else:
         pool = torch.full((2, num_blocks + 1, page, kv_heads, head_dim), float("nan"), dtype=dtype)
-        k_cache, v_cache = pool[0, :num_blocks], pool[1, :num_blocks]
+
+        def views(p):
+            return p[0, :num_blocks], p[1, :num_blocks]
+    k_cache, v_cache = views(pool)
     for i, n in enumerate(lens):
         for pos in range(n):
             block, slot = int(tables[i, pos // page]), pos % page
@@ -113,6 +128,9 @@ def make_paged(lens: list[int], *, kv_heads: int = 1, group: int = 1, head_dim: 
             "seq_lens": torch.tensor(lens, dtype=torch.int32), "scale": scale}
     if device != "cpu":
         case = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        # the caches again from the moved POOL: ``.to(device)`` of a view that skips part of its pool (K next to
+        # V) is a contiguous copy, so on a GPU the layout an interleaved case exists for would be gone
+        case["k_cache"], case["v_cache"] = views(pool.to(device))
     return case
 
 
@@ -576,6 +594,11 @@ def check_decode_kernel(kernel, *, big_pool: bool = True) -> CheckResult:
              close({"lens": [20, 7], "interleaved": True, "seed": 9}), accept=ok, show_expected=shown(),
              hint="address a block as block_id * stride_kv_block, not block_id * PAGE_SIZE * stride_kv_token: "
                   "a pool may hold more than this cache's rows between two of its blocks"),
+        Case("K and V side by side per KV head: a head's stride is its own",
+             close({"lens": [17, 6], "kv_heads": 2, "group": 2, "heads_apart": True, "seed": 11}), accept=ok,
+             show_expected=shown(),
+             hint="address a KV head as kv_head * stride_kv_head, not kv_head * HEAD_DIM: here each head's K is "
+                  "followed by its V, so the next head starts 2 x HEAD_DIM further on"),
         Case("a softmax scale other than 1/sqrt(head_dim)", close({"lens": [17, 5], "scale": 0.1, "seed": 10}),
              accept=ok, show_expected=shown(), diagnose=by_symptom,
              hint="multiply the scores by the kernel's scale argument, not by 1/sqrt(HEAD_DIM): a model may pick "
@@ -646,7 +669,10 @@ def hidden_decode_kernel(kernel, seed: int) -> CheckResult:
         page = rng.choice([8, 16])
         shape = dict(kv_heads=rng.choice([1, 2]), group=rng.choice([1, 2, 3, 4]), head_dim=rng.choice([16, 32]),
                      page=page, q_scale=rng.choice([1.0, 3.0, 30.0]), share_first=True, seed=seed * 10 + trial,
-                     interleaved=trial == 1)  # one trial with K and V interleaved: blocks found by their stride
+                     interleaved=trial == 1,  # one trial with K and V interleaved: blocks found by their stride
+                     heads_apart=trial == 0)  # the other with K and V side by side per head: heads by theirs
+        if trial == 0:
+            shape["kv_heads"] = 2  # a head 1, so that its stride is read
         lens = _edge_lengths(rng, page, 3)
 
         def go(_, lens=lens, shape=shape):

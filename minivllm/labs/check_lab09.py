@@ -9,6 +9,7 @@ the engine's own routers (:mod:`minivllm.sim.router`).
 from __future__ import annotations
 
 import random
+import struct
 from typing import Any
 
 from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks
@@ -122,6 +123,33 @@ def _above_top_prompt(n: int, vnodes: int, block_size: int = 16, key_blocks: int
             return p
 
 
+def _point_prompt(replica: int, vnode: int) -> list[int]:
+    """A prompt whose key lies exactly ON ring point ``replica-{replica}#{vnode}``.
+
+    ``stable_hash`` hashes a token list as its ids packed little-endian as uint32, and a string as its bytes: the
+    point's name, cut into 4-byte ids, hashes to the point itself.  Random prompts never hit a point (one chance in
+    2^64 / points), so without this prompt "at or after" (``bisect_left``) and "after" (``bisect_right``) look alike.
+    The name must be a whole number of ids: a one-digit replica and a two-digit vnode make 12 bytes, 3 ids -- a
+    prompt shorter than any block, so the key is the whole prompt.
+    """
+    raw = f"replica-{replica}#{vnode}".encode()
+    if len(raw) % 4 or not (0 <= replica < 10 and 10 <= vnode < 100):
+        raise ValueError(f"replica-{replica}#{vnode} is not 12 bytes: one-digit replica, two-digit vnode")
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def _on_point_case(kw: dict, n: int = 3, vnodes: int = 16) -> tuple[list[int], int]:
+    """A prompt keyed exactly on one of replica r's points whose clockwise neighbour belongs to another replica
+    (so "the next point" names another owner), and that r."""
+    ring = PrefixAffinityRouter(n, **{**kw, "vnodes": vnodes})
+    for r in range(n):
+        for v in range(10, vnodes):
+            i = ring.points.index(stable_hash(f"replica-{r}#{v}"))
+            if ring.owners[(i + 1) % len(ring.points)] != r:
+                return _point_prompt(r, v), r
+    raise AssertionError("every point of this ring is followed by its own replica's")
+
+
 def check_prefix_affinity(cls) -> CheckResult:
     """Check ``cls(num_replicas, *, block_size, key_blocks, vnodes, spill_factor, min_spill_tokens)``
     with ``owner(prompt_token_ids)`` and ``route(prompt_token_ids, loads)``."""
@@ -168,9 +196,15 @@ def check_prefix_affinity(cls) -> CheckResult:
     quiet = loads_with(900, 0, 0)  # above 1.5 x mean, but under min_spill_tokens
     sum_vs_mean = loads_with(5000, 500, 500)  # 1.5 x mean = 3000 < 5000 < 1.5 x sum = 9000
     exact_mean = loads_with(1501, 1501, 0)  # mean 1000.67, bound 1501.0: stays (a floored mean, 1000, spills)
+    at_floor = loads_with(1000, 0, 0)  # 1.5 x mean = 500: the bound is min_spill_tokens itself, and 1000 stays
+    on_point, point_owner = _on_point_case(kw)
 
     def route(k, loads):
         return _make(k, 3, **kw).route(head, loads)
+
+    def spill_then_idle(k):  # one router, two requests of one chat: overloaded, then quiet again
+        r = _make(k, 3, **kw)
+        return r.route(head, over_mean), r.route(head, [0, 0, 0])
 
     def untouched(k):  # both answers: the owner kept (quiet) and a spill (over_mean)
         for given in (quiet, over_mean):
@@ -200,6 +234,9 @@ def check_prefix_affinity(cls) -> CheckResult:
              [ref3.owner(p) for p in short], "no full block at all: hash the whole prompt"),
         Case("a key above the top point wraps to the first", lambda k: _make(k, 3, **kw).owner(wrap), ref3.owner(wrap),
              "clockwise from the key: past the highest point you continue at the lowest one"),
+        Case("a key exactly on a point belongs to that point", lambda k: _make(k, 3, **{**kw, "vnodes": 16}).owner(on_point),
+             point_owner, "the first point AT or after the key's hash: bisect_left. bisect.bisect (= bisect_right) "
+                          "skips a point equal to the key and hands it to the next replica on the ring"),
         Case("owners agree with the engine's ring on 300 prompts", owners_agree, "all agree",
              "points at stable_hash(f'replica-{r}#{v}') for every replica r and virtual node v, sorted; the owner "
              "is the first point at or after the key's hash"),
@@ -210,6 +247,9 @@ def check_prefix_affinity(cls) -> CheckResult:
              "the bound is max(min_spill_tokens, spill_factor x mean load)"),
         Case("exactly at the bound stays", lambda k: route(k, at_bound), owner,
              "spill only when the owner's load EXCEEDS the bound"),
+        Case("exactly min_spill_tokens stays", lambda k: route(k, at_floor), owner,
+             "the floor is part of the bound: loads 1000, 0, 0 give max(1000, 1.5 x 333) = 1000, and 1000 does not "
+             "exceed it -- one comparison, loads[owner] > bound, not >= on the floor and > on the mean"),
         Case("over the bound spills to the least loaded", lambda k: route(k, over_mean),
              over_mean.index(min(over_mean)), "skip the owner: send it to the replica with the fewest outstanding tokens"),
         Case("the bound uses the mean, not the total", lambda k: route(k, sum_vs_mean),
@@ -218,6 +258,9 @@ def check_prefix_affinity(cls) -> CheckResult:
              "sum(loads) / len(loads), true division: with loads 1501, 1501, 0 the bound is 1501.0, and 1501 stays"),
         Case("a spill tie goes to the lowest index", lambda k: route(k, tie_spill), min(others),
              "among equally idle replicas, the lowest index"),
+        Case("a spill is not remembered", spill_then_idle, (over_mean.index(min(over_mean)), owner),
+             "each request goes to the ring's owner unless the owner is over the bound NOW: once the load is gone, "
+             "the chat goes back to its owner (keep no memory of where a key was sent)"),
         Case("the loads are only read", untouched, True, "don't change the fleet's list"),
         Case("in a real fleet: the same placements as the engine's router",
              lambda k: _placements(k(3, block_size=16, key_blocks=5)), expected_run,
@@ -237,9 +280,13 @@ def hidden_prefix_affinity(cls, seed: int) -> CheckResult:
             opts = dict(block_size=rng.choice([4, 16]), key_blocks=kb, vnodes=vnodes,
                         spill_factor=rng.choice([1.0, 1.5, 2.0]), min_spill_tokens=rng.choice([0, 100, 1000]))
             mine, ref = k(n, **opts), PrefixAffinityRouter(n, **opts)
-            for _ in range(10):
-                p = _prompt(rng, rng.randint(1, 90))
-                loads = [rng.choice([0, 50, 500, rng.randrange(0, 5000)]) for _ in range(n)]
+            prompts = [_prompt(rng, rng.randint(1, 90)) for _ in range(10)]
+            if vnodes > 10:  # a key exactly on a point (see _point_prompt)
+                prompts.append(_point_prompt(trial % n, 10 + trial % (vnodes - 10)))
+            # every prompt twice, under other loads: a router that remembers where a key went routes the second
+            # one by its memory; loads of exactly min_spill_tokens test the floor's side of the bound
+            for p in prompts + prompts:
+                loads = [rng.choice([0, 50, 500, opts["min_spill_tokens"], rng.randrange(0, 5000)]) for _ in range(n)]
                 if mine.owner(p) != ref.owner(p) or mine.route(p, list(loads)) != ref.route(p, list(loads)):
                     return f"fleet {trial} differs"
         return "all 60 match"

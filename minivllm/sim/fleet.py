@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,23 @@ KEY_BLOCKS = 20
 # One replica: 4,096 blocks of 16 tokens (64K tokens of KV: 8 GiB at Llama-3-8B's 128 KiB per token), 64 sequences,
 # 512 tokens per step (a chunk of prefill adds a bounded slice to the decoders' step).
 REPLICA = dict(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, model_max_len=8192)
+
+
+def _replica_index(k: Any, num_replicas: int) -> int:
+    """A router's answer as a plain ``int`` in ``[0, num_replicas)``, or a ValueError that names it.
+
+    Any integer type is an index (``operator.index``): ``np.argmin(loads)`` is a right least-loaded router, and
+    its numpy integer must place the request like the int it equals, not fail with "expected a replica index"
+    while naming a value in range.  A bool, a float or a string is a router bug, refused."""
+    if not isinstance(k, bool):
+        try:
+            i = operator.index(k)
+        except TypeError:
+            pass
+        else:
+            if 0 <= i < num_replicas:
+                return i
+    raise ValueError(f"router returned {k!r}; expected an int replica index in [0, {num_replicas})")
 
 
 @dataclass(frozen=True)
@@ -405,8 +423,7 @@ class Fleet:
                 k = self.router.route(a.prompt, list(loads))
                 if getattr(self.router, "num_spilled", 0) != spills_before:
                     spilled.add(a.request_id)
-                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(engines):
-                    raise ValueError(f"router returned {k!r}; expected a replica index in [0, {len(engines)})")
+                k = _replica_index(k, len(engines))
                 ex = engines[k].executor
                 if not engines[k].has_unfinished_requests() and ex.clock < a.time:
                     ex.clock = a.time  # an idle replica waits for the arrival
