@@ -67,3 +67,20 @@ def test_llm_chat_accepts_text_content_parts_as_the_server_does(tokenizer):
     assert conversation[1]["content"] is parts  # the caller's messages are not rewritten
     with pytest.raises(ValueError, match="text content parts"):
         llm.chat_prompt([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+def test_a_chat_prompt_without_the_generation_prompt_is_the_templates(tokenizer):
+    """Kills: ``add_generation_prompt`` lost on the way to the template (always True).  ``LLM.chat`` and the
+    server's field of that name take False to continue or score the conversation as it stands; with the flag
+    lost it got an opened assistant turn appended, a different prompt.  Oracle: HF's
+    ``apply_chat_template(tokenize=True)`` with the same flag, for both values (and the two differ here)."""
+    llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer, num_gpu_blocks_override=64,
+              max_model_len=256)
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue"}]
+    got = {}
+    for flag in (True, False):
+        want = tokenizer.apply_chat_template(conversation, add_generation_prompt=flag, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        got[flag] = llm.chat_prompt(conversation, add_generation_prompt=flag)["prompt_token_ids"]
+        assert got[flag] == want, flag
+    assert got[True] != got[False]  # the case is real: this template opens an assistant turn only when asked

@@ -73,3 +73,16 @@ def test_inter_token_latencies_are_every_gap_between_consecutive_tokens():
     m = _lone_request_metrics(5)
     assert m.token_times == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert m.itls == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_an_output_carries_the_prompt_text_it_was_given(tokenizer):
+    """Kills: the prompt's text left off the request (``RequestOutput.prompt`` None for every prompt).  As in
+    vLLM, ``prompt`` is the caller's prompt string, which a caller of a batch matches its outputs back to; a
+    prompt sent as token ids has no text (None).  Oracle: the caller's own strings and the tokenizer's encode."""
+    llm = LLM(executor=SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer,
+              num_gpu_blocks_override=64, max_model_len=256)
+    llm.engine.inputs.vocab_size = len(tokenizer)
+    prompts = ["Hello there", "café 😀", {"prompt_token_ids": [1, 2, 3]}]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello there", "café 😀", None]
+    assert [o.prompt_token_ids for o in outs] == [tokenizer.encode("Hello there"), tokenizer.encode("café 😀"), [1, 2, 3]]
