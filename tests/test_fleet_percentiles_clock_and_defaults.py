@@ -240,3 +240,33 @@ def test_the_smallest_fleet_does_not_depend_on_the_order_of_the_rows():
 
     rows = [{"replicas": n, "router": "round_robin", "goodput_fraction": g} for n, g in ((8, 1.0), (4, 0.97), (2, 0.6))]
     assert smallest_meeting(rows, "round_robin", 0.95) == 4
+
+
+def test_replicas_with_equal_clocks_step_in_index_order():
+    """The ``fleet`` module's rule: replicas whose clocks are equal step in index order, so the follow-up turns
+    their steps release reach the router in that order.  Hand run: two chats start together on two idle replicas
+    behind round robin (chat 0 -> replica 0, chat 1 -> replica 1), every step takes 1 s, answers are equally
+    long and the next turn follows at once.  Both replicas finish at the same instant; replica 0 steps first, so
+    chat 0's next turn is routed first and round robin, whose next pick is replica 0, gives it replica 0 --
+    every turn stays where it began.  Kills: the highest index first among equal clocks (chat 1's turn routed
+    first: the two chats swap replicas on turn 1)."""
+    from minivllm.sim.executor import SimulatedExecutor
+    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.sim.router import RoundRobinRouter
+
+    small = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
+    arrivals = [FleetArrival(0.0, f"s{i}t0", tuple(range(10 + 100 * i, 40 + 100 * i)), 3, "chat", i, 0)
+                for i in range(2)]
+
+    def follow(a, toks, t):
+        if a.turn >= 2:
+            return None
+        return FleetArrival(t, f"s{a.conversation}t{a.turn + 1}", a.prompt + tuple(toks) + (5, 6, 7), 3, a.tenant,
+                            a.conversation, a.turn + 1)
+
+    fleet = Fleet(2, RoundRobinRouter(),
+                  executor_factory=lambda: SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0,
+                                                             per_context_token_s=0.0),
+                  engine_factory=lambda ex: sim_replica(ex, **small))
+    res = fleet.run(arrivals, follow_up=follow)
+    assert res.placement == {"s0t0": 0, "s0t1": 0, "s0t2": 0, "s1t0": 1, "s1t1": 1, "s1t2": 1}

@@ -13,7 +13,10 @@ One virtual clock: each replica's executor keeps its own clock (the time its
 last step ended), and the fleet always advances the busy replica whose clock
 is earliest, after dispatching every arrival up to that time -- a discrete-
 event simulation in which no replica ever runs ahead of an arrival it should
-have seen.  An idle replica's clock jumps to the arrival routed to it.
+have seen.  Replicas whose clocks are equal step in index order, so a run is
+a function of its inputs: follow-up turns that two such steps release reach
+the router in that order.  An idle replica's clock jumps to the arrival routed
+to it.
 
 The router (:class:`~minivllm.interfaces.Router`) sees per replica the
 *outstanding tokens* a load balancer can count: prompt tokens until the first
