@@ -4,7 +4,8 @@ The engine's ``step()`` returns one ``RequestOutput`` per request that changed
 in the step.  What ``outputs[i].text`` and ``.token_ids`` hold depends on the
 request's ``output_kind``: everything so far (``"cumulative"``, the default),
 only the step's additions (``"delta"``), or -- one output, when the request
-finishes -- everything (``"final_only"``, what ``LLM.generate`` uses).  The
+finishes (with ``n > 1``, when each sample does) -- everything (``"final_only"``,
+what ``LLM.generate`` uses).  The
 ``delta_text`` / ``delta_token_ids`` fields always carry just what the step
 added, which is what a streaming client prints.
 

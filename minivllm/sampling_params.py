@@ -31,7 +31,12 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 far (and the step's delta) -- convenient, but building it costs time that
 grows with the output's length.  ``delta``: only the step's new text and
 tokens.  ``final_only``: one output, when the request finishes (what
-``LLM.generate`` uses: no per-step output work at all).
+``LLM.generate`` uses: no per-step output work at all).  With ``n > 1``, one
+output each time one of its samples finishes, ``finished`` only on the last:
+each sample's output carries its own token times, which is how the metrics
+time every sample's gaps (vLLM's ``FINAL_ONLY`` holds the parent's output until
+every child is done; a caller that wants that keeps the ``finished`` one, as
+``LLM.generate`` does).
 """
 
 

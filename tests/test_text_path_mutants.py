@@ -242,3 +242,28 @@ def test_every_group_output_lists_its_samples_by_their_own_index(tokenizer, kind
     outs = run(tokenizer, s, SamplingParams(n=3, max_tokens=4, ignore_eos=True, output_kind=kind))
     assert not all(c.token_ids for c in outs[0].outputs)  # the case is real: some sample had no token yet
     assert all([c.index for c in o.outputs] == [0, 1, 2] for o in outs)
+
+
+def test_a_final_only_group_reports_when_each_sample_finishes_and_is_finished_only_at_the_last(tokenizer):
+    """``final_only`` with ``n > 1`` (``SamplingParams``' docs): one output each time one of its samples
+    finishes, ``finished`` only on the last -- each such output carries the finishing sample's own token times,
+    which the metrics read.  With ``n = 2`` and sample 0 stopping on its second token: two outputs, the first
+    unfinished and holding sample 0's finished completion, the second finished.  Oracle: the docs, and the same
+    group run with ``cumulative`` output, whose last output must list the same completions (ids, text, finish
+    reasons).  Kills: a group that surfaces outputs on steps where no sample finished, or none before the end."""
+    a, b = tokenizer.encode(" a b c d"), tokenizer.encode(" one two three four")
+
+    def run_kind(kind):
+        ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"g#0": a, "g#1": b})
+        engine = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=64).engine
+        engine.add_request({"prompt_token_ids": [19556, 905]}, SamplingParams(
+            n=2, max_tokens=4, ignore_eos=True, stop_token_ids=[a[1]], output_kind=kind), request_id="g")
+        return [o for new in steps(engine) for o in new]
+
+    outs = run_kind("final_only")
+    assert [o.finished for o in outs] == [False, True]
+    assert [c.finish_reason for c in outs[0].outputs] == ["stop", None]
+    last = run_kind("cumulative")[-1]
+    got = [(c.index, c.token_ids, c.text, c.finish_reason) for c in outs[-1].outputs]
+    assert got == [(c.index, c.token_ids, c.text, c.finish_reason) for c in last.outputs]
+    assert got[0][1:] == (a[:2], tokenizer.decode(a[:1]), "stop") and got[1][3] == "length"
