@@ -116,6 +116,23 @@ def test_ramp_arrivals_rates_and_errors():
         ramp_arrivals([0], 1.0)
 
 
+def test_ramp_arrivals_count_each_step_at_its_own_rate():
+    """Each step of the ramp is a Poisson process at its own rate over its own ``seconds_each`` window, started
+    at the window's start.  Oracle: Poisson counts summed over 20 fixed seeds, each within 5.5 standard
+    deviations (sqrt of the mean) of rate x seconds x 20: 10 +- 18, 4,000 +- 348, 1,000 +- 174; the seeds are
+    fixed, so this cannot flake.  Kills: a step's clock restarted from the last arrival instead of the step's
+    start (after a quiet first step with no arrival, the 20 req/s step began at 0 s: hundreds of arrivals in
+    the first 10 s), and a step rate off by 15% (the test above allows 25% and more)."""
+    rates, each, seeds = (0.05, 20.0, 5.0), 10.0, range(20)
+    counts = [0, 0, 0]
+    for seed in seeds:
+        for a in ramp_arrivals(list(rates), each, seed=seed):
+            counts[int(a.time // each)] += 1
+    for n, rate in zip(counts, rates):
+        mean = rate * each * len(seeds)
+        assert abs(n - mean) <= 5.5 * mean ** 0.5, (counts, rates)
+
+
 def test_live_widget_redraws_in_place():
     pytest.importorskip("ipywidgets")
     live = LiveLoad(check_lab08.lab_engine, ramp_arrivals([4], 2.0, seed=0), every_s=0.5, redraw_every=2,

@@ -552,3 +552,14 @@ def test_a_tenant_named_overall_keeps_its_row_in_the_table():
     table = lg.format_table(lg.summarize(lg.RunResult(10.0, 1.0, two)))
     assert [line.split()[:2] for line in table.splitlines() if line.split()[:1] in (["b"], ["overall"])] == [
         ["b", "1"], ["overall", "5"], ["overall", "6"]], table  # both tenants, then the overall row last
+
+
+@pytest.mark.parametrize("rate,burstiness", [(1.0, 1e-310), (0.1, 5e-324)])
+def test_a_gap_scale_past_a_float_is_refused_not_turned_into_nan_arrivals(rate, burstiness):
+    """``--burstiness`` takes any positive float, and a shape whose product with the rate underflows made the
+    gap scale ``1 / (rate x burstiness)`` infinite (numpy then drew NaN gaps: every arrival after the first
+    was NaN, which the client sends at once and the report prints as NaN waits) or divided by zero (a
+    traceback, where ``bench serve`` turns a ValueError into its one-line usage error).  Oracle: the
+    documented mean gap 1/rate is not a float here, so there is no schedule to draw."""
+    with pytest.raises(ValueError, match="burstiness"):
+        lg.arrival_times(4, rate, burstiness)

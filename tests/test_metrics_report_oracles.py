@@ -157,3 +157,34 @@ def test_sweep_crossing_at_a_rate_exactly_on_the_slo_and_never_at_an_unbounded_r
     assert (v["max_rate_meeting_slo"], v["first_failing_rate"], v["crossing_rate"]) == (2.0, 4.0, 2.0)
     v = lg.sweep_verdict([row(1.0, 200.0), row(float("inf"), 900.0)], "itl", None, 0.25, 0.9)
     assert (v["max_rate_meeting_slo"], v["crossing_rate"]) == (1.0, None)
+
+
+def test_output_tokens_and_tok_s_count_only_served_requests():
+    """Output tokens and tok/s are the served requests' (vLLM's serving benchmark sums only successful outputs):
+    the simulator's client counts a request's tokens as they stream, so one cut off by the run's end ("timeout")
+    or a stream that broke ("error") carries tokens no client got as an answer.  Oracle: a hand count, 3 served
+    requests of 5 tokens over 2 s = 15 tokens, 7.5 tok/s, whatever the 40 tokens of the two failed ones.
+    Kills: the token sum taken over every request, not only the ok ones."""
+    served = [_ok(i, 0.05, [0.01] * 4) for i in range(3)]
+    for r in served:
+        r.output_tokens = 5
+    cut = [_ok(10 + i, 0.05, [0.01] * 19) for i in range(2)]
+    for r, outcome in zip(cut, ("timeout", "error")):
+        r.outcome, r.output_tokens = outcome, 20
+    s = lg.summarize_group(served + cut, duration=2.0)
+    assert (s["output_tokens"], s["output_throughput"]) == (15, 7.5)
+
+
+def test_sweep_rate_passes_with_goodput_exactly_at_the_minimum():
+    """``--sweep-criterion goodput`` passes a rate whose goodput is *at least* ``--min-goodput`` (the README's
+    "goodput >= --min-goodput", the flag's help text): 9 good requests of 10 meet a 90% goal; 8 do not.
+    Oracle: the hand count (9/10 is the float 0.9 that the flag reads).  Kills: ``>=`` written as ``>``."""
+    def summary(good):
+        rs = [_ok(i, 0.05, [0.01]) for i in range(10)]
+        for r in rs[good:]:
+            r.outcome = "rejected"
+        return {"overall": lg.summarize_group(rs, duration=1.0)}
+
+    assert summary(9)["overall"]["goodput_fraction"] == 0.9
+    assert lg.meets(summary(9), "goodput", None, None, 0.9)
+    assert not lg.meets(summary(8), "goodput", None, None, 0.9)

@@ -219,7 +219,10 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, rng: np.random.G
         return np.zeros(n)
     rng = rng if rng is not None else np.random.default_rng(0)
     rb = rate * burstiness  # (which can overflow to inf, a scale of 0: every arrival at once)
-    gaps = rng.gamma(burstiness, 1.0 / rb if math.isfinite(rb) else 1.0 / rate / burstiness, n - 1)
+    scale = 1.0 / rb if math.isfinite(rb) and rb > 0 else 1.0 / rate / burstiness
+    if not math.isfinite(scale):  # a product that underflows: 1/0 raised, or an infinite scale drew NaN gaps
+        raise ValueError(f"rate {rate:g} x burstiness {burstiness:g} is too small: the gap scale overflows a float")
+    gaps = rng.gamma(burstiness, scale, n - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
