@@ -7,9 +7,9 @@ and the real serving loop runs with it:
 * :class:`AdmissionPolicy` -- which waiting request to admit next (FCFS,
   priorities, weighted fair queueing, per-tenant caps...); a policy may also
   rank requests, preempt to admit, observe each step, set its head-of-line
-  rule and keep its order as the queue changes (:class:`RanksRequests`,
-  :class:`PreemptsToAdmit`, :class:`ObservesSteps`, :class:`HeadOfLine`,
-  :class:`KeepsOrder`).
+  rule, keep its order as the queue changes and count cached prefixes in it
+  (:class:`RanksRequests`, :class:`PreemptsToAdmit`, :class:`ObservesSteps`,
+  :class:`HeadOfLine`, :class:`KeepsOrder`, :class:`ReadsCachedPrefixes`).
 * :class:`BatchBuilder` -- step 2 of the loop: how many tokens each running
   request computes this step (lab 4 writes one).
 * :class:`PreemptionPolicy` -- who gives up its KV blocks when they run out.
@@ -21,7 +21,8 @@ and the real serving loop runs with it:
   pool and prices swaps from it), a :class:`VirtualClock` (an idle engine jumps
   to the next arrival instead of sleeping) and :class:`PricesRecompute`.
 * :class:`PrefixCache` -- which cached blocks hold the longest prefix of a
-  prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`).
+  prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`); it may
+  also count them without acting on them (:class:`PeeksPrefix`).
 * :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
   attends through block tables (plain torch, a C kernel for CPU decodes, or
   Triton kernels; see :mod:`minivllm.model.backends`).
@@ -37,7 +38,7 @@ so the package has no import cycles.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -53,10 +54,10 @@ if TYPE_CHECKING:
 class AdmissionPolicy(Protocol):
     """Which waiting request to admit next.  ``order`` is the whole required contract.
 
-    A policy may also be any of the six protocols after this one (the scheduler asks once, with
+    A policy may also be any of the seven protocols after this one (the scheduler asks once, with
     :func:`implements`; a policy that is none of them behaves exactly as FCFS-style policies always have):
     :class:`RanksRequests`, :class:`PreemptsToAdmit` (with a rank), :class:`ObservesSteps`,
-    :class:`TracksActivity`, :class:`HeadOfLine` and :class:`KeepsOrder`.
+    :class:`TracksActivity`, :class:`HeadOfLine`, :class:`KeepsOrder` and :class:`ReadsCachedPrefixes`.
     """
 
     def order(self, waiting: Sequence["Request"], running: Sequence["Request"]) -> Iterable["Request"]:
@@ -152,6 +153,23 @@ class KeepsOrder(Protocol):
 
     def dequeued(self, req: "Request") -> None:
         """``req`` left the queue (admitted, rejected, aborted)."""
+        ...
+
+
+@runtime_checkable
+class ReadsCachedPrefixes(Protocol):
+    """An admission policy whose order depends on how much of a waiting request's prompt is computed already.
+
+    Weighted fair queueing charges a tenant only the prompt tokens its requests prefill, and a prefix the cache
+    holds is not prefilled.  The cache is looked up when a request is admitted, after the order was drawn, so
+    without this hook the order could only count the whole prompt: a tenant whose prompts hit the cache was
+    ordered as if it had more work ahead than it would be charged.
+    """
+
+    def read_cached_prefixes(self, computed_if_admitted: Callable[["Request"], int]) -> None:
+        """Called once by the scheduler.  ``computed_if_admitted(req)``: the tokens of ``req`` that would count as
+        computed were it admitted now (its cached prefix, its leader's prompt for a sample that forks, what a
+        swapped-out request brings back), read without taking a reference or making a cached block recent."""
         ...
 
 
@@ -318,6 +336,20 @@ class PrefixCache(Protocol):
 
     def reset(self) -> None:
         """Evict everything evictable (locked blocks stay)."""
+        ...
+
+
+@runtime_checkable
+class PeeksPrefix(Protocol):
+    """A prefix cache that can say how much of a prompt it holds without acting on it (both built-in caches do;
+    a cache without ``peek`` still works: an order that wanted to count cached prefixes counts none)."""
+
+    def peek(self, token_ids: Sequence[int], namespace: Namespace = ()) -> int:
+        """How many blocks :meth:`PrefixCache.match` would return for these arguments now, found without its
+        side effects: no block is made recent and the structure is left as it is (no reference is taken, as
+        with ``match``).  Why: an admission policy reads it for every request it hands out, most of which are
+        not admitted in that step; making their prefixes recent would reorder eviction for lookups that never
+        happened."""
         ...
 
 

@@ -1346,7 +1346,7 @@ class _WFQUnkept:
 
     def __init__(self, config):
         self.inner = WFQAdmission(config)
-        for name in ("order", "rank", "may_preempt_for", "observe", "activity"):
+        for name in ("order", "rank", "may_preempt_for", "observe", "activity", "read_cached_prefixes"):
             setattr(self, name, getattr(self.inner, name))
 
 

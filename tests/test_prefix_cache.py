@@ -9,6 +9,7 @@ prefix, so the clever structures are checked against the obvious one.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -186,6 +187,21 @@ def test_match_only_refreshes_the_blocks_it_used(kind: str) -> None:
     assert cache.evict(1) == 1 and not cache.is_cached(a[2])
     assert cache.evict(1) == 1 and not cache.is_cached(b[0])  # a[1] is newer than b
     assert cache.is_cached(a[0]) and cache.is_cached(a[1])
+
+
+def test_a_peek_counts_what_match_would_and_leaves_recency_and_edges_alone(kind: str) -> None:
+    """The hand-worked twin of the test above, with ``peek`` first: it counts the two blocks ``match`` returns,
+    but a[1] stays older than b (evicted before it), and a radix edge is not split."""
+    cache, pool = new_cache(kind)
+    a = cache_only(cache, pool, toks(1, 2, 3))
+    b = cache_only(cache, pool, toks(4))
+    nodes = getattr(cache, "num_nodes", None)
+    assert cache.peek(toks(1, 2, 9)) == 2 and cache.peek(toks(5)) == 0
+    assert getattr(cache, "num_nodes", None) == nodes  # (radix: still one edge of three blocks)
+    assert cache.evict(1) == 1 and not cache.is_cached(a[2])
+    assert cache.evict(1) == 1 and not cache.is_cached(a[1])  # a peek made nothing recent
+    assert cache.is_cached(b[0]) and cache.peek(toks(4)) == 1
+    assert cache.peek(toks(1, 2, 9)) == 1 and cache.match(toks(1, 2, 9)) == a[:1]
 
 
 def test_radix_edges_split_and_extend() -> None:
@@ -542,6 +558,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(tokens=SEQUENCES, ns=NAMESPACE)
     def match(self, tokens: tuple[int, ...], ns: str) -> None:
         self.do_match(ns, tokens)
+
+    @rule(tokens=SEQUENCES, ns=NAMESPACE)
+    def peek(self, tokens: tuple[int, ...], ns: str) -> None:
+        """``peek`` counts the blocks ``match`` would return and changes nothing (WFQ reads it for requests that
+        are not admitted).  The model is not told of it: a peek that made its path recent, as ``match`` does,
+        shows up as a later eviction the model did not predict."""
+        refs = [self.pool.refcount(b) for b in range(POOL_BLOCKS)]
+        n = self.cache.peek(tokens, ns)
+        assert refs == [self.pool.refcount(b) for b in range(POOL_BLOCKS)], "a peek took a reference"
+        if self.model is not None:
+            assert n == len(self.model._path(ns, tokens, len(tokens) // SBS))
+        else:  # (a colliding hash: the answer of a match on a copy, which may touch what it likes)
+            assert n == len(copy.deepcopy(self.cache).match(tokens, ns))
 
     def admit(self, tokens: tuple[int, ...], ns: str) -> Request | None:
         """Match, reference the hits, allocate the rest (evicting if needed)."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from minivllm.interfaces import PrefixCache
+from minivllm.interfaces import PeeksPrefix, PrefixCache, implements
 from minivllm.kv.block_pool import BlockPool
 from minivllm.request import Request, RequestStatus
 
@@ -105,6 +105,7 @@ class KVCacheManager:
         # the host blocks change hands: ``LLMEngine.stats()`` runs every served step, and counting them by a
         # walk over the waiting queue cost 1.4 ms a step with 10,000 waiting, eight times the step's own host work.
         self.num_swapped = 0
+        self._peek = None  # the cache's side-effect-free count of a cached prefix, if it has one
         if prefix_cache is not None:
             self._adopt(prefix_cache)
 
@@ -125,6 +126,7 @@ class KVCacheManager:
                 raise ValueError(f"prefix_cache already holds {cache.num_cached_blocks} cached block(s) of "
                                  f"another pool; pass an empty cache")
             cache.pool = self.pool
+        self._peek = cache.peek if implements(cache, PeeksPrefix) else None
 
     def replace_pool(self, pool) -> None:
         """Run on another pool object (lab 2's learner pool); only before any request is added."""
@@ -273,6 +275,33 @@ class KVCacheManager:
             return PrefixHit()
         blocks = self.prefix_cache.match(req.all_token_ids[:-1], self.namespace(req))
         return PrefixHit(tuple(blocks), len(blocks) * self.block_size)
+
+    def computed_if_admitted(self, req: Request) -> int:
+        """The tokens of ``req`` that would count as computed once admitted, as admission would find them now: a
+        swapped-out request brings its own back; a sample whose leader is live forks from it (:meth:`fork`:
+        all but the last prompt token; admission waits for the leader's prefill, so it is admitted no other
+        way while the leader lives -- unless the leader samples one token only: it then finishes in the step
+        that prefills it, and its samples start alone; a group turned away is turned away whole, so a sample
+        whose leader was rejected keeps the fork's answer: it is never served, and the answer does not change
+        halfway through the admission pass that rejected it); any other request shares the cached prefix
+        :meth:`match_prefix` would return, counted here without taking a reference or making a cached block
+        recent (:class:`~minivllm.interfaces.PeeksPrefix`).
+
+        Why: an admission policy that charges only the prompt a request will prefill (WFQ) must know what the
+        cache will spare it before admission looks the cache up.  Exact while the cache keeps what it holds:
+        within one admission pass only an eviction changes it (a swap-in taking blocks), so the count can only
+        be more than admission then finds, never less.  A cache without ``peek`` counts nothing cached.  Costs
+        the prompt's blocks, as a lookup does.
+        """
+        if req.status is RequestStatus.SWAPPED or req.cpu_block_ids:
+            return req.num_computed_tokens
+        leader = req.leader
+        if (leader is not None and leader.max_tokens > 1
+                and (not leader.status.finished or leader.status is RequestStatus.FINISHED_REJECTED)):
+            return req.num_prompt_tokens - 1  # what fork leaves computed
+        if self._peek is None:
+            return 0
+        return self._peek(req.all_token_ids[:-1], self.namespace(req)) * self.block_size
 
     def share_prefix(self, req: Request, hit: PrefixHit) -> None:
         """``req`` (holding no blocks) takes a reference on each hit block and skips computing them."""

@@ -243,13 +243,17 @@ def new_prompt_tokens(seq) -> int:
     return max(0, min(seq.start + seq.num_tokens, len(req.prompt_token_ids)) - first)
 
 
-def uncharged_prompt_tokens(req: Request) -> int:
+def uncharged_prompt_tokens(req: Request, computed_if_admitted: int = 0) -> int:
     """The prompt tokens of ``req`` that WFQ will still charge as prefill (:func:`new_prompt_tokens` summed over its
-    remaining chunks): those no computation has reached yet.  What :meth:`WFQAdmission._merge` charges a waiting
-    request provisionally -- not ``num_uncomputed_tokens``, which for a request preempted by recompute is its
-    whole re-prefill (prompt and outputs again): charged that, its tenant's later requests were ordered behind
+    remaining chunks): those no computation has reached yet, nor admission will skip -- ``computed_if_admitted``,
+    the prefix the KV manager says it would start with (:meth:`KVCacheManager.computed_if_admitted`: a cached
+    prefix is shared, not prefilled, and ``observe`` charges only what is prefilled).  What
+    :meth:`WFQAdmission._merge` charges a waiting request provisionally -- not ``num_uncomputed_tokens``, which
+    for a request preempted by recompute is its whole re-prefill (prompt and outputs again), nor the whole
+    prompt of a request whose prefix is cached: charged either, its tenant's later requests were ordered behind
     other tenants' as if it had been served tokens it will never be charged for."""
-    return max(0, len(req.prompt_token_ids) - max(req.num_computed_tokens, req.num_tokens_computed_once))
+    reached = max(req.num_computed_tokens, req.num_tokens_computed_once, computed_if_admitted)
+    return max(0, len(req.prompt_token_ids) - reached)
 
 
 def _steps_left(req: Request, chunk: int) -> int:
@@ -342,6 +346,10 @@ class WFQAdmission(KeepsItsOrder):
         self._places: dict[Request, tuple] = {}
         self._tracking = False  # hearing one scheduler's queue (until a second shares the policy)
         self._shared = False
+        # What admission would find computed of a request (ReadsCachedPrefixes): its scheduler's KV manager's
+        # answer; none (0) before a scheduler gives one, or once a second scheduler shares the policy
+        self._computed_if_admitted: Callable[[Request], int] | None = None
+        self._peeks_given = 0
 
     def track(self, waiting: Sequence[Request]) -> None:
         if self._kept.queue is None and not self._shared:
@@ -379,6 +387,19 @@ class WFQAdmission(KeepsItsOrder):
         seen = {r.request_id: r for r in self._kept.queue if r not in fresh}
         seen.update(self._seen_left)
         return seen
+
+    def read_cached_prefixes(self, computed_if_admitted: Callable[[Request], int]) -> None:
+        """Charge a waiting request provisionally only the prompt admission will not find cached
+        (:func:`uncharged_prompt_tokens`).  A policy shared by two schedulers cannot tell whose cache a request
+        would look up, so it then counts no cached prefix for anyone (the whole prompt, as a cache without a
+        peek does)."""
+        self._peeks_given += 1
+        self._computed_if_admitted = computed_if_admitted if self._peeks_given == 1 else None
+
+    def _uncharged(self, req: Request) -> int:
+        """:func:`uncharged_prompt_tokens` of ``req``, with what its scheduler says admission would find."""
+        peek = self._computed_if_admitted
+        return uncharged_prompt_tokens(req, peek(req) if peek is not None else 0)
 
     def weight(self, tenant: str) -> float:
         return float(self.config.tenant_config(tenant).weight)
@@ -485,7 +506,11 @@ class WFQAdmission(KeepsItsOrder):
 
     def _merge(self, queues: dict[str, list[Request]], heap: list) -> Iterator[Request]:
         """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally (the
-        tokens ``observe`` will charge for it: :func:`uncharged_prompt_tokens`).
+        tokens ``observe`` will charge for it: :func:`uncharged_prompt_tokens`, less the prefix admission will find
+        cached).  Handed out lazily, each request's cached prefix is counted just before admission tries it, so
+        the count is what admission then finds; drawn whole (a list), a swap-in earlier in the pass may evict
+        some of it, and a later request of its tenant may then rank ahead by at most the evicted tokens x
+        ``wfq_prefill_weight`` / its weight (a count can only be too high: nothing is cached during admission).
 
         Each request handed out gets its place (what :meth:`rank` reads): the key it left the heap with -- its
         tenant's counter plus the provisional charges of its tenant's requests handed out before it -- and, to
@@ -500,14 +525,14 @@ class WFQAdmission(KeepsItsOrder):
             if not heap:  # the last tenant left: the rest of its queue, as it stands (placed as the heap would)
                 for req in q[k:]:
                     places[req] = (vc, 1, len(places))
-                    vc = vc + self.prefill_weight * uncharged_prompt_tokens(req) / self.weight(t)
+                    vc = vc + self.prefill_weight * self._uncharged(req) / self.weight(t)
                     yield req
                 return
             req = q[k]
             heads[t] = k + 1
             places[req] = (vc, 1, len(places))
             if k + 1 < len(q):  # provisionally charge the prompt tokens it will be charged for
-                heapq.heappush(heap, (vc + self.prefill_weight * uncharged_prompt_tokens(req) / self.weight(t), i, t))
+                heapq.heappush(heap, (vc + self.prefill_weight * self._uncharged(req) / self.weight(t), i, t))
             yield req
 
     def rank(self, req: Request) -> tuple:

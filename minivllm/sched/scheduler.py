@@ -77,8 +77,8 @@ from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, HeadOfLine, KeepsOrder, ObservesSteps,
-                                 PreemptionCostModel, PreemptionPolicy, PreemptsToAdmit, RanksRequests, TracksActivity,
-                                 implements)
+                                 PreemptionCostModel, PreemptionPolicy, PreemptsToAdmit, RanksRequests,
+                                 ReadsCachedPrefixes, TracksActivity, implements)
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
@@ -290,6 +290,8 @@ class Scheduler:
         self._keeps_order = pol if implements(pol, KeepsOrder) else None  # told of every change to ``waiting``
         if self._keeps_order is not None:
             pol.track(self.waiting)
+        if implements(pol, ReadsCachedPrefixes):
+            pol.read_cached_prefixes(kv.computed_if_admitted)
         # requests in ``waiting`` per tenant, kept by every change to the queue (the step log reads it each step)
         self.waiting_by_tenant: dict[str, int] = {}
         # With caps: each waiting request's cap blocks (fixed while it waits), and per tenant how many wait

@@ -483,6 +483,8 @@ class LeafEviction:
 
     - ``_walk(namespace, blocks) -> path``: the entries (nodes) holding the longest cached prefix of
       ``blocks``, root first;
+    - ``_count_cached(namespace, blocks) -> int``: how many leading ``blocks`` are cached, the structure left
+      exactly as it is (:meth:`peek`);
     - ``_path_blocks(path) -> block ids``: the KV blocks that path holds, in order;
     - ``_touch_path(path, tick)``: make the path recent;
     - ``_cache_below(path, namespace, blocks, new_ids)``: cache ``new_ids`` (holding ``blocks``) after
@@ -512,6 +514,11 @@ class LeafEviction:
         path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
         self._touch_path(path, self._clock.tick())
         return self._path_blocks(path)
+
+    def peek(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> int:
+        """See :meth:`~minivllm.interfaces.PeeksPrefix.peek`: the blocks :meth:`match` would return, counted
+        without its effects (nothing made recent, no tree edge split, no reference taken)."""
+        return self._count_cached(namespace, split_into_blocks(token_ids, self.block_size))
 
     def insert(
         self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE

@@ -128,6 +128,9 @@ class HashIndex(LeafEviction):
             parent = entry
         return path
 
+    def _count_cached(self, namespace: Hashable, blocks: list[TokenBlock]) -> int:
+        return len(self._walk(namespace, blocks))  # (the walk only reads the table)
+
     @staticmethod
     def _path_blocks(path: list[HashEntry]) -> list[int]:
         return [entry.block_id for entry in path]  # one block per entry

@@ -220,6 +220,25 @@ class RadixCache(LeafEviction):
             self._roots[namespace] = root
         return root
 
+    def _descend(self, namespace: Hashable, blocks: list[TokenBlock]) -> tuple[list[RadixNode], int, int]:
+        """The nodes whose edges the longest cached prefix of ``blocks`` enters, root first, how many blocks it
+        covers, and how many of them lie on the last node's edge (fewer than it holds: the prefix ends inside
+        it).  Only reads the tree: :meth:`_walk` splits what this finds, :meth:`_count_cached` does not."""
+        node = self._roots.get(namespace)
+        path: list[RadixNode] = []
+        matched = last = 0
+        while node is not None and matched < len(blocks):
+            child = node.children.get(blocks[matched])
+            if child is None:
+                break
+            last = common_block_prefix(child.token_blocks, blocks, matched)
+            path.append(child)
+            matched += last
+            if last < len(child.block_ids):
+                break
+            node = child
+        return path, matched, last
+
     def _walk(self, namespace: Hashable, blocks: list[TokenBlock]) -> list[RadixNode]:
         """The nodes covering the longest cached prefix of ``blocks``.
 
@@ -228,20 +247,13 @@ class RadixCache(LeafEviction):
         the blocks actually used become recent, and the unused tail keeps its
         old access time and is evicted first.
         """
-        node = self._roots.get(namespace)
-        path: list[RadixNode] = []
-        matched = 0
-        while node is not None and matched < len(blocks):
-            child = node.children.get(blocks[matched])
-            if child is None:
-                break
-            n = common_block_prefix(child.token_blocks, blocks, matched)
-            if n < len(child.block_ids):
-                child = self._split(child, n)
-            path.append(child)
-            matched += n
-            node = child
+        path, _, last = self._descend(namespace, blocks)
+        if path and last < len(path[-1].block_ids):
+            path[-1] = self._split(path[-1], last)
         return path
+
+    def _count_cached(self, namespace: Hashable, blocks: list[TokenBlock]) -> int:
+        return self._descend(namespace, blocks)[1]
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut ``node``'s edge after ``n`` blocks; return the new upper node.
