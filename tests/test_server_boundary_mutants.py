@@ -151,12 +151,16 @@ def test_length_and_prefix_specs_that_allow_no_token_are_refused():
 # -- a streaming client that leaves while its request still waits ---------------------------------------------
 
 
-def test_a_streaming_client_gone_before_its_first_token_is_aborted():
-    """A streamed request answers only once its first output exists; a client that leaves while the request
-    still waits in the queue must have it aborted then, not run later for nobody (its blocks and steps
-    taken from the clients still there).  One seat (``max_num_seqs=1``) held by a slow request keeps the
-    streamed one waiting.  Oracle: the abort log and the engine's block pool.
-    Kills: the request stream closed on that early exit only for non-streamed requests."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_gone_before_its_first_token_is_aborted(stream):
+    """A streamed request answers only once its first output exists, a plain one once its last does; a client
+    that leaves while the request still waits in the queue must have it aborted then, not run later for nobody
+    (its blocks and steps taken from the clients still there).  One seat (``max_num_seqs=1``) held by a slow
+    request keeps the other one waiting.  Oracle: the abort log, the engine's block pool, and the seat holder
+    still running when the abort lands (the abort came at the disconnect, not once the seat freed).
+    Kills: the request stream closed on that early exit only for non-streamed requests; the disconnect watch
+    never firing while a handler waits for its output (the streamed request was aborted only at its first
+    token, once the holder had finished, and the plain one ran to its end)."""
     import time
 
     class Paced(SimulatedExecutor):
@@ -184,11 +188,12 @@ def test_a_streaming_client_gone_before_its_first_token_is_aborted():
                 await until(lambda: len(engine.scheduler.running) == 1, "the holder has the seat")
                 gone = asyncio.ensure_future(leaver.post(
                     srv.base + "/v1/completions",
-                    json={"prompt": [21, 22], "max_tokens": 50, "ignore_eos": True, "stream": True}))
-                await until(lambda: len(engine.scheduler.waiting) == 1, "the streamed request waits")
+                    json={"prompt": [21, 22], "max_tokens": 50, "ignore_eos": True, "stream": stream}))
+                await until(lambda: len(engine.scheduler.waiting) == 1, "the other request waits")
                 gone.cancel()
                 await asyncio.gather(gone, return_exceptions=True)
-                await until(lambda: len(runner.aborted_ids) == 1, "the waiting streamed request is aborted")
+                await until(lambda: len(runner.aborted_ids) == 1, "the waiting request is aborted")
+                assert [r.max_tokens for r in list(engine.scheduler.running)] == [150], "aborted only once the seat freed"
                 assert not engine.scheduler.waiting
                 return await holder
 
