@@ -261,6 +261,22 @@ def test_multi_turn_chats_open_and_grow_by_turn_range_tokens():
     assert {len(b) - len(a) for a, b in zip(first, second)} == {5, 6}
 
 
+def _brute_force_hits(prompts, block=16):
+    """Each prompt's hit tokens on a cache that never evicts, by brute force: the longest whole-block prefix of
+    its first ``len - 1`` tokens (a lookup stops before the last token) that an earlier prompt's full blocks
+    cover."""
+    hits = []
+    for i, p in enumerate(prompts):
+        best = 0
+        for q in prompts[:i]:
+            n = 0
+            while (n + 1) * block <= min(len(p) - 1, len(q)) and p[n * block:(n + 1) * block] == q[n * block:(n + 1) * block]:
+                n += 1
+            best = max(best, n * block)
+        hits.append(best)
+    return hits
+
+
 def test_the_rag_workload_hits_the_32_percent_of_the_committed_figure_with_questions_of_8_to_32_tokens():
     """Lab 3's RAG workload: a 32-token instruction, 3 documents of 128 tokens, then a question of 8-32 tokens.
     The committed figure (``figures/prefix_hit_rates.png``, drawn by ``tools/make_figures.py`` from
@@ -277,15 +293,7 @@ def test_the_rag_workload_hits_the_32_percent_of_the_committed_figure_with_quest
     assert min(questions) >= 8 and max(questions) <= 32
     many = [len(p) - 32 - 3 * 128 for p in workloads.rag_workload(2000, seed=1)]
     assert (min(many), max(many)) == (8, 32)  # both ends drawn (a missed end: (24/25)**2000, under e**-80)
-    hits = []
-    for i, p in enumerate(prompts):
-        best = 0
-        for q in prompts[:i]:
-            n = 0
-            while (n + 1) * 16 <= min(len(p) - 1, len(q)) and p[n * 16:(n + 1) * 16] == q[n * 16:(n + 1) * 16]:
-                n += 1
-            best = max(best, n * 16)
-        hits.append(best)
+    hits = _brute_force_hits(prompts)
     by_hand = sum(hits) / sum(len(p) - 1 for p in prompts)
     pool = BlockPool(1024)
     records = workloads.replay_prefix_cache(make_prefix_cache("radix", pool, 16), pool, prompts)
@@ -342,15 +350,7 @@ def test_agent_calls_resend_the_run_so_far_and_hit_what_a_brute_force_replay_fin
         for a in range(agents):
             before, after = prompts[(k - 1) * agents + a], prompts[k * agents + a]
             assert after[:len(before)] == before and 40 <= len(after) - len(before) <= 192
-    hits = []
-    for i, p in enumerate(prompts):
-        best = 0
-        for q in prompts[:i]:
-            n = 0
-            while (n + 1) * 16 <= min(len(p) - 1, len(q)) and p[n * 16:(n + 1) * 16] == q[n * 16:(n + 1) * 16]:
-                n += 1
-            best = max(best, n * 16)
-        hits.append(best)
+    hits = _brute_force_hits(prompts)
     pool = BlockPool(1024)
     records = workloads.replay_prefix_cache(make_prefix_cache("radix", pool, 16), pool, prompts)
     assert [r["hit_tokens"] for r in records] == hits
