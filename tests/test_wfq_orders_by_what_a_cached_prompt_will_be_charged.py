@@ -202,3 +202,47 @@ def test_every_wfq_admission_pass_walks_the_documented_order_over_seeded_prefix_
             bad_seeds.append(seed)
     assert passes > 2000, "the workloads must order the queue in many steps"
     assert bad == 0, f"{bad} of {passes} passes walked another order than the rule (seeds {bad_seeds})"
+
+
+def test_a_tenant_held_back_by_its_cap_costs_no_cache_lookup_per_waiting_request():
+    """A tenant whose cap holds it back falls behind the other's counter, so every admission pass hands out its
+    backlog up to that deficit before the other tenant's next request -- each one passed over by its cap.  Counting
+    their cached prefixes ordered nothing that could start, yet each was a walk of the prompt's blocks, a cost per
+    step that grew with the deficit (here over 100 lookups a step after 60 steps, and rising).  Counted by a cache
+    that tallies its peeks: at most the requests admission tries, never one per passed-over request; and the
+    uncapped tenant is still served while the cap holds a to one request at a time."""
+    from minivllm.kv.prefix import RadixCache
+
+    class CountingRadix(RadixCache):
+        peeks = 0
+
+        def peek(self, token_ids, namespace=()):
+            CountingRadix.peeks += 1
+            return super().peek(token_ids, namespace)
+
+    cfg = EngineConfig(num_gpu_blocks_override=4000, block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                       max_model_len=64, scheduling_policy="wfq", enable_prefix_caching=True, device="cpu",
+                       tenants={"a": TenantConfig(max_running=1), "b": TenantConfig()})
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64, eos_token_ids=set(),
+                       prefix_cache=CountingRadix(None, 4))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    for i in range(300):
+        for tenant in "ab":
+            engine.add_request({"prompt_token_ids": SYSTEM + [100 + i] * 8}, params, f"{tenant}{i}", tenant=tenant)
+    seen: set = set()  # the requests that started
+    for _ in range(60):
+        engine.step()
+        seen.update(r.request_id for r in engine.scheduler.running)
+    policy = engine.scheduler.admission_policy
+    assert policy.counter("b") - policy.counter("a") > 400, policy.counters  # a is far behind: its backlog is walked
+    most = 0
+    for _ in range(20):
+        CountingRadix.peeks = 0
+        before = {r.request_id for r in engine.scheduler.running}
+        engine.step()
+        started = {r.request_id for r in engine.scheduler.running} - before
+        most = max(most, CountingRadix.peeks - len(started))
+        seen.update(started)
+    assert most <= 2, f"{most} cache lookups in a step beyond the requests it started"
+    served = {t: sum(rid[0] == t for rid in seen) for t in "ab"}
+    assert 1 <= served["a"] <= 3 and served["b"] >= 10, served  # the cap held a to one at a time; b was served

@@ -73,6 +73,7 @@ executor copies them out).
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
@@ -290,8 +291,11 @@ class Scheduler:
         self._keeps_order = pol if implements(pol, KeepsOrder) else None  # told of every change to ``waiting``
         if self._keeps_order is not None:
             pol.track(self.waiting)
+        # The tenants admission passes over for the rest of the pass it is in (its ``blocked`` and ``cap_closed``):
+        # none outside a pass (see _computed_if_admitted)
+        self._passed_over: tuple[Collection[str], ...] = ()
         if implements(pol, ReadsCachedPrefixes):
-            pol.read_cached_prefixes(kv.computed_if_admitted)
+            pol.read_cached_prefixes(self._computed_if_admitted)
         # requests in ``waiting`` per tenant, kept by every change to the queue (the step log reads it each step)
         self.waiting_by_tenant: dict[str, int] = {}
         # With caps: each waiting request's cap blocks (fixed while it waits), and per tenant how many wait
@@ -483,8 +487,27 @@ class Scheduler:
         return self.kv.num_new_blocks_all(running)  # the same sum, in one loop inside the KV manager
 
     # -- step 1: admit -------------------------------------------------------
+    def _computed_if_admitted(self, req: Request) -> int:
+        """What a policy that reads cached prefixes is told of ``req`` (:class:`ReadsCachedPrefixes`): the KV
+        manager's :meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.computed_if_admitted` -- unless admission has
+        passed ``req``'s tenant over for the rest of this pass (its head could not start, or none of its requests
+        can pass its caps), when nothing is looked up and 0 is said.
+
+        Why: WFQ asks for every request it hands out, and a tenant whose caps hold it back falls behind the others'
+        counters, so each pass hands out its backlog up to that deficit -- all of it skipped.  Looked up, each cost
+        a walk of the prompt's blocks (a 512-token prompt: ~7 us), a cost that grew with the deficit as long as the
+        cap held.  What such a request is charged here orders only its own tenant's later requests, which this
+        pass skips as well, so no request that can start is ordered otherwise (unless a preemption gives cap room
+        back and reopens the tenant within the pass: its later requests then rank behind those passed-over ones'
+        whole prompts, as every request did before cached prefixes were counted).
+        """
+        for tenants in self._passed_over:
+            if req.tenant in tenants:
+                return 0
+        return self.kv.computed_if_admitted(req)
+
     def admit(self) -> list[Request]:
-        """Move waiting requests into ``running`` while seats, budget and blocks allow.
+        """Move waiting requests into ``running`` while seats, budget and blocks allow (the pass: :meth:`_admit`).
 
         Nothing is admitted in a step right after a preemption made while
         allocating, whatever the victim had computed: the pool is full, and
@@ -492,6 +515,13 @@ class Scheduler:
         flag first, so a preemption made here, to seat a better-ranked request,
         does not pause admission.)
         """
+        try:
+            return self._admit()
+        finally:
+            self._passed_over = ()  # (a policy asked outside a pass looks every request up)
+
+    def _admit(self) -> list[Request]:
+        """The pass :meth:`admit` runs (there, what it does and why)."""
         if (self._preempted_last_step or not self.waiting
                 or len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None):
             # The last clause: every seat is taken and no policy may free one, so nothing below could admit or
@@ -514,6 +544,7 @@ class Scheduler:
         # blocks as one that failed.  Their requests are passed over with one set lookup, so a step beside a
         # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
         cap_closed: set[str] = set()
+        self._passed_over = (blocked, cap_closed)
         swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
         # The best rank among the victims preempted in this admit to seat a better-ranked request.  Under a global
         # head of line, a request ranked behind one of them is not admitted in the same pass: it would take the
