@@ -287,6 +287,11 @@ class KVCacheManager:
         :meth:`match_prefix` would return, counted here without taking a reference or making a cached block
         recent (:class:`~minivllm.interfaces.PeeksPrefix`).
 
+        This is the fork :meth:`can_fork` will allow once the leader holds blocks, not whether it allows it now: a
+        leader still prefilling counts, and so does one swapped out (its samples queue behind it and it is brought
+        back first; were a sample admitted while its leader is out, it would start alone and this answer would be
+        up to ``prompt - 1`` tokens too high, which moves only its own tenant's later requests in that pass).
+
         Why: an admission policy that charges only the prompt a request will prefill (WFQ) must know what the
         cache will spare it before admission looks the cache up.  Exact while the cache keeps what it holds:
         within one admission pass only an eviction changes it (a swap-in taking blocks), so the count can only
