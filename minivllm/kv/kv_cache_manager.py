@@ -34,7 +34,7 @@ Data movement (swap copies, copy-on-write copies) is only *recorded* here as
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from minivllm.interfaces import PeeksPrefix, PrefixCache, implements
@@ -45,6 +45,38 @@ from minivllm.request import Request, RequestStatus
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks ``num_tokens`` tokens occupy (ceil division)."""
     return -(-num_tokens // block_size)
+
+
+class _TokenView(Sequence[int]):
+    """``req.all_token_ids``, read in place.
+
+    Why: ``all_token_ids`` concatenates the prompt and the output into a new list; a peek
+    (:meth:`KVCacheManager.computed_if_admitted`, run for every waiting request an admission policy hands out)
+    of a request preempted after generating would pay that copy of the whole sequence before the cache
+    compared a single block.  A slice is what :meth:`Request.token_ids_slice` returns (just those tokens).
+    """
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request) -> None:
+        self._req = req
+
+    def __len__(self) -> int:
+        return self._req.num_tokens
+
+    def __getitem__(self, i):
+        n = self._req.num_tokens
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                return self._req.token_ids_slice(0, n)[i]
+            return self._req.token_ids_slice(start, max(start, stop))
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"token {i} of {n}")
+        prompt = self._req.prompt_token_ids
+        return prompt[i] if i < len(prompt) else self._req.output_token_ids[i - len(prompt)]
 
 
 @dataclass
@@ -296,7 +328,7 @@ class KVCacheManager:
         cache will spare it before admission looks the cache up.  Exact while the cache keeps what it holds:
         within one admission pass only an eviction changes it (a swap-in taking blocks), so the count can only
         be more than admission then finds, never less.  A cache without ``peek`` counts nothing cached.  Costs
-        the prompt's blocks, as a lookup does.
+        the blocks the cache compares (the built-in caches stop at the first miss; the tokens are not copied).
         """
         if req.status is RequestStatus.SWAPPED or req.cpu_block_ids:
             return req.num_computed_tokens
@@ -306,7 +338,12 @@ class KVCacheManager:
             return req.num_prompt_tokens - 1  # what fork leaves computed
         if self._peek is None:
             return 0
-        return self._peek(req.all_token_ids[:-1], self.namespace(req)) * self.block_size
+        # The last token is never matched (:meth:`match_prefix`), but cutting it off would copy the prompt.  The
+        # blocks of ``tokens[:-1]`` are the leading blocks of ``tokens``, so the cached prefix of the one is that
+        # of the other capped at its block count; only the view crosses into the output, which is not one list.
+        tokens = req.prompt_token_ids if not req.output_token_ids else _TokenView(req)
+        limit = max(req.num_tokens - 1, 0) // self.block_size
+        return min(self._peek(tokens, self.namespace(req)), limit) * self.block_size
 
     def share_prefix(self, req: Request, hit: PrefixHit) -> None:
         """``req`` (holding no blocks) takes a reference on each hit block and skips computing them."""

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -168,6 +168,44 @@ def split_into_blocks(
     return [
         tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(num_blocks)
     ]
+
+
+class LazyBlocks(Sequence[tuple[int, ...]]):
+    """The full blocks of ``token_ids`` -- what :func:`split_into_blocks` returns -- each cut only when read.
+
+    Why: a lookup walks blocks in order and stops at its first miss, so cutting the whole prompt into tuples
+    first cost O(prompt) even when block 0 misses.  :meth:`LeafEviction.peek` runs for every waiting request
+    an admission policy hands out (WFQ), most of them not admitted in that step; read lazily, a peek
+    costs the blocks it compares.  The walks read only ``len`` and indexes, so they take this as they take a
+    list.  A block read twice is cut twice (a radix walk reads an edge's first block twice), a few tuples
+    against a whole prompt's.  ``token_ids`` is read in place, never copied: it must not change while this
+    is in use.
+    """
+
+    __slots__ = ("_tokens", "_block_size", "_len")
+
+    def __init__(self, token_ids: Sequence[int], block_size: int) -> None:
+        self._tokens = token_ids
+        self._block_size = block_size
+        self._len = len(token_ids) // block_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        tokens, size = self._tokens, self._block_size
+        for start in range(0, self._len * size, size):
+            yield tuple(tokens[start : start + size])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"block {i} of {self._len}")
+        start = i * self._block_size
+        return tuple(self._tokens[start : start + self._block_size])
 
 
 def check_new_blocks(
@@ -484,7 +522,7 @@ class LeafEviction:
     - ``_walk(namespace, blocks) -> path``: the entries (nodes) holding the longest cached prefix of
       ``blocks``, root first;
     - ``_count_cached(namespace, blocks) -> int``: how many leading ``blocks`` are cached, the structure left
-      exactly as it is (:meth:`peek`);
+      exactly as it is (:meth:`peek`); ``blocks`` is a :class:`LazyBlocks`, so read only the blocks compared;
     - ``_path_blocks(path) -> block ids``: the KV blocks that path holds, in order;
     - ``_touch_path(path, tick)``: make the path recent;
     - ``_cache_below(path, namespace, blocks, new_ids)``: cache ``new_ids`` (holding ``blocks``) after
@@ -517,8 +555,11 @@ class LeafEviction:
 
     def peek(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> int:
         """See :meth:`~minivllm.interfaces.PeeksPrefix.peek`: the blocks :meth:`match` would return, counted
-        without its effects (nothing made recent, no tree edge split, no reference taken)."""
-        return self._count_cached(namespace, split_into_blocks(token_ids, self.block_size))
+        without its effects (nothing made recent, no tree edge split, no reference taken).
+
+        The blocks are cut as the walk reads them (:class:`LazyBlocks`), so a peek costs the blocks it
+        compares -- one when the first block misses -- not the length of the prompt."""
+        return self._count_cached(namespace, LazyBlocks(token_ids, self.block_size))
 
     def insert(
         self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE

@@ -117,7 +117,7 @@ class HashIndex(LeafEviction):
             return None
         return entry
 
-    def _walk(self, namespace: Hashable, blocks: list[TokenBlock]) -> list[HashEntry]:
+    def _walk(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> list[HashEntry]:
         path: list[HashEntry] = []
         parent: HashEntry | None = None
         for tokens in blocks:
@@ -128,7 +128,7 @@ class HashIndex(LeafEviction):
             parent = entry
         return path
 
-    def _count_cached(self, namespace: Hashable, blocks: list[TokenBlock]) -> int:
+    def _count_cached(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> int:
         return len(self._walk(namespace, blocks))  # (the walk only reads the table)
 
     @staticmethod

@@ -67,7 +67,7 @@ class RadixNode:
         return self.parent is None
 
 
-def common_block_prefix(edge: list[TokenBlock], blocks: list[TokenBlock], start: int) -> int:
+def common_block_prefix(edge: list[TokenBlock], blocks: Sequence[TokenBlock], start: int) -> int:
     """How many leading blocks of ``edge`` equal ``blocks[start:]``."""
     n = 0
     limit = min(len(edge), len(blocks) - start)
@@ -220,7 +220,7 @@ class RadixCache(LeafEviction):
             self._roots[namespace] = root
         return root
 
-    def _descend(self, namespace: Hashable, blocks: list[TokenBlock]) -> tuple[list[RadixNode], int, int]:
+    def _descend(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> tuple[list[RadixNode], int, int]:
         """The nodes whose edges the longest cached prefix of ``blocks`` enters, root first, how many blocks it
         covers, and how many of them lie on the last node's edge (fewer than it holds: the prefix ends inside
         it).  Only reads the tree: :meth:`_walk` splits what this finds, :meth:`_count_cached` does not."""
@@ -252,7 +252,7 @@ class RadixCache(LeafEviction):
             path[-1] = self._split(path[-1], last)
         return path
 
-    def _count_cached(self, namespace: Hashable, blocks: list[TokenBlock]) -> int:
+    def _count_cached(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> int:
         return self._descend(namespace, blocks)[1]
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:

@@ -1,0 +1,182 @@
+"""A prefix-cache ``peek`` costs the blocks it compares, not the length of the prompt, and still counts what
+``match`` would return.
+
+WFQ asks :meth:`KVCacheManager.computed_if_admitted` for every waiting request it hands out, and that peeks the
+cache.  The peek used to copy the whole token list (``all_token_ids[:-1]``) and cut every block into a tuple
+before comparing the first one, so an 8,192-token prompt whose first block is not cached cost O(8,192) per
+peek.  The counts are checked against hand-worked numbers (block ``k`` of ``toks`` is ``[k] * BS``) and against
+``match`` / ``match_prefix``; the cost is checked by counting the tokens read from the prompt lists.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minivllm.kv.block_pool import BlockPool
+from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.kv.prefix import CACHE_KINDS, make_prefix_cache
+from minivllm.kv.prefix.base import LazyBlocks, split_into_blocks
+from minivllm.request import Request
+from minivllm.sampling_params import SamplingParams
+
+BS = 4
+
+
+def toks(*blocks: int, extra: tuple[int, ...] = ()) -> list[int]:
+    return [t for b in blocks for t in [b] * BS] + list(extra)
+
+
+class CountingList(list):
+    """A token list that counts the tokens read out of it (indexing, slicing, iterating, concatenating)."""
+
+    reads = 0
+
+    def __getitem__(self, i):
+        got = super().__getitem__(i)
+        CountingList.reads += len(got) if isinstance(i, slice) else 1
+        return got
+
+    def __iter__(self):
+        CountingList.reads += len(self)
+        return super().__iter__()
+
+    def __add__(self, other):
+        CountingList.reads += len(self) + len(other)
+        return list(self) + list(other)
+
+    def __radd__(self, other):
+        CountingList.reads += len(self) + len(other)
+        return list(other) + list(self)
+
+
+def manager(kind: str, share: bool = False) -> KVCacheManager:
+    pool = BlockPool(64)
+    return KVCacheManager(pool, BS, make_prefix_cache(kind, pool, BS), share_prefix_cache_across_tenants=share)
+
+
+def request(tokens, tenant: str = "default", salt: str | None = None, output=()) -> Request:
+    req = Request(f"r{len(tokens)}", list(tokens), SamplingParams(), 0.0, tenant=tenant, cache_salt=salt)
+    req.output_token_ids = list(output)
+    return req
+
+
+def cache_tokens(mgr: KVCacheManager, tokens, tenant: str = "default", salt: str | None = None) -> None:
+    """Cache every full block of ``tokens`` in ``tenant``'s (salted) namespace; only the cache holds them after."""
+    ns = mgr.namespace(request([0], tenant, salt))
+    cache, pool = mgr.prefix_cache, mgr.pool
+    table = list(cache.match(tokens, ns))
+    for b in table:
+        pool.incref(b)
+    table += pool.allocate_many(len(tokens) // BS - len(table))
+    result = cache.insert(tokens, table, ns)
+    assert result.block_ids == table
+    pool.free_all(table)
+
+
+@pytest.fixture(params=CACHE_KINDS)
+def kind(request) -> str:
+    return request.param
+
+
+def test_lazy_blocks_are_the_blocks_split_into_blocks_cuts():
+    """Same blocks by index, iteration, negative index and slice, for lengths around the block boundary."""
+    for n in range(0, 3 * BS + 2):
+        tokens = list(range(100, 100 + n))
+        lazy, eager = LazyBlocks(tokens, BS), split_into_blocks(tokens, BS)
+        assert len(lazy) == len(eager) == n // BS
+        assert list(lazy) == eager == [lazy[i] for i in range(len(lazy))] == lazy[:]
+        if eager:
+            assert lazy[-1] == eager[-1] and lazy[1:] == eager[1:]
+        with pytest.raises(IndexError):
+            lazy[len(eager)]
+
+
+def test_peek_on_hand_cases_counts_what_match_returns(kind):
+    """Cached: blocks 1 2 3 (one radix edge).  First block missing -> 0; a partial last block is never
+    counted -> 3; a prompt that leaves the edge halfway -> 2 (and the edge is not split); one past it -> 3."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    cache = mgr.prefix_cache
+    ns = mgr.namespace(request([0]))
+    nodes = getattr(cache, "num_nodes", None)
+    cases = {
+        (9,): 0, (9, 1, 2, 3): 0, (1,): 1, (1, 2, 9, 3): 2, (1, 2, 3): 3, (1, 2, 3, 4): 3,
+    }
+    for blocks, expected in cases.items():
+        for extra in ((), (7,), (7, 7, 7)):  # a partial last block adds nothing
+            tokens = toks(*blocks, extra=extra)
+            assert cache.peek(tokens, ns) == expected, (blocks, extra)
+    assert cache.peek(toks(1, 2, 3), ()) == 0  # another namespace sees nothing
+    assert getattr(cache, "num_nodes", None) == nodes  # no edge was split by a peek
+    for blocks, expected in cases.items():
+        assert len(cache.match(toks(*blocks, extra=(7,)), ns)) == expected
+
+
+def test_computed_if_admitted_excludes_the_last_token_and_follows_namespaces(kind):
+    """Block-aligned prompts: the last token is not matched, so a fully cached 3-block prompt counts 2 blocks
+    (8 tokens), one more token counts all 3 (12).  Tenants and salts are separate spaces unless shared."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    cache_tokens(mgr, toks(5, 6), tenant="alice", salt="s")
+    hand = [
+        (request(toks(1, 2, 3)), 8),
+        (request(toks(1, 2, 3, extra=(9,))), 12),
+        (request(toks(1, 2, 3, 4)), 12),
+        (request(toks(1)), 0),
+        (request(toks(1, 2)), 4),
+        (request(toks(9, 2, 3, 4)), 0),
+        (request(toks(1, 2, 3)[:1]), 0),
+        (request(toks(1, 2, 3), tenant="bob"), 0),
+        (request(toks(1, 2, 3), salt="s"), 0),
+        (request(toks(5, 6, 7), tenant="alice", salt="s"), 8),
+        (request(toks(5, 6, 7), tenant="alice"), 0),
+        (request(toks(5, 6, 7), tenant="bob", salt="s"), 0),
+    ]
+    for req, expected in hand:
+        assert mgr.computed_if_admitted(req) == expected, (req.prompt_token_ids, req.tenant, req.cache_salt)
+        assert mgr.match_prefix(req).num_tokens == expected
+
+
+def test_computed_if_admitted_reads_through_a_preempted_requests_output(kind):
+    """A request preempted after generating waits with output tokens; its cached prefix runs on into them.
+    Cached: blocks 1 2 3 4; prompt 1 2 + half of 3, output the rest of 3 + 4 -> all but the last token:
+    3 blocks (12) when 4 is the end, 4 blocks (16) with one more output token."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3, 4))
+    full = toks(1, 2, 3, 4)
+    cut = 2 * BS + BS // 2
+    for output, expected in ((full[cut:], 12), (full[cut:] + [8], 16), (full[cut:-1] + [8], 12)):
+        req = request(full[:cut], output=output)
+        assert mgr.computed_if_admitted(req) == expected
+        assert mgr.match_prefix(req).num_tokens == expected
+
+
+@pytest.mark.parametrize("output", [(), (5, 6, 7)])
+def test_a_miss_at_block_zero_reads_one_block_of_a_long_prompt(kind, output):
+    """8,192 tokens whose first block is not cached: the peek reads at most a couple of blocks of the prompt
+    (it used to copy it and cut all 2,048 blocks), and still answers 0.  Also true through the manager for a
+    request with output tokens, whose tokens are not one list."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    prompt = CountingList([9] + list(range(8191)))
+    req = request(prompt, output=output)
+    req.prompt_token_ids = prompt
+    req.output_token_ids = CountingList(output)
+    CountingList.reads = 0
+    assert mgr.computed_if_admitted(req) == 0
+    assert CountingList.reads <= 2 * BS, f"read {CountingList.reads} tokens to find block 0 uncached"
+    CountingList.reads = 0
+    assert mgr.prefix_cache.peek(prompt, mgr.namespace(req)) == 0
+    assert CountingList.reads <= 2 * BS
+
+
+def test_a_hit_reads_only_the_blocks_it_matched_and_the_first_miss(kind):
+    """A 2,000-block prompt whose first 3 blocks are cached: the peek reads about the 4 blocks it compares."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    prompt = CountingList(toks(1, 2, 3) + list(range(1000, 1000 + 1997 * BS)))
+    req = request(prompt)
+    req.prompt_token_ids = prompt
+    CountingList.reads = 0
+    assert mgr.computed_if_admitted(req) == 3 * BS
+    assert CountingList.reads <= 6 * BS, f"read {CountingList.reads} tokens for a 3-block hit"
