@@ -97,6 +97,9 @@ def check_static_batching(cls) -> CheckResult:
     cases = [
         Case("engine empty: everybody may try, in queue order", lambda k: k().order([a, b, c], []), [a, b, c],
              "when nothing runs, return the waiting list as it is (the engine stops at max_num_seqs)"),
+        Case("the queue's order is kept, whatever the ids", lambda k: k().order([c, a, b], []), [c, a, b],
+             "return the waiting list in the order it came: the engine's queue (arrivals, a preempted request put "
+             "back at the front) is not sorted by request id, and admission order is the queue's"),
         Case("nothing waiting", lambda k: k().order([], []), [], "an empty queue gives an empty order"),
         Case("a batch is running: nobody joins", lambda k: k().order([b, c], [a]), [],
              "static batching: while any request runs, return [] so no one is admitted"),
@@ -146,7 +149,8 @@ def hidden_split_step(fn, seed: int) -> CheckResult:
 
 
 def hidden_static_batching(cls, seed: int) -> CheckResult:
-    """Random queues, and a random workload run against the engine on the figures' own static policy."""
+    """Random queues (ids in shuffled order: a queue is not sorted by id), and a random workload run against the
+    engine on the figures' own static policy."""
     from minivllm.labs.workloads import StaticBatchAdmission
 
     rng = random.Random(seed)
@@ -158,7 +162,7 @@ def hidden_static_batching(cls, seed: int) -> CheckResult:
     def random_queues(k):
         ref = StaticBatchAdmission()
         for _ in range(100):
-            waiting = [R(f"w{i}") for i in range(rng.randint(0, 6))]
+            waiting = [R(f"w{i}") for i in rng.sample(range(6), rng.randint(0, 6))]
             running = [R(f"r{i}") for i in range(rng.choice([0, 0, 1, rng.randint(1, 5)]))]
             if k().order(list(waiting), list(running)) != ref.order(waiting, running):
                 return "differs"

@@ -143,7 +143,10 @@ def _random_states_match(fn: BuildBatch, n: int = 300, seed: int = 4) -> str:
         budget = rng.randint(1, 96)
         threshold = rng.choice([0, 0, rng.randint(1, 40)])
         before = [(r.num_computed_tokens, r.num_tokens) for r in running]
-        got = _as_dict(fn(list(running), budget, threshold))
+        rows = fn(list(running), budget, threshold)
+        if (bad := wrong_container(rows, list, f"state {i}")) is not None:  # as in the visible cases
+            return bad
+        got = _as_dict(rows)
         if [(r.num_computed_tokens, r.num_tokens) for r in running] != before:
             return f"state {i}: your function changed a request (num_computed_tokens or its tokens)"
         want = _as_dict(engine_build_batch(running, budget, threshold))
@@ -169,7 +172,12 @@ def _sim_trace(fn: BuildBatch | None, seed: int = 7, budget: int = 40, threshold
 def check_build_batch(fn: BuildBatch) -> CheckResult:
     """Check ``fn(running, budget, threshold) -> [(request, num_tokens), ...]`` (chunked prefill on)."""
     def run(running, budget, threshold=0):
-        return lambda f: _as_dict(f(list(running), budget, threshold))
+        """The batch as ``{request_id: tokens}``, or what is wrong with its container: the signature's ``-> list``
+        is part of the contract, as in every checker (a tuple of the right pairs used to pass both checkers)."""
+        def case(f):
+            rows = f(list(running), budget, threshold)
+            return wrong_container(rows, list, "the batch") or _as_dict(rows)
+        return case
 
     d1, d2, d3 = decode("d1"), decode("d2"), decode("d3")
     P = prefill("P", 100)
@@ -387,6 +395,12 @@ def check_pick_budget(fn) -> CheckResult:
              "a bigger budget means more throughput and a faster long prompt: keep the LARGEST that qualifies"),
         Case("exactly on target counts as meeting it", pick(curve, list(curve), 0.030), 512,
              "meets = p99 <= target (not <)"),
+        Case("a hair over the target misses",
+             pick({2048: (0.0300, 0.040), 4096: (0.0304, 0.050)}, [2048, 4096], 0.030), 2048,
+             "30.4 ms is over a 30 ms target: compare the measured p99 itself, don't round it (or cut it to whole "
+             "milliseconds) first"),
+        Case("no budgets at all", pick({}, [], 0.030), None,
+             "an empty sweep has no budget that meets the target: return None, as when none qualifies"),
         Case("budgets in any order", pick(curve, [1024, 128, 512, 256], 0.030), 512,
              "don't assume the list is sorted: take the max of those that qualify"),
         Case("a smaller budget misses, a larger one meets", pick({128: (0.040, 0.050), 512: (0.025, 0.040)},
@@ -449,15 +463,22 @@ def hidden_itl_stats(fn, seed: int) -> CheckResult:
 
 
 def hidden_pick_budget(fn, seed: int) -> CheckResult:
-    """Random sweep tables (any order, ties on the target, nothing qualifying), no budget measured twice, the
-    list of budgets only read."""
+    """Random sweep tables (any order, ties on the target, nothing qualifying, no budgets at all, the largest
+    budget a fraction of a millisecond over the target), no budget measured twice, the list of budgets only read.
+
+    The tables' p99s are whole milliseconds, so the "hair over" budget is what tells an answer that compares the
+    measured p99 from one that rounds it (or cuts it to whole ms) first: 30.4 ms does not meet 30 ms."""
     rng = random.Random(seed)
 
     def random_sweeps(f):
         for trial in range(100):
-            budgets = rng.sample([64, 128, 256, 512, 1024, 2048, 4096, 8192], rng.randint(1, 8))
+            budgets = rng.sample([64, 128, 256, 512, 1024, 2048, 4096, 8192], rng.choice([0, *range(1, 9)]))
             table = {b: (round(rng.uniform(0.005, 0.06), 3), round(rng.uniform(0.06, 0.2), 3)) for b in budgets}
-            target = rng.choice([round(rng.uniform(0.0, 0.07), 3), rng.choice(list(table.values()))[0]])
+            target = round(rng.uniform(0.0, 0.07), 3)
+            if table and rng.random() < 0.5:
+                target = rng.choice(list(table.values()))[0]
+            if table and rng.random() < 0.3:
+                table[max(budgets)] = (target + rng.choice([1e-6, 1e-4, 4e-4]), 0.2)
             seen: list = []
             m = _Measure(table)
             given = list(budgets)

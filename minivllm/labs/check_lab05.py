@@ -476,6 +476,7 @@ def check_victim_policy(cls) -> CheckResult:
 
     tie = [_R("old", "batch", 16), _R("mid", "batch", 16), _R("new", "batch", 16)]
     prefill = [_R("long-prompt", "batch", 16, prompt=400), _R("short", "batch", 30, prompt=20)]
+    fresh = [_R("some", "batch", 12), _R("fresh", "batch", 0, prompt=40), _R("more", "batch", 30)]
     cases = [
         Case("one running request is the victim", lambda k: pick(k, [a]).request_id, "a",
              "with a single candidate there is no choice to make"),
@@ -483,6 +484,9 @@ def check_victim_policy(cls) -> CheckResult:
              "recompute throws away num_computed_tokens; pick the request with the FEWEST"),
         Case("a tie goes to the newest", lambda k: pick(k, tie).request_id, "new",
              "running is in admission order: among equals, the LAST one (it has waited least)"),
+        Case("nothing computed yet is the least work", lambda k: pick(k, fresh).request_id, "fresh",
+             "a request admitted this step has 0 tokens in KV: 0 is the fewest, not 'no value yet' -- compare "
+             "with `is None` (or use min), not with `not best`"),
         Case("computed tokens, not prompt length", lambda k: pick(k, prefill).request_id, "long-prompt",
              "a long prompt still in chunked prefill has computed few tokens: read num_computed_tokens"),
         Case("a protected tenant is spared", lambda k: pick(k, [chat_small, batch_big]).request_id, "big",
@@ -634,13 +638,14 @@ def check_should_reject(fn) -> CheckResult:
 
 
 def hidden_victim_policy(cls, seed: int) -> CheckResult:
-    """Random running sets and protected tenants, and a swap-mode engine run on a random workload."""
+    """Random running sets (ties at 16 computed tokens, requests with none computed yet) and protected tenants,
+    and a swap-mode engine run on a random workload."""
     rng = random.Random(seed)
     tenants = ["chat", "agent", "batch"]
 
     def random_sets(k):
         for trial in range(200):
-            running = [_R(f"q{i}", rng.choice(tenants), rng.choice([rng.randint(0, 60), 16]),
+            running = [_R(f"q{i}", rng.choice(tenants), rng.choice([rng.randint(0, 60), 16, 0]),
                           rng.randint(1, 80)) for i in range(rng.randint(1, 7))]
             protected = tuple(rng.sample(tenants, rng.randint(0, 3)))
             before = list(running)
