@@ -32,6 +32,16 @@ def _hidden_accepts(hidden, right) -> None:
     assert all(hidden(right, seed) for seed in SEEDS)
 
 
+def _pinned(check, hidden, wrong, case: str, why: str, *right) -> None:
+    """The wrong answer fails ``case`` of the visible check (its message naming ``why``) and the grader on every
+    seed; each right answer passes both."""
+    refuses(check, wrong, case, why)
+    _hidden_rejects(hidden, wrong)
+    accepts(check, *right)
+    for r in right:
+        _hidden_accepts(hidden, r)
+
+
 # -- lab 1: static batching keeps the queue's order ---------------------------------------------------
 
 
@@ -50,11 +60,8 @@ class _SliceCopy:
 
 
 def test_static_batching_keeps_the_queue_order_not_the_id_order():
-    refuses(check_lab01.check_static_batching, _SortsById, "the queue's order is kept, whatever the ids", "order")
-    _hidden_rejects(check_lab01.hidden_static_batching, _SortsById)
-    accepts(check_lab01.check_static_batching, StaticBatchAdmission, _SliceCopy)
-    _hidden_accepts(check_lab01.hidden_static_batching, StaticBatchAdmission)
-    _hidden_accepts(check_lab01.hidden_static_batching, _SliceCopy)
+    _pinned(check_lab01.check_static_batching, check_lab01.hidden_static_batching, _SortsById,
+            "the queue's order is kept, whatever the ids", "order", StaticBatchAdmission, _SliceCopy)
 
 
 # -- lab 4: pick_budget compares the measured p99, and an empty sweep is None -------------------------
@@ -143,11 +150,8 @@ class _SortedStable:
 
 
 def test_victim_with_nothing_computed_is_the_least_work():
-    refuses(check_lab05.check_victim_policy, _ZeroMeansUnset, "nothing computed yet is the least work", "is None")
-    _hidden_rejects(check_lab05.hidden_victim_policy, _ZeroMeansUnset)
-    accepts(check_lab05.check_victim_policy, check_lab05.ReferenceVictim, _SortedStable)
-    _hidden_accepts(check_lab05.hidden_victim_policy, check_lab05.ReferenceVictim)
-    _hidden_accepts(check_lab05.hidden_victim_policy, _SortedStable)
+    _pinned(check_lab05.check_victim_policy, check_lab05.hidden_victim_policy, _ZeroMeansUnset,
+            "nothing computed yet is the least work", "is None", check_lab05.ReferenceVictim, _SortedStable)
 
 
 # -- lab 4: build_batch returns the signature's list ---------------------------------------------------
@@ -171,8 +175,5 @@ def _batch_from_a_loop(running, budget, threshold):
 
 
 def test_build_batch_returns_a_list():
-    refuses(check_lab04.check_build_batch, _batch_as_tuple, "nothing running", "not a list")
-    _hidden_rejects(check_lab04.hidden_build_batch, _batch_as_tuple)
-    accepts(check_lab04.check_build_batch, check_lab04.engine_build_batch, _batch_from_a_loop)
-    _hidden_accepts(check_lab04.hidden_build_batch, check_lab04.engine_build_batch)
-    _hidden_accepts(check_lab04.hidden_build_batch, _batch_from_a_loop)
+    _pinned(check_lab04.check_build_batch, check_lab04.hidden_build_batch, _batch_as_tuple, "nothing running",
+            "not a list", check_lab04.engine_build_batch, _batch_from_a_loop)
