@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 import build_solutions  # noqa: E402
 import make_labs  # noqa: E402
 
+from minivllm.labs.registry import solution_regions  # noqa: E402
+
 SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.ipynb"))
 LAB01 = "lab01_serving_loop"
 
@@ -189,16 +191,11 @@ def test_a_plain_run_rewrites_a_stale_student_notebook(tmp_path):
 
 def _region_lines(nb) -> set[str]:
     """Stripped code lines (over 25 characters, so not a bare ``return x``) inside the solution regions."""
-    out, inside = set(), False
+    out = set()
     for c in nb.cells:
-        if c.cell_type != "code":
-            continue
-        for line in c.source.splitlines():
-            s = line.strip()
-            if s.startswith(make_labs.BEGIN) or s.startswith(make_labs.END):
-                inside = s.startswith(make_labs.BEGIN)
-            elif inside and len(s) > 25:
-                out.add(s)
+        if c.cell_type == "code":
+            for start, end in solution_regions(c.source):  # the registry's one reading of the markers
+                out.update(s for line in c.source[start:end].splitlines() if len(s := line.strip()) > 25)
     return out
 
 

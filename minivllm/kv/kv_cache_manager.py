@@ -75,8 +75,7 @@ class _TokenView(Sequence[int]):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"token {i} of {n}")
-        prompt = self._req.prompt_token_ids
-        return prompt[i] if i < len(prompt) else self._req.output_token_ids[i - len(prompt)]
+        return self._req.token_ids_slice(i, i + 1)[0]
 
 
 @dataclass
