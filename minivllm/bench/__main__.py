@@ -12,30 +12,14 @@ simulator vs the real engine on held-out workloads), ``linear`` (the model's pro
 end to end on a CUDA GPU: Triton vs torch backend, CUDA graphs, nano-vllm's workload vs HF ``generate``),
 ``fairness`` (noisy vs quiet tenant per scheduling policy, Jain's index, three classes; simulated),
 ``prefill_rate`` (auto preemption's learnt prefill rate on a busy stream against a plain prefill),
-``replay`` (the simulator replaying real runs' step times over a grid of policies: identical decisions?).
+``replay`` (the simulator replaying real runs' step times over a grid of policies: identical decisions?),
+``ab`` (any of these on two git versions in one session, runs interleaved: ``ab --base REV -- NAME ... --out {out}``).
 """
 
 import importlib
 import sys
 
-NAMES = {
-    "offline": "minivllm.bench.offline",
-    "attention": "minivllm.bench.attention",
-    "prefix": "minivllm.bench.prefix",
-    "prefix_structures": "minivllm.bench.prefix_structures",
-    "preemption": "minivllm.bench.preemption",
-    "host_overhead": "minivllm.bench.host_overhead",
-    "gpu_e2e": "minivllm.bench.gpu_e2e",
-    "fairness": "minivllm.bench.fairness",
-    "serve": "minivllm.bench.loadgen",
-    "sim_accuracy": "minivllm.bench.sim_accuracy",
-    "fleet": "minivllm.bench.fleet",
-    "linear": "minivllm.bench.linear",
-    "eager_step": "minivllm.bench.eager_step",
-    "activations": "minivllm.bench.activations",
-    "prefill_rate": "minivllm.bench.prefill_rate",
-    "replay": "minivllm.bench.replay",
-}
+from minivllm.bench import NAMES
 
 
 def main() -> int:
