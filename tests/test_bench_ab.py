@@ -95,16 +95,23 @@ def test_two_revisions_each_get_their_own_worktree(repo):
     assert _worktrees(root) == 1
 
 
-def test_bench_from_head_runs_the_heads_script_on_the_bases_engine(repo):
+def test_same_bench_runs_the_checkouts_script_on_both_versions(repo):
     root, _ = repo
     doc = ab.run(["offline", "--out", "{out}"], base="HEAD~1", repeats=1, repo=root, log=open("/dev/null", "w"),
-                 bench_from_head=True)
+                 same_bench=True)
     rows = {r["path"]: (r["base"], r["head"]) for r in doc["rows"]}
-    assert rows["script"] == (2.0, 2.0)  # the base ran the head's benchmark module ...
+    assert rows["script"] == (2.0, 2.0)  # the base ran the checkout's benchmark module ...
     assert rows["value"] == (1.0, 2.0)  # ... on its own tree
-    assert doc["bench_module_from_head"] == "minivllm/bench/offline.py"
+    assert doc["same_bench"] == "minivllm/bench/offline.py"
     plain = ab.run(["offline", "--out", "{out}"], base="HEAD~1", repeats=1, repo=root, log=open("/dev/null", "w"))
     assert {r["path"]: (r["base"], r["head"]) for r in plain["rows"]}["script"] == (1.0, 2.0)
+    # two older revisions, both measured by the checkout's script (an uncommitted version 3 of it)
+    (root / "minivllm" / "bench" / "offline.py").write_text(FAKE_BENCH.format(script=3))
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "script 3")
+    both = ab.run(["offline", "--out", "{out}"], base="HEAD~2", head="HEAD~1", repeats=1, repo=root,
+                  log=open("/dev/null", "w"), same_bench=True)
+    rows = {r["path"]: (r["base"], r["head"]) for r in both["rows"]}
+    assert rows["script"] == (3.0, 3.0) and rows["value"] == (1.0, 2.0)
     assert _worktrees(root) == 1
 
 

@@ -400,7 +400,8 @@ def test_fairness_backlogged_service_weights_prefill_and_decode_as_wfq_does(monk
 
     monkeypatch.setattr(bench, "run", stand_in)
     monkeypatch.setattr(bench, "slo_report", lambda res, slos: {})
-    assert _argv_main(monkeypatch, bench.main, ["--duration", "1", "--policies", "fcfs"]) == 0
+    assert _argv_main(monkeypatch, bench.main, ["--duration", "1", "--policies", "fcfs", "--sections", "noisy_quiet",
+                                                "backlogged", "three_class"]) == 0
     cfg = EngineConfig()
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("fcfs") and "Jain" in x)
     for t, s in window_stats.items():

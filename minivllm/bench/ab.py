@@ -19,11 +19,11 @@ The command after ``--`` is any ``python -m minivllm.bench`` command; ``{out}`` 
 run's own result path (the benchmarks disagree on the flag's name, ``--out`` or ``--json``, so the command
 says it).  The worktree is removed afterwards, whatever happened.
 
-``--bench-from-head`` copies the benchmark's own module from the head into the base's worktree first.  Why:
-a measurement often arrives with the change it measures (a new option, a new workload); the old engine is
-then measured by the new script, which is what this project had done by hand ("run on the commit before,
-with this benchmark script copied in").  Only that one file is copied; if it needs engine code the base
-lacks, the base run fails and says so.
+``--same-bench`` copies this checkout's version of the benchmark's own module into each worktree first, so
+both sides are measured by one script.  Why: a measurement often arrives with or after the change it
+measures (a new option, a new workload); the old engine is then measured by the new script, which is what
+this project had done by hand ("run on the commit before, with this benchmark script copied in").  Only
+that one file is copied; if it needs engine code a version lacks, that run fails and says so.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def bench_module_path(name: str) -> Path:
 
 def run(command: list[str], base: str, head: str | None = None, repeats: int = 2, patterns=None,
         repo: Path | None = None, log=sys.stderr, timeout_s: float | None = None,
-        bench_from_head: bool = False) -> dict:
+        same_bench: bool = False) -> dict:
     """Run ``command`` (``NAME ARGS...`` of ``python -m minivllm.bench``, with ``{out}``) on both versions.
 
     Returns the document :func:`main` writes: both sides' revisions, the run order with each run's seconds,
@@ -175,7 +175,7 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
                          f"(e.g. `-- host_overhead --seqs 8 --out {OUT_PLACEHOLDER}`), got {command!r}")
     if command[0] == "ab":
         raise ValueError("ab cannot compare itself")
-    if bench_from_head:
+    if same_bench:
         bench_module_path(command[0])  # an unknown name is refused before anything is checked out
     runs = order(repeats)  # checks repeats before anything is checked out
     repo = repo or repo_root()
@@ -190,9 +190,10 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
             if sha is not None:
                 _git(repo, "worktree", "add", "--detach", str(trees[side]), sha)
                 added.append(trees[side])
-        if bench_from_head:
+        if same_bench:
             module = bench_module_path(command[0])
-            shutil.copyfile(trees["head"] / module, trees["base"] / module)
+            for tree in added:
+                shutil.copyfile(repo / module, tree / module)
         results: dict[str, list[dict]] = {"base": [], "head": []}
         timeline = []
         for i, side in enumerate(runs):
@@ -225,7 +226,7 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
         "bench_command": "python -m minivllm.bench " + " ".join(command),
         "base": {"rev": base, "sha": base_sha},
         "head": {"rev": head or "working tree", "sha": head_sha, "uncommitted_changes": dirty},
-        "bench_module_from_head": str(bench_module_path(command[0])) if bench_from_head else None,
+        "same_bench": str(bench_module_path(command[0])) if same_bench else None,  # copied from the checkout
         "order": timeline,
         "rows": [{"path": r.key, "base": r.base, "head": r.head, "head_over_base": r.ratio} for r in rows],
         "runs": results,
@@ -251,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="show only result paths matching this glob (repeatable), e.g. 'rows.*.jain'")
     ap.add_argument("--limit", type=int, default=60, help="rows printed (all are written with --out)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds allowed per run")
-    ap.add_argument("--bench-from-head", action="store_true",
-                    help="run the head's version of the benchmark's module on both sides (a new option measured "
-                         "on the old engine)")
+    ap.add_argument("--same-bench", action="store_true",
+                    help="run this checkout's version of the benchmark's module on both sides (a new option "
+                         "measured on an old engine)")
     ap.add_argument("--out", default=None, help="write both sides' results and the comparison here")
     args = ap.parse_args(own)
     if not command:
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     try:
         doc = run(command, args.base, args.head, args.repeats, args.metric, timeout_s=args.timeout,
-                  bench_from_head=args.bench_from_head)
+                  same_bench=args.same_bench)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a run failed: its own error, not a traceback of ours
         print(f"python -m minivllm.bench ab: error: {exc}", file=sys.stderr)
         return 1

@@ -25,17 +25,20 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minivllm.argtypes import output_file, positive_float
+from minivllm.argtypes import output_file, positive_float, positive_int
 from minivllm.bench.results import write_result
+from minivllm.config import TenantConfig
 from minivllm.engine.input_processor import output_room
 from minivllm.metrics.stats import jain, meets_slo, nearest_rank
 from minivllm.metrics.step_log import FirstTimePrompt
 
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
+SECTIONS = ("noisy_quiet", "backlogged", "three_class", "shared_prefix")
 
 # Step-time constants of the simulated executor (seconds): fixed + per token + per KV token read.
 FAIR_STEP = dict(fixed_overhead_s=0.010, per_token_s=0.0001, per_context_token_s=1e-7)
@@ -127,6 +130,52 @@ def backlogged_workload(seed: int) -> list[Arrival]:
     return out
 
 
+def shared_prefix_workload(seed: int, counts: dict[str, int] | None = None, system_len: int = 1024,
+                           prompt_len: int = 1100, outputs: tuple[int, int] = (50, 150)) -> list[Arrival]:
+    """Tenants backlogged from t = 0: A's prompts share a ``system_len``-token system prompt (each after the
+    first is mostly a prefix-cache hit), B's are unique and as long, any other tenant's are 100 unique tokens.
+
+    Why: WFQ charges a waiting request ahead of time for the prompt it will compute; a scheduler that charged
+    A the whole prompt, cached part included, would hold A back in the short term for service it never gets
+    (``tests/test_wfq_orders_by_what_a_cached_prompt_will_be_charged.py``).  Over a long window the charges settle either way,
+    so the section reads fairness second by second (:func:`slice_fairness`)."""
+    rng = random.Random(seed)
+    system = _tokens(rng, system_len)
+    out = []
+    for tenant, n in (counts or {"A": 800, "B": 250}).items():
+        for i in range(n):
+            if tenant == "A":
+                prompt = system + _tokens(rng, prompt_len - system_len)
+            else:  # B: a unique prompt as long as A's; any other tenant: a short unique one
+                prompt = _tokens(rng, prompt_len if tenant == "B" else 100)
+            out.append(Arrival(0.001 * i, tenant, prompt, rng.randint(*outputs)))
+    return sorted(out, key=lambda a: a.time)
+
+
+def slice_fairness(series: list[tuple[float, dict]], weights: dict[str, float], window: float,
+                   width: float = 1.0) -> dict:
+    """Fairness in the short term, from ``series`` (per step: its end time, each tenant's cumulative service).
+
+    Returns the mean and worst Jain index of the tenants' weighted service within consecutive ``width``-second
+    slices of the window, and the widest gap between two tenants' cumulative weighted service at any step
+    (tokens: how far one tenant ran ahead).  A slice where no tenant was served is skipped (Jain of nothing).
+    """
+    jains, gap, k, before = [], 0.0, 1, {t: 0.0 for t in weights}
+    for at, service in series:
+        if at > window:
+            break
+        weighted = [service.get(t, 0) / w for t, w in weights.items()]
+        gap = max(gap, max(weighted) - min(weighted))
+        while at >= k * width:
+            got = [(service.get(t, 0) - before[t]) / w for t, w in weights.items()]
+            if any(got):
+                jains.append(jain(got))
+            before = {t: service.get(t, 0) for t in weights}
+            k += 1
+    return {"slice_jain_mean": sum(jains) / len(jains) if jains else None,
+            "slice_jain_min": min(jains) if jains else None, "slices": len(jains), "max_gap_tokens": gap}
+
+
 def three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dict]:
     rng = random.Random(seed)
     out = [Arrival(t, "chat", _tokens(rng, rng.randint(100, 1000)), rng.randint(50, 150))
@@ -198,7 +247,7 @@ def next_agent_call(session: dict, prompt, output_ids, now: float, max_len: int)
 
 def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
         blocks: int = 1024, budget: int = 2048, max_seqs: int = 128, chunk: int = 512, max_len: int = 16384,
-        max_steps: int = 200_000, **options) -> Run:
+        max_steps: int = 200_000, service_series: list | None = None, **options) -> Run:
     from minivllm import EngineConfig, LLMEngine, SamplingParams
     from minivllm.sim import SimulatedExecutor
 
@@ -240,6 +289,9 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
         res.steps += 1
         if engine.step_log:
             served.observe(engine.step_log[-1])
+        if service_series is not None:  # (step end, each tenant's prompt-first-time + 2 x output tokens so far)
+            service_series.append((executor.clock, {
+                t: served.by_tenant.get(t, 0) + 2 * c.output_tokens for t, c in engine.scheduler.tenant_stats.items()}))
         if executor.clock <= window:
             n_window += 1
             for r in engine.scheduler.running:
@@ -397,13 +449,15 @@ def calibrate_main(out: Path | None) -> int:
 
 
 def main() -> int:
-    from minivllm.config import TenantConfig
-
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench fairness", description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=positive_float, default=40.0, help="seconds of arrivals (virtual clock)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     ap.add_argument("--out", type=output_file, default=None, help="write the result JSON here")
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                    help="which parts to run (default all): 1 noisy_quiet, 2 backlogged, 3 three_class, 4 shared_prefix")
+    ap.add_argument("--prefix-seeds", type=positive_int, default=3,
+                    help="shared_prefix: seeds --seed, --seed+1, ... (default 3), each over four weightings")
     ap.add_argument("--calibrate", action="store_true",
                     help="only time the real engine on this machine (calibrate_step: one thread, CPU time) and print "
                          "the fitted step cost beside the CLASS_STEP the lab's mix uses; --out writes it")
@@ -415,7 +469,26 @@ def main() -> int:
     caps = {"*": TenantConfig(max_kv_share=0.5, max_tokens_per_step=budget // 2, max_running=64)}
     tenants = {"caps": caps}
 
-    # 1. noisy vs quiet
+    doc = {"executor": "sim", "fair_step": FAIR_STEP, "class_step": CLASS_STEP,
+           "class_step_gpu_like": CLASS_STEP_GPU_LIKE, "calibration": CALIBRATION, "duration_s": args.duration,
+           "sections": args.sections}
+    if "noisy_quiet" in args.sections:
+        doc["noisy_quiet"] = noisy_quiet_section(args, tenants, budget, blocks)
+    if "backlogged" in args.sections:
+        doc["backlogged_jain"] = backlogged_section(args, tenants, budget, blocks)
+    if "three_class" in args.sections:
+        doc["three_class"] = three_class_section(args)
+    if "shared_prefix" in args.sections:
+        doc["shared_prefix"] = shared_prefix_section(args, budget, blocks)
+    print(f"({time.perf_counter() - t0:.1f} s of wall time)")
+    if args.out:
+        write_result(args.out, doc, "python -m minivllm.bench fairness")
+        print(f"wrote {args.out}")
+    return 0
+
+
+def noisy_quiet_section(args, tenants: dict, budget: int, blocks: int) -> dict:
+    """1. A quiet chat tenant beside a noisy long-prompt one, per policy, against the quiet tenant alone."""
     arrivals = noisy_quiet_workload(args.seed, args.duration)
     quiet_tok = sum(len(a.prompt) + a.max_tokens for a in arrivals if a.tenant == "quiet")
     noisy_tok = sum(len(a.prompt) + a.max_tokens for a in arrivals if a.tenant == "noisy")
@@ -439,8 +512,12 @@ def main() -> int:
     for r in rows:
         if r["tenant"] == "quiet" and r["policy"] in ("wfq", "caps"):
             print(f"  {r['policy']}: quiet p95 TTFT {r['ttft_p95_s']:.3f} s -> {'MET' if r['ttft_p95_s'] <= target else 'MISSED'}")
+    return {"rows": rows, "quiet_solo_p95_s": solo_p95, "target_s": target, "quiet_tokens": quiet_tok,
+            "noisy_tokens": noisy_tok}
 
-    # 2. equal-weight backlogged tenants: Jain's index of weighted token service
+
+def backlogged_section(args, tenants: dict, budget: int, blocks: int) -> dict:
+    """2. Three equal-weight backlogged tenants: Jain's index of weighted token service over the window."""
     back = backlogged_workload(args.seed)
     window2 = 20.0
     jains = {}
@@ -452,8 +529,11 @@ def main() -> int:
         jains[policy] = {"jain": jain(list(service.values())), "service": service}
         print(f"  {policy:<9} Jain {jains[policy]['jain']:.3f}  " +
               "  ".join(f"{t} {v}" for t, v in sorted(service.items())))
+    return jains
 
-    # 3. three classes
+
+def three_class_section(args) -> dict:
+    """3. Interactive, agent and batch classes under FCFS and three_class, on two step costs."""
     cls_tenants = {"chat": TenantConfig(priority_class="interactive"), "agent": TenantConfig(priority_class="agent"),
                    "bulk": TenantConfig(priority_class="batch")}
     slos = {"chat": (0.7, 0.060), "agent": (2.0, 0.120), "bulk": (float("inf"), None)}
@@ -481,17 +561,48 @@ def main() -> int:
                       f"ITL p95 {1e3 * r['itl_p95_s']:>5.0f} ms  SLO met {r['slo_attainment']:>5.1%} "
                       f"(TTFT alone {r['ttft_slo_attainment']:>5.1%})  "
                       f"finished {r['finished']}/{r['requests']} (last at {r['last_finish_s']:.1f} s)")
-    print(f"({time.perf_counter() - t0:.1f} s of wall time)")
-    if args.out:
-        write_result(args.out, {
-            "executor": "sim", "fair_step": FAIR_STEP, "class_step": CLASS_STEP, "class_step_gpu_like": CLASS_STEP_GPU_LIKE,
-            "calibration": CALIBRATION, "duration_s": args.duration,
-            "noisy_quiet": {"rows": rows, "quiet_solo_p95_s": solo_p95, "target_s": target,
-                            "quiet_tokens": quiet_tok, "noisy_tokens": noisy_tok},
-            "backlogged_jain": jains, "three_class": classes,
-        }, "python -m minivllm.bench fairness")
-        print(f"wrote {args.out}")
-    return 0
+    return classes
+
+
+PREFIX_WEIGHTS = ({"A": 1, "B": 1}, {"A": 2, "B": 1}, {"A": 1, "B": 2}, {"A": 1, "B": 1, "C": 1})
+
+
+def shared_prefix_section(args, budget: int, blocks: int, window: float = 20.0) -> dict:
+    """4. WFQ with prefix caching, tenants whose prompts are mostly cached beside tenants whose are not.
+
+    Service is what WFQ charges (prompt tokens computed for the first time + 2 x output tokens, over the
+    tenant's weight); a cache hit is not service.  Over 20 s both tenants get their share either way; what a
+    wrong provisional charge costs shows second by second, so the section reports the per-second Jain index
+    and the widest lead one tenant took (:func:`slice_fairness`).  C (weighting four) sends short unique prompts.
+    """
+    print(f"\n4. WFQ + prefix caching, tenants backlogged from t=0 for {window:.0f} s: A's 1100-token prompts share a "
+          f"1024-token system prompt, B's are unique, C's are 100 unique tokens; outputs 50-150; "
+          f"seeds {args.seed}..{args.seed + args.prefix_seeds - 1}")
+    counts = {"A": 800, "B": 250, "C": 400}
+    rows = []
+    for weights in PREFIX_WEIGHTS:
+        per_seed = []
+        for seed in range(args.seed, args.seed + args.prefix_seeds):
+            arrivals = shared_prefix_workload(seed, {t: counts[t] for t in weights})
+            series: list = []
+            res = run("wfq", arrivals, step=FAIR_STEP, window=window, blocks=blocks, budget=budget,
+                      tenants={t: TenantConfig(weight=w) for t, w in weights.items()}, enable_prefix_caching=True,
+                      service_series=series)
+            service = {t: res.window_stats.get(t, {}).get("prompt_tokens", 0)
+                       + 2 * res.window_stats.get(t, {}).get("output_tokens", 0) for t in weights}
+            per_seed.append({"seed": seed, "window_jain": jain([service[t] / w for t, w in weights.items()]),
+                             "service": service, **slice_fairness(series, weights, window)})
+        read = [r for r in per_seed if r["slices"]]  # a seed with no slice served has no short-term index
+        row = {"weights": weights, "seeds": per_seed,
+               "slice_jain_mean": statistics.mean(r["slice_jain_mean"] for r in read) if read else float("nan"),
+               "slice_jain_min": min(r["slice_jain_min"] for r in read) if read else float("nan"),
+               "window_jain": statistics.mean(r["window_jain"] for r in per_seed),
+               "max_gap_tokens": max(r["max_gap_tokens"] for r in per_seed)}
+        rows.append(row)
+        print(f"  weights {weights}: Jain over {window:.0f} s {row['window_jain']:.4f}; per 1-s slice mean "
+              f"{row['slice_jain_mean']:.3f}, worst {row['slice_jain_min']:.3f}; widest lead {row['max_gap_tokens']:.0f} "
+              f"weighted tokens")
+    return {"window_s": window, "counts": counts, "rows": rows}
 
 
 if __name__ == "__main__":
