@@ -64,6 +64,10 @@ def check_block_hashes(fn) -> CheckResult:
              lambda f: [x != y for x, y in zip(f(P + Q, 16), f(P[:23] + [999] + P[24:] + Q, 16))], [False, True, True],
              "hash ALL of the block's tokens (the whole tuple of 16), not its first token or a summary of it: "
              "two blocks share KV only if every token is the same"),
+        Case("a block's last token is part of its key",
+             lambda f: [x != y for x, y in zip(f(P, 16), f(P[:15] + [999] + P[16:], 16))], [True, True],
+             "two blocks that differ only in their 16th token are different blocks: key 0 and every key after it "
+             "must change. Check where your slice of block i ends: it must include the block's last token"),
         Case("the same tokens in another order are another block",
              lambda f: f(P[:16], 16) != f(P[15::-1], 16), True,
              "a sum or a set forgets the order; KV depends on it: hash the tokens as a tuple"),
@@ -73,6 +77,12 @@ def check_block_hashes(fn) -> CheckResult:
         Case("a salt changes every key", lambda f: (lambda s, u: all(x != y for x, y in zip(s, u)))(
             f(P + Q, 16, salt="alice"), f(P + Q, 16)), True,
              "mix the salt into the FIRST key; chaining carries it to all later keys"),
+        Case("a salted prompt has one key per full block of its own tokens",
+             lambda f: (len(f(P + Q[:15], 16, salt="alice")),
+                        f(P, 16, salt="alice")[0] != f(P[:15] + [999] + P[16:], 16, salt="alice")[0]), (2, True),
+             "47 tokens with a salt: still 2 keys, and key 0 still covers all 16 tokens of block 0 (here its last "
+             "token changes, so key 0 must too). The salt is not a token: putting it in front of the prompt shifts "
+             "every block by one. Mix it into the first key instead"),
         Case("the same salt gives the same keys", lambda f: f(P, 16, salt="alice") == f(P, 16, salt="alice"), True,
              "the salt must be used deterministically"),
     ]
@@ -225,6 +235,10 @@ def check_pick_victim(fn, hasher: Callable | None = None, matcher: Callable | No
              "locks > 0 means a running request reads this block: evicting it corrupts that request"),
         Case("an inner node stays while it has children", lambda f: f([_node("a", 1, children=2), _node("b", 4)]), "b",
              "evict leaves only, or a cached block would lose the prefix it depends on"),
+        Case("no unlocked leaf: no victim, even with a free inner node",
+             lambda f: f([_node("a", 1, children=1), _node("b", 2, locks=1)]), None,
+             "a node with children is never a victim, however few children it has: here the only unlocked node is "
+             "inner and the only leaf is locked, so nothing can go"),
         Case("everything locked: no victim", lambda f: f([_node("a", 1, locks=2), _node("b", 2, locks=1)]), None,
              "return None instead of a locked node; the engine will preempt instead"),
         Case("ties go to the first listed", lambda f: f([_node("b", 3), _node("a", 3)]), "b",

@@ -509,7 +509,8 @@ def check_metrics_from_log(fn) -> CheckResult:
         Case("chunked prefill: only the last chunk samples", chunk_run, chunk_exp,
              "a 200-token prompt in 64-token chunks: the chunks that do not finish the prompt produce no token"),
         Case("gauges mid-run", mid_run, mid_exp,
-             "running, waiting and free blocks are gauges: read them from the LAST record; used = pool - free"),
+             "running, waiting and free blocks are gauges: read them from the LAST record as they are (its waiting "
+             "already counts the requests a preemption sent back to the queue); used = pool - free"),
         Case("queued requests: TTFT from arrival", late_run, late_exp,
              "two seats, four requests: the wait in the queue is part of TTFT (arrival, not first scheduling)"),
         Case("preemption by recompute", pre_run, pre_exp,
@@ -541,8 +542,13 @@ def hidden_metrics_from_log(fn, seed: int) -> CheckResult:
     # and always one run that preempts with a budget small enough to split its recomputes into chunks
     tight = [(rng.randint(80, 160), rng.randint(100, 160), round(0.01 * i, 3)) for i in range(10)]
     run2, exp2 = _compare(tight, num_blocks=40, budget=64)
+    # the same run read right after a step that preempted: the gauges of a record whose victims just went back to
+    # the queue (the random stop above rarely lands on one, and a finished run has an empty queue)
+    preempting = [k for k, rec in enumerate(_metric_run(tight, num_blocks=40, budget=64)[0].step_log) if rec.preempted]
+    run3, exp3 = _compare(tight, num_blocks=40, budget=64, stop_after=rng.choice(preempting) + 1)
     return run_checks("metrics_from_log (hidden)", fn, [Case(f"random workload seed {seed}", run, exp),
-                                                         Case("a preempting run with chunked recomputes", run2, exp2)])
+                                                         Case("a preempting run with chunked recomputes", run2, exp2),
+                                                         Case("gauges read just after a preemption", run3, exp3)])
 
 
 # -- exercise 2: an alarm on a signal (Prometheus' `for:`) ------------------------------------------
@@ -615,6 +621,9 @@ def check_first_alarm(fn) -> CheckResult:
              4.0, "a scrape without data is not a scrape above the threshold"),
         Case("the first alarm, not the last", lambda f: f(_series([9, 0, 9, 9]), "waiting", 4, 0), 1.0,
              "return as soon as it fires"),
+        Case("a threshold between whole numbers", lambda f: f(_series([0.3, 0.6], "kv_usage"), "kv_usage", 0.5, 0),
+             2.0, "threshold 0.5: 0.3 is not above it, 0.6 is -- compare with the threshold as given, not cut to a "
+             "whole number"),
         Case("reads the signal it is given", lambda f: f(_series([0.1, 0.95, 0.97], "kv_usage"), "kv_usage", 0.9, 1),
              3.0, "getattr(sample, signal)"),
         Case("for_s is seconds, not scrapes", lambda f: f(_series([0, 5, 5, 5, 5, 5], step=0.5), "waiting", 4, 1),
@@ -626,6 +635,10 @@ def check_first_alarm(fn) -> CheckResult:
         Case("uneven scrapes", lambda f: f(_series([5] * 5, times=[1.0, 1.5, 3.5, 4.0, 6.0]), "waiting", 4, 2),
              3.5, "scrapes at 1, 1.5, 3.5, 4, 6 s, all above: held 2.5 s at t=3.5 -- measure time from the first "
              "scrape of the streak, do not assume an even interval"),
+        Case("the held time is not rounded",
+             lambda f: f(_series([5] * 4, times=[1.0, 2.5, 2.8, 4.0]), "waiting", 4, 1.75), 2.8,
+             "scrapes at 1, 2.5, 2.8, 4 s, all above, for_s 1.75: at t=2.5 it has held 1.5 s (too short), at t=2.8 "
+             "1.8 s (long enough) -- compare the exact held time, neither rounded nor cut to whole seconds"),
         Case("equal breaks a streak", lambda f: f(_series([5, 4, 5, 5]), "waiting", 4, 2), None,
              "4 is not above 4: the streak restarts at t=3 and holds only 1 s by t=4"),
         Case("on the ramp of section 3", ramp_case, on_ramp, "queue depth > 4, KV usage > 90 %, TTFT p90 > 0.5 s, "
@@ -644,6 +657,21 @@ def hidden_first_alarm(fn, seed: int) -> CheckResult:
         series = _series(values, "ttft_p90", times=times)
         cases.append(Case(f"random series {k}", lambda f, s=series, t=th, d=for_s: f(s, "ttft_p90", t, d),
                           reference_first_alarm(series, "ttft_p90", th, for_s)))
+    for k in range(3):  # drawn after the series above, which therefore stay what they were for a seed
+        # a streak whose held time lands just short of, then just past, a for_s between two whole seconds: a held
+        # time rounded to whole seconds fires a scrape early, one cut to whole seconds a scrape late
+        for_s, start, th = rng.randint(1, 3) + 0.75, rng.choice([0.5, 1.0, 2.0]), rng.choice([3, 4])
+        short, past = round(rng.uniform(0.05, 0.2), 2), round(rng.uniform(0.05, 0.2), 2)
+        times = [start, start + for_s - short, start + for_s + past, start + for_s + 1]
+        series = _series([th + 1] * 4, "ttft_p90", times=times)
+        cases.append(Case(f"a streak around for_s {k}", lambda f, s=series, t=th, d=for_s: f(s, "ttft_p90", t, d),
+                          reference_first_alarm(series, "ttft_p90", th, for_s)))
+        # a threshold between two whole numbers, and a value above its whole part but not above it
+        th = rng.randint(1, 4) + 0.5
+        values = [0] * rng.randint(0, 3) + [th - 0.25, th + 1]
+        series = _series(values, "ttft_p90")
+        cases.append(Case(f"a fractional threshold {k}", lambda f, s=series, t=th: f(s, "ttft_p90", t, 0),
+                          reference_first_alarm(series, "ttft_p90", th, 0)))
     return run_checks("first_alarm (hidden)", fn, cases)
 
 

@@ -79,6 +79,9 @@ def check_least_outstanding(cls) -> CheckResult:
              "raise ValueError when loads is empty: a fleet with no replica cannot serve"),
         Case("the loads are only read", untouched, [30, 10, 20],
              "don't sort or change the list the fleet passes you: it is the fleet's bookkeeping"),
+        Case("the same prompt follows the loads", lambda k: (lambda r: (r.route([7], [0, 5]), r.route([7], [5, 0])))(k()),
+             (0, 1), "one router, one prompt, two calls: loads 0, 5 then 5, 0 -- each call goes to the replica that is "
+             "least loaded NOW; keep no memory of where a prompt went"),
         Case("agrees with the argmin on 300 random fleets", agrees, True,
              "the smallest load wins; on ties the lowest index"),
         Case("in a real fleet: the same placements as the engine's router", lambda k: _placements(k()), expected_run,
@@ -102,8 +105,19 @@ def hidden_least_outstanding(cls, seed: int) -> CheckResult:
                 return f"fleet {trial} differs"
         return "all 400 match"
 
-    return run_checks("least outstanding (hidden)", cls, [Case("400 random fleets", random_fleets, "all 400 match")],
-                      verbose=False)
+    def same_prompt(k):  # one chat's turns under other loads: the route follows the loads, never the prompt
+        r, prompt = k(), _prompt(rng, 5)
+        for trial in range(20):
+            loads = [rng.randrange(0, 10_000) for _ in range(rng.randint(2, 9))]
+            if r.route(list(prompt), list(loads)) != min(range(len(loads)), key=lambda i: (loads[i], i)):
+                return f"repeat {trial} differs"
+        return "all 20 match"
+
+    return run_checks("least outstanding (hidden)", cls, [
+        Case("400 random fleets", random_fleets, "all 400 match"),
+        Case("one prompt, 20 different fleets", same_prompt, "all 20 match"),
+        Case("no replicas", lambda k: expect_raises(ValueError, lambda: k().route(_prompt(rng, 5), [])), "ValueError"),
+    ], verbose=False)
 
 
 # -- exercise 2: prefix affinity on a consistent-hash ring ----------------------------------------------------
@@ -197,6 +211,7 @@ def check_prefix_affinity(cls) -> CheckResult:
     sum_vs_mean = loads_with(5000, 500, 500)  # 1.5 x mean = 3000 < 5000 < 1.5 x sum = 9000
     exact_mean = loads_with(1501, 1501, 0)  # mean 1000.67, bound 1501.0: stays (a floored mean, 1000, spills)
     at_floor = loads_with(1000, 0, 0)  # 1.5 x mean = 500: the bound is min_spill_tokens itself, and 1000 stays
+    median_vs_mean = loads_with(2000, 1500, 0)  # mean 1166.7, bound 1750: spills (the middle load, 1500, keeps it)
     on_point, point_owner = _on_point_case(kw)
 
     def route(k, loads):
@@ -254,6 +269,10 @@ def check_prefix_affinity(cls) -> CheckResult:
              over_mean.index(min(over_mean)), "skip the owner: send it to the replica with the fewest outstanding tokens"),
         Case("the bound uses the mean, not the total", lambda k: route(k, sum_vs_mean),
              sum_vs_mean.index(min(sum_vs_mean)), "mean load = sum(loads) / len(loads)"),
+        Case("the bound follows the mean load, not the middle one", lambda k: route(k, median_vs_mean),
+             median_vs_mean.index(0), "owner at 2000, the others at 1500 and 0: the mean load is 1166.7, so the "
+             "owner is over the bound and the request spills to the idle replica. The middle load (1500) is not "
+             "the mean: the idle replica pulls the mean down"),
         Case("the mean is not rounded", lambda k: route(k, exact_mean), owner,
              "sum(loads) / len(loads), true division: with loads 1501, 1501, 0 the bound is 1501.0, and 1501 stays"),
         Case("a spill tie goes to the lowest index", lambda k: route(k, tie_spill), min(others),
