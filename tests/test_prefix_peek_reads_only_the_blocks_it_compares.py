@@ -6,9 +6,16 @@ cache.  The peek used to copy the whole token list (``all_token_ids[:-1]``) and 
 before comparing the first one, so an 8,192-token prompt whose first block is not cached cost O(8,192) per
 peek.  The counts are checked against hand-worked numbers (block ``k`` of ``toks`` is ``[k] * BS``) and against
 ``match`` / ``match_prefix``; the cost is checked by counting the tokens read from the prompt lists.
+
+``match`` (run for every admitted request) walks the same way and used to cut the whole prompt as well; it now
+reads lazily too.  Its answers are checked against a brute-force record of every cached prefix on a seeded
+random workload with long prompts (the stateful test in ``test_prefix_cache.py`` covers short ones, with
+eviction), and its cost by the same token count.
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -36,9 +43,10 @@ class CountingList(list):
         CountingList.reads += len(got) if isinstance(i, slice) else 1
         return got
 
-    def __iter__(self):
-        CountingList.reads += len(self)
-        return super().__iter__()
+    def __iter__(self):  # counted as each token is taken (a lookup iterates and stops at its first miss)
+        for token in super().__iter__():
+            CountingList.reads += 1
+            yield token
 
     def __add__(self, other):
         CountingList.reads += len(self) + len(other)
@@ -79,9 +87,10 @@ def kind(request) -> str:
 
 
 def test_lazy_blocks_are_the_blocks_split_into_blocks_cuts():
-    """Same blocks by index, iteration, negative index and slice, for lengths around the block boundary."""
-    for n in range(0, 3 * BS + 2):
-        tokens = list(range(100, 100 + n))
+    """Same blocks by index, iteration, negative index and slice, for lengths around the block boundary, from a
+    list, a tuple (iterated in C) and another sequence (sliced block by block)."""
+    for n, make in [(n, make) for n in range(0, 3 * BS + 2) for make in (list, tuple, lambda r: r)]:
+        tokens = make(range(100, 100 + n))
         lazy, eager = LazyBlocks(tokens, BS), split_into_blocks(tokens, BS)
         assert len(lazy) == len(eager) == n // BS
         assert list(lazy) == eager == [lazy[i] for i in range(len(lazy))] == lazy[:]
@@ -180,3 +189,67 @@ def test_a_hit_reads_only_the_blocks_it_matched_and_the_first_miss(kind):
     CountingList.reads = 0
     assert mgr.computed_if_admitted(req) == 3 * BS
     assert CountingList.reads <= 6 * BS, f"read {CountingList.reads} tokens for a 3-block hit"
+
+
+def test_a_match_that_misses_block_zero_reads_one_block_of_a_long_prompt(kind):
+    """8,192 tokens whose first block is not cached: ``match`` returns no block and reads that one block of the
+    prompt (it used to cut all 2,048 blocks into tuples before comparing the first)."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    prompt = CountingList([9] + list(range(8191)))
+    CountingList.reads = 0
+    assert mgr.prefix_cache.match(prompt, mgr.namespace(request([0]))) == []
+    assert CountingList.reads <= BS, f"read {CountingList.reads} tokens to find block 0 uncached"
+
+
+def test_a_match_hit_reads_only_the_blocks_it_matched_and_the_first_miss(kind):
+    """A 2,000-block prompt whose first 3 blocks are cached: ``match`` returns those blocks, as ``insert``
+    reported them, and reads the 4 blocks it compares (the 3 it matched and the first miss), once each."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    ns = mgr.namespace(request([0]))
+    cached = mgr.prefix_cache.match(toks(1, 2, 3), ns)
+    assert len(cached) == 3
+    prompt = CountingList(toks(1, 2, 3) + list(range(1000, 1000 + 1997 * BS)))
+    CountingList.reads = 0
+    assert mgr.prefix_cache.match(prompt, ns) == cached
+    assert CountingList.reads <= 4 * BS, f"read {CountingList.reads} tokens for a 3-block hit"
+
+
+def test_match_on_long_random_prompts_returns_the_longest_cached_prefix(kind):
+    """Seeded random traffic, prompts of up to 40 blocks grown from a few shared heads (so radix edges split
+    at every depth), two namespaces, a pool too large to evict.  Oracle: every block-aligned prefix ever
+    inserted, spelled out, with the block its first inserter gave it (the canonical one); a lookup's answer is
+    the blocks of its longest such prefix.  ``insert`` is checked against the same record."""
+    rng = random.Random(5)
+    pool = BlockPool(4096)
+    cache = make_prefix_cache(kind, pool, BS)
+    seen: dict[tuple, int] = {}  # (namespace, prefix tokens) -> canonical block
+
+    def oracle(ns, tokens) -> list[int]:
+        out = []
+        for k in range(1, len(tokens) // BS + 1):
+            block = seen.get((ns, tuple(tokens[: k * BS])))
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    heads = [[rng.randrange(3) for _ in range(rng.randrange(0, 30 * BS))] for _ in range(4)]
+    for step in range(400):
+        ns = ((), ("a", None))[rng.randrange(2)]
+        tokens = rng.choice(heads)[: rng.randrange(0, 30 * BS + 1)]
+        tokens = tokens + [rng.randrange(3) for _ in range(rng.randrange(0, 10 * BS))]
+        if step % 2:  # a lookup
+            assert cache.match(tokens, ns) == oracle(ns, tokens), (step, ns, len(tokens))
+            continue
+        table = list(cache.match(tokens, ns))  # an insert after a lookup, as the engine does it
+        assert table == oracle(ns, tokens)
+        for b in table:
+            pool.incref(b)
+        table += pool.allocate_many(len(tokens) // BS - len(table))
+        result = cache.insert(tokens, table, ns)
+        for k, block in enumerate(table):
+            seen.setdefault((ns, tuple(tokens[: (k + 1) * BS])), block)
+        assert result.block_ids == oracle(ns, tokens)
+        pool.free_all(table)

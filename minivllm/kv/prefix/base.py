@@ -175,11 +175,14 @@ class LazyBlocks(Sequence[tuple[int, ...]]):
 
     Why: a lookup walks blocks in order and stops at its first miss, so cutting the whole prompt into tuples
     first cost O(prompt) even when block 0 misses.  :meth:`LeafEviction.peek` runs for every waiting request
-    an admission policy hands out (WFQ), most of them not admitted in that step; read lazily, a peek
-    costs the blocks it compares.  The walks read only ``len`` and indexes, so they take this as they take a
-    list.  A block read twice is cut twice (a radix walk reads an edge's first block twice), a few tuples
-    against a whole prompt's.  ``token_ids`` is read in place, never copied: it must not change while this
-    is in use.
+    an admission policy hands out (WFQ), most of them not admitted in that step, and :meth:`LeafEviction.match`
+    for every request admitted; read lazily, either costs the blocks it compares.  The walks iterate, once and
+    in order, and keep none of the blocks they read (a radix edge split stores slices of the tree's own
+    tuples), so they take this as they take a list.  Iterating a list or tuple groups its own iterator into
+    blocks in C (``zip`` of one iterator ``block_size`` times), which cuts a block faster than slicing does, so
+    a fully cached prompt costs no more than cutting it whole first did; other sequences (a view over a
+    request's prompt and output) are sliced block by block.  Indexing a block (a method call) is for other
+    callers.  ``token_ids`` is read in place, never copied: it must not change while this is in use.
     """
 
     __slots__ = ("_tokens", "_block_size", "_len")
@@ -194,6 +197,11 @@ class LazyBlocks(Sequence[tuple[int, ...]]):
 
     def __iter__(self) -> Iterator[tuple[int, ...]]:
         tokens, size = self._tokens, self._block_size
+        if isinstance(tokens, (list, tuple)):
+            return zip(*[iter(tokens)] * size)  # each step takes the next ``size`` tokens; a partial tail is dropped
+        return self._sliced(tokens, size)
+
+    def _sliced(self, tokens: Sequence[int], size: int) -> Iterator[tuple[int, ...]]:
         for start in range(0, self._len * size, size):
             yield tuple(tokens[start : start + size])
 
@@ -520,7 +528,8 @@ class LeafEviction:
     ``num_evictable_blocks``, ``extend``) and these hooks:
 
     - ``_walk(namespace, blocks) -> path``: the entries (nodes) holding the longest cached prefix of
-      ``blocks``, root first;
+      ``blocks``, root first; ``blocks`` is a list (:meth:`insert`) or a :class:`LazyBlocks` (:meth:`match`),
+      so iterate it, read only the blocks compared and keep none of them;
     - ``_count_cached(namespace, blocks) -> int``: how many leading ``blocks`` are cached, the structure left
       exactly as it is (:meth:`peek`); ``blocks`` is a :class:`LazyBlocks`, so read only the blocks compared;
     - ``_path_blocks(path) -> block ids``: the KV blocks that path holds, in order;
@@ -548,8 +557,12 @@ class LeafEviction:
 
     def match(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
         """See :meth:`~minivllm.interfaces.PrefixCache.match`: walk, make the matched path recent, return
-        its blocks."""
-        path = self._walk(namespace, split_into_blocks(token_ids, self.block_size))
+        its blocks.
+
+        The blocks are cut as the walk reads them (:class:`LazyBlocks`), as in :meth:`peek`: a lookup runs
+        for every admitted request, and cutting its whole prompt first cost O(prompt) tuples even when block 0
+        misses; now it costs the blocks compared.  The walk keeps no block it reads (see ``LazyBlocks``)."""
+        path = self._walk(namespace, LazyBlocks(token_ids, self.block_size))
         self._touch_path(path, self._clock.tick())
         return self._path_blocks(path)
 
@@ -570,6 +583,9 @@ class LeafEviction:
         reported in the result; the engine does not swap its duplicates for them: a block table is
         append-only, so ``KVCacheManager.cache_full_blocks`` keeps its own blocks and stops caching); only
         the blocks past it are cached, below it.
+
+        The blocks are cut whole here, unlike in :meth:`match`: every block is read, by the walk or as a new
+        block to cache, so cutting them as they are read would save nothing.
         """
         blocks = split_into_blocks(token_ids, self.block_size, len(block_ids))
         path = self._walk(namespace, blocks)

@@ -67,15 +67,6 @@ class RadixNode:
         return self.parent is None
 
 
-def common_block_prefix(edge: list[TokenBlock], blocks: Sequence[TokenBlock], start: int) -> int:
-    """How many leading blocks of ``edge`` equal ``blocks[start:]``."""
-    n = 0
-    limit = min(len(edge), len(blocks) - start)
-    while n < limit and edge[n] == blocks[start + n]:
-        n += 1
-    return n
-
-
 @dataclass(eq=False)
 class RadixCache(LeafEviction):
     """A :class:`~minivllm.interfaces.PrefixCache` backed by radix trees."""
@@ -223,23 +214,38 @@ class RadixCache(LeafEviction):
     def _descend(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> tuple[list[RadixNode], int, int]:
         """The nodes whose edges the longest cached prefix of ``blocks`` enters, root first, how many blocks it
         covers, and how many of them lie on the last node's edge (fewer than it holds: the prefix ends inside
-        it).  Only reads the tree: :meth:`_walk` splits what this finds, :meth:`_count_cached` does not."""
+        it).  Only reads the tree: :meth:`_walk` splits what this finds, :meth:`_count_cached` does not.
+
+        ``blocks`` is iterated once, up to the first block that differs: a lookup hands in a
+        :class:`~minivllm.kv.prefix.base.LazyBlocks`, which cuts each block as it is read, and iterating it is
+        cheaper than indexing it (a method call per block; indexing also read each edge's first block twice, as
+        a child's key and to compare it), which made a fully cached 4,000-token prompt slower to look up than
+        cutting it whole first."""
         node = self._roots.get(namespace)
         path: list[RadixNode] = []
         matched = last = 0
-        while node is not None and matched < len(blocks):
-            child = node.children.get(blocks[matched])
+        if node is None:
+            return path, matched, last
+        it = iter(blocks)
+        block = next(it, None)
+        while block is not None:
+            child = node.children.get(block)
             if child is None:
                 break
-            last = common_block_prefix(child.token_blocks, blocks, matched)
             path.append(child)
+            edge = child.token_blocks
+            last = 1  # its first block is the key it was found under
+            block = next(it, None)
+            while block is not None and last < len(edge) and edge[last] == block:
+                last += 1
+                block = next(it, None)
             matched += last
-            if last < len(child.block_ids):
+            if last < len(edge):
                 break
             node = child
         return path, matched, last
 
-    def _walk(self, namespace: Hashable, blocks: list[TokenBlock]) -> list[RadixNode]:
+    def _walk(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> list[RadixNode]:
         """The nodes covering the longest cached prefix of ``blocks``.
 
         The last node is split if the prefix ends inside its edge, so the
