@@ -44,6 +44,28 @@ def test_a_long_text_prompt_that_fits_in_tokens_is_accepted(tokenizer):
     assert engine.scheduler.waiting[0].num_prompt_tokens == n
 
 
+
+@pytest.mark.parametrize("door", ["text", "chat"])
+def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(tokenizer, monkeypatch, door):
+    """The other side of the bound above: a text (or a rendered conversation) too long for any tokenization of it
+    to fit is refused without being tokenized (a 20 MB prompt took 43 s and 2.7 GB to tokenize only to be
+    refused).  Oracle: by hand, no token covers more characters than the vocabulary's longest entry, so a text of
+    three times that many characters per position cannot fit even if a normalizer dropped half of them; and a
+    count of the tokenizer's ``encode`` calls.  Kills: the bound loosened past that (the text is tokenized
+    first), and the chat path skipping the check (``LLM.chat`` and ``/v1/chat/completions`` both come here)."""
+    longest = max(map(len, tokenizer.get_vocab()))
+    text = "ab " * (longest * 256)  # 3 * longest characters for each of the 256 positions
+    engine = _text_engine(tokenizer)
+    calls, encode = [], tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **kw: calls.append(1) or encode(*a, **kw))
+    with pytest.raises(ValueError, match="could never fit"):
+        if door == "text":
+            engine.add_request(text, SamplingParams(max_tokens=4))
+        else:
+            engine.inputs.encode_chat([{"role": "user", "content": text}])
+    assert calls == []
+    assert not engine.has_unfinished_requests()
+
 def test_a_chat_prompt_is_the_templates_tokens_with_no_special_tokens_added_twice(tokenizer):
     """The chat template writes its own special tokens, so its text is encoded without adding more (HF's
     ``apply_chat_template(tokenize=True)`` does the same).  The bundled tokenizer adds nothing either way, so the

@@ -55,10 +55,15 @@ class IncrementalDetokenizer:
         """The text the tokens past the read offset add, once it does not end mid-character (or ``final``)."""
         before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         after = self._decode(self._tokens[self._prefix_offset :])
-        if before.endswith("\ufffd") and not after.startswith(before):
+        if before.endswith("\ufffd") and (not after.startswith(before) or (
+                final and after == before and self._decode(self._tokens[self._read_offset :]))):
             # The prompt (token ids sent as such) ended mid-character and this token completes it: the
             # character is the output's first text.  Measured from the prompt's U+FFFD instead, it would be
             # lost (the completed text is no longer than that placeholder), and with it a real character.
+            # So too at the end when the output's bytes only extended that character (its decode is the
+            # same placeholder): they are output text, U+FFFD as ``decode`` writes them, not nothing.  (A
+            # real U+FFFD ending the prompt is complete: bytes after it add a U+FFFD of their own, and a
+            # token that decodes to nothing, a skipped special token, adds nothing.)
             before = before.rstrip("\ufffd")
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""  # an incomplete character, or a token that decodes to nothing yet
