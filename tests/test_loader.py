@@ -165,3 +165,63 @@ def test_generic_tokenizer_encodes_like_autotokenizer(default_model_dir):
     assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert (ours.eos_token_id, ours.pad_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.pad_token_id, auto.bos_token_id)
+
+
+def test_a_checkpoint_with_saved_rotary_inv_freq_buffers_loads_and_serves_like_transformers(tmp_path):
+    """transformers before 4.31 saved each layer's ``rotary_emb.inv_freq`` buffer with the weights, so
+    checkpoints of that era carry one tensor per layer that is no weight: the frequencies follow from the
+    config.  The loader skips them; treated as unexpected tensors they made the whole checkpoint refused.
+    Oracle: transformers' greedy tokens for the same weights (read before the buffers were added)."""
+    from safetensors.torch import load_file, save_file
+
+    from minivllm import LLM
+    from minivllm.sampling_params import SamplingParams
+    from tests.paged_cases import make_tiny_llama
+
+    make_tiny_llama(tmp_path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    weights = tmp_path / "model.safetensors"
+    state = load_file(str(weights))
+    for layer in range(hf.config.num_hidden_layers):
+        state[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.rand(16)  # any values: ignored
+    save_file(state, str(weights), metadata={"format": "pt"})
+
+    prompt = [5, 9, 2, 33, 17, 8, 40]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=16)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == want
+
+
+def test_a_tied_bfloat16_checkpoint_served_in_float32_on_onednn_keeps_a_float32_embedding(tmp_path):
+    """With ``linear_backend="onednn"`` the tied embedding becomes a map of the file -- only when the file holds
+    it in the serving dtype.  Most hub checkpoints are stored in bfloat16; mapped anyway, the lookup would feed
+    bfloat16 rows into a float32 model, whose first RMSNorm then rounds to bfloat16 (mutant: the dtype check
+    dropped; the tokens of a short greedy run still agree, the logits do not).  Oracle: transformers' logits
+    and greedy tokens for the same checkpoint read in float32."""
+    from tests.test_gguf_rope_freqs import _teacher_forced_logits
+    from minivllm import LLM
+    from minivllm.model.backends import onednn_linear_works
+    from minivllm.sampling_params import SamplingParams
+
+    if not onednn_linear_works():
+        pytest.skip("this torch has no working oneDNN linear")
+    config = transformers.LlamaConfig(tie_word_embeddings=True, **COMMON)
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path))
+    hf = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    prompt = [5, 9, 2, 33, 17, 8, 40]
+    with torch.inference_mode():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=16, linear_backend="onednn")
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got = _teacher_forced_logits(llm, prompt)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == want

@@ -293,6 +293,61 @@ def test_a_chunked_prompt_samples_only_after_its_last_chunk_like_transformers_gr
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_a_prompt_that_finishes_behind_a_mid_prompt_chunk_samples_from_its_own_last_token(tmp_path):
+    """A step can carry a prompt's middle chunk (``long_prefill_token_threshold`` caps it, so nothing is
+    sampled for it) *ahead of* another prompt's final chunk.  The sampled rows are then not a prefix of the
+    batch: each must be picked by its own index.  Taking the first ``len(rows)`` end positions instead gave
+    the short prompt a token drawn from the long prompt's hidden state (mutant: ``hidden[ends][: len(rows)]``).
+    Oracle: transformers' own greedy loop on the tiny checkpoint; with a 3-token cap and an 8-token budget the
+    7-token prompt runs 3 + 3 + 1 tokens and the 2-token prompt finishes in the first step, behind it."""
+    from minivllm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    hf = _tiny_llama_folder(tmp_path, tie=False)
+    prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3]]
+    want = [_greedy_by_full_forward(hf, ids, 3) for ids in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32,
+              max_num_batched_tokens=8, long_prefill_token_threshold=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_the_engine_seed_decides_the_draws_of_requests_without_a_seed_of_their_own(tmp_path):
+    """``LLM(seed=...)`` seeds the generator that unseeded sampled rows draw from: the same engine seed must
+    give the same sampled tokens, another seed other tokens (as in vLLM).  A runner that seeded its generator
+    with a constant gave every engine the same draws whatever its seed (mutant: ``manual_seed(0)``).  Oracle:
+    two engines of one seed against each other, and the sampler's documented draw -- one uniform per row from
+    a CPU generator seeded with the engine's seed, taken through the inverse CDF of transformers' own
+    next-token distribution for the first token."""
+    from minivllm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    hf = _tiny_llama_folder(tmp_path, tie=False)
+    prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60], [7, 7, 1, 90]]
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+
+    def run(seed):
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32, seed=seed)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def first_tokens(seed):
+        u = torch.rand(len(prompts), 1, generator=torch.Generator().manual_seed(seed)).flatten().tolist()
+        out = []
+        with torch.inference_mode():
+            for ids, ui in zip(prompts, u):
+                probs = torch.softmax(hf(torch.tensor([ids])).logits[0, -1].double(), -1)
+                out.append(int(torch.searchsorted(probs.cumsum(0), torch.tensor([ui], dtype=torch.float64),
+                                                  right=True)))
+        return out
+
+    a, b = run(5), run(6)
+    assert [t[0] for t in a] == first_tokens(5)
+    assert [t[0] for t in b] == first_tokens(6)
+    assert run(5) == a != b
+
+
 def test_rms_norm_in_bfloat16_rounds_where_transformers_does():
     """HF's ``LlamaRMSNorm`` normalises in fp32, casts back to the input dtype, *then* multiplies by the
     weight; multiplying in fp32 first and casting once rounds differently in bf16 (fp32 cannot tell), and

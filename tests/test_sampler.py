@@ -131,3 +131,39 @@ def test_the_ends_of_the_uniform_never_reach_a_forbidden_token(u, monkeypatch):
     for seeded in (None, torch.Generator().manual_seed(3)):
         got = sample(logits, [p], [seeded], torch.Generator())
         assert got == [allowed[0] if u == 0.0 else allowed[-1]], (u, seeded, got)
+
+
+def test_each_draw_is_the_documented_inverse_cdf_of_its_generators_uniform():
+    """The module's promise, token by token: unseeded rows take their ``u`` from one ``torch.rand`` call on the
+    default generator (row order), a seeded row from one call on its own generator, and the token is the first
+    whose cumulative probability exceeds ``u`` times the total.  Oracle: the same uniforms drawn here from
+    fresh generators with the same seeds, and the inverse CDF walked in plain Python (double precision).
+    A sampler that drew from the global RNG, or read a seeded generator in another dtype, picks other tokens;
+    and the engine's seed must matter, so a second default seed must change some row."""
+    rows, vocab, temperature = 8, 30, 0.8
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    seeds = [None, 123, None, None, 77, None, None, None]
+
+    def draw(default_seed: int) -> list[int]:
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        with torch.random.fork_rng():  # the global RNG set to something else (and restored): it is not read
+            torch.manual_seed(default_seed)
+            return sample(logits, [SamplingParams(temperature=temperature)] * rows, gens,
+                          torch.Generator().manual_seed(default_seed + 1))
+
+    def expected(default_seed: int) -> list[int]:
+        shared = torch.rand(rows, 1, generator=torch.Generator().manual_seed(default_seed + 1)).flatten().tolist()
+        out = []
+        for r, seed in enumerate(seeds):
+            u = shared[r] if seed is None else torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()
+            weights = [math.exp(x / temperature) for x in logits[r].double().tolist()]
+            target, mass = u * sum(weights), 0.0
+            for token, w in enumerate(weights):
+                mass += w
+                if mass > target:
+                    break
+            out.append(token)
+        return out
+
+    assert draw(2024) == expected(2024)
+    assert draw(2025) == expected(2025) != expected(2024)

@@ -1,0 +1,57 @@
+"""A Qwen2 GGUF (Qwen2 / Qwen2.5, the most common small GGUFs after Llama) converts and serves like transformers.
+
+The converter accepts the GGUF architectures it can rebuild -- llama, qwen2 and qwen3 -- and refuses the rest by
+name.  The Llama and Qwen3 paths have their own GGUF tests (``test_gguf_rope_freqs``, ``test_gguf_head_dim``);
+Qwen2 differs from both (biases on q, k and v, none on o; no q/k norms), and dropping it from the accepted set
+refused every such file with no test noticing.  Oracle: the tiny random HF Qwen2 the GGUF is written from (the way
+``convert_hf_to_gguf.py`` writes one: no q/k permutation), logit for logit and token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from tests.test_gguf_head_dim import GGUF_NAMES, VOCAB
+from tests.test_gguf_rope_freqs import _teacher_forced_logits, gguf_writer_for, write_tensors_and_close
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+
+def test_a_qwen2_gguf_with_qkv_biases_is_served_like_transformers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # biases of visible size, so a model that dropped them would not pass
+            p.normal_(0, 0.3) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
+    path = tmp_path / "tiny-qwen2.gguf"
+    w = gguf_writer_for(config, path, "qwen2")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(VOCAB)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(VOCAB))
+    w.add_token_merges(["! !"])
+    w.add_bos_token_id(config.bos_token_id)
+    w.add_eos_token_id(config.eos_token_id)
+    write_tensors_and_close(w, hf, GGUF_NAMES, lambda module, a: a)
+
+    llm = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=16)
+    assert llm.engine.model_runner.model.args.architecture == "qwen2"
+    prompt = torch.randint(3, len(VOCAB), (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with torch.inference_mode():
+        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0].tolist()
+        ref = hf(torch.tensor([greedy])).logits[0].float()
+    assert prompt + list(out[0].outputs[0].token_ids) == greedy
+    got = _teacher_forced_logits(llm, greedy)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"max relative logit error {rel:.2e}"
