@@ -6,9 +6,13 @@ number is known, so the tool must report exactly those medians, in the ABBA orde
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,7 @@ importlib.import_module("minivllm.bench." + sys.argv[1]).main(sys.argv[2:])
 
 # a stand-in "offline" benchmark: reports the tree's value.txt, and SCRIPT, the version of this file itself
 FAKE_BENCH = '''
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 SCRIPT = {script}
 
@@ -31,6 +35,7 @@ def main(argv):
     value = float((here / "value.txt").read_text())
     with open(os.environ["AB_TEST_LOG"], "a") as fh:
         fh.write(f"{{value}}\\n")
+    time.sleep(float(os.environ.get("AB_TEST_SLEEP", "0")))  # a run still in flight when ab is stopped
     if value < 0:
         print("planted failure: negative value", file=sys.stderr)
         sys.exit(3)
@@ -115,11 +120,41 @@ def test_same_bench_runs_the_checkouts_script_on_both_versions(repo):
     assert _worktrees(root) == 1
 
 
+def test_an_untracked_module_in_the_head_counts_as_an_uncommitted_change(repo):
+    """The head runs the checkout as it is, so a new module not yet added to git is part of what it measured;
+    the result still said ``uncommitted_changes: false`` and named the bare commit.  An untracked file that is
+    not code (a result file) does not count."""
+    root, _ = repo
+    (root / "results.json").write_text("{}")
+    clean = ab.run(["offline", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"))
+    assert clean["head"]["uncommitted_changes"] is False
+    (root / "minivllm" / "bench" / "helper.py").write_text("FACTOR = 2\n")
+    both = ab.run(["offline", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"))
+    assert both["head"]["uncommitted_changes"] is True
+
+
 def test_a_failing_run_is_reported_with_its_stderr_and_cleans_up(repo):
     root, _ = repo
     (root / "value.txt").write_text("-1")
     with pytest.raises(RuntimeError, match="planted failure: negative value"):
         ab.run(["offline", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"))
+    assert _worktrees(root) == 1
+
+
+def test_options_newer_than_the_base_point_to_same_bench(repo):
+    """``ab --base HEAD~3 -- fairness --sections shared_prefix ...`` failed with the old script's "unrecognized
+    arguments" and no word of ``--same-bench``, the option made for it.  Oracle: the advice is followed in the
+    same test and works (the base engine then reports its own value through the new script)."""
+    root, _ = repo
+    (root / "minivllm" / "bench" / "offline.py").write_text(
+        "import argparse\ndef main(argv):\n    argparse.ArgumentParser().parse_args(argv)\n")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "a script with no options")
+    (root / "minivllm" / "bench" / "offline.py").write_text(FAKE_BENCH.format(script=4))  # the option arrives
+    with pytest.raises(RuntimeError, match="add --same-bench"):
+        ab.run(["offline", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"))
+    both = ab.run(["offline", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"),
+                  same_bench=True)
+    assert {r["path"]: (r["base"], r["head"]) for r in both["rows"]}["script"] == (4.0, 4.0)
     assert _worktrees(root) == 1
 
 
@@ -132,6 +167,36 @@ def test_a_command_without_the_out_placeholder_is_refused_before_any_checkout(re
     with pytest.raises(ValueError, match="unknown revision|bad revision|Needed a single revision"):
         ab.run(["offline", "--out", "{out}"], base="no-such-rev", repo=root)
     assert _worktrees(root) == 1
+
+
+def test_sigterm_mid_run_leaves_no_worktree_behind(repo, tmp_path):
+    """``timeout 180 python -m minivllm.bench ab ...`` (or a cancelled CI job) stops ab with SIGTERM, which ended
+    Python without running ``run``'s cleanup: the base worktree stayed in ``git worktree list`` and its temporary
+    folder on disk.  Oracle: git's own worktree list and the temporary folder, after a SIGTERM sent while the
+    base run is sleeping inside the stand-in benchmark."""
+    root, log = repo
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    project = Path(ab.__file__).resolve().parents[2]  # the real minivllm, for ab itself
+    code = ("import sys; from pathlib import Path; from minivllm.bench import ab; "
+            f"ab.repo_root = lambda start=None: Path({str(root)!r}); "
+            "sys.exit(ab.main(['--base', 'HEAD', '--repeats', '1', '--', 'offline', '--out', '{out}']))")
+    env = dict(os.environ, PYTHONPATH=str(project), TMPDIR=str(scratch), AB_TEST_SLEEP="60")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and log.read_text()) and time.monotonic() < deadline:  # the base run has begun
+            time.sleep(0.05)
+        assert log.exists() and _worktrees(root) == 2, proc.stderr.read() if proc.poll() is not None else "no run"
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _worktrees(root) == 1, _git(root, "worktree", "list")
+    assert list(scratch.iterdir()) == []
+    assert status == 128 + signal.SIGTERM  # the shell's status for a SIGTERM, as before
 
 
 def test_outside_a_git_checkout_the_error_says_why(tmp_path):
@@ -167,6 +232,32 @@ def test_cli_prints_the_table_and_writes_the_document(repo, tmp_path, capsys, mo
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("python -m minivllm.bench ab --base HEAD~1")
     assert doc["rows"][0]["path"] == "rows.0.p50"
+
+
+def test_a_metric_glob_that_matches_nothing_says_so_and_names_real_paths(repo, capsys, monkeypatch):
+    """``--metric 'per_step_us*'`` (the help's own example) printed a bare header after every run, which reads
+    as "no numbers differ".  Oracle: the stand-in benchmark's document, whose paths are known."""
+    root, _ = repo
+    monkeypatch.setattr(ab, "repo_root", lambda start=None: root)
+    assert ab.main(["--base", "HEAD~1", "--repeats", "1", "--metric", "per_step_us*", "--", "offline", "--out",
+                    "{out}"]) == 0
+    err = capsys.readouterr().err
+    assert "no result path matches --metric per_step_us*" in err
+    assert "rows.0.p50" in err and "value" in err
+
+
+def test_the_help_example_glob_names_paths_its_benchmark_writes(tmp_path, monkeypatch):
+    """The help's example must show rows when run; the oracle is the example benchmark's own result file,
+    written by running that command (host_overhead on the simulated executor, a few seconds)."""
+    cut = ab.EXAMPLE.index("--")
+    globs = [ab.EXAMPLE[i + 1] for i, a in enumerate(ab.EXAMPLE[:cut]) if a == "--metric"]
+    command = [a.replace(ab.OUT_PLACEHOLDER, str(tmp_path / "r.json")) for a in ab.EXAMPLE[cut + 1:]]
+    project = Path(ab.__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "minivllm.bench", *command], cwd=project, capture_output=True,
+                          text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr
+    paths = [key for key, _ in ab.numeric_leaves(json.loads((tmp_path / "r.json").read_text()))]
+    assert globs and all(any(fnmatch.fnmatchcase(p, g) for p in paths) for g in globs), (globs, paths[:10])
 
 
 def test_bench_entry_point_lists_ab():

@@ -866,10 +866,24 @@ def test_prefix_structures_quick_keeps_explicit_sizes_and_requests(capsys):
     assert "20 measured requests per row" in out and sizes == ["300"], out
 
 
+@pytest.mark.parametrize("flag,value", [("--limit", "-3"), ("--timeout", "-1"), ("--timeout", "0"), ("--timeout", "nan")])
+def test_ab_refuses_a_nonsensical_number_before_any_checkout(flag, value, capsys, monkeypatch):
+    """``ab --limit -3`` printed no row and then "... 5 more paths" for a table of 2 (``rows[:-3]``, and
+    ``len - limit``); ``--timeout -1`` checked the base out, then called the first run "timed out after -1.0
+    seconds".  Each is refused where it is typed, before ``git worktree add``."""
+    from minivllm.bench import ab
+
+    def accepted(*args, **kwargs):
+        raise AssertionError(f"{flag} {value} was accepted: both versions would be checked out and run")
+
+    monkeypatch.setattr(ab, "run", accepted)
+    _argparse_refuses(ab.main, ["--base", "HEAD", flag, value, "--", "offline", "--json", "{out}"], flag, capsys)
+
+
 RESULT_FLAGS = [("offline", "--json"), ("attention", "--json"), ("prefix", "--json"), ("prefix_structures", "--json"),
                 ("preemption", "--out"), ("host_overhead", "--out"), ("gpu_e2e", "--json"), ("fairness", "--out"),
                 ("sim_accuracy", "--out"), ("sim_accuracy", "--save-profile"), ("linear", "--json"),
-                ("eager_step", "--json"), ("activations", "--json")]
+                ("eager_step", "--json"), ("activations", "--json"), ("loadgen", "--out"), ("ab", "--out")]
 
 
 @pytest.mark.parametrize("module,flag", RESULT_FLAGS)

@@ -33,6 +33,7 @@ import fnmatch
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from minivllm.argtypes import nonnegative_int, output_file, positive_float, positive_int
+
 OUT_PLACEHOLDER = "{out}"
+
+# The example ``--help`` shows, kept as one argv so a test can run it and check that its glob names real paths
+# (the help's first example, ``--metric 'per_step_us*'``, matched nothing host_overhead writes).
+EXAMPLE = ["--base", "HEAD~1", "--metric", "rows.*.host_cpu_us_median_*", "--",
+           "host_overhead", "--seqs", "64", "--out", OUT_PLACEHOLDER]
 
 
 @dataclass(frozen=True)
@@ -181,15 +189,18 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
     repo = repo or repo_root()
     base_sha = _git(repo, "rev-parse", "--verify", f"{base}^{{commit}}")
     head_sha = _git(repo, "rev-parse", "--verify", f"{head}^{{commit}}") if head else _git(repo, "rev-parse", "HEAD")
-    dirty = bool(_git(repo, "status", "--porcelain", "--untracked-files=no")) if head is None else False
+    # Untracked Python files count: a new module the head imports is part of what it measures, while other
+    # untracked files (results, notebooks' outputs) are not code.
+    dirty = head is None and bool(_git(repo, "status", "--porcelain", "--untracked-files=no")
+                                  or _git(repo, "ls-files", "--others", "--exclude-standard", "--", "*.py"))
     scratch = Path(tempfile.mkdtemp(prefix="minivllm-ab-"))
     trees = {"base": scratch / "base", "head": repo if head is None else scratch / "head"}
     added: list[Path] = []
     try:
         for side, sha in (("base", base_sha), ("head", head_sha if head else None)):
             if sha is not None:
+                added.append(trees[side])  # first: a worktree interrupted while it is being added is removed too
                 _git(repo, "worktree", "add", "--detach", str(trees[side]), sha)
-                added.append(trees[side])
         if same_bench:
             module = bench_module_path(command[0])
             for tree in added:
@@ -209,6 +220,10 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
             seconds = time.perf_counter() - t0
             if done.returncode != 0:
                 tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+                if done.returncode == 2 and not same_bench and side == "base":  # argparse's status: a usage error
+                    # The usual cause: the options (a new section, a new flag) arrived after the base version.
+                    tail += ("\n(the base version's benchmark refused this command line; to measure the base "
+                             "engine with this checkout's benchmark script, add --same-bench)")
                 raise RuntimeError(f"the {side} run ({' '.join(argv)}) exited with {done.returncode}:\n{tail}")
             try:
                 results[side].append(json.loads(out.read_text(encoding="utf-8")))
@@ -233,6 +248,11 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
     }
 
 
+def _terminated(signum, frame) -> None:
+    """SIGTERM as ``SystemExit``, so ``finally`` blocks run (the shell's status for it: 128 + the signal)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -242,36 +262,47 @@ def main(argv: list[str] | None = None) -> int:
         own, command = argv, []
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench ab",
                                  description=__doc__.split("\n\n")[0],
-                                 epilog="example: python -m minivllm.bench ab --base HEAD~1 --metric 'per_step_us*' "
-                                        "-- host_overhead --seqs 64 --out {out}")
+                                 epilog="example: python -m minivllm.bench ab "
+                                        + " ".join(f"'{a}'" if "*" in a else a for a in EXAMPLE))
     ap.add_argument("--base", required=True, help="the version to compare against (any git revision)")
     ap.add_argument("--head", default=None,
                     help="the other version (default: this checkout as it is, uncommitted edits included)")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per version, in ABBA order (default 2)")
+    ap.add_argument("--repeats", type=positive_int, default=2, help="runs per version, in ABBA order (default 2)")
     ap.add_argument("--metric", action="append", default=None, metavar="GLOB",
-                    help="show only result paths matching this glob (repeatable), e.g. 'rows.*.jain'")
-    ap.add_argument("--limit", type=int, default=60, help="rows printed (all are written with --out)")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds allowed per run")
+                    help="show only result paths matching this glob (repeatable), e.g. 'rows.*.host_cpu_*'")
+    ap.add_argument("--limit", type=nonnegative_int, default=60, help="rows printed (all are written with --out)")
+    ap.add_argument("--timeout", type=positive_float, default=None, help="seconds allowed per run")
     ap.add_argument("--same-bench", action="store_true",
                     help="run this checkout's version of the benchmark's module on both sides (a new option "
                          "measured on an old engine)")
-    ap.add_argument("--out", default=None, help="write both sides' results and the comparison here")
+    ap.add_argument("--out", type=output_file, default=None,
+                    help="write both sides' results and the comparison here")
     args = ap.parse_args(own)
     if not command:
         ap.error("put the benchmark command after --, with {out} where its result file goes")
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    # A SIGTERM (``timeout``, ``kill``, a cancelled CI job) ends Python without unwinding, so ``run``'s cleanup
+    # never ran and the base worktree stayed registered in the user's repository.  As an exception it unwinds
+    # like Ctrl-C: the benchmark in flight is killed and the worktrees are removed.
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         doc = run(command, args.base, args.head, args.repeats, args.metric, timeout_s=args.timeout,
                   same_bench=args.same_bench)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a run failed: its own error, not a traceback of ours
         print(f"python -m minivllm.bench ab: error: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     rows = [Row(r["path"], r["base"], r["head"]) for r in doc["rows"]]
     print(f"base {doc['base']['sha'][:10]} ({args.base})  vs  head {doc['head']['sha'][:10]}"
           f"{' + uncommitted changes' if doc['head']['uncommitted_changes'] else ''}"
           f" ({doc['head']['rev']}); {args.repeats} runs each, order {' '.join(r['side'] for r in doc['order'])}")
     print(format_table(rows, args.limit))
+    if args.metric and not rows:
+        # An empty table after minutes of runs reads like "nothing changed"; a glob that names no path is a typo.
+        paths = sorted({key for docs in doc["runs"].values() for d in docs for key, _ in numeric_leaves(d)
+                        if not any(fnmatch.fnmatchcase(key, p) for p in NOT_MEASURED)}, key=_natural)
+        print(f"python -m minivllm.bench ab: no result path matches --metric {' '.join(args.metric)}; "
+              f"the paths look like: {', '.join(paths[:8])}{', ...' if len(paths) > 8 else ''}", file=sys.stderr)
     if args.out:
         from minivllm.bench.results import write_result
 

@@ -43,7 +43,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from minivllm.argtypes import fraction, nonnegative_float, nonnegative_int, positive_float, positive_int, positive_rate
+from minivllm.argtypes import (fraction, nonnegative_float, nonnegative_int, output_file, positive_float, positive_int,
+                               positive_rate)
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated, meets_slo
 
@@ -874,7 +875,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep-criterion", choices=("itl", "goodput"), default="itl",
                     help="itl: overall p99 ITL (and p99 TTFT if given) within the SLO; goodput: fraction >= --min-goodput")
     ap.add_argument("--min-goodput", type=fraction, default=0.9)
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     ap.add_argument("--no-requests-in-json", action="store_true", help="leave the per-request records out of --out")
     ap.add_argument("--figures", default=None, help="write PNG figures into this directory")
     ap.add_argument("--no-progress", action="store_true")
