@@ -205,8 +205,9 @@ def test_outside_a_git_checkout_the_error_says_why(tmp_path):
 
 
 def test_compare_medians_over_runs_and_drops_paths_a_run_lacks():
-    base = [{"t": 1.0, "steps": [5]}, {"t": 3.0}, {"t": 2.0, "steps": [5]}]
-    head = [{"t": 10.0}, {"t": 30.0}]
+    # skewed on purpose: a mean (4 and 40) is not the median (2 and 20), so taking one for the other fails here
+    base = [{"t": 1.0, "steps": [5]}, {"t": 9.0}, {"t": 2.0, "steps": [5]}]
+    head = [{"t": 10.0}, {"t": 90.0}, {"t": 20.0}]
     rows = ab.compare(base, head)
     assert [(r.key, r.base, r.head) for r in rows] == [("t", 2.0, 20.0)]  # medians 2 and 20; steps.0 not in every run
     assert rows[0].ratio == 10.0

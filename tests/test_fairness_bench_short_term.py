@@ -61,3 +61,15 @@ def test_the_recorded_series_ends_at_the_windows_counters():
     n_a = sum(1 for a in arrivals if a.tenant == "A")
     prompt_a = series[-1][1]["A"] - 2 * sum(a.max_tokens for a in arrivals if a.tenant == "A")
     assert 1024 + 76 * n_a <= prompt_a <= 4 * 1024 + 76 * n_a < 1100 * n_a
+
+
+def test_the_windows_last_slice_is_read_when_no_step_ends_exactly_on_it():
+    """A simulated clock almost never ends a step exactly on the window's end; the last slice then closes at the
+    first step past it, as every other slice closes at the first step at or after its end.  By hand, steps every
+    0.3 s, window 2 s: slice 1 closes at t=1.2 (A 4, B 4 -> Jain 1.0), slice 2 at t=2.1 (A 3, B 0 -> Jain 0.5).
+    The lead is read inside the window only: 2 at t=1.8 (A 6, B 4), not 3 at t=2.1."""
+    series = [(0.3 * i, {"A": i, "B": min(i, 4)}) for i in range(1, 9)]  # t = 0.3 .. 2.4
+    got = slice_fairness(series, {"A": 1, "B": 1}, window=2.0)
+    assert got["slices"] == 2
+    assert got["slice_jain_mean"] == pytest.approx(0.75) and got["slice_jain_min"] == pytest.approx(0.5)
+    assert got["max_gap_tokens"] == 2

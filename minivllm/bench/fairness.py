@@ -159,19 +159,25 @@ def slice_fairness(series: list[tuple[float, dict]], weights: dict[str, float], 
     Returns the mean and worst Jain index of the tenants' weighted service within consecutive ``width``-second
     slices of the window, and the widest gap between two tenants' cumulative weighted service at any step
     (tokens: how far one tenant ran ahead).  A slice where no tenant was served is skipped (Jain of nothing).
+
+    A slice closes at the first step that ends at or after its end (steps do not stop on the second), the last
+    one too: it is closed by the first step ending at or past the window's end.  Why: were that step left out as
+    past the window, the window's last slice would close only on a step ending exactly on it, which a simulated
+    clock almost never does, and a 20-s window would be read as 19 slices.
     """
     jains, gap, k, before = [], 0.0, 1, {t: 0.0 for t in weights}
     for at, service in series:
-        if at > window:
-            break
-        weighted = [service.get(t, 0) / w for t, w in weights.items()]
-        gap = max(gap, max(weighted) - min(weighted))
-        while at >= k * width:
+        if at <= window:  # the lead is read inside the window only
+            weighted = [service.get(t, 0) / w for t, w in weights.items()]
+            gap = max(gap, max(weighted) - min(weighted))
+        while at >= k * width and k * width <= window:
             got = [(service.get(t, 0) - before[t]) / w for t, w in weights.items()]
             if any(got):
                 jains.append(jain(got))
             before = {t: service.get(t, 0) for t in weights}
             k += 1
+        if at >= window:
+            break
     return {"slice_jain_mean": sum(jains) / len(jains) if jains else None,
             "slice_jain_min": min(jains) if jains else None, "slices": len(jains), "max_gap_tokens": gap}
 
