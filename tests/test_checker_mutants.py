@@ -356,3 +356,57 @@ def test_every_listed_numeric_answer_gets_its_own_verdict_in_the_interactive_qui
                     assert _jupyterquiz_verdict(item, answer["value"]) is answer, (bank.stem, item["question"][:60])
                     checked += 1
     assert checked >= 30
+
+
+def test_a_bank_precision_lets_a_value_typed_past_its_digits_count_as_right():
+    """Kills: the bank's own ``precision`` replaced by the default 4.  A question that sets fewer digits (lab 6's
+    Jain index at 2, lab 9's ring moves at 1) promises that a learner who types more digits than it asks for -- 0.904
+    for 0.9 -- is marked right; at 4 digits that answer falls through to the catch-all range and reads as wrong.
+    Oracle: jupyterquiz's comparison (above) on a number 0.4 units past the last digit the question keeps."""
+    import math
+
+    from minivllm.labs import quiz
+
+    checked = 0
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        for q, item in zip(quiz.load_bank(bank.stem), quiz.jupyterquiz_questions(bank.stem)):
+            if q["type"] != "numeric" or "precision" not in q:
+                continue
+            right = next(a for a in item["answers"] if a.get("correct"))
+            p = q["precision"]
+            typed = right["value"] + 0.4 * 10 ** (math.floor(math.log10(abs(right["value"]))) - p + 1)
+            assert _jupyterquiz_verdict(item, typed) is right, (bank.stem, q["id"], typed)
+            checked += 1
+    assert checked >= 3
+
+
+def test_the_answer_key_gives_each_question_its_own_why_and_the_right_value():
+    """Kills: the key's explanation taken from an option's feedback instead of the question's ``why`` (the key
+    still has a "why:" per question, so counting them cannot tell), and a numeric key reading the first listed
+    value whatever its ``correct`` flag.  Oracles: the bank's ``why`` field, line by line; and a question written
+    here with a wrong value listed first, whose right value (12) is known by hand."""
+    from minivllm.labs import quiz
+
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        key = quiz.format_answers(bank.stem).splitlines()
+        for n, q in enumerate(quiz.load_bank(bank.stem), 1):
+            line = next(x for x in key if x.startswith(f"Q{n}: "))
+            assert line.endswith(f" -- why: {q['why']}"), (bank.stem, n)
+    wrong_first = {"question": "How many?", "type": "numeric", "why": "by hand", "answers": [
+        {"type": "value", "value": 8, "correct": False, "feedback": "one block short"},
+        {"type": "value", "value": 12, "correct": True, "feedback": "right"},
+        {"type": "range", "range": [-1e9, 1e9], "correct": False, "feedback": "count the blocks"}]}
+    assert quiz.correct_answer(wrong_first) == "12"
+
+
+def test_the_printed_quiz_asks_a_numeric_question_for_a_number():
+    """Kills: the "(a number)" line dropped: a numeric question would print with nothing under it, and the learner
+    could not tell it from a multiple-choice question whose options went missing.  Oracle: the bank's type of
+    each question; a multiple-choice one is followed by its lettered options instead."""
+    from minivllm.labs import quiz
+
+    for bank in sorted(quiz.BANK_DIR.glob("lab*.json")):
+        printed = quiz.format_quiz(bank.stem).splitlines()
+        for n, q in enumerate(quiz.load_bank(bank.stem), 1):
+            after = printed[printed.index(f"Q{n}. {q['question']}") + 1]
+            assert after == ("    (a number)" if q["type"] == "numeric" else "    A) " + after[len("    A) "):]), (bank.stem, n)

@@ -159,6 +159,29 @@ def test_run_all_runs_every_code_cell_in_order():
         ("setup", "import math"), ("cell 2", "def ceil_div(a, b):\n    return -(-a // b)"),
         ("exercise:paged_slots", "paged_slots = 1"), ("cell 4", "print(paged_slots)")]
 
+def test_each_table_row_shows_the_points_that_exercise_earned():
+    """Kills: the per-exercise score column printing ``max_points/max_points`` (every row reads as full marks
+    while only the total line tells the truth).  By hand: ann earned 1 of split_step's 1 point and 0 of
+    static_batching's 2, so the rows read 1/1 and 0/2 and the total 1/3."""
+    rows = [grade.ExerciseGrade("ann", "ann/lab01.ipynb", 1, "split_step", 1, 1, "passed", "passed", "", 0),
+            grade.ExerciseGrade("ann", "ann/lab01.ipynb", 1, "static_batching", 0, 2, "failed", "-", "why", 0)]
+    scores = {line.split()[0]: line.split()[1] for line in grade.format_table(rows).splitlines()
+              if line.startswith("  ") and not line.strip().startswith("exercise")}
+    assert scores == {"split_step": "1/1", "static_batching": "0/2", "total": "1/3"}
+
+
+def test_seed_zero_is_a_seed(monkeypatch):
+    """Kills: ``choose_seed`` testing the seed's truth instead of ``is not None``: ``--seed 0`` would be ignored for
+    the environment's seed or a random one, and the printed "repeat this run with --seed N" would name another
+    seed than the one the instructor gave.  By hand: 0 was asked for, so 0 is used."""
+    monkeypatch.setenv(grade.SEED_ENV, "77")
+    assert grade.choose_seed(0) == 0
+    monkeypatch.delenv(grade.SEED_ENV)
+    assert grade.choose_seed(0) == 0
+    monkeypatch.setenv(grade.SEED_ENV, "0")
+    assert grade.choose_seed(None) == 0
+
+
 
 # -- the real path: kernels, timeouts, crashes, CSV/JSON (lab 1) -----------------------------------
 
@@ -229,6 +252,32 @@ def test_csv_and_table(graded):
     assert len(rows) == sum(len(v) for v in by.values()) and set(rows[0]) == set(grade.FIELDS)
     assert "total" in err and "hidden-case seed: 42" in err  # with --json -, the table goes to stderr
 
+def test_run_all_in_a_kernel_runs_the_untagged_helper_and_reports_the_first_setup_error(tmp_path):
+    """Through the command line and a real kernel (the in-process grader has no ``--run-all``).
+
+    Kills: ``--run-all`` dropped on its way from the command line to :func:`graded_cells` (the learner's untagged
+    helper never runs, so a right paged_slots that calls it raises NameError in the checker); the grading cell
+    reading the object before checking it is defined (a KeyError instead of "is not defined"); and the kernel
+    keeping the *last* error of two setup cells, where the first is the cause (as the in-process grader keeps).
+
+    By hand: the helper rounds each length up to whole 16-slot blocks, so paged_slots earns its 1 point; lab 2's
+    block_pool (2 points) and slot_mapping (1) are never defined: 0, and the reason is the first setup cell's
+    ModuleNotFoundError, not the second cell's NameError that follows from it."""
+    path = _notebook(tmp_path / "dee" / "lab02_paged_kv_cache.ipynb", [
+        ("import no_such_module_for_grading\n", ["setup"]),
+        ("no_such_module_for_grading.BLOCK = 16\n", ["setup"]),
+        ("def ceil_div(a, b):\n    return -(-a // b)\n", []),
+        ("def paged_slots(seq_lens, block_size):\n    return sum(ceil_div(n, block_size) * block_size for n in seq_lens)\n",
+         ["exercise:paged_slots"])])
+    out = tmp_path / "grades.json"
+    assert grade.main([str(path), "--run-all", "--seed", "3", "--timeout", "60", "--json", str(out), "--quiet"]) == 0
+    rows = {r["exercise"]: r for r in json.loads(out.read_text())}
+    assert {k: (r["points"], r["max_points"]) for k, r in rows.items()} == {
+        "block_pool": (0, 2), "slot_mapping": (0, 1), "paged_slots": (1, 1)}, [r["reason"] for r in rows.values()]
+    assert rows["slot_mapping"]["reason"] == ("`slot_mapping` is not defined "
+                                              "(setup: ModuleNotFoundError: No module named 'no_such_module_for_grading')")
+
+
 
 def test_seed_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(grade.SEED_ENV, "77")
@@ -291,3 +340,25 @@ def test_a_result_file_the_notebook_wrote_itself_scores_nothing(tmp_path):
     rows = grade.grade_notebook(path, seed=1, timeout=30)
     assert {r.exercise: r.points for r in rows} == {ex.name: 0 for ex in lab.exercises}
     assert all("kernel died" in r.reason for r in rows), [r.reason for r in rows]
+
+
+def test_a_kernel_stuck_past_the_interrupt_is_blamed_on_its_cell_not_on_the_next_exercise(tmp_path):
+    """A cell stuck in C code (a builtin ``sum`` over a huge range never checks for the interrupt) keeps the kernel
+    busy; every later cell then waits its timeout without ever starting.  Kills: those later cells reported as
+    having timed out themselves -- "checking `StaticBatching` timed out after 1 s" for a right class
+    whose cell never ran, which sends the instructor to the wrong cell.
+
+    By hand: static_batching's right class is defined first; split_step's cell is the one that ran over (1 s), and
+    both grading cells after it never started, so both exercises score 0, and static_batching's only reason is the
+    stuck split_step cell.  (nbclient waits a further 4 s for output after each timeout: about 18 s in all.)"""
+    lab = get_lab(1)
+    sol = nbformat.read(ROOT / "solutions" / f"{lab.stem}.ipynb", as_version=4)
+    src = {t: c.source for c in sol.cells for t in c.metadata.get("tags", []) if t.startswith("exercise:")}
+    path = _notebook(tmp_path / "stu" / f"{lab.stem}.ipynb", [
+        (src["exercise:static_batching"], ["exercise:static_batching"]),
+        ("sum(range(10**15))\n" + src["exercise:split_step"], ["exercise:split_step"])])
+    rows = {r.exercise: r for r in grade.grade_notebook(path, seed=1, timeout=1)}
+    assert {k: r.points for k, r in rows.items()} == {"split_step": 0, "static_batching": 0}
+    assert rows["split_step"].reason.endswith("; its cell: timed out after 1 s"), rows["split_step"].reason
+    assert rows["static_batching"].reason == (
+        "not run: the kernel was still busy with exercise:split_step, which ignored the interrupt"), rows["static_batching"].reason

@@ -273,19 +273,27 @@ def _run_in_kernel(cells: list[tuple[str, str]], lab: Lab, seed: int, timeout: f
         # (nbclient's timeout is whole seconds: 2.5 is a TraitError there, so it gets the next whole second)
         timeout = max(1, math.ceil(timeout))
         client = NotebookClient(nb, km=km, timeout=timeout, allow_errors=True,
-                                interrupt_on_timeout=True,
+                                interrupt_on_timeout=True, record_timing=True,
                                 error_on_timeout={"ename": "Timeout", "evalue": f"cell ran over {timeout:g} s",
                                                   "traceback": []},
                                 resources={"metadata": {"path": str(work)}}, log=_QUIET)
         whats = [w for w, _ in cells] + [f"grade:{n}" for n, _ in grading]
         fatal = None
+        stuck = None  # the last cell that timed out after the kernel had started it
         try:
             with client.setup_kernel():
                 for i, cell in enumerate(nb.cells):
                     t0 = time.monotonic()
                     client.execute_cell(cell, i)
                     if time.monotonic() - t0 >= timeout - 0.01:  # nbclient gave up waiting (no output marks it)
-                        errors[whats[i]] = f"timed out after {timeout:g} s"
+                        # The kernel announces each cell it starts (execute_input, recorded by record_timing).
+                        # A cell it never started waited behind an earlier one stuck where the interrupt cannot
+                        # reach (C code): blame that one, not this cell or the object it was to check.
+                        if stuck is None or "iopub.execute_input" in cell.metadata.get("execution", {}):
+                            errors[whats[i]] = f"timed out after {timeout:g} s"
+                            stuck = whats[i]
+                        else:
+                            errors[whats[i]] = f"not run: the kernel was still busy with {stuck}, which ignored the interrupt"
                     elif (err := _cell_error(cell)) is not None:
                         errors.setdefault(whats[i], err)
         except DeadKernelError:
@@ -318,7 +326,7 @@ def _row(student, path, lab, ex, seed, res, errors, fatal) -> ExerciseGrade:
         reason = errors.get(f"grade:{ex.name}") or fatal or "no result from the grading kernel"
         if "timed out" in reason:
             reason = f"checking `{ex.defines}` {reason}"
-        if where in errors:
+        if where in errors and errors[where] != reason:
             reason += f"; its cell: {errors[where]}"
         return row(0, "-", "-", reason)
     if res.get("missing"):
