@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
-from tests.test_gguf_rope_freqs import _teacher_forced_logits, gguf_writer_for, write_tensors_and_close
+from minivllm import LLM
+from tests.test_gguf_rope_freqs import assert_served_like_transformers, gguf_writer_for, write_tensors_and_close
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -31,11 +31,8 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
 VOCAB = [chr(c) for c in range(ord("!"), ord("!") + 256)] + ["!!"]
 
 
-def _write_qwen3_gguf(hf, path, value_length=None):
-    cfg = hf.config
-    w = gguf_writer_for(cfg, path, "qwen3")
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(value_length or cfg.head_dim)
+def add_tiny_tokenizer(w, cfg) -> None:
+    """Write :data:`VOCAB` as a byte-level BPE tokenizer (Qwen's pre-tokenizer) into GGUF writer ``w``."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
     w.add_token_list(VOCAB)
@@ -43,6 +40,14 @@ def _write_qwen3_gguf(hf, path, value_length=None):
     w.add_token_merges(["! !"])
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
+
+
+def _write_qwen3_gguf(hf, path, value_length=None):
+    cfg = hf.config
+    w = gguf_writer_for(cfg, path, "qwen3")
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(value_length or cfg.head_dim)
+    add_tiny_tokenizer(w, cfg)
     def own_v_width(module, a):  # V heads of their own width, as such a file has
         if value_length and module == "self_attn.v_proj":
             return a[: cfg.num_key_value_heads * value_length]
@@ -75,16 +80,7 @@ def test_a_qwen3_gguf_with_its_own_head_dim_is_served_like_transformers(tmp_path
 
     llm = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=16)
     assert llm.engine.model_runner.model.args.head_dim == 24
-    prompt = torch.randint(3, len(VOCAB), (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    with torch.inference_mode():
-        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0].tolist()
-        ref = hf(torch.tensor([greedy])).logits[0].float()
-    assert prompt + list(out[0].outputs[0].token_ids) == greedy
-    got = _teacher_forced_logits(llm, greedy)
-    rel = (got - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"max relative logit error {rel:.2e}"
+    assert_served_like_transformers(llm, hf, len(VOCAB))
 
 def test_v_heads_of_another_width_than_k_heads_are_refused_by_name(tmp_path, monkeypatch):
     """One head_dim serves q, k and v here (and in transformers' Llama/Qwen): V heads of another width fit

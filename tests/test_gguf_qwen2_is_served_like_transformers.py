@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
-from tests.test_gguf_head_dim import GGUF_NAMES, VOCAB
-from tests.test_gguf_rope_freqs import _teacher_forced_logits, gguf_writer_for, write_tensors_and_close
+from minivllm import LLM
+from tests.test_gguf_head_dim import GGUF_NAMES, VOCAB, add_tiny_tokenizer
+from tests.test_gguf_rope_freqs import assert_served_like_transformers, gguf_writer_for, write_tensors_and_close
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -34,24 +34,9 @@ def test_a_qwen2_gguf_with_qkv_biases_is_served_like_transformers(tmp_path, monk
             p.normal_(0, 0.3) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
     path = tmp_path / "tiny-qwen2.gguf"
     w = gguf_writer_for(config, path, "qwen2")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(VOCAB)
-    w.add_token_types([gguf.TokenType.NORMAL] * len(VOCAB))
-    w.add_token_merges(["! !"])
-    w.add_bos_token_id(config.bos_token_id)
-    w.add_eos_token_id(config.eos_token_id)
+    add_tiny_tokenizer(w, config)
     write_tensors_and_close(w, hf, GGUF_NAMES, lambda module, a: a)
 
     llm = LLM(str(path), dtype="float32", max_model_len=128, num_gpu_blocks_override=16)
     assert llm.engine.model_runner.model.args.architecture == "qwen2"
-    prompt = torch.randint(3, len(VOCAB), (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    with torch.inference_mode():
-        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)[0].tolist()
-        ref = hf(torch.tensor([greedy])).logits[0].float()
-    assert prompt + list(out[0].outputs[0].token_ids) == greedy
-    got = _teacher_forced_logits(llm, greedy)
-    rel = (got - ref).abs().max() / ref.abs().max()
-    assert rel < 1e-4, f"max relative logit error {rel:.2e}"
+    assert_served_like_transformers(llm, hf, len(VOCAB))

@@ -126,6 +126,23 @@ def _teacher_forced_logits(llm, prompt):
         runner.kv_cache = saved
 
 
+def assert_served_like_transformers(llm, hf, vocab_size: int, new_tokens: int = 8) -> None:
+    """``llm`` serves ``hf``'s tiny checkpoint as transformers does: a 12-token random prompt's greedy
+    continuation is transformers' own, and the teacher-forced logits of the whole sequence are within 1e-4 of
+    transformers' (relative to the largest).  One definition for the GGUF tests that write such a checkpoint."""
+    prompt = torch.randint(3, vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    with torch.inference_mode():
+        greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0].tolist()
+        ref = hf(torch.tensor([greedy])).logits[0].float()
+    assert prompt + list(out[0].outputs[0].token_ids) == greedy
+    got = _teacher_forced_logits(llm, greedy)
+    rel = (got - ref).abs().max() / ref.abs().max()
+    assert rel < 1e-4, f"max relative logit error {rel:.2e}"
+
+
 def test_a_llama3_gguf_is_served_with_its_rope_scaling(tmp_path, monkeypatch):
     from minivllm.model.loader import default_model_file
 

@@ -255,22 +255,27 @@ def _greedy_by_full_forward(hf, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def _assert_greedy_like_transformers(tmp_path, prompts, max_tokens: int, **engine) -> None:
+    """The engine's greedy tokens for ``prompts`` in one batch (``engine``: its scheduling settings) are
+    transformers' own greedy loop's on the tiny untied checkpoint (``_greedy_by_full_forward``)."""
+    from minivllm import LLM
+    from minivllm.sampling_params import SamplingParams
+
+    hf = _tiny_llama_folder(tmp_path, tie=False)
+    want = [_greedy_by_full_forward(hf, ids, max_tokens) for ids in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32, **engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_the_engine_samples_each_prompt_from_its_last_token_like_transformers_greedy(tmp_path):
     """The runner projects only one hidden row per sequence to logits: the *last* token of what the step
     computed.  Taking each sequence's first row instead still yields plausible tokens, and the fast tests
     never run a real model through ``ModelRunner.execute`` (mutant: ``ends`` = ``query_start_loc[:-1]``).
     Oracle: transformers' own greedy loop on a tiny random checkpoint, prompts of different lengths in one
     batch."""
-    from minivllm import LLM
-    from minivllm.sampling_params import SamplingParams
-
-    hf = _tiny_llama_folder(tmp_path, tie=False)
-    prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60], [7]]
-    want = [_greedy_by_full_forward(hf, ids, 4) for ids in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
+    _assert_greedy_like_transformers(tmp_path, [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60], [7]], 4)
 
 
 def test_a_chunked_prompt_samples_only_after_its_last_chunk_like_transformers_greedy(tmp_path):
@@ -280,17 +285,8 @@ def test_a_chunked_prompt_samples_only_after_its_last_chunk_like_transformers_gr
     ``rows`` = every sequence), which no test saw because the chunked-prefill tests run the simulated
     executor.  Oracle: transformers' own greedy loop on the tiny checkpoint; chunks of 3 tokens cut the
     prompts of 7 and 4 tokens into 3 and 2 steps, beside a one-token prompt."""
-    from minivllm import LLM
-    from minivllm.sampling_params import SamplingParams
-
-    hf = _tiny_llama_folder(tmp_path, tie=False)
-    prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60, 21], [7]]
-    want = [_greedy_by_full_forward(hf, ids, 3) for ids in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32,
-              max_num_batched_tokens=3, long_prefill_token_threshold=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
+    _assert_greedy_like_transformers(tmp_path, [[5, 9, 2, 33, 17, 8, 40], [11, 3, 60, 21], [7]], 3,
+                                     max_num_batched_tokens=3, long_prefill_token_threshold=3)
 
 
 def test_a_prompt_that_finishes_behind_a_mid_prompt_chunk_samples_from_its_own_last_token(tmp_path):
@@ -300,17 +296,8 @@ def test_a_prompt_that_finishes_behind_a_mid_prompt_chunk_samples_from_its_own_l
     the short prompt a token drawn from the long prompt's hidden state (mutant: ``hidden[ends][: len(rows)]``).
     Oracle: transformers' own greedy loop on the tiny checkpoint; with a 3-token cap and an 8-token budget the
     7-token prompt runs 3 + 3 + 1 tokens and the 2-token prompt finishes in the first step, behind it."""
-    from minivllm import LLM
-    from minivllm.sampling_params import SamplingParams
-
-    hf = _tiny_llama_folder(tmp_path, tie=False)
-    prompts = [[5, 9, 2, 33, 17, 8, 40], [11, 3]]
-    want = [_greedy_by_full_forward(hf, ids, 3) for ids in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32,
-              max_num_batched_tokens=8, long_prefill_token_threshold=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == want
+    _assert_greedy_like_transformers(tmp_path, [[5, 9, 2, 33, 17, 8, 40], [11, 3]], 3,
+                                     max_num_batched_tokens=8, long_prefill_token_threshold=3)
 
 
 def test_the_engine_seed_decides_the_draws_of_requests_without_a_seed_of_their_own(tmp_path):
