@@ -7,8 +7,9 @@ benchmarks read peak block usage from it.  Two things keep it cheap:
   for the scheduled sequences, read together as ``record.seqs``, and how many of
   them lead as decodes), never a reference to a live request;
 * the buffer is bounded by the number of *sequence entries* it holds (a step of
-  256 decodes by one tenant costs 258 entries: one per sequence, one per tenant
-  row and one for the step; an idle step one), so a long run at large
+  256 decodes costs 257 entries, one per sequence and one for the step, plus one
+  per tenant row when tenants are logged -- 258 for one named tenant; an idle
+  step one), so a long run at large
   batch sizes keeps the newest history in a fixed memory budget (about 100 bytes
   per entry) instead of growing without bound.
 
@@ -145,6 +146,8 @@ class StepLog:
         return iter(self._records)
 
     def __getitem__(self, index):
+        """``log[-1]`` in O(1); a slice is copied to a list (a deque does not slice), O(len(log)) -- for readers
+        after a run, not for a per-step caller."""
         if isinstance(index, slice):
             return list(self._records)[index]
         return self._records[index]

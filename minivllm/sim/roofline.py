@@ -14,7 +14,7 @@ A step is split into *phases*, each its own set of kernels that run one after
 another, and each phase is timed by its own roofline::
 
     time = step_overhead + num_layers * layer_overhead + num_seqs * seq_overhead
-         + eager_step_overhead if the step has prompt tokens      # no CUDA graph replays it (GPU)
+         + eager_step_overhead if a row has more than one token   # no CUDA graph replays it (GPU)
          + max(dense FLOPs / peak FLOP/s,        dense bytes / bandwidth)      # the GEMMs + lm_head
          + max(attention FLOPs / attention FLOP/s, attention bytes / attention B/s)  # reading/writing K/V
          + swapped bytes / swap bandwidth                                      # block moves over PCIe
@@ -189,8 +189,8 @@ class HardwareSpec:
     step_overhead_s: float = 0.0  # host scheduling, input preparation, sampling: once per step
     layer_overhead_s: float = 0.0  # kernel launches: once per layer per step
     seq_overhead_s: float = 0.0  # per scheduled sequence per step (metadata, sampling)
-    # Extra fixed cost of a step that carries prompt tokens.  On a GPU: an engine with CUDA graphs captures
-    # decode-only steps and replays each as one launch, while a step with prompt tokens launches its ~10
+    # Extra fixed cost of a step with a row of more than one token (StepCost.eager).  On a GPU: an engine with
+    # CUDA graphs captures steps of one-token rows and replays each as one launch, while any other launches its ~10
     # kernels per layer one by one from Python -- on the H200, 2.6 ms for a graphed decode step of a 1B
     # model against 11-17 ms for any step with a prefill chunk, nearly flat in its tokens up to 512.  On a
     # CPU: the prefill path's per-layer work beside the decode kernel (K/V gather, mask, one SDPA call per
@@ -298,7 +298,12 @@ class StepCost:
 
     @property
     def eager(self) -> bool:
-        """Does the step carry prompt tokens (more tokens than sequences)?  Then no CUDA graph replays it."""
+        """Does a row carry more than one token (more tokens than sequences)?  Then no CUDA graph replays it.
+
+        Not "does the step carry prompt tokens": the runner graphs any batch of one-token rows
+        (``DecodeGraphRunner.can_run`` counts rows of one token), so a one-token prompt chunk -- the last
+        token of a prompt whose other blocks the prefix cache held -- rides a graphed step like a decode.
+        """
         return self.num_tokens > self.num_seqs
 
 
@@ -353,7 +358,11 @@ class StepTime:
 
 
 def combine(compute: float, memory: float, p: float | None) -> float:
-    """One phase's time from its two limits: ``max`` for ``p=None``, else their ``p``-norm."""
+    """One phase's time from its two limits: ``max`` for ``p=None``, else their ``p``-norm.
+
+    Divided by the larger limit before the power: a profile may set any ``roof_p >= 1``, and millisecond times
+    raised to a large one underflow (``p = 120``: 0.0 for a 2 ms phase), while the ratios, at most 1, keep the
+    larger term exact."""
     top = max(compute, memory)
     if p is None or top == 0.0:
         return top
@@ -428,7 +437,11 @@ class RooflinePreemptionCosts:
 
 
 def fake_token(request_id: str, position: int, vocab_size: int) -> int:
-    """A deterministic "sampled" token (the same in every process, unlike ``hash`` of a str); never 0-9."""
+    """A deterministic "sampled" token (the same in every process, unlike ``hash`` of a str); never 0-9.
+
+    Never 0-9: tokenizers keep EOS/BOS/pad there, and a simulated engine with an EOS id would stop requests at
+    random.  2654435761 (about 2^32 / golden ratio) spreads consecutive positions over the vocabulary instead of
+    stepping through it one id at a time (a text of consecutive ids would not look like sampled output)."""
     return (zlib.crc32(request_id.encode()) + 2654435761 * position) % (vocab_size - 10) + 10
 
 
@@ -480,7 +493,8 @@ class RooflineExecutor:
         """The step's time by phase; with ``sampled`` (a list), also collects the requests whose logits are sampled.
 
         One pass over the batch (the executor's only per-sequence work besides
-        the fake tokens): a 10,000-request simulation runs this ~10^6 times.
+        the fake tokens): its loop body runs once per scheduled row, ~2 * 10^6
+        times for 10,000 decode-heavy requests (6 * 10^4 steps).
         """
         seqs = []
         for s in batch.seqs:

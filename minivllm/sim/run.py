@@ -213,7 +213,7 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
         wake = last.time
         end = wake - t0
         rec.step_end_readings.append(wake)
-        if not last.seqs and not (last.swapped_in or last.swapped_out):
+        if not last.seq_ids and not (last.swapped_in or last.swapped_out):  # (not .seqs: it builds a row per seq)
             idle += 1  # nothing could run: wait for the next arrival (or give up if there is none)
             # -- unless the step before preempted: the step after a preemption admits nothing by design (the
             # scheduler's thrash guard) and the next one runs again, as a real engine, stepping at once, shows;
@@ -257,6 +257,8 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
 
 
 def _finish(res: RequestResult, out, times: list[float], t0: float) -> None:
+    """Fill ``res`` from a finished request as the load generator fills it from a served one (outcome, TTFT,
+    ITLs, e2e from the engine's own timestamps), so the two reports share one table and one SLO check."""
     m = out.metrics
     reason = out.outputs[0].finish_reason if out.outputs else None
     res.prompt_tokens = len(out.prompt_token_ids or ())
@@ -403,6 +405,8 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
 
 
 def report_extras(engine, rec: DriveRecord) -> dict:
+    """What a simulated run adds to the load generator's table: what only the engine and the virtual clock know
+    (steps, preemptions, KV usage over time, how busy the device was, which roof bound the dense phase)."""
     st = engine.stats()
     ex = engine.executor
     usage = [u for _, u in rec.kv_usage]
@@ -479,8 +483,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=fraction, default=0.9)
     ap.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     ap.add_argument("--max-model-len", type=positive_int, default=None,
-                    help="longest prompt + output a request may have (default: the workload's longest, within the "
-                         "model's positions and the KV pool); a longer request is refused on its own, as a 400")
+                    help="longest prompt + output a request may have (default: the workload's longest, at least 2048, "
+                         "within the model's positions and the KV pool); a longer request is refused on its own, "
+                         "as a 400")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "reject", "auto"])
     ap.add_argument("--scheduling-policy", default="fcfs")
