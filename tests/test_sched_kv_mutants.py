@@ -13,6 +13,8 @@ recounts of the blocks the live tables hold, a five-method pool written plainly 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from minivllm.sampling_params import SamplingParams
@@ -127,6 +129,49 @@ def test_tokens_a_preempted_request_finds_again_are_counted_exactly_as_recompute
     assert ex.restart_hits > 0 and ex.first_hits > 0, "both kinds of hit must occur for the test to mean anything"
     assert stats["recompute_hit_tokens"] == ex.restart_hits
     assert stats["prefix_cache_hits"] == ex.first_hits
+    assert_no_leak(engine)
+
+class SeesForkRestarts(RecountsCacheHits):
+    """:class:`RecountsCacheHits`, also noting each restarted sample whose first row starts past what the prefix
+    cache holds of its tokens at that moment (the cache's own ``peek``): tokens it got back from its leader."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size)
+        self.engine = None
+        self.beyond_cache: list[tuple[str, int, int]] = []
+
+    def execute(self, batch):
+        kv = self.engine.kv
+        for s in batch.seqs:
+            req = s.request
+            if req.request_id in self.restarting and req.leader is not None:
+                cached = kv.prefix_cache.peek(req.all_token_ids[:-1], kv.namespace(req)) * kv.block_size
+                if s.start > cached:
+                    self.beyond_cache.append((req.request_id, s.start, cached))
+        return super().execute(batch)
+
+
+def test_recompute_hits_count_what_a_restarted_sample_shares_again_with_its_leader():
+    """``recompute_hit_tokens`` counts the tokens a restarted request did not compute again, and a sample
+    re-admitted while its leader runs gets its prompt back from the leader's blocks (``fork``: all but the last
+    prompt token), part of which no cache lookup would give it.  The stat's comment said "got back from the
+    cache", which this workload shows false.  Oracle: where each restarted request's first row begins, as the
+    executor sees it, and the cache's own ``peek`` of the restarted sample's tokens at that moment.  (A mixed
+    workload of n = 1..3 requests sharing a prefix; the seed is one where such a restart happens.)"""
+    rnd = random.Random(4)
+    ex = SeesForkRestarts(4)
+    engine = tiny_engine(num_blocks=10, max_len=40, prefix="radix")
+    ex.engine, engine.executor = engine, ex
+    base = [rnd.randrange(1, 50) for _ in range(12)]
+    for i in range(14):
+        prompt = base[:rnd.randrange(0, 13)] + [rnd.randrange(1, 50) for _ in range(rnd.randrange(1, 14))]
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(n=rnd.choice([1, 2, 3]),
+                           max_tokens=rnd.randrange(1, 14), temperature=1.0, seed=i), request_id=f"r{i}")
+        for _ in range(rnd.randrange(0, 3)):
+            engine.step()
+    drain(engine)
+    assert ex.beyond_cache, "the workload must restart a sample past what the cache holds of it"
+    assert engine.stats()["recompute_hit_tokens"] == ex.restart_hits
     assert_no_leak(engine)
 
 

@@ -70,6 +70,8 @@ class BlockPool:
         return True
 
     def unwatch_sharing(self, callback) -> None:
+        """Stop the reports: a prefix cache that moves to another pool (the KV manager rebinds a caller's cache,
+        lab 2 replaces the pool) must not keep counting this one's sharing, nor keep this pool calling it."""
         self._watchers.remove(callback)
 
     # -- queries ---------------------------------------------------------

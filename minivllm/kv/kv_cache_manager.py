@@ -109,7 +109,9 @@ class PrefixHit:
 class KVStats:
     """Counters the memory manager keeps (read by ``LLMEngine.stats()`` and the labs)."""
 
-    recompute_hit_tokens: int = 0  # tokens a preempted request got back from the cache (not hits)
+    # tokens a preempted request did not compute again when re-admitted (not hits): its cached prefix, or, for a
+    # sample whose leader still runs, the prompt it shares again with the leader (:meth:`KVCacheManager.fork`)
+    recompute_hit_tokens: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
 
@@ -379,8 +381,8 @@ class KVCacheManager:
         """Hit accounting, once a request is really admitted (never for tried-and-undone admissions).
 
         Only a request's first admission counts as a lookup.  A preempted request
-        that finds its own blocks again saved recompute; that is reported apart
-        (``recompute_hit_tokens``) and never inflates the hit rate.  A sample
+        that finds its tokens again (in the cache, or, a sample, in its leader's blocks) saved recompute;
+        that is reported apart (``recompute_hit_tokens``) and never inflates the hit rate.  A sample
         forked from its leader counts nothing (the leader's lookup did); one whose leader was gone looked the
         cache up like any request, and counts like one.
         """
@@ -445,8 +447,9 @@ class KVCacheManager:
         The first test is the common decode case: the new tokens fit the table as
         it is and the block they land in is the request's own (15 of 16 decode
         steps at block size 16), so nothing is computed beyond two comparisons.
-        (The scheduler hands the 16th step's decodes, whose tables are full, to
-        :meth:`grow_full_tables` first.)
+        (Without KV caps the scheduler hands the 16th step's decodes, whose tables
+        are full, to :meth:`grow_full_tables` first; with them every scheduled
+        sequence comes here, after its group's cap check.)
         """
         blocks, computed, bs = req.block_ids, req.num_computed_tokens, self.block_size
         if computed + num_new_tokens <= len(blocks) * bs and (
@@ -468,8 +471,9 @@ class KVCacheManager:
 
         That is: they need a new block, or the block their next token lands in is
         shared (copy-on-write).  The others would get ``True`` from
-        :meth:`allocate_slots` without any change, so the scheduler skips them; at
-        block size 16 that is 15 of 16 decodes.  One comprehension, no call per sequence.
+        :meth:`allocate_slots` without any change, so the scheduler skips them (without KV caps;
+        with them it checks every sequence against its group's cap); at block size 16 that is
+        15 of 16 decodes.  One comprehension, no call per sequence.
         """
         bs, refcount = self.block_size, self.pool.refcount
         if not self._may_share():  # no block with two holders: no copy-on-write to look for
@@ -501,6 +505,9 @@ class KVCacheManager:
         return []
 
     def _take_block(self) -> int:
+        """One block off the free list, evicting one cached block only when the list is empty: cached blocks
+        stay reusable as long as possible, and the caller asked :meth:`can_provide` first, so one eviction
+        always frees one."""
         if self.pool.num_free == 0 and self.prefix_cache is not None:
             self.prefix_cache.evict(1)
         return self.pool.allocate()
@@ -514,6 +521,9 @@ class KVCacheManager:
         return self.pool.refcount(req.block_ids[-1]) > 1
 
     def _copy_on_write_last(self, req: Request) -> None:
+        """Swap ``req``'s shared last block for a private one.  The pool allocates the copy before it drops the
+        shared original (which stays in use by its other holders), so a free block is needed: one cached
+        block is evicted first if the list is empty.  The data copy is only recorded, for the executor."""
         old = req.block_ids[-1]
         if self.pool.num_free == 0 and self.prefix_cache is not None:
             self.prefix_cache.evict(1)

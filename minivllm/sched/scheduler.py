@@ -911,6 +911,9 @@ class Scheduler:
         return batch
 
     def _group_held(self) -> dict:
+        """KV blocks held per capped group, recounted from the tables once per :meth:`allocate` rather than kept
+        across steps: admissions, finishes, aborts and failed steps all change what a group holds, and a count
+        rebuilt here cannot drift; within the step ``allocate`` and ``_preempt`` keep it as tables change."""
         held: dict = {}
         for r in self.running:
             for g in self.caps.groups(r):
@@ -1031,6 +1034,9 @@ class Scheduler:
         req.num_tokens_computed_once = max(req.num_tokens_computed_once, computed)
 
     def _wants_swap(self, req: Request) -> bool:
+        """Try the host tier for this victim?  Swap mode always does (:meth:`KVCacheManager.swap_out` refuses when
+        the tier is full, and the victim is recomputed); auto asks the cost model, and without one (a scheduler
+        built by hand, not by the engine, which always gives auto mode one) recomputes, which needs no tier."""
         mode = self.config.preemption_mode
         if mode == "swap":
             return True
