@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -165,9 +166,8 @@ def split_into_blocks(
             f"{num_blocks} block ids need {num_blocks * block_size} tokens, "
             f"got {len(token_ids)}"
         )
-    return [
-        tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(num_blocks)
-    ]
+    # one way to cut blocks: LazyBlocks' (in C for a list or tuple), read whole here
+    return list(itertools.islice(LazyBlocks(token_ids, block_size), num_blocks))
 
 
 class LazyBlocks(Sequence[tuple[int, ...]]):
