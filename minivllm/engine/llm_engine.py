@@ -64,7 +64,8 @@ clock that moves the first step a request is rejected in already has a time; thi
 step has taken time on the executor's clock yet -- a simulator whose clock stands still, or a driver that
 asks for a hint by hand.  Why 0.05 s: a step of the right order between the devices this engine runs on (on
 the H200, a graphed decode step of a 1B model took 2.5 ms and an eager prompt step about 10 ms; on this
-repository's 2-core CPU a lone SmolLM2-135M decode step takes 66 ms), so a hint is off by a factor of a few
+repository's 2-core CPU a lone SmolLM2-135M decode step took 66 ms on one day's host and 26 ms on another's),
+so a hint is off by a factor of a few
 at worst, and the first timed step replaces it.  The README states it where it explains the hint.
 """
 

@@ -409,26 +409,35 @@ def measure_median(engine, requests, repeats: int) -> list[StepSample]:
     return got
 
 
+def _random_requests(rng, vocab: int, lengths, max_tokens: int, first_id: int = 0) -> list:
+    """One ``SimRequest`` per prompt length, all arriving at 0, prompts of random token ids (no shared prefix)."""
+    from minivllm.sim.run import SimRequest
+
+    return [SimRequest(first_id + i, 0.0, "cal", [int(x) for x in rng.integers(10, vocab - 1, n)], max_tokens)
+            for i, n in enumerate(lengths)]
+
+
+def _mixed_group(rng, vocab: int, decoders: int, long_len: int, max_tokens: int) -> list:
+    """``decoders`` short prompts that go on decoding while one ``long_len`` prompt is prefilled in chunks."""
+    return _random_requests(rng, vocab, [48] * decoders, max_tokens) + _random_requests(
+        rng, vocab, [long_len], 1, first_id=decoders)
+
+
 def calibration_grid(vocab: int = 49152, seed: int = 0, scale: float = 1.0):
     """The grid: lone prefills of 16..1024 tokens (1024 is chunked), several prefills at once, and decode
     batches of 1..32 sequences at short and long context.  Each group is a list of ``SimRequest``
     arriving together; ``scale`` < 1 shrinks it for a quick run."""
-    from minivllm.sim.run import SimRequest
-
     rng = np.random.default_rng(seed)
 
     def reqs(lengths, max_tokens):
-        return [SimRequest(i, 0.0, "cal", [int(x) for x in rng.integers(10, vocab - 1, n)], max_tokens)
-                for i, n in enumerate(lengths)]
+        return _random_requests(rng, vocab, lengths, max_tokens)
 
     groups = [reqs([n], 1) for n in (16, 64, 160, 320, 512, 768, 1024)]
     groups += [reqs([64] * 4, 1), reqs([32] * 12, 1)]
     # mixed steps: decoders running while a long prompt is prefilled in budget-sized chunks beside them
     # (the shape of every held-out workload's busy steps, which lone prefills and pure decodes never show)
     for b, long_len in ((4, 1024), (12, 768)):
-        group = reqs([48] * b, 6)
-        group.append(SimRequest(b, 0.0, "cal", [int(x) for x in rng.integers(10, vocab - 1, long_len)], 1))
-        groups.append(group)
+        groups.append(_mixed_group(rng, vocab, b, long_len, 6))
     decode_steps = max(3, int(round(8 * scale)))
     # decode batches at short, medium and long context.  The 1024-token ones give the K/V-reading term a
     # lever arm as long as the contexts the held-out workloads decode at: without them the only decodes past
@@ -530,6 +539,109 @@ def fit_warning(doc: dict) -> str | None:
             "make a poor profile; calibrate on a quiet machine, or with --clock cpu on a shared one")
 
 
+# How far a profile's predictions may sit from the engine it describes (the median, over the check's shapes, of
+# measured / predicted step time) before ``--check`` calls it stale.  The fits carry 3-9% rms error and this
+# shared 2-core machine drifts by about 5% within a session; 15% is past both, and far inside what a change of
+# host moves: on 2026-12-05 both profiles committed on 2026-11-30 predicted steps 1.8-1.9x longer than the
+# engine took (a one-sequence decode: 48 ms predicted, 27 ms measured), and the engine of 2026-12-01, run beside
+# today's (``bench ab``), was as fast as today's -- the cloud host had changed, not the code.
+STALE_RATIO = 0.15
+
+
+@dataclass(frozen=True)
+class CheckGroup:
+    """One shape ``--check`` measures: requests arriving together, and which of their steps to judge."""
+
+    label: str
+    requests: list
+    decodes_only: bool = False  # judge only the steps in which every sequence computes one token
+
+    def judged(self, samples: list[StepSample]) -> list[StepSample]:
+        return [s for s in samples if all(n == 1 for _, n, _ in s.seqs)] if self.decodes_only else samples
+
+
+def check_groups(vocab: int = 49152, seed: int = 1, decode_steps: int = 6) -> list[CheckGroup]:
+    """The shapes ``--check`` measures again: two lone prompts, decodes of 1-8 sequences at short and medium
+    context (their prompt steps not judged), and decoders beside a chunked long prompt -- each kind of step
+    the grid fits, about ten seconds on the 2-core CPU, so that the check is cheap enough to run after every
+    change to the engine."""
+    rng = np.random.default_rng(seed)
+    groups = [CheckGroup(f"prompt {n}", _random_requests(rng, vocab, [n], 1)) for n in (160, 512)]
+    groups += [CheckGroup(f"decode {b}x{p}", _random_requests(rng, vocab, [p] * b, decode_steps), decodes_only=True)
+               for b, p in ((1, 32), (2, 32), (4, 32), (8, 32), (1, 384), (4, 384))]
+    groups.append(CheckGroup("4 decodes + prompt 1024", _mixed_group(rng, vocab, 4, 1024, decode_steps)))
+    return groups
+
+
+def judge(doc: dict, measured: list[tuple[str, list[StepSample]]]) -> dict:
+    """Each group's measured steps against the profile's predictions for the same shapes, and the verdict.
+
+    A group's ratio is the median over its steps of measured / predicted time; the profile's is the median of
+    the groups' ratios, so that each kind of step counts once however many steps it has (eight decodes
+    would otherwise outvote one prompt).  Why judge predictions and not the profile's recorded times: the
+    predictions are what ``sim run --hardware PROFILE`` uses, and a fit may be off for shapes it was fitted on.
+    """
+    shape, spec = ModelShape.from_dict(doc.get("model")), HardwareSpec.from_dict(doc.get("hardware"))
+    block = (doc.get("engine") or {}).get("block_size", 16)
+    rows = []
+    for label, samples in measured:
+        if not samples:
+            raise ValueError(f"check group {label!r} ran no step")
+        pred = [roofline_time(step_cost(shape, [tuple(x) for x in s.seqs], s.swapped_blocks, block), shape, spec).total
+                for s in samples]
+        rows.append({"group": label, "steps": len(samples),
+                     "measured_ms_p50": 1e3 * statistics.median(s.time_s for s in samples),
+                     "predicted_ms_p50": 1e3 * statistics.median(pred),
+                     "ratio": statistics.median(s.time_s / p for s, p in zip(samples, pred))})
+    ratio = statistics.median(r["ratio"] for r in rows)
+    return {"profile": doc["hardware"].get("name"), "calibrated": doc.get("date_utc"), "clock": doc.get("clock", "wall"),
+            "groups": rows, "ratio": ratio, "stale": abs(ratio - 1) > STALE_RATIO}
+
+
+def check(doc: dict, engine, repeats: int = 3, groups: list[CheckGroup] | None = None) -> dict:
+    """Measure :func:`check_groups` (or ``groups``) on ``engine`` and :func:`judge` ``doc`` by them.
+
+    A profile is a snapshot of one engine on one machine: another machine (a learner's laptop, the next
+    day's cloud host, which on this course's 2-core VM has run the same code 2.5x faster) or a later change
+    to the engine's speed leaves it predicting something else, and ``sim run`` has no way to notice.  The
+    check re-measures a few shapes and says whether the profile still describes this engine here, in
+    seconds rather than the minutes a re-calibration takes.
+    """
+    groups = groups or check_groups(ModelShape.from_dict(doc.get("model")).vocab_size)
+    measure(engine, groups[0].requests)  # warm up (allocator, kernels, caches), as calibrate does
+    return judge(doc, [(g.label, g.judged(measure_median(engine, g.requests, repeats))) for g in groups])
+
+
+def format_check(result: dict) -> str:
+    lines = [f"{'group':<26} {'steps':>5} {'measured p50':>13} {'predicted p50':>14} {'measured/predicted':>19}"]
+    for r in result["groups"]:
+        lines.append(f"{r['group']:<26} {r['steps']:>5} {r['measured_ms_p50']:>10.1f} ms {r['predicted_ms_p50']:>11.1f} ms "
+                     f"{r['ratio']:>19.3f}")
+    verdict = (f"stale (beyond +-{100 * STALE_RATIO:.0f}%): re-calibrate with minivllm sim calibrate --force"
+               f"{' --clock cpu' if result['clock'] == 'cpu' else ''}" if result["stale"]
+               else f"current (within +-{100 * STALE_RATIO:.0f}%)")
+    lines.append(f"{result['profile']} (calibrated {result['calibrated']}): this engine's steps take x{result['ratio']:.3f} "
+                 f"the profile's predictions (median of {len(result['groups'])} shapes): {verdict}")
+    return "\n".join(lines)
+
+
+def check_engine(doc: dict):
+    """The real engine a profile was calibrated on, rebuilt from what the profile recorded: its device, clock,
+    torch threads (capped at this machine's cores) and batch limits.  Only the bundled model can be rebuilt."""
+    import torch
+
+    model = (doc.get("model") or {}).get("name")
+    if model != "smollm2-135m":
+        raise ValueError(f"--check re-measures the bundled model (smollm2-135m); this profile was fitted on {model!r}")
+    eng = doc.get("engine") or {}
+    engine = real_engine(max_num_batched_tokens=eng.get("max_num_batched_tokens", 512),
+                         max_num_seqs=eng.get("max_num_seqs", 32), block_size=eng.get("block_size", 16),
+                         device=doc.get("device", "auto"), clock=doc.get("clock", "wall"))
+    if doc.get("clock", "wall") == "wall" and doc.get("torch_threads"):
+        torch.set_num_threads(max(1, min(int(doc["torch_threads"]), os.cpu_count() or 1)))
+    return engine
+
+
 def uses_cuda_graphs(engine) -> bool:
     """Does the engine replay decode steps as CUDA graphs (a GPU, a graph-safe backend, not enforce_eager)?"""
     return getattr(getattr(engine, "model_runner", None), "graphs", None) is not None
@@ -596,6 +708,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="fit the memory roof too, instead of pinning it to a measured streaming-read bandwidth")
     ap.add_argument("--repeats", type=positive_int, default=3,
                     help="run each group of the grid this many times and keep each step's median time (default 3)")
+    ap.add_argument("--check", default=None, metavar="PROFILE",
+                    help="fit nothing: re-measure a few shapes on the engine PROFILE describes and say whether its "
+                         "predictions still hold (exit 0), or it is stale (exit 1)")
     ap.add_argument("--refit", default=None, metavar="PROFILE",
                     help="measure nothing: re-fit this profile's stored samples with the current cost model "
                          "(written back to PROFILE unless --out)")
@@ -638,6 +753,17 @@ def default_out(name: str) -> str:
 
 
 def _main(args) -> int:
+    if args.check and args.refit:
+        raise ValueError("--check and --refit are two different jobs: pass one")
+    if args.check:
+        from minivllm.sim.presets import load_profile
+
+        doc = load_profile(args.check)
+        engine = check_engine(doc)
+        with frozen_heap():
+            result = check(doc, engine, repeats=args.repeats)
+        print(format_check(result))
+        return 1 if result["stale"] else 0
     if args.refit:
         doc = refit(_refit_doc(args.refit))
         path = args.out or args.refit

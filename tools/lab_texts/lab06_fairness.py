@@ -516,11 +516,11 @@ Assemble it for our three tenants: map each tenant to its class, and pick the kn
 workload below (60 s of chats at 0.5/s with 20–60-token prompts, agent calls at 0.25/s on a shared 300-token
 preamble, and 6 batch prompts of 300–600 tokens queued at t = 0) runs on the simulated executor **calibrated to this
 course's CPU machine**: `CLASS_STEP` was fitted to the bundled SmolLM2-135M's real step times on one CPU core
-(`minivllm.bench.fairness.calibrate_step`: 66 ms per step, 3.1 ms per token). Re-measured on the final engine
-(`python -m minivllm.bench fairness --calibrate`, committed in
-`benchmarks/results/2026-12-01_cpu-2core_fairness_calibrate.json`): 59 ms per step and 1.6 ms per token — a lone
-decode step still takes 66 ms, prompt tokens cost half as much. Run `calibrate_step()` for your machine and pass
-its `"step"` to the simulator to see which conclusions move. Prefix
+(`minivllm.bench.fairness.calibrate_step`: 66 ms per step, 3.1 ms per token, on 2026-11-30). It is pinned, because a
+step's cost belongs to the machine, not to the code: the same engine measured 59 ms + 1.6 ms per token on the course
+machine of 2026-12-01 and **24 ms + 1.2 ms per token** on the faster host of 2026-12-05, where the engine of 12-01,
+run beside it, measured the same (`benchmarks/README.md`, "fairness"). Run `calibrate_step()` for your machine and
+pass its `"step"` to the simulator to see which conclusions move. Prefix
 caching is on for both policies, so the comparison is about scheduling alone. Change the knobs and rerun.
 """),
 ("code", r"""
@@ -532,7 +532,7 @@ KNOBS = ThreeClassConfig(interactive_kv_reserve=0.25, agent_kv_share=0.4, batch_
 mixed = mixed_classes(60.0)
 classes = {name: serve(class_engine(name, CLASSES, KNOBS), mixed, window=60.0) for name in ("fcfs", "three_class")}
 floor = CLASS_STEP["fixed_overhead_s"] + CLASS_STEP["per_token_s"]   # one sequence, one decode step
-print(f"step time {CLASS_STEP}; a lone decode step takes {floor * 1e3:.0f} ms on this machine")
+print(f"step time {CLASS_STEP}; a lone decode step takes {floor * 1e3:.0f} ms on the pinned course machine")
 for name, res in classes.items():
     print(slo_report(name, res))   # per tenant: p95 TTFT and ITL, share meeting the TTFT SLO and both SLOs
 """),
@@ -547,9 +547,10 @@ the running decodes: the engine preempts to free seats or KV blocks, never to fr
 next step (a decode gives back one token, and preempting it throws its whole KV away, as vLLM's scheduler also
 declines to do).
 
-Now the ITL columns: **no policy meets the interactive ITL SLO on this machine**, and none could. On the calibrated
-machine a lone decode step of the 135M model takes about 70 ms, already above the interactive SLO of 60 ms, and
-every step that also carries a prefill chunk is several times longer. The agent's 120 ms is within reach of a lone
+Now the ITL columns: **no policy meets the interactive ITL SLO on the pinned machine**, and none could. On it
+a lone decode step of the 135M model takes about 70 ms, already above the interactive SLO of 60 ms, and
+every step that also carries a prefill chunk is several times longer. (On the faster host a lone decode takes 26 ms
+and would meet it; a step that carries the mix's 64-token budget would take about 100 ms and still would not.) The agent's 120 ms is within reach of a lone
 decode but not of a step beside prefill chunks: only a quarter to a third of agent calls meet both SLOs, and
 `three_class`, which starts agent calls earlier — next to the batch prefills — lowers the agent's ITL p95 only a little
 (348 ms against FCFS's 393 ms). The seed lesson's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*

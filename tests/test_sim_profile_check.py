@@ -1,0 +1,113 @@
+"""``minivllm sim calibrate --check PROFILE``: does a stored profile still describe the engine it was fitted on?
+
+The verdict is a ratio of measured to predicted step times, so the oracle is arithmetic: steps whose times are
+made as a known multiple of the profile's own prediction must be judged at exactly that multiple.  One test runs
+the real engine against a profile twenty times too fast, a margin no host closes (this course's 2-core VM has run
+the same code 3.3x slower on one day than on another; a slow host only widens the margin).
+"""
+
+import json
+
+import pytest
+
+from minivllm.sim.calibrate import STALE_RATIO, CheckGroup, StepSample, check_groups, judge, main
+from minivllm.sim.presets import load_profile
+from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
+
+DECODE = [[0, 33, True], [0, 40, True]]  # two sequences, one token each
+PROMPT = [[0, 160, True]]
+
+
+@pytest.fixture(scope="module")
+def doc():
+    return load_profile("cpu-1thread-cputime")
+
+
+def predicted(doc, seqs) -> float:
+    shape, spec = ModelShape.from_dict(doc["model"]), HardwareSpec.from_dict(doc["hardware"])
+    return roofline_time(step_cost(shape, [tuple(x) for x in seqs], 0, doc["engine"]["block_size"]), shape, spec).total
+
+
+def steps(doc, seqs, factors):
+    return [StepSample(seqs, 0, f * predicted(doc, seqs)) for f in factors]
+
+
+def test_a_group_is_judged_by_the_median_of_its_steps_ratios(doc):
+    got = judge(doc, [("decode", steps(doc, DECODE, [1.0, 1.1, 3.0])), ("prompt", steps(doc, PROMPT, [1.05]))])
+    decode, prompt = got["groups"]
+    assert decode["ratio"] == pytest.approx(1.1) and decode["steps"] == 3  # one slow step does not move it
+    assert decode["predicted_ms_p50"] == pytest.approx(1e3 * predicted(doc, DECODE))
+    assert decode["measured_ms_p50"] == pytest.approx(1.1e3 * predicted(doc, DECODE))
+    assert prompt["ratio"] == pytest.approx(1.05)
+    assert got["ratio"] == pytest.approx((1.1 + 1.05) / 2) and not got["stale"]
+
+
+def test_each_shape_counts_once_however_many_steps_it_has(doc):
+    """Twenty decode steps at x2 and one prompt each at x1 and x1.1: the verdict is the groups' median (x1.1),
+    not the steps' (x2), so one kind of step with many steps cannot outvote the others."""
+    got = judge(doc, [("decode", steps(doc, DECODE, [2.0] * 20)), ("prompt", steps(doc, PROMPT, [1.0])),
+                      ("prompt again", steps(doc, PROMPT, [1.1]))])
+    assert got["ratio"] == pytest.approx(1.1) and not got["stale"]
+
+
+@pytest.mark.parametrize("factor,stale", [(1 + STALE_RATIO - 0.01, False), (1 + STALE_RATIO + 0.01, True),
+                                          (1 - STALE_RATIO + 0.01, False), (1 - STALE_RATIO - 0.01, True),
+                                          (0.55, True)])
+def test_stale_beyond_the_threshold_on_either_side(doc, factor, stale):
+    got = judge(doc, [("decode", steps(doc, DECODE, [factor])), ("prompt", steps(doc, PROMPT, [factor]))])
+    assert got["ratio"] == pytest.approx(factor) and got["stale"] is stale
+
+
+def test_a_group_without_steps_is_an_error_not_a_verdict(doc):
+    with pytest.raises(ValueError, match="decode 1x32"):
+        judge(doc, [("decode 1x32", [])])
+
+
+def test_decode_groups_judge_only_their_decode_steps():
+    """A decode group's first step computes the prompts; judging it would mix a prefill into a decode ratio."""
+    group = CheckGroup("decode", [], decodes_only=True)
+    prefill, decode = StepSample([[0, 32, True]], 0, 0.2), StepSample([[32, 1, True], [32, 1, True]], 0, 0.03)
+    assert group.judged([prefill, decode]) == [decode]
+    assert CheckGroup("mixed", []).judged([prefill, decode]) == [prefill, decode]
+
+
+def test_check_groups_cover_each_kind_of_step_and_differ_in_their_prompts():
+    groups = check_groups()
+    assert [g.decodes_only for g in groups].count(True) == 6 and len(groups) == 9
+    prompts = [tuple(r.prompt_token_ids) for g in groups for r in g.requests]
+    assert len(set(prompts)) == len(prompts)  # no shared prefix: a cache hit would time a shorter prefill
+
+
+def test_cli_calls_a_twenty_times_fast_profile_stale_on_the_real_engine(doc, tmp_path, capsys):
+    """End to end: the bundled model measured on this machine, against the committed profile made twenty times
+    faster.  Exit 1 is the verdict a script can read (0 would say the profile still holds)."""
+    import torch
+
+    fast = dict(doc, hardware=HardwareSpec.from_dict(doc["hardware"]).slowed(0.05).to_dict())
+    path = tmp_path / "fast.json"
+    path.write_text(json.dumps(fast))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--check", str(path), "--repeats", "1"]) == 1
+    finally:
+        torch.set_num_threads(threads)  # the CPU-clock engine runs one thread, as the profile was measured
+    out = capsys.readouterr().out
+    assert "stale" in out and "--clock cpu" in out and "decode 8x32" in out
+    assert float(out.split("steps take x")[1].split()[0]) > 5  # measured 20x the prediction, give or take the host
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--check", "cpu-2core", "--refit", "cpu-2core"], "two different jobs"),
+    (["--check", "no-such-profile"], "no calibration profile"),
+])
+def test_check_refuses_bad_requests_with_a_message(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_check_refuses_a_profile_of_another_model(doc, tmp_path, capsys):
+    other = dict(doc, model=dict(doc["model"], name="llama-3.2-1b"))
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(other))
+    assert main(["--check", str(path)]) == 2
+    assert "bundled model" in capsys.readouterr().err
