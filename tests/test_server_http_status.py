@@ -228,3 +228,36 @@ def test_shutdown_is_503_for_new_and_waiting_requests_an_error_event_for_streams
     assert (error["error"]["type"], error["error"]["code"]) == ("service_unavailable", 503), error
     assert error["error"]["message"], error
     assert engine.stats()["used_blocks"] == 0 and not engine.requests
+
+
+def test_vllms_chat_template_inputs_are_refused_not_silently_dropped():
+    """``protocol``'s promise: a field whose non-default value minivllm cannot honour is a 400, "never silently
+    dropped".  vLLM's chat request takes the conversation's template (``chat_template``), documents for a RAG
+    template (``documents``) and ``add_special_tokens`` (special tokens on top of what the template writes);
+    minivllm renders every conversation with the model's own template and adds nothing, so a client moving from
+    vLLM got a 200 built from a prompt other than the one it asked for.  Oracle: vLLM's field documentation, and
+    the sibling ``chat_template_kwargs``, already refused.  Their defaults (null, empty, false) still serve."""
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim.executor import SimulatedExecutor
+    from tests.test_serving_boundary_hunt import _ChatWords
+
+    cfg = EngineConfig(num_gpu_blocks_override=64, block_size=16, max_model_len=256, device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), tokenizer=_ChatWords(), model_max_len=256,
+                       eos_token_ids=set())
+    chat = {"model": "sim", "messages": [{"role": "user", "content": "w11 w12"}], "max_tokens": 2}
+    asked = {"chat_template": "{{ 'w99' }}", "documents": [{"title": "t", "text": "w5"}], "add_special_tokens": True}
+    defaults = {"chat_template": None, "documents": [], "add_special_tokens": False}
+
+    async def main():
+        async with _app(engine) as (_, client):
+            refused = {name: await client.post("/v1/chat/completions", json={**chat, name: value})
+                       for name, value in asked.items()}
+            served = await client.post("/v1/chat/completions", json={**chat, **defaults})
+            return refused, served
+
+    refused, served = asyncio.run(main())
+    for name, r in refused.items():
+        assert r.status_code == 400, (name, r.text)
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (name, "unsupported"), r.text
+    assert served.status_code == 200, served.text

@@ -32,7 +32,7 @@ def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
                              kv=SimpleNamespace(num_available_blocks=100),
                              never_runs=lambda total, tenant: asked.append((total, tenant)))
     metrics = EngineMetrics("m")
-    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics, shutting_down=False), ["m"], 64,
+    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics, shutting_down=False, pending_adds=0), ["m"], 64,
                        DoorRule(max_waiting=1, retry_after_s=2.5))
     with pytest.raises(APIError) as err:
         asyncio.run(srv._submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4), "alice", "cmpl"))
@@ -41,7 +41,49 @@ def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
     assert err.value.headers == {"Retry-After": "3"}
     s = metric_samples(metrics.render().decode())
     assert metric_value(s, "vllm:num_requests_shed_total", tenant="alice") == 1
-    assert srv._passing == 0
+
+
+def test_the_door_counts_a_queued_request_once_while_its_handler_has_not_resumed():
+    """The door's count is the scheduler's queue plus the requests posted to the engine thread but not queued yet
+    (``door_snapshot``'s ``pending``).  Once the engine thread has queued a request, it is in the queue: counting
+    it as pending too, until its handler resumes on the event loop, closed the door early.  Scene: one seat, held;
+    request A is queued behind it while the event loop is busy (a handler parsing a large body, say); then request
+    B arrives.  Oracle, by hand: one request waits, ``max_waiting=2``, so B gets in.  (Before: B saw 1 + 1 and got a
+    429; a burst of 32 at ``max_waiting=32``, which fits by the same count, had 10 of them shed.)"""
+    import time
+
+    from minivllm.server import build_app
+    from tests.test_server_sim import _SCENE_PACE, _paced_engine
+
+    engine = _paced_engine(max_seqs=1, **_SCENE_PACE)  # 0.1 s a step: the holder keeps its seat for the test
+    app = build_app(engine, ["sim"], door=DoorRule(max_waiting=2))
+    handlers, sched = app.state.handlers, engine.scheduler
+
+    def submit(first: int, max_tokens: int):
+        return handlers._submit({"prompt_token_ids": list(range(first, first + 8))},
+                                SamplingParams(max_tokens=max_tokens, ignore_eos=True), "default", "cmpl")
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            _, holder = await submit(10, 400)
+            end = time.monotonic() + 30
+            while len(sched.running) != 1 and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+            a = asyncio.ensure_future(submit(20, 1))
+            await asyncio.sleep(0)  # A runs until it waits for the engine thread: posted
+            while len(sched.waiting) != 1 and time.monotonic() < end:
+                time.sleep(0.01)  # blocking: the event loop does not run A's handler on
+            time.sleep(0.2)  # the engine thread finishes its add command
+            assert (len(sched.running), len(sched.waiting)) == (1, 1), "the scene: one seat held, A queued"
+            try:
+                _, b = await submit(30, 1)
+            finally:
+                _, a_stream = await a
+                a_stream.close()
+                holder.close()
+            b.close()
+
+    asyncio.run(main())
 
 
 def test_bearer_scheme_is_case_insensitive():

@@ -18,8 +18,10 @@ Behaviour worth knowing:
   ``key=tenant,key2=tenant2``).  With no keys configured everyone is tenant
   ``"default"``; with keys, a request without a valid ``Authorization: Bearer``
   key gets 401.  The tenant is the request's prefix-cache namespace (the
-  engine keys cached blocks by ``(tenant, cache_salt)``), so tenants never
-  share cached blocks and cannot probe each other's prompts by timing.  A
+  engine keys cached blocks by ``(tenant, cache_salt)``), so tenants do not
+  share cached blocks and cannot probe each other's prompts by timing (unless
+  the engine is built with ``share_prefix_cache_across_tenants``: then every
+  tenant's unsalted prompts share one space, and only a salt keeps one apart).  A
   tenant's scheduling settings (``TenantConfig``: weight, caps, class) come
   from ``--tenants-file tenants.json`` (:func:`load_tenants`), read with
   ``--scheduling-policy``; a client's own ``priority`` field is refused.
@@ -35,8 +37,9 @@ Behaviour worth knowing:
   request aborted; its KV blocks go back before the next engine step.
 * **Shutdown** aborts in-flight requests (streams end with an error event and
   ``[DONE]``; waiting non-streamed requests get 503) and stops the loop thread.
-  From its start every new completion request is a 503 ``shutting_down``
-  before it is read, bad input included: a 400 (or the door's 429) from a
+  From its start every new completion request with a valid key is a 503
+  ``shutting_down`` before it is read (the key is checked first: a missing or
+  wrong one is still a 401), bad input included: a 400 (or the door's 429) from a
   replica that is leaving would judge a request another replica may serve.
   Whoever runs uvicorn calls ``app.state.async_engine.begin_shutdown()`` when
   the server is told to exit (``minivllm serve`` in ``handle_exit``,
@@ -310,7 +313,11 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def _unless_disconnected(request: Request, coro):
-    """Await ``coro`` unless the client disconnects first (then cancel it and raise ``_ClientGone``)."""
+    """Await ``coro`` unless the client disconnects first (then cancel it and raise ``_ClientGone``).
+
+    Why watch: until its first output (streamed) or its last (not streamed) nothing is written to the client, so no
+    failed write can reveal that it left; unwatched, its request would keep its place and KV blocks to the end.
+    """
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_until_disconnect(request))
     try:
@@ -378,7 +385,6 @@ class OpenAIServer:
         self.model_names = list(model_names)
         self.max_model_len = max_model_len
         self.door = door  # load shedding before the queue (--max-waiting-requests); None: everyone queues
-        self._passing = 0  # requests past the door whose add the engine thread has not done yet
         self.tokenizer = getattr(async_engine.engine, "tokenizer", None)
         self._created = int(time.time())  # the models' ``created``: when this server began serving them
 
@@ -405,6 +411,11 @@ class OpenAIServer:
 
     @staticmethod
     async def _parse(request: Request, model_cls):
+        """The request body as ``model_cls``, or a 400 in OpenAI's shape.
+
+        Read here rather than declared as the endpoint's body parameter: FastAPI validates a body parameter before
+        the handler runs, so bad input would get its 400 before :meth:`_check_open` could answer 503.
+        """
         body = await request.body()
         try:
             data = json.loads(body)
@@ -502,15 +513,14 @@ class OpenAIServer:
             why = engine.never_runs(total, tenant)
             if why is not None:
                 raise APIError(400, f"this request {why}", "invalid_request_error", None, "invalid_value")
-        if self.door is not None and self.door.closed(door_snapshot(engine, self._passing)):
+        if self.door is not None and self.door.closed(door_snapshot(engine, self.engine.pending_adds)):
             retry = retry_after_header(self.door.retry_after_s)
             metrics = self.engine.metrics
             if metrics is not None:  # the engine never sees this request: only here can an operator's alert count it
                 metrics.shed.labels(metrics.model_name, tenant).inc()
             raise APIError(429, "the server's queue is full; retry after the Retry-After header's seconds",
                            "rate_limit_error", None, "queue_full", {"Retry-After": retry})
-        self._passing += 1  # through the door, not yet in the queue (counted until the engine thread adds it)
-        try:
+        try:  # through the door: counted in ``pending_adds`` until the engine thread queues it
             stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
         except ValueError as exc:
             raise _bad_value(exc, prompt_field)
@@ -518,8 +528,6 @@ class OpenAIServer:
             raise APIError(503, str(exc), "service_unavailable", None, "shutting_down")
         except EngineDead as exc:
             raise APIError(503, str(exc), "service_unavailable", None, "engine_dead")
-        finally:
-            self._passing -= 1
         return request_id, stream
 
     async def _first_or_final(self, request: Request, stream: RequestStream, until_final: bool) -> RequestOutput:

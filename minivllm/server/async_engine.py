@@ -1,9 +1,10 @@
 """The engine behind an asyncio server: one loop thread, one queue per request.
 
 :class:`AsyncEngine` owns a :class:`~minivllm.engine.llm_engine.LLMEngine` and
-runs its serving loop in ONE background thread.  That thread is the only one
-that changes the engine (others only read it: the door's snapshot, the
-tokenizer off the event loop, ``stats()`` once the loop has stopped): adding a
+runs its serving loop in ONE background thread.  While it runs, that thread is
+the only one that changes the engine (others only read it: the door's snapshot,
+the tokenizer off the event loop, ``stats()`` once the loop has stopped; once it
+has stopped, a command posted later runs on the poster's thread): adding a
 request, aborting one and shutting down are *commands* the event loop posts to
 it (a thread-safe queue), run between two steps.  So the event loop never waits on the engine's lock (a step can take
 tens of milliseconds on a CPU), ``engine.stats()`` is never read in the middle
@@ -82,7 +83,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs ``engine`` in one background thread; ``await add_request(...)`` returns a :class:`RequestStream`."""
+    """Runs ``engine`` in one background thread; ``await add_request(...)`` returns a :class:`RequestStream`.
+
+    An idle loop waits for a command at most ``idle_poll_s`` seconds, not for ever: an engine closed by another
+    thread (``LLM.close()``) posts no command, and the loop must notice it to fail the streams still waiting, and
+    keep an idle server's metrics in step with the engine.
+    """
 
     def __init__(self, engine, metrics=None, idle_poll_s: float = 0.25) -> None:
         self.engine = engine
@@ -90,6 +96,7 @@ class AsyncEngine:
         self.idle_poll_s = idle_poll_s
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        self._adding: set[RequestStream] = set()  # posted adds not yet run (:attr:`pending_adds`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -112,6 +119,17 @@ class AsyncEngine:
             self._thread.start()
 
         self.engine.claim_driver(self, run_loop)  # RuntimeError if another server's loop steps this engine
+
+    @property
+    def pending_adds(self) -> int:
+        """Requests posted by :meth:`add_request` that the loop thread has not queued in the engine yet.
+
+        The door adds them to the queue's length, or a burst would all see the queue as it was before it.  The
+        add command itself drops its request, right after the engine queued it: dropped only once the event
+        loop heard back, a request already in the scheduler's queue was counted twice for that while, and part
+        of a burst that fitted ``max_waiting`` was shed.  (A set's add and discard are atomic across threads.)
+        """
+        return len(self._adding)
 
     @property
     def is_running(self) -> bool:
@@ -157,6 +175,12 @@ class AsyncEngine:
                 done.set_exception(exc) if exc is not None else done.set_result(None)
 
         def add() -> None:
+            try:
+                queue_it()
+            finally:
+                self._adding.discard(stream)
+
+        def queue_it() -> None:
             if self.shutting_down:
                 loop.call_soon_threadsafe(settle, EngineShutdown("the server is shutting down"))
                 return
@@ -176,6 +200,7 @@ class AsyncEngine:
                 self.metrics.track(request_id, tenant)
             loop.call_soon_threadsafe(settle, None)
 
+        self._adding.add(stream)
         self._post(add)
         try:
             await done

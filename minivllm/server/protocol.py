@@ -168,6 +168,10 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: Optional[StrictBool] = False  # vLLM: prefix the reply with the last message
     continue_final_message: Optional[StrictBool] = False
     chat_template_kwargs: Optional[dict] = None
+    # vLLM's other template inputs: the request's own template, RAG documents for it, special tokens on top of it
+    chat_template: Optional[StrictStr] = None
+    documents: Optional[list] = None
+    add_special_tokens: Optional[StrictBool] = False
     tools: Optional[list] = None
     functions: Optional[list] = None  # the legacy form of tools
     tool_choice: Optional[Any] = None
@@ -189,7 +193,8 @@ class ChatCompletionRequest(_SamplingRequest):
             return "modalities"
         if self.audio is not None:
             return "audio"
-        for name in ("echo", "continue_final_message", "chat_template_kwargs"):
+        for name in ("echo", "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
+                     "add_special_tokens"):
             if getattr(self, name):
                 return name
         return super().unsupported()
