@@ -98,3 +98,15 @@ def test_ratios_over_nothing_are_refused_by_name():
         workloads.hit_rate([])
     with pytest.raises(ValueError, match="reserved"):
         workloads.utilization([], 0)
+
+
+def test_the_crossover_of_lengths_given_out_of_order_is_that_of_the_same_lengths_sorted():
+    """"From which swapping is cheaper at every longer length" orders the lengths by size, whatever order a
+    learner lists them in.  Oracle: the definition scanned by brute force over the sorted lengths and the
+    helper's own two cost curves (Qwen3-0.6B with no decoders, where swap wins short, loses mid, wins long)."""
+    opts = dict(decodes=0)
+    for lengths in ([4096, 16], [16384, 1024, 4096], [4096, 1024, 16384]):
+        grid = sorted(lengths)
+        wins = [at_scale.swap_s(n, "qwen3-0.6b") < at_scale.recompute_s(n, "qwen3-0.6b", **opts) for n in grid]
+        want = next((n for k, n in enumerate(grid) if all(wins[k:])), None)
+        assert at_scale.crossover_tokens("qwen3-0.6b", lengths=lengths, **opts) == want, (lengths, grid, wins)

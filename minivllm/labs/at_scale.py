@@ -124,9 +124,10 @@ def recompute_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE, *
 
 def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequence[int] | None = None,
                      **recompute_options: Any) -> int | None:
-    """The shortest context (on ``lengths``, default 16..131072 on a geometric grid) from which swapping
-    is cheaper than recomputing at every longer length on the grid, or None if swap never wins."""
-    grid = list(lengths) if lengths is not None else context_grid()
+    """The shortest context (on ``lengths``, in any order, default 16..131072 on a geometric grid) from which
+    swapping is cheaper than recomputing at every longer length on the grid, or None if swap loses at the
+    longest one (whatever it does at shorter ones: on some scenes the winner flips twice)."""
+    grid = sorted(lengths) if lengths is not None else context_grid()  # "longer" is by length, not list order
     if not grid:
         raise ValueError("crossover_tokens needs at least one context length in lengths")
     swap_wins = [swap_s(n, model, hardware) < recompute_s(n, model, hardware, **recompute_options) for n in grid]
@@ -206,7 +207,8 @@ def class_mix(policy: str, classes: dict, knobs=None, *, scale: float = 300.0, d
 @functools.cache
 def _mixed_at_scale(duration: float, scale: float) -> tuple:
     """:func:`~minivllm.labs.check_lab06.mixed_classes` at scale, drawn once per process: lab 6 serves the same
-    mix under eight settings, and its 1,800 batch prompts of 300-600 random tokens take a second to draw."""
+    mix under eight settings, and its 6,000-odd prompts (1,800 of them batch prompts of 300-600 random tokens)
+    take about a quarter of a second to draw: two seconds of a notebook's run if drawn for each setting."""
     from minivllm.labs.check_lab06 import mixed_classes
 
     return tuple(mixed_classes(duration, scale=scale))

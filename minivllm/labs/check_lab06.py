@@ -510,12 +510,10 @@ class TenantTimeline(PictureWidget):
                                continuous_update=False)
 
         def on_choice(change):
-            with self._lock:
-                self.refresh(self.pick(change["new"]))
+            self.handle("policy", lambda: self.pick(change["new"]))
 
         def on_slider(change):
-            with self._lock:
-                self.refresh(self.at(change["new"]))
+            self.handle("time", lambda: self.at(change["new"]))
 
         choice.observe(on_choice, names="value")
         slider.observe(on_slider, names="value")

@@ -20,7 +20,7 @@ Three pieces, each usable alone:
   depth and KV usage drawn on a :class:`~matplotlib.figure.Figure` it owns and
   shown as PNG bytes in an ``ipywidgets.Image`` that is replaced in place after
   every sample (pyplot redraws garble under JupyterLab's comms; see
-  :class:`~minivllm.labs.widgets.TierStepper`).  Without a live kernel the
+  :class:`~minivllm.labs.widgets.PictureWidget`).  Without a live kernel the
   final picture is the static output.
 """
 
@@ -90,7 +90,9 @@ class Sample:
     running: int
     waiting: int  # queue depth
     kv_usage: float  # 0..1, device blocks in use
-    utilisation: float  # tokens computed / token budget, over the window (what "GPU utilisation" tracks)
+    # each step's tokens / token budget (capped at 1), weighted by the step's time in the window, idle time
+    # counting 0: what "GPU utilisation" tracks
+    utilisation: float
     busy: float  # fraction of the window the engine was stepping
     ttft_p90: float  # of requests whose first token came in this window (NaN: none)
     itl_p99: float  # of the gaps that ended in this window (NaN: none)

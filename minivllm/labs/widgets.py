@@ -11,8 +11,9 @@ Three views, reusable across labs:
 * :func:`draw_timeline` -- one row per request, one column per engine step:
   prefill chunks vs decode tokens, with TTFT and ITL read off the same log.
 
-Every interactive view (:class:`Stepper`, :class:`TierStepper`,
-:class:`BudgetExplorer`, and the labs' own) is a :class:`PictureWidget`: one
+Every interactive view here (:class:`Stepper`, :class:`TierStepper`,
+:class:`BudgetExplorer`, and the labs' own, bar :class:`~minivllm.labs.live.LiveLoad`,
+which keeps its own Figure and Image the same way) is a :class:`PictureWidget`: one
 :class:`matplotlib.figure.Figure` the widget owns, rendered to PNG bytes and
 shown in one ``ipywidgets.Image`` that each click updates in place.  Why not
 pyplot?  JupyterLab 4.6 delivers widget messages on a kernel *subshell*
@@ -46,7 +47,10 @@ PALETTE = matplotlib.colormaps["tab20"].colors
 
 
 def _colour(i: int):
-    """The ``i``-th colour: the ten strong tab20 colours first, then their light partners."""
+    """The ``i``-th colour: the ten strong tab20 colours first, then their light partners.
+
+    tab20 comes in strong/light pairs; in palette order requests 0 and 1 would get two shades of one hue,
+    hard to tell apart in a small cell, so the first ten requests (most pictures have no more) get ten hues."""
     i %= 20
     return PALETTE[2 * i] if i < 10 else PALETTE[2 * (i - 10) + 1]
 
@@ -338,6 +342,11 @@ def draw_radix_tree(cache, *, ax=None, title: str | None = None,
 # -- one pattern for every interactive view -----------------------------------------------
 
 
+def _failure(label: str, exc: Exception) -> str:
+    """The log line of a control whose callback raised."""
+    return f"{label}: {type(exc).__name__}: {exc}"
+
+
 def figure_png(fig) -> bytes:
     """PNG bytes of a Figure the caller owns (no pyplot state involved)."""
     import io
@@ -368,7 +377,8 @@ class PictureWidget:
       the cells after it (run by *Run All* before anyone clicks) cannot
       consume the steps the learner wants to watch;
     * clicks are serialised by a lock, and an exception in a callback is
-      written to the widget's log instead of vanishing into the kernel log.
+      written to the widget's log instead of vanishing into the kernel log
+      (:meth:`handle`, which a subclass's own controls call too).
     """
 
     caption = "[interactive picture: run this notebook in Jupyter to use the controls]"
@@ -414,12 +424,29 @@ class PictureWidget:
 
     def press(self, label: str) -> str:
         """Do what the button ``label`` does, then redraw: the click handler, callable without a browser."""
+        return self.handle(label, lambda: dict(self.actions())[label]())
+
+    def handle(self, label: str, action: Callable[[], str], *, redraw: bool = True) -> str:
+        """Run one control's ``action`` under the click lock, log the line it returns, then redraw.
+
+        Every control's callback goes through here (buttons by :meth:`press`, sliders and menus from their
+        :meth:`controls`), so that an exception -- in the action, or in the redraw, which runs the widget's
+        own drawing or simulation -- becomes a line in the log: raised from a callback, it would only reach
+        the kernel's log, where a learner never looks.  ``redraw=False``: the action draws the picture itself.
+        """
         with self._lock:
             try:
-                text = dict(self.actions())[label]()
+                text = action()
             except Exception as exc:  # noqa: BLE001 -- a click must tell the learner what went wrong
-                text = f"{label}: {type(exc).__name__}: {exc}"
-            self.refresh(text)
+                text = _failure(label, exc)
+            try:
+                if redraw:
+                    self.refresh(text)
+                else:
+                    self.note(text)
+            except Exception as exc:  # noqa: BLE001 -- so must a redraw that fails
+                text = _failure(label, exc)
+                self.note(text)
         return text
 
     def controls(self, w) -> list:
@@ -794,11 +821,13 @@ class BudgetExplorer(PictureWidget):
                    for d, (lo, hi, st, _), v in (("max_num_batched_tokens", self.budget, self.values[0]),
                                                  ("long_prefill_token_threshold", self.threshold, self.values[1]))]
 
+        def release() -> str:  # the summary line comes from the simulation the redraw runs
+            self.values = (sliders[0].value, sliders[1].value)
+            self.image.value = self.png()
+            return self.summary
+
         def moved(_change):
-            with self._lock:
-                self.values = (sliders[0].value, sliders[1].value)
-                self.image.value = self.png()
-                self.note(self.summary)
+            self.handle("sliders", release, redraw=False)
 
         for s in sliders:
             s.observe(moved, names="value")

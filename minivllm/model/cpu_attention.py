@@ -46,6 +46,8 @@ _kernel: dict[str, object] = {}  # memo: built once per process (the .so is cach
 
 
 def _cache_dir() -> Path:
+    """Where built kernels are kept: per user, outside the package (an installed package's directory may be
+    read-only), so a machine compiles once, not once per process; ``MINIVLLM_CACHE`` moves it."""
     root = os.environ.get("MINIVLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
     return Path(root) / "kernels"
 

@@ -101,8 +101,9 @@ def sample(
             if generators[i] is not None:  # a seeded request: its own stream, device-independent
                 u[j] = torch.rand(1, generator=generators[i], dtype=cdf.dtype).to(device)
         total = cdf[:, -1:]
-        # u * total can round up to the total (once in ~2^24 draws); capped just below it, the first cumulative
-        # value past the target still belongs to a token of positive probability.  O(rows), not O(vocab).
+        # The target must stay below the total, so that the first cumulative value past it belongs to a token of
+        # positive probability.  torch.rand's float32 u is at most 1 - 2^-24, and that times any normal total
+        # rounds below it; the cap keeps this true for a generator that ever returned 1.0.  O(rows), not O(vocab).
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
         choice = torch.searchsorted(cdf, target, right=True).squeeze(1)
         bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)
