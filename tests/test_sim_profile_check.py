@@ -111,3 +111,16 @@ def test_check_refuses_a_profile_of_another_model(doc, tmp_path, capsys):
     path.write_text(json.dumps(other))
     assert main(["--check", str(path)]) == 2
     assert "bundled model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hardware,says", [("cpu-2core", True), ("h100", False)])
+def test_sim_run_on_a_profile_names_its_date_and_the_check(hardware, says, capsys):
+    """A simulation on a calibration profile is a prediction for the host it was measured on; the report says
+    when that was and how to ask whether it still holds here.  A datasheet preset is no snapshot of a host."""
+    from minivllm.cli import main as cli_main
+
+    assert cli_main(["sim", "run", "--hardware", hardware, "--model", "smollm2-135m", "--workload", "chat",
+                     "--num-requests", "4"]) == 0
+    out = capsys.readouterr().out
+    date = load_profile("cpu-2core")["date_utc"]
+    assert (f"--check {hardware}" in out and date in out) is says
