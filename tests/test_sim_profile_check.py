@@ -92,13 +92,17 @@ def test_cli_calls_a_twenty_times_fast_profile_stale_on_the_real_engine(doc, tmp
     finally:
         torch.set_num_threads(threads)  # the CPU-clock engine runs one thread, as the profile was measured
     out = capsys.readouterr().out
-    assert "stale" in out and "--clock cpu" in out and "decode 8x32" in out
+    assert "stale" in out and "decode 8x32" in out
+    assert f"minivllm sim calibrate --out {path} --name 'cpu-1thread-cputime' --clock cpu" in out  # itself, again
     assert float(out.split("steps take x")[1].split()[0]) > 5  # measured 20x the prediction, give or take the host
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--check", "cpu-2core", "--refit", "cpu-2core"], "two different jobs"),
     (["--check", "no-such-profile"], "no calibration profile"),
+    (["--check", "cpu-2core", "--out", "x.json"], "drop --out"),
+    (["--check", "cpu-2core", "--clock", "cpu", "--quick"], "drop --quick, --clock"),
+    (["--check", "cpu-2core", "--device", "cpu", "--force", "--name", "n"], "drop --name, --force, --device"),
 ])
 def test_check_refuses_bad_requests_with_a_message(argv, needle, capsys):
     assert main(argv) == 2

@@ -581,7 +581,9 @@ def judge(doc: dict, measured: list[tuple[str, list[StepSample]]]) -> dict:
     would otherwise outvote one prompt).  Why judge predictions and not the profile's recorded times: the
     predictions are what ``sim run --hardware PROFILE`` uses, and a fit may be off for shapes it was fitted on.
     """
-    shape, spec = ModelShape.from_dict(doc.get("model")), HardwareSpec.from_dict(doc.get("hardware"))
+    from minivllm.sim.presets import profile_spec
+
+    shape, spec = ModelShape.from_dict(doc.get("model")), profile_spec(doc)  # the spec as sim run reads it
     block = (doc.get("engine") or {}).get("block_size", 16)
     rows = []
     for label, samples in measured:
@@ -612,13 +614,15 @@ def check(doc: dict, engine, repeats: int = 3, groups: list[CheckGroup] | None =
     return judge(doc, [(g.label, g.judged(measure_median(engine, g.requests, repeats))) for g in groups])
 
 
-def format_check(result: dict) -> str:
+def format_check(result: dict, path: str) -> str:
+    """The check's table and verdict; a stale verdict names the command that re-calibrates the profile at ``path``
+    under its own name and clock."""
     lines = [f"{'group':<26} {'steps':>5} {'measured p50':>13} {'predicted p50':>14} {'measured/predicted':>19}"]
     for r in result["groups"]:
         lines.append(f"{r['group']:<26} {r['steps']:>5} {r['measured_ms_p50']:>10.1f} ms {r['predicted_ms_p50']:>11.1f} ms "
                      f"{r['ratio']:>19.3f}")
-    verdict = (f"stale (beyond +-{100 * STALE_RATIO:.0f}%): re-calibrate with minivllm sim calibrate --force"
-               f"{' --clock cpu' if result['clock'] == 'cpu' else ''}" if result["stale"]
+    verdict = (f"stale (beyond +-{100 * STALE_RATIO:.0f}%): re-calibrate with minivllm sim calibrate --out {path} "
+               f"--name '{result['profile']}'{' --clock cpu' if result['clock'] == 'cpu' else ''}" if result["stale"]
                else f"current (within +-{100 * STALE_RATIO:.0f}%)")
     lines.append(f"{result['profile']} (calibrated {result['calibrated']}): this engine's steps take x{result['ratio']:.3f} "
                  f"the profile's predictions (median of {len(result['groups'])} shapes): {verdict}")
@@ -756,13 +760,19 @@ def _main(args) -> int:
     if args.check and args.refit:
         raise ValueError("--check and --refit are two different jobs: pass one")
     if args.check:
-        from minivllm.sim.presets import load_profile
+        from minivllm.sim.presets import profile_path, load_profile
 
+        ignored = [flag for flag, given in (("--out", args.out), ("--name", args.name), ("--force", args.force),
+                                             ("--quick", args.quick), ("--fit-bandwidth", args.fit_bandwidth),
+                                             ("--clock", args.clock != "wall"), ("--device", args.device != "auto"))
+                   if given]
+        if ignored:  # the profile says how it was measured; a flag that --check would drop is refused, not dropped
+            raise ValueError(f"--check measures as the profile was measured and writes nothing: drop {', '.join(ignored)}")
         doc = load_profile(args.check)
         engine = check_engine(doc)
         with frozen_heap():
             result = check(doc, engine, repeats=args.repeats)
-        print(format_check(result))
+        print(format_check(result, profile_path(args.check)))
         return 1 if result["stale"] else 0
     if args.refit:
         doc = refit(_refit_doc(args.refit))

@@ -130,7 +130,8 @@ def profile_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".json"))
 
 
-def _profile_path(path_or_name: str) -> str:
+def profile_path(path_or_name: str) -> str:
+    """The file of a profile given as a path, or as a name under ``sim/profiles``."""
     return path_or_name if os.path.exists(path_or_name) else os.path.join(PROFILE_DIR, f"{path_or_name}.json")
 
 
@@ -140,7 +141,7 @@ def load_profile(path_or_name: str) -> dict:
     A file that is there but is no profile (not JSON, a list, no ``hardware`` object) is a ValueError that
     says so, not a ``KeyError`` traceback or a misleading "no such profile".
     """
-    path = _profile_path(path_or_name)
+    path = profile_path(path_or_name)
     if not os.path.isfile(path):
         raise ValueError(f"no calibration profile {path_or_name!r} (known: {', '.join(profile_names()) or 'none'})")
     try:
@@ -159,7 +160,7 @@ def hardware_preset(name: str) -> HardwareSpec:
     key = name.lower()
     if key in HARDWARE:
         return HARDWARE[key]
-    if not os.path.isfile(_profile_path(name)):
+    if not os.path.isfile(profile_path(name)):
         raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
                          f"profiles: {', '.join(profile_names()) or 'none'}")
     try:  # a profile that is there but broken says what is wrong with it
