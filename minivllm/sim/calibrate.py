@@ -604,7 +604,7 @@ def check(doc: dict, engine, repeats: int = 3, groups: list[CheckGroup] | None =
     """Measure :func:`check_groups` (or ``groups``) on ``engine`` and :func:`judge` ``doc`` by them.
 
     A profile is a snapshot of one engine on one machine: another machine (a learner's laptop, the next
-    day's cloud host, which on this course's 2-core VM has run the same code 2.5x faster) or a later change
+    day's cloud host, which on this course's 2-core VM has run the same code up to 2.6x faster) or a later change
     to the engine's speed leaves it predicting something else, and ``sim run`` has no way to notice.  The
     check re-measures a few shapes and says whether the profile still describes this engine here, in
     seconds rather than the minutes a re-calibration takes.

@@ -415,6 +415,69 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
   tail latencies on hardware whose prompt steps are launch-bound. Before a real purchase, calibrate on that
   hardware (`minivllm sim calibrate`) and run `sim_accuracy` there.
 
+### A calibration belongs to a host
+
+`sim_accuracy` fits and judges in one invocation, minutes apart, on one machine. A profile kept for later (the ones
+committed under `minivllm/sim/profiles/`, or yours) makes a further claim: that the machine you simulate for runs
+the engine as the calibrated one did. The course's own 2-core cloud VM broke that claim between two days. The
+picture: the same eight step shapes (one CPU thread, the bundled model) measured three ways — the engine of
+1 December on that day's host, the *same* engine on the host of 5 December, and the engine of 5 December beside it
+in the same run (`python -m minivllm.bench ab`, which runs two versions of the code interleaved on one machine).
+"""),
+("code", r"""
+calib = "2026-12-01_cpu-2core_fairness_calibrate.json"
+ab_run = "2026-12-05_cpu-2core_ab_fairness_calibrate_engine_of_12-01.json"
+if not all((RESULTS / f).exists() for f in (calib, ab_run)):
+    print("the committed results are not here (an installed package?)")
+else:
+    shapes = json.loads((RESULTS / calib).read_text())["calibrated"]["samples"]
+    rows = {r["path"]: r for r in json.loads((RESULTS / ab_run).read_text())["rows"]}
+    ms = {"engine of 12-01, host of 12-01": [1e3 * s["measured_s"] for s in shapes],
+          "engine of 12-01, host of 12-05": [1e3 * rows[f"calibrated.samples.{i}.measured_s"]["base"] for i in range(len(shapes))],
+          "engine of 12-05, host of 12-05": [1e3 * rows[f"calibrated.samples.{i}.measured_s"]["head"] for i in range(len(shapes))]}
+    labels = [f"{s['kind']} {s['seqs']}x{s['context']}" for s in shapes]
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    for k, (name, ys) in enumerate(ms.items()):
+        ax.bar([i + 0.27 * (k - 1) for i in range(len(ys))], ys, width=0.27, label=name, color=colors[k])
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("step time, ms of CPU time (log)")
+    ax.legend(fontsize=8)
+    plt.show()
+    same_code = [b / a for a, b in zip(ms["engine of 12-01, host of 12-05"], ms["engine of 12-05, host of 12-05"])]
+    same_engine = [a / b for a, b in zip(ms["engine of 12-01, host of 12-01"], ms["engine of 12-01, host of 12-05"])]
+    print(f"one host, two engines: x{min(same_code):.2f} to x{max(same_code):.2f};  "
+          f"one engine, two hosts: x{min(same_engine):.2f} to x{max(same_engine):.2f} (the old host slower)")
+"""),
+("md", r"""
+Two engines on one host agree within 8% (one run each); one engine on two hosts differs by **1.4x on the longest
+prefill to 2.6x on small decode steps**, and not by one factor: a profile cannot be rescaled to the new host, it must be
+re-fitted. Both CPU profiles committed on 30 November predicted steps 1.8–1.9x too slow on the later host, and a
+simulation built on them would have said so with three significant figures. The check that catches it is cheap:
+`minivllm sim calibrate --check PROFILE` re-measures nine shapes on the engine the profile describes (its device,
+clock and batch limits) and compares them with the profile's predictions: stale beyond ±15%, exit status 1. A
+learner's laptop is another host: run it before trusting `--hardware cpu-2core` there. The cell below does it with
+one run per shape (about ten seconds).
+"""),
+("code", r"""
+# NBVAL_IGNORE_OUTPUT  (measures this machine)
+import torch
+
+from minivllm.sim.calibrate import check, check_engine, format_check
+from minivllm.sim.presets import load_profile, profile_path
+
+threads = torch.get_num_threads()
+doc = load_profile("cpu-1thread-cputime")   # the CPU-time profile: the least disturbed by other programs
+try:
+    result = check(doc, check_engine(doc), repeats=1)   # the engine runs one thread, as the profile was measured
+finally:
+    torch.set_num_threads(threads)
+print(format_check(result, profile_path("cpu-1thread-cputime")))
+"""),
+("md", r"""
+A verdict of "current" says the profile predicts *these shapes on this machine now*; it says nothing about a GPU
+you have not measured, which is what the datasheet presets (and their stated assumptions) are for.
+
 ## Retrieval check
 
 Answer from memory first. In Jupyter the quiz is interactive (options in a fixed shuffled order); the plain-text
@@ -446,6 +509,8 @@ print_answers(9)   # the answer key: run it after you have answered
 * How a simulator is validated (fitted on a grid, judged on held-out workloads, against the real engine's own
   run-to-run spread), why a few per cent per step can become fifteen in a tail latency, and which simulated
   conclusions survive a known bias.
+* Why a calibration is a property of a host, not of the code (one engine, two hosts: up to 2.6x), and how to check a
+  kept profile before trusting it.
 
 ## Go further
 
