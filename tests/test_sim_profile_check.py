@@ -128,3 +128,39 @@ def test_sim_run_on_a_profile_names_its_date_and_the_check(hardware, says, capsy
     out = capsys.readouterr().out
     date = load_profile("cpu-2core")["date_utc"]
     assert (f"--check {hardware}" in out and date in out) is says
+
+
+ZEN5 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+stepping\t: 1
+cpu MHz\t\t: 2596.122
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model name\t: Something Else
+"""
+
+
+def test_the_cpu_is_named_by_family_and_model_not_only_by_its_marketing_name():
+    """Two hosts that both say "AMD EPYC" ran the same engine up to 2.6x apart; family / model tell them apart."""
+    from minivllm.bench.results import cpu_from_cpuinfo
+
+    assert cpu_from_cpuinfo(ZEN5) == "AMD EPYC (family/model/stepping 26/2/1) @ 2596 MHz"  # the first processor
+    assert cpu_from_cpuinfo(ZEN5.replace("cpu family\t: 26", "cpu family\t: 25")) != cpu_from_cpuinfo(ZEN5)
+    assert cpu_from_cpuinfo("Processor\t: ARMv7 rev 4 (v7l)\nBogoMIPS\t: 38.40\n") == "ARMv7 rev 4 (v7l)"
+    assert cpu_from_cpuinfo("") is None and cpu_from_cpuinfo("\n\nflags : fpu\n") is None
+
+
+def test_the_check_says_which_host_the_profile_was_calibrated_on(doc):
+    from minivllm.bench.results import cpu_identity
+    from minivllm.sim.calibrate import format_check
+
+    got = judge(dict(doc, host="AMD EPYC (family/model/stepping 25/1/1)"), [("decode", steps(doc, DECODE, [1.0]))])
+    text = format_check(got, "p.json")
+    assert "calibrated on AMD EPYC (family/model/stepping 25/1/1); this host: " + cpu_identity() in text
+    older = format_check(judge({k: v for k, v in doc.items() if k != "host"}, [("d", steps(doc, DECODE, [1.0]))]), "p")
+    assert "a host the profile did not record" in older

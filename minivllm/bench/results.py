@@ -26,11 +26,45 @@ def json_safe(x: Any) -> Any:
     return x
 
 
+def cpu_from_cpuinfo(text: str) -> str | None:
+    """The first processor of a ``/proc/cpuinfo`` as one line: model name, family / model / stepping, clock.
+
+    Why more than the model name: a cloud VM reports "AMD EPYC" for several generations of chip, and this
+    course's 2-core VM ran the same engine 1.4-2.6x apart on two days' hosts; the family and model numbers
+    tell those hosts apart (AMD family 25 is Zen 3 / Zen 4, 26 is Zen 5), the name does not.
+    """
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough: a VM's cores are alike
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or fields.get("Processor") or fields.get("cpu model")
+    if not name:
+        return None
+    ids = "/".join(fields[k] for k in ("cpu family", "model", "stepping") if k in fields)
+    mhz = fields.get("cpu MHz")
+    return name + (f" (family/model/stepping {ids})" if ids else "") + (f" @ {float(mhz):.0f} MHz" if mhz else "")
+
+
+def cpu_identity() -> str:
+    """This machine's CPU as :func:`cpu_from_cpuinfo` names it (Linux), else what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            found = cpu_from_cpuinfo(fh.read())
+    except OSError:
+        found = None
+    return found or platform.processor() or platform.machine() or "unknown"
+
+
 def machine() -> dict[str, Any]:
-    """What the numbers depend on: core count, platform, Python and torch versions, load."""
+    """What the numbers depend on: core count, the CPU, platform, Python and torch versions, load."""
     import torch
 
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "cpu": cpu_identity(), "platform": platform.platform(),
                             "python": platform.python_version(), "torch": torch.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

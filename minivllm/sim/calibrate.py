@@ -77,6 +77,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minivllm.argtypes import output_file, positive_int
+from minivllm.bench.results import cpu_identity
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.engine.startup import frozen_heap
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
@@ -491,7 +492,8 @@ def calibrate(engine=None, shape: ModelShape | None = None, scale: float = 1.0, 
     doc = {
         "tool": "minivllm sim calibrate",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": device, "cpus": os.cpu_count(), "clock": clock, "torch_threads": torch.get_num_threads(),
+        "device": device, "cpus": os.cpu_count(), "host": cpu_identity(), "clock": clock,
+        "torch_threads": torch.get_num_threads(),
         "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "cuda_graphs": uses_cuda_graphs(engine),
         "model": asdict(shape),
@@ -597,6 +599,7 @@ def judge(doc: dict, measured: list[tuple[str, list[StepSample]]]) -> dict:
                      "ratio": statistics.median(s.time_s / p for s, p in zip(samples, pred))})
     ratio = statistics.median(r["ratio"] for r in rows)
     return {"profile": doc["hardware"].get("name"), "calibrated": doc.get("date_utc"), "clock": doc.get("clock", "wall"),
+            "calibrated_on": doc.get("host"), "this_host": cpu_identity(),
             "groups": rows, "ratio": ratio, "stale": abs(ratio - 1) > STALE_RATIO}
 
 
@@ -626,6 +629,8 @@ def format_check(result: dict, path: str) -> str:
                else f"current (within +-{100 * STALE_RATIO:.0f}%)")
     lines.append(f"{result['profile']} (calibrated {result['calibrated']}): this engine's steps take x{result['ratio']:.3f} "
                  f"the profile's predictions (median of {len(result['groups'])} shapes): {verdict}")
+    was = result.get("calibrated_on") or "a host the profile did not record (profiles before 2026-12-06)"
+    lines.append(f"calibrated on {was}; this host: {result['this_host']}")
     return "\n".join(lines)
 
 
