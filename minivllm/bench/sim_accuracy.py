@@ -48,7 +48,7 @@ import time
 
 from minivllm.argtypes import output_file, positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
-from minivllm.bench.results import write_json, write_result
+from minivllm.bench.results import cpu_identity, write_json, write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import nearest_rank
 
@@ -211,7 +211,8 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     t_start = time.perf_counter()
     real = real_engine(clock=clock, model=model, device=device, dtype=dtype, **ENGINE)
     def document(doc: dict, frozen: int) -> dict:
-        host = {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        host = {"cpus": os.cpu_count(), "cpu": cpu_identity(), "loadavg_before": load_before,
+                "loadavg_after": os.getloadavg(),
                 "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"}
         return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "clock": clock, "host": host, **doc, "gc_frozen_objects": frozen,
