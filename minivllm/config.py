@@ -50,7 +50,9 @@ class TenantConfig:
     """One tenant's scheduling settings (``LLM(tenants={"alice": TenantConfig(...)})``).
 
     * ``weight`` -- its share under ``scheduling_policy="wfq"`` (a tenant of weight 2
-      is served twice the tokens of a tenant of weight 1 when both are backlogged).
+      is served twice the *charged* tokens of a tenant of weight 1 when both are backlogged:
+      ``wfq_prefill_weight`` per prompt token, ``wfq_decode_weight`` per output token -- the raw
+      token counts match that ratio only when the two tenants' requests have the same shape).
     * ``max_running`` -- at most this many of its requests hold a seat at once.
     * ``max_tokens_per_step`` -- at most this many of its tokens in one step's batch (held by the
       scheduler's own step 2; a custom ``batch_builder`` replaces that step, this limit included).
@@ -229,8 +231,10 @@ class EngineConfig:
     victim only when every running request is protected, or every running
     request of the group whose KV cap forces the preemption (anti-thrash).
 
-    ``step_log_max_entries`` bounds the step log (a ring buffer) in scheduled
-    sequences, about 100 bytes each.
+    ``step_log_max_entries`` bounds the step log (a ring buffer) in entries:
+    one per step, one per scheduled sequence and one per logged tenant row
+    (:mod:`minivllm.metrics.step_log`), about 30 bytes each at 256 decodes a
+    step and 150 at one.
 
     ``stall_timeout_s``: a run of steps that compute nothing and end nothing
     (a scheduling deadlock) fails the requests still in the engine once it is
@@ -440,6 +444,9 @@ class EngineConfig:
         )
 
     def check_kv_capacity(self, num_blocks: int) -> None:
+        """Refuse, at start-up, a KV pool that cannot hold one request of ``max_model_len`` tokens.  Why here:
+        such an engine advertises a length it can never serve, and each long request would be refused one by
+        one instead; one error naming both numbers tells the operator which to change."""
         need = -(-self.max_model_len // self.block_size)
         if num_blocks == 0:
             raise ValueError(

@@ -180,6 +180,8 @@ class LLM:
 
     @staticmethod
     def _params_for(prompts, sampling_params) -> list[SamplingParams]:
+        """One ``SamplingParams`` per prompt.  A str, bytes or dict is refused by its own type before it is
+        iterated: each is iterable, and its characters or keys would be refused as if they were the elements."""
         if sampling_params is None:
             return [SamplingParams() for _ in prompts]
         if isinstance(sampling_params, SamplingParams):
@@ -332,7 +334,9 @@ class _Router:
         return f"requests {ids} were aborted by another caller"
 
     def pump(self, ids) -> bool:
-        """Make sure one of ``ids`` has output waiting; False if the engine has no work left for them."""
+        """Run one engine step unless one of ``ids`` already has output waiting; False if the engine has no work
+        left for them.  True does not mean output is waiting now: a step can bring ``ids`` nothing (a final-only
+        request mid-decode, one still queued), so the callers loop, taking their mailbox after each call."""
         with self._step_lock:
             if any(self._boxes.get(rid) for rid in ids):
                 return True

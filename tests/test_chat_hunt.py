@@ -52,8 +52,8 @@ def test_text_cut_mid_character_by_max_tokens_is_the_decode_of_the_token_ids(tok
 
 
 def test_llm_chat_accepts_text_content_parts_as_the_server_does(tokenizer):
-    """OpenAI's content as a list of text parts is served by ``/v1/chat/completions`` (the parts joined as
-    paragraphs, vLLM's rule), and ``InputProcessor.encode_chat`` is documented as the one chat path whichever
+    """OpenAI's content as a list of text parts is served by ``/v1/chat/completions`` (the parts joined by
+    single newlines, vLLM's rule), and ``InputProcessor.encode_chat`` is documented as the one chat path whichever
     door a conversation comes through; ``LLM.chat`` refused the same conversation with ``ValueError``.
     Oracle: HF's ``apply_chat_template(tokenize=True)`` of the conversation with the parts joined by newlines."""
     llm = LLM(executor=ScriptedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer, num_gpu_blocks_override=64,

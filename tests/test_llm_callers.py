@@ -170,3 +170,22 @@ def test_a_stream_closed_or_dropped_unfinished_aborts_its_request():
     with llm.stream({"prompt_token_ids": [6]}, SamplingParams(max_tokens=3, ignore_eos=True)) as s:
         outs = list(s)
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+# The router's pump runs at most one step a call; True says "stepped (or output waits)", not "output waits".
+
+def test_pump_runs_one_step_and_may_bring_the_caller_nothing():
+    """Oracle: the request's own contract -- a final-only request of 8 tokens has no output before its end."""
+    llm = LLM(executor=SimulatedExecutor(), tokenizer=None, num_gpu_blocks_override=64, max_model_len=96)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, output_kind="final_only")
+    rid = llm._router.add({"prompt_token_ids": [5] * 10}, params)
+    steps_before = len(llm.engine.step_log)
+    assert llm._router.pump([rid]) is True
+    assert len(llm.engine.step_log) == steps_before + 1  # one step, not "until output waits"
+    assert llm._router.take(rid) == []  # ... which brought this request nothing yet
+    pumps = 1
+    while not (outs := llm._router.take(rid)):
+        assert llm._router.pump([rid])
+        pumps += 1
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 8
+    assert pumps == 8  # the prefill step samples the first token, then one decode step per further token
+    llm._router.close([rid])

@@ -65,6 +65,10 @@ class InputProcessor:
 
     @staticmethod
     def sample_id(parent_id: str, index: int) -> str:
+        """The engine's id of sample ``index`` of ``parent_id``.  Why derived, not drawn: a sample id leads back
+        to its parent (:meth:`sample_parent`: the metrics label a sample's preemption with the parent's tenant,
+        a replay finds a sample's recorded tokens), and ``add_request`` refuses a user id of this shape while
+        that parent lives, so the two id spaces never meet."""
         return f"{parent_id}#{index}"
 
     @classmethod
@@ -252,8 +256,8 @@ class InputProcessor:
 
 
 def _joined_parts(message):
-    """A message whose content is OpenAI's list of text parts, with the parts joined as paragraphs (vLLM joins
-    them with newlines): the chat template takes a string.  ``LLM.chat`` gets the same conversations the server
+    """A message whose content is OpenAI's list of text parts, with the parts joined by single newlines (one
+    part a line, as vLLM joins them): the chat template takes a string.  ``LLM.chat`` gets the same conversations the server
     does, so the parts are joined here, on the one chat path, not at one door only.  Anything else is returned
     as it is, for the checks that follow."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):

@@ -247,9 +247,13 @@ class OutputProcessor:
         return list(result.values())
 
     def forget(self, req: Request) -> None:
+        """Drop ``req``'s output state once the engine lets the request go (finished or aborted): a stream holds
+        a detokenizer and its text, which would otherwise live as long as the engine."""
         self._streams.pop(req.request_id, None)
 
     def forget_group(self, parent_id: str) -> None:
+        """Drop an ``n > 1`` group's slots when the caller aborts the whole group: :meth:`fold` frees them only
+        once every sample has finished, which an aborted group's samples never report."""
         self._groups.pop(parent_id, None)
         self._group_samples.pop(parent_id, None)
 

@@ -140,6 +140,8 @@ class EngineMetrics:
             self._tracked[request_id] = _Tracked(tenant)
 
     def tenant_of(self, request_id: str) -> str:
+        """The tenant ``request_id`` was tracked with, else "unknown".  A sample of an ``n > 1`` request is looked
+        up by its parent: only the id the caller added is tracked, and a sample can be preempted under its own."""
         t = self._tracked.get(request_id)
         if t is None and (parent := InputProcessor.sample_parent(request_id)) is not None:  # a sample of an n > 1 group
             t = self._tracked.get(parent)
@@ -292,8 +294,11 @@ def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[
     samples a token for a request exactly when it computes the request's last
     known token (prompt + generated so far) -- the one rule that covers prefill
     chunks (no token), decode, and the recompute after a preemption (one new
-    token, however long the recomputed prefill).  ``used_blocks`` is
-    ``num_blocks - free`` and so counts cached blocks too when prefix caching is on.
+    token, however long the recomputed prefill).  One gauge departs from the live
+    series: ``used_blocks`` is ``num_blocks - free`` (a record keeps only the free list),
+    so with prefix caching on it counts the cached blocks too, where the live
+    ``vllm:kv_cache_used_blocks`` counts only the blocks requests hold (15 against 0 at
+    the end of three 40-token prompts on 8-token blocks: the cached blocks are reusable).
     """
     generated: dict[str, int] = {}
     last: dict[str, float] = {}

@@ -10,8 +10,9 @@ benchmarks read peak block usage from it.  Two things keep it cheap:
   256 decodes costs 257 entries, one per sequence and one for the step, plus one
   per tenant row when tenants are logged -- 258 for one named tenant; an idle
   step one), so a long run at large
-  batch sizes keeps the newest history in a fixed memory budget (about 100 bytes
-  per entry) instead of growing without bound.
+  batch sizes keeps the newest history in a fixed memory budget (about 30 bytes
+  per entry at 256 decodes a step, 150 at one: a step's own record is most of a
+  small step's cost) instead of growing without bound.
 
 Records also answer ``record["seqs"]`` like the dicts they replace, so notebook
 code that reads them stays short.
