@@ -750,6 +750,19 @@ def test_rule_chunk_long_prefills():
     assert max(n for rec in engine.step_log for _, _, n in rec.seqs) <= 1000
 
 
+def test_rule_chunk_long_prefills_yields_to_an_explicit_threshold():
+    """An explicit ``long_prefill_token_threshold`` above 0 wins over the preset's ``long_prefill_tokens``
+    (``ThreeClassConfig``'s docstring), so the rule's text must say so, as ``capped_prefix_cache``'s names what
+    wins over it: it read as if no request could ever prefill more than ``long_prefill_tokens`` in a step.
+    Oracle: hand count -- a 40-token prompt under an explicit threshold of 32 prefills 32, then 8."""
+    engine = three_class_engine(three_class=ThreeClassConfig(long_prefill_tokens=8), long_prefill_token_threshold=32)
+    add(engine, "chat", 40, 1, "long")
+    drain(engine)
+    assert [n for rec in engine.step_log for _, _, n in rec.seqs][:2] == [32, 8]
+    rule = THREE_CLASS_RULES["chunk_long_prefills"]
+    assert "long_prefill_token_threshold" in rule and "wins" in rule
+
+
 def test_rule_preempt_batch_first_swap_long():
     policy = ThreeClassAdmission(EngineConfig(device="cpu", scheduling_policy="three_class", tenants=CLASSES))
     mk = lambda rid, tenant: Request(rid, [1, 2], greedy(1), 0.0, tenant=tenant)  # noqa: E731

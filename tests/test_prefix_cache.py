@@ -380,6 +380,24 @@ def test_a_colliding_insert_evicts_nothing_for_blocks_it_will_not_cache() -> Non
     assert cache.stats.evicted_blocks == 0 and cache.stats.quota_evictions == 0
 
 
+def test_a_chain_colliding_with_itself_evicts_nothing_for_the_block_it_will_not_cache() -> None:
+    """Two new blocks of one insert whose keys collide with each other (not with the table): only the first is
+    cached, so the quota needs room for one -- and there is room for one without evicting anything.  Making room
+    for both evicted a valid, evictable block for a block the insert then did not cache.  Oracle: hand count
+    (quota 2, one cached block, one new block cached)."""
+    pool = BlockPool(8)
+    cache = make_prefix_cache("hash", pool, 2, quota_blocks=2,
+                              hash_fn=lambda key: "same" if key[1] in ((5, 5), (6, 6)) else hash(key))
+    x = pool.allocate_many(1)
+    cache.insert([1, 1], x)
+    pool.free_all(x)  # only the cache holds it: evictable
+    b = pool.allocate_many(2)
+    cache.insert([5, 5, 6, 6], b)  # block (6, 6)'s key is block (5, 5)'s
+    assert cache.is_cached(b[0]) and not cache.is_cached(b[1])
+    assert cache.is_cached(x[0]) and cache.num_cached_blocks == 2
+    assert cache.stats.evicted_blocks == 0 and cache.stats.quota_evictions == 0
+
+
 def test_sha256_hash_works_as_hash_fn() -> None:
     cache, pool = new_cache("hash", hash_fn=sha256_block_hash)
     table = cache_only(cache, pool, toks(1, 2, 3))

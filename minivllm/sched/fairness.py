@@ -98,7 +98,7 @@ THREE_CLASS_RULES = {
                            "tenant_cache_share of the pool cached, evicting its own blocks first "
                            "(TenantConfig.max_cache_share or prefix_cache_quota_blocks win)",
     "chunk_long_prefills": "no request prefills more than long_prefill_tokens tokens in one step, so longer "
-                           "prompts are chunked (long_prefill_token_threshold)",
+                           "prompts are chunked (long_prefill_token_threshold; an explicit value of it above 0 wins)",
     "preempt_batch_first_swap_long": "victims are batch before agent before interactive, among the requests "
                                      "anti-thrash leaves open (one preempted preemption_protect_after times is spared, "
                                      "whatever its class, until everyone is); a victim whose context is "
@@ -552,9 +552,15 @@ class WFQAdmission(KeepsItsOrder):
         return place if place is not None else (self.counter(req.tenant), 0, req.arrival_time)
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
+        """Only another tenant's request, and only when that tenant is more than ``margin`` (one step's budget)
+        ahead: inside one tenant a preemption would only reorder its own work, and with a smaller lead two
+        backlogged tenants would preempt each other back and forth."""
         return victim.tenant != req.tenant and self.counter(victim.tenant) - self.counter(req.tenant) > self.margin
 
     def observe(self, batch, now: float) -> None:
+        """Charge each tenant, divided by its weight, what the step that ran served it: prompt tokens computed for
+        the first time (:func:`new_prompt_tokens`: a recompute's re-prefill is the engine's loss, not service)
+        and one decode per row that sampled."""
         self._forget_places()
         for s in batch.seqs:
             t = s.request.tenant
@@ -573,6 +579,8 @@ class DeadlineAdmission(KeepsItsOrder):
         self._kept = KeptOrder(self.rank)  # KeepsOrder: the order of the scheduler's queue, kept
 
     def key(self, req: Request) -> float:
+        """The aged deadline, never before arrival: a request arriving with a deadline already past must not rank
+        ahead of one that arrived more than ``aging_s`` before it (the module docstring's bound needs it)."""
         latest = req.arrival_time + self.aging_s
         d = latest if req.deadline is None else min(req.deadline, latest)
         return max(req.arrival_time, d)
@@ -627,6 +635,8 @@ class ThreeClassAdmission(KeepsItsOrder):
         return interactive + agent + batch
 
     def may_preempt_for(self, req: Request, victim: Request) -> bool:
+        """Only for a strictly better class (rule ``preempt_batch_first_swap_long``): inside one class a
+        preemption would trade one request's work for an equal one's, which is thrash, not priority."""
         return self.class_rank(victim) > self.class_rank(req)
 
 

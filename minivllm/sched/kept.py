@@ -45,6 +45,8 @@ class KeptOrder:
         self.queue: Sequence[Request] | None = None  # the queue tracked
 
     def track(self, queue: Sequence[Request]) -> None:
+        """Remember which queue the buckets mirror: :meth:`kept` answers only for that very object, so any other
+        sequence (a lab's list, a second scheduler's queue) is sorted instead of read from buckets it never fed."""
         self.queue = queue
 
     def add(self, req: Request, at_front: bool) -> None:

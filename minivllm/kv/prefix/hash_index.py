@@ -37,6 +37,7 @@ its block (``pool.refcount == 1``) and it has no children.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -168,20 +169,21 @@ class HashIndex(LeafEviction):
         tick = self._clock.tick()
         self._touch_path(path, tick)
         parent = path[-1] if path else None
-        # The new blocks' keys, up to the first one a colliding block already holds: nothing from there on
-        # is cached, so room is made (and, under a quota, blocks evicted) for the free run only.
-        keys: list = []
+        # The new blocks' keys, up to the first one a colliding block already holds -- in the table, or an
+        # earlier new block of this run (a chain can collide with itself): nothing from there on is cached, so
+        # room is made (and, under a quota, blocks evicted) for the free run only.  A dict: ordered, O(1) ``in``.
+        keys: dict = {}
         key = None if parent is None else parent.key
         for tokens in blocks[: len(new_ids)]:
             key = self._chain_key(key, namespace, tokens)
-            if key in self._table:
+            if key in self._table or key in keys:
                 break
-            keys.append(key)
+            keys[key] = None
         num_new = self._make_room(namespace, len(keys), parent.block_id if parent is not None else None)
         added: HashEntry | None = None
-        for key, tokens, block_id in zip(keys[:num_new], blocks, new_ids):
+        for key, tokens, block_id in zip(itertools.islice(keys, num_new), blocks, new_ids):
             entry = self._add(key, parent, namespace, tokens, block_id, tick)
-            if entry is None:  # (a key evicted and taken again meanwhile cannot happen; kept as a guard)
+            if entry is None:  # (eviction frees keys, never takes one: cannot happen; kept as a guard)
                 break
             parent = added = entry
         if added is not None:
