@@ -11,7 +11,8 @@ holds its own references by the same rule).  Its questions and verbs:
   :meth:`worst_case_new_blocks`: "could this request get room for N more tokens?"
 * sharing -- :meth:`match_prefix` (vLLM's ``get_computed_blocks``: which cached
   blocks already hold this prompt's prefix), :meth:`share_prefix` (take them),
-  :meth:`fork` (``n > 1``: a sample shares its leader's prompt blocks) and
+  :meth:`fork` (``n > 1``: a sample shares its leader's prompt blocks),
+  :meth:`share_computed` (admission's choice between the two) and
   :meth:`cache_full_blocks` (offer newly filled blocks to the prefix cache; the engine calls
   :meth:`cache_new_full_blocks` once a step, and a block filled after ones already cached goes to
   the cache's ``extend``, so the cost does not grow with the request's length);
@@ -111,6 +112,7 @@ class KVStats:
 
     # tokens a preempted request did not compute again when re-admitted (not hits): its cached prefix, or, for a
     # sample whose leader still runs, the prompt it shares again with the leader (:meth:`KVCacheManager.fork`)
+    # when the cache holds less of the sample's own tokens than that (:meth:`KVCacheManager.share_computed`)
     recompute_hit_tokens: int = 0
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
@@ -312,7 +314,8 @@ class KVCacheManager:
     def computed_if_admitted(self, req: Request) -> int:
         """The tokens of ``req`` that would count as computed once admitted, as admission would find them now: a
         swapped-out request brings its own back; a sample whose leader is live forks from it (:meth:`fork`:
-        all but the last prompt token; admission waits for the leader's prefill, so it is admitted no other
+        all but the last prompt token; a restarted one takes its own cached blocks instead where they hold more,
+        :meth:`share_computed`; admission waits for the leader's prefill, so it is admitted no other
         way while the leader lives -- unless the leader samples one token only: it then finishes in the step
         that prefills it, and its samples start alone; a group turned away is turned away whole, so a sample
         whose leader was rejected keeps the fork's answer: it is never served, and the answer does not change
@@ -336,7 +339,13 @@ class KVCacheManager:
         leader = req.leader
         if (leader is not None and leader.max_tokens > 1
                 and (not leader.status.finished or leader.status is RequestStatus.FINISHED_REJECTED)):
-            return req.num_prompt_tokens - 1  # what fork leaves computed
+            # what fork leaves computed, or, a restarted sample, its own cached blocks if they hold more
+            return max(req.num_prompt_tokens - 1, self._restart_tokens(req))
+        return self._peeked_tokens(req)
+
+    def _peeked_tokens(self, req: Request) -> int:
+        """The tokens of ``req`` :meth:`match_prefix` would find now, counted by the cache's ``peek`` (no reference
+        taken, no block made recent); 0 for a cache without ``peek``."""
         if self._peek is None:
             return 0
         # The last token is never matched (:meth:`match_prefix`), but cutting it off would copy the prompt.  The
@@ -345,6 +354,21 @@ class KVCacheManager:
         tokens = req.prompt_token_ids if not req.output_token_ids else _TokenView(req)
         limit = max(req.num_tokens - 1, 0) // self.block_size
         return min(self._peek(tokens, self.namespace(req)), limit) * self.block_size
+
+    def _restart_tokens(self, req: Request) -> int:
+        """What the cache holds of a restarted sample's own tokens (:meth:`_peeked_tokens`); 0 for a sample that
+        has generated nothing, without a lookup.
+
+        Why: a sample preempted by recompute had its full blocks cached, output included, so the cache may
+        hold more of it than the ``prompt - 1`` tokens :meth:`fork` gives back (in a fuzz, 194 of 687 fork
+        re-admissions, 313 tokens computed again for nothing).  Only a sample with output tokens is looked up: one that never ran shares its prompt
+        with its leader, and the leader's blocks already cover all of it but the last token, which no lookup
+        matches beyond.  That keeps the lookup off every first admission of a sample.  Both
+        :meth:`computed_if_admitted` and :meth:`share_computed` decide by this one count, so the charge a
+        policy reads and the tokens admission finds agree (a cache without ``peek`` counts 0: such a sample
+        forks, as the charge says).
+        """
+        return self._peeked_tokens(req) if req.output_token_ids else 0
 
     def share_prefix(self, req: Request, hit: PrefixHit) -> None:
         """``req`` (holding no blocks) takes a reference on each hit block and skips computing them."""
@@ -355,10 +379,33 @@ class KVCacheManager:
         req.num_computed_tokens = hit.num_tokens
         req.num_inserted_blocks = len(hit.block_ids)
 
+    def share_computed(self, req: Request) -> None:
+        """Give a waiting ``req`` (holding no blocks, not swapped out) the KV it need not compute: admission's one
+        way to start a request on the device.
+
+        A sample whose leader holds blocks (:meth:`can_fork`) forks from it (``prompt - 1`` tokens), unless it is a
+        restarted sample whose own blocks the cache holds further (:meth:`_restart_tokens`): then it shares
+        those.  Any other request shares its cached prefix (:meth:`match_prefix`).  On a tie it forks: a match
+        would give it no more and make the cached blocks it walked recent for nothing.  Why here and not in the
+        scheduler: the choice decides which blocks gain a reference, and :meth:`computed_if_admitted` must promise
+        the same count.
+        """
+        if self.can_fork(req):
+            fork_tokens = req.num_prompt_tokens - 1
+            if self._restart_tokens(req) > fork_tokens:
+                hit = self.match_prefix(req)
+                if hit.num_tokens > fork_tokens:  # (what peek counted, unless a learner's match disagrees)
+                    self.share_prefix(req, hit)
+                    return
+            self.fork(req.leader, req)
+        else:
+            self.share_prefix(req, self.match_prefix(req))
+
     @staticmethod
     def can_fork(req: Request) -> bool:
-        """Does ``req`` start by sharing its leader's blocks (:meth:`fork`) rather than looking the cache up?
-        A sample of an ``n > 1`` request does while its leader runs; once the leader is gone it starts alone."""
+        """May ``req`` start by sharing its leader's blocks (:meth:`fork`) rather than looking the cache up?
+        A sample of an ``n > 1`` request may while its leader runs; once the leader is gone it starts alone.
+        (A restarted sample forks only when the cache holds no more of its own tokens: :meth:`share_computed`.)"""
         leader = req.leader
         return leader is not None and bool(leader.block_ids) and not leader.status.finished
 
@@ -381,10 +428,11 @@ class KVCacheManager:
         """Hit accounting, once a request is really admitted (never for tried-and-undone admissions).
 
         Only a request's first admission counts as a lookup.  A preempted request
-        that finds its tokens again (in the cache, or, a sample, in its leader's blocks) saved recompute;
-        that is reported apart (``recompute_hit_tokens``) and never inflates the hit rate.  A sample
-        forked from its leader counts nothing (the leader's lookup did); one whose leader was gone looked the
-        cache up like any request, and counts like one.
+        that finds its tokens again (in the cache, or, a sample, in its leader's blocks: whichever
+        :meth:`share_computed` found to hold more) saved recompute; that is reported apart
+        (``recompute_hit_tokens``) and never inflates the hit rate.  A sample forked from its leader at its first
+        admission counts nothing (the leader's lookup did); one whose leader was gone looked the cache up like any
+        request, and counts like one.
         """
         if self.prefix_cache is None or req.status is RequestStatus.SWAPPED:
             return  # (called before the status becomes RUNNING: a swap-in brought its own blocks back)

@@ -704,10 +704,7 @@ class Scheduler:
             kv.swap_in(req)
             self._swapped_in.append(req)
             return tokens, self._reservation(req)
-        if kv.can_fork(req):
-            kv.fork(req.leader, req)
-        else:
-            kv.share_prefix(req, kv.match_prefix(req))
+        kv.share_computed(req)  # a sample forks from its leader, or takes its own cached blocks if they hold more
         want = self._chunk_cap(req)
         if not self.config.enable_chunked_prefill and want > budget:
             kv.free(req)
