@@ -117,6 +117,68 @@ def test_check_refuses_a_profile_of_another_model(doc, tmp_path, capsys):
     assert "bundled model" in capsys.readouterr().err
 
 
+def test_a_gpu_profile_is_judged_as_sim_run_reads_it(doc, tmp_path):
+    """The verdict is about the predictions ``sim run --hardware PROFILE`` makes, so a GPU profile's roofs are read
+    as sim run reads them (an unidentified compute roof becomes the datasheet's), and a profile sim run refuses
+    (a GPU no datasheet names, without device memory) gets no verdict.  Oracle: sim run's own reader."""
+    from minivllm.sim.presets import hardware_preset
+
+    h200 = dict(doc, device="cuda", hardware=dict(doc["hardware"], name="NVIDIA H200", peak_flops=1e30))
+    path = tmp_path / "h200.json"
+    path.write_text(json.dumps(h200))
+    shape, seqs = ModelShape.from_dict(doc["model"]), [(0, 512, True)]
+    as_sim_run = roofline_time(step_cost(shape, seqs, 0, 16), shape, hardware_preset(str(path))).total
+    got = judge(h200, [("prompt 512", [StepSample([list(x) for x in seqs], 0, 2 * as_sim_run)])])
+    assert got["groups"][0]["predicted_ms_p50"] == pytest.approx(1e3 * as_sim_run, rel=1e-9)
+    assert got["ratio"] == pytest.approx(2.0)
+    unknown = dict(doc, device="cuda", hardware=dict(doc["hardware"], name="Mystery GPU", memory_bytes=0))
+    with pytest.raises(ValueError, match="KV pool cannot be sized"):
+        judge(unknown, [("decode", steps(doc, DECODE, [1.0]))])
+
+
+def test_check_refuses_a_profile_sim_run_cannot_read_before_measuring(doc, tmp_path, capsys, monkeypatch):
+    """The profile's hardware is what the verdict is computed from; one that ``sim run`` would refuse must be
+    refused before the engine is built and measured (on the loaded 2-core machine that is 40 s), not after."""
+    import minivllm.sim.calibrate as calibrate
+
+    def no_engine(**_kw):
+        raise AssertionError("the engine was built for a profile that cannot be judged")
+
+    monkeypatch.setattr(calibrate, "real_engine", no_engine)
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(dict(doc, hardware={"name": "broken"})))
+    assert main(["--check", str(path)]) == 2
+    assert "peak_flops" in capsys.readouterr().err
+
+
+def test_the_check_measures_with_the_profiles_threads_and_leaves_the_process_as_it_was(doc, monkeypatch):
+    """The CPU-clock profile was measured on one torch thread, so its check measures on one; a notebook that runs
+    the check keeps its own thread count afterwards (building the CPU-clock engine used to leave it at one)."""
+    import torch
+
+    import minivllm.sim.calibrate as calibrate
+    from minivllm.sim.run import SimRequest
+
+    seen = []
+    real_measure_median = calibrate.measure_median
+
+    def spying(engine, requests, repeats):
+        seen.append(torch.get_num_threads())
+        return real_measure_median(engine, requests, repeats)
+
+    monkeypatch.setattr(calibrate, "measure_median", spying)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = calibrate.check(doc, calibrate.check_engine(doc), repeats=1,
+                              groups=[CheckGroup("prompt 16", [SimRequest(0, 0.0, "cal", list(range(20, 36)), 1)])])
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1] and after == 2
+    assert got["groups"][0]["steps"] == 1
+
+
 @pytest.mark.parametrize("hardware,says", [("cpu-2core", True), ("h100", False)])
 def test_sim_run_on_a_profile_names_its_date_and_the_check(hardware, says, capsys):
     """A simulation on a calibration profile is a prediction for the host it was measured on; the report says

@@ -590,7 +590,7 @@ def judge(doc: dict, measured: list[tuple[str, list[StepSample]]]) -> dict:
     rows = []
     for label, samples in measured:
         if not samples:
-            raise ValueError(f"check group {label!r} ran no step")
+            raise ValueError(f"check group {label!r} has no step to judge (a decode group whose requests never decoded?)")
         pred = [roofline_time(step_cost(shape, [tuple(x) for x in s.seqs], s.swapped_blocks, block), shape, spec).total
                 for s in samples]
         rows.append({"group": label, "steps": len(samples),
@@ -612,9 +612,29 @@ def check(doc: dict, engine, repeats: int = 3, groups: list[CheckGroup] | None =
     check re-measures a few shapes and says whether the profile still describes this engine here, in
     seconds rather than the minutes a re-calibration takes.
     """
+    import torch
+
     groups = groups or check_groups(ModelShape.from_dict(doc.get("model")).vocab_size)
-    measure(engine, groups[0].requests)  # warm up (allocator, kernels, caches), as calibrate does
-    return judge(doc, [(g.label, g.judged(measure_median(engine, g.requests, repeats))) for g in groups])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(check_threads(doc))  # as the profile was measured, for the measuring only
+    try:
+        measure(engine, groups[0].requests)  # warm up (allocator, kernels, caches), as calibrate does
+        measured = [(g.label, g.judged(measure_median(engine, g.requests, repeats))) for g in groups]
+    finally:
+        torch.set_num_threads(threads)  # a notebook or test that checks a profile goes on as it was
+    return judge(doc, measured)
+
+
+def check_threads(doc: dict) -> int:
+    """The torch threads a profile was measured with: one on the CPU clock (a thread's CPU time counts only its
+    own work), else the recorded count capped at this machine's cores, else this process's count."""
+    import torch
+
+    if doc.get("clock", "wall") == "cpu":
+        return 1
+    if doc.get("torch_threads"):
+        return max(1, min(int(doc["torch_threads"]), os.cpu_count() or 1))
+    return torch.get_num_threads()
 
 
 def format_check(result: dict, path: str) -> str:
@@ -627,7 +647,7 @@ def format_check(result: dict, path: str) -> str:
     verdict = (f"stale (beyond +-{100 * STALE_RATIO:.0f}%): re-calibrate with minivllm sim calibrate --out {path} "
                f"--name '{result['profile']}'{' --clock cpu' if result['clock'] == 'cpu' else ''}" if result["stale"]
                else f"current (within +-{100 * STALE_RATIO:.0f}%)")
-    lines.append(f"{result['profile']} (calibrated {result['calibrated']}): this engine's steps take x{result['ratio']:.3f} "
+    lines.append(f"{result['profile']} (calibrated {result['calibrated'] or 'on an unrecorded date'}): this engine's steps take x{result['ratio']:.3f} "
                  f"the profile's predictions (median of {len(result['groups'])} shapes): {verdict}")
     was = result.get("calibrated_on") or "a host the profile did not record (profiles before 2026-12-06)"
     lines.append(f"calibrated on {was}; this host: {result['this_host']}")
@@ -635,20 +655,30 @@ def format_check(result: dict, path: str) -> str:
 
 
 def check_engine(doc: dict):
-    """The real engine a profile was calibrated on, rebuilt from what the profile recorded: its device, clock,
-    torch threads (capped at this machine's cores) and batch limits.  Only the bundled model can be rebuilt."""
+    """The real engine a profile was calibrated on, rebuilt from what the profile recorded: its device, clock and
+    batch limits (:func:`check` runs it with the profile's torch threads).  Only the bundled model can be rebuilt.
+
+    This process's torch threads are left as they were: building a CPU-clock engine sets one thread, which a
+    notebook would otherwise keep for every cell after the check."""
     import torch
+
+    from minivllm.sim.presets import profile_spec
 
     model = (doc.get("model") or {}).get("name")
     if model != "smollm2-135m":
         raise ValueError(f"--check re-measures the bundled model (smollm2-135m); this profile was fitted on {model!r}")
+    # What :func:`judge` will read, read now: a profile that ``sim run`` cannot use is refused before the engine is
+    # built and measured, not after (a hardware block without its roofs cost 40 s of measuring, then an error).
+    ModelShape.from_dict(doc.get("model"))
+    profile_spec(doc)
     eng = doc.get("engine") or {}
-    engine = real_engine(max_num_batched_tokens=eng.get("max_num_batched_tokens", 512),
-                         max_num_seqs=eng.get("max_num_seqs", 32), block_size=eng.get("block_size", 16),
-                         device=doc.get("device", "auto"), clock=doc.get("clock", "wall"))
-    if doc.get("clock", "wall") == "wall" and doc.get("torch_threads"):
-        torch.set_num_threads(max(1, min(int(doc["torch_threads"]), os.cpu_count() or 1)))
-    return engine
+    threads = torch.get_num_threads()
+    try:
+        return real_engine(max_num_batched_tokens=eng.get("max_num_batched_tokens", 512),
+                           max_num_seqs=eng.get("max_num_seqs", 32), block_size=eng.get("block_size", 16),
+                           device=doc.get("device", "auto"), clock=doc.get("clock", "wall"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def uses_cuda_graphs(engine) -> bool:

@@ -461,17 +461,11 @@ one run per shape (about ten seconds).
 """),
 ("code", r"""
 # NBVAL_IGNORE_OUTPUT  (measures this machine)
-import torch
-
 from minivllm.sim.calibrate import check, check_engine, format_check
 from minivllm.sim.presets import load_profile, profile_path
 
-threads = torch.get_num_threads()
 doc = load_profile("cpu-1thread-cputime")   # the CPU-time profile: the least disturbed by other programs
-try:
-    result = check(doc, check_engine(doc), repeats=1)   # the engine runs one thread, as the profile was measured
-finally:
-    torch.set_num_threads(threads)
+result = check(doc, check_engine(doc), repeats=1)   # measured on one thread, as the profile was
 print(format_check(result, profile_path("cpu-1thread-cputime")))
 """),
 ("md", r"""
