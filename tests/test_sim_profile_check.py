@@ -226,3 +226,15 @@ def test_the_check_says_which_host_the_profile_was_calibrated_on(doc):
     assert "calibrated on AMD EPYC (family/model/stepping 25/1/1); this host: " + cpu_identity() in text
     older = format_check(judge({k: v for k, v in doc.items() if k != "host"}, [("d", steps(doc, DECODE, [1.0]))]), "p")
     assert "a host the profile did not record" in older
+
+
+@pytest.mark.parametrize("clock,stale,warned", [("wall", True, True), ("cpu", True, False), ("wall", False, False)])
+def test_a_stale_wall_clock_verdict_says_a_busy_moment_reads_slow_too(doc, clock, stale, warned):
+    """Wall time counts other processes' share of the cores, so a stale wall-clock verdict may be a busy minute (two
+    read x1.17 and x1.27 in the minutes after a calibration, one ten minutes later x0.96); it says so, and the
+    CPU-time verdict, which other processes inflate far less, does not."""
+    from minivllm.sim.calibrate import format_check
+
+    got = judge(dict(doc, clock=clock), [("decode", steps(doc, DECODE, [1.5 if stale else 1.0]))])
+    assert got["stale"] is stale
+    assert ("busy moment reads slow" in format_check(got, "p.json")) is warned

@@ -649,6 +649,13 @@ def format_check(result: dict, path: str) -> str:
                else f"current (within +-{100 * STALE_RATIO:.0f}%)")
     lines.append(f"{result['profile']} (calibrated {result['calibrated'] or 'on an unrecorded date'}): this engine's steps take x{result['ratio']:.3f} "
                  f"the profile's predictions (median of {len(result['groups'])} shapes): {verdict}")
+    if result["stale"] and result["clock"] == "wall":
+        # Wall time counts what any other process (or the VM's neighbours) takes of the cores: in the minutes after
+        # a calibration on this 2-core VM, two wall-clock checks read x1.174 and x1.272 (decodes 21-29 ms, nothing
+        # of ours running beside them), and ten minutes later x0.963 (decodes 18-21 ms, as calibrated).  The
+        # CPU-time profile read x1.039 and x0.964 over the same minutes: the steadier witness.
+        lines.append("(a wall-clock profile: a busy moment reads slow too; run the check again when the machine is "
+                     "quiet before re-calibrating, or check a --clock cpu profile)")
     was = result.get("calibrated_on") or "a host the profile did not record (profiles before 2026-12-06)"
     lines.append(f"calibrated on {was}; this host: {result['this_host']}")
     return "\n".join(lines)
