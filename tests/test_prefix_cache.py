@@ -380,17 +380,24 @@ def test_a_colliding_insert_evicts_nothing_for_blocks_it_will_not_cache() -> Non
     assert cache.stats.evicted_blocks == 0 and cache.stats.quota_evictions == 0
 
 
-def test_a_chain_colliding_with_itself_evicts_nothing_for_the_block_it_will_not_cache() -> None:
-    """Two new blocks of one insert whose keys collide with each other (not with the table): only the first is
-    cached, so the quota needs room for one -- and there is room for one without evicting anything.  Making room
-    for both evicted a valid, evictable block for a block the insert then did not cache.  Oracle: hand count
-    (quota 2, one cached block, one new block cached)."""
+def _self_colliding_hash_cache():
+    """A hash cache under a quota of 2 whose keys for blocks (5, 5) and (6, 6) collide, holding one evictable block
+    ``x`` (cached, no request holds it): the scene of the two self-collision tests below."""
     pool = BlockPool(8)
     cache = make_prefix_cache("hash", pool, 2, quota_blocks=2,
                               hash_fn=lambda key: "same" if key[1] in ((5, 5), (6, 6)) else hash(key))
     x = pool.allocate_many(1)
     cache.insert([1, 1], x)
     pool.free_all(x)  # only the cache holds it: evictable
+    return pool, cache, x
+
+
+def test_a_chain_colliding_with_itself_evicts_nothing_for_the_block_it_will_not_cache() -> None:
+    """Two new blocks of one insert whose keys collide with each other (not with the table): only the first is
+    cached, so the quota needs room for one -- and there is room for one without evicting anything.  Making room
+    for both evicted a valid, evictable block for a block the insert then did not cache.  Oracle: hand count
+    (quota 2, one cached block, one new block cached)."""
+    pool, cache, x = _self_colliding_hash_cache()
     b = pool.allocate_many(2)
     cache.insert([5, 5, 6, 6], b)  # block (6, 6)'s key is block (5, 5)'s
     assert cache.is_cached(b[0]) and not cache.is_cached(b[1])
@@ -403,12 +410,7 @@ def test_a_chain_colliding_with_itself_caches_nothing_past_the_collision() -> No
     (5, 5) is cached.  Why a third block: the run's keys are a dict, so a duplicate key alone never counts twice;
     skipping it and going on instead filed block (6, 6) under (7, 7)'s key, evicting the quota's other block for
     an entry no prompt can use.  Oracle: hand count (quota 2, one cached block, one new block cached)."""
-    pool = BlockPool(8)
-    cache = make_prefix_cache("hash", pool, 2, quota_blocks=2,
-                              hash_fn=lambda key: "same" if key[1] in ((5, 5), (6, 6)) else hash(key))
-    x = pool.allocate_many(1)
-    cache.insert([1, 1], x)
-    pool.free_all(x)  # only the cache holds it: evictable
+    pool, cache, x = _self_colliding_hash_cache()
     b = pool.allocate_many(3)
     cache.insert([5, 5, 6, 6, 7, 7], b)
     assert [cache.is_cached(i) for i in b] == [True, False, False]
