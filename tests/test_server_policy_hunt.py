@@ -120,9 +120,12 @@ def test_a_tenants_file_reaches_requests_over_http(tmp_path):
                 holder = post("kb", max_tokens=60)
                 await _until(lambda: len(sched.running) == 1, "batch's first request holds the seat", engine)
                 over, over_stream = post("kb", max_tokens=5), post("kb", max_tokens=5, stream=True)
-                await _until(lambda: (over.done() and over_stream.done()) or sched.waiting, "batch's others are judged",
-                             engine)
-                assert over.done() and over_stream.done() and not sched.waiting, \
+                # A request over a rejecting cap is refused by the next admission pass, so it sits in the queue for the
+                # moment between its add and that pass: waiting for "answered, or queued" read that moment as
+                # "queued" (a CI flake).  Answered while the holder still holds the seat is the oracle: queued
+                # behind it, both would be answered only after its 60 steps.
+                await _until(lambda: over.done() and over_stream.done(), "batch's others are answered", engine)
+                assert not holder.done() and not sched.waiting, \
                     "batch's second request was queued, not refused: the tenants file's max_running=1 did not bind"
                 queued = []
                 for key in ["ku", "kc"] * 6:  # bulk, chat, bulk, ...: arrival order alone would alternate them
