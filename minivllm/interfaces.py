@@ -6,9 +6,10 @@ and the real serving loop runs with it:
 
 * :class:`AdmissionPolicy` -- which waiting request to admit next (FCFS,
   priorities, weighted fair queueing, per-tenant caps...); a policy may also
-  rank requests, preempt to admit, observe each step, set its head-of-line
-  rule, keep its order as the queue changes and count cached prefixes in it
-  (:class:`RanksRequests`, :class:`PreemptsToAdmit`, :class:`ObservesSteps`,
+  rank requests, preempt to admit, observe each step, hear which tenants are
+  active on steps it orders nothing, set its head-of-line rule, keep its order
+  as the queue changes and count cached prefixes in it (:class:`RanksRequests`,
+  :class:`PreemptsToAdmit`, :class:`ObservesSteps`, :class:`TracksActivity`,
   :class:`HeadOfLine`, :class:`KeepsOrder`, :class:`ReadsCachedPrefixes`).
 * :class:`BatchBuilder` -- step 2 of the loop: how many tokens each running
   request computes this step (lab 4 writes one).

@@ -29,6 +29,8 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
+        """A method, not a field (``RequestOutput.finished`` is one): vLLM's ``CompletionOutput`` has it so, and
+        code written against vLLM calls it."""
         return self.finish_reason is not None
 
 

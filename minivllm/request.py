@@ -164,4 +164,6 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
+        """The most tokens this request can come to hold KV for: what reject mode reserves for it at admission,
+        so that a request once admitted never needs a block nobody can give it."""
         return self.num_prompt_tokens + self.max_tokens

@@ -58,6 +58,19 @@ def test_wrong_values_in_the_wrong_container_get_the_hint_for_a_wrong_value():
         assert not any("right values" in line for line in result.lines), (wrong, result.lines)
 
 
+def test_a_wrong_value_beside_a_wrong_inner_container_gets_the_hint_for_a_wrong_value():
+    """Kills: the container hint read off the first inner item whose container differs, before the values
+    after it are compared.
+
+    ``[(1, 2), 5]`` against ``[[1, 2], 6]``: item 0 is the right values in a tuple, but item 1 is a wrong value;
+    "right values, but item 0 must be a list" would send the learner to fix the container and leave the bug."""
+    case = Case("c", lambda f: f(), [[1, 2], 6], hint="the hint for a wrong value")
+    result = run_checks("t", lambda: [(1, 2), 5], [case], verbose=False)
+    assert not result
+    assert "  hint: the hint for a wrong value" in result.lines, result.lines
+    assert not any("right values" in line for line in result.lines), result.lines
+
+
 def test_an_answer_that_raises_still_gets_the_cases_hint():
     """Kills: the hint printed only for a wrong value, not for an exception.
 

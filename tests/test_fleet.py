@@ -156,6 +156,13 @@ def test_router_bad_input_is_a_clear_error():
         PrefixAffinityRouter(3).route([1, 2, 3], [0, 0])  # silent route) depending on where the key lands
     with pytest.raises(ValueError, match="block_size"):  # True is an int to Python, not a block size
         PrefixAffinityRouter(2, block_size=True)
+    # the message states the bound the check applies: 0 is a valid floor (spill on the mean alone), so "positive"
+    # would be false for it; oracle: the constructor accepts 0 and refuses -1
+    assert PrefixAffinityRouter(2, min_spill_tokens=0).bound([0, 0]) == 0
+    with pytest.raises(ValueError, match=r"min_spill_tokens must be an int >= 0, got -1"):
+        PrefixAffinityRouter(2, min_spill_tokens=-1)
+    with pytest.raises(ValueError, match=r"key_blocks must be an int >= 1, got 0"):
+        PrefixAffinityRouter(2, key_blocks=0)
     with pytest.raises(ValueError, match="at least one replica"):
         LeastOutstandingRouter().route([1], [])
 

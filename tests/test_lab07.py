@@ -219,3 +219,39 @@ def test_a_kernel_that_ignores_its_scale_argument_is_rejected(tmp_path):
     assert not result, "the checker accepts a kernel that ignores its scale argument"
     assert "scale" in buf.getvalue().split("✘", 1)[-1]
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's import order matters on a CPU only")
+@pytest.mark.parametrize("triton_first", [True, False], ids=["triton-first", "checker-first"])
+def test_triton_imported_before_the_checker_is_named_and_its_failure_shown(triton_first):
+    """Triton decorates its own library when triton.language is imported; imported first without the interpreter,
+    an interpreted kernel that calls tl.cdiv fails.  The checker must warn then, and stay silent in the lab's order."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = textwrap.dedent(f"""
+        import warnings
+        warnings.simplefilter("always")
+        if {triton_first}:
+            import triton.language
+        with warnings.catch_warnings(record=True) as seen:
+            import minivllm.labs.check_lab07
+        print("WARNED" if any("before minivllm.labs.check_lab07" in str(w.message) for w in seen) else "QUIET")
+        import torch, triton, triton.language as tl
+
+        @triton.jit
+        def k(out):
+            tl.store(out, tl.cdiv(7, 2))
+
+        out = torch.zeros(1, dtype=torch.int32)
+        try:
+            k[(1,)](out)
+            print("RAN", int(out[0]))
+        except Exception as e:
+            print("FAILED", "outside of the scope of a kernel" in str(e))
+    """)
+    got = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.split()
+    if triton_first:
+        assert lines[:3] == ["WARNED", "FAILED", "True"], got.stdout  # the failure the warning names is real
+    else:
+        assert lines[:3] == ["QUIET", "RAN", "4"], got.stdout

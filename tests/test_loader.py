@@ -55,6 +55,23 @@ def test_generic_config_reads_like_autoconfig(tmp_path, rope):
     torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
 
 
+# Scaling schemes whose tables transformers recomputes from the sequence's length as it runs: one fixed table
+# must equal HF's for every sequence the engine lets through, the longest included.
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
+                                   "original_max_position_embeddings": 128, "rope_theta": 10000.0}])
+def test_rope_tables_equal_transformers_over_every_servable_length(rope):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = transformers.LlamaConfig(**dict(COMMON, rope_parameters=rope))
+    args = ModelArgs.from_hf_config(config)
+    servable = args.max_position_embeddings
+    ours = RotaryEmbedding(config, args.head_dim, servable)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, servable, args.head_dim), torch.arange(servable)[None])
+    torch.testing.assert_close(ours.cos, cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotation_is_bit_for_bit_the_rotate_half_formula(dtype):
     """The serving rotation (halves flipped, sign folded into sin, q and k as one tensor of heads) vs HF's own

@@ -290,6 +290,9 @@ class RetryClient:
         self.live[job] = (a.request_id, a.time, a)
 
     def _again(self, job: str, a: Arrival, at: float) -> list[Arrival]:
+        """The job's next send at ``at``, or none once it has had ``max_attempts``.  A new request id
+        (``<job>.r<k>``), not the job's: the engine refuses an id that is still in it, and an abandoned request
+        stays in it unless ``abort``."""
         if len(self.sends[job]) >= self.max_attempts:
             self.failed.append(job)
             return []
@@ -676,6 +679,8 @@ def check_tenant_cap(cls) -> CheckResult:
 
 
 def hidden_tenant_cap(cls, seed: int) -> CheckResult:
+    """Grader-only: a queue and caps drawn from ``seed`` (chosen at grading time), the expected order computed
+    here from the rule, so an answer fitted to the visible cases does not pass."""
     rng = random.Random(seed)
     caps = {t: rng.randint(1, 3) for t in "ab"}  # c is uncapped
     waiting = [_R(f"w{i}", rng.choice("abc"), i) for i in range(rng.randint(4, 12))]
@@ -839,7 +844,8 @@ def hidden_virtual_token_counter(cls, seed: int) -> CheckResult:
 
 
 def _deadline_engine_run(policy: dict, seed: int = 3, result: bool = False):
-    """A stream of tight-deadline chats over a few no-deadline bulk jobs on four seats: the start order."""
+    """A stream of tight-deadline chats over a few no-deadline bulk jobs on two seats (``max_seqs=2``): the start
+    order and how many finished (or, with ``result``, the whole :class:`ServeResult`)."""
     rng = random.Random(seed)
     arrivals = [Arrival(0.0, f"bulk-{i}", "bulk", tuple(rng.randrange(10, 990) for _ in range(300)), 40)
                 for i in range(3)]

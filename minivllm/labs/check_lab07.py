@@ -30,13 +30,23 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 if not torch.cuda.is_available():  # must precede the first @triton.jit of the lab (see the module docstring)
+    if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        # Too late to switch: Triton decorated its own library (tl.cdiv, the reductions' combine functions) as
+        # compiled code when triton.language was first imported (transformers imports it), and an interpreted
+        # kernel cannot call those.  Say so here rather than through the interpreter's error in every case.
+        warnings.warn("Triton was imported before minivllm.labs.check_lab07, without TRITON_INTERPRET=1: kernels "
+                      "interpreted on this CPU will fail with \"Cannot call @triton.jit'd outside of the scope of a "
+                      "kernel\". Restart the kernel (or the process) and run the lab's first cell before anything "
+                      "else, or set TRITON_INTERPRET=1 in the environment.", RuntimeWarning, stacklevel=2)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from minivllm.labs.checkers import Case, CheckResult, run_checks  # noqa: E402
@@ -394,6 +404,9 @@ def check_gather_kv(fn) -> CheckResult:
 
 
 def _kernel_source(kernel) -> str:
+    """The kernel's Python source (empty when unreadable), for :func:`launch_decode` to spot the stub's
+    ``raise NotImplementedError`` before launching: Triton's compiler has no ``raise`` (on a GPU the stub fails to
+    compile, "unsupported AST node type: Raise"), and the interpreter wraps it in its own error type."""
     import inspect
 
     fn = getattr(kernel, "fn", kernel)

@@ -439,6 +439,8 @@ def _prom_view(samples: dict) -> dict:
 
 
 def _learner_view(got: dict) -> dict:
+    """The learner's per-request numbers reduced to what ``/metrics`` exports (gauges, counts, sums, cumulative
+    ITL buckets): Prometheus keeps no per-request values, so this is the shape both sides can be compared in."""
     ttft, itl = got["ttft"], list(got["itl"])
     return {
         "running": got["running"], "waiting": got["waiting"], "used_blocks": got["used_blocks"],

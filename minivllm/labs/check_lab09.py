@@ -26,6 +26,8 @@ def small_replica(executor: Any):
 
 
 def small_mix(seed: int = 1) -> ChatMix:
+    """The checkers' chat mix: :class:`ChatMix`'s closed-loop turns on shared system prompts, cut to 3 s at 6/s
+    with short prompts and answers, so a fleet run takes milliseconds and later turns still carry a history."""
     return ChatMix(6.0, 3.0, seed=seed, system_len=64, user_range=(32, 64), output_range=(4, 16), turns=3,
                    think_s=(0.2, 0.6))
 

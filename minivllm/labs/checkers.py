@@ -103,11 +103,11 @@ def _container_difference(got: Any, expected: Any, where: str = "") -> str | Non
     """
     seq = (list, tuple)
     if isinstance(got, seq) and isinstance(expected, seq):
-        if len(got) != len(expected):
+        # every value first, at every depth: an inner container that is wrong beside a sibling value that is
+        # wrong too must not be reported as "right values"
+        if not _same_values(got, expected):
             return None
         if type(got) is not type(expected):
-            if not all(_same_values(g, e) for g, e in zip(got, expected)):
-                return None
             want, have = type(expected).__name__, type(got).__name__
             return (f"right values, but return a {want}, not a {have}" if not where
                     else f"right values, but {where} must be a {want}, not a {have}")

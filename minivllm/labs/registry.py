@@ -3,8 +3,8 @@
 Why a registry?  Before it, adding a lab meant editing about seven places (the
 lab text, its checker module, a planted-bug table, an answers module, the quiz
 bank, a hard-coded table in the tests, the README) and forgetting one of them
-failed silently.  Now each ``minivllm/labs/check_labNN.py`` ends with one
-``LAB = Lab(...)`` value that names its notebook, its exercises (the object
+failed silently.  Now each ``minivllm/labs/check_labNN.py`` defines one
+module-level ``LAB = Lab(...)`` value that names its notebook, its exercises (the object
 each exercise cell defines, the checker shown to the learner, the planted bugs
 the checker must reject, the grading points and the hidden cases the grader
 adds) and its quiz bank.  :func:`labs` discovers every such module, so the

@@ -88,6 +88,12 @@ class ModelArgs:
         window = getattr(config, "sliding_window", None)
         if window and (arch == "mistral" or getattr(config, "use_sliding_window", False)):
             max_positions = min(max_positions, int(window))
+        # LongRoPE keeps two sets of factors and transformers switches to the long ones for a whole sequence once
+        # it passes original_max_position_embeddings; one cos/sin table holds the short ones only, so their
+        # range bounds the servable length (within it the table is transformers' own).
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings"):
+            max_positions = min(max_positions, int(rope["original_max_position_embeddings"]))
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
@@ -157,8 +163,10 @@ class RotaryEmbedding(nn.Module):
 
     The inverse frequencies come from transformers' own RoPE initialisers, so
     every scaling scheme a config names (Llama 3, linear, YaRN...) is handled the
-    way the checkpoint was trained.  cos/sin are looked up per token position,
-    which is what a ragged batch needs: each token carries its own position.
+    way the checkpoint was trained (LongRoPE up to its original length, which
+    :meth:`ModelArgs.from_hf_config` makes the servable one).  cos/sin are looked
+    up per token position, which is what a ragged batch needs: each token
+    carries its own position.
     """
 
     def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
@@ -289,7 +297,8 @@ class LlamaForServing(nn.Module):
     """The whole model: ``forward`` returns hidden states, ``logits`` projects chosen rows.
 
     Splitting the two saves the vocabulary projection for every token whose
-    logits nobody samples from (all but the last token of a prefill chunk).
+    logits nobody samples from: all of a prefill chunk but the request's last
+    token, which only the chunk reaching it holds (a decode's one token is sampled).
     """
 
     linear_backend = "torch"  # "onednn" once :meth:`pack_for_onednn` ran
@@ -392,6 +401,8 @@ class LlamaForServing(nn.Module):
             self.lm_head.weight = nn.Parameter(onednn_weight(self.lm_head.weight), requires_grad=False)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary projection of ``hidden``'s rows, in fp32 whatever the model's dtype: the sampler
+        (:func:`~minivllm.model.sampler.sample`) takes fp32 rows, so its softmax and top-p sums run at full precision."""
         if hasattr(self, "lm_head_packed"):
             weight = self.lm_head_packed
         else:

@@ -78,6 +78,8 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 
 def _download_hub_model(repo_id: str) -> Path:
+    """Fetch a hub checkpoint's configs, tokenizer files and safetensors weights, nothing else: a repository often
+    carries the same weights again (``pytorch_model.bin``, GGUF, ONNX), which the loader would not read."""
     if repo_id.count("/") != 1 or repo_id.startswith((".", "/")):
         raise ValueError(f"unknown model {repo_id!r}: not a local path and not an HF hub id (org/name)")
     try:
@@ -163,7 +165,12 @@ def gguf_head_dim(path: Path, arch: str) -> int | None:
 
 
 def convert_gguf(path: Path) -> Path:
-    """Dequantize a GGUF file into a cached HF directory (once) and return the directory."""
+    """Dequantize a GGUF file into a cached HF directory (once) and return the directory.
+
+    Written into a process-private ``.tmp<pid>`` folder and renamed into place at the end: the check above reads
+    a folder holding ``model.safetensors`` as complete, and a conversion killed part way (it takes most of a
+    minute) must not leave one that passes it without its config or tokenizer files.
+    """
     out = _cache_dir_for(path)
     if (out / "model.safetensors").exists():
         return out
@@ -311,7 +318,8 @@ def _weight_groups(folder: Path):
     safetensors maps the whole file once per handle and keeps every page a
     copy touched resident until the last tensor of that handle is gone, so
     one handle for the whole load would hold the file in memory beside its
-    copy.  ``pytorch_model*.bin`` files are read whole (they cannot be mapped).
+    copy.  ``pytorch_model*.bin`` files (a local folder's: the hub download fetches safetensors only) are
+    read whole with ``torch.load``, without its ``mmap``.
     """
     files = sorted(folder.glob("*.safetensors"))
     if files:

@@ -89,6 +89,7 @@ PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_pe
 def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
     """Non-negative least squares, ``min ||A x - b||`` with ``x >= 0`` (Lawson & Hanson's active-set method).
 
+    Written here, in numpy, because scipy (whose ``optimize.nnls`` does this) is not a dependency of the engine.
     Columns are scaled to unit norm first: the terms here range from 1 (an
     overhead) to 1e12 (FLOPs), far beyond what an unscaled solve tolerates.
     """
@@ -123,8 +124,10 @@ def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
 
 def _columns(c: StepCost, shares: tuple[float, float, float, float], prompt_term: bool) -> list[float]:
     """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes, prompt], each roof
-    term scaled by its share of its phase (see :func:`_shares`).  ``prompt`` is 1 for a step that carries
-    prompt tokens (``StepCost.eager``); with ``prompt_term=False`` the column is 0 and its parameter stays 0."""
+    term scaled by its share of its phase (see :func:`_shares`).  ``prompt`` is 1 for a step with a row of more
+    than one token (``StepCost.eager``: a prompt chunk, but not a one-token one -- the last token of a prompt the
+    prefix cache held, which a CUDA graph replays like a decode); with ``prompt_term=False`` the column is 0 and
+    its parameter stays 0."""
     dc, dm, ac, am = shares
     return [1.0, float(c.num_seqs), c.dense_flops * dc, c.dense_bytes * dm, c.attn_flops * ac, c.attn_bytes * am,
             float(prompt_term and c.eager)]
@@ -149,6 +152,8 @@ def _shares(compute: float, memory: float, p: float | None) -> tuple[float, floa
 
 
 def _predict(theta: np.ndarray, costs: list[StepCost], p: float | None = None):
+    """Each step's predicted time under ``theta``, and its shares (:func:`_shares`, dense then attention) at that
+    prediction: the fit's next round holds these shares fixed, which is what makes it linear again."""
     a, s, f, by, af, aby, e = theta
     pred, shares = [], []
     for c in costs:
@@ -175,8 +180,9 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
     weight stream is a constant per step, which a free fit cannot tell apart
     from step overhead (module docstring).  ``roof_p`` is the roofline's
     corner (:func:`~minivllm.sim.roofline.combine`); :func:`fit_roof` chooses it.  ``prompt_term``:
-    steps with prompt tokens get their own fixed cost (``HardwareSpec.eager_step_overhead_s``: kernel
-    launches no CUDA graph hides on a GPU, the prefill path's per-layer work on a CPU); False leaves it out.
+    steps with a row of more than one token (``StepCost.eager``) get their own fixed cost
+    (``HardwareSpec.eager_step_overhead_s``: kernel launches no CUDA graph hides on a GPU, the prefill
+    path's per-layer work on a CPU); False leaves it out.
     ``swap_bandwidth`` (the profile's, measured apart): a step's block moves take ``swap_bytes / swap_bandwidth``,
     which :func:`~minivllm.sim.roofline.roofline_time` adds to the fitted terms, so the fit takes it off first.
     """
@@ -363,6 +369,9 @@ def _thread_usage():
 
 @dataclass
 class StepSample:
+    """One measured step: its rows as ``(start, num_tokens, completes_prompt)`` (what :func:`step_cost` prices),
+    its swapped blocks and its time -- the pair of shape and seconds the fit and ``--check`` compare."""
+
     seqs: list[tuple[int, int, bool]]
     swapped_blocks: int
     time_s: float

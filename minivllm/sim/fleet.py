@@ -19,8 +19,9 @@ the router in that order.  An idle replica's clock jumps to the arrival routed
 to it.
 
 The router (:class:`~minivllm.interfaces.Router`) sees per replica the
-*outstanding tokens* a load balancer can count: prompt tokens until the first
-token streams back, then the output tokens still to come.
+*outstanding tokens* a load balancer can count: a request's prompt plus its
+``max_tokens`` from the moment it is routed; the prompt leaves the count with
+the first token streamed back, each output token as it streams.
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ class ChatMix:
         return [rng.randrange(10, self.vocab) for _ in range(n)]
 
     def _rng(self, session: int, turn: int) -> random.Random:
+        """A stream of its own per (seed, session, turn), seeded by a string: ``random`` turns a str seed into an
+        int from its bytes (no salted ``hash``), so a turn's question is the same in every process and run order."""
         return random.Random(f"{self.seed}/{session}/{turn}")
 
     def _question(self, session: int, turn: int) -> list[int]:
@@ -161,7 +164,10 @@ class ChatMix:
         return random.Random(f"{self.seed}/{session}/{turn}/out").randint(*self.output_range)
 
     def num_requests(self) -> int:
-        """Requests the workload will send: every turn of every session."""
+        """Requests the workload sends when every turn is answered: every turn of every session.
+
+        An upper bound, not a count of a run: :meth:`Fleet.run` asks for a next turn only after an answer
+        that finished ``"ok"``, so a turn refused or failed ends its chat (as a user given an error stops)."""
         return sum(self.session_turns.values())
 
     def arrivals(self) -> list[FleetArrival]:

@@ -1,10 +1,11 @@
 """Routers: which replica of a fleet serves the next request.
 
 A router sees what a load balancer in front of N engines can see: the
-prompt's token ids and, per replica, the *outstanding tokens* it has sent
-there and not yet seen streamed back (prompt tokens until the first token
-arrives, then the output tokens still to come).  It never looks inside an
-engine.  Three policies, from blind to cache-aware:
+prompt's token ids and, per replica, the *outstanding tokens* of the
+requests it sent there: a request counts its prompt plus its ``max_tokens``
+from the moment it is routed, the prompt leaves the count with the first
+token streamed back, and each output token as it streams.  It never looks
+inside an engine.  Three policies, from blind to cache-aware:
 
 * :class:`RoundRobinRouter` -- 0, 1, 2, ... regardless of load or content.
 * :class:`LeastOutstandingRouter` -- the replica with the fewest outstanding
@@ -80,6 +81,8 @@ class RoundRobinRouter:
         self.next = 0
 
     def route(self, prompt_token_ids: Sequence[int], loads: Sequence[int]) -> int:
+        """The replica after the last one chosen; taken modulo the replicas *now*, so a caller that grows or
+        shrinks its fleet between calls gets an index in range, not the old fleet's next one."""
         _check_loads(loads)
         choice = self.next % len(loads)
         self.next = choice + 1
@@ -147,9 +150,10 @@ class PrefixAffinityRouter:
 
     def __init__(self, num_replicas: int, *, block_size: int = 16, key_blocks: int = 16, vnodes: int = 64,
                  spill_factor: float = 1.5, min_spill_tokens: int = 4096) -> None:
-        for name, value in (("block_size", block_size), ("key_blocks", key_blocks), ("min_spill_tokens", min_spill_tokens)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "min_spill_tokens" else 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value, least in (("block_size", block_size, 1), ("key_blocks", key_blocks, 1),
+                                   ("min_spill_tokens", min_spill_tokens, 0)):  # (0: spill on the mean alone)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if not (isinstance(spill_factor, (int, float)) and spill_factor >= 1.0):
             raise ValueError(f"spill_factor must be a number >= 1, got {spill_factor!r}")
         self.ring = HashRing(num_replicas, vnodes)
