@@ -19,6 +19,37 @@ def test_python_work_per_step_is_flat_in_output_length(kind):
     assert row["python_opcodes_per_step_early"] == row["python_opcodes_per_step_late"], row
 
 
+def _collections_in_decode_steps(kind: str, seqs: int, steps: int) -> int:
+    import gc
+
+    from minivllm.bench.host_overhead import _engine, _prefill_all
+
+    engine = _engine(seqs, steps + 40, kind)
+    _prefill_all(engine)
+    for _ in range(20):
+        engine.step()
+    started = [0]
+
+    def count(phase, info):
+        started[0] += phase == "start"
+
+    gc.callbacks.append(count)
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        gc.callbacks.remove(count)
+    return started[0]
+
+
+def test_garbage_collector_stays_out_of_final_only_steps_only():
+    """The module's claim, both halves: a final_only decode step keeps no small containers alive, so at 256
+    sequences 100 steps see about one collection; a delta step makes a RequestOutput and its two objects per
+    request (768 here, past the collector's threshold of 700), so it collects at least once a step."""
+    assert _collections_in_decode_steps("final_only", 256, 100) <= 2
+    assert _collections_in_decode_steps("delta", 256, 20) >= 20
+
+
 def test_sweep_visits_each_output_length_in_order():
     rows = sweep(16, [40, 8, 300], samples=3, prompt_len=300)
     assert [r["output_tokens"] for r in rows] == [8, 40, 300]
@@ -60,3 +91,22 @@ def test_fcfs_beside_a_backlog_walks_no_waiting_request_in_python():
     rows = backlog([16, 500], samples=3, policy="fcfs")
     assert rows[0]["running"] == rows[1]["running"] == 32 and rows[1]["waiting"] - rows[0]["waiting"] == 484, rows
     assert rows[1]["opcodes_per_waiting_request"] < 1, rows
+
+
+@pytest.mark.parametrize("policy", ["three_class", "fcfs", "wfq", "priority"])
+def test_backlog_engine_holds_its_running_set_through_the_measured_steps(policy):
+    """The backlog rows are "what admission pays per waiting request", so the steps they measure (8 counted, 14
+    timed) must admit and preempt nothing.  By hand: a 112-token prompt takes 7 blocks of 16; its first sampled
+    token takes an 8th at position 112, and positions 113-127 fit there, so 15 decode steps follow before a 9th.
+    One step in, 37 prompts held 7 blocks each and the next step preempted 5; under a three_class cap with 7 blocks
+    spare a fresh prompt was admitted every third step and preempted the next."""
+    from minivllm.bench.host_overhead import backlog_engine
+
+    engine = backlog_engine(16, running=32, policy=policy)
+    held = {r.request_id: len(r.block_ids) for r in engine.scheduler.running}
+    assert len(held) == 32 and set(held.values()) == {8}, held
+    for _ in range(15):
+        engine.step()
+        record = engine.step_log[-1]
+        assert not record.preempted and record.running == 32 and record.waiting == 16, record
+    assert {r.request_id: len(r.block_ids) for r in engine.scheduler.running} == held

@@ -77,7 +77,7 @@ def test_the_mixed_workload_has_the_shapes_it_is_named_for():
     """``--workload mixed`` exists to reach what the bursts never ask for; checked on the requests themselves
     (oracle: counting by hand what the docstring promises), over the seeds a grid runs: samples of n > 1, prompts
     longer than a step's 40-token budget, a system prompt (its first full block) sent by more than one tenant,
-    and nothing longer than max_model_len (each request is scheduled, none refused at the door)."""
+    and nothing longer than max_model_len (none refused at the door for its length)."""
     budget, block = replay.ENGINE["max_num_batched_tokens"], 16
     for seed in range(3):
         reqs = replay.mixed_workload(seed, ("a", "b", "c"), vocab_size=49152)
@@ -129,3 +129,37 @@ def test_the_cli_runs_the_mixed_workload_and_says_so(tiny, tmp_path):
     assert s["rejected"] > 0 and s["samples_of_n_gt_1"] > 0 and s["prefix_hit_tokens"] > 0, s
     with pytest.raises(SystemExit):
         replay.main(["--workload", "spiky"])
+
+
+def test_the_mixed_workload_is_refused_at_the_door_only_over_a_40_percent_kv_cap():
+    """Which mixed requests the engine refuses when they are added, on the simulated executor (admission checks
+    need no model).  Oracle, by hand: every request fits max_model_len, so no setting refuses one for its length;
+    caps_reject lets tenant b, and three_class the agent class (tenant a), hold 40% of 14 blocks, 5 blocks of 16 =
+    80 tokens, so exactly that tenant's requests needing more than 80 tokens of KV (prompt + max_tokens) can never
+    run and are refused."""
+    from minivllm import SamplingParams
+    from minivllm.config import EngineConfig
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sim import SimulatedExecutor
+
+    capped = {"caps_reject": "b", "three_class": "a"}
+    refused_in = set()
+    for name, (extra, tenants, _) in replay._settings().items():
+        options = {**replay.ENGINE, "device": "cpu", **extra, **replay.MIXED_OPTIONS}
+        for seed in range(5):
+            engine = LLMEngine(EngineConfig(**options), executor=SimulatedExecutor(),
+                               model_max_len=replay.ENGINE["max_model_len"], eos_token_ids=set())
+            refused, expected = set(), set()
+            for r in replay.mixed_workload(seed, tenants, vocab_size=49152):
+                if r.tenant == capped.get(name) and len(r.prompt_token_ids) + r.max_tokens > 80:
+                    expected.add(r.index)
+                try:
+                    engine.add_request({"prompt_token_ids": r.prompt_token_ids},
+                                       SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, n=r.n),
+                                       request_id=f"r{r.index}", tenant=r.tenant)
+                except ValueError:
+                    refused.add(r.index)
+            assert refused == expected, (name, seed)
+            if refused:
+                refused_in.add(name)
+    assert refused_in == set(capped), "the docstring's exceptions no longer happen (or happen elsewhere)"

@@ -73,3 +73,17 @@ def test_the_windows_last_slice_is_read_when_no_step_ends_exactly_on_it():
     assert got["slices"] == 2
     assert got["slice_jain_mean"] == pytest.approx(0.75) and got["slice_jain_min"] == pytest.approx(0.5)
     assert got["max_gap_tokens"] == 2
+
+
+def test_module_docstring_counts_and_names_every_section():
+    """``python -m minivllm.bench fairness --help`` opens with this module's docstring: a section it runs but the
+    docstring leaves out (shared_prefix, section 4, once was) is a part of the result a reader is not told about."""
+    import re
+
+    from minivllm.bench import fairness
+
+    doc = fairness.__doc__
+    numbered = re.findall(r"^(\d)\. \*\*([^*]+)\*\*", doc, flags=re.M)
+    assert [int(n) for n, _ in numbered] == list(range(1, len(fairness.SECTIONS) + 1)), numbered
+    words = {2: "Two", 3: "Three", 4: "Four", 5: "Five"}
+    assert doc.split("\n\n")[1].startswith(words[len(fairness.SECTIONS)] + " workloads"), doc

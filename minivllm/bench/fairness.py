@@ -1,6 +1,6 @@
 """Fairness: a noisy tenant against a quiet one, per scheduling policy, on the simulated executor.
 
-Three workloads, each run with the same arrivals for every policy (virtual clock,
+Four workloads, each run with the same arrivals for every policy it compares (virtual clock,
 :class:`~minivllm.sim.SimulatedExecutor`, the real scheduler and memory manager):
 
 1. **noisy vs quiet** -- the quiet tenant sends short chats; the noisy one sends
@@ -17,6 +17,10 @@ Three workloads, each run with the same arrivals for every policy (virtual clock
    ``three_class`` against ``fcfs``: the share of interactive (TTFT < 700 ms, ITL
    p95 < 60 ms) and agent (TTFT < 2 s, ITL p95 < 120 ms) requests meeting their
    SLOs, and whether batch finished.
+4. **shared prefix** -- ``wfq`` with prefix caching: one tenant's prompts share a
+   1024-token system prompt, another's are unique and as long; Jain's index over
+   20 s and per 1-s slice, and the widest lead one tenant took
+   (:func:`shared_prefix_section`).
 
     python -m minivllm.bench fairness [--out benchmarks/results/2026-12-05_cpu-2core_fairness_sim.json]
 """
@@ -258,6 +262,11 @@ def next_agent_call(session: dict, prompt, output_ids, now: float, max_len: int)
 def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
         blocks: int = 1024, budget: int = 2048, max_seqs: int = 128, chunk: int = 512, max_len: int = 16384,
         max_steps: int = 200_000, service_series: list | None = None, **options) -> Run:
+    """Serve ``arrivals`` under ``policy`` on the simulated clock until every request (and agent call) is done.
+
+    Why the clock jumps: an idle engine has no step to time, so the clock moves to the next arrival; why agents are
+    appended here, not in ``arrivals``: a session's next call exists only once its previous call finished.
+    """
     from minivllm import EngineConfig, LLMEngine, SamplingParams
     from minivllm.sim import SimulatedExecutor
 

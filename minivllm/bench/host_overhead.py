@@ -38,9 +38,11 @@ each, bound by memory accesses (a few per request) as much as by bytecodes.
 So the opcode count is a guide, not the cost: on CPython 3.11
 ``map(attrgetter(...))`` counts no opcodes yet is slower than a list
 comprehension over slotted objects, and a slotted ``Request`` saves a memory
-access per field read without changing the count.  A step keeps no small containers
-alive (the step log stores flat tuples), so Python's cyclic garbage collector,
-which runs once enough of them accumulate, stays out of the step.  The opcode
+access per field read without changing the count.  A ``final_only`` step keeps no small
+containers alive (the step log stores flat tuples), so Python's cyclic garbage collector,
+which runs once enough of them accumulate, stays out of the step (one collection in 100
+steps at 256 sequences); a ``delta`` or ``cumulative`` step makes three per request, past
+the collector's 700, and sets it off about twice a step there.  The opcode
 counts are the same early and late; the times still grow ~10% from 16 to 482
 tokens, and ``--sweep`` shows why: most of it is one step where the integers a
 step reads pass 256 and stop being CPython's shared small-int objects (see
@@ -176,6 +178,12 @@ def _time_reference_prep(engine, n: int) -> list[float]:
 
 
 def measure(seqs: int, warmup: int, later: int, samples: int, output_kind: str) -> dict:
+    """One output kind's row: host, prep and executor cost per step at two output lengths, and opcodes per step.
+
+    Why ``max_tokens`` has 96 tokens beyond the steps taken here (``warmup + later + 2 * (samples + 16)``): the
+    first sequences decode while the last still prefill, so they are ahead; none may finish inside a measured step,
+    or the late row would time fewer than ``seqs`` sequences.
+    """
     engine = _engine(seqs, warmup + later + 2 * samples + 128, output_kind)
     _prefill_all(engine)
     for _ in range(warmup):
@@ -244,6 +252,40 @@ def sweep(seqs: int, points: list[int], samples: int, output_kind: str = "final_
     return rows
 
 
+def backlog_engine(size: int, running: int = 32, policy: str = "three_class"):
+    """:func:`backlog`'s engine two steps in: ``running`` requests decoding, as many as the cap (three_class: the
+    batch tier's) or the pool (fcfs, wfq, priority) holds at 8 blocks each, with too few blocks left over for a
+    waiting prompt's 7, each with 15 decode steps before its next block (so the running set, and the cap, stay as
+    they are while it is measured), and ``size`` requests waiting.
+
+    Why two steps: the first prefills as many 7-block prompts as fit; the second writes each one's first sampled
+    token into an 8th block, so the cap or the pool preempts the excess (5 of 37).  Measured from the second step
+    on, that preemption was counted as admission's work; and with 7 blocks spare under the cap (a pool of 405 for
+    32, which ran 37) three_class admitted a fresh prompt every third step and preempted it the next.
+    """
+    from minivllm import EngineConfig, LLMEngine, SamplingParams
+    from minivllm.config import TenantConfig
+
+    held = running * 8 + 4  # ``running`` requests at 8 blocks each, and 4 spare: fewer than a prompt's 7
+    if policy == "three_class":
+        blocks = held * 4 // 3  # the batch tier may hold 75% of it: ``held`` (259 of 346 for 32), the rest stays free
+        tenants, names = {"bulk": TenantConfig(priority_class="batch")}, ["bulk"]
+    else:
+        blocks = held
+        tenants, names = {"a": TenantConfig(weight=1.0), "b": TenantConfig(weight=2.0)}, ["a", "b"]
+    cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_num_seqs=running + size + 1,
+                       max_num_batched_tokens=8192, max_model_len=1024, device="cpu",
+                       scheduling_policy=policy, tenants=tenants)
+    engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=1024, eos_token_ids=set())
+    params = SamplingParams(max_tokens=512, ignore_eos=True)
+    for i in range(running + size):  # 112-token prompts: 7 blocks each, 8 from the first sampled token
+        engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(112)]}, params,
+                           tenant=names[i % len(names)])
+    engine.step()  # prefill: the first requests start; the cap (or the pool) holds the rest back
+    engine.step()  # each takes its 8th block; the cap (or the pool) preempts what it cannot hold
+    return engine
+
+
 def backlog(sizes: list[int], samples: int, running: int = 32, policy: str = "three_class") -> list[dict]:
     """Host cost per step beside a waiting backlog that cannot start: what admission pays per waiting request.
 
@@ -270,35 +312,11 @@ def backlog(sizes: list[int], samples: int, running: int = 32, policy: str = "th
     before it kept its order; priority 0.02 us a waiting request, 0.25 us when it sorted; fcfs 0.005 us, its copy
     of the queue (``*_host_overhead_backlog*.json``).
     """
-    from minivllm import EngineConfig, LLMEngine, SamplingParams
-    from minivllm.config import TenantConfig
-
-    def started(size: int):
-        """An engine one step in: as many requests admitted as the cap (three_class: the batch tier's, 37 for 32)
-        or the pool (wfq, priority) allows, each with 15 decode steps before its next block (so the running set, and the
-        cap, stay as they are while it is measured), the rest waiting."""
-        if policy == "three_class":
-            blocks = running * 8 * 4 // 3 + 64  # the running requests fill the batch tier's 75%, the rest stays free
-            tenants, names = {"bulk": TenantConfig(priority_class="batch")}, ["bulk"]
-        else:
-            blocks = running * 8 + 4  # the running requests fill the pool
-            tenants, names = {"a": TenantConfig(weight=1.0), "b": TenantConfig(weight=2.0)}, ["a", "b"]
-        cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=16, max_num_seqs=running + size + 1,
-                           max_num_batched_tokens=8192, max_model_len=1024, device="cpu",
-                           scheduling_policy=policy, tenants=tenants)
-        engine = LLMEngine(cfg, executor=_TimedExecutor(16), model_max_len=1024, eos_token_ids=set())
-        params = SamplingParams(max_tokens=512, ignore_eos=True)
-        for i in range(running + size):  # 112-token prompts: 7 blocks each, 8 from the first sampled token
-            engine.add_request({"prompt_token_ids": [100 + (i * 7 + j) % 900 for j in range(112)]}, params,
-                               tenant=names[i % len(names)])
-        engine.step()  # the first requests start; the cap (or the pool) holds the rest back
-        return engine
-
     rows = []
     for size in sizes:
-        engine = started(size)
+        engine = backlog_engine(size, running, policy)
         ops = _count_opcodes(engine, 8)
-        t = _time_steps(started(size), min(samples, 14))
+        t = _time_steps(backlog_engine(size, running, policy), min(samples, 14))
         rows.append({"policy": policy, "waiting": len(engine.scheduler.waiting),
                      "running": len(engine.scheduler.running),
                      "python_opcodes_per_step": ops,

@@ -123,7 +123,9 @@ def mixed_workload(seed: int, tenants: tuple[str, ...], vocab_size: int, deadlin
     come from any tenant, so with a prefix cache shared across tenants a hit crosses tenants; about a third are
     long (62-100 prompt tokens, chunked at the 40-token budget, hit or not); about four in ten ask for n = 2 or 3
     samples, which share their prompt's blocks through the cache.  Every prompt plus its outputs fits
-    ``ENGINE['max_model_len']`` (128), so no request is refused at the door: each one is scheduled.
+    ``ENGINE['max_model_len']`` (128), so no request is refused at the door for its length; but one tenant may
+    hold only 40% of the 14 blocks (5: 80 tokens) under ``caps_reject`` (b) and ``three_class`` (a, the agent
+    class), and its requests that need more are refused as ones that could never run (0-2 of 12 a seed for seeds 0-4).
     ``deadlines``: as :func:`workload`."""
     from minivllm.sim.run import SimRequest
 
@@ -167,6 +169,8 @@ def first_difference(a: list, b: list) -> int | None:
 
 
 def _estimates(engine, rec) -> dict:
+    """What the engine computed from its clock readings: a replay reading the same readings must reproduce these
+    floats exactly, so a difference here is a replay bug even where every decision matched."""
     costs = engine.scheduler.costs
     return {"step_time_s": engine.step_time_s,
             "prefill_tokens_per_s": getattr(costs, "prefill_tokens_per_s", None),

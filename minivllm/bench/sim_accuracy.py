@@ -64,6 +64,8 @@ ENGINE = dict(max_num_batched_tokens=512, max_num_seqs=32, num_blocks=512, max_m
 
 
 def metrics(rec) -> dict:
+    """One run's latency figures over the requests served whole (``ok``): a refused or failed request has no
+    latency to compare (it counts in ``requests``, not in ``ok``)."""
     ok = [r for r in rec.results if r.outcome == "ok"]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [g for r in ok for g in r.itl]
