@@ -455,6 +455,20 @@ def test_preemption_main_sizes_the_pool_from_whole_blocks_and_records_it(tmp_pat
     assert all(r["outputs_identical_to_recompute"] is True and r["leaked_blocks"] == 0 for r in doc["rows"])
 
 
+def test_preemption_header_states_the_share_of_the_pool_it_built(monkeypatch, capsys):
+    """The header's "KV pool B blocks of 16 = S% of the P blocks" must hold as arithmetic: the pool is floored
+    at 32 blocks and at the longest request, so on a small workload it is a larger share than ``--kv-share``
+    (4 requests: 32 of 64 blocks, printed before as "15%").  Oracle: the sentence's own B / P."""
+    import re
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["x", "--executor", "sim", "--requests", "4", "--modes", "recompute"])
+    assert preemption.main() == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    blocks, share, peak = re.search(r"KV pool (\d+) blocks of 16 = (\d+)% of the (\d+) blocks", head).groups()
+    assert int(blocks) == 32 and int(share) == round(100 * int(blocks) / int(peak)) != 15
+
+
 # -- host_overhead benchmark -----------------------------------------------------------------------------------
 
 

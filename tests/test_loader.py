@@ -242,3 +242,28 @@ def test_a_tied_bfloat16_checkpoint_served_in_float32_on_onednn_keeps_a_float32_
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == want
+
+
+def _conversion(folder, marker: str):
+    folder.mkdir()
+    (folder / "model.safetensors").write_text(marker)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def test_a_finished_conversion_moves_into_place_once_and_leaves_no_copy_behind(tmp_path):
+    """Two processes converting one GGUF: the first rename wins, and the loser's folder (half a gigabyte with the
+    default model) is removed, not left beside it.  A folder without weights at the target is no conversion."""
+    from minivllm.model.loader import _move_into_place
+
+    out = tmp_path / "model"
+    _move_into_place(_conversion(tmp_path / "model.tmp1", "first"), out)
+    assert (out / "model.safetensors").read_text() == "first"
+    _move_into_place(_conversion(tmp_path / "model.tmp2", "second"), out)  # the other process finished later
+    assert (out / "model.safetensors").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+    (out / "model.safetensors").unlink()  # what is left when weights are missing: not a finished conversion
+    _move_into_place(_conversion(tmp_path / "model.tmp3", "third"), out)
+    assert (out / "model.safetensors").read_text() == "third"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]

@@ -57,22 +57,25 @@ def test_client_wait_is_send_time_minus_scheduled_arrival():
 
 
 def test_report_row_prints_each_column_from_its_own_number():
-    """One tenant's printed row, column by column, against a hand count and numpy: sent excludes unsent
-    requests, the err column is errors + timeouts, and each latency triple is p50/p90/p99 in that order."""
+    """One tenant's printed row, column by column, against a hand count and numpy: sent counts the requests that
+    left the client (a send time), the err column is errors + timeouts, and each latency triple is p50/p90/p99
+    in that order."""
     rng = np.random.default_rng(11)
     served = [_ok(i, float(rng.uniform(0.02, 0.9)), list(rng.uniform(0.01, 0.2, size=4))) for i in range(9)]
     for r in served:
         r.e2e = float(rng.uniform(0.5, 9.0))
         r.output_tokens = 5
     extra = []
-    for i, outcome in enumerate(["rejected", "error", "timeout", "timeout", "unsent"]):
+    # the second timeout waited for a --max-concurrency slot and was never sent: no send time
+    for i, (outcome, start) in enumerate([("rejected", 0.0), ("error", 0.0), ("timeout", 0.0), ("timeout", None),
+                                          ("unsent", None)]):
         r = lg.RequestResult(index=100 + i, tenant="t", arrival=0.0, prompt_len=4, max_tokens=4)
-        r.outcome = outcome
+        r.outcome, r.start = outcome, start
         extra.append(r)
     summary = lg.summarize(lg.RunResult(rate=2.0, duration=5.0, results=served + extra))
     row = lg.format_table(summary).splitlines()[2]
     cells = row.replace("|", " ").split()
-    assert cells[:5] == ["t", "13", "9", "1", "3"]  # sent = 14 - 1 unsent; err = 1 error + 2 timeouts
+    assert cells[:5] == ["t", "12", "9", "1", "3"]  # sent = 14 - 2 never sent; err = 1 error + 2 timeouts
 
     def triple(xs, scale, fmt):
         return "/".join(fmt.format(np.percentile(xs, p) * scale) for p in (50, 90, 99))
@@ -188,3 +191,27 @@ def test_sweep_rate_passes_with_goodput_exactly_at_the_minimum():
     assert summary(9)["overall"]["goodput_fraction"] == 0.9
     assert lg.meets(summary(9), "goodput", None, None, 0.9)
     assert not lg.meets(summary(8), "goodput", None, None, 0.9)
+
+
+def test_sent_column_leaves_out_requests_that_waited_for_a_slot_past_the_timeout():
+    """A real run: three requests at t=0 under ``--max-concurrency 1`` to a server that takes 2 s, stopped by a
+    0.5 s ``--timeout``.  One request left the client; the two queued behind the slot never did, yet all three
+    end as timeouts (as the client's error says: "waited for a --max-concurrency slot").  The table's "sent"
+    column said 3.  Oracle: the handler's own count of requests it received."""
+    import asyncio
+
+    import httpx
+
+    received = []
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        received.append(request)
+        await asyncio.sleep(2.0)
+        return httpx.Response(200, text="data: [DONE]\n\n")
+
+    plan = [lg.PlannedRequest(i, 0.0, "t", "a b c", 3, 4) for i in range(3)]
+    run = asyncio.run(lg.run_load("http://x", plan, [lg.Tenant("t")], "m", max_concurrency=1, timeout=0.5,
+                                  progress=False, transport=httpx.MockTransport(slow)))
+    assert [r.outcome for r in run.results] == ["timeout"] * 3
+    row = lg.format_table(lg.summarize(run)).splitlines()[2].split()
+    assert row[:2] == ["t", str(len(received))] and len(received) == 1

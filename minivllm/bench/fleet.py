@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rate", type=positive_float, default=20.0, help="offered load while sessions overlap, requests/s (default 20)")
     ap.add_argument("--duration", type=positive_float, default=6.0, help="seconds measured after the warm-up (virtual, default 6)")
     ap.add_argument("--hardware", default="l4", help="roofline hardware preset (l4, a100, h100, h200) or 'linear' "
-                    "(default l4: an H100 serves this mix at ~100 requests/s per replica, and simulating a fleet of them "
+                    "(default l4: an H100 serves this mix at ~60 requests/s per replica, and simulating a fleet of them "
                     "takes minutes on a laptop; try --hardware h100 --rate 200)")
     ap.add_argument("--model", default="llama-3-8b", help="roofline model preset (default llama-3-8b)")
     ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4, 5, 6, 7, 8], help="replica counts to sweep (default 1-8)")

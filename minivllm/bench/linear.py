@@ -35,7 +35,10 @@ def model_shapes(model: str | None) -> tuple[list[tuple[int, int]], int, tuple[i
 
 
 def time_pass(weights, rows: int, linear, repeats: int) -> float:
-    """Best-of-``repeats`` seconds for one pass over every weight with ``rows`` input rows."""
+    """Best-of-``repeats`` seconds for one pass over every weight with ``rows`` input rows.
+
+    The best pass, not the mean: it is the one the rest of the machine disturbed least, and the two backends'
+    own speed is what ``linear_backend="auto"`` is chosen by."""
     inputs = {w_in: torch.randn(rows, w_in) for w_in, _, _ in weights}
     for w_in, _, w in weights:  # warm-up: oneDNN builds a primitive per shape on first use
         linear(inputs[w_in], w)

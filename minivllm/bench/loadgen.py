@@ -302,7 +302,11 @@ def parse_trace(lines: Iterable[str]) -> list[TraceEntry]:
 
 def plan_from_trace(entries: list[TraceEntry], tenants: list[Tenant], rate: float | None = None,
                     seed: int = 0) -> list[PlannedRequest]:
-    """Requests from a parsed trace; with ``rate``, timestamps are scaled so the mean rate is ``rate``."""
+    """Requests from a parsed trace; with ``rate``, timestamps are scaled so the mean rate is ``rate``.
+
+    An entry's own ``prompt`` is sent as written, without its tenant's ``prefix=`` text: a replay must send the
+    prompts the trace recorded.  Only a ``prompt_len`` entry, whose words are made up here, gets the prefix.
+    """
     by_name = {t.name: t for t in tenants}
     scale = 1.0
     span = entries[-1].timestamp
@@ -628,7 +632,9 @@ def summarize_group(results: list[RequestResult], duration: float, slo_ttft: flo
     waits = [r.start - r.arrival for r in results if r.start is not None]
     dur = duration if duration > 0 else float("nan")
     return {
-        "requests": len(results), **counts,
+        # sent: had a send time.  Not "all but unsent": a request still waiting for a --max-concurrency slot at
+        # the overall --timeout ends as a timeout, though it never left the client.
+        "requests": len(results), "sent": sum(r.start is not None for r in results), **counts,
         "ttft_ms": _pcts(ttft, 1000), "itl_ms": _pcts(itl, 1000), "e2e_s": _pcts(e2e),
         "client_wait_ms_p99": percentile(waits, 99) * 1000 if waits else None,
         "output_tokens": out_tokens,
@@ -664,9 +670,8 @@ def format_table(summary: dict, slo_text: str = "") -> str:
         if k == len(summary["tenants"]):
             lines.append("-" * len(head))
         t, i, e = s["ttft_ms"], s["itl_ms"], s["e2e_s"]
-        sent = s["requests"] - s["unsent"]
         lines.append(
-            f"{name[:10]:<10} {sent:>4} {s['ok']:>4} {s['rejected']:>4} {s['error'] + s['timeout']:>4} | "
+            f"{name[:10]:<10} {s['sent']:>4} {s['ok']:>4} {s['rejected']:>4} {s['error'] + s['timeout']:>4} | "
             f"{_f(t['p50']) + '/' + _f(t['p90']) + '/' + _f(t['p99']):>20} | "
             f"{_f(i['p50']) + '/' + _f(i['p90']) + '/' + _f(i['p99']):>20} | "
             f"{_f(e['p50'], '{:.2f}') + '/' + _f(e['p90'], '{:.2f}') + '/' + _f(e['p99'], '{:.2f}'):>18} | "
@@ -856,7 +861,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--input-len", default="uniform:32:128", help="prompt tokens (beyond any shared prefix) for tenants without input=")
     ap.add_argument("--output-len", default="fixed:16", help="max_tokens for tenants without output=")
     ap.add_argument("--num-requests", type=positive_int, default=64, help="requests per run (per rate when sweeping); a --trace sends all its lines")
-    ap.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="mean arrival rate, req/s (inf: all at once)")
+    ap.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="mean arrival rate, req/s (inf: all at once; with --trace, inf -- the default -- "
+                         "keeps the trace's own timestamps and a finite rate rescales them)")
     ap.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.5,1,2,4")
     ap.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 = Poisson")
     ap.add_argument("--trace", default=None, help="JSONL trace (timestamp, tenant, prompt|prompt_len, max_tokens)")

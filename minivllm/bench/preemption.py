@@ -27,6 +27,9 @@ MODES = ("recompute", "swap", "reject", "auto")
 
 
 def make_workload(n: int, seed: int, vocab: int, prompt_range=(60, 240), output_range=(24, 96)):
+    """``n`` seeded ``(prompt ids, output length)`` pairs; ids start at 100 because the lowest ids are the
+    tokenizer's special and added tokens (SmolLM2: 0-16, EOS and the chat markers among them), which no prompt
+    should hold."""
     rng = random.Random(seed)
     return [
         ([rng.randrange(100, vocab - 1) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
@@ -102,7 +105,8 @@ def main() -> int:
     ap.add_argument("--executor", choices=("model", "sim"), default="model")
     ap.add_argument("--requests", type=positive_int, default=None, help="default 16 (model) / 400 (sim)")
     ap.add_argument("--kv-share", type=positive_float, default=0.15,
-                    help="KV pool as a fraction of the blocks every request would hold at once at its end")
+                    help="KV pool as a fraction of the blocks every request would hold at once at its end (never under "
+                         "32 blocks nor under the longest request's, so a small workload gets a larger share)")
     ap.add_argument("--budget", type=positive_int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--cpu-blocks", type=nonnegative_int, default=256, help="host-tier blocks for swap / auto")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -115,7 +119,7 @@ def main() -> int:
     longest = max(-(-(len(p) + m) // 16) for p, m in workload)
     blocks = max(32, int(peak * args.kv_share), longest)
     print(f"workload: {n} requests, {sum(len(p) for p, _ in workload)} prompt / {sum(m for _, m in workload)} "
-          f"output tokens, all at once; KV pool {blocks} blocks of 16 = {args.kv_share:.0%} of the "
+          f"output tokens, all at once; KV pool {blocks} blocks of 16 = {blocks / peak:.0%} of the "
           f"{peak} blocks the batch would need; host tier {args.cpu_blocks} blocks; executor: {args.executor}")
     rows = [run_mode(mode, workload, args, blocks) for mode in args.modes]
     print(format_table(rows))

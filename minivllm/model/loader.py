@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -206,8 +207,25 @@ def convert_gguf(path: Path) -> Path:
     save_file(state, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(str(tmp))
     (tmp / "minivllm_source.txt").write_text(f"converted from {path}\n")
-    tmp.replace(out) if not out.exists() else None
+    _move_into_place(tmp, out)
     return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished conversion ``tmp`` to ``out``.
+
+    Another process converting the same file may have got there first; its folder was renamed whole, so it is as
+    complete as ours, and ours (half a gigabyte) is dropped rather than left behind.  A folder at ``out`` without
+    weights is no finished conversion (something killed before this scheme, or a hand-made folder): it gives way.
+    """
+    if out.exists() and not (out / "model.safetensors").exists():
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.replace(out)
+    except OSError:  # a non-empty ``out``: the other process won the rename
+        if not (out / "model.safetensors").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # -- loading ------------------------------------------------------------------
