@@ -88,19 +88,25 @@ def test_cli_calls_a_twenty_times_fast_profile_stale_on_the_real_engine(doc, tmp
     path.write_text(json.dumps(fast))
     threads = torch.get_num_threads()
     try:
-        assert main(["--check", str(path), "--repeats", "1"]) == 1
+        assert main(["--check", str(path), "--repeats", "1", "--out", str(tmp_path / "check.json")]) == 1
     finally:
         torch.set_num_threads(threads)  # the CPU-clock engine runs one thread, as the profile was measured
     out = capsys.readouterr().out
     assert "stale" in out and "decode 8x32" in out
     assert f"minivllm sim calibrate --out {path} --name 'cpu-1thread-cputime' --clock cpu" in out  # itself, again
-    assert float(out.split("steps take x")[1].split()[0]) > 5  # measured 20x the prediction, give or take the host
+    printed = float(out.split("steps take x")[1].split()[0])
+    assert printed > 5  # measured 20x the prediction, give or take the host
+    # --out keeps the verdict as evidence: the same numbers, the command that reruns it, and this host
+    kept = json.loads((tmp_path / "check.json").read_text())
+    assert kept["stale"] is True and round(kept["ratio"], 3) == printed and kept["checked"] == str(path)
+    assert [g["group"] for g in kept["groups"]] == [g.label for g in check_groups()]
+    assert kept["command"].startswith(f"minivllm sim calibrate --check {path}") and kept["machine"]["cpu"]
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--check", "cpu-2core", "--refit", "cpu-2core"], "two different jobs"),
     (["--check", "no-such-profile"], "no calibration profile"),
-    (["--check", "cpu-2core", "--out", "x.json"], "drop --out"),
+    (["--check", "cpu-2core", "--fit-bandwidth"], "drop --fit-bandwidth"),
     (["--check", "cpu-2core", "--clock", "cpu", "--quick"], "drop --quick, --clock"),
     (["--check", "cpu-2core", "--device", "cpu", "--force", "--name", "n"], "drop --name, --force, --device"),
 ])

@@ -750,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minivllm sim calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=output_file, default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json in a source checkout, "
                     "./<name>.json in an installed package; it must not exist yet unless --force: the committed "
-                    "profiles are what the tests load)")
+                    "profiles are what the tests load); with --check, the check's result JSON (groups, ratio, "
+                    "verdict, both hosts, the command)")
     ap.add_argument("--force", action="store_true", help="let the default --out replace an existing profile")
     ap.add_argument("--name", default=None, help="profile / hardware name (default: cpu-<N>core, <device>-1thread-cputime "
                     "with --clock cpu, or the GPU's name)")
@@ -770,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure nothing: re-fit this profile's stored samples with the current cost model "
                          "(written back to PROFILE unless --out)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a --check --out file records
     try:
         return _main(args)
     except (ValueError, OSError) as exc:  # a bad --refit file, an unknown --device, an unwritable --out
@@ -813,17 +815,24 @@ def _main(args) -> int:
     if args.check:
         from minivllm.sim.presets import profile_path, load_profile
 
-        ignored = [flag for flag, given in (("--out", args.out), ("--name", args.name), ("--force", args.force),
+        ignored = [flag for flag, given in (("--name", args.name), ("--force", args.force),
                                              ("--quick", args.quick), ("--fit-bandwidth", args.fit_bandwidth),
                                              ("--clock", args.clock != "wall"), ("--device", args.device != "auto"))
                    if given]
         if ignored:  # the profile says how it was measured; a flag that --check would drop is refused, not dropped
-            raise ValueError(f"--check measures as the profile was measured and writes nothing: drop {', '.join(ignored)}")
+            raise ValueError(f"--check measures as the profile was measured and fits nothing: drop {', '.join(ignored)}")
         doc = load_profile(args.check)
         engine = check_engine(doc)
         with frozen_heap():
             result = check(doc, engine, repeats=args.repeats)
-        print(format_check(result, profile_path(args.check)))
+        path = profile_path(args.check)
+        print(format_check(result, path))
+        if args.out:  # the verdict as evidence: the numbers, this host and the command, beside the profile's date
+            from minivllm.bench.results import write_result
+
+            write_result(args.out, {"benchmark": "sim calibrate --check", "checked": args.check,
+                                    **result}, "minivllm sim calibrate", args.argv)
+            print(f"wrote {args.out}")
         return 1 if result["stale"] else 0
     if args.refit:
         doc = refit(_refit_doc(args.refit))
