@@ -70,6 +70,8 @@ def check_split_step(fn) -> CheckResult:
 
 
 def _policy_run(policy, max_steps=400):
+    """``(requests finished, step each request first ran in)`` under ``policy``: two seats and a budget that fits
+    any two prompts, so only the policy delays a start, and the first steps show static batches draining."""
     eng = sim_engine(max_num_seqs=2, max_num_batched_tokens=256, admission_policy=policy)
     finals = run_engine(eng, random_requests(5, seed=4, prompt_range=(8, 40), output_range=(3, 12)), max_steps=max_steps)
     admitted_at = {}

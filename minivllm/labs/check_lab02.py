@@ -15,7 +15,8 @@ from minivllm.labs.workloads import random_requests, run_engine, sim_engine
 
 
 def as_engine_pool(pool_cls: Callable[[int], Any], num_blocks: int) -> Any:
-    """An engine-ready pool of ``num_blocks`` from the engine's or a learner's pool class."""
+    """An engine-ready pool of ``num_blocks`` from the engine's or a learner's pool class: a learner's pool has
+    only the lab's five members, and :class:`PoolAdapter` builds the rest the KV manager calls on them."""
     if isinstance(pool_cls, type) and issubclass(pool_cls, BlockPool):
         return pool_cls(num_blocks)
     return PoolAdapter(pool_cls(num_blocks), num_blocks)

@@ -19,7 +19,10 @@ from minivllm.labs.registry import Exercise, Lab
 
 def build_index(hasher, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int,
                 salt: str | None = None, index: dict | None = None) -> dict:
-    """Index the full blocks of ``token_ids`` under ``block_ids`` with ``hasher``'s keys."""
+    """Index the full blocks of ``token_ids`` under ``block_ids`` with ``hasher``'s keys.
+
+    A key already in ``index`` keeps its entry (``setdefault``), as the learner's cache keeps the first block
+    cached under a key: indexes built from several prompts then match what a replay would have cached."""
     index = {} if index is None else index
     keys = hasher(token_ids, block_size, salt)
     parent = None
@@ -450,7 +453,8 @@ def quiz_system_prompt_hit_tokens() -> int:
 
 
 def quiz_exact_repeat_hit_tokens() -> int:
-    """Hit tokens when a 64-token prompt is sent twice (block 16): the last token is recomputed."""
+    """Hit tokens when a 64-token prompt is sent twice (block 16): the lookup leaves out the last token, so the
+    whole 4th block is recomputed (48 hits, not 63)."""
     from minivllm.kv.prefix.radix import RadixCache
     from minivllm.labs.workloads import replay_prefix_cache
 

@@ -18,14 +18,15 @@ from typing import Any, Callable, Sequence
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
+from minivllm.labs.workloads import GPU_LIKE
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.scheduler import PreemptionCosts
 from minivllm.sim.executor import SimulatedExecutor
 
-# A GPU-like step cost (as in lab 1) and a Llama-8B-like KV block: 16 tokens x 128 KiB per token (fp16) = 2 MiB.
-GPU_LIKE = dict(fixed_overhead_s=0.015, per_token_s=0.00002, per_context_token_s=0.0)
+# A GPU-like step cost (lab 1's, :data:`workloads.GPU_LIKE`) and a Llama-8B-like KV block: 16 tokens x 128 KiB per
+# token (fp16) = 2 MiB.
 PREFILL_TOKENS_PER_S = 1 / GPU_LIKE["per_token_s"]  # 50,000 prompt tokens per second
 BLOCK_SIZE = 16
 KV_BYTES_PER_BLOCK = 16 * 128 * 1024
@@ -97,7 +98,9 @@ class ServeResult:
     makespan: float = 0.0
     output_tokens: int = 0
     steps: int = 0
-    mean_running: float = 0.0  # requests in the batch, averaged over steps
+    # running requests after each step (the step log's ``running``), averaged over steps: not quite the batch --
+    # a running request the token budget left out of a step counts, one that finished in it does not
+    mean_running: float = 0.0
 
     @property
     def num_rejected(self) -> int:
@@ -214,8 +217,9 @@ def starvation_run(stream_s: float, protect_after: int, *, seed: int = 1) -> Ser
     A waiting chat request may preempt the running batch job to get blocks
     (``PriorityAdmission.may_preempt_for``), and the priority victim rule picks
     the batch job whenever the pool runs dry.  A small pool (192 blocks) and a
-    small step (256 tokens, so the 1,500-token prompt takes six steps to
-    prefill) make every such preemption throw work away.
+    small step (256 tokens, so the 1,500-token prompt takes at least six steps
+    to prefill, more while chat decodes share them) make every such preemption
+    throw work away.
     """
     engine = lab_engine(num_blocks=192, max_num_batched_tokens=256, scheduling_policy="priority",
                         preemption_protect_after=protect_after)
@@ -398,12 +402,9 @@ class RuleCosts:
         self.rule = rule
         self.link = dict(bytes_per_block=bytes_per_block, link_bytes_per_s=link_bytes_per_s,
                          prefill_tokens_per_s=prefill_tokens_per_s)
-        self.decisions: list[tuple[int, int, str]] = []
 
     def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
-        choice = self.rule(num_tokens, num_blocks, **self.link)
-        self.decisions.append((num_tokens, num_blocks, choice))
-        return choice == "swap"
+        return self.rule(num_tokens, num_blocks, **self.link) == "swap"
 
 
 # -- exercise 1: the victim chooser ------------------------------------------------------
@@ -429,7 +430,7 @@ def _R(request_id: str, tenant: str, computed: int, prompt: int | None = None) -
 
 
 def _victim_run(cls, seed: int = 5) -> tuple:
-    """Victims chosen in a small overloaded engine run (swap mode), and whether every request finished."""
+    """``(requests finished, victims in order)`` of a small overloaded engine run (swap mode); all 10 finish."""
     from minivllm.labs.workloads import sim_engine
 
     eng = sim_engine(num_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, model_max_len=128,
@@ -544,7 +545,7 @@ def check_swap_or_recompute(fn) -> CheckResult:
         Case("a long context on a fast link swaps", lambda f: call(f, 1024, 64, MB, 10e9, 5000), "swap",
              "swapping 64 MB twice over 10 GB/s takes ~13 ms; recomputing 1024 tokens at 5000/s takes 205 ms"),
         Case("a slow link recomputes", lambda f: call(f, 1024, 64, MB, 0.1e9, 5000), "recompute",
-             "at 0.1 GB/s the same 64 MB take over a second each way: recompute is cheaper"),
+             "at 0.1 GB/s the same 64 MB take 0.64 s each way, 1.28 s out and back: recompute (205 ms) is cheaper"),
         Case("the KV crosses the link twice", lambda f: call(f, 75, 10, MB, 1e9, 5000), "recompute",
              "out now AND back in later: 2 x 10 MB at 1 GB/s = 20 ms > 15 ms of prefill"),
         Case("a tie recomputes", lambda f: call(f, 2, 1, 1000, 1000, 1.0), "recompute",

@@ -41,8 +41,8 @@ def compute_answer(question: dict) -> Any:
 def shuffled_answers(question: dict) -> list[dict]:
     """The options of a multiple-choice question in a fixed shuffled order.
 
-    The banks list the correct answer first (easy to review); learners must not
-    be able to rely on that.  The order is seeded by the question text
+    Most bank entries list the correct answer first (easy to review); learners
+    must not be able to rely on that.  The order is seeded by the question text
     (sha256, not Python's per-process ``hash``), so it is the same on every
     machine and every run, and strict nbval can compare the printed quiz.
     Numeric questions keep their order (their answers are feedback ranges).
@@ -56,6 +56,8 @@ def shuffled_answers(question: dict) -> list[dict]:
 
 
 def correct_answer(question: dict) -> str:
+    """The key's answer as the learner saw it: the option's letter after the shuffle, since the bank's own order
+    (mostly correct answer first) is never shown; a numeric question's value."""
     if question["type"] == "numeric":
         return str(next(a["value"] for a in question["answers"] if a.get("correct")))
     return next(f"{LETTERS[i]}) {a['answer']}" for i, a in enumerate(shuffled_answers(question)) if a["correct"])
@@ -147,7 +149,10 @@ def quiz_html_and_script(lab: str | int, div_id: str) -> tuple[str, str]:
 
 
 def show_quiz(lab: str | int) -> None:
-    """Interactive quiz (jupyterquiz, offline-safe) when a browser renders it; the plain text otherwise.
+    """Interactive quiz (jupyterquiz, offline-safe); the plain text only when jupyterquiz is not installed.
+
+    A frontend that renders no HTML (a terminal, nbval) shows the display objects' reprs instead, so the
+    labs follow this cell with :func:`print_quiz`.
 
     The container id comes from :mod:`secrets`, not :mod:`random` as in
     jupyterquiz's ``display_quiz``, so showing a quiz never moves the

@@ -357,7 +357,8 @@ Now the measurement: 32 requests with very different output lengths (4 to 128 to
 executor models a GPU: a step costs ~15 ms plus a little per token, so throughput grows with the batch.
 """),
 ("code", r"""
-GPU_LIKE = dict(fixed_overhead_s=0.015, per_token_s=0.00002, per_context_token_s=0.0)
+GPU_LIKE = workloads.GPU_LIKE  # the step cost labs 4 and 5 use too
+print("step cost:", GPU_LIKE)
 requests = workloads.random_requests(32, seed=5, prompt_range=(32, 256), output_range=(4, 128))
 
 

@@ -554,7 +554,7 @@ fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
 plt.show()
 for rate, r, x, s in zip(RATES, loads, reject_rate, served_per_s):
     print(f"offered {rate:3d}/s: rejected {x:6.1%}, served {s:5.2f}/s, p99 latency of served {r.p99():5.2f} s, "
-          f"{r.mean_running:4.1f} requests in the batch on average")
+          f"{r.mean_running:4.1f} requests running on average")
 """),
 ("md", r"""
 At low load nothing is rejected. Past the machine's capacity the *served* rate flattens while the reject rate keeps
