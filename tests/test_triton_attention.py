@@ -310,3 +310,31 @@ def test_step_varying_arguments_are_not_specialised(tiny_llama_dir: str, monkeyp
     # DIRECT (one split or several) is the split kernel's one constexpr that may change: one binary for each.
     per_direct = {direct: sum(("DIRECT", direct) in k for k in keys["split"]) for direct in (True, False)}
     assert per_direct == {True: 1, False: 1}, keys["split"]
+
+
+def test_bench_smoke_plan_runs_the_split_and_merge_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench attention --smoke`` is there to prove on a CPU that the GPU run works, and ``SMOKE_PLAN`` says it
+    takes every code path once; on a GPU most decode cases split the KV range and merge (S > 1).  Oracle: the
+    merge kernel's launches, counted while the smoke plan's decode grid runs (in the order ``run`` uses), and
+    the row's own comparison with SDPA on contiguous K/V."""
+    from minivllm.bench import attention
+    from minivllm.model.kernels import decode
+
+    merges = []
+    real = decode._decode_merge_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(decode, "_decode_merge_kernel", Counted())
+    plan = attention.SMOKE_PLAN
+    for shape in attention.SHAPES:
+        for batch in plan.batches:
+            for ctx in plan.contexts:
+                row = attention.bench_decode(shape, batch, ctx, 100.0, torch.device("cpu"), plan)
+                if merges:  # the first case that merged: it must also agree with SDPA
+                    assert row.ok and row.extra["splits"] > 1, row
+                    return
+    pytest.fail("no decode case of the smoke plan ran the merge stage")

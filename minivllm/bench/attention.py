@@ -22,8 +22,8 @@ What it does, in order:
    ``torch.nn.functional.scaled_dot_product_attention`` (with ``enable_gqa``):
    the ratio says what paging plus our kernel cost against a contiguous,
    vendor-tuned kernel.  Both outputs are compared, too.
-4. **Prefill**, bf16: 4 sequences x 2048 new tokens without and with cached
-   context, in TFLOP/s counting only the causally visible scores
+4. **Prefill**, bf16: 4 sequences x 2048 new tokens without and with 2048 cached
+   tokens, and 4 x 512 new tokens behind 8192 cached ones, in TFLOP/s counting only the causally visible scores
    (4 * head_dim FLOPs per visible query-key pair and head), against SDPA on
    contiguous tensors (causal mask aligned bottom-right when there is context).
 5. A mixed step (many decodes + one prefill chunk) through ``backend.attend``.
@@ -115,7 +115,9 @@ GPU_PLAN = Plan(
 SMOKE_PLAN = Plan(  # every code path once, with the fewest interpreted programs
     dtype=torch.float32,
     batches=(1, 2),
-    contexts=(40,),
+    # 300: past choose_num_splits' 256 tokens, so one SmolLM2 sequence takes the split + merge decode (S=2)
+    # that most GPU decode cases take; at 40 every case is S=1.  (The Triton K/V write is still GPU-only.)
+    contexts=(40, 300),
     prefills=(PrefillCase(1, 0, 16), PrefillCase(1, 8, 16)),
     mixed=(2, 20, PrefillCase(1, 8, 16)),
     check_lens=((0, 1), (15, 1), (17, 1), (0, 5), (9, 20)),

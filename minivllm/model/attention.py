@@ -60,10 +60,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 def write_kv(
     k: torch.Tensor,
@@ -114,7 +110,7 @@ def _decode_attention(
 
     ``q`` is ``[B, heads, D]``.  Padding keys are masked to -inf, so the result is
     the same as attending to each sequence alone, but costs one batched gather
-    and two batched matmuls instead of a Python loop.
+    per cache (K and V) and two batched matmuls instead of a Python loop.
     """
     batch, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]

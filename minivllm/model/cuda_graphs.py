@@ -43,7 +43,12 @@ from minivllm.model.attention import AttentionMetadata
 
 
 def capture_sizes(max_batch: int) -> tuple[int, ...]:
-    """Batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to ``max_batch`` (always included)."""
+    """Batch sizes to capture: 1, 2, 4, 8, 16, 24, ... up to ``max_batch`` (always included).
+
+    Why these: every size is one more graph to capture at startup and keep in memory, and a batch runs padded
+    to the next size.  A small decode step costs about the same for 3 rows as for 4 (it is bound by reading the
+    weights), so doubling is cheap there; above 8, steps of 8 cap the padding at 7 rows.
+    """
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
@@ -92,6 +97,9 @@ class DecodeGraphRunner:
                 and meta.block_tables.shape[1] <= self.max_blocks)
 
     def _static_meta(self, size: int, context_lens: list[int]) -> AttentionMetadata:
+        """Metadata over the static buffers.  ``context_lens`` is the only host input: the eager path passes the
+        real lengths (the torch backend builds its padding mask from them), capture passes the longest
+        possible, which fixes the Triton split count for every later replay."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], num_decodes=size,
