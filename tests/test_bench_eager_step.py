@@ -167,3 +167,18 @@ def test_the_idle_series_length_and_gap_are_the_ones_help_and_the_readme_state(m
     for n in (1, 2, 8, 9, 10, 31, 60):
         assert _idle_series_asked(monkeypatch, ["--repeats", str(n)]) == (max(least, n // share), gap), n
     assert _idle_series_asked(monkeypatch, ["--gap", "0.25"])[1] == 0.25
+
+
+def test_each_series_draws_prompts_no_earlier_series_drew():
+    """With prefix caching on, a second series must still time whole prompts: each call's ids are new.
+
+    Oracle: the step's own shape.  A prompt the cache had seen would arrive with its first blocks cached and
+    carry fewer than ``prompt_len`` new tokens (16 of 64 when every call reused seed 0), which the function
+    refuses.
+    """
+    from minivllm.sim.calibrate import real_engine
+
+    engine = real_engine(max_num_batched_tokens=64, num_blocks=64, max_model_len=256, enable_prefix_caching=True)
+    vocab = bundled_shape().vocab_size
+    for _ in range(2):  # the warm-up, then a series
+        assert len(eager_step.prompt_step_times(engine, 64, 2, vocab)) == 2

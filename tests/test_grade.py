@@ -2,8 +2,8 @@
 notebooks, partial marks for one planted bug, and a 0 with a reason -- never a grader traceback --
 for notebooks that crash, hang or are not notebooks.
 
-Two layers.  Every registered lab is graded in-process (:func:`grade_in_process`, no kernel: a
-second for all labs), which proves the scoring for each lab's solutions, stubs and planted bugs.
+Two layers.  Every registered lab is graded in-process (:func:`grade_in_process`, no kernel: a few
+seconds for all labs), which proves the scoring for each lab's solutions, stubs and planted bugs.
 The real path -- a Jupyter kernel per notebook, timeouts, a dying kernel, CSV/JSON -- is proven
 once, on lab 1 (the smallest), through the command line.
 """

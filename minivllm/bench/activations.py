@@ -113,7 +113,12 @@ class ActivationMeter:
 
 
 def make_engine(max_tokens: int, device: str = "cpu", dtype: str = "auto", model: str | None = None, **options):
-    """The real engine on the bundled model (or ``model``), sized for one prompt of ``max_tokens`` in a single step."""
+    """The real engine on the bundled model (or ``model``), sized for one prompt of ``max_tokens`` in a single step.
+
+    Why this size: one sequence (``max_num_seqs=1``), so a forward's rows are that one prompt's; a pool of the
+    prompt's blocks plus two instead of the CPU default's 1 GiB -- one block past the prompt so that
+    ``max_model_len`` leaves room for the one sampled token (without it the prompt is refused), one of slack.
+    """
     from minivllm.config import EngineConfig
     from minivllm.engine.llm_engine import LLMEngine
 
@@ -218,6 +223,12 @@ def budget_room(shape, hw, kv_share: float) -> dict:
 
 def run(token_counts: Iterable[int] = (16, 64, 256, 1024, 2048), device: str = "cpu", dtype: str = "auto",
         model: str | None = None, shares: Iterable[float] = (0.8, 0.9, 0.95)) -> dict:
+    """The measured sweep and its line, the analytic count beside it, and Llama-3-8B's budget room on an H100.
+
+    Why an analytic row for a model this machine cannot run: the analytic count is the one the tests hold
+    equal to the meter on models that do run here, so it is what carries the measurement to a serving-size
+    model and GPU.
+    """
     from minivllm.sim.presets import bundled_shape, hardware_preset, model_preset
 
     counts = sorted(set(token_counts))

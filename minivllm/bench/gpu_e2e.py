@@ -71,8 +71,9 @@ def run(model_dir: str, backend: str, prompts, params, device: str, dtype: str, 
         max_model_len: int = 4096, kv_bytes: int | None = None):
     """Serve ``prompts`` (all submitted at once) after a warm-up; (token ids, output tok/s).
 
-    The KV pool is 8 GiB on a GPU by default (the nano runs ask for 16 GiB) and 256 MiB elsewhere: on a CPU dry run Triton's interpreter copies
-    every tensor argument of a kernel, the whole pool included, at each launch.
+    The KV pool is 8 GiB on a GPU by default (the nano runs ask for 16 GiB) and 256 MiB elsewhere: a CPU dry
+    run serves ``--arch tiny``, whose KV takes 512 B a token in bf16: 256 MiB holds 512 K tokens.
+    (Triton's interpreter works on CPU tensors in place, so the pool's size does not slow its launches.)
     """
     from minivllm import LLM
 

@@ -14,6 +14,11 @@ from typing import Any, Callable
 
 
 def __getattr__(name: str) -> Callable[[], Any]:
+    """``labNN_<name>`` -> ``check_labNN.quiz_<name>``, looked up when asked for.
+
+    Why a module ``__getattr__`` and not a table: a table built at import would import every lab's
+    checker module (and torch with them) to answer one quiz question; this imports only the one asked for.
+    """
     lab, _, rest = name.partition("_")
     if not (lab.startswith("lab") and lab[3:].isdigit() and rest):
         raise AttributeError(name)

@@ -70,9 +70,10 @@ class ExerciseGrade:
     exercise: str
     points: int
     max_points: int
-    checker: str  # "passed", "failed", "not implemented", "error" or "-" (never ran)
+    checker: str  # "passed", "failed", "not implemented", "error" or "-" (no result: it never ran, or its grading
+    #               cell timed out or the kernel died -- perhaps after the checker had passed, in the hidden cases)
     hidden: str  # "passed", "failed", "error" (the hidden cases raised), "checker re-run" (the lab gave no
-    #              hidden cases), "-" (not reached)
+    #              hidden cases), "-" (not reached, or no result: see ``checker``)
     reason: str
     seed: int
 
@@ -85,7 +86,12 @@ def _tags(cell) -> list[str]:
 
 
 def _defines(source: str, name: str) -> bool:
-    """Whether ``source`` defines ``name`` at top level (a def, a class or an assignment)."""
+    """Whether ``source`` defines ``name`` at top level (a def, a class or an assignment).
+
+    Why the filtering: ``%`` magics and ``!`` shell lines are IPython, not Python, and would make a
+    learner's cell unparseable; a cell that still does not parse is searched as text, so that a syntax
+    error elsewhere in the cell does not hide the definition the grader is looking for.
+    """
     try:
         tree = ast.parse("\n".join(x for x in source.splitlines() if not x.lstrip().startswith(("%", "!"))))
     except SyntaxError:
@@ -379,7 +385,8 @@ def grade_in_process(path: str | Path, *, seed: int) -> list[ExerciseGrade]:
     """:func:`grade_notebook` without a kernel: the cells run in a namespace of this process.
 
     For trusted notebooks only (the tests grade every registered lab's solutions, stubs and planted
-    bugs this way in a second): no timeout, and a crash in a cell is this process's crash.
+    bugs this way in a few seconds, all labs together): no timeout, and a crash in a cell is this
+    process's crash.
     """
     import nbformat
 
@@ -466,6 +473,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def choose_seed(seed: int | None) -> int:
+    """``--seed``, else ``$MINIVLLM_GRADE_SEED``, else a random one.
+
+    Why random by default: the hidden cases must not be known before grading; ``run`` prints the seed
+    either way, so a disputed grade can be reproduced exactly.
+    """
     if seed is not None:
         return seed
     env = os.environ.get(SEED_ENV)
