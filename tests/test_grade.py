@@ -362,3 +362,27 @@ def test_a_kernel_stuck_past_the_interrupt_is_blamed_on_its_cell_not_on_the_next
     assert rows["split_step"].reason.endswith("; its cell: timed out after 1 s"), rows["split_step"].reason
     assert rows["static_batching"].reason == (
         "not run: the kernel was still busy with exercise:split_step, which ignored the interrupt"), rows["static_batching"].reason
+
+
+def test_hidden_cases_that_time_out_keep_the_checkers_pass_in_the_table(tmp_path):
+    """A right ``split_step`` that hangs only inside the hidden cases: the checker passed, so the table must say so
+    and blame the hidden cases, not show "-" (never ran) beside "checking `split_step` timed out", which sends the
+    instructor to a checker that was fine.  Kills: the grading kernel writing its result only at the end.
+
+    By hand: the checker's cases call ``split_step`` directly and pass; the hidden cases reach it through
+    ``hidden_split_step`` and sleep past the 10 s timeout, so the row reads 0 points, checker "passed", hidden "-"."""
+    lab = get_lab(1)
+    sol = nbformat.read(ROOT / "solutions" / f"{lab.stem}.ipynb", as_version=4)
+    src = {t: c.source for c in sol.cells for t in c.metadata.get("tags", []) if t.startswith("exercise:")}
+    slow_in_hidden = ("\n_right_split_step = split_step\n"
+                      "def split_step(*a, **k):\n"
+                      "    import inspect, time\n"
+                      "    while any(f.function == 'hidden_split_step' for f in inspect.stack()):\n"
+                      "        time.sleep(0.1)\n"
+                      "    return _right_split_step(*a, **k)\n")
+    path = _notebook(tmp_path / "stu" / f"{lab.stem}.ipynb",
+                     [(src["exercise:split_step"] + slow_in_hidden, ["exercise:split_step"])])
+    rows = {r.exercise: r for r in grade.grade_notebook(path, seed=1, timeout=10)}
+    got = rows["split_step"]
+    assert (got.points, got.checker, got.hidden) == (0, "passed", "-"), got
+    assert got.reason == "the hidden cases of `split_step`: timed out after 10 s", got.reason

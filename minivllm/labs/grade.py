@@ -51,7 +51,7 @@ import time
 from contextlib import redirect_stdout
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from minivllm.argtypes import positive_float
 from minivllm.labs.registry import Exercise, Lab, labs
@@ -71,9 +71,9 @@ class ExerciseGrade:
     points: int
     max_points: int
     checker: str  # "passed", "failed", "not implemented", "error" or "-" (no result: it never ran, or its grading
-    #               cell timed out or the kernel died -- perhaps after the checker had passed, in the hidden cases)
+    #               cell timed out or the kernel died before the checker finished)
     hidden: str  # "passed", "failed", "error" (the hidden cases raised), "checker re-run" (the lab gave no
-    #              hidden cases), "-" (not reached, or no result: see ``checker``)
+    #              hidden cases), "-" (not reached, or they timed out or killed the kernel: see ``reason``)
     reason: str
     seed: int
 
@@ -178,10 +178,13 @@ def _summary(result) -> dict:
             "num_cases": getattr(result, "num_cases", 0)}
 
 
-def run_exercise(ex: Exercise, obj: Any, seed: int) -> dict:
+def run_exercise(ex: Exercise, obj: Any, seed: int, on_checked: Callable[[dict], None] | None = None) -> dict:
     """The checker, then (only if it passed) the hidden cases; output silenced, exceptions caught.
 
-    Runs in the grading kernel; also usable in-process (the tests do).
+    ``on_checked`` gets the result so far once the checker has passed, before the hidden cases run: the
+    grading kernel writes it, so that hidden cases that time out or kill the kernel still leave the checker's
+    verdict in the table instead of "-" (never ran).  Runs in the grading kernel; also usable in-process (the
+    tests do).
     """
     out: dict = {"checker": None, "hidden": None, "error": None}
     phase = "the checker"
@@ -190,6 +193,8 @@ def run_exercise(ex: Exercise, obj: Any, seed: int) -> dict:
             result = ex.check(obj)
         out["checker"] = _summary(result)
         if result:
+            if on_checked is not None:
+                on_checked(out)
             phase = "the hidden cases"
             with redirect_stdout(io.StringIO()):
                 hidden = ex.hidden(obj, seed) if ex.hidden is not None else ex.check(obj)
@@ -211,12 +216,16 @@ def _kernel_grade(namespace: dict, lab_number: int, exercise: str, seed: int, ou
     from minivllm.labs.registry import get_lab
 
     ex = next(e for e in get_lab(lab_number).exercises if e.name == exercise)
+
+    def write(res: dict) -> None:  # whole or not at all: a kill mid-write leaves the previous result
+        partial = Path(out_path + ".partial")
+        partial.write_text(json.dumps(res | {"token": token}))
+        partial.replace(out_path)
+
     if ex.defines not in namespace:
-        res = {"missing": True}
+        write({"missing": True})
     else:
-        res = run_exercise(ex, namespace[ex.defines], seed)
-    res["token"] = token
-    Path(out_path).write_text(json.dumps(res))
+        write(run_exercise(ex, namespace[ex.defines], seed, on_checked=write))
 
 
 # -- driving the kernel ------------------------------------------------------------------------
@@ -352,6 +361,9 @@ def _row(student, path, lab, ex, seed, res, errors, fatal) -> ExerciseGrade:
         return row(0, "failed", "-", f"checker: case {c['num_passed'] + 1}/{c['num_cases']} "
                                      f"'{c['failed_case']}' failed")
     h = res["hidden"]
+    if h is None:  # the checker passed, and the hidden cases never finished (see run_exercise's on_checked)
+        reason = errors.get(f"grade:{ex.name}") or fatal or "no result from the hidden cases"
+        return row(0, "passed", "-", f"the hidden cases of `{ex.defines}`: {reason}")
     if h.get("rerun"):
         return row(ex.points, "passed", "checker re-run", "")
     if not h["passed"]:
