@@ -180,3 +180,38 @@ def test_fairness_bench_deadlines_and_priorities_are_the_ones_the_workload_carri
         priority, due_after = stated[a.tenant]
         assert a.priority == priority and abs(a.deadline - a.time - due_after) < 1e-9, (a.tenant, a.priority, a.deadline - a.time)
     assert stated["noisy"][1] == EngineConfig().deadline_aging_s  # "(the engine's `deadline_aging_s`"
+
+
+def _cpu_sim_accuracy_runs() -> dict:
+    """Every kept ``sim_accuracy`` run timed on the CPU-time clock, by file name (the wall-clock one and the GPU
+    ones are other sections' runs)."""
+    import json
+
+    runs = {p.name: json.loads(p.read_text(encoding="utf-8"))
+            for p in sorted((ROOT / "benchmarks" / "results").glob("*_cpu-2core_sim_accuracy*.json"))}
+    return {name: r for name, r in runs.items() if r.get("clock") == "cpu"}
+
+
+def test_sim_accuracy_bandwidth_range_covers_every_cpu_time_run():
+    """The CPU simulator section quotes the streaming-read bandwidth its calibrations pinned the memory roof to as a
+    range "across the files below"; a run added below (stops 56 and 59 read 37-41 GB/s on a faster host) must move
+    the range, or the text says the roof never went above what it did."""
+    m = re.search(r"(\d+)–(\d+) GB/s across the files below", BENCH_README)
+    assert m, "benchmarks/README.md no longer quotes the calibrations' read-bandwidth range"
+    bandwidths = [r["calibration"]["fit"]["measured_read_bandwidth"] for r in _cpu_sim_accuracy_runs().values()]
+    assert bandwidths, "no kept CPU-time sim_accuracy run"
+    low, high = min(bandwidths) / 1e9, max(bandwidths) / 1e9
+    assert (round(low), round(high)) == (int(m.group(1)), int(m.group(2))), (low, high)
+
+
+def test_sim_accuracy_run_durations_are_the_files_own():
+    """Where the CPU simulator section gives a run's duration beside its file ("(`FILE.json`, ..., 176 s"), the
+    number is the ``seconds`` that file records, not a shell's timing of the command around it."""
+    text = " ".join(BENCH_README.split())
+    runs = _cpu_sim_accuracy_runs()
+    quoted = {m.group(1): int(m.group(2))
+              for m in re.finditer(r"\(`(\S+_sim_accuracy\S*?\.json)`,[^()]{0,300}?\b(\d+) s[;)]", text)}
+    assert len(quoted) >= 3, f"benchmarks/README.md quotes fewer run durations than expected: {quoted}"
+    for name, seconds in quoted.items():
+        assert name in runs, f"{name}: not a kept CPU-time sim_accuracy file"
+        assert seconds == round(runs[name]["seconds"]), (name, seconds, runs[name]["seconds"])

@@ -164,7 +164,10 @@ def pool_blocks(model: str = MODEL, hardware: str = HARDWARE, memory_share: floa
 
 def serving_engine(*, model: str = MODEL, hardware: str = HARDWARE, max_num_seqs: int = 256,
                    max_num_batched_tokens: int = 8192, **options: Any):
-    """A real engine on the roofline executor with a device-sized KV pool and vLLM's default seats and budget."""
+    """A real engine on the roofline executor with a device-sized KV pool, 256 seats and an 8,192-token step budget.
+
+    (``vllm serve``'s defaults on a smaller card; on a GPU of 70 GiB or more other than an A100 it takes 1,024
+    seats.  256 keeps the at-scale cells' runs short, and lab 8 says which it uses.)"""
     from minivllm.labs.workloads import sim_engine
 
     shape, hw = presets(model, hardware)

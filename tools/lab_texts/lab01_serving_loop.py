@@ -49,9 +49,9 @@ requests in different phases:
   multiplies are big, so the GPU's arithmetic units are the limit — *compute-bound*.
 * **Decode** produces one token per request per step. Every step still reads *all* the weights (and the request's
   KV) from memory to do a tiny amount of arithmetic — *memory-bound*. The cure is batching: one read of the
-  weights serves every decode in the step, so a batch of decodes costs little more than one (on a GPU, 32 about as
-  much as one: on the H200 this project borrowed, a random-weight Llama-3.2-1B replayed as a CUDA graph took about
-  2.6 ms for one decode and 3.1–3.4 ms for 12 or 16, in
+  weights serves every decode in the step, so a batch of decodes costs little more than one (on a GPU, 32 for about
+  a third more than one: on the H200 this project borrowed, a random-weight Llama-3.2-1B replayed as a CUDA graph
+  took about 2.6 ms for one decode, 3.1–3.4 ms for 12 or 16 and 3.4 ms for 32, in
   `benchmarks/results/2026-11-30_nvidia-h200_llama1b_profile_run2.json`).
 
 Let's measure that claim on the bundled SmolLM2-135M before believing it.

@@ -100,9 +100,9 @@ token (the lonely bar at the right of the histogram). With a budget of 512 the p
 ticks keep coming (a little further apart), no gap exceeds ~25 ms, and `L0`'s first
 token comes later. (Look at p99 in the first run: 17 ms. Only the two streams decoding when `L0` arrived met the
 stall, once each: 2 of ~250 gaps, under 1 %, so the 99th percentile does not see it — only the worst gap does. Keep
-that in mind for section 3.) And `c2`, `c3`, which
-arrive during the prefill, wait for it to end in both runs; section 5 shows the knob for that. Now build the piece
-of the engine that makes this decision.
+that in mind for section 3.) And `c2`, which arrives during the prefill, waits for it to end in both runs; `c3`
+arrives after the one-step prefill is over, but in the chunked run, whose prefill lasts longer, it waits too. Section 5
+shows the knob for that. Now build the piece of the engine that makes this decision.
 
 ## 2. ✏️ Exercise 1 — build the batch (step 2 of the loop)
 
@@ -264,7 +264,7 @@ print("... and the decoders' p99 ITL only falls:      ", all(a["itl_p99"] > b["i
 print("the median ITL hardly notices any of it:       ", max(s["itl_p50"] for s in ordered[:-2]) * 1000 < 16)
 """),
 ("md", r"""
-The lesson's claim, measured: **chunking trades the long request's TTFT for everyone else's ITL.** Three things to
+The lesson's claim, measured: **chunking trades the long request's TTFT for everyone else's ITL.** Four things to
 read off the table:
 
 * **p50 is blind.** The median gap is ~15 ms in every row down to 512; the stalls live in the tail. (Five long

@@ -22,7 +22,7 @@ CELLS = [
 
 **Time:** about two minutes to run on a CPU laptop; 60 minutes to work through. The large workloads run the real engine
 (scheduler, KV cache manager, preemption) on a **simulated forward pass** with a virtual clock (`SimulatedExecutor`),
-so a 16-second overload takes a second of CPU and the numbers are exact and reproducible; the real model runs once,
+so a 16-second overload takes well under a second of CPU and the numbers are exact and reproducible; the real model runs once,
 at the end. Every policy you write is plugged into the engine through its two seams, `admission_policy` (who starts
 next) and `preemption_policy` (who gives way). Exercises are marked ✏️; until your checker passes, later cells use
 the engine's own policy of the same name.
@@ -249,6 +249,8 @@ each), all backlogged. Fairness is then a number: **Jain's index** of their weig
 ("code", r"""
 runs["wfq"] = serve(lab_engine(wfq_policy(VTC and VTC({}))), arrivals, window=16.0)
 print(table({k: runs[k] for k in ("fcfs", "cap noisy at 2", "wfq")}, ["quiet", "noisy"]))
+print("tokens computed again after a preemption: " + ", ".join(f"{k} {runs[k].stats['recomputed_tokens']:,}"
+                                                             for k in ("fcfs", "cap noisy at 2", "wfq")))
 print()
 for name, policy in [("fcfs", {}), ("wfq", wfq_policy(VTC and VTC({}), budget=512))]:
     service = backlogged(policy)
@@ -262,7 +264,7 @@ for window in (1.5, 3.0):
 ("md", r"""
 WFQ brings quiet's p95 TTFT back to within a couple of steps of its solo value, like the binding cap — but nothing
 is left idle: noisy loses less than quiet gains (read the tok/s column: the two tenants get 6,111 tokens per second
-together under WFQ, 5,678 under FCFS, whose preemptions made it compute prompts twice), while the binding cap idled
+together under WFQ, 5,678 under FCFS, which computed more tokens twice after its preemptions: the line under the table), while the binding cap idled
 capacity (5,271). WFQ is work-conserving. Whenever quiet has nothing waiting,
 noisy gets everything;
 when quiet has work, it goes first because its counter is lower. On the backlogged workload FCFS gives the tenant
@@ -633,8 +635,8 @@ and every second beyond it is billed like the dedicated GPU. And the chats' ITL 
 
 The seed's point is that every clause of a policy corresponds to a measurable behaviour. Measure it: switch the
 clauses off one at a time. On the H100's full pool (29,043 blocks) memory is never short, so the KV clauses have
-nothing to do; the cell squeezes the same mix into **700 blocks** (11,200 tokens, about what a 70B model leaves on
-one GPU), where they do. A clause is switched off by its knob: no KV reserve, an agent share of everything, batch
+nothing to do; the cell squeezes the same mix into **700 blocks** (11,200 tokens, 2.4% of that pool: memory as
+tight as a far larger model's weights would leave), where they do. A clause is switched off by its knob: no KV reserve, an agent share of everything, batch
 admitted whatever queue of chats waits, no per-tenant cache cap, every victim recomputed. (`chunk_long_prefills` has
 nothing to chunk here: no prompt reaches 8K. The next section gives it prompts that do.)
 """),

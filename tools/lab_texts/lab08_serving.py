@@ -50,23 +50,27 @@ The seed lesson lists what a good engine shows its operators — and says what t
 They are inputs to autoscaling and admission control."
 
 ```
- metric                          where it lives in minivllm                 Prometheus series (vLLM's names)
+ metric                          where it lives in minivllm                 Prometheus series (* = not in vLLM)
  ──────────────────────────────  ─────────────────────────────────────────  ──────────────────────────────────────
  running / waiting requests      scheduler queues, after each step          vllm:num_requests_running / _waiting
- KV blocks used / free / cached  the block pool and the prefix cache        vllm:kv_cache_used_blocks / _free_ / _cached_
+ KV usage; blocks used / free /  the block pool and the prefix cache        vllm:kv_cache_usage_perc
+   cached                                                                   *vllm:kv_cache_used_blocks / _free_ / _cached_
  prefix-cache hit rate           cache counters, in tokens                  rate(vllm:prefix_cache_hits_total)
                                                                              / rate(vllm:prefix_cache_queries_total)
- preemption / recompute counts   the scheduler                              vllm:num_preemptions_total{mode,tenant}
+ preemption / recompute counts   the scheduler                              vllm:num_preemptions_total{*mode,*tenant}
+                                                                            *vllm:num_recomputed_tokens_total
  TTFT and ITL histograms         the time each token came out of a step     vllm:time_to_first_token_seconds
                                                                              vllm:inter_token_latency_seconds
- per-tenant tokens and cost      per-tenant accounting                      vllm:generation_tokens_total{tenant}
+ per-tenant tokens and cost      per-tenant accounting                      vllm:generation_tokens_total{*tenant}
 ```
 
 Every one of these can be rebuilt from the **step log** — one record per engine step: its end time, the
 `(request, start, tokens)` chunks it computed, who was preempted, free blocks, running and waiting. A *gauge*
 (running, free blocks) is a reading at one moment; a *counter* (preemptions, tokens) only grows; a *histogram*
-(TTFT, ITL) counts observations into buckets, so a dashboard can compute percentiles over any window. minivllm
-uses vLLM's exact names and buckets, so a Grafana dashboard built for vLLM works against it unchanged.
+(TTFT, ITL) counts observations into buckets, so a dashboard can compute percentiles over any window. Every series
+vLLM has keeps vLLM's exact name and buckets here, so a Grafana dashboard built for vLLM works against it unchanged;
+what vLLM lacks (the `*` rows and labels: block counts, the preemption mode, the tenant) keeps the `vllm:` prefix,
+so one selector finds it all.
 **Cost per tenant** is two counters and a price list: a tenant that sent 3 M prompt tokens and received 1.2 M
 generated tokens at $0.20 and $0.60 per million costs 3 x 0.20 + 1.2 x 0.60 = $1.32, read straight from
 `vllm:prompt_tokens_total{tenant}` and `vllm:generation_tokens_total{tenant}`.
@@ -154,7 +158,8 @@ log_metrics = choose(metrics_check, metrics_from_log, metrics_from_step_log, "me
 """),
 ("md", r"""
 The measurement: a burst of 35 requests (20 a second for 2 s) on the simulated GPU with a KV pool too small for
-all of them, the engine's Prometheus metrics attached (what the server does after every step). Stop halfway, then compare.
+all of them, the engine's Prometheus metrics attached (what the server does after every step). Stop after 250 steps
+(about a quarter of the run: 16 of the 35 requests have their first token), then compare.
 """),
 ("code", r"""
 engine = lab_engine(num_blocks=160)
@@ -186,8 +191,8 @@ for name, value, series in rows:
 """),
 ("md", r"""
 Every number agrees — the step log is enough to rebuild an operator's view, and the Prometheus series are just
-that view, kept incrementally. Two things to notice: the gauges are a *snapshot* (the run is halfway, requests are
-still waiting), and the preemptions column is not zero — a pool of 160 blocks is too small for this burst.
+that view, kept incrementally. Two things to notice: the gauges are a *snapshot* (the run is a quarter done,
+requests are still waiting), and the preemptions column is not zero — a pool of 160 blocks is too small for this burst.
 
 That engine caches no prefixes, so every block is either free or held by a request. With prefix caching on (lab 3)
 there is a third kind: **cached** blocks, which hold KV of finished requests that no running request uses. They
@@ -434,8 +439,9 @@ lab 4) it can be. The knee is the number to size a deployment by: run each repli
 `SERVING_GPU` is a three-constant cost model with a small KV pool, chosen so memory binds and the lab stays
 readable. What happens on a real deployment's shape? The cell below reruns the sweep — same arrivals, same engine,
 same SLO — on the roofline simulator (`minivllm.labs.at_scale`): Llama-3-8B in bf16 on the H100 datasheet preset,
-the KV pool sized the way vLLM sizes it (90 % of the 81,559 MiB the card reports, minus the weights), vLLM's
-default 256 seats and 8,192-token step budget.
+the KV pool sized the way vLLM sizes it (90 % of the 81,559 MiB the card reports, minus the weights), 256 seats
+and an 8,192-token step budget (`vllm serve` on a GPU of 70 GiB or more other than an A100, such as this one,
+defaults to 8,192 tokens and 1,024 seats; 256 seats is its default on smaller cards).
 """),
 ("code", r"""
 from minivllm.labs import at_scale

@@ -326,9 +326,10 @@ Read the two plots together:
   longer for every decoder in the batch (lab 4), so a replica's p99 ITL rises with the prefill tokens it has to do.
   That is why capacity is planned at the SLO, not at average utilisation.
 * **Hit rate by router:** with one replica every router is the same (and that replica, far past capacity, evicts
-  what it cached). From two replicas on, round robin and least outstanding scatter each chat's turns and the hit
-  rate falls towards "the system prompt only" as the fleet grows; prefix affinity keeps it at every size, because
-  each chat's history stays in one cache.
+  what it cached); two replicas are still past capacity (TTFT p99 over 3 s), and affinity leads by less there (52%
+  against 43%). From three replicas on, round robin and least outstanding scatter each chat's turns and their hit
+  rate falls towards "the system prompt only" as the fleet grows (round robin 50% at three, 39% at eight); prefix
+  affinity stays at 78–80% at every size from three, because each chat's history stays in one cache.
 * **Hit rate is capacity here.** Every cached prompt token is a prefill token no step has to carry, so affinity's
   replicas run shorter steps and meet the ITL SLO with **two replicas fewer** in this run (the printed lines below the
   plots). Well above the cliff the SLO is met anyway and the gain shows only as a shorter TTFT tail. Spill-over (the
@@ -393,7 +394,7 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
   ±12%, is a median that falls where the short decode-only gaps meet the long gaps of steps that carry a prompt
   chunk.) This is the best of three runs made that day, which scored 13, 14 and 15 of 15. The weakest metric is the
   long-prompt TTFT p99: −9% here, and between −8% and −15% in four of the five runs that end with this one
-  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the six `*_stop*` runs committed since (1–4 December)
+  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the nine `*_stop*` runs committed since (1–6 December)
   range from +3% to −31%. The model is 3–5% too
   fast on steps that carry a 512-token chunk beside long-context decodes. The queue is busy almost all the time,
   so that error adds up over every step a request waits behind.
