@@ -33,6 +33,41 @@ def test_every_row_of_the_mutation_pass_still_applies():
     assert all((ROOT / t).exists() for t in mp.TESTS)
 
 
+
+def test_the_mutation_pass_puts_the_file_back_when_terminated(tmp_path):
+    """``tools/mutation_pass.py`` promises the planted file is restored whatever happens; a SIGTERM (``timeout``,
+    a cancelled CI job) used to end it without running the restore, leaving the bug in the tree.  A child runs
+    the pass on a scratch copy (its ROOT, one row, the test run replaced by a sleep), is terminated while the
+    bug is planted, and the file must read as it did before."""
+    import signal
+
+    child = f"""
+import importlib.util, pathlib, subprocess, sys, time
+spec = importlib.util.spec_from_file_location("mutation_pass", {str(ROOT / "tools" / "mutation_pass.py")!r})
+mp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mp)
+mp.ROOT = pathlib.Path({str(tmp_path)!r})
+mp.MUTANTS = [("planted", "f.py", "good", "bad", "")]
+def tests_that_hang(*args, **kwargs):
+    print("planted", flush=True)
+    time.sleep(60)
+subprocess.run = tests_that_hang
+sys.argv = ["mutation_pass", "0"]
+mp.main()
+"""
+    target = tmp_path / "f.py"
+    target.write_text("x = 'good'\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "planted"
+        assert target.read_text() == "x = 'bad'\n"  # the bug is in the tree while the tests run
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert target.read_text() == "x = 'good'\n"
+
 def test_only_kv_changes_block_refcounts():
     """One owner per resource: block refcounts, the free list and the pool itself change only in ``minivllm/kv/``
     (the KV cache manager and the prefix caches it drives).  Everyone else asks the manager, so a leaked or

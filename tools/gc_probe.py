@@ -1,8 +1,9 @@
 """Do the garbage collector's pauses land in the real engine's slow prompt steps?  (A one-off GPU probe.)
 
-Runs sim_accuracy's held-out workloads on the real engine (measure(): one sample per step) with a
-gc.callbacks hook that records every collection's start, duration and generation; then again after
-gc.collect(); gc.freeze().  Prints, per series, the prompt steps' times, the number of collections by
+Runs two of sim_accuracy's three held-out workloads (decode_heavy and bursty_mixed; not long_prompt_chunked)
+at scale 0.5 on the real engine (measure(): one sample per step), twice, with a gc.callbacks hook that
+records every collection's start, duration and generation; then twice again after gc.collect();
+gc.freeze().  Prints, per series, the prompt steps' times, the number of collections by
 generation and the pause statistics (whether a pause fell inside a slow step is read by comparing the
 two lists; the script does not match them).  Usage: python tools/gc_probe.py MODEL_DIR DEVICE DTYPE OUT.json
 """

@@ -6,8 +6,9 @@
 # A lease is 15 minutes of device time, the machine's start included, so the whole script keeps to a
 # deadline (BUDGET seconds, default 540) and each step gets the smaller of its own time box and what is
 # left; the most important checks run first.  The lent machine has torch, triton, transformers and pytest
-# but no internet and no weights: every model is a random-weight model of a real shape, written once
-# (minivllm.bench.gpu_e2e --save-model) and served by every step.
+# but no internet and no weights: the model is a random-weight model of a real shape, written once
+# (minivllm.bench.gpu_e2e --save-model) and served by every step that runs one (tests/test_gpu.py builds
+# its own tiny Llama, and the attention benchmark runs the kernels alone).
 #
 # Only 8 files come back from a lease, so the logs and JSONs go to one folder that is re-packed into
 # $OUT/results.tgz after every step (what finished survives a kill), beside $OUT/summary.txt.
@@ -15,8 +16,9 @@
 # A rerun can pick steps and nano runs: STEPS="save_model tests e2e_nano" NANO_BACKENDS=triton.
 #
 # CPU dry run of the same steps (tiny model, about a minute without sim_accuracy, which adds another
-# minute or more; every box is tripled; it keeps the KV pool small, Triton's interpreter copies it at
-# every launch):  PYTHON=.venv/bin/python bash tools/gpu_checks.sh --dry-run
+# minute or more; every box is tripled; the KV pool is gpu_e2e's 256 MiB off a GPU, and the pool's size
+# does not slow the interpreter, which works on CPU tensors in place):
+#   PYTHON=.venv/bin/python bash tools/gpu_checks.sh --dry-run
 set -u
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
@@ -60,7 +62,7 @@ step() {  # step NAME SECONDS COMMAND...: run within min(SECONDS, time left), ke
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   $PY -c "import triton; print('triton', triton.__version__)" 2>/dev/null; } > "$OUT/summary.txt" 2>&1
 
-# 0. one random-weight model for every step (on the GPU it is initialised there: seconds)
+# 0. one random-weight model for every step that serves one (on the GPU it is initialised there: seconds)
 step save_model 60 $PY -m minivllm.bench gpu_e2e --save-model "$MODEL" --arch $ARCH
 # 1. issue 12: compiled Triton kernels vs the torch reference, CUDA-graph replay vs HF, no per-step
 #    recompilation (tests/test_gpu.py, in its own process: see its docstring)

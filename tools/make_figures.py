@@ -66,6 +66,8 @@ def block_table(out: Path) -> None:
 
 
 def radix_tree(out: Path) -> None:
+    """The tree a lab's prefix replay builds, stopped while its last request still runs, so the path that
+    request holds is drawn locked (the replay frees a request only at its next step)."""
     pool = BlockPool(256)
     tree = RadixCache(pool, 16)
     replay = workloads.PrefixReplay(tree, pool, workloads.shared_system_chats(3, 3, seed=2))
@@ -114,6 +116,8 @@ def fragmentation(out: Path) -> None:
 
 
 def hit_rates(out: Path) -> None:
+    """Both structures replay the same prompts through ``make_prefix_cache``, the factory the engine builds its
+    cache with: the figure shows that the index changes what a lookup costs, not which blocks it hits."""
     loads = {"system prompt": workloads.system_prompt_workload(40), "multi-turn": workloads.multi_turn_workload(8, 5),
              "RAG": workloads.rag_workload(40)}
     fig, ax = plt.subplots(figsize=(6, 2.8))

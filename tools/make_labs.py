@@ -5,9 +5,10 @@ One source: ``solutions/labNN_*.ipynb`` hold the solutions between
 ``### BEGIN SOLUTION`` and ``### END SOLUTION`` lines.  Each region becomes a
 stub that raises ``NotImplementedError`` with what to do, taken from the
 ``# TODO:`` comment lines right above the region (those comments stay, as
-hints).  Outputs and execution counts are cleared, and the widget state is
-dropped.  Everything else is copied unchanged, so the labs cannot drift from
-the solutions.
+hints).  Outputs, execution counts and the cells' execution timings are
+cleared, the widget state is dropped, and a cell tagged ``covered-by-solution``
+gets nbval's skip tag (see :data:`COVERED`).  Everything else is copied
+unchanged, so the labs cannot drift from the solutions.
 
     python tools/make_labs.py            # (re)write labs/
     python tools/make_labs.py --check    # exit 1 if labs/ differs from what would be written
@@ -97,7 +98,10 @@ def make_lab(nb: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode
 
 
 def render(nb: nbformat.NotebookNode) -> str:
-    """Canonical text of a notebook (what is written and what --check compares)."""
+    """Canonical text of a notebook (what is written and what --check compares).
+
+    The newline is the one ``nbformat.write`` (``tools/build_solutions.py``) adds and ``nbformat.writes`` leaves
+    off, so a lab ends like every other text file and compares equal to a notebook nbformat wrote."""
     return nbformat.writes(nb) + "\n"
 
 

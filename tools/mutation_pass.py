@@ -1,4 +1,5 @@
-"""A mutation pass over the KV manager and the scheduler: plant one realistic bug, run the tests, put it back.
+"""A mutation pass over the KV layer, the scheduler with its fairness policies, and the engine's request table:
+plant one realistic bug, run the tests, put it back.
 
 Why: a test that cannot fail is a defect, and the only way to know a test *can* fail is to make the code
 wrong and watch.  Each row below is one small bug of the kind these modules invite (an off-by-one, a count
@@ -8,13 +9,16 @@ changes only *when* tokens are produced -- its ``note`` says which, where known.
     python tools/mutation_pass.py            # every row, ~21 min on 2 cores
     python tools/mutation_pass.py 5 12       # rows 5 and 12 only
 
-Each file is restored from memory after its run, whatever happens; do not edit the tree while it runs.
+Each file is restored from memory after its run, whatever happens short of SIGKILL (a SIGTERM -- ``timeout``, a
+cancelled CI job, a plain ``kill`` -- is turned into an exit so the restore still runs); do not edit the tree
+while it runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -170,6 +174,10 @@ TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "test
 
 
 def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:
+    """Plant one row's bug, run ``tests``, put the file back; (verdict, first failure or last line).
+
+    The text must occur exactly once so a refactor cannot turn a row into a silent no-op (STALE instead);
+    ``-x`` because one failing test already kills the mutant, and stopping there keeps a killed row short."""
     path = ROOT / rel
     source = path.read_text()
     if source.count(old) != 1:
@@ -187,7 +195,15 @@ def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[
     return ("KILLED" if proc.returncode else "SURVIVED"), first
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM's default action ends the process without unwinding, so ``run_one``'s ``finally`` would not run
+    and the planted bug would stay in the tree; raised as an exit, it unwinds through the restore (and
+    ``subprocess.run`` kills the pytest it was waiting on)."""
+    sys.exit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rows", nargs="*", type=int, help="row numbers to run (default: all)")
     args = ap.parse_args()
