@@ -100,10 +100,12 @@ def output_file(text: str) -> str:
 
     Checked where it is typed because the file is written last: ``--json ''`` wrote nothing and exited 0, and
     ``--out ''`` or ``--out DIR`` failed with ``Is a directory: '.'`` only after the whole benchmark had run.
+    A name ending in a separator (``--out results/``) names a directory too, one that need not exist yet: the
+    writer resolves the path, which drops the separator, so the run wrote a *file* called ``results`` in silence.
     """
     if not text.strip():
         raise argparse.ArgumentTypeError(f"expected a file name, got {text!r}")
-    if os.path.isdir(text):
+    if os.path.isdir(text) or text.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
     return text
 

@@ -846,14 +846,17 @@ def test_calibrate_bad_device_is_one_line(monkeypatch, capsys, device):
     _returns_error(calibrate.main(["--device", device]), capsys, repr(device))
 
 
-@pytest.mark.parametrize("kind", ["empty", "directory"])
+@pytest.mark.parametrize("kind", ["empty", "directory", "new directory"])
 def test_calibrate_refuses_a_profile_path_it_cannot_write_before_measuring(monkeypatch, capsys, tmp_path, kind):
     """``minivllm sim calibrate --out DIR`` failed only when the profile was written, after minutes of measuring
-    the grid.  Oracle: argparse's one-line error naming the flag, and no engine ever built."""
+    the grid.  ``--out profiles/``, a directory not made yet, was taken: the run wrote a file named ``profiles``.
+    Oracle: argparse's one-line error naming the flag, and no engine ever built."""
     from minivllm.sim import calibrate
 
     monkeypatch.setattr(calibrate, "real_engine", _no_model)
-    _argparse_refuses(calibrate.main, ["--out", "" if kind == "empty" else str(tmp_path)], "--out", capsys)
+    out = {"empty": "", "directory": str(tmp_path), "new directory": str(tmp_path / "profiles") + os.sep}[kind]
+    _argparse_refuses(calibrate.main, ["--out", out], "--out", capsys)
+    assert not (tmp_path / "profiles").exists()
 
 
 def test_prefix_structures_quick_keeps_explicit_sizes_and_requests(capsys):

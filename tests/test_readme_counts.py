@@ -102,6 +102,28 @@ def test_lab07_per_operation_host_cost_is_inside_the_quoted_range():
     assert float(quoted.group(2)) <= float(m.group(2)) <= float(quoted.group(3)), (m.group(2), quoted.groups())
 
 
+def test_h200_sim_accuracy_misses_are_quoted_as_the_file_has_them():
+    """The H200 simulator row says which metrics missed and by how much; each count and range must be the committed
+    run's own.  The row once said "TTFT under-predicted 17–43%" of all TTFTs, while the long-prompt TTFT p99 was
+    +0.8%, and left out the two ITL p99 misses (−17.6%, −40.0%) that make up the rest of the 7 misses."""
+    import json
+
+    run = json.loads((ROOT / "benchmarks" / "results" / "2026-11-30_nvidia-h200_sim_accuracy_llama1b_run2.json")
+                     .read_text(encoding="utf-8"))
+    errors = {(w, m): 100 * (v["sim"][m] / v["real"][m] - 1) for w, v in run["workloads"].items()
+              for m in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "total_s")}
+    row = next((line for line in README.splitlines() if line.startswith("| simulator on the H200")), "")
+    for what, metrics, pattern in (
+            ("TTFT", ("ttft_p50", "ttft_p99"), r"(\d) of (\d) TTFTs under-predicted by (\d+)–(\d+)%"),
+            ("ITL p99", ("itl_p99",), r"(\d) of (\d) ITL p99s by (\d+)–(\d+)%")):
+        m = re.search(pattern, row)
+        assert m, f"the H200 row no longer says how many {what} metrics the simulator under-predicted, and by how much"
+        all_of = [e for (_, metric), e in errors.items() if metric in metrics]
+        missed = [-e for e in all_of if e < -10]
+        assert (int(m.group(1)), int(m.group(2))) == (len(missed), len(all_of)), (what, m.groups(), all_of)
+        assert (int(m.group(3)), int(m.group(4))) == (round(min(missed)), round(max(missed))), (what, m.groups(), missed)
+
+
 def test_offline_page_fault_range_covers_every_kept_run_that_records_faults():
     """The allocator paragraph quotes the page faults of the kept offline runs as a range; a run kept later
     (the 2026-12-04 linear-backend pair: 28.6 and 29.0 k) must not fall outside it, and a run that records the
@@ -215,3 +237,21 @@ def test_sim_accuracy_run_durations_are_the_files_own():
     for name, seconds in quoted.items():
         assert name in runs, f"{name}: not a kept CPU-time sim_accuracy file"
         assert seconds == round(runs[name]["seconds"]), (name, seconds, runs[name]["seconds"])
+
+
+def test_cpu_sim_accuracy_row_quotes_the_newest_committed_run():
+    """The benchmark table's "latest result" for the CPU simulator must reach the newest committed run: a run kept
+    after the row was written (stop 59's 9/15 and 10/15 beside the row's last 14/15) otherwise leaves the table
+    reporting a better score than the code's latest measurement.  Every committed run the row names must be quoted
+    with its own score."""
+    import json
+
+    row = next((line for line in README.splitlines() if line.startswith("| simulator accuracy, CPU-time clock")), None)
+    assert row, "the README no longer has the CPU simulator-accuracy row"
+    runs = {p.name: json.loads(p.read_text(encoding="utf-8"))
+            for p in (ROOT / "benchmarks" / "results").glob("*_cpu-2core_sim_accuracy_stop*.json")}
+    newest = max(runs, key=lambda name: runs[name]["date_utc"])
+    assert newest in row, f"the row does not name the newest committed run, {newest}"
+    for name, run in runs.items():
+        if name in row:
+            assert f"**{run['within_10pct']}**" in row, (name, run["within_10pct"])

@@ -95,7 +95,7 @@ def measure_once():
 
 # The first pass over each new shape pays one-off costs (the CPU's matmul library plans each shape; a GPU sets up
 # kernels), and a busy machine adds noise: measure three times and keep each quantity's best. (Another busy
-# process on a 2-core machine can make torch's threads wait for each other and every step 10x slower.)
+# process on a 2-core machine can make torch's threads wait for each other and every step several times slower.)
 runs = [measure_once() for _ in range(3)]
 prefill_s, decode_1_s, decode_b_s = (min(r[k] for r in runs) for k in range(3))
 

@@ -429,9 +429,9 @@ for b in (1, 16, 256):
 ("md", r"""
 On the 2-core machines this notebook was built on, quiet runs took 12–18 ms at 1-token blocks, 2–6.1 ms at 16 and
 2.0–5.7 ms at 256: the smallest blocks cost three to seven times the largest, and the big-block times moved most
-from one machine (and day) to the next. When other work shares the two cores every size slows and the ratio
-shrinks: four busy runs took 18–59 ms, 7–26 ms and 7.5–20 ms, two to four times. Your numbers will differ; the
-shape should not. Below 16 tokens the time
+from one machine (and day) to the next. When other work shares the two cores every size slows, and by unequal
+amounts: four busy runs took 18–59 ms, 7–26 ms and 7.5–20 ms (two to four times), three later ones 30–32 ms at
+1-token blocks and 2.3–6.5 ms at 256 (five to thirteen times). Your numbers will differ; the shape should not. Below 16 tokens the time
 climbs steeply. The kernel pays a fixed cost per block (read the table entry, find the block, start the reads), and
 tiny blocks scattered over the pool defeat the memory prefetcher. Above 16 the time hardly moves, while the waste in
 the plot above keeps growing. So 16 is a common default: it gets most of the speed of big blocks and little of their

@@ -437,8 +437,8 @@ one, the GPU waits:
 
 ```
  eager decode step (one layer of ~30 operations, then the next layer ...)
- host  |norm|qkv|rope|attn| o |add|norm|gate_up|act|down|add|norm|qkv| ...     every box: ~5-15 µs of host
- GPU     ▌    ▌   ▌    ▌    ▌   ▌   ▌     ▌     ▌    ▌   ▌    ▌   ▌          every bar: ~1 µs of work
+ host  |norm|qkv|rope|attn| o |add|norm|gate_up|act|down|add|norm|qkv| ...     every box: ~15 µs of host
+ GPU     ▌    ▌   ▌    ▌    ▌   ▌   ▌     ▌     ▌    ▌   ▌    ▌   ▌          every bar: ~1-2 µs of work
                                                           -> step time = operations x host time per launch
 
  the same step, captured once as a CUDA graph and replayed
