@@ -26,6 +26,8 @@ OPTIONAL = {
     ("minivllm", "triton"): "the triton extra (Linux): Triton kernels, attention_backend='triton', bench attention",
     ("minivllm", "matplotlib"): "the labs extra: bench serve --figures (refused up front without it)",
     ("minivllm", "vllm"): "bench/vllm_runner.py runs inside a separate vLLM virtual environment",
+    ("minivllm", "nbformat"): "the labs extra: bench lab_times runs the notebooks (refused up front without it)",
+    ("minivllm", "nbclient"): "the labs extra: bench lab_times runs the notebooks (refused up front without it)",
 }
 
 

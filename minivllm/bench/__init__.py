@@ -20,4 +20,5 @@ NAMES = {
     "prefill_rate": "minivllm.bench.prefill_rate",
     "replay": "minivllm.bench.replay",
     "ab": "minivllm.bench.ab",
+    "lab_times": "minivllm.bench.lab_times",
 }

@@ -13,7 +13,8 @@ end to end on a CUDA GPU: Triton vs torch backend, CUDA graphs, nano-vllm's work
 ``fairness`` (noisy vs quiet tenant per scheduling policy, Jain's index, three classes; simulated),
 ``prefill_rate`` (auto preemption's learnt prefill rate on a busy stream against a plain prefill),
 ``replay`` (the simulator replaying real runs' step times over a grid of policies: identical decisions?),
-``ab`` (any of these on two git versions in one session, runs interleaved: ``ab --base REV -- NAME ... --out {out}``).
+``ab`` (any of these on two git versions in one session, runs interleaved: ``ab --base REV -- NAME ... --out {out}``),
+``lab_times`` (each lab notebook run top to bottom in a fresh kernel: the README's CPU-time column).
 """
 
 import importlib

@@ -231,7 +231,7 @@ def _kernel_grade(namespace: dict, lab_number: int, exercise: str, seed: int, ou
 # -- driving the kernel ------------------------------------------------------------------------
 
 
-def _kernel_manager(tmp: Path):
+def kernel_manager(tmp: Path):
     """A kernel manager for this interpreter (not whatever ``python3`` kernelspec is installed)."""
     from jupyter_client import AsyncKernelManager  # nbclient's timeouts need the async client
     from jupyter_client.kernelspec import KernelSpecManager
@@ -282,7 +282,7 @@ def _run_in_kernel(cells: list[tuple[str, str]], lab: Lab, seed: int, timeout: f
             nb.cells.append(nbformat.v4.new_code_cell(
                 "from minivllm.labs.grade import _kernel_grade as _minivllm_grade\n"
                 f"_minivllm_grade(globals(), {lab.number}, {ex.name!r}, {seed}, {str(out)!r}, {token!r})"))
-        km = _kernel_manager(tmp)  # ours, so nbclient will not shut it down: the finally below does
+        km = kernel_manager(tmp)  # ours, so nbclient will not shut it down: the finally below does
         # On a timeout: interrupt the kernel and move on at once (error_on_timeout), so a kernel that ignores
         # the interrupt (stuck in C code) costs each remaining cell one timeout, never an endless wait.
         # (nbclient's timeout is whole seconds: 2.5 is a TraitError there, so it gets the next whole second)
