@@ -222,16 +222,22 @@ def test_a_kernel_that_ignores_its_scale_argument_is_rejected(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's import order matters on a CPU only")
-@pytest.mark.parametrize("triton_first", [True, False], ids=["triton-first", "checker-first"])
-def test_triton_imported_before_the_checker_is_named_and_its_failure_shown(triton_first):
+@pytest.mark.parametrize("triton_first,late_env", [(True, False), (True, True), (False, False)],
+                         ids=["triton-first", "triton-first-then-the-labs-first-cell", "checker-first"])
+def test_triton_imported_before_the_checker_is_named_and_its_failure_shown(triton_first, late_env):
     """Triton decorates its own library when triton.language is imported; imported first without the interpreter,
-    an interpreted kernel that calls tl.cdiv fails.  The checker must warn then, and stay silent in the lab's order."""
+    an interpreted kernel that calls tl.cdiv fails.  The checker must warn then, and stay silent in the lab's order.
+
+    ``late_env``: the lab's first cell sets ``TRITON_INTERPRET=1`` right before importing the checker, which does
+    not undo an earlier import of Triton -- the warning must still come."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = textwrap.dedent(f"""
-        import warnings
+        import os, warnings
         warnings.simplefilter("always")
         if {triton_first}:
             import triton.language
+        if {late_env}:
+            os.environ["TRITON_INTERPRET"] = "1"
         with warnings.catch_warnings(record=True) as seen:
             import minivllm.labs.check_lab07
         print("WARNED" if any("before minivllm.labs.check_lab07" in str(w.message) for w in seen) else "QUIET")

@@ -72,6 +72,28 @@ def test_rope_tables_equal_transformers_over_every_servable_length(rope):
     torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
 
 
+def test_longrope_with_phi3_style_top_level_original_length_bounds_the_servable_length(tmp_path):
+    """Phi-3's layout: ``rope_scaling`` without the original length, which sits at the top level of config.json.
+    transformers switches to the long factors past that top-level value, though the config's ``rope_parameters``
+    read 512 (max_position_embeddings) until its RoPE initialiser first ran."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    raw = dict(COMMON, model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=10000.0,
+               original_max_position_embeddings=128,
+               rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    args = ModelArgs.from_hf_config(read_config(tmp_path))
+    servable = args.max_position_embeddings
+    assert servable == 128
+    config = read_config(tmp_path)
+    ours = RotaryEmbedding(config, args.head_dim, servable)
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, servable, args.head_dim), torch.arange(servable)[None])
+    torch.testing.assert_close(ours.cos, cos[0], rtol=1e-5, atol=1e-5)
+    # one position further and transformers' table is the long factors' (so the bound is not merely cautious)
+    cos, _ = LlamaRotaryEmbedding(config)(torch.zeros(1, servable + 1, args.head_dim), torch.arange(servable + 1)[None])
+    assert not torch.allclose(RotaryEmbedding(config, args.head_dim, servable + 1).cos, cos[0], atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotation_is_bit_for_bit_the_rotate_half_formula(dtype):
     """The serving rotation (halves flipped, sign folded into sin, q and k as one tensor of heads) vs HF's own

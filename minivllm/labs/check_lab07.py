@@ -39,10 +39,13 @@ from typing import Callable
 import torch
 
 if not torch.cuda.is_available():  # must precede the first @triton.jit of the lab (see the module docstring)
-    if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    _tl = sys.modules.get("triton.language")
+    if _tl is not None and type(getattr(_tl, "cdiv", None)).__name__ == "JITFunction":
         # Too late to switch: Triton decorated its own library (tl.cdiv, the reductions' combine functions) as
         # compiled code when triton.language was first imported (transformers imports it), and an interpreted
         # kernel cannot call those.  Say so here rather than through the interpreter's error in every case.
+        # The library itself is asked, not the variable: the lab's first cell sets TRITON_INTERPRET=1 just
+        # before importing this module, which is too late when something above it imported Triton first.
         warnings.warn("Triton was imported before minivllm.labs.check_lab07, without TRITON_INTERPRET=1: kernels "
                       "interpreted on this CPU will fail with \"Cannot call @triton.jit'd outside of the scope of a "
                       "kernel\". Restart the kernel (or the process) and run the lab's first cell before anything "

@@ -90,10 +90,14 @@ class ModelArgs:
             max_positions = min(max_positions, int(window))
         # LongRoPE keeps two sets of factors and transformers switches to the long ones for a whole sequence once
         # it passes original_max_position_embeddings; one cos/sin table holds the short ones only, so their
-        # range bounds the servable length (within it the table is transformers' own).
+        # range bounds the servable length (within it the table is transformers' own).  A top-level
+        # original_max_position_embeddings (Phi-3's layout, beside a ``rope_scaling``) wins over the dict's copy, as
+        # it does in transformers: the model config class fills the dict with max_position_embeddings before that
+        # attribute is set, and the RoPE initialiser overwrites it with the top-level value only when it runs.
         rope = getattr(config, "rope_parameters", None) or {}
-        if rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings"):
-            max_positions = min(max_positions, int(rope["original_max_position_embeddings"]))
+        original = getattr(config, "original_max_position_embeddings", None) or rope.get("original_max_position_embeddings")
+        if rope.get("rope_type") == "longrope" and original:
+            max_positions = min(max_positions, int(original))
         return cls(
             architecture=arch,
             vocab_size=config.vocab_size,
