@@ -259,3 +259,17 @@ def test_cpu_sim_accuracy_row_quotes_the_newest_committed_run():
     for name, run in runs.items():
         if name in row:
             assert f"**{run['within_10pct']}**" in row, (name, run["within_10pct"])
+
+
+def test_lab_times_quoted_in_the_readme_are_the_files_own():
+    """The README's measured lab times ("**5–35 s** per lab, **138 s** for all nine") are the committed
+    ``bench lab_times`` file's range and total, and every lab ran to its end there."""
+    import json
+
+    m = re.search(r"`benchmarks/results/(\S+_lab_times\.json)`\): \*\*(\d+)–(\d+) s\*\* per lab, \*\*(\d+) s\*\* for all",
+                  " ".join(README.split()))
+    assert m, "the README no longer quotes the measured lab times"
+    rows = json.loads((ROOT / "benchmarks" / "results" / m.group(1)).read_text(encoding="utf-8"))["rows"]
+    seconds = [r["seconds"] for r in rows]
+    assert len(rows) == 9 and all(r["ran_every_cell"] for r in rows)
+    assert (round(min(seconds)), round(max(seconds)), round(sum(seconds))) == tuple(int(g) for g in m.groups()[1:])
