@@ -111,9 +111,10 @@ class ThreeClassConfig:
     """Knobs of the ``scheduling_policy="three_class"`` preset (the seed lesson's worked policy).
 
     * ``interactive_kv_reserve`` -- fraction of the KV pool agent and batch work may never hold
-      (rule ``reserve_kv_for_interactive``);
+      (rule ``reserve_kv_for_interactive``; what they may hold is rounded down, but at least one block);
     * ``agent_kv_share`` / ``agent_max_running_share`` -- the agent queue's bounded share of
-      blocks and seats (rule ``bounded_agent_queue``);
+      blocks and seats (rule ``bounded_agent_queue``; each rounded down, but at least one: a cap of 0
+      would refuse the whole class);
     * ``batch_max_interactive_queue`` -- batch work is admitted only while fewer interactive
       requests than this wait (rule ``batch_only_when_interactive_idle``);
     * ``tenant_cache_share`` -- prefix caching is on, each tenant (all its cache salts together)

@@ -364,6 +364,24 @@ def test_equal_priority_never_preempts_to_admit():
 
 # -- WFQ -------------------------------------------------------------------------------------------------
 
+def test_wfq_order_does_python_work_only_for_the_requests_handed_out_and_says_what_the_backlog_costs():
+    """The kept order is lazy: taking the first 3 requests of a 2,000-request backlog charges 3 provisionally, not
+    2,000 (oracle: a count of the per-request calls).  But each order still copies every tenant's queue (in C),
+    which grows with the backlog (0.9 ms a step at 100,000 waiting), so the docstring must not say the backlog
+    costs nothing: it once said a step costs "not the backlog"."""
+    engine = make_engine("wfq", num_blocks=48, max_seqs=2)
+    for i in range(2000):
+        add(engine, "ab"[i % 2], 2, 4, f"r{i}")
+    policy = engine.scheduler.admission_policy
+    calls = []
+    uncharged = policy._uncharged
+    policy._uncharged = lambda req: calls.append(req) or uncharged(req)
+    order = iter(policy.order(engine.scheduler.waiting, engine.scheduler.running))
+    first = [next(order) for _ in range(3)]
+    assert [r.request_id for r in first] == ["r0", "r1", "r2"] and len(calls) <= 3
+    assert "copies every tenant's queue" in type(policy).__doc__
+
+
 def test_wfq_a_newly_active_tenant_starts_at_the_minimum_and_cannot_bank_credit():
     engine = make_engine("wfq", num_blocks=64, budget=32)
     wfq = engine.scheduler.admission_policy
@@ -713,6 +731,26 @@ def test_rule_bounded_agent_queue():
     order = engine.scheduler.admission_policy.order(engine.scheduler.waiting, [])
     assert order[0].request_id == "c0"  # a separate, later queue
     drain(engine, each=check)
+
+
+def test_three_class_shares_below_one_seat_or_block_still_give_one_and_the_rules_say_so():
+    """A share of a small engine rounds down to at least one seat and one block (a cap of 0 would refuse every
+    agent request), so the rule text must say so: it read as if agents never held more than the share.
+    Oracle: hand count -- 0.1 of 4 seats is 0.4 seat and 0.01 of 20 blocks 0.2 block, yet one agent request
+    of one prompt token runs, holding 1 seat and 1 block."""
+    knobs = ThreeClassConfig(agent_max_running_share=0.1, agent_kv_share=0.01, interactive_kv_reserve=0.99)
+    engine = make_engine("three_class", {"agent": TenantConfig(priority_class="agent")}, num_blocks=20, max_seqs=4,
+                         three_class=knobs)
+    add(engine, "agent", 1, 3, "a0")
+    add(engine, "agent", 1, 3, "a1")
+    engine.step()
+    running = engine.scheduler.running
+    assert [r.request_id for r in running] == ["a0"] and len(running[0].block_ids) == 1
+    assert 1 > knobs.agent_max_running_share * 4 and 1 > knobs.agent_kv_share * 20
+    assert 1 > (1 - knobs.interactive_kv_reserve) * 20
+    for rule in ("reserve_kv_for_interactive", "bounded_agent_queue"):
+        assert "at least one" in THREE_CLASS_RULES[rule]
+    drain(engine)
 
 
 def test_rule_batch_only_when_interactive_idle():

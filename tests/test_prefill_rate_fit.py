@@ -251,3 +251,18 @@ def test_a_step_that_failed_as_a_whole_does_not_feed_the_fit():
     assert executor.prefill_steps >= 30  # ten or more steps failed
     rate = engine.scheduler.costs.prefill_tokens_per_s
     assert abs(rate * B - 1) < 0.10, f"learnt {rate:.0f} tokens/s, true {1 / B:.0f}"
+
+
+def test_auto_modes_default_cost_model_answers_alike_at_every_full_block_length():
+    """Both sides of ``PreemptionCosts`` are linear in the context, so its answer does not turn on length: by hand,
+    swap iff ``2 * bytes_per_block / block_size / link < 1 / rate`` for whole blocks.  The module docstring once
+    said long contexts swap and short ones recompute, which only a cost model like the roofline one does."""
+    import minivllm.sched.scheduler as scheduler
+    bs, bpb, rate = 16, 368_640, 800.0
+    edge = 2 * bpb * rate / bs  # the link at which a victim of whole blocks costs the same either way
+    for link, swaps in ((edge * 1.05, True), (edge / 1.05, False)):
+        costs = PreemptionCosts(bpb, link, rate)
+        assert [costs.prefers_swap(n * bs, n) for n in (1, 10, 100, 1000)] == [swaps] * 4
+    assert not PreemptionCosts(bpb, edge * 1.05, rate).prefers_swap(113, 8)  # a part-filled last block: recompute
+    assert "Long contexts on a fast link\n  swap; short ones recompute." not in scheduler.__doc__
+    assert "nearly the same answer at every length" in scheduler.__doc__

@@ -180,3 +180,47 @@ def test_a_real_model_samples_the_same_tokens_whichever_blocks_a_restarted_sampl
         fork_only(m)
         old = [fuzz(model_engine(tiny_model), seed) for seed in seeds]
     assert new == old
+
+
+def test_a_sample_admitted_while_its_leader_is_off_the_device_starts_alone_below_the_promise():
+    """``computed_if_admitted`` promises a sample the fork while its leader lives, swapped out or not; but a
+    sample whose leader has prefilled is admitted without waiting for the leader to come back, and a leader
+    can also be preempted (swapped out) within the pass to seat a better-ranked request.  Such a sample starts
+    alone from the cached prefix: less than promised, with no eviction.  Brute force over seeded priority
+    workloads in swap mode: every admission finds at most its promise, and less only after an eviction in the
+    pass or when the sample's leader held no device blocks as it was admitted -- which must occur."""
+    from minivllm.request import RequestStatus
+
+    leader_out = 0
+    for seed in range(40, 60):  # (seeds 48 and 57 admit a sample while its leader is swapped out)
+        rnd = random.Random(seed)
+        engine = tiny_engine(num_blocks=rnd.randrange(12, 18), max_len=48, prefix="radix", preemption_mode="swap",
+                             scheduling_policy="priority", num_cpu_blocks_override=16)
+        sched = engine.scheduler
+        seen = watch_admissions(engine)
+        out_at_admission = set()
+        admit = sched.admit
+
+        def noting_admit():
+            admitted = admit()
+            out_at_admission.update(r.request_id for r in admitted if r.leader is not None and not r.leader.block_ids
+                                    and r.leader.status is RequestStatus.SWAPPED)
+            return admitted
+
+        sched.admit = noting_admit
+        base = [rnd.randrange(1, 40) for _ in range(16)]
+        for i in range(14):
+            prompt = base[:rnd.randrange(0, 17)] + [rnd.randrange(1, 40) for _ in range(rnd.randrange(1, 10))]
+            engine.add_request({"prompt_token_ids": prompt}, SamplingParams(
+                n=rnd.choice([1, 2, 3]), max_tokens=rnd.randrange(1, 14), temperature=1.0, seed=i, ignore_eos=True),
+                request_id=f"r{i}", priority=rnd.randrange(0, 3))
+            for _ in range(rnd.randrange(0, 3)):
+                engine.step()
+        drain(engine)
+        for rid, promised, found, evictions, _ in seen:
+            assert found <= promised, (seed, rid, promised, found)
+            if found < promised and not evictions:
+                assert rid in out_at_admission, (seed, rid, promised, found)
+                leader_out += 1
+        assert_no_leak(engine)
+    assert leader_out > 0

@@ -270,6 +270,8 @@ class LLMEngine:
             raise RuntimeError("this engine is already served by another running server (stop that one first)")
 
     def release_driver(self, driver) -> None:
+        """Give up the claim of :meth:`claim_driver`, only if ``driver`` still holds it: a loop that stops
+        after another has claimed the engine (once the first stopped running) must not undo that claim."""
         with self._lock:
             if self._driver is driver:
                 self._driver = None
@@ -500,6 +502,8 @@ class LLMEngine:
         return out
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a driver must step again: the scheduler's work, and outputs still owed for requests that ended
+        outside a step (an aborted sample, a stall) -- only the next step reports them."""
         return self.scheduler.has_work() or bool(self._finished_elsewhere)
 
     def holds_any(self, request_ids) -> bool:

@@ -100,7 +100,11 @@ class BlockPool:
         return block_id
 
     def allocate_many(self, n: int) -> list[int]:
-        """All-or-nothing allocation of ``n`` blocks."""
+        """All-or-nothing allocation of ``n`` blocks.
+
+        Checked before the first block is taken, not undone after a failure: blocks given back go to the
+        back of the free list, so a rollback would leave the list in another order than before the call.
+        """
         if n > len(self._free):
             raise OutOfBlocksError(f"need {n} blocks, {len(self._free)} free")
         return [self.allocate() for _ in range(n)]
@@ -146,6 +150,8 @@ class BlockPool:
         keeps the block.  Otherwise a fresh block is allocated, the caller's
         reference on the shared one is dropped, and ``needs_copy`` tells the
         caller to copy the KV contents (the pool never touches tensors).
+        The new block is taken before the shared one is dropped, so a dry pool
+        raises with the caller's reference still held.
         """
         if self._refcount[block_id] <= 0:
             raise ValueError(f"copy_on_write on free block {block_id}")

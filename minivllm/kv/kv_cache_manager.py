@@ -174,7 +174,8 @@ class KVCacheManager:
     # -- capacity ------------------------------------------------------------
     @property
     def num_available_blocks(self) -> int:
-        """Free blocks plus cached blocks nobody is using (they can be evicted)."""
+        """Free blocks plus the cached blocks that can be evicted now: held by no request, nor pinned by a
+        held block cached after them (a cached block only the cache holds may still be pinned: not counted)."""
         evictable = self.prefix_cache.num_evictable_blocks() if self.prefix_cache else 0
         return self.pool.num_free + evictable
 
@@ -235,10 +236,11 @@ class KVCacheManager:
         ``req`` admitted throws the victims' work away for nothing.  The room is bounded from above: the
         blocks available now (free or evictable), plus each block of theirs no one else holds (one still
         in another table stays taken; one only the prefix cache keeps becomes evictable), less the
-        cached blocks ``req`` would share (shared, they stop being evictable), less ``reserved``.  The need
-        is its tokens in blocks, less its cached prefix; a swapped-out request shares nothing: it needs its
-        swapped blocks back and room for the rest of its tokens, what its admission checks
-        (:meth:`Scheduler._try_admit`).  (Reject mode never asks: it never preempts.)
+        cached blocks ``req`` would share that were counted so far (shared, they stop being evictable; one
+        pinned now was not counted), less ``reserved``.  The need is its tokens in blocks, less its cached
+        prefix; a swapped-out request shares nothing: it needs its swapped blocks back and room for the rest
+        of its tokens, what its admission checks (:meth:`Scheduler._try_admit`).  (Reject mode never asks: it
+        never preempts.)
         """
         held: dict[int, int] = {}
         for r in reqs:
@@ -264,8 +266,11 @@ class KVCacheManager:
         # victim holds (a request whose prefix twin was cached first caches its later blocks below the
         # twin): not evictable now, not in a victim's table, yet evictable once the victims go.  Before
         # saying "certainly not", count those too (O(pinned blocks), asked only on this path).
-        hit_set = set(hit)
-        room += sum(1 for b in pinned_blocks() if b not in held and b not in hit_set and holders_after(b) == 0)
+        # A hit block pinned now was not in the blocks available now, yet it was taken off the room above as if
+        # it were (unless a victim holds it: then ``freed`` counted it): give it back.
+        hit_set, pinned = set(hit), pinned_blocks()
+        room += sum(1 for b in pinned if b not in held and b not in hit_set and holders_after(b) == 0)
+        room += sum(1 for b in hit_set if b in pinned and b not in held and evictable_after(b))
         return room >= need
 
     def worst_case_new_blocks(self, req: Request) -> int:
@@ -278,7 +283,8 @@ class KVCacheManager:
         return blocks_for(num_tokens, self.block_size) <= self.pool.num_blocks
 
     def usage(self) -> float:
-        """Fraction of blocks held by requests (cached-only blocks count as free)."""
+        """Fraction of blocks an allocation cannot get: held by requests, or cached and pinned by a held block
+        after them (evictable cached blocks count as free)."""
         return 1.0 - self.num_available_blocks / self.pool.num_blocks
 
     # -- sharing ---------------------------------------------------------------
@@ -324,14 +330,17 @@ class KVCacheManager:
         recent (:class:`~minivllm.interfaces.PeeksPrefix`).
 
         This is the fork :meth:`can_fork` will allow once the leader holds blocks, not whether it allows it now: a
-        leader still prefilling counts, and so does one swapped out (its samples queue behind it and it is brought
-        back first; were a sample admitted while its leader is out, it would start alone and this answer would be
-        up to ``prompt - 1`` tokens too high, which moves only its own tenant's later requests in that pass).
+        leader still prefilling counts, and so does one swapped out.  A sample does not wait for a leader that is
+        off the device once the leader has prefilled (:meth:`Scheduler._leader_ready`): admitted while its leader
+        is swapped out (before the pass, or preempted in it to seat a better-ranked request), it starts alone and
+        this answer is up to ``prompt - 1`` tokens too high, which moves only its own tenant's later requests in
+        that pass.
 
         Why: an admission policy that charges only the prompt a request will prefill (WFQ) must know what the
-        cache will spare it before admission looks the cache up.  Exact while the cache keeps what it holds:
-        within one admission pass only an eviction changes it (a swap-in taking blocks), so the count can only
-        be more than admission then finds, never less.  A cache without ``peek`` counts nothing cached.  Costs
+        cache will spare it before admission looks the cache up.  Exact while the cache keeps what it holds and
+        each sample's leader holds its blocks: within one admission pass only an eviction (a swap-in taking
+        blocks) or a leader leaving the device changes it, so the count can only be more than admission then
+        finds, never less.  A cache without ``peek`` counts nothing cached.  Costs
         the blocks the cache compares (the built-in caches stop at the first miss; the tokens are not copied).
         """
         if req.status is RequestStatus.SWAPPED or req.cpu_block_ids:

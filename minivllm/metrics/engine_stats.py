@@ -5,7 +5,8 @@ first lab, and a dict is cheap to build per step and to send across the server's
 keeps both: a checker (and a reader) sees every key with its meaning in one place, and a logger that indexes a
 key instead of ``.get(key, 0)`` fails loudly the day a key is renamed rather than reporting 0 for ever.
 
-Blocks: ``free_blocks`` (the free list) + ``used_blocks`` (held by requests) + evictable cached blocks =
+Blocks: ``free_blocks`` (the free list) + ``used_blocks`` (held by requests, or cached and pinned by a held
+block after them) + evictable cached blocks =
 ``num_blocks``; ``available_blocks`` = free + evictable, what an allocation can get (the door rule's number).
 """
 
@@ -46,7 +47,7 @@ class _EngineCounters(TypedDict):
     available_blocks: int
     cached_blocks: int
     used_blocks: int
-    kv_cache_usage: float  # used_blocks / num_blocks, as vLLM's gauge: cached blocks nobody holds count as free
+    kv_cache_usage: float  # used_blocks / num_blocks, as vLLM's gauge: evictable cached blocks count as free
     num_cpu_blocks: int
     cpu_blocks_used: int
     num_running: int

@@ -89,9 +89,9 @@ CLASS_RANK = {"interactive": 0, "agent": 1, "batch": 2}
 
 THREE_CLASS_RULES = {
     "reserve_kv_for_interactive": "agent and batch requests together never hold more than "
-                                  "(1 - interactive_kv_reserve) of the KV blocks",
+                                  "(1 - interactive_kv_reserve) of the KV blocks (rounded down, at least one)",
     "bounded_agent_queue": "agent requests are ordered after interactive ones and hold at most agent_kv_share "
-                           "of the blocks and agent_max_running_share of the seats",
+                           "of the blocks and agent_max_running_share of the seats (each rounded down, at least one)",
     "batch_only_when_interactive_idle": "batch requests are admitted only while fewer than "
                                         "batch_max_interactive_queue interactive requests wait",
     "capped_prefix_cache": "prefix caching is on and each tenant (all its cache salts together) keeps at most "
@@ -155,6 +155,7 @@ class CapTable:
             out.append(CapGroup(("tenant", tenant), "tenant_caps", tc.max_running, blocks, tc.max_tokens_per_step,
                                 tc.over_cap))
         if config.scheduling_policy == "three_class":
+            # each share rounds down but to at least one block / seat: a cap of 0 would refuse the class outright
             cls, knobs = class_of(config, tenant), config.three_class
             if cls != "interactive":
                 out.append(CapGroup(("class", "agent+batch"), "reserve_kv_for_interactive",
@@ -297,6 +298,8 @@ class RankPreemption:
         self.policy = policy
 
     def choose_victim(self, running: Sequence[Request]) -> Request:
+        """``reversed``: ``max`` keeps the first of equal ranks, so ties go to the latest admitted, as FCFS's
+        victim rule (:class:`~minivllm.sched.policies.RecomputeLatestPreemption`): it has done the least work."""
         return max(reversed(running), key=self.policy.rank)
 
 
@@ -320,9 +323,11 @@ class WFQAdmission(KeepsItsOrder):
 
     The order is each tenant's queue merged by counter.  Given the scheduler's queue it is built from what was
     kept as that queue changed (:class:`~minivllm.interfaces.KeepsOrder`: each tenant's waiting requests in
-    queue order, and which of them entered or left since the last order) and handed out lazily, so a step costs
-    the tenants and the requests admission looks at, not the backlog.  Given any other sequence it is built
-    from that sequence, as a list.  The two answers are the same (a test replays engines both ways).
+    queue order, and which of them entered or left since the last order) and handed out lazily, so a step's
+    Python work is the tenants and the requests admission looks at, not the backlog -- though each step still
+    copies every tenant's queue in C, since admission changes the queue as it walks the order (measured on a
+    loaded 2-core box: ~20 us a step at 10,000 waiting requests, ~0.9 ms at 100,000).  Given any other sequence
+    it is built from that sequence, as a list.  The two answers are the same (a test replays engines both ways).
     """
 
     head_of_line = "global"
@@ -586,6 +591,8 @@ class DeadlineAdmission(KeepsItsOrder):
         return max(req.arrival_time, d)
 
     def rank(self, req: Request) -> tuple:
+        """Aged deadline, then arrival: equal keys are served first come first served, and the victim rule
+        (:class:`RankPreemption`) preempts the latest key."""
         return (self.key(req), req.arrival_time)
 
     def order(self, waiting: Sequence[Request], running: Sequence[Request]) -> list[Request]:
@@ -606,6 +613,8 @@ class ThreeClassAdmission(KeepsItsOrder):
         self._kept = KeptOrder(PriorityAdmission.rank, self.class_rank)
 
     def class_rank(self, req: Request) -> int:
+        """0, 1, 2 for interactive, agent, batch; remembered per tenant, since it is asked of every request that
+        enters the queue or is ordered, and the config's lookup scans the tenant list each time."""
         c = self._class.get(req.tenant)
         if c is None:
             c = self._class[req.tenant] = CLASS_RANK[class_of(self.config, req.tenant)]

@@ -33,8 +33,11 @@ Preemption modes (``EngineConfig.preemption_mode``)
   for lack of KV finishes as ``"rejected"`` with a ``retry_after_s`` hint.
 * ``auto`` -- per victim, the cheaper of swap and recompute (:class:`PreemptionCosts`):
   swap when ``2 * kv_bytes / link_bandwidth < computed_tokens / prefill_rate``
-  and the host tier has room, else recompute.  Long contexts on a fast link
-  swap; short ones recompute.
+  and the host tier has room, else recompute.  Both sides grow linearly with the
+  context, so this default gives nearly the same answer at every length (only a
+  part-filled last block tips a victim toward recompute); long contexts swap and
+  short ones recompute under a model whose short recomputes are cheap per token,
+  such as the simulator's roofline one.
 
 Two rules keep preemption from thrashing: nothing is admitted in the step
 right after a preemption made while allocating (the pool is full; admitting
@@ -417,7 +420,9 @@ class Scheduler:
         return blocks_for(req.num_tokens, self.kv.block_size)
 
     def _group_usage(self) -> dict:
-        """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``."""
+        """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``.  Recounted from
+        ``running`` at each pass (then kept by ``admit`` as it admits), like :meth:`_group_held`: finishes, aborts
+        and preemptions between passes all change it, and a count rebuilt here cannot drift."""
         usage: dict = {}
         for r in self.running:
             for g in self.caps.groups(r):
@@ -443,6 +448,9 @@ class Scheduler:
         return True
 
     def _cap_budget(self, req: Request, usage: dict, budget: int) -> int:
+        """``budget`` cut to what ``req``'s groups' per-step token caps leave: step 2 gives it no more, so admitting
+        it on more would take blocks for tokens that get no row (or, chunked prefill off, a prompt that never
+        fits)."""
         for g in self.caps.groups(req):
             if g.max_tokens is not None:
                 budget = min(budget, g.max_tokens - usage.get(g.key, (0, 0, 0))[2])

@@ -284,6 +284,9 @@ class AsyncEngine:
             engine.release_driver(self)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each output to its stream on the event loop (``call_soon_threadsafe``: this runs on the loop
+        thread and an :class:`asyncio.Queue` is not thread-safe); a finished request's stream leaves the table
+        here, where its last output is known."""
         metrics = self.metrics
         if metrics is not None:
             metrics.observe_step(self.engine)
