@@ -11,6 +11,7 @@ HF's module weights for the stacking, and ``/proc/self/maps`` for the map.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -289,3 +290,21 @@ def test_a_finished_conversion_moves_into_place_once_and_leaves_no_copy_behind(t
     _move_into_place(_conversion(tmp_path / "model.tmp3", "third"), out)
     assert (out / "model.safetensors").read_text() == "third"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_conversion_killed_part_way_leaves_no_folder_behind_for_long(tmp_path):
+    """A ``.tmp<pid>`` folder whose process is gone is removed at the next load; one whose process is alive (another
+    conversion at work) is kept.  By hand: a finished child's pid is dead, this test's own pid is alive."""
+    if os.name != "posix":
+        pytest.skip("the liveness test is POSIX's")
+    from minivllm.model.loader import _remove_abandoned
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(child.stdout)
+    out = tmp_path / "model"
+    for pid in (dead, os.getpid()):
+        (tmp_path / f"model.tmp{pid}").mkdir()
+        (tmp_path / f"model.tmp{pid}" / "model.safetensors").write_text("half")
+    (tmp_path / "model.tmpx").mkdir()  # not a pid: not ours to judge
+    _remove_abandoned(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"model.tmp{os.getpid()}", "model.tmpx"])

@@ -173,6 +173,7 @@ def convert_gguf(path: Path) -> Path:
     minute) must not leave one that passes it without its config or tokenizer files.
     """
     out = _cache_dir_for(path)
+    _remove_abandoned(out)
     if (out / "model.safetensors").exists():
         return out
     arch = gguf_architecture(path)
@@ -209,6 +210,27 @@ def convert_gguf(path: Path) -> Path:
     (tmp / "minivllm_source.txt").write_text(f"converted from {path}\n")
     _move_into_place(tmp, out)
     return out
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Delete ``out``'s ``.tmp<pid>`` folders whose process is gone.
+
+    Why: a conversion killed part way (Ctrl-C in a notebook, a cancelled job) leaves its half-written folder, half a
+    gigabyte with the bundled model, that nothing else would ever remove; the folder of a process still alive is
+    another conversion at work and is left alone.  POSIX only: elsewhere ``os.kill(pid, 0)`` is no liveness test.
+    """
+    if os.name != "posix":
+        return
+    for tmp in out.parent.glob(out.name + ".tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # gone: nobody will finish this folder
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (PermissionError, OverflowError):  # alive under another user, or no pid at all: leave it
+            pass
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
