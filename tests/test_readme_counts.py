@@ -260,12 +260,9 @@ def test_cpu_sim_accuracy_row_quotes_the_newest_committed_run():
     after the row was written (stop 59's 9/15 and 10/15 beside the row's last 14/15) otherwise leaves the table
     reporting a better score than the code's latest measurement.  Every committed run the row names must be quoted
     with its own score."""
-    import json
-
     row = next((line for line in README.splitlines() if line.startswith("| simulator accuracy, CPU-time clock")), None)
     assert row, "the README no longer has the CPU simulator-accuracy row"
-    runs = {p.name: json.loads(p.read_text(encoding="utf-8"))
-            for p in (ROOT / "benchmarks" / "results").glob("*_cpu-2core_sim_accuracy_stop*.json")}
+    runs = {name: r for name, r in _cpu_sim_accuracy_runs().items() if "_stop" in name}
     newest = max(runs, key=lambda name: runs[name]["date_utc"])
     assert newest in row, f"the row does not name the newest committed run, {newest}"
     # the row tells its runs in date order, so the newest one's score is its last bold one (a score found anywhere

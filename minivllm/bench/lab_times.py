@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import re
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ def run_notebook(path: Path, timeout_s: int) -> dict:
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from nbclient.util import run_sync
 
-    from minivllm.labs.grade import kernel_manager
+    from minivllm.labs.grade import cell_error, kernel_manager
 
     nb = nbformat.read(path, as_version=4)
     error = None
@@ -45,8 +44,8 @@ def run_notebook(path: Path, timeout_s: int) -> dict:
         try:
             client.execute()
         except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:  # the rest of the cells did not run
-            last = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip().splitlines()  # (the traceback's colours)
-            error = f"{type(exc).__name__}: {last[-1] if last else ''}"[:300]
+            cell = next((e for c in nb.cells if (e := cell_error(c))), None)  # ename: evalue, as the grader reads it
+            error = f"{type(exc).__name__}: {cell or ''}"[:300]
         finally:
             seconds = time.perf_counter() - start
             if km.has_kernel:

@@ -252,7 +252,9 @@ _QUIET.setLevel(logging.CRITICAL)
 _QUIET.propagate = False
 
 
-def _cell_error(cell) -> str | None:
+def cell_error(cell) -> str | None:
+    """The first error a cell recorded, as ``ename: evalue`` (None: it ran clean); also what ``bench lab_times``
+    reports for a notebook that stopped."""
     for o in cell.get("outputs", []):
         if o.get("output_type") == "error":
             return f"{o.get('ename')}: {o.get('evalue')}"[:200]
@@ -309,7 +311,7 @@ def _run_in_kernel(cells: list[tuple[str, str]], lab: Lab, seed: int, timeout: f
                             stuck = whats[i]
                         else:
                             errors[whats[i]] = f"not run: the kernel was still busy with {stuck}, which ignored the interrupt"
-                    elif (err := _cell_error(cell)) is not None:
+                    elif (err := cell_error(cell)) is not None:
                         errors.setdefault(whats[i], err)
         except DeadKernelError:
             fatal = "the kernel died (the notebook crashed the Python process)"
