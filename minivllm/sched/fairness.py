@@ -69,6 +69,7 @@ its tenant's cap holds back is passed by other tenants' requests, however late.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass
@@ -314,6 +315,52 @@ def _tenant(req: Request) -> str:
     return req.tenant
 
 
+class _LivePass:
+    """One admission pass's view of WFQ's kept queues (one per tenant), read live instead of copied.
+
+    The lazy order hands out each tenant's requests *as they waited when the order was made*, while admission
+    changes the queues under it: it removes what it admits or rejects (a rejected leader takes its waiting samples
+    with it) and puts preempted victims back at the front.  A copy of every queue kept that view for free, at a
+    cost that grew with the backlog.  Here each tenant has a cursor (the kept key of its request handed out last);
+    its next request is the first one past the cursor that had entered by the time of the order
+    (:meth:`KeptOrder.first_after`), and a request that leaves before its turn is remembered with its key
+    (``ghosts``), so it is still handed out in its place, exactly as from a copy (the scheduler passes over a
+    request that ended meanwhile).  Cost: O(log n) per request handed out, plus what left early.
+    """
+
+    def __init__(self, kept: KeptOrder) -> None:
+        self.kept = kept
+        self.entries = kept.entries
+        self.cursor: dict[str, tuple] = {}
+        self.ghosts: dict[str, list[tuple[tuple, Request]]] = {}
+
+    def left(self, req: Request) -> None:
+        """``req`` is leaving its queue (called before it is removed): keep it if its turn has not come."""
+        kept = self.kept
+        if not kept.entered_by(req, self.entries):
+            return  # entered during the pass: never part of this order
+        key = kept.key(req)
+        cursor = self.cursor.get(req.tenant)
+        if cursor is None or key > cursor:
+            bisect.insort(self.ghosts.setdefault(req.tenant, []), (key, req), key=_first)
+
+    def next(self, tenant: str) -> Request:
+        """The tenant's next request in this order (the caller asks only as often as the tenant had requests)."""
+        kept = self.kept
+        req = kept.first_after(tenant, self.cursor.get(tenant), self.entries)
+        ghosts = self.ghosts.get(tenant)
+        if ghosts and (req is None or ghosts[0][0] < kept.key(req)):
+            key, req = ghosts.pop(0)
+        else:
+            key = kept.key(req)
+        self.cursor[tenant] = key
+        return req
+
+
+def _first(pair: tuple):
+    return pair[0]
+
+
 class WFQAdmission(KeepsItsOrder):
     """Weighted fair queueing over tokens: a virtual token counter per tenant (VTC).
 
@@ -323,11 +370,11 @@ class WFQAdmission(KeepsItsOrder):
 
     The order is each tenant's queue merged by counter.  Given the scheduler's queue it is built from what was
     kept as that queue changed (:class:`~minivllm.interfaces.KeepsOrder`: each tenant's waiting requests in
-    queue order, and which of them entered or left since the last order) and handed out lazily, so a step's
-    Python work is the tenants and the requests admission looks at, not the backlog -- though each step still
-    copies every tenant's queue in C, since admission changes the queue as it walks the order (measured on a
-    loaded 2-core box: ~20 us a step at 10,000 waiting requests, ~0.9 ms at 100,000).  Given any other sequence
-    it is built from that sequence, as a list.  The two answers are the same (a test replays engines both ways).
+    queue order, and which of them entered or left since the last order) and handed out lazily, read from the
+    live queues (:class:`_LivePass`), so a step's work is the tenants and the requests admission looks at, not the
+    backlog.  (It once copied every tenant's queue each step, since admission changes the queues as it walks the
+    order: one C call, but ~0.9 ms a step at 100,000 waiting requests.)  Given any other sequence it is built
+    from that sequence, as a list.  The two answers are the same (a test replays engines both ways).
     """
 
     head_of_line = "global"
@@ -355,6 +402,7 @@ class WFQAdmission(KeepsItsOrder):
         # answer; none (0) before a scheduler gives one, or once a second scheduler shares the policy
         self._computed_if_admitted: Callable[[Request], int] | None = None
         self._peeks_given = 0
+        self._pass: _LivePass | None = None  # this step's lazy order, while admission may still walk it
 
     def track(self, waiting: Sequence[Request]) -> None:
         if self._kept.queue is None and not self._shared:
@@ -367,6 +415,7 @@ class WFQAdmission(KeepsItsOrder):
                 self._waiting_seen = self._seen()
             self._tracking = False
             self._shared = True
+            self._pass = None
             self._kept = KeptOrder(no_rank, _tenant)
             self._fresh.clear()
             self._seen_left.clear()
@@ -378,6 +427,8 @@ class WFQAdmission(KeepsItsOrder):
 
     def dequeued(self, req: Request) -> None:
         if self._tracking:
+            if self._pass is not None:
+                self._pass.left(req)
             self._kept.remove(req)
             if req in self._fresh:
                 del self._fresh[req]
@@ -437,6 +488,7 @@ class WFQAdmission(KeepsItsOrder):
         the counters as they stand until the next ``order``."""
         if self._places:
             self._places.clear()
+        self._pass = None
 
     def _raise_to(self, tenant: str, floor: float) -> None:
         """Lift ``tenant``'s counter to ``floor``; a counter is never lowered (that would hand out credit)."""
@@ -489,7 +541,7 @@ class WFQAdmission(KeepsItsOrder):
         self._forget_places()
         kept = self._kept.kept(waiting) if self._tracking else None
         if kept is not None:
-            queues = {t: list(q) for t, q in kept.items()}  # copies (C-level): admission changes the queue
+            queues = kept  # the live queues: read here as they stand, then through a _LivePass
             place = self._kept.key  # a tenant's place: its first request's in the queue
             ties = {t: place(q[0]) for t, q in queues.items()}
         else:
@@ -506,10 +558,14 @@ class WFQAdmission(KeepsItsOrder):
         self.activity(queues.keys() | {r.tenant for r in running})
         heap = [(self.counter(t), ties[t], t) for t in queues]
         heapq.heapify(heap)
-        merged = self._merge(queues, heap)
-        return merged if kept is not None else list(merged)
+        sizes = {t: len(q) for t, q in queues.items()}
+        if kept is not None:
+            self._pass = _LivePass(self._kept)
+            return self._merge(sizes, self._pass.next, heap)
+        heads = {t: iter(q) for t, q in queues.items()}
+        return list(self._merge(sizes, lambda t: next(heads[t]), heap))
 
-    def _merge(self, queues: dict[str, list[Request]], heap: list) -> Iterator[Request]:
+    def _merge(self, sizes: dict[str, int], next_of: Callable[[str], Request], heap: list) -> Iterator[Request]:
         """Each tenant's queue in turn, lowest counter first, charging each request's prompt provisionally (the
         tokens ``observe`` will charge for it: :func:`uncharged_prompt_tokens`, less the prefix admission will find
         cached).  Handed out lazily, each request's cached prefix is counted just before admission tries it, so
@@ -520,23 +576,27 @@ class WFQAdmission(KeepsItsOrder):
         Each request handed out gets its place (what :meth:`rank` reads): the key it left the heap with -- its
         tenant's counter plus the provisional charges of its tenant's requests handed out before it -- and, to
         break ties as the heap broke them, how many requests were handed out before it.
+
+        ``sizes`` is how many requests each tenant had waiting when the order was made, and ``next_of(t)`` the next
+        of them: exactly those requests are handed out, in their queue's order, however admission changes the
+        queues meanwhile.
         """
-        heads = dict.fromkeys(queues, 0)
+        handed = dict.fromkeys(sizes, 0)
         places = self._places
         while heap:
             vc, i, t = heapq.heappop(heap)
-            q = queues[t]
-            k = heads[t]
-            if not heap:  # the last tenant left: the rest of its queue, as it stands (placed as the heap would)
-                for req in q[k:]:
+            k = handed[t]
+            if not heap:  # the last tenant left: the rest of its queue (placed as the heap would)
+                for _ in range(sizes[t] - k):
+                    req = next_of(t)
                     places[req] = (vc, 1, len(places))
                     vc = vc + self.prefill_weight * self._uncharged(req) / self.weight(t)
                     yield req
                 return
-            req = q[k]
-            heads[t] = k + 1
+            req = next_of(t)
+            handed[t] = k + 1
             places[req] = (vc, 1, len(places))
-            if k + 1 < len(q):  # provisionally charge the prompt tokens it will be charged for
+            if k + 1 < sizes[t]:  # provisionally charge the prompt tokens it will be charged for
                 heapq.heappush(heap, (vc + self.prefill_weight * self._uncharged(req) / self.weight(t), i, t))
             yield req
 

@@ -70,6 +70,31 @@ class KeptOrder:
         """``req``'s place in the sorted queue; with a rank that ties all, its place in the queue itself."""
         return self._key[req]
 
+    @property
+    def entries(self) -> int:
+        """How many requests have entered so far: a request kept now entered as number ``<= entries`` (a
+        re-entry counts anew), which is how a reader of the buckets tells what was there at some moment."""
+        return self._entries
+
+    def entered_by(self, req: Request, entries: int) -> bool:
+        """Did ``req`` (kept now) enter at or before the moment :attr:`entries` read ``entries``?"""
+        return abs(self._key[req][1]) <= entries
+
+    def first_after(self, bucket: Hashable, key: tuple | None, entries: int) -> Request | None:
+        """The first request of ``bucket`` past ``key`` (from the start when None) among those that entered by
+        ``entries``, or None: a walk of the live bucket in its sorted order that skips the requests which entered
+        since, without a copy of the bucket.  O(log n) to find the place, plus one look at each request past it
+        that entered since (within a WFQ admission pass: the victims it preempted, a handful)."""
+        requests = self.buckets.get(bucket)
+        if not requests:
+            return None
+        keys = self._key
+        i = 0 if key is None else bisect.bisect_right(requests, key, key=keys.__getitem__)
+        for i in range(i, len(requests)):
+            if abs(keys[requests[i]][1]) <= entries:
+                return requests[i]
+        return None
+
     def kept(self, waiting: Sequence[Request]) -> dict[Hashable, list[Request]] | None:
         """The buckets, if ``waiting`` is the tracked queue and they hold exactly it; else None (sort it).
 
