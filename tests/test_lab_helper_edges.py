@@ -79,6 +79,19 @@ def test_an_empty_or_inverted_context_grid_is_refused_by_name():
         at_scale.context_grid(1024, 16)
 
 
+@pytest.mark.parametrize("lo, hi, per_octave", [(20, 100, 4), (16, 120, 4), (100, 1000, 2), (100, 900, 2)])
+def test_context_grid_stays_within_its_range_in_whole_blocks(lo, hi, per_octave):
+    """Kills: each point rounded to the nearest block with no regard for the ends, so ``context_grid(20, 100)``
+    began at 16 and ``context_grid(16, 120)`` ended at 128.  Oracle: brute force over the multiples of the
+    block size -- the grid's first point is the smallest one >= lo, its last the largest one <= hi."""
+    grid = at_scale.context_grid(lo, hi, per_octave)
+    blocks = [n for n in range(at_scale.BLOCK_SIZE, 2 * hi, at_scale.BLOCK_SIZE) if lo <= n <= hi]
+    assert grid[0] == blocks[0] and grid[-1] == blocks[-1]
+    assert set(grid) <= set(blocks) and grid == sorted(set(grid))
+    with pytest.raises(ValueError, match="no whole block"):
+        at_scale.context_grid(1, at_scale.BLOCK_SIZE - 1)
+
+
 def test_a_memory_share_above_one_is_refused_not_sized_bigger_than_the_device():
     """Kills: no upper bound on ``memory_share`` (2.0 gave more KV blocks than the whole device holds)."""
     with pytest.raises(ValueError, match="memory_share"):

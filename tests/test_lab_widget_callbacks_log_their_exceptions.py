@@ -67,3 +67,33 @@ def test_a_button_whose_redraw_raises_logs_the_error():
     assert stepper.press("next step") == "next step: RuntimeError: cannot draw step 2"
     assert stepper._lines[-2:] == ["ran step 2", "next step: RuntimeError: cannot draw step 2"]
     assert stepper.press("next step") == "ran step 3"
+
+
+def test_live_loads_run_again_click_that_raises_says_so_under_the_picture():
+    """:class:`~minivllm.labs.live.LiveLoad` is no PictureWidget, and its "run again" button called ``run``
+    straight from the click: the exception reached only the kernel's log, and the line under the picture kept
+    the previous run's numbers as if the click had worked.  Oracle: the exception's own text, raised by hand
+    from the second engine the widget builds (the first click's); the next click runs again."""
+    import io
+    from contextlib import redirect_stdout
+
+    from minivllm.labs import check_lab08
+    from minivllm.labs.live import LiveLoad, ramp_arrivals
+
+    built = []
+
+    def make_engine():
+        built.append(1)
+        if len(built) == 2:
+            raise RuntimeError("no engine for the second run")
+        return check_lab08.lab_engine()
+
+    live = LiveLoad(make_engine, ramp_arrivals([4], 1.0, seed=0), every_s=0.5, figsize=(4, 1))
+    with redirect_stdout(io.StringIO()):
+        live.show()  # the first run, as a notebook cell shows it
+    assert "served" in live._label.value
+    (button,) = [c for c in live.widget.children if getattr(c, "description", None) == "run again"]
+    button.click()  # what ipywidgets does with a click in the browser
+    assert live._label.value == "run again: RuntimeError: no engine for the second run"
+    button.click()
+    assert "served" in live._label.value and len(built) == 3

@@ -221,6 +221,24 @@ def test_next_swap_stops_at_the_first_step_that_moves_blocks_either_way():
     assert saw_in
 
 
+def test_next_swap_honours_the_stop_rule_as_run_to_end_does():
+    """``stop`` ends every multi-step control; "next swap" stepped on past it to the first swap.  Oracle: the
+    step log -- this workload's first swap is many steps in, and a stop at the second step ends both "run to
+    end" and "next swap" there, before any block has moved."""
+    first_swap = next(e["step"] for e in _finished_log(_swap_engine()) if e["swapped_out"] or e["swapped_in"])
+    assert first_swap > 2
+    for label in ("run to end", "next swap"):
+        eng = _swap_engine()
+        widgets.TierStepper(eng, stop=lambda e: len(e.step_log) == 2).press(label)
+        assert len(eng.step_log) == 2, label
+
+
+def _finished_log(eng) -> list[dict]:
+    while eng.has_unfinished_requests():
+        eng.step()
+    return list(eng.step_log)
+
+
 # -- Stepper ------------------------------------------------------------------------------------------------------
 
 

@@ -71,6 +71,36 @@ def test_a_cpu_profile_runs_in_the_simulator_with_the_engines_cpu_pool(capsys):
     assert f"KV blocks {blocks} " in capsys.readouterr().out
 
 
+def test_sim_run_takes_a_profiles_spec_and_date_from_one_read(tmp_path, monkeypatch, capsys):
+    """``sim run --hardware PROFILE`` prints the profile's date beside the simulated hardware's name.  It read the
+    file twice (once for the spec, once for the date), so a profile rewritten between the reads (a calibration
+    finishing beside the run) was reported with the other file's date.  Oracle: the first file's own name and
+    date, written here by hand; the file is replaced with another right after its first read."""
+    import json
+
+    from minivllm.sim import presets
+    from minivllm.sim.run import main
+
+    doc = json.loads(open(presets.profile_path("cpu-2core"), encoding="utf-8").read())
+    first = {**doc, "date_utc": "2026-01-01T00:00:00Z", "hardware": {**doc["hardware"], "name": "first-host"}}
+    second = {**doc, "date_utc": "2026-02-02T00:00:00Z", "hardware": {**doc["hardware"], "name": "second-host"}}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(first))
+    real, reads = presets.load_profile, []
+
+    def load_then_replace(name):
+        reads.append(name)
+        loaded = real(name)
+        path.write_text(json.dumps(second))  # the file changes under the run after each read
+        return loaded
+
+    monkeypatch.setattr(presets, "load_profile", load_then_replace)
+    assert main(["--hardware", str(path), "--model", "smollm2-135m", "--num-requests", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "on first-host |" in out and "2026-01-01T00:00:00Z" in out and "2026-02-02" not in out
+    assert len(reads) == 1
+
+
 def test_a_checker_hint_follows_the_symptom_when_the_case_can_diagnose_it():
     """One case catches several bugs; ``diagnose`` picks the hint for the one the answer shows, and a case
     without a diagnosis for that answer falls back to its own hint."""

@@ -140,13 +140,22 @@ def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequ
 
 
 def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[int]:
-    """Context lengths from ``lo`` to ``hi`` on a geometric grid, whole blocks."""
+    """Context lengths from ``lo`` to ``hi`` on a geometric grid, whole blocks.
+
+    The ends are the first whole block at or above ``lo`` and the last at or below ``hi``, and every point in
+    between rounds to the nearest block within them: a point rounded to the nearest block past an end (20
+    tokens to 16) would show a length the caller left out of the range.  A range holding no whole block is a
+    ValueError, not a grid of lengths outside it.
+    """
     if not 0 < lo <= hi or per_octave < 1:
         raise ValueError(f"context_grid needs 0 < lo <= hi and per_octave >= 1, got lo={lo}, hi={hi}, "
                          f"per_octave={per_octave}")
+    first, last = -(-lo // BLOCK_SIZE) * BLOCK_SIZE, hi // BLOCK_SIZE * BLOCK_SIZE
+    if first > last:
+        raise ValueError(f"context_grid: no whole block of {BLOCK_SIZE} tokens lies between lo={lo} and hi={hi}")
     n_pts = int(round(math.log2(hi / lo) * per_octave)) + 1
-    vals = {max(BLOCK_SIZE, int(round(lo * 2 ** (i / per_octave) / BLOCK_SIZE)) * BLOCK_SIZE) for i in range(n_pts)}
-    return sorted(vals)
+    inner = (int(round(lo * 2 ** (i / per_octave) / BLOCK_SIZE)) * BLOCK_SIZE for i in range(n_pts))
+    return sorted({first, last} | {min(last, max(first, n)) for n in inner})
 
 
 # -- lab 8: the knee of the latency/rate curve on a whole datacenter GPU ------------------------------

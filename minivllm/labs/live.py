@@ -353,6 +353,21 @@ class LiveLoad:
             self._label.value = self.line()
         return self.result
 
+    def rerun(self) -> str:
+        """The "run again" button: :meth:`run`, then the line under the picture says how the run went -- or,
+        where it raised (a ``make_engine`` that fails, a drawing that does), what went wrong, which a callback's
+        exception would otherwise show only in the kernel's log (:func:`~minivllm.labs.widgets.attempt`)."""
+        from minivllm.labs.widgets import attempt
+
+        def again() -> str:
+            self.run()
+            return self.line()
+
+        text = attempt("run again", again)
+        if self._label is not None:
+            self._label.value = text
+        return text
+
     def show(self, run: bool = True):
         """Display the widget (or, without ipywidgets, the static picture) and, by default, run the load."""
         from IPython.display import Image, display
@@ -368,7 +383,7 @@ class LiveLoad:
         self._image = w.Image(value=self.png(), format="png")
         self._label = w.Label(value=self.line())
         button = w.Button(description="run again")
-        button.on_click(lambda _: self.run())
+        button.on_click(lambda _: self.rerun())
         self.widget = _LiveBox([button, self._image, self._label], self)
         handle = display(self.widget, display_id=True)
         if run:

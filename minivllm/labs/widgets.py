@@ -347,6 +347,19 @@ def _failure(label: str, exc: Exception) -> str:
     return f"{label}: {type(exc).__name__}: {exc}"
 
 
+def attempt(label: str, action: Callable[[], str]) -> str:
+    """The line of text ``action`` returns, or, if it raised, the line that says what went wrong.
+
+    A control's callback runs outside any cell: an exception raised from it reaches only the kernel's log,
+    where a learner never looks.  Every control's action runs through here (:meth:`PictureWidget.handle`,
+    :class:`~minivllm.labs.live.LiveLoad`'s button), and its widget shows the line it gets back.
+    """
+    try:
+        return action()
+    except Exception as exc:  # noqa: BLE001 -- a click must tell the learner what went wrong
+        return _failure(label, exc)
+
+
 def figure_png(fig) -> bytes:
     """PNG bytes of a Figure the caller owns (no pyplot state involved)."""
     import io
@@ -435,10 +448,7 @@ class PictureWidget:
         the kernel's log, where a learner never looks.  ``redraw=False``: the action draws the picture itself.
         """
         with self._lock:
-            try:
-                text = action()
-            except Exception as exc:  # noqa: BLE001 -- a click must tell the learner what went wrong
-                text = _failure(label, exc)
+            text = attempt(label, action)
             try:
                 if redraw:
                     self.refresh(text)
@@ -523,8 +533,9 @@ class Stepper(PictureWidget):
         done = "" if engine.has_unfinished_requests() else " -- no work left"
         return f"steps run: {n}" + done  # a count; the log numbers steps from 0
 
-    def step(self, n: int = 1) -> str:
-        """Run up to ``n`` steps (fewer when the work runs out or ``stop`` says so); one line per step."""
+    def step(self, n: int = 1, until: Callable[[Any], bool] | None = None) -> str:
+        """Run up to ``n`` steps (fewer when the work runs out, or ``stop`` or this call's own ``until`` says so);
+        one line per step.  Every control steps through here, so that each one honours ``stop``."""
         lines = []
         for _ in range(n):
             if not self.engine.has_unfinished_requests():
@@ -533,7 +544,7 @@ class Stepper(PictureWidget):
             self.engine.step()
             self.steps_taken += 1
             lines.append(self.describe(self.engine))
-            if self.stop is not None and self.stop(self.engine):
+            if (self.stop is not None and self.stop(self.engine)) or (until is not None and until(self.engine)):
                 break
         return "\n".join(lines)
 
@@ -672,15 +683,13 @@ class TierStepper(Stepper):
         draw_kv_tiers(self.engine, fig, colours=self.colours)
 
     def until_swap(self) -> str:
-        """Step until a step moves blocks between the tiers (or the work runs out); the last lines."""
-        out = []
-        for _ in range(10_000):
-            line = self.step(1)
-            out.append(line)
-            last = self.engine.step_log[-1] if self.engine.step_log else {}
-            if line == "no work left" or last.get("swapped_out") or last.get("swapped_in"):
-                break
-        return "\n".join(out[-3:])
+        """Step until a step moves blocks between the tiers (or the work runs out, or ``stop`` holds, as it ends
+        "run to end" too); the last lines."""
+        def moved(engine) -> bool:
+            last = engine.step_log[-1]
+            return bool(last.get("swapped_out") or last.get("swapped_in"))
+
+        return "\n".join(self.step(10_000, until=moved).splitlines()[-3:])
 
     def actions(self):
         step, end = super().actions()

@@ -161,7 +161,9 @@ class BatchPreparer:
         rows: list[int] = []
         ids: list[int] = []
         width = 0
-        for s in seqs:  # the only per-sequence Python loop: a few integer reads, a write 1 step in 16
+        # Python's per-sequence work is this loop (a few integer reads, a row write 1 step in 16), the two list
+        # comprehensions after it and the count of leading decodes; the rest is numpy over the whole batch.
+        for s in seqs:
             req = s.request
             blocks = req.block_ids
             row = row_of.get(req)

@@ -157,14 +157,25 @@ def load_profile(path_or_name: str) -> dict:
 
 def hardware_preset(name: str) -> HardwareSpec:
     """A hardware spec: a datasheet preset (h100, h200, a100, l4) or a calibration profile by name or path."""
+    return hardware_and_profile(name)[0]
+
+
+def hardware_and_profile(name: str) -> tuple[HardwareSpec, dict | None]:
+    """:func:`hardware_preset`'s spec and the calibration profile it came from (``None`` for a datasheet preset).
+
+    A caller that reports on the profile too (``sim run`` prints its date) takes both from this one read: read
+    again, a profile rewritten in between (a calibration finishing beside the run) would pair one file's spec
+    with another's date.
+    """
     key = name.lower()
     if key in HARDWARE:
-        return HARDWARE[key]
+        return HARDWARE[key], None
     if not os.path.isfile(profile_path(name)):
         raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
                          f"profiles: {', '.join(profile_names()) or 'none'}")
     try:  # a profile that is there but broken says what is wrong with it
-        return profile_spec(load_profile(name))
+        doc = load_profile(name)
+        return profile_spec(doc), doc
     except ValueError as exc:
         raise ValueError(f"hardware {name!r}: {exc}") from None
 

@@ -499,9 +499,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run_sim(args, out=None) -> dict:
     out = out or sys.stdout
-    from minivllm.sim.presets import HARDWARE, hardware_preset, load_profile, simulated_shape
+    from minivllm.sim.presets import hardware_and_profile, simulated_shape
 
-    hw = hardware_preset(args.hardware)
+    hw, profile = hardware_and_profile(args.hardware)
     shape = simulated_shape(args.model, hw, args.dtype_bytes)
     reqs, rate, tenants = build_requests(args, shape.vocab_size)
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
@@ -520,8 +520,8 @@ def run_sim(args, out=None) -> dict:
     print(f"== simulated: {shape.name} on {hw.name} | {len(reqs)} requests, {tokens} tokens | workload "
           f"{args.workload or 'of the --tenant specs'}"
           f" | offered {_rate(rate, reqs)} req/s | {rec.duration:.1f} s simulated in {rec.wall_s:.1f} s wall", file=out)
-    if args.hardware.lower() not in HARDWARE:  # a calibration profile: a snapshot of one host and engine
-        when = load_profile(args.hardware).get("date_utc") or "an unrecorded date"
+    if profile is not None:  # a calibration profile: a snapshot of one host and engine
+        when = profile.get("date_utc") or "an unrecorded date"
         print(f"   (the profile describes the host and engine it was measured on, {when}; "
               f"`minivllm sim calibrate --check {args.hardware}` says whether it still describes this one)", file=out)
     slo = ", ".join(x for x in (f"TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "",

@@ -318,8 +318,13 @@ class LeafLru(Generic[K]):
     A binary heap with *lazy invalidation*: re-touching a leaf pushes a new
     heap entry instead of searching for the old one, and a side dict records
     each leaf's current ``(tick, seq)``.  A popped entry whose stamp differs
-    from the dict is stale and skipped.  This keeps every operation at
-    O(log n); the heap is rebuilt from the dict when stale entries pile up.
+    from the dict is stale and skipped.  :meth:`discard` is O(1), and
+    :meth:`touch` and :meth:`pop_oldest` are O(log n) *amortized*, not each
+    call: a pop may skip many stale entries, and the touch that finds the
+    heap above ``2n + 64`` entries (``n`` live leaves, so more stale entries
+    than live ones) rebuilds it from the dict in O(n).  Each stale entry was
+    left by one earlier touch or discard, which pays for skipping or dropping
+    it, so the work stays O(log n) per operation over any sequence of them.
 
     Whether a leaf is *evictable* also depends on pool refcounts, which
     change in the pool; this LRU is not told (the pool reports sharing to the
