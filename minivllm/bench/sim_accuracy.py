@@ -355,6 +355,7 @@ def explain(result: dict, doc: dict) -> dict:
     fast on average (the model) or the engine itself does not repeat them (the machine).
     """
     from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
+    from minivllm.sim.roofline import step_kind as kind
 
     if not isinstance(doc, dict) or not isinstance(result.get("workloads"), dict):
         raise ValueError("the calibration and the result's workloads must be JSON objects")
@@ -362,9 +363,6 @@ def explain(result: dict, doc: dict) -> dict:
     block = (doc.get("engine") or {}).get("block_size", 16)  # a result's own calibration block carries no engine
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"the calibration's engine block_size must be a positive integer, got {block!r}")
-
-    def kind(seqs) -> str:
-        return "prompt" if any(n > 1 for _, n, _ in seqs) else "decode"
 
     def pct(xs, q):  # q a fraction
         return nearest_rank(xs, 100 * q, None)

@@ -746,6 +746,58 @@ def format_profile(doc: dict) -> str:
             f"{100 * f['rms_rel_error']:.1f}%, max {100 * f['max_abs_rel_error']:.1f}% ({f.get('seconds', 0):.0f} s)")
 
 
+SEQ_BANDS = (1, 4, 16)  # sequences in a step: 1, 2-4, 5-16, 17+
+CONTEXT_BANDS = (64, 512, 2048)  # the longest context a sequence of the step starts from: 0-64, ..., 2049+
+
+
+def _band(x: int, edges: tuple[int, ...], low: int) -> tuple[int, str]:
+    """The band of ``edges`` that holds ``x`` (``low`` the smallest value there can be): its place and label."""
+    for i, top in enumerate(edges):
+        if x <= top:
+            return i, (str(top) if low == top else f"{low}-{top}")
+        low = top + 1
+    return len(edges), f"{low}+"
+
+
+def residuals(doc: dict) -> list[dict]:
+    """Where the profile's cost model misses its own calibration: each stored step's measured time over the time
+    ``sim run`` predicts for it (:func:`~minivllm.sim.presets.profile_spec`), gathered by kind of step
+    (:func:`~minivllm.sim.roofline.step_kind`), number of sequences and longest context.
+
+    Why: a fit's rms error is one number for 100-odd steps; a simulation inherits the error of the shapes *it*
+    runs.  On the 2-core CPU, for instance, the roofline's one K/V-reading rate over-predicts decodes of several
+    sequences at 65-512 tokens of context and under-predicts single-sequence ones and those past 512 -- which is
+    where a workload of long prompts decodes.  Measures nothing: it reads the profile's samples.
+    """
+    from minivllm.sim.presets import profile_spec
+    from minivllm.sim.roofline import step_kind
+
+    samples = doc.get("samples")
+    if not isinstance(samples, list) or not samples or not isinstance(doc.get("engine"), dict):
+        raise ValueError("a profile with stored samples and its engine is needed (a datasheet preset has none)")
+    shape, spec, block = ModelShape.from_dict(doc.get("model")), profile_spec(doc), doc["engine"]["block_size"]
+    rows: dict[tuple, list[float]] = {}
+    for s in samples:
+        seqs = [tuple(x) for x in s["seqs"]]
+        pred = roofline_time(step_cost(shape, seqs, s.get("swapped_blocks", 0), block), shape, spec).total
+        key = (step_kind(seqs), _band(len(seqs), SEQ_BANDS, 1), _band(max(x[0] for x in seqs), CONTEXT_BANDS, 0))
+        rows.setdefault(key, []).append(s["time_s"] / pred)
+    return [{"kind": kind, "seqs": seqs[1], "context": ctx[1], "steps": len(r), "real_over_pred_p50": statistics.median(r),
+             "real_over_pred_min": min(r), "real_over_pred_max": max(r)}
+            for (kind, seqs, ctx), r in sorted(rows.items())]  # the bands in their order, by their places
+
+
+def format_residuals(rows: list[dict], name: str) -> str:
+    lines = [f"{name}: each calibration step's measured time / the time sim run predicts for it "
+             f"(> 1: the model is too fast there)",
+             f"{'kind':<7} {'seqs':>5} {'context':>9} {'steps':>5} {'p50':>6} {'min':>6} {'max':>6}"]
+    for r in rows:
+        flag = "  <- off by more than 5%" if abs(r["real_over_pred_p50"] - 1) > 0.05 else ""
+        lines.append(f"{r['kind']:<7} {r['seqs']:>5} {r['context']:>9} {r['steps']:>5} "
+                     f"{r['real_over_pred_p50']:>6.3f} {r['real_over_pred_min']:>6.3f} {r['real_over_pred_max']:>6.3f}{flag}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minivllm sim calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=output_file, default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json in a source checkout, "
@@ -767,6 +819,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", default=None, metavar="PROFILE",
                     help="fit nothing: re-measure a few shapes on the engine PROFILE describes and say whether its "
                          "predictions still hold (exit 0), or it is stale (exit 1)")
+    ap.add_argument("--residuals", default=None, metavar="PROFILE",
+                    help="measure nothing: where PROFILE's cost model misses its own calibration steps, by kind of "
+                         "step, sequences and context (median measured / predicted)")
     ap.add_argument("--refit", default=None, metavar="PROFILE",
                     help="measure nothing: re-fit this profile's stored samples with the current cost model "
                          "(written back to PROFILE unless --out)")
@@ -810,8 +865,22 @@ def default_out(name: str) -> str:
 
 
 def _main(args) -> int:
-    if args.check and args.refit:
-        raise ValueError("--check and --refit are two different jobs: pass one")
+    jobs = [flag for flag, given in (("--check", args.check), ("--refit", args.refit), ("--residuals", args.residuals))
+            if given]
+    if len(jobs) > 1:
+        raise ValueError(f"{' and '.join(jobs)} are {('two', 'three')[len(jobs) - 2]} different jobs: pass one")
+    if args.residuals:
+        from minivllm.sim.presets import load_profile
+
+        ignored = [flag for flag, given in (("--out", args.out), ("--name", args.name), ("--force", args.force),
+                                             ("--quick", args.quick), ("--fit-bandwidth", args.fit_bandwidth),
+                                             ("--clock", args.clock != "wall"), ("--device", args.device != "auto"))
+                   if given]
+        if ignored:
+            raise ValueError(f"--residuals reads a profile and writes nothing: drop {', '.join(ignored)}")
+        doc = load_profile(args.residuals)
+        print(format_residuals(residuals(doc), args.residuals))
+        return 0
     if args.check:
         from minivllm.sim.presets import profile_path, load_profile
 

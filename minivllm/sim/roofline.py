@@ -341,6 +341,13 @@ def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 1
     return c
 
 
+def step_kind(seqs) -> str:
+    """``"prompt"`` if any sequence of the step (``(start, num_tokens, samples)`` rows, as :func:`step_cost` takes
+    them) computes more than one token, else ``"decode"``: the two populations whose times a cost model gets right or
+    wrong separately (a TTFT miss is about prompt steps, an ITL miss mostly about decode steps)."""
+    return "prompt" if any(n > 1 for _, n, _ in seqs) else "decode"
+
+
 @dataclass(frozen=True)
 class StepTime:
     """A step's time, phase by phase (seconds), and which roof bound each phase."""

@@ -1,0 +1,74 @@
+"""``minivllm sim calibrate --residuals``: where a profile's cost model misses its own calibration steps.
+
+Oracle: a profile whose measured times are written from the model's own predictions times a factor chosen by hand
+per kind of step, sequence count and context -- the table must give back exactly those factors, band by band.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from minivllm.sim import calibrate
+from minivllm.sim.presets import load_profile, profile_spec
+from minivllm.sim.roofline import ModelShape, roofline_time, step_cost
+
+
+def _factor(seqs) -> float:
+    """The hand rule the synthetic profile is written with."""
+    if any(n > 1 for _, n, _ in seqs):
+        return 1.25 if max(s for s, _, _ in seqs) > 512 else 0.8
+    return 1.1 if len(seqs) == 1 else 0.95
+
+
+@pytest.fixture(scope="module")
+def planted() -> dict:
+    doc = copy.deepcopy(load_profile("cpu-2core"))
+    shape, spec, block = ModelShape.from_dict(doc["model"]), profile_spec(doc), doc["engine"]["block_size"]
+    for s in doc["samples"]:
+        seqs = [tuple(x) for x in s["seqs"]]
+        s["time_s"] = _factor(seqs) * roofline_time(step_cost(shape, seqs, s["swapped_blocks"], block), shape, spec).total
+    return doc
+
+
+def test_the_table_gives_back_the_planted_factors_band_by_band(planted):
+    rows = calibrate.residuals(planted)
+    assert sum(r["steps"] for r in rows) == len(planted["samples"])
+    for r in rows:
+        if r["kind"] == "prompt":
+            want = 1.25 if r["context"] in ("513-2048", "2049+") else 0.8
+        else:
+            want = 1.1 if r["seqs"] == "1" else 0.95
+        assert r["real_over_pred_p50"] == pytest.approx(want, rel=1e-9), r
+        assert r["real_over_pred_min"] == pytest.approx(want, rel=1e-9)
+        assert r["real_over_pred_max"] == pytest.approx(want, rel=1e-9)
+    keys = [(r["kind"], r["seqs"], r["context"]) for r in rows]
+    assert len(keys) == len(set(keys))  # one row per band
+    order = [("decode", "prompt").index(k) * 100 + ["1", "2-4", "5-16", "17+"].index(s) * 10
+             + ["0-64", "65-512", "513-2048", "2049+"].index(c) for k, s, c in keys]
+    assert order == sorted(order)  # bands in their order, not their labels' (a "5-16" row before "17+")
+
+
+def test_bands_by_hand():
+    assert [calibrate._band(n, calibrate.SEQ_BANDS, 1)[1] for n in (1, 2, 4, 5, 16, 17, 300)] == \
+        ["1", "2-4", "2-4", "5-16", "5-16", "17+", "17+"]
+    assert [calibrate._band(c, calibrate.CONTEXT_BANDS, 0)[1] for c in (0, 64, 65, 512, 513, 2048, 2049)] == \
+        ["0-64", "0-64", "65-512", "65-512", "513-2048", "513-2048", "2049+"]
+
+
+def test_cli_prints_the_table_and_refuses_what_it_would_ignore(planted, tmp_path, capsys):
+    path = tmp_path / "planted.json"
+    path.write_text(json.dumps(planted))
+    assert calibrate.main(["--residuals", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "decode      1" in out and "1.100" in out and "off by more than 5%" in out
+    assert calibrate.main(["--residuals", str(path), "--out", str(tmp_path / "x.json")]) == 2
+    assert "drop --out" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    assert calibrate.main(["--residuals", str(path), "--refit", str(path)]) == 2
+    assert "different jobs" in capsys.readouterr().err
+    no_samples = dict(planted, samples=[])
+    path.write_text(json.dumps(no_samples))
+    assert calibrate.main(["--residuals", str(path)]) == 2
+    assert "stored samples" in capsys.readouterr().err
