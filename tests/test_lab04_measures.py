@@ -41,3 +41,24 @@ def test_average_ttft_prefers_no_chunking_while_itl_p99_shows_the_stalls():
     assert ttft_whole < 0.8 * ttft_chunked, (ttft_whole, ttft_chunked)  # the average rewards the stall
     assert abs(gap_whole - gap_chunked) < 0.02 * gap_chunked, (gap_whole, gap_chunked)  # the mean ITL is blind
     assert p99_whole > 4 * p99_chunked, (p99_whole, p99_chunked)  # the tail is where the users feel it
+
+
+def test_the_h200_steps_lab4_quotes_are_the_files_own():
+    """Section 9's GPU paragraph is reasoning, backed by one kept measurement: the engine's eager prompt steps on
+    an H200 (p50 with 64 and with 512 prompt tokens), its launches per step and the graphed decode step, all
+    read from the two ``bench eager_step`` files it names."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {n: json.loads((root / "benchmarks" / "results" / f"2026-11-30_nvidia-h200_eager_step_{n}.json")
+                           .read_text(encoding="utf-8")) for n in (64, 512)}
+    text = " ".join((root / "tools" / "lab_texts" / "lab04_chunked_prefill.py").read_text(encoding="utf-8").split())
+    assert "`benchmarks/results/2026-11-30_nvidia-h200_eager_step_64.json` and `..._512.json`" in text
+    assert all(f["gpu"] == "NVIDIA H200" and f["dtype"] == "torch.bfloat16" for f in files.values())
+    assert (f"a median of {files[64]['back_to_back']['p50_ms']:.1f} ms with 64 prompt tokens and "
+            f"{files[512]['back_to_back']['p50_ms']:.1f} ms with 512") in text
+    launches = [f["profile"]["kernel_launches_per_step"] for f in files.values()]
+    assert all(abs(n - 700) <= 25 for n in launches) and "~700 kernel launches" in text, launches
+    decode = {round(f["decode_step"]["p50_ms"], 1) for f in files.values()}
+    assert len(decode) == 1 and f"replays a CUDA graph in {decode.pop()} ms" in text

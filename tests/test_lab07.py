@@ -261,3 +261,23 @@ def test_triton_imported_before_the_checker_is_named_and_its_failure_shown(trito
         assert lines[:3] == ["WARNED", "FAILED", "True"], got.stdout  # the failure the warning names is real
     else:
         assert lines[:3] == ["QUIET", "RAN", "4"], got.stdout
+
+
+def test_the_recompile_steps_lab7_quotes_are_the_probe_files_own():
+    """Lab 7's "go further" quotes the H200 probe file for the mid-serving compiles: its slow prompt steps (over
+    100 ms) of the first two rounds, in order; the range of the other prompt steps there; the largest step of the
+    later rounds; and the largest collector pause of the first rounds (why the collector is ruled out)."""
+    name = "2026-11-30_nvidia-h200_gc_probe.json"
+    probe = json.loads((ROOT / "benchmarks" / "results" / name).read_text(encoding="utf-8"))
+    first = [v for k, v in probe.items() if k.startswith("normal")]
+    later = [v for k, v in probe.items() if k.startswith("frozen")]
+    steps = [ms for run in first for ms in run["prompt_steps_ms"]]
+    slow = [f"{ms:,.0f}" for ms in steps if ms > 100]
+    rest = [ms for ms in steps if ms <= 100]
+    text = " ".join((ROOT / "tools" / "lab_texts" / "lab07_triton_paged_attention.py").read_text().split())
+    assert f"`benchmarks/results/{name}`" in text
+    assert (f"shows such steps: {', '.join(slow[:-1])} and {slow[-1]} ms among prompt steps of "
+            f"{min(rest):.0f}–{max(rest):.0f} ms in its first runs") in text, (slow, min(rest), max(rest))
+    later_max = max(ms for run in later for ms in run["prompt_steps_ms"])
+    assert later_max <= 25 and "none above 25 ms in its later ones" in text, later_max
+    assert f"at most {max(r['gc_pause_max_ms'] for r in first):.1f} ms" in text

@@ -190,3 +190,37 @@ def test_knobs_table_reads_the_config():
     assert len(table.splitlines()) == len(lab8.TUNING_KNOBS) + 1
     row = next(line for line in table.splitlines() if line.startswith("gpu_memory_utilization"))
     assert " 333 " in row
+
+
+def test_every_dollar_in_lab8_is_computed_at_the_notebooks_own_price():
+    """Lab 8's price is an assumption the learner is told to replace: the cells compute with ``gpu_hour_usd``,
+    bound once from ``GPU_HOUR_USD``.  Rebinding ``lab8.GPU_HOUR_USD`` alone would not reach ``window_usd`` or
+    ``usd_per_million`` (their default was bound at import: checked first, so this test names the trap it
+    guards), so every call in the lab's cells must pass the notebook's price."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    saved = lab8.GPU_HOUR_USD
+    try:
+        lab8.GPU_HOUR_USD = 2 * saved
+        assert lab8.window_usd(3600) == saved, "the defaults now follow the module name: revisit this test"
+    finally:
+        lab8.GPU_HOUR_USD = saved
+    path = Path(__file__).resolve().parents[1] / "tools" / "lab_texts" / "lab08_serving.py"
+    spec = importlib.util.spec_from_file_location("lab08_text", path)
+    text = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(text)
+    bindings, calls = [], []
+    for kind, source, *_ in text.CELLS:
+        if kind != "code" or "usd" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "gpu_hour_usd" for t in node.targets):
+                bindings.append(ast.unparse(node.value))
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("window_usd", "usd_per_million"):
+                calls.append((ast.unparse(node), [k.arg for k in node.keywords]))
+    assert bindings == ["lab8.GPU_HOUR_USD"], bindings
+    assert len(calls) >= 5, calls  # the window's bill, per model, the simulated H100's hour, per 1M, the fleet
+    for call, keywords in calls:
+        assert "gpu_hour_usd" in keywords, f"computed at the import-time default price: {call}"

@@ -286,3 +286,35 @@ def test_lab_times_quoted_in_the_readme_are_the_files_own():
     seconds = [r["seconds"] for r in rows]
     assert len(rows) == 9 and all(r["ran_every_cell"] for r in rows)
     assert (round(min(seconds)), round(max(seconds)), round(sum(seconds))) == tuple(int(g) for g in m.groups()[1:])
+
+
+def test_each_lab_intro_quotes_its_own_measured_run_time():
+    """Each lab's intro ("**Time:** 7 s to run, measured ...") quotes its own notebook's seconds, rounded, from
+    the ``bench lab_times`` file it names, where every cell ran; a lab that loads the bundled model also quotes
+    the first load's range from the first-load file it names.  "Model already converted" is checked too: the run
+    started with lab 1, which loads the model, and lab 1 took less than the fastest conversion on record."""
+    import json
+
+    first_load_name = "2026-12-06_cpu-2core_first_load.txt"
+    loads = [float(s) for s in re.findall(r"first load \(convert\+load\) ([\d.]+) s",
+                                          (ROOT / "benchmarks" / "results" / first_load_name).read_text())]
+    assert loads, "the first-load file no longer records a first load"
+    first_load = f"{round(min(loads))}–{round(max(loads))} s more there: `benchmarks/results/{first_load_name}`"
+    texts = sorted((ROOT / "tools" / "lab_texts").glob("lab*.py"))
+    assert len(texts) == 9
+    rows_of = {}
+    for path in texts:
+        text = " ".join(path.read_text(encoding="utf-8").split())
+        m = re.search(r"\*\*Time:\*\* (\d+) s to run, measured (.*?) minutes to work through", text)
+        assert m, f"{path.name}: the intro no longer quotes a measured run time"
+        name = re.search(r"`benchmarks/results/(\S+_lab_times\.json)`", m.group(2))
+        assert name, f"{path.name}: the run time names no lab_times file"
+        if name.group(1) not in rows_of:
+            rows = json.loads((ROOT / "benchmarks" / "results" / name.group(1)).read_text(encoding="utf-8"))["rows"]
+            rows_of[name.group(1)] = rows
+            assert rows[0]["notebook"].startswith("lab01") and rows[0]["seconds"] < min(loads), \
+                "the lab times may include the model's conversion"
+        row = next(r for r in rows_of[name.group(1)] if r["notebook"] == path.stem + ".ipynb")
+        assert row["ran_every_cell"] and int(m.group(1)) == round(row["seconds"]), (path.name, row["seconds"])
+        loads_model = "LLM(" in text or "load_model(" in text
+        assert (first_load in m.group(2)) == loads_model, (path.name, loads_model)

@@ -115,18 +115,20 @@ def rate_at(t: float | None, seconds_each: float = 5.0, rates: Sequence[float] =
 # -- section 2: tokens per tenant and per model, and what they cost -------------------------------
 
 GPU_HOUR_USD = 3.00
-"""The assumed price of one H100 SXM GPU-hour, on demand, in US dollars.
+"""The assumed price of one H100 SXM GPU-hour, on demand, in US dollars: an input, not a measurement.
 
-Public cloud price surveys of 2026 put an on-demand H100 SXM at about $2.50-3.50 per GPU-hour at GPU clouds
-and $3.50-5 at hyperscalers; reserved capacity is 30-50 % cheaper.  Every dollar figure the lab prints is
-proportional to it; the *shares* of a bill do not depend on it at all."""
+Chosen when lab 8 was written (2026-12-01) from the list prices the course authors quoted for that time: about
+$2.50-3.50 per GPU-hour at GPU clouds and $3.50-5 at hyperscalers, reserved capacity 30-50 % cheaper.  No source
+for those ranges is kept here and prices move, so the lab passes it on as ``gpu_hour_usd`` (rebinding this name
+does not reach the functions' defaults).  Every dollar figure the lab prints is proportional to it; the *shares*
+of a bill do not depend on it at all."""
 
 DECODE_WEIGHT = 4.0
 """The attribution rule's weight of a generated token, in prompt tokens.
 
 A prompt token is computed together with hundreds of others in one step; a generated token needs a step of
-its own (weights and the request's whole KV read once more).  Hosted APIs price output tokens at 3-5x input
-tokens for the same reason.  :func:`decode_weight` measures the ratio on the roofline preset."""
+its own (weights and the request's whole KV read once more), which is also why hosted APIs price output tokens
+above input tokens.  :func:`decode_weight` measures the ratio on the roofline preset."""
 
 
 def tenant_tokens(samples: dict) -> dict[str, dict[str, float]]:

@@ -219,7 +219,8 @@ class BatchPreparer:
         # Every array starts on a 16-byte boundary of the buffer.  Triton specialises a kernel on whether
         # each pointer argument is 16-byte aligned; packed end to end, ``seq_lens`` (after n + 1 int32
         # offsets) would be aligned for some batch sizes and not others, and a batch size never seen
-        # before would compile a new binary in the middle of serving (0.4-1.0 s steps on an H200).
+        # before would compile a new binary in the middle of serving (prompt steps of 0.41-1.0 s on an H200
+        # before this layout: benchmarks/results/2026-11-30_nvidia-h200_gc_probe.json's first runs).
         align = 16 // dtype.itemsize
         starts, total = [], 0
         for a in arrays:

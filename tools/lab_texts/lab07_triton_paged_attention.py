@@ -15,8 +15,10 @@ CELLS = [
 5. count the operations an eager step launches, measure what issuing one costs, and explain why on a GPU a small
    model's decode step is **launch-bound** until fusion or a CUDA graph takes the host out of the loop.
 
-**Time:** about a minute to run on a CPU (Triton's interpreter executes kernels in numpy, so every shape here is
-tiny; section 4 loads the bundled model); 60–90 minutes to work through. On a machine with a CUDA GPU the same
+**Time:** 6 s to run, measured on the course's 2-core VM with the bundled model already converted
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+`benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 60–90 minutes to work through. Triton's interpreter executes kernels in numpy, so
+every shape here is tiny; section 4 loads the bundled model. On a machine with a CUDA GPU the same
 notebook compiles the kernels and sections 3 and 4 measure them; on a CPU those cells say what they would show and
 quote a measurement of the engine's kernel. Exercises are marked ✏️; until your checker passes, later cells use
 the engine's own code.
@@ -629,8 +631,11 @@ print_answers(7)   # the answer key: run it after you have answered
   `tests/test_triton_attention.py` checks it in the interpreter. Pointers can vary too. On a GPU the engine
   packs each step's integer arrays into one staging buffer and hands the kernels views into it; packed end to
   end, `seq_lens` began `4 * (batch + 1)` bytes in, 16-byte aligned for one batch size in four, so a batch
-  size not seen before compiled new binaries in the middle of serving (steps of 0.4–1.0 s on an H200). Read
-  how `BatchPreparer._upload` in `minivllm/model/runner.py` lays the arrays out now.
+  size not seen before compiled new binaries in the middle of serving. An H200 probe run before the fix, kept as
+  `benchmarks/results/2026-11-30_nvidia-h200_gc_probe.json`, shows such steps: 413, 1,002 and 407 ms among prompt
+  steps of 12–31 ms in its first runs, none above 25 ms in its later ones. The file records step times, not their
+  cause (the garbage collector's pauses there were at most 2.3 ms, so not the collector). Read how
+  `BatchPreparer._upload` in `minivllm/model/runner.py` lays the arrays out now.
 * **Decouple the tile from the page.** Make the loop run over tiles of `BLOCK_N` tokens that may span several
   pages (look the page up per token, as `minivllm/model/kernels/tiles.py` does) and repeat the block-size sweep.
 * **Split-KV.** With batch 1 and a 32k context, your grid has 9 programs for 132 SMs. Split each sequence into `S`

@@ -15,8 +15,8 @@ CELLS = [
 5. say how far those simulated answers can be trusted: how the simulator is validated against the real engine, and
    which of its conclusions survive its known errors.
 
-**Time:** about a minute and a half to run on a CPU laptop; 45–60 minutes to work through. **Everything here is simulated:**
-every replica is the real engine (scheduler, KV cache manager, prefix cache — the code of labs 1–5), and only the
+**Time:** 35 s to run, measured on the course's 2-core VM (`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; this lab loads no
+model); 45–60 minutes to work through. **Everything here is simulated:** every replica is the real engine (scheduler, KV cache manager, prefix cache — the code of labs 1–5), and only the
 forward pass is replaced by a cost model on a virtual clock. Cells that report latencies say which model: the
 **roofline** cost model of a **Llama-3-8B** shape on an **H100** or an **L4** (datasheet presets,
 `minivllm.sim.presets`). The capacity study uses the L4: one H100 replica serves chat at tens of requests/s (lab 8's
