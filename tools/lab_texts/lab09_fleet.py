@@ -454,14 +454,16 @@ Read it beside the accuracy plot. The long-prompt workload decodes one to three 
 context, between 512-token chunks. On two threads those are the shapes the model is too fast for: decodes of one
 sequence past 64 tokens of context and of 2–4 past 512 run 6–8% over their prediction, prompt steps beside long
 decodes of 2–4 sequences 13% over, while 2–16 sequences at 65–512 tokens run 7–9% *under* theirs. One K/V-reading rate fitted to
-every decode is a compromise between shapes that read their context at different speeds. One cause is in the
-kernel (`minivllm/model/csrc/paged_decode.c`): with too few sequences to keep both threads busy, it splits a lone
-sequence's attention by query head, so the three query heads that share a K/V head may run on different cores and
-read that K/V from memory each; with several sequences a task walks a whole group and reads it once. On one thread
-that split never happens, and all bands but two sit within ±5% (2–4 sequences at 65–512 tokens, x0.94, and a band
-of one prompt step). So long-prompt ITL p50 misses for two reasons:
-the median sits where two populations of gaps meet, and the model is a few per cent fast on exactly those decodes.
-Fixing the second is a change to the cost model (see *Go further*), not to the calibration.
+every decode is a compromise between shapes that read their context at different speeds. On one thread all bands
+but two sit within ±5% (2–4 sequences at 65–512 tokens, x0.94, and a band of one prompt step), so most of that
+structure comes from sharing a step's attention between two cores: a lone sequence gives the kernel
+(`minivllm/model/csrc/paged_decode.c`) three K/V heads to hand to two cores -- three tasks, or nine single-head
+tasks that each read their group's K/V again -- where two sequences give six, so its context is read at a lower
+rate than several sequences'. On two threads, then, long-prompt ITL p50 misses for two reasons: the median sits where
+two populations of gaps meet, and the model is a few per cent fast on exactly those decodes -- a change to the cost
+model would fix the second (see *Go further*), not another calibration. On one thread, the clock of the accuracy
+table, the committed profile predicts those decodes within 2.2%; what moves there is the fit itself, whose K/V
+rate was 12.9 GB/s in the committed profile and 14.8 GB/s in the calibration of 6 December's run.
 
 ### A calibration belongs to a host
 
@@ -557,7 +559,7 @@ print_answers(9)   # the answer key: run it after you have answered
 ## Go further
 
 * **A K/V rate per shape.** Give the roofline's decode attention a rate that depends on the sequences in the step
-  (one sequence on several threads reads a group's K/V once per query head), re-fit the committed profiles' stored
+  (a lone sequence cannot keep two cores busy), re-fit the committed profiles' stored
   steps with `minivllm sim calibrate --refit minivllm/sim/profiles/cpu-2core.json --out mine.json` (no measuring), and compare
   `--residuals mine.json` with the plot above; then run `sim_accuracy` with `--profile mine.json` and watch the
   long-prompt ITL.
