@@ -244,3 +244,36 @@ def test_the_quiz_quotes_the_retry_storm_runs():
     assert f"send {f['sent']} requests for {f['jobs']} jobs" in text
     assert f"{f['wasted share']:.0%} of its server tokens went to nobody" in text
     assert f"{w['wasted share']:.0%} of its server work was for nobody" in text
+
+
+def test_lab6_prices_batch_tokens_at_the_notebooks_own_price():
+    """Lab 6's batch-cost cell, like lab 8's, tells the learner to put in the price they pay: the runs and the
+    per-token cost must follow the notebook's ``gpu_hour_usd``.  Oracle: dollars are proportional to the price, so
+    twice the price doubles every ``usd_per_m`` (on the same simulated runs); and every dollar call in the lab's
+    cells passes the notebook's price (a default bound at import would ignore a rebound ``GPU_HOUR_USD``)."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from minivllm.labs import at_scale
+
+    small = dict(seconds=4.0, chat_rate=1.0, num_batch=2)
+    base = at_scale.batch_cost_runs(gpu_hour_usd=3.0, **small)
+    double = at_scale.batch_cost_runs(gpu_hour_usd=6.0, **small)
+    for name, row in base.items():
+        assert double[name]["usd_per_m"] == pytest.approx(2 * row["usd_per_m"]), name
+    path = Path(__file__).resolve().parents[1] / "tools" / "lab_texts" / "lab06_fairness.py"
+    spec = importlib.util.spec_from_file_location("lab06_text", path)
+    text = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(text)
+    calls = []
+    for kind, source, *_ in text.CELLS:
+        if kind != "code" or "usd" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                    "window_usd", "usd_per_million", "batch_cost_runs"):
+                calls.append((ast.unparse(node), [k.arg for k in node.keywords]))
+    assert len(calls) >= 2, calls
+    for call, keywords in calls:
+        assert "gpu_hour_usd" in keywords, f"lab 6 prices at the import-time default: {call}"

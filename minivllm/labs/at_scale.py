@@ -230,7 +230,7 @@ BATCH_COST_ROWS = ("chats alone", "chats + batch, three_class", "chats + batch, 
 
 
 def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch: int = 200, seed: int = 1,
-                    model: str = MODEL, hardware: str = HARDWARE) -> dict[str, dict]:
+                    model: str = MODEL, hardware: str = HARDWARE, gpu_hour_usd: float | None = None) -> dict[str, dict]:
     """The batch class's promise, "no latency SLO, minimise cost", measured on one simulated GPU.
 
     Chats (interactive) arrive ``chat_rate`` a second for ``seconds`` (prompts 64-512 tokens, answers 64-256);
@@ -238,13 +238,17 @@ def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch
     (:data:`BATCH_COST_ROWS`): the chats alone; chats and batch under ``three_class`` and under ``fcfs``; the
     batch alone, on a GPU of its own.  Each row: ``requests`` and ``served``; ``gpu_s`` (first arrival to
     last token: the time the GPU is rented for) and ``busy_s`` (the time it spent in steps); ``tokens`` and
-    ``batch_tokens`` served (prompt + output); ``usd_per_m`` (dollars per million tokens at lab 8's assumed
-    GPU-hour price); the chats' p95 TTFT and ITL; ``batch_done_s`` (when the last batch request finished).
+    ``batch_tokens`` served (prompt + output); ``usd_per_m`` (dollars per million tokens at
+    ``gpu_hour_usd``, by default lab 8's assumed GPU-hour price, read at the call so that a notebook's own price
+    reaches it); the chats' p95 TTFT and ITL; ``batch_done_s`` (when the last batch request finished).
     """
     import random
 
     from minivllm.config import TenantConfig
+    from minivllm.labs import check_lab08
     from minivllm.labs.check_lab08 import usd_per_million
+
+    price = check_lab08.GPU_HOUR_USD if gpu_hour_usd is None else gpu_hour_usd
     from minivllm.labs.live import SimArrival, ramp_arrivals, run_sim_load
     from minivllm.metrics.stats import nearest_rank
 
@@ -268,7 +272,7 @@ def batch_cost_runs(*, seconds: float = 10.0, chat_rate: float = 20.0, num_batch
             "requests": len(arrivals), "served": len(run.e2e),
             "gpu_s": run.duration, "busy_s": engine.executor.busy_s, "tokens": tokens,
             "batch_tokens": sum(a.prompt_len + a.max_tokens for a in arrivals if a.tenant == "bulk"),
-            "usd_per_m": usd_per_million(tokens, run.duration),
+            "usd_per_m": usd_per_million(tokens, run.duration, gpu_hour_usd=price),
             "chat_ttft_p95": nearest_rank([run.ttft[r] for r in chat_ids], 95, float("nan")),
             "chat_itl_p95": nearest_rank([g for r in chat_ids for g in run.itls[r]], 95, float("nan")),
             "batch_done_s": max((start[r] + run.e2e[r] for r in bulk_ids if r in run.e2e), default=0.0),

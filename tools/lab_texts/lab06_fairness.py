@@ -591,14 +591,15 @@ produce a few dozen tokens (memory bound, lab 4), so most of the GPU's arithmeti
 serves four runs on the same simulated H100: 10 s of chats at 20 a second, alone; the same chats with a backlog of
 200 batch prompts (500–1,000 tokens each) queued at t = 0, under `three_class` and under FCFS; and the batch alone, on
 a GPU of its own. "GPU s" is first arrival to last token, the time the GPU is rented for. Dollars use lab 8's assumed
-price of an H100 hour.
+price of an H100 hour (an assumption, not a measurement: put in the price you pay).
 """),
 ("code", r"""
 from minivllm.labs import at_scale
 from minivllm.labs.check_lab08 import GPU_HOUR_USD, window_usd
 
-print(at_scale.label(), f"at ${GPU_HOUR_USD:.2f} per GPU-hour")
-cost = at_scale.batch_cost_runs()
+gpu_hour_usd = GPU_HOUR_USD   # lab 8's assumed price: put in yours
+print(at_scale.label(), f"at ${gpu_hour_usd:.2f} per GPU-hour")
+cost = at_scale.batch_cost_runs(gpu_hour_usd=gpu_hour_usd)
 print(f"{'':28s}{'GPU s':>7}{'tokens':>9}{'$ / 1M tok':>11}{'chat p95 TTFT':>15}{'chat p95 ITL':>14}{'batch done':>12}")
 
 
@@ -614,7 +615,7 @@ shared, alone = cost["chats + batch, three_class"], cost["batch alone"]
 extra_s = shared["gpu_s"] - cost["chats alone"]["gpu_s"]   # what adding the batch tier added to the rental
 print(f"the batch tier's {shared['batch_tokens']:,} tokens: {extra_s:.2f} extra GPU-seconds beside the chats, "
       f"{alone['gpu_s']:.2f} GPU-seconds on a GPU of their own")
-print(f"cost per 1M batch tokens: ${window_usd(extra_s) / (shared['batch_tokens'] / 1e6):.4f} beside the chats "
+print(f"cost per 1M batch tokens: ${window_usd(extra_s, gpu_hour_usd=gpu_hour_usd) / (shared['batch_tokens'] / 1e6):.4f} beside the chats "
       f"(the extra rental), ${alone['usd_per_m']:.3f} alone")
 """, ["covered-by-solution"]),
 ("md", r"""
