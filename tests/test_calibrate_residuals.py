@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
@@ -23,12 +24,19 @@ def _factor(seqs) -> float:
     return 1.1 if len(seqs) == 1 else 0.95
 
 
-@pytest.fixture(scope="module")
-def planted() -> dict:
-    doc = copy.deepcopy(load_profile("cpu-2core"))
+# A GPU profile too: its grid identified no compute roof, which profile_spec replaces with the datasheet's (what
+# sim run predicts with), moving its prompt steps' predictions by up to 3% from the fitted spec's.
+GPU_PROFILE = str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                  / "2026-11-30_nvidia-h200_llama1b_profile_run2.json")
+
+
+@pytest.fixture(scope="module", params=["cpu-2core", GPU_PROFILE])
+def planted(request) -> dict:
+    doc = copy.deepcopy(load_profile(request.param))
     shape, spec, block = ModelShape.from_dict(doc["model"]), profile_spec(doc), doc["engine"]["block_size"]
-    for s in doc["samples"]:
+    for i, s in enumerate(doc["samples"]):
         seqs = [tuple(x) for x in s["seqs"]]
+        s["swapped_blocks"] = 8 if i % 5 == 0 else 0  # the committed grids swap nothing: their copy time counts too
         s["time_s"] = _factor(seqs) * roofline_time(step_cost(shape, seqs, s["swapped_blocks"], block), shape, spec).total
     return doc
 
@@ -66,6 +74,8 @@ def test_cli_prints_the_table_and_refuses_what_it_would_ignore(planted, tmp_path
     assert "decode      1" in out and "1.100" in out and "off by more than 5%" in out
     assert calibrate.main(["--residuals", str(path), "--out", str(tmp_path / "x.json")]) == 2
     assert "drop --out" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    assert calibrate.main(["--residuals", str(path), "--repeats", "5"]) == 2  # it repeats nothing: not dropped
+    assert "drop --repeats" in capsys.readouterr().err
     assert calibrate.main(["--residuals", str(path), "--refit", str(path)]) == 2
     assert "different jobs" in capsys.readouterr().err
     no_samples = dict(planted, samples=[])

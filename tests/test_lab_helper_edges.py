@@ -92,6 +92,18 @@ def test_context_grid_stays_within_its_range_in_whole_blocks(lo, hi, per_octave)
         at_scale.context_grid(1, at_scale.BLOCK_SIZE - 1)
 
 
+def test_context_grid_of_float_ends_is_still_whole_blocks_as_ints():
+    """Kills: the ends computed from ``lo`` / ``hi`` as given, so ``context_grid(16, 100.0)`` ended at ``96.0`` and
+    ``context_grid(16.5, 100)`` began at ``32.0`` -- floats among the ints, where the grid is lengths in whole
+    blocks (the points in between were ints all along).  Oracle: each point's type, and the same range given as
+    ints where the ends are whole numbers."""
+    for lo, hi in [(16, 100.0), (16.5, 100), (20.0, 1000.0)]:
+        grid = at_scale.context_grid(lo, hi, 2)
+        assert all(type(n) is int for n in grid), grid
+        if lo == int(lo):
+            assert grid == at_scale.context_grid(int(lo), int(hi), 2)
+
+
 def test_a_memory_share_above_one_is_refused_not_sized_bigger_than_the_device():
     """Kills: no upper bound on ``memory_share`` (2.0 gave more KV blocks than the whole device holds)."""
     with pytest.raises(ValueError, match="memory_share"):

@@ -150,7 +150,8 @@ def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[in
     if not 0 < lo <= hi or per_octave < 1:
         raise ValueError(f"context_grid needs 0 < lo <= hi and per_octave >= 1, got lo={lo}, hi={hi}, "
                          f"per_octave={per_octave}")
-    first, last = -(-lo // BLOCK_SIZE) * BLOCK_SIZE, hi // BLOCK_SIZE * BLOCK_SIZE
+    # int(): a float end (a length computed by the caller, 100.0) must not put floats in a grid of whole blocks
+    first, last = int(-(-lo // BLOCK_SIZE) * BLOCK_SIZE), int(hi // BLOCK_SIZE * BLOCK_SIZE)
     if first > last:
         raise ValueError(f"context_grid: no whole block of {BLOCK_SIZE} tokens lies between lo={lo} and hi={hi}")
     n_pts = int(round(math.log2(hi / lo) * per_octave)) + 1

@@ -798,6 +798,11 @@ def format_residuals(rows: list[dict], name: str) -> str:
     return "\n".join(lines)
 
 
+REPEATS = 3
+"""``--repeats``' default: runs of each group of the grid (``--check``'s too); a job that measures nothing refuses
+any other value rather than drop it."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minivllm sim calibrate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=output_file, default=None, help="profile JSON to write (default: minivllm/sim/profiles/<name>.json in a source checkout, "
@@ -814,8 +819,8 @@ def main(argv: list[str] | None = None) -> int:
                          "other busy processes)")
     ap.add_argument("--fit-bandwidth", action="store_true",
                     help="fit the memory roof too, instead of pinning it to a measured streaming-read bandwidth")
-    ap.add_argument("--repeats", type=positive_int, default=3,
-                    help="run each group of the grid this many times and keep each step's median time (default 3)")
+    ap.add_argument("--repeats", type=positive_int, default=REPEATS,
+                    help=f"run each group of the grid this many times and keep each step's median time (default {REPEATS})")
     ap.add_argument("--check", default=None, metavar="PROFILE",
                     help="fit nothing: re-measure a few shapes on the engine PROFILE describes and say whether its "
                          "predictions still hold (exit 0), or it is stale (exit 1)")
@@ -874,7 +879,8 @@ def _main(args) -> int:
 
         ignored = [flag for flag, given in (("--out", args.out), ("--name", args.name), ("--force", args.force),
                                              ("--quick", args.quick), ("--fit-bandwidth", args.fit_bandwidth),
-                                             ("--clock", args.clock != "wall"), ("--device", args.device != "auto"))
+                                             ("--clock", args.clock != "wall"), ("--device", args.device != "auto"),
+                                             ("--repeats", args.repeats != REPEATS))
                    if given]
         if ignored:
             raise ValueError(f"--residuals reads a profile and writes nothing: drop {', '.join(ignored)}")

@@ -10,7 +10,7 @@ CELLS = [
 4. implement static batching as an admission policy and measure why continuous batching beats it (✏️ exercise 2).
 
 **Time:** 7 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 30–60 minutes to work through. Later cells use the
 engine's own code until your checker passes, so you can always run the whole notebook.
 """),

@@ -10,7 +10,7 @@ CELLS = [
 4. explain copy-on-write: how two sequences share blocks safely.
 
 **Time:** 6 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 30–60 minutes to work through.
 Exercises are marked ✏️: fill in the function, run the checker below it. Stuck? Later cells use the engine's own
 implementation until your checker passes, so you can keep going.

@@ -12,7 +12,7 @@ CELLS = [
 5. show the cross-tenant timing leak (vLLM CVE-2025-46570, arXiv 2411.18191) and close it with a salt.
 
 **Time:** 5 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 45–60 minutes to work through. Everything here runs the
 engine's own prefix caches (`minivllm/kv/prefix/radix.py`, `minivllm/kv/prefix/hash_index.py`) on the engine's `BlockPool`, admitting requests the
 way the engine does; TTFTs come from the engine's simulated cost model, except in section 5, which measures a hit

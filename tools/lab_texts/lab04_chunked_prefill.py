@@ -15,7 +15,7 @@ CELLS = [
 6. show how a prefix-cache hit shortens the time a long prompt blocks the batch.
 
 **Time:** 7 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 45–60 minutes to work through. The sweeps use the engine's simulated clock; one small
 cell runs the real model. Exercises are marked ✏️; until a checker passes, later cells use the
 engine's own code, so you can always run the lab to the end.

@@ -17,7 +17,7 @@ CELLS = [
    the activation memory of a step, which grows with the token budget.
 
 **Time:** 15 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 45–60 minutes to work through. The real model is used twice: to measure activation
 memory in section 3, and at the end. Every other measurement runs the real engine —
 scheduler, KV cache manager, host tier, preemption — on a simulated forward pass with a virtual clock

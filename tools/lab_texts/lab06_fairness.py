@@ -21,7 +21,7 @@ CELLS = [
    per-call queueing once per call.
 
 **Time:** 34 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 60 minutes to work through. The large workloads run the real
 engine (scheduler, KV cache manager, preemption) on a **simulated forward pass** with a virtual clock (`SimulatedExecutor`),
 so a 16-second overload takes well under a second of CPU and the numbers are exact and reproducible; the real model runs once,

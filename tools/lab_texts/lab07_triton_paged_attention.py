@@ -16,7 +16,7 @@ CELLS = [
    model's decode step is **launch-bound** until fusion or a CUDA graph takes the host out of the loop.
 
 **Time:** 6 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 60–90 minutes to work through. Triton's interpreter executes kernels in numpy, so
 every shape here is tiny; section 4 loads the bundled model. On a machine with a CUDA GPU the same
 notebook compiles the kernels and sections 3 and 4 measure them; on a CPU those cells say what they would show and

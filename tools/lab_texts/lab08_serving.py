@@ -14,7 +14,7 @@ CELLS = [
 5. tune while watching preemptions, cache hit rate and latency percentiles *together*.
 
 **Time:** 23 s to run, measured on the course's 2-core VM with the bundled model already converted
-(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 28–38 s more there:
+(`benchmarks/results/2026-12-06_cpu-2core_lab_times.json`; the first load ever converts it once, 25–35 s more there:
 `benchmarks/results/2026-12-06_cpu-2core_first_load.txt`); 45–60 minutes to work through. Section 2 serves the
 bundled SmolLM2-135M for real; every bigger measurement runs the real engine (scheduler, KV cache manager, preemption) on
 a simulated forward pass with a virtual clock — the `SERVING_GPU` preset of `check_lab08.py`, an 8B-class model

@@ -462,8 +462,11 @@ tasks that each read their group's K/V again -- where two sequences give six, so
 rate than several sequences'. On two threads, then, long-prompt ITL p50 misses for two reasons: the median sits where
 two populations of gaps meet, and the model is a few per cent fast on exactly those decodes -- a change to the cost
 model would fix the second (see *Go further*), not another calibration. On one thread, the clock of the accuracy
-table, the committed profile predicts those decodes within 2.2%; what moves there is the fit itself, whose K/V
-rate was 12.9 GB/s in the committed profile and 14.8 GB/s in the calibration of 6 December's run.
+plot, the committed profile meets its own calibration steps of those shapes within 2.2%, but the fit moves from one
+calibration to the next: the plotted run (1 December, a slower host) fitted a K/V rate of 6.8 GB/s, the committed
+one-thread profile 12.9 GB/s, and a run of 6 December (`2026-12-06_cpu-2core_sim_accuracy_stop60.json`) 14.8 GB/s.
+Against that run's real steps the committed profile is still fast on those decodes (one sequence at 513–2,048
+tokens: x1.06 over 82 steps, where the run's own fit gives x1.11), so the fit's move is about half of that miss.
 
 ### A calibration belongs to a host
 
