@@ -264,3 +264,25 @@ def test_the_help_example_glob_names_paths_its_benchmark_writes(tmp_path, monkey
 def test_bench_entry_point_lists_ab():
     done = subprocess.run([sys.executable, "-m", "minivllm.bench", "--help"], capture_output=True, text=True)
     assert "ab --base REV" in done.stdout
+
+
+def test_same_bench_measures_a_benchmark_newer_than_the_base(repo):
+    """A new kernel often comes with its own new benchmark, which the base version has never heard of: its
+    ``python -m minivllm.bench NAME`` refused the name ("unknown benchmark", exit 2) even with the script copied in,
+    since the dispatcher looks the name up in ``minivllm/bench/__init__.py``'s table.  With ``--same-bench`` the
+    table comes along when the base lacks the module.  Oracle: the stand-in dispatcher refuses names its table
+    does not list, as the real one does; the base must then report its own tree's value through the new script."""
+    root, log = repo
+    main = root / "minivllm" / "bench" / "__main__.py"
+    main.write_text('import importlib, sys\nimport minivllm.bench as b\n'
+                    'if sys.argv[1] not in b.NAMES:\n    sys.exit(2)\n' + FAKE_MAIN)
+    names = root / "minivllm" / "bench" / "__init__.py"
+    names.write_text('NAMES = {"offline": "minivllm.bench.offline"}\n')
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "a dispatcher with a table")
+    (root / "minivllm" / "bench" / "cpu_decode.py").write_text(FAKE_BENCH.format(script=5))  # new, uncommitted
+    names.write_text('NAMES = {"offline": "minivllm.bench.offline", "cpu_decode": "minivllm.bench.cpu_decode"}\n')
+    doc = ab.run(["cpu_decode", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"),
+                 same_bench=True)
+    rows = {r["path"]: (r["base"], r["head"]) for r in doc["rows"]}
+    assert rows["script"] == (5.0, 5.0) and rows["value"] == (2.0, 2.0)
+    assert _worktrees(root) == 1

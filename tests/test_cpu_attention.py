@@ -245,3 +245,25 @@ def test_cc_may_carry_a_wrapper_and_flags_as_make_allows(tmp_path, monkeypatch):
     monkeypatch.setattr(ca, "_cache_dir", lambda: tmp_path)
     monkeypatch.setenv("CC", f"env {gcc}")
     assert ca.load_kernel() is not None
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_every_way_the_kernel_shares_work_matches_the_reference(threads):
+    """The kernel splits a step's attention three ways by how many sequences there are for its threads: whole
+    sequences per task, one K/V group per task, or single query heads (fewer (sequence, K/V head) pairs than twice
+    the threads).  Which one runs depends on the thread count, so a suite run on one thread (a CI worker) never
+    reached the single-head path.  Here each count is set (torch's setting is the OpenMP runtime's the kernel
+    shares) on SmolLM2's shape: 1, 2 and 5 sequences, contexts across block boundaries."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for lens in ([1], [700], [33, 200], [15, 16, 17, 300, 64]):
+            k, v, table = _paged(lens, 16, 3, 64, seed=sum(lens))
+            q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(len(lens)))
+            meta = _meta(lens, table)
+            got = paged_decode(q, k, v, table, meta.seq_lens, 0.125)
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, paged_attention_reference(q, k.nan_to_num(0), v.nan_to_num(0), meta,
+                                                                      0.125), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(saved)

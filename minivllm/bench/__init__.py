@@ -21,4 +21,5 @@ NAMES = {
     "replay": "minivllm.bench.replay",
     "ab": "minivllm.bench.ab",
     "lab_times": "minivllm.bench.lab_times",
+    "cpu_decode": "minivllm.bench.cpu_decode",
 }

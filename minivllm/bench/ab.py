@@ -23,7 +23,9 @@ says it).  The worktree is removed afterwards, whatever happened.
 both sides are measured by one script.  Why: a measurement often arrives with or after the change it
 measures (a new option, a new workload); the old engine is then measured by the new script, which is what
 this project had done by hand ("run on the commit before, with this benchmark script copied in").  Only
-that one file is copied; if it needs engine code a version lacks, that run fails and says so.
+that one file is copied -- and, for a benchmark the version does not have yet (a new kernel's own benchmark),
+the table of names in ``minivllm/bench/__init__.py``, so that ``python -m minivllm.bench NAME`` finds it there; if
+the script needs engine code a version lacks, that run fails and says so.
 """
 
 from __future__ import annotations
@@ -161,6 +163,9 @@ def repo_root(start: Path | None = None) -> Path:
                          f"(an installed wheel has no history): {exc}") from None
 
 
+NAMES_FILE = Path("minivllm", "bench", "__init__.py")  # where the benchmarks' names live (NAMES)
+
+
 def bench_module_path(name: str) -> Path:
     """The source file of benchmark ``name``, relative to a checkout's root."""
     from minivllm.bench import NAMES
@@ -204,6 +209,8 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
         if same_bench:
             module = bench_module_path(command[0])
             for tree in added:
+                if not (tree / module).exists():  # a benchmark newer than that version: register it there too
+                    shutil.copyfile(repo / NAMES_FILE, tree / NAMES_FILE)
                 shutil.copyfile(repo / module, tree / module)
         results: dict[str, list[dict]] = {"base": [], "head": []}
         timeline = []
