@@ -251,9 +251,9 @@ def test_cc_may_carry_a_wrapper_and_flags_as_make_allows(tmp_path, monkeypatch):
 def test_every_way_the_kernel_shares_work_matches_the_reference(threads):
     """The kernel splits a step's attention three ways by how many sequences there are for its threads: whole
     sequences per task, one K/V group per task, or single query heads (fewer (sequence, K/V head) pairs than twice
-    the threads).  Which one runs depends on the thread count, so a suite run on one thread (a CI worker) never
-    reached the single-head path.  Here each count is set (torch's setting is the OpenMP runtime's the kernel
-    shares) on SmolLM2's shape: 1, 2 and 5 sequences, contexts across block boundaries."""
+    the threads).  Which one runs depends on the thread count, so the random cases above reach a path only as
+    their shapes and the machine's threads happen to fall.  Here each count is set (torch's setting is the OpenMP
+    runtime's the kernel shares) on SmolLM2's shape: 1, 2 and 5 sequences, contexts across block boundaries."""
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
