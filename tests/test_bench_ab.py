@@ -286,3 +286,23 @@ def test_same_bench_measures_a_benchmark_newer_than_the_base(repo):
     rows = {r["path"]: (r["base"], r["head"]) for r in doc["rows"]}
     assert rows["script"] == (5.0, 5.0) and rows["value"] == (2.0, 2.0)
     assert _worktrees(root) == 1
+
+
+def test_same_bench_leaves_a_versions_own_table_of_names_when_it_has_the_benchmark(repo):
+    """``--same-bench`` copies the checkout's table of names into a version only where that version lacks the
+    benchmark (the test above); a version that has it keeps its own ``minivllm/bench/__init__.py``, as the module
+    docstring promises ("only that one file is copied").  Copying the table every time went unnoticed: the stand-in
+    tables were the same on both sides.  Oracle: a table that differs between the versions, read by the benchmark
+    itself -- each side must report its own."""
+    root, _ = repo
+    names = root / "minivllm" / "bench" / "__init__.py"
+    names.write_text("TABLE = 1\n")
+    (root / "minivllm" / "bench" / "offline.py").write_text(
+        FAKE_BENCH.format(script='__import__("minivllm.bench", fromlist=["TABLE"]).TABLE'))
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "a table the benchmark reads")
+    names.write_text("TABLE = 2\n")  # the checkout's own table, uncommitted
+    doc = ab.run(["offline", "--out", "{out}"], base="HEAD", repeats=1, repo=root, log=open("/dev/null", "w"),
+                 same_bench=True)
+    rows = {r["path"]: (r["base"], r["head"]) for r in doc["rows"]}
+    assert rows["script"] == (1.0, 2.0)
+    assert _worktrees(root) == 1

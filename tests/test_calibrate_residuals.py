@@ -82,3 +82,40 @@ def test_cli_prints_the_table_and_refuses_what_it_would_ignore(planted, tmp_path
     path.write_text(json.dumps(no_samples))
     assert calibrate.main(["--residuals", str(path)]) == 2
     assert "stored samples" in capsys.readouterr().err
+
+
+def test_a_band_of_unequal_steps_gives_its_median_and_its_range(tmp_path, capsys):
+    """The planted profile above gives each band one factor, so a median, a mean, a min and a max all read the same
+    there (a table printing the mean, or min and max swapped, passed it).  Here one band's steps differ: one-sequence
+    decodes from at most 64 tokens of context (picked by hand, not by ``_band``) run 0.7x, then 1.0x ..., then 2.0x
+    the prediction; every other step exactly 1.0x.  By hand: median 1.0 (one low, one high, the rest 1.0), min 0.7,
+    max 2.0 -- and the printed row shows them in its p50, min, max columns."""
+    doc = copy.deepcopy(load_profile("cpu-2core"))
+    shape, spec, block = ModelShape.from_dict(doc["model"]), profile_spec(doc), doc["engine"]["block_size"]
+    band = [s for s in doc["samples"] if len(s["seqs"]) == 1 and s["seqs"][0][1] == 1 and s["seqs"][0][0] <= 64]
+    assert len(band) >= 3  # one low, one high, and a 1.0 between them at least
+    for s in doc["samples"]:
+        seqs = [tuple(x) for x in s["seqs"]]
+        factor = 0.7 if s is band[0] else 2.0 if s is band[-1] else 1.0
+        s["time_s"] = factor * roofline_time(step_cost(shape, seqs, 0, block), shape, spec).total
+    rows = {(r["kind"], r["seqs"], r["context"]): r for r in calibrate.residuals(doc)}
+    row = rows.pop(("decode", "1", "0-64"))
+    assert row["steps"] == len(band)
+    assert (row["real_over_pred_p50"], row["real_over_pred_min"], row["real_over_pred_max"]) == \
+        pytest.approx((1.0, 0.7, 2.0), rel=1e-9)
+    assert all(r["real_over_pred_min"] == pytest.approx(1.0) == r["real_over_pred_max"] for r in rows.values())
+    path = tmp_path / "unequal.json"
+    path.write_text(json.dumps(doc))
+    assert calibrate.main(["--residuals", str(path)]) == 0
+    printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:3] == ["decode", "1", "0-64"]]
+    assert printed == [["decode", "1", "0-64", str(len(band)), "1.000", "0.700", "2.000"]]
+
+
+@pytest.mark.parametrize("flags", [["--name", "x"], ["--force"], ["--quick"], ["--fit-bandwidth"], ["--clock", "cpu"],
+                                   ["--device", "cpu"]])
+def test_residuals_refuses_every_measuring_flag_it_would_ignore(flags, capsys):
+    """``--residuals`` measures and writes nothing, so each flag that shapes a measurement or its file is refused by
+    name, not silently dropped (the CLI test above tries --out and --repeats; dropping --clock or --device from the
+    refused list went unnoticed)."""
+    assert calibrate.main(["--residuals", "cpu-2core", *flags]) == 2
+    assert f"drop {flags[0]}" in capsys.readouterr().err

@@ -79,10 +79,12 @@ def test_an_empty_or_inverted_context_grid_is_refused_by_name():
         at_scale.context_grid(1024, 16)
 
 
-@pytest.mark.parametrize("lo, hi, per_octave", [(20, 100, 4), (16, 120, 4), (100, 1000, 2), (100, 900, 2)])
+@pytest.mark.parametrize("lo, hi, per_octave", [(20, 100, 4), (16, 120, 4), (100, 1000, 2), (100, 900, 2),
+                                                 (20, 40, 4), (16, 16, 4)])
 def test_context_grid_stays_within_its_range_in_whole_blocks(lo, hi, per_octave):
     """Kills: each point rounded to the nearest block with no regard for the ends, so ``context_grid(20, 100)``
-    began at 16 and ``context_grid(16, 120)`` ended at 128.  Oracle: brute force over the multiples of the
+    began at 16 and ``context_grid(16, 120)`` ended at 128; and a range holding exactly one whole block (20..40
+    holds 32 alone) refused as if it held none (``first >= last``).  Oracle: brute force over the multiples of the
     block size -- the grid's first point is the smallest one >= lo, its last the largest one <= hi."""
     grid = at_scale.context_grid(lo, hi, per_octave)
     blocks = [n for n in range(at_scale.BLOCK_SIZE, 2 * hi, at_scale.BLOCK_SIZE) if lo <= n <= hi]

@@ -101,6 +101,27 @@ def test_sim_run_takes_a_profiles_spec_and_date_from_one_read(tmp_path, monkeypa
     assert len(reads) == 1
 
 
+def test_sim_run_notes_a_profiles_date_only_for_a_profile(capsys):
+    """The note under ``sim run``'s headline ("the profile describes the host and engine it was measured on, DATE")
+    is for a calibration profile, a snapshot of one host; a datasheet preset has no date and no host to re-check.
+    ``hardware_and_profile`` tells the two apart by its second value, None for a preset: a preset given any other
+    value (an empty profile) printed the note with "an unrecorded date" and no test noticed.  Oracle: the committed
+    profile file's own date, read here as JSON."""
+    import json
+
+    from minivllm.sim import presets
+    from minivllm.sim.run import main
+
+    assert main(["--hardware", "h100", "--model", "smollm2-135m", "--num-requests", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("== simulated: smollm2-135m on h100 |")
+    assert "the profile describes" not in out and "calibrate --check" not in out
+    date = json.loads(open(presets.profile_path("cpu-2core"), encoding="utf-8").read())["date_utc"]
+    assert main(["--hardware", "cpu-2core", "--model", "smollm2-135m", "--num-requests", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"measured on, {date};" in out and "calibrate --check cpu-2core" in out
+
+
 def test_a_checker_hint_follows_the_symptom_when_the_case_can_diagnose_it():
     """One case catches several bugs; ``diagnose`` picks the hint for the one the answer shows, and a case
     without a diagnosis for that answer falls back to its own hint."""
