@@ -333,7 +333,7 @@ def test_lab09_residual_reading_quotes_the_runs_it_names():
 
     from minivllm.bench.sim_accuracy import nearest_rank
     from minivllm.sim.presets import load_profile
-    from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost, step_kind
+    from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
 
     text = " ".join((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8").split())
     results = ROOT / "benchmarks" / "results"
@@ -355,7 +355,7 @@ def test_lab09_residual_reading_quotes_the_runs_it_names():
         shape, spec = ModelShape.from_dict(doc["model"]), HardwareSpec.from_dict(doc["hardware"])
         ratios = [step[1] / roofline_time(step_cost(shape, step[2], 0, 16), shape, spec).total
                   for log in run["workloads"]["long_prompt_chunked"]["real_step_logs"] for step in log
-                  if step_kind(step[2]) == "decode" and len(step[2]) == 1 and 512 < step[2][0][0] <= 2048]
+                  if step_cost(shape, step[2]).kind == "decode" and len(step[2]) == 1 and 512 < step[2][0][0] <= 2048]
         return nearest_rank(ratios, 50, None), len(ratios)  # the median as sim_accuracy --explain takes it
 
     (mine, steps), (own, _) = over(committed), over(run["calibration"])

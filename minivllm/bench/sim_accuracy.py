@@ -355,7 +355,6 @@ def explain(result: dict, doc: dict) -> dict:
     fast on average (the model) or the engine itself does not repeat them (the machine).
     """
     from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
-    from minivllm.sim.roofline import step_kind as kind
 
     if not isinstance(doc, dict) or not isinstance(result.get("workloads"), dict):
         raise ValueError("the calibration and the result's workloads must be JSON objects")
@@ -375,19 +374,22 @@ def explain(result: dict, doc: dict) -> dict:
         if not isinstance(logs, list) or not all(isinstance(log, list) for log in logs):
             raise ValueError(f"workload {name!r}: real_step_logs is not a list of runs, each a list of steps")
         by_kind: dict[str, dict] = {}
+        kinds: list[list[str]] = []  # each run's steps' kinds, for the repeat comparison below
         for log in logs:
+            kinds.append([])
             for step in log:
-                seqs = _step_seqs(name, step)
-                pred = roofline_time(step_cost(shape, seqs, 0, block), shape, spec).total
-                k = by_kind.setdefault(kind(seqs), {"ratio": [], "real": [], "host": []})
+                cost = step_cost(shape, _step_seqs(name, step), 0, block)
+                pred = roofline_time(cost, shape, spec).total
+                kinds[-1].append(cost.kind)
+                k = by_kind.setdefault(cost.kind, {"ratio": [], "real": [], "host": []})
                 k["ratio"].append(step[1] / pred)
                 k["real"].append(step[1])
                 if len(step) > 3 and step[3] is not None:
                     k["host"].append((step[1], *step[3]))
         if len(logs) >= 2:
-            for a, b in zip(logs[0], logs[1]):
+            for a, b, kind in zip(logs[0], logs[1], kinds[0]):
                 if a[2] == b[2] and a[1] > 0:
-                    by_kind[kind(a[2])].setdefault("repeat", []).append(abs(b[1] / a[1] - 1))
+                    by_kind[kind].setdefault("repeat", []).append(abs(b[1] / a[1] - 1))
         out = {}
         for k, v in by_kind.items():
             row = {"steps": len(v["real"]), "real_over_pred_p50": pct(v["ratio"], 0.5),

@@ -72,6 +72,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from operator import itemgetter
 from dataclasses import dataclass
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
@@ -342,7 +343,7 @@ class _LivePass:
         key = kept.key(req)
         cursor = self.cursor.get(req.tenant)
         if cursor is None or key > cursor:
-            bisect.insort(self.ghosts.setdefault(req.tenant, []), (key, req), key=_first)
+            bisect.insort(self.ghosts.setdefault(req.tenant, []), (key, req), key=itemgetter(0))
 
     def next(self, tenant: str) -> Request:
         """The tenant's next request in this order (the caller asks only as often as the tenant had requests)."""
@@ -355,10 +356,6 @@ class _LivePass:
             key = kept.key(req)
         self.cursor[tenant] = key
         return req
-
-
-def _first(pair: tuple):
-    return pair[0]
 
 
 class WFQAdmission(KeepsItsOrder):

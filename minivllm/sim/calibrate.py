@@ -762,7 +762,7 @@ def _band(x: int, edges: tuple[int, ...], low: int) -> tuple[int, str]:
 def residuals(doc: dict) -> list[dict]:
     """Where the profile's cost model misses its own calibration: each stored step's measured time over the time
     ``sim run`` predicts for it (:func:`~minivllm.sim.presets.profile_spec`), gathered by kind of step
-    (:func:`~minivllm.sim.roofline.step_kind`), number of sequences and longest context.
+    (:attr:`~minivllm.sim.roofline.StepCost.kind`), number of sequences and longest context.
 
     Why: a fit's rms error is one number for 100-odd steps; a simulation inherits the error of the shapes *it*
     runs.  On the 2-core CPU, for instance, the roofline's one K/V-reading rate over-predicts decodes of several
@@ -770,7 +770,6 @@ def residuals(doc: dict) -> list[dict]:
     where a workload of long prompts decodes.  Measures nothing: it reads the profile's samples.
     """
     from minivllm.sim.presets import profile_spec
-    from minivllm.sim.roofline import step_kind
 
     samples = doc.get("samples")
     if not isinstance(samples, list) or not samples or not isinstance(doc.get("engine"), dict):
@@ -779,8 +778,9 @@ def residuals(doc: dict) -> list[dict]:
     rows: dict[tuple, list[float]] = {}
     for s in samples:
         seqs = [tuple(x) for x in s["seqs"]]
-        pred = roofline_time(step_cost(shape, seqs, s.get("swapped_blocks", 0), block), shape, spec).total
-        key = (step_kind(seqs), _band(len(seqs), SEQ_BANDS, 1), _band(max(x[0] for x in seqs), CONTEXT_BANDS, 0))
+        cost = step_cost(shape, seqs, s.get("swapped_blocks", 0), block)
+        pred = roofline_time(cost, shape, spec).total
+        key = (cost.kind, _band(len(seqs), SEQ_BANDS, 1), _band(max(x[0] for x in seqs), CONTEXT_BANDS, 0))
         rows.setdefault(key, []).append(s["time_s"] / pred)
     return [{"kind": kind, "seqs": seqs[1], "context": ctx[1], "steps": len(r), "real_over_pred_p50": statistics.median(r),
              "real_over_pred_min": min(r), "real_over_pred_max": max(r)}
@@ -869,6 +869,14 @@ def default_out(name: str) -> str:
     return os.path.join(PROFILE_DIR, file) if _in_checkout() else os.path.abspath(file)
 
 
+def _measuring_flags_given(args) -> list[str]:
+    """The flags given that say how to measure or what to call a new profile: a job that measures nothing new
+    (``--residuals``) or measures as a profile says (``--check``) refuses them rather than drop them silently."""
+    return [flag for flag, given in (("--name", args.name), ("--force", args.force), ("--quick", args.quick),
+                                     ("--fit-bandwidth", args.fit_bandwidth), ("--clock", args.clock != "wall"),
+                                     ("--device", args.device != "auto")) if given]
+
+
 def _main(args) -> int:
     jobs = [flag for flag, given in (("--check", args.check), ("--refit", args.refit), ("--residuals", args.residuals))
             if given]
@@ -877,11 +885,8 @@ def _main(args) -> int:
     if args.residuals:
         from minivllm.sim.presets import load_profile
 
-        ignored = [flag for flag, given in (("--out", args.out), ("--name", args.name), ("--force", args.force),
-                                             ("--quick", args.quick), ("--fit-bandwidth", args.fit_bandwidth),
-                                             ("--clock", args.clock != "wall"), ("--device", args.device != "auto"),
-                                             ("--repeats", args.repeats != REPEATS))
-                   if given]
+        ignored = [flag for flag, given in (("--out", args.out),) if given] + _measuring_flags_given(args) + [
+            flag for flag, given in (("--repeats", args.repeats != REPEATS),) if given]
         if ignored:
             raise ValueError(f"--residuals reads a profile and writes nothing: drop {', '.join(ignored)}")
         doc = load_profile(args.residuals)
@@ -890,10 +895,7 @@ def _main(args) -> int:
     if args.check:
         from minivllm.sim.presets import profile_path, load_profile
 
-        ignored = [flag for flag, given in (("--name", args.name), ("--force", args.force),
-                                             ("--quick", args.quick), ("--fit-bandwidth", args.fit_bandwidth),
-                                             ("--clock", args.clock != "wall"), ("--device", args.device != "auto"))
-                   if given]
+        ignored = _measuring_flags_given(args)
         if ignored:  # the profile says how it was measured; a flag that --check would drop is refused, not dropped
             raise ValueError(f"--check measures as the profile was measured and fits nothing: drop {', '.join(ignored)}")
         doc = load_profile(args.check)

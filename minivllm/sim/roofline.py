@@ -306,6 +306,12 @@ class StepCost:
         """
         return self.num_tokens > self.num_seqs
 
+    @property
+    def kind(self) -> str:
+        """``"prompt"`` for an :attr:`eager` step, else ``"decode"``: the two populations whose times a cost model gets
+        right or wrong separately (a TTFT miss is about prompt steps, an ITL miss mostly about decode steps)."""
+        return "prompt" if self.eager else "decode"
+
 
 def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 16) -> StepCost:
     """The terms for a batch given as ``(start, num_tokens, samples)`` per scheduled sequence.
@@ -339,13 +345,6 @@ def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 1
         c.attn_bytes = float(shape.kv_bytes_per_token * (ctx + n_tok) + 2 * L * H * d * b * n_tok)
     c.swap_bytes = float(swap_blocks * block_size * shape.kv_bytes_per_token)
     return c
-
-
-def step_kind(seqs) -> str:
-    """``"prompt"`` if any sequence of the step (``(start, num_tokens, samples)`` rows, as :func:`step_cost` takes
-    them) computes more than one token, else ``"decode"``: the two populations whose times a cost model gets right or
-    wrong separately (a TTFT miss is about prompt steps, an ITL miss mostly about decode steps)."""
-    return "prompt" if any(n > 1 for _, n, _ in seqs) else "decode"
 
 
 @dataclass(frozen=True)
