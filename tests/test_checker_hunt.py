@@ -128,7 +128,7 @@ def _metrics_counting_in_prompt_lens(step_log, prompt_lens, arrivals, num_blocks
                 last[rid] = rec.time
     end = step_log[-1] if len(step_log) else None
     return {"running": end.running if end else 0, "waiting": end.waiting if end else 0,
-            "used_blocks": num_blocks - end.free_blocks if end else 0,
+            "used_blocks": num_blocks - end.available_blocks if end else 0,
             "free_blocks": end.free_blocks if end else num_blocks, "preemptions": preemptions,
             "generation_tokens": generated, "ttft": ttft, "itl": itl}
 

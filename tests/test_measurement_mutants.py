@@ -219,7 +219,7 @@ def _zero_stats() -> dict:
 
 def _rec(step, preempted=(), seqs=(), free=10):
     ids, starts, ns = (tuple(x) for x in zip(*seqs)) if seqs else ((), (), ())
-    return StepRecord(step, 0.0, ids, starts, ns, sum(ns), tuple(preempted), 0, 0, (), (), free, 0, 0)
+    return StepRecord(step, 0.0, ids, starts, ns, sum(ns), tuple(preempted), 0, 0, (), (), free, free, 0, 0)
 
 
 def test_an_untracked_samples_preemption_is_charged_to_its_parents_tenant():

@@ -131,7 +131,8 @@ def test_step_log_rebuild_counts_every_preemption_and_only_tokens_sampled():
     from minivllm.metrics.prometheus import metrics_from_step_log
 
     def rec(t, seqs, preempted=()):
-        return SimpleNamespace(time=t, seqs=seqs, preempted=list(preempted), running=1, waiting=0, free_blocks=3)
+        return SimpleNamespace(time=t, seqs=seqs, preempted=list(preempted), running=1, waiting=0, free_blocks=3,
+                               available_blocks=6)  # 3 free + 3 cached no request holds
 
     log = [
         rec(1.0, [("a", 0, 4), ("b", 0, 4)]),  # both prefills complete: a token each (TTFTs 1.0 and 0.5)
@@ -145,7 +146,7 @@ def test_step_log_rebuild_counts_every_preemption_and_only_tokens_sampled():
     assert m["generation_tokens"] == 5
     assert m["ttft"] == {"a": 1.0, "b": 0.5}
     assert sorted(m["itl"]) == [1.0, 1.0, 3.0]
-    assert (m["used_blocks"], m["free_blocks"]) == (5, 3)
+    assert (m["used_blocks"], m["free_blocks"]) == (2, 3)  # used: the pool less the available blocks
 
 
 def test_sweep_crossing_at_a_rate_exactly_on_the_slo_and_never_at_an_unbounded_rate():

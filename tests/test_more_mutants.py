@@ -425,7 +425,7 @@ class _FakeEngine:
 
 def _rec(step, time=0.0, seqs=(), preempted=(), rejected=(), free=10, running=0, waiting=0):
     ids, starts, ns = (tuple(x) for x in zip(*seqs)) if seqs else ((), (), ())
-    return StepRecord(step, time, ids, starts, ns, sum(ns), tuple(preempted), 0, 0, tuple(rejected), (), free,
+    return StepRecord(step, time, ids, starts, ns, sum(ns), tuple(preempted), 0, 0, tuple(rejected), (), free, free,
                       running, waiting)
 
 

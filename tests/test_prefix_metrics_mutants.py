@@ -222,7 +222,7 @@ def test_a_learners_lookup_that_missed_makes_no_block_recent():
 
 def _record(step: int, seqs: int = 0, tenants: tuple[TenantStep, ...] = ()) -> StepRecord:
     ids = tuple(f"r{step}.{i}" for i in range(seqs))
-    return StepRecord(step, float(step), ids, (0,) * seqs, (1,) * seqs, seqs, (), 0, 0, (), (), 0, seqs, 0,
+    return StepRecord(step, float(step), ids, (0,) * seqs, (1,) * seqs, seqs, (), 0, 0, (), (), 0, 0, seqs, 0,
                       seq_tenants=tuple(t.tenant for t in tenants)[:seqs], tenants=tenants)
 
 
@@ -303,7 +303,7 @@ def test_first_time_prompt_counts_a_chunk_past_the_old_front_only_once():
     served = FirstTimePrompt()
     served.track("r", "a", 10)
     for step, (start, n) in enumerate([(0, 4), (0, 8), (8, 3)]):
-        served.observe(StepRecord(step, float(step), ("r",), (start,), (n,), n, (), 0, 0, (), (), 0, 1, 0))
+        served.observe(StepRecord(step, float(step), ("r",), (start,), (n,), n, (), 0, 0, (), (), 0, 0, 1, 0))
     assert served.by_tenant == {"a": 10}
 
 
@@ -314,7 +314,7 @@ def test_tenant_series_against_hand_built_records():
     seen in *any* record -- ``b`` first has work in the second step, ``a`` has none there (zeros).  Distinct
     numbers in every field, so two swapped columns cannot agree."""
     def rec(step, time, rows):
-        return StepRecord(step, time, (), (), (), 0, (), 0, 0, (), (), 0, 0, 0, tenants=rows)
+        return StepRecord(step, time, (), (), (), 0, (), 0, 0, (), (), 0, 0, 0, 0, tenants=rows)
 
     records = [rec(3, 0.25, (TenantStep("a", 7, 2, 1, 4),)),
                rec(4, 0.75, (TenantStep("b", 5, 6, 3, 9),))]
@@ -332,7 +332,7 @@ def test_first_time_prompt_skips_an_untracked_request_and_counts_the_rest_of_the
     tokens in the step, behind ``x``."""
     served = FirstTimePrompt()
     served.track("r", "a", 6)
-    served.observe(StepRecord(0, 0.0, ("x", "r"), (0, 0), (4, 6), 10, (), 0, 0, (), (), 0, 2, 0))
+    served.observe(StepRecord(0, 0.0, ("x", "r"), (0, 0), (4, 6), 10, (), 0, 0, (), (), 0, 0, 2, 0))
     assert served.by_tenant == {"a": 6}
 
 
@@ -348,7 +348,7 @@ def test_a_record_answers_get_like_the_dict_it_replaced():
     """Kills: ``get`` answering its default for a field the record has.  ``record.get(key, default)`` reads the field whenever the record has one (the per-tenant rows too), and the
     default only for a key no record has."""
     rows = (TenantStep("a", 1, 0, 1, 0),)
-    r = StepRecord(0, 0.0, ("q",), (0,), (1,), 1, (), 0, 0, (), (), 0, 1, 0, seq_tenants=("a",), tenants=rows)
+    r = StepRecord(0, 0.0, ("q",), (0,), (1,), 1, (), 0, 0, (), (), 0, 0, 1, 0, seq_tenants=("a",), tenants=rows)
     assert r.get("tenants") == rows and r.get("seq_tenants") == ("a",) and r["seqs"] == (("q", 0, 1),)
     assert r.get("no_such_field", 5) == 5
 

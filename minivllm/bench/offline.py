@@ -96,7 +96,7 @@ def run_minivllm(llm, requests, temperature: float = 0.0):
     assert all(len(o.outputs[0].token_ids) == n for o, (_, n) in zip(outs, requests))
     ttft = [o.metrics.ttft for o in outs]
     itl = [x for o in outs for x in o.metrics.itls]
-    peak_blocks = max(engine.pool.num_blocks - s["free_blocks"] for s in engine.step_log[-2000:])
+    peak_blocks = max(engine.pool.num_blocks - s.available_blocks for s in engine.step_log[-2000:])
     return elapsed, ttft, itl, peak_blocks, [list(o.outputs[0].token_ids) for o in outs]
 
 

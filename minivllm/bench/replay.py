@@ -157,7 +157,7 @@ MIXED_OPTIONS = dict(enable_prefix_caching=True, share_prefix_cache_across_tenan
 def decisions(engine) -> list[tuple]:
     """What the engine decided at each step, as plain values to compare."""
     return [(r.seqs, r.num_decodes, r.preempted, r.rejected, r.failed, r.swapped_in, r.swapped_out, r.running,
-             r.waiting, r.free_blocks) for r in engine.step_log]
+             r.waiting, r.free_blocks, r.available_blocks) for r in engine.step_log]
 
 
 def first_difference(a: list, b: list) -> int | None:

@@ -753,6 +753,7 @@ class LLMEngine:
                 rejected=tuple(r.request_id for r in batch.rejected),
                 failed=tuple(batch.errors),
                 free_blocks=self.pool.num_free,
+                available_blocks=self.kv.num_available_blocks,
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),
                 **per_tenant,

@@ -179,6 +179,14 @@ class KVCacheManager:
         evictable = self.prefix_cache.num_evictable_blocks() if self.prefix_cache else 0
         return self.pool.num_free + evictable
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks requests hold (and cached blocks a held block pins): the pool less what an allocation could get.
+
+        The one definition every "used" count reads (``stats()``, the step log, the scheduler's peak): a cached
+        block no request holds is reusable on demand, so it is not used -- as vLLM's ``kv_cache_usage_perc``."""
+        return self.pool.num_blocks - self.num_available_blocks
+
     def can_provide(self, num_blocks: int) -> bool:
         """Could ``num_blocks`` blocks be handed out now (evicting cached ones if needed)?
 
@@ -283,9 +291,8 @@ class KVCacheManager:
         return blocks_for(num_tokens, self.block_size) <= self.pool.num_blocks
 
     def usage(self) -> float:
-        """Fraction of blocks an allocation cannot get: held by requests, or cached and pinned by a held block
-        after them (evictable cached blocks count as free)."""
-        return 1.0 - self.num_available_blocks / self.pool.num_blocks
+        """Fraction of blocks an allocation cannot get (:attr:`num_used_blocks` of the pool)."""
+        return self.num_used_blocks / self.pool.num_blocks
 
     # -- sharing ---------------------------------------------------------------
     def namespace(self, req: Request) -> Hashable:

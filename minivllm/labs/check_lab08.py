@@ -373,7 +373,7 @@ def knobs_table(config) -> str:
 
 
 def _metric_run(requests: Sequence[tuple[int, int, float]], *, num_blocks: int = 64, budget: int = 256,
-                max_seqs: int = 16, stop_after: int | None = None, mode: str = "recompute"):
+                max_seqs: int = 16, stop_after: int | None = None, mode: str = "recompute", caching: bool = False):
     """Serve ``(prompt_len, max_tokens, arrival)`` requests on a small simulated engine with the engine's own
     Prometheus metrics attached; stop after ``stop_after`` steps (mid-run gauges) or at the end.
 
@@ -384,7 +384,7 @@ def _metric_run(requests: Sequence[tuple[int, int, float]], *, num_blocks: int =
 
     engine = sim_engine(num_blocks=num_blocks, block_size=16, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                         model_max_len=1024, preemption_mode=mode, num_cpu_blocks_override=256 if mode == "swap" else None,
-                        executor=SimulatedExecutor(**SERVING_GPU))
+                        enable_prefix_caching=caching, executor=SimulatedExecutor(**SERVING_GPU))
     metrics = EngineMetrics("lab8")
     prompt_lens, arrivals = {}, {}
     rng = random.Random(len(requests))
@@ -492,6 +492,8 @@ def check_metrics_from_log(fn) -> CheckResult:
     rechunk_run, rechunk_exp = _compare([(120, 150, 0.01 * i) for i in range(10)], num_blocks=40, budget=64)
     # six equal requests cross a block edge in the same step: one step preempts two of them
     pair_run, pair_exp = _compare([(16, 150, 0.0)] * 6, num_blocks=24, max_seqs=8)
+    # with prefix caching on, the finished requests' full blocks stay cached: off the free list, yet not used
+    cached_run, cached_exp = _compare([(40, 6, 0.0), (70, 4, 0.01), (33, 9, 0.02)], caching=True)
 
     def inputs_read_only(f):
         # the notebook passes its own prompt_lens and arrivals: an answer that counts generated tokens by raising
@@ -514,7 +516,7 @@ def check_metrics_from_log(fn) -> CheckResult:
              "a 200-token prompt in 64-token chunks: the chunks that do not finish the prompt produce no token"),
         Case("gauges mid-run", mid_run, mid_exp,
              "running, waiting and free blocks are gauges: read them from the LAST record as they are (its waiting "
-             "already counts the requests a preemption sent back to the queue); used = pool - free"),
+             "already counts the requests a preemption sent back to the queue); used = pool - available"),
         Case("queued requests: TTFT from arrival", late_run, late_exp,
              "two seats, four requests: the wait in the queue is part of TTFT (arrival, not first scheduling)"),
         Case("preemption by recompute", pre_run, pre_exp,
@@ -530,6 +532,9 @@ def check_metrics_from_log(fn) -> CheckResult:
         Case("two victims in one step", pair_run, pair_exp,
              "record.preempted lists every request preempted in that step: a step can have several victims, so "
              "add len(record.preempted), not 1 per step that preempted"),
+        Case("prefix caching: cached blocks are not used", cached_run, cached_exp,
+             "a finished request's full blocks stay in the prefix cache, off the free list; the allocator evicts "
+             "them on demand, so they are not used either: used = pool - rec.available_blocks, not - free"),
         Case("prompt_lens and arrivals are only read", inputs_read_only, (True, True),
              "keep what you count in dicts of your own (generated tokens per request): the caller's prompt_lens "
              "and arrivals must come back unchanged, or running the cell twice gives other numbers"),
@@ -709,8 +714,10 @@ MUTANTS_METRICS = (
     ("one ITL clock for all requests", "itl.append(rec.time - last[rid])", "itl.append(rec.time - max(last.values()))"),
     ("gauges from the first record", "end = step_log[-1] if len(step_log) else None",
      "end = step_log[0] if len(step_log) else None"),
-    ("used blocks = free blocks", "\"used_blocks\": num_blocks - end.free_blocks if end else 0",
-     "\"used_blocks\": end.free_blocks if end else 0"),
+    ("used blocks = free blocks", "\"used_blocks\": num_blocks - end.available_blocks if end else 0",
+     "\"used_blocks\": end.available_blocks if end else 0"),
+    ("cached blocks counted as used", "\"used_blocks\": num_blocks - end.available_blocks if end else 0",
+     "\"used_blocks\": num_blocks - end.free_blocks if end else 0"),
     ("preemptions of the last step only", "preemptions += len(rec.preempted)", "preemptions = len(rec.preempted)"),
     ("one preemption per step that preempted", "preemptions += len(rec.preempted)",
      "preemptions += bool(rec.preempted)"),

@@ -294,11 +294,11 @@ def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[
     samples a token for a request exactly when it computes the request's last
     known token (prompt + generated so far) -- the one rule that covers prefill
     chunks (no token), decode, and the recompute after a preemption (one new
-    token, however long the recomputed prefill).  One gauge departs from the live
-    series: ``used_blocks`` is ``num_blocks - free`` (a record keeps only the free list),
-    so with prefix caching on it counts the cached blocks too, where the live
-    ``vllm:kv_cache_used_blocks`` counts only the blocks requests hold (15 against 0 at
-    the end of three 40-token prompts on 8-token blocks: the cached blocks are reusable).
+    token, however long the recomputed prefill).  ``used_blocks`` is ``num_blocks``
+    less the record's ``available_blocks`` (free + evictable cached), not less its
+    free list: with prefix caching on, finished requests leave cached blocks that
+    are neither free nor used, and the live ``vllm:kv_cache_used_blocks`` does not
+    count them (0, not 15, at the end of three 40-token prompts on 8-token blocks).
     """
     generated: dict[str, int] = {}
     last: dict[str, float] = {}
@@ -319,7 +319,7 @@ def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[
     return {
         "running": end.running if end else 0,
         "waiting": end.waiting if end else 0,
-        "used_blocks": num_blocks - end.free_blocks if end else 0,
+        "used_blocks": num_blocks - end.available_blocks if end else 0,
         "free_blocks": end.free_blocks if end else num_blocks,
         "preemptions": preemptions,
         "generation_tokens": sum(generated.values()),

@@ -89,7 +89,8 @@ class StepRecord:
     swapped_in: int
     rejected: tuple[str, ...]
     failed: tuple[str, ...]
-    free_blocks: int
+    free_blocks: int  # the free list
+    available_blocks: int  # free + cached blocks an allocation could evict: ``num_blocks`` less the used ones
     running: int
     waiting: int
     seq_tenants: tuple[str, ...] = ()  # the tenant of each entry of ``seqs`` (empty: single-tenant run)

@@ -223,8 +223,9 @@ class SchedulerStats:
     num_swap_preemptions: int = 0
     num_recomputed_tokens: int = 0
     num_rejected: int = 0
-    # the most device blocks held at once: read once a step, after allocation and before finished requests free
-    # theirs (a pool read after the step misses a request that came and went in it: --max-tokens 1 read 0)
+    # the most device blocks used at once (``KVCacheManager.num_used_blocks``: evictable cached blocks are not
+    # used): read once a step, after allocation and before finished requests free theirs (a pool read after the
+    # step misses a request that came and went in it: --max-tokens 1 read 0)
     peak_used_blocks: int = 0
 
 
@@ -911,8 +912,7 @@ class Scheduler:
             batch.split = None  # counted with the victims' rows: the survivors are counted when read
         batch.moves = self.kv.take_block_moves()
         self.stats.num_steps += 1
-        pool = self.kv.pool
-        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, pool.num_blocks - pool.num_free)
+        self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.kv.num_used_blocks)
         return batch
 
     def _group_held(self) -> dict:

@@ -67,8 +67,8 @@ They are inputs to autoscaling and admission control."
 ```
 
 Every one of these can be rebuilt from the **step log** — one record per engine step: its end time, the
-`(request, start, tokens)` chunks it computed, who was preempted, free blocks, running and waiting. A *gauge*
-(running, free blocks) is a reading at one moment; a *counter* (preemptions, tokens) only grows; a *histogram*
+`(request, start, tokens)` chunks it computed, who was preempted, free and available blocks, running and waiting.
+A *gauge* (running, free blocks) is a reading at one moment; a *counter* (preemptions, tokens) only grows; a *histogram*
 (TTFT, ITL) counts observations into buckets, so a dashboard can compute percentiles over any window. Every series
 vLLM has keeps vLLM's exact name and buckets here, so a Grafana dashboard built for vLLM works against it unchanged;
 what vLLM lacks (the `*` rows and labels: block counts, the preemption mode, the tenant) keeps the `vllm:` prefix,
@@ -87,12 +87,13 @@ request exactly when, after the step, **every token the request knows about has 
 
 Write `metrics_from_log(step_log, prompt_lens, arrivals, num_blocks)`. A record `rec` has `rec.time` (the end of the
 step, on the engine's clock), `rec.seqs` (tuples `(request_id, start, n)`: the step computed positions
-`start .. start + n - 1`), `rec.preempted` (request ids), `rec.free_blocks`, `rec.running`, `rec.waiting`.
+`start .. start + n - 1`), `rec.preempted` (request ids), `rec.free_blocks` (the free list), `rec.available_blocks`
+(free plus the cached blocks an allocation could evict), `rec.running`, `rec.waiting`.
 `prompt_lens[rid]` is the prompt length, `arrivals[rid]` the arrival time. Return a dict:
 
 * `"running"`, `"waiting"`, `"free_blocks"`: gauges, as of the last record; `"used_blocks"` = `num_blocks` minus
-  free (this engine runs without a prefix cache, so nothing is cached). With no records: nothing running or
-  waiting, every block free;
+  the *available* blocks (with a prefix cache on, a finished request's cached blocks are neither free nor used:
+  the engine evicts them the moment it needs room). With no records: nothing running or waiting, every block free;
 * `"preemptions"`: how many times a request was preempted, over the whole log;
 * `"generation_tokens"`: how many tokens were sampled;
 * `"ttft"`: `{request_id: seconds}` from arrival to the step that sampled its first token;
@@ -145,7 +146,7 @@ def metrics_from_log(step_log, prompt_lens: dict, arrivals: dict, num_blocks: in
     return {
         "running": end.running if end else 0,
         "waiting": end.waiting if end else 0,
-        "used_blocks": num_blocks - end.free_blocks if end else 0,
+        "used_blocks": num_blocks - end.available_blocks if end else 0,
         "free_blocks": end.free_blocks if end else num_blocks,
         "preemptions": preemptions,
         "generation_tokens": sum(generated.values()),
