@@ -59,6 +59,9 @@ class LearnerHashCache:
         return any(e.block_id == block_id for e in self.index.values())
 
     def num_evictable_blocks(self) -> int:
+        """A walk over the learner's index.  The engine's caches keep this count as locks change (O(1)); a lab's
+        cache of a few hundred blocks pays the walk where the engine asks -- twice a step (the scheduler's peak and
+        the step log's ``available_blocks``), and when the free list alone cannot serve an allocation."""
         return sum(1 for e in self.index.values() if self.pool.refcount(e.block_id) == 1)
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
