@@ -134,3 +134,35 @@ def test_random_changes_during_the_pass_leave_the_order_as_listed(seed):
             elif move == 3 and any(v in scene.queue for v in victims):
                 scene.leave(rng.choice([v for v in victims if v in scene.queue]))
     scene.finish()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_pass_in_which_most_requests_leave_early_in_any_order_hands_them_out_as_listed(seed):
+    """Hundreds of requests; after a few are handed out, three quarters of the rest leave before their turn in a
+    random order (not their queue order), interleaved with more requests handed out and victims entering and leaving
+    at the front.  Every tenant then holds dozens of early leavers at once, and they must come out in their places
+    -- what a ghost store that assumed leavers arrive in key order (a plain FIFO) or lost its order when taken from
+    gets wrong."""
+    rng = random.Random(1000 + seed)
+    reqs = [_request(f"r{i}", rng.choice(TENANTS), rng.randint(1, 9)) for i in range(300)]
+    scene = _Scene(reqs, {t: rng.choice((0.0, 3.0, 10.0, 40.0)) for t in TENANTS})
+    scene.take(rng.randint(0, 5))
+    ahead = [r for r in scene.expected if r not in scene.got]
+    leavers = rng.sample(ahead, 3 * len(ahead) // 4)
+    victims: list[Request] = []
+    most_ghosts = 0
+    for r in leavers:
+        if r in scene.queue:  # not handed out and admitted meanwhile
+            scene.leave(r)
+        most_ghosts = max([most_ghosts, *map(len, scene.kept._pass.ghosts.values())])
+        move = rng.randrange(8)
+        if move == 0 and len(scene.got) < len(scene.expected):
+            scene.take()
+        elif move == 1:
+            v = _request(f"v{len(victims)}", rng.choice(TENANTS), rng.randint(1, 9))
+            victims.append(v)
+            scene.enter_front(v)
+        elif move == 2 and any(v in scene.queue for v in victims):
+            scene.leave(rng.choice([v for v in victims if v in scene.queue]))
+    assert most_ghosts >= 30  # the premise: one tenant held many early leavers at once
+    scene.finish()

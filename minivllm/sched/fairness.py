@@ -69,10 +69,8 @@ its tenant's cap holds back is passed by other tenants' requests, however late.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
-from operator import itemgetter
 from dataclasses import dataclass
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
@@ -326,14 +324,18 @@ class _LivePass:
     its next request is the first one past the cursor that had entered by the time of the order
     (:meth:`KeptOrder.first_after`), and a request that leaves before its turn is remembered with its key
     (``ghosts``), so it is still handed out in its place, exactly as from a copy (the scheduler passes over a
-    request that ended meanwhile).  Cost: O(log n) per request handed out, plus what left early.
+    request that ended meanwhile).  Each tenant's ghosts are a heap on their kept key: they leave in any order (a
+    rejected leader takes its later samples first, an abort takes any), and a sorted list paid a shift of all the
+    rest twice per ghost (``insort`` in, ``pop(0)`` out), quadratic in a pass where thousands leave early (0.67 s
+    against 0.11 s for the heap at 100,000 ghosts).  Kept keys are unique (each entry numbers its own), so the heap
+    never compares two requests.  Cost: O(log n) per request handed out, plus O(log g) per request that left early.
     """
 
     def __init__(self, kept: KeptOrder) -> None:
         self.kept = kept
         self.entries = kept.entries
         self.cursor: dict[str, tuple] = {}
-        self.ghosts: dict[str, list[tuple[tuple, Request]]] = {}
+        self.ghosts: dict[str, list[tuple[tuple, Request]]] = {}  # per tenant, a heap of (kept key, request)
 
     def left(self, req: Request) -> None:
         """``req`` is leaving its queue (called before it is removed): keep it if its turn has not come."""
@@ -343,7 +345,7 @@ class _LivePass:
         key = kept.key(req)
         cursor = self.cursor.get(req.tenant)
         if cursor is None or key > cursor:
-            bisect.insort(self.ghosts.setdefault(req.tenant, []), (key, req), key=itemgetter(0))
+            heapq.heappush(self.ghosts.setdefault(req.tenant, []), (key, req))
 
     def next(self, tenant: str) -> Request:
         """The tenant's next request in this order (the caller asks only as often as the tenant had requests)."""
@@ -351,7 +353,7 @@ class _LivePass:
         req = kept.first_after(tenant, self.cursor.get(tenant), self.entries)
         ghosts = self.ghosts.get(tenant)
         if ghosts and (req is None or ghosts[0][0] < kept.key(req)):
-            key, req = ghosts.pop(0)
+            key, req = heapq.heappop(ghosts)
         else:
             key = kept.key(req)
         self.cursor[tenant] = key
