@@ -22,7 +22,7 @@ import pytest
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.kv.prefix import CACHE_KINDS, make_prefix_cache
-from minivllm.kv.prefix.base import LazyBlocks, split_into_blocks
+from minivllm.kv.prefix.base import LazyBlocks, TokenRun, split_into_blocks
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 
@@ -98,6 +98,66 @@ def test_lazy_blocks_are_the_blocks_split_into_blocks_cuts():
             assert lazy[-1] == eager[-1] and lazy[1:] == eager[1:]
         with pytest.raises(IndexError):
             lazy[len(eager)]
+
+
+def test_a_token_run_reads_as_the_list_it_stands_for():
+    """A run (the first ``length`` tokens of parts laid end to end) against the list built by concatenating and
+    cutting: length, iteration, every index and slice, and the blocks LazyBlocks cuts from it -- for lengths around
+    the block boundary and the parts' seam, with an empty part too."""
+    for a, b in [(7, 0), (0, 7), (5, 6), (8, 4), (3, 9)]:
+        parts = (list(range(100, 100 + a)), list(range(200, 200 + b)))
+        for length in range(a + b + 1):
+            for run_parts in ((parts[0] + parts[1],), parts):
+                run, whole = TokenRun(run_parts, length), (parts[0] + parts[1])[:length]
+                assert len(run) == length and list(run) == whole
+                assert all(run[i] == whole[i] for i in range(-length, length))
+                for i in range(-length - 1, length + 2):
+                    for j in range(-length - 1, length + 2):
+                        assert run[i:j] == whole[i:j], (a, b, length, i, j)
+                assert run[::2] == whole[::2]
+                with pytest.raises(IndexError):
+                    run[length]
+                assert list(LazyBlocks(run, BS)) == split_into_blocks(whole, BS)
+    with pytest.raises(ValueError):
+        TokenRun(([1, 2], [3]), 4)
+
+
+def test_match_prefix_is_the_longest_cached_prefix_of_all_tokens_but_the_last(kind):
+    """Seeded random requests over one cached sequence, their tokens split anywhere between prompt and output
+    (block-aligned lengths included, where leaving out the last token drops a whole block).  Oracle, by hand: the
+    most whole blocks ``k`` with ``k * BS <= tokens - 1`` whose tokens equal the cached sequence's first ``k``
+    blocks.  ``computed_if_admitted`` (the peek) must count the same."""
+    rng = random.Random(3)
+    cached = [rng.randrange(4) for _ in range(12 * BS)]
+    mgr = manager(kind)
+    cache_tokens(mgr, cached)
+    for _ in range(300):
+        n = rng.randrange(1, 14 * BS)
+        tokens = cached[:n] + [rng.randrange(4) for _ in range(n - len(cached[:n]))]
+        if rng.random() < 0.5 and n > 1:
+            tokens[rng.randrange(n)] = 9  # one token differs: the hit stops at its block
+        cut = rng.randrange(1, n + 1)
+        req = request(tokens[:cut], output=tokens[cut:])
+        k = 0
+        while (k + 1) * BS <= n - 1 and tokens[k * BS : (k + 1) * BS] == cached[k * BS : (k + 1) * BS]:
+            k += 1
+        assert mgr.match_prefix(req).num_tokens == k * BS, (n, cut)
+        assert mgr.computed_if_admitted(req) == k * BS, (n, cut)
+
+
+@pytest.mark.parametrize("output", [(), (5, 6, 7)])
+def test_match_prefix_that_misses_block_zero_reads_one_block_of_a_long_request(kind, output):
+    """A lookup through the manager (run for every admitted request) of 8,192 tokens whose first block is not
+    cached reads that block, not the request: it used to build ``all_token_ids[:-1]`` -- the concatenation of
+    prompt and output, then a cut of it, two copies of every token -- before the cache compared a block."""
+    mgr = manager(kind)
+    cache_tokens(mgr, toks(1, 2, 3))
+    req = request([0])
+    req.prompt_token_ids = CountingList([9] + list(range(8191)))
+    req.output_token_ids = CountingList(output)
+    CountingList.reads = 0
+    assert mgr.match_prefix(req).num_tokens == 0
+    assert CountingList.reads <= 2 * BS, f"read {CountingList.reads} tokens to find block 0 uncached"
 
 
 def test_peek_on_hand_cases_counts_what_match_returns(kind):

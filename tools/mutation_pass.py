@@ -96,8 +96,8 @@ MUTANTS = [
      "tenant = None", ""),
     ("an empty cache salt is a salt", KVM, "return (tenant, req.cache_salt or None)",
      "return (tenant, req.cache_salt)", ""),
-    ("the last prompt token is matched too", KVM, "self.prefix_cache.match(req.all_token_ids[:-1], self.namespace(req))",
-     "self.prefix_cache.match(req.all_token_ids, self.namespace(req))", ""),
+    ("the last prompt token is matched too", KVM, "TokenRun((prompt, output) if output else (prompt,), max(len(prompt) + len(output) - 1, 0))",
+     "TokenRun((prompt, output) if output else (prompt,), max(len(prompt) + len(output), 0))", ""),
     # caps, their retry hints, cache quotas and the victim rule
     ("a KV share floors to zero blocks", FAIR,
      "blocks = None if tc.max_kv_share is None else max(1, math.floor(tc.max_kv_share * n))",
