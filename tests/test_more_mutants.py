@@ -516,6 +516,8 @@ def test_door_boundaries():
 
 
 def test_door_snapshot_counts_pending_requests():
-    """Kills: the snapshot ignoring requests that passed the door but are not queued yet (a burst all gets in)."""
+    """Kills: the snapshot ignoring requests that passed the door but are not queued yet (a burst all gets in):
+    the server's count of them (queue plus posted) replaces the scheduler's queue alone."""
     engine = SimpleNamespace(kv=SimpleNamespace(num_available_blocks=9), scheduler=SimpleNamespace(waiting=[1, 2]))
-    assert door_snapshot(engine, pending=3) == {"num_waiting": 5, "available_blocks": 9}
+    assert door_snapshot(engine, num_waiting=5) == {"num_waiting": 5, "available_blocks": 9}
+    assert door_snapshot(engine) == {"num_waiting": 2, "available_blocks": 9}

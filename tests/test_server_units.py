@@ -32,7 +32,8 @@ def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
                              kv=SimpleNamespace(num_available_blocks=100),
                              never_runs=lambda total, tenant: asked.append((total, tenant)))
     metrics = EngineMetrics("m")
-    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics, shutting_down=False, pending_adds=0), ["m"], 64,
+    srv = OpenAIServer(SimpleNamespace(engine=engine, metrics=metrics, shutting_down=False,
+                                       waiting_or_posted=lambda: len(engine.scheduler.waiting)), ["m"], 64,
                        DoorRule(max_waiting=1, retry_after_s=2.5))
     with pytest.raises(APIError) as err:
         asyncio.run(srv._submit({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=4), "alice", "cmpl"))
@@ -81,6 +82,56 @@ def test_the_door_counts_a_queued_request_once_while_its_handler_has_not_resumed
                 _, a_stream = await a
                 a_stream.close()
                 holder.close()
+            b.close()
+
+    asyncio.run(main())
+
+
+def test_the_door_counts_a_request_once_while_the_engine_thread_moves_it_into_the_queue():
+    """The engine thread's add command puts a request in the scheduler's queue and then drops it from the posted
+    count; a door check between the two counted it twice.  (That while is more than a few bytecodes: the command
+    also tracked the request's metrics and woke the event loop -- a write that lets it run a door check right
+    then.)  Stepped by hand: the engine's ``add_request`` is held open just after it queued request A, and request
+    B comes to the door then.  Oracle, by hand: one request waits, ``max_waiting=2``, so B gets in.  (Before: B
+    saw 1 queued + 1 posted and got a 429.)"""
+    import threading
+
+    from minivllm.server import build_app
+    from tests.test_server_sim import _SCENE_PACE, _paced_engine
+
+    engine = _paced_engine(max_seqs=1, **_SCENE_PACE)
+    app = build_app(engine, ["sim"], door=DoorRule(max_waiting=2))
+    handlers = app.state.handlers
+    queued, b_checked = threading.Event(), threading.Event()
+    real_add = engine.add_request
+
+    def add_request(*args, **kwargs):
+        request_id = real_add(*args, **kwargs)
+        if not queued.is_set():
+            queued.set()
+            b_checked.wait(1.0)  # A is queued and not yet dropped from the posted count (a door that waits for the
+        return request_id  # move to finish waits out this second)
+
+    engine.add_request = add_request
+
+    def submit(first: int):
+        return handlers._submit({"prompt_token_ids": list(range(first, first + 8))},
+                                SamplingParams(max_tokens=1, ignore_eos=True), "default", "cmpl")
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            a = asyncio.ensure_future(submit(20))
+            for _ in range(3000):
+                if queued.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert queued.is_set() and len(engine.scheduler.waiting) == 1, "the scene: A queued, its add still open"
+            try:
+                _, b = await submit(30)
+            finally:
+                b_checked.set()
+                _, a_stream = await a
+                a_stream.close()
             b.close()
 
     asyncio.run(main())

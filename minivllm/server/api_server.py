@@ -513,14 +513,14 @@ class OpenAIServer:
             why = engine.never_runs(total, tenant)
             if why is not None:
                 raise APIError(400, f"this request {why}", "invalid_request_error", None, "invalid_value")
-        if self.door is not None and self.door.closed(door_snapshot(engine, self.engine.pending_adds)):
+        if self.door is not None and self.door.closed(door_snapshot(engine, self.engine.waiting_or_posted())):
             retry = retry_after_header(self.door.retry_after_s)
             metrics = self.engine.metrics
             if metrics is not None:  # the engine never sees this request: only here can an operator's alert count it
                 metrics.shed.labels(metrics.model_name, tenant).inc()
             raise APIError(429, "the server's queue is full; retry after the Retry-After header's seconds",
                            "rate_limit_error", None, "queue_full", {"Retry-After": retry})
-        try:  # through the door: counted in ``pending_adds`` until the engine thread queues it
+        try:  # through the door: counted as posted until the engine thread queues it (waiting_or_posted)
             stream = await self.engine.add_request(prompt, params, request_id, tenant=tenant)
         except ValueError as exc:
             raise _bad_value(exc, prompt_field)

@@ -8,7 +8,8 @@ has stopped, a command posted later runs on the poster's thread): adding a
 request, aborting one and shutting down are *commands* the event loop posts to
 it (a thread-safe queue), run between two steps.  So the event loop never waits on the engine's lock (a step can take
 tens of milliseconds on a CPU), ``engine.stats()`` is never read in the middle
-of a step, and no request blocks another.
+of a step, and no request blocks another.  (The door's count may wait for one add command to finish moving its
+request into the queue: :meth:`AsyncEngine.waiting_or_posted`.)
 
 After each ``engine.step()`` the thread hands every ``RequestOutput`` to the
 per-request :class:`asyncio.Queue` of its owner with
@@ -96,7 +97,8 @@ class AsyncEngine:
         self.idle_poll_s = idle_poll_s
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        self._adding: set[RequestStream] = set()  # posted adds not yet run (:attr:`pending_adds`)
+        self._adding: set[RequestStream] = set()  # posted adds not yet run (:meth:`waiting_or_posted`)
+        self._moving = threading.Lock()  # held while a request moves from ``_adding`` to the scheduler's queue
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -120,16 +122,20 @@ class AsyncEngine:
 
         self.engine.claim_driver(self, run_loop)  # RuntimeError if another server's loop steps this engine
 
-    @property
-    def pending_adds(self) -> int:
-        """Requests posted by :meth:`add_request` that the loop thread has not queued in the engine yet.
+    def waiting_or_posted(self) -> int:
+        """The scheduler's queue plus the requests posted by :meth:`add_request` that the loop thread has not queued
+        in the engine yet: the count the door compares with ``max_waiting``.
 
-        The door adds them to the queue's length, or a burst would all see the queue as it was before it.  The
-        add command itself drops its request, right after the engine queued it: dropped only once the event
-        loop heard back, a request already in the scheduler's queue was counted twice for that while, and part
-        of a burst that fitted ``max_waiting`` was shed.  (A set's add and discard are atomic across threads.)
+        Without the posted ones a burst would all see the queue as it was before it.  A request must be in exactly
+        one of the two: the add command queues it and drops it from the posted set while holding ``_moving``, and
+        this reads both under the same lock.  Dropped only after the engine queued it, without the lock, it was
+        counted twice meanwhile (the add command also tracks its metrics and wakes the event loop in between, so
+        the event loop could run a door check right then), and part of a burst that fitted ``max_waiting`` was
+        shed; dropped only once the event loop heard back, that while was longer still.  The lock is held for the
+        engine's ``add_request`` and two ``len`` calls, never for a step, so the door does not wait on one.
         """
-        return len(self._adding)
+        with self._moving:
+            return len(self.engine.scheduler.waiting) + len(self._adding)
 
     @property
     def is_running(self) -> bool:
@@ -189,7 +195,9 @@ class AsyncEngine:
                 return
             self._streams[request_id] = stream  # before the add: the first step may already answer
             try:
-                self.engine.add_request(prompt, params, request_id, tenant=tenant)
+                with self._moving:  # from posted to queued in one move, as the door reads them (waiting_or_posted)
+                    self.engine.add_request(prompt, params, request_id, tenant=tenant)
+                    self._adding.discard(stream)
             except Exception as exc:  # noqa: BLE001 - ValueError is the caller's fault; others go back too
                 self._streams.pop(request_id, None)
                 # closed by another thread (LLM.close()) before this loop saw it: a 503, not the engine's 500

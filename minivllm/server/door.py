@@ -44,16 +44,20 @@ class DoorRule:
         return waiting >= self.max_waiting or (waiting > 0 and stats["available_blocks"] < self.min_free_blocks)
 
 
-def door_snapshot(engine, pending: int = 0) -> dict:
+def door_snapshot(engine, num_waiting: int | None = None) -> dict:
     """The two numbers :meth:`DoorRule.closed` reads, taken without the engine lock.
 
-    ``pending`` counts requests that passed the door but have not reached the scheduler's queue yet (the
-    engine thread adds them between steps): without them a burst of simultaneous requests would all see
-    the queue as it was before the burst and all get in.  ``available_blocks`` is ``engine.stats()``'s: the
-    free list plus cached blocks nobody is using, which the engine evicts on demand.
+    ``num_waiting`` is the queue as the caller counts it; None: the scheduler's queue.  A server passes its
+    :meth:`~minivllm.server.async_engine.AsyncEngine.waiting_or_posted`, which adds the requests that passed
+    the door but have not reached the scheduler's queue yet (the engine thread adds them between steps):
+    without them a burst of simultaneous requests would all see the queue as it was before the burst and all
+    get in.  ``available_blocks`` is ``engine.stats()``'s: the free list plus cached blocks nobody is using,
+    which the engine evicts on demand.
     """
     try:
         available = engine.kv.num_available_blocks
     except RuntimeError:  # a cache structure resized by the engine thread mid-count: use the lower bound
         available = engine.pool.num_free
-    return {"num_waiting": len(engine.scheduler.waiting) + pending, "available_blocks": available}
+    if num_waiting is None:
+        num_waiting = len(engine.scheduler.waiting)
+    return {"num_waiting": num_waiting, "available_blocks": available}
