@@ -778,7 +778,9 @@ def test_a_client_gone_mid_body_is_not_an_internal_error(caplog):
 def test_a_text_prompt_far_past_the_context_is_refused_before_it_is_tokenized(tokenizer):
     """A 20 MB text prompt was tokenized in full (43 s on two cores, +2.7 GB of memory) before its 400 said it
     was 3.5M tokens for a 512-token context.  No token covers more characters than the longest vocabulary entry,
-    so a prompt longer than ``max_model_len`` of those cannot fit: it is refused without tokenizing."""
+    so a prompt longer than ``max_model_len`` of those cannot fit: it is refused without tokenizing.  (The 1.2 MB
+    body here is under the server's body limit, which refuses a body the size of that 2.4 MB one before it is even
+    parsed: tests/test_server_refuses_a_body_no_servable_request_needs.py.)"""
     cfg = EngineConfig(num_gpu_blocks_override=64, block_size=16, max_model_len=512, device="cpu")
     engine = LLMEngine(cfg, executor=SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer, model_max_len=512)
     seen: list[int] = []
@@ -795,13 +797,13 @@ def test_a_text_prompt_far_past_the_context_is_refused_before_it_is_tokenized(to
     engine.inputs.tokenizer = _Counting()
     with _Served(engine) as srv:
         url = srv.base + "/v1/completions"
-        r = httpx.post(url, json={"prompt": "hello world " * 200_000, "max_tokens": 4}, timeout=120)  # 2.4 MB
+        r = httpx.post(url, json={"prompt": "hello world " * 100_000, "max_tokens": 4}, timeout=120)  # 1.2 MB
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
         assert "max_model_len" in r.json()["error"]["message"]
         chat = httpx.post(srv.base + "/v1/chat/completions", timeout=120,
-                          json={"messages": [{"role": "user", "content": "hello world " * 200_000}], "max_tokens": 4})
+                          json={"messages": [{"role": "user", "content": "hello world " * 100_000}], "max_tokens": 4})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text[:300]
-        assert not seen or max(seen) < 512 * 100, seen  # never handed the 2.4 MB to the tokenizer
+        assert not seen or max(seen) < 512 * 100, seen  # never handed the 1.2 MB to the tokenizer
         ok = httpx.post(url, json={"prompt": "hello world " * 40, "max_tokens": 4}, timeout=30)  # 81 tokens: fine
         assert ok.status_code == 200, ok.text
         assert srv.async_engine.wait_idle(10) and engine.pool.num_free == engine.pool.num_blocks

@@ -196,13 +196,23 @@ class InputProcessor:
             raise ValueError("prompt encodes to zero tokens")
         return text, ids
 
+    def max_fitting_chars(self) -> int:
+        """The most characters a text can have and still fit in ``max_model_len`` tokens; 0 when unknown.
+
+        Twice the longest vocabulary entry per position (the factor for normalizers that drop characters).
+        One bound for the two places that refuse what could never fit before paying for it: the tokenizer's
+        input here (:meth:`_refuse_unfittable`) and the HTTP server's request body, read before it is parsed.
+        """
+        return 2 * self._max_chars_per_token() * self.max_model_len
+
     def _refuse_unfittable(self, text: str, what: str) -> None:
         """ValueError, before tokenizing, for a text no tokenization of which could fit in ``max_model_len``
         (tokenizing a 20 MB text took 43 s and 2.7 GB only to say it was too long)."""
-        per_token = self._max_chars_per_token()
-        if per_token and len(text) > 2 * per_token * self.max_model_len:
+        limit = self.max_fitting_chars()
+        if limit and len(text) > limit:
             raise ValueError(f"{what} has {len(text)} characters but max_model_len is {self.max_model_len} tokens, and "
-                             f"no token of this tokenizer covers more than {per_token} characters: it could never fit")
+                             f"no token of this tokenizer covers more than {self._max_chars_per_token()} characters: "
+                             "it could never fit")
 
     def _max_chars_per_token(self) -> int:
         """An upper bound on the characters of text one token covers: its longest vocabulary entry (byte-level

@@ -12,7 +12,8 @@ Behaviour worth knowing:
   "code"}}``.  Bad input (malformed JSON, wrong types, values the engine's
   ``SamplingParams`` or ``add_request`` refuse, an oversize prompt) is a 400,
   an unknown model a 404, a missing or wrong API key a 401 -- never a 5xx
-  (except during shutdown, below).
+  (except during shutdown, below).  A body larger than any servable request needs
+  is a 413 before it is parsed (:func:`default_max_body_bytes`).
 * **Tenants.** API keys map to tenants (``--api-keys-file keys.json`` with
   ``{"key": "tenant"}``, or ``MINIVLLM_API_KEYS`` holding the same JSON or
   ``key=tenant,key2=tenant2``).  With no keys configured everyone is tenant
@@ -355,6 +356,50 @@ def _usage(out: RequestOutput) -> dict:
     }
 
 
+# Bytes of JSON one character of prompt text may take: a character outside the Basic Multilingual Plane written as
+# two ``\uXXXX`` escapes (the ``openai`` client escapes everything outside ASCII).
+_JSON_BYTES_PER_CHAR = 12
+# Room for a body's other fields: sampling parameters, up to MAX_STOP_STRINGS stop strings, a chat's roles.
+_BODY_FIELDS_BYTES = 1 << 20
+
+
+def default_max_body_bytes(engine) -> int | None:
+    """The largest request body a request that could run on ``engine`` needs, or None when unknown.
+
+    Why a limit: a body is parsed whole, holding the GIL (json's C parser), into a Python object per token id or
+    message -- a 90 MB body of token ids froze every stream (and the engine loop) for 3 s and took 870 MB, only
+    to be refused for its length.  The bound never refuses a request that fits: a prompt of more characters than
+    the engine's :meth:`~minivllm.engine.input_processor.InputProcessor.max_fitting_chars` is refused anyway,
+    each character costs at most ``_JSON_BYTES_PER_CHAR`` bytes, and a list of fitting token ids is far shorter.
+    A tokenizer without a vocabulary to read gives no bound (None: no limit, as before).
+    """
+    chars = engine.inputs.max_fitting_chars()
+    return _BODY_FIELDS_BYTES + _JSON_BYTES_PER_CHAR * chars if chars else None
+
+
+# A body up to this size is parsed on the event loop (microseconds); a larger one on a worker thread, where the
+# per-message validators let the loop run between them (a 17 MB conversation held every stream for 2 s).
+_PARSE_ON_LOOP_BYTES = 64 * 1024
+
+
+def _validated(body: bytes, model_cls):
+    """``body`` parsed and validated as ``model_cls``, or the 400 in OpenAI's shape."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", "invalid_request_error", None, "invalid_json")
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", "invalid_request_error", None,
+                       "invalid_json")
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", "invalid_request_error", None, "invalid_json")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as exc:
+        msg, param = _validation_message(exc.errors(include_url=False))
+        raise APIError(400, msg, "invalid_request_error", param, "invalid_type")
+
+
 def _retry_after(out: RequestOutput) -> str:
     return retry_after_header(out.retry_after_s)
 
@@ -380,8 +425,9 @@ class OpenAIServer:
     """The request handlers; :func:`build_app` wires them into a FastAPI app."""
 
     def __init__(self, async_engine: AsyncEngine, model_names: list[str], max_model_len: int | None = None,
-                 door: DoorRule | None = None) -> None:
+                 door: DoorRule | None = None, max_body_bytes: int | None = None) -> None:
         self.engine = async_engine
+        self.max_body_bytes = max_body_bytes  # None: no limit (see default_max_body_bytes)
         self.model_names = list(model_names)
         self.max_model_len = max_model_len
         self.door = door  # load shedding before the queue (--max-waiting-requests); None: everyone queues
@@ -409,28 +455,39 @@ class OpenAIServer:
                            "invalid_request_error", "model", "model_not_found")
         return name
 
-    @staticmethod
-    async def _parse(request: Request, model_cls):
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, or a 413 as soon as it is known to be over ``max_body_bytes`` (its ``Content-Length``, else
+        the bytes received so far): never held or parsed whole, which is the cost the limit is there to avoid."""
+        limit = self.max_body_bytes
+        if limit is None:
+            return await request.body()
+        declared = request.headers.get("content-length", "")
+        size = int(declared) if declared.isdigit() else 0
+        chunks: list[bytes] = []
+        if size <= limit:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    break
+                chunks.append(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body has {size} bytes or more; this server takes at most {limit} "
+                                f"(what a prompt that fits max_model_len={self.max_model_len} can need)",
+                           "invalid_request_error", None, "request_too_large")
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, model_cls):
         """The request body as ``model_cls``, or a 400 in OpenAI's shape.
 
         Read here rather than declared as the endpoint's body parameter: FastAPI validates a body parameter before
         the handler runs, so bad input would get its 400 before :meth:`_check_open` could answer 503.
         """
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"malformed JSON body: {exc}", "invalid_request_error", None, "invalid_json")
-        except RecursionError:
-            raise APIError(400, "malformed JSON body: nested too deeply", "invalid_request_error", None,
-                           "invalid_json")
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object", "invalid_request_error", None, "invalid_json")
-        try:
-            req = model_cls.model_validate(data)
-        except ValidationError as exc:
-            msg, param = _validation_message(exc.errors(include_url=False))
-            raise APIError(400, msg, "invalid_request_error", param, "invalid_type")
+        body = await self._read_body(request)
+        if len(body) > _PARSE_ON_LOOP_BYTES:
+            req = await asyncio.to_thread(_validated, body, model_cls)
+        else:
+            req = _validated(body, model_cls)
         bad = req.unsupported()
         if bad:
             raise APIError(400, f"{bad} is not supported by minivllm", "invalid_request_error", bad, "unsupported")
@@ -747,8 +804,12 @@ def build_app(
     api_keys: dict[str, str] | None = None,
     metrics: EngineMetrics | None = None,
     door: DoorRule | None = None,
+    max_body_bytes: int | None | str = "auto",
 ) -> FastAPI:
     """A FastAPI app serving ``engine`` (an :class:`~minivllm.engine.llm_engine.LLMEngine`).
+
+    ``max_body_bytes``: a larger request body is a 413 before it is parsed; ``"auto"`` is
+    :func:`default_max_body_bytes` (what the largest servable request needs), None no limit.
 
     The app's lifespan starts the engine loop thread and, on shutdown, aborts
     what is in flight and stops it.  ``app.state.async_engine`` and
@@ -760,10 +821,15 @@ def build_app(
         model_names = [model_names]
     if not model_names:
         raise ValueError("at least one served model name is needed")
+    if max_body_bytes == "auto":
+        max_body_bytes = default_max_body_bytes(engine)
+    elif max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
+                                         or max_body_bytes < 1):
+        raise ValueError(f"max_body_bytes must be a positive int, 'auto' or None, got {max_body_bytes!r}")
     metrics = metrics if metrics is not None else EngineMetrics(model_names[0])
     async_engine = AsyncEngine(engine, metrics)
     handlers = OpenAIServer(async_engine, model_names, getattr(getattr(engine, "config", None), "max_model_len", None),
-                            door)
+                            door, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
