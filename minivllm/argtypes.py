@@ -71,6 +71,17 @@ def seconds_or_off(text: str) -> float:
     return x
 
 
+def bytes_or_off(text: str) -> float:
+    """A byte count >= 1, or ``off``: no limit, read as ``math.inf`` (as :func:`seconds_or_off`, for the same
+    reason: ``None`` is "not given, keep the default")."""
+    if text.strip().lower() == "off":
+        return math.inf
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes >= 1 or 'off', got {text!r}") from None
+
+
 def positive_rate(text: str) -> float:
     """A rate > 0; ``inf`` allowed (the load generator's "everything at once")."""
     x = _number(text, float)

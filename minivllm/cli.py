@@ -15,7 +15,7 @@ import math
 import sys
 import time
 
-from minivllm.argtypes import nonnegative_int, port, positive_int, seconds_or_off
+from minivllm.argtypes import bytes_or_off, nonnegative_int, port, positive_int, seconds_or_off
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -65,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--min-free-blocks", type=nonnegative_int, default=0,
                    help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are "
                         "available (free, or holding cached prefixes no request uses)")
+    s.add_argument("--max-request-bytes", type=bytes_or_off, default=None,
+                   help="a larger request body is answered 413 before it is read whole; 'off': no limit (if not "
+                        "given, the most bytes a prompt that fits --max-model-len can take as JSON, 17 MB at 8,192 "
+                        "tokens of SmolLM2's vocabulary)")
     s.add_argument("--stall-timeout-s", type=seconds_or_off, default=None,
                    help="seconds a scheduling deadlock may last (nothing scheduled for 64 steps and more) before the "
                         "stuck requests get an error; 'off': never (default: the engine's 10)")
@@ -173,6 +177,13 @@ def serve_options(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     return options, api_keys
 
 
+def body_limit(args: argparse.Namespace) -> int | str | None:
+    """``--max-request-bytes`` as ``build_app`` takes it: not given is ``"auto"`` (derived from the engine's
+    tokenizer and context), ``off`` is None (no limit), a number is that many bytes."""
+    given = args.max_request_bytes
+    return "auto" if given is None else None if given == math.inf else given
+
+
 def serve(args: argparse.Namespace) -> int:
     """``minivllm serve``: load the model, then run uvicorn until SIGINT/SIGTERM (which aborts in-flight requests)."""
     import uvicorn
@@ -188,7 +199,7 @@ def serve(args: argparse.Namespace) -> int:
         from minivllm.server.door import DoorRule
 
         door = DoorRule(args.max_waiting_requests, args.min_free_blocks)
-    app = build_app(llm.engine, args.served_model_name, api_keys, door=door)
+    app = build_app(llm.engine, args.served_model_name, api_keys, door=door, max_body_bytes=body_limit(args))
     async_engine = app.state.async_engine
     frozen = freeze_startup_heap()  # this process serves until it exits: see minivllm.engine.startup
 

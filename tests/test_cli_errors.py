@@ -70,6 +70,9 @@ def test_tool_help_still_reaches_the_tool(capsys):
     (["serve", "--stall-timeout-s", "-1"], "--stall-timeout-s"),
     (["serve", "--stall-timeout-s", "nan"], "--stall-timeout-s"),
     (["serve", "--stall-timeout-s", "never"], "--stall-timeout-s"),
+    (["serve", "--max-request-bytes", "0"], "--max-request-bytes"),
+    (["serve", "--max-request-bytes", "1.5"], "--max-request-bytes"),
+    (["serve", "--max-request-bytes", "none"], "--max-request-bytes"),
     (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),
     (["generate", "hi", "--block-size", "0"], "--block-size"),
 ])
@@ -82,6 +85,18 @@ def test_cli_numbers_refused_before_the_model_loads(argv, flag, capsys, monkeypa
     monkeypatch.setattr(cli, "serve", reached)
     monkeypatch.setattr(cli, "generate", reached)
     _argparse_refuses(cli_main, argv, flag, capsys)
+
+
+def test_max_request_bytes_reaches_build_app_as_auto_off_or_a_count():
+    """Not given: the limit derived from the engine ("auto"); 'off' (any case): no limit (None); a number: itself."""
+    from minivllm.cli import _parser, body_limit
+
+    def limit(*argv):
+        return body_limit(_parser().parse_args(["serve", *argv]))
+
+    assert limit() == "auto"
+    assert limit("--max-request-bytes", "OFF") is None
+    assert limit("--max-request-bytes", "4096") == 4096
 
 
 def test_api_keys_file_errors_name_the_file(tmp_path, capsys, monkeypatch):
