@@ -333,22 +333,24 @@ def test_a_rate_that_is_not_a_number_is_refused():
 
 def test_serve_hands_both_door_flags_to_the_door(monkeypatch):
     """Kills: ``--min-free-blocks`` parsed, checked, then dropped when the door is built (no request ever shed for
-    lack of KV).  Oracle: the flags typed; the model and the app are stubs, stopped where the door is handed over."""
+    lack of KV), and ``--max-request-bytes`` dropped on the way to the app.  Oracle: the flags typed; the model and
+    the app are stubs, stopped where the door is handed over."""
     pytest.importorskip("uvicorn")
     import minivllm.server
 
     seen = {}
 
-    def fake_build_app(engine, names, api_keys, door=None):
-        seen["door"] = door
+    def fake_build_app(engine, names, api_keys, door=None, max_body_bytes="auto"):
+        seen["door"], seen["body"] = door, max_body_bytes
         raise _Reached
 
     monkeypatch.delenv("MINIVLLM_API_KEYS", raising=False)
     monkeypatch.setattr(minivllm, "LLM", lambda model, **options: _LLM(seen))
     monkeypatch.setattr(minivllm.server, "build_app", fake_build_app)
     with pytest.raises(_Reached):
-        cli_main(["serve", "--max-waiting-requests", "5", "--min-free-blocks", "3"])
+        cli_main(["serve", "--max-waiting-requests", "5", "--min-free-blocks", "3", "--max-request-bytes", "4096"])
     assert (seen["door"].max_waiting, seen["door"].min_free_blocks) == (5, 3)
+    assert seen["body"] == 4096
 
 
 def test_llm_takes_the_prefix_cache_kind_by_name_and_refuses_extra_sampling_params():
