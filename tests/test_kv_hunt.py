@@ -228,6 +228,11 @@ def test_a_request_swapped_in_during_a_failed_step_without_a_row_is_recomputed_n
     assert (after["num_preemptions"], after["num_recompute_preemptions"], after["num_swap_preemptions"]) == (
         before["num_preemptions"] + 1, before["num_recompute_preemptions"] + 1, before["num_swap_preemptions"])
     assert after["swapped_in_blocks"] == before["swapped_in_blocks"], "a swap-in that may not have run is not counted"
+    # b gave way because its copy in may not have run, not because the pool ran dry (the failed rows gave their
+    # blocks back): the next admission is not paused, and b, first in the queue, starts over in the next step
+    assert engine.pool.num_free * 4 >= b.num_tokens
+    step()
+    assert b.status is RequestStatus.RUNNING, "the step after a failed swap-in paused admission as if the pool ran dry"
     while engine.has_unfinished_requests():
         step()
         assert len(engine.step_log) < 300

@@ -101,6 +101,49 @@ def test_radix_drops_a_namespace_root_once_its_last_block_is_evicted():
     assert cache._roots == {} and pool.num_free == 16
 
 
+def test_an_emptied_namespace_leaves_no_eviction_queue_behind(kind):
+    """Each quota group has its own LRU of leaves (what its quota evicts from).  With a namespace per cache
+    salt, a queue kept after its group's last block is gone is a slow leak: it would also keep its evicted
+    leaves alive through its stale heap entries.  Three salts, all evicted: no queue may remain."""
+    cache, pool = new_cache(kind, num_blocks=16)
+    for salt in ("a", "b", "c"):
+        blocks = pool.allocate_many(2)
+        cache.insert(list(range(2 * BS)), blocks, namespace=(salt, None))
+        pool.free_all(blocks)  # the request finishes: only the cache holds them
+    assert len(cache._leaves.by_namespace) == 3
+    assert cache.evict(6) == 6
+    assert cache._leaves.by_namespace == {} and pool.num_free == 16
+
+
+class _QuietIncrefPool(BlockPool):
+    """A pool subclass whose own ``incref`` keeps the count and nothing else (as a learner's might): it
+    never reports a block becoming shared, so it must not be taken at its word that it will."""
+
+    def incref(self, block_id: int) -> None:
+        self._refcount[block_id] += 1
+
+
+def test_a_pool_overriding_only_incref_is_recounted_not_followed(kind):
+    """``watch_sharing`` must refuse a subclass that overrides ``incref`` alone, not only one that overrides
+    both: followed anyway, the cache would hear of every block going back to one holder and of none going to
+    two, and count locked blocks as evictable.  Oracle: hand counts -- blocks the request still holds are
+    locked (none evictable), once it lets them go both are, and a later request that takes the cached
+    prefix (its references come through the quiet ``incref``) locks both again."""
+    pool = _QuietIncrefPool(8)
+    cache = make_prefix_cache(kind, pool, BS)
+    blocks = pool.allocate_many(2)
+    cache.insert(toks(1, 2), blocks)
+    assert [pool.refcount(b) for b in blocks] == [2, 2]
+    assert cache.num_evictable_blocks() == 0
+    pool.free_all(blocks)
+    assert cache.num_evictable_blocks() == 2
+    table = run_request(cache, pool, toks(1, 2))  # a hit on both blocks: the request holds them again
+    assert table == blocks and [pool.refcount(b) for b in blocks] == [2, 2]
+    assert cache.num_evictable_blocks() == 0
+    pool.free_all(table)
+    assert cache.num_evictable_blocks() == 2
+
+
 # -- matching -------------------------------------------------------------------
 
 

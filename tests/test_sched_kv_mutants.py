@@ -292,6 +292,25 @@ def test_the_pool_adapter_and_the_engines_pool_agree_on_every_answer(seed):
     assert ada.allocate_many(n) == ref.allocate_many(n)
 
 
+@pytest.mark.parametrize("adapted", [False, True], ids=["BlockPool", "PoolAdapter"])
+def test_copy_on_write_on_a_dry_pool_raises_with_the_callers_reference_still_held(adapted):
+    """Kills a copy-on-write that drops the caller's reference on the shared block before it takes the copy
+    (in :class:`BlockPool` or :class:`PoolAdapter`).  On a dry pool the allocation then raises after the
+    reference is gone, yet the caller's block table still lists the block: its later free drops a reference
+    that belongs to another holder, and the block returns to the free list while that holder still reads it.
+    The random agreement test above never copies on a dry pool, so it cannot see the order.
+    Oracle: a hand count of holders (two before the call, two after the refused call)."""
+    from minivllm.kv.block_pool import BlockPool, OutOfBlocksError, PoolAdapter
+
+    pool = PoolAdapter(PlainPool(2), 2) if adapted else BlockPool(2)
+    shared = pool.allocate()
+    pool.incref(shared)  # two holders: the caller and, say, a sibling sample
+    pool.allocate()  # the pool is dry now
+    with pytest.raises(OutOfBlocksError):
+        pool.copy_on_write(shared)
+    assert pool.refcount(shared) == 2 and pool.num_free == 0
+
+
 def test_block_pool_takes_an_exact_fit_and_refuses_a_reference_on_a_free_block():
     """Kills: ``allocate_many`` refusing ``n == num_free`` (a request needing exactly the free blocks would
     wait forever in a learner's replay), and ``incref`` accepting a free block -- that reference would sit on a

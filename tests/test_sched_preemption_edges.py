@@ -1,7 +1,9 @@
 """Scheduler edges a mutation pass over ``minivllm/sched`` found unpinned (every existing test still passed with
 the planted bug): a second recompute preemption partway through a re-prefill, a whole prompt that exactly fills
 the token budget left with chunked prefill off (or falls short of it in step 2), the prefill-rate fit's trust
-guards at their edges, and a victim of preempt-to-admit taken from the same admission pass.  Each test names the bug it kills.
+guards at their edges, a victim of preempt-to-admit taken from the same admission pass, a victim with nothing
+computed (no preemption in the counts), and the blocks auto mode prices a part-filled victim's swap by.  Each test
+names the bug it kills.
 
 Oracles: the rows the executor receives (how far each request's computation really reached, recounted from
 them), a brute-force count of the service WFQ must charge, schedules worked out by hand, and an ordinary least
@@ -176,7 +178,10 @@ def test_a_victim_with_nothing_computed_still_pauses_the_next_admission():
     the last two blocks and ``r`` finds none: it gives way itself, the newest, still at 0 computed.  ``c``
     finishes in that step, so at the next admission ``r`` fits again.  Oracle: the rule as :meth:`Scheduler.admit` states
     it, counted by hand: the step after the preemption admits no one, the one after admits ``r``.
-    Kills: the pause set only for a victim that had computed tokens (``r`` then came back the very next step)."""
+    Kills: the pause set only for a victim that had computed tokens (``r`` then came back the very next step).
+    And ``r`` lost no work, so it is no preemption in the counts (their total is by recompute + by swap, and
+    neither happened to it): kills a give-way with nothing computed counted as a preemption of ``r``, of its
+    tenant and of the engine (it would also count toward ``r``'s protection from later preemptions)."""
     release = {"r": False}
 
     def holds_r_back(running, budget, threshold):
@@ -206,6 +211,9 @@ def test_a_victim_with_nothing_computed_still_pauses_the_next_admission():
     engine.step()  # step 5: a and c take the 2 free blocks, r finds none and gives way; c finishes (3 back)
     assert engine.step_log[-1].preempted == ("r",)
     assert r.num_computed_tokens == 0 and r in sched.waiting and "c" not in engine.requests
+    stats = engine.stats()
+    assert r.num_preemptions == 0 and sched.tenant(r.tenant).preemptions == 0
+    assert stats["num_preemptions"] == stats["num_recompute_preemptions"] + stats["num_swap_preemptions"] == 0
     engine.step()  # step 6: paused, although r now fits (3 free, a needs none)
     assert r in sched.waiting, "admitted in the step right after a preemption made while allocating"
     engine.step()  # step 7: r comes back
@@ -248,3 +256,32 @@ def test_admission_never_preempts_a_request_it_admitted_earlier_in_the_same_pass
     assert engine.requests["y3"].status is RequestStatus.WAITING
     drain(engine)
     assert_no_leak(engine)
+
+
+def test_auto_mode_prices_a_swap_by_every_block_the_victim_fills_a_part_filled_last_one_too():
+    """Auto mode asks its cost model about a victim with the blocks its computed tokens occupy -- what a swap
+    copies out and back in -- counting a part-filled last block as a block: that block is what tips a short
+    victim toward recompute.  Kills the count rounded down (a victim of 5 tokens in 4-token blocks priced as
+    one block, so swapping it looked cheaper than it is).  Oracle: hand computation, ``ceil(tokens / 4)``, for
+    every question the engine asks; the cost model answers "recompute", so no host tier is involved."""
+    import random
+
+    asked: list[tuple[int, int]] = []
+
+    class RecordsQuestions:
+        def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+            asked.append((num_tokens, num_blocks))
+            return False
+
+    cfg = EngineConfig(num_gpu_blocks_override=16, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=64,
+                       max_num_seqs=6, max_model_len=64, preemption_mode="auto", device="cpu")
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=64, eos_token_ids=set(),
+                       preemption_cost_model=RecordsQuestions())
+    rng = random.Random(0)
+    for _ in range(10):
+        engine.add_request({"prompt_token_ids": [rng.randrange(10, 900) for _ in range(rng.randrange(5, 30))]},
+                           SamplingParams(max_tokens=30, ignore_eos=True))
+    drain(engine)
+    assert_no_leak(engine)
+    assert any(tokens % 4 for tokens, _ in asked), "some victim must end inside a block"
+    assert all(blocks == math.ceil(tokens / 4) for tokens, blocks in asked)
