@@ -110,3 +110,29 @@ def test_a_large_body_is_parsed_off_the_event_loop_and_a_small_one_on_it(tokeniz
         assert httpx.post(url, json=small, timeout=60).status_code == 200
         assert httpx.post(url, json=large, timeout=60).status_code == 400  # (5000 turns: past the context)
     assert where == [True, False]
+
+
+def test_a_declared_length_past_the_limit_is_refused_before_any_body_arrives(tokenizer):
+    """The ``Content-Length`` alone decides: a client that declares more than the limit gets its 413 at once,
+    without sending (or the server waiting for) a single byte of the body -- what an ``Expect: 100-continue``
+    upload relies on, and what spares the server reading up to the limit first.  Oracle: the status line arrives
+    while the client has sent only the request head; a server that counted received bytes instead would wait
+    for a body that never comes (the read times out)."""
+    import socket
+
+    with BackgroundServer(_engine(tokenizer), "sim", start_timeout_s=30) as srv:
+        limit = srv.app.state.handlers.max_body_bytes
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {limit + 1}\r\nExpect: 100-continue\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(head)
+            reply = b""
+            try:
+                while b"\r\n" not in reply:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+            except TimeoutError:
+                pass
+        assert reply.startswith(b"HTTP/1.1 413"), reply[:200]

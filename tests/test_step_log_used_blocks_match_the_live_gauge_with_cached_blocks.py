@@ -50,3 +50,19 @@ def test_every_records_available_blocks_give_the_live_used_gauge_of_its_step():
     assert max(offline) > 0 and offline[-1] == 0
     assert engine.scheduler.stats.peak_used_blocks == max(offline)
     assert engine.stats()["used_blocks"] == 0 and engine.stats()["kv_cache_usage"] == 0.0
+
+
+def test_the_schedulers_peak_leaves_out_blocks_an_earlier_request_left_cached():
+    """The peak counts what requests use, not what the prefix cache keeps: request A ends (its 5 full prompt blocks
+    stay cached, unheld), then B runs alone beside them.  Oracle, by hand: a 40-token prompt that samples 5 tokens
+    computes 44 tokens at most (the last sampled one is never computed), 6 blocks of 8, so each request uses 6 at
+    its peak, and nothing else is used then; the free list alone would read 6 + A's 5 cached blocks = 11 while B
+    runs.  (Three requests at once, as above, never show it: their cached blocks appear only as they all end.)"""
+    engine = sim_engine(num_blocks=64, block_size=8, enable_prefix_caching=True)
+    for i in range(2):
+        engine.add_request({"prompt_token_ids": [100 + i] * 40}, SamplingParams(max_tokens=5, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine.stats()["cached_blocks"] == 2 * 5
+    assert engine.scheduler.stats.peak_used_blocks == 6
+    assert max(64 - rec.available_blocks for rec in engine.step_log) == 6

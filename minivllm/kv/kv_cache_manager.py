@@ -166,8 +166,11 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         """Blocks requests hold (and cached blocks a held block pins): the pool less what an allocation could get.
 
-        The one definition every "used" count reads (``stats()``, the step log, the scheduler's peak): a cached
-        block no request holds is reusable on demand, so it is not used -- as vLLM's ``kv_cache_usage_perc``."""
+        The one definition of "used": a cached block no request holds is reusable on demand, so it is not used -- as
+        vLLM's ``kv_cache_usage_perc``.  :meth:`usage` and the scheduler's peak read it; ``stats()`` subtracts the
+        available count it has already read (a learner's cache walks its index for it), and a step record keeps
+        ``available_blocks`` so that counts rebuilt from the log (``metrics_from_step_log``, bench offline's peak)
+        subtract the same number."""
         return self.pool.num_blocks - self.num_available_blocks
 
     def can_provide(self, num_blocks: int) -> bool:
