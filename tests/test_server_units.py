@@ -17,13 +17,53 @@ from minivllm.metrics.prometheus import EngineMetrics
 from minivllm.metrics.scrape import metric_samples, metric_value
 from minivllm.sampling_params import SamplingParams
 from minivllm.server.api_server import APIError, OpenAIServer, _retry_after
-from minivllm.server.door import DoorRule
+from minivllm.server.door import DoorRule, door_snapshot
 
 
 @pytest.mark.parametrize("hint, header", [(0.2, "1"), (1.0, "1"), (1.5, "2"), (2.01, "3"), (7.0, "7"),
-                                          (float("inf"), "1"), (float("nan"), "1"), (None, "1")])
+                                          (float("inf"), "1"), (float("nan"), "1"), (None, "1"),
+                                          (0.0, "1"), (-2.5, "1")])
 def test_reject_retry_after_is_the_engines_hint_rounded_up_to_whole_seconds(hint, header):
+    """The header is at least 1 whatever the hint: a zero or negative hint (no producer sends one today: the
+    engine floors its hints at 1 ms and ``DoorRule`` refuses ``retry_after_s <= 0``) must not become
+    ``Retry-After: 0`` -- "retry now" into the pool that just refused -- or a negative value RFC 9110 does not
+    allow.  The last two cases catch a floor of 0 instead of 1."""
     assert _retry_after(SimpleNamespace(retry_after_s=hint)) == header
+
+
+def test_door_snapshot_takes_a_count_of_zero_from_the_caller():
+    """``num_waiting=0`` is the caller's count (nothing queued or posted), not "no count": the snapshot must not
+    fall back to the scheduler's queue, which the caller read under its own lock and this read does not.  Catches
+    ``if not num_waiting`` for ``if num_waiting is None``."""
+    engine = SimpleNamespace(kv=SimpleNamespace(num_available_blocks=9), scheduler=SimpleNamespace(waiting=[1, 2]))
+    assert door_snapshot(engine, num_waiting=0) == {"num_waiting": 0, "available_blocks": 9}
+    assert not DoorRule(max_waiting=1).closed(door_snapshot(engine, num_waiting=0))
+
+
+def test_door_snapshot_falls_back_to_the_free_list_when_the_cache_count_fails_mid_resize():
+    """The snapshot is read without the engine lock, so counting the cache's evictable blocks can meet a structure
+    the engine thread is resizing (RuntimeError); then the free list alone is the count -- a lower bound of the
+    available blocks (free plus evictable), never an invented number.  Catches the fallback reporting 0 (a dry
+    pool: every request shed while anything waits) or anything other than ``pool.num_free``."""
+
+    class Resizing:
+        @property
+        def num_available_blocks(self):
+            raise RuntimeError("dictionary changed size during iteration")
+
+    engine = SimpleNamespace(kv=Resizing(), pool=SimpleNamespace(num_free=7), scheduler=SimpleNamespace(waiting=[1]))
+    assert door_snapshot(engine) == {"num_waiting": 1, "available_blocks": 7}
+    assert not DoorRule(max_waiting=4, min_free_blocks=5).closed(door_snapshot(engine))
+
+
+def test_a_door_rule_without_min_free_blocks_sheds_on_the_queue_alone():
+    """``min_free_blocks`` defaults to 0, "no pool criterion": no count of blocks is below 0, so a rule built with
+    ``max_waiting`` only refuses exactly when the queue holds ``max_waiting``, even on a dry pool.  Catches a
+    default of 1 (a short queue shed whenever the pool is momentarily empty)."""
+    rule = DoorRule(max_waiting=3)
+    assert rule.min_free_blocks == 0
+    for waiting in range(6):
+        assert rule.closed({"num_waiting": waiting, "available_blocks": 0}) == (waiting >= 3)
 
 
 def test_door_429_has_retry_after_rounded_up_and_counts_the_shed_request():
