@@ -394,7 +394,7 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
   ±12%, is a median that falls where the short decode-only gaps meet the long gaps of steps that carry a prompt
   chunk.) This is the best of three runs made that day, which scored 13, 14 and 15 of 15. The weakest metric is the
   long-prompt TTFT p99: −9% here, and between −8% and −15% in four of the five runs that end with this one
-  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the eleven `*_stop*` runs committed since (1–6 December)
+  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the twelve `*_stop*` runs committed since (1–6 December)
   range from +3% to −31%. The model is 3–5% too
   fast on steps that carry a 512-token chunk beside long-context decodes. The queue is busy almost all the time,
   so that error adds up over every step a request waits behind.
