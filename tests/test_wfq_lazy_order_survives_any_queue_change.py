@@ -108,6 +108,16 @@ def test_several_requests_of_one_tenant_leave_before_their_turn():
     scene.finish()
 
 
+def _victim_moves(scene, rng, victims: list, enters: bool) -> None:
+    """A preempted victim enters the queue at the front (``enters``), or one already there leaves it again."""
+    if enters:
+        v = _request(f"v{len(victims)}", rng.choice(TENANTS), rng.randint(1, 9))
+        victims.append(v)
+        scene.enter_front(v)
+    elif any(v in scene.queue for v in victims):
+        scene.leave(rng.choice([v for v in victims if v in scene.queue]))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_changes_during_the_pass_leave_the_order_as_listed(seed):
     """Random queues and counters; between requests handed out, random admissions (a handed-out request leaves),
@@ -127,12 +137,8 @@ def test_random_changes_during_the_pass_leave_the_order_as_listed(seed):
                 scene.leave(rng.choice(handed))
             elif move == 1 and ahead:
                 scene.leave(rng.choice(ahead))
-            elif move == 2:
-                v = _request(f"v{len(victims)}", rng.choice(TENANTS), rng.randint(1, 9))
-                victims.append(v)
-                scene.enter_front(v)
-            elif move == 3 and any(v in scene.queue for v in victims):
-                scene.leave(rng.choice([v for v in victims if v in scene.queue]))
+            elif move in (2, 3):
+                _victim_moves(scene, rng, victims, enters=move == 2)
     scene.finish()
 
 
@@ -158,11 +164,7 @@ def test_a_pass_in_which_most_requests_leave_early_in_any_order_hands_them_out_a
         move = rng.randrange(8)
         if move == 0 and len(scene.got) < len(scene.expected):
             scene.take()
-        elif move == 1:
-            v = _request(f"v{len(victims)}", rng.choice(TENANTS), rng.randint(1, 9))
-            victims.append(v)
-            scene.enter_front(v)
-        elif move == 2 and any(v in scene.queue for v in victims):
-            scene.leave(rng.choice([v for v in victims if v in scene.queue]))
+        elif move in (1, 2):
+            _victim_moves(scene, rng, victims, enters=move == 1)
     assert most_ghosts >= 30  # the premise: one tenant held many early leavers at once
     scene.finish()
