@@ -73,14 +73,15 @@ def test_median_of_repeats_falls_back_to_the_first_run_when_the_runs_were_schedu
 
 
 def test_fit_refuses_fewer_steps_than_it_has_parameters():
-    """Seven parameters cannot be identified from six steps: the fit must say so, not return one of infinitely
+    """Eight parameters cannot be identified from seven steps: the fit must say so, not return one of infinitely
     many exact fits as a profile.  Kills: the bound off by one."""
     shape = ModelShape("tiny", num_layers=1, hidden_size=8, intermediate_size=16, num_heads=2, num_kv_heads=1,
                        head_dim=4, vocab_size=32, dtype_bytes=4)
-    costs = [step_cost(shape, [(0, n, True)], 0, 16) for n in (1, 2, 3, 4, 5, 6, 7)]
-    with pytest.raises(ValueError, match="at least 7"):
-        cal.fit(costs[:6], [1e-3 * (k + 1) for k in range(6)])
-    cal.fit(costs, [1e-3 * (k + 1) for k in range(7)])  # seven is enough to run
+    costs = [step_cost(shape, [(0, n, True)], 0, 16) for n in (1, 2, 3, 4, 5, 6, 7, 8)]
+    assert len(cal.PARAMS) == 8
+    with pytest.raises(ValueError, match="at least 8"):
+        cal.fit(costs[:7], [1e-3 * (k + 1) for k in range(7)])
+    cal.fit(costs, [1e-3 * (k + 1) for k in range(8)])  # eight is enough to run
 
 
 
@@ -98,6 +99,8 @@ def test_the_profile_line_prints_each_fitted_number_in_its_unit():
         "toy: step overhead 4.00 ms (+6.00 ms for a step with prompt tokens) + 0.300 ms/seq | "
         "GEMM 60.0 GFLOP/s | attention not binding | memory 12.0 GB/s (attention 3.0 GB/s) | "
         "roof corner p=4 | fit on 20 steps: rms rel error 3.1%, max 8.7% (12 s)")
+    doc["hardware"]["attention_span_bandwidth"] = 2.5e9  # the span term (roofline docstring) is shown beside it
+    assert "(attention 3.0 GB/s, longest sequence 2.5 GB/s) | " in cal.format_profile(doc)
 
 
 def test_a_refit_keeps_the_device_memory_the_calibration_recorded():

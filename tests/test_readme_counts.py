@@ -328,7 +328,9 @@ def test_lab09_residual_reading_quotes_the_runs_it_names():
     the committed profile.  It once quoted a "6 December run" without naming it (two runs of that day are
     committed, fitted at 11.7 and 14.8 GB/s) and said the committed profile predicts "those decodes" within 2.2%,
     true of its calibration steps only: that run's real one-sequence decodes at 513-2,048 tokens ran 6% over it.
-    Oracle: each number recomputed from the file the prose names (the plotted run is the accuracy cell's own)."""
+    Since the span term, the committed profile has two K/V rates: the prose quotes both as a lone sequence meets
+    them.  Oracle: each number recomputed from the file the prose names (the plotted run is the accuracy cell's
+    own) and from the committed profile."""
     import json
 
     from minivllm.bench.sim_accuracy import nearest_rank
@@ -338,18 +340,22 @@ def test_lab09_residual_reading_quotes_the_runs_it_names():
     text = " ".join((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8").split())
     results = ROOT / "benchmarks" / "results"
     plotted = re.search(r'"2-core CPU, SmolLM2-135M": "(\S+\.json)"', text).group(1)
-    m = re.search(r"the plotted run \(1 December, a slower host\) fitted a K/V rate of ([\d.]+) GB/s, the committed "
-                  r"one-thread profile ([\d.]+) GB/s, and a run of 6 December \(`(\S+\.json)`\) ([\d.]+) GB/s", text)
+    m = re.search(r"the plotted run \(1 December, a slower host\) fitted one K/V rate of ([\d.]+) GB/s and a run of "
+                  r"6 December \(`(\S+\.json)`\) ([\d.]+) GB/s; the committed one-thread profile reads all K/V at "
+                  r"([\d.]+) GB/s and a lone sequence's, span included, at ([\d.]+) GB/s", text)
     assert m, "the residual reading no longer names the runs whose K/V rates it quotes"
-    run = json.loads((results / m.group(3)).read_text(encoding="utf-8"))
+    run = json.loads((results / m.group(2)).read_text(encoding="utf-8"))
 
     def rate(hardware: dict) -> str:
         return f"{hardware['attention_bandwidth'] / 1e9:.1f}"
 
     committed = load_profile("cpu-1thread-cputime")
+    hw = committed["hardware"]
     assert m.group(1) == rate(json.loads((results / plotted).read_text(encoding="utf-8"))["calibration"]["hardware"])
-    assert m.group(2) == rate(committed["hardware"])
-    assert m.group(4) == rate(run["calibration"]["hardware"]) and run["clock"] == "cpu"
+    assert m.group(3) == rate(run["calibration"]["hardware"]) and run["clock"] == "cpu"
+    assert m.group(4) == rate(hw)
+    lone = 1 / (1 / hw["attention_bandwidth"] + 1 / hw["attention_span_bandwidth"])  # a lone sequence's bytes
+    assert m.group(5) == f"{lone / 1e9:.1f}"
 
     def over(doc: dict) -> tuple[float, int]:  # real / predicted, one-sequence decodes at 513-2,048 tokens
         shape, spec = ModelShape.from_dict(doc["model"]), HardwareSpec.from_dict(doc["hardware"])
@@ -359,7 +365,9 @@ def test_lab09_residual_reading_quotes_the_runs_it_names():
         return nearest_rank(ratios, 50, None), len(ratios)  # the median as sim_accuracy --explain takes it
 
     (mine, steps), (own, _) = over(committed), over(run["calibration"])
-    assert f"tokens: x{mine:.2f} over {steps} steps, where the run's own fit gives x{own:.2f})" in text
+    assert f"tokens: x{mine:.2f} over {steps} steps, where the run's own one-rate fit gives x{own:.2f})" in text
+    assert f"of that run's own {round(100 * (own - 1))}%, the committed profile's form and fit leave " \
+           f"{round(100 * (mine - 1))}%" in text
 
 
 def test_calibrate_check_measuring_time_covers_every_kept_check():
@@ -368,7 +376,7 @@ def test_calibrate_check_measuring_time_covers_every_kept_check():
     13-22 s while stop 61's `cpu-2core` check, quoted a few lines below as 11.7 s, had measured for 11.7 s."""
     import json
 
-    m = re.search(r"(\d+)-(\d+) s of measuring on the 2-core CPU \(the files' `seconds`\)", " ".join(BENCH_README.split()))
+    m = re.search(r"(\d+)-(\d+) s of measuring on the 2-core CPU \(the files' `seconds`[;)]", " ".join(BENCH_README.split()))
     assert m, "benchmarks/README.md no longer quotes the check's measuring time"
     paths = sorted((ROOT / "benchmarks" / "results").glob("*_check_*.json"))
     seconds = [json.loads(p.read_text(encoding="utf-8"))["seconds"] for p in paths]

@@ -193,6 +193,54 @@ def test_fit_recovers_known_parameters():
     assert err_wrong > 0.01
 
 
+def test_span_term_is_the_longest_sequences_kv_at_its_own_rate():
+    """The span term (roofline docstring): beside all K/V bytes at the attention rate, the longest sequence's K/V at
+    the rate one walk reaches.  Oracle: a hand sum.  Steps of 1 x 400 and 4 x 100 read the same K/V in total, so
+    without the term they cost the same; with it the lone long sequence costs more, by exactly its extra span over
+    the span rate.  A spec without the term (every datasheet preset) prices both as before."""
+    shape = ModelShape("toy", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                       head_dim=16, vocab_size=100, dtype_bytes=4)
+    lone, four = step_cost(shape, [(399, 1, True)]), step_cost(shape, [(99, 1, True)] * 4)
+    assert lone.attn_span_bytes == shape.kv_bytes_per_token * 400 == 2 * 2 * 2 * 16 * 4 * 400
+    assert four.attn_span_bytes == shape.kv_bytes_per_token * 100 and four.attn_bytes > lone.attn_bytes
+    mixed = step_cost(shape, [(10, 1, True), (700, 1, True), (0, 30, True)])  # the longest is not the first
+    assert mixed.attn_span_bytes == shape.kv_bytes_per_token * 701
+    flat = HardwareSpec("flat", peak_flops=1e15, mem_bandwidth=1e12, attention_flops=1e15, attention_bandwidth=1e9)
+    spanned = dataclasses.replace(flat, attention_span_bandwidth=2e8)
+    for c in (lone, four, mixed):
+        t0, t1 = roofline_time(c, shape, flat), roofline_time(c, shape, spanned)
+        assert t0.attention == pytest.approx(c.attn_bytes / 1e9, rel=1e-6)  # memory bound, max corner
+        assert t1.attention - t0.attention == pytest.approx(c.attn_span_bytes / 2e8, rel=1e-6)
+    # slowed() divides the span rate as it does the others (a neighbour takes a share of every stream)
+    assert roofline_time(lone, shape, spanned.slowed(2.0)).attention == pytest.approx(
+        2 * roofline_time(lone, shape, spanned).attention, rel=1e-6)
+    with pytest.raises(ValueError, match="attention_span_bandwidth"):
+        dataclasses.replace(flat, attention_span_bandwidth=0.0)
+
+
+def test_fit_recovers_a_span_rate_and_misses_without_the_term():
+    """Data made with a span rate: the fit must find it (and the other roofs), and the same data fitted with one K/V
+    rate (``span_term=False``, the ablation) must fit visibly worse rather than hide it in another term; data made
+    without a span must get none (spec_from_theta's None)."""
+    shape = model_preset("smollm2-135m").with_dtype(4)
+    truth = HardwareSpec("truth", peak_flops=60e9, mem_bandwidth=12e9, attention_flops=25e9,
+                         attention_bandwidth=6e9, attention_span_bandwidth=2e9, step_overhead_s=4e-3,
+                         seq_overhead_s=0.3e-3)
+    batches = _synthetic_batches() + [[(1500, 1, True)], [(1500, 1, True)] * 2, [(200, 1, True)] * 8]
+    costs = [step_cost(shape, b) for b in batches]
+    times = [roofline_time(c, shape, truth).total for c in costs]
+    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
+    got = spec_from_theta(theta, "fit")
+    assert err < 1e-6
+    for k in ("attention_bandwidth", "attention_span_bandwidth", "attention_flops", "step_overhead_s"):
+        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
+    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, span_term=False)
+    assert err_without > 0.02
+    times = [roofline_time(c, shape, dataclasses.replace(truth, attention_span_bandwidth=None)).total for c in costs]
+    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
+    assert err < 1e-6 and spec_from_theta(theta, "fit").attention_span_bandwidth is None
+
+
 def test_fit_recovers_the_fixed_cost_of_steps_with_prompt_tokens():
     """A step with prompt tokens pays a fixed cost a decode-only step does not (kernel launches no CUDA graph
     hides on a GPU; the prefill path's per-layer work on a CPU).

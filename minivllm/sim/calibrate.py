@@ -59,6 +59,19 @@ change re-judges 12 -> 10, its decode-heavy TTFT p50 moving from +5% to +16%.
 Between runs the real engine itself moves by up to 15% on this shared machine.
 ``prompt_term=False`` leaves the term out (the ablation).
 
+The span term (:mod:`minivllm.sim.roofline`'s docstring: the longest sequence's
+K/V at the rate one walk reaches, beside all K/V at the device's rate) came the
+same way, from ``minivllm sim calibrate --residuals``: with one K/V rate, the
+stored 2-core profile's lone decodes past 64 tokens of context ran 7-8% over
+their prediction and 2-16 decodes at 65-512 tokens 7-9% under.  Re-fitted with
+the term (``--refit``, no measuring), its rms error fell 6.2 -> 5.2% and its
+decode bands off by more than 5% from five to one; the one-thread profile's 4.0 ->
+3.9%.  Judged on held-out workloads (``sim_accuracy --resimulate`` of the six
+runs kept since the engine of 5 December, each with the committed one-thread
+profile), the simulator's error fell in five (rms over the 15 metrics 6.5 ->
+5.5, 9.1 -> 8.7, 6.4 -> 5.3, 3.5 -> 2.7, 3.1 -> 2.2%) and held in one (9.8%).
+``span_term=False`` leaves it out.
+
 The stored samples of a profile can be re-fitted after such a change without
 re-measuring (:func:`refit`, ``minivllm sim calibrate --refit PROFILE``).
 """
@@ -83,7 +96,7 @@ from minivllm.engine.startup import frozen_heap
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
 PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",
-          "eager_step_overhead_s")
+          "eager_step_overhead_s", "s_per_attn_span_byte")
 
 
 def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -122,15 +135,17 @@ def nnls(A: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return x / norms
 
 
-def _columns(c: StepCost, shares: tuple[float, float, float, float], prompt_term: bool) -> list[float]:
-    """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes, prompt], each roof
-    term scaled by its share of its phase (see :func:`_shares`).  ``prompt`` is 1 for a step with a row of more
-    than one token (``StepCost.eager``: a prompt chunk, but not a one-token one -- the last token of a prompt the
-    prefix cache held, which a CUDA graph replays like a decode); with ``prompt_term=False`` the column is 0 and
-    its parameter stays 0."""
+def _columns(c: StepCost, shares: tuple[float, float, float, float], prompt_term: bool,
+             span_term: bool = True) -> list[float]:
+    """One step's design row, [1, seqs, FLOPs, bytes, attention FLOPs, attention bytes, prompt, span bytes], each
+    roof term scaled by its share of its phase (see :func:`_shares`; the span is a second memory term of
+    attention, so it takes the attention memory share).  ``prompt`` is 1 for a step with a row of more than one
+    token (``StepCost.eager``: a prompt chunk, but not a one-token one -- the last token of a prompt the prefix
+    cache held, which a CUDA graph replays like a decode); with ``prompt_term=False`` the column is 0 and its
+    parameter stays 0, and likewise the span's with ``span_term=False``."""
     dc, dm, ac, am = shares
     return [1.0, float(c.num_seqs), c.dense_flops * dc, c.dense_bytes * dm, c.attn_flops * ac, c.attn_bytes * am,
-            float(prompt_term and c.eager)]
+            float(prompt_term and c.eager), c.attn_span_bytes * am if span_term else 0.0]
 
 
 def _shares(compute: float, memory: float, p: float | None) -> tuple[float, float]:
@@ -154,10 +169,11 @@ def _shares(compute: float, memory: float, p: float | None) -> tuple[float, floa
 def _predict(theta: np.ndarray, costs: list[StepCost], p: float | None = None):
     """Each step's predicted time under ``theta``, and its shares (:func:`_shares`, dense then attention) at that
     prediction: the fit's next round holds these shares fixed, which is what makes it linear again."""
-    a, s, f, by, af, aby, e = theta
+    a, s, f, by, af, aby, e, sp = theta
     pred, shares = [], []
     for c in costs:
-        dc, dm, ac, am = f * c.dense_flops, by * c.dense_bytes, af * c.attn_flops, aby * c.attn_bytes
+        dc, dm, ac = f * c.dense_flops, by * c.dense_bytes, af * c.attn_flops
+        am = aby * c.attn_bytes + sp * c.attn_span_bytes
         pred.append(a + s * c.num_seqs + combine(dc, dm, p) + combine(ac, am, p) + (e if c.eager else 0.0))
         shares.append(_shares(dc, dm, p) + _shares(ac, am, p))
     return np.array(pred), shares
@@ -166,7 +182,7 @@ def _predict(theta: np.ndarray, costs: list[StepCost], p: float | None = None):
 def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
         groups: list[int] | None = None, s_per_byte: float | None = None,
         roof_p: float | None = None, prompt_term: bool = True,
-        swap_bandwidth: float = PCIE4_X16_BYTES_PER_S) -> tuple[np.ndarray, float]:
+        swap_bandwidth: float = PCIE4_X16_BYTES_PER_S, span_term: bool = True) -> tuple[np.ndarray, float]:
     """Fit ``PARAMS`` (seconds per unit of each term) to measured step times; returns (theta, rms relative error).
 
     The fit minimises relative error.  ``groups`` (one label per step, e.g. the
@@ -186,12 +202,12 @@ def fit(costs: list[StepCost], times: list[float], max_rounds: int = 60,
     ``swap_bandwidth`` (the profile's, measured apart): a step's block moves take ``swap_bytes / swap_bandwidth``,
     which :func:`~minivllm.sim.roofline.roofline_time` adds to the fitted terms, so the fit takes it off first.
     """
-    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term, swap_bandwidth)
+    theta, err, _ = _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term, swap_bandwidth, span_term)
     return theta, err
 
 
 def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term=True,
-         swap_bandwidth=PCIE4_X16_BYTES_PER_S) -> tuple[np.ndarray, float, float]:
+         swap_bandwidth=PCIE4_X16_BYTES_PER_S, span_term=True) -> tuple[np.ndarray, float, float]:
     """:func:`fit`'s work; also returns the weighted error it minimised (what :func:`fit_roof` compares)."""
     t = np.asarray(times, dtype=float)
     if len(costs) != len(t) or len(t) < len(PARAMS):
@@ -215,7 +231,7 @@ def _fit(costs, times, max_rounds, groups, s_per_byte, roof_p, prompt_term=True,
             if key in seen:  # back at a point already solved: converged (or cycling)
                 break
             seen.add(key)
-            A = np.array([_columns(c, sh, prompt_term) for c, sh in zip(costs, shares)])
+            A = np.array([_columns(c, sh, prompt_term, span_term) for c, sh in zip(costs, shares)])
             if s_per_byte is None:
                 theta = nnls(A * w[:, None], (t - swap) * w)
             else:  # the bytes column is known: move it to the right-hand side, fit the others
@@ -235,7 +251,7 @@ ROOF_P_CANDIDATES = (None, 8.0, 4.0, 3.0, 2.0, 1.5)
 
 def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None = None,
              s_per_byte: float | None = None, candidates=ROOF_P_CANDIDATES, prompt_term: bool = True,
-             swap_bandwidth: float = PCIE4_X16_BYTES_PER_S):
+             swap_bandwidth: float = PCIE4_X16_BYTES_PER_S, span_term: bool = True):
     """:func:`fit` for each candidate ``roof_p``; returns ``(theta, rms error, roof_p)`` of the best.
 
     One discrete shape parameter, chosen on the same weighted error the fit
@@ -244,7 +260,7 @@ def fit_roof(costs: list[StepCost], times: list[float], groups: list[int] | None
     """
     best = None
     for p in candidates:
-        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, prompt_term, swap_bandwidth)
+        theta, err, weighted = _fit(costs, times, 60, groups, s_per_byte, p, prompt_term, swap_bandwidth, span_term)
         if best is None or weighted < best[0] - 1e-9:
             best = (weighted, theta, err, p)
     return best[1], best[2], best[3]
@@ -272,11 +288,13 @@ def measure_read_bandwidth(device: str = "cpu", megabytes: int = 512, repeats: i
 
 
 def spec_from_theta(theta, name: str, base: HardwareSpec | None = None, **extra) -> HardwareSpec:
-    """A :class:`HardwareSpec` with the fitted values (a term fitted to 0 s/unit gets an effectively infinite roof)."""
-    a, s, f, by, af, aby, e = (float(v) for v in theta)
+    """A :class:`HardwareSpec` with the fitted values (a term fitted to 0 s/unit gets an effectively infinite roof;
+    the span, which is an added term rather than a roof, gets None: no span)."""
+    a, s, f, by, af, aby, e, sp = (float(v) for v in theta)
     inf = 1e30
     fields = dict(name=name, peak_flops=1 / f if f > 0 else inf, mem_bandwidth=1 / by if by > 0 else inf,
                   attention_flops=1 / af if af > 0 else inf, attention_bandwidth=1 / aby if aby > 0 else inf,
+                  attention_span_bandwidth=1 / sp if sp > 0 else None,
                   step_overhead_s=a, seq_overhead_s=s, layer_overhead_s=0.0, eager_step_overhead_s=e)
     if base is not None:
         fields.update(memory_bytes=base.memory_bytes, swap_bandwidth=base.swap_bandwidth)
@@ -702,12 +720,13 @@ def uses_cuda_graphs(engine) -> bool:
     return getattr(getattr(engine, "model_runner", None), "graphs", None) is not None
 
 
-def refit(doc: dict, notes: str | None = None) -> dict:
+def refit(doc: dict, notes: str | None = None, span_term: bool = True) -> dict:
     """Fit the profile ``doc``'s stored samples (again) and update its hardware, fit and predictions in place.
 
     The measurements are the expensive part and the model the part that changes; re-fitting a stored
     profile lets a GPU calibration (15 minutes of a lent machine) be re-used by a later version of
-    the cost model on any machine: ``minivllm sim calibrate --refit PROFILE``.
+    the cost model on any machine: ``minivllm sim calibrate --refit PROFILE``.  ``span_term=False`` fits the
+    cost model without its span term (one K/V rate: the ablation lab 9 plots).
     """
     shape = ModelShape.from_dict(doc.get("model"))
     samples = doc["samples"]
@@ -719,7 +738,7 @@ def refit(doc: dict, notes: str | None = None) -> dict:
     hw = doc["hardware"]
     swap_bw = hw.get("swap_bandwidth", PCIE4_X16_BYTES_PER_S)
     theta, err, roof_p = fit_roof(costs, times, groups=groups, s_per_byte=1 / read_bw if read_bw else None,
-                                  swap_bandwidth=swap_bw)
+                                  swap_bandwidth=swap_bw, span_term=span_term)
     spec = spec_from_theta(theta, hw["name"], swap_bandwidth=swap_bw, roof_p=roof_p,
                            memory_bytes=hw.get("memory_bytes", 0.0), notes=notes or hw.get("notes", ""))
     pred = [roofline_time(c, shape, spec).total for c in costs]
@@ -739,9 +758,11 @@ def format_profile(doc: dict) -> str:
 
     eager = hw.get("eager_step_overhead_s", 0.0)
     eager = f" (+{eager * 1e3:.2f} ms for a step with prompt tokens)" if eager else ""
+    span = hw.get("attention_span_bandwidth")  # absent or None: a profile without the span term
+    span = f", longest sequence {rate(span, 'GB/s')}" if span is not None else ""
     return (f"{hw['name']}: step overhead {hw['step_overhead_s'] * 1e3:.2f} ms{eager} + {hw['seq_overhead_s'] * 1e3:.3f} ms/seq | "
             f"GEMM {rate(hw['peak_flops'], 'GFLOP/s')} | attention {rate(hw['attention_flops'], 'GFLOP/s')} | "
-            f"memory {rate(hw['mem_bandwidth'], 'GB/s')} (attention {rate(hw.get('attention_bandwidth'), 'GB/s')}) | "
+            f"memory {rate(hw['mem_bandwidth'], 'GB/s')} (attention {rate(hw.get('attention_bandwidth'), 'GB/s')}{span}) | "
             f"roof corner {'max' if hw.get('roof_p') is None else 'p=%g' % hw['roof_p']} | fit on {f['steps']} steps: rms rel error "
             f"{100 * f['rms_rel_error']:.1f}%, max {100 * f['max_abs_rel_error']:.1f}% ({f.get('seconds', 0):.0f} s)")
 

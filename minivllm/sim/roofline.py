@@ -16,7 +16,8 @@ another, and each phase is timed by its own roofline::
     time = step_overhead + num_layers * layer_overhead + num_seqs * seq_overhead
          + eager_step_overhead if a row has more than one token   # no CUDA graph replays it (GPU)
          + max(dense FLOPs / peak FLOP/s,        dense bytes / bandwidth)      # the GEMMs + lm_head
-         + max(attention FLOPs / attention FLOP/s, attention bytes / attention B/s)  # reading/writing K/V
+         + max(attention FLOPs / attention FLOP/s,                             # reading/writing K/V
+               attention bytes / attention B/s + longest sequence's K/V / span B/s)
          + swapped bytes / swap bandwidth                                      # block moves over PCIe
 
 The ``max`` is the textbook roofline: the slower limit alone sets the time, as
@@ -28,6 +29,22 @@ at full rate.  ``HardwareSpec.roof_p`` softens the corner: each phase takes
 (the default, and what the datasheet presets use), the sum for ``p = 1``, and
 in between adds the most time exactly where the two limits meet.  Calibration
 chooses ``p`` from the measured steps.
+
+Why a second K/V rate (the *span*)?  Reading K/V is split among threads (a CPU's
+cores, a GPU's SMs) by sequence and head, and one sequence's blocks are walked
+in order by the few workers that get it.  So a step's attention memory time is
+the textbook work-and-span bound (Brent): all the K/V bytes at the whole
+device's rate, plus the longest sequence's K/V at the rate a single walk
+reaches -- a lone 2,000-token decode cannot use what 16 short ones can.  On the
+2-core CPU, one K/V rate for every byte left lone long decodes 7-8% slower than
+predicted and 2-16 decodes at 65-512 tokens 7-9% faster; with the span term all
+decode bands of the calibration but one (2-4 at 65-512 tokens, still 7% faster
+than predicted) are within 5% (``minivllm sim calibrate --residuals``).
+``attention_span_bandwidth=None`` (the datasheet presets) leaves the term out: a
+GPU kernel that splits a sequence's context over many SMs (split-KV, "flash
+decoding") has little span to speak of.  Re-fitted with the term, the two stored
+H200 calibrations (Llama-3.2-1B, ``benchmarks/results/*_nvidia-h200_llama1b_profile*.json``)
+give it no weight: their fits come back unchanged.
 
 What it ignores, knowingly: kernel-level inefficiencies beyond one achievable
 fraction per roof (tile quantization, wave effects, small-GEMM shapes), the
@@ -180,6 +197,9 @@ class HardwareSpec:
     same as the GEMMs).  Why separate: attention reads K/V through block tables
     (gathers of 16-token blocks), which on a CPU streams far slower than a
     weight matrix; on a GPU a paged-attention kernel is close to the GEMM roofs.
+    ``attention_span_bandwidth`` is the rate at which the longest sequence's K/V
+    streams through the few workers that walk it (the module docstring's
+    *span*); None: no such term, every byte at ``attention_bandwidth``.
     """
 
     name: str
@@ -201,6 +221,7 @@ class HardwareSpec:
     bw_util: float = 1.0
     attention_flops: float | None = None
     attention_bandwidth: float | None = None  # bytes/s
+    attention_span_bandwidth: float | None = None  # bytes/s of one sequence's walk (None: no span term)
     roof_p: float | None = None  # how compute and memory time combine per phase (module docstring); None = max
     # The element size ``peak_flops`` is quoted for (2: a datasheet's BF16 tensor-core figure), so a model in
     # another dtype runs at that dtype's tensor-core rate (TENSOR_CORE_SCALE).  0: the roof holds for the
@@ -223,7 +244,7 @@ class HardwareSpec:
             raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {self.roof_p!r}")
         # The attention roofs divide a step's terms as the others do: a zero one failed every step inside the
         # executor (each request "execution failed"), a negative one lost to the other limit in silence.
-        for k in ("attention_flops", "attention_bandwidth", "fp32_peak_flops"):
+        for k in ("attention_flops", "attention_bandwidth", "attention_span_bandwidth", "fp32_peak_flops"):
             v = getattr(self, k)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"HardwareSpec.{k} must be a number > 0 or None, got {v!r}")
@@ -246,6 +267,10 @@ class HardwareSpec:
     @property
     def attn_bandwidth(self) -> float:
         return (self.attention_bandwidth if self.attention_bandwidth is not None else self.mem_bandwidth) * self.bw_util
+
+    @property
+    def attn_span_bandwidth(self) -> float | None:
+        return None if self.attention_span_bandwidth is None else self.attention_span_bandwidth * self.bw_util
 
     def dtype_scale(self, dtype_bytes: int) -> float:
         """How much faster than ``peak_flops`` this device runs a model of ``dtype_bytes`` per element: the
@@ -294,6 +319,7 @@ class StepCost:
     dense_bytes: float = 0.0
     attn_flops: float = 0.0
     attn_bytes: float = 0.0
+    attn_span_bytes: float = 0.0  # the longest sequence's K/V (read by one walk: the module docstring's span)
     swap_bytes: float = 0.0
 
     @property
@@ -323,18 +349,21 @@ def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 1
     * attention: token ``i`` of a chunk starting at ``s`` attends ``s + i + 1``
       keys; QK^T and PV are ``2 * head_dim`` FLOPs per head per key each.  Bytes:
       the sequence's whole context of K/V read once, the new K/V written, Q read
-      and the output written.
+      and the output written.  Span: the longest sequence's context of K/V, which one walk reads.
     """
     L, H, d, b = shape.num_layers, shape.num_heads, shape.head_dim, shape.dtype_bytes
     n_tok = n_seq = n_samp = 0
     pairs = 0  # sum over scheduled tokens of the keys each attends
     ctx = 0  # sum over sequences of their context after this step
+    longest = 0  # the longest of those contexts
     for start, n, samples in seqs:
         n_seq += 1
         n_tok += n
         n_samp += 1 if samples else 0
         pairs += n * start + n * (n + 1) // 2
         ctx += start + n
+        if start + n > longest:
+            longest = start + n
     c = StepCost(num_seqs=n_seq, num_tokens=n_tok, num_sampled=n_samp)
     if n_seq:
         c.dense_flops = 2.0 * L * shape.layer_params * n_tok + 2.0 * shape.hidden_size * shape.vocab_size * n_samp
@@ -343,6 +372,7 @@ def step_cost(shape: ModelShape, seqs, swap_blocks: int = 0, block_size: int = 1
                          + n_samp * shape.vocab_size * 4)  # fp32 logits out
         c.attn_flops = 4.0 * L * H * d * pairs
         c.attn_bytes = float(shape.kv_bytes_per_token * (ctx + n_tok) + 2 * L * H * d * b * n_tok)
+        c.attn_span_bytes = float(shape.kv_bytes_per_token * longest)
     c.swap_bytes = float(swap_blocks * block_size * shape.kv_bytes_per_token)
     return c
 
@@ -386,6 +416,9 @@ def roofline_time(cost: StepCost, shape: ModelShape, hw: HardwareSpec) -> StepTi
     speed = hw.dtype_scale(shape.dtype_bytes)
     dc, dm = cost.dense_flops / (hw.flops * speed), cost.dense_bytes / hw.bandwidth
     ac, am = cost.attn_flops / (hw.attn_flops * speed), cost.attn_bytes / hw.attn_bandwidth
+    span = hw.attn_span_bandwidth
+    if span is not None:
+        am += cost.attn_span_bytes / span
     return StepTime(overhead, combine(dc, dm, hw.roof_p), combine(ac, am, hw.roof_p), cost.swap_bytes / hw.swap_bandwidth,
                     "compute" if dc >= dm else "memory", "compute" if ac >= am else "memory")
 
