@@ -229,8 +229,10 @@ class EngineMetrics:
     def _count_preemptions(self, engine, preempted, stats: dict, label: Callable[[str], str] | None) -> None:
         d_rec = stats.get("num_recompute_preemptions", 0) - self._last.get("num_recompute_preemptions", 0)
         d_swap = stats.get("num_swap_preemptions", 0) - self._last.get("num_swap_preemptions", 0)
-        self._last["num_recompute_preemptions"] = stats.get("num_recompute_preemptions", 0)
-        self._last["num_swap_preemptions"] = stats.get("num_swap_preemptions", 0)
+        # the highest values seen, as sync keeps its counters: a stale snapshot must not make the next count twice
+        self._last["num_recompute_preemptions"] = max(self._last.get("num_recompute_preemptions", 0),
+                                                      stats.get("num_recompute_preemptions", 0))
+        self._last["num_swap_preemptions"] = max(self._last.get("num_swap_preemptions", 0), stats.get("num_swap_preemptions", 0))
         left = {"recompute": max(0, d_rec), "swap": max(0, d_swap)}
         for rid in preempted:
             if left["swap"] == 0:
