@@ -90,6 +90,31 @@ def test_roofline_docstring_band_numbers():
     assert off == [("decode", "2-4", "65-512")] and round(100 * (1 - spanned[off[0]])) == 7
 
 
+
+def test_lab09_reading_of_the_residual_plot_names_every_band_off():
+    """Lab 9's reading of its residual plot (the span fit in blue, one thread in orange) names each band off by more
+    than 5%.  It once left out the two-thread fit's band of a single prompt step (x0.94) while naming the same band
+    on one thread, so a learner counting bars in the plot found one more than the text.  Oracle: ``residuals`` of
+    the committed profiles, the cell's own call."""
+    text = _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8"))
+    m = re.search(r"every decode band but one \(2–4 sequences at 65–512 tokens, x([\d.]+)\) is within 5%\. The prompt "
+                  r"steps beside long decodes of 2–4 sequences, (\d+)% over, are the other miss, and no K/V term reaches "
+                  r"them \(a band of a single prompt step, x([\d.]+), is off too\)\. On one thread \(orange\) only that "
+                  r"single-step band is off by more than 5%", text)
+    assert m, "lab 9 no longer reads the residual plot band by band"
+
+    def off(name):
+        return {(r["kind"], r["seqs"], r["context"]): (r["steps"], r["real_over_pred_p50"])
+                for r in calibrate.residuals(load_profile(name)) if abs(r["real_over_pred_p50"] - 1) > 0.05}
+
+    two, one = off(TWO_CORE), off(ONE_THREAD)
+    single = [k for k, (steps, _) in two.items() if k[0] == "prompt" and steps == 1]
+    assert len(single) == 1 and set(one) == set(single)
+    assert set(two) == {("decode", "2-4", "65-512"), ("prompt", "2-4", "513-2048"), single[0]}
+    assert m.group(1) == f"{two[('decode', '2-4', '65-512')][1]:.2f}"
+    assert m.group(2) == f"{round(100 * (two[('prompt', '2-4', '513-2048')][1] - 1))}"
+    assert m.group(3) == f"{two[single[0]][1]:.2f}"
+
 SIX = ("stop56", "stop59", "stop59_run2", "stop60", "stop61", "stop62")
 
 
@@ -139,14 +164,17 @@ def test_the_ablation_is_the_model_before_the_term(name):
 
 
 def test_lab09_reading_of_the_run_on_another_host():
-    """"A seventh run, made after the change on another host (a Zen 4 EPYC, where the committed profiles predict every
-    step 1.7-1.9x too fast ...); calibrated in the same invocation, it met 14 of 15 metrics (`FILE`), and that host's
-    own fit gave the span no weight."  Oracle: the run file (its host, verdict and fitted hardware) and
-    ``sim_accuracy.explain`` against the committed one-thread profile."""
+    """"A seventh run, made after the change on another host (a Zen 4 EPYC, where the committed one-thread profile
+    predicts each workload's prompt and decode steps 1.7-1.9x too fast at the median ...); calibrated in the same
+    invocation, it met 14 of 15 metrics (`FILE`), and that host's own fit gave the span no weight."  Oracle: the run
+    file (its host, verdict and fitted hardware) and ``sim_accuracy.explain`` against the committed one-thread
+    profile.  Medians, not "every step" as the lab once said: 46% of that run's steps are under x1.7 (--check's
+    decodes read x1.48-1.66), and the two-thread profile, on the wall clock, is no yardstick for a CPU-time run."""
     from minivllm.bench.sim_accuracy import explain
 
     text = _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8"))
-    m = re.search(r"committed profiles predict every step ([\d.]+)–([\d.]+)x too fast: `sim_accuracy --explain`\), "
+    m = re.search(r"committed one-thread profile predicts each workload's prompt and decode steps ([\d.]+)–([\d.]+)x "
+                  r"too fast at the median: `sim_accuracy --explain`\), "
                   r"cannot be judged with these profiles at all; calibrated in the same invocation, it met (\d+) of 15 "
                   r"metrics \(`(\S+\.json)`\), and that host's own fit gave the span no weight", text)
     assert m, "lab 9 no longer reads the run made on another host"
@@ -157,3 +185,22 @@ def test_lab09_reading_of_the_run_on_another_host():
     assert "family/model/stepping 26/" in load_profile(ONE_THREAD)["host"]  # the profiles' host is another
     ratios = [k["real_over_pred_p50"] for w in explain(run, load_profile(ONE_THREAD)).values() for k in w.values()]
     assert (f"{min(ratios):.1f}", f"{max(ratios):.1f}") == (m.group(1), m.group(2))
+
+
+
+@pytest.mark.parametrize("name", ["2026-11-30_nvidia-h200_llama1b_profile.json",
+                                  "2026-11-30_nvidia-h200_llama1b_profile_run2.json"])
+def test_the_h200_calibrations_refit_to_no_span(name):
+    """The roofline docstring: re-fitted with the term, the two stored H200 calibrations "give it no weight: their fits
+    come back unchanged".  ``test_refit_and_resimulate_reproduce_the_recorded_gpu_run`` compares the seven parameters
+    these files were written with; this checks the eighth, and the error.  Oracle: each file's own stored fit."""
+    from minivllm.sim import roofline
+
+    assert "two stored H200 calibrations" in _flat(roofline.__doc__)
+    assert "give it no weight: their fits come back unchanged" in _flat(roofline.__doc__)
+    doc = json.loads((RESULTS / name).read_text(encoding="utf-8"))
+    assert "attention_span_bandwidth" not in doc["hardware"] and len(doc["fit"]["params"]) == 7  # written before it
+    err = doc["fit"]["rms_rel_error"]
+    new = calibrate.refit(doc)
+    assert new["hardware"]["attention_span_bandwidth"] is None and new["fit"]["params"]["s_per_attn_span_byte"] == 0.0
+    assert new["fit"]["rms_rel_error"] == pytest.approx(err, rel=1e-12)

@@ -467,9 +467,9 @@ device's rate, *plus* the longest sequence's K/V at the rate one walk through it
 docstring). It is one more rate fitted with the others, not a constant per shape, so it carries to shapes never
 measured. On the same stored steps (blue) the fit's rms error falls from 6.2% to 5.2% and every decode band but one
 (2–4 sequences at 65–512 tokens, x0.93) is within 5%. The prompt steps beside long decodes of 2–4 sequences, 13%
-over, are the other miss, and no K/V term reaches them. On one thread (orange) only a band of one prompt step is
-off by more than 5%; the fit there still finds a span rate, but it buys 0.1 point of rms error: the term is about
-sharing work between cores.
+over, are the other miss, and no K/V term reaches them (a band of a single prompt step, x0.94, is off too). On one
+thread (orange) only that single-step band is off by more than 5%; the fit there still finds a span rate, but it
+buys 0.1 point of rms error: the term is about sharing work between cores.
 
 A fit on its own calibration steps can flatter any extra parameter. The judge is the held-out workloads: the cell
 below re-simulates the validation runs kept from the host the committed profiles were calibrated on (the engine of
@@ -515,8 +515,8 @@ else:
 The span term lowers the rms error in five of the six runs and leaves the sixth where it was (one of its metrics
 crosses the 10% line the wrong way); it is no cure for a run whose real engine had a noisy day (the drift columns of
 `sim_accuracy` are for that). A seventh run, made after the change on *another* host (a Zen 4 EPYC, where the
-committed profiles predict every step 1.7–1.9x too fast: `sim_accuracy --explain`), cannot be judged with these
-profiles at all; calibrated in the same invocation, it met 14 of 15 metrics
+committed one-thread profile predicts each workload's prompt and decode steps 1.7–1.9x too fast at the median:
+`sim_accuracy --explain`), cannot be judged with these profiles at all; calibrated in the same invocation, it met 14 of 15 metrics
 (`2026-12-06_cpu-2core_sim_accuracy_stop63.json`), and that host's own fit gave the span no weight. The fit also moves from one
 calibration to the next: the plotted run (1 December, a slower host) fitted one K/V rate of 6.8 GB/s and a run of
 6 December (`2026-12-06_cpu-2core_sim_accuracy_stop60.json`) 14.8 GB/s; the committed one-thread profile reads all
@@ -625,8 +625,9 @@ print_answers(9)   # the answer key: run it after you have answered
   group of query heads, or a single head, chosen from the number of decoding sequences and threads. Give the decode
   K/V bytes of each regime its own rate (a column each in `calibrate._columns`), re-fit the stored steps
   (`calibrate.refit(load_profile("cpu-2core"))`) and compare the residual plot and the held-out table above with
-  the span term's. Our try: 4.9% rms on the two-thread steps against the span's 5.2%, with one parameter more and a
-  rule that holds for this kernel only. Which would you keep for a GPU?
+  the span term's. Two readings of the regimes we tried (three rates in place of one plus the span) fitted 4.9% and
+  5.1% rms on the two-thread steps against the span's 5.2%, with one parameter more and a rule that holds for this
+  kernel only. Which would you keep for a GPU?
 
 * **A key that is too short.** Route the study's workload with `key_blocks=8` (inside the 16-block system prompt).
   What happens to the requests per replica, the spill count and the p99 TTFT? Then lower `min_spill_tokens` and
