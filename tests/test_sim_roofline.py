@@ -218,27 +218,38 @@ def test_span_term_is_the_longest_sequences_kv_at_its_own_rate():
         dataclasses.replace(flat, attention_span_bandwidth=0.0)
 
 
-def test_fit_recovers_a_span_rate_and_misses_without_the_term():
-    """Data made with a span rate: the fit must find it (and the other roofs), and the same data fitted with one K/V
-    rate (``span_term=False``, the ablation) must fit visibly worse rather than hide it in another term; data made
-    without a span must get none (spec_from_theta's None)."""
-    shape = model_preset("smollm2-135m").with_dtype(4)
-    truth = HardwareSpec("truth", peak_flops=60e9, mem_bandwidth=12e9, attention_flops=25e9,
-                         attention_bandwidth=6e9, attention_span_bandwidth=2e9, step_overhead_s=4e-3,
-                         seq_overhead_s=0.3e-3)
-    batches = _synthetic_batches() + [[(1500, 1, True)], [(1500, 1, True)] * 2, [(200, 1, True)] * 8]
+def _fit_finds_the_term(shape, truth, batches, recovered, ablation: dict, worse_than: float, gone: dict, absent):
+    """The pattern both fitted terms (the prompt step's fixed cost, the span) are held to: on exact data made by
+    ``truth`` the fit recovers ``recovered``; the same data fitted with the term left out (``ablation``, e.g.
+    ``prompt_term=False``) errs by more than ``worse_than`` instead of hiding it in another term; on data made with
+    the term removed (``gone``, the spec's field reset) the fit gives it none (``absent(spec)`` holds)."""
     costs = [step_cost(shape, b) for b in batches]
     times = [roofline_time(c, shape, truth).total for c in costs]
     theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
     got = spec_from_theta(theta, "fit")
     assert err < 1e-6
-    for k in ("attention_bandwidth", "attention_span_bandwidth", "attention_flops", "step_overhead_s"):
+    for k in recovered:
         assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
-    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, span_term=False)
-    assert err_without > 0.02
-    times = [roofline_time(c, shape, dataclasses.replace(truth, attention_span_bandwidth=None)).total for c in costs]
+    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, **ablation)
+    assert err_without > worse_than
+    times = [roofline_time(c, shape, dataclasses.replace(truth, **gone)).total for c in costs]
     theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
-    assert err < 1e-6 and spec_from_theta(theta, "fit").attention_span_bandwidth is None
+    assert err < 1e-6 and absent(spec_from_theta(theta, "fit"))
+    return costs
+
+
+def test_fit_recovers_a_span_rate_and_misses_without_the_term():
+    """Data made with a span rate: the fit must find it (and the other roofs), and the same data fitted with one K/V
+    rate (``span_term=False``, the ablation) must fit visibly worse rather than hide it in another term; data made
+    without a span must get none (spec_from_theta's None)."""
+    truth = HardwareSpec("truth", peak_flops=60e9, mem_bandwidth=12e9, attention_flops=25e9,
+                         attention_bandwidth=6e9, attention_span_bandwidth=2e9, step_overhead_s=4e-3,
+                         seq_overhead_s=0.3e-3)
+    batches = _synthetic_batches() + [[(1500, 1, True)], [(1500, 1, True)] * 2, [(200, 1, True)] * 8]
+    _fit_finds_the_term(model_preset("smollm2-135m").with_dtype(4), truth, batches,
+                        ("attention_bandwidth", "attention_span_bandwidth", "attention_flops", "step_overhead_s"),
+                        {"span_term": False}, 0.02, {"attention_span_bandwidth": None},
+                        lambda spec: spec.attention_span_bandwidth is None)
 
 
 @pytest.mark.parametrize("p", [4.0, 1.5])
@@ -293,23 +304,13 @@ def test_fit_recovers_the_fixed_cost_of_steps_with_prompt_tokens():
     The fit must find that cost -- and, on the same data with the term left out, fit visibly worse instead
     of silently spreading it over other terms; on data without such a cost it must find none.
     """
-    shape = model_preset("llama-3.2-1b")
     truth = HardwareSpec("truth", peak_flops=500e12, mem_bandwidth=4e12, step_overhead_s=2e-3,
                          seq_overhead_s=20e-6, eager_step_overhead_s=9e-3)
-    costs = [step_cost(shape, b) for b in _synthetic_batches()]
+    costs = _fit_finds_the_term(model_preset("llama-3.2-1b"), truth, _synthetic_batches(),
+                                ("eager_step_overhead_s", "step_overhead_s", "seq_overhead_s", "peak_flops"),
+                                {"prompt_term": False}, 0.1, {"eager_step_overhead_s": 0.0},
+                                lambda spec: spec.eager_step_overhead_s == pytest.approx(0.0, abs=1e-9))
     assert any(c.eager for c in costs) and not all(c.eager for c in costs)
-    times = [roofline_time(c, shape, truth).total for c in costs]
-    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
-    got = spec_from_theta(theta, "fit")
-    assert err < 1e-6
-    for k in ("eager_step_overhead_s", "step_overhead_s", "seq_overhead_s", "peak_flops"):
-        assert getattr(got, k) == pytest.approx(getattr(truth, k), rel=1e-3), k
-    _, err_without = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth, prompt_term=False)
-    assert err_without > 0.1
-    flat = dataclasses.replace(truth, eager_step_overhead_s=0.0)
-    times = [roofline_time(c, shape, flat).total for c in costs]
-    theta, err = fit(costs, times, s_per_byte=1 / truth.mem_bandwidth)
-    assert err < 1e-6 and spec_from_theta(theta, "fit").eager_step_overhead_s == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.parametrize("profile,result", [
