@@ -119,6 +119,27 @@ def test_a_stale_stats_snapshot_neither_raises_nor_makes_preemptions_count_twice
     assert metric_value(s, "vllm:num_preemptions_total") == 5
 
 
+def test_a_stale_snapshot_between_swaps_leaves_each_victim_its_own_tenant_and_no_unknown():
+    """Kills: the highest-value rule applied to the recompute counter only, the swap counter's ``_last`` set from
+    whatever snapshot came last (the test above moves only the recompute counter, so that half of the fix was
+    free to break).  A snapshot older than the previous one must not lower the baseline: the swap after it would
+    then be counted once for its named victim and once more as "unknown".  Oracle: the engine's cumulative
+    ``num_swap_preemptions`` (2, then 3) and the victims the step records name -- one each for alice, bob and
+    carol, none left over."""
+    e, m = _FakeEngine(_zero_stats()), EngineMetrics("mm")
+    for rid, tenant in (("a", "alice"), ("b", "bob"), ("c", "carol")):
+        m.track(rid, tenant)
+    for step, swaps, victims in ((0, 2, ["a", "b"]), (1, 1, []), (2, 3, ["c"])):  # step 1's snapshot is stale
+        e.step_log.append(_rec(step, preempted=victims))
+        m.observe_step(e, stats={**_zero_stats(), "num_swap_preemptions": swaps})
+    s = _page(m)
+    assert metric_value(s, "vllm:num_preemptions_total", mode="swap") == 3
+    for tenant in ("alice", "bob", "carol"):
+        assert metric_value(s, "vllm:num_preemptions_total", mode="swap", tenant=tenant) == 1
+    assert metric_value(s, "vllm:num_preemptions_total", tenant="unknown") == 0
+    assert metric_value(s, "vllm:num_preemptions_total", mode="recompute") == 0
+
+
 
 def test_an_untracked_requests_output_is_labelled_with_the_tenant_the_caller_names():
     """Kills: ``observe_output`` labelling a request it was never told about "default" whatever tenant the caller

@@ -14,6 +14,8 @@ for the module, and are stopped whatever the tests do.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -37,10 +39,26 @@ HEADERS = {"Content-Type": "application/json"}
 START_TIMEOUT_S = 300  # a guard against a server that never comes up, not a timing check
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` ports free now and distinct: each socket stays bound until all are picked, since the kernel may hand a
+    port just released to the next ``bind(0)``, and two servers told the same port leave one of them dead."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+if sys.platform.startswith("linux"):
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child after fork only calls it
+
+    def _die_with_the_test() -> None:
+        """In the child, before exec: Linux sends it SIGTERM when the test process dies.  A CI job cancelled or
+        timed out kills pytest without running the fixture's teardown, and the servers lived on, each holding
+        its port and a loaded model."""
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+else:
+    _die_with_the_test = None
 
 
 def _env() -> dict[str, str]:
@@ -53,15 +71,16 @@ def _env() -> dict[str, str]:
 class _Server:
     """One ``python -m minivllm serve`` process; its output goes to a file (a full pipe would block it)."""
 
-    def __init__(self, max_request_bytes: str, log: Path) -> None:
-        self.port = _free_port()
+    def __init__(self, max_request_bytes: str, port: int, log: Path) -> None:
+        self.port = port
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = log
         argv = [sys.executable, "-m", "minivllm", "serve", "--port", str(self.port), "--served-model-name", MODEL,
                 "--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", str(NUM_BLOCKS),
                 "--max-request-bytes", max_request_bytes, "--log-level", "warning"]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=_die_with_the_test)
 
     def wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -91,8 +110,8 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve")
     started: dict[str, _Server] = {}
     try:
-        for setting in (str(LIMIT), "off"):
-            started[setting] = _Server(setting, logs / f"{setting}.log")
+        for setting, port in zip((str(LIMIT), "off"), _free_ports(2)):
+            started[setting] = _Server(setting, port, logs / f"{setting}.log")
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in started.values():
             server.wait_ready(deadline)

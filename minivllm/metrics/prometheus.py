@@ -89,7 +89,12 @@ class _Tracked:
 
 
 class EngineMetrics:
-    """vLLM-named Prometheus series for one engine, in a registry of their own."""
+    """vLLM-named Prometheus series for one engine, in a registry of their own.
+
+    One engine for its whole life: the engine's cumulative counters become increments against the highest value
+    seen, so a stale snapshot adds nothing -- and a replacement engine, its counters from 0 again, would add
+    nothing either until it passed its predecessor's totals.  A new engine gets a new ``EngineMetrics``.
+    """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
