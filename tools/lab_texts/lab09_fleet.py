@@ -630,6 +630,12 @@ print_answers(9)   # the answer key: run it after you have answered
   5.1% rms on the two-thread steps against the span's 5.2%, with one parameter more and a rule that holds for this
   kernel only. Which would you keep for a GPU?
 
+* **A term that flatters the fit.** The prefill path copies each prompt's context K/V out of the paged cache before
+  SDPA (`cpu_attention.prefill_chunk`). Price that copy with a rate of its own (the context before each chunk of more
+  than one token), re-fit the one-thread profile and re-run the held-out cell. We found the calibration's rms
+  error falling (3.86% -> 3.55%, its worst step 17% -> 9%) and the held-out runs getting *worse* in five of six. Why
+  can a better fit predict worse, and what would convince you to keep a term?
+
 * **A key that is too short.** Route the study's workload with `key_blocks=8` (inside the 16-block system prompt).
   What happens to the requests per replica, the spill count and the p99 TTFT? Then lower `min_spill_tokens` and
   `spill_factor` and find the setting that keeps the hit rate *and* the balance.
