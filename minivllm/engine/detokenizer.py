@@ -63,8 +63,17 @@ class IncrementalDetokenizer:
             # So too at the end when the output's bytes only extended that character (its decode is the
             # same placeholder): they are output text, U+FFFD as ``decode`` writes them, not nothing.  (A
             # real U+FFFD ending the prompt is complete: bytes after it add a U+FFFD of their own, and a
-            # token that decodes to nothing, a skipped special token, adds nothing.)
-            before = before.rstrip("\ufffd")
+            # token that decodes to nothing, a skipped special token, adds nothing.)  Which trailing U+FFFD
+            # are the placeholder?  A byte-level decode writes one for the incomplete character, a byte-fallback
+            # one one per byte; any before them are the prompt's own text.  Where the character completed,
+            # ``after`` keeps the prompt's own and replaces the placeholder, so the placeholder is what follows
+            # their common prefix (cut no further back than the trailing run).  Where it did not (the final
+            # case), the run is cut whole: a prompt's own U+FFFD right before it is output again (a named gap).
+            run = len(before.rstrip("\ufffd"))
+            if not after.startswith(before):
+                run = max(run, next((i for i, (x, y) in enumerate(zip(before, after)) if x != y),
+                                    min(len(before), len(after))))
+            before = before[:run]
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""  # an incomplete character, or a token that decodes to nothing yet
         delta = after[len(before) :]
