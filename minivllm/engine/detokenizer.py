@@ -12,6 +12,8 @@ token that completes it releases the whole character.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 
 _CONTEXT_TOKENS = 5
@@ -71,8 +73,7 @@ class IncrementalDetokenizer:
             # case), the run is cut whole: a prompt's own U+FFFD right before it is output again (a named gap).
             run = len(before.rstrip("\ufffd"))
             if not after.startswith(before):
-                run = max(run, next((i for i, (x, y) in enumerate(zip(before, after)) if x != y),
-                                    min(len(before), len(after))))
+                run = max(run, len(os.path.commonprefix([before, after])))
             before = before[:run]
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""  # an incomplete character, or a token that decodes to nothing yet

@@ -232,13 +232,8 @@ class EngineMetrics:
         self.sync(stats)
 
     def _count_preemptions(self, engine, preempted, stats: dict, label: Callable[[str], str] | None) -> None:
-        d_rec = stats.get("num_recompute_preemptions", 0) - self._last.get("num_recompute_preemptions", 0)
-        d_swap = stats.get("num_swap_preemptions", 0) - self._last.get("num_swap_preemptions", 0)
-        # the highest values seen, as sync keeps its counters: a stale snapshot must not make the next count twice
-        self._last["num_recompute_preemptions"] = max(self._last.get("num_recompute_preemptions", 0),
-                                                      stats.get("num_recompute_preemptions", 0))
-        self._last["num_swap_preemptions"] = max(self._last.get("num_swap_preemptions", 0), stats.get("num_swap_preemptions", 0))
-        left = {"recompute": max(0, d_rec), "swap": max(0, d_swap)}
+        left = {"recompute": self._advance("num_recompute_preemptions", stats.get("num_recompute_preemptions", 0)),
+                "swap": self._advance("num_swap_preemptions", stats.get("num_swap_preemptions", 0))}
         for rid in preempted:
             if left["swap"] == 0:
                 mode = "recompute"
@@ -280,10 +275,19 @@ class EngineMetrics:
             ):
                 child = counter.labels(name)  # exists from the start (at 0), so dashboards see the series
                 value = stats.get(key)  # the prefix-cache keys exist only with a cache (EngineStats)
-                delta = 0 if value is None else value - self._last.get(key, 0)
+                delta = 0 if value is None else self._advance(key, value)
                 if delta > 0:
-                    self._last[key] = value
                     child.inc(delta)
+
+    def _advance(self, key: str, value: int) -> int:
+        """How far the engine's cumulative counter ``key`` moved past the highest value seen, remembering the new
+        highest: a stale snapshot (a lower value) adds 0 and does not lower the mark, so the next fresh one is not
+        counted twice.  The one rule every engine counter follows here."""
+        delta = value - self._last.get(key, 0)
+        if delta <= 0:
+            return 0
+        self._last[key] = value
+        return delta
 
     # -- exposition -----------------------------------------------------------------
     def render(self) -> bytes:
