@@ -441,7 +441,9 @@ def test_a_roofline_replica_holds_what_its_device_holds():
     assert replica_kv_blocks(executor) == by_hand == 2707
     assert sim_replica(executor).pool.num_blocks == by_hand
     assert sim_replica(roofline_factory("l4", "llama-3-8b")(), num_blocks=100).pool.num_blocks == 100  # explicit wins
-    assert sim_replica().pool.num_blocks == REPLICA["num_blocks"]  # the linear model has no device
+    # the linear model has no device; its costs describe the same model on an L4, so it gets the same pool (it had
+    # 4,096 blocks, 8 GiB of KV that would not fit beside the weights)
+    assert sim_replica().pool.num_blocks == REPLICA["num_blocks"] == by_hand
 
 
 def test_least_outstanding_routes_on_what_a_load_balancer_could_count_at_the_arrival():

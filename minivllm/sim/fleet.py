@@ -46,9 +46,11 @@ GPU_LIKE = dict(fixed_overhead_s=0.05, per_token_s=0.00015, per_context_token_s=
 # The prefix-affinity key for ChatMix: its 16-block system prompt plus 4 blocks of the first question, so a
 # key tells conversations apart (a key inside the system prompt would send a whole app to one replica).
 KEY_BLOCKS = 20
-# One replica: 4,096 blocks of 16 tokens (64K tokens of KV: 8 GiB at Llama-3-8B's 128 KiB per token), 64 sequences,
-# 512 tokens per step (a chunk of prefill adds a bounded slice to the decoders' step).
-REPLICA = dict(num_blocks=4096, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, model_max_len=8192)
+# One replica: the KV pool an L4 holds beside Llama-3-8B's 16 GB of weights (2,707 blocks of 16 tokens: 43,312 tokens,
+# 5.3 GiB at 128 KiB per token, what 90% of its 23,034 MiB leaves, as `minivllm sim run` sizes a roofline replica; a test
+# recomputes it), 64 sequences, 512 tokens per step (a chunk of prefill adds a bounded slice to the decoders' step).
+# The linear model has no device to size a pool from, so it gets the one its costs describe.
+REPLICA = dict(num_blocks=2707, block_size=16, max_num_seqs=64, max_num_batched_tokens=512, model_max_len=8192)
 
 
 def _replica_index(k: Any, num_replicas: int) -> int:
