@@ -290,6 +290,22 @@ def test_fairness_kv_share_is_the_mean_over_the_windows_steps_of_the_pool():
     assert res.kv_share == {"a": pytest.approx(1 / 8)}
 
 
+def test_fairness_kv_share_weights_each_step_by_its_time():
+    """Kills: the KV share as a mean per step (every step one vote, a 1 s decode as heavy as a 33 s prefill).
+    Hand trace, step time = tokens x 1 s, an 8-block pool of 16-token blocks, a 40 s window: a (4-token prompt, 3
+    outputs, at 0 s) holds 1 block after its 4 s prefill and after its 1 s decode, then finishes in the 33 s step
+    that also prefills b (32 tokens, 2 outputs, arriving at 4.5 s), after which b holds 2 blocks for that step and
+    nothing after its 1 s last decode.  Block-seconds: a 1x4 + 1x1 = 5, b 2x33 = 66, so the shares are 5/40/8 and
+    66/40/8.  A mean over the 4 steps reads 1/16 for both: equal holders where b held 13 times as much."""
+    from minivllm.bench import fairness as bench
+
+    res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 3), bench.Arrival(4.5, "b", list(range(5, 37)), 2)],
+                    window=40.0, blocks=8, max_len=128,
+                    step=dict(fixed_overhead_s=0.0, per_token_s=1.0, per_context_token_s=0.0))
+    assert res.steps == 4 and res.clock == pytest.approx(39.0)
+    assert res.kv_share == {"a": pytest.approx(5 / 40 / 8), "b": pytest.approx(66 / 40 / 8)}
+
+
 def test_fairness_slo_report_scores_each_request_on_its_own_itl_p95_and_counts_finished_requests():
     """Kills: a request's ITL judged by its median instead of its p95, the "finished" count reading the wrong
     finish reason (the benchmark's requests ignore EOS: they all end by "length"), the last finish taken as the

@@ -17,10 +17,15 @@ def runs():
 
 def test_serve_per_tenant_numbers_match_a_recount(runs):
     res = runs["fcfs"]
-    window = [r for r in res.records if r.time <= res.window]
-    for tenant in ("quiet", "noisy"):
-        blocks = [sum(row.kv_blocks for row in r.tenants if row.tenant == tenant) for r in window]
-        assert res.kv_share(tenant) == pytest.approx(sum(blocks) / len(window) / res.num_blocks)
+    assert len(res.step_starts) == len(res.records)
+    # a step begins where the last one ended, or later (an idle engine's clock jumps to the next arrival)
+    assert all(start >= prev.time for start, prev in zip(res.step_starts[1:], res.records))
+    assert all(start < r.time for start, r in zip(res.step_starts, res.records))
+    for tenant in ("quiet", "noisy"):  # block-seconds: each step's blocks for its part inside the window
+        block_s = sum(sum(row.kv_blocks for row in r.tenants if row.tenant == tenant)
+                      * max(0.0, min(r.time, res.window) - start) for start, r in zip(res.step_starts, res.records))
+        assert res.kv_share(tenant) == pytest.approx(block_s / res.window / res.num_blocks)
+        assert 0 < res.kv_share(tenant) < 1
         ttfts = sorted(v for k, v in res.ttft.items() if res.tenant_of[k] == tenant)
         assert res.p95_ttft(tenant) == ttfts[max(0, -(-95 * len(ttfts) // 100) - 1)]
 

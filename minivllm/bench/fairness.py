@@ -39,7 +39,7 @@ from minivllm.bench.results import write_result
 from minivllm.config import TenantConfig
 from minivllm.engine.input_processor import output_room
 from minivllm.metrics.stats import jain, meets_slo, nearest_rank
-from minivllm.metrics.step_log import FirstTimePrompt
+from minivllm.metrics.step_log import FirstTimePrompt, HeldBlocks
 
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
 SECTIONS = ("noisy_quiet", "backlogged", "three_class", "shared_prefix")
@@ -92,7 +92,7 @@ class Run:
     # tenant -> tokens served by the last step that ended in the window: prompt tokens computed for the first time
     # (a re-prefill after a recompute preemption is the engine's loss, not service, as WFQ charges it) and outputs
     window_stats: dict = field(default_factory=dict)
-    kv_share: dict = field(default_factory=dict)  # tenant -> mean share of the pool held over the window
+    kv_share: dict = field(default_factory=dict)  # tenant -> mean share of the pool held over the window (HeldBlocks)
     clock: float = 0.0
     steps: int = 0
 
@@ -277,8 +277,7 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
     executor = SimulatedExecutor(**step)
     engine = LLMEngine(cfg, executor=executor, model_max_len=max_len, eos_token_ids=set())
     pending = list(reversed(arrivals))  # a stack: the next arrival on top
-    res, owner, held = Run(), {}, {}
-    n_window = 0
+    res, owner, held = Run(), {}, HeldBlocks(window)
     served = FirstTimePrompt()  # prompt tokens computed for the first time, per tenant
     sessions = {k: dict(v) for k, v in (sessions or {}).items()}
     for k in sessions:
@@ -296,6 +295,7 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
             executor.clock = pending[-1].time
         while pending and pending[-1].time <= executor.clock:
             add(pending.pop())
+        started = executor.clock
         for out in engine.step():
             if out.finished:
                 a = owner[out.request_id]
@@ -308,20 +308,18 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
         res.steps += 1
         if engine.step_log:
             served.observe(engine.step_log[-1])
+            held.observe(started, engine.step_log[-1])
         if service_series is not None:  # (step end, each tenant's prompt-first-time + 2 x output tokens so far)
             service_series.append((executor.clock, {
                 t: served.by_tenant.get(t, 0) + 2 * c.output_tokens for t, c in engine.scheduler.tenant_stats.items()}))
         if executor.clock <= window:
-            n_window += 1
-            for r in engine.scheduler.running:
-                held[r.tenant] = held.get(r.tenant, 0) + len(r.block_ids)
             # the counters after the last step that ended inside the window (as lab 6's serve() keeps them):
             # the step that crosses the window's end is not counted
             res.window_stats = {t: {"prompt_tokens": served.by_tenant.get(t, 0), "output_tokens": c.output_tokens}
                                 for t, c in engine.scheduler.tenant_stats.items()}
         if res.steps >= max_steps:
             raise RuntimeError(f"{policy}: did not drain in {max_steps} steps")
-    res.kv_share = {t: h / max(1, n_window) / blocks for t, h in held.items()}
+    res.kv_share = {t: held.share(t, blocks) for t in held.block_s}
     res.stats = engine.stats()
     res.clock = executor.clock
     return res

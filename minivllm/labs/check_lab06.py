@@ -28,7 +28,7 @@ from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
 from minivllm.metrics.stats import meets_slo, nearest_rank
-from minivllm.metrics.step_log import FirstTimePrompt
+from minivllm.metrics.step_log import FirstTimePrompt, HeldBlocks
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.fairness import DeadlineAdmission, RankPreemption, WFQAdmission, new_prompt_tokens
 from minivllm.sim.executor import SimulatedExecutor
@@ -195,6 +195,8 @@ class ServeResult:
     first_step: dict = field(default_factory=dict)  # request id -> step of its first scheduled token
     arrival: dict = field(default_factory=dict)
     records: list = field(default_factory=list)
+    step_starts: list = field(default_factory=list)  # the clock when each step of ``records`` began
+    held: HeldBlocks | None = None  # block-seconds per tenant in the window (the KV share)
     num_blocks: int = 0
     window: float = 0.0
     makespan: float = 0.0
@@ -217,9 +219,9 @@ class ServeResult:
         return percentile([v for k, v in self.ttft.items() if self.tenant_of[k] == tenant], 50)
 
     def kv_share(self, tenant: str) -> float:
-        """Mean share of the pool its running requests held, over the steps of the arrival window."""
-        rows = [r.tenant(tenant).kv_blocks for r in self.records if r.time <= self.window]
-        return sum(rows) / max(1, len(rows)) / self.num_blocks
+        """Mean share of the pool its running requests held over the arrival window, weighted by time
+        (:class:`~minivllm.metrics.step_log.HeldBlocks`: a 500 ms prefill step counts fifty 10 ms decodes)."""
+        return self.held.share(tenant, self.num_blocks) if self.held is not None else 0.0
 
     def tokens_per_s(self, tenant: str) -> float:
         """Prompt + output tokens served per second while arrivals lasted."""
@@ -361,6 +363,7 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
     sessions = {k: {**v, "rng": copy.deepcopy(v["rng"])} for k, v in (sessions or {}).items()}  # reruns: same calls
     owner = {}
     served = FirstTimePrompt()  # prefill service: prompt tokens computed for the first time
+    held = res.held = HeldBlocks(res.window)
     step = 0
 
     def push(a: Arrival) -> None:
@@ -383,6 +386,7 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
                 res.calls.setdefault(a.session, []).append(a.request_id)
             if client is not None:
                 client.sent(a)
+        started = ex.clock
         outs = engine.step()
         for out in outs:
             if out.metrics.first_token_time is not None:
@@ -410,6 +414,8 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
         for rid, _, _ in engine.step_log[-1].seqs:
             res.first_step.setdefault(rid, step)
         served.observe(engine.step_log[-1])
+        held.observe(started, engine.step_log[-1])
+        res.step_starts.append(started)
         if ex.clock <= res.window:
             res.window_tokens = {t: (served.by_tenant.get(t, 0), c.output_tokens)
                                  for t, c in engine.scheduler.tenant_stats.items()}
