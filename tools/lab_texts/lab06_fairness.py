@@ -60,7 +60,7 @@ quiet's tokens and more than the engine can serve, so its backlog grows for as l
 ```
  waiting queue (FCFS)                        running (token budget 2,048 per step, KV pool 1,024 blocks)
  ┌────┬────┬────┬────┬────┬────┬────┐        ┌──────────────────────────────────────────────┐
- │ N  │ N  │ q  │ N  │ N  │ q  │ N  │ ──────►│ N N N N N N N N ... (long prefills, 77% KV)  │
+ │ N  │ N  │ q  │ N  │ N  │ q  │ N  │ ──────►│ N N N N N N N N ... (long prefills, 69% KV)  │
  └────┴────┴────┴────┴────┴────┴────┘        └──────────────────────────────────────────────┘
    a quiet request (q) waits behind every noisy request (N) that arrived before it:
    its TTFT is the noisy backlog's drain time, not its own 0.05 s of work
