@@ -70,8 +70,10 @@ FCFS is "fair" to *requests* (first come, first served) and unfair to *tenants*:
 and everybody else's latency becomes a function of the heaviest sender. To say anything precise we need a metric per
 tenant. We will read three: **p95 TTFT** (the latency promise), **tokens per second** (the service received: each
 prompt token counted once, since a prompt computed again after a preemption is the engine's loss, not service) and
-**KV share** (the memory held). The engine's step log records, for every step, each tenant's tokens, KV blocks,
-running and waiting requests (`record.tenants`), so all three come from one run.
+**KV share** (the memory held: the mean fraction of the pool over the arrival window, each step's blocks weighted by
+how long the step took, since one prefill step can last as long as fifty decodes). The engine's step log records, for
+every step, each tenant's tokens, KV blocks, running and waiting requests (`record.tenants`), so all three come from
+one run.
 
 ## 2. Starvation, measured
 
