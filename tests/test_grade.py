@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -277,6 +278,31 @@ def test_run_all_in_a_kernel_runs_the_untagged_helper_and_reports_the_first_setu
     assert rows["slot_mapping"]["reason"] == ("`slot_mapping` is not defined "
                                               "(setup: ModuleNotFoundError: No module named 'no_such_module_for_grading')")
 
+
+
+def test_the_kernel_imports_the_graders_own_minivllm_first(tmp_path, monkeypatch):
+    """The grading kernel starts in a temporary folder, so without a path of its own it imports whichever
+    ``minivllm`` its interpreter finds first: from a second checkout beside an editable install, the notebook's
+    cells and the grading cells ran the other checkout's engine.  Kills: the kernel spec without the grader's
+    root on ``PYTHONPATH``.  Made visible with a decoy package on ``PYTHONPATH`` (which a kernel searches before
+    the installed one): the setup cell compares the kernel's ``minivllm`` with the file this test imported."""
+    import minivllm
+
+    decoy = tmp_path / "decoy" / "minivllm"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("DECOY = True\n")
+    monkeypatch.setenv("PYTHONPATH", str(decoy.parent))
+    ours = os.path.realpath(minivllm.__file__)
+    path = _notebook(tmp_path / "dee" / "lab02_paged_kv_cache.ipynb", [
+        (f"import os, minivllm\nassert os.path.realpath(minivllm.__file__) == {ours!r}, minivllm.__file__\n",
+         ["setup"]),
+        ("def paged_slots(seq_lens, block_size):\n    return sum(-(-n // block_size) * block_size for n in seq_lens)\n",
+         ["exercise:paged_slots"])])
+    out = tmp_path / "grades.json"
+    assert grade.main([str(path), "--seed", "3", "--timeout", "60", "--json", str(out), "--quiet"]) == 0
+    rows = {r["exercise"]: r for r in json.loads(out.read_text())}
+    assert rows["paged_slots"]["points"] == 1, rows["paged_slots"]["reason"]
+    assert "setup" not in rows["slot_mapping"]["reason"], rows["slot_mapping"]["reason"]
 
 
 def test_seed_comes_from_the_environment(monkeypatch):

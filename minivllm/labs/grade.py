@@ -232,15 +232,25 @@ def _kernel_grade(namespace: dict, lab_number: int, exercise: str, seed: int, ou
 
 
 def kernel_manager(tmp: Path):
-    """A kernel manager for this interpreter (not whatever ``python3`` kernelspec is installed)."""
+    """A kernel manager for this interpreter (not whatever ``python3`` kernelspec is installed), importing this
+    grader's own ``minivllm``.
+
+    Why the path: the kernel starts in a temporary folder, so it imports whichever ``minivllm`` the interpreter
+    has installed.  Run from a checkout that is not the installed one (a second clone or worktree beside an
+    editable install, a source tree run with ``python -m``), the grader's checks would run one version of the
+    engine and the notebook's cells another -- or fail to import it at all."""
     from jupyter_client import AsyncKernelManager  # nbclient's timeouts need the async client
     from jupyter_client.kernelspec import KernelSpecManager
 
+    import minivllm
+
+    here = str(Path(minivllm.__file__).resolve().parent.parent)
+    path = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
     spec_dir = tmp / "kernels" / "minivllm-grade"
     spec_dir.mkdir(parents=True)
     (spec_dir / "kernel.json").write_text(json.dumps({
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "minivllm grader", "language": "python"}))
+        "display_name": "minivllm grader", "language": "python", "env": {"PYTHONPATH": path}}))
     ksm = KernelSpecManager(kernel_dirs=[str(tmp / "kernels")])
     # ipc: a local socket file in the temporary folder, no TCP port (and no unencrypted-TCP warning)
     return AsyncKernelManager(kernel_name="minivllm-grade", kernel_spec_manager=ksm, transport="ipc",
