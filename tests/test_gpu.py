@@ -12,16 +12,17 @@ kernels, HF transformers for the engine's tokens.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 from conftest import hf_greedy
 from paged_cases import TOLERANCE, assert_close, make_case, make_tiny_llama
 
+from minivllm.model.backends import triton_interpreting
+
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tools/gpu_checks.sh runs it)"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+    pytest.mark.skipif(triton_interpreting(),
                        reason="kernels are interpreted in this process: run `pytest tests/test_gpu.py` alone"),
 ]
 

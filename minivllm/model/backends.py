@@ -44,8 +44,9 @@ def triton_available() -> bool:
 
 
 def triton_interpreting() -> bool:
-    """True when Triton's CPU interpreter is switched on in this process's environment."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton's CPU interpreter is switched on in this process's environment, read by Triton's own
+    rule: ``1``, ``true``, ``on``, ``yes`` or ``y`` in any case (``TRITON_INTERPRET=true`` interprets too)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
 def _make_triton_backend(device: torch.device) -> AttentionBackend:
