@@ -565,7 +565,10 @@ def test_chunk_sweep_reports_the_longest_single_request_chunk_and_tokens_over_vi
 def test_a_request_that_failed_before_its_first_token_is_neither_served_nor_a_token():
     """A request the engine fails with no token (here a scheduling deadlock: the admission policy never admits
     ``b``, so the stall watchdog ends it as ``"error"``) produced nothing: it must not add an output token to
-    tokens/s nor count as served.  Oracle: the token times the engine's outputs carried, counted step by step."""
+    tokens/s nor count as served, nor a token to any scrape window's ``tokens_per_s`` (mutant: a window counting one
+    token per output instead of the output's token times, the same number for every output that carries a token).
+    Oracle: the token times the engine's outputs carried, counted step by step, against the summary and against the
+    windows' rates times their lengths (with ``on_sample`` every window is scraped, the last partial one too)."""
     from minivllm.labs.live import SimArrival, run_sim_load
     from minivllm.sim.executor import SimulatedExecutor
 
@@ -587,11 +590,16 @@ def test_a_request_that_failed_before_its_first_token_is_neither_served_nor_a_to
         return outs
 
     eng.step = step
-    run = run_sim_load(eng, [SimArrival(0.0, "a", "default", 8, 3), SimArrival(0.0, "b", "default", 8, 3)])
+    run = run_sim_load(eng, [SimArrival(0.0, "a", "default", 8, 3), SimArrival(0.0, "b", "default", 8, 3)],
+                       every_s=0.25, on_sample=lambda _run: None)
     assert reasons == {"a": "length", "b": "error"} and tokens == {"a": 3, "b": 0}
     s = run.summary()
     assert s["tokens_per_s"] == pytest.approx(sum(tokens.values()) / run.duration)
     assert s["served"] == 1
+    edges = [0.0] + [x.time for x in run.samples]
+    assert edges[-1] == pytest.approx(run.duration)
+    counted = sum(x.tokens_per_s * (hi - lo) for x, lo, hi in zip(run.samples, edges, edges[1:]))
+    assert counted == pytest.approx(sum(tokens.values()))
 
 
 def test_a_stepper_counts_and_a_timeline_shows_the_steps_a_wrapped_step_log_still_holds():

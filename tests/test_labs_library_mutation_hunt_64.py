@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-import pytest
 
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix.radix import RadixCache
@@ -102,46 +101,7 @@ def test_the_context_grid_rounds_each_geometric_point_to_the_nearest_block():
     assert at_scale.context_grid(16, 128, 4) == [16, 32, 48, 64, 80, 96, 112, 128]
 
 
-# -- live: output tokens per scrape window ------------------------------------------------------------------------
-
-
-def test_a_request_failed_before_its_first_token_adds_no_token_to_any_window():
-    """A scrape's ``tokens_per_s`` is the output tokens that came out in its window.  A request the engine ends
-    with no token (the stall watchdog failing ``b``, which the admission policy never admits) still sends one
-    final output: it carries no token time and must add nothing.  Kills: the window counting one token per output
-    instead of the output's token times (the same number for every output that does carry a token, so the
-    existing window recount cannot see it).  Oracle: the engine's outputs, whose token times are counted step by
-    step, against the windows' rates times their lengths (every window, the last partial one too, is scraped
-    when ``on_sample`` is given)."""
-    from minivllm.labs.live import SimArrival, run_sim_load
-    from minivllm.sim.executor import SimulatedExecutor
-
-    class OnlyA:
-        def order(self, waiting, running):
-            return [r for r in waiting if r.request_id == "a"]
-
-    eng = workloads.sim_engine(executor=SimulatedExecutor(fixed_overhead_s=0.1, per_token_s=0.0,
-                                                          per_context_token_s=0.0),
-                               max_num_batched_tokens=16, max_num_seqs=4, admission_policy=OnlyA())
-    inner, tokens, reasons = eng.step, {}, {}
-
-    def step():
-        outs = inner()
-        for o in outs:
-            tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.metrics.token_times)
-            if o.finished:
-                reasons[o.request_id] = o.outputs[0].finish_reason
-        return outs
-
-    eng.step = step
-    run = run_sim_load(eng, [SimArrival(0.0, "a", "default", 8, 3), SimArrival(0.0, "b", "default", 8, 3)],
-                       every_s=0.25, on_sample=lambda _run: None)
-    assert reasons == {"a": "length", "b": "error"} and tokens == {"a": 3, "b": 0}
-    edges = [0.0] + [s.time for s in run.samples]
-    assert edges[-1] == pytest.approx(run.duration)
-    counted = sum(s.tokens_per_s * (hi - lo) for s, lo, hi in zip(run.samples, edges, edges[1:]))
-    assert counted == pytest.approx(3)
-
+# -- live: the panels' series ----------------------------------------------------------------------------------
 
 
 def test_the_live_panels_plot_each_scraped_series_under_its_own_label():
