@@ -305,6 +305,29 @@ def test_the_kernel_imports_the_graders_own_minivllm_first(tmp_path, monkeypatch
     assert "setup" not in rows["slot_mapping"]["reason"], rows["slot_mapping"]["reason"]
 
 
+def test_an_installed_minivllm_adds_nothing_to_the_kernels_path(tmp_path, monkeypatch):
+    """Where the grader's minivllm sits in site-packages the kernel finds it anyway, and site-packages on
+    ``PYTHONPATH`` would come before the standard library (a package there named like a stdlib module would shadow
+    it): the kernel spec then sets no path.  From a checkout it sets the checkout's root first.  Oracle: the
+    kernel.json written, against the grader's own package location."""
+    import site
+
+    import minivllm
+
+    root = Path(minivllm.__file__).resolve().parent.parent
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+
+    def spec(where):
+        grade.kernel_manager(where)
+        return json.loads((where / "kernels" / "minivllm-grade" / "kernel.json").read_text())
+
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site-packages")])  # a checkout
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "user-site"))
+    assert spec(tmp_path / "a")["env"]["PYTHONPATH"] == os.pathsep.join([str(root), "/elsewhere"])
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(root)])  # installed
+    assert "env" not in spec(tmp_path / "b")
+
+
 def test_seed_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(grade.SEED_ENV, "77")
     assert grade.choose_seed(None) == 77 and grade.choose_seed(5) == 5

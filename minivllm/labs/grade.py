@@ -242,15 +242,20 @@ def kernel_manager(tmp: Path):
     from jupyter_client import AsyncKernelManager  # nbclient's timeouts need the async client
     from jupyter_client.kernelspec import KernelSpecManager
 
+    import site
+
     import minivllm
 
-    here = str(Path(minivllm.__file__).resolve().parent.parent)
-    path = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+    here = Path(minivllm.__file__).resolve().parent.parent
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "minivllm grader", "language": "python"}
+    # An installed (not editable) minivllm lives in site-packages, which the kernel searches anyway; put there on
+    # PYTHONPATH, it would come before the standard library.
+    if here not in {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}:
+        spec["env"] = {"PYTHONPATH": os.pathsep.join([str(here), *filter(None, [os.environ.get("PYTHONPATH")])])}
     spec_dir = tmp / "kernels" / "minivllm-grade"
     spec_dir.mkdir(parents=True)
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "minivllm grader", "language": "python", "env": {"PYTHONPATH": path}}))
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
     ksm = KernelSpecManager(kernel_dirs=[str(tmp / "kernels")])
     # ipc: a local socket file in the temporary folder, no TCP port (and no unencrypted-TCP warning)
     return AsyncKernelManager(kernel_name="minivllm-grade", kernel_spec_manager=ksm, transport="ipc",
