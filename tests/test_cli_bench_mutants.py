@@ -278,10 +278,11 @@ def test_fairness_table_shows_itl_in_milliseconds():
     assert "    25ms" in line and "50%" in line
 
 
-def test_fairness_kv_share_is_the_mean_over_the_windows_steps_of_the_pool():
-    """Kills: the KV share averaged over every step of the run instead of the steps inside the window.  Hand
-    count, 1 s steps, an 8-block pool: a 4-token prompt with 5 outputs holds one block during each of the 2 steps
-    that end inside a 2.5 s window, so its mean share there is 1/8 (the run has 5 steps: 2/5/8 was reported)."""
+def test_fairness_kv_share_counts_only_the_window():
+    """Kills: the KV share taken over the whole run instead of the window.  Hand count, 1 s steps, an 8-block pool,
+    a 2.5 s window: a 4-token prompt with 5 outputs holds one block after each step, so inside the window it holds
+    1 block for 2.5 s (the steps ending at 1 and 2 s, and half the one ending at 3 s): 2.5/2.5/8 = 1/8.  (When
+    the share was a mean per step, the run's 5 steps gave 2/5/8 where the window's gave 1/8.)"""
     from minivllm.bench import fairness as bench
 
     res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 5)], window=2.5, blocks=8, max_len=128,
@@ -296,7 +297,9 @@ def test_fairness_kv_share_weights_each_step_by_its_time():
     outputs, at 0 s) holds 1 block after its 4 s prefill and after its 1 s decode, then finishes in the 33 s step
     that also prefills b (32 tokens, 2 outputs, arriving at 4.5 s), after which b holds 2 blocks for that step and
     nothing after its 1 s last decode.  Block-seconds: a 1x4 + 1x1 = 5, b 2x33 = 66, so the shares are 5/40/8 and
-    66/40/8.  A mean over the 4 steps reads 1/16 for both: equal holders where b held 13 times as much."""
+    66/40/8.  A mean over the 4 steps reads 1/16 for both.  (The holdings are the step log's, after each step, as a
+    scraped gauge reads them: a's block during the 33 s step in which it finishes is not counted; counted during
+    the step, the block-seconds would be 38 and 69.)"""
     from minivllm.bench import fairness as bench
 
     res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 3), bench.Arrival(4.5, "b", list(range(5, 37)), 2)],

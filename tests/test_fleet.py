@@ -328,7 +328,10 @@ def test_bench_writes_its_table(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert {(r["replicas"], r["router"]) for r in data["rows"]} == {(n, p) for n in (1, 2) for p in
                                                                     ("round_robin", "least_outstanding", "prefix_affinity")}
-    assert "(a) smallest fleet" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(a) smallest fleet" in printed
+    # the default L4 replica is sized by its device, whose pool happens to equal REPLICA's: not "fixed"
+    assert "2707 KV blocks of 16 tokens per replica, what the device holds after the weights at 90%" in printed
     assert [(m["from"], m["to"]) for m in data["key_movement"]] == [(1, 2), (2, 3)]
 
 

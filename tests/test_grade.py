@@ -286,8 +286,13 @@ def test_the_kernel_imports_the_graders_own_minivllm_first(tmp_path, monkeypatch
     cells and the grading cells ran the other checkout's engine.  Kills: the kernel spec without the grader's
     root on ``PYTHONPATH``.  Made visible with a decoy package on ``PYTHONPATH`` (which a kernel searches before
     the installed one): the setup cell compares the kernel's ``minivllm`` with the file this test imported."""
+    import site
+
     import minivllm
 
+    here = Path(minivllm.__file__).resolve().parent.parent
+    if here in {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}:
+        pytest.skip("minivllm is installed in site-packages: the grader adds no path there, and PYTHONPATH wins")
     decoy = tmp_path / "decoy" / "minivllm"
     decoy.mkdir(parents=True)
     (decoy / "__init__.py").write_text("DECOY = True\n")
@@ -311,11 +316,12 @@ def test_an_installed_minivllm_adds_nothing_to_the_kernels_path(tmp_path, monkey
     it): the kernel spec then sets no path.  From a checkout it sets the checkout's root first.  Oracle: the
     kernel.json written, against the grader's own package location."""
     import site
+    from string import Template
 
     import minivllm
 
     root = Path(minivllm.__file__).resolve().parent.parent
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("PYTHONPATH", "/else$HOME")  # jupyter_client expands $NAME in a spec's env: written $$
 
     def spec(where):
         grade.kernel_manager(where)
@@ -323,7 +329,9 @@ def test_an_installed_minivllm_adds_nothing_to_the_kernels_path(tmp_path, monkey
 
     monkeypatch.setattr(site, "getsitepackages", lambda: [str(tmp_path / "site-packages")])  # a checkout
     monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "user-site"))
-    assert spec(tmp_path / "a")["env"]["PYTHONPATH"] == os.pathsep.join([str(root), "/elsewhere"])
+    env = spec(tmp_path / "a")["env"]
+    assert env["PYTHONPATH"] == os.pathsep.join([str(root).replace("$", "$$"), "/else$$HOME"])
+    assert Template(env["PYTHONPATH"]).safe_substitute(HOME="/home/x") == os.pathsep.join([str(root), "/else$HOME"])
     monkeypatch.setattr(site, "getsitepackages", lambda: [str(root)])  # installed
     assert "env" not in spec(tmp_path / "b")
 

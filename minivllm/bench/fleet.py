@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         cost = f"roofline, {args.model} on {args.hardware}"
     workload = ChatMix(args.rate, args.duration, seed=args.seed, executor_factory=factory)  # warm-up: these replicas' answers
-    replica = dict(REPLICA, num_blocks=replica_kv_blocks(factory()) or REPLICA["num_blocks"])
-    sized = "what the device holds after the weights at 90%" if replica["num_blocks"] != REPLICA["num_blocks"] else "fixed"
+    device_blocks = replica_kv_blocks(factory())  # None: the linear model, which has no device to size a pool from
+    replica = dict(REPLICA, num_blocks=device_blocks or REPLICA["num_blocks"])
+    sized = "fixed" if device_blocks is None else "what the device holds after the weights at 90%"
     print(f"fleet (simulated: real engines; {cost}; {replica['num_blocks']} KV blocks of 16 tokens per replica, {sized})")
     print(f"chat mix: {len(workload.arrivals())} sessions ({workload.num_requests()} requests, {workload.warmup:g} s of "
           f"warm-up), measured over {args.duration:g} s; nominal ~{args.rate:g} requests/s (closed loop: measured per row); "

@@ -195,7 +195,8 @@ class ServeResult:
     first_step: dict = field(default_factory=dict)  # request id -> step of its first scheduled token
     arrival: dict = field(default_factory=dict)
     records: list = field(default_factory=list)
-    step_starts: list = field(default_factory=list)  # the clock when each step of ``records`` began
+    step_starts: list = field(default_factory=list)  # the clock when each step began (``records`` holds the same
+    # steps while the engine's step log has not dropped its oldest: 500,000 sequence entries)
     held: HeldBlocks | None = None  # block-seconds per tenant in the window (the KV share)
     num_blocks: int = 0
     window: float = 0.0

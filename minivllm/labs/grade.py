@@ -252,7 +252,9 @@ def kernel_manager(tmp: Path):
     # An installed (not editable) minivllm lives in site-packages, which the kernel searches anyway; put there on
     # PYTHONPATH, it would come before the standard library.
     if here not in {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}:
-        spec["env"] = {"PYTHONPATH": os.pathsep.join([str(here), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        path = os.pathsep.join([str(here), *filter(None, [os.environ.get("PYTHONPATH")])])
+        # jupyter_client expands $NAME in a kernel spec's env values; a literal $ in a path is written $$
+        spec["env"] = {"PYTHONPATH": path.replace("$", "$$")}
     spec_dir = tmp / "kernels" / "minivllm-grade"
     spec_dir.mkdir(parents=True)
     (spec_dir / "kernel.json").write_text(json.dumps(spec))

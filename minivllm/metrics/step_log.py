@@ -219,8 +219,10 @@ class HeldBlocks:
     share a fairness table reports is ``share(tenant, num_blocks)``, the mean fraction of the pool held over the
     window.
 
-    A step's holdings are its record's (blocks held after the step, :class:`TenantStep`), and they count for the
-    part of the step inside the window; idle time between steps holds nothing.  Why weighted by time and not a
+    A step's holdings are its record's (blocks held after the step, :class:`TenantStep`: what a gauge scraped
+    between steps reads), and they count for the part of the step inside the window; idle time between steps holds
+    nothing.  So a request that finishes in a step is not counted for that step, though it held its blocks through
+    it (a small bias, toward less, for tenants of short requests).  Why weighted by time and not a
     mean per step: steps differ in length by a factor of fifty (a 10 ms decode beside a 500 ms prefill), and a
     mean per step gives each the same vote, so a tenant whose requests sat through the long steps reads as
     holding less than it did.  One instance per run, observed after every step, so a run of any length keeps
