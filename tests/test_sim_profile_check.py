@@ -223,6 +223,24 @@ def test_the_cpu_is_named_by_family_and_model_not_only_by_its_marketing_name():
     assert cpu_from_cpuinfo("") is None and cpu_from_cpuinfo("\n\nflags : fpu\n") is None
 
 
+def test_steal_is_the_share_of_the_whole_machines_ticks_between_two_readings():
+    """A VM's run slowed by a neighbour shows as steal, never in its load average.  Oracle: by hand, from two
+    ``/proc/stat`` texts: 1,000 ticks passed in all (user 600, system 100, idle 200, steal 100), so steal is 10%.
+    Kills: steal over the busy ticks only (1/8), a missing column (an old kernel without steal) read as an error,
+    and the ticks since boot read as the interval's (500 / 5,900)."""
+    from minivllm.bench.results import cpu_times_from_stat, steal_share
+
+    before = cpu_times_from_stat("cpu  1000 0 500 3000 0 0 0 400 0 0\ncpu0 9 9 9 9 9 9 9 9 0 0\nintr 5\n")
+    after = cpu_times_from_stat("cpu  1600 0 600 3200 0 0 0 500 0 0\ncpu0 1 1 1 1 1 1 1 1 0 0\n")
+    assert before == {"user": 1000, "nice": 0, "system": 500, "idle": 3000, "iowait": 0, "irq": 0, "softirq": 0,
+                      "steal": 400}
+    assert steal_share(before, after) == pytest.approx(100 / 1000)
+    old = cpu_times_from_stat("cpu  10 0 5 30\n")  # a kernel that predates iowait / steal
+    assert old["steal"] == 0 and steal_share(old, cpu_times_from_stat("cpu  20 0 5 40\n")) == 0.0
+    assert steal_share(before, before) is None and steal_share(None, after) is None  # no interval, no reading
+    assert cpu_times_from_stat("intr 5\n") is None
+
+
 def test_the_check_says_which_host_the_profile_was_calibrated_on(doc):
     from minivllm.bench.results import cpu_identity
     from minivllm.sim.calibrate import format_check

@@ -60,6 +60,42 @@ def cpu_identity() -> str:
     return found or platform.processor() or platform.machine() or "unknown"
 
 
+def cpu_times_from_stat(text: str) -> dict[str, int] | None:
+    """The machine-wide ``cpu`` line of a ``/proc/stat``: ticks spent per state since boot (``steal`` and later
+    states are absent on old kernels and count as 0)."""
+    names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "cpu":
+            ticks = [int(x) for x in parts[1:1 + len(names)]]
+            return dict(zip(names, ticks + [0] * (len(names) - len(ticks))))
+    return None
+
+
+def cpu_times() -> dict[str, int] | None:
+    """:func:`cpu_times_from_stat` of this machine, or None where there is no ``/proc/stat`` (not Linux)."""
+    try:
+        with open("/proc/stat", encoding="ascii", errors="replace") as fh:
+            return cpu_times_from_stat(fh.read())
+    except OSError:
+        return None
+
+
+def steal_share(before: dict[str, int] | None, after: dict[str, int] | None) -> float | None:
+    """The share of this VM's CPU time between two :func:`cpu_times` readings that the hypervisor ran other
+    guests instead ("steal").
+
+    Why it is recorded beside the load average: a neighbour on the same physical host never shows in this
+    machine's load average, yet it takes cores from under a timed run; steal is the one place a guest sees it.
+    A run can still move with no steal (a neighbour sharing caches and memory bandwidth, clock changes), so a
+    zero says only that the cores were not taken away.
+    """
+    if before is None or after is None:
+        return None
+    total = sum(after.values()) - sum(before.values())
+    return (after["steal"] - before["steal"]) / total if total > 0 else None
+
+
 def machine() -> dict[str, Any]:
     """What the numbers depend on: core count, the CPU, platform, Python and torch versions, load."""
     import torch

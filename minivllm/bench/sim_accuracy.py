@@ -29,7 +29,9 @@ measured around that workload (``HardwareSpec.slowed``), which separates "the
 cost model is wrong" from "the machine was slower than when it was measured".
 
 Real timings are only as good as the machine is quiet: the JSON records the
-load average before and after, and the calibration fit's own error.  On a
+load average before and after, the share of the run's CPU time a hypervisor gave
+other guests (steal: the neighbour a VM's load average never shows), and the
+calibration fit's own error.  On a
 machine shared with other busy processes, ``--clock cpu`` times the real engine
 by its serving thread's CPU time (one torch thread; idle gaps skipped), which
 is what the run would take on a quiet machine -- calibration and validation
@@ -48,7 +50,7 @@ import time
 
 from minivllm.argtypes import output_file, positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
-from minivllm.bench.results import cpu_identity, write_json, write_result
+from minivllm.bench.results import cpu_identity, cpu_times, steal_share, write_json, write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import nearest_rank
 
@@ -209,13 +211,14 @@ def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, cl
     """
     from minivllm.sim.calibrate import real_engine
 
-    load_before = os.getloadavg()
+    load_before, ticks_before = os.getloadavg(), cpu_times()
     t_start = time.perf_counter()
     real = real_engine(clock=clock, model=model, device=device, dtype=dtype, **ENGINE)
     def document(doc: dict, frozen: int) -> dict:
         host = {"cpus": os.cpu_count(), "cpu": cpu_identity(), "loadavg_before": load_before,
-                "loadavg_after": os.getloadavg(),
-                "note": "1-minute load average before and after: above about 1 per core, other processes shared the machine"}
+                "loadavg_after": os.getloadavg(), "steal_share": steal_share(ticks_before, cpu_times()),
+                "note": "1-minute load average before and after: above about 1 per core, other processes shared the "
+                        "machine; steal_share: the part of the run's CPU time the hypervisor gave other guests"}
         return {"benchmark": "sim_accuracy", "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "clock": clock, "host": host, **doc, "gc_frozen_objects": frozen,
                 "seconds": time.perf_counter() - t_start}
