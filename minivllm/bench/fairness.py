@@ -33,6 +33,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from minivllm.argtypes import output_file, positive_float, positive_int
 from minivllm.bench.results import write_result
@@ -76,6 +77,14 @@ CALIBRATION = {  # (kind, sequences, context, measured s, fitted s) per shape
 
 @dataclass
 class Arrival:
+    """A timed request of the benchmark; the engine numbers it.
+
+    Lab 6 keeps its own (:class:`minivllm.labs.check_lab06.Arrival`): it names each request, since the lab's tables
+    and its retry client find requests by id, and that id is its second positional field, where this one has the
+    tenant -- one class would change the meaning of one side's positional calls.  :class:`ArrivalDriver` reads only
+    what the two share: ``time``, ``tenant``, ``prompt`` and ``session``.
+    """
+
     time: float
     tenant: str
     prompt: list[int]
@@ -259,14 +268,96 @@ def next_agent_call(session: dict, prompt, output_ids, now: float, max_len: int)
     return now + session.get("think_s", 0.05), ctx, max_tokens
 
 
+class DriverStep(NamedTuple):
+    """One engine step as :class:`ArrivalDriver` hands it to its caller."""
+
+    index: int  # 0 for the run's first step
+    started: float  # the clock when the step began
+    outputs: list  # the step's RequestOutputs
+    record: object  # the engine's StepRecord of the step (None if its step log is empty)
+
+
+class ArrivalDriver:
+    """Serve timed arrivals on a simulated clock: the loop of :func:`run` and lab 6's
+    :func:`~minivllm.labs.check_lab06.serve`, written once.
+
+    Iterating steps the engine until every arrival, and every agent call they lead to, has finished, and yields
+    a :class:`DriverStep` per step.  Before each step the requests whose time has come are handed to ``add``
+    (``add(arrival) -> request id``: how a request enters the engine, and its id, are the caller's).  Why the
+    clock jumps: an idle engine has no step to time, so when nothing is in flight the clock moves straight to the
+    next arrival instead of ticking through empty time.  Why agent calls are appended during the run and not
+    listed in ``arrivals``: a closed-loop session's next call (:func:`next_agent_call`) exists only once its
+    previous call has finished -- its send time and its prompt both depend on that finish -- so the driver makes it
+    from the finished output (``follow(arrival, time, prompt, max_tokens) -> arrival``) and queues it.  ``push``
+    queues any other late arrival, e.g. a retrying client's.
+
+    What both callers measure the driver keeps, so there is one definition of it: prompt tokens computed for the
+    first time (``served``), block-seconds held inside the window (``held``), and ``window_tokens``, each tenant's
+    (first-time prompt tokens, output tokens) after the last step that ended inside ``[0, window]`` -- the step
+    that crosses the window's end is not counted.  The step's accounting is done when it is yielded.  Raises
+    ``RuntimeError`` once ``max_steps`` steps have not drained the engine (a run that drains on its
+    ``max_steps``-th step is done, not stuck).
+    """
+
+    def __init__(self, engine, arrivals, *, add, follow, window: float, max_steps: int, sessions: dict | None = None,
+                 name: str = "the engine") -> None:
+        self.engine, self.window, self.max_steps, self.name = engine, window, max_steps, name
+        self._add, self._follow = add, follow
+        self.sessions = sessions if sessions is not None else {}  # mutable: next_agent_call draws from them
+        self._pending = list(reversed(arrivals))  # a stack: the next arrival on top
+        self.arrival_of: dict = {}  # request id -> its arrival
+        self.calls: dict = {}  # agent session -> its calls' request ids, in order
+        self.served = FirstTimePrompt()
+        self.held = HeldBlocks(window)
+        self.window_tokens: dict = {}
+        self.steps = 0
+
+    def push(self, arrival) -> None:
+        """Queue an arrival made during the run (kept in time order; among equal times the newest goes first)."""
+        self._pending.append(arrival)
+        self._pending.sort(key=lambda x: -x.time)
+
+    def __iter__(self):
+        engine, pending = self.engine, self._pending
+        clock = engine.executor
+        while pending or engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() and pending and pending[-1].time > clock.clock:
+                clock.clock = pending[-1].time
+            while pending and pending[-1].time <= clock.clock:
+                a = pending.pop()
+                rid = self._add(a)
+                self.arrival_of[rid] = a
+                self.served.track(rid, a.tenant, len(a.prompt))
+                if a.session is not None:
+                    self.calls.setdefault(a.session, []).append(rid)
+            started = clock.clock
+            outputs = engine.step()
+            for out in outputs:
+                a = self.arrival_of[out.request_id] if out.finished else None
+                if a is None or a.session is None:
+                    continue
+                nxt = next_agent_call(self.sessions[a.session], a.prompt, out.outputs[0].token_ids, clock.clock,
+                                      engine.config.max_model_len)
+                if nxt is not None:
+                    self.push(self._follow(a, *nxt))
+            record = engine.step_log[-1] if engine.step_log else None
+            if record is not None:
+                self.served.observe(record)
+                self.held.observe(started, record)
+            if clock.clock <= self.window:
+                self.window_tokens = {t: (self.served.by_tenant.get(t, 0), c.output_tokens)
+                                      for t, c in engine.scheduler.tenant_stats.items()}
+            self.steps += 1
+            yield DriverStep(self.steps - 1, started, outputs, record)
+            if self.steps >= self.max_steps and (pending or engine.has_unfinished_requests()):
+                raise RuntimeError(f"{self.name} did not drain in {self.max_steps} steps")
+
+
 def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tenants=None, sessions=None,
         blocks: int = 1024, budget: int = 2048, max_seqs: int = 128, chunk: int = 512, max_len: int = 16384,
         max_steps: int = 200_000, service_series: list | None = None, **options) -> Run:
-    """Serve ``arrivals`` under ``policy`` on the simulated clock until every request (and agent call) is done.
-
-    Why the clock jumps: an idle engine has no step to time, so the clock moves to the next arrival; why agents are
-    appended here, not in ``arrivals``: a session's next call exists only once its previous call finished.
-    """
+    """Serve ``arrivals`` under ``policy`` on the simulated clock until every request (and agent call) is done
+    (the loop is :class:`ArrivalDriver`'s; ``window_stats`` are its ``window_tokens``)."""
     from minivllm import EngineConfig, LLMEngine, SamplingParams
     from minivllm.sim import SimulatedExecutor
 
@@ -274,54 +365,31 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
                        max_num_seqs=max_seqs, max_model_len=max_len, long_prefill_token_threshold=chunk,
                        scheduling_policy=policy, tenants=tenants, device="cpu", num_cpu_blocks_override=4 * blocks,
                        **options)
-    executor = SimulatedExecutor(**step)
-    engine = LLMEngine(cfg, executor=executor, model_max_len=max_len, eos_token_ids=set())
-    pending = list(reversed(arrivals))  # a stack: the next arrival on top
-    res, owner, held = Run(), {}, HeldBlocks(window)
-    served = FirstTimePrompt()  # prompt tokens computed for the first time, per tenant
+    engine = LLMEngine(cfg, executor=SimulatedExecutor(**step), model_max_len=max_len, eos_token_ids=set())
     sessions = {k: dict(v) for k, v in (sessions or {}).items()}
     for k in sessions:
         sessions[k]["rng"] = random.Random(k + 7)
 
-    def add(a: Arrival) -> None:
-        rid = engine.add_request({"prompt_token_ids": a.prompt},
-                                 SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
-                                 tenant=a.tenant, priority=a.priority, arrival_time=a.time, deadline=a.deadline)
-        owner[rid] = a
-        served.track(rid, a.tenant, len(a.prompt))
+    def add(a: Arrival) -> str:
+        return engine.add_request({"prompt_token_ids": a.prompt}, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                                  tenant=a.tenant, priority=a.priority, arrival_time=a.time, deadline=a.deadline)
 
-    while pending or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests() and pending and pending[-1].time > executor.clock:
-            executor.clock = pending[-1].time
-        while pending and pending[-1].time <= executor.clock:
-            add(pending.pop())
-        started = executor.clock
-        for out in engine.step():
+    loop = ArrivalDriver(engine, arrivals, add=add, window=window, max_steps=max_steps, sessions=sessions,
+                         follow=lambda a, at, prompt, n: Arrival(at, a.tenant, prompt, n, session=a.session),
+                         name=f"{policy}:")
+    res = Run()
+    for s in loop:
+        for out in s.outputs:
             if out.finished:
-                a = owner[out.request_id]
-                res.outputs[out.request_id] = (a.tenant, out)
-                nxt = None if a.session is None else next_agent_call(
-                    sessions[a.session], a.prompt, out.outputs[0].token_ids, executor.clock, max_len)
-                if nxt is not None:
-                    pending.append(Arrival(nxt[0], a.tenant, nxt[1], nxt[2], session=a.session))
-                    pending.sort(key=lambda x: -x.time)
-        res.steps += 1
-        if engine.step_log:
-            served.observe(engine.step_log[-1])
-            held.observe(started, engine.step_log[-1])
+                res.outputs[out.request_id] = (loop.arrival_of[out.request_id].tenant, out)
         if service_series is not None:  # (step end, each tenant's prompt-first-time + 2 x output tokens so far)
-            service_series.append((executor.clock, {
-                t: served.by_tenant.get(t, 0) + 2 * c.output_tokens for t, c in engine.scheduler.tenant_stats.items()}))
-        if executor.clock <= window:
-            # the counters after the last step that ended inside the window (as lab 6's serve() keeps them):
-            # the step that crosses the window's end is not counted
-            res.window_stats = {t: {"prompt_tokens": served.by_tenant.get(t, 0), "output_tokens": c.output_tokens}
-                                for t, c in engine.scheduler.tenant_stats.items()}
-        if res.steps >= max_steps:
-            raise RuntimeError(f"{policy}: did not drain in {max_steps} steps")
-    res.kv_share = {t: held.share(t, blocks) for t in held.block_s}
+            service_series.append((engine.executor.clock, {
+                t: loop.served.by_tenant.get(t, 0) + 2 * c.output_tokens for t, c in engine.scheduler.tenant_stats.items()}))
+    res.window_stats = {t: {"prompt_tokens": p, "output_tokens": o} for t, (p, o) in loop.window_tokens.items()}
+    res.kv_share = {t: loop.held.share(t, blocks) for t in loop.held.block_s}
     res.stats = engine.stats()
-    res.clock = executor.clock
+    res.clock = engine.executor.clock
+    res.steps = loop.steps
     return res
 
 

@@ -22,13 +22,14 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, jain, next_agent_call
+from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, ArrivalDriver, jain
+from minivllm.bench.fairness import next_agent_call  # noqa: F401 (the agents' mechanism, by the name lab 6 gives it)
 from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
 from minivllm.metrics.stats import meets_slo, nearest_rank
-from minivllm.metrics.step_log import FirstTimePrompt, HeldBlocks
+from minivllm.metrics.step_log import HeldBlocks
 from minivllm.sampling_params import SamplingParams
 from minivllm.sched.fairness import DeadlineAdmission, RankPreemption, WFQAdmission, new_prompt_tokens
 from minivllm.sim.executor import SimulatedExecutor
@@ -356,40 +357,32 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
     and each call's finish triggers the next (the benchmark's
     :func:`~minivllm.bench.fairness.next_agent_call`: same mechanism, same context growth).  ``client``
     is one tenant's :class:`RetryClient`: after every step it may give up on requests and send new ones.
+    The loop itself is the benchmark's :class:`~minivllm.bench.fairness.ArrivalDriver`; this function adds the
+    lab's own records (request ids, first steps, finish times, tokens) and the client.
     """
     ex = engine.executor
     res = ServeResult(num_blocks=engine.pool.num_blocks)
     res.window = window if window is not None else (max(a.time for a in arrivals) if arrivals else 0.0)
-    pending = list(reversed(arrivals))
     sessions = {k: {**v, "rng": copy.deepcopy(v["rng"])} for k, v in (sessions or {}).items()}  # reruns: same calls
-    owner = {}
-    served = FirstTimePrompt()  # prefill service: prompt tokens computed for the first time
-    held = res.held = HeldBlocks(res.window)
-    step = 0
 
-    def push(a: Arrival) -> None:
-        pending.append(a)
-        pending.sort(key=lambda x: -x.time)
+    def add(a: Arrival) -> str:
+        engine.add_request({"prompt_token_ids": list(a.prompt), "tenant": a.tenant, "deadline": a.deadline},
+                           SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id, arrival_time=a.time)
+        res.tenant_of[a.request_id] = a.tenant
+        res.arrival[a.request_id] = a.time
+        if client is not None:
+            client.sent(a)
+        return a.request_id
 
-    while pending or engine.has_unfinished_requests():
-        if not engine.has_unfinished_requests() and pending and pending[-1].time > ex.clock:
-            ex.clock = pending[-1].time
-        while pending and pending[-1].time <= ex.clock:
-            a = pending.pop()
-            engine.add_request({"prompt_token_ids": list(a.prompt), "tenant": a.tenant, "deadline": a.deadline},
-                               SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id,
-                               arrival_time=a.time)
-            res.tenant_of[a.request_id] = a.tenant
-            res.arrival[a.request_id] = a.time
-            owner[a.request_id] = a
-            served.track(a.request_id, a.tenant, len(a.prompt))
-            if a.session is not None:
-                res.calls.setdefault(a.session, []).append(a.request_id)
-            if client is not None:
-                client.sent(a)
-        started = ex.clock
-        outs = engine.step()
-        for out in outs:
+    def follow(a: Arrival, at: float, prompt: list, max_tokens: int) -> Arrival:
+        n = len(res.calls[a.session])  # the session's calls so far: the next one's number
+        return Arrival(at, f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(prompt), max_tokens, session=a.session)
+
+    loop = ArrivalDriver(engine, arrivals, add=add, window=res.window, max_steps=max_steps, sessions=sessions,
+                         follow=follow)
+    res.held, res.calls = loop.held, loop.calls
+    for step in loop:
+        for out in step.outputs:
             if out.metrics.first_token_time is not None:
                 res.first_token.setdefault(out.request_id, out.metrics.first_token_time)
             if not out.finished:
@@ -402,27 +395,13 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
             if out.metrics.ttft is not None:
                 res.ttft[out.request_id] = out.metrics.ttft
                 res.itl_p95[out.request_id] = percentile(out.metrics.itls, 95) if out.metrics.itls else 0.0
-            a = owner[out.request_id]
-            nxt = None if a.session is None else next_agent_call(
-                sessions[a.session], a.prompt, out.outputs[0].token_ids, ex.clock, engine.config.max_model_len)
-            if nxt is not None:
-                n = len(res.calls[a.session])
-                push(Arrival(nxt[0], f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(nxt[1]), nxt[2],
-                             session=a.session))
         if client is not None:
-            for a in client.after_step(engine, outs, ex.clock):
-                push(a)
-        for rid, _, _ in engine.step_log[-1].seqs:
-            res.first_step.setdefault(rid, step)
-        served.observe(engine.step_log[-1])
-        held.observe(started, engine.step_log[-1])
-        res.step_starts.append(started)
-        if ex.clock <= res.window:
-            res.window_tokens = {t: (served.by_tenant.get(t, 0), c.output_tokens)
-                                 for t, c in engine.scheduler.tenant_stats.items()}
-        step += 1
-        if step >= max_steps:
-            raise RuntimeError(f"the engine did not drain in {max_steps} steps")
+            for a in client.after_step(engine, step.outputs, ex.clock):
+                loop.push(a)
+        for rid, _, _ in step.record.seqs if step.record is not None else ():
+            res.first_step.setdefault(rid, step.index)
+        res.step_starts.append(step.started)
+    res.window_tokens = loop.window_tokens
     res.records = list(engine.step_log)
     res.makespan = ex.clock
     res.stats = engine.stats()
