@@ -39,7 +39,7 @@ from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.metrics.engine_stats import EngineStats, TenantStats
-from minivllm.metrics.step_log import StepLog, StepRecord, tenant_fields
+from minivllm.metrics.step_log import StepLog, StepRecord, tenant_blocks, tenant_fields
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -700,9 +700,9 @@ class LLMEngine:
     def _tenant_stats(self) -> dict[str, TenantStats]:
         live: dict[str, list[int]] = {}
         for r in self.scheduler.running:
-            row = live.setdefault(r.tenant, [0, 0, 0])
-            row[0] += 1
-            row[2] += len(r.block_ids)
+            live.setdefault(r.tenant, [0, 0, 0])[0] += 1
+        for tenant, n in tenant_blocks(self.scheduler.running, self.kv.may_share()).items():
+            live[tenant][2] = n
         for tenant, n in self.scheduler.waiting_by_tenant.items():
             live.setdefault(tenant, [0, 0, 0])[1] += n
         out = {}
@@ -733,7 +733,7 @@ class LLMEngine:
         per_tenant = {}  # per-tenant fields only once a named tenant (or tenant settings) exists: see step_log
         seen = sched.tenant_stats
         if self.config.tenants or len(seen) > 1 or (seen and "default" not in seen):
-            fields = tenant_fields(seqs, sched.running, sched.waiting_by_tenant)
+            fields = tenant_fields(seqs, sched.running, sched.waiting_by_tenant, self.kv.may_share())
             per_tenant = {"seq_tenants": fields[0], "tenants": fields[1]}
         # Rows are one-token rows first (the batch's layout), so a last row of one token means a batch of
         # one-token rows: a steady decode step, logged without a pass over the batch for its token counts.

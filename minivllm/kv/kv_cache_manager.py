@@ -203,7 +203,7 @@ class KVCacheManager:
         blocks still needed to hold every token the requests have, private copies of shared partly filled
         blocks included.  One loop with no call per request, because the scheduler asks it for all running
         requests in every step that something waits for admission."""
-        bs, total, shared = self.block_size, 0, self._may_share()
+        bs, total, shared = self.block_size, 0, self.may_share()
         for r in reqs:
             table = r.block_ids
             need = -(-(len(r.prompt_token_ids) + len(r.output_token_ids)) // bs) - len(table)
@@ -214,7 +214,7 @@ class KVCacheManager:
                 total += 1  # the next write copies the shared last block (see _last_block_is_shared)
         return total
 
-    def _may_share(self) -> bool:
+    def may_share(self) -> bool:
         """Could any block have two holders (so a write may have to copy it first)?  ``False`` only when the
         engine's own pool counts none: then the copy-on-write checks of a whole batch or of every running
         request are skipped, which at block size 16 is a refcount lookup for 15 of 16 decodes.  Only the
@@ -527,7 +527,7 @@ class KVCacheManager:
         15 of 16 decodes.  One comprehension, no call per sequence.
         """
         bs, refcount = self.block_size, self.pool.refcount
-        if not self._may_share():  # no block with two holders: no copy-on-write to look for
+        if not self.may_share():  # no block with two holders: no copy-on-write to look for
             return [s for s in seqs if (r := s.request).num_computed_tokens + s.num_tokens > len(r.block_ids) * bs]
         return [s for s in seqs
                 if (c := (r := s.request).num_computed_tokens) + s.num_tokens > len(r.block_ids) * bs

@@ -38,20 +38,49 @@ class TenantStep(NamedTuple):
 
     tenant: str
     tokens: int  # tokens of its requests in this step's batch (prefill chunks + decodes)
-    kv_blocks: int  # device blocks held by its running requests after the step
+    kv_blocks: int  # device blocks held by its running requests after the step (shared ones once: tenant_blocks)
     running: int
     waiting: int  # waiting, preempted or swapped out
 
 
-def tenant_fields(seqs, running: Iterable, waiting: Mapping[str, int]) -> tuple[tuple[str, ...], tuple[TenantStep, ...]]:
-    """``(seq_tenants, tenants)`` for a :class:`StepRecord`: one pass over the batch and the running requests.
+def tenant_blocks(running: Iterable, shared: bool = True) -> dict[str, int]:
+    """Device blocks held by each tenant's running requests, a block counted once per tenant however many of its
+    requests hold it.
+
+    Why not the sum of the block tables: requests share blocks -- a cached prefix, the ``n`` samples of one
+    prompt -- and a sum counts a shared block once per holder, so a tenant whose 40 requests share one long system
+    prompt read as holding several pools (a KV share of 428% in the fairness benchmark's shared-prefix runs).  A
+    block two *tenants* hold counts for each (each keeps it from being freed), so tenants' shares may add up to
+    more than the pool's usage.  ``shared``: could any block have two holders
+    (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, the sum is exact and no set is
+    built -- the common case, one pass adding up lengths.
+    """
+    if not shared:
+        counts: dict[str, int] = {}
+        for r in running:
+            counts[r.tenant] = counts.get(r.tenant, 0) + len(r.block_ids)
+        return counts
+    held: dict[str, set] = {}
+    for r in running:
+        ids = held.get(r.tenant)
+        if ids is None:
+            ids = held[r.tenant] = set()
+        ids.update(r.block_ids)
+    return {t: len(ids) for t, ids in held.items()}
+
+
+def tenant_fields(seqs, running: Iterable, waiting: Mapping[str, int],
+                  shared: bool = True) -> tuple[tuple[str, ...], tuple[TenantStep, ...]]:
+    """``(seq_tenants, tenants)`` for a :class:`StepRecord`: one pass over the batch, two over the running requests.
 
     ``seqs`` are the step's scheduled sequences (``.request``, ``.num_tokens``),
     ``running`` the scheduler's running requests after the step and ``waiting`` its
     count of waiting requests per tenant (kept as the queue changes, so a long
-    queue is not walked every step; tenants with none waiting absent).  Tenants come
-    out sorted by name, so two runs of the same workload log identical records.
+    queue is not walked every step; tenants with none waiting absent); ``shared`` as
+    :func:`tenant_blocks` reads it.  Tenants come out sorted by name, so two runs of
+    the same workload log identical records.
     """
+    running = list(running)
     seq_tenants = tuple([s.request.tenant for s in seqs])
     rows: dict[str, list[int]] = {}
     for s, t in zip(seqs, seq_tenants):
@@ -63,8 +92,9 @@ def tenant_fields(seqs, running: Iterable, waiting: Mapping[str, int]) -> tuple[
         row = rows.get(r.tenant)
         if row is None:
             row = rows[r.tenant] = [0, 0, 0, 0]
-        row[1] += len(r.block_ids)
         row[2] += 1
+    for t, n in tenant_blocks(running, shared).items():
+        rows[t][1] = n
     for t, n in waiting.items():
         row = rows.get(t)
         if row is None:
