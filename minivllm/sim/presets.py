@@ -76,16 +76,23 @@ HARDWARE: dict[str, HardwareSpec] = {
 MODELS: dict[str, ModelShape] = {
     # meta-llama/Meta-Llama-3-8B config.json: hidden_size 4096, intermediate_size 14336, num_hidden_layers 32,
     # num_attention_heads 32, num_key_value_heads 8 (head_dim 4096/32 = 128), vocab_size 128256, untied.
+    # Positions: 131,072, Llama-3.1-8B's (the same shape, rope-scaled; the 3.0 release had 8,192), so the labs'
+    # 32K- and 64K-token prompts on this preset are ones a served model of this shape takes.
     "llama-3-8b": ModelShape("llama-3-8b", num_layers=32, hidden_size=4096, intermediate_size=14336, num_heads=32,
-                             num_kv_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+                             num_kv_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                             max_position_embeddings=131072),
     # meta-llama/Llama-3.2-1B config.json: hidden_size 2048, intermediate_size 8192, num_hidden_layers 16,
-    # num_attention_heads 32, num_key_value_heads 8, head_dim 64, vocab_size 128256, tie_word_embeddings true.
+    # num_attention_heads 32, num_key_value_heads 8, head_dim 64, vocab_size 128256, tie_word_embeddings true,
+    # max_position_embeddings 131072.
     "llama-3.2-1b": ModelShape("llama-3.2-1b", num_layers=16, hidden_size=2048, intermediate_size=8192, num_heads=32,
-                               num_kv_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+                               num_kv_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                               max_position_embeddings=131072),
     # Qwen/Qwen3-0.6B config.json: hidden_size 1024, intermediate_size 3072, num_hidden_layers 28,
-    # num_attention_heads 16, num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings true.
+    # num_attention_heads 16, num_key_value_heads 8, head_dim 128, vocab_size 151936, tie_word_embeddings true,
+    # max_position_embeddings 40960.
     "qwen3-0.6b": ModelShape("qwen3-0.6b", num_layers=28, hidden_size=1024, intermediate_size=3072, num_heads=16,
-                             num_kv_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+                             num_kv_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                             max_position_embeddings=40960),
 }
 
 # Published parameter counts, for a sanity check of the shapes (tests compare ModelShape.num_params to these).

@@ -97,11 +97,16 @@ class ModelShape:
     vocab_size: int
     dtype_bytes: int = 2
     tie_word_embeddings: bool = False
+    # the positions the model was trained for (config.json's max_position_embeddings): a simulated engine of this
+    # shape refuses a longer request, as the real one would; None (a shape stored before it was recorded): unknown
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         for k in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                  "vocab_size", "dtype_bytes"):
+                  "vocab_size", "dtype_bytes", "max_position_embeddings"):
             v = getattr(self, k)
+            if v is None and k == "max_position_embeddings":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"ModelShape.{k} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
@@ -124,6 +129,7 @@ class ModelShape:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"], dtype_bytes=dtype_bytes,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
         )
 
     def with_dtype(self, dtype_bytes: int) -> "ModelShape":

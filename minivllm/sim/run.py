@@ -391,7 +391,8 @@ def make_engine(shape, hw, *, block_size: int = 16, gpu_memory_utilization: floa
     ex = RooflineExecutor(shape, hw, block_size=block_size)
     if options.get("num_gpu_blocks_override") is None and options.get("kv_cache_memory_bytes") is None:
         options["kv_cache_memory_bytes"] = kv_pool_bytes(shape, hw, gpu_memory_utilization)
-    model_max_len = options.pop("model_max_len", 131072)
+    # the model's own positions bound every request (a shape that did not record them: 131,072, a long context)
+    model_max_len = options.pop("model_max_len", shape.max_position_embeddings or 131072)
     costs = options.pop("preemption_cost_model", None)
     blocks = options.get("num_gpu_blocks_override") or options["kv_cache_memory_bytes"] // ex.kv_bytes_per_block
     if options.get("max_model_len") is None:
