@@ -239,7 +239,10 @@ class OutputProcessor:
                 request_id=parent_id,
                 outputs=[fresh.get(i, c) for i, c in enumerate(completions)],
                 finished=finished,
-                metrics=replace(last.metrics, first_scheduled_time=scheduled, first_token_time=first_token),
+                # ... and it ends with its last sample: until then it has no finished time, whichever sample's
+                # metrics the output carries (one that stopped in this step has its own)
+                metrics=replace(last.metrics, first_scheduled_time=scheduled, first_token_time=first_token,
+                                finished_time=last.metrics.finished_time if finished else None),
                 error=next((r.error for r in samples if r.error is not None), None),  # any failed sample's why
             )
             if finished:
