@@ -521,7 +521,12 @@ def test_gauges_read_zero_once_the_last_request_is_aborted_and_the_loop_idles():
         body = {"prompt": [11, 12, 13], "max_tokens": 60, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", bg.base_url + "/v1/completions", json=body, timeout=30) as r:
             next(line for line in r.iter_lines() if line.startswith("data:"))  # its first token: it runs
-            mid = read(bg.metrics.render().decode())
+            # the loop syncs the gauges after it has handed the step's tokens out, so the client can hold its
+            # first token before the step's sync (seen on a loaded machine): wait for it, the request runs 6 s
+            until = time.monotonic() + 3
+            while (mid := read(bg.metrics.render().decode()))["vllm:num_requests_running"] != 1 \
+                    and time.monotonic() < until:
+                time.sleep(0.02)
         assert mid["vllm:num_requests_running"] == 1 and mid["vllm:kv_cache_used_blocks"] > 0, mid
         assert bg.async_engine.wait_idle(10)
         stats = engine.stats()
