@@ -8,7 +8,8 @@ blocks, so ``a``'s requests hold 2 x 4 = 8 block references more than ``a`` hold
 prompt's 5 blocks in the prefix cache (a hit always leaves the last prompt token to compute, for its logits, so the
 block holding it is the sample's own): 4 references more than blocks.  Tenant ``b``'s lone request shares nothing.
 Summing the block tables (the code before this test) gave ``a`` 8 blocks too many and ``c`` 4; with enough
-requests behind one system prompt a tenant read as holding 428% of the pool.
+requests behind one system prompt a tenant read as holding 274% of the pool (the fairness benchmark's
+shared-prefix section; 38% counted once).
 """
 
 from minivllm import SamplingParams

@@ -48,12 +48,17 @@ def tenant_blocks(running: Iterable, shared: bool = True) -> dict[str, int]:
     requests hold it.
 
     Why not the sum of the block tables: requests share blocks -- a cached prefix, the ``n`` samples of one
-    prompt -- and a sum counts a shared block once per holder, so a tenant whose 40 requests share one long system
-    prompt read as holding several pools (a KV share of 428% in the fairness benchmark's shared-prefix runs).  A
-    block two *tenants* hold counts for each (each keeps it from being freed), so tenants' shares may add up to
-    more than the pool's usage.  ``shared``: could any block have two holders
+    prompt -- and a sum counts a shared block once per holder, so a tenant whose requests share one long system
+    prompt read as holding several pools (a KV share of 274% in the fairness benchmark's shared-prefix section,
+    38% counted here).  A block two *tenants* hold counts for each (each keeps it from being freed), so tenants'
+    shares may add up to more than the pool's usage.  The scheduler's KV caps (``TenantConfig.max_kv_share``, the
+    three-class reserve) still count per block table, stricter than this: a tenant at its cap can read lower here.
+
+    ``shared``: could any block have two holders
     (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, the sum is exact and no set is
-    built -- the common case, one pass adding up lengths.
+    built.  With prefix caching on the cache holds a reference to each block it keeps, so the sets are built
+    nearly always: about 1 ms a step for 128 requests of 70 blocks, 6 ms for 32 of 4,096 (64K-token contexts) on
+    the 2-core machine -- paid only where tenants are logged (the step log's per-tenant rows, a stats scrape).
     """
     if not shared:
         counts: dict[str, int] = {}
