@@ -88,8 +88,8 @@ def test_an_unchunked_sweep_row_prefills_whole_prompts_and_a_learners_builder_ru
     def small_steps(running, budget, threshold):  # a learner's builder: the engine's rule under 1,000 tokens
         return engine_build_batch(running, min(budget, 1000), threshold)
 
-    arrivals = [Arrival(0.0, f"c{i}", tuple(range(10, 20)), 100) for i in range(8)]
-    arrivals.append(Arrival(0.05, "l0", tuple(range(10, 10 + 2044)), 4))
+    arrivals = [Arrival(0.0, f"c{i}", "default", tuple(range(10, 20)), 100) for i in range(8)]
+    arrivals.append(Arrival(0.05, "l0", "default", tuple(range(10, 10 + 2044)), 4))
     kw = dict(num_blocks=1024, max_len=2048)
     assert at_scale.chunk_sweep([2048], arrivals, **kw)[2048]["max_chunk"] == 2048 - 8
     rows = at_scale.chunk_sweep([None, 2048], arrivals, builder=small_steps, **kw)

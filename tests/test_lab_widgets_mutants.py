@@ -552,7 +552,8 @@ def test_chunk_sweep_reports_the_longest_single_request_chunk_and_tokens_over_vi
     from minivllm.labs import at_scale
     from minivllm.labs.check_lab04 import Arrival, run_arrivals
 
-    arrivals = [Arrival(0.0, "c0", tuple(range(10, 310)), 5), Arrival(0.0, "c1", tuple(range(10, 710)), 7)]
+    arrivals = [Arrival(0.0, "c0", "default", tuple(range(10, 310)), 5),
+                Arrival(0.0, "c1", "default", tuple(range(10, 710)), 7)]
     row = at_scale.chunk_sweep([4096], arrivals, num_blocks=256, max_len=2048)[4096]
     assert row["max_chunk"] == 700
     finals = run_arrivals(at_scale.chunk_engine(4096, num_blocks=256, max_len=2048), arrivals)

@@ -79,10 +79,11 @@ CALIBRATION = {  # (kind, sequences, context, measured s, fitted s) per shape
 class Arrival:
     """A timed request of the benchmark; the engine numbers it.
 
-    Lab 6 keeps its own (:class:`minivllm.labs.check_lab06.Arrival`): it names each request, since the lab's tables
-    and its retry client find requests by id, and that id is its second positional field, where this one has the
-    tenant -- one class would change the meaning of one side's positional calls.  :class:`ArrivalDriver` reads only
-    what the two share: ``time``, ``tenant``, ``prompt`` and ``session``.
+    The labs' workloads have their own (:class:`minivllm.labs.workloads.Arrival`, one class for labs 4-6): it
+    names each request, since the labs' tables and lab 6's retry client find requests by id, and that id is its
+    second positional field, where this one has the tenant -- one class would change the meaning of one side's
+    positional calls.  :class:`ArrivalDriver` reads only what the two share: ``time``, ``tenant``, ``prompt`` and
+    ``session``.
     """
 
     time: float

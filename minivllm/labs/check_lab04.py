@@ -28,7 +28,7 @@ from minivllm.config import EngineConfig
 from minivllm.interfaces import BatchBuilder, check_seam
 from minivllm.labs.checkers import Case, CheckResult, run_checks, wrong_container
 from minivllm.labs.registry import Exercise, Lab
-from minivllm.labs.workloads import GPU_LIKE, random_requests, run_engine, sim_engine
+from minivllm.labs.workloads import GPU_LIKE, Arrival, random_requests, run_engine, sim_engine
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -518,15 +518,6 @@ def quiz_stalls_p99_sees() -> int:
 # -- the measurement harness -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Arrival:
-    time: float
-    request_id: str
-    prompt: tuple
-    max_tokens: int
-    tenant: str = "default"
-
-
 def mixed_arrivals(*, num_long: int = 5, long_len: int = LONG_PROMPT, long_every_s: float = 1.0,
                    first_long_s: float = 0.5, chat_every_s: float = 0.12, chat_prompt=(32, 96),
                    chat_output=(60, 120), seed: int = 0, shared_long_prefix: bool = False) -> list[Arrival]:
@@ -539,7 +530,7 @@ def mixed_arrivals(*, num_long: int = 5, long_len: int = LONG_PROMPT, long_every
     horizon = first_long_s + num_long * long_every_s
     while t < horizon:
         prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(*chat_prompt)))
-        out.append(Arrival(round(t, 6), f"c{i}", prompt, rng.randint(*chat_output)))
+        out.append(Arrival(round(t, 6), f"c{i}", "default", prompt, rng.randint(*chat_output)))
         t += rng.expovariate(1 / chat_every_s)
         i += 1
     doc = tuple(rng.randrange(10, 900) for _ in range(long_len))
@@ -548,7 +539,7 @@ def mixed_arrivals(*, num_long: int = 5, long_len: int = LONG_PROMPT, long_every
             prompt = doc + tuple(rng.randrange(10, 900) for _ in range(32))
         else:
             prompt = tuple(rng.randrange(10, 900) for _ in range(long_len))
-        out.append(Arrival(round(first_long_s + k * long_every_s, 6), f"L{k}", prompt, 8))
+        out.append(Arrival(round(first_long_s + k * long_every_s, 6), f"L{k}", "default", prompt, 8))
     return sorted(out, key=lambda a: (a.time, a.request_id))
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
-from minivllm.labs.workloads import GPU_LIKE
+from minivllm.labs.workloads import GPU_LIKE, Arrival
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -39,16 +39,6 @@ def executor(link_bytes_per_s: float = PCIE4_BYTES_PER_S) -> SimulatedExecutor:
 
 
 # -- the workload and the arrival loop ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Arrival:
-    time: float
-    request_id: str
-    tenant: str
-    prompt: tuple
-    max_tokens: int
-    priority: int = 0  # lower runs first under scheduling_policy="priority"
 
 
 TENANTS = {  # tenant: (share of arrivals, prompt tokens, output tokens)
@@ -202,7 +192,8 @@ def starvation_workload(stream_s: float, *, seed: int = 1) -> list[Arrival]:
     """
     rng = random.Random(seed)
     prompt, output = STARVE_BATCH
-    out = [Arrival(1.0, "batch-job", "batch", tuple(rng.randrange(10, 900) for _ in range(prompt)), output, 1)]
+    out = [Arrival(1.0, "batch-job", "batch", tuple(rng.randrange(10, 900) for _ in range(prompt)), output,
+                   priority=1)]
     t, i = 0.0, 0
     while (t := t + rng.expovariate(STARVE_CHAT_RATE)) <= stream_s:
         out.append(_draw(rng, "chat", t, f"chat-{i}"))

@@ -28,6 +28,7 @@ from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
+from minivllm.labs.workloads import Arrival
 from minivllm.metrics.stats import meets_slo, nearest_rank
 from minivllm.metrics.step_log import HeldBlocks
 from minivllm.sampling_params import SamplingParams
@@ -41,17 +42,6 @@ SLOS = {"chat": (0.7, 0.060), "agent": (2.0, 0.120)}  # the seed lesson's intera
 
 
 # -- workloads ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Arrival:
-    time: float
-    request_id: str
-    tenant: str
-    prompt: tuple
-    max_tokens: int
-    deadline: float | None = None
-    session: int | None = None  # a closed-loop agent session: its next call follows this call's finish
 
 
 def _poisson(rng: random.Random, rate: float, until: float):
