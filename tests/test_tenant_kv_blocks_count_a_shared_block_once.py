@@ -67,3 +67,38 @@ def test_without_sharing_the_fast_sum_and_the_set_agree():
     assert tenant_blocks(running, shared=False) == tenant_blocks(running, shared=True) == {
         "x": _references(engine, "x"), "y": _references(engine, "y")}
     assert _engine_with_sharing().kv.may_share()  # the shared run above took the set count
+
+
+def test_the_grouped_count_equals_a_set_of_every_block_on_every_step():
+    """``tenant_blocks`` builds sets only for requests that share their first block (sharing starts at position 0:
+    a prefix hit, a sample's fork).  Oracle: brute force, one set of every block per tenant, after every step of a
+    run with shared system prompts, unique prompts, ``n=2`` samples and a pool small enough to preempt (recompute),
+    in two tenants sharing the cache.  Kills: a group's blocks charged to another tenant behind the same prompt,
+    and a group counted by its first table only."""
+    import random
+
+    rng = random.Random(3)
+    engine = sim_engine(num_blocks=32, block_size=8, enable_prefix_caching=True, max_num_seqs=8,
+                        share_prefix_cache_across_tenants=True)
+    systems = [[7] * 24, [8] * 16]
+    for i in range(24):
+        tenant = "ab"[i % 2]
+        head = systems[rng.randrange(2)] if rng.random() < 0.7 else []
+        prompt = head + [rng.randrange(10, 900) for _ in range(rng.randrange(4, 30))]
+        n = 2 if rng.random() < 0.25 else 1
+        engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=rng.randrange(4, 20), n=n,
+                                                                        ignore_eos=True),
+                           tenant=tenant, arrival_time=0.0)
+    steps = grouped = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = list(engine.scheduler.running)
+        brute: dict = {}
+        for r in running:
+            brute.setdefault(r.tenant, set()).update(r.block_ids)
+        want = {t: len(ids) for t, ids in brute.items()}
+        assert tenant_blocks(running, shared=True) == want
+        assert {t: s["kv_blocks"] for t, s in engine.tenant_stats().items() if t in want} == want
+        grouped += sum(len(r.block_ids) for r in running) != sum(want.values())
+        steps += 1
+    assert engine.stats()["num_preemptions"] > 0 and grouped > 5, (steps, grouped)  # the run exercised both
