@@ -59,9 +59,11 @@ class TenantConfig:
     * ``max_kv_share`` -- at most this fraction of the KV pool's blocks held by its
       running requests (a request that could never fit under it is refused at
       ``add_request``; one that would grow past it preempts its own tenant's work).
-      Counted per request's block table, plus what is set aside for the rest of its
+      Counted as the blocks it pins, plus what is set aside for the rest of its
       prefill: a block two of the tenant's requests share (a forked sample, a cached
-      system prompt) counts once for each -- stricter than the blocks it pins.
+      system prompt) counts once (:class:`~minivllm.kv.sharing.GroupBlocks`), as its
+      ``kv_blocks`` gauge counts it.  A waiting request is checked with its whole prompt,
+      since its cache hit is known only once it is seated.
     * ``priority_class`` -- ``"interactive"``, ``"agent"`` or ``"batch"`` under
       ``scheduling_policy="three_class"`` (``None``: interactive).
     * ``over_cap`` -- ``"wait"`` (default) or ``"reject"``: a *new* request that finds

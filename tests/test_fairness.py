@@ -48,6 +48,11 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
+def distinct_blocks(requests) -> int:
+    """The blocks ``requests`` hold, one they share counted once: what a KV cap limits (brute force)."""
+    return len(set().union(*[r.block_ids for r in requests]))
+
+
 def add(engine, tenant, prompt_len, max_tokens, rid=None, **kw):
     return engine.add_request({"prompt_token_ids": [7 + prompt_len % 5] * prompt_len}, greedy(max_tokens), rid,
                               tenant=tenant, **kw)
@@ -169,10 +174,11 @@ def check_caps(engine, tenants, ids_tenant):
         for t, n in tokens.items():
             cap = engine.config.tenant_config(t).max_tokens_per_step
             assert cap is None or n <= cap, f"tenant {t} took {n} tokens in a step, cap {cap}"
-    running, held = Counter(), Counter()
+    running, tables = Counter(), {}
     for r in sched.running:
         running[r.tenant] += 1
-        held[r.tenant] += len(r.block_ids)
+        tables.setdefault(r.tenant, set()).update(r.block_ids)  # a block its requests share counts once
+    held = Counter({t: len(ids) for t, ids in tables.items()})
     for t in set(running) | set(tenants):
         tc = engine.config.tenant_config(t)
         if tc.max_running is not None:
@@ -714,7 +720,7 @@ def test_caps_a_capped_tenant_cannot_pin_the_cache_and_the_other_is_served():
     add(engine, "chat", 8, 4, "c0")
     engine.step()
     assert engine.requests["c0"].status is RequestStatus.RUNNING
-    held = sum(len(r.block_ids) for r in engine.scheduler.running if r.tenant == "bulk")
+    held = distinct_blocks(r for r in engine.scheduler.running if r.tenant == "bulk")
     assert held <= 32
     drain(engine)
     assert_no_leak(engine)
@@ -747,13 +753,15 @@ def test_rule_reserve_kv_for_interactive():
         add(engine, "agent", 40, 30, f"a{i}")
 
     def check(e):
-        held = sum(len(r.block_ids) for r in e.scheduler.running if r.tenant != "chat")
+        held = distinct_blocks(r for r in e.scheduler.running if r.tenant != "chat")
         assert held <= limit
 
     for _ in range(20):
         engine.step()
         check(engine)
     add(engine, "chat", 30, 10, "c0")
+    if engine.scheduler._preempted_last_step:  # a preemption in the last step pauses one admission (anti-thrash)
+        engine.step()
     engine.step()
     assert engine.requests["c0"].status is RequestStatus.RUNNING, "interactive work always finds blocks"
     drain(engine, each=check)
@@ -767,7 +775,7 @@ def test_rule_bounded_agent_queue():
 
     def check(e):
         agents = [r for r in e.scheduler.running if r.tenant == "agent"]
-        assert len(agents) <= max_running and sum(len(r.block_ids) for r in agents) <= max_blocks
+        assert len(agents) <= max_running and distinct_blocks(agents) <= max_blocks
 
     for i in range(10):
         add(engine, "agent", 40, 30, f"a{i}")

@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, NamedTuple
 
+from minivllm.kv.sharing import GroupBlocks
+
 
 class TenantStep(NamedTuple):
     """One tenant's share of one step."""
@@ -45,41 +47,15 @@ class TenantStep(NamedTuple):
 
 def tenant_blocks(running: Iterable, shared: bool = True) -> dict[str, int]:
     """Device blocks held by each tenant's running requests, a block counted once per tenant however many of its
-    requests hold it.
+    requests hold it (:class:`~minivllm.kv.sharing.GroupBlocks`, which says why a sum of block tables is wrong
+    and how sharing is found without a set of every block).
 
-    Why not the sum of the block tables: requests share blocks -- a cached prefix, the ``n`` samples of one
-    prompt -- and a sum counts a shared block once per holder, so a tenant whose requests share one long system
-    prompt read as holding several pools (a KV share of 274% in the fairness benchmark's shared-prefix section,
-    38% counted here).  A block two *tenants* hold counts for each (each keeps it from being freed), so tenants'
-    shares may add up to more than the pool's usage.  The scheduler's KV caps (``TenantConfig.max_kv_share``, the
-    three-class reserve) still count per block table, stricter than this: a tenant at its cap can read lower here.
-
-    How, without a set of every block every step: requests come to share blocks only from position 0 -- a
-    prefix-cache hit takes the cached blocks of a prompt's first tokens, a sample forks its parent's first blocks
-    (``KVCacheManager.share_prefix`` / ``fork``, both before the request holds a block of its own) -- so two
-    requests that share any block share their first one.  Requests are grouped by (tenant, first block); a
-    request alone in its group shares nothing and adds its table's length, and only a group of several (the
-    requests behind one cached system prompt) is counted as a set.  ``shared``: could any block have two holders
-    (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, not even the groups are built.
-    Cost on the 2-core machine (a micro-benchmark of 128 requests of 70 blocks): 39 µs a call where no request
-    shares (the sum alone: 16 µs), 133 µs where all share a 64-block prompt; the set over a sharing group's
-    tables is the price of counting it right.
+    A block two *tenants* hold counts for each (each keeps it from being freed), so tenants' shares may add up
+    to more than the pool's usage.  The scheduler's KV caps (``TenantConfig.max_kv_share``, the three-class
+    reserve) count held blocks the same way.  ``shared``: could any block have two holders
+    (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, no bucket is built.
     """
-    counts: dict[str, int] = {}
-    groups: dict[tuple, list] = {}
-    for r in running:
-        ids = r.block_ids
-        counts[r.tenant] = counts.get(r.tenant, 0) + len(ids)
-        if shared and ids:
-            key = (r.tenant, ids[0])
-            group = groups.get(key)
-            if group is None:
-                groups[key] = [ids]
-            else:
-                group.append(ids)
-    for (tenant, _), tables in groups.items():
-        if len(tables) > 1:
-            counts[tenant] -= sum(map(len, tables)) - len(set().union(*tables))
+    counts = GroupBlocks(running, lambda r: (r.tenant,), shared).count
     return counts
 
 

@@ -76,6 +76,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 from minivllm.config import EngineConfig
 from minivllm.interfaces import AdmissionPolicy, RanksRequests, implements
+from minivllm.kv.sharing import GroupBlocks
 from minivllm.request import Request, RequestStatus
 from minivllm.sched.kept import KeepsItsOrder, KeptOrder, no_rank
 from minivllm.sched.policies import (
@@ -187,22 +188,23 @@ class CapTable:
         return None
 
     def retry_steps(self, req: Request, running: Sequence[Request], need_blocks: int,
-                    held: Callable[[Request], int]) -> int | None:
+                    reserved: Callable[[Request], int], shared: bool = True) -> int | None:
         """Engine steps until the group that rejected ``req`` has room for it (None: it has room now).
 
-        ``held(r)``: the blocks a running member counts against the KV cap, the
-        same count admission checked (its blocks plus those set aside for it).
-        Its running members are assumed to finish in order of the steps they still
-        need (:func:`_steps_left`); each gives back its seat and its blocks.  An
-        estimate, like reject mode's hint: members can also be preempted, or stop
-        early at EOS.
+        A running member counts against the KV cap what admission counted: its blocks (a block members
+        share once: :class:`~minivllm.kv.sharing.GroupBlocks`) plus ``reserved(r)``, the blocks set aside
+        for it; ``shared`` as ``GroupBlocks`` reads it.  Its running members are assumed to finish in order of
+        the steps they still need (:func:`_steps_left`); each gives back its seat and the blocks no member
+        left behind it still holds (a shared prompt's blocks come back with the last of its holders).  An
+        estimate, like reject mode's hint: members can also be preempted, or stop early at EOS.
         """
         chunk = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens or 2048
         for g in self.groups(req):
             if g.over_cap != "reject":
                 continue
             members = [r for r in running if g in self.groups(r)]
-            seats, blocks = len(members), sum(held(r) for r in members)
+            held = GroupBlocks(members, lambda r: (g.key,), shared)
+            seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members)
 
             def fits(seats: int, blocks: int) -> bool:
                 return ((g.max_running is None or seats < g.max_running)
@@ -213,7 +215,7 @@ class CapTable:
             steps = 1
             for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
                 steps = _steps_left(r, chunk)
-                seats, blocks = seats - 1, blocks - held(r)
+                seats, blocks = seats - 1, blocks - held.remove(r)[0] - reserved(r)
                 if fits(seats, blocks):
                     break
             return max(1, steps)

@@ -84,6 +84,7 @@ from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, HeadOfLine, Keep
                                  PreemptionCostModel, PreemptionPolicy, PreemptsToAdmit, RanksRequests,
                                  ReadsCachedPrefixes, TracksActivity, implements)
 from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
+from minivllm.kv.sharing import GroupBlocks
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
@@ -316,7 +317,7 @@ class Scheduler:
         self._cap_rejected: set[Request] = set()  # rejected by a tenant cap (their hint: cap_retry_steps)
         self._admission_preempted: list[Request] = []
         self._swapped_in: list[Request] = []  # swapped in by admission since the last batch was built
-        self._held: dict | None = None  # during allocate: KV blocks held per cap group
+        self._held: GroupBlocks | None = None  # during allocate: KV blocks held per cap group
 
     def tenant(self, name: str) -> TenantCounters:
         ts = self.tenant_stats.get(name)
@@ -420,18 +421,23 @@ class Scheduler:
             return blocks_for(req.max_total_tokens, self.kv.block_size)
         return blocks_for(req.num_tokens, self.kv.block_size)
 
-    def _group_usage(self) -> dict:
-        """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``.  Recounted from
-        ``running`` at each pass (then kept by ``admit`` as it admits), like :meth:`_group_held`: finishes, aborts
-        and preemptions between passes all change it, and a count rebuilt here cannot drift."""
+    def _group_usage(self) -> tuple[dict, GroupBlocks]:
+        """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``, and the
+        :class:`~minivllm.kv.sharing.GroupBlocks` that counts the held blocks (a block two members share
+        once, as the tenant gauges count it).  Recounted from ``running`` at each pass (then kept by ``admit``
+        as it admits), like :meth:`_group_held`: finishes, aborts and preemptions between passes all change
+        it, and a count rebuilt here cannot drift."""
+        held = self._group_held()
         usage: dict = {}
         for r in self.running:
             for g in self.caps.groups(r):
-                u = usage.setdefault(g.key, [0, 0, 0])
+                u = usage.get(g.key)
+                if u is None:
+                    u = usage[g.key] = [0, held.count[g.key], 0]
                 u[0] += 1
-                u[1] += len(r.block_ids) + self._reservation(r)
+                u[1] += self._reservation(r)
                 u[2] += self._chunk_cap(r)
-        return usage
+        return usage, held
 
     def _within_caps(self, req: Request, usage: dict, need_blocks: int, per_step: bool = True) -> bool:
         """Would ``req`` (needing ``need_blocks``) keep every cap of its groups?  Monotone: with ``usage``
@@ -540,7 +546,7 @@ class Scheduler:
                 self._activity(self.waiting_by_tenant.keys() | {r.tenant for r in self.running})
             return []
         caps = self.caps
-        usage = self._group_usage() if caps is not None else None
+        usage, held = self._group_usage() if caps is not None else (None, None)
         reserved = self._reserved_blocks()
         unranked_budget = self.config.max_num_batched_tokens - self._running_demand() if self._rank is None else 0
         admitted: list[Request] = []
@@ -632,7 +638,7 @@ class Scheduler:
                     victim_rank = self._rank(victim)
                 reserved = self._reserved_blocks()
                 if caps is not None:
-                    usage = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
+                    usage, held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
                     cap_failed.clear()
                     cap_closed.clear()
             if fit is None:
@@ -654,11 +660,11 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             admitted.append(req)
-            if caps is not None:
-                for g in caps.groups(req):
+            if caps is not None:  # (a prefix it shares with its group's running requests adds no block)
+                for g, gained in zip(caps.groups(req), held.add(req)):
                     u = usage.setdefault(g.key, [0, 0, 0])
                     u[0] += 1
-                    u[1] += len(req.block_ids) + self._reservation(req)
+                    u[1] += gained + self._reservation(req)
                     u[2] += self._chunk_cap(req)
         return admitted
 
@@ -759,8 +765,8 @@ class Scheduler:
         if req not in self._cap_rejected:
             return None
         self._cap_rejected.discard(req)
-        return self.caps.retry_steps(req, self.running, self._need_blocks(req),
-                                     lambda r: len(r.block_ids) + self._reservation(r)) or 1
+        return self.caps.retry_steps(req, self.running, self._need_blocks(req), self._reservation,
+                                     self.kv.may_share()) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
@@ -895,17 +901,16 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if self._held is not None and not self._fit_group_kv(req, seq.num_tokens, batch):
                 continue  # it gave way to its own group's cap
-            before = len(req.block_ids)
+            before, last = len(req.block_ids), req.block_ids[-1] if req.block_ids else None
             while not self.kv.allocate_slots(req, seq.num_tokens):
                 victim = self._choose_victim(self._victim_candidates())
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
                     break
-            if self._held is not None and req.status is RequestStatus.RUNNING:
-                for g in self.caps.groups(req):
-                    if g.max_blocks is not None:
-                        self._held[g.key] += len(req.block_ids) - before
+            if self._held is not None and req.status is RequestStatus.RUNNING and (
+                    len(req.block_ids) != before or before and req.block_ids[before - 1] != last):  # (grew, or copied)
+                self._held.grew(req, before, last)
         self._held = None
         if len(batch.preempted) > preempted_before:  # someone gave way: drop the victims' rows
             batch.seqs = [s for s in batch.seqs if s.request.status is RequestStatus.RUNNING]
@@ -915,16 +920,14 @@ class Scheduler:
         self.stats.peak_used_blocks = max(self.stats.peak_used_blocks, self.kv.num_used_blocks)
         return batch
 
-    def _group_held(self) -> dict:
-        """KV blocks held per capped group, recounted from the tables once per :meth:`allocate` rather than kept
-        across steps: admissions, finishes, aborts and failed steps all change what a group holds, and a count
-        rebuilt here cannot drift; within the step ``allocate`` and ``_preempt`` keep it as tables change."""
-        held: dict = {}
-        for r in self.running:
-            for g in self.caps.groups(r):
-                if g.max_blocks is not None:
-                    held[g.key] = held.get(g.key, 0) + len(r.block_ids)
-        return held
+    def _group_held(self) -> GroupBlocks:
+        """KV blocks held per cap group, a block two members share counted once (a tenant's requests behind one
+        cached system prompt hold its blocks once, and its cap and its gauge say so alike).  Recounted from the
+        tables once per :meth:`allocate` rather than kept across steps: admissions, finishes, aborts and failed
+        steps all change what a group holds, and a count rebuilt here cannot drift; within the step ``allocate``
+        and ``_preempt`` keep it as tables change."""
+        groups = self.caps.groups
+        return GroupBlocks(self.running, lambda r: [g.key for g in groups(r)], self.kv.may_share())
 
     def _fit_group_kv(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Make room under ``req``'s KV caps for ``num_tokens`` more tokens by preempting within each group.
@@ -934,10 +937,15 @@ class Scheduler:
         its group any request fits.
         """
         grow = self.kv.num_new_blocks(req, num_tokens)
+        copies = self.kv.num_copy_on_write_blocks(req)  # its shared last block, copied before it writes
         for g in self.caps.groups(req):
             if g.max_blocks is None:
                 continue
-            while self._held.get(g.key, 0) + grow > g.max_blocks:
+            # The copy costs the group a block only while another member holds the original: asked again after
+            # each victim (the victim may have been that member).  A copy of a block only the cache or another
+            # group shares adds nothing here, so a request alone in its group needs only its new blocks.
+            while self._held.count.get(g.key, 0) + grow + (copies and self._held.holds_last_too(req, g.key)) \
+                    > g.max_blocks:
                 members = [r for r in self.running if g in self.caps.groups(r)]
                 victim = self._choose_victim(self._victim_candidates(members))
                 self._preempt(victim)
@@ -987,9 +995,7 @@ class Scheduler:
         """Give back ``req``'s device blocks by swap (if ``may_swap``, the mode and the host tier allow) or recompute."""
         self.running.remove(req)
         if self._held is not None:
-            for g in self.caps.groups(req):
-                if g.max_blocks is not None:
-                    self._held[g.key] -= len(req.block_ids)
+            self._held.remove(req)
         # Any victim pauses the next admission (see admit), one with nothing computed too: it lost no work, but
         # it gave way because the pool (or a group's cap) ran dry, and that is what the pause is for.
         self._preempted_last_step = True
