@@ -138,6 +138,9 @@ CASES = [
     ("tenant empty", add(tenant=""), "tenant"),
     ("tenant not a string", add(tenant=5), "tenant"),
     ("cache_salt not a string", add({"prompt_token_ids": [1, 2], "cache_salt": 5}), "cache_salt"),
+    # vLLM's rule: a salt, when given, is non-empty; "" is not a quiet "no salt"
+    ("cache_salt empty", add({"prompt_token_ids": [1, 2], "cache_salt": ""}), "cache_salt must be a non-empty"),
+    ("cache_salt empty via generate", gen({"prompt": "hi", "cache_salt": ""}), "cache_salt must be a non-empty"),
     ("priority as a word", add(priority="high"), "priority"),
     ("priority float", add(priority=0.5), "priority"),
     ("arrival_time as a string", add(arrival_time="x"), "arrival_time"),

@@ -73,7 +73,6 @@ def no_leak(engine: LLMEngine) -> None:
     (("a", "x"), ("a|salt=x", None)),
     (("a|salt=x", None), ("a", "x")),
     (("a", "x|y"), ("a|salt=x", "y")),
-    (("a", None), ("a", "")),
 ])
 def test_defect1_tenant_and_salt_never_share_a_namespace(kind, first, second):
     engine = sim_engine(num_blocks=96, prefix=kind)
@@ -84,8 +83,27 @@ def test_defect1_tenant_and_salt_never_share_a_namespace(kind, first, second):
             prompt["cache_salt"] = salt
         engine.add_request(prompt, GREEDY, f"r{i}")
         out = run_all(engine)[f"r{i}"]
-    expected = 44 if first == (("a", None)) and second == ("a", "") else 0  # "" salt = no salt
-    assert out.num_cached_tokens == expected
+    assert out.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_an_empty_salt_is_refused_at_the_boundary_and_no_salt_below_it(kind):
+    """``add_request`` refuses ``cache_salt=""`` (vLLM's rule: a salt, when given, is non-empty).  Below the
+    boundary -- a ``Request`` built directly, as the lab checkers and benches do -- the KV manager still
+    reads ``""`` as no salt, so such a request shares its tenant's unsalted blocks rather than opening a space
+    nobody asked for.  Oracle: the unsalted run cached all 12 blocks of its 48-token prompt (blocks of 4)."""
+    from minivllm.request import Request
+
+    engine = sim_engine(num_blocks=96, prefix=kind)
+    ids = [random.Random(1).randrange(100, 900) for _ in range(48)]
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        engine.add_request({"prompt_token_ids": ids, "tenant": "a", "cache_salt": ""}, GREEDY, "r0")
+    no_leak(engine)
+    engine.add_request({"prompt_token_ids": ids, "tenant": "a"}, GREEDY, "r0")
+    run_all(engine)
+    below = Request("r1", list(ids), GREEDY, 0.0, tenant="a", cache_salt="")
+    assert engine.kv.namespace(below) == engine.kv.namespace(Request("r2", list(ids), GREEDY, 0.0, tenant="a"))
+    assert engine.kv.prefix_cache.peek(ids, engine.kv.namespace(below)) == 12
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])

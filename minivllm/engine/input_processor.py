@@ -50,6 +50,19 @@ def check_priority_deadline(priority, deadline) -> None:
         raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {deadline!r}")
 
 
+def check_cache_salt(cache_salt) -> None:
+    """A salt, when given, is a non-empty string (vLLM's rule, and its server's 400).
+
+    ``""`` is refused rather than read as "no salt": a caller who sends one meant to split its cache (a salt
+    built from an empty per-user value, say) and would otherwise share its tenant's space unwarned.  The HTTP
+    server asks this too, about the client's own salt, before it scopes the salt to the tenant (the scoped
+    string is never empty, so the engine alone could not tell).
+    """
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string when given (leave it out to use the tenant's "
+                         f"shared prefix cache), got {cache_salt!r}")
+
+
 # OpenAI's roles.  Any other (a typo: "asistant") would be written into the chat template as a turn of its own,
 # a prompt the model never saw in training: a ValueError (HTTP 400, as OpenAI answers), not a quietly odd reply.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -114,8 +127,7 @@ class InputProcessor:
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         check_priority_deadline(priority, deadline)
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        check_cache_salt(cache_salt)
         max_len = self.max_model_len
         check_prompt_fits(len(token_ids), max_len)
         max_tokens = output_room(len(token_ids), params.max_tokens, max_len)

@@ -292,7 +292,7 @@ class KVCacheManager:
         CVE-2025-46570).  The salt splits a space further on request.
         """
         tenant = None if self.share_across_tenants else req.tenant
-        return (tenant, req.cache_salt or None)  # an empty salt is no salt
+        return (tenant, req.cache_salt or None)  # "" (refused at the boundary; a Request built directly): no salt
 
     @staticmethod
     def namespace_tenant(namespace: Hashable):

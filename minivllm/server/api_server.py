@@ -30,6 +30,8 @@ Behaviour worth knowing:
   passes ``json.dumps([tenant, cache_salt])`` to the engine, so a client's
   salt can only split its own tenant's space further and can never name
   another tenant's namespace (not even with ``share_prefix_cache_across_tenants``).
+  As in vLLM, ``"cache_salt": ""`` is a 400 naming the field, not a quiet "no salt":
+  a client leaves the field out to use its tenant's shared space.
 * **Overload.** A request the engine turns away (``preemption_mode="reject"``, or a
   tenant at its cap with ``TenantConfig(over_cap="reject")``: ``finish_reason == "rejected"``) is a 429 with ``Retry-After`` (whole seconds,
   from the engine's ``retry_after_s``).  A streamed request answers only once
@@ -71,7 +73,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minivllm.config import TenantConfig
-from minivllm.engine.input_processor import check_prompt_fits, output_room
+from minivllm.engine.input_processor import check_cache_salt, check_prompt_fits, output_room
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -528,7 +530,13 @@ class OpenAIServer:
 
     @staticmethod
     def _with_salt(prompt: dict, tenant: str, salt: str | None) -> dict:
-        if salt:
+        """``prompt`` with the client's salt scoped to its tenant.  The engine's rule is asked about the client's
+        own salt here: the scoped string is never empty, so the engine could not refuse ``""`` (vLLM's 400)."""
+        if salt is not None:
+            try:
+                check_cache_salt(salt)
+            except ValueError as exc:
+                raise _bad_value(exc) from None
             prompt["cache_salt"] = json.dumps([tenant, salt])  # scoped to the caller's own tenant
         return prompt
 
