@@ -127,6 +127,56 @@ def test_the_crossover_is_where_swap_starts_winning_for_good_or_none_if_it_loses
     assert at_scale.crossover_tokens("qwen3-0.6b", lengths=[16, 1024, 4096, 16384], **opts) == 16384
 
 
+# Positions from each model's config.json (max_position_embeddings): Qwen/Qwen3-0.6B 40,960; the Llama-3-8B
+# preset is Llama-3.1-8B's 131,072.  Typed here, not read from the presets, so a preset that lost them shows up.
+QWEN3_POSITIONS, LLAMA31_POSITIONS = 40960, 131072
+
+
+def _brute_crossover(model: str, lengths, **opts):
+    """The definition scanned over ``lengths`` (sorted): the first from which swap wins at every longer one."""
+    grid = sorted(lengths)
+    wins = [at_scale.swap_s(n, model) < at_scale.recompute_s(n, model, **opts) for n in grid]
+    return next((n for k, n in enumerate(grid) if all(wins[k:])), None)
+
+
+def test_each_models_context_grid_stops_at_its_positions_and_no_sooner():
+    """Lab 5's right panel draws each preset on :func:`at_scale.model_context_grid`: a Qwen3-0.6B victim is
+    never longer than 40,960 tokens (the simulated engine refuses such a request), so its curve ends there;
+    Llama-3-8B's reaches the full 131,072.  Kills: a grid past the model's positions (the old 16..131072 for
+    every preset), and a cap applied to every model.  Oracle: the positions typed from config.json above and
+    the full grid's own points below the cap."""
+    full = at_scale.context_grid(16, 131072)
+    qwen = at_scale.model_context_grid("qwen3-0.6b")
+    assert qwen[-1] == QWEN3_POSITIONS and max(qwen) == QWEN3_POSITIONS
+    assert qwen[:-1] == [n for n in full if n < QWEN3_POSITIONS]  # the same geometric steps, cut
+    assert at_scale.model_context_grid("llama-3-8b") == full and full[-1] == LLAMA31_POSITIONS
+    assert at_scale.max_context("qwen3-0.6b") == QWEN3_POSITIONS
+
+
+def test_the_crossover_is_never_a_context_past_the_models_positions():
+    """With 512-token recompute chunks, Qwen3-0.6B on the H100 preset loses to recompute at every length it can
+    serve; scanned over 16..131072 the old helper answered "swap from 46,336 tokens", a victim the model cannot
+    have.  The lab passes one grid to every preset, so lengths past a model's positions are dropped, not charged.
+    Kills: a crossover computed over lengths past the positions, and a cap applied to Llama-3-8B too.  Oracle:
+    the definition scanned by brute force over the lengths within the typed positions."""
+    opts = dict(chunk=512)
+    full = at_scale.context_grid(16, 131072)
+    served = [n for n in full if n <= QWEN3_POSITIONS]
+    want = _brute_crossover("qwen3-0.6b", served, **opts)
+    assert want is None  # the scene is as described: no served length is cheaper to swap
+    assert at_scale.crossover_tokens("qwen3-0.6b", "h100", full, **opts) == want
+    assert at_scale.crossover_tokens("qwen3-0.6b", "h100", **opts) == want  # the default grid: the model's own
+    # default options: the lab's "~23K tokens" is unmoved by the cut, and one length past the positions is ignored
+    assert (at_scale.crossover_tokens("qwen3-0.6b", "h100", full)
+            == _brute_crossover("qwen3-0.6b", served) == 23168)
+    assert at_scale.crossover_tokens("qwen3-0.6b", lengths=[16, 65536]) == _brute_crossover("qwen3-0.6b", [16])
+    # Llama-3-8B keeps its long victims: swap loses at 16 tokens and wins at 131,072
+    assert at_scale.crossover_tokens("llama-3-8b", lengths=[16, 131072]) == _brute_crossover(
+        "llama-3-8b", [16, LLAMA31_POSITIONS]) == LLAMA31_POSITIONS
+    with pytest.raises(ValueError, match="40960 positions"):
+        at_scale.crossover_tokens("qwen3-0.6b", lengths=[65536, 131072])
+
+
 def test_the_device_sized_pool_is_vllms_90_percent_of_memory_less_the_weights():
     """Lab 8's and lab 6's at-scale engines get the KV blocks an H100 holds at vLLM's default
     ``gpu_memory_utilization=0.9`` (vLLM's engine arguments).  Oracle, by hand: the H100 reports 81,559 MiB;

@@ -124,12 +124,20 @@ def recompute_s(num_tokens: int, model: str = MODEL, hardware: str = HARDWARE, *
 
 def crossover_tokens(model: str = MODEL, hardware: str = HARDWARE, lengths: Sequence[int] | None = None,
                      **recompute_options: Any) -> int | None:
-    """The shortest context (on ``lengths``, in any order, default 16..131072 on a geometric grid) from which
+    """The shortest context (on ``lengths``, in any order, default :func:`model_context_grid`) from which
     swapping is cheaper than recomputing at every longer length on the grid, or None if swap loses at the
-    longest one (whatever it does at shorter ones: on some scenes the winner flips twice)."""
-    grid = sorted(lengths) if lengths is not None else context_grid()  # "longer" is by length, not list order
+    longest one (whatever it does at shorter ones: on some scenes the winner flips twice).
+
+    Lengths past the model's positions (:func:`max_context`) are left out: no victim of that model is that long,
+    so one grid can serve every preset, and the answer is never a context the model cannot take."""
+    grid = sorted(lengths) if lengths is not None else model_context_grid(model)  # "longer": by length, not order
     if not grid:
         raise ValueError("crossover_tokens needs at least one context length in lengths")
+    cap = max_context(model)
+    if cap is not None:
+        grid = [n for n in grid if n <= cap]
+        if not grid:
+            raise ValueError(f"crossover_tokens: every length in lengths is past {model}'s {cap} positions")
     swap_wins = [swap_s(n, model, hardware) < recompute_s(n, model, hardware, **recompute_options) for n in grid]
     if not swap_wins[-1]:
         return None
@@ -157,6 +165,24 @@ def context_grid(lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[in
     n_pts = int(round(math.log2(hi / lo) * per_octave)) + 1
     inner = (int(round(lo * 2 ** (i / per_octave) / BLOCK_SIZE)) * BLOCK_SIZE for i in range(n_pts))
     return sorted({first, last} | {min(last, max(first, n)) for n in inner})
+
+
+def max_context(model: str = MODEL) -> int | None:
+    """The longest context ``model`` serves: the positions it was trained for (config.json's
+    ``max_position_embeddings``; Qwen3-0.6B 40,960, Llama-3-8B's preset 131,072), None where the shape did not
+    record them.  A simulated engine of the shape refuses a longer request, so a cost drawn past it is the cost
+    of nothing the model can serve."""
+    return model_preset(model).max_position_embeddings
+
+
+def model_context_grid(model: str = MODEL, lo: int = 16, hi: int = 131072, per_octave: int = 4) -> list[int]:
+    """:func:`context_grid` ending at ``model``'s positions where they fall short of ``hi``.
+
+    The geometric steps are the full grid's; the last point is the model's longest context (Qwen3-0.6B's grid
+    ends at 40,960, Llama-3-8B's still at 131,072), so a curve drawn on it stops where the model does.
+    """
+    cap = max_context(model)
+    return context_grid(lo, hi if cap is None else min(hi, cap), per_octave)
 
 
 # -- lab 8: the knee of the latency/rate curve on a whole datacenter GPU ------------------------------
@@ -309,4 +335,5 @@ def long_prefill_run(budget: int, long_prefill_tokens: int, *, doc_class: str = 
 
 __all__ = ["BATCH_COST_ROWS", "BLOCK_SIZE", "HARDWARE", "MODEL", "batch_cost_runs", "chunk_engine", "chunk_sweep",
            "class_mix", "context_grid", "costs", "crossover_tokens", "device_s", "knee_sweep", "label",
-           "long_prefill_run", "pool_blocks", "presets", "recompute_s", "serving_engine", "step_s", "swap_s"]
+           "long_prefill_run", "max_context", "model_context_grid", "pool_blocks", "presets", "recompute_s",
+           "serving_engine", "step_s", "swap_s"]

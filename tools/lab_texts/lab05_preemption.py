@@ -777,9 +777,10 @@ ax.legend(fontsize=7, loc="lower right")
 ax.set_title("Llama-3-8B on the H100 preset (simulated)", fontsize=9)
 for (m, h), style in zip([("llama-3-8b", "h100"), ("llama-3-8b", "a100"), ("llama-3-8b", "l4"), ("qwen3-0.6b", "h100")],
                          ["-", "--", "-.", ":"]):
-    x = at_scale.crossover_tokens(m, h, CTX)
-    where = "never" if x is None else ("always" if x == CTX[0] else f"from {x} tokens")
-    bx.plot(CTX, [at_scale.recompute_s(n, m, h) / at_scale.swap_s(n, m, h) for n in CTX], style,
+    grid = at_scale.model_context_grid(m)   # CTX up to the model's positions: Qwen3-0.6B stops at 40,960
+    x = at_scale.crossover_tokens(m, h, grid)
+    where = "never" if x is None else ("always" if x == grid[0] else f"from {x} tokens")
+    bx.plot(grid, [at_scale.recompute_s(n, m, h) / at_scale.swap_s(n, m, h) for n in grid], style,
             label=f"{m} on {h}: swap {where}")
 bx.axhline(1, color="#888888", lw=1)
 bx.set_xscale("log", base=2); bx.set_yscale("log")
@@ -798,8 +799,10 @@ recomputing costs ~18 µs a token against ~4 µs to swap; and at 32K tokens atte
 is the worked policy's clause *"swap rather than recompute for long contexts"*, which the lab's parallel straight
 lines could not produce. The right panel shows what moves the crossover: FLOPs per token against KV bytes per token,
 and the link. A slower GPU (the L4 preset) makes recompute dear at every length; a small model with a large KV
-(Qwen3-0.6B: 112 KiB a token for 0.6 B parameters) recomputes more cheaply up to ~23K tokens even on an H100. A
-caveat the simulation does not see: a link shared by eight GPUs gives each far less than 64 GB/s.
+(Qwen3-0.6B: 112 KiB a token for 0.6 B parameters) recomputes more cheaply up to ~23K tokens even on an H100. Its
+curve ends at 40,960 tokens, the positions Qwen3-0.6B was trained for: no victim of that model is longer (the
+simulator refuses such a request). A caveat the simulation does not see: a link shared by eight GPUs gives each
+far less than 64 GB/s.
 
 The engine's own auto mode, on a real machine, charges recomputation at *one* measured prefill rate
 (`prefill_tokens_per_s`), so its answer hardly depends on the victim's length. The simulator's auto mode
