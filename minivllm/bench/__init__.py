@@ -22,4 +22,5 @@ NAMES = {
     "ab": "minivllm.bench.ab",
     "lab_times": "minivllm.bench.lab_times",
     "cpu_decode": "minivllm.bench.cpu_decode",
+    "calibration_drift": "minivllm.bench.calibration_drift",
 }

@@ -15,7 +15,8 @@ end to end on a CUDA GPU: Triton vs torch backend, CUDA graphs, nano-vllm's work
 ``replay`` (the simulator replaying real runs' step times over a grid of policies: identical decisions?),
 ``ab`` (any of these on two git versions in one session, runs interleaved: ``ab --base REV -- NAME ... --out {out}``),
 ``lab_times`` (each lab notebook run top to bottom in a fresh kernel: the README's CPU-time column), ``cpu_decode``
-(the CPU decode-attention kernel alone, by batch and context).
+(the CPU decode-attention kernel alone, by batch and context), ``calibration_drift`` (the calibration grid
+measured and fitted twice back to back: how far the host repeats itself, the floor under ``sim_accuracy``).
 """
 
 import importlib
