@@ -69,12 +69,12 @@ def test_without_sharing_the_fast_sum_and_the_set_agree():
     assert _engine_with_sharing().kv.may_share()  # the shared run above took the set count
 
 
-def test_the_grouped_count_equals_a_set_of_every_block_on_every_step():
-    """``tenant_blocks`` builds sets only for requests that share their first block (sharing starts at position 0:
-    a prefix hit, a sample's fork).  Oracle: brute force, one set of every block per tenant, after every step of a
-    run with shared system prompts, unique prompts, ``n=2`` samples and a pool small enough to preempt (recompute),
-    in two tenants sharing the cache.  Kills: a group's blocks charged to another tenant behind the same prompt,
-    and a group counted by its first table only."""
+def test_the_count_equals_a_set_of_every_block_on_every_step():
+    """Oracle: brute force, one set of every block per tenant, after every step of a run with shared system
+    prompts, unique prompts, ``n=2`` samples and a pool small enough to preempt (recompute), in two tenants sharing
+    the cache.  Kills: a group's blocks charged to another tenant behind the same prompt, and a group counted by
+    its first table only.  (``tests/test_kv_caps_count_a_shared_block_once.py`` has the case a count by first
+    block gets wrong: a chain cached below a twin.)"""
     import random
 
     rng = random.Random(3)

@@ -48,7 +48,7 @@ class TenantStep(NamedTuple):
 def tenant_blocks(running: Iterable, shared: bool = True) -> dict[str, int]:
     """Device blocks held by each tenant's running requests, a block counted once per tenant however many of its
     requests hold it (:class:`~minivllm.kv.sharing.GroupBlocks`, which says why a sum of block tables is wrong
-    and how sharing is found without a set of every block).
+    and what counting them costs).
 
     A block two *tenants* hold counts for each (each keeps it from being freed), so tenants' shares may add up
     to more than the pool's usage.  The scheduler's KV caps (``TenantConfig.max_kv_share``, the three-class

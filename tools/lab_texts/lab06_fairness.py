@@ -673,9 +673,9 @@ tables would charge the preamble to every call and bind far sooner. Tighten it t
 TTFT goes from 77 ms to 14 s and only 14% of their calls meet the SLO, while the chats gain 3 ms. That is the bound's
 trade in one row: the agents pay, so that a heavy agent load cannot crowd out the rest. Without **batch-only-when-idle** batch work is
 admitted into a busy engine: more preemptions (313 to 371) and the agents' p95 TTFT grows by a third (to 103 ms).
-The **swap rule** decides every preemption here: the victims are batch prompts of about 375 tokens, just above the
-crossover lab 5 measured on this preset (~300), so the cost model swaps them; recomputing them instead costs the
-agents 9 ms of p95 TTFT. The **cache cap** moves little on this mix (81 ms, 321 preemptions): one tenant's cache
+The **swap rule** decides the preemptions here (311 of the 313 are swaps): the victims are mostly batch prompts of
+about 375 tokens, just above the crossover lab 5 measured on this preset (~300), so the cost model swaps them;
+recomputing them instead costs the agents 9 ms of p95 TTFT. The **cache cap** moves little on this mix (81 ms, 321 preemptions): one tenant's cache
 never crowds out another's here; it is insurance against a tenant whose prompts share nothing (lab 3's quota
 section shows that case). A clause that is idle on one workload (the agent bound at 40% here) is not a wasted clause; but a
 policy whose clauses you have never seen move is a policy you cannot tune.

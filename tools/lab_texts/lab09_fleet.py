@@ -522,8 +522,9 @@ whose real runs went 6% faster than its calibration grid minutes before, `..._st
 0.78–0.91 of its own fit's prediction, `..._stop65.json`, whose real engine differed from itself by up to 30% between
 two runs of one workload, and whose seven misses are all the simulator too *fast* where the third run's nine were all
 too slow, and `..._stop66.json`, whose real engine held within 8% of itself), and that host's own fits gave the span
-no weight in the first two, 3.9 GB/s in the third, 12.9 GB/s in the fourth and none in the fifth. What separates the
-good runs from the bad on one host, one command and one code is how still the real engine held between its own runs. The fit also moves from one
+no weight in the first two, 3.9 GB/s in the third, 12.9 GB/s in the fourth and none in the fifth. On one host, one
+command and one code, the third run missed through its fit and the fourth through its real engine; the fifth had
+neither (its fit erred 3.1% rms). The fit also moves from one
 calibration to the next: the plotted run (1 December, a slower host) fitted one K/V rate of 6.8 GB/s and a run of
 6 December (`2026-12-06_cpu-2core_sim_accuracy_stop60.json`) 14.8 GB/s; the committed one-thread profile reads all
 K/V at 16.2 GB/s and a lone sequence's, span included, at 10.0 GB/s. Against that run's real steps the committed
