@@ -283,9 +283,10 @@ def test_fairness_kv_share_counts_only_the_window():
     a 2.5 s window: a 4-token prompt with 5 outputs holds one block after each step, so inside the window it holds
     1 block for 2.5 s (the steps ending at 1 and 2 s, and half the one ending at 3 s): 2.5/2.5/8 = 1/8.  (When
     the share was a mean per step, the run's 5 steps gave 2/5/8 where the window's gave 1/8.)"""
+    from minivllm.arrival import Arrival
     from minivllm.bench import fairness as bench
 
-    res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 5)], window=2.5, blocks=8, max_len=128,
+    res = bench.run("fcfs", [Arrival(0.0, "a-0", "a", (1, 2, 3, 4), 5)], window=2.5, blocks=8, max_len=128,
                     step=dict(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0))
     assert res.steps == 5
     assert res.kv_share == {"a": pytest.approx(1 / 8)}
@@ -300,10 +301,11 @@ def test_fairness_kv_share_weights_each_step_by_its_time():
     66/40/8.  A mean over the 4 steps reads 1/16 for both.  (The holdings are the step log's, after each step, as a
     scraped gauge reads them: a's block during the 33 s step in which it finishes is not counted; counted during
     the step, the block-seconds would be 38 and 69.)"""
+    from minivllm.arrival import Arrival
     from minivllm.bench import fairness as bench
 
-    res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 3), bench.Arrival(4.5, "b", list(range(5, 37)), 2)],
-                    window=40.0, blocks=8, max_len=128,
+    arrivals = [Arrival(0.0, "a-0", "a", (1, 2, 3, 4), 3), Arrival(4.5, "b-0", "b", tuple(range(5, 37)), 2)]
+    res = bench.run("fcfs", arrivals, window=40.0, blocks=8, max_len=128,
                     step=dict(fixed_overhead_s=0.0, per_token_s=1.0, per_context_token_s=0.0))
     assert res.steps == 4 and res.clock == pytest.approx(39.0)
     assert res.kv_share == {"a": pytest.approx(5 / 40 / 8), "b": pytest.approx(66 / 40 / 8)}

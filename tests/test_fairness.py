@@ -1340,13 +1340,14 @@ def test_bench_fairness_window_counts_only_steps_that_end_inside_it():
     window holds the first two: the prefill (4 prompt tokens, 1 output) and one decode (1 output).  The
     benchmark took its snapshot after the first step ending *past* the window, one decode too many.  A 2 s window
     holds the same two: the step ending at exactly 2 s does not cross its end (an exclusive bound dropped it)."""
+    from minivllm.arrival import Arrival
     from minivllm.bench import fairness as bench
 
-    res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 5)], window=2.5,
+    res = bench.run("fcfs", [Arrival(0.0, "a-0", "a", (1, 2, 3, 4), 5)], window=2.5,
                     step=dict(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0))
     assert res.window_stats == {"a": {"prompt_tokens": 4, "output_tokens": 2}}
     # a step that ends exactly at the window's end is inside it (it does not cross it): same two steps at 2.0 s
-    res = bench.run("fcfs", [bench.Arrival(0.0, "a", [1, 2, 3, 4], 5)], window=2.0,
+    res = bench.run("fcfs", [Arrival(0.0, "a-0", "a", (1, 2, 3, 4), 5)], window=2.0,
                     step=dict(fixed_overhead_s=1.0, per_token_s=0.0, per_context_token_s=0.0))
     assert res.window_stats == {"a": {"prompt_tokens": 4, "output_tokens": 2}}
 

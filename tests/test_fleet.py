@@ -11,11 +11,12 @@ import random
 import pytest
 
 from minivllm.interfaces import Router
-from minivllm.labs.check_lab05 import Arrival, serve
+from minivllm.labs.check_lab05 import serve
 from minivllm.labs.workloads import sim_engine
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
-from minivllm.sim.fleet import GPU_LIKE, ChatMix, Fleet, FleetArrival, run_fleet, sim_replica
+from minivllm.arrival import Arrival
+from minivllm.sim.fleet import GPU_LIKE, ChatMix, Fleet, run_fleet, sim_replica
 from minivllm.sim.router import (
     HashRing,
     LeastOutstandingRouter,
@@ -177,7 +178,7 @@ def _fixed_arrivals(n=40, seed=6):
     for i in range(n):
         t += rng.expovariate(8.0)
         prompt = system + [rng.randrange(10, 900) for _ in range(rng.randint(4, 60))]
-        out.append(FleetArrival(round(t, 6), f"r{i}", tuple(prompt), rng.randint(1, 20)))
+        out.append(Arrival(round(t, 6), f"r{i}", "default", tuple(prompt), rng.randint(1, 20)))
     return out
 
 
@@ -214,7 +215,7 @@ def test_one_replica_fleet_matches_an_independent_arrival_loop():
     arrivals = _fixed_arrivals(30, seed=7)
     res = Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run(arrivals)
     eng = small_replica(SimulatedExecutor(**GPU_LIKE))
-    ref = serve(eng, [Arrival(a.time, a.request_id, a.tenant, a.prompt, a.max_tokens) for a in arrivals])
+    ref = serve(eng, arrivals)  # the fleet's own arrivals: one class for both loops
     ids = [a.request_id for a in arrivals]
     assert [round(r.ttft, 9) for r in res.results] == [round(ref.ttft[i], 9) for i in ids]
     assert [round(r.e2e, 9) for r in res.results] == [round(ref.latency[i], 9) for i in ids]
@@ -235,8 +236,7 @@ def test_replicas_never_run_ahead_of_an_arrival():
     assert len({res.placement[a.request_id] for a in arrivals}) > 1, "the check needs more than one busy replica"
     for k in range(3):
         mine = [a for a in arrivals if res.placement[a.request_id] == k]
-        ref = serve(small_replica(SimulatedExecutor(**GPU_LIKE)),
-                    [Arrival(a.time, a.request_id, a.tenant, a.prompt, a.max_tokens) for a in mine])
+        ref = serve(small_replica(SimulatedExecutor(**GPU_LIKE)), mine)
         got = {a.request_id: res.result(a.request_id) for a in mine}
         assert {i: round(got[i].ttft, 9) for i in got} == {i: round(ref.ttft[i], 9) for i in got}, k
         assert {i: round(got[i].e2e, 9) for i in got} == {i: round(ref.latency[i], 9) for i in got}, k
@@ -402,7 +402,7 @@ def test_the_bench_reads_its_slo_flags_as_milliseconds(tmp_path):
 
 
 def test_arrivals_before_the_clock_starts_are_refused():
-    a = FleetArrival(-1.0, "early", (1, 2, 3), 2)
+    a = Arrival(-1.0, "early", "default", (1, 2, 3), 2)
     with pytest.raises(ValueError, match="precedes the replicas' clocks"):
         Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run([a])
 
@@ -463,8 +463,9 @@ def test_least_outstanding_routes_on_what_a_load_balancer_could_count_at_the_arr
             seen.append(list(loads))
             return super().route(prompt, loads)
 
-    arrivals = [FleetArrival(0.0, "A", tuple(range(10, 110)), 1), FleetArrival(0.0, "C", tuple(range(200, 250)), 10),
-                FleetArrival(0.03, "D", tuple(range(300, 340)), 4)]
+    arrivals = [Arrival(0.0, "A", "default", tuple(range(10, 110)), 1),
+                Arrival(0.0, "C", "default", tuple(range(200, 250)), 10),
+                Arrival(0.03, "D", "default", tuple(range(300, 340)), 4)]
     res = Fleet(2, Spy(), engine_factory=small_replica).run(arrivals)
     first_token = {rid: res.result(rid).arrival + res.result(rid).ttft for rid in ("A", "C")}
     assert min(first_token.values()) > 0.03  # neither had streamed anything when D arrived
@@ -489,8 +490,8 @@ def test_a_request_refused_at_the_door_does_not_count_as_a_cache_lookup():
     """The windowed hit rate is cached prompt tokens over the tokens looked up; a request refused at the door
     (longer than the replica's max_model_len) never reached the cache.  Oracle: the same window without it."""
     shared = tuple(range(10, 74))  # 4 full 16-token blocks every prompt starts with
-    arrivals = [FleetArrival(float(i), f"q{i}", shared + tuple(range(100 * i, 100 * i + 4)), 4) for i in range(3)]
-    refused = FleetArrival(1.5, "long", tuple([11] * 5000), 4)
+    arrivals = [Arrival(float(i), f"q{i}", "default", shared + tuple(range(100 * i, 100 * i + 4)), 4) for i in range(3)]
+    refused = Arrival(1.5, "long", "default", tuple([11] * 5000), 4)
     rates = []
     for arrs in (arrivals, sorted(arrivals + [refused], key=lambda a: a.time)):
         res = Fleet(1, RoundRobinRouter(), engine_factory=small_replica).run(arrs)
@@ -505,7 +506,7 @@ def test_prefix_affinity_routes_a_prompt_the_engine_will_refuse_instead_of_crash
     prefix affinity packed ids as uint32 and the whole run died in a ``struct.error``.  Oracle: the same
     outcomes as round robin, and in-range keys unchanged (two equal prompts still share an owner)."""
     for prompt in ((-1, 5), (2**32, 5)):
-        arrivals = [FleetArrival(0.0, "a", prompt, 3), FleetArrival(0.1, "b", (5, 6, 7), 3)]
+        arrivals = [Arrival(0.0, "a", "default", prompt, 3), Arrival(0.1, "b", "default", (5, 6, 7), 3)]
         want = [r.outcome for r in Fleet(2, RoundRobinRouter(), engine_factory=small_replica).run(arrivals).results]
         got = Fleet(2, PrefixAffinityRouter(2), engine_factory=small_replica).run(arrivals).results
         assert [r.outcome for r in got] == want, prompt

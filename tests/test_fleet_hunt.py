@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.sim.fleet import ChatMix, Fleet, FleetArrival, FleetResult, ReplicaStats, run_fleet, sim_replica
+from minivllm.arrival import Arrival
+from minivllm.sim.fleet import ChatMix, Fleet, FleetResult, ReplicaStats, run_fleet, sim_replica
 from minivllm.sim.router import PrefixAffinityRouter, RoundRobinRouter
 
 import test_fleet  # noqa: E402  (tests/ is on sys.path): its small replica and chat mix
@@ -60,8 +61,8 @@ def test_without_a_window_or_with_one_holding_everything_the_per_replica_figures
     """A request refused at the door was never admitted: it counts neither as a replica's request nor as a
     lookup, in the engines' counters and in the window's recount alike."""
     shared = tuple(range(10, 74))
-    arrivals = [FleetArrival(0.5 * i, f"q{i}", shared + tuple(range(100 * i, 100 * i + 4)), 4) for i in range(6)]
-    arrivals.insert(3, FleetArrival(1.2, "long", tuple([11] * 5000), 4))
+    arrivals = [Arrival(0.5 * i, f"q{i}", "default", shared + tuple(range(100 * i, 100 * i + 4)), 4) for i in range(6)]
+    arrivals.insert(3, Arrival(1.2, "long", "default", tuple([11] * 5000), 4))
     res = Fleet(2, RoundRobinRouter(), engine_factory=small_replica).run(arrivals)
     assert res.result("long").outcome == "error"
     whole, everything = res.summary(), res.summary(window=(-1.0, 1e9))

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from minivllm.sim.executor import SimulatedExecutor
-from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+from minivllm.arrival import Arrival
+from minivllm.sim.fleet import Fleet, sim_replica
 from minivllm.sim.router import HashRing, PrefixAffinityRouter, RoundRobinRouter
 
 SMALL = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
@@ -55,7 +56,7 @@ def test_fleet_latency_percentiles_are_of_the_merged_samples_not_an_average_over
     arrivals = []
     for i in range(40):
         n = 600 if i % 2 == 0 else 20
-        arrivals.append(FleetArrival(round(0.05 * i, 6), f"r{i}", tuple(range(10 + i, 10 + i + n)), 6))
+        arrivals.append(Arrival(round(0.05 * i, 6), f"r{i}", "default", tuple(range(10 + i, 10 + i + n)), 6))
     res = Fleet(2, RoundRobinRouter(), engine_factory=_small).run(arrivals)
     assert {res.placement[a.request_id] for a in arrivals[::2]} == {0}  # the layout the oracle relies on
     per_replica_p99 = []
@@ -83,8 +84,9 @@ def test_an_arrival_at_a_replica_still_finishing_its_last_step_waits_for_that_st
     clock passes it) and is routed to replica 1: by hand it joins replica 1's next step, 1 -> 2, so its TTFT
     is 2 - 0.5 = 1.5 s and replica 1's steps never overlap.  Catches an idle replica's clock set back to the
     arrival (C's TTFT would be 1.0 s, served inside a step that had already run)."""
-    arrivals = [FleetArrival(0.0, "A", tuple(range(10, 30)), 5), FleetArrival(0.0, "B", tuple(range(40, 60)), 1),
-                FleetArrival(0.5, "C", tuple(range(70, 90)), 1)]
+    arrivals = [Arrival(0.0, "A", "default", tuple(range(10, 30)), 5),
+                Arrival(0.0, "B", "default", tuple(range(40, 60)), 1),
+                Arrival(0.5, "C", "default", tuple(range(70, 90)), 1)]
     res = Fleet(2, _Scripted([0, 1, 1]), executor_factory=_one_second_steps, engine_factory=_small).run(arrivals)
     assert res.placement == {"A": 0, "B": 1, "C": 1}
     assert (res.result("B").ttft, res.result("C").ttft, res.result("C").e2e) == (1.0, 1.5, 1.5)
@@ -153,8 +155,9 @@ def test_a_router_that_scribbles_on_the_loads_it_is_shown_cannot_change_the_flee
             loads[:] = [0] * len(loads)
             return super().route(prompt, loads)
 
-    arrivals = [FleetArrival(0.0, "A", tuple(range(10, 110)), 1), FleetArrival(0.0, "C", tuple(range(200, 250)), 10),
-                FleetArrival(0.03, "D", tuple(range(300, 340)), 4)]
+    arrivals = [Arrival(0.0, "A", "default", tuple(range(10, 110)), 1),
+                Arrival(0.0, "C", "default", tuple(range(200, 250)), 10),
+                Arrival(0.03, "D", "default", tuple(range(300, 340)), 4)]
     fleet = Fleet(2, Scribbler([0, 1, 1]), engine_factory=_small)
     fleet.run(arrivals)
     assert seen == [[0, 0], [101, 0], [101, 60]]
@@ -251,18 +254,19 @@ def test_replicas_with_equal_clocks_step_in_index_order():
     every turn stays where it began.  Kills: the highest index first among equal clocks (chat 1's turn routed
     first: the two chats swap replicas on turn 1)."""
     from minivllm.sim.executor import SimulatedExecutor
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
     from minivllm.sim.router import RoundRobinRouter
 
     small = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
-    arrivals = [FleetArrival(0.0, f"s{i}t0", tuple(range(10 + 100 * i, 40 + 100 * i)), 3, "chat", i, 0)
+    arrivals = [Arrival(0.0, f"s{i}t0", "chat", tuple(range(10 + 100 * i, 40 + 100 * i)), 3, conversation=i, turn=0)
                 for i in range(2)]
 
     def follow(a, toks, t):
         if a.turn >= 2:
             return None
-        return FleetArrival(t, f"s{a.conversation}t{a.turn + 1}", a.prompt + tuple(toks) + (5, 6, 7), 3, a.tenant,
-                            a.conversation, a.turn + 1)
+        return Arrival(t, f"s{a.conversation}t{a.turn + 1}", a.tenant, a.prompt + tuple(toks) + (5, 6, 7), 3,
+                       conversation=a.conversation, turn=a.turn + 1)
 
     fleet = Fleet(2, RoundRobinRouter(),
                   executor_factory=lambda: SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0,

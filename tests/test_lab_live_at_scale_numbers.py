@@ -83,7 +83,8 @@ def test_an_unchunked_sweep_row_prefills_whole_prompts_and_a_learners_builder_ru
     2,040 tokens first; by a learner's builder that fills at most 1,000 tokens a step, 1,000 - 8 = 992.
     Unchunked it is prefilled whole: 2,044, builder or not.  Kills: chunking switched on for the ``None`` row,
     and the learner's builder installed in the unchunked run."""
-    from minivllm.labs.check_lab04 import Arrival, engine_build_batch
+    from minivllm.arrival import Arrival
+    from minivllm.labs.check_lab04 import engine_build_batch
 
     def small_steps(running, budget, threshold):  # a learner's builder: the engine's rule under 1,000 tokens
         return engine_build_batch(running, min(budget, 1000), threshold)

@@ -550,7 +550,8 @@ def test_chunk_sweep_reports_the_longest_single_request_chunk_and_tokens_over_vi
     whole in the first step (1,000 tokens), so the longest chunk is 700 -- and the last token's time from a
     second run of the same engine."""
     from minivllm.labs import at_scale
-    from minivllm.labs.check_lab04 import Arrival, run_arrivals
+    from minivllm.arrival import Arrival
+    from minivllm.labs.check_lab04 import run_arrivals
 
     arrivals = [Arrival(0.0, "c0", "default", tuple(range(10, 310)), 5),
                 Arrival(0.0, "c1", "default", tuple(range(10, 710)), 7)]

@@ -114,11 +114,12 @@ def test_prompt_tokens_count_only_served_requests_in_a_fleet():
     """A request refused at a replica's door (longer than its max_model_len) is recorded with its prompt length
     as ``prompt_tokens``, but no replica prefilled it: the summary's prompt tokens are the served requests'.
     Oracle: the served prompts' lengths, summed by hand.  Kills: prompt tokens summed over every result."""
-    from minivllm.sim.fleet import Fleet, FleetArrival
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet
     from minivllm.sim.router import RoundRobinRouter
 
-    served = [FleetArrival(float(i), f"q{i}", tuple(range(10 + i, 40 + i)), 4) for i in range(3)]
-    refused = FleetArrival(1.5, "long", tuple([11] * 5000), 4)
+    served = [Arrival(float(i), f"q{i}", "default", tuple(range(10 + i, 40 + i)), 4) for i in range(3)]
+    refused = Arrival(1.5, "long", "default", tuple([11] * 5000), 4)
     res = Fleet(1, RoundRobinRouter(), engine_factory=_small_replica).run(
         sorted(served + [refused], key=lambda a: a.time))
     assert res.result("long").outcome == "error" and res.result("long").prompt_tokens == 5000
@@ -147,11 +148,13 @@ def test_a_rejected_request_is_not_a_cache_lookup():
     hit rate over the whole run must equal the engines' own counters (hit tokens over queried tokens), which
     count only admitted requests.  Kills: a rejected request given a cached-tokens entry (its whole prompt
     added to the looked-up tokens, the hit rate diluted)."""
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
     from minivllm.sim.router import RoundRobinRouter
 
     shared = tuple(range(10, 42))  # two full blocks every prompt starts with; r0 caches them, the rest come later
-    arrivals = [FleetArrival(0.0 if i == 0 else 0.5, f"r{i}", shared + tuple(range(100 + 10 * i, 108 + 10 * i)), 40) for i in range(6)]
+    arrivals = [Arrival(0.0 if i == 0 else 0.5, f"r{i}", "default", shared + tuple(range(100 + 10 * i, 108 + 10 * i)), 40)
+                for i in range(6)]
     fleet = Fleet(1, RoundRobinRouter(), engine_factory=lambda ex: sim_replica(
         ex, num_blocks=12, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, model_max_len=512,
         preemption_mode="reject"))

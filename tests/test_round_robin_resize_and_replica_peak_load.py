@@ -11,7 +11,8 @@
 from __future__ import annotations
 
 from minivllm.sim.executor import SimulatedExecutor
-from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+from minivllm.arrival import Arrival
+from minivllm.sim.fleet import Fleet, sim_replica
 from minivllm.sim.router import LeastOutstandingRouter, RoundRobinRouter
 
 
@@ -29,7 +30,8 @@ def test_peak_outstanding_adds_up_the_requests_held_together():
     """One replica, two requests arriving at t=0, both routed before its first step: A holds 20 prompt + 10
     output tokens, B 40 + 5, so the replica's outstanding count reaches 30 + 45 = 75 -- its peak, since nothing
     is added later and the count only falls as tokens stream back."""
-    arrivals = [FleetArrival(0.0, "A", tuple(range(10, 30)), 10), FleetArrival(0.0, "B", tuple(range(100, 140)), 5)]
+    arrivals = [Arrival(0.0, "A", "default", tuple(range(10, 30)), 10),
+                Arrival(0.0, "B", "default", tuple(range(100, 140)), 5)]
     fleet = Fleet(1, LeastOutstandingRouter(),
                   executor_factory=lambda: SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0,
                                                              per_context_token_s=0.0),

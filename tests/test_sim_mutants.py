@@ -342,10 +342,12 @@ def test_fleet_timeline_loads_busy_time_and_duration_by_hand():
     arrival, an arrival at a step boundary dispatched one step late, prompt tokens never leaving the
     router's count, ``busy_s`` overwritten instead of accumulated, the busy fraction not divided by the
     duration, the duration measured from t=0."""
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
 
-    arrivals = [FleetArrival(2.0, "A", tuple(range(10, 30)), 10), FleetArrival(2.0, "A2", tuple(range(10, 50)), 5),
-                FleetArrival(6.0, "B", tuple(range(100, 112)), 3)]
+    arrivals = [Arrival(2.0, "A", "default", tuple(range(10, 30)), 10),
+                Arrival(2.0, "A2", "default", tuple(range(10, 50)), 5),
+                Arrival(6.0, "B", "default", tuple(range(100, 112)), 3)]
     router = _Scripted([0, 1, 1])
     fleet = Fleet(2, router, executor_factory=_one_second_steps, engine_factory=lambda ex: sim_replica(ex, **_SMALL))
     res = fleet.run(arrivals)
@@ -364,10 +366,12 @@ def test_peak_outstanding_is_the_highest_load_not_the_last():
     test above, worked by hand: replica 1 takes A2 at t=2 (40 prompt + 5 output = 45 outstanding), and at t=6,
     when A2 has streamed its prompt and 4 tokens, B (12 + 3) joins a load of 1: 16.  Its peak is 45, not 16;
     replica 0 held only A (20 + 10 = 30).  Catches the peak overwritten by each new arrival's load."""
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
 
-    arrivals = [FleetArrival(2.0, "A", tuple(range(10, 30)), 10), FleetArrival(2.0, "A2", tuple(range(10, 50)), 5),
-                FleetArrival(6.0, "B", tuple(range(100, 112)), 3)]
+    arrivals = [Arrival(2.0, "A", "default", tuple(range(10, 30)), 10),
+                Arrival(2.0, "A2", "default", tuple(range(10, 50)), 5),
+                Arrival(6.0, "B", "default", tuple(range(100, 112)), 3)]
     fleet = Fleet(2, _Scripted([0, 1, 1]), executor_factory=_one_second_steps,
                   engine_factory=lambda ex: sim_replica(ex, **_SMALL))
     res = fleet.run(arrivals)
@@ -378,10 +382,11 @@ def test_no_follow_up_turn_after_a_refused_request():
     """A chat's next turn is sent only after an answer; a request the engine rejected (reject preemption mode
     under KV pressure) ends its conversation.  Catches asking ``follow_up`` for failed requests too (a
     closed-loop client would then build the next turn on an empty answer)."""
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
     from minivllm.sim.router import RoundRobinRouter
 
-    arrivals = [FleetArrival(0.0, f"r{i}", tuple(range(10 + i, 50 + i)), 40) for i in range(6)]
+    arrivals = [Arrival(0.0, f"r{i}", "default", tuple(range(10 + i, 50 + i)), 40) for i in range(6)]
     asked = []
 
     def follow_up(arrival, output_token_ids, finished_at):
@@ -404,10 +409,12 @@ def test_windowed_busy_fraction_clips_steps_to_the_window():
     to 12, replica 1 from 2 to 9.  In (2.5, 5.0) replica 0 is busy all 2.5 s (half of the step 2-3 counts);
     in (8.5, 10.0) replica 0 is busy 1.5 of 1.5 s and replica 1 only 0.5 s (the second half of its step 8-9).
     Catches whole steps counted by where they start."""
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
 
-    arrivals = [FleetArrival(2.0, "A", tuple(range(10, 30)), 10), FleetArrival(2.0, "A2", tuple(range(10, 50)), 5),
-                FleetArrival(6.0, "B", tuple(range(100, 112)), 3)]
+    arrivals = [Arrival(2.0, "A", "default", tuple(range(10, 30)), 10),
+                Arrival(2.0, "A2", "default", tuple(range(10, 50)), 5),
+                Arrival(6.0, "B", "default", tuple(range(100, 112)), 3)]
     fleet = Fleet(2, _Scripted([0, 1, 1]), executor_factory=_one_second_steps,
                   engine_factory=lambda ex: sim_replica(ex, **_SMALL))
     res = fleet.run(arrivals)
@@ -420,10 +427,11 @@ def test_windowed_replica_requests_count_rejected_requests_as_the_whole_run_does
     """A request the engine rejected (reject preemption mode) was admitted to its replica: the unwindowed
     ``replica_requests`` (the replica's own count) has it, and a window that covers the whole run must give the
     same count.  Catches the windowed recount keeping only requests that looked the cache up."""
-    from minivllm.sim.fleet import Fleet, FleetArrival, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import Fleet, sim_replica
     from minivllm.sim.router import RoundRobinRouter
 
-    arrivals = [FleetArrival(0.0, f"r{i}", tuple(range(10 + i, 50 + i)), 40) for i in range(6)]
+    arrivals = [Arrival(0.0, f"r{i}", "default", tuple(range(10 + i, 50 + i)), 40) for i in range(6)]
     fleet = Fleet(1, RoundRobinRouter(), engine_factory=lambda ex: sim_replica(
         ex, num_blocks=12, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, model_max_len=512,
         preemption_mode="reject"))
@@ -453,12 +461,14 @@ def test_named_prefix_affinity_keys_on_key_blocks_blocks():
     on the hash of each prompt's first 320 tokens.  8 prompts of 340 tokens stay under the 4,096-token spill
     floor, so every request goes to its owner.  Catches the router's own default (16 blocks: one key, one
     replica for all of them)."""
-    from minivllm.sim.fleet import KEY_BLOCKS, FleetArrival, run_fleet, sim_replica
+    from minivllm.arrival import Arrival
+    from minivllm.sim.fleet import KEY_BLOCKS, run_fleet, sim_replica
     from minivllm.sim.router import stable_hash
 
     assert KEY_BLOCKS == 20
     system = list(range(10, 10 + 16 * 16))
-    arrivals = [FleetArrival(0.0, f"q{i}", tuple(system + [500 + 7 * i + j for j in range(80)]), 4) for i in range(8)]
+    arrivals = [Arrival(0.0, f"q{i}", "default", tuple(system + [500 + 7 * i + j for j in range(80)]), 4)
+                for i in range(8)]
     n = 3
     points = [(stable_hash(f"replica-{r}#{v}"), r) for r in range(n) for v in range(64)]
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from minivllm.argtypes import output_file, positive_float, positive_int
+from minivllm.arrival import Arrival
 from minivllm.bench.results import write_result
 from minivllm.config import TenantConfig
 from minivllm.engine.input_processor import output_room
@@ -76,26 +77,6 @@ CALIBRATION = {  # (kind, sequences, context, measured s, fitted s) per shape
 
 
 @dataclass
-class Arrival:
-    """A timed request of the benchmark; the engine numbers it.
-
-    The labs' workloads have their own (:class:`minivllm.labs.workloads.Arrival`, one class for labs 4-6): it
-    names each request, since the labs' tables and lab 6's retry client find requests by id, and that id is its
-    second positional field, where this one has the tenant -- one class would change the meaning of one side's
-    positional calls.  :class:`ArrivalDriver` reads only what the two share: ``time``, ``tenant``, ``prompt`` and
-    ``session``.
-    """
-
-    time: float
-    tenant: str
-    prompt: list[int]
-    max_tokens: int
-    priority: int = 0
-    deadline: float | None = None
-    session: int | None = None  # agent session (closed loop): the next call follows this one's finish
-
-
-@dataclass
 class Run:
     outputs: dict = field(default_factory=dict)  # request id -> (tenant, RequestOutput)
     stats: dict = field(default_factory=dict)
@@ -109,6 +90,10 @@ class Run:
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(10, 990) for _ in range(n)]
+
+
+def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(_tokens(rng, n))
 
 
 def _poisson(rng: random.Random, rate: float, until: float):
@@ -128,13 +113,13 @@ NOISY_PRIORITY, NOISY_DEADLINE_S = 1, 30.0
 
 def noisy_quiet_workload(seed: int, duration: float, quiet_alone: bool = False) -> list[Arrival]:
     rng = random.Random(seed)
-    out = [Arrival(t, "quiet", _tokens(rng, rng.randint(150, 450)), rng.randint(20, 60), priority=QUIET_PRIORITY,
-                   deadline=t + QUIET_DEADLINE_S)
-           for t in _poisson(rng, 4.0, duration)]
+    out = [Arrival(t, f"quiet-{i}", "quiet", _prompt(rng, rng.randint(150, 450)), rng.randint(20, 60),
+                   priority=QUIET_PRIORITY, deadline=t + QUIET_DEADLINE_S)
+           for i, t in enumerate(_poisson(rng, 4.0, duration))]
     if not quiet_alone:
-        out += [Arrival(t, "noisy", _tokens(rng, rng.randint(3000, 5000)), rng.randint(40, 120),
+        out += [Arrival(t, f"noisy-{i}", "noisy", _prompt(rng, rng.randint(3000, 5000)), rng.randint(40, 120),
                         priority=NOISY_PRIORITY, deadline=t + NOISY_DEADLINE_S)
-                for t in _poisson(rng, 2.5, duration)]
+                for i, t in enumerate(_poisson(rng, 2.5, duration))]
     return sorted(out, key=lambda a: a.time)
 
 
@@ -144,7 +129,7 @@ def backlogged_workload(seed: int) -> list[Arrival]:
     out = []
     for i in range(60):
         for name, (p, o) in shapes.items():
-            out.append(Arrival(0.001 * i, name, _tokens(rng, rng.randint(*p)), rng.randint(*o)))
+            out.append(Arrival(0.001 * i, f"{name}-{i}", name, _prompt(rng, rng.randint(*p)), rng.randint(*o)))
     return out
 
 
@@ -166,7 +151,7 @@ def shared_prefix_workload(seed: int, counts: dict[str, int] | None = None, syst
                 prompt = system + _tokens(rng, prompt_len - system_len)
             else:  # B: a unique prompt as long as A's; any other tenant: a short unique one
                 prompt = _tokens(rng, prompt_len if tenant == "B" else 100)
-            out.append(Arrival(0.001 * i, tenant, prompt, rng.randint(*outputs)))
+            out.append(Arrival(0.001 * i, f"{tenant}-{i}", tenant, tuple(prompt), rng.randint(*outputs)))
     return sorted(out, key=lambda a: a.time)
 
 
@@ -202,15 +187,16 @@ def slice_fairness(series: list[tuple[float, dict]], weights: dict[str, float], 
 
 def three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dict]:
     rng = random.Random(seed)
-    out = [Arrival(t, "chat", _tokens(rng, rng.randint(100, 1000)), rng.randint(50, 150))
-           for t in _poisson(rng, 3.0, duration)]
-    out += [Arrival(0.002 * i, "bulk", _tokens(rng, rng.randint(2000, 12000)), rng.randint(100, 300))
+    out = [Arrival(t, f"chat-{i}", "chat", _prompt(rng, rng.randint(100, 1000)), rng.randint(50, 150))
+           for i, t in enumerate(_poisson(rng, 3.0, duration))]
+    out += [Arrival(0.002 * i, f"bulk-{i}", "bulk", _prompt(rng, rng.randint(2000, 12000)), rng.randint(100, 300))
             for i in range(80)]
     sessions = {}
     for s in range(6):
         system = _tokens(rng, 1500)
         sessions[s] = {"context": system, "calls_left": 12, "rng": random.Random(seed * 100 + s)}
-        out.append(Arrival(rng.uniform(0, 2), "agent", system + _tokens(rng, 100), rng.randint(40, 100), session=s))
+        out.append(Arrival(rng.uniform(0, 2), f"agent-s{s}-c0", "agent", tuple(system + _tokens(rng, 100)),
+                           rng.randint(40, 100), session=s))
     return sorted(out, key=lambda a: a.time), sessions
 
 
@@ -225,14 +211,16 @@ def cpu_three_class_workload(seed: int, duration: float) -> tuple[list[Arrival],
     prompts of 300-600 tokens.
     """
     rng = random.Random(seed)
-    out = [Arrival(t, "chat", _tokens(rng, rng.randint(20, 60)), rng.randint(8, 24))
-           for t in _poisson(rng, 0.5, duration)]
-    out += [Arrival(0.002 * i, "bulk", _tokens(rng, rng.randint(300, 600)), rng.randint(32, 64)) for i in range(8)]
+    out = [Arrival(t, f"chat-{i}", "chat", _prompt(rng, rng.randint(20, 60)), rng.randint(8, 24))
+           for i, t in enumerate(_poisson(rng, 0.5, duration))]
+    out += [Arrival(0.002 * i, f"bulk-{i}", "bulk", _prompt(rng, rng.randint(300, 600)), rng.randint(32, 64))
+            for i in range(8)]
     sessions = {}
     for s in range(3):
         system = _tokens(rng, 300)
         sessions[s] = {"context": system, "calls_left": 5, "rng": random.Random(seed * 100 + s)}
-        out.append(Arrival(rng.uniform(0, 2), "agent", system + _tokens(rng, 40), rng.randint(8, 24), session=s))
+        out.append(Arrival(rng.uniform(0, 2), f"agent-s{s}-c0", "agent", tuple(system + _tokens(rng, 40)),
+                           rng.randint(8, 24), session=s))
     return sorted(out, key=lambda a: a.time), sessions
 
 
@@ -372,12 +360,16 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
         sessions[k]["rng"] = random.Random(k + 7)
 
     def add(a: Arrival) -> str:
-        return engine.add_request({"prompt_token_ids": a.prompt}, SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+        return engine.add_request({"prompt_token_ids": list(a.prompt)},
+                                  SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id,
                                   tenant=a.tenant, priority=a.priority, arrival_time=a.time, deadline=a.deadline)
 
+    def follow(a: Arrival, at: float, prompt: list, max_tokens: int) -> Arrival:
+        n = len(loop.calls[a.session])  # the session's calls so far: the next one's number
+        return Arrival(at, f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(prompt), max_tokens, session=a.session)
+
     loop = ArrivalDriver(engine, arrivals, add=add, window=window, max_steps=max_steps, sessions=sessions,
-                         follow=lambda a, at, prompt, n: Arrival(at, a.tenant, prompt, n, session=a.session),
-                         name=f"{policy}:")
+                         follow=follow, name=f"{policy}:")
     res = Run()
     for s in loop:
         for out in s.outputs:

@@ -77,7 +77,8 @@ def chunk_engine(budget: int | None, *, model: str = MODEL, hardware: str = HARD
 
 def chunk_sweep(budgets: Sequence[int | None], arrivals, *, builder=None, itl_stats=None,
                 **engine_options: Any) -> dict:
-    """``{budget: summary}`` for ``arrivals`` (lab 4's :class:`Arrival` list) served at each budget.
+    """``{budget: summary}`` for ``arrivals`` (lab 4's list of :class:`~minivllm.arrival.Arrival`) served at each
+    budget.
 
     ``builder`` (a lab-4 batch builder) replaces the engine's step 2 in the chunked runs and
     ``itl_stats`` measures the gaps, so a learner's own functions run at scale.  The summary is lab 4's

@@ -24,11 +24,12 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from minivllm.arrival import Arrival
 from minivllm.config import EngineConfig
 from minivllm.interfaces import BatchBuilder, check_seam
 from minivllm.labs.checkers import Case, CheckResult, run_checks, wrong_container
 from minivllm.labs.registry import Exercise, Lab
-from minivllm.labs.workloads import GPU_LIKE, Arrival, random_requests, run_engine, sim_engine
+from minivllm.labs.workloads import GPU_LIKE, random_requests, run_engine, sim_engine
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
@@ -650,7 +651,7 @@ def prefill_block(engine, request_id: str, prompt_len: int) -> tuple[int, float]
 
 
 __all__ = [
-    "Arrival", "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "WithLimits", "check_build_batch",
+    "GPU_LIKE", "LONG_PROMPT", "NO_CHUNKING", "WithLimits", "check_build_batch",
     "check_itl_stats", "check_pick_budget", "decoder_times", "engine_build_batch", "engine_itl_stats",
     "engine_pick_budget", "install_batch_builder", "lab_engine", "mixed_arrivals",
     "percentile", "prefill_block", "run_arrivals", "serve", "step_durations", "step_starts", "summarize",

@@ -15,10 +15,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from minivllm.arrival import Arrival
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
-from minivllm.labs.workloads import GPU_LIKE, Arrival
+from minivllm.labs.workloads import GPU_LIKE
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams

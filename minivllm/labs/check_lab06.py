@@ -22,13 +22,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from minivllm.arrival import Arrival
 from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, ArrivalDriver, jain
 from minivllm.bench.fairness import next_agent_call  # noqa: F401 (the agents' mechanism, by the name lab 6 gives it)
 from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.labs.widgets import PictureWidget
-from minivllm.labs.workloads import Arrival
 from minivllm.metrics.stats import meets_slo, nearest_rank
 from minivllm.metrics.step_log import HeldBlocks
 from minivllm.sampling_params import SamplingParams
@@ -59,11 +59,13 @@ def noisy_quiet(duration: float = 8.0, *, seed: int = 0, quiet_alone: bool = Fal
     out = []
     for i, t in enumerate(_poisson(rng, 4.0, duration)):
         prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(150, 450)))
-        out.append(Arrival(round(t, 6), f"quiet-{i}", "quiet", prompt, rng.randint(20, 60), round(t + 1.0, 6)))
+        out.append(Arrival(round(t, 6), f"quiet-{i}", "quiet", prompt, rng.randint(20, 60),
+                           deadline=round(t + 1.0, 6)))
     if not quiet_alone:
         for i, t in enumerate(_poisson(rng, 2.5, duration)):
             prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(3000, 5000)))
-            out.append(Arrival(round(t, 6), f"noisy-{i}", "noisy", prompt, rng.randint(40, 120), round(t + 30.0, 6)))
+            out.append(Arrival(round(t, 6), f"noisy-{i}", "noisy", prompt, rng.randint(40, 120),
+                               deadline=round(t + 30.0, 6)))
     return sorted(out, key=lambda a: a.time)
 
 
@@ -292,7 +294,7 @@ class RetryClient:
             return []
         rid = f"{job}.r{len(self.sends[job])}"
         self.job_of[rid] = job
-        return [Arrival(at, rid, a.tenant, a.prompt, a.max_tokens, a.deadline)]
+        return [Arrival(at, rid, a.tenant, a.prompt, a.max_tokens, deadline=a.deadline)]
 
     def after_step(self, engine, outputs, now: float) -> list[Arrival]:
         """Read this step's outputs, give up on requests past the timeout; return the requests to send."""
@@ -828,7 +830,7 @@ def _deadline_engine_run(policy: dict, seed: int = 3, result: bool = False):
     for i in range(60):
         t = round(0.02 * i, 6)
         arrivals.append(Arrival(t, f"chat-{i}", "chat", tuple(rng.randrange(10, 990) for _ in range(60)), 20,
-                                round(t + 0.05, 6)))
+                                deadline=round(t + 0.05, 6)))
     engine = lab_engine(policy, num_blocks=512, budget=512, max_seqs=2)
     res = serve(engine, arrivals)
     if result:

@@ -10,7 +10,6 @@ a quiz answer so it cannot drift from the engine.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from minivllm.kv.block_pool import BlockPool
@@ -21,30 +20,6 @@ from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
-
-
-# -- timed requests ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Arrival:
-    """One request of a lab's open-loop workload: when it arrives, its id, whose it is, its prompt ids and its
-    output length -- the workloads of labs 4, 5 and 6, and the drivers that replay them.
-
-    One class for the three labs because it is one idea: a lab that adds a field (lab 5's priority, lab 6's
-    deadline and agent session) adds it here, with a default the other labs never see.  ``deadline`` (an absolute
-    time) and ``session`` (a closed-loop agent session: its next call follows this call's finish, see
-    :func:`minivllm.bench.fairness.next_agent_call`) come first because lab 6 passes the deadline by position.
-    """
-
-    time: float
-    request_id: str
-    tenant: str
-    prompt: tuple
-    max_tokens: int
-    deadline: float | None = None
-    session: int | None = None
-    priority: int = 0  # lower runs first under scheduling_policy="priority"
 
 
 # -- simulated engine runs ---------------------------------------------------------

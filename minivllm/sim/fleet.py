@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.arrival import Arrival
 from minivllm.bench.loadgen import RequestResult, summarize_group
 from minivllm.interfaces import Router
 from minivllm.sampling_params import SamplingParams
@@ -68,19 +69,6 @@ def _replica_index(k: Any, num_replicas: int) -> int:
             if 0 <= i < num_replicas:
                 return i
     raise ValueError(f"router returned {k!r}; expected an int replica index in [0, {num_replicas})")
-
-
-@dataclass(frozen=True)
-class FleetArrival:
-    """One request: when it arrives, what it asks, who sent it (``conversation``/``turn`` for chats)."""
-
-    time: float
-    request_id: str
-    prompt: tuple[int, ...]
-    max_tokens: int
-    tenant: str = "default"
-    conversation: int | None = None
-    turn: int = 0
 
 
 class ChatMix:
@@ -137,7 +125,7 @@ class ChatMix:
         self.systems = [self._tokens(rng, system_len) for _ in range(num_system_prompts)]
         session_rate = rate / (single_shot_share + (1 - single_shot_share) * turns)
         self.session_turns: dict[int, int] = {}
-        self._first: list[FleetArrival] = []
+        self._first: list[Arrival] = []
         self.warmup = (turns - 1) * (sum(think_s) / 2 + answer_s)  # about one session: turns, answers, thinking
         self.window = (self.warmup, self.warmup + duration)
         t = rng.expovariate(session_rate)
@@ -146,8 +134,8 @@ class ChatMix:
             k_turns = 1 if rng.random() < single_shot_share else turns
             self.session_turns[s] = k_turns
             prompt = self.systems[rng.randrange(num_system_prompts)] + self._question(s, 0)
-            self._first.append(FleetArrival(round(t, 6), f"s{s}t0", tuple(prompt), self._max_tokens(s, 0),
-                                            "chat" if k_turns > 1 else "single", s, 0))
+            self._first.append(Arrival(round(t, 6), f"s{s}t0", "chat" if k_turns > 1 else "single", tuple(prompt),
+                                       self._max_tokens(s, 0), conversation=s, turn=0))
             t += rng.expovariate(session_rate)
 
     def _tokens(self, rng: random.Random, n: int) -> list[int]:
@@ -172,11 +160,11 @@ class ChatMix:
         that finished ``"ok"``, so a turn refused or failed ends its chat (as a user given an error stops)."""
         return sum(self.session_turns.values())
 
-    def arrivals(self) -> list[FleetArrival]:
+    def arrivals(self) -> list[Arrival]:
         """The first turn of every session, sorted by time."""
         return list(self._first)
 
-    def follow_up(self, arrival: FleetArrival, output_token_ids: Sequence[int], finished_at: float) -> FleetArrival | None:
+    def follow_up(self, arrival: Arrival, output_token_ids: Sequence[int], finished_at: float) -> Arrival | None:
         """The next turn of ``arrival``'s chat, or None when the chat is over."""
         s, k = arrival.conversation, arrival.turn + 1
         if s is None or k >= self.session_turns.get(s, 1):
@@ -184,8 +172,8 @@ class ChatMix:
         think = self._rng(s, k).uniform(*self.think_s)
         prompt = tuple(arrival.prompt) + tuple(output_token_ids) + tuple(self._question(s, k))
         # (rounded to the microsecond, never to before the answer it follows: a zero think time is allowed)
-        return FleetArrival(max(finished_at, round(finished_at + think, 6)), f"s{s}t{k}", prompt,
-                            self._max_tokens(s, k), arrival.tenant, s, k)
+        return Arrival(max(finished_at, round(finished_at + think, 6)), f"s{s}t{k}", arrival.tenant, prompt,
+                       self._max_tokens(s, k), conversation=s, turn=k)
 
 
 def gpu_like_executor() -> SimulatedExecutor:
@@ -376,8 +364,8 @@ class Fleet:
                 raise ValueError("each replica's executor needs a virtual 'clock' attribute")
         self.loads = [0] * num_replicas  # outstanding tokens, the router's view
 
-    def run(self, arrivals: Sequence[FleetArrival], *,
-            follow_up: Callable[[FleetArrival, list[int], float], FleetArrival | None] | None = None,
+    def run(self, arrivals: Sequence[Arrival], *,
+            follow_up: Callable[[Arrival, list[int], float], Arrival | None] | None = None,
             max_steps: int = 2_000_000) -> FleetResult:
         """Serve ``arrivals`` to the end; every request finishes exactly once.
 
@@ -385,11 +373,11 @@ class Fleet:
         :meth:`ChatMix.follow_up`) may return a new request when one finishes:
         the next turn of a chat, arriving at or after ``finished_at``.
         """
-        pending: list[tuple[float, int, FleetArrival]] = []
+        pending: list[tuple[float, int, Arrival]] = []
         seen: set[str] = set()
         seq = 0
 
-        def push(a: FleetArrival) -> None:
+        def push(a: Arrival) -> None:
             nonlocal seq
             if a.request_id in seen:
                 raise ValueError(f"request id {a.request_id!r} is used twice")
@@ -407,7 +395,7 @@ class Fleet:
         engines, loads = self.engines, self.loads
         stats = [ReplicaStats() for _ in engines]
         placement: dict[str, int] = {}
-        by_id: dict[str, FleetArrival] = {}
+        by_id: dict[str, Arrival] = {}
         order: dict[str, int] = {}
         remaining: dict[str, int] = {}  # outstanding tokens of each request in flight (the router's view)
         streamed: dict[str, int] = {}
@@ -521,7 +509,7 @@ class Fleet:
                            cached_tokens=cached, spilled_ids=spilled, preempted=preempted, _index=order)
 
 
-def run_fleet(workload: "ChatMix | Sequence[FleetArrival]", num_replicas: int, router: Router | str, *,
+def run_fleet(workload: "ChatMix | Sequence[Arrival]", num_replicas: int, router: Router | str, *,
               executor_factory: Callable[[], Any] | None = None, engine_factory: Callable[[Any], Any] | None = None,
               **router_options: Any) -> FleetResult:
     """Build a fleet and serve ``workload`` (a :class:`ChatMix`, closed loop, or a list of arrivals).
@@ -541,5 +529,5 @@ def run_fleet(workload: "ChatMix | Sequence[FleetArrival]", num_replicas: int, r
     return fleet.run(workload)
 
 
-__all__ = ["KEY_BLOCKS", "Fleet", "FleetArrival", "FleetResult", "ReplicaStats", "GPU_LIKE", "REPLICA", "ChatMix",
+__all__ = ["KEY_BLOCKS", "Fleet", "FleetResult", "ReplicaStats", "GPU_LIKE", "REPLICA", "ChatMix",
            "run_fleet", "sim_replica", "roofline_factory", "gpu_like_executor", "typical_decode_step_s"]
