@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sim.executor import SimulatedExecutor
+
+from sim_server import serving, small_engine  # (tests/ is on sys.path)
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -50,20 +50,9 @@ def test_the_engine_refuses_an_empty_salt_and_queues_nothing(tokenizer):
 
 @pytest.fixture(scope="module")
 def served(tokenizer):
-    from minivllm.server import BackgroundServer
-
-    cfg = EngineConfig(num_gpu_blocks_override=128, block_size=4, max_model_len=256, max_num_seqs=8,
-                       enable_prefix_caching=True, device="cpu")
-    engine = LLMEngine(cfg, executor=SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer=tokenizer,
-                       model_max_len=256, eos_token_ids=set())
-    srv = BackgroundServer(engine, "sim", start_timeout_s=20)
-    try:
-        srv.client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    engine = small_engine(SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer)
+    with serving(engine) as srv:
         yield srv
-    finally:
-        srv.stop(20)
-    assert not srv.running, "the server thread did not stop"
-    assert engine.stats()["used_blocks"] == 0
 
 
 def _complete(served, **kw):

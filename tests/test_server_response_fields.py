@@ -20,10 +20,10 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from minivllm.config import EngineConfig  # noqa: E402
-from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.sim.executor import SimulatedExecutor  # noqa: E402
 from minivllm.sim.roofline import fake_token  # noqa: E402
+
+from sim_server import serving, small_engine  # noqa: E402  (tests/ is on sys.path)
 
 EOS = 0
 MAX_TOKENS = 6
@@ -52,20 +52,9 @@ class _SampleOneStops(SimulatedExecutor):
 @pytest.fixture(scope="module")
 def served(tokenizer):
     """The server, serving the engine as ``sim`` and as ``sim-alias`` (``BackgroundServer``'s aliases)."""
-    from minivllm.server import BackgroundServer
-
-    cfg = EngineConfig(num_gpu_blocks_override=128, block_size=4, max_model_len=256, max_num_seqs=8,
-                       enable_prefix_caching=True, device="cpu")
-    engine = LLMEngine(cfg, executor=_SampleOneStops(vocab_size=len(tokenizer)), tokenizer=tokenizer,
-                       model_max_len=256, eos_token_ids={EOS})
-    srv = BackgroundServer(engine, "sim", start_timeout_s=20, aliases=("sim-alias",))
-    try:
-        srv.client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    engine = small_engine(_SampleOneStops(vocab_size=len(tokenizer)), tokenizer, eos_token_ids={EOS})
+    with serving(engine, aliases=("sim-alias",)) as srv:
         yield srv
-    finally:
-        srv.stop(20)
-    assert not srv.running, "the server thread did not stop"
-    assert engine.stats()["used_blocks"] == 0
 
 
 def test_prompt_tokens_count_the_whole_prompt_when_part_of_it_was_cached(served, tokenizer):
