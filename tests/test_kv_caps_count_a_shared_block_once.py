@@ -149,7 +149,7 @@ def test_kept_counts_equal_a_set_of_every_block_at_every_read(monkeypatch, polic
     are preempted) and admission's ``[running, blocks + reserved, tokens]`` (as requests are admitted behind
     a cached prompt or forked as samples).  Kills: an admitted request charged its whole table, a victim
     giving back blocks its group still holds, a copy-on-write not counted, a grown table's blocks lost from
-    its bucket.  Then the hard guarantee (never over a cap, in distinct blocks) after every step, and the
+    its holder count.  Then the hard guarantee (never over a cap, in distinct blocks) after every step, and the
     outputs equal an uncapped run's.  With prefix caching off no block is shared when a pass starts, and a sample
     forked in the pass is the first to share (a count that read "nothing can be shared" once, at the start of the
     pass, charged it its whole table)."""
@@ -214,7 +214,7 @@ def test_group_blocks_against_a_set_of_every_block_after_every_change(seed):
     last block swapped for a private copy (copy-on-write, also of a one-block table, whose first block then
     changes), both at once, and leave.  Oracle: a set of every block per group, recounted after every change,
     and the difference of two such counts for what each call returns.  Kills: a copy counted as growth, a grown
-    table's blocks not added to its bucket (its later removal then gives back too little), a removal that gives
+    table's blocks not added to its holder count (its later removal then gives back too little), a removal that gives
     back blocks another member still holds."""
     rng = random.Random(seed)
     fresh = iter(range(10_000))

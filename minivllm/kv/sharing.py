@@ -38,7 +38,8 @@ class GroupBlocks:
     (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, a group's
     count is the sum of its members' tables and no set is built -- for a snapshot only: a
     count that is kept while requests are admitted must say True, since an admission (a
-    prefix hit, a sample's fork) is what makes blocks shared.
+    prefix hit, a sample's fork) is what makes blocks shared.  Such a count may still say
+    ``shared_now=False`` when nothing is shared yet, to start from the sum.
 
     :meth:`add` and :meth:`remove` are a request starting and stopping to count;
     :meth:`grew` is a member's table after ``allocate_slots`` (blocks appended, a shared last
@@ -50,7 +51,7 @@ class GroupBlocks:
     """
 
     def __init__(self, running: Iterable, keys: Callable[[object], Iterable[Hashable]],
-                 shared: bool = True) -> None:
+                 shared: bool = True, *, shared_now: bool | None = None) -> None:
         self.keys = keys
         self.shared = shared
         self._members: dict[Hashable, list] = {}
@@ -64,7 +65,8 @@ class GroupBlocks:
                 else:
                     group.append(r)
         self.count: dict[Hashable, int] = {
-            key: (len(set().union(*[m.block_ids for m in group])) if shared and len(group) > 1
+            key: (len(set().union(*[m.block_ids for m in group])) if (shared if shared_now is None else shared_now)
+                  and len(group) > 1
                   else sum(len(m.block_ids) for m in group))
             for key, group in members.items()}
 

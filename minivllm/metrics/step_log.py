@@ -53,7 +53,7 @@ def tenant_blocks(running: Iterable, shared: bool = True) -> dict[str, int]:
     A block two *tenants* hold counts for each (each keeps it from being freed), so tenants' shares may add up
     to more than the pool's usage.  The scheduler's KV caps (``TenantConfig.max_kv_share``, the three-class
     reserve) count held blocks the same way.  ``shared``: could any block have two holders
-    (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, no bucket is built.
+    (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, no set is built.
     """
     counts = GroupBlocks(running, lambda r: (r.tenant,), shared).count
     return counts

@@ -927,7 +927,7 @@ class Scheduler:
         steps all change what a group holds, and a count rebuilt here cannot drift; within the step ``allocate``
         and ``_preempt`` keep it as tables change."""
         groups = self.caps.groups  # (shared=True: an admission in the pass can make blocks shared)
-        return GroupBlocks(self.running, lambda r: [g.key for g in groups(r)])
+        return GroupBlocks(self.running, lambda r: [g.key for g in groups(r)], shared_now=self.kv.may_share())
 
     def _fit_group_kv(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Make room under ``req``'s KV caps for ``num_tokens`` more tokens by preempting within each group.
