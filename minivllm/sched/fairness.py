@@ -139,6 +139,7 @@ class CapTable:
         self.config = config
         self.num_blocks = num_blocks
         self._groups: dict[str, tuple[CapGroup, ...]] = {}
+        self._keys: dict[str, tuple[tuple, ...]] = {}
         self.active = config.scheduling_policy == "three_class" or any(tc.has_caps for _, tc in config.tenants)
 
     def groups(self, req: Request) -> tuple[CapGroup, ...]:
@@ -146,6 +147,14 @@ class CapTable:
         if g is None:
             g = self._groups[req.tenant] = self._build(req.tenant)
         return g
+
+    def keys(self, req: Request) -> tuple[tuple, ...]:
+        """The keys of ``req``'s groups: what :class:`~minivllm.kv.sharing.GroupBlocks` counts blocks under (kept
+        per tenant, as the groups are: the count is rebuilt from every running request twice a step)."""
+        k = self._keys.get(req.tenant)
+        if k is None:
+            k = self._keys[req.tenant] = tuple(g.key for g in self.groups(req))
+        return k
 
     def _build(self, tenant: str) -> tuple[CapGroup, ...]:
         config, n = self.config, self.num_blocks

@@ -926,8 +926,8 @@ class Scheduler:
         tables once per :meth:`allocate` rather than kept across steps: admissions, finishes, aborts and failed
         steps all change what a group holds, and a count rebuilt here cannot drift; within the step ``allocate``
         and ``_preempt`` keep it as tables change."""
-        groups = self.caps.groups  # (shared=True: an admission in the pass can make blocks shared)
-        return GroupBlocks(self.running, lambda r: [g.key for g in groups(r)], shared_now=self.kv.may_share())
+        # (shared=True: an admission in the pass can make blocks shared)
+        return GroupBlocks(self.running, self.caps.keys, shared_now=self.kv.may_share())
 
     def _fit_group_kv(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Make room under ``req``'s KV caps for ``num_tokens`` more tokens by preempting within each group.
@@ -937,15 +937,19 @@ class Scheduler:
         its group any request fits.
         """
         grow = self.kv.num_new_blocks(req, num_tokens)
-        copies = self.kv.num_copy_on_write_blocks(req)  # its shared last block, copied before it writes
         for g in self.caps.groups(req):
             if g.max_blocks is None:
                 continue
-            # The copy costs the group a block only while another member holds the original: asked again after
-            # each victim (the victim may have been that member).  A copy of a block only the cache or another
-            # group shares adds nothing here, so a request alone in its group needs only its new blocks.
-            while self._held.count.get(g.key, 0) + grow + (copies and self._held.holds_last_too(req, g.key)) \
-                    > g.max_blocks:
+            while True:
+                over = self._held.count.get(g.key, 0) + grow - g.max_blocks
+                # At the cap exactly, a copy of its shared last block (made before it writes) would pass it -- but
+                # only while another member holds the original: asked again after each victim (the victim may have
+                # been that member).  A copy of a block only the cache or another group shares adds nothing here,
+                # so a request alone in its group needs only its new blocks.  (Asked only at the cap: one refcount
+                # lookup per row otherwise, every step.)
+                if over < 0 or over == 0 and not (self.kv.num_copy_on_write_blocks(req)
+                                                  and self._held.holds_last_too(req, g.key)):
+                    break
                 members = [r for r in self.running if g in self.caps.groups(r)]
                 victim = self._choose_victim(self._victim_candidates(members))
                 self._preempt(victim)
