@@ -277,8 +277,8 @@ class ArrivalDriver:
     next arrival instead of ticking through empty time.  Why agent calls are appended during the run and not
     listed in ``arrivals``: a closed-loop session's next call (:func:`next_agent_call`) exists only once its
     previous call has finished -- its send time and its prompt both depend on that finish -- so the driver makes it
-    from the finished output (``follow(arrival, time, prompt, max_tokens) -> arrival``) and queues it.  ``push``
-    queues any other late arrival, e.g. a retrying client's.
+    from the finished output (:meth:`follow`) and queues it.  ``push`` queues any other late arrival, e.g. a
+    retrying client's.
 
     What both callers measure the driver keeps, so there is one definition of it: prompt tokens computed for the
     first time (``served``), block-seconds held inside the window (``held``), and ``window_tokens``, each tenant's
@@ -288,10 +288,10 @@ class ArrivalDriver:
     ``max_steps``-th step is done, not stuck).
     """
 
-    def __init__(self, engine, arrivals, *, add, follow, window: float, max_steps: int, sessions: dict | None = None,
+    def __init__(self, engine, arrivals, *, add, window: float, max_steps: int, sessions: dict | None = None,
                  name: str = "the engine") -> None:
         self.engine, self.window, self.max_steps, self.name = engine, window, max_steps, name
-        self._add, self._follow = add, follow
+        self._add = add
         self.sessions = sessions if sessions is not None else {}  # mutable: next_agent_call draws from them
         self._pending = list(reversed(arrivals))  # a stack: the next arrival on top
         self.arrival_of: dict = {}  # request id -> its arrival
@@ -300,6 +300,12 @@ class ArrivalDriver:
         self.held = HeldBlocks(window)
         self.window_tokens: dict = {}
         self.steps = 0
+
+    def follow(self, a: Arrival, at: float, prompt, max_tokens: int) -> Arrival:
+        """Session ``a.session``'s next call, sent at ``at`` (what :func:`next_agent_call` drew): named by the
+        calls the session has made so far (``agent-s3-c2`` is session 3's third), so ids never repeat."""
+        n = len(self.calls[a.session])
+        return Arrival(at, f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(prompt), max_tokens, session=a.session)
 
     def push(self, arrival) -> None:
         """Queue an arrival made during the run (kept in time order; among equal times the newest goes first)."""
@@ -328,7 +334,7 @@ class ArrivalDriver:
                 nxt = next_agent_call(self.sessions[a.session], a.prompt, out.outputs[0].token_ids, clock.clock,
                                       engine.config.max_model_len)
                 if nxt is not None:
-                    self.push(self._follow(a, *nxt))
+                    self.push(self.follow(a, *nxt))
             record = engine.step_log[-1] if engine.step_log else None
             if record is not None:
                 self.served.observe(record)
@@ -364,12 +370,8 @@ def run(policy: str, arrivals: list[Arrival], *, step: dict, window: float, tena
                                   SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id,
                                   tenant=a.tenant, priority=a.priority, arrival_time=a.time, deadline=a.deadline)
 
-    def follow(a: Arrival, at: float, prompt: list, max_tokens: int) -> Arrival:
-        n = len(loop.calls[a.session])  # the session's calls so far: the next one's number
-        return Arrival(at, f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(prompt), max_tokens, session=a.session)
-
     loop = ArrivalDriver(engine, arrivals, add=add, window=window, max_steps=max_steps, sessions=sessions,
-                         follow=follow, name=f"{policy}:")
+                         name=f"{policy}:")
     res = Run()
     for s in loop:
         for out in s.outputs:

@@ -366,12 +366,7 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
             client.sent(a)
         return a.request_id
 
-    def follow(a: Arrival, at: float, prompt: list, max_tokens: int) -> Arrival:
-        n = len(res.calls[a.session])  # the session's calls so far: the next one's number
-        return Arrival(at, f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(prompt), max_tokens, session=a.session)
-
-    loop = ArrivalDriver(engine, arrivals, add=add, window=res.window, max_steps=max_steps, sessions=sessions,
-                         follow=follow)
+    loop = ArrivalDriver(engine, arrivals, add=add, window=res.window, max_steps=max_steps, sessions=sessions)
     res.held, res.calls = loop.held, loop.calls
     for step in loop:
         for out in step.outputs:
