@@ -45,20 +45,12 @@ def group_seconds(doc: dict) -> dict[int, float]:
     return out
 
 
-def predict_steps(fitted: dict, measured: dict) -> list[float]:
-    """The step times ``fitted``'s profile predicts for ``measured``'s steps: its hardware as fitted, on its model,
-    priced by :func:`~minivllm.sim.roofline.step_cost` with ``measured``'s block size."""
-    from minivllm.sim.roofline import HardwareSpec, ModelShape, roofline_time, step_cost
-
-    shape, spec = ModelShape.from_dict(fitted["model"]), HardwareSpec.from_dict(fitted["hardware"])
-    block = measured["engine"]["block_size"]
-    return [roofline_time(step_cost(shape, [tuple(x) for x in s["seqs"]], s["swapped_blocks"], block), shape, spec).total
-            for s in measured["samples"]]
-
-
 def prediction_error(fitted: dict, measured: dict) -> dict:
-    """``fitted``'s relative error on ``measured``'s steps: rms and largest absolute, as the fit reports its own."""
-    rel = [(p - s["time_s"]) / s["time_s"] for p, s in zip(predict_steps(fitted, measured), measured["samples"])]
+    """``fitted``'s relative error on ``measured``'s steps (predicted as ``sim run`` and ``sim_accuracy`` would:
+    :func:`~minivllm.sim.calibrate.predicted_step_s`): rms and largest absolute, as the fit reports its own."""
+    steps = measured["samples"]
+    predicted = cal.predicted_step_s(fitted, [(s["seqs"], s["swapped_blocks"]) for s in steps])
+    rel = [(p - s["time_s"]) / s["time_s"] for p, s in zip(predicted, steps)]
     return {"rms": math.sqrt(sum(e * e for e in rel) / len(rel)), "max_abs": max(abs(e) for e in rel)}
 
 

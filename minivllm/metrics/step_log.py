@@ -55,8 +55,7 @@ def tenant_blocks(running: Iterable, shared: bool = True) -> dict[str, int]:
     reserve) count held blocks the same way.  ``shared``: could any block have two holders
     (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.may_share`)?  When not, no set is built.
     """
-    counts = GroupBlocks(running, lambda r: (r.tenant,), shared).count
-    return counts
+    return GroupBlocks(running, lambda r: (r.tenant,), shared).count
 
 
 def tenant_fields(seqs, running: Iterable, waiting: Mapping[str, int],

@@ -602,6 +602,18 @@ def check_groups(vocab: int = 49152, seed: int = 1, decode_steps: int = 6) -> li
     return groups
 
 
+def predicted_step_s(doc: dict, steps) -> list[float]:
+    """The time ``sim run`` predicts with profile ``doc`` (:func:`~minivllm.sim.presets.profile_spec`, on the
+    profile's model and block size) for each of ``steps``, given as ``(seqs, swapped_blocks)`` pairs: the
+    prediction that a check, a drift measurement or a residual compares measured steps with."""
+    from minivllm.sim.presets import profile_spec
+
+    shape, spec = ModelShape.from_dict(doc.get("model")), profile_spec(doc)
+    block = (doc.get("engine") or {}).get("block_size", 16)
+    return [roofline_time(step_cost(shape, [tuple(x) for x in seqs], swapped, block), shape, spec).total
+            for seqs, swapped in steps]
+
+
 def judge(doc: dict, measured: list[tuple[str, list[StepSample]]]) -> dict:
     """Each group's measured steps against the profile's predictions for the same shapes, and the verdict.
 
@@ -610,16 +622,11 @@ def judge(doc: dict, measured: list[tuple[str, list[StepSample]]]) -> dict:
     would otherwise outvote one prompt).  Why judge predictions and not the profile's recorded times: the
     predictions are what ``sim run --hardware PROFILE`` uses, and a fit may be off for shapes it was fitted on.
     """
-    from minivllm.sim.presets import profile_spec
-
-    shape, spec = ModelShape.from_dict(doc.get("model")), profile_spec(doc)  # the spec as sim run reads it
-    block = (doc.get("engine") or {}).get("block_size", 16)
     rows = []
     for label, samples in measured:
         if not samples:
             raise ValueError(f"check group {label!r} has no step to judge (a decode group whose requests never decoded?)")
-        pred = [roofline_time(step_cost(shape, [tuple(x) for x in s.seqs], s.swapped_blocks, block), shape, spec).total
-                for s in samples]
+        pred = predicted_step_s(doc, [(s.seqs, s.swapped_blocks) for s in samples])
         rows.append({"group": label, "steps": len(samples),
                      "measured_ms_p50": 1e3 * statistics.median(s.time_s for s in samples),
                      "predicted_ms_p50": 1e3 * statistics.median(pred),
