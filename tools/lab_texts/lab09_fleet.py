@@ -394,7 +394,7 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
   ±12%, is a median that falls where the short decode-only gaps meet the long gaps of steps that carry a prompt
   chunk.) This is the best of three runs made that day, which scored 13, 14 and 15 of 15. The weakest metric is the
   long-prompt TTFT p99: −9% here, and between −8% and −15% in four of the five runs that end with this one
-  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the seventeen `*_stop*` runs committed since (1–6 December, the last five on another host)
+  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the eighteen `*_stop*` runs committed since (1–6 December, the last six on another host)
   range from +13% to −31%. The model is 3–5% too
   fast on steps that carry a 512-token chunk beside long-context decodes. The queue is busy almost all the time,
   so that error adds up over every step a request waits behind.
@@ -514,15 +514,17 @@ else:
 ("md", r"""
 The span term lowers the rms error in five of the six runs and leaves the sixth where it was (one of its metrics
 crosses the 10% line the wrong way); it is no cure for a run whose real engine had a noisy day (the drift columns of
-`sim_accuracy` are for that). Five runs made after the change on *another* host (a Zen 4 EPYC, where the
+`sim_accuracy` are for that). Six runs made after the change on *another* host (a Zen 4 EPYC, where the
 committed one-thread profile predicts each workload's prompt and decode steps 1.7–1.9x too fast at the median in the
 first: `sim_accuracy --explain`) cannot be judged with these profiles at all; calibrated in the same invocation, they
-met 14, 10, 6, 8 and 14 of 15 metrics (`2026-12-06_cpu-2core_sim_accuracy_stop63.json`, `..._stop63_quiet.json`,
+met 14, 10, 6, 8, 14 and 13 of 15 metrics (`2026-12-06_cpu-2core_sim_accuracy_stop63.json`, `..._stop63_quiet.json`,
 whose real runs went 6% faster than its calibration grid minutes before, `..._stop64.json`, whose real decodes ran
 0.78–0.91 of its own fit's prediction, `..._stop65.json`, whose real engine differed from itself by up to 30% between
 two runs of one workload, and whose seven misses are all the simulator too *fast* where the third run's nine were all
-too slow, and `..._stop66.json`, whose real engine held within 8% of itself), and that host's own fits gave the span
-no weight in the first two, 3.9 GB/s in the third, 12.9 GB/s in the fourth and none in the fifth. On one host, one
+too slow, `..._stop66.json`, whose real engine held within 8% of itself, and `..._stop67.json`, whose two misses
+are ITL medians: bursty, where the real engine's own two runs differed by 21%, and long-prompt, a median that falls between two
+kinds of gap (as above)), and that host's own fits gave the span no weight in the first two, 3.9 GB/s in the third,
+12.9 GB/s in the fourth and none in the last two. On one host, one
 command and one code, the third run missed through its fit and the fourth through its real engine; the fifth had
 neither (its fit erred 3.1% rms). The fit also moves from one
 calibration to the next: the plotted run (1 December, a slower host) fitted one K/V rate of 6.8 GB/s and a run of
