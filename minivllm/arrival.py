@@ -23,10 +23,13 @@ class Arrival:
     ``request_id`` names the request, since the labs' tables, lab 6's retry client and the fleet's results find
     requests by id.  ``prompt`` is a tuple: an arrival is a value (hashable, safe to share between runs of
     several policies) and the fleet's routers key on slices of it.  ``deadline`` is an absolute time;
-    ``priority`` is lower-runs-first under ``scheduling_policy="priority"``.  ``session`` marks a closed-loop
-    agent session of :class:`~minivllm.bench.fairness.ArrivalDriver`: its next call follows this call's finish
-    (:func:`~minivllm.bench.fairness.next_agent_call`).  ``conversation`` and ``turn`` place a fleet chat's turn,
-    from which :meth:`~minivllm.sim.fleet.ChatMix.follow_up` makes the next one.
+    ``priority`` is lower-runs-first under ``scheduling_policy="priority"``.  ``session`` and ``turn`` place a call
+    in a *closed-loop* session -- an agent's task or a user's chat, whose next call exists only once this one has
+    finished, since its send time and its prompt (the conversation so far) depend on the finish -- ``turn`` 0 being
+    its first.  One idea, so one pair of fields: what differs is only the rule that makes the next call, and that
+    belongs to the driver -- :func:`~minivllm.bench.fairness.next_agent_call` for
+    :class:`~minivllm.bench.fairness.ArrivalDriver`'s agents, :meth:`~minivllm.sim.fleet.ChatMix.follow_up` for the
+    fleet's chats.
 
     Three look-alikes stay apart because they carry something else: :class:`minivllm.labs.live.SimArrival` has
     only a prompt length, its token ids made up when the request is added; :class:`minivllm.sim.run.SimRequest`
@@ -44,7 +47,6 @@ class Arrival:
     deadline: float | None = None
     priority: int = 0
     session: int | None = None
-    conversation: int | None = None
     turn: int = 0
 
 

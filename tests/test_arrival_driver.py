@@ -30,7 +30,7 @@ def test_the_labs_the_benchmark_and_the_fleet_make_one_arrival_class():
     from minivllm.sim.fleet import ChatMix
 
     mix = ChatMix(rate=4.0, duration=2.0, answer_s=1.0, seed=1)
-    chat = next(a for a in mix.arrivals() if mix.session_turns[a.conversation] > 1)
+    chat = next(a for a in mix.arrivals() if mix.session_turns[a.session] > 1)
     bench_arrivals, _ = bench.cpu_three_class_workload(0, 4.0)
     made = {"lab 6": lab.noisy_quiet(2.0), "benchmark": bench_arrivals,
             "fleet": [*mix.arrivals(), mix.follow_up(chat, [7, 8], 3.0)]}
@@ -134,3 +134,20 @@ def test_lab_window_counts_the_steps_that_end_inside_it():
     res = lab.serve(engine, [Arrival(0.0, "r0", "t", (11, 12, 13, 14), 5)], window=2.5)
     assert res.window_tokens == {"t": (4, 2)}
     assert res.kv_share("t") == pytest.approx(1 / engine.pool.num_blocks)
+
+
+def test_a_session_the_driver_has_no_parameters_for_is_refused_before_anything_runs():
+    """``session`` is one field for agents and fleet chats; the driver makes only agents' next calls, from
+    ``sessions``.  An arrival of a session it was given nothing for (a fleet chat's, or agents with ``sessions``
+    forgotten) is a ValueError naming it, raised before the engine takes a request -- not a KeyError when its first
+    call finishes, and not a run that quietly drops the session's later calls."""
+    from minivllm.sim.fleet import ChatMix
+
+    chat = next(a for a in ChatMix(rate=4.0, duration=2.0, answer_s=1.0, seed=1).arrivals() if a.session is not None)
+    engine = lab.lab_engine(step=ONE_S)
+    with pytest.raises(ValueError, match=f"arrival {chat.request_id!r} belongs to session {chat.session}"):
+        lab.serve(engine, [Arrival(0.0, "r0", "t", (11, 12, 13), 2), chat])
+    assert not engine.has_unfinished_requests() and len(engine.step_log) == 0
+    agent = Arrival(0.0, "agent-s0-c0", "agent", (11, 12, 13), 2, session=0)
+    with pytest.raises(ValueError, match="belongs to session 0"):
+        bench.run("fcfs", [agent], step=ONE_S, window=10.0, blocks=8, max_len=128)

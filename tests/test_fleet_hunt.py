@@ -198,6 +198,6 @@ def test_single_questions_are_their_own_tenant_at_the_single_shot_share():
     firsts = mix.arrivals()
     assert len(firsts) >= 150
     for a in firsts:
-        assert a.tenant == ("single" if mix.session_turns[a.conversation] == 1 else "chat")
+        assert a.tenant == ("single" if mix.session_turns[a.session] == 1 else "chat")
     share = sum(a.tenant == "single" for a in firsts) / len(firsts)
     assert share == pytest.approx(0.3, abs=0.08)

@@ -259,14 +259,14 @@ def test_replicas_with_equal_clocks_step_in_index_order():
     from minivllm.sim.router import RoundRobinRouter
 
     small = dict(num_blocks=256, block_size=16, max_num_seqs=16, max_num_batched_tokens=256, model_max_len=4096)
-    arrivals = [Arrival(0.0, f"s{i}t0", "chat", tuple(range(10 + 100 * i, 40 + 100 * i)), 3, conversation=i, turn=0)
+    arrivals = [Arrival(0.0, f"s{i}t0", "chat", tuple(range(10 + 100 * i, 40 + 100 * i)), 3, session=i, turn=0)
                 for i in range(2)]
 
     def follow(a, toks, t):
         if a.turn >= 2:
             return None
-        return Arrival(t, f"s{a.conversation}t{a.turn + 1}", a.tenant, a.prompt + tuple(toks) + (5, 6, 7), 3,
-                       conversation=a.conversation, turn=a.turn + 1)
+        return Arrival(t, f"s{a.session}t{a.turn + 1}", a.tenant, a.prompt + tuple(toks) + (5, 6, 7), 3,
+                       session=a.session, turn=a.turn + 1)
 
     fleet = Fleet(2, RoundRobinRouter(),
                   executor_factory=lambda: SimulatedExecutor(fixed_overhead_s=1.0, per_token_s=0.0,

@@ -293,6 +293,10 @@ class ArrivalDriver:
         self.engine, self.window, self.max_steps, self.name = engine, window, max_steps, name
         self._add = add
         self.sessions = sessions if sessions is not None else {}  # mutable: next_agent_call draws from them
+        for a in arrivals:  # checked before any request starts: a session's next call needs its parameters
+            if a.session is not None and a.session not in self.sessions:  # (a fleet chat's follow another rule)
+                raise ValueError(f"arrival {a.request_id!r} belongs to session {a.session!r}, but no agent "
+                                 "parameters were given for it (sessions={...})")
         self._pending = list(reversed(arrivals))  # a stack: the next arrival on top
         self.arrival_of: dict = {}  # request id -> its arrival
         self.calls: dict = {}  # agent session -> its calls' request ids, in order
@@ -302,10 +306,11 @@ class ArrivalDriver:
         self.steps = 0
 
     def follow(self, a: Arrival, at: float, prompt, max_tokens: int) -> Arrival:
-        """Session ``a.session``'s next call, sent at ``at`` (what :func:`next_agent_call` drew): named by the
-        calls the session has made so far (``agent-s3-c2`` is session 3's third), so ids never repeat."""
-        n = len(self.calls[a.session])
-        return Arrival(at, f"{a.tenant}-s{a.session}-c{n}", a.tenant, tuple(prompt), max_tokens, session=a.session)
+        """Session ``a.session``'s next call, sent at ``at`` (what :func:`next_agent_call` drew): its ``turn`` one
+        past ``a``'s and its id named by it (``agent-s3-c2`` is session 3's third call), so ids never repeat."""
+        k = a.turn + 1
+        return Arrival(at, f"{a.tenant}-s{a.session}-c{k}", a.tenant, tuple(prompt), max_tokens, session=a.session,
+                       turn=k)
 
     def push(self, arrival) -> None:
         """Queue an arrival made during the run (kept in time order; among equal times the newest goes first)."""

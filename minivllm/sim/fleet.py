@@ -135,7 +135,7 @@ class ChatMix:
             self.session_turns[s] = k_turns
             prompt = self.systems[rng.randrange(num_system_prompts)] + self._question(s, 0)
             self._first.append(Arrival(round(t, 6), f"s{s}t0", "chat" if k_turns > 1 else "single", tuple(prompt),
-                                       self._max_tokens(s, 0), conversation=s, turn=0))
+                                       self._max_tokens(s, 0), session=s, turn=0))
             t += rng.expovariate(session_rate)
 
     def _tokens(self, rng: random.Random, n: int) -> list[int]:
@@ -166,14 +166,14 @@ class ChatMix:
 
     def follow_up(self, arrival: Arrival, output_token_ids: Sequence[int], finished_at: float) -> Arrival | None:
         """The next turn of ``arrival``'s chat, or None when the chat is over."""
-        s, k = arrival.conversation, arrival.turn + 1
+        s, k = arrival.session, arrival.turn + 1
         if s is None or k >= self.session_turns.get(s, 1):
             return None
         think = self._rng(s, k).uniform(*self.think_s)
         prompt = tuple(arrival.prompt) + tuple(output_token_ids) + tuple(self._question(s, k))
         # (rounded to the microsecond, never to before the answer it follows: a zero think time is allowed)
         return Arrival(max(finished_at, round(finished_at + think, 6)), f"s{s}t{k}", arrival.tenant, prompt,
-                       self._max_tokens(s, k), conversation=s, turn=k)
+                       self._max_tokens(s, k), session=s, turn=k)
 
 
 def gpu_like_executor() -> SimulatedExecutor:
