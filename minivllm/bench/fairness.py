@@ -185,43 +185,64 @@ def slice_fairness(series: list[tuple[float, dict]], weights: dict[str, float], 
             "slice_jain_min": min(jains) if jains else None, "slices": len(jains), "max_gap_tokens": gap}
 
 
+@dataclass(frozen=True)
+class ThreeClassMix:
+    """The three-class workload's shape, one definition for every size of it: chats arriving at ``chat_rate`` per
+    second (Poisson), a backlog of ``bulk`` batch prompts queued at t = 0, and ``agents`` closed-loop sessions of
+    ``agent_calls`` sequential calls each on a growing shared context (a ``preamble``-token system prompt, then
+    ``agent_question`` tokens; each later call adds the answer and a tool's output: :func:`next_agent_call`).
+    Ranges are (low, high) token counts, both included.  :data:`GPU_MIX` and :data:`CPU_MIX` differ in size only,
+    so a policy's behaviour on the CPU run is the same experiment as on the GPU-sized one -- except in one place:
+    ``agent_output`` sizes only an agent's first call; its later calls take :func:`next_agent_call`'s defaults (80
+    tool tokens, answers of 40-100), GPU-sized in both mixes.  Kept as it is because the committed fairness results
+    were measured with it (lab 6's agents set all three per session)."""
+
+    chat_rate: float
+    chat_prompt: tuple[int, int]
+    chat_output: tuple[int, int]
+    bulk: int
+    bulk_prompt: tuple[int, int]
+    bulk_output: tuple[int, int]
+    agents: int
+    agent_calls: int
+    preamble: int
+    agent_question: int
+    agent_output: tuple[int, int]
+
+    def build(self, seed: int, duration: float) -> tuple[list[Arrival], dict]:
+        """``(arrivals sorted by time, agent sessions)`` for :class:`ArrivalDriver` (``sessions=``).  One random
+        stream, drawn in a fixed order (chats, batch, agents), so a seed names one workload."""
+        rng = random.Random(seed)
+        out = [Arrival(t, f"chat-{i}", "chat", _prompt(rng, rng.randint(*self.chat_prompt)),
+                       rng.randint(*self.chat_output)) for i, t in enumerate(_poisson(rng, self.chat_rate, duration))]
+        out += [Arrival(0.002 * i, f"bulk-{i}", "bulk", _prompt(rng, rng.randint(*self.bulk_prompt)),
+                        rng.randint(*self.bulk_output)) for i in range(self.bulk)]
+        sessions = {}
+        for s in range(self.agents):
+            system = _tokens(rng, self.preamble)
+            # (calls_left counts the calls after the first, which is listed here)
+            sessions[s] = {"context": system, "calls_left": self.agent_calls - 1, "rng": random.Random(seed * 100 + s)}
+            out.append(Arrival(rng.uniform(0, 2), f"agent-s{s}-c0", "agent", tuple(system + _tokens(rng, self.agent_question)),
+                               rng.randint(*self.agent_output), session=s))
+        return sorted(out, key=lambda a: a.time), sessions
+
+
+# The GPU-sized mix: chats 3/s with 100-1,000-token prompts, 80 batch prompts of 2-12K tokens, 6 agents x 13 calls
+# on a 1,500-token preamble.  On one CPU core a 135M model prefills far fewer tokens than this offers, so every class
+# would queue without end: CPU_MIX keeps the shape at CPU scale (chats 0.5/s with prompts of 20-60 tokens, 8 batch
+# prompts of 300-600 tokens, 3 agents x 6 calls on a 300-token preamble), sized for ``CLASS_STEP``.
+GPU_MIX = ThreeClassMix(3.0, (100, 1000), (50, 150), 80, (2000, 12000), (100, 300), 6, 13, 1500, 100, (40, 100))
+CPU_MIX = ThreeClassMix(0.5, (20, 60), (8, 24), 8, (300, 600), (32, 64), 3, 6, 300, 40, (8, 24))
+
+
 def three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dict]:
-    rng = random.Random(seed)
-    out = [Arrival(t, f"chat-{i}", "chat", _prompt(rng, rng.randint(100, 1000)), rng.randint(50, 150))
-           for i, t in enumerate(_poisson(rng, 3.0, duration))]
-    out += [Arrival(0.002 * i, f"bulk-{i}", "bulk", _prompt(rng, rng.randint(2000, 12000)), rng.randint(100, 300))
-            for i in range(80)]
-    sessions = {}
-    for s in range(6):
-        system = _tokens(rng, 1500)
-        sessions[s] = {"context": system, "calls_left": 12, "rng": random.Random(seed * 100 + s)}
-        out.append(Arrival(rng.uniform(0, 2), f"agent-s{s}-c0", "agent", tuple(system + _tokens(rng, 100)),
-                           rng.randint(40, 100), session=s))
-    return sorted(out, key=lambda a: a.time), sessions
+    """The GPU-sized three-class mix (:data:`GPU_MIX`)."""
+    return GPU_MIX.build(seed, duration)
 
 
 def cpu_three_class_workload(seed: int, duration: float) -> tuple[list[Arrival], dict]:
-    """The three-class mix sized for this CPU machine's calibrated step time (``CLASS_STEP``).
-
-    The GPU-sized mix (:func:`three_class_workload`) offers far more tokens than a
-    135M model on one CPU core prefills, so every class would queue without end.
-    This one keeps the shape -- chats, agents making sequential calls on a growing
-    shared context, a batch backlog at t = 0 -- at CPU scale: chats 0.5/s with
-    prompts of 20-60 tokens, 3 agents x 6 calls on a 300-token preamble, 8 batch
-    prompts of 300-600 tokens.
-    """
-    rng = random.Random(seed)
-    out = [Arrival(t, f"chat-{i}", "chat", _prompt(rng, rng.randint(20, 60)), rng.randint(8, 24))
-           for i, t in enumerate(_poisson(rng, 0.5, duration))]
-    out += [Arrival(0.002 * i, f"bulk-{i}", "bulk", _prompt(rng, rng.randint(300, 600)), rng.randint(32, 64))
-            for i in range(8)]
-    sessions = {}
-    for s in range(3):
-        system = _tokens(rng, 300)
-        sessions[s] = {"context": system, "calls_left": 5, "rng": random.Random(seed * 100 + s)}
-        out.append(Arrival(rng.uniform(0, 2), f"agent-s{s}-c0", "agent", tuple(system + _tokens(rng, 40)),
-                           rng.randint(8, 24), session=s))
-    return sorted(out, key=lambda a: a.time), sessions
+    """The three-class mix sized for this CPU machine's calibrated step time (:data:`CPU_MIX`)."""
+    return CPU_MIX.build(seed, duration)
 
 
 def next_agent_call(session: dict, prompt, output_ids, now: float, max_len: int) -> tuple | None:
