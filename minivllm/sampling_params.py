@@ -40,6 +40,21 @@ every child is done; a caller that wants that keeps the ``finished`` one, as
 """
 
 
+QUOTE_CHARS = 60
+"""Most characters of a caller's value an error message quotes (then ``...``)."""
+
+
+def brief_repr(value) -> str:
+    """``repr(value)``, cut to :data:`QUOTE_CHARS` characters and ``...``.
+
+    Why: a refusal quotes what was wrong so its caller can find it, but the value can be as large as the request
+    (a 200 kB model name, a list of long stop strings); quoted whole, it made the error as large.  The start of a
+    value is enough to recognise it.
+    """
+    text = repr(value)
+    return text[:QUOTE_CHARS] + "..." if len(text) > QUOTE_CHARS else text
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -90,9 +105,11 @@ class SamplingParams:
         elif self.stop is None or isinstance(self.stop, (list, tuple)):
             stops = tuple(self.stop or ())
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ValueError(f"stop must be a string or a list of strings, got {brief_repr(self.stop)}")
+        bad = next((i for i, s in enumerate(stops) if not isinstance(s, str) or not s), None)
+        if bad is not None:  # the offending entry, not the whole list (whose other strings may be long)
+            where = f" at index {bad}" if isinstance(self.stop, (list, tuple)) else ""
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {brief_repr(stops[bad])}{where}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         ids = tuple(self.stop_token_ids or ())

@@ -19,7 +19,7 @@ import torch
 
 from minivllm.interfaces import Tokenizer
 from minivllm.request import Request
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, brief_repr
 
 
 def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -264,7 +264,8 @@ class InputProcessor:
                     raise ValueError(f"message {i}'s {field} is not valid Unicode text "
                                      f"(a lone surrogate at {exc.start}?)") from exc
             if m["role"] not in CHAT_ROLES:
-                raise ValueError(f"message {i}'s role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}")
+                raise ValueError(f"message {i}'s role must be one of {', '.join(CHAT_ROLES)}, "
+                                 f"got {brief_repr(m['role'])}")
         try:
             text = self.tokenizer.apply_chat_template(conversation, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)

@@ -76,7 +76,7 @@ from minivllm.config import TenantConfig
 from minivllm.engine.input_processor import check_cache_salt, check_prompt_fits, output_room
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, brief_repr
 from minivllm.server.async_engine import AsyncEngine, EngineDead, EngineShutdown, RequestStream
 from minivllm.server.door import DoorRule, door_snapshot
 from minivllm.server.protocol import (
@@ -131,10 +131,29 @@ def _bad_value(exc: Exception, prompt_field: str = "prompt") -> APIError:
 _TYPE_TAG = re.compile(r"^(int|float|str|bool|bytes|none|[\w-]*\[.*\])$")
 
 
+def _deepest_of_its_union(errors: list[dict]) -> dict:
+    """The error to quote: the first, unless it is one member's error about a field that is a union, and another
+    member of the same union went deeper -- then that member's first deepest one.
+
+    Why: ``prompt``, ``stop`` and a message's ``content`` take a string or a list, and pydantic lists the string
+    member's "should be a valid string" first even when the value is a list, so a content part without its
+    ``type`` was answered as if list content were refused.  The member that looked inside the list knows which
+    entry is wrong.  A value no member could even start on (``"prompt": 5``) gives every member's error at the
+    same depth, so the first is kept.
+    """
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    tag = next((i for i, p in enumerate(loc) if _TYPE_TAG.match(str(p))), None)
+    if tag is None:
+        return first
+    same_union = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag]]
+    return max(same_union, key=lambda e: len(e.get("loc", ())))  # max keeps the first of equal depth
+
+
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
-    e = errors[0]
+    e = _deepest_of_its_union(errors)
     # drop pydantic's union-member tags ("int", "list[int]", "function-after[...]") from the location
     loc = [str(p) for p in e.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
     where = ".".join(loc)
@@ -142,8 +161,7 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
         return f"malformed JSON body: {e.get('msg', '')}", None
     msg = e.get("msg", "invalid")
     if "input" in e and e.get("type") != "missing":
-        got = repr(e["input"])
-        msg += f", got {got[:60] + '...' if len(got) > 60 else got}"
+        msg += f", got {brief_repr(e['input'])}"
     return (f"{where}: {msg}" if where else msg), (loc[0] if loc else None)
 
 
@@ -453,7 +471,7 @@ class OpenAIServer:
         if name is None or name == "":
             return self.model_names[0]
         if name not in self.model_names:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_names}",
+            raise APIError(404, f"the model {brief_repr(name)} does not exist; this server serves {self.model_names}",
                            "invalid_request_error", "model", "model_not_found")
         return name
 
