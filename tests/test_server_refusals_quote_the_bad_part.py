@@ -135,3 +135,18 @@ def test_a_wrong_type_for_the_whole_field_is_still_named_at_the_field(served, fi
     status, err = _refusal(lambda: create(**body))
     assert status == 400 and err["param"] == field, err
     assert err["message"].startswith(f"{field}: ") and kind in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda big: [{"role": "user", "text": big}], id="message without content"),
+    pytest.param(lambda big: [{"role": "user", "content": [big]}], id="content part not a dict"),
+    pytest.param(lambda big: [{"role": big, "content": 5}], id="content not a string"),
+])
+def test_chat_refusals_below_http_are_clipped_too(tokenizer, bad):
+    """``LLM.chat`` and ``engine.inputs.encode_chat`` callers (no HTTP in front: pydantic never sees these) get the
+    same short quotes: a malformed message carrying a 200 kB string is refused with a message that starts
+    quoting it and stays under the bound (each quoted the whole message before)."""
+    engine = small_engine(SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer)
+    with pytest.raises(ValueError) as exc:
+        engine.inputs.encode_chat(bad("x" * HUGE))
+    assert len(str(exc.value)) < SHORT and "xxx" in str(exc.value), str(exc.value)[:400]

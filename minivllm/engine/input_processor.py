@@ -43,11 +43,11 @@ def output_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: i
 def check_priority_deadline(priority, deadline) -> None:
     """The scheduling fields a caller sets, checked at the boundary (``ValueError``)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValueError(f"priority must be an integer (lower runs first), got {priority!r}")
+        raise ValueError(f"priority must be an integer (lower runs first), got {brief_repr(priority)}")
     if deadline is not None and (
         isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
     ):
-        raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {deadline!r}")
+        raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {brief_repr(deadline)}")
 
 
 def check_cache_salt(cache_salt) -> None:
@@ -60,7 +60,7 @@ def check_cache_salt(cache_salt) -> None:
     """
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError(f"cache_salt must be a non-empty string when given (leave it out to use the tenant's "
-                         f"shared prefix cache), got {cache_salt!r}")
+                         f"shared prefix cache), got {brief_repr(cache_salt)}")
 
 
 # OpenAI's roles.  Any other (a typo: "asistant") would be written into the chat template as a turn of its own,
@@ -125,7 +125,7 @@ class InputProcessor:
             raise ValueError("stop strings need a tokenizer and this engine has none: use stop_token_ids")
         text, token_ids, cache_salt, tenant = self._prompt_to_tokens(prompt, tenant)
         if not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+            raise ValueError(f"tenant must be a non-empty string, got {brief_repr(tenant)}")
         check_priority_deadline(priority, deadline)
         check_cache_salt(cache_salt)
         max_len = self.max_model_len
@@ -254,9 +254,9 @@ class InputProcessor:
         conversation = [_joined_parts(m) for m in conversation]
         for i, m in enumerate(conversation):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+                raise ValueError(f"each chat message needs 'role' and 'content', got {brief_repr(m)}")
             if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-                raise ValueError(f"a chat message's role and content must be strings, got {m!r}")
+                raise ValueError(f"a chat message's role and content must be strings, got {brief_repr(m)}")
             for field in ("role", "content"):
                 try:
                     m[field].encode("utf-8")
@@ -287,5 +287,5 @@ def _joined_parts(message):
         return message
     parts = message["content"]
     if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str) for p in parts):
-        raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {parts!r}")
+        raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got {brief_repr(parts)}")
     return {**message, "content": "\n".join(p.get("text", "") for p in parts)}
