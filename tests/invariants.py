@@ -6,6 +6,7 @@ refcount must equal the number of block tables (and the prefix cache) that hold 
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -188,3 +189,81 @@ def serve_arrivals(engine: LLMEngine, work, max_steps: int = 400,
     _assert_drained(engine, max_steps, stalls_ok=False)
     return finals
 
+
+
+def _next_write_targets(reqs, block_size: int) -> Counter:
+    """Per partly filled block, the requests of ``reqs`` whose next token lands in it (a block none of them has
+    begun is not a target: its writer takes a fresh block)."""
+    targets: Counter = Counter()
+    for r in reqs:
+        at = r.num_computed_tokens
+        if at % block_size and at // block_size < len(r.block_ids):
+            targets[r.block_ids[at // block_size]] += 1
+    return targets
+
+
+def claimed_blocks(kv, reqs, worst_case: bool = False) -> int:
+    """Brute force: the blocks ``reqs`` will still claim.  Each request's missing blocks for the tokens it has
+    (``worst_case``: for prompt + ``max_tokens``), plus, per partly filled block ``B`` that ``w`` of them write into
+    next, ``min(w, refcount(B) - 1)`` copies: every writer copies while someone else still holds ``B``, so when
+    the writers are all of its holders the last one writes in place, and when another holder (the prefix cache, a
+    request writing elsewhere) keeps ``B`` every writer copies.  :func:`claimed_by_stepping` checks it."""
+    bs, total = kv.block_size, 0
+    for r in reqs:
+        tokens = r.num_prompt_tokens + (r.max_tokens if worst_case else len(r.output_token_ids))
+        total += max(0, -(-tokens // bs) - len(r.block_ids))
+    for b, writers in _next_write_targets(reqs, bs).items():
+        total += min(writers, kv.pool.refcount(b) - 1)
+    return total
+
+
+def group_claims(kv, running, keys: Callable, worst_case: bool = False) -> dict:
+    """Brute force, per group (``keys(r)``: the groups ``r`` counts in): the distinct blocks its members hold plus
+    the blocks their next writes add to that set -- each member's missing blocks for the tokens it has, plus, per
+    partly filled block ``B`` that ``w`` members write into next and ``m`` members hold, ``min(w, m - 1)``: a copy
+    made while another member holds ``B`` adds a block to the group, while the last member to let ``B`` go (by
+    copying it or by writing in place) only swaps one block for another.  ``worst_case``: missing blocks for
+    prompt + ``max_tokens`` (reject mode).  :func:`claimed_by_stepping` checks it."""
+    bs, groups = kv.block_size, {}
+    for r in running:
+        for k in keys(r):
+            groups.setdefault(k, []).append(r)
+    out = {}
+    for k, members in groups.items():
+        holders = Counter(b for r in members for b in set(r.block_ids))
+        total = len(holders)
+        for r in members:
+            tokens = r.num_prompt_tokens + (r.max_tokens if worst_case else len(r.output_token_ids))
+            total += max(0, -(-tokens // bs) - len(r.block_ids))
+        for b, writers in _next_write_targets(members, bs).items():
+            total += min(writers, holders[b] - 1)
+        out[k] = total
+    return out
+
+
+def claimed_by_stepping(kv, running, keys: Callable, rng=None) -> tuple[int, dict] | None:
+    """What :func:`claimed_blocks` and :func:`group_claims` predict, found by doing it: on a deep copy of ``kv``
+    and ``running``, every request gets room for all the tokens it has (``allocate_slots``, copy-on-write
+    included), in ``rng``'s order if given.  Returns the blocks the pool handed out and each group's distinct
+    blocks afterwards, or None when the pool could not give them all (nothing to compare)."""
+    kv2, running2 = copy.deepcopy((kv, list(running)))
+    handed = 0
+    allocate = kv2.pool.allocate
+
+    def counting_allocate():
+        nonlocal handed
+        handed += 1
+        return allocate()
+
+    kv2.pool.allocate = counting_allocate
+    order = list(running2)
+    if rng is not None:
+        rng.shuffle(order)
+    for r in order:
+        if not kv2.allocate_slots(r, r.num_uncomputed_tokens):
+            return None
+    groups: dict = {}
+    for r in running2:
+        for k in keys(r):
+            groups.setdefault(k, set()).update(r.block_ids)
+    return handed, {k: len(v) for k, v in groups.items()}

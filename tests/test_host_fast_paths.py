@@ -27,7 +27,7 @@ from minivllm.model.runner import BatchPreparer, build_attention_metadata
 from minivllm.request import Request
 from minivllm.sched.output import ScheduledSeq
 from minivllm.sim import SimulatedExecutor
-from tests.invariants import steps
+from tests.invariants import claimed_blocks, steps
 
 
 class _CheckingExecutor(SimulatedExecutor):
@@ -117,8 +117,7 @@ def _check_bulk_queries(engine) -> list:
                 misses.append(("seqs_needing_blocks", s.request.request_id, slow))
         if sched._demand(sched.running) != sum(sched._chunk_cap(r) for r in sched.running):
             misses.append(("_demand", len(sched.running)))
-        if kv.num_new_blocks_all(sched.running) != sum(  # (private copies of shared blocks included)
-                kv.num_new_blocks(r, r.num_uncomputed_tokens) + kv.num_copy_on_write_blocks(r) for r in sched.running):
+        if kv.num_new_blocks_all(sched.running) != claimed_blocks(kv, sched.running):  # (brute force, copies included)
             misses.append(("num_new_blocks_all", len(sched.running)))
         return allocate(batch)
 

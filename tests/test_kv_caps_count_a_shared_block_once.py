@@ -21,7 +21,7 @@ from minivllm.config import TenantConfig, ThreeClassConfig
 from minivllm.kv.sharing import GroupBlocks
 from minivllm.sched.scheduler import Scheduler
 
-from invariants import KVContents, assert_no_leak  # noqa: E402  (tests/ is on sys.path)
+from invariants import KVContents, assert_no_leak, group_claims  # noqa: E402  (tests/ is on sys.path)
 
 SYSTEM = [7] * 32  # four full 8-token blocks
 
@@ -90,12 +90,9 @@ def _checked(monkeypatch) -> list:
     """Wrap the places the scheduler reads its kept counts, and compare each read with brute force.
 
     At admission's cap checks: the kept :class:`GroupBlocks` count equals a set of the members' blocks, exactly;
-    the usage's blocks are that plus the members' reservations.  The reservations are compared with one slack: a
-    leader and the sample just forked from it share a partly filled last block, and admission charged the sample
-    (only) the copy one of them will make, where a recount now charges both (``Scheduler._reservation``'s rule:
-    "one copy per sample, never one for the leader as well" holds at admission; a recount at the next pass charges
-    both, on the strict side) -- so the usage may be lower than the recount by one block per such shared last
-    block, never higher."""
+    the usage's blocks, kept as admission seats requests and recounted from scratch alike, are that plus what the
+    members' next writes add (brute force, ``invariants.group_claims``): a leader and the samples forked onto its
+    partly filled last block are charged one copy fewer than they are, since the last of them writes in place."""
     reads, live = [], []
     fit, within, usage_of = Scheduler._fit_group_kv, Scheduler._within_caps, Scheduler._group_usage
 
@@ -119,10 +116,8 @@ def _checked(monkeypatch) -> list:
             members = [r for r in self.running if k in keys(self)(r)]
             assert u[0] == len(members), k
             assert live[-1].count.get(k, 0) == want.get(k, 0), k
-            lasts = [m.block_ids[-1] for m in members if m.block_ids]
-            shared_lasts = sum(1 for b in set(lasts) if lasts.count(b) > 1)
-            recount = want.get(k, 0) + sum(self._reservation(r) for r in members)
-            assert recount - shared_lasts <= u[1] <= recount, (k, u, recount, shared_lasts)
+            claims = group_claims(self.kv, self.running, keys(self))
+            assert u[1] == claims[k] == usage_of(self)[0][k][1], (k, u, claims[k])
         reads.append("admit")
         return within(self, req, usage, need_blocks, per_step)
 

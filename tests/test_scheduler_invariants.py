@@ -16,7 +16,8 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
 from minivllm.sim.executor import SimulatedExecutor
 
-from invariants import KVContents, assert_no_leak, check_both_tiers, drain, steps, tiny_engine  # noqa: E402  (tests/ is on sys.path)
+from invariants import (KVContents, assert_no_leak, check_both_tiers, claimed_blocks, claimed_by_stepping,  # noqa: E402
+                        drain, steps, tiny_engine)  # (tests/ is on sys.path)
 from tests.fuzz import examples
 
 
@@ -37,11 +38,11 @@ def check_counts(engine: LLMEngine) -> None:
     assert engine.scheduler.waiting_by_tenant == dict(Counter(r.tenant for r in engine.scheduler.waiting))
     if cache is not None:
         assert cache.num_evictable_blocks() == evictable_by_walk(cache, pool)
-    # the one-loop sum admission reserves against, against the per-request definition (copy-on-write included;
-    # reject mode reserves each request's worst case instead)
+    # the one-loop count admission reserves against, against brute force (the copies the next writes make of
+    # shared partly filled blocks included: k - 1 for k holders all writing there; reject mode: worst cases)
     sched, kv = engine.scheduler, engine.kv
-    assert kv.num_new_blocks_all(sched.running) == sum(kv.num_new_blocks(r, r.num_uncomputed_tokens)
-                                                       + kv.num_copy_on_write_blocks(r) for r in sched.running)
+    for worst in (False, True):
+        assert kv.num_new_blocks_all(sched.running, worst_case=worst) == claimed_blocks(kv, sched.running, worst)
 
 
 def evictable_by_walk(cache, pool) -> int:
@@ -362,17 +363,20 @@ def test_the_token_budget_is_never_a_reason_to_preempt():
 
 
 def test_admission_reserves_the_private_copy_a_just_forked_sample_will_need():
-    """An ``n = 2`` sample forks onto its leader's partly filled last block; its first write copies that block,
-    so the blocks the running requests will still claim include the copy.  Oracle: the per-request definition
-    (``_reservation``, remaining prefill plus copy-on-write) summed, against the one-loop sum admission uses."""
+    """An ``n = 2`` sample forks onto its leader's partly filled last block; the first of the two to write copies
+    that block, so the blocks the running requests will still claim include the copy -- one, not one per holder:
+    the second writes in place.  Oracles: brute force from the KV state, and the blocks the pool hands out when
+    both write (in either order)."""
     engine = make_engine(num_blocks=64, block_size=16, max_len=512)
     engine.add_request({"prompt_token_ids": list(range(1, 21))}, SamplingParams(n=2, max_tokens=5, ignore_eos=True))
     engine.step()  # the leader prefills 20 tokens: its second block is partly filled
     sched = engine.scheduler
     assert sched.admit()  # the sample forks: it shares that block
-    per_request = [sched._reservation(r) for r in sched.running]
-    assert per_request == [1, 1]  # both hold the shared block and count a copy (the first writer makes it)
-    assert engine.kv.num_new_blocks_all(sched.running) == sum(per_request)
+    assert sched._reservation(sched.running[1]) == 1  # what admitting the sample added: the copy
+    kv, running = engine.kv, sched.running
+    for order in (running, running[::-1]):
+        assert claimed_by_stepping(kv, order, lambda r: ())[0] == 1
+    assert kv.num_new_blocks_all(running) == claimed_blocks(kv, running) == 1 == sched._reserved_blocks()
 
 
 def test_a_policy_may_return_the_waiting_queue_itself():

@@ -195,23 +195,36 @@ class KVCacheManager:
 
     def num_copy_on_write_blocks(self, req: Request) -> int:
         """1 when ``req``'s next token lands in a partly filled block someone else holds (a sample
-        just forked from its leader): writing it takes one more block, a private copy."""
+        just forked from its leader): writing it takes one more block, a private copy.  Admission charges a
+        new sample this copy; a recount of several holders charges fewer (:meth:`num_new_blocks_all`)."""
         return int(self._last_block_is_shared(req))
 
-    def num_new_blocks_all(self, reqs) -> int:
-        """``sum(num_new_blocks(r, r.num_uncomputed_tokens) + num_copy_on_write_blocks(r) for r in reqs)``:
-        blocks still needed to hold every token the requests have, private copies of shared partly filled
-        blocks included.  One loop with no call per request, because the scheduler asks it for all running
-        requests in every step that something waits for admission."""
+    def num_new_blocks_all(self, reqs, worst_case: bool = False) -> int:
+        """Blocks still needed to hold every token the requests have (``worst_case``: every token they may come
+        to hold, ``max_total_tokens``), plus the private copies their next writes make of shared partly filled
+        last blocks.  One loop with no call per request, because the scheduler asks it for all running
+        requests in every step that something waits for admission.
+
+        A copy per writer, but at most ``refcount - 1`` of them per block: when every holder of a block
+        writes into it next (a leader and the samples forked onto its last block), the last of them to write
+        finds it its own and writes in place, so ``k`` holders make ``k - 1`` copies.  Charging each of them
+        one (``num_copy_on_write_blocks`` summed) kept one block per such block from admission until the
+        first write; the count is the same whichever writes first."""
         bs, total, shared = self.block_size, 0, self.may_share()
+        copies: dict[int, int] | None = {} if shared else None  # shared last block -> writers charged a copy so far
         for r in reqs:
             table = r.block_ids
-            need = -(-(len(r.prompt_token_ids) + len(r.output_token_ids)) // bs) - len(table)
+            held = r.max_total_tokens if worst_case else len(r.prompt_token_ids) + len(r.output_token_ids)
+            need = -(-held // bs) - len(table)
             if need > 0:
                 total += need
             done = r.num_computed_tokens
             if shared and done % bs and table and done < len(table) * bs and self.pool.refcount(table[-1]) > 1:
-                total += 1  # the next write copies the shared last block (see _last_block_is_shared)
+                b = table[-1]  # (the next write lands in it: see _last_block_is_shared)
+                n = copies.get(b, 0)
+                if n < self.pool.refcount(b) - 1:  # a holder besides the writers so far keeps the original
+                    total += 1
+                    copies[b] = n + 1
         return total
 
     def may_share(self) -> bool:

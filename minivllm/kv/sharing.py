@@ -122,6 +122,20 @@ class GroupBlocks:
             return False
         return self._holders_of(key)[table[-1]] > 1
 
+    def in_place_writes(self, key: Hashable, writers: Iterable) -> int:
+        """How many of the blocks ``writers`` write into next (members of group ``key``, each charged the copy
+        of its shared partly filled last block) no other member holds.  For each, the group gains one copy fewer
+        than it has writers there: whichever writes first, the last of them either finds the block its own and
+        writes in place, or copies it and leaves the original to a holder outside the group -- one block swapped
+        for another.  So a group recount charges ``len(writers)`` less this."""
+        lasts = Counter(r.block_ids[-1] for r in writers)
+        if not lasts:
+            return 0
+        if not self.shared:  # (no block has two holders: each writer is its block's only member)
+            return len(lasts)
+        holders = self._holders_of(key)
+        return sum(1 for b, n in lasts.items() if holders[b] == n)
+
     # -- holder counts -------------------------------------------------------------------------
     def _holders_of(self, key: Hashable) -> Counter:
         holders = self._holders.get(key)

@@ -197,12 +197,16 @@ class CapTable:
         return None
 
     def retry_steps(self, req: Request, running: Sequence[Request], need_blocks: int,
-                    reserved: Callable[[Request], int], shared: bool = True) -> int | None:
+                    reserved: Callable[[Request], int], shared: bool = True,
+                    copies: Callable[[Request], int] | None = None) -> int | None:
         """Engine steps until the group that rejected ``req`` has room for it (None: it has room now).
 
         A running member counts against the KV cap what admission counted: its blocks (a block members
         share once: :class:`~minivllm.kv.sharing.GroupBlocks`) plus ``reserved(r)``, the blocks set aside
-        for it; ``shared`` as ``GroupBlocks`` reads it.  Its running members are assumed to finish in order of
+        for it; ``shared`` as ``GroupBlocks`` reads it.  ``copies(r)`` says whether ``reserved(r)`` includes the copy
+        of a shared last block: members that all write into one such block are charged one copy fewer, as
+        admission charges them (:meth:`~minivllm.kv.sharing.GroupBlocks.in_place_writes`), and that count is
+        taken again as they leave.  Its running members are assumed to finish in order of
         the steps they still need (:func:`_steps_left`); each gives back its seat and the blocks no member
         left behind it still holds (a shared prompt's blocks come back with the last of its holders).  An
         estimate, like reject mode's hint: members can also be preempted, or stop early at EOS.
@@ -213,7 +217,9 @@ class CapTable:
                 continue
             members = [r for r in running if g in self.groups(r)]
             held = GroupBlocks(members, lambda r: (g.key,), shared)
-            seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members)
+            writers = [r for r in members if copies(r)] if copies is not None and shared else []
+            spared = held.in_place_writes(g.key, writers)
+            seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members) - spared
 
             def fits(seats: int, blocks: int) -> bool:
                 return ((g.max_running is None or seats < g.max_running)
@@ -225,6 +231,9 @@ class CapTable:
             for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
                 steps = _steps_left(r, chunk)
                 seats, blocks = seats - 1, blocks - held.remove(r)[0] - reserved(r)
+                if r in writers:
+                    writers.remove(r)
+                    blocks += spared - (spared := held.in_place_writes(g.key, writers))
                 if fits(seats, blocks):
                     break
             return max(1, steps)

@@ -426,17 +426,30 @@ class Scheduler:
         :class:`~minivllm.kv.sharing.GroupBlocks` that counts the held blocks (a block two members share
         once, as the tenant gauges count it).  Recounted from ``running`` at each pass (then kept by ``admit``
         as it admits), like :meth:`_group_held`: finishes, aborts and preemptions between passes all change
-        it, and a count rebuilt here cannot drift."""
+        it, and a count rebuilt here cannot drift.
+
+        A member charged the copy of its shared last block gains its group no block when it is the group's last
+        holder to write there (:meth:`~minivllm.kv.sharing.GroupBlocks.in_place_writes`): a leader and its samples
+        on one partly filled block are charged one copy fewer than their number, as admission charged them (a copy
+        per sample).  Only a request with a reservation can be charged a copy, and only while blocks are shared."""
         held = self._group_held()
         usage: dict = {}
+        writers: dict = {}  # group -> members charged a copy of their last block (only just after a fork)
+        shared = self.kv.may_share()
         for r in self.running:
+            blocks = self._reservation(r)
             for g in self.caps.groups(r):
                 u = usage.get(g.key)
                 if u is None:
                     u = usage[g.key] = [0, held.count[g.key], 0]
                 u[0] += 1
-                u[1] += self._reservation(r)
+                u[1] += blocks
                 u[2] += self._chunk_cap(r)
+            if blocks and shared and self.kv.num_copy_on_write_blocks(r):
+                for g in self.caps.groups(r):
+                    writers.setdefault(g.key, []).append(r)
+        for key, members in writers.items():
+            usage[key][1] -= held.in_place_writes(key, members)
         return usage, held
 
     def _within_caps(self, req: Request, usage: dict, need_blocks: int, per_step: bool = True) -> bool:
@@ -495,11 +508,10 @@ class Scheduler:
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
         """Blocks the running requests (or ``running``) will claim: the rest of their prefill, or (reject mode)
-        their worst case."""
+        their worst case, and the copies their next writes make -- one fewer per shared block than its holders
+        when all of them write there (not :meth:`_reservation` summed: see ``num_new_blocks_all``)."""
         running = self.running if running is None else running
-        if self.config.preemption_mode == "reject":
-            return sum(self._reservation(r) for r in running)
-        return self.kv.num_new_blocks_all(running)  # the same sum, in one loop inside the KV manager
+        return self.kv.num_new_blocks_all(running, worst_case=self.config.preemption_mode == "reject")
 
     # -- step 1: admit -------------------------------------------------------
     def _computed_if_admitted(self, req: Request) -> int:
@@ -741,7 +753,11 @@ class Scheduler:
         also needs the private copy of the last block they share; without it,
         the step that admits the sample would preempt it again.  One copy per
         sample, never one for the leader as well: whichever of the two writes
-        first copies, and the other then holds the block alone.  Reject mode
+        first copies, and the other then holds the block alone.  So the recounts
+        of what running requests claim (:meth:`_reserved_blocks`,
+        :meth:`_group_usage`, the cap's retry hint) do not sum this: ``k``
+        holders of one partly filled block that all write there next make
+        ``k - 1`` copies, and adding a sample adds exactly its one.  Reject mode
         sets aside the worst case (prompt + ``max_tokens``), so nothing running
         is ever preempted.
         """
@@ -766,7 +782,7 @@ class Scheduler:
             return None
         self._cap_rejected.discard(req)
         return self.caps.retry_steps(req, self.running, self._need_blocks(req), self._reservation,
-                                     self.kv.may_share()) or 1
+                                     self.kv.may_share(), self.kv.num_copy_on_write_blocks) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
