@@ -400,3 +400,15 @@ def test_idle_serve_row_names_every_rate_that_missed_the_itl_slo():
     assert [rate for rate, _ in missed] == sweep["sweep"]["failing_below"], (missed, sweep["sweep"])
     for rate, p99 in missed:
         assert f"the {rate:g} req/s run" in row and f"p99 ITL {round(p99)} ms" in row, (rate, p99, row)
+
+
+def test_the_mutation_pass_count_is_the_table_s():
+    """The README's "plants N realistic bugs" is ``len(MUTANTS)`` of ``tools/mutation_pass.py``: rows are added
+    by hunts, and the count was edited by hand each time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mutation_pass", ROOT / "tools" / "mutation_pass.py")
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    m = re.search(r"plants (\d+) realistic bugs", " ".join(README.split()))
+    assert m and int(m.group(1)) == len(mp.MUTANTS), (m and m.group(1), len(mp.MUTANTS))

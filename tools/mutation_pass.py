@@ -166,12 +166,32 @@ MUTANTS = [
      'the bound."""\n\n    head_of_line = "global"',
      'class DeadlineAdmission(KeepsItsOrder):\n    """Earliest deadline first, with aging: see the module docstring for '
      'the bound."""\n\n    head_of_line = "tenant"', ""),
+    # policy code no row reached before (tests/test_policy_mutants_stop67.py pins each)
+    ("three_class leaves batch unsorted in the order of a queue it does not keep", FAIR,
+     "if c < 2 or len(kept[0]) < self.threshold:", "if c < 2:", ""),
+    ("three_class stops admission at any tenant's head request that does not fit", FAIR,
+     'class ThreeClassAdmission(KeepsItsOrder):\n    """Interactive before agent before batch; batch only while the '
+     'interactive queue is short."""\n\n    head_of_line = "tenant"',
+     'class ThreeClassAdmission(KeepsItsOrder):\n    """Interactive before agent before batch; batch only while the '
+     'interactive queue is short."""\n\n    head_of_line = "global"', ""),
+    ("blocks cached for every tenant get the three-class tenant quota", FAIR,
+     "        if tenant is None:\n            return None\n        share", "        if tenant is None:\n"
+     "            return preset\n        share", ""),
+    ("a tenant's own cache share rounds down to no block", FAIR,
+     "return max(1, math.floor(share * num_blocks)) if share", "return math.floor(share * num_blocks) if share", ""),
+    ("WFQ charges a waiting request its cached prefix", FAIR,
+     "reached = max(req.num_computed_tokens, req.num_tokens_computed_once, computed_if_admitted)",
+     "reached = max(req.num_computed_tokens, req.num_tokens_computed_once)", ""),
+    ("a recount charges every holder of a shared partly filled block a copy", KVM,
+     "if n < self.pool.refcount(b) - 1:", "if True:", ""),
 ]
 
 TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",
          "tests/test_prefix_engine.py", "tests/test_prefix_extend.py", "tests/test_reliability.py",
          "tests/test_fairness.py", "tests/test_small_contracts.py", "tests/test_api.py",
-         "tests/test_fairness_mutants.py"]
+         "tests/test_fairness_mutants.py", "tests/test_policy_mutants_stop67.py",
+         "tests/test_wfq_orders_by_what_a_cached_prompt_will_be_charged.py",
+         "tests/test_a_forked_group_reserves_one_copy_fewer_than_its_holders.py"]
 
 
 def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:
