@@ -82,24 +82,24 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {brief_repr(self.n)}")
         if not _is_real(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise ValueError(f"temperature must be a finite number >= 0, got {brief_repr(self.temperature)}")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ValueError(f"top_p must be in (0, 1], got {brief_repr(self.top_p)}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {brief_repr(self.top_k)}")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ValueError(f"min_p must be in [0, 1], got {brief_repr(self.min_p)}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise ValueError(f"max_tokens must be an integer >= 1, got {brief_repr(self.max_tokens)}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {brief_repr(self.seed)}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be True or False, got {brief_repr(getattr(self, name))}")
         if self.output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+            raise ValueError(f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {brief_repr(self.output_kind)}")
         if isinstance(self.stop, str):
             stops: tuple = (self.stop,)
         elif self.stop is None or isinstance(self.stop, (list, tuple)):
@@ -111,11 +111,11 @@ class SamplingParams:
             where = f" at index {bad}" if isinstance(self.stop, (list, tuple)) else ""
             raise ValueError(f"stop must be a non-empty string or a list of them, got {brief_repr(stops[bad])}{where}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {brief_repr(self.stop_token_ids)}")
         ids = tuple(self.stop_token_ids or ())
         bad = next((i for i, t in enumerate(ids) if not _is_int(t) or t < 0), None)
         if bad is not None:  # the offending entry, not the whole list (which may hold thousands)
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {ids[bad]!r} at index {bad}")
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {brief_repr(ids[bad])} at index {bad}")
         # frozen: the validated, normalised forms are set once, here
         object.__setattr__(self, "_stop_list", stops)
         object.__setattr__(self, "stop_token_ids", ids)

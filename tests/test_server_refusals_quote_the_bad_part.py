@@ -150,3 +150,34 @@ def test_chat_refusals_below_http_are_clipped_too(tokenizer, bad):
     with pytest.raises(ValueError) as exc:
         engine.inputs.encode_chat(bad("x" * HUGE))
     assert len(str(exc.value)) < SHORT and "xxx" in str(exc.value), str(exc.value)[:400]
+
+
+@pytest.mark.parametrize("field", ["n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "seed",
+                                   "ignore_eos", "output_kind", "stop_token_ids"])
+def test_sampling_params_refusals_quote_a_huge_value_clipped(field):
+    """The Python API's own boundary: ``SamplingParams`` with a 200 kB string where a number, a flag or a list
+    belongs is refused with a message that names the field and stays under the bound (each quoted the value
+    whole, a 200,050-character error for ``stop_token_ids``; over HTTP pydantic's types refuse such values
+    first, so only a direct caller met it)."""
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**{field: "x" * HUGE})
+    assert field in str(exc.value) and len(str(exc.value)) < SHORT, str(exc.value)[:400]
+
+
+@pytest.mark.parametrize("case", ["token id", "request id", "arrival time"])
+def test_add_request_refusals_quote_a_huge_value_clipped(tokenizer, case):
+    """``LLMEngine.add_request`` with a 200 kB string as a prompt token id, as the request id or as the arrival
+    time: refused with a message naming what is wrong that stays under the bound, nothing queued."""
+    engine = small_engine(SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer)
+    big = "x" * HUGE
+    prompt, kw, says = {"prompt_token_ids": [1, 2]}, {}, ""
+    if case == "token id":
+        prompt, says = {"prompt_token_ids": [1, big]}, "prompt token ids must be integers"
+    elif case == "request id":
+        kw, says = {"request_id": ["r"] * HUGE}, "request_id must be a non-empty string"
+    else:
+        kw, says = {"request_id": "r0", "arrival_time": big}, "arrival_time must be a finite number"
+    with pytest.raises(ValueError) as exc:
+        engine.add_request(prompt, SamplingParams(max_tokens=2), **kw)
+    assert says in str(exc.value) and len(str(exc.value)) < SHORT, str(exc.value)[:400]
+    assert not engine.has_unfinished_requests()

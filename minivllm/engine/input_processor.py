@@ -185,7 +185,7 @@ class InputProcessor:
             if not (set(map(type, prompt)) == {int} and min(prompt) >= 0 and not (vocab and max(prompt) >= vocab)):
                 for t in prompt:
                     if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
-                        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+                        raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {brief_repr(t)}")
             return None, list(prompt), cache_salt, tenant
         raise ValueError(
             f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}"

@@ -42,7 +42,7 @@ from minivllm.metrics.engine_stats import EngineStats, TenantStats
 from minivllm.metrics.step_log import StepLog, StepRecord, tenant_blocks, tenant_fields
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, brief_repr
 from minivllm.kv.kv_cache_manager import blocks_for
 from minivllm.sched.fairness import CapTable, make_policies, tenant_cache_quota
 from minivllm.sched.output import ScheduledBatch
@@ -352,14 +352,14 @@ class LLMEngine:
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
         ):
-            raise ValueError(f"arrival_time must be a finite number of seconds, got {arrival_time!r}")
+            raise ValueError(f"arrival_time must be a finite number of seconds, got {brief_repr(arrival_time)}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         if request_id is None:
             request_id = self.inputs.new_request_id()
             while request_id in self.requests or request_id in self._groups:
                 request_id = self.inputs.new_request_id()
         elif not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+            raise ValueError(f"request_id must be a non-empty string, got {brief_repr(request_id)}")
         if request_id in self.requests or request_id in self._groups:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still in the engine")
         parent = self.inputs.sample_parent(request_id)
