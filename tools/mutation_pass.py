@@ -166,7 +166,7 @@ MUTANTS = [
      'the bound."""\n\n    head_of_line = "global"',
      'class DeadlineAdmission(KeepsItsOrder):\n    """Earliest deadline first, with aging: see the module docstring for '
      'the bound."""\n\n    head_of_line = "tenant"', ""),
-    # policy code no row reached before (tests/test_policy_mutants_stop67.py pins each)
+    # policy code no row reached before (tests/test_three_class_order_and_cache_quotas.py pins each)
     ("three_class leaves batch unsorted in the order of a queue it does not keep", FAIR,
      "if c < 2 or len(kept[0]) < self.threshold:", "if c < 2:", ""),
     ("three_class stops admission at any tenant's head request that does not fit", FAIR,
@@ -189,7 +189,7 @@ MUTANTS = [
 TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",
          "tests/test_prefix_engine.py", "tests/test_prefix_extend.py", "tests/test_reliability.py",
          "tests/test_fairness.py", "tests/test_small_contracts.py", "tests/test_api.py",
-         "tests/test_fairness_mutants.py", "tests/test_policy_mutants_stop67.py",
+         "tests/test_fairness_mutants.py", "tests/test_three_class_order_and_cache_quotas.py",
          "tests/test_wfq_orders_by_what_a_cached_prompt_will_be_charged.py",
          "tests/test_a_forked_group_reserves_one_copy_fewer_than_its_holders.py"]
 
