@@ -33,7 +33,6 @@ the engine's own policy of the same name.
 import math
 
 import matplotlib.pyplot as plt
-import torch
 
 from minivllm import SamplingParams
 from minivllm.config import TenantConfig, ThreeClassConfig
@@ -46,7 +45,6 @@ from minivllm.labs.check_lab06 import (CLASS_STEP, FAIR_STEP, SLOS, RetryClient,
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
 from minivllm.sched.fairness import THREE_CLASS_RULES
 
-ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when there is one
 %matplotlib inline
 """
 , ["setup"]),
@@ -168,9 +166,11 @@ print(table(runs, ["quiet", "noisy"]))
 ("md", r"""
 Three lessons in one table:
 
-* **A cap that does not bind does nothing.** Noisy rarely has more than four requests running anyway (its long
-  prompts are limited by the token budget and KV), so a cap of 4 leaves quiet starving.
-* **A cap that binds protects quiet** — its p95 TTFT falls to near its solo value — **and costs throughput**: noisy
+* **A cap that barely binds buys almost nothing.** Noisy rarely has more than four requests running anyway (its
+  long prompts are limited by the token budget and KV), so a cap of 4 leaves quiet starving: its p95 TTFT is 14.6 s
+  against FCFS's 16.5 s, and its requests are even preempted more often (6 times against once).
+* **A cap that binds protects quiet** — its p95 TTFT falls from seconds to a fraction of one (0.28 s at a cap of 2,
+  0.17 s at 1; 0.07 s when quiet runs alone) — **and costs throughput**: noisy
   holds less KV and gets fewer tokens per second, *even in steps where nobody else wanted them*. A cap is not
   work-conserving: it idles capacity to buy isolation.
 * The right cap depends on the workload, which is why caps are an *enforcement* for contracts ("you bought 2
@@ -182,10 +182,6 @@ VTC (Sheng et al., *Fairness in Serving Large Language Models*, OSDI 2024) keeps
 tokens it has been served, divided by its weight. The engine serves the **lowest counter first**. A tenant that sent
 nothing for a while must not bank credit — otherwise it could return and monopolise the engine — so when a tenant
 becomes active its counter is **lifted to the minimum counter of the tenants already active** (never lowered).
-Trickling must not bank credit either: a tenant kept active by one running request, with nothing waiting, takes less
-than its share while the others are served, and a burst would then win every admission until it caught up. So when
-a tenant whose queue had emptied sends again, the engine lifts it to within two steps' budget of the backlogged
-tenants (`WFQAdmission._rejoin`; the checker applies that rule to your counters, it is not part of the exercise).
 
 Write `VirtualTokenCounter`:
 
@@ -196,6 +192,12 @@ Write `VirtualTokenCounter`:
 
 The engine's WFQ order (interleave the tenants, lowest counter first; `CounterWFQ` in `check_lab06.py`) calls
 `charge` after every step with the tokens each request really got, and `activate` when a tenant appears.
+
+(The engine adds one rule of its own, outside the exercise. Trickling must not bank credit either: a tenant kept
+active by one running request, with nothing waiting, takes less than its share while the others are served, and a
+burst would then win every admission until it caught up. So when a tenant whose queue had emptied sends again, the
+engine lifts it to within two steps' budget of the backlogged tenants, `WFQAdmission._rejoin`; the checker applies
+that rule to your counters itself.)
 
 <details><summary>Hint 1</summary>
 
@@ -296,9 +298,14 @@ sort key is later than its arrival plus `aging_s`. Write `AgingDeadline`:
 
 <details><summary>Hint 1</summary>
 
-Two clamps: `min` with one bound, then `max` with the other. Which bound goes with which?
+Draw one request's time line: its arrival, then `arrival + aging_s`. Put a deadline before the arrival, one between
+the two marks and one after the second. Where should each one's key land? What about no deadline at all?
 </details>
 <details><summary>Hint 2</summary>
+
+The key is the deadline pushed inside a window: each end of the window is one comparison, so one builtin each.
+</details>
+<details><summary>Hint 3</summary>
 
 `sorted()` returns a new list; `list.sort()` changes the engine's list.
 </details>
@@ -384,7 +391,8 @@ timeline.show()
 ("md", r"""
 ## 3. A retry loop, measured
 
-The seed lesson names two ways one tenant starves the others: "a single retry loop or a bulk import". Section 2
+Lesson 06 — the lesson this course is built on, whose mechanisms, numbers and questions every lab measures — names
+two ways one tenant starves the others: "a single retry loop or a bulk import". Section 2
 measured the bulk import, a tenant that sends more than the engine serves. A retry loop needs no such tenant. Take
 `app`, an application backend that sends 1.2 jobs per second of 2,000–4,000-token prompts: together with quiet's
 chats about half of what this engine prefills, a load it carries. Its client library has a timeout: no first token
@@ -503,7 +511,7 @@ cancel on give-up, exponential backoff with jitter, honour `Retry-After`, and a 
 ("md", r"""
 ## 4. The worked policy: three classes
 
-The seed lesson's worked policy serves three classes with different promises:
+Lesson 06's worked policy serves three classes with different promises:
 
 | class | promise | example |
 |---|---|---|
@@ -522,11 +530,12 @@ Assemble it for our three tenants: map each tenant to its class, and pick the kn
 workload below (60 s of chats at 0.5/s with 20–60-token prompts, agent calls at 0.25/s on a shared 300-token
 preamble, and 6 batch prompts of 300–600 tokens queued at t = 0) runs on the simulated executor **calibrated to this
 course's CPU machine**: `CLASS_STEP` was fitted to the bundled SmolLM2-135M's real step times on one CPU core
-(`minivllm.bench.fairness.calibrate_step`: 66 ms per step, 3.1 ms per token, on 2026-11-30). It is pinned, because a
-step's cost belongs to the machine, not to the code: the same engine measured 59 ms + 1.6 ms per token on the course
-machine of 2026-12-01 and **24 ms + 1.2 ms per token** on the faster host of 2026-12-05, where the engine of 12-01,
-run beside it, measured the same (`benchmarks/README.md`, "fairness"). Run `calibrate_step()` for your machine and
-pass its `"step"` to the simulator to see which conclusions move. Prefix
+(`minivllm.bench.fairness.calibrate_step`: 66 ms per step, 3.1 ms per token). It is pinned, because a step's cost
+belongs to the machine, not to the code: the same engine takes about a third of that on a faster CPU (24 ms + 1.2 ms
+per token; `benchmarks/README.md`, "fairness", keeps the measurements). Run `calibrate_step()` for your machine and
+pass its `"step"` to the simulator to see which conclusions move. The engine (`class_engine`) is small on purpose:
+a step carries at most **64 tokens** (the token budget, shared by decodes and prefill chunks),
+32 requests run at once, and the KV cache holds 512 blocks. Prefix
 caching is on for both policies, so the comparison is about scheduling alone. Change the knobs and rerun.
 """),
 ("code", r"""
@@ -546,7 +555,7 @@ for name, res in classes.items():
 Read the TTFT columns first. Under FCFS the batch backlog sits in front of every chat and agent call: their p95 TTFT
 is many seconds and a quarter to a third of them miss. The three-class policy meets the TTFT SLO for every agent call
 and for 93% of chats, and the batch tier still finishes at the same
-time — its cost is the latency nobody promised it. Read against the seed's own definition (a *p95* under 700 ms), the
+time — its cost is the latency nobody promised it. Read against Lesson 06's own definition (a *p95* under 700 ms), the
 chats' SLO is still narrowly missed on this machine: their p95 is 0.76 s, against 12 s under FCFS, because more than
 5% of them miss. The chats that miss waited for the step's *token budget*, taken by
 the running decodes: the engine preempts to free seats or KV blocks, never to free budget, which comes back at the
@@ -559,7 +568,7 @@ every step that also carries a prefill chunk is several times longer. (On the fa
 and would meet it; a step that carries the mix's 64-token budget would take about 100 ms and still would not.) The agent's 120 ms is within reach of a lone
 decode but not of a step beside prefill chunks: only a quarter to a third of agent calls meet both SLOs, and
 `three_class`, which starts agent calls earlier — next to the batch prefills — lowers the agent's ITL p95 only a little
-(348 ms against FCFS's 393 ms). The seed lesson's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*
+(348 ms against FCFS's 393 ms). Lesson 06's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*
 tenants; it cannot make the hardware faster. When a promise is below the hardware's floor, the fix is capacity (a
 GPU, a smaller model, fewer prefill tokens per step), not a policy.
 
@@ -638,7 +647,7 @@ and every second beyond it is billed like the dedicated GPU. And the chats' ITL 
 
 ### Which clause buys what
 
-The seed's point is that every clause of a policy corresponds to a measurable behaviour. Measure it: switch the
+Lesson 06's point is that every clause of a policy corresponds to a measurable behaviour. Measure it: switch the
 clauses off one at a time. On the H100's full pool (29,043 blocks) memory is never short, so the KV clauses have
 nothing to do; the cell squeezes the same mix into **700 blocks** (11,200 tokens, 2.4% of that pool: memory as
 tight as a far larger model's weights would leave), where they do. A clause is switched off by its knob: no KV reserve, an agent share of everything, batch
@@ -683,7 +692,7 @@ policy whose clauses you have never seen move is a policy you cannot tune.
 ("md", r"""
 ### The 8K clause, with prompts above 8K
 
-The clause `chunk_long_prefills` is the seed's *"chunk prefill above 8K tokens to protect ITL"*. Give it something to
+The clause `chunk_long_prefills` is Lesson 06's *"chunk prefill above 8K tokens to protect ITL"*. Give it something to
 chunk: lab 4's at-scale scene (chats arriving about 20 a second, two 32K-token documents 1.5 s apart, Llama-3-8B on
 the H100 preset), now under the three-class preset, with the chats interactive and the documents sent by an
 agent-class tenant. The clause bounds what *one request* prefills in a step; the step's size is the budget,

@@ -134,8 +134,9 @@ lot_check = check_least_outstanding(LeastOutstanding)
 LOT = choose(lot_check, LeastOutstanding, LeastOutstandingRouter, "least-outstanding router")
 """),
 ("md", r"""
-Does load awareness matter on this chat mix? Two replicas near their capacity, the same arrivals for both routers
-(the last column is how many requests each replica got):
+Does load awareness matter on this chat mix? Two replicas near their capacity, the same first turns for both
+routers (a chat's later turns are sent when its answers finish, so how many there are by the end, and when, depends
+on the router; the last column is how many requests each replica got):
 """),
 ("code", r"""
 busy = ChatMix(rate=14, duration=4, seed=5, executor_factory=L4_LLAMA8B)
@@ -148,8 +149,8 @@ for name, router in (("round robin", RoundRobinRouter()), ("least outstanding", 
 """),
 ("md", r"""
 No better — in this run the two are within 5% of each other (read the p99 column). On a mix of many similar requests round
-robin is already nearly balanced, and the outstanding-token count adds little (it can even send a chat's next turn
-to the replica that just happened to drain, breaking up nothing useful but also gaining nothing). Load awareness
+robin is already nearly balanced, and the outstanding-token count adds little (like round robin, it does not know
+which replica holds a chat's history, so it keeps a chat's turns together no better). Load awareness
 pays when sizes vary a lot — one replica stuck with two long-context requests while round robin keeps feeding it —
 and when replicas differ (a slower GPU, a replica still warming up).
 Neither router knows anything about the caches, though.
@@ -316,6 +317,8 @@ for name in routers:
     n = smallest_meeting(rows, name, 0.95)
     print(f"{name:18s}: smallest fleet meeting the SLO: {n if n else '> ' + str(max(REPLICAS))}; "
           + ", ".join(f"{r}x: TTFT p99 {by[(r, name)]['ttft_ms']['p99']:.0f} ms" for r in REPLICAS))
+for name in routers:
+    print(f"{name:18s}: prefix hit rate " + ", ".join(f"{r}x {by[(r, name)]['prefix_hit_rate']:.0%}" for r in REPLICAS))
 """),
 ("md", r"""
 Read the two plots together:
@@ -328,7 +331,8 @@ Read the two plots together:
 * **Hit rate by router:** with one replica every router is the same (and that replica, far past capacity, evicts
   what it cached); two replicas are still past capacity (TTFT p99 over 3 s), and affinity leads by less there (52%
   against 43%). From three replicas on, round robin and least outstanding scatter each chat's turns and their hit
-  rate falls towards "the system prompt only" as the fleet grows (round robin 50% at three, 39% at eight); prefix
+  rate drifts down towards "the system prompt only" as the fleet grows, not steadily (round robin 49% at three, 51%
+  at five, 39% at eight; least outstanding 55% at three, 40% at eight: the printed lines below the plots); prefix
   affinity stays at 78–80% at every size from three, because each chat's history stays in one cache.
 * **Hit rate is capacity here.** Every cached prompt token is a prefill token no step has to carry, so affinity's
   replicas run shorter steps and meet the ITL SLO with **two replicas fewer** in this run (the printed lines below the
@@ -390,9 +394,9 @@ else:
 Diamonds are the simulator, grey dots the real engine's own runs, the band is ±10%:
 
 * **On the CPU** every diamond sits in the band, and most grey dots sit within about 1% of zero: the real engine
-  repeats itself closely, and the simulator predicts it nearly as well. (The exception, long-prompt ITL p50 at
-  ±12%, is a median that falls where the short decode-only gaps meet the long gaps of steps that carry a prompt
-  chunk.) This is the best of three runs made that day, which scored 13, 14 and 15 of 15. The weakest metric is the
+  repeats itself closely, and the simulator predicts it nearly as well. (The exception among the grey dots is
+  long-prompt ITL p50, whose two real runs sit at ±12% of their median: a median that falls where the short
+  decode-only gaps meet the long gaps of steps that carry a prompt chunk moves a lot when a few gaps change side.) This is the best of three runs made that day, which scored 13, 14 and 15 of 15. The weakest metric is the
   long-prompt TTFT p99: −9% here, and between −8% and −15% in four of the five runs that end with this one
   (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the eighteen `*_stop*` runs committed since (1–6 December, the last six on another host)
   range from +13% to −31%. The model is 3–5% too
@@ -514,7 +518,19 @@ else:
 ("md", r"""
 The span term lowers the rms error in five of the six runs and leaves the sixth where it was (one of its metrics
 crosses the 10% line the wrong way); it is no cure for a run whose real engine had a noisy day (the drift columns of
-`sim_accuracy` are for that). Six runs made after the change on *another* host (a Zen 4 EPYC, where the
+`sim_accuracy` are for that).
+
+What the runs on another host teach is how to read a miss. A profile fitted on one host cannot judge runs on
+another: there the committed profile's steps come out 1.7–1.9x too fast. Calibrated on the spot, in the same
+invocation, six runs on that host met between 6 and 14 of the 15 metrics — with the same code and the same
+command. So before blaming the cost model for a miss, ask which of two things moved: **the fit** (are the real steps
+far from the fit's own predictions? `sim_accuracy --explain RESULT` prints real / predicted per kind of step) or
+**the real engine itself** (the real-spread column: two runs of one workload can differ by 30%, and no prediction
+can be closer to a run than the runs are to each other). The record of those six runs follows, for the curious.
+
+<details><summary>The six runs on another host, one by one</summary>
+
+Six runs made after the change on *another* host (a Zen 4 EPYC, where the
 committed one-thread profile predicts each workload's prompt and decode steps 1.7–1.9x too fast at the median in the
 first: `sim_accuracy --explain`) cannot be judged with these profiles at all; calibrated in the same invocation, they
 met 14, 10, 6, 8, 14 and 13 of 15 metrics (`2026-12-06_cpu-2core_sim_accuracy_stop63.json`, `..._stop63_quiet.json`,
@@ -532,6 +548,8 @@ calibration to the next: the plotted run (1 December, a slower host) fitted one 
 K/V at 16.2 GB/s and a lone sequence's, span included, at 10.0 GB/s. Against that run's real steps the committed
 profile is still fast on those decodes (one sequence at 513–2,048 tokens: x1.04 over 82 steps, where the run's own
 one-rate fit gives x1.11): of that run's own 11%, the committed profile's form and fit leave 4%.
+
+</details>
 
 ### A calibration belongs to a host
 
@@ -587,7 +605,9 @@ result = check(doc, check_engine(doc), repeats=1)   # measured on one thread, as
 print(format_check(result, profile_path("cpu-1thread-cputime")))
 """),
 ("md", r"""
-A verdict of "current" says the profile predicts *these shapes on this machine now*; it says nothing about a GPU
+On any machine but the profile's own, expect "stale": the output above was saved on another machine than the one
+the profile was calibrated on (the last two lines name both hosts), and your laptop is another one again. That is
+the check working. A verdict of "current" says the profile predicts *these shapes on this machine now*; it says nothing about a GPU
 you have not measured, which is what the datasheet presets (and their stated assumptions) are for.
 
 ## Retrieval check
