@@ -369,7 +369,8 @@ print(table({k: runs[k] for k in ("fcfs", "wfq", "deadline, aging 30 s", "deadli
 """),
 ("md", r"""
 Without aging, two of the bulk jobs start only when the chat stream ends; with aging of 0.5 s they start after the
-chats that arrived in their first half second — the bound at work.
+chats that arrived in their first half second — the bound at work. The chats pay for it: their p95 TTFT rises from
+5.17 s to 5.64 s.
 
 On the noisy/quiet workload the aging bound shows its price. With `aging_s = 30` quiet's 1 s deadlines always beat
 noisy's keys, and quiet is protected about as well as by WFQ, without idling anything. With `aging_s = 5` every noisy
@@ -792,8 +793,8 @@ tasks' last calls past its end). On this CPU decode is most of an agent's task: 
 ## 5. The real model: policies change when, never what
 
 Everything above was simulated. On the bundled model, two long noisy prompts arrive just before two short quiet ones,
-with a token budget of 32 per step: under FCFS the quiet prompts wait for the noisy prefills; under WFQ they go
-first (quiet has been served nothing, so its counter is the lowest). Each engine is warmed up once
+with a token budget of 32 per step: under FCFS the quiet prompts wait for the noisy prefills; under WFQ they start
+in the very first step, beside the first noisy chunk (quiet has been served nothing, so its counter is the lowest). Each engine is warmed up once
 before it is timed. The TTFTs differ; the greedy tokens must not.
 """),
 ("code", r"""
