@@ -27,6 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 KVM, SCH, FAIR = "minivllm/kv/kv_cache_manager.py", "minivllm/sched/scheduler.py", "minivllm/sched/fairness.py"
 POOL, LEAVES = "minivllm/kv/block_pool.py", "minivllm/kv/prefix/base.py"
 RADIX, HASH, ENGINE = "minivllm/kv/prefix/radix.py", "minivllm/kv/prefix/hash_index.py", "minivllm/engine/llm_engine.py"
+LEARNER = "minivllm/kv/prefix/learner.py"
 
 # (what the bug is, file, the text it replaces, the bug, note)
 MUTANTS = [
@@ -184,6 +185,19 @@ MUTANTS = [
      "reached = max(req.num_computed_tokens, req.num_tokens_computed_once)", ""),
     ("a recount charges every holder of a shared partly filled block a copy", KVM,
      "if n < self.pool.refcount(b) - 1:", "if True:", ""),
+    # a hunt in the prefix caches (tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py pins each)
+    ("the leaf heap's rebuild swaps tick and order (leaves lost, never evicted)", LEAVES,
+     "self._heap = [(tick, seq, leaf) for leaf, (tick, seq) in self._stamp.items()]",
+     "self._heap = [(tick, seq, leaf) for leaf, (seq, tick) in self._stamp.items()]", ""),
+    ("radix quota eviction pins the first node of the path, not the last", RADIX,
+     "path[-1].block_ids[-1] if path else None)", "path[0].block_ids[-1] if path else None)", ""),
+    ("an emptied quota group's eviction queue is kept", LEAVES,
+     "self.by_namespace.pop(namespace if self.group_of is None else self.group_of(namespace), None)",
+     "self.by_namespace.pop(namespace, None)", ""),
+    ("the lab-3 cache looks prompts up in the public namespace", LEARNER, "        salt = namespace or None\n",
+     "        salt = None\n", ""),
+    ("the lab-3 cache's insert goes on past another prefix's key", LEARNER,
+     "if entry.tokens != tokens or entry.parent != parent:", "if entry.tokens != tokens:", ""),
 ]
 
 TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "tests/test_prefix_cache.py",
@@ -191,7 +205,8 @@ TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "test
          "tests/test_fairness.py", "tests/test_small_contracts.py", "tests/test_api.py",
          "tests/test_fairness_mutants.py", "tests/test_three_class_order_and_cache_quotas.py",
          "tests/test_wfq_orders_by_what_a_cached_prompt_will_be_charged.py",
-         "tests/test_a_forked_group_reserves_one_copy_fewer_than_its_holders.py"]
+         "tests/test_a_forked_group_reserves_one_copy_fewer_than_its_holders.py",
+         "tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py"]
 
 
 def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:
