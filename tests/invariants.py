@@ -68,6 +68,21 @@ class KVContents(SimulatedExecutor):
         return super().execute(batch)
 
 
+def block_tokens(*blocks: int, extra=(), block_size: int = 4) -> list[int]:
+    """Token ids made of whole blocks -- block ``k`` is ``[k] * block_size`` -- then ``extra``: prompts whose
+    block boundaries and shared prefixes a prefix-cache test can read off its arguments."""
+    return [t for b in blocks for t in [b] * block_size] + list(extra)
+
+
+def cached_then_released(cache, pool, tokens, ns=(), block_size: int = 4) -> list[int]:
+    """Cache ``tokens`` under fresh blocks the way a finished request that matched nothing leaves them: inserted,
+    then released, so only the cache holds them (evictable).  Returns the blocks."""
+    blocks = pool.allocate_many(len(tokens) // block_size)
+    cache.insert(tokens, blocks, ns)
+    pool.free_all(blocks)
+    return blocks
+
+
 def tiny_engine(*, num_blocks: int = 24, block_size: int = 4, budget: int = 32, max_seqs: int = 6, max_len: int = 64,
                 prefix: str | None = None, chunked: bool = True, **options) -> LLMEngine:
     """A real engine on the simulated executor, small enough (a few dozen 4-token blocks, a 32-token budget)

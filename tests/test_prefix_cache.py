@@ -34,16 +34,14 @@ from minivllm.kv.prefix import (
 from minivllm.kv.prefix.radix import RadixCache
 from tests.fuzz import examples
 
+from invariants import block_tokens as toks  # noqa: E402 (tests/ is on sys.path)
+
 BS = 4
 KINDS = ["radix", "hash"]
 
 
 # -- helpers: how the engine uses a cache --------------------------------------
 
-
-def toks(*blocks: int, extra: Sequence[int] = ()) -> list[int]:
-    """Token ids made of whole blocks; block ``k`` is ``[k, k, k, k]``."""
-    return [t for b in blocks for t in [b] * BS] + list(extra)
 
 
 def run_request(

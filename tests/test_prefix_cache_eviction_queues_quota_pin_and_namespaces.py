@@ -28,20 +28,11 @@ from minivllm.kv.prefix import InsertResult, make_prefix_cache
 from minivllm.kv.prefix.learner import LearnerHashCache
 from minivllm.labs.check_lab03 import _ref_hasher, _ref_matcher, _ref_picker
 
+from invariants import block_tokens as toks, cached_then_released  # noqa: E402 (tests/ is on sys.path)
+
 BS = 4
 
 
-def toks(*blocks: int) -> list[int]:
-    """Whole blocks of tokens; block ``k`` is ``[k] * BS``."""
-    return [t for b in blocks for t in [b] * BS]
-
-
-def cache_only(cache, pool: BlockPool, tokens: list[int], ns=()) -> list[int]:
-    """A request that matched nothing, cached its blocks and finished: afterwards only the cache holds them."""
-    table = pool.allocate_many(len(tokens) // BS)
-    cache.insert(tokens, table, ns)
-    pool.free_all(table)
-    return table
 
 
 @pytest.fixture(params=["radix", "hash"])
@@ -59,7 +50,7 @@ def test_lru_order_survives_the_rebuilds_of_the_leaf_heap(kind):
     pool = BlockPool(16)
     cache = make_prefix_cache(kind, pool, BS)
     assert cache.match(toks(9)) == []
-    block_of = {k: cache_only(cache, pool, toks(k))[0] for k in range(1, 6)}
+    block_of = {k: cached_then_released(cache, pool, toks(k))[0] for k in range(1, 6)}
     lru = [1, 2, 3, 4, 5]  # oldest first
     for i in range(300):
         k = 2 + (i * 7 + i // 5) % 4
@@ -82,7 +73,7 @@ def test_the_quota_pins_the_last_block_of_a_prefix_that_spans_two_nodes(kind):
     is evicted and the new block is simply not cached (counted by hand: 3 cached, 0 evictions)."""
     pool = BlockPool(16)
     cache = make_prefix_cache(kind, pool, BS, quota_blocks=3)
-    prefix = cache_only(cache, pool, toks(1, 2))
+    prefix = cached_then_released(cache, pool, toks(1, 2))
     running = cache.match(toks(1, 3))  # the running request takes the hit and one block of its own
     for b in running:
         pool.incref(b)
@@ -109,7 +100,7 @@ def test_a_quota_group_leaves_no_eviction_queue_once_its_blocks_are_gone(kind):
     cache = make_prefix_cache(kind, pool, BS, quota_blocks=8, quota_group=lambda ns: ns[0])
     for tenant in ("alice", "bob"):
         for salt in ("a", "b", "c"):
-            cache_only(cache, pool, toks(1, 2), (tenant, salt))
+            cached_then_released(cache, pool, toks(1, 2), (tenant, salt))
     assert sorted(cache._leaves.by_namespace) == ["alice", "bob"]
     assert cache.evict(12) == 12
     assert cache._leaves.by_namespace == {} and pool.num_free == 32
@@ -121,7 +112,7 @@ def test_the_learners_cache_looks_a_prompt_up_under_the_namespace_it_was_cached_
     pool = BlockPool(8)
     cache = LearnerHashCache(pool, BS, _ref_hasher, _ref_matcher, _ref_picker)
     alice, bob = ("alice", None), ("bob", None)
-    table = cache_only(cache, pool, toks(1, 2), alice)
+    table = cached_then_released(cache, pool, toks(1, 2), alice)
     assert cache.match(toks(1, 2), alice) == table
     assert cache.match(toks(1, 2), bob) == [] and cache.match(toks(1, 2)) == []
     assert cache.evict(2) == 2 and pool.num_free == 8
@@ -139,7 +130,7 @@ def test_the_learners_insert_stops_at_a_key_another_prefix_holds():
     entry and a lookup of (1, 2, 5) would get KV computed after (3, 2).  By hand: that lookup hits 2 blocks."""
     pool = BlockPool(8)
     cache = LearnerHashCache(pool, BS, _parentless_hasher, _ref_matcher, _ref_picker)
-    first = cache_only(cache, pool, toks(1, 2))
+    first = cached_then_released(cache, pool, toks(1, 2))
     own = pool.allocate_many(3)
     assert cache.insert(toks(3, 2, 5), own) == InsertResult(0, own)
     assert [cache.is_cached(b) for b in own] == [True, False, False]

@@ -21,20 +21,11 @@ from minivllm.labs import check_lab03
 from minivllm.metrics.stats import jain, meets_slo
 from minivllm.metrics.step_log import FirstTimePrompt, StepLog, StepRecord, TenantStep, tenant_fields, tenant_series
 
+from invariants import block_tokens as toks, cached_then_released  # noqa: E402 (tests/ is on sys.path)
+
 BS = 4
 
 
-def toks(*blocks: int) -> list[int]:
-    """Token ids made of whole blocks; block ``k`` is ``[k, k, k, k]``."""
-    return [t for b in blocks for t in [b] * BS]
-
-
-def cached_then_released(cache, pool: BlockPool, tokens: list[int], ns=()) -> list[int]:
-    """Insert ``tokens`` under fresh blocks the way a finished request leaves them: only the cache holds them."""
-    blocks = pool.allocate_many(len(tokens) // BS)
-    cache.insert(tokens, blocks, ns)
-    pool.free_all(blocks)
-    return blocks
 
 
 def brute_force_hit(inserted: list[tuple[list[int], list[int]]], tokens: list[int]) -> list[int]:

@@ -26,11 +26,10 @@ from minivllm.kv.prefix.base import LazyBlocks, TokenRun, split_into_blocks
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams
 
+from invariants import block_tokens as toks  # noqa: E402 (tests/ is on sys.path)
+
 BS = 4
 
-
-def toks(*blocks: int, extra: tuple[int, ...] = ()) -> list[int]:
-    return [t for b in blocks for t in [b] * BS] + list(extra)
 
 
 class CountingList(list):
