@@ -43,7 +43,6 @@ KINDS = ["radix", "hash"]
 # -- helpers: how the engine uses a cache --------------------------------------
 
 
-
 def run_request(
     cache: PrefixCache, pool: BlockPool, tokens: Sequence[int], namespace: Hashable = ()
 ) -> list[int]:

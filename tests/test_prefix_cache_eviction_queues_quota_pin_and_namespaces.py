@@ -33,8 +33,6 @@ from invariants import block_tokens as toks, cached_then_released  # noqa: E402 
 BS = 4
 
 
-
-
 @pytest.fixture(params=["radix", "hash"])
 def kind(request) -> str:
     return request.param

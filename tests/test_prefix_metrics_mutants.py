@@ -26,8 +26,6 @@ from invariants import block_tokens as toks, cached_then_released  # noqa: E402 
 BS = 4
 
 
-
-
 def brute_force_hit(inserted: list[tuple[list[int], list[int]]], tokens: list[int]) -> list[int]:
     """The blocks of the longest block-aligned prefix of ``tokens`` that one of the ``(tokens, blocks)`` inserted
     (and still cached, the caller's business) covers."""

@@ -31,7 +31,6 @@ from invariants import block_tokens as toks  # noqa: E402 (tests/ is on sys.path
 BS = 4
 
 
-
 class CountingList(list):
     """A token list that counts the tokens read out of it (indexing, slicing, iterating, concatenating)."""
 

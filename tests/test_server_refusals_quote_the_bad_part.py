@@ -181,3 +181,18 @@ def test_add_request_refusals_quote_a_huge_value_clipped(tokenizer, case):
         engine.add_request(prompt, SamplingParams(max_tokens=2), **kw)
     assert says in str(exc.value) and len(str(exc.value)) < SHORT, str(exc.value)[:400]
     assert not engine.has_unfinished_requests()
+
+
+def test_a_duplicate_huge_request_id_is_quoted_clipped(tokenizer):
+    """The same 200 kB request id sent twice: the second is refused as a duplicate with a short message, and the
+    first still runs to its end (the review found this refusal and the sample-id clashes quoting the id whole)."""
+    engine = small_engine(SimulatedExecutor(vocab_size=len(tokenizer)), tokenizer)
+    rid = "r" * HUGE
+    engine.add_request({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2, ignore_eos=True), rid)
+    with pytest.raises(ValueError) as exc:
+        engine.add_request({"prompt_token_ids": [3, 4]}, SamplingParams(max_tokens=2), rid)
+    assert "duplicate request id" in str(exc.value) and len(str(exc.value)) < SHORT, str(exc.value)[:400]
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [len(o.outputs[0].token_ids) for o in done] == [2]

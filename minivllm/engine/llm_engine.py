@@ -361,19 +361,19 @@ class LLMEngine:
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {brief_repr(request_id)}")
         if request_id in self.requests or request_id in self._groups:
-            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is still in the engine")
+            raise ValueError(f"duplicate request id {brief_repr(request_id)}: a request with this id is still in the engine")
         parent = self.inputs.sample_parent(request_id)
         if parent is not None and parent in self._groups:
-            raise ValueError(f"request id {request_id!r} clashes with a sample id of request {parent!r}, still in the engine")
+            raise ValueError(f"request id {brief_repr(request_id)} clashes with a sample id of request {brief_repr(parent)}, still in the engine")
         arrival = self.executor.now() if arrival_time is None else arrival_time
         samples = self.inputs.process(
             prompt, params, request_id, tenant=tenant, priority=priority, arrival_time=arrival, deadline=deadline
         )
         if params.n > 1 and any(r.request_id in self.requests or r.request_id in self._groups for r in samples):
-            raise ValueError(f"request id {request_id!r} clashes with a sample id of a request in the engine")
+            raise ValueError(f"request id {brief_repr(request_id)} clashes with a sample id of a request in the engine")
         why = self.never_runs(samples[0].max_total_tokens, samples[0].tenant)
         if why is not None:
-            raise ValueError(f"request {request_id!r} {why}")
+            raise ValueError(f"request {brief_repr(request_id)} {why}")
         if params.n > 1:
             self._groups[request_id] = samples
         if not self.scheduler.has_work():  # the engine was idle: time its next step from this arrival, not from the

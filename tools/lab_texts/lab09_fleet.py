@@ -606,7 +606,7 @@ print(format_check(result, profile_path("cpu-1thread-cputime")))
 """),
 ("md", r"""
 On any machine but the profile's own, expect "stale": the output above was saved on another machine than the one
-the profile was calibrated on (the last two lines name both hosts), and your laptop is another one again. That is
+the profile was calibrated on (the last line names both hosts), and your laptop is another one again. That is
 the check working. A verdict of "current" says the profile predicts *these shapes on this machine now*; it says nothing about a GPU
 you have not measured, which is what the datasheet presets (and their stated assumptions) are for.
 
