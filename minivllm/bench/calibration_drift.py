@@ -37,6 +37,11 @@ from minivllm.sim import calibrate as cal
 PASSES = 2
 
 
+def grid_seconds(doc: dict) -> float:
+    """A calibration's measured grid time: the sum of its steps (no warm-up, bandwidth read or fit)."""
+    return sum(s["time_s"] for s in doc["samples"])
+
+
 def group_seconds(doc: dict) -> dict[int, float]:
     """A calibration's measured time per group of the grid: the sum of that group's steps."""
     out: dict[int, float] = {}
@@ -56,7 +61,7 @@ def prediction_error(fitted: dict, measured: dict) -> dict:
 
 def pass_summary(doc: dict) -> dict:
     """One pass's row: its grid time, its fit's own errors and rates, and the steps they came from."""
-    return {"grid_s": sum(s["time_s"] for s in doc["samples"]), "pass_s": doc["fit"].get("seconds"),
+    return {"grid_s": grid_seconds(doc), "pass_s": doc["fit"].get("seconds"),
             "steps": len(doc["samples"]), "rms_rel_error": doc["fit"]["rms_rel_error"],
             "max_abs_rel_error": doc["fit"]["max_abs_rel_error"], "params": doc["fit"]["params"],
             "measured_read_bandwidth": doc["fit"].get("measured_read_bandwidth"), "hardware": doc["hardware"],
@@ -73,8 +78,7 @@ def compare_passes(earlier: dict, later: dict) -> dict:
     ga, gb = group_seconds(earlier), group_seconds(later)
     ratios = {g: gb[g] / ga[g] for g in sorted(ga) if g in gb and ga[g] > 0}
     same = [s["seqs"] for s in earlier["samples"]] == [s["seqs"] for s in later["samples"]]
-    ta, tb = (sum(s["time_s"] for s in d["samples"]) for d in (earlier, later))
-    return {"total_ratio": tb / ta, "group_ratios": ratios,
+    return {"total_ratio": grid_seconds(later) / grid_seconds(earlier), "group_ratios": ratios,
             "group_ratio_min": min(ratios.values()), "group_ratio_median": statistics.median(ratios.values()),
             "group_ratio_max": max(ratios.values()), "same_steps": same,
             "earlier_fit_on_later": prediction_error(earlier, later),

@@ -64,9 +64,9 @@ class GroupBlocks:
                     members[key] = [r]
                 else:
                     group.append(r)
+        union = shared if shared_now is None else shared_now  # (a set only where a block may have two holders)
         self.count: dict[Hashable, int] = {
-            key: (len(set().union(*[m.block_ids for m in group])) if (shared if shared_now is None else shared_now)
-                  and len(group) > 1
+            key: (len(set().union(*[m.block_ids for m in group])) if union and len(group) > 1
                   else sum(len(m.block_ids) for m in group))
             for key, group in members.items()}
 

@@ -437,8 +437,8 @@ class Scheduler:
         writers: dict = {}  # group -> members charged a copy of their last block (only just after a fork)
         shared = self.kv.may_share()
         for r in self.running:
-            blocks = self._reservation(r)
-            for g in self.caps.groups(r):
+            blocks, groups = self._reservation(r), self.caps.groups(r)
+            for g in groups:
                 u = usage.get(g.key)
                 if u is None:
                     u = usage[g.key] = [0, held.count[g.key], 0]
@@ -446,7 +446,7 @@ class Scheduler:
                 u[1] += blocks
                 u[2] += self._chunk_cap(r)
             if blocks and shared and self.kv.num_copy_on_write_blocks(r):
-                for g in self.caps.groups(r):
+                for g in groups:
                     writers.setdefault(g.key, []).append(r)
         for key, members in writers.items():
             usage[key][1] -= held.in_place_writes(key, members)
