@@ -19,7 +19,9 @@ caller.  This class wires them together and keeps the request table.
 
 Everything that can vary is a seam (see :mod:`minivllm.interfaces`): the
 admission and preemption policies, step 2's batch builder, the prefix cache,
-the executor.
+the executor (and ``executor_wrapper``, a function that wraps it: a fault
+injector, a recorder), and the cost model that chooses a victim's fate
+between recompute and swap in auto mode.
 """
 
 from __future__ import annotations
@@ -37,13 +39,12 @@ from minivllm.interfaces import (AdmissionPolicy, BatchBuilder, Executor, Preemp
                                  PricesRecompute, SimulatedDevice, Tokenizer, check_seam, implements)
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache import DEFAULT_SIM_KV_BLOCKS, num_host_blocks
-from minivllm.kv.kv_cache_manager import KVCacheManager
+from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
 from minivllm.metrics.engine_stats import EngineStats, TenantStats
 from minivllm.metrics.step_log import StepLog, StepRecord, tenant_blocks, tenant_fields
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams, brief_repr
-from minivllm.kv.kv_cache_manager import blocks_for
 from minivllm.sched.fairness import CapTable, make_policies, tenant_cache_quota
 from minivllm.sched.output import ScheduledBatch
 from minivllm.sched.scheduler import PreemptionCosts, PrefillRateFit, Scheduler
@@ -62,11 +63,9 @@ UNTIMED_STEP_S = 0.05
 A step is timed from the end of the one before it, or from the arrival that woke an idle engine, so on a
 clock that moves the first step a request is rejected in already has a time; this value stands in where no
 step has taken time on the executor's clock yet -- a simulator whose clock stands still, or a driver that
-asks for a hint by hand.  Why 0.05 s: a step of the right order between the devices this engine runs on (on
-the H200, a graphed decode step of a 1B model took 2.5 ms and an eager prompt step about 10 ms; on this
-repository's 2-core CPU a lone SmolLM2-135M decode step took 66 ms on one day's host and 26 ms on another's),
-so a hint is off by a factor of a few
-at worst, and the first timed step replaces it.  The README states it where it explains the hint.
+asks for a hint by hand.  Why 0.05 s: it sits between the devices this engine runs on (a graphed GPU decode
+step takes milliseconds, a CPU step of the bundled model tens of them), so a hint is off by a factor of a
+few at worst, and the first timed step replaces it.  The README states it where it explains the hint.
 """
 
 
@@ -389,7 +388,8 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its blocks (on both tiers) go back at once.  False if unknown.
+        """Stop a request wherever it is; its blocks (on both tiers) go back at once -- or, when the call comes from
+        inside a step on the stepping thread (a finalizer, a callback), as that step ends.  False if unknown.
 
         Aborting a parent id of ``n > 1`` aborts every sample and nothing more
         is reported for it.  Aborting one sample (``"g#1"``) finishes just that
@@ -446,10 +446,6 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this engine is closed")
-
-    def namespace(self, req: Request):
-        """The prefix-cache namespace of a request (see :meth:`KVCacheManager.namespace`)."""
-        return self.kv.namespace(req)
 
     def stats(self) -> EngineStats:
         """Gauges and counters for metrics, labs and benchmarks (a typed dict, cheap to build: see

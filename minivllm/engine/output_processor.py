@@ -50,8 +50,8 @@ class OutputProcessor:
         self._group_samples: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples (read, never changed)
 
     def add(self, samples: list[Request]) -> None:
-        # one set per request, shared by its samples (they share their params): n=128 samples of a request listing
-        # 1M stop ids built 128 sets on the engine thread, a 4 s stall for every stream
+        # one set per request, shared by its samples (they share their params): a set per sample would make n=128
+        # samples of a request listing 1M stop ids build 128 sets on the engine thread, a 4 s stall for every stream
         sets: dict[int, frozenset] = {}
         for req in samples:
             params = req.sampling_params
@@ -74,9 +74,6 @@ class OutputProcessor:
                 CompletionOutput(index=i, text="", token_ids=[]) for i in range(len(samples))
             ]
             self._group_samples[first.parent_id] = samples
-
-    def has_group(self, parent_id: str) -> bool:
-        return parent_id in self._groups
 
     # -- step 6: emit --------------------------------------------------------
     def emit(self, grew: list[Request]) -> list[RequestOutput]:

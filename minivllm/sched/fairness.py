@@ -72,9 +72,10 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
-from minivllm.config import EngineConfig
+from minivllm.config import PRIORITY_CLASSES, EngineConfig
 from minivllm.interfaces import AdmissionPolicy, RanksRequests, implements
 from minivllm.kv.sharing import GroupBlocks
 from minivllm.request import Request, RequestStatus
@@ -86,9 +87,9 @@ from minivllm.sched.policies import (
     RecomputeLatestPreemption,
 )
 
-CLASS_RANK = {"interactive": 0, "agent": 1, "batch": 2}
+CLASS_RANK = MappingProxyType({name: rank for rank, name in enumerate(PRIORITY_CLASSES)})  # read-only: module state
 
-THREE_CLASS_RULES = {
+THREE_CLASS_RULES = MappingProxyType({
     "reserve_kv_for_interactive": "agent and batch requests together never hold more than "
                                   "(1 - interactive_kv_reserve) of the KV blocks (rounded down, at least one)",
     "bounded_agent_queue": "agent requests are ordered after interactive ones and hold at most agent_kv_share "
@@ -106,7 +107,7 @@ THREE_CLASS_RULES = {
                                      "long enough that swapping it costs less than recomputing it (the auto mode's "
                                      "cost model, or swap_min_tokens computed tokens if set) is swapped, a shorter "
                                      "one recomputed",
-}
+})
 
 
 def class_of(config: EngineConfig, tenant: str) -> str:
@@ -391,8 +392,8 @@ class WFQAdmission(KeepsItsOrder):
     kept as that queue changed (:class:`~minivllm.interfaces.KeepsOrder`: each tenant's waiting requests in
     queue order, and which of them entered or left since the last order) and handed out lazily, read from the
     live queues (:class:`_LivePass`), so a step's work is the tenants and the requests admission looks at, not the
-    backlog.  (It once copied every tenant's queue each step, since admission changes the queues as it walks the
-    order: one C call, but ~0.9 ms a step at 100,000 waiting requests.)  Given any other sequence it is built
+    backlog.  (Copying every tenant's queue each step, since admission changes the queues as it walks the order,
+    would be one C call, but ~0.9 ms a step at 100,000 waiting requests.)  Given any other sequence it is built
     from that sequence, as a list.  The two answers are the same (a test replays engines both ways).
     """
 

@@ -133,13 +133,13 @@ class PrefillRateFit:
 
     Recomputing a victim of ``N`` tokens adds ``N`` prefill tokens to steps that run anyway, so its cost is
     ``N`` times the *marginal* seconds of a prefill token -- not a share of everything else in those steps.
-    Dividing a mixed step's whole time by all its tokens (the estimate this replaces) charged each prefill token
-    a slice of the per-step cost (the weights are read once a step, host work) and of the decode rows riding
-    along, which cost far more per token than prefill tokens: on a busy, decode-heavy stream the rate came out
-    1.7x too low (SmolLM2-135M on one quiet CPU thread, chat-sized prompts: 503 tokens/s against 798-840 for a
-    plain prefill of 64-256 tokens; the fit learnt 852 from the same steps --
-    ``benchmarks/results/2026-12-05_cpu-2core_prefill_rate_chat.json``), and auto mode swapped victims that
-    were cheaper to recompute.
+    Dividing a mixed step's whole time by all its tokens would charge each prefill token a slice of the per-step
+    cost (the weights are read once a step, host work) and of the decode rows riding along, which cost far more
+    per token than prefill tokens: on a busy, decode-heavy stream that rate comes out 1.7x too low (SmolLM2-135M
+    on one quiet CPU thread, chat-sized prompts: 503 tokens/s against 798-840 for a plain prefill of 64-256
+    tokens; this fit learns 852 from the same steps --
+    ``benchmarks/results/2026-12-05_cpu-2core_prefill_rate_chat.json``), and auto mode would swap victims that
+    are cheaper to recompute.
 
     So each step's time ``T`` is fitted as ``a + b * P + c * D`` (``P`` prefill tokens, ``D`` decode rows) by
     least squares, and the rate is ``1 / b``.  The fit keeps running, exponentially decayed sums (a weighted
