@@ -115,9 +115,10 @@ print(f"batched decode is cheaper per token than single decode:", decode_b_s / B
 Why? Count bytes. SmolLM2-135M has ~135 M parameters, 540 MB in fp32 (4 bytes each). To compute one token, a
 decode step reads every parameter once and does one multiply and one add with it: 2 floating-point operations per
 4 bytes read, i.e. **0.5 FLOP per byte**. A chip can do far more than that — a modern GPU does hundreds of FLOPs
-in the time it reads one byte from memory, a CPU tens — so the arithmetic units mostly wait for memory. A prefill
-of 256 tokens reads the weights once and uses each of them 256 times (~128 FLOP per byte), so it keeps the
-arithmetic busy instead. Batching decodes is the same trick: one read of the weights, many tokens.
+in the time it reads one byte from memory, a CPU tens — so the arithmetic units mostly wait for memory. The prefill
+above (`PROMPT_LEN` tokens: 256 on a CPU, 1,024 when a GPU is present) reads the weights once and uses each of them
+for every prompt token: ~128 FLOP per byte at 256 tokens, ~512 at 1,024, so it keeps the arithmetic busy instead.
+Batching decodes is the same trick: one read of the weights, many tokens (`BATCH` of them: 8 on a CPU, 32 on a GPU).
 
 The engine's what-if tool, `SimulatedExecutor`, models a step as
 `fixed_overhead + per_token * tokens + per_context_token * KV tokens read`. Your measurements calibrate it:
@@ -133,7 +134,9 @@ print({k: f"{v * 1000:.3f} ms" for k, v in calibrated.items()})
 
 `LLMEngine.step()` is seven lines (`minivllm/engine/llm_engine.py`). Below we run those seven lines by hand on a small engine
 (a simulated forward pass, so it is instant and every number is reproducible): three requests, a budget of 16
-tokens per step, so the longest prompt is **chunked** over several steps.
+tokens per step, so the longest prompt is **chunked** over several steps. Step 3 hands out **KV blocks**: the
+engine stores each request's keys and values (its KV cache) in fixed-size pages, here 4 tokens each, and gives a
+request a block as its tokens need one; lab 2 builds that allocator.
 """),
 ("code", r"""
 def small_engine(admission_policy=None):
@@ -164,10 +167,18 @@ print("7 finish:      ", [o.request_id for o in outputs if o.finished], "finishe
 eng.log_step(batch)
 """),
 ("md", r"""
-Step 6 printed token ids: the simulated executor has no vocabulary. On the real model, *emit* also turns them into
-text, incrementally: a detokenizer per request that holds back bytes until they form whole characters, so a stream
-never shows half a multi-byte character. `LLM.stream` hands you each step's output as it is emitted — the same
-deltas the OpenAI-compatible server sends as server-sent events (lab 8):
+Steps 4 and 6 came back empty: `sampled {}` and `emit: []`. Why? *Admit* starts a waiting request only while
+three things are free: a seat (`max_num_seqs`), token budget for its first chunk, and KV blocks for the rest of its
+prompt, which it sets aside on admission (`Scheduler.admit`). A request that does not fit waits its turn. Here the
+budget ran out first: A, first in line, took the whole 16-token budget as a prefill chunk, so B and C were not
+admitted yet. And A's prompt has 20 tokens: after 16 of them there is nothing to sample, because a request's first
+output token comes from the step that runs its *last* prompt token. So the executor sampled nothing, and *emit* had
+nothing to send.
+
+When *emit* does send something here, it is token ids: the simulated executor has no vocabulary. On the real model,
+*emit* also turns them into text, incrementally: a detokenizer per request that holds back bytes until they form
+whole characters, so a stream never shows half a multi-byte character. `LLM.stream` hands you each step's output as
+it is emitted — the same deltas the OpenAI-compatible server sends as server-sent events (lab 8):
 """),
 ("code", r"""
 for out in llm.stream("The capital of France is", SamplingParams(max_tokens=6, temperature=0)):
@@ -175,10 +186,7 @@ for out in llm.stream("The capital of France is", SamplingParams(max_tokens=6, t
     print(f"step emits token {c.delta_token_ids} -> text {c.delta_text!r}" + ("   (finished)" if out.finished else ""))
 """),
 ("md", r"""
-*Admit* starts a waiting request only while three things are free: a seat (`max_num_seqs`), token budget for
-its first chunk, and KV blocks for the rest of its prompt, which it sets aside on admission (`Scheduler.admit`). A
-request that does not fit waits its turn. Here the budget ran out first: A, first in line, took the whole 16-token
-budget as a prefill chunk, so B and C were not admitted yet, and nothing was sampled: A's prompt is not finished. Step 1 below finishes A's prefill (4 tokens) and
+Back to the small engine. Its next step (step 1 in the log, which counts from 0) finishes A's prefill (4 tokens) and
 samples its first token in that same step — **the first output token comes from the prefill step** — while B and
 C start. Watch the rest as a timeline of the step log, one step per click of **next step**: orange = prefill chunk
 (number = tokens), blue = decode. The widget steps its own copy of this engine, built the same way and stepped
@@ -286,7 +294,7 @@ How should we summarise the gaps? A user does not feel the *mean* gap; they feel
 the distribution of all gaps of all requests, and report **percentiles** (p50, p90, p99 by nearest rank: the
 smallest gap such that at least q % of all gaps are at or below it) next to the mean. The engine's `nearest_rank`
 computes them here; lab 4 has you write one. In this run the early decodes share their steps with
-prefill chunks, and those gaps are several times longer than a decode-only step:
+prefill chunks, and those gaps (the p90 and p99 below) are about two and a half times the typical gap (p50):
 """),
 ("code", r"""
 from minivllm.metrics.stats import nearest_rank  # the engine's percentile (lab 4's exercise 2 is to write one)
@@ -319,18 +327,25 @@ step loop above does) admits a waiting request into any free seat at the next st
 ## ✏️ Exercise 2 — static batching as an admission policy
 
 The engine asks its `AdmissionPolicy` every step: *in which order should I try the waiting requests?*
-(`order(waiting, running) -> list`). Leaving a request out holds it back this step. Static batching is then one
-rule: admit only when nothing is running. The engine's `max_num_seqs` caps the batch size.
+(`order(waiting, running) -> list`). Leaving a request out holds it back this step. Write `StaticBatching.order`
+so that the engine runs batches the pre-Orca way described above. The engine's `max_num_seqs` caps the batch size.
 
 <details><summary>Hint 1</summary>
 
-`order` returns the requests the engine may *try* to admit, in order; it does not admit them itself, and
-`max_num_seqs` is the engine's business, not yours.
+What does static batching *forbid* that continuous batching allows? Say it as a sentence about when a waiting
+request may start, before you write any code.
 </details>
 <details><summary>Hint 2</summary>
 
-Two situations: something is still running (then nobody new may start), or nothing is (then everybody waiting may
-try, first come first served). Return a *list* in both.
+Which of the two arguments tells you whether that forbidden moment has come? `order` sees only `waiting` and
+`running`; it does not admit anyone itself (the engine tries the requests you return, in that order), and it need
+not count seats: `max_num_seqs` is the engine's business.
+</details>
+<details><summary>Hint 3</summary>
+
+What must `order` return when nobody may start, and what when everybody waiting may try? The engine iterates over
+the result, so the type is the same in both cases. Your rule has exactly two cases; the first-come-first-served
+order of `waiting` is already the order you want.
 </details>
 
 If your policy leaves everyone out while nothing runs, the engine cannot move. It does not spin for ever: after 64

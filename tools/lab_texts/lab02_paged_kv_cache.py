@@ -21,7 +21,7 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
-from minivllm.kv.kv_cache_manager import KVCacheManager, blocks_for
+from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.labs import choose, widgets, workloads
 from minivllm.labs.check_lab02 import as_engine_pool, check_block_pool, check_paged_slots, check_slot_mapping, install_pool
 from minivllm.labs.quiz import print_answers, print_quiz, show_quiz
@@ -230,8 +230,9 @@ kv.fork(parent, child)
 fig, axes = plt.subplots(1, 2, figsize=(11, 1.8))
 widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.block_ids}, cols=12, ax=axes[0],
                         title="after fork: 3 shared blocks")
-child.output_token_ids.append(42)          # the child will sample its own tokens; first it recomputes its
-assert kv.allocate_slots(child, 1)         # last prompt token, whose KV lands in the shared last block: copied first
+# fork left the child's last prompt token (position 9) uncomputed, so the child gets its own logits from it; its
+# KV lands in the shared, partly filled last block, so making room for that one token copies the block first
+assert kv.allocate_slots(child, 1)
 widgets.draw_block_pool(kv.pool, {"parent": parent.block_ids, "child": child.block_ids}, cols=12, ax=axes[1],
                         title="child writes: last block copied")
 plt.show()
@@ -389,7 +390,7 @@ vLLM's default is 16.
 ("code", r"""
 sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
 waste = [1 - tokens / reserved_paged(lens, b) for b in sizes]
-table = [sum(blocks_for(n, b) for n in lens) / len(lens) for b in sizes]
+table = [reserved_paged(lens, b) / b / len(lens) for b in sizes]   # your exercise 3: slots / block_size = blocks
 fig, ax = plt.subplots(figsize=(7, 2.8))
 ax.plot(sizes, [100 * w for w in waste], "o-", color="#d62728", label="memory wasted (%)")
 ax.set_xscale("log", base=2); ax.set_xlabel("block_size (tokens)"); ax.set_ylabel("wasted %")
@@ -410,6 +411,11 @@ kernel (`minivllm/model/csrc/paged_decode.c`) reads each sequence's K and V bloc
 `paged_decode_step(b)` times one decode step's attention (32 sequences of 1,024 tokens, SmolLM2-135M's heads) with the
 same K/V laid out in blocks of `b` tokens. The blocks are scattered over the pool the way a pool that has served for a
 while scatters them. Lab 7 times the GPU kernel the same way.
+
+The engine compiles that kernel the first time it is needed (once, then cached). Without a C compiler, `paged_decode_step` falls back to the
+engine's torch reference path, which first gathers every block of every sequence into one contiguous copy and then
+attends over that copy: it measures the gather, not a kernel walking the table, so its times are several times
+higher and need not show the shape described below. The plot's title names the reader that ran.
 """),
 ("code", r"""
 # NBVAL_IGNORE_OUTPUT  (times depend on the machine)
@@ -429,15 +435,22 @@ for b in (1, 16, 256):
     print(f"block_size {b:4d}: {step_ms[b]:5.2f} ms, {1024 // b:5d} table entries per sequence")
 """),
 ("md", r"""
-On the 2-core machines this notebook was built on, quiet runs took 12–18 ms at 1-token blocks, 2–6.1 ms at 16 and
-2.0–5.7 ms at 256: the smallest blocks cost three to seven times the largest, and the big-block times moved most
-from one machine (and day) to the next. When other work shares the two cores every size slows, and by unequal
-amounts: four busy runs took 18–59 ms, 7–26 ms and 7.5–20 ms (two to four times), three later ones 30–32 ms at
-1-token blocks and 2.3–6.5 ms at 256 (five to thirteen times). Your numbers will differ; the shape should not. Below 16 tokens the time
-climbs steeply. The kernel pays a fixed cost per block (read the table entry, find the block, start the reads), and
-tiny blocks scattered over the pool defeat the memory prefetcher. Above 16 the time hardly moves, while the waste in
-the plot above keeps growing. So 16 is a common default: it gets most of the speed of big blocks and little of their
-waste.
+Read the curve for its shape. With the C kernel, it falls steeply from 1-token blocks to 16-token ones (several
+times faster on a quiet machine), and from 16 on it is roughly flat. The points go up and down by a few milliseconds from one size to the
+next and from one run to the next (in one run 4 can come out slower than 2, in another 256 slower than 32): treat
+such a bump as noise until a rerun repeats it.
+
+Why the steep part? Attention reads the same bytes at every block size; what changes is how many blocks it reads
+them in. The kernel pays a fixed cost per block (read the table entry, find the block, start the reads), so 1,024
+one-token blocks per sequence pay it 1,024 times, 16-token blocks 64 times. And a memory prefetcher streams the
+next bytes ahead of the reads only while the reads run on in order: a one-token block is a few hundred bytes at a
+random place in the pool, so every block starts a fresh miss. Past 16 tokens per block the per-block costs are a
+small share of the step, so bigger blocks buy little more time, while the waste in the plot above keeps growing.
+That is why 16 is a common default: most of the speed of big blocks, little of their waste.
+
+How to read the noise: these are milliseconds on a CPU that other programs share, and a busy moment can slow every
+size, not all of them by the same factor. So compare sizes within one run, as ratios, and rerun the cell before you
+believe a bump: the steep rise below 16 comes back every time, a wiggle above 16 need not.
 """),
 ("md", r"""
 ## 5. Your pool behind the real model
@@ -492,7 +505,8 @@ print_answers(2)   # the answer key: run it after you have answered
 * How a token's position becomes a physical slot through the block table.
 * Why paging wastes about half a block per sequence, how that grows with `block_size`, and what a bigger block buys
   instead (fewer table entries, fewer allocations, and a faster attention kernel: measured, several times faster
-  at 16 tokens than at 1 on this machine's CPU kernel).
+  at 16 tokens than at 1 on this machine's CPU kernel), and how to tell that trend from a shared machine's noise
+  (ratios within one run, a rerun before believing a bump).
 * Why less waste means more throughput on the same memory (a bigger batch; lab 1's memory-bound decode).
 * Copy-on-write: when a shared block must become private, and why full blocks never need to.
 

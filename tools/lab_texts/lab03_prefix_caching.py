@@ -38,8 +38,9 @@ BLOCK = 16
 A token's K and V depend on that token **and every token before it**. So two prompts that start with the same
 tokens have identical KV for that shared beginning — a system prompt, few-shot examples, the earlier turns of a
 chat. A prefix cache keeps those KV blocks after a request finishes and hands them to the next request with the
-same beginning: its prefill skips them, so its **TTFT** drops. The seed's example: an assistant whose every request
-starts with the same 3,000-token system prompt. Without a cache, every request prefills all 3,000 tokens; with one,
+same beginning: its prefill skips them, so its **TTFT** drops. Lesson 06 — the lesson this course is built on, whose
+mechanisms and numbers the labs measure — gives the standard example: an assistant whose every request starts with
+the same 3,000-token system prompt. Without a cache, every request prefills all 3,000 tokens; with one,
 only the first does, and each later request computes just the few tokens past the last full block plus its question.
 
 Sharing is block-granular: only *full* blocks are cached (a partial block is still being written). Two data
@@ -76,16 +77,21 @@ How many keys? One per *full* block: the tokens after the last full block get no
 </details>
 <details><summary>Hint 2</summary>
 
-Which values must go into key *i* so that two prompts get equal keys only when everything up to block *i* is equal?
-Carry one value from block to block as you walk them (and decide what stands in for it before the first block).
-A list cannot be hashed; a tuple can.
+Key *i* must change whenever anything in blocks 0 to *i* changes, but the rule above builds it from block *i*'s
+tokens and key *i−1* only. Why is that enough? Which value already stands for everything before block *i*?
 </details>
 <details><summary>Hint 3</summary>
 
-A worked example (not a checker case): `block_size` 3, tokens `[4, 4, 7, 1, 2, 9, 5]`, salt `"t1"`. Two full
-blocks, `(4, 4, 7)` and `(1, 2, 9)`; token 5 gets no key. Key 0 is built from "nothing before", `(4, 4, 7)` and
-`"t1"`; key 1 from key 0, `(1, 2, 9)` and no salt (the same placeholder on every later block). Salt `"t2"` changes
-key 0, and therefore key 1 as well. The engine's version is `HashIndex._key`.
+Carry that value from block to block as you walk them. Two details remain: what stands in for it before the first
+block (any fixed value works, as long as every call uses the same one), and where the salt goes. A list cannot be
+hashed; a tuple can.
+</details>
+<details><summary>Hint 4</summary>
+
+Check yourself on an example (not a checker case): `block_size` 3, tokens `[4, 4, 7, 1, 2, 9, 5]`. How many keys
+do you get, and does token 5 take part in any of them? Change the salt: which keys change, and why must all of
+them? Change only the fourth token: which keys change? After you pass, compare with the engine's `HashIndex._key`
+(`minivllm/kv/prefix/hash_index.py`).
 </details>
 """),
 ("code", r"""
@@ -120,18 +126,24 @@ The checker judges your matching with its own correct `hasher`, so this exercise
 
 <details><summary>Hint 1</summary>
 
-Get the keys of `token_ids[:-1]` from `hasher`, then look them up one by one in order; the first key that is not
-in `index` ends the walk.
+Rules 1 and 2 already shape the loop: which tokens do you give `hasher`, and what ends the walk? Write that
+much first, without validation, and see which checker case fails.
 </details>
 <details><summary>Hint 2</summary>
 
-Keep the previous key as you go (`None` before the first block). A hit must pass two comparisons with what the
-entry stores before you take its `block_id`.
+Rule 3 compares what the entry stores with what *this* prompt has at that block. One of the two comparisons
+needs something from the previous iteration: what must you remember as you walk, and what is it before the first
+block?
 </details>
 <details><summary>Hint 3</summary>
 
-`entry.tokens` is a tuple; a slice of `token_ids` is a list, and a tuple never equals a list. The engine's version
-is `HashIndex._lookup` / `_walk` in `minivllm/kv/prefix/hash_index.py`.
+If your matcher never hits, not even a prompt that was just cached, print both sides of your token comparison:
+`entry.tokens` is a tuple, a slice of `token_ids` is a list, and a tuple never equals a list.
+</details>
+<details><summary>Hint 4</summary>
+
+After you pass: compare with the engine's `HashIndex._lookup` and `_walk` (`minivllm/kv/prefix/hash_index.py`), which
+also check the namespace.
 </details>
 """),
 ("code", r"""
@@ -201,7 +213,7 @@ for cname, make in CACHES.items():
 ("md", r"""
 Same numbers for all three: they cache the same blocks; they differ in *how* they find them. The system prompt
 hits most (everybody shares 256 tokens); multi-turn hits the history; RAG only hits where the same documents come in
-the same order. The agent hits as much as the system prompt, for another reason: besides the shared system prompt,
+the same order. The agent hits nearly as much as the system prompt, for another reason: besides the shared system prompt,
 each call re-sends the whole run so far, a moment after the last call cached it. Unique prompts hit **0 %**: a block's key covers every token before it, so nothing is shared, and
 turning the cache on only adds lookup and bookkeeping. Measure your own traffic before expecting a win.
 
@@ -266,9 +278,10 @@ stepper.show()
 """),
 ("code", r"""
 walk = widgets.Stepper(replay, draw=None, describe=lambda r: str(r.records[-1]))   # text only, on `replay`
-print(walk.step(10_000))
+print(walk.step(10_000))          # "no work left": no prompt is left to send, but the last one is still running
 evicted = tree.evict(10_000)     # evict everything evictable: the locked path survives
-print(f"evicted {evicted} blocks; {tree.num_cached_blocks} stay cached (locked by the running request)")
+print(f"evicted {evicted} blocks; {tree.num_cached_blocks} stay cached, locked by request "
+      f"{replay.records[-1]['request']}, which the replay finishes only when it sends another prompt")
 print(widgets.describe_radix_tree(tree))
 """),
 ("md", r"""
@@ -290,8 +303,13 @@ First filter, then choose: which entries may go at all? Then, among those, which
 </details>
 <details><summary>Hint 2</summary>
 
-`min` with a `key=` picks the smallest by one field and keeps the first of equal ones. An empty candidate list
-has no minimum: handle it before calling `min`.
+Choosing "the smallest by one field" is a job Python's built-ins already do; look for one that can compare the dicts
+by a field you name, and check what it does with ties.
+</details>
+<details><summary>Hint 3</summary>
+
+What if the filter leaves nothing (every entry locked, or none a leaf)? Decide what your function returns then,
+and make sure the choosing step never sees an empty list.
 </details>
 """),
 ("code", r"""
@@ -453,7 +471,7 @@ with the cache on should cost about what it would with caching off (not measured
 engine's default radix tree, `prefix_cache="radix"`: a walk down its edges, one tuple comparison per block) costs
 microseconds beside a 272-token prefill.
 
-At the seed's scale — its 3,000-token system prompt — the same arithmetic on a datacenter GPU: the roofline
+At Lesson 06's scale — its 3,000-token system prompt from section 1 — the same arithmetic on a datacenter GPU: the roofline
 simulator with Llama-3-8B on the H100 preset (`minivllm.labs.at_scale`; simulated, nothing ran on an H100). A
 request's first step with and without the cached prefix, and what the cache saves the GPU at 20 such requests a
 second:
