@@ -14,6 +14,7 @@ room for the tokens it has, and the pool's hand-outs and each group's distinct b
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -22,7 +23,7 @@ from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.config import TenantConfig, ThreeClassConfig
 from minivllm.kv import BlockPool, KVCacheManager
 from minivllm.kv.prefix import make_prefix_cache
-from minivllm.request import Request
+from minivllm.request import Request, RequestStatus
 from minivllm.sched.fairness import CapTable
 from minivllm.sched.scheduler import Scheduler
 
@@ -34,12 +35,13 @@ def _one_group(r):
     return ("g",)
 
 
-def _forked(prompt_len: int, samples: int, cache: bool = False, tenant: str = "default"):
+def _forked(prompt_len: int, samples: int, cache: bool = False, tenant: str = "default", kv=None):
     """Block size 4.  A leader that prefilled ``prompt_len`` tokens and sampled one (its next write: position
     ``prompt_len``), and ``samples`` samples forked from it (``prompt - 1`` tokens shared, the last one to
-    compute: their next write lands in the block holding position ``prompt_len - 1``)."""
-    pool = BlockPool(32)
-    kv = KVCacheManager(pool, 4, make_prefix_cache("radix", pool, 4) if cache else None)
+    compute: their next write lands in the block holding position ``prompt_len - 1``).  On ``kv`` if given."""
+    if kv is None:
+        pool = BlockPool(32)
+        kv = KVCacheManager(pool, 4, make_prefix_cache("radix", pool, 4) if cache else None)
     params = SamplingParams(n=samples + 1, max_tokens=6, ignore_eos=True)
     leader = Request("L", list(range(1, prompt_len + 1)), params, 0.0, tenant=tenant)
     assert kv.allocate_slots(leader, prompt_len)
@@ -245,3 +247,161 @@ def test_a_better_ranked_request_is_seated_in_the_pass_that_has_room_for_it():
     assert engine.step_log[-1].preempted == ("V",) and engine.pool.num_free == 0
     drain(engine)
     assert_no_leak(engine)
+
+
+# -- recounts as requests leave: the holders that stay ---------------------------------------------------------
+
+def _gone_on_a_copy(kv, order, j):
+    """The oracle for a recount as requests leave: on a deep copy, the first ``j`` of ``order`` really free their
+    blocks (``kv.free``); returns the copy and the copies of the rest."""
+    kv2, order2 = copy.deepcopy((kv, list(order)))
+    for r in order2[:j]:
+        kv2.free(r)
+    return kv2, order2[j:]
+
+
+class _LeavesOut:
+    """A batch builder that schedules every running request it is not told to leave out (each at most its
+    uncomputed tokens, within the budget) -- or, given ``rng``, leaves out each with probability ``p``."""
+
+    def __init__(self, rng=None, p: float = 0.0) -> None:
+        self.skip: set[str] = set()
+        self.rng, self.p = rng, p
+
+    def __call__(self, running, budget, threshold):
+        out = []
+        for r in running:
+            if r.request_id in self.skip or (self.rng is not None and self.rng.random() < self.p):
+                continue
+            n = min(r.num_uncomputed_tokens, budget, threshold or budget)
+            if n <= 0:
+                break
+            out.append((r, n))
+            budget -= n
+        self.skip.clear()
+        return out
+
+
+def _reject_engine(num_blocks, builder, prefix=False, mode="reject", max_len=32):
+    cfg = EngineConfig(num_gpu_blocks_override=num_blocks, block_size=4, max_num_batched_tokens=32, max_num_seqs=6,
+                       max_model_len=max_len, preemption_mode=mode, enable_prefix_caching=prefix, device="cpu")
+    return LLMEngine(cfg, executor=KVContents(4), model_max_len=max_len, eos_token_ids=set(), batch_builder=builder)
+
+
+def _left(r):
+    return r.max_tokens - len(r.output_token_ids)
+
+
+def test_the_reject_hint_counts_a_fork_groups_copies_and_shared_blocks_once():
+    """Reject mode, 10 blocks of 4 tokens.  ``V`` (4-token prompt, 3 outputs) and leader ``L`` (6 tokens, n = 3, 6
+    outputs) run; in the step that forks ``L``'s two samples onto its half-full second block, a batch builder leaves
+    the samples out, so ``L`` copies the block and leaves the original to the two samples, which both write there
+    next.  ``X`` (8 tokens + 4 outputs: 3 blocks) is turned away in that step.  By hand: 5 blocks free; still
+    claimed, ``L`` 1 block, each sample 1, and one copy between them (the second writer finds the block its own): 4.
+    3 + 4 - 5 = 2 short; ``V`` (one output to go) gives back its 2: ``X`` fits in 1 step.  Charged a copy each, the
+    samples claimed 5, and the hint waited for ``L`` too: 4 steps.  The oracle frees the leavers on a copy."""
+    builder = _LeavesOut()
+    engine = _reject_engine(10, builder)
+    engine.add_request({"prompt_token_ids": list(range(300, 304))}, SamplingParams(max_tokens=3, ignore_eos=True),
+                       request_id="V")
+    engine.add_request({"prompt_token_ids": list(range(1, 7))}, SamplingParams(n=3, max_tokens=6, ignore_eos=True),
+                       request_id="L")
+    engine.step()
+    builder.skip |= {"L#1", "L#2"}
+    engine.add_request({"prompt_token_ids": list(range(100, 108))}, SamplingParams(max_tokens=4, ignore_eos=True),
+                       request_id="X")
+    rejected = [o.request_id for o in engine.step() if o.finished and o.outputs[0].finish_reason == "rejected"]
+    assert rejected == ["X"]
+    kv, running = engine.kv, engine.scheduler.running
+    assert [r.request_id for r in running] == ["V", "L#0", "L#1", "L#2"] and kv.pool.num_free == 5
+    order = sorted(running, key=_left)
+    need = 3  # X: blocks for 12 tokens
+    fits_after = next(j for j in range(len(order) + 1)
+                      if need + claimed_blocks(*_gone_on_a_copy(kv, order, j), worst_case=True)
+                      <= _gone_on_a_copy(kv, order, j)[0].num_available_blocks)
+    assert fits_after == 1 and _left(order[0]) == 1
+    engine.step_time_s = 1.0  # (a hint is steps x the step time: read the steps)
+    xreq = Request("X", list(range(100, 108)), SamplingParams(max_tokens=4), 0.0, max_tokens=4)
+    assert engine.retry_after(xreq) == 1.0
+
+
+@pytest.mark.parametrize("mode,prefix", [("reject", False), ("reject", True), ("recompute", True)])
+def test_a_recount_as_requests_leave_equals_freeing_them_on_a_copy(mode, prefix):
+    """Random ``n`` up to 4 and a shared system prompt; a batch builder leaves out a random half of the rows, so
+    forked samples often go a step without writing into the block they share.  After every step, the running
+    requests leave in a random order: after each, what the rest claim and what came back equal the oracle (the
+    leavers freed on a copy; the rest's claims counted from scratch, ``claimed_blocks``; the blocks no request holds
+    any more counted block by block -- not the cache's evictable count, which also leaves out a block a prompt
+    twin's held block pins, as ``claims_as_they_leave`` says it does not)."""
+    rng = random.Random(f"{mode}{prefix}")
+    engine = _reject_engine(40, _LeavesOut(random.Random(7), 0.5), prefix=prefix, mode=mode, max_len=64)
+    system = [rng.randrange(10, 900) for _ in range(9)]
+    for i in range(24):
+        engine.add_request({"prompt_token_ids": system + [rng.randrange(10, 900) for _ in range(rng.randrange(1, 9))]},
+                           SamplingParams(n=rng.choice([1, 2, 3, 4]), max_tokens=rng.randrange(2, 12),
+                                          ignore_eos=True), request_id=f"r{i}")
+    worst, checked = mode == "reject", [0, 0]
+
+    def unheld(kv) -> int:  # blocks no request holds: free, or held by the prefix cache alone
+        cache = kv.prefix_cache
+        return sum(1 for b in range(kv.pool.num_blocks)
+                   if kv.pool.refcount(b) == (1 if cache is not None and cache.is_cached(b) else 0))
+
+    def check(e):
+        kv, order = e.kv, list(e.scheduler.running)
+        rng.shuffle(order)
+        base = unheld(kv)
+        for j, (claimed, given_back) in enumerate(kv.claims_as_they_leave(e.scheduler.running, order, worst)):
+            kv2, rest = _gone_on_a_copy(kv, order, j)
+            assert (claimed, given_back) == (claimed_blocks(kv2, rest, worst_case=worst),
+                                             unheld(kv2) - base), (j, [r.request_id for r in order])
+        checked[0] += 1
+        checked[1] += _shared_writers(kv, e.scheduler.running)
+
+    drain(engine, each=check)
+    assert checked[0] > 20 and checked[1] > 0, checked
+
+
+def test_a_cap_hint_recounts_a_copy_when_a_holder_that_writes_elsewhere_leaves():
+    """Tenant ``t`` may hold 4 of 16 blocks.  Leader ``L`` prefilled 8 tokens (2 full blocks; its next token starts a
+    third) and its sample ``S`` shares both, to write the last prompt token into the second: ``S`` copies it while
+    ``L`` holds it.  Group count: 2 held + ``L``'s new block + ``S``'s copy = 4; a request needing 2 does not fit.
+    ``L`` leaves first (15 steps to go of its 16 outputs, ``S`` 16): ``S`` then holds the block alone and writes in
+    place, so 2 held, nothing claimed, and 2 + 2 fits: 15 steps.  Recounting the spared copy only when a writer left
+    kept ``S``'s copy charged and waited for ``S`` as well: 16.  The oracle frees ``L`` on a copy and counts the group from scratch."""
+    kv, reqs = _forked(8, 1, tenant="t")
+    leader, sample = reqs
+    cfg = EngineConfig(scheduling_policy="caps", device="cpu", max_num_batched_tokens=16,
+                       tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
+    caps = CapTable(cfg, num_blocks=16)
+
+    def reserved(r):
+        return kv.num_new_blocks(r, r.num_uncomputed_tokens) + kv.num_copy_on_write_blocks(r)
+
+    assert group_claims(kv, reqs, _one_group) == {"g": 4}
+    assert group_claims(*_gone_on_a_copy(kv, reqs, 1), _one_group) == {"g": 2}  # L gone
+    newcomer = Request("N", [1] * 7, SamplingParams(max_tokens=1), 0.0, tenant="t")
+    assert caps.retry_steps(newcomer, reqs, 2, reserved, True, kv.num_copy_on_write_blocks) == 15
+
+
+def test_a_preemption_that_leaves_a_victims_co_holder_writing_in_place_is_made():
+    """Priority policy, 8 blocks of 4 tokens.  Leader ``L`` (priority 1) prefilled 8 tokens into 2 blocks, and its
+    sample ``S``, admitted in this pass (so never a victim), shares both and writes its last prompt token into the
+    second.  ``X`` (priority 0, 24 tokens: 6 blocks) finds 6 free and 1 claimed (``S``'s copy): no room, but it may
+    preempt ``L``.  With ``L`` gone ``S`` holds the block alone and writes in place: 6 free, nothing claimed, room
+    for ``X``.  Counted with ``L``'s reference still there, ``S``'s copy stayed claimed and the preemption was
+    refused.  The oracle frees ``L`` on a copy, gives ``S`` its token, and asks the pool for ``X``'s 6 blocks."""
+    engine = tiny_engine(num_blocks=8, block_size=4, budget=32, max_len=32, scheduling_policy="priority")
+    sched, kv = engine.scheduler, engine.kv
+    _, (leader, sample) = _forked(8, 1, kv=kv)
+    for r in (leader, sample):
+        r.priority, r.status = 1, RequestStatus.RUNNING
+    sched.running[:] = [leader, sample]
+    x = Request("X", list(range(100, 124)), SamplingParams(max_tokens=2), 0.0, priority=0)
+    assert kv.pool.num_free == 6 and not kv.can_provide(6 + claimed_blocks(kv, [leader, sample]))
+    kv2, (leader2, sample2) = copy.deepcopy((kv, [leader, sample]))
+    kv2.free(leader2)
+    assert kv2.allocate_slots(sample2, sample2.num_uncomputed_tokens) and kv2.can_provide(6)
+    assert sched._preempt_to_admit(x, admitted=[sample])
+    assert sched.running == [sample] and leader.status is RequestStatus.PREEMPTED
+    assert sched._try_admit(x, 32, sched._reserved_blocks()) is not None

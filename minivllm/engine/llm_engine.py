@@ -789,26 +789,32 @@ class LLMEngine:
                 self._learnt_costs.prefill_tokens_per_s = rate
 
     def retry_after(self, req: Request) -> float:
-        """When a rejected request might fit: the time until running requests free enough blocks.
-
-        The request needs its worst case next to the worst cases reserved for
-        everything running.  Running requests are assumed to finish in order
-        of their remaining output tokens (each then gives back what it holds
-        and what was reserved for it), each step taking the measured average.
-        """
-        kv, running = self.kv, self.scheduler.running
+        """When a rejected request might fit: the time until running requests free enough blocks
+        (:meth:`retry_steps` steps, each taking the measured average)."""
         step = self.step_time_s or UNTIMED_STEP_S
         cap_steps = self.scheduler.cap_retry_steps(req)  # turned away by its tenant's cap, not by the pool
         if cap_steps is not None:
             return _hint(step * cap_steps)
-        deficit = kv.worst_case_new_blocks(req) + sum(kv.worst_case_new_blocks(r) for r in running)
-        deficit -= kv.num_available_blocks
+        return _hint(step * self.retry_steps(req))
+
+    def retry_steps(self, req: Request) -> int:
+        """Steps until the pool has room for ``req``'s worst case next to the worst cases of everything running.
+
+        Running requests are assumed to finish in order of their remaining output tokens.  What those left still
+        claim and what the gone ones gave back are recounted after each departure
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.claims_as_they_leave`), not summed per request: a
+        leader and its samples on one partly filled block make one copy fewer than their number, and the
+        prompt blocks they share come back once, with the last of them.
+        """
+        kv = self.kv
+        order = sorted(self.scheduler.running, key=lambda r: r.max_tokens - len(r.output_token_ids))
+        need = kv.worst_case_new_blocks(req) - kv.num_available_blocks
+        counts = kv.claims_as_they_leave(order, order, worst_case=True)
+        claimed, given_back = next(counts)
         remaining = 1
-        for r in sorted(running, key=lambda r: r.max_tokens - len(r.output_token_ids)):
-            if deficit <= 0:
+        for r, (claimed_after, given_back_after) in zip(order, counts):
+            if need + claimed - given_back <= 0:
                 break
-            deficit -= len(r.block_ids) + kv.worst_case_new_blocks(r)
+            claimed, given_back = claimed_after, given_back_after
             remaining = max(1, r.max_tokens - len(r.output_token_ids))
-        return _hint(step * remaining)
-
-
+        return remaining

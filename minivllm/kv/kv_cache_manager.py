@@ -35,7 +35,8 @@ Data movement (swap copies, copy-on-write copies) is only *recorded* here as
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 from minivllm.interfaces import PeeksPrefix, PrefixCache, implements
@@ -226,6 +227,59 @@ class KVCacheManager:
                     total += 1
                     copies[b] = n + 1
         return total
+
+    def claims_as_they_leave(self, reqs, leaving, worst_case: bool = False) -> Iterator[tuple[int, int]]:
+        """What :meth:`num_new_blocks_all` counts for ``reqs``, and the blocks given back, as ``leaving`` (some of
+        ``reqs``, each once) let go of their blocks one by one in that order: ``(claimed, given_back)`` with none
+        gone, then after each.  ``claimed`` counts the requests still there; ``given_back``, the blocks of those
+        gone that no one but the prefix cache holds any more (free, or cached and evictable).
+
+        Why not :meth:`num_new_blocks_all` of the requests left, less the gone requests' tables: both counts read
+        the holders of a block as they stand.  A block the gone requests shared with one another or with one that
+        stays comes back once, or not at all; and a copy charged because a gone request held the block its writer
+        writes into is not made once it left (the writer finds the block its own).  A leader and its samples made
+        reject mode's hint (:meth:`~minivllm.engine.llm_engine.LLMEngine.retry_steps`) count both wrong, and a
+        victim's co-holder made :meth:`~minivllm.sched.scheduler.Scheduler._victims_could_make_room` refuse a
+        preemption that had room.  Kept per gone request at the cost of its table (a generator: a caller stops
+        once it has room), not recounted from all that stay.  (A cached block that a prompt twin's held block
+        below it pins is counted as given back all the same: not evictable yet, though no request holds it.)"""
+        bs, refcount, cache = self.block_size, self.pool.refcount, self.prefix_cache
+        missing: dict[int, int] = {}
+        writes: dict[int, int] = {}  # id(request) -> the shared partly filled block it writes into next
+        writers: Counter = Counter()  # such block -> its writers still there
+        claimed = 0
+        shared = self.may_share()
+        for r in reqs:
+            table = r.block_ids
+            held = r.max_total_tokens if worst_case else len(r.prompt_token_ids) + len(r.output_token_ids)
+            claimed += (need := max(0, -(-held // bs) - len(table)))
+            missing[id(r)] = need
+            done = r.num_computed_tokens
+            if shared and done % bs and table and done < len(table) * bs and refcount(table[-1]) > 1:
+                writes[id(r)] = table[-1]
+                writers[table[-1]] += 1
+        gone: Counter = Counter()  # block -> references the gone requests held
+
+        def copies(b: int) -> int:  # as num_new_blocks_all: a copy per writer while another holder keeps it
+            return max(0, min(writers[b], refcount(b) - gone[b] - 1))
+
+        claimed += sum(copies(b) for b in writers)
+        given_back = 0
+        yield claimed, given_back
+        for r in leaving:
+            claimed -= missing[id(r)]
+            mine = writes.get(id(r))
+            for b in r.block_ids:
+                if b in writers:
+                    claimed -= copies(b)
+                gone[b] += 1
+                if b == mine:
+                    writers[b] -= 1
+                if b in writers:
+                    claimed += copies(b)
+                if refcount(b) - gone[b] == (1 if cache is not None and cache.is_cached(b) else 0):
+                    given_back += 1
+            yield claimed, given_back
 
     def may_share(self) -> bool:
         """Could any block have two holders (so a write may have to copy it first)?  ``False`` only when the

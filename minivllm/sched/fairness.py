@@ -207,7 +207,10 @@ class CapTable:
         for it; ``shared`` as ``GroupBlocks`` reads it.  ``copies(r)`` says whether ``reserved(r)`` includes the copy
         of a shared last block: members that all write into one such block are charged one copy fewer, as
         admission charges them (:meth:`~minivllm.kv.sharing.GroupBlocks.in_place_writes`), and that count is
-        taken again as they leave.  Its running members are assumed to finish in order of
+        taken again as members leave -- any member, not only a writer: one that holds a writer's block but writes
+        elsewhere (a leader whose next token starts a block, while its sample still writes the last prompt token
+        into the block they share) keeps that writer's copy a gain for the group until it goes, and then the
+        writer writes in place.  Its running members are assumed to finish in order of
         the steps they still need (:func:`_steps_left`); each gives back its seat and the blocks no member
         left behind it still holds (a shared prompt's blocks come back with the last of its holders).  An
         estimate, like reject mode's hint: members can also be preempted, or stop early at EOS.
@@ -232,8 +235,9 @@ class CapTable:
             for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
                 steps = _steps_left(r, chunk)
                 seats, blocks = seats - 1, blocks - held.remove(r)[0] - reserved(r)
-                if r in writers:
-                    writers.remove(r)
+                if writers:  # (any member leaving may have held a writer's block: see the docstring)
+                    if r in writers:
+                        writers.remove(r)
                     blocks += spared - (spared := held.in_place_writes(g.key, writers))
                 if fits(seats, blocks):
                     break

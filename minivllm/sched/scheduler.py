@@ -499,11 +499,18 @@ class Scheduler:
         to preempt (see :meth:`admit`); the blocks are: the bound freed blocks minus what the requests left
         running will still claim, against the blocks ``req`` would take.  A sample forking from
         its leader needs at most a block or two and is always worth trying.
+
+        What those left claim is counted as if the candidates' references were gone
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.claims_as_they_leave`), not from the refcounts as they
+        stand: a sample forked earlier in this pass is no candidate (admitted in this pass), and once its leader
+        goes it writes into the block they shared in place -- counted as a copy, a preemption of the leader that
+        had room was refused.  (Asked only when a request finds no room and may preempt: one pass over the running
+        requests and the candidates' tables, as :meth:`_reserved_blocks` and ``could_start_if_freed`` already take.)
         """
         if req.leader is not None:
             return True
-        going = {id(r) for r in cands}
-        left = self._reserved_blocks([r for r in self.running if id(r) not in going])
+        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands,
+                                                     worst_case=self.config.preemption_mode == "reject")
         return self.kv.could_start_if_freed(req, cands, left)
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
@@ -755,7 +762,8 @@ class Scheduler:
         sample, never one for the leader as well: whichever of the two writes
         first copies, and the other then holds the block alone.  So the recounts
         of what running requests claim (:meth:`_reserved_blocks`,
-        :meth:`_group_usage`, the cap's retry hint) do not sum this: ``k``
+        :meth:`_group_usage`, the retry hints of a cap and of reject mode,
+        :meth:`_victims_could_make_room`) do not sum this: ``k``
         holders of one partly filled block that all write there next make
         ``k - 1`` copies, and adding a sample adds exactly its one.  Reject mode
         sets aside the worst case (prompt + ``max_tokens``), so nothing running
