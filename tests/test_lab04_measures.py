@@ -62,3 +62,30 @@ def test_the_h200_steps_lab4_quotes_are_the_files_own():
     assert all(abs(n - 700) <= 25 for n in launches) and "~700 kernel launches" in text, launches
     decode = {round(f["decode_step"]["p50_ms"], 1) for f in files.values()}
     assert len(decode) == 1 and f"replays a CUDA graph in {decode.pop()} ms" in text
+
+
+def test_lab4_chunk_costs_grow_by_the_attention_to_the_prefix():
+    """Section 10 says why a budget of 8,192 stalls the decoders ~300 ms at p99 when one 8K step is ~190 ms: each
+    later chunk of the 32K prompt also attends to the prefix before it.  Oracle: Llama-3-8B's attention FLOPs
+    counted by hand from its config (32 layers, 32 query heads of 128: QK^T and PV, 2 FLOPs a multiply-add, so
+    4 x layers x heads x head_dim per query-key pair), at the preset's stated 70 % of 990 TFLOP/s -- moving a
+    chunk 8,192 tokens later adds 8,192 x 8,192 pairs and exactly that time.  The prose must quote the four chunk
+    costs as the cell prints them (rounded to the ms) and the per-1K rates at both ends of the prompt.  Kills:
+    a prose figure left behind when the preset or the roofline changes, a roofline that charged a chunk for its
+    own tokens only (all four equal), and a rate per 1K that mixed up the two ends."""
+    from pathlib import Path
+
+    from minivllm.labs import at_scale
+
+    per_pair_s = 4 * 32 * 32 * 128 / (990e12 * 0.70)
+    chunks = [at_scale.step_s([(s, 8192, False)]) for s in range(0, 32768, 8192)]
+    for k in range(1, 4):
+        assert chunks[k] - chunks[k - 1] == pytest.approx(8192 * 8192 * per_pair_s, rel=1e-3), k
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "tools" / "lab_texts" / "lab04_chunked_prefill.py").read_text(encoding="utf-8").split())
+    ms = [f"{1000 * c:.0f}" for c in chunks]
+    assert f"the 32K prompt's four 8K chunks take {ms[0]}, {ms[1]}, {ms[2]} and {ms[3]} ms" in text
+    last_1k = at_scale.step_s([(31 * 1024, 1024, False)])            # the last 1K chunk of the 32K prompt
+    assert 1000 * chunks[0] / 8 == pytest.approx(24, abs=0.5)          # "~24 ms per 1K ... at the start"
+    assert 43 <= 1000 * chunks[3] / 8 and 1000 * last_1k <= 48         # "~45 ms near its 32K end"
+    assert ("~24 ms per 1K tokens for a chunk at the start of the prompt, ~45 ms near its 32K end" in text)

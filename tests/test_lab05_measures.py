@@ -19,6 +19,7 @@ import pytest
 
 from minivllm.labs.check_lab05 import (
     BLOCK_SIZE,
+    engine_should_reject,
     host_tier_run,
     lab_engine,
     overload_workload,
@@ -160,3 +161,31 @@ def test_the_quiz_quotes_the_guard_runs(guard_runs):
     assert f"({guard_runs[3, 40].latency['batch-job']:.1f} s for every stream)" in text
     assert f"p99 {_chat_p99(guard_runs[0, 40]):.1f} -> {_chat_p99(guard_runs[3, 40]):.1f} s" in text
     assert f"same job finished in {guard_runs[3, 10].latency['batch-job']:.1f} s" in text
+
+
+def test_the_admitted_rate_lab5_reads_is_what_the_door_let_in():
+    """Lab 5's autoscaling section reads the rate the door admitted per second of arrivals (12 s at every rate),
+    not per second of the whole run: the run goes on while the engine drains what it admitted, and dividing by
+    that too made a 2 requests/s load with nothing rejected read "served 1.80/s".  Oracle: the requests that
+    actually finished (their latencies, counted apart from the rejection count), and the offered rate where
+    nothing is rejected.  The prose's figures -- admitted flattening at 6-7 requests/s past capacity, about 5
+    replicas at 32 requests/s -- must be those runs' own.  Kills: the drain-diluted measure (offered / admitted
+    would read 1.11 at 2 requests/s), a door whose admitted count disagrees with the requests served, and prose
+    left quoting other numbers."""
+    from pathlib import Path
+
+    door = lambda stats: engine_should_reject(stats, 8, 16)  # noqa: E731  (the lab's door: queue 8, 16 blocks)
+    admitted = {}
+    for rate in (2, 8, 12, 32):
+        n = 12 * rate
+        r = serve(lab_engine(), overload_workload(n, rate_per_s=rate), door=door)
+        assert len(r.latency) == n - r.num_rejected, rate        # every admitted request was served
+        admitted[rate] = len(r.latency) / 12
+    assert admitted[2] == 2.0                                    # no rejections: admitted = offered
+    assert all(6 <= admitted[rate] <= 7 for rate in (8, 12, 32)), admitted
+    assert round(32 / admitted[32]) == 5
+    text = " ".join((Path(__file__).resolve().parents[1] / "tools" / "lab_texts" / "lab05_preemption.py")
+                    .read_text(encoding="utf-8").split())
+    assert "admitted_per_s = [(n - r.num_rejected) / ARRIVAL_S" in text
+    assert "at about what this machine can serve (6–7 requests/s)" in text
+    assert "how many replicas the load needs (about 5 at 32 requests/s)" in text

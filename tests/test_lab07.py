@@ -281,3 +281,32 @@ def test_the_recompile_steps_lab7_quotes_are_the_probe_files_own():
     later_max = max(ms for run in later for ms in run["prompt_steps_ms"])
     assert later_max <= 25 and "none above 25 ms in its later ones" in text, later_max
     assert f"at most {max(r['gc_pause_max_ms'] for r in first):.1f} ms" in text
+
+
+def test_the_dtype_tolerances_lab7_teaches_are_the_benchmarks_own():
+    """Lab 7's CPU fallback for the bandwidth cell teaches how close each dtype must come to the fp32 oracle and
+    why bf16 needs the loosest bound.  Oracles: the tolerances ``bench attention`` applies (``TOLERANCE``), the
+    spacing of bf16 numbers from torch's own ``finfo`` (eps = the step between 1 and 2), and the bf16 check rows of
+    the two H200 files it names -- the run that missed and the one that passed.  Kills a sentence left quoting a
+    tolerance the benchmark no longer uses, a step size off by a factor of two, or an error not in the files."""
+    import re
+
+    from minivllm.bench.attention import TOLERANCE
+
+    text = (ROOT / "tools" / "lab_texts" / "lab07_triton_paged_attention.py").read_text(encoding="utf-8")
+    m = re.search(r"fp32 ([\d.e-]+), fp16 ([\d.e-]+), bf16 ([\d.e-]+)\.", text)
+    assert m, "lab 7 no longer states the dtype tolerances"
+    assert [float(x) for x in m.groups()] == [TOLERANCE[d] for d in (torch.float32, torch.float16, torch.bfloat16)]
+    eps = torch.finfo(torch.bfloat16).eps                  # the gap between 1 and the next bf16 number
+    assert f"1/128 of a power of two apart: {eps:.4f} between 1 and 2, {2 * eps:.4f} between 2 and 4" in text
+    assert eps == 1 / 128
+
+    def bf16_errs(name):
+        rows = (ROOT / "benchmarks" / "results" / name).read_text(encoding="utf-8").splitlines()
+        return {r.split()[1]: float(r.split()[-3]) for r in rows if r.startswith("check") and r.endswith("bfloat16")}
+
+    missed, passed = bf16_errs("2026-11-30_nvidia-h200_attention.txt"), bf16_errs("2026-11-30_nvidia-h200_attention_run2.txt")
+    assert max(passed.values()) <= TOLERANCE[torch.bfloat16] and f"within {max(passed.values()):.1e}".replace(
+        "e-03", "e-3") in text
+    assert missed["llama8b"] > TOLERANCE[torch.bfloat16] and missed["llama8b"] == pytest.approx(2 * eps, rel=0.01)
+    assert f"off by {missed['llama8b']:.2e}".replace("e-02", "e-2") in text

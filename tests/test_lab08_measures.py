@@ -224,3 +224,24 @@ def test_every_dollar_in_lab8_is_computed_at_the_notebooks_own_price():
     assert len(calls) >= 5, calls  # the window's bill, per model, the simulated H100's hour, per 1M, the fleet
     for call, keywords in calls:
         assert "gpu_hour_usd" in keywords, f"computed at the import-time default price: {call}"
+
+
+def test_the_1024_seat_knee_lab8_quotes_is_the_simulators_own():
+    """Section 4 says why it runs 256 seats where vLLM would take 1,024: with 1,024 the knee stays at 70 req/s
+    but ITL, not TTFT, breaks first at 80 req/s.  Oracle: the sweep itself, rerun at 1,024 seats, and the SLO
+    lines of the notebook -- the quoted p99s must be the sweep's own, rounded as the prose rounds them, and
+    70 req/s must be the highest rate still inside both SLOs.  Kills a sentence left quoting other numbers (or a
+    knee that moved) when the simulator, the arrivals or the seat count change."""
+    from pathlib import Path
+
+    from minivllm.labs import at_scale
+
+    sweep = at_scale.knee_sweep((70, 80), max_num_seqs=1024)
+    assert lab8.max_rate_meeting_slo(sweep) == 70
+    at80 = sweep[80]
+    assert at80["ttft_p99_ms"] <= 1000 * lab8.SLO_TTFT_S and at80["itl_p99_ms"] > 1000 * lab8.SLO_ITL_S, at80
+    path = Path(__file__).resolve().parents[1] / "tools" / "lab_texts" / "lab08_serving.py"
+    text = " ".join(path.read_text(encoding="utf-8").split())
+    assert "the knee stays at 70 requests/s" in text
+    assert (f"at 80 requests/s everyone gets a seat (p99 TTFT {at80['ttft_p99_ms']:.0f} ms) and the fuller "
+            f"steps push p99 ITL to {at80['itl_p99_ms']:.0f} ms") in text

@@ -46,8 +46,10 @@ ON_GPU = torch.cuda.is_available()  # the real-model cell uses the GPU when ther
 ## 1. The picture: one long prompt, everyone waits
 
 Lab 1 showed that a step of the engine is **one forward pass** over everything scheduled in it, and that a step's
-time grows with the number of tokens in it. Now a long prompt arrives — the lesson's example is a 64K-token
-document; here it is 8,192 tokens — while other users' answers are streaming:
+time grows with the number of tokens in it. Now a long prompt arrives while other users' answers are streaming.
+Lesson 06 — the serving lesson this course is built on, whose claims every lab measures — takes a 64K-token
+document as its example; here it is 8,192 tokens. (Section 10's code calls that lesson *the seed*, the one the labs
+grow from; it has nothing to do with the `seed=` that fixes a random workload.)
 
 ```
                      time ──►
@@ -67,7 +69,7 @@ first token** (TTFT) grows. The lesson's claim, which this lab measures: *chunki
 for everyone else's inter-token latency (ITL).*
 
 The cost model is the GPU-like one of lab 1: a step costs 15 ms plus 0.02 ms per token in it, so a decode step is
-~15 ms and the 8,192-token prefill step ~180 ms (the seed's "hundreds of milliseconds" for 64K tokens fits a ~1B model; an
+~15 ms and the 8,192-token prefill step ~180 ms (Lesson 06's "hundreds of milliseconds" for 64K tokens fits a ~1B model; an
 8B one takes seconds on the simulated H100 of section 10). Below, the same small scene — chat requests (`c*`) streaming, one long prompt `L0` arriving at 0.3 s —
 drawn from the engine's step log, x = time: first with the whole prompt in one step, then with a budget of 512
 tokens.
@@ -275,8 +277,7 @@ read off the table:
 * **The average TTFT points the wrong way.** The last column, the mean over all 43 requests (what a dashboard
   shows first), is lowest with no chunking (~59 ms) and only rises as the budget shrinks: ~86 ms at 1,024, ~125 ms
   at 512. A team tuning on it would switch chunking off, the row whose decoders' p99 gap is five times worse than
-  at 1,024. The lesson's rule in one table: measure ITL p99 under mixed workloads, not just average TTFT
-  (`tests/test_lab04_measures.py` recounts both from the raw token times).
+  at 1,024. The lesson's rule in one table: measure ITL p99 under mixed workloads, not just average TTFT.
 * **Too little and long prompts starve.** At 128 tokens per step the engine computes less prompt per second than
   arrives: the long TTFT explodes (queueing), and so does the TTFT of *chat* requests, which now wait for budget to
   be admitted. At 256 it still keeps up — the long TTFT is just its many chunk steps — but every step is full, so
@@ -352,7 +353,8 @@ pick_check = check_pick_budget(pick_budget)
 picker = choose(pick_check, pick_budget, ref_pick_budget, "pick_budget")
 """),
 ("md", r"""
-The lesson's worked policy asks interactive traffic for an ITL under 60 ms. Hold the decoders' p99 to it:
+Lesson 06 ends with a *worked policy*: a serving configuration for mixed traffic, written out clause by clause.
+It asks interactive traffic for an ITL under 60 ms. Hold the decoders' p99 to it:
 """),
 ("code", r"""
 def measure(budget):
@@ -469,7 +471,7 @@ each one a wait for every stream — get much shorter. What this CPU run shows b
 longer than the whole prompt did (compare the two TTFTs), because a CPU step's time grows with its tokens almost
 from the first token and each step also pays the fixed cost of reading the weights; and a chunk's step still
 costs several decode steps (compare its median with the whole-prompt run's ITL p50). On a GPU the trade should
-look different, by reasoning, not from a measurement of this cell (it has not been run on a GPU): at small batches
+look different — this is reasoning; this cell's output above is a CPU run: at small batches
 a GPU step's time is mostly fixed cost (reading the weights, launching kernels) and barely grows with its tokens,
 so a chunk of a few hundred tokens adds little beyond that fixed cost, where here every chunk token adds time at
 once. The engine's eager prompt steps on an H200 point that way (a random-weight Llama-3.2-1B in bf16): a median
@@ -522,6 +524,8 @@ fig.legend(loc="lower center", ncol=3, fontsize=8)
 plt.show()
 print(f"one step of 8,192 prompt tokens alone: {at_scale.step_s([(0, 8192, False)]) * 1000:.0f} ms; "
       f"a decode step of 16 streams: {at_scale.step_s([(500, 1, True)] * 16) * 1000:.1f} ms")
+print("the 32K prompt in 8,192-token chunks, each alone in a step, starting at 0 / 8K / 16K / 24K: "   # later chunks
+      + " / ".join(f"{at_scale.step_s([(s, 8192, False)]) * 1000:.0f}" for s in range(0, 32768, 8192)) + " ms")  # attend to more
 print(f"no chunking: the 32K prompt's TTFT {whole['ttft_long']:.2f} s, decoders' worst gap {whole['itl_worst'] * 1000:.0f} ms")
 for m in ("llama-3.2-1b", "llama-3-8b"):   # the seed's 64K-token prefill as one step, on the same preset
     print(f"the seed's 64K-token prompt in one step, {m}: {at_scale.step_s([(0, 65536, True)], m) * 1000:,.0f} ms")
@@ -533,20 +537,23 @@ print(f"your pick_budget for a p99 ITL <= {TARGET * 1000:.0f} ms: {picker(lambda
 Simulated on the H100 preset, four things differ from the small model of sections 4–6:
 
 * **An 8K-token step is not a short stall.** 8,192 prompt tokens of an 8B model are ~1.3 × 10¹⁴ FLOPs: ~190 ms on
-  this preset, so a budget of 8,192 gives the decoders a p99 ITL near 300 ms, five times the interactive 60 ms
-  target; your `pick_budget` picks 1,024. Read the worked policy's clause as *which* prompts get chunked (those above
-  8K), not as the chunk size: the size comes from the ITL target and the hardware. The engine's `three_class` preset
-  (lab 6) keeps the two apart the way vLLM does: `long_prefill_token_threshold=8192` says no *request* prefills more
+  this preset for the prompt's first chunk. Every later chunk costs more, because its tokens attend not only to
+  each other but to the whole prefix computed before them: the 32K prompt's four 8K chunks take 193, 244, 294 and
+  345 ms. The decoders' stalls are those chunk steps, so a budget of 8,192 gives them a p99 ITL near 300 ms, five
+  times the interactive 60 ms target; your `pick_budget` picks 1,024. Read the worked policy's clause as *which*
+  prompts get chunked (those above 8K), not as the chunk size: the size comes from the ITL target and the
+  hardware. The engine's `three_class` preset (lab 6) keeps the two apart the way vLLM does: `long_prefill_token_threshold=8192` says no *request* prefills more
   than 8K tokens in one step, and the *step's* size is `max_num_batched_tokens`, where your `pick_budget` answer goes.
 * **Chunking costs the long prompt little.** A decode step is memory bound (it reads ~15 GB of weights for a few
   dozen tokens), so prompt tokens riding along cost only their FLOPs; each extra step adds its ~2 ms of overhead.
   The 32K prompt's TTFT goes from ~1.1 s (whole) to ~1.2 s at 1,024. Section 4's model charged 15 ms per step, which
   made chunking look far dearer. Only at 256 tokens, where steps are memory bound again, does the TTFT climb.
-* **The ITL grows in proportion to the budget** once a step is compute bound (~45 ms per 1K tokens here), so halving
+* **The ITL grows in proportion to the budget** once a step is compute bound (~24 ms per 1K tokens for a chunk at
+  the start of the prompt, ~45 ms near its 32K end, where attention to the prefix adds the difference), so halving
   the chunk halves the stall — a straight line on this log-log plot up to a few thousand tokens. Above that the p99
   line bends (16K: 1.5× of 8K): each long prompt then takes only a few steps, so fewer of the gaps are stalls for the
   p99 to land on. Read the worst gap for the stall itself.
-* **The seed's 64K-token prefill** "occupies the GPU for hundreds of milliseconds": ~0.6 s for a 1B model on this
+* **Lesson 06's 64K-token prefill** "occupies the GPU for hundreds of milliseconds": ~0.6 s for a 1B model on this
   preset, ~2.9 s for the 8B one (attention's cost grows with the square of the length, so 64K costs more than twice
   32K). Unchunked, every decoding stream would freeze that long.
 

@@ -62,13 +62,15 @@ request must write its next token. Someone has to give blocks back:
               next to everyone's worst case; turn the rest away with a retry hint
 ```
 
-A device pool backed by a host tier is the lesson's *hierarchical* allocation: the fast memory holds what runs, the
+Lesson 06 — the serving lesson this course is built on, whose claims every lab measures — has a name for a device
+pool backed by a host tier — the lesson's *hierarchical* allocation: the fast memory holds what runs, the
 slow one holds what waits. Recompute wastes **compute**, swap wastes **link bandwidth** (PCIe) and host memory, reject wastes **availability**
 — but it is honest, and a rising reject rate is exactly what an autoscaler wants to see. Preemption also has a
 fairness side: a request preempted again and again has unbounded latency even though the system is "up", so we
-track preemptions **per tenant**. (Two engine rules keep it from thrashing: nothing is admitted in the step right
-after a preemption made for lack of blocks -- one made to seat a better-ranked request does not pause admission --
-and a request preempted `preemption_protect_after` times is chosen only when everyone is.)
+track preemptions **per tenant**. (The engine also keeps preemption from thrashing: after it preempts because the
+pool ran dry, it admits nothing new in the next step (the pool is still full, and a newcomer would only force
+another preemption); and a request that has already been preempted several times is spared while anyone else can
+give way. "Preempted again and again", after exercise 1, measures why that second rule is needed.)
 
 ## 2. Watch blocks leave and come back
 
@@ -249,7 +251,7 @@ batch job. Now let chat traffic keep coming:
 
 Each ✗ costs the batch job everything it had computed. If a chat request can always take its blocks, the job
 finishes only when chat stops, however long that is. The server is up the whole time, and chat looks healthy.
-The seed lesson puts it this way: a tenant whose requests are preempted again and again has, in effect, unbounded
+Lesson 06 puts it this way: a tenant whose requests are preempted again and again has, in effect, unbounded
 latency.
 
 The engine's guard is `preemption_protect_after` (default 3). A request preempted that many times is never preempted
@@ -341,7 +343,7 @@ rule = choose(cost_check, swap_or_recompute, reference_swap_or_recompute, "swap_
 
 Your rule becomes a `PreemptionCostModel` (the engine's seam: `prefers_swap(num_tokens, num_blocks) -> bool`) in
 two lines — `RuleCosts` in `check_lab05.py` does exactly that — and goes into the engine with
-`preemption_mode="auto"`. Now sweep the host link's bandwidth from 1 to 64 GB/s and run the overloaded workload
+`preemption_mode="auto"`. Now sweep the host link's bandwidth from 1 to 50 GB/s and run the overloaded workload
 three ways: always recompute, always swap, and auto with your rule. Per block, swapping costs
 `2 × 2 MiB / link`, recomputing costs `16 tokens / 50,000 per s` = 320 µs: the rule predicts a crossover where they
 are equal.
@@ -499,9 +501,15 @@ Otherwise accept. An idle engine must never reject.
 
 <details><summary>Hint 1</summary>
 
-Two conditions joined by *or*; the second is itself two conditions joined by *and*.
+Each rule is a question about `stats` alone. For each one, name the keys it reads, and write it as its own
+comparison before you decide how the two combine: either rule is reason enough to say no.
 </details>
 <details><summary>Hint 2</summary>
+
+Rule 2 is not "few blocks available": with nobody waiting, the newcomer is the next to be admitted, whatever the
+pool holds. What else must be true before pressure is a reason to turn it away?
+</details>
+<details><summary>Hint 3</summary>
 
 Boundaries: is a queue of exactly `max_waiting` full? Is exactly `min_free_blocks` available blocks "fewer than"?
 </details>
@@ -537,33 +545,39 @@ a fuller engine). Both keep the p99 latency of what they serve at a few seconds 
 ### Reject as an autoscaling signal
 
 Serving more requests than the machine can handle does not make it faster; it makes the queue longer. Now vary the
-offered load (arrivals per second, 12 seconds of arrivals each) and watch what the door does.
+offered load (arrivals per second, 12 seconds of arrivals each) and watch what the door does. The rate to read is
+the **admitted** rate: requests the door let in per second of arrivals (each of them is served in the end). Dividing
+by the whole run instead would count the seconds after the last arrival, while the engine drains what it admitted,
+and even a lightly loaded machine would seem to serve less than it was offered.
 """),
 ("code", r"""
 RATES = [2, 4, 6, 8, 12, 16, 24, 32]
-offered = [12 * rate for rate in RATES]
+ARRIVAL_S = 12                                          # seconds of arrivals at every rate
+offered = [ARRIVAL_S * rate for rate in RATES]
 loads = [serve(lab_engine(), overload_workload(n, rate_per_s=rate), door=door) for n, rate in zip(offered, RATES)]
 reject_rate = [r.num_rejected / n for r, n in zip(loads, offered)]
-served_per_s = [(n - r.num_rejected) / r.makespan for r, n in zip(loads, offered)]
+admitted_per_s = [(n - r.num_rejected) / ARRIVAL_S for r, n in zip(loads, offered)]   # not / r.makespan: no drain
 
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.plot(RATES, [100 * x for x in reject_rate], "o-", color="#d62728", label="rejected (%)")
 ax.set_xlabel("offered load (requests/s)"); ax.set_ylabel("rejected (%)")
 ax2 = ax.twinx()
-ax2.plot(RATES, served_per_s, "s-", color="#4e79a7", label="served (requests/s)")
-ax2.set_ylabel("served requests/s")
+ax2.plot(RATES, admitted_per_s, "s-", color="#4e79a7", label="admitted (requests/s)")
+ax2.set_ylabel("admitted requests/s")
 fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
 plt.show()
-for rate, r, x, s in zip(RATES, loads, reject_rate, served_per_s):
-    print(f"offered {rate:3d}/s: rejected {x:6.1%}, served {s:5.2f}/s, p99 latency of served {r.p99():5.2f} s, "
-          f"{r.mean_running:4.1f} requests running on average")
+for rate, r, x, s in zip(RATES, loads, reject_rate, admitted_per_s):
+    print(f"offered {rate:3d}/s: rejected {x:6.1%}, admitted {s:5.2f}/s (offered / admitted {rate / s:4.2f}), "
+          f"p99 latency of served {r.p99():5.2f} s, {r.mean_running:4.1f} requests running on average")
 """),
 ("md", r"""
-At low load nothing is rejected. Past the machine's capacity the *served* rate flattens while the reject rate keeps
-climbing, and the latency of what is served stays bounded. That makes the reject rate a clean signal for an
-autoscaler: offered / served ≈ how many replicas you need. Scaling on utilisation instead would be blind: the batch
-is about as full at 12 requests/s as at 32, so a utilisation metric cannot tell "just at capacity" from "far past it". Rejection must be deliberate, though: the threshold *is* a latency
-promise (a queue of 8 is about the wait you are willing to let a request see).
+At low load nothing is rejected and the door admits what is offered. Past the machine's capacity the *admitted*
+rate flattens, at about what this machine can serve (6–7 requests/s), while the reject rate keeps climbing and the
+latency of what is served stays bounded. That makes the reject rate a clean signal for an autoscaler: offered /
+admitted, which is 1 / (1 − the reject rate), is about how many replicas the load needs (about 5 at 32
+requests/s). Scaling on utilisation instead would be blind: the batch is about as full at 12 requests/s as at 32,
+so a utilisation metric cannot tell "just at capacity" from "far past it". Rejection must be deliberate, though:
+the threshold *is* a latency promise (a queue of 8 is about the wait you are willing to let a request see).
 
 ## 3. The KV memory share
 
@@ -796,9 +810,9 @@ for n in (256, 2048, 32768):
 Simulated on the H100 preset: below a few hundred tokens your rule recomputes (a 256-token victim rides in a step
 that reads the weights anyway: ~0.6 ms, against ~1 ms of link traffic); once its chunk makes the step compute bound,
 recomputing costs ~18 µs a token against ~4 µs to swap; and at 32K tokens attention makes recompute ~7× dearer. That
-is the worked policy's clause *"swap rather than recompute for long contexts"*, which the lab's parallel straight
-lines could not produce. The right panel shows what moves the crossover: FLOPs per token against KV bytes per token,
-and the link. A slower GPU (the L4 preset) makes recompute dear at every length; a small model with a large KV
+is the clause *"swap rather than recompute for long contexts"* of the serving policy Lesson 06 works through, which
+the lab's parallel straight lines could not produce. The right panel shows what moves the crossover: FLOPs per
+token against KV bytes per token, and the link. A slower GPU (the L4 preset) makes recompute dear at every length; a small model with a large KV
 (Qwen3-0.6B: 112 KiB a token for 0.6 B parameters) recomputes more cheaply up to ~23K tokens even on an H100. Its
 curve ends at 40,960 tokens, the positions Qwen3-0.6B was trained for: no victim of that model is longer (the
 simulator refuses such a request). A caveat the simulation does not see: a link shared by eight GPUs gives each

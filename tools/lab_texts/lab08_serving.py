@@ -9,8 +9,9 @@ CELLS = [
 2. serve the model over the OpenAI API from this notebook, load-test it with an open-loop load generator, read
    `/metrics` the way a dashboard does, and turn its per-tenant and per-model token counters into a bill;
 3. watch ITL, TTFT, queue depth and KV usage *while* load runs, and find the **knee** of the latency/rate curve;
-4. write an alarm on a signal the way Prometheus does (`for: 2s`) and show that scaling on utilisation reacts
-   later than scaling on queue depth, TTFT or cache pressure (✏️ exercise 2);
+4. write an alarm on a signal the way Prometheus does (`for: 2s`) and show why utilisation cannot drive scaling
+   — *busy* time is on almost from the start, *compute* utilisation never nears its peak — while queue depth, TTFT
+   and cache pressure fire once the load passes the knee (✏️ exercise 2);
 5. tune while watching preemptions, cache hit rate and latency percentiles *together*.
 
 **Time:** 23 s to run, measured on the course's 2-core VM with the bundled model already converted
@@ -48,8 +49,9 @@ from minivllm.metrics.scrape import label_values, metric_samples, metric_value
 ("md", r"""
 ## 1. The picture: what the engine exposes, and where each number comes from
 
-The seed lesson lists what a good engine shows its operators — and says what they are *for*: "not just dashboards.
-They are inputs to autoscaling and admission control."
+Lesson 06 — the serving lesson this course is built on, whose claims every lab measures — lists what a good engine
+shows its operators, and says what they are *for*: "not just dashboards. They are inputs to autoscaling and
+admission control."
 
 ```
  metric                          where it lives in minivllm                 Prometheus series (* = not in vLLM)
@@ -295,12 +297,10 @@ of a window is fixed — price x hours — and the only question is how to split
                                                     bill(t) = window cost x usage(t) / all usage
 ```
 
-**The price.** `GPU_HOUR_USD` = $3.00 for one on-demand H100 SXM GPU-hour is an **assumption**, not a measurement:
-the course authors chose it when they wrote this lab (2026-12-01) from the list prices they quoted for that time,
-about $2.50–3.50 per GPU-hour at GPU clouds and $3.50–5 at hyperscalers, with reserved capacity 30–50 % cheaper.
-No source for those ranges is kept in this repository, nothing here measured them, and prices move. The lab uses
-the price only as an input to its arithmetic: the cells below compute with `gpu_hour_usd`, set from it in the next
-cell, so put in the price you pay. Every dollar below scales with it; the shares do not depend on it.
+**The price.** `GPU_HOUR_USD` = $3.00 for one on-demand H100 GPU-hour is an **assumed** price, not a measured or
+quoted one: GPU-hour prices differ by provider and by contract and change over time. It is only an input to the
+arithmetic: the cells below compute with `gpu_hour_usd`, set from it in the next cell, so put in the price you pay.
+Every dollar below scales with it; the shares do not depend on it.
 
 **The attribution rule: weighted tokens.** A tenant's usage is its prompt tokens plus `DECODE_WEIGHT` = 4 times its
 generated tokens. Why this rule: (1) it is read from two counters every scrape already has — no step log, no
@@ -335,14 +335,17 @@ server.stop()
 llm.close()
 """),
 ("md", r"""
-The split is exact (the bills add up to the window's price, and alice pays for the warm-up she sent), but the
-dollars per million tokens are absurd: the whole window is paid at an H100's price while two CPU cores serve a few
-dozen tokens per second — tens of dollars per million tokens, hundreds of times what the same GPU-hour costs
-below. A real price needs a real machine's throughput — so here is the same bill on the simulated H100 preset (the roofline, as in section 4's whole-GPU
-sweep), with two tenants whose tokens look alike in a count but not in a machine: **rag** sends long retrieved
-contexts (1,024–1,536 tokens) and reads short answers (16–64); **chat** sends short questions (64–256) and reads
-long answers (256–512). 12 requests/s each, 10 s of arrivals, the engine's own Prometheus series attached the way the
-server attaches them. Three rules side by side: plain tokens, the weighted rule, KV-block-seconds.
+The split is exact (the bills add up to the window's price, and alice pays for the warm-up she sent), but the dollars
+per million tokens are absurd: the whole window is paid at an H100's price while two CPU cores serve a few dozen
+tokens per second. The last line prints two prices: per million tokens of either kind (about $9 in the stored run;
+the window is wall clock, so yours differs) and per million *generated* tokens (about $56: only about one token in
+six was generated, and the same window's cost is spread over that sixth). Both are over a hundred times what the same
+GPU-hour costs below. A real price needs a real machine's throughput — so here is the same bill on the simulated H100
+preset (the roofline, as in section 4's whole-GPU sweep), with two tenants whose tokens look alike in a count but not
+in a machine: **rag** sends long retrieved contexts (1,024–1,536 tokens) and reads short answers (16–64); **chat**
+sends short questions (64–256) and reads long answers (256–512). 12 requests/s each, 10 s of arrivals, the engine's
+own Prometheus series attached the way the server attaches them. Three rules side by side: plain tokens, the weighted
+rule, KV-block-seconds.
 """),
 ("code", r"""
 from minivllm.labs import at_scale
@@ -448,8 +451,9 @@ lab 4) it can be. The knee is the number to size a deployment by: run each repli
 readable. What happens on a real deployment's shape? The cell below reruns the sweep — same arrivals, same engine,
 same SLO — on the roofline simulator (`minivllm.labs.at_scale`): Llama-3-8B in bf16 on the H100 datasheet preset,
 the KV pool sized the way vLLM sizes it (90 % of the 81,559 MiB the card reports, minus the weights), 256 seats
-and an 8,192-token step budget (`vllm serve` on a GPU of 70 GiB or more other than an A100, such as this one,
-defaults to 8,192 tokens and 1,024 seats; 256 seats is its default on smaller cards).
+(`max_num_seqs`) and an 8,192-token step budget. `vllm serve` would give this card 1,024 seats (256 is its default
+on smaller cards); the lab takes 256 because a seat limit that binds shows a second resource besides step time,
+and because a 1,024-seat sweep takes the simulator longer. What changes with 1,024 seats is said below.
 """),
 ("code", r"""
 from minivllm.labs import at_scale
@@ -466,8 +470,11 @@ The knee moved about tenfold, and so did its cause. With hundreds of thousands o
 ever preempted; what runs out is **seats and step time**. Every step reads all 16 GB of weights plus the KV of every
 running request, so the more requests share a step, the longer the step: p99 ITL climbs with the load toward the
 50 ms SLO. Past the knee, new requests wait for one of the 256 seats: p99 TTFT jumps from under 100 ms to over a
-second within 10 requests/s, and one step further p99 ITL crosses its line too. Sizing by the knee works the same
-way on both machines; what you must measure first is *which* resource the knee is made of.
+second within 10 requests/s, and one step further p99 ITL crosses its line too. With vLLM's 1,024 seats on this card
+(`at_scale.knee_sweep(max_num_seqs=1024)`, not run here) the knee stays at 70 requests/s but the other SLO breaks
+first: at 80 requests/s everyone gets a seat (p99 TTFT 130 ms) and the fuller steps push p99 ITL to 72 ms. The seat
+limit decides *which* latency a client loses past the knee: their first token, or every token after it. Sizing by
+the knee works the same way on both machines; what you must measure first is *which* resource the knee is made of.
 
 ## ✏️ Exercise 2 — an alarm on a signal
 
@@ -553,8 +560,9 @@ Utilisation is no help either way: **busy** is above 95 % from
 the first seconds, when two requests per second are served comfortably (a continuous-batching engine always has a
 decode to run), so an alarm on it is a false alarm that never clears; **compute utilisation** never reaches 50 %,
 let alone 80 %, because memory runs out first — an autoscaler waiting for it waits forever while TTFT grows by a
-second every few seconds. This is the seed lesson's warning: *if you scale on GPU utilization alone, you will be
-late. Scale on queue depth, TTFT and cache pressure.* (Lab 5 added one more early signal: the reject rate of a
+second every few seconds. This is Lesson 06's warning: *if you scale on GPU utilization alone, you will be
+late. Scale on queue depth, TTFT and cache pressure.* Here "late" takes both forms: busy fires too early to mean
+anything, compute utilisation never fires at all. (Lab 5 added one more early signal: the reject rate of a
 door that answers 429.)
 
 ## 5. Tune while watching everything at once
