@@ -22,9 +22,6 @@ import pytest
 from minivllm.labs import quiz
 
 BANKS = sorted(quiz.BANK_DIR.glob("lab*.json"))
-# Banks that break the streak rule on this commit, kept visible rather than skipped: strict, so the mark has to go
-# the day the bank is fixed.  (Their labs were outside the change that added this test.)
-STREAKS_KNOWN = {"lab06": "Q9-Q11 are all A", "lab08": "Q6-Q8 are all C"}
 
 
 def _multiple_choice(questions: list[dict]) -> list[dict]:
@@ -60,8 +57,7 @@ def test_the_right_option_is_the_longest_in_at_most_half_of_a_banks_questions(ba
     assert 2 * len(longest) <= total, f"{bank.stem}: the right option is the longest in {len(longest)} of {total}: {longest}"
 
 
-@pytest.mark.parametrize("bank", [pytest.param(b, marks=pytest.mark.xfail(strict=True, reason=STREAKS_KNOWN[b.stem]))
-                                  if b.stem in STREAKS_KNOWN else b for b in BANKS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("bank", BANKS, ids=lambda p: p.stem)
 def test_no_three_questions_in_a_row_have_the_right_option_at_one_letter(bank):
     questions = json.loads(bank.read_text())
     letters = shown_letters(questions)
