@@ -638,7 +638,7 @@ class LLMEngine:
         pairs = [(requests[out.request_id], out) for out in outputs] if self._groups else None
         for out in [out for out in outputs if out.finished]:
             req = requests[out.request_id]
-            self._account_finished(req)
+            self.scheduler.tenant(req.tenant).record_finished(req)  # its tenant's latency samples
             self.num_errors += req.status is RequestStatus.FINISHED_ERROR
             if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
                 req.finished_time = now
@@ -682,10 +682,6 @@ class LLMEngine:
             self._finished_elsewhere.append(req)
         self._idle_steps = 0
         self.num_stalls += 1
-
-    def _account_finished(self, req: Request) -> None:
-        """Per-tenant latency samples of a finished request (the tenant's counters record them themselves)."""
-        self.scheduler.tenant(req.tenant).record_finished(req)
 
     def tenant_stats(self) -> dict[str, TenantStats]:
         """Per-tenant accounting: tokens in/out, KV blocks held, running/waiting, queue time, preemptions,

@@ -378,30 +378,29 @@ class KVCacheManager:
         return PrefixHit(tuple(blocks), len(blocks) * self.block_size)
 
     def computed_if_admitted(self, req: Request) -> int:
-        """The tokens of ``req`` that would count as computed once admitted, as admission would find them now: a
-        swapped-out request brings its own back; a sample whose leader is live forks from it (:meth:`fork`:
-        all but the last prompt token; a restarted one takes its own cached blocks instead where they hold more,
-        :meth:`share_computed`; admission waits for the leader's prefill, so it is admitted no other
-        way while the leader lives -- unless the leader samples one token only: it then finishes in the step
-        that prefills it, and its samples start alone; a group turned away is turned away whole, so a sample
-        whose leader was rejected keeps the fork's answer: it is never served, and the answer does not change
-        halfway through the admission pass that rejected it); any other request shares the cached prefix
-        :meth:`match_prefix` would return, counted here without taking a reference or making a cached block
-        recent (:class:`~minivllm.interfaces.PeeksPrefix`).
+        """The tokens of ``req`` that would count as computed once admitted, as admission would find them now:
 
-        This is the fork :meth:`can_fork` will allow once the leader holds blocks, not whether it allows it now: a
-        leader still prefilling counts, and so does one swapped out.  A sample does not wait for a leader that is
-        off the device once the leader has prefilled (:meth:`Scheduler._leader_ready`): admitted while its leader
-        is swapped out (before the pass, or preempted in it to seat a better-ranked request), it starts alone and
-        this answer is up to ``prompt - 1`` tokens too high, which moves only its own tenant's later requests in
-        that pass.
+        - a swapped-out request: its own, brought back from the host tier;
+        - a sample whose leader is live: what :meth:`fork` leaves (all but the last prompt token) or, for a
+          restarted sample, its own cached blocks where they hold more (:meth:`share_computed`).  Admission waits
+          for the leader's prefill, so while the leader lives the sample is admitted no other way -- unless the
+          leader samples one token only: it finishes in the step that prefills it, and its samples start alone.
+          A sample whose leader was rejected keeps this answer: a group is turned away whole, so it is never
+          served, and the answer does not change halfway through the pass that rejected it;
+        - any other request: the cached prefix :meth:`match_prefix` would return, counted without taking a
+          reference or making a cached block recent (:class:`~minivllm.interfaces.PeeksPrefix`).
+
+        The fork counted is the one :meth:`can_fork` will allow once the leader holds blocks, not whether it allows
+        it now: a leader still prefilling counts, and so does one swapped out.  (A sample admitted while its leader
+        is off the device after its prefill starts alone -- :meth:`Scheduler._leader_ready` -- and this answer is
+        then up to ``prompt - 1`` tokens high, which moves only its own tenant's later requests in that pass.)
 
         Why: an admission policy that charges only the prompt a request will prefill (WFQ) must know what the
         cache will spare it before admission looks the cache up.  Exact while the cache keeps what it holds and
-        each sample's leader holds its blocks: within one admission pass only an eviction (a swap-in taking
-        blocks) or a leader leaving the device changes it, so the count can only be more than admission then
-        finds, never less.  A cache without ``peek`` counts nothing cached.  Costs
-        the blocks the cache compares (the built-in caches stop at the first miss; the tokens are not copied).
+        each sample's leader holds its blocks: within one pass only an eviction (a swap-in taking blocks) or a
+        leader leaving the device changes it, so the count can only be more than admission then finds, never
+        less.  A cache without ``peek`` counts nothing cached.  Cost: the blocks the cache compares (the built-in
+        caches stop at the first miss; no tokens are copied).
         """
         if req.status is RequestStatus.SWAPPED or req.cpu_block_ids:
             return req.num_computed_tokens

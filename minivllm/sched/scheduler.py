@@ -947,9 +947,10 @@ class Scheduler:
     def _group_held(self) -> GroupBlocks:
         """KV blocks held per cap group, a block two members share counted once (a tenant's requests behind one
         cached system prompt hold its blocks once, and its cap and its gauge say so alike).  Recounted from the
-        tables once per :meth:`allocate` rather than kept across steps: admissions, finishes, aborts and failed
-        steps all change what a group holds, and a count rebuilt here cannot drift; within the step ``allocate``
-        and ``_preempt`` keep it as tables change."""
+        tables where it is needed -- once per :meth:`allocate`, and by :meth:`_group_usage` at each admission pass
+        (again after a preemption made in it) -- rather than kept across steps: admissions, finishes, aborts and
+        failed steps all change what a group holds, and a count rebuilt here cannot drift; within the step
+        ``allocate`` and ``_preempt`` keep it as tables change."""
         # (shared=True: an admission in the pass can make blocks shared)
         return GroupBlocks(self.running, self.caps.keys, shared_now=self.kv.may_share())
 
