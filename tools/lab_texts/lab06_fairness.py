@@ -554,7 +554,7 @@ for name, res in classes.items():
 """),
 ("md", r"""
 Read the TTFT columns first. Under FCFS the batch backlog sits in front of every chat and agent call: their p95 TTFT
-is many seconds and a quarter to a third of them miss. The three-class policy meets the TTFT SLO for every agent call
+is many seconds, and a third of chats and a quarter of agent calls miss it. The three-class policy meets the TTFT SLO for every agent call
 and for 93% of chats, and the batch tier still finishes at the same
 time — its cost is the latency nobody promised it. Read against Lesson 06's own definition (a *p95* under 700 ms), the
 chats' SLO is still narrowly missed on this machine: their p95 is 0.76 s, against 12 s under FCFS, because more than
@@ -567,8 +567,8 @@ Now the ITL columns: **no policy meets the interactive ITL SLO on the pinned mac
 a lone decode step of the 135M model takes about 70 ms, already above the interactive SLO of 60 ms, and
 every step that also carries a prefill chunk is several times longer. (On the faster host a lone decode takes 26 ms
 and would meet it; a step that carries the mix's 64-token budget would take about 100 ms and still would not.) The agent's 120 ms is within reach of a lone
-decode but not of a step beside prefill chunks: only a quarter to a third of agent calls meet both SLOs, and
-`three_class`, which starts agent calls earlier — next to the batch prefills — lowers the agent's ITL p95 only a little
+decode but not of a step beside prefill chunks: a third of agent calls meet both SLOs under FCFS and a quarter under
+`three_class`, whose earlier start for agent calls — next to the batch prefills — lowers their ITL p95 only a little
 (348 ms against FCFS's 393 ms). Lesson 06's numbers assume a GPU. This is the point of naming the metric: a scheduler moves latency *between*
 tenants; it cannot make the hardware faster. When a promise is below the hardware's floor, the fix is capacity (a
 GPU, a smaller model, fewer prefill tokens per step), not a policy.

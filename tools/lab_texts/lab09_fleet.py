@@ -500,8 +500,9 @@ def rms_error(result, doc):   # over the 15 metrics, in per cent
 if not kept:
     print("the committed results are not here (an installed package?): run python -m minivllm.bench sim_accuracy")
 else:
-    held_out = {p.stem.split("_sim_accuracy_")[1]: [rms_error(json.loads(p.read_text()), d) for d in (flat, committed)]
-                for p in kept}
+    # label each run by its place and day; the printed lines below name its file
+    held_out = {f"run {i}, {p.name[8:10]} Dec": [rms_error(json.loads(p.read_text()), d) for d in (flat, committed)]
+                for i, p in enumerate(kept, 1)}
     fig, ax = plt.subplots(figsize=(7, 2.8))
     xs = range(len(held_out))
     ax.bar([x - 0.2 for x in xs], [v[0][0] for v in held_out.values()], 0.4, color="#bbbbbb", label="one K/V rate")
@@ -512,8 +513,9 @@ else:
                  fontsize=9)
     ax.legend(fontsize=8)
     plt.show()
-    for run, ((a, na), (b, nb)) in held_out.items():
-        print(f"{run:11s} one K/V rate {a:4.1f}% rms, {na:2d}/15 within 10%   work + span {b:4.1f}% rms, {nb:2d}/15")
+    for (run, ((a, na), (b, nb))), p in zip(held_out.items(), kept):
+        print(f"{run} one K/V rate {a:4.1f}% rms, {na:2d}/15 within 10%   work + span {b:4.1f}% rms, {nb:2d}/15"
+              f"   ({p.name})")
 """),
 ("md", r"""
 The span term lowers the rms error in five of the six runs and leaves the sixth where it was (one of its metrics
