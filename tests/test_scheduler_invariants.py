@@ -311,6 +311,37 @@ def test_a_swapped_out_request_is_preempted_for_only_if_its_whole_need_could_fit
     assert_no_leak(engine)
 
 
+def test_the_room_bound_for_a_swapped_out_request_counts_the_rest_of_its_tokens_too():
+    """The same bound, asked directly: the engine changed since the program above was shrunk, and it no longer
+    reaches a pass where the bound decides (the mutation pass's row "preempting for a swapped request counts only
+    its swapped blocks", killed by it on 2026-12-04, survived the whole run of 2026-12-06).  ``S`` prefilled 12 of its 13 prompt tokens (3 blocks of 4) and was swapped out: to run again it
+    needs those 3 back *and* a fourth for its last prompt token.  The pool's 8 blocks are held by ``F`` (5) and
+    ``V`` (3).  Oracle: free the candidates on a copy and ask whether the pool then has ``S``'s 4 blocks."""
+    import copy
+
+    from minivllm.request import Request
+
+    engine = tiny_engine(num_blocks=8, block_size=4, max_len=32, preemption_mode="swap", swap_space=0.001)
+    kv = engine.kv
+    s = Request("S", list(range(1, 14)), SamplingParams(max_tokens=4), 0.0, max_tokens=4)
+    assert kv.allocate_slots(s, 12)
+    s.num_computed_tokens = 12
+    assert kv.swap_out(s) and len(s.cpu_block_ids) == 3 and not s.block_ids
+    f = Request("F", list(range(20, 40)), SamplingParams(max_tokens=4), 0.0, max_tokens=4)
+    v = Request("V", list(range(40, 52)), SamplingParams(max_tokens=4), 0.0, max_tokens=4)
+    assert kv.allocate_slots(f, 20) and kv.allocate_slots(v, 12) and kv.num_available_blocks == 0
+
+    def fits_once_freed(cands) -> bool:
+        kv2, rest = copy.deepcopy((kv, cands))
+        for r in rest:
+            kv2.free(r)
+        return kv2.num_available_blocks >= -(-s.num_tokens // kv.block_size)
+
+    for cands in ([v], [v, f]):
+        assert kv.could_start_if_freed(s, cands, 0) == fits_once_freed(cands), [r.request_id for r in cands]
+    assert not fits_once_freed([v]) and fits_once_freed([v, f])  # (both answers are reached)
+
+
 def test_a_cached_prefix_counts_once_when_admission_weighs_a_preemption():
     """Before preempting to seat a request, admission bounds the room it would then have.  Cached blocks the
     request would share count as evictable room now, but once it shares them they are pinned: counted in both
