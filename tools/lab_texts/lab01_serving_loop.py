@@ -117,7 +117,8 @@ decode step reads every parameter once and does one multiply and one add with it
 4 bytes read, i.e. **0.5 FLOP per byte**. A chip can do far more than that — a modern GPU does hundreds of FLOPs
 in the time it reads one byte from memory, a CPU tens — so the arithmetic units mostly wait for memory. The prefill
 above (`PROMPT_LEN` tokens: 256 on a CPU, 1,024 when a GPU is present) reads the weights once and uses each of them
-for every prompt token: ~128 FLOP per byte at 256 tokens, ~512 at 1,024, so it keeps the arithmetic busy instead.
+for every prompt token: ~128 FLOP per byte at 256 tokens in fp32, and ~1,024 at 1,024 tokens in bf16 (2 bytes a
+weight, the GPU default), so it keeps the arithmetic busy instead.
 Batching decodes is the same trick: one read of the weights, many tokens (`BATCH` of them: 8 on a CPU, 32 on a GPU).
 
 The engine's what-if tool, `SimulatedExecutor`, models a step as
