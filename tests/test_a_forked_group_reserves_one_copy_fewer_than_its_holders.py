@@ -202,8 +202,8 @@ def test_every_recount_equals_the_oracle_at_every_admission_read(monkeypatch, po
 
     def checked_within(self, req, usage, need_blocks, per_step=True):
         want = group_claims(self.kv, self.running, keys(self), worst_case=worst)
-        assert {k: u[1] for k, u in usage.items() if u[0]} == want
-        assert {k: u[1] for k, u in self._group_usage()[0].items()} == want
+        assert {k: u.blocks for k, u in usage.items() if u.seats} == want
+        assert {k: u.blocks for k, u in self._group_usage()[0].items()} == want
         reads["caps"] += 1
         return within(self, req, usage, need_blocks, per_step)
 

@@ -10,7 +10,7 @@ import itertools
 from minivllm import EngineConfig, SamplingParams
 from minivllm.config import TenantConfig
 from minivllm.request import Request
-from minivllm.sched.fairness import CapTable, DeadlineAdmission, ThreeClassAdmission, WFQAdmission
+from minivllm.sched.fairness import CapTable, DeadlineAdmission, GroupUsage, ThreeClassAdmission, WFQAdmission
 from tests.test_fairness import make_engine
 
 _ids = itertools.count()
@@ -166,7 +166,7 @@ def test_a_reject_kv_cap_admits_a_request_that_fills_it_exactly():
     req = request("t")
     (group,) = caps.groups(req)
     assert group.max_blocks == 12
-    usage = {group.key: [0, 8, 0]}
+    usage = {group.key: GroupUsage(seats=0, blocks=8, tokens=0)}
     assert caps.rejecting_group(req, usage, need_blocks=4) is None
     assert caps.rejecting_group(req, usage, need_blocks=5) is group
 

@@ -114,10 +114,10 @@ def _checked(monkeypatch) -> list:
         want = _brute(self.running, keys(self))
         for k, u in usage.items():
             members = [r for r in self.running if k in keys(self)(r)]
-            assert u[0] == len(members), k
+            assert u.seats == len(members), k
             assert live[-1].count.get(k, 0) == want.get(k, 0), k
             claims = group_claims(self.kv, self.running, keys(self))
-            assert u[1] == claims[k] == usage_of(self)[0][k][1], (k, u, claims[k])
+            assert u.blocks == claims[k] == usage_of(self)[0][k].blocks, (k, u, claims[k])
         reads.append("admit")
         return within(self, req, usage, need_blocks, per_step)
 

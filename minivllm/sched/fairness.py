@@ -128,6 +128,32 @@ class CapGroup:
     max_tokens: int | None = None
     over_cap: str = "wait"  # "reject": a new request finding the group at max_running / max_blocks is turned away
 
+    def would_exceed(self, seats: int, blocks: int, need_blocks: int) -> bool:
+        """Would one more request needing ``need_blocks`` KV blocks pass this group's seat or KV cap, with ``seats``
+        members running and ``blocks`` counted against it?  Admission
+        (:meth:`~minivllm.sched.scheduler.Scheduler._within_caps`), a reject-cap (:meth:`CapTable.rejecting_group`)
+        and its retry hint (:meth:`CapTable.retry_steps`) ask this one question, so they cannot drift apart: a
+        request that brings the group to its caps exactly fits.  The per-step token cap is not asked: it frees up
+        at the next step."""
+        return ((self.max_running is not None and seats >= self.max_running)
+                or (self.max_blocks is not None and blocks + need_blocks > self.max_blocks))
+
+
+@dataclass(slots=True)
+class GroupUsage:
+    """What a cap group's running members take in an admission pass: what its caps are checked against.
+
+    Counted from ``running`` at the start of a pass (``Scheduler._group_usage``) and kept as the pass seats
+    requests."""
+
+    seats: int  # running members (against max_running)
+    blocks: int  # KV blocks they hold (a block two members share once) plus those set aside for them (max_blocks)
+    tokens: int  # tokens they take this step (max_tokens)
+
+
+#: the usage of a group with no running member, for reading only (a pass adds a group's own record as it seats)
+NO_USAGE = GroupUsage(0, 0, 0)
+
 
 class CapTable:
     """Which cap groups each request counts against (built once per tenant name, then looked up).
@@ -181,19 +207,17 @@ class CapTable:
         """Does any of ``req``'s groups turn over-cap requests away (rather than make them wait)?"""
         return any(g.over_cap == "reject" for g in self.groups(req))
 
-    def rejecting_group(self, req: Request, usage: dict, need_blocks: int) -> CapGroup | None:
+    def rejecting_group(self, req: Request, usage: dict[tuple, GroupUsage], need_blocks: int) -> CapGroup | None:
         """The ``over_cap="reject"`` group whose seat or KV cap keeps ``req`` out now, if any.
 
-        ``usage`` is the scheduler's per-group ``[running, blocks, tokens]``.  The
+        ``usage`` is the scheduler's :class:`GroupUsage` per group key.  The
         per-step token cap never rejects: it frees up at the next step.
         """
         for g in self.groups(req):
             if g.over_cap != "reject":
                 continue
-            u = usage.get(g.key, (0, 0, 0))
-            if g.max_running is not None and u[0] >= g.max_running:
-                return g
-            if g.max_blocks is not None and u[1] + need_blocks > g.max_blocks:
+            u = usage.get(g.key, NO_USAGE)
+            if g.would_exceed(u.seats, u.blocks, need_blocks):
                 return g
         return None
 
@@ -225,11 +249,7 @@ class CapTable:
             spared = held.in_place_writes(g.key, writers)
             seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members) - spared
 
-            def fits(seats: int, blocks: int) -> bool:
-                return ((g.max_running is None or seats < g.max_running)
-                        and (g.max_blocks is None or blocks + need_blocks <= g.max_blocks))
-
-            if fits(seats, blocks):
+            if not g.would_exceed(seats, blocks, need_blocks):
                 continue
             steps = 1
             for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
@@ -239,7 +259,7 @@ class CapTable:
                     if r in writers:
                         writers.remove(r)
                     blocks += spared - (spared := held.in_place_writes(g.key, writers))
-                if fits(seats, blocks):
+                if not g.would_exceed(seats, blocks, need_blocks):
                     break
             return max(1, steps)
         return None

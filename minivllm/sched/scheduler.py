@@ -76,7 +76,7 @@ executor copies them out).
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
@@ -88,12 +88,15 @@ from minivllm.kv.sharing import GroupBlocks
 from minivllm.metrics.stats import nearest_rank
 from minivllm.request import Request, RequestStatus
 from minivllm.sched.output import ScheduledBatch, ScheduledSeq
-from minivllm.sched.fairness import CapTable
+from minivllm.sched.fairness import NO_USAGE, CapTable, GroupUsage
 from minivllm.sched.policies import FCFSAdmission, RecomputeLatestPreemption
 
 #: ``Scheduler._try_admit``'s answer for a whole prefill (chunked prefill off) over the token budget left
 _SHORT_OF_BUDGET = object()
 _SAMPLES_KEPT = 2048  # per tenant: the newest finished requests' TTFTs and ITLs kept for percentiles
+# What a request's caps tell the admission loop (``Scheduler._cap_verdict``): try to seat it, pass it over, or end
+# the pass (every tenant still waiting is passed over)
+_TRY, _SKIP, _STOP = "try", "skip", "stop"
 
 
 def _named(answer) -> str:
@@ -102,6 +105,40 @@ def _named(answer) -> str:
     if isinstance(answer, Request):
         return f"request {answer.request_id!r}"
     return repr(answer) if answer is None or isinstance(answer, (str, int, float)) else f"a {type(answer).__name__}"
+
+
+class _AdmissionPass:
+    """What one admission pass (``Scheduler._admit``) knows as it walks the policy's order: what it has admitted,
+    the room those admissions took, and the tenants it passes over.  Made at the start of every pass, from the
+    running requests as they stand, and dropped at its end: nothing here outlives a pass."""
+
+    __slots__ = ("usage", "held", "reserved", "unranked_budget", "trusted", "admitted", "blocked", "cap_failed",
+                 "cap_closed", "swapped_out", "victim_rank", "held_seats")
+
+    def __init__(self, usage: dict[tuple, GroupUsage] | None, held: GroupBlocks | None, reserved: int,
+                 unranked_budget: int, trusted: bool) -> None:
+        self.usage = usage  # with caps: each group's GroupUsage, kept as the pass seats requests
+        self.held = held  # with caps: the blocks each group holds (a shared block once), kept likewise
+        self.reserved = reserved  # blocks the running requests will still claim
+        self.unranked_budget = unranked_budget  # without a ranking policy: the step's token budget left
+        self.trusted = trusted  # the policy keeps its order: the requests it yields need no check against the queue
+        self.admitted: list[Request] = []
+        self.blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
+        # Per tenant, the fewest blocks a request of it needed and still failed its caps, while ``usage`` only
+        # grew: a later request of that tenant needing as many fails too, without asking.  This keeps a step
+        # with a long capped backlog (lab 6's 1,800 batch prompts) from re-checking every one of them.
+        self.cap_failed: dict[str, int] = {}
+        # Tenants none of whose waiting requests can pass their caps in this pass: each needs at least as many
+        # blocks as one that failed.  Their requests are passed over with one set lookup, so a step beside a
+        # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
+        self.cap_closed: set[str] = set()
+        self.swapped_out = False  # a victim swapped out in this pass: no swap-in may reuse its blocks this step
+        # The best rank among the victims preempted in this pass to seat a better-ranked request.  Under a global
+        # head of line, a request ranked behind one of them is not admitted in the same pass: it would take the
+        # room the victim gave up (a priority-2 request running while the priority-1 victim waits, an inversion
+        # of the policy's order).  (Per tenant, a head that cannot start lets other tenants pass by design.)
+        self.victim_rank = None
+        self.held_seats = 0  # seats kept for samples whose leader is still prefilling (global head of line)
 
 
 @dataclass
@@ -421,8 +458,9 @@ class Scheduler:
             return blocks_for(req.max_total_tokens, self.kv.block_size)
         return blocks_for(req.num_tokens, self.kv.block_size)
 
-    def _group_usage(self) -> tuple[dict, GroupBlocks]:
-        """Per cap group: ``[running requests, blocks held + reserved, tokens this step]``, and the
+    def _group_usage(self) -> tuple[dict[tuple, GroupUsage], GroupBlocks]:
+        """Per cap group key: its :class:`~minivllm.sched.fairness.GroupUsage` (running requests, blocks held +
+        reserved, tokens this step), and the
         :class:`~minivllm.kv.sharing.GroupBlocks` that counts the held blocks (a block two members share
         once, as the tenant gauges count it).  Recounted from ``running`` at each pass (then kept by ``admit``
         as it admits), like :meth:`_group_held`: finishes, aborts and preemptions between passes all change
@@ -441,39 +479,38 @@ class Scheduler:
             for g in groups:
                 u = usage.get(g.key)
                 if u is None:
-                    u = usage[g.key] = [0, held.count[g.key], 0]
-                u[0] += 1
-                u[1] += blocks
-                u[2] += self._chunk_cap(r)
+                    u = usage[g.key] = GroupUsage(0, held.count[g.key], 0)
+                u.seats += 1
+                u.blocks += blocks
+                u.tokens += self._chunk_cap(r)
             if blocks and shared and self.kv.num_copy_on_write_blocks(r):
                 for g in groups:
                     writers.setdefault(g.key, []).append(r)
         for key, members in writers.items():
-            usage[key][1] -= held.in_place_writes(key, members)
+            usage[key].blocks -= held.in_place_writes(key, members)
         return usage, held
 
-    def _within_caps(self, req: Request, usage: dict, need_blocks: int, per_step: bool = True) -> bool:
+    def _within_caps(self, req: Request, usage: dict[tuple, GroupUsage], need_blocks: int,
+                     per_step: bool = True) -> bool:
         """Would ``req`` (needing ``need_blocks``) keep every cap of its groups?  Monotone: with ``usage``
         unchanged, a request of the same tenant needing as many blocks or more fails too (``admit`` uses it).
         ``per_step=False`` leaves out the per-step token cap: a sample waiting for its leader's prefill (``admit``'s
         held seats) would pass it next step, once the leader's own chunks stop filling it."""
         for g in self.caps.groups(req):
-            u = usage.get(g.key, (0, 0, 0))
-            if g.max_running is not None and u[0] >= g.max_running:
+            u = usage.get(g.key, NO_USAGE)
+            if g.would_exceed(u.seats, u.blocks, need_blocks):
                 return False
-            if g.max_blocks is not None and u[1] + need_blocks > g.max_blocks:
-                return False
-            if per_step and g.max_tokens is not None and u[2] >= g.max_tokens:
+            if per_step and g.max_tokens is not None and u.tokens >= g.max_tokens:
                 return False
         return True
 
-    def _cap_budget(self, req: Request, usage: dict, budget: int) -> int:
+    def _cap_budget(self, req: Request, usage: dict[tuple, GroupUsage], budget: int) -> int:
         """``budget`` cut to what ``req``'s groups' per-step token caps leave: step 2 gives it no more, so admitting
         it on more would take blocks for tokens that get no row (or, chunked prefill off, a prompt that never
         fits)."""
         for g in self.caps.groups(req):
             if g.max_tokens is not None:
-                budget = min(budget, g.max_tokens - usage.get(g.key, (0, 0, 0))[2])
+                budget = min(budget, g.max_tokens - usage.get(g.key, NO_USAGE).tokens)
         return budget
 
     def _preempt_to_admit(self, req: Request, admitted: list[Request]) -> bool:
@@ -555,7 +592,8 @@ class Scheduler:
             self._passed_over = ()  # (a policy asked outside a pass looks every request up)
 
     def _admit(self) -> list[Request]:
-        """The pass :meth:`admit` runs (there, what it does and why)."""
+        """The pass :meth:`admit` runs (there, what it does and why): the policy's order walked once, each request
+        skipped, held back by its caps, seated, turned away, or the end of the pass."""
         if (self._preempted_last_step or not self.waiting
                 or len(self.running) >= self.config.max_num_seqs and self._may_preempt_for is None and self.caps is None):
             # The last clause: every seat is taken and no policy may free one, so nothing below could admit or
@@ -564,40 +602,9 @@ class Scheduler:
             if self._activity is not None:  # no ordering this step: tell the policy who is still active
                 self._activity(self.waiting_by_tenant.keys() | {r.tenant for r in self.running})
             return []
-        caps = self.caps
-        usage, held = self._group_usage() if caps is not None else (None, None)
-        reserved = self._reserved_blocks()
-        unranked_budget = self.config.max_num_batched_tokens - self._running_demand() if self._rank is None else 0
-        admitted: list[Request] = []
-        blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
-        # Per tenant, the fewest blocks a request of it needed and still failed its caps, while ``usage`` only
-        # grew: a later request of that tenant needing as many fails too, without asking.  This keeps a step
-        # with a long capped backlog (lab 6's 1,800 batch prompts) from re-checking every one of them.
-        cap_failed: dict[str, int] = {}
-        # Tenants none of whose waiting requests can pass their caps in this pass: each needs at least as many
-        # blocks as one that failed.  Their requests are passed over with one set lookup, so a step beside a
-        # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
-        cap_closed: set[str] = set()
-        self._passed_over = (blocked, cap_closed)
-        swapped_out = False  # a victim swapped out in this admit: no swap-in may reuse its blocks this step
-        # The best rank among the victims preempted in this admit to seat a better-ranked request.  Under a global
-        # head of line, a request ranked behind one of them is not admitted in the same pass: it would take the
-        # room the victim gave up (a priority-2 request running while the priority-1 victim waits, an inversion
-        # of the policy's order).  (Per tenant, a head that cannot start lets other tenants pass by design.)
-        victim_rank = None
-        held_seats = 0  # seats kept for samples whose leader is still prefilling (global head of line)
-        trusted = self._keeps_order is not None
-        if trusted:  # a policy that keeps its order recognises the queue itself, and reads it only
-            order = self.admission_policy.order(self.waiting, self.running)
-            if order is self.waiting:  # it may hand the queue back ("all of them, as they are"),
-                order = list(order)  # which admission changes while it walks the order
-        else:  # any other policy gets copies (lists, as a lab's checker gives it): one that pops what it was
-            order = self.admission_policy.order(list(self.waiting), list(self.running))  # handed loses no request
-        try:
-            order = iter(order)
-        except TypeError:
-            raise ValueError(self._not_an_order(order)) from None
-        for req in order:
+        p = self._start_pass()
+        blocked, cap_closed, admitted, caps = p.blocked, p.cap_closed, p.admitted, self.caps
+        for req in self._order_for_pass():
             if not isinstance(req, Request):
                 raise ValueError(self._not_an_order(req))
             if req.tenant in blocked or req.tenant in cap_closed or req.status is RequestStatus.FINISHED_REJECTED:
@@ -605,87 +612,147 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING and req in admitted:
                 continue  # listed twice, and admitted the first time
             if req.leader is not None and not self._leader_ready(req):
-                # n > 1: a sibling sample forks once its leader has prefilled the prompt.  Under a global head of
-                # line it keeps a seat meanwhile: a request ranked behind it must not take the seat it will need
-                # in a step or two (the deadline policy's aging bound, FCFS's order), only the room it leaves.
-                # Caps come first: a sample its tenant's cap holds back could not use the seat, so it keeps none.
-                if (not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING
-                        and (caps is None or self._within_caps(req, usage, self._waiting_need[req], per_step=False))):
-                    held_seats += 1
+                if self._keeps_a_seat(p, req):
+                    p.held_seats += 1
                 continue
             if caps is not None:
-                need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
-                if need is None:
-                    raise ValueError(self._not_an_order(req))
-                if need >= cap_failed.get(req.tenant, need + 1):
-                    continue  # as over its caps as a request of its tenant that already failed them
-                if not self._within_caps(req, usage, need):
-                    if (req.status is RequestStatus.WAITING and req.leader is None
-                            and caps.rejecting_group(req, usage, need)):
-                        self._reject(req)  # TenantConfig(over_cap="reject"): turned away with a retry hint
-                        self._cap_rejected.add(req)
-                    elif not caps.may_reject(req):
-                        cap_failed[req.tenant] = need
-                        if need <= min(self._needs_by_tenant[req.tenant]):
-                            cap_closed.add(req.tenant)  # no waiting request of its tenant needs fewer blocks
-                            if self._all_passed_over(blocked, cap_closed):
-                                break  # the rest of the order is passed over too
-                    continue  # its tenant (or class) is at a cap: it waits, the others do not
-            elif not trusted and req not in self.waiting:  # (by identity, in C; the removal below scans as far)
+                verdict = self._cap_verdict(p, req)
+                if verdict is not _TRY:
+                    if verdict is _STOP:
+                        break
+                    continue
+            elif not p.trusted and req not in self.waiting:  # (by identity, in C; the removal in _seat scans as far)
                 raise ValueError(self._not_an_order(req))
-            if victim_rank is not None and self._rank(req) > victim_rank:
+            if p.victim_rank is not None and self._rank(req) > p.victim_rank:
                 break  # it waits behind a victim, which cannot start again in this pass: the head of the line
-            while True:
-                budget = unranked_budget if self._rank is None else self._admission_budget(req)
-                if caps is not None:
-                    budget = self._cap_budget(req, usage, budget)
-                seated = len(self.running) + held_seats < self.config.max_num_seqs
-                # Preemption cannot help with these: the token budget (the victims' own tokens this step,
-                # one per decode, rarely cover it, and it comes back next step anyway), and a swap-in in the
-                # step that swapped a victim out (its blocks are not back until the copy-out ran).
-                # Nor with a seat that a sample ranked ahead holds: the seat a victim frees would be the sample's.
-                stuck = (budget <= 0 or (swapped_out and req.status is RequestStatus.SWAPPED)
-                         or (held_seats > 0 and not seated))
-                fit = self._try_admit(req, budget, reserved) if seated and not stuck else None
-                if fit is _SHORT_OF_BUDGET:  # its whole prompt is over the budget left (no chunking): as above
-                    fit, stuck = None, True
-                if fit is not None or stuck or not self._preempt_to_admit(req, admitted):
-                    break
-                swapped_out |= self._admission_preempted[-1].status is RequestStatus.SWAPPED
-                victim = self._admission_preempted[-1]
-                if not self._hol_per_tenant and (victim_rank is None or self._rank(victim) < victim_rank):
-                    victim_rank = self._rank(victim)
-                reserved = self._reserved_blocks()
-                if caps is not None:
-                    usage, held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
-                    cap_failed.clear()
-                    cap_closed.clear()
-            if fit is None:
-                if seated and not stuck and self._should_reject(req):  # (stuck: short of budget, back next step)
-                    self._reject(req)
-                    continue
-                if self._hol_per_tenant:
-                    blocked.add(req.tenant)
-                    if self._all_passed_over(blocked, cap_closed):
-                        break  # (as above)
-                    continue
+            fit, short_of_kv = self._fit_or_make_room(p, req)
+            if fit is not None:
+                self._seat(p, req, fit)
+            elif short_of_kv and self._should_reject(req):  # (not short of budget: that is back next step)
+                self._reject(req)
+            elif not self._hol_per_tenant:
                 break
-            tokens, blocks = fit
-            reserved += blocks
-            unranked_budget -= tokens
-            self.waiting.remove(req)
-            self._count_waiting(req, -1)
-            self.kv.record_admission(req)  # before the status changes: it tells a swap-in from a recompute
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            admitted.append(req)
-            if caps is not None:  # (a prefix it shares with its group's running requests adds no block)
-                for g, gained in zip(caps.groups(req), held.add(req)):
-                    u = usage.setdefault(g.key, [0, 0, 0])
-                    u[0] += 1
-                    u[1] += gained + self._reservation(req)
-                    u[2] += self._chunk_cap(req)
+            else:
+                blocked.add(req.tenant)
+                if self._all_passed_over(blocked, cap_closed):
+                    break  # the rest of the order is passed over too
         return admitted
+
+    def _start_pass(self) -> _AdmissionPass:
+        """A fresh :class:`_AdmissionPass`, counted from ``running`` as it stands; its passed-over tenants are
+        published (:meth:`_computed_if_admitted` reads them) before the policy is asked for its order."""
+        if self.caps is not None:
+            usage, held = self._group_usage()
+        else:
+            usage, held = None, None
+        reserved = self._reserved_blocks()
+        unranked_budget = self.config.max_num_batched_tokens - self._running_demand() if self._rank is None else 0
+        p = _AdmissionPass(usage, held, reserved, unranked_budget, trusted=self._keeps_order is not None)
+        self._passed_over = (p.blocked, p.cap_closed)
+        return p
+
+    def _order_for_pass(self) -> Iterator:
+        """The admission policy's order for this pass, as an iterator: an answer that is not iterable is refused
+        here, at the boundary (:meth:`_not_an_order`); what it yields is checked as the pass reaches it."""
+        if self._keeps_order is not None:  # a policy that keeps its order recognises the queue itself, and reads it only
+            order = self.admission_policy.order(self.waiting, self.running)
+            if order is self.waiting:  # it may hand the queue back ("all of them, as they are"),
+                order = list(order)  # which admission changes while it walks the order
+        else:  # any other policy gets copies (lists, as a lab's checker gives it): one that pops what it was
+            order = self.admission_policy.order(list(self.waiting), list(self.running))  # handed loses no request
+        try:
+            return iter(order)
+        except TypeError:
+            raise ValueError(self._not_an_order(order)) from None
+
+    def _keeps_a_seat(self, p: _AdmissionPass, req: Request) -> bool:
+        """Does ``req``, a sample whose leader has not finished its prefill, keep a seat in this pass?
+
+        n > 1: a sibling sample forks once its leader has prefilled the prompt.  Under a global head of line it
+        keeps a seat meanwhile: a request ranked behind it must not take the seat it will need in a step or two
+        (the deadline policy's aging bound, FCFS's order), only the room it leaves.  Caps come first: a sample its
+        tenant's cap holds back could not use the seat, so it keeps none."""
+        return (not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING
+                and (self.caps is None or self._within_caps(req, p.usage, self._waiting_need[req], per_step=False)))
+
+    def _cap_verdict(self, p: _AdmissionPass, req: Request) -> str:
+        """What ``req``'s caps say in this pass: :data:`_TRY` it (it is within them), :data:`_SKIP` it (it waits
+        behind its tenant's or class's cap, or a reject-cap turned it away here), or :data:`_STOP` the pass
+        (every tenant still waiting is now passed over)."""
+        need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
+        if need is None:
+            raise ValueError(self._not_an_order(req))
+        if need >= p.cap_failed.get(req.tenant, need + 1):
+            return _SKIP  # as over its caps as a request of its tenant that already failed them
+        if self._within_caps(req, p.usage, need):
+            return _TRY
+        if req.status is RequestStatus.WAITING and req.leader is None and self.caps.rejecting_group(req, p.usage, need):
+            self._reject(req)  # TenantConfig(over_cap="reject"): turned away with a retry hint
+            self._cap_rejected.add(req)
+        elif not self.caps.may_reject(req):
+            p.cap_failed[req.tenant] = need
+            if need <= min(self._needs_by_tenant[req.tenant]):
+                p.cap_closed.add(req.tenant)  # no waiting request of its tenant needs fewer blocks
+                if self._all_passed_over(p.blocked, p.cap_closed):
+                    return _STOP  # the rest of the order is passed over too
+        return _SKIP  # its tenant (or class) is at a cap: it waits, the others do not
+
+    def _fit_or_make_room(self, p: _AdmissionPass, req: Request) -> tuple[tuple[int, int] | None, bool]:
+        """``(fit, short_of_kv)``: ``fit`` is :meth:`_try_admit`'s ``(tokens, blocks)`` once ``req`` fits, after
+        preempting worse-ranked requests one at a time while the policy allows it and it could help; else None,
+        and ``short_of_kv`` says whether it was KV blocks it lacked (reject mode turns such a request away) rather
+        than a seat or this step's token budget (it waits)."""
+        while True:
+            budget = p.unranked_budget if self._rank is None else self._admission_budget(req)
+            if self.caps is not None:
+                budget = self._cap_budget(req, p.usage, budget)
+            seated = len(self.running) + p.held_seats < self.config.max_num_seqs
+            # Preemption cannot help with these: the token budget (the victims' own tokens this step,
+            # one per decode, rarely cover it, and it comes back next step anyway), and a swap-in in the
+            # step that swapped a victim out (its blocks are not back until the copy-out ran).
+            # Nor with a seat that a sample ranked ahead holds: the seat a victim frees would be the sample's.
+            stuck = (budget <= 0 or (p.swapped_out and req.status is RequestStatus.SWAPPED)
+                     or (p.held_seats > 0 and not seated))
+            fit = self._try_admit(req, budget, p.reserved) if seated and not stuck else None
+            if fit is _SHORT_OF_BUDGET:  # its whole prompt is over the budget left (no chunking): as above
+                fit, stuck = None, True
+            if fit is not None or stuck or not self._preempt_to_admit(req, p.admitted):
+                return fit, seated and not stuck
+            self._after_admission_victim(p)
+
+    def _after_admission_victim(self, p: _AdmissionPass) -> None:
+        """A running request was just preempted to seat another: what the rest of the pass must know of it."""
+        victim = self._admission_preempted[-1]
+        p.swapped_out |= victim.status is RequestStatus.SWAPPED
+        if not self._hol_per_tenant and (p.victim_rank is None or self._rank(victim) < p.victim_rank):
+            p.victim_rank = self._rank(victim)
+        p.reserved = self._reserved_blocks()
+        if self.caps is not None:
+            p.usage, p.held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
+            p.cap_failed.clear()
+            p.cap_closed.clear()
+
+    def _seat(self, p: _AdmissionPass, req: Request, fit: tuple[int, int]) -> None:
+        """Move ``req``, which fit, from ``waiting`` to ``running``, and count what it takes against the rest of
+        the pass: its tokens, its reserved blocks, and (with caps) its groups' usage."""
+        tokens, blocks = fit
+        p.reserved += blocks
+        p.unranked_budget -= tokens
+        self.waiting.remove(req)
+        self._count_waiting(req, -1)
+        self.kv.record_admission(req)  # before the status changes: it tells a swap-in from a recompute
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        p.admitted.append(req)
+        if self.caps is not None:  # (a prefix it shares with its group's running requests adds no block)
+            usage = p.usage
+            for g, gained in zip(self.caps.groups(req), p.held.add(req)):
+                u = usage.get(g.key)
+                if u is None:
+                    u = usage[g.key] = GroupUsage(0, 0, 0)
+                u.seats += 1
+                u.blocks += gained + self._reservation(req)
+                u.tokens += self._chunk_cap(req)
 
     def _not_an_order(self, answer) -> str:
         """What is wrong with an admission policy's ``answer`` (its order, or one item of it), said at the
