@@ -31,6 +31,13 @@ def _flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def _lab09(pattern: str, what: str) -> re.Match:
+    """Lab 9's text (whitespace flattened) searched for ``pattern``: the match, or a failure saying lab 9 no longer ``what``."""
+    m = re.search(pattern, _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8")))
+    assert m, f"lab 9 no longer {what}"
+    return m
+
+
 def _one_rate(name: str) -> dict:
     return calibrate.refit(load_profile(name), span_term=False)
 
@@ -97,12 +104,10 @@ def test_lab09_reading_of_the_residual_plot_names_every_band_off():
     than 5%.  It once left out the two-thread fit's band of a single prompt step (x0.94) while naming the same band
     on one thread, so a learner counting bars in the plot found one more than the text.  Oracle: ``residuals`` of
     the committed profiles, the cell's own call."""
-    text = _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8"))
-    m = re.search(r"every decode band but one \(2–4 sequences at 65–512 tokens, x([\d.]+)\) is within 5%\. The prompt "
-                  r"steps beside long decodes of 2–4 sequences, (\d+)% over, are the other miss, and no K/V term reaches "
-                  r"them \(a band of a single prompt step, x([\d.]+), is off too\)\. On one thread \(orange\) only that "
-                  r"single-step band is off by more than 5%", text)
-    assert m, "lab 9 no longer reads the residual plot band by band"
+    m = _lab09(r"every decode band but one \(2–4 sequences at 65–512 tokens, x([\d.]+)\) is within 5%\. The prompt "
+              r"steps beside long decodes of 2–4 sequences, (\d+)% over, are the other miss, and no K/V term reaches "
+              r"them \(a band of a single prompt step, x([\d.]+), is off too\)\. On one thread \(orange\) only that "
+              r"single-step band is off by more than 5%", "reads the residual plot band by band")
 
     def off(name):
         return {(r["kind"], r["seqs"], r["context"]): (r["steps"], r["real_over_pred_p50"])
@@ -182,23 +187,21 @@ def test_lab09_reading_of_the_run_on_another_host():
     read x1.48-1.66), and the two-thread profile, on the wall clock, is no yardstick for a CPU-time run."""
     from minivllm.bench.sim_accuracy import explain
 
-    text = _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8"))
-    m = re.search(r"committed one-thread profile predicts each workload's prompt and decode steps ([\d.]+)–([\d.]+)x "
-                  r"too fast at the median in the first: `sim_accuracy --explain`\) cannot be judged with these profiles "
-                  r"at all; calibrated in the same invocation, they met (\d+), (\d+), (\d+), (\d+), (\d+), (\d+) and \d+ of 15 "
-                  r"metrics \(`(\S+\.json)`, `\.\.\.(_stop63_quiet\.json)`, whose real runs went (\d+)% faster than "
-                  r"its calibration grid minutes before, `\.\.\.(_stop64\.json)`, whose real decodes ran "
-                  r"([\d.]+)–([\d.]+) of its own fit's prediction, `\.\.\.(_stop65\.json)`, whose real engine "
-                  r"differed from itself by up to (\d+)% between two runs of one workload, and whose (\w+) misses are "
-                  r"all the simulator too \*fast\* where the third run's (\w+) were all too slow, "
-                  r"`\.\.\.(_stop66\.json)`, whose real engine held within (\d+)% of itself, `\.\.\.(_stop67\.json)`, "
-                  r"whose two misses are ITL medians: bursty, where the real engine's own two runs differed by (\d+)%, "
-                  r"and long-prompt, a median that falls between two kinds of gap \(as above\), and `\.\.\._stop68\.json`, "
-                  r"[^()]*\), and that host's own "
-                  r"fits gave the span no weight in the first two, ([\d.]+) GB/s in the third, ([\d.]+) GB/s in the "
-                  r"fourth, none in the fifth and sixth and [\d.]+ GB/s in the seventh\. On one host, one command and one code, the third run missed through its "
-                  r"fit and the fourth through its real engine; the fifth had neither \(its fit erred ([\d.]+)% rms\)", text)
-    assert m, "lab 9 no longer reads the runs made on another host"
+    m = _lab09(r"committed one-thread profile predicts each workload's prompt and decode steps ([\d.]+)–([\d.]+)x "
+              r"too fast at the median in the first: `sim_accuracy --explain`\) cannot be judged with these profiles "
+              r"at all; calibrated in the same invocation, they met (\d+), (\d+), (\d+), (\d+), (\d+), (\d+) and \d+ of 15 "
+              r"metrics \(`(\S+\.json)`, `\.\.\.(_stop63_quiet\.json)`, whose real runs went (\d+)% faster than "
+              r"its calibration grid minutes before, `\.\.\.(_stop64\.json)`, whose real decodes ran "
+              r"([\d.]+)–([\d.]+) of its own fit's prediction, `\.\.\.(_stop65\.json)`, whose real engine "
+              r"differed from itself by up to (\d+)% between two runs of one workload, and whose (\w+) misses are "
+              r"all the simulator too \*fast\* where the third run's (\w+) were all too slow, "
+              r"`\.\.\.(_stop66\.json)`, whose real engine held within (\d+)% of itself, `\.\.\.(_stop67\.json)`, "
+              r"whose two misses are ITL medians: bursty, where the real engine's own two runs differed by (\d+)%, "
+              r"and long-prompt, a median that falls between two kinds of gap \(as above\), and `\.\.\._stop68\.json`, "
+              r"[^()]*\), and that host's own "
+              r"fits gave the span no weight in the first two, ([\d.]+) GB/s in the third, ([\d.]+) GB/s in the "
+              r"fourth, none in the fifth and sixth and [\d.]+ GB/s in the seventh\. On one host, one command and one code, the third run missed through its "
+              r"fit and the fourth through its real engine; the fifth had neither \(its fit erred ([\d.]+)% rms\)", "reads the runs made on another host")
     first = json.loads((RESULTS / m.group(9)).read_text(encoding="utf-8"))
     second, third, fourth, fifth, sixth = (json.loads((RESULTS / m.group(9).replace("_stop63.json", m.group(k)))
                                                       .read_text(encoding="utf-8")) for k in (10, 12, 15, 19, 21))
@@ -238,12 +241,10 @@ def test_lab09_reading_of_the_seventh_run_on_another_host():
     calibration."""
     from minivllm.bench.sim_accuracy import explain
 
-    text = _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8"))
-    m = re.search(r"met (?:\d+, ){5}\d+ and (\d+) of 15 metrics .*?`\.\.\.(_stop68\.json)`, whose real decodes in two "
-                  r"workloads ran ([\d.]+) of its fit's prediction, the same decode step moving (\d+)% and (\d+)% at the "
-                  r"median between the real engine's own two runs\), .*? and ([\d.]+) GB/s in the seventh\. .*?"
-                  r"the fifth had neither \(its fit erred [\d.]+% rms\); the seventh had both\.", text)
-    assert m, "lab 9 no longer reads the seventh run made on another host"
+    m = _lab09(r"met (?:\d+, ){5}\d+ and (\d+) of 15 metrics .*?`\.\.\.(_stop68\.json)`, whose real decodes in two "
+              r"workloads ran ([\d.]+) of its fit's prediction, the same decode step moving (\d+)% and (\d+)% at the "
+              r"median between the real engine's own two runs\), .*? and ([\d.]+) GB/s in the seventh\. .*?"
+              r"the fifth had neither \(its fit erred [\d.]+% rms\); the seventh had both\.", "reads the seventh run made on another host")
     run = json.loads((RESULTS / f"2026-12-06_cpu-2core_sim_accuracy{m.group(2)}").read_text(encoding="utf-8"))
     assert "family/model/stepping 25/" in run["host"]["cpu"] and run["within_10pct"] == f"{m.group(1)}/15"
     assert f"{run['calibration']['hardware']['attention_span_bandwidth'] / 1e9:.1f}" == m.group(6)
@@ -259,10 +260,8 @@ def test_lab09_range_of_the_stop_runs_weakest_metric():
     """Lab 9: "the eighteen `*_stop*` runs committed since (1–6 December, the last six on another host) range from
     +13% to −31%" -- the long-prompt TTFT p99, the metric that sentence calls the weakest.  Oracle: the committed
     run files themselves (their count, their hosts, their errors)."""
-    text = _flat((ROOT / "tools" / "lab_texts" / "lab09_fleet.py").read_text(encoding="utf-8"))
-    m = re.search(r"the (\w+) `\*_stop\*` runs committed since \(1–6 December, the last (\w+) on another host\) "
-                  r"range from \+(\d+)% to −(\d+)%", text)
-    assert m, "lab 9 no longer gives the stop runs' range"
+    m = _lab09(r"the (\w+) `\*_stop\*` runs committed since \(1–6 December, the last (\w+) on another host\) "
+              r"range from \+(\d+)% to −(\d+)%", "gives the stop runs' range")
     runs = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(RESULTS.glob("*_sim_accuracy_stop*.json"))]
     words = {"four": 4, "five": 5, "six": 6, "seven": 7, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19}
     assert len(runs) == words[m.group(1)]
