@@ -129,7 +129,7 @@ class CapGroup:
     over_cap: str = "wait"  # "reject": a new request finding the group at max_running / max_blocks is turned away
 
     def would_exceed(self, seats: int, blocks: int, need_blocks: int) -> bool:
-        """Would one more request needing ``need_blocks`` KV blocks pass this group's seat or KV cap, with ``seats``
+        """Would one more request needing ``need_blocks`` KV blocks exceed this group's seat or KV cap, with ``seats``
         members running and ``blocks`` counted against it?  Admission
         (:meth:`~minivllm.sched.scheduler.Scheduler._within_caps`), a reject-cap (:meth:`CapTable.rejecting_group`)
         and its retry hint (:meth:`CapTable.retry_steps`) ask this one question, so they cannot drift apart: a
@@ -143,11 +143,12 @@ class CapGroup:
 class GroupUsage:
     """What a cap group's running members take in an admission pass: what its caps are checked against.
 
-    Counted from ``running`` at the start of a pass (``Scheduler._group_usage``) and kept as the pass seats
-    requests."""
+    Counted from ``running`` at the start of a pass (``Scheduler._group_usage``), again after each preemption the
+    pass makes, and kept as the pass seats requests."""
 
     seats: int  # running members (against max_running)
-    blocks: int  # KV blocks they hold (a block two members share once) plus those set aside for them (max_blocks)
+    blocks: int  # KV blocks they hold (a block two members share once) plus those set aside for them, less the copy
+    #              a group's last writer into a shared block will not make (max_blocks)
     tokens: int  # tokens they take this step (max_tokens)
 
 

@@ -462,8 +462,8 @@ class Scheduler:
         """Per cap group key: its :class:`~minivllm.sched.fairness.GroupUsage` (running requests, blocks held +
         reserved, tokens this step), and the
         :class:`~minivllm.kv.sharing.GroupBlocks` that counts the held blocks (a block two members share
-        once, as the tenant gauges count it).  Recounted from ``running`` at each pass (then kept by ``admit``
-        as it admits), like :meth:`_group_held`: finishes, aborts and preemptions between passes all change
+        once, as the tenant gauges count it).  Recounted from ``running`` at each pass (then kept by ``_seat``
+        as the pass seats requests), like :meth:`_group_held`: finishes, aborts and preemptions between passes all change
         it, and a count rebuilt here cannot drift.
 
         A member charged the copy of its shared last block gains its group no block when it is the group's last

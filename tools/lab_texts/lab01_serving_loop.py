@@ -114,7 +114,7 @@ print(f"batched decode is cheaper per token than single decode:", decode_b_s / B
 ("md", r"""
 Why? Count bytes. SmolLM2-135M has ~135 M parameters, 540 MB in fp32 (4 bytes each). To compute one token, a
 decode step reads every parameter once and does one multiply and one add with it: 2 floating-point operations per
-4 bytes read, i.e. **0.5 FLOP per byte**. A chip can do far more than that — a modern GPU does hundreds of FLOPs
+4 bytes read, i.e. **0.5 FLOP per byte** (1 in bf16, 2 bytes a weight). A chip can do far more than that — a modern GPU does hundreds of FLOPs
 in the time it reads one byte from memory, a CPU tens — so the arithmetic units mostly wait for memory. The prefill
 above (`PROMPT_LEN` tokens: 256 on a CPU, 1,024 when a GPU is present) reads the weights once and uses each of them
 for every prompt token: ~128 FLOP per byte at 256 tokens in fp32, and ~1,024 at 1,024 tokens in bf16 (2 bytes a

@@ -570,6 +570,13 @@ def served_while_arriving(result, arrivals_at, warm_s=WARM_S):
 
 served_per_s = [served_while_arriving(r, a) for r, a in zip(loads, offered_runs)]
 
+def still_in_engine(result, arrivals_at):
+    # admitted requests not finished yet when the last one arrives
+    end = max(a.time for a in arrivals_at)
+    return sum(a.time + result.latency[a.request_id] > end for a in arrivals_at if a.request_id in result.latency)
+
+in_engine = [still_in_engine(r, a) for r, a in zip(loads, offered_runs)]
+
 fig, ax = plt.subplots(figsize=(7, 3))
 ax.plot(RATES, [100 * x for x in reject_rate], "o-", color="#d62728", label="rejected (%)")
 ax.set_xlabel("offered load (requests/s)"); ax.set_ylabel("rejected (%)")
@@ -578,16 +585,18 @@ ax2.plot(RATES, served_per_s, "s-", color="#4e79a7", label="served while arrival
 ax2.set_ylabel("served requests/s")
 fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
 plt.show()
-for rate, r, x, s in zip(RATES, loads, reject_rate, served_per_s):
+for rate, r, x, s, left in zip(RATES, loads, reject_rate, served_per_s, in_engine):
     print(f"offered {rate:3d}/s: rejected {x:6.1%}, served {s:5.2f}/s (offered / served {rate / s:4.2f}), "
-          f"p99 latency of served {r.p99():5.2f} s, {r.mean_running:4.1f} requests running on average")
+          f"p99 latency of served {r.p99():5.2f} s, {r.mean_running:4.1f} running on average, "
+          f"{left:2d} still in the engine at the last arrival")
 """),
 ("md", r"""
-At low load nothing is rejected and the machine serves about what is offered (a few seconds' sample, so give or
-take a fifth). Past its capacity the served rate flattens at about what this machine can serve (about 5
-requests/s), while the reject rate keeps climbing and the latency of what is served stays bounded. That makes the
-reject rate a clean signal for an autoscaler: it starts to climb where the offered load passes capacity, and
-offered / served is about how many replicas the load needs (about 7 at 32 requests/s). Scaling on utilisation instead would be blind: the batch is about as full at 12 requests/s as at 32,
+At low load the machine serves about what is offered (a sample of a few seconds: 2.40/s at 2/s offered) and
+rejects nothing, or little (2% at 4/s: a burst fills the queue). Past its capacity the served rate flattens at
+about what this machine can serve (about 5 requests/s), while the reject rate keeps climbing and the latency of
+what is served stays bounded. That makes the reject rate a clean signal for an autoscaler: it climbs steeply once
+the offered load passes capacity, and offered / served is about how many replicas the load needs (about 7 at 32
+requests/s). Scaling on utilisation instead would be blind: the batch is about as full at 12 requests/s as at 32,
 so a utilisation metric cannot tell "just at capacity" from "far past it". Rejection must be deliberate, though:
 the threshold *is* a latency promise (a queue of 8 is about the wait you are willing to let a request see).
 
