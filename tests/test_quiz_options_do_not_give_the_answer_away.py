@@ -28,13 +28,15 @@ def _multiple_choice(questions: list[dict]) -> list[dict]:
     return [q for q in questions if q["type"] == "multiple_choice"]
 
 
-def longest_right(questions: list[dict]) -> list[str]:
-    """Ids of the questions whose right option is longer than every wrong one (a tie is no cue)."""
+def longest_right(questions: list[dict], extreme=max) -> list[str]:
+    """Ids of the questions whose right option is longer than every wrong one (``extreme=min``: shorter than every
+    wrong one); a tie is no cue."""
     out = []
     for q in _multiple_choice(questions):
         right = [len(a["answer"]) for a in q["answers"] if a["correct"]]
         assert len(right) == 1, q["id"]
-        if right[0] > max(len(a["answer"]) for a in q["answers"] if not a["correct"]):
+        wrong = extreme(len(a["answer"]) for a in q["answers"] if not a["correct"])
+        if right[0] != wrong and extreme(right[0], wrong) == right[0]:
             out.append(q["id"])
     return out
 
@@ -50,11 +52,13 @@ def first_streak(letters: list[str]) -> int | None:
     return next((i for i in range(len(letters) - 2) if len(set(letters[i:i + 3])) == 1), None)
 
 
+@pytest.mark.parametrize("extreme", [max, min], ids=["longest", "shortest"])
 @pytest.mark.parametrize("bank", BANKS, ids=lambda p: p.stem)
-def test_the_right_option_is_the_longest_in_at_most_half_of_a_banks_questions(bank):
+def test_the_right_option_is_the_longest_or_the_shortest_in_at_most_half_of_a_banks_questions(bank, extreme):
+    """"Pick the longest" and "pick the shortest" must each be no better than a coin for half the questions."""
     questions = json.loads(bank.read_text())
-    longest, total = longest_right(questions), len(_multiple_choice(questions))
-    assert 2 * len(longest) <= total, f"{bank.stem}: the right option is the longest in {len(longest)} of {total}: {longest}"
+    cued, total = longest_right(questions, extreme), len(_multiple_choice(questions))
+    assert 2 * len(cued) <= total, f"{bank.stem}: the right option is the {extreme.__name__} in {len(cued)} of {total}: {cued}"
 
 
 @pytest.mark.parametrize("bank", BANKS, ids=lambda p: p.stem)
@@ -79,7 +83,7 @@ def test_the_counts_read_hand_made_banks_right():
             _question("b", "twelve chars", "twelve chars"),  # a tie
             {"id": "n", "question": "n", "type": "numeric", "answers": [], "why": "-"},
             _question("c", "ok", "a longer wrong option")]
-    assert longest_right(bank) == ["a"]
+    assert longest_right(bank) == ["a"] and longest_right(bank, min) == ["c"]
     assert first_streak(list("ABAB")) is None and first_streak(list("ABBBA")) == 1 and first_streak(list("AB")) is None
     # three questions whose shuffle prints the right option first: their letters must be A, A, A
     first = [q for q in (_question(f"q{n}", "right", "wrong 1", "wrong 2") for n in range(100))
