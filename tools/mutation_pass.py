@@ -6,7 +6,7 @@ wrong and watch.  Each row below is one small bug of the kind these modules invi
 left out, a guard dropped); a row the tests do not catch ("SURVIVED") is either a missing test or a bug that
 changes only *when* tokens are produced -- its ``note`` says which, where known.
 
-    python tools/mutation_pass.py            # every row (~21 min on 2 cores when it had 52)
+    python tools/mutation_pass.py            # every row (62 min for 63 on a busy 2-core VM; 21 for 52 on a quiet one)
     python tools/mutation_pass.py 5 12       # rows 5 and 12 only
 
 Each file is restored from memory after its run, whatever happens short of SIGKILL (a SIGTERM -- ``timeout``, a
