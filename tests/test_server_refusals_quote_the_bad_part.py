@@ -110,6 +110,11 @@ def test_sampling_params_name_the_bad_stop_entry_without_quoting_the_list():
     ("completions", {"prompt": [1.5]}, "prompt.0", "valid integer"),
     ("completions", {"prompt": [[1, "a"]]}, "prompt.0.1", "valid integer"),
     ("completions", {"prompt": "Hi", "stop": ["ok", 7]}, "stop.1", "valid string"),
+    # members equally deep: the one that accepted more entries names the wrong one (the token-id member stops at
+    # entry 0 of a list of strings, the string member at the odd one out)
+    ("completions", {"prompt": ["a", 5]}, "prompt.1", "valid string"),
+    ("completions", {"prompt": ["a", "b", 5]}, "prompt.2", "valid string"),
+    ("completions", {"prompt": [1, 2, "a"]}, "prompt.2", "valid integer"),
 ])
 def test_a_wrong_entry_inside_a_list_is_named_where_it_is(served, path, body, where, what):
     """Oracle: the body's own construction -- the one entry that is wrong, and its path.  The message must name

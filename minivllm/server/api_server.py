@@ -133,13 +133,15 @@ _TYPE_TAG = re.compile(r"^(int|float|str|bool|bytes|none|[\w-]*\[.*\])$")
 
 def _deepest_of_its_union(errors: list[dict]) -> dict:
     """The error to quote: the first, unless it is one member's error about a field that is a union, and another
-    member of the same union went deeper -- then that member's first deepest one.
+    member of the same union went deeper -- then that member's first deepest one; between members equally deep,
+    the one that failed at a later entry (it accepted the entries before it).
 
     Why: ``prompt``, ``stop`` and a message's ``content`` take a string or a list, and pydantic lists the string
     member's "should be a valid string" first even when the value is a list, so a content part without its
     ``type`` was answered as if list content were refused.  The member that looked inside the list knows which
     entry is wrong.  A value no member could even start on (``"prompt": 5``) gives every member's error at the
-    same depth, so the first is kept.
+    same depth, so the first is kept.  In ``"prompt": ["a", 5]`` the token-id member fails at entry 0 and the
+    string member at entry 1: the strings are what the caller meant, and entry 1 is the one to fix.
     """
     first = errors[0]
     loc = tuple(first.get("loc", ()))
@@ -147,7 +149,12 @@ def _deepest_of_its_union(errors: list[dict]) -> dict:
     if tag is None:
         return first
     same_union = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag]]
-    return max(same_union, key=lambda e: len(e.get("loc", ())))  # max keeps the first of equal depth
+
+    def reach(e: dict) -> tuple:  # how deep, then how far along each list, this member's error lies
+        where = tuple(e.get("loc", ()))
+        return len(where), tuple(p if isinstance(p, int) else -1 for p in where[tag + 1:])
+
+    return max(same_union, key=reach)  # max keeps the first of equal reach
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
