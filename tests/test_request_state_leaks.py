@@ -66,7 +66,6 @@ def _per_request_state(engine: LLMEngine, metrics: EngineMetrics | None = None) 
         "engine._deferred_aborts": len(engine._deferred_aborts),
         "outputs._streams": len(out._streams),
         "outputs._groups": len(out._groups),
-        "outputs._group_samples": len(out._group_samples),
         "scheduler.waiting": len(sched.waiting),
         "scheduler.running": len(sched.running),
         "scheduler._waiting_need": len(sched._waiting_need),

@@ -229,9 +229,9 @@ class LLMEngine:
         # -- the caller's side
         self.eos_token_ids = eos_token_ids if eos_token_ids is not None else self._eos_ids()
         self.inputs = InputProcessor(tokenizer, vocab_size, config.max_model_len)
-        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples
+        self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples (the output processor reads it)
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self._groups)
         self._finished_elsewhere: list[Request] = []  # ended outside a step's batch (aborted samples, a stall)
         self.step_log = StepLog(config.step_log_max_entries)  # read by widgets, labs and benchmarks
         self.num_errors = 0

@@ -12,6 +12,7 @@ per-request *output* state (:class:`_Stream`) and never frees anything.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
@@ -42,12 +43,15 @@ class _Stream:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: set[int],
+                 group_samples: Mapping[str, list[Request]]) -> None:
+        """``group_samples``: parent id -> the samples of an ``n > 1`` request, the engine's own table, read here
+        and changed only there (one record of who belongs to a group, not two kept in step by hand)."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self._streams: dict[str, _Stream] = {}
         self._groups: dict[str, list[CompletionOutput]] = {}  # n > 1: parent id -> one slot per sample
-        self._group_samples: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples (read, never changed)
+        self._group_samples = group_samples
 
     def add(self, samples: list[Request]) -> None:
         # one set per request, shared by its samples (they share their params): a set per sample would make n=128
@@ -73,7 +77,6 @@ class OutputProcessor:
             self._groups[first.parent_id] = [
                 CompletionOutput(index=i, text="", token_ids=[]) for i in range(len(samples))
             ]
-            self._group_samples[first.parent_id] = samples
 
     # -- step 6: emit --------------------------------------------------------
     def emit(self, grew: list[Request]) -> list[RequestOutput]:
@@ -243,7 +246,7 @@ class OutputProcessor:
                 error=next((r.error for r in samples if r.error is not None), None),  # any failed sample's why
             )
             if finished:
-                del self._groups[parent_id], self._group_samples[parent_id]
+                del self._groups[parent_id]  # (the engine lets the group's samples go when it reads this output)
         return list(result.values())
 
     def forget(self, req: Request) -> None:
@@ -255,7 +258,6 @@ class OutputProcessor:
         """Drop an ``n > 1`` group's slots when the caller aborts the whole group: :meth:`fold` frees them only
         once every sample has finished, which an aborted group's samples never report."""
         self._groups.pop(parent_id, None)
-        self._group_samples.pop(parent_id, None)
 
 
 def _earliest(times) -> float | None:
