@@ -398,7 +398,7 @@ Diamonds are the simulator, grey dots the real engine's own runs, the band is ±
   long-prompt ITL p50, whose two real runs sit at ±12% of their median: a median that falls where the short
   decode-only gaps meet the long gaps of steps that carry a prompt chunk moves a lot when a few gaps change side.) This is the best of three runs made that day, which scored 13, 14 and 15 of 15. The weakest metric is the
   long-prompt TTFT p99: −9% here, and between −8% and −15% in four of the five runs that end with this one
-  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the nineteen `*_stop*` runs committed since (1–6 December, the last seven on another host)
+  (`2026-11-30_*_final_run1/2`, `2026-12-01_*_probe_run1/2/3`); the twenty `*_stop*` runs committed since (1–6 December, the last eight on another host)
   range from +13% to −31%. The model is 3–5% too
   fast on steps that carry a 512-token chunk beside long-context decodes. The queue is busy almost all the time,
   so that error adds up over every step a request waits behind.
@@ -524,28 +524,30 @@ crosses the 10% line the wrong way); it is no cure for a run whose real engine h
 
 What the runs on another host teach is how to read a miss. A profile fitted on one host cannot judge runs on
 another: there the committed profile's steps come out 1.7–1.9x too fast. Calibrated on the spot, in the same
-invocation, seven runs on that host met between 6 and 14 of the 15 metrics — with the same code and the same
+invocation, eight runs on that host met between 6 and 14 of the 15 metrics — with the same code and the same
 command. So before blaming the cost model for a miss, ask which of two things moved: **the fit** (are the real steps
 far from the fit's own predictions? `sim_accuracy --explain RESULT` prints real / predicted per kind of step) or
 **the real engine itself** (the real-spread column: two runs of one workload can differ by 30%, and no prediction
-can be closer to a run than the runs are to each other). The record of those seven runs follows, for the curious.
+can be closer to a run than the runs are to each other). The record of those eight runs follows, for the curious.
 
-<details><summary>The seven runs on another host, one by one</summary>
+<details><summary>The eight runs on another host, one by one</summary>
 
-Seven runs made after the change on *another* host (a Zen 4 EPYC, where the
+Eight runs made after the change on *another* host (a Zen 4 EPYC, where the
 committed one-thread profile predicts each workload's prompt and decode steps 1.7–1.9x too fast at the median in the
 first: `sim_accuracy --explain`) cannot be judged with these profiles at all; calibrated in the same invocation, they
-met 14, 10, 6, 8, 14, 13 and 8 of 15 metrics (`2026-12-06_cpu-2core_sim_accuracy_stop63.json`, `..._stop63_quiet.json`,
+met 14, 10, 6, 8, 14, 13, 8 and 11 of 15 metrics (`2026-12-06_cpu-2core_sim_accuracy_stop63.json`, `..._stop63_quiet.json`,
 whose real runs went 6% faster than its calibration grid minutes before, `..._stop64.json`, whose real decodes ran
 0.78–0.91 of its own fit's prediction, `..._stop65.json`, whose real engine differed from itself by up to 30% between
 two runs of one workload, and whose seven misses are all the simulator too *fast* where the third run's nine were all
 too slow, `..._stop66.json`, whose real engine held within 8% of itself, `..._stop67.json`, whose two misses
 are ITL medians: bursty, where the real engine's own two runs differed by 21%, and long-prompt, a median that falls between two
-kinds of gap (as above), and `..._stop68.json`, whose real decodes in two workloads ran 1.23 of its fit's
-prediction, the same decode step moving 22% and 25% at the median between the real engine's own two runs), and that host's own fits gave the span no weight in the first two, 3.9 GB/s in the third,
-12.9 GB/s in the fourth, none in the fifth and sixth and 16.0 GB/s in the seventh. On one host, one
+kinds of gap (as above), `..._stop68.json`, whose real decodes in two workloads ran 1.23 of its fit's
+prediction, the same decode step moving 22% and 25% at the median between the real engine's own two runs, and
+`..._stop68_run2.json`, made 86 minutes later, whose real decodes ran 0.96–1.01 of its fit's prediction but whose real
+engine differed from itself by up to 33% between two runs of one workload), and that host's own fits gave the span no weight in the first two, 3.9 GB/s in the third,
+12.9 GB/s in the fourth, none in the fifth and sixth, 16.0 GB/s in the seventh and none in the eighth. On one host, one
 command and one code, the third run missed through its fit and the fourth through its real engine; the fifth had
-neither (its fit erred 3.1% rms); the seventh had both. The fit also moves from one
+neither (its fit erred 3.1% rms); the seventh had both, the eighth its real engine only. The fit also moves from one
 calibration to the next: the plotted run (1 December, a slower host) fitted one K/V rate of 6.8 GB/s and a run of
 6 December (`2026-12-06_cpu-2core_sim_accuracy_stop60.json`) 14.8 GB/s; the committed one-thread profile reads all
 K/V at 16.2 GB/s and a lone sequence's, span included, at 10.0 GB/s. Against that run's real steps the committed
