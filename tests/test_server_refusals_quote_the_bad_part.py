@@ -115,6 +115,10 @@ def test_sampling_params_name_the_bad_stop_entry_without_quoting_the_list():
     ("completions", {"prompt": ["a", 5]}, "prompt.1", "valid string"),
     ("completions", {"prompt": ["a", "b", 5]}, "prompt.2", "valid string"),
     ("completions", {"prompt": [1, 2, "a"]}, "prompt.2", "valid integer"),
+    # ... by where each member *first* fails: the string member also fails at the good token id after the bad one
+    ("completions", {"prompt": [1, 2, "a", 3]}, "prompt.2", "valid integer"),
+    ("completions", {"prompt": ["a", "b", "c", 5, "d"]}, "prompt.3", "valid string"),
+    ("completions", {"prompt": "Hi", "stop": ["a", 5, 6]}, "stop.1", "valid string"),
 ])
 def test_a_wrong_entry_inside_a_list_is_named_where_it_is(served, path, body, where, what):
     """Oracle: the body's own construction -- the one entry that is wrong, and its path.  The message must name

@@ -133,28 +133,38 @@ _TYPE_TAG = re.compile(r"^(int|float|str|bool|bytes|none|[\w-]*\[.*\])$")
 
 def _deepest_of_its_union(errors: list[dict]) -> dict:
     """The error to quote: the first, unless it is one member's error about a field that is a union, and another
-    member of the same union went deeper -- then that member's first deepest one; between members equally deep,
-    the one that failed at a later entry (it accepted the entries before it).
+    member of the same union went deeper -- then that member's first deepest error; between members equally deep,
+    the one whose first failing entry comes latest (it accepted every entry before it).
 
     Why: ``prompt``, ``stop`` and a message's ``content`` take a string or a list, and pydantic lists the string
     member's "should be a valid string" first even when the value is a list, so a content part without its
     ``type`` was answered as if list content were refused.  The member that looked inside the list knows which
     entry is wrong.  A value no member could even start on (``"prompt": 5``) gives every member's error at the
-    same depth, so the first is kept.  In ``"prompt": ["a", 5]`` the token-id member fails at entry 0 and the
-    string member at entry 1: the strings are what the caller meant, and entry 1 is the one to fix.
+    same depth, so the first is kept.  In ``"prompt": ["a", 5]`` the token-id member fails first at entry 0 and the
+    string member at entry 1: the strings are what the caller meant, and entry 1 is the one to fix.  Members are
+    compared by their *first* failure, not their last: pydantic reports every bad entry of a member, and in
+    ``[1, 2, "a", 3]`` the string member also fails at entry 3, a good token id.
     """
     first = errors[0]
     loc = tuple(first.get("loc", ()))
     tag = next((i for i, p in enumerate(loc) if _TYPE_TAG.match(str(p))), None)
     if tag is None:
         return first
-    same_union = [e for e in errors if tuple(e.get("loc", ()))[:tag] == loc[:tag]]
-
-    def reach(e: dict) -> tuple:  # how deep, then how far along each list, this member's error lies
+    members: dict = {}  # union member tag -> its errors, in pydantic's order (entry by entry)
+    for e in errors:
         where = tuple(e.get("loc", ()))
-        return len(where), tuple(p if isinstance(p, int) else -1 for p in where[tag + 1:])
+        if where[:tag] == loc[:tag] and len(where) > tag:
+            members.setdefault(where[tag], []).append(e)
 
-    return max(same_union, key=reach)  # max keeps the first of equal reach
+    def depth(e: dict) -> int:
+        return len(e.get("loc", ()))
+
+    def reach(errs: list[dict]) -> tuple:  # how deep the member got, then how far along before it first failed
+        return max(map(depth, errs)), tuple(p if isinstance(p, int) else -1 for p in errs[0]["loc"][tag + 1:])
+
+    errs = max(members.values(), key=reach)  # max keeps the first member of equal reach
+    deepest = max(map(depth, errs))
+    return next(e for e in errs if depth(e) == deepest)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
