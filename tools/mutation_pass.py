@@ -52,7 +52,7 @@ MUTANTS = [
      "ahead = [r for r in self.running if r.is_decode or self._rank(r) <= key]",
      "ahead = [r for r in self.running if self._rank(r) <= key]", ""),
     ("admission under-counts a capped group's reserved blocks", SCH,
-     "u.blocks += gained + self._reservation(req)", "u.blocks += gained", ""),
+     "u.blocks += gained + reserved", "u.blocks += gained", ""),
     ("reject mode turns samples away one by one", SCH,
      'preemption_mode == "reject" and req.status is RequestStatus.WAITING and req.leader is None',
      'preemption_mode == "reject" and req.status is RequestStatus.WAITING', ""),

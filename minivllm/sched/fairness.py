@@ -265,10 +265,6 @@ class CapTable:
             return max(1, steps)
         return None
 
-    def max_blocks(self, req: Request) -> int | None:
-        """The most blocks ``req`` may ever hold under its caps (None: no KV cap)."""
-        return self.max_blocks_for(req.tenant)
-
     def max_blocks_for(self, tenant: str) -> int | None:
         """The most blocks a request of ``tenant`` may ever hold (None: no KV cap).  Read from the per-tenant
         cache when the engine's thread has filled it, else built from the config without storing it: only the

@@ -475,14 +475,14 @@ class Scheduler:
         writers: dict = {}  # group -> members charged a copy of their last block (only just after a fork)
         shared = self.kv.may_share()
         for r in self.running:
-            blocks, groups = self._reservation(r), self.caps.groups(r)
+            blocks, tokens, groups = self._reservation(r), self._chunk_cap(r), self.caps.groups(r)
             for g in groups:
                 u = usage.get(g.key)
                 if u is None:
                     u = usage[g.key] = GroupUsage(0, held.count[g.key], 0)
                 u.seats += 1
                 u.blocks += blocks
-                u.tokens += self._chunk_cap(r)
+                u.tokens += tokens
             if blocks and shared and self.kv.num_copy_on_write_blocks(r):
                 for g in groups:
                     writers.setdefault(g.key, []).append(r)
@@ -745,14 +745,14 @@ class Scheduler:
         self.running.append(req)
         p.admitted.append(req)
         if self.caps is not None:  # (a prefix it shares with its group's running requests adds no block)
-            usage = p.usage
+            usage, reserved, chunk = p.usage, self._reservation(req), self._chunk_cap(req)
             for g, gained in zip(self.caps.groups(req), p.held.add(req)):
                 u = usage.get(g.key)
                 if u is None:
                     u = usage[g.key] = GroupUsage(0, 0, 0)
                 u.seats += 1
-                u.blocks += gained + self._reservation(req)
-                u.tokens += self._chunk_cap(req)
+                u.blocks += gained + reserved
+                u.tokens += chunk
 
     def _not_an_order(self, answer) -> str:
         """What is wrong with an admission policy's ``answer`` (its order, or one item of it), said at the
