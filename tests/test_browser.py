@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from pathlib import Path
 
 import nbformat
@@ -248,6 +249,23 @@ def opened(jupyter, browser, request):
         page.close()
 
 
+def _keep_screenshot(target, name: str) -> None:
+    """Save a screenshot under ``.artifacts/browser/`` for a person to look at, if the browser can take one.
+
+    These pictures are evidence for a reader, not something the test asserts on (the
+    pictures it compares come from ``_picture``).  Taking one waits for the page to
+    render; on a CI machine whose two cores are busy with the other notebooks' kernels
+    that wait once ran past Playwright's 30 s and failed a test whose checks had all
+    passed -- so a capture that cannot be taken is reported and skipped, never fatal.
+    """
+    from playwright.sync_api import Error as PlaywrightError
+
+    try:
+        target.screenshot(path=str(ARTIFACTS / name))
+    except PlaywrightError as exc:  # shown in pytest's warnings summary
+        warnings.warn(f"screenshot {name} not saved: {str(exc).splitlines()[0]}", stacklevel=2)
+
+
 def _picture(widget) -> bytes:
     img = widget.locator("img").first
     img.scroll_into_view_if_needed()
@@ -309,7 +327,7 @@ def test_widgets_and_quiz_work_in_jupyterlab(opened, path, labels):
                 png = _wait_changed(widget, png, f"{stem} widget {w}, click {k} of '{first}'")
                 _assert_not_blank(png, f"{stem} widget {w} after click {k}")
                 (ARTIFACTS / f"{stem}-w{w}-{k}.png").write_bytes(png)
-            widget.screenshot(path=str(ARTIFACTS / f"{stem}-widget{w}.png"))  # mid-run: controls, picture, log
+            _keep_screenshot(widget, f"{stem}-widget{w}.png")  # mid-run: controls, picture, log
             log = _log_text(widget)
             assert "no work left" not in log, f"{stem}: the widget's engine was already finished:\n{log}"
             for other in labels[1:]:
@@ -330,13 +348,26 @@ def test_widgets_and_quiz_work_in_jupyterlab(opened, path, labels):
             feedback = page.locator(".Feedback.correct, .Feedback.incorrect").first
             feedback.wait_for(timeout=10_000)
             assert feedback.inner_text().strip(), f"{stem}: a quiz answer gave no feedback"
-            page.locator(".Quiz").first.screenshot(path=str(ARTIFACTS / f"{stem}-quiz.png"))
+            _keep_screenshot(page.locator(".Quiz").first, f"{stem}-quiz.png")
         assert not errors, f"{stem}: the page logged JavaScript errors: {errors[:3]}"
     finally:
-        page.screenshot(path=str(ARTIFACTS / f"{stem}-page.png"))
+        _keep_screenshot(page, f"{stem}-page.png")
 
 
 # -- what the browser relies on, checked without one (fast) ------------------------------------
+
+
+def test_a_screenshot_the_browser_cannot_take_is_a_warning_not_a_failure():
+    """The artifact pictures are for people; a busy renderer that times out must not fail a passing check."""
+    pytest.importorskip("playwright.sync_api")
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    class Busy:
+        def screenshot(self, path):
+            raise PlaywrightTimeout("Page.screenshot: Timeout 30000ms exceeded.\nCall log:\n  - taking page screenshot")
+
+    with pytest.warns(UserWarning, match=r"lab03-page\.png not saved: Page\.screenshot: Timeout 30000ms exceeded\.$"):
+        _keep_screenshot(Busy(), "lab03-page.png")
 
 
 def _engine(n=5, seed=7):
