@@ -398,6 +398,13 @@ class EngineConfig:
         return frozenset(f.name for f in dataclasses.fields(cls)) - {"model"}
 
     @property
+    def prefill_chunk_tokens(self) -> int:
+        """The most prompt tokens one request computes in a step: the chunk cap, else the whole step budget
+        (:meth:`resolve` sets one; a config not resolved yet falls back to 2048, the chunked default).  What
+        the retry hints divide a prompt by to count the steps it still needs (:meth:`Request.steps_to_finish`)."""
+        return self.long_prefill_token_threshold or self.max_num_batched_tokens or 2048
+
+    @property
     def uses_swap(self) -> bool:
         return self.preemption_mode in ("swap", "auto")
 

@@ -113,6 +113,18 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
+    def steps_to_finish(self, chunk: int) -> int:
+        """Steps this request still needs if it runs every step, computing at most ``chunk`` prompt tokens in one.
+
+        Its uncomputed tokens go in chunks (the rest of its prompt, or prompt and outputs again after a
+        recompute preemption; a decode's is its last sampled token), the last of which also samples an
+        output; then one step per output still to come.  Both retry hints -- a tenant cap's and reject mode's
+        -- order the running requests by it to guess who leaves first: one rule, so the two cannot disagree
+        about a request still in its prefill (counting outputs alone, a 24-token prompt a chunk of 4 at a time
+        with 2 outputs to go looked 2 steps from the end; it is 7).
+        """
+        return -(-max(1, self.num_uncomputed_tokens) // chunk) + max(0, self.max_tokens - len(self.output_token_ids) - 1)
+
     @property
     def is_decode(self) -> bool:
         """The prompt is in the cache and exactly one token -- the last sampled -- still lacks K/V.

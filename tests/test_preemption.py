@@ -318,6 +318,41 @@ def test_reject_mode_retry_hint_grows_with_the_work_ahead():
     assert out.retry_after_s == pytest.approx(engine.step_time_s * 57, rel=0.1)
 
 
+def _reject_scene_with_a_prompt_in_chunks(extra_steps: int | None = None):
+    """Reject mode, 12 blocks of 4 tokens, prompts in chunks of 4.  ``A`` (a 24-token prompt, 2 outputs: 7 blocks
+    worst case) and ``B`` (4 tokens, 6 outputs: 3 blocks) run; ``X`` (12 tokens + 4 outputs: 4 blocks) finds 2
+    blocks beside their worst cases and is turned away.  With ``extra_steps``, the scene goes on that many steps
+    and ``X`` comes again: the engine's own admission then says whether it fits."""
+    engine = make_engine("reject", num_blocks=12, max_len=32, budget=32, long_prefill_token_threshold=4)
+    engine.add_request({"prompt_token_ids": list(range(1, 25))}, SamplingParams(max_tokens=2, ignore_eos=True), "A")
+    engine.add_request({"prompt_token_ids": list(range(30, 34))}, SamplingParams(max_tokens=6, ignore_eos=True), "B")
+    engine.step()
+    x = {"prompt_token_ids": list(range(40, 52))}, SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request(*x, request_id="X")
+    rejected = {o.request_id: o for o in engine.step() if o.finished}
+    assert list(rejected) == ["X"] and rejected["X"].outputs[0].finish_reason == "rejected"
+    if extra_steps is None:
+        return engine, rejected["X"]
+    for _ in range(extra_steps):
+        engine.step()
+    engine.add_request(*x, request_id="X again")
+    return not any(o.request_id == "X again" and o.finished for o in engine.step())
+
+
+def test_reject_mode_retry_hint_counts_a_prompt_still_in_chunks():
+    """Who leaves first is read from the steps each running request still needs, prompt chunks included: ``A``
+    has only 2 outputs to go but 4 chunks of its prompt before them (5 steps), ``B`` 4 outputs (4 steps).
+    Counting outputs alone, the hint waited for ``A`` and said 2 steps -- when nothing has left yet.
+    Oracle: run the scene on and offer ``X`` again after each number of steps."""
+    fits_after = next(k for k in range(12) if _reject_scene_with_a_prompt_in_chunks(k))
+    engine, out = _reject_scene_with_a_prompt_in_chunks()
+    a = next(r for r in engine.scheduler.running if r.request_id == "A")
+    assert a.num_computed_tokens < len(a.prompt_token_ids), "A finished its prompt: the scene tests nothing"
+    xreq = Request("X", list(range(40, 52)), SamplingParams(max_tokens=4), 0.0, max_tokens=4)
+    assert fits_after == 4 and engine.retry_steps(xreq) == fits_after
+    assert out.retry_after_s == pytest.approx(engine.step_time_s * fits_after, abs=1e-3)
+
+
 # -- auto mode with the engine's own, learnt cost model: random programs on a noisy clock ------------------
 
 class NoisyHistory(KVContents):

@@ -796,14 +796,16 @@ class LLMEngine:
     def retry_steps(self, req: Request) -> int:
         """Steps until the pool has room for ``req``'s worst case next to the worst cases of everything running.
 
-        Running requests are assumed to finish in order of their remaining output tokens.  What those left still
+        Running requests are assumed to finish in order of the steps they still need
+        (:meth:`~minivllm.request.Request.steps_to_finish`, the rule a cap's hint uses).  What those left still
         claim and what the gone ones gave back are recounted after each departure
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.claims_as_they_leave`), not summed per request: a
         leader and its samples on one partly filled block make one copy fewer than their number, and the
         prompt blocks they share come back once, with the last of them.
         """
         kv = self.kv
-        order = sorted(self.scheduler.running, key=lambda r: r.max_tokens - len(r.output_token_ids))
+        chunk = self.config.prefill_chunk_tokens
+        order = sorted(self.scheduler.running, key=lambda r: r.steps_to_finish(chunk))
         need = kv.worst_case_new_blocks(req) - kv.num_available_blocks
         counts = kv.claims_as_they_leave(order, order, worst_case=True)
         claimed, given_back = next(counts)
@@ -812,5 +814,5 @@ class LLMEngine:
             if need + claimed - given_back <= 0:
                 break
             claimed, given_back = claimed_after, given_back_after
-            remaining = max(1, r.max_tokens - len(r.output_token_ids))
+            remaining = r.steps_to_finish(chunk)
         return remaining

@@ -236,11 +236,11 @@ class CapTable:
         elsewhere (a leader whose next token starts a block, while its sample still writes the last prompt token
         into the block they share) keeps that writer's copy a gain for the group until it goes, and then the
         writer writes in place.  Its running members are assumed to finish in order of
-        the steps they still need (:func:`_steps_left`); each gives back its seat and the blocks no member
+        the steps they still need (:meth:`~minivllm.request.Request.steps_to_finish`); each gives back its seat and the blocks no member
         left behind it still holds (a shared prompt's blocks come back with the last of its holders).  An
         estimate, like reject mode's hint: members can also be preempted, or stop early at EOS.
         """
-        chunk = self.config.long_prefill_token_threshold or self.config.max_num_batched_tokens or 2048
+        chunk = self.config.prefill_chunk_tokens
         for g in self.groups(req):
             if g.over_cap != "reject":
                 continue
@@ -253,8 +253,8 @@ class CapTable:
             if not g.would_exceed(seats, blocks, need_blocks):
                 continue
             steps = 1
-            for r in sorted(members, key=lambda r: _steps_left(r, chunk)):
-                steps = _steps_left(r, chunk)
+            for r in sorted(members, key=lambda r: r.steps_to_finish(chunk)):
+                steps = r.steps_to_finish(chunk)
                 seats, blocks = seats - 1, blocks - held.remove(r)[0] - reserved(r)
                 if writers:  # (any member leaving may have held a writer's block: see the docstring)
                     if r in writers:
@@ -297,13 +297,6 @@ def uncharged_prompt_tokens(req: Request, computed_if_admitted: int = 0) -> int:
     other tenants' as if it had been served tokens it will never be charged for."""
     reached = max(req.num_computed_tokens, req.num_tokens_computed_once, computed_if_admitted)
     return max(0, len(req.prompt_token_ids) - reached)
-
-
-def _steps_left(req: Request, chunk: int) -> int:
-    """Steps ``req`` still needs if it runs every step: its uncomputed tokens in chunks (the rest of the prompt,
-    or prompt and outputs again after a recompute preemption; a decode's is its last token), the last of which
-    also samples an output, then one step per output still to come."""
-    return -(-max(1, req.num_uncomputed_tokens) // chunk) + max(0, req.max_tokens - len(req.output_token_ids) - 1)
 
 
 def tenant_cache_quota(config: EngineConfig, num_blocks: int):
