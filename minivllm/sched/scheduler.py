@@ -546,8 +546,9 @@ class Scheduler:
         """
         if req.leader is not None:
             return True
-        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands,
-                                                     worst_case=self.config.preemption_mode == "reject")
+        # (what is left claims its next tokens, not its worst case: only reject mode reserves that, and it never
+        # preempts -- :meth:`_preempt_to_admit` returns before asking)
+        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)
         return self.kv.could_start_if_freed(req, cands, left)
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
