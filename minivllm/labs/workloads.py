@@ -262,6 +262,10 @@ class PrefixReplay:
     def __init__(self, cache: Any, pool: BlockPool, prompts: Sequence[list[int]], block_size: int = 16,
                  namespaces: Sequence[str] | None = None) -> None:
         self.cache, self.pool, self.prompts = cache, pool, list(prompts)
+        # one namespace per prompt: a short list would fail with an IndexError halfway, after it had filled the cache
+        if namespaces is not None and len(namespaces) != len(self.prompts):
+            raise ValueError(f"PrefixReplay needs one namespace per prompt, got {len(namespaces)} namespaces for "
+                             f"{len(self.prompts)} prompts")
         self.block_size, self.namespaces = block_size, namespaces
         self.kv = KVCacheManager(pool, block_size, cache)  # the one owner of blocks, as in the engine
         self.next = 0
@@ -278,6 +282,15 @@ class PrefixReplay:
             self.held = None
 
     def step(self) -> dict:
+        """Send the next prompt (the previous request finishes first); its record.
+
+        A call that cannot send one raises ValueError, and a widget's click comes here again: past the last prompt
+        it changes nothing (the last request keeps its path locked), and a prompt the pool cannot hold gives back
+        the cached blocks it took and counts no lookup -- else every failed click would add a reference no request
+        ever drops (the path drawn locked for good, never evictable) and hits to the cache's hit rate.
+        """
+        if not self.has_unfinished_requests():  # checked before finish(): the last request keeps its path locked
+            raise ValueError(f"PrefixReplay: all {len(self.prompts)} prompts were sent, none is left to step")
         self.finish()  # the previous request finishes
         prompt = self.prompts[self.next]
         ns = self.namespaces[self.next] if self.namespaces else None
@@ -286,8 +299,14 @@ class PrefixReplay:
         kv = self.kv
         kv.share_prefix(req, kv.match_prefix(req))  # the engine's admission: reuse the cached prefix
         hits = req.num_computed_tokens
+        if not kv.allocate_slots(req, len(prompt) - hits):
+            need = blocks_for(len(prompt), self.block_size) - len(req.block_ids)
+            kv.free(req)  # drop the hit blocks' references: this request will never finish to drop them
+            raise ValueError(f"PrefixReplay: prompt {self.next} ({len(prompt)} tokens, {hits} of them cached) needs "
+                             f"{need} more blocks, and the pool of {self.pool.num_blocks} could not provide them, free "
+                             f"or evicted (a pool too small for one prompt, or a cache that evicts nothing)")
+        # counted once admitted, as the engine counts (KVCacheManager.record_admission): a refused prompt is no lookup
         self.cache.record_lookup(len(prompt) - 1, hits)
-        assert kv.allocate_slots(req, len(prompt) - hits), "the replay pool is too small for one prompt"
         req.num_computed_tokens = len(prompt)
         kv.cache_full_blocks(req)
         self.held = req

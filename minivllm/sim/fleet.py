@@ -113,6 +113,12 @@ class ChatMix:
             raise ValueError("turns must be an int >= 1 and 0 <= single_shot_share <= 1")
         if not (len(think_s) == 2 and all(math.isfinite(x) for x in think_s) and 0 <= think_s[0] <= think_s[1]):
             raise ValueError(f"think_s must be (low, high) seconds with 0 <= low <= high, got {think_s!r}")
+        # (drawn with randint: a reversed range failed inside random without naming the argument, and an answer of
+        # 0 tokens made every such turn a request the engine refuses, ending its chat in silence)
+        for name, pair, least in (("user_range", user_range, 0), ("output_range", output_range, 1)):
+            if not (len(pair) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+                    and least <= pair[0] <= pair[1]):
+                raise ValueError(f"{name} must be (low, high) ints with {least} <= low <= high, got {pair!r}")
         if answer_s is None:
             step_s = typical_decode_step_s((executor_factory or gpu_like_executor)(), system_len, turns,
                                            user_range, output_range)
@@ -225,10 +231,19 @@ def sim_replica(executor: Any = None, *, enable_prefix_caching: bool = True, pre
 
     :data:`REPLICA` gives the sizes, except that a roofline replica's KV pool is what its device holds
     (:func:`replica_kv_blocks`): the router comparison measures per-replica prefix-cache capacity, so an L4
-    must not get an H100's pool.  An explicit ``num_blocks`` wins."""
+    must not get an H100's pool.  An explicit ``num_blocks`` wins.  The engine's blocks are the executor's
+    (a roofline executor's ``block_size``): the pool is counted, and a swapped block priced, in the executor's
+    blocks, so an engine of other blocks would hold twice or half the device's KV."""
     from minivllm.labs.workloads import sim_engine
 
     sizes = {**REPLICA, **options}
+    exec_block = getattr(executor, "block_size", None)
+    if exec_block is not None:
+        if "block_size" not in options:
+            sizes["block_size"] = exec_block
+        elif options["block_size"] != exec_block:
+            raise ValueError(f"block_size={options['block_size']!r} differs from the executor's block_size "
+                             f"{exec_block!r}; a replica's engine and executor must use the same blocks")
     if "num_blocks" not in options and executor is not None:
         sizes["num_blocks"] = replica_kv_blocks(executor) or sizes["num_blocks"]
     return sim_engine(executor=executor if executor is not None else gpu_like_executor(),
@@ -302,6 +317,9 @@ class FleetResult:
             out["replica_hit_rate"] = [r.hit_rate for r in self.replicas]
         else:
             t0, t1 = window
+            # (an empty or reversed window has no seconds to divide by: every rate would be a crash or negative)
+            if not (math.isfinite(t0) and math.isfinite(t1) and t0 < t1):
+                raise ValueError(f"window must be (t0, t1) with finite t0 < t1, got {window!r}")
             ids = {r.index for r in self.results if t0 <= r.arrival < t1}
             chosen = [r for r in self.results if r.index in ids]
             out = summarize_group(chosen, t1 - t0, slo_ttft, slo_itl)
@@ -394,6 +412,9 @@ class Fleet:
                              "arrival times are seconds on the executors' virtual clock, which starts at 0")
         engines, loads = self.engines, self.loads
         stats = [ReplicaStats() for _ in engines]
+        # the engines' counters as this run finds them: a fleet run again keeps its engines (warm caches, clocks),
+        # and each run's ReplicaStats count that run alone, as its requests and steps do
+        before_run = [e.stats() for e in engines]
         placement: dict[str, int] = {}
         by_id: dict[str, Arrival] = {}
         order: dict[str, int] = {}
@@ -496,10 +517,10 @@ class Fleet:
         for _, _, k, done in drops:
             loads[k] -= done
         for k, e in enumerate(engines):
-            s = e.stats()
-            stats[k].hit_tokens = s.get("prefix_cache_hits", 0)
-            stats[k].query_tokens = s.get("prefix_cache_queries", 0)
-            stats[k].preemptions = s["num_preemptions"]
+            s, b = e.stats(), before_run[k]
+            stats[k].hit_tokens = s.get("prefix_cache_hits", 0) - b.get("prefix_cache_hits", 0)
+            stats[k].query_tokens = s.get("prefix_cache_queries", 0) - b.get("prefix_cache_queries", 0)
+            stats[k].preemptions = s["num_preemptions"] - b["num_preemptions"]
         missing = [rid for rid in by_id if rid not in results]
         if missing:
             raise RuntimeError(f"{len(missing)} requests never finished: {missing[:5]}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import operator
 import struct
 from collections.abc import Sequence
 
@@ -51,8 +52,19 @@ def stable_hash(data: bytes | str | Sequence[int]) -> int:
             raw = struct.pack(f"<{len(data)}I", *data)
         except struct.error:  # an id outside uint32 (one the engine will refuse, say): a key all the same, never a
             # crash inside the router, which runs before the engine can refuse the prompt on its own terms
-            raw = b"\xffids:" + ",".join(str(int(x)) for x in data).encode()
+            raw = b"\xffids:" + ",".join(_id_text(x) for x in data).encode()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+
+
+def _id_text(x) -> str:
+    """A token id as text for :func:`stable_hash`'s fallback: an integer's digits, anything else its ``repr``.
+
+    Not ``int(x)`` for everything: a string, ``None`` or NaN in a prompt raised inside the router, ending a
+    fleet's whole run, where the engine would have refused that one request (as it does behind round robin)."""
+    try:
+        return str(operator.index(x))
+    except TypeError:
+        return repr(x)
 
 
 def prefix_key(prompt_token_ids: Sequence[int], block_size: int, key_blocks: int) -> int:
