@@ -102,8 +102,9 @@ def test_prefix_affinity_lets_the_engine_refuse_a_prompt_of_non_integers():
     assert [r.outcome for r in got] == want
 
 
-def test_an_integer_id_outside_uint32_keeps_its_key():
-    """The fallback's key for integers is unchanged: the digits after a marker, hashed (computed here by hand)."""
+def test_the_fallback_key_spells_integers_as_before_and_anything_else_by_repr():
+    """The fallback key (ids that do not pack as uint32) for integers is unchanged -- the digits after a marker,
+    hashed, computed here by hand -- and a string or None is spelled by its repr instead of raising."""
     import hashlib
 
     from minivllm.sim.router import stable_hash
