@@ -269,7 +269,9 @@ def _keep_screenshot(target, name: str) -> None:
 def _picture(widget) -> bytes:
     img = widget.locator("img").first
     img.scroll_into_view_if_needed()
-    return img.screenshot(animations="disabled")
+    # (60 s, not Playwright's 30: the renderer shares two cores with every notebook's kernel, and a capture that
+    # waits on it is not what this test judges -- the picture's pixels are)
+    return img.screenshot(animations="disabled", timeout=60_000)
 
 
 def _log_text(widget) -> str:
