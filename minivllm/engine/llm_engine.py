@@ -558,6 +558,9 @@ class LLMEngine:
                 for req in batch.swapped_in:
                     if req.status is RequestStatus.RUNNING and id(req) not in rows:
                         self.scheduler.swap_in_failed(req)
+                        # counted as a preemption (its tenant's too): the step log names it like any victim, or
+                        # /metrics labels it tenant "unknown" and a rebuild from the log misses it
+                        batch.preempted.append(req)
             return {}
         finally:
             self._step_end(batch)

@@ -221,9 +221,14 @@ class OutputProcessor:
             else:
                 completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
             changed.setdefault(req.parent_id, {})[req.sample_index] = done
-            if done.delta_token_ids or req.parent_id not in result:
+            held = result.get(req.parent_id)
+            if held is None or done.delta_token_ids and (
+                    not held.outputs[0].delta_token_ids
+                    or len(out.metrics.token_times) > len(held.metrics.token_times)):
                 # the group's metrics: those of a sample that got a token in this step, if any did, so the
-                # last token time is this step's (the metrics time each sample's gaps by it)
+                # last token time is this step's (the metrics time each sample's gaps by it) -- the one with
+                # the most token times, so that a final_only sample finishing beside a shorter one (it started
+                # later) finds a time for each of its tokens, not the shorter one's few
                 result[req.parent_id] = out
         for parent_id, fresh in changed.items():
             completions = self._groups[parent_id]

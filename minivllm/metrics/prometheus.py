@@ -181,8 +181,9 @@ class EngineMetrics:
         # Each sample's gaps are its own (vLLM times each child request).  The token times are this sample's
         # for n == 1 (all so far, or with delta output only this step's); an n > 1 group carries those of a sample
         # that got a token in this step, so their newest are this step's, and a streamed sample gets one token a
-        # step.  A final_only group brings a sample's tokens at once: they are timed by the carrying sample's, as
-        # samples decode in lockstep (bar preemption).
+        # step.  A final_only group brings a sample's tokens at once: they are timed by the carrying sample's (the
+        # longest of those finishing in the step, OutputProcessor.fold), as samples decode in lockstep (bar
+        # preemption): a sample that started later ends on the same times, it has only fewer of them.
         for o, n in zip(out.outputs, fresh):
             times = m.token_times[-n:] if n else []
             if not times:
@@ -305,7 +306,8 @@ def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[
     samples a token for a request exactly when it computes the request's last
     known token (prompt + generated so far) -- the one rule that covers prefill
     chunks (no token), decode, and the recompute after a preemption (one new
-    token, however long the recomputed prefill).  ``used_blocks`` is ``num_blocks``
+    token, however long the recomputed prefill) -- unless the row failed in execution
+    (``record.failed``), which samples nothing.  ``used_blocks`` is ``num_blocks``
     less the record's ``available_blocks`` (free + evictable cached), not less its
     free list: with prefix caching on, finished requests leave cached blocks that
     are neither free nor used, and the live ``vllm:kv_cache_used_blocks`` does not
@@ -318,7 +320,10 @@ def metrics_from_step_log(step_log, prompt_lens: dict[str, int], arrivals: dict[
     preemptions = 0
     for rec in step_log:
         preemptions += len(rec.preempted)
+        failed = getattr(rec, "failed", ())  # (a record written by hand may not say)
         for rid, start, n in rec.seqs:
+            if rid in failed:  # its row failed in execution: nothing was sampled for it
+                continue
             if start + n == prompt_lens[rid] + generated.get(rid, 0):
                 generated[rid] = generated.get(rid, 0) + 1
                 if rid in last:
