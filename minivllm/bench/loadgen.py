@@ -586,8 +586,10 @@ async def run_load(base_url: str, plan: list[PlannedRequest], tenants: list[Tena
             for t in tasks:
                 t.cancel()
             await asyncio.gather(main, *tasks, return_exceptions=True)
-        ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
-        duration = max(ends) if ends else time.perf_counter() - t0
+        # The run lasts until its last request is done with, timed out ones included: those record no e2e, and
+        # the latest e2e alone ended a run at its last answer, long before the request it still waited on gave
+        # up (two answers in 1 ms beside a request timing out after 1 s read as 1,700 req/s).
+        duration = time.perf_counter() - t0
     bar.close()
     return RunResult(rate, duration, results)
 
@@ -914,6 +916,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         raise ValueError(f"--rates must be comma-separated numbers, got {args.rates!r}") from None
     if any(not r > 0 for r in rates):
         raise ValueError("rates must be > 0")
+    if len(set(rates)) != len(rates):  # the verdict is kept per rate: a repeat's row showed the other run's verdict
+        raise ValueError(f"--rates names a rate twice, got {args.rates!r}; each rate of a sweep is run once")
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
     slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
     trace = None
@@ -929,7 +933,12 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     runs, summaries = [], []
     for rate in rates:
         if trace is not None:
-            plan = plan_from_trace(trace, tenants, None if (args.rates is None and math.isinf(rate)) else rate, args.seed)
+            own_pace = args.rates is None and math.isinf(rate)
+            plan = plan_from_trace(trace, tenants, None if own_pace else rate, args.seed)
+            if own_pace:  # offered at the trace's own mean rate (as plan_from_trace scales one), not "inf" -- the
+                # label of ``--rates inf``, which sends the same trace all at once
+                span = plan[-1].arrival
+                rate = (len(plan) - 1) / span if span > 0 else math.inf
         else:
             plan = plan_requests(tenants, args.num_requests, rate, args.burstiness, args.seed)
         run = asyncio.run(run_load(args.base_url, plan, tenants, model, args.endpoint, args.max_concurrency,
@@ -993,6 +1002,11 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    # The figures are written last: an empty name skipped them in silence, and a file's name failed with "File
+    # exists" only after the whole run.  Both are refused before it.
+    if args.figures is not None and (not args.figures.strip() or (os.path.exists(args.figures)
+                                                                   and not os.path.isdir(args.figures))):
+        parser.error(f"argument --figures: expected a directory, got {args.figures!r}")
     if args.figures and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the whole run
         parser.error("--figures needs matplotlib, which the labs extra installs: pip install 'minivllm[labs]'")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records

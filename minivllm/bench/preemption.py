@@ -19,7 +19,7 @@ import random
 import time
 
 
-from minivllm.argtypes import nonnegative_int, output_file, positive_float, positive_int
+from minivllm.argtypes import fraction, nonnegative_int, output_file, positive_int
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 
@@ -104,9 +104,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench preemption", description=__doc__.split("\n\n")[0])
     ap.add_argument("--executor", choices=("model", "sim"), default="model")
     ap.add_argument("--requests", type=positive_int, default=None, help="default 16 (model) / 400 (sim)")
-    ap.add_argument("--kv-share", type=positive_float, default=0.15,
-                    help="KV pool as a fraction of the blocks every request would hold at once at its end (never under "
-                         "32 blocks nor under the longest request's, so a small workload gets a larger share)")
+    # (a share in (0, 1]: at 1 the pool holds every request at once and nothing is preempted, and a share past a
+    # float's range, 1e308, was an OverflowError traceback sizing the pool)
+    ap.add_argument("--kv-share", type=fraction, default=0.15,
+                    help="KV pool as a fraction (0-1] of the blocks every request would hold at once at its end (never "
+                         "under 32 blocks nor under the longest request's, so a small workload gets a larger share)")
     ap.add_argument("--budget", type=positive_int, default=512, help="max_num_batched_tokens")
     ap.add_argument("--cpu-blocks", type=nonnegative_int, default=256, help="host-tier blocks for swap / auto")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

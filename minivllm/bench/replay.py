@@ -168,6 +168,30 @@ def first_difference(a: list, b: list) -> int | None:
     return k
 
 
+def continued_prefill_steps(records) -> int:
+    """Steps that carry the next chunk of a prefill an earlier step began: a row starting where the same request's
+    last prefill row ended, with no preemption of it in between.
+
+    Why not "a prefill row that starts past position 0": a prompt whose head the prefix cache held starts past 0
+    in the one step that computes all of it, and so does a recompute restarting from cached blocks; the mixed
+    grid's ``no_chunking`` setting, whose prompts are never cut, counted 41 chunked steps.  A request preempted
+    part-way through a prompt starts over here (its next prefill row is not counted as a continuation).
+    """
+    ends: dict[str, int] = {}  # request id -> where its last prefill row ended
+    count = 0
+    for r in records:
+        for rid in r.preempted:
+            ends.pop(rid, None)
+        continued = False
+        for k, (rid, start, n) in enumerate(r.seqs):
+            if (k < r.num_decodes) if r.num_decodes is not None else n == 1:  # a decode row, not a prompt's
+                continue
+            continued = continued or ends.get(rid) == start
+            ends[rid] = start + n
+        count += continued
+    return count
+
+
 def _estimates(engine, rec) -> dict:
     """What the engine computed from its clock readings: a replay reading the same readings must reproduce these
     floats exactly, so a difference here is a replay bug even where every decision matched."""
@@ -200,8 +224,7 @@ def run_case(model: str | None, name: str, seed: int, device: str = "cpu", shape
            "preempted": sum(len(r.preempted) for r in real.step_log),
            "blocks_swapped_out": sum(r.swapped_out for r in real.step_log),
            "rejected": sum(len(r.rejected) for r in real.step_log),
-           "chunked_prefill_steps": sum(1 for r in real.step_log
-                                        if any(s > 0 and n > 1 for _, s, n in r.seqs)),
+           "chunked_prefill_steps": continued_prefill_steps(real.step_log),
            "prefix_hit_tokens": real.stats().get("prefix_cache_hits", 0),
            "samples_of_n_gt_1": sum(r.n for r in reqs if r.n > 1)}
     for label, ex in (("record", ReplayExecutor.from_record(rec)), ("times_only", ReplayExecutor(rec.step_ends))):
