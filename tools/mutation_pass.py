@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 KVM, SCH, FAIR = "minivllm/kv/kv_cache_manager.py", "minivllm/sched/scheduler.py", "minivllm/sched/fairness.py"
 POOL, LEAVES = "minivllm/kv/block_pool.py", "minivllm/kv/prefix/base.py"
 RADIX, HASH, ENGINE = "minivllm/kv/prefix/radix.py", "minivllm/kv/prefix/hash_index.py", "minivllm/engine/llm_engine.py"
-LEARNER = "minivllm/kv/prefix/learner.py"
+LEARNER, REQ = "minivllm/kv/prefix/learner.py", "minivllm/request.py"
 
 # (what the bug is, file, the text it replaces, the bug, note)
 MUTANTS = [
@@ -113,13 +113,13 @@ MUTANTS = [
      "seats, blocks = seats - 1, blocks - held.remove(r)[0] - reserved(r)",
      "seats, blocks = seats - 2, blocks - held.remove(r)[0] - reserved(r)",
      "expected equivalent: a group never runs more than its seat cap, so one leaving is already below it"),
-    ("the retry hint ignores the rest of the prompt", FAIR,
-     "return -(-max(1, req.num_uncomputed_tokens) // chunk) + max(0, req.max_tokens - len(req.output_token_ids) - 1)",
-     "return max(1, req.max_tokens - len(req.output_token_ids))", ""),
+    ("the retry hint ignores the rest of the prompt", REQ,
+     "return -(-max(1, self.num_uncomputed_tokens) // chunk) + max(0, self.max_tokens - len(self.output_token_ids) - 1)",
+     "return max(1, self.max_tokens - len(self.output_token_ids))", ""),
     ("the retry hint leaves out the blocks set aside for members", SCH,
      "self._need_blocks(req), self._reservation,", "self._need_blocks(req), lambda r: 0,", ""),
-    ("the retry hint forgets the output sampled with the last chunk", FAIR,
-     "max(0, req.max_tokens - len(req.output_token_ids) - 1)", "max(0, req.max_tokens - len(req.output_token_ids))",
+    ("the retry hint forgets the output sampled with the last chunk", REQ,
+     "max(0, self.max_tokens - len(self.output_token_ids) - 1)", "max(0, self.max_tokens - len(self.output_token_ids))",
      ""),
     ("a tenant's own cache share loses to the preset", FAIR,
      "return max(1, math.floor(share * num_blocks)) if share is not None else preset", "return preset", ""),
