@@ -299,13 +299,45 @@ def _itl_of_merged_streams(token_times, q=99):
     return (gaps[max(math.ceil(q / 100 * len(gaps)), 1) - 1], gaps[-1]) if gaps else (0.0, 0.0)
 
 
+class _VictimByAllTokens:
+    """Lab 5: "least work" read as the fewest tokens in all (prompt + output), not the ones in the KV cache."""
+
+    def __init__(self, protected_tenants=("chat",)):
+        self.protected = set(protected_tenants)
+
+    def choose_victim(self, running):
+        candidates = [r for r in running if r.tenant not in self.protected] or list(running)
+        return min(reversed(candidates), key=lambda r: r.num_tokens)
+
+
+class _VictimNewestWhenAllProtected(_VictimByAllTokens):
+    """Lab 5: the rules for the unprotected, and the engine's default (the newest) when everyone is protected."""
+
+    def choose_victim(self, running):
+        candidates = [r for r in running if r.tenant not in self.protected]
+        if not candidates:
+            return running[-1]
+        return min(reversed(candidates), key=lambda r: r.num_computed_tokens)
+
+
+def _door_pressure_on_a_busy_engine(stats, max_waiting, min_free_blocks):
+    """Lab 5: rule 2 read as "the engine is busy" (anyone running or waiting) instead of "someone is waiting"."""
+    busy = stats["num_waiting"] + stats["num_running"] > 0
+    return stats["num_waiting"] >= max_waiting or (busy and stats["available_blocks"] < min_free_blocks)
+
+
 @pytest.mark.parametrize("check, wrong, mistake", [
     (check_lab02.check_paged_slots, _paged_blocks_not_slots, "number of blocks"),
     (check_lab04.check_itl_stats, _itl_of_merged_streams, "merge the lists"),
-], ids=["paged_slots counts blocks", "itl_stats merges the streams"])
+    (check_lab05.check_victim_policy, _VictimByAllTokens, "not the prompt length or num_tokens"),
+    (check_lab05.check_victim_policy, _VictimNewestWhenAllProtected, "choose among all of them"),
+    (check_lab05.check_should_reject, _door_pressure_on_a_busy_engine, "someone WAITING"),
+], ids=["paged_slots counts blocks", "itl_stats merges the streams", "victim by all tokens",
+        "victim: the newest when all are protected", "door: pressure on a busy engine"])
 def test_a_typical_mistake_gets_the_hint_for_that_mistake(check, wrong, mistake):
     """The first case these answers fail was written for another bug; its hint alone (``a block is the unit of
-    allocation``, ``a request with a single token has no gap``) points the learner away from theirs."""
+    allocation``, ``a request with a single token has no gap``, ``compare with `is None` ``, the engine run's
+    "the same victims step by step") points the learner away from theirs."""
     with redirect_stdout(io.StringIO()) as buf:
         assert not check(wrong)
     hint = next(line for line in buf.getvalue().splitlines() if line.lstrip().startswith("hint:"))

@@ -479,7 +479,11 @@ def check_victim_policy(cls) -> CheckResult:
              "running is in admission order: among equals, the LAST one (it has waited least)"),
         Case("nothing computed yet is the least work", lambda k: pick(k, fresh).request_id, "fresh",
              "a request admitted this step has 0 tokens in KV: 0 is the fewest, not 'no value yet' -- compare "
-             "with `is None` (or use min), not with `not best`"),
+             "with `is None` (or use min), not with `not best`",
+             diagnose=lambda got: ("'some' has the shortest prompt and the fewest tokens in all, but 12 of them in "
+                                   "the KV cache; 'fresh' has 0 there: the work a recompute loses is "
+                                   "num_computed_tokens, not the prompt length or num_tokens"
+                                   if got == "some" else None)),
         Case("computed tokens, not prompt length", lambda k: pick(k, prefill).request_id, "long-prompt",
              "a long prompt still in chunked prefill has computed few tokens: read num_computed_tokens"),
         Case("a protected tenant is spared", lambda k: pick(k, [chat_small, batch_big]).request_id, "big",
@@ -490,8 +494,11 @@ def check_victim_policy(cls) -> CheckResult:
                                                                 ("chat", "voice")).request_id, "big",
              "protected_tenants may name several tenants: spare every one of them, not only the first "
              "(keep them all, e.g. in a set)"),
-        Case("everyone protected: still a victim", lambda k: pick(k, [_R("p", "chat", 50), _R("q", "chat", 20)]).request_id,
-             "q", "the engine needs a victim: when all are protected, choose among all of them"),
+        # q is neither the newest nor the oldest: the engine's default (running[-1]) for an all-protected set fails here
+        Case("everyone protected: still a victim",
+             lambda k: pick(k, [_R("p", "chat", 50), _R("q", "chat", 20), _R("s", "chat", 35)]).request_id, "q",
+             "the engine needs a victim: when all are protected, choose among all of them by the same rules "
+             "(least work, newest on a tie)"),
         Case("returns one of the running requests, unchanged", lambda k: (same_object(k), untouched(k)), (True, True),
              "return the request object itself, and don't sort or pop the list the engine passed you"),
         Case("the real engine: victims of a swap-mode run", lambda k: _victim_run(k), expected_run,
@@ -606,8 +613,9 @@ def check_should_reject(fn) -> CheckResult:
              "subtract num_swapped"),
         Case("running requests are not the queue", lambda f: f(_stats(running=50), 4, 16), False,
              "read stats['num_waiting'], not num_running: running requests already have their seats"),
-        Case("a full pool with nobody waiting accepts", lambda f: f(_stats(waiting=0, free=0), 4, 16), False,
-             "with no queue the newcomer is next in line: let it wait for the blocks"),
+        Case("a full pool with nobody waiting accepts", lambda f: f(_stats(waiting=0, free=0, running=8), 4, 16),
+             False, "with no queue the newcomer is next in line, however many requests are running: let it wait for "
+                    "the blocks (rule 2 asks for someone WAITING, stats['num_waiting'] > 0)"),
         Case("pressure and a queue reject", lambda f: f(_stats(waiting=1, free=15), 4, 16), True,
              "fewer than min_free_blocks free AND someone already waiting: the newcomer would only queue behind them"),
         Case("exactly min_free_blocks free is not pressure", lambda f: f(_stats(waiting=1, free=16), 4, 16), False,

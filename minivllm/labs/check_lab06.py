@@ -724,9 +724,9 @@ def check_virtual_token_counter(cls) -> CheckResult:
         v.charge("a", 40, 2)
         return round(v.counters["a"], 6)
 
-    def lift(k, own, others, uncharged=()):
+    def lift(k, own, others, uncharged=(), idle=None):
         v = k({}, prefill_weight=1.0, decode_weight=2.0)
-        for t, c in others.items():
+        for t, c in {**(idle or {}), **others}.items():  # idle: counters of tenants that are not active now
             v.counters[t] = c
         if own is not None:
             v.counters["new"] = own
@@ -755,6 +755,9 @@ def check_virtual_token_counter(cls) -> CheckResult:
         Case("an active tenant not yet charged counts as 0", lambda k: lift(k, None, {"x": 500}, uncharged=["z"]),
              (0.0, {"x": 500}), "take the minimum over every active tenant, reading a missing counter as 0 "
                                 "(counters.get(t, 0.0)): z has served nothing yet"),
+        Case("an idle tenant's counter sets no floor", lambda k: lift(k, None, {"x": 500}, idle={"gone": 20}),
+             (500.0, {"x": 500}), "the minimum is over the tenants in `active` only: `gone` went idle at 20 and is "
+                                  "not competing now, so reading its counter would hand the newcomer 480 of credit"),
         Case("the real engine: the same steps and service as the engine's WFQ", lambda k: _wfq_engine_run(
             wfq_policy(k({}, prefill_weight=1.0, decode_weight=2.0), budget=512)), expected_run,
              "plugged into the engine's WFQ order, your counter must produce the engine's schedule, step by step",
@@ -993,6 +996,9 @@ LAB = Lab(6, "lab06_fairness", "Fairness", widgets=(), exercises=(
          "max(self.counters.get(tenant, 0.0), max(others))"),
         ("activation can lower a counter", "max(self.counters.get(tenant, 0.0), min(others))", "min(others)"),
         ("no activation at all", "        if others:\n", "        if False:\n"),
+        ("the minimum over every tenant seen, idle ones too",
+         "others = [self.counters.get(t, 0.0) for t in active if t != tenant]",
+         "others = [self.counters.get(t, 0.0) for t in set(active) | set(self.counters) if t != tenant]"),
         ("a tenant alone takes the minimum of nobody", "if others:\n            self.counters[tenant]",
          "self.counters[tenant]"),
         ("unlisted tenants weigh 0.5", "self.weights.get(tenant, 1.0)", "self.weights.get(tenant, 0.5)"),
