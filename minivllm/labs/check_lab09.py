@@ -211,8 +211,13 @@ def check_prefix_affinity(cls) -> CheckResult:
     tie_spill = loads_with(9000, 0, 0)
     quiet = loads_with(900, 0, 0)  # above 1.5 x mean, but under min_spill_tokens
     sum_vs_mean = loads_with(5000, 500, 500)  # 1.5 x mean = 3000 < 5000 < 1.5 x sum = 9000
-    exact_mean = loads_with(1501, 1501, 0)  # mean 1000.67, bound 1501.0: stays (a floored mean, 1000, spills)
+    # mean 1001.33, bound 1502.0: stays; a floored mean and a rounded one (both 1001, bound 1501.5) spill.  (Loads
+    # 1501, 1501, 0 caught only the floor: round(1000.67) is 1001, and 1501 stays under 1501.5.)
+    exact_mean = loads_with(1502, 1502, 0)
     at_floor = loads_with(1000, 0, 0)  # 1.5 x mean = 500: the bound is min_spill_tokens itself, and 1000 stays
+    # 1.5 x mean = 600: the bound is min_spill_tokens, 1000, and 1200 spills (spill_factor x max(floor, mean)
+    # puts it at 1500 and keeps it)
+    over_floor = loads_with(1200, 0, 0)
     median_vs_mean = loads_with(2000, 1500, 0)  # mean 1166.7, bound 1750: spills (the middle load, 1500, keeps it)
     on_point, point_owner = _on_point_case(kw)
 
@@ -276,7 +281,11 @@ def check_prefix_affinity(cls) -> CheckResult:
              "owner is over the bound and the request spills to the idle replica. The middle load (1500) is not "
              "the mean: the idle replica pulls the mean down"),
         Case("the mean is not rounded", lambda k: route(k, exact_mean), owner,
-             "sum(loads) / len(loads), true division: with loads 1501, 1501, 0 the bound is 1501.0, and 1501 stays"),
+             "sum(loads) / len(loads), true division, neither floored nor rounded: with loads 1502, 1502, 0 the "
+             "bound is 1.5 x 1001.33 = 1502.0, and 1502 stays"),
+        Case("over min_spill_tokens with a light mean spills", lambda k: route(k, over_floor), min(others),
+             "the spill factor scales the mean only, not the floor: loads 1200, 0, 0 give max(1000, 1.5 x 400) = "
+             "1000, and 1200 exceeds it"),
         Case("a spill tie goes to the lowest index", lambda k: route(k, tie_spill), min(others),
              "among equally idle replicas, the lowest index"),
         Case("a spill is not remembered", spill_then_idle, (over_mean.index(min(over_mean)), owner),
@@ -375,5 +384,10 @@ LAB = Lab(9, "lab09_fleet", "From one engine to a fleet", exercises=(
          "head = prompt_token_ids[: full * self.block_size] if full else prompt_token_ids",
          "head = prompt_token_ids[: full * self.block_size]"),
         ("total instead of mean", "self.spill_factor * sum(loads) / len(loads))", "self.spill_factor * sum(loads))"),
+        ("rounds the mean", "self.spill_factor * sum(loads) / len(loads))",
+         "self.spill_factor * round(sum(loads) / len(loads)))"),
+        ("the spill factor scales the floor too",
+         "bound = max(self.min_spill_tokens, self.spill_factor * sum(loads) / len(loads))",
+         "bound = self.spill_factor * max(self.min_spill_tokens, sum(loads) / len(loads))"),
     )),
 ))

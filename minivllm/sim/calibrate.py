@@ -737,7 +737,7 @@ def refit(doc: dict, notes: str | None = None, span_term: bool = True) -> dict:
     """
     shape = ModelShape.from_dict(doc.get("model"))
     samples = doc["samples"]
-    costs = [step_cost(shape, [tuple(x) for x in s["seqs"]], s["swapped_blocks"], doc["engine"]["block_size"])
+    costs = [step_cost(shape, [tuple(x) for x in s["seqs"]], s.get("swapped_blocks", 0), doc["engine"]["block_size"])
              for s in samples]
     times = [s["time_s"] for s in samples]
     groups = [s["group"] for s in samples] if all("group" in s for s in samples) else None
@@ -802,6 +802,7 @@ def residuals(doc: dict) -> list[dict]:
     samples = doc.get("samples")
     if not isinstance(samples, list) or not samples or not isinstance(doc.get("engine"), dict):
         raise ValueError("a profile with stored samples and its engine is needed (a datasheet preset has none)")
+    _check_stored_samples(doc)
     shape, spec, block = ModelShape.from_dict(doc.get("model")), profile_spec(doc), doc["engine"]["block_size"]
     rows: dict[tuple, list[float]] = {}
     for s in samples:
@@ -813,6 +814,30 @@ def residuals(doc: dict) -> list[dict]:
     return [{"kind": kind, "seqs": seqs[1], "context": ctx[1], "steps": len(r), "real_over_pred_p50": statistics.median(r),
              "real_over_pred_min": min(r), "real_over_pred_max": max(r)}
             for (kind, seqs, ctx), r in sorted(rows.items())]  # the bands in their order, by their places
+
+
+def _check_stored_samples(doc: dict) -> None:
+    """Refuse a profile whose engine block size or stored steps are not what :func:`calibrate` writes.
+
+    ``--residuals`` and ``--refit`` read a file that may have been edited by hand or cut short: a step without
+    its ``seqs``, a time that is text, an engine without its block size was a ``KeyError`` or ``TypeError``
+    traceback from deep inside the cost model; this names the step instead.
+    """
+    block = doc["engine"].get("block_size")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"the profile's engine block_size must be a positive integer, got {block!r}")
+
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    for k, s in enumerate(doc["samples"]):
+        seqs, t = (s.get("seqs"), s.get("time_s")) if isinstance(s, dict) else (None, None)
+        if (not isinstance(seqs, list)
+                or not all(isinstance(q, list) and len(q) == 3 and count(q[0]) and count(q[1]) for q in seqs)
+                or isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")
+                or not count(s.get("swapped_blocks", 0))):
+            raise ValueError(f"stored step {k} is not {{'seqs': [[start, tokens, samples], ...], 'time_s': seconds "
+                             f"> 0, 'swapped_blocks': n}}: {str(s)[:200]}")
 
 
 def format_residuals(rows: list[dict], name: str) -> str:
@@ -877,6 +902,12 @@ def _refit_doc(path: str) -> dict:
     missing = [k for k in ("model", "samples", "engine", "fit") if not isinstance(doc.get(k), (dict, list))]
     if missing:
         raise ValueError(f"--refit {path!r}: a profile with stored samples needs {', '.join(missing)}")
+    if not isinstance(doc["samples"], list) or not all(isinstance(doc[k], dict) for k in ("model", "engine", "fit")):
+        raise ValueError(f"--refit {path!r}: samples must be a list, and model, engine and fit objects")
+    try:
+        _check_stored_samples(doc)
+    except ValueError as exc:
+        raise ValueError(f"--refit {path!r}: {exc}") from None
     return doc
 
 

@@ -248,8 +248,13 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
             next_sample = end + sample_every
     for res, times, _ in by_id.values():  # left unfinished (a policy that never admits them)
         res.outcome, res.error = "timeout", "not finished when the run stopped"
+    # The run lasts until the loop stopped (its last clock check, or its last step's end when it gave up on a
+    # request it never admitted), not until its last answer: a request refused at the door, rejected or timed out
+    # has no e2e, and the latest e2e alone ended a run at its last answer however long after it the others were
+    # still arriving or waiting -- the rates over it came out too high (as the load generator's did).
+    stop = max(now, rec.step_end_readings[-1]) if rec.step_end_readings else now
     ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
-    rec.duration = max(ends) if ends else ex.now() - t0
+    rec.duration = max([stop - t0, *ends])
     rec.kv_span = max(rec.duration, level_t)
     level_changes(rec.kv_span, level)
     rec.wall_s = time.perf_counter() - wall0
