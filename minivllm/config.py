@@ -399,10 +399,12 @@ class EngineConfig:
 
     @property
     def prefill_chunk_tokens(self) -> int:
-        """The most prompt tokens one request computes in a step: the chunk cap, else the whole step budget
-        (:meth:`resolve` sets one; a config not resolved yet falls back to 2048, the chunked default).  What
-        the retry hints divide a prompt by to count the steps it still needs (:meth:`Request.steps_to_finish`)."""
-        return self.long_prefill_token_threshold or self.max_num_batched_tokens or 2048
+        """The most prompt tokens one request computes in a step: the chunk cap, or the step budget where that is
+        smaller or there is no cap (:meth:`resolve` sets the budget; a config not resolved yet falls back to 2048,
+        the chunked default).  What the retry hints divide a prompt by to count the steps it still needs
+        (:meth:`Request.steps_to_finish`) -- an estimate: a tenant's own ``max_tokens_per_step`` is not read."""
+        budget = self.max_num_batched_tokens or 2048
+        return min(self.long_prefill_token_threshold, budget) if self.long_prefill_token_threshold else budget
 
     @property
     def uses_swap(self) -> bool:

@@ -300,6 +300,15 @@ def parse_trace(lines: Iterable[str]) -> list[TraceEntry]:
     return out
 
 
+def mean_arrival_rate(times) -> float:
+    """Arrivals per second over a schedule's span, ``(n - 1) / (last - first)``: the first arrival opens the span,
+    so each later one adds a gap.  A trace's own pace, what :func:`plan_from_trace` scales to a rate asked for,
+    and what a report prints as the rate a trace offered.  inf when every arrival shares one instant (one alone
+    included): the schedule sends everything at once, as ``--rates inf`` does."""
+    first, last = min(times), max(times)
+    return (len(times) - 1) / (last - first) if last > first else math.inf
+
+
 def plan_from_trace(entries: list[TraceEntry], tenants: list[Tenant], rate: float | None = None,
                     seed: int = 0) -> list[PlannedRequest]:
     """Requests from a parsed trace; with ``rate``, timestamps are scaled so the mean rate is ``rate``.
@@ -311,7 +320,7 @@ def plan_from_trace(entries: list[TraceEntry], tenants: list[Tenant], rate: floa
     scale = 1.0
     span = entries[-1].timestamp
     if rate is not None and len(entries) > 1 and span > 0:
-        scale = ((len(entries) - 1) / span) / rate if not math.isinf(rate) else 0.0
+        scale = mean_arrival_rate([e.timestamp for e in entries]) / rate if not math.isinf(rate) else 0.0
     rng = np.random.default_rng(seed)
     out = []
     for i, e in enumerate(entries):
@@ -419,6 +428,7 @@ class RequestResult:
     prompt_tokens: int | None = None
     retry_after: float | None = None
     error: str | None = None
+    gave_up: float | None = None  # a request timed out: when the client stopped waiting, s after start
 
     @property
     def token_times(self) -> list[float]:
@@ -517,6 +527,7 @@ async def send_request(client, endpoint: str, model: str, req: PlannedRequest, r
         await asyncio.wait_for(exchange(), request_timeout)
     except (TimeoutError, asyncio.TimeoutError):
         res.outcome, res.error = "timeout", f"no answer within --request-timeout {request_timeout:g}s"
+        res.gave_up = time.perf_counter() - t0
     except asyncio.CancelledError:
         res.outcome, res.error = "timeout", "cancelled at the overall --timeout"
         raise
@@ -579,17 +590,23 @@ async def run_load(base_url: str, plan: list[PlannedRequest], tenants: list[Tena
             await asyncio.gather(*tasks)
 
         main = asyncio.create_task(everything())
+        stopped = []  # when the overall --timeout ended the run, if it did
         try:
             await asyncio.wait_for(asyncio.shield(main), timeout)
         except (TimeoutError, asyncio.TimeoutError):
+            stopped.append(time.perf_counter() - t0)
             main.cancel()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(main, *tasks, return_exceptions=True)
-        # The run lasts until its last request is done with, timed out ones included: those record no e2e, and
-        # the latest e2e alone ended a run at its last answer, long before the request it still waited on gave
-        # up (two answers in 1 ms beside a request timing out after 1 s read as 1,700 req/s).
-        duration = time.perf_counter() - t0
+        # The run lasts until its last request is done with: answered or refused (start + e2e), given up on
+        # (``gave_up``: a timed-out request has no e2e, and the latest e2e alone ended a run at its last answer,
+        # long before the request it still waited on gave up -- two answers in 1 ms beside a request timing out
+        # after 1 s read as 1,700 req/s), or cut by the overall --timeout.  Not the moment this line runs: the
+        # tasks' teardown after the last answer is no part of the load.
+        ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
+        ends += [r.gave_up for r in results if r.gave_up is not None] + stopped
+        duration = max(ends) if ends else time.perf_counter() - t0
     bar.close()
     return RunResult(rate, duration, results)
 
@@ -937,8 +954,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
             plan = plan_from_trace(trace, tenants, None if own_pace else rate, args.seed)
             if own_pace:  # offered at the trace's own mean rate (as plan_from_trace scales one), not "inf" -- the
                 # label of ``--rates inf``, which sends the same trace all at once
-                span = plan[-1].arrival
-                rate = (len(plan) - 1) / span if span > 0 else math.inf
+                rate = mean_arrival_rate([p.arrival for p in plan])
         else:
             plan = plan_requests(tenants, args.num_requests, rate, args.burstiness, args.seed)
         run = asyncio.run(run_load(args.base_url, plan, tenants, model, args.endpoint, args.max_concurrency,

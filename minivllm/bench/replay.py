@@ -175,7 +175,9 @@ def continued_prefill_steps(records) -> int:
     Why not "a prefill row that starts past position 0": a prompt whose head the prefix cache held starts past 0
     in the one step that computes all of it, and so does a recompute restarting from cached blocks; the mixed
     grid's ``no_chunking`` setting, whose prompts are never cut, counted 41 chunked steps.  A request preempted
-    part-way through a prompt starts over here (its next prefill row is not counted as a continuation).
+    part-way through a prompt starts over here: its next prompt row is not counted, even after a swap that resumes
+    at the cut (a step record does not say which kind of preemption it made) -- at most one step too few per such
+    preemption.  A record without ``num_decodes`` (one written by hand) has its one-token rows read as decodes.
     """
     ends: dict[str, int] = {}  # request id -> where its last prefill row ended
     count = 0

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from minivllm.argtypes import fraction, nonnegative_int, positive_float, positive_int, positive_rate
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
-                                    parse_tenant, parse_trace, plan_from_trace, plan_requests, summarize)
+                                    mean_arrival_rate, parse_tenant, parse_trace, plan_from_trace, plan_requests,
+                                    summarize)
 from minivllm.bench.results import write_result
 
 _WORD_IDS = {w: i + 10 for i, w in enumerate(WORDS)}
@@ -253,8 +254,10 @@ def drive(engine, requests: list[SimRequest], *, temperature: float = 0.0, kv_sa
     # has no e2e, and the latest e2e alone ended a run at its last answer however long after it the others were
     # still arriving or waiting -- the rates over it came out too high (as the load generator's did).
     stop = max(now, rec.step_end_readings[-1]) if rec.step_end_readings else now
-    ends = [r.start + r.e2e for r in results if r.start is not None and r.e2e is not None]
-    rec.duration = max([stop - t0, *ends])
+    # A run that ends on its last answer keeps that answer's reading: the two are one instant summed two ways, and
+    # may differ in the last bit, which would move a result file's raw floats for nothing.
+    last_end = max((r.start + r.e2e for r in results if r.start is not None and r.e2e is not None), default=-math.inf)
+    rec.duration = last_end if last_end >= stop - t0 - 1e-9 else stop - t0
     rec.kv_span = max(rec.duration, level_t)
     level_changes(rec.kv_span, level)
     rec.wall_s = time.perf_counter() - wall0
@@ -302,10 +305,8 @@ def _rate(rate: float | None, reqs: list[SimRequest]) -> str:
     span), else "-"."""
     if rate is not None and math.isfinite(rate):
         return f"{rate:g}"
-    times = sorted(r.arrival for r in reqs)
-    if len(times) > 1 and times[-1] > times[0]:
-        return f"{(len(times) - 1) / (times[-1] - times[0]):.3g} (the trace's mean)"
-    return "-"
+    own = mean_arrival_rate([r.arrival for r in reqs]) if reqs else math.inf
+    return f"{own:.3g} (the trace's mean)" if math.isfinite(own) else "-"
 
 
 def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list[Tenant]]:
