@@ -10,9 +10,8 @@ evictions, same schedule, the same tokens.
 
 The hunt found no defect; these tests pin the behaviour so a later change cannot drift unnoticed.  Oracles:
 
-* a brute-force model that spells every cached prefix out, ``(namespace, tokens) -> block``, and applies the
-  policy literally (LRU over evictable leaves, a tenant's quota over all of its namespaces, the prefix being
-  extended never evicted for its own extension);
+* the brute-force model of :mod:`prefix_model` (every cached prefix spelled out, the policy applied literally),
+  here with a tenant's quota over all of its namespaces;
 * the other cache structure on the same engine workload, step by step, with hand counts of the hit counters
   (a lookup per request, of its whole prompt; the hits are the cached tokens each request reports) and a
   recount of every KV slot attended (:class:`invariants.KVContents`).
@@ -34,6 +33,7 @@ from minivllm.kv.prefix import make_prefix_cache
 from tests.fuzz import examples
 
 from invariants import KVContents, assert_no_leak, check_both_tiers  # noqa: E402  (tests/ is on sys.path)
+from prefix_model import BruteForceModel  # noqa: E402
 
 BS = 2
 POOL = 40
@@ -46,85 +46,6 @@ def tenant_of(namespace: Hashable) -> Hashable:
     return namespace[0]
 
 
-class Model:
-    """Every cached prefix spelled out, with the policy applied literally (see the module docstring)."""
-
-    def __init__(self, pool: BlockPool, quota: int | None, grouped: bool) -> None:
-        self.pool, self.quota, self.grouped = pool, quota, grouped
-        self.cached: dict[tuple, list[int]] = {}  # (namespace, prefix tokens) -> [block, last used]
-        self.clock = 0
-
-    def group(self, ns: Hashable) -> Hashable:
-        return tenant_of(ns) if self.grouped else ns
-
-    def quota_of(self, ns: Hashable) -> int | None:
-        own = TENANT_QUOTAS.get(tenant_of(ns)) if self.grouped else None
-        return own if own is not None else self.quota
-
-    def count(self, ns: Hashable) -> int:
-        return sum(1 for key in self.cached if self.group(key[0]) == self.group(ns))
-
-    def path(self, ns: Hashable, tokens, limit: int) -> list[tuple]:
-        keys = []
-        for i in range(1, limit + 1):
-            key = (ns, tuple(tokens[: i * BS]))
-            if key not in self.cached:
-                break
-            keys.append(key)
-        return keys
-
-    def touch(self, keys: list[tuple]) -> None:
-        self.clock += 1
-        for key in keys:
-            self.cached[key][1] = self.clock
-
-    def match(self, ns: Hashable, tokens) -> list[int]:
-        keys = self.path(ns, tokens, len(tokens) // BS)
-        self.touch(keys)
-        return [self.cached[k][0] for k in keys]
-
-    def insert(self, ns: Hashable, tokens, blocks: list[int]) -> list[int]:
-        """What caching ``blocks`` (the prefix of ``tokens`` they hold) leaves; the canonical block list."""
-        keys = self.path(ns, tokens, len(blocks))
-        self.touch(keys)
-        new = blocks[len(keys):]
-        room, quota = len(new), self.quota_of(ns)
-        if quota is not None:
-            excess = self.count(ns) + len(new) - quota
-            if excess > 0:
-                self.evict(excess, self.group(ns), keys[-1] if keys else None)
-            room = max(0, min(len(new), quota - self.count(ns)))
-        for i, block in enumerate(new[:room], start=len(keys) + 1):
-            self.cached[(ns, tuple(tokens[: i * BS]))] = [block, self.clock]
-        return [self.cached[k][0] for k in keys] + new
-
-    def is_leaf(self, key: tuple) -> bool:
-        ns, prefix = key
-        return not any(k[0] == ns and len(k[1]) == len(prefix) + BS and k[1][: len(prefix)] == prefix
-                       for k in self.cached)
-
-    def evict(self, n: int, group: Hashable = None, keep: tuple | None = None) -> int:
-        """Evict up to ``n`` blocks, LRU among unlocked leaves (of ``group``, if given; never ``keep``)."""
-        freed = 0
-        while freed < n:
-            candidates = [k for k, (b, _) in self.cached.items()
-                          if (group is None or self.group(k[0]) == group) and k != keep
-                          and self.pool.refcount(b) == 1 and self.is_leaf(k)]
-            if not candidates:
-                break
-            oldest = min(self.cached[k][1] for k in candidates)
-            victims = [k for k in candidates if self.cached[k][1] == oldest]
-            assert len(victims) == 1, "two leaves last used at one tick: the model's LRU is ambiguous"
-            del self.cached[victims[0]]
-            freed += 1
-        return freed
-
-    def num_evictable(self) -> int:
-        return sum(1 for key in self.cached
-                   if all(self.pool.refcount(b) == 1 for k, (b, _) in self.cached.items()
-                          if k[0] == key[0] and k[1][: len(key[1])] == key[1]))
-
-
 class World:
     """One cache on its own pool, its model, and the requests running on it (tables it holds references on)."""
 
@@ -132,7 +53,8 @@ class World:
         self.pool = BlockPool(POOL)
         groups = dict(quota_group=tenant_of, quota_for=TENANT_QUOTAS.get) if grouped else {}
         self.cache = make_prefix_cache(kind, self.pool, BS, quota_blocks=quota, **groups)
-        self.model = Model(self.pool, quota, grouped)
+        self.model = BruteForceModel(self.pool, quota, BS, group=tenant_of if grouped else None,
+                                     quota_for=TENANT_QUOTAS.get if grouped else None)
         self.content: dict[int, tuple] = {}  # block -> (namespace, the token prefix whose last block it holds)
         self.requests: dict[int, dict] = {}
         self.pins: list[int] = []
@@ -141,7 +63,7 @@ class World:
         return sorted((self.content[b] for b in range(POOL) if self.cache.is_cached(b)), key=repr)
 
     def check(self) -> None:
-        model = {(ns, prefix): block for (ns, prefix), (block, _) in self.model.cached.items()}
+        model = {key: blk.block_id for key, blk in self.model.cached.items()}
         real = {self.content[b]: b for b in range(POOL) if self.cache.is_cached(b)}
         assert real == model
         assert self.cache.num_evictable_blocks() == self.model.num_evictable()
@@ -174,7 +96,7 @@ def compute(w: World, rid: int, upto: int) -> bool:
     a request whose prefix twin was cached first caches nothing more.  The model inserts the whole prefix."""
     r = w.requests[rid]
     done, table, tokens, ns = r["done"], r["table"], r["tokens"], r["ns"]
-    expected = w.model.insert(ns, tokens[: upto * BS], table[:upto])
+    expected = w.model.insert(ns, tokens[: upto * BS], table[:upto]).block_ids
     r["done"] = upto
     if done and w.cache.extend(table[done - 1], tokens[done * BS: upto * BS], table[done:upto], ns):
         assert expected == table[:upto], "extend cached below a prefix the model holds in other blocks"
@@ -214,7 +136,7 @@ def run_program(seed: int) -> None:
         elif op == "evict":
             n = rnd.randint(1, 4)
             for w in worlds:
-                expected = w.model.evict(n)  # (first: the model reads refcounts, which the real eviction changes)
+                expected = len(w.model.evict(n))  # (first: the model reads refcounts, which the real eviction changes)
                 assert w.cache.evict(n) == expected
         elif op == "pin" and worlds[0].cached():
             target = rnd.choice(worlds[0].cached())  # a lone extra holder, anywhere on a cached path

@@ -35,6 +35,7 @@ from minivllm.kv.prefix.radix import RadixCache
 from tests.fuzz import examples
 
 from invariants import block_tokens as toks  # noqa: E402 (tests/ is on sys.path)
+from prefix_model import BruteForceModel  # noqa: E402
 
 BS = 4
 KINDS = ["radix", "hash"]
@@ -481,109 +482,6 @@ SEQUENCES = st.builds(
 )
 
 
-Key = tuple[Hashable, tuple[int, ...]]  # (namespace, token prefix ending at a block boundary)
-
-
-@dataclass
-class ModelBlock:
-    block_id: int
-    last_used: int
-
-
-class BruteForceModel:
-    """Every cached prefix spelled out: ``(namespace, prefix tokens) -> block``.
-
-    Mirrors the policy literally: a prefix is evictable when its block has
-    pool refcount 1 and no cached prefix extends it by one block; the
-    evictable prefix with the smallest logical time goes first.
-    """
-
-    def __init__(self, pool: BlockPool, quota: int | None) -> None:
-        self.pool = pool
-        self.quota = quota
-        self.cached: dict[Key, ModelBlock] = {}
-        self.clock = 0
-
-    def _path(self, ns: str, tokens: Sequence[int], limit: int) -> list[Key]:
-        keys = []
-        for i in range(1, limit + 1):
-            key = (ns, tuple(tokens[: i * SBS]))
-            if key not in self.cached:
-                break
-            keys.append(key)
-        return keys
-
-    def _touch(self, keys: list[Key]) -> None:
-        self.clock += 1
-        for key in keys:
-            self.cached[key].last_used = self.clock
-
-    def match(self, ns: str, tokens: Sequence[int]) -> list[int]:
-        keys = self._path(ns, tokens, len(tokens) // SBS)
-        self._touch(keys)
-        return [self.cached[k].block_id for k in keys]
-
-    def insert(self, ns: str, tokens: Sequence[int], block_ids: list[int]) -> InsertResult:
-        keys = self._path(ns, tokens, len(block_ids))
-        self._touch(keys)
-        new = block_ids[len(keys) :]
-        room = len(new)
-        if self.quota is not None:
-            excess = self.count(ns) + len(new) - self.quota
-            if excess > 0:
-                self.evict(excess, ns, pinned=keys[-1] if keys else None)
-            room = max(0, min(len(new), self.quota - self.count(ns)))
-        for i, block_id in enumerate(new[:room], start=len(keys) + 1):
-            self.cached[(ns, tuple(tokens[: i * SBS]))] = ModelBlock(block_id, self.clock)
-        canonical = [self.cached[k].block_id for k in keys]
-        return InsertResult(len(keys) * SBS, canonical + new)
-
-    def count(self, ns: str) -> int:
-        return sum(1 for key in self.cached if key[0] == ns)
-
-    def has_child(self, key: Key) -> bool:
-        ns, prefix = key
-        n = len(prefix)
-        return any(k[0] == ns and len(k[1]) == n + SBS and k[1][:n] == prefix for k in self.cached)
-
-    def evictable_now(self, ns: str | None, pinned: Key | None) -> list[Key]:
-        return [
-            key
-            for key, blk in self.cached.items()
-            if (ns is None or key[0] == ns)
-            and key != pinned
-            and self.pool.refcount(blk.block_id) == 1
-            and not self.has_child(key)
-        ]
-
-    def evict(self, n: int, ns: str | None = None, pinned: Key | None = None) -> list[int]:
-        """Block ids freed, in eviction order (the real pool is not touched)."""
-        gone = []
-        while len(gone) < n:
-            candidates = self.evictable_now(ns, pinned)
-            if not candidates:
-                break
-            oldest = min(self.cached[k].last_used for k in candidates)
-            victims = [k for k in candidates if self.cached[k].last_used == oldest]
-            assert len(victims) == 1, "the LRU policy has an unexpected tie"
-            gone.append(self.cached.pop(victims[0]).block_id)
-        return gone
-
-    def num_evictable(self) -> int:
-        def all_unlocked_below(key: Key) -> bool:
-            ns, prefix = key
-            return all(
-                self.pool.refcount(blk.block_id) == 1
-                for k, blk in self.cached.items()
-                if k[0] == ns and k[1][: len(prefix)] == prefix
-            )
-
-        return sum(1 for key in self.cached if all_unlocked_below(key))
-
-    def block_ids(self) -> set[int]:
-        return {blk.block_id for blk in self.cached.values()}
-
-
 @dataclass
 class Request:
     namespace: Hashable
@@ -605,7 +503,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.pool = BlockPool(POOL_BLOCKS)
         self.cache = make_prefix_cache(kind, self.pool, SBS, quota_blocks=quota, hash_fn=hash_fn)
         self.quota = quota
-        self.model = BruteForceModel(self.pool, quota) if exact else None
+        self.model = BruteForceModel(self.pool, quota, SBS) if exact else None
         self.requests: list[Request] = []
         self.pins: list[int] = []
         # What KV each block in use holds: (namespace, token prefix it ends).
@@ -646,7 +544,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         n = self.cache.peek(tokens, ns)
         assert refs == [self.pool.refcount(b) for b in range(POOL_BLOCKS)], "a peek took a reference"
         if self.model is not None:
-            assert n == len(self.model._path(ns, tokens, len(tokens) // SBS))
+            assert n == len(self.model.path(ns, tokens, len(tokens) // SBS))
         else:  # (a colliding hash: the answer of a match on a copy, which may touch what it likes)
             assert n == len(copy.deepcopy(self.cache).match(tokens, ns))
 
