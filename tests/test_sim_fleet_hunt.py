@@ -115,3 +115,34 @@ def test_the_fallback_key_spells_integers_as_before_and_anything_else_by_repr():
     assert stable_hash([-1, 5]) == by_hand(b"-1,5")
     assert stable_hash([2**40]) == by_hand(str(2**40).encode())
     assert stable_hash(["a", None]) == by_hand(b"'a',None")
+
+
+@pytest.mark.parametrize("bad", [dict(num_system_prompts=0), dict(num_system_prompts=True), dict(vocab=10),
+                                 dict(vocab=True)])
+def test_chat_mix_counts_are_checked(bad):
+    """No system prompt to open a chat with (an IndexError later, from ``random.choice``), or token ids drawn from
+    ``range(10, vocab)`` with vocab <= 10 (a ValueError inside ``random``): each named at the call instead."""
+    (name,) = bad
+    with pytest.raises(ValueError, match=name):
+        ChatMix(4.0, 2.0, seed=1, answer_s=1.0, **bad)
+
+
+@pytest.mark.parametrize("args", [(True,), (2, True)])
+def test_a_hash_ring_refuses_a_bool_for_a_count(args):
+    """``isinstance(True, int)`` holds: ``HashRing(True)`` built a ring of one replica and passed for a count."""
+    from minivllm.sim.router import HashRing
+
+    with pytest.raises(ValueError, match="must be a positive int, got True"):
+        HashRing(*args)
+
+
+def test_a_gpu_profile_whose_model_is_null_reads_as_one_without_a_model():
+    """A hand-edited profile with ``"model": null`` raised AttributeError in ``profile_spec``; the oracle is the same
+    profile with no ``model`` key at all (the 2-byte default the function already applies)."""
+    import dataclasses
+
+    from minivllm.sim.presets import hardware_preset, profile_spec
+
+    h200 = dataclasses.replace(hardware_preset("h200"), memory_bytes=0)  # (so the datasheet fills something)
+    doc = {"device": "cuda", "hardware": dataclasses.asdict(h200)}
+    assert profile_spec({**doc, "model": None}) == profile_spec(doc)

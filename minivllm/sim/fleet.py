@@ -113,6 +113,12 @@ class ChatMix:
             raise ValueError("turns must be an int >= 1 and 0 <= single_shot_share <= 1")
         if not (len(think_s) == 2 and all(math.isfinite(x) for x in think_s) and 0 <= think_s[0] <= think_s[1]):
             raise ValueError(f"think_s must be (low, high) seconds with 0 <= low <= high, got {think_s!r}")
+        # (a chat opens with one of the system prompts, and its tokens are drawn from ids 10 to vocab - 1: none of
+        # either failed inside random, naming no argument)
+        if isinstance(num_system_prompts, bool) or not isinstance(num_system_prompts, int) or num_system_prompts < 1:
+            raise ValueError(f"num_system_prompts must be an int >= 1, got {num_system_prompts!r}")
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 10:
+            raise ValueError(f"vocab must be an int above 10 (ids 0-9 are kept for special tokens), got {vocab!r}")
         # (drawn with randint: a reversed range failed inside random without naming the argument, and an answer of
         # 0 tokens made every such turn a request the engine refuses, ending its chat in silence)
         for name, pair, least in (("user_range", user_range, 0), ("output_range", output_range, 1)):

@@ -220,7 +220,9 @@ def profile_spec(doc: dict) -> HardwareSpec:
     if not spec.memory_bytes:
         filled["memory_bytes"] = match.memory_bytes
         notes.append(f"memory from the {match.name} datasheet")
-    dtype_bytes = doc.get("model", {}).get("dtype_bytes", 2)  # the fitted roofs hold for the profile's dtype
+    # the fitted roofs hold for the profile's dtype (a hand-edited "model": null reads as the 2-byte default, not as
+    # an AttributeError)
+    dtype_bytes = (doc.get("model") or {}).get("dtype_bytes", 2)
     peak = match.peak_flops * match.dtype_scale(dtype_bytes)  # what no kernel exceeds at that dtype
     for roof in ("peak_flops", "attention_flops"):
         fitted = getattr(spec, roof) or 0

@@ -123,9 +123,10 @@ class HashRing:
     """
 
     def __init__(self, num_replicas: int, vnodes: int = 64) -> None:
-        if not isinstance(num_replicas, int) or num_replicas < 1:
+        # (bool is an int to isinstance: True would build a ring of one replica and pass for a count)
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
-        if not isinstance(vnodes, int) or vnodes < 1:
+        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
             raise ValueError(f"vnodes must be a positive int, got {vnodes!r}")
         self.num_replicas, self.vnodes = num_replicas, vnodes
         points = sorted((stable_hash(f"replica-{r}#{v}"), r) for r in range(num_replicas) for v in range(vnodes))
