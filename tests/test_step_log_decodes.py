@@ -18,6 +18,7 @@ import pytest
 from minivllm.bench.prefill_rate import step_terms
 from minivllm.labs import widgets
 from minivllm.labs.workloads import run_engine, sim_engine
+from minivllm.metrics.step_log import decode_flags
 from minivllm.sim.executor import SimulatedExecutor
 
 REQS = [([170, 738], 4), ([248, 107, 170, 707, 102, 556], 4), ([265, 401], 9)]
@@ -83,3 +84,12 @@ def test_an_entry_without_the_count_is_still_read_by_position():
     entry = {"step": 0, "seqs": (("a", 7, 1), ("b", 2, 3)), "preempted": (), "num_tokens": 4}
     assert widgets.step_composition(entry["seqs"], {"a": 7, "b": 9}) == (3, 1)
     assert widgets.describe_step(entry, {"a": 7, "b": 9}).endswith("a decode, b prefill[2:5]")
+
+
+def test_decode_flags_reads_the_count_then_the_position_then_the_size():
+    """The one rule every step-log reader shares (hand-judged rows: "a" decodes at 7 past its 7-token prompt, "b"
+    is a 3-token prompt chunk, "c" a one-token chunk inside its 5-token prompt)."""
+    seqs = (("a", 7, 1), ("c", 2, 1), ("b", 2, 3))
+    assert decode_flags({"seqs": seqs, "num_decodes": 1}) == [True, False, False]  # the engine's count wins
+    assert decode_flags({"seqs": seqs}, {"a": 7, "b": 9, "c": 5}) == [True, False, False]  # by position
+    assert decode_flags({"seqs": seqs}) == [True, True, False]  # no lengths: a one-token row reads as a decode

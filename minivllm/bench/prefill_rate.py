@@ -27,6 +27,7 @@ import time
 
 from minivllm.argtypes import output_file, positive_int
 from minivllm.bench.results import write_result
+from minivllm.metrics.step_log import decode_flags
 
 _OLD_EMA = 0.2  # the weight the replaced estimate gave the newest step
 
@@ -53,9 +54,7 @@ def step_terms(step_log, prompt_lens: dict[str, int]) -> list[tuple[int, int, fl
     out, last = [], None
     for rec in step_log:
         if last is not None and rec.seq_ids and not (rec.swapped_in or rec.swapped_out) and rec.time > last:
-            decode = rec.num_decodes
-            if decode is None:
-                decode = sum(1 for rid, start, n in rec.seqs if n == 1 and start >= prompt_lens[rid])
+            decode = sum(decode_flags(rec, prompt_lens))
             out.append((rec.num_tokens - decode, decode, rec.time - last))
         last = rec.time
     return out

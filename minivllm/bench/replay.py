@@ -39,6 +39,7 @@ import sys
 import time
 
 from minivllm.argtypes import output_file, positive_int
+from minivllm.metrics.step_log import decode_flags
 
 REQUESTS = 12  # per case: enough to fill the 14-block pool and the 5 seats several times over
 ENGINE = dict(max_num_batched_tokens=40, max_num_seqs=5, num_gpu_blocks_override=14, max_model_len=128)
@@ -185,8 +186,8 @@ def continued_prefill_steps(records) -> int:
         for rid in r.preempted:
             ends.pop(rid, None)
         continued = False
-        for k, (rid, start, n) in enumerate(r.seqs):
-            if (k < r.num_decodes) if r.num_decodes is not None else n == 1:  # a decode row, not a prompt's
+        for (rid, start, n), decode in zip(r.seqs, decode_flags(r)):
+            if decode:  # not a prompt's row
                 continue
             continued = continued or ends.get(rid) == start
             ends[rid] = start + n

@@ -42,6 +42,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from minivllm.metrics.stats import nearest_rank
+from minivllm.metrics.step_log import decode_flags
 
 PALETTE = matplotlib.colormaps["tab20"].colors
 
@@ -148,30 +149,11 @@ def describe_block_pool(pool, tables: dict[str, Sequence[int]]) -> str:
 # -- step timeline -------------------------------------------------------------------
 
 
-def _is_decode(start: int, num: int, prompt_len: int) -> bool:
-    """A decode computes one token past the prompt; more tokens past it are a re-prefill after a recompute
-    preemption (the generated tokens computed again), which the pictures must not call a decode."""
-    return start >= prompt_len and num == 1
-
-
-def _decode_flags(entry, prompt_lens: dict[str, int]) -> list[bool]:
-    """Which of a step-log entry's ``seqs`` are decodes.
-
-    The engine's records say it (``num_decodes``: the leading rows): a one-token chunk of a re-prefill past the
-    prompt looks like a decode in ``(id, start, tokens)``, and only the engine knew the request had computed that
-    position before.  An entry without the count (written by hand) is read by position (:func:`_is_decode`).
-    """
-    seqs, num_decodes = entry["seqs"], entry.get("num_decodes")
-    if num_decodes is None:
-        return [_is_decode(start, num, prompt_lens[rid]) for rid, start, num in seqs]
-    return [i < num_decodes for i in range(len(seqs))]
-
-
 def timeline_rows(step_log: Sequence[dict], prompt_lens: dict[str, int]) -> dict[str, list[tuple[int, str, int]]]:
     """``{request_id: [(step, 'prefill'|'decode', num_tokens), ...]}`` from ``engine.step_log``."""
     rows: dict[str, list[tuple[int, str, int]]] = {}
     for entry in step_log:
-        for (rid, _, num), decode in zip(entry["seqs"], _decode_flags(entry, prompt_lens)):
+        for (rid, _, num), decode in zip(entry["seqs"], decode_flags(entry, prompt_lens)):
             rows.setdefault(rid, []).append((entry["step"], "decode" if decode else "prefill", num))
     return rows
 
@@ -217,7 +199,7 @@ def draw_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *, ax=N
 def describe_step(entry: dict, prompt_lens: dict[str, int]) -> str:
     """One line per step: who ran, prefill or decode, how many tokens."""
     parts = []
-    for (rid, start, num), decode in zip(entry["seqs"], _decode_flags(entry, prompt_lens)):
+    for (rid, start, num), decode in zip(entry["seqs"], decode_flags(entry, prompt_lens)):
         kind = "decode" if decode else f"prefill[{start}:{start + num}]"
         parts.append(f"{rid} {kind}")
     extra = f"  preempted: {entry['preempted']}" if entry["preempted"] else ""
@@ -718,7 +700,7 @@ def draw_time_timeline(step_log: Sequence[dict], prompt_lens: dict[str, int], *,
     bars: dict[str, dict[str, list]] = {}
     first_seen: dict[str, float] = {}
     for e, (t0, t1) in zip(step_log, spans):
-        for (rid, s, n), decode in zip(e["seqs"], _decode_flags(e, prompt_lens)):
+        for (rid, s, n), decode in zip(e["seqs"], decode_flags(e, prompt_lens)):
             if decode:
                 bars.setdefault(rid, {"prefill": [], "decode": []})["decode"].append((t1 - min(tick, t1 - t0), t1))
             else:

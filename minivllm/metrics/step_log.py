@@ -117,7 +117,7 @@ class StepRecord:
     # The first ``num_decodes`` entries of ``seqs`` are decodes (a batch puts its decode rows first); the rest are
     # prefill.  Why it is kept: ``(id, start, tokens)`` cannot tell a decode from a one-token chunk of a re-prefill
     # past the prompt (after a recompute preemption), and one count per step can.  None: not recorded (a record
-    # built by hand), and a reader falls back to "one token past the prompt".
+    # built by hand): :func:`decode_flags` then reads the rows by position.
     num_decodes: int | None = None
 
     @property
@@ -142,6 +142,25 @@ class StepRecord:
     def size(self) -> int:
         """Entries this record counts against the log's budget."""
         return 1 + len(self.seq_ids) + len(self.tenants)
+
+
+def decode_flags(record, prompt_lens: Mapping[str, int] | None = None) -> list[bool]:
+    """Which rows of a step record's ``seqs`` are decodes: the one reading of "is this row a decode?" for every
+    reader of a step log (the lab pictures, the prefill-rate fit, the replay's chunk count).
+
+    The engine's own count says it when the record has one (``num_decodes``: the leading rows), and nothing else
+    can: a one-token chunk of a re-prefill past the prompt (after a recompute preemption) looks like a decode in
+    ``(id, start, tokens)``, and only the engine knew the request had computed that position before.  A record
+    written by hand, without the count, is read by position -- one token past its prompt is a decode -- or, with
+    no prompt lengths to read, by size alone (a one-token row is a decode).  ``record`` is a
+    :class:`StepRecord` or a dict with the same keys (``seqs``, optional ``num_decodes``).
+    """
+    seqs, num_decodes = record["seqs"], record.get("num_decodes")
+    if num_decodes is not None:
+        return [i < num_decodes for i in range(len(seqs))]
+    if prompt_lens is None:
+        return [n == 1 for _, _, n in seqs]
+    return [n == 1 and start >= prompt_lens[rid] for rid, start, n in seqs]
 
 
 class StepLog:
