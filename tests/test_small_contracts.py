@@ -473,3 +473,25 @@ def test_serve_freezes_its_start_up_heap_once_the_engine_is_built(monkeypatch, c
     finally:
         gc.unfreeze()
     assert any(obj is built[0] for obj in gc.get_objects())
+
+
+@pytest.mark.parametrize("vocab", [10, 5, 0, True])
+def test_a_vocabulary_the_fake_tokens_cannot_draw_from_is_refused_where_it_is_configured(vocab):
+    """The simulator's "sampled" tokens skip ids 0-9 (EOS/BOS/pad): with 10 ids or fewer the old code divided by
+    zero at the first sampled token (vocab 10) or produced ids outside the vocabulary (vocab 5 gave ids >= 10).
+    Each configuration point now says so by name, before a step runs."""
+    from minivllm.sim.executor import SimulatedExecutor
+    from minivllm.sim.replay import ReplayExecutor
+    from minivllm.sim.roofline import ModelShape
+
+    for make in (lambda: SimulatedExecutor(vocab_size=vocab), lambda: ReplayExecutor(times=[], vocab_size=vocab),
+                 lambda: ModelShape(name="tiny", num_layers=1, hidden_size=8, intermediate_size=8, num_heads=2, num_kv_heads=1,
+                                    head_dim=4, vocab_size=vocab)):
+        with pytest.raises(ValueError, match="vocab_size"):
+            make()
+
+
+def test_the_smallest_vocabulary_allowed_still_gives_tokens_inside_it():
+    from minivllm.sim.roofline import fake_token
+
+    assert {fake_token(f"r{i}", p, 11) for i in range(20) for p in range(20)} == {10}  # by hand: ids 10 .. 10

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.sched.output import ScheduledBatch
-from minivllm.sim.roofline import fake_token
+from minivllm.sim.roofline import check_fake_vocab, fake_token
 
 
 @dataclass
@@ -33,6 +33,9 @@ class SimulatedExecutor:
     kv_bytes_per_block: int = 16 * 1024
     swap_bytes_per_s: float = PCIE4_X16_BYTES_PER_S
     clock: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_fake_vocab(self.vocab_size, "SimulatedExecutor")
 
     def now(self) -> float:
         return self.clock

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minivllm.config import PCIE4_X16_BYTES_PER_S
-from minivllm.sim.roofline import fake_token
+from minivllm.sim.roofline import check_fake_vocab, fake_token
 from minivllm.sim.run import DriveRecord
 
 
@@ -50,6 +50,9 @@ class ReplayExecutor:
     kv_bytes_per_block: int = field(default=16 * 1024)
     swap_bytes_per_s: float = PCIE4_X16_BYTES_PER_S
     prefill_tokens_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_fake_vocab(self.vocab_size, "ReplayExecutor")
 
     @classmethod
     def from_record(cls, rec: DriveRecord, **kwargs) -> ReplayExecutor:

@@ -111,6 +111,7 @@ class ModelShape:
                 raise ValueError(f"ModelShape.{k} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        check_fake_vocab(self.vocab_size, "ModelShape")
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelShape":
@@ -481,13 +482,27 @@ class RooflinePreemptionCosts:
         return self.swap_s(num_blocks) < self.recompute_s(num_tokens)
 
 
+RESERVED_TOKEN_IDS = 10  # ids 0-9, which a simulated "sampled" token never takes (see fake_token)
+
+
+def check_fake_vocab(vocab_size, owner: str) -> None:
+    """Refuse a vocabulary :func:`fake_token` cannot draw from, where it is configured rather than at the first
+    sampled token: with ``RESERVED_TOKEN_IDS`` or fewer ids there is no id left to draw (a modulo by zero, or
+    tokens outside the vocabulary)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= RESERVED_TOKEN_IDS:
+        raise ValueError(f"{owner}.vocab_size must be an integer > {RESERVED_TOKEN_IDS} (the simulator's sampled "
+                         f"tokens skip ids 0-{RESERVED_TOKEN_IDS - 1}), got {vocab_size!r}")
+
+
 def fake_token(request_id: str, position: int, vocab_size: int) -> int:
     """A deterministic "sampled" token (the same in every process, unlike ``hash`` of a str); never 0-9.
 
     Never 0-9: tokenizers keep EOS/BOS/pad there, and a simulated engine with an EOS id would stop requests at
     random.  2654435761 (about 2^32 / golden ratio) spreads consecutive positions over the vocabulary instead of
-    stepping through it one id at a time (a text of consecutive ids would not look like sampled output)."""
-    return (zlib.crc32(request_id.encode()) + 2654435761 * position) % (vocab_size - 10) + 10
+    stepping through it one id at a time (a text of consecutive ids would not look like sampled output).  The
+    vocabulary is checked where it is configured (:func:`check_fake_vocab`), not here, once per token."""
+    return (zlib.crc32(request_id.encode()) + 2654435761 * position) % (vocab_size - RESERVED_TOKEN_IDS) \
+        + RESERVED_TOKEN_IDS
 
 
 @dataclass
