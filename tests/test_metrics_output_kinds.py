@@ -167,3 +167,63 @@ def test_each_final_output_reports_how_often_its_request_was_preempted():
                  for t in ("alice", "bob")}
     assert by_tenant == {"alice": 1, "bob": 2}
     assert by_tenant == {t: engine.stats()["per_tenant"][t]["num_preemptions"] for t in by_tenant}
+
+
+class _Counting(SimulatedExecutor):
+    """The oracle's side: every token the executor hands the engine, per request id, and a real pause per step
+    so that a request is still running when the test aborts it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampled: dict[str, int] = {}
+
+    def execute(self, batch):
+        import time
+
+        time.sleep(0.002)
+        out = super().execute(batch)
+        for rid in out:
+            self.sampled[rid] = self.sampled.get(rid, 0) + 1
+        return out
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("kind", ["final_only", "delta"])
+def test_an_aborted_request_still_counts_the_tokens_it_generated(kind, n):
+    """vLLM counts every token its engine generates, aborted or not.  A ``final_only`` request (a non-streamed
+    answer) reports its tokens only when it finishes, so one the client gave up on counted none: the old code left
+    ``generation_tokens_total`` at 0 and ``prompt_tokens_total`` at 0 here.  Oracle: the tokens the executor
+    handed the engine for the request's samples, counted in the executor, and the prompt's length."""
+    import asyncio
+
+    from minivllm.server.async_engine import AsyncEngine
+
+    ex = _Counting()
+    llm = LLM(executor=ex, tokenizer=None, num_gpu_blocks_override=512, max_model_len=2048)
+    engine = llm.engine
+    engine.eos_token_ids = set()
+    metrics = EngineMetrics("sim")
+    prompt = list(range(1, 12))
+
+    async def main() -> None:
+        runner = AsyncEngine(engine, metrics=metrics, idle_poll_s=0.01)
+        runner.start()
+        try:
+            await runner.add_request({"prompt_token_ids": prompt}, SamplingParams(
+                n=n, max_tokens=2000, ignore_eos=True, temperature=1.0 if n > 1 else 0.0, output_kind=kind), "r")
+            for _ in range(2000):  # until every sample has a few tokens (a hang guard, not a timing)
+                if sum(ex.sampled.values()) >= 5 * n and len(ex.sampled) == n:
+                    break
+                await asyncio.sleep(0.005)
+            runner.abort("r")
+            assert await asyncio.to_thread(runner.wait_idle, 5.0)
+        finally:
+            await asyncio.to_thread(runner.shutdown)
+
+    asyncio.run(main())
+    s = metric_samples(metrics.render().decode())
+    generated = sum(ex.sampled.values())
+    assert generated >= 5 * n
+    assert metric_value(s, "vllm:generation_tokens_total") == generated
+    assert metric_value(s, "vllm:prompt_tokens_total") == len(prompt)
+    assert engine.stats()["used_blocks"] == 0

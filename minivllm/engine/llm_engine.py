@@ -387,6 +387,20 @@ class LLMEngine:
             self.scheduler.add(req)
         return request_id
 
+    def tokens_so_far(self, request_id: str) -> tuple[int, tuple[int, ...]]:
+        """``(prompt tokens, output tokens per sample in index order)`` of a request the caller added and that is
+        still in the engine; ``(0, ())`` for an id it does not know.
+
+        Why a caller asks: a ``final_only`` request reports its tokens only when it finishes, so one aborted part
+        way (a client that gave up on a non-streamed answer) would leave its generated tokens out of every count
+        read from outputs.  The server reads this just before it aborts, and its metrics count what was unseen.
+        """
+        group = self._groups.get(request_id)
+        samples = group if group is not None else [r] if (r := self.requests.get(request_id)) is not None else []
+        if not samples:
+            return 0, ()
+        return len(samples[0].prompt_token_ids), tuple(len(r.output_token_ids) for r in samples)
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks (on both tiers) go back at once -- or, when the call comes from
         inside a step on the stepping thread (a finalizer, a callback), as that step ends.  False if unknown.

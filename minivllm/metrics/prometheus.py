@@ -208,13 +208,27 @@ class EngineMetrics:
             with self._lock:
                 self._tracked.pop(out.request_id, None)
 
-    def observe_abort(self, request_id: str, reason: str = "abort") -> None:
+    def observe_abort(self, request_id: str, reason: str = "abort", so_far: tuple[int, tuple[int, ...]] = (0, ())
+                      ) -> None:
         """A request ended outside the engine's outputs (the engine reports nothing more for it): one the caller
-        gave up on (``"abort"``), or one failed because the engine loop died (``"error"``)."""
+        gave up on (``"abort"``), or one failed because the engine loop died (``"error"``).
+
+        ``so_far`` is :meth:`LLMEngine.tokens_so_far` read just before the abort: the tokens it generated that no
+        output showed (all of a ``final_only`` request's, the last step's of a streamed one) are counted here, as
+        vLLM counts every token its engine generates, aborted or not; the prompt too, if no output counted it.
+        """
         with self._lock:
             t = self._tracked.pop(request_id, None)
-        if t is not None:
-            self.request_success.labels(self.model_name, reason, t.tenant).inc()
+        if t is None:
+            return
+        name = self.model_name
+        prompt_len, per_sample = so_far
+        unseen = sum(max(0, n - t.seen.get(i, 0)) for i, n in enumerate(per_sample))
+        if unseen:
+            self.generation_tokens.labels(name, t.tenant).inc(unseen)
+            if not t.prompt_done:
+                self.prompt_tokens.labels(name, t.tenant).inc(prompt_len)
+        self.request_success.labels(name, reason, t.tenant).inc()
 
     # -- the engine ---------------------------------------------------------------
     def observe_step(self, engine, stats: dict | None = None, tenant_of: Callable[[str], str] | None = None) -> None:

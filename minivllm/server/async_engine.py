@@ -311,6 +311,7 @@ class AsyncEngine:
 
     def _abort_one(self, request_id: str, exc: BaseException | None) -> None:
         stream = self._streams.pop(request_id, None)
+        so_far = self.engine.tokens_so_far(request_id)  # before the abort lets the request go
         try:
             found = self.engine.abort_request(request_id)
         except Exception:  # noqa: BLE001 - a closed engine, say: nothing more to free
@@ -319,7 +320,7 @@ class AsyncEngine:
             self.num_aborted += 1
             self.aborted_ids.append(request_id)
             if self.metrics is not None:  # a dead loop failed the request: an error, not a caller's abort
-                self.metrics.observe_abort(request_id, "error" if isinstance(exc, EngineDead) else "abort")
+                self.metrics.observe_abort(request_id, "error" if isinstance(exc, EngineDead) else "abort", so_far)
         if stream is not None and exc is not None and self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
