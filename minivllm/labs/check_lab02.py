@@ -156,6 +156,13 @@ def check_slot_mapping(fn) -> CheckResult:
 
 def check_paged_slots(fn) -> CheckResult:
     """Check ``fn(seq_lens, block_size) -> int`` (KV slots reserved with paging)."""
+    def lengths_untouched(f):
+        # the lab passes one list of 2,000 lengths to every block size in turn: an answer that rounds the lengths
+        # up in place returns the right total once, then the later sizes (and the histogram) see rounded lengths
+        lens = [40, 1, 17, 16]
+        f(lens, 16)
+        return lens
+
     cases = [
         Case("no sequences", lambda f: f([], 16), 0, "the sum over no sequences is 0"),
         Case("one token needs a whole block", lambda f: f([1], 16), 16, "a block is the unit of allocation",
@@ -172,6 +179,9 @@ def check_paged_slots(fn) -> CheckResult:
         Case("block size 1 wastes nothing", lambda f: f([3, 5, 7], 1), 15, "with 1-token blocks reserved == used"),
         Case("an empty sequence reserves nothing", lambda f: f([0, 5], 16), 16,
              "ceil(0 / 16) = 0 blocks: a sequence with no tokens yet holds no block"),
+        Case("the lengths are only read", lengths_untouched, [40, 1, 17, 16],
+             "add up the reservations without writing them back into seq_lens (no seq_lens[i] = ..., no sort): "
+             "the caller reuses its list, here for every block size in turn"),
     ]
     return run_checks("paged reservation", fn, cases)
 
@@ -418,5 +428,8 @@ LAB = Lab(2, "lab02_paged_kv_cache", "Paged KV cache", widgets=("next step", "ru
         ("an empty sequence still takes a block", "-(-n // block_size) * block_size", "max(1, -(-n // block_size)) * block_size"),
         ("one reservation per distinct length", "sum(-(-n // block_size) * block_size for n in seq_lens)",
          "sum({n: -(-n // block_size) * block_size for n in seq_lens}.values())"),
+        # the right total, but the caller's list now holds reservations: the lab's later block sizes read those
+        ("rounds the caller's lengths up in place", "return sum(-(-n // block_size) * block_size for n in seq_lens)",
+         "seq_lens[:] = [-(-n // block_size) * block_size for n in seq_lens]\n    return sum(seq_lens)"),
     )),
 ))

@@ -379,6 +379,14 @@ def check_gather_kv(fn) -> CheckResult:
                                engine_gather_kv(d["v_cache"], d["block_tables"][i], int(n)))
                    for i, n in enumerate(d["seq_lens"]))
 
+    def keeps_dtype(f):
+        # torch.equal compares values across dtypes (a float32 copy of a half-precision row is "equal"), so the
+        # cases above pass an answer that allocates its output with torch.empty's defaults (float32, on the CPU);
+        # the engine gathers bf16 caches on a GPU, where that answer is a copy of another dtype on another device
+        d = make_paged([5, 20], kv_heads=2, head_dim=8, dtype=torch.float16, seed=3)
+        got = f(d["k_cache"], d["block_tables"][1], 20)
+        return str(got.dtype), torch.equal(got, _brute_gather(d["k_cache"], d["block_tables"][1], 20))
+
     cases = [
         Case("one token: slot 0 of the first block in the table", same(0), expect(0),
              "token 0 lives in block block_table[0] at offset 0 -- the table's first entry, not physical block 0",
@@ -399,6 +407,10 @@ def check_gather_kv(fn) -> CheckResult:
              "gather into a new tensor; don't write into the cache or sort the table"),
         Case("agrees with the engine's gather (page 8, 3 KV heads, a shared block)", agrees_with_engine, True,
              "use cache.shape[1] for the block size, not a hard-coded 16"),
+        Case("a float16 pool: the rows keep the cache's dtype", keeps_dtype, ("torch.float16", True),
+             "a gather copies the cache's rows as they are: index the cache (that keeps its dtype and device), or "
+             "give torch.empty / torch.zeros dtype=cache.dtype and device=cache.device -- their defaults are "
+             "float32 on the CPU"),
     ]
     return run_checks("gather_kv", fn, cases)
 
@@ -715,6 +727,10 @@ GATHER_MUTANTS = (
     # the right rows, but the shared pool is written: kills an "untouched" case that no longer compares the cache
     ("cleans the pool's NaN padding in place", "cache[block_table[:num_blocks].long()]",
      "cache.nan_to_num_()[block_table[:num_blocks].long()]"),
+    # torch.equal reads a float32 copy of float16 rows as equal: kills a checker that compares values only
+    ("the rows copied into torch.zeros' defaults (float32), not the cache's dtype",
+     "    return blocks.flatten(0, 1)[:kv_len]\n",
+     "    out = torch.zeros(kv_len, *cache.shape[2:])\n    out[:] = blocks.flatten(0, 1)[:kv_len]\n    return out\n"),
 )
 
 KERNEL_MUTANTS = (
