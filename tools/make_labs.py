@@ -85,6 +85,10 @@ def make_lab(nb: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode
     lab = copy.deepcopy(nb)
     lab.metadata.pop("widgets", None)
     for i, cell in enumerate(lab.cells):
+        # only a code cell's regions become stubs: a region in a markdown (or raw) cell would be copied to the
+        # learner word for word, so it is refused like an unbalanced marker
+        if cell.cell_type != "code" and any(solution_marker(line) for line in cell.source.split("\n")):
+            raise MarkerError(f"{name} cell {i}: a solution marker in a {cell.cell_type} cell")
         if cell.cell_type == "code":
             if COVERED in cell.metadata.get("tags", []):
                 if any(solution_marker(line) == BEGIN for line in cell.source.split("\n")):

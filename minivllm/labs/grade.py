@@ -131,7 +131,9 @@ def graded_cells(nb, lab: Lab, run_all: bool = False) -> list[tuple[str, str]]:
     """``[(what, source)]`` to run before grading, in notebook order.
 
     ``what`` is ``"setup"``, ``"exercise:<name>"`` or ``"cell <i>"``.  An exercise whose tag the
-    learner lost (a copied cell, say) is found as the last code cell defining its object.
+    learner lost (a copied cell, say) is found as the last code cell defining its object.  A notebook with no
+    cell tagged ``setup`` (a tool that strips cell metadata strips every tag) runs its first code cell as the
+    setup: every lab opens with it, and without its imports a correct exercise fails its checker.
     """
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     if run_all:
@@ -151,6 +153,8 @@ def graded_cells(nb, lab: Lab, run_all: bool = False) -> list[tuple[str, str]]:
             hits = [i for i, c in code if _defines(c.source, ex.defines)]
             if hits:
                 chosen[hits[-1]] = f"exercise:{ex.name}"
+    if code and "setup" not in chosen.values():
+        chosen.setdefault(code[0][0], "setup")
     return [(chosen[i], nb.cells[i].source) for i in sorted(chosen)]
 
 
@@ -533,11 +537,19 @@ def run(args: argparse.Namespace) -> int:
     if missing:  # a typo (or a glob the shell left unexpanded) is no student's zero
         print(f"minivllm grade: error: no such notebook: {', '.join(map(repr, missing))}", file=sys.stderr)
         return 2
+    # One file named twice (overlapping globs, ``a.ipynb`` and ``./a.ipynb``) is one hand-in: graded twice, its
+    # rows would be in the CSV twice and a per-student sum would count each exercise twice.
+    seen: set[str] = set()
+    notebooks = []
+    for nb in args.notebooks:
+        if os.path.realpath(nb) not in seen:
+            seen.add(os.path.realpath(nb))
+            notebooks.append(nb)
     seed = choose_seed(args.seed)
     to_stdout = "-" in (args.csv, args.json)
     log = sys.stderr if to_stdout else sys.stdout
     rows: list[ExerciseGrade] = []
-    for nb in args.notebooks:
+    for nb in notebooks:
         graded = grade_notebook(nb, seed=seed, timeout=args.timeout, run_all=args.run_all)
         rows += graded
         if not args.quiet:
