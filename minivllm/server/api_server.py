@@ -645,7 +645,10 @@ class OpenAIServer:
             raise APIError(429, "rejected by admission control (KV cache full, or your tenant is over its cap); "
                            "retry after the Retry-After header's seconds", "rate_limit_error", None,
                            "rate_limit_exceeded", {"Retry-After": _retry_after(out)})
-        if out.finished and _finish_reason(out) == "error":
+        # any sample, not the first one that finished: with n > 1 a failed sample among good ones was a 200
+        # whose choice said "error", a finish reason the OpenAI API does not have (a stream ends with its error
+        # event whichever sample failed)
+        if out.finished and any(o.finish_reason == "error" for o in out.outputs):
             raise APIError(500, f"the request failed inside the engine: {out.error or 'no reason given'}",
                            "internal_error", None, "engine_error")
         return out
@@ -829,8 +832,10 @@ class OpenAIServer:
         if m is None:
             return Response(b"", media_type=CONTENT_TYPE)
         try:
-            if self.engine.is_running:
-                m.sync(await asyncio.wait_for(self.engine.stats(), timeout=5.0))
+            # read whether or not the loop runs (``AsyncEngine.stats`` reads a stopped loop's engine directly): a loop
+            # that failed, or whose engine was closed, aborted its requests after its last sync, and skipping the read
+            # then served their running count and KV blocks for ever
+            m.sync(await asyncio.wait_for(self.engine.stats(), timeout=5.0))
         except Exception:  # noqa: BLE001 - serve the last values rather than fail a scrape
             pass
         return Response(m.render(), media_type=CONTENT_TYPE)
