@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--attention-backend", default=None, choices=["auto", "torch", "cpu", "triton"])
     s.add_argument("--linear-backend", default=None, choices=["auto", "torch", "onednn"])
     s.add_argument("--max-waiting-requests", type=positive_int, default=None,
-                   help="load shedding: answer 429 + Retry-After when this many requests already wait (default: no limit)")
+                   help="load shedding: answer 429 + Retry-After when this many sequences already wait (a request for n "
+                        "choices is n; default: no limit)")
     s.add_argument("--min-free-blocks", type=nonnegative_int, default=0,
                    help="with --max-waiting-requests: also shed when requests wait and fewer KV blocks than this are "
                         "available (free, or holding cached prefixes no request uses)")

@@ -127,3 +127,35 @@ def test_an_n_request_with_one_failed_sample_is_a_500_whichever_sample_failed(fa
         assert "probability tensor contains nan" in streamed.text and events[-1] == "[DONE]", events
     assert engine.stats()["num_errors"] == 2
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_the_door_counts_a_request_for_n_choices_alike_posted_or_queued():
+    """The door compares ``waiting_or_posted()`` with ``max_waiting``.  The engine queues each of an ``n = 4``
+    request's samples, so once queued it counts 4; posted (the event loop has handed it over, the loop thread
+    has not added it yet) it counted 1, and a burst of such requests passed a door their queue then overflowed.
+    Oracle: the scheduler's own queue length once the same request is queued.  The loop thread is stood in for
+    by the test, which runs the posted command itself, so "posted" is a state and not a race."""
+    import asyncio
+    import threading
+
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.server.async_engine import AsyncEngine
+
+    engine = _engine(SimulatedExecutor())
+    runner = AsyncEngine(engine)
+    posted_cmds: list = []
+    runner._post = posted_cmds.append  # the loop thread's queue, held by the test
+    runner._thread = threading.current_thread()  # "started"; nothing runs the commands but the test
+
+    async def main() -> tuple[int, int]:
+        task = asyncio.create_task(runner.add_request({"prompt_token_ids": [5, 6, 7]},
+                                                      SamplingParams(n=4, max_tokens=3, temperature=1.0), "g"))
+        while not posted_cmds:
+            await asyncio.sleep(0)
+        posted = runner.waiting_or_posted()
+        posted_cmds.pop()()  # the loop thread's turn: the request joins the engine's queue
+        await task
+        return posted, runner.waiting_or_posted()
+
+    posted, queued = asyncio.run(main())
+    assert posted == queued == len(engine.scheduler.waiting) == 4

@@ -46,10 +46,11 @@ class EngineDead(Exception):
 class RequestStream:
     """What a handler reads: the outputs of one request, in order, as they are produced."""
 
-    def __init__(self, owner: "AsyncEngine", request_id: str, tenant: str) -> None:
+    def __init__(self, owner: "AsyncEngine", request_id: str, tenant: str, num_seqs: int = 1) -> None:
         self.owner = owner
         self.request_id = request_id
         self.tenant = tenant
+        self.num_seqs = num_seqs  # the sequences it adds to the engine's queue (its ``n``): what the door counts
         self.queue: asyncio.Queue = asyncio.Queue()
         self.finished = False
         self.closed = False
@@ -124,7 +125,9 @@ class AsyncEngine:
 
     def waiting_or_posted(self) -> int:
         """The scheduler's queue plus the requests posted by :meth:`add_request` that the loop thread has not queued
-        in the engine yet: the count the door compares with ``max_waiting``.
+        in the engine yet: the count the door compares with ``max_waiting``.  Counted in sequences, the queue's own
+        unit: a request asking for ``n`` choices is ``n`` whether it is posted or queued (posted, it counted 1, and
+        the same request read 4 once it reached the queue).
 
         Without the posted ones a burst would all see the queue as it was before it.  A request must be in exactly
         one of the two: the add command queues it and drops it from the posted set while holding ``_moving``, and
@@ -135,7 +138,7 @@ class AsyncEngine:
         engine's ``add_request`` and two ``len`` calls, never for a step, so the door does not wait on one.
         """
         with self._moving:
-            return len(self.engine.scheduler.waiting) + len(self._adding)
+            return len(self.engine.scheduler.waiting) + sum(s.num_seqs for s in self._adding)
 
     @property
     def is_running(self) -> bool:
@@ -173,7 +176,7 @@ class AsyncEngine:
         if self.dead is not None or self._thread is None:
             raise EngineDead("the engine loop is not running")
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, tenant)
+        stream = RequestStream(self, request_id, tenant, params.n)
         done: asyncio.Future = loop.create_future()
 
         def settle(exc: BaseException | None) -> None:

@@ -5,7 +5,8 @@ admission, after a request has waited in the queue; under a burst the queue
 itself becomes the latency (every request in it will miss its TTFT target),
 and a client that is told "429, retry in 1 s" at once can go to another
 replica.  The rule is the one lab 5 asks the learner to write: refuse when the
-waiting queue is already ``max_waiting`` deep, or when requests are waiting
+waiting queue is already ``max_waiting`` sequences deep (a request for ``n``
+choices is ``n``: the engine queues each sample), or when requests are waiting
 *and* the KV pool is nearly dry (fewer than ``min_free_blocks`` available), since
 then new work can only start by preempting running work.  "Available" counts
 the free list plus cached blocks no request holds (``available_blocks``, the
