@@ -217,7 +217,7 @@ def test_sim_run_files_and_tenants(tmp_path, capsys):
     not_profile.write_text('{"a": 1}')
     _returns_error(main(["--num-requests", "3", "--hardware", str(not_profile)]), capsys, "not a calibration profile")
     _returns_error(main(["--num-requests", "3", "--workload", str(tmp_path)]), capsys, str(tmp_path))
-    _returns_error(main(["--num-requests", "3", "--out", str(tmp_path)]), capsys, str(tmp_path))
+    _argparse_refuses(main, ["--num-requests", "3", "--out", str(tmp_path)], "--out", capsys)  # before the run
     _returns_error(main(["--num-requests", "3", "--tenant", "name=a", "--tenant", "name=a"]), capsys, "distinct")
 
 

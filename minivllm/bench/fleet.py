@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from minivllm.argtypes import fraction, positive_float
+from minivllm.argtypes import fraction, output_file, positive_float
 from minivllm.bench.results import write_result
 from minivllm.sim.fleet import (GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, gpu_like_executor, replica_kv_blocks,
                                 roofline_factory, run_fleet)
@@ -68,8 +68,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-itl-ms", type=positive_float, default=100.0, help="per-request p99 ITL bound")
     ap.add_argument("--min-goodput", type=fraction, default=0.95, help="fraction of requests within both SLOs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="", help=f"write the JSON results here (the committed run: {DEFAULT_OUT}; "
-                                              "default: print only, so a rerun never overwrites it)")
+    # "" is the default's "print only"; any other name is checked as every benchmark's --out is, before the sweep
+    # (a directory failed only once every fleet had run, and "results/" wrote a file named results)
+    ap.add_argument("--out", type=lambda text: output_file(text) if text else text, default="",
+                    help=f"write the JSON results here (the committed run: {DEFAULT_OUT}; "
+                         "default: print only, so a rerun never overwrites it)")
     return ap
 
 

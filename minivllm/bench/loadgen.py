@@ -880,10 +880,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--input-len", default="uniform:32:128", help="prompt tokens (beyond any shared prefix) for tenants without input=")
     ap.add_argument("--output-len", default="fixed:16", help="max_tokens for tenants without output=")
     ap.add_argument("--num-requests", type=positive_int, default=64, help="requests per run (per rate when sweeping); a --trace sends all its lines")
-    ap.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="mean arrival rate, req/s (inf: all at once; with --trace, inf -- the default -- "
-                         "keeps the trace's own timestamps and a finite rate rescales them)")
-    ap.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.5,1,2,4")
-    ap.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the inter-arrival gaps; 1 = Poisson")
+    # one or the other: beside --rates, a --request-rate was dropped in silence
+    rate = ap.add_mutually_exclusive_group()
+    rate.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="mean arrival rate, req/s (inf: all at once; with --trace, inf -- the default -- "
+                           "keeps the trace's own timestamps and a finite rate rescales them)")
+    rate.add_argument("--rates", default=None, help="sweep: comma-separated rates, e.g. 0.5,1,2,4 (instead of --request-rate)")
+    ap.add_argument("--burstiness", type=positive_float, default=None,
+                    help="gamma shape of the inter-arrival gaps of a finite rate (default 1: Poisson); a --trace keeps "
+                         "its own gaps")
     ap.add_argument("--trace", default=None, help="JSONL trace (timestamp, tenant, prompt|prompt_len, max_tokens)")
     ap.add_argument("--max-concurrency", type=positive_int, default=None, help="cap on requests in flight (default: none)")
     ap.add_argument("--timeout", type=positive_float, default=600.0, help="hard limit for one run, s")
@@ -935,6 +939,13 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         raise ValueError("rates must be > 0")
     if len(set(rates)) != len(rates):  # the verdict is kept per rate: a repeat's row showed the other run's verdict
         raise ValueError(f"--rates names a rate twice, got {args.rates!r}; each rate of a sweep is run once")
+    # a shape given must shape something: a trace keeps its own gaps and an infinite rate has none, and with
+    # either the flag was dropped in silence (its default was a number, so a given one could not be told apart)
+    if args.burstiness is not None and (args.trace or all(math.isinf(r) for r in rates)):
+        raise ValueError(f"--burstiness shapes the gaps of a finite rate's arrivals; "
+                         f"{'a --trace keeps its own timestamps' if args.trace else 'an infinite rate sends all at once'}"
+                         f": drop it")
+    burst = 1.0 if args.burstiness is None else args.burstiness
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
     slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
     trace = None
@@ -956,7 +967,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
                 # label of ``--rates inf``, which sends the same trace all at once
                 rate = mean_arrival_rate([p.arrival for p in plan])
         else:
-            plan = plan_requests(tenants, args.num_requests, rate, args.burstiness, args.seed)
+            plan = plan_requests(tenants, args.num_requests, rate, burst, args.seed)
         run = asyncio.run(run_load(args.base_url, plan, tenants, model, args.endpoint, args.max_concurrency,
                                    args.timeout, args.request_timeout, not args.no_progress, args.ignore_eos,
                                    args.temperature, rate, desc=f"{rate:g} req/s"))
@@ -964,7 +975,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         runs.append(run)
         summaries.append(s)
         print(f"\n== {args.base_url} | model {model} | {args.endpoint} | {len(plan)} requests | offered {rate:g} req/s"
-              f"{'' if args.burstiness == 1 or trace else f' (gamma, burstiness {args.burstiness:g})'}"
+              f"{'' if burst == 1 or trace or math.isinf(rate) else f' (gamma, burstiness {burst:g})'}"
               f"{' | trace ' + args.trace if trace else ''}", file=out)
         print(format_table(s, slo_text), file=out, flush=True)
     verdict = None
@@ -994,7 +1005,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     doc = {
         "tool": "minivllm bench serve",
         "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": args.num_requests,
-                   "rates": rates, "burstiness": args.burstiness, "trace": args.trace, "seed": args.seed,
+                   "rates": rates, "burstiness": burst, "trace": args.trace, "seed": args.seed,
                    "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
                    "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "slo_itl_stat": args.slo_itl_stat,
                    "sweep_criterion": args.sweep_criterion, "min_goodput": args.min_goodput,

@@ -467,6 +467,19 @@ def main(argv: list[str] | None = None) -> int:
                          "predictions of --profile (default: the result's own calibration): real / predicted per "
                          "kind of step, the engine's own step-to-step repeatability, host usage where recorded")
     args = ap.parse_args(argv)
+    # The flags that shape a real run (and a fresh calibration) are read by nothing else: --explain and
+    # --resimulate took them, and --save-profile beside --profile, and ran as if they were absent, exit 0.
+    real_run_flags = [f"--{dest.replace('_', '-')}" for dest in (
+        "scale", "workload", "clock", "save_profile", "model", "real_repeats", "calibration_repeats", "device",
+        "dtype", "live_heap") if getattr(args, dest) != ap.get_default(dest)]
+    if args.explain and args.resimulate:
+        ap.error("--explain and --resimulate are two different jobs: pass one")
+    job = "--explain" if args.explain else "--resimulate" if args.resimulate else None
+    dropped = real_run_flags + (["--out"] if args.explain and args.out else [])  # (--explain prints only)
+    if job and dropped:
+        ap.error(f"{job} runs no real engine{' and writes nothing' if args.explain else ''}: drop {', '.join(dropped)}")
+    if args.save_profile and args.profile and not job:
+        ap.error("--save-profile writes the calibration this run makes, and with --profile it makes none: drop one")
     if args.profile and not args.explain and not args.resimulate:
         from minivllm.sim.presets import load_profile
 

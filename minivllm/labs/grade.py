@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minivllm.argtypes import positive_float
+from minivllm.argtypes import output_file, positive_float
 from minivllm.labs.registry import Exercise, Lab, labs
 
 SEED_ENV = "MINIVLLM_GRADE_SEED"
@@ -528,6 +528,12 @@ def run(args: argparse.Namespace) -> int:
     for flag, target in (("--csv", args.csv), ("--json", args.json)):
         if target is not None and not target.strip():  # was: nothing written, exit 0
             print(f"minivllm grade: error: {flag} needs a file name ('-': stdout), got {target!r}", file=sys.stderr)
+            return 2
+        try:  # a directory failed only once every notebook was graded ("results/": a file named results)
+            if target not in (None, "-"):
+                output_file(target)
+        except argparse.ArgumentTypeError as exc:
+            print(f"minivllm grade: error: {flag}: {exc}", file=sys.stderr)
             return 2
     if args.csv is not None and args.csv == args.json:  # both to one place: CSV then JSON, neither parseable
         print(f"minivllm grade: error: --csv and --json both write to {args.csv!r}; give them different files",

@@ -79,7 +79,6 @@ re-measuring (:func:`refit`, ``minivllm sim calibrate --refit PROFILE``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -90,7 +89,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minivllm.argtypes import output_file, positive_int
-from minivllm.bench.results import cpu_identity
+from minivllm.bench.results import cpu_identity, write_json
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.engine.startup import frozen_heap
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
@@ -930,7 +929,8 @@ def default_out(name: str) -> str:
 
 def _measuring_flags_given(args) -> list[str]:
     """The flags given that say how to measure or what to call a new profile: a job that measures nothing new
-    (``--residuals``) or measures as a profile says (``--check``) refuses them rather than drop them silently."""
+    (``--residuals``, ``--refit``) or measures as a profile says (``--check``) refuses them rather than drop them
+    silently."""
     return [flag for flag, given in (("--name", args.name), ("--force", args.force), ("--quick", args.quick),
                                      ("--fit-bandwidth", args.fit_bandwidth), ("--clock", args.clock != "wall"),
                                      ("--device", args.device != "auto")) if given]
@@ -973,10 +973,16 @@ def _main(args) -> int:
             print(f"wrote {args.out}")
         return 1 if result["stale"] else 0
     if args.refit:
+        ignored = _measuring_flags_given(args) + [flag for flag, given in (("--repeats", args.repeats != REPEATS),)
+                                                  if given]
+        if ignored:  # (taken, they changed nothing: the refit pins the bandwidth the profile measured, keeps its name)
+            raise ValueError(f"--refit fits the profile's stored steps again and measures nothing: "
+                             f"drop {', '.join(ignored)}")
         doc = refit(_refit_doc(args.refit))
         path = args.out or args.refit
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
+        # whole or not at all: without --out this replaces the profile whose stored steps are the costly part, and
+        # a write cut short (a full disk, a kill) left half of it
+        write_json(path, doc)
         print(format_profile(doc))
         print(f"wrote {path}")
         return 0
@@ -990,9 +996,7 @@ def _main(args) -> int:
         doc = calibrate(engine, scale=0.4 if args.quick else 1.0, name=args.name,
                         pin_bandwidth=not args.fit_bandwidth, repeats=args.repeats)
     path = args.out or default_out(doc["hardware"]["name"])
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1)
+    write_json(path, doc)  # (its folder made first; whole or not at all, as --refit's)
     print(format_profile(doc))
     print(f"wrote {path}")
     warning = fit_warning(doc)

@@ -24,7 +24,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 
-from minivllm.argtypes import fraction, nonnegative_int, positive_float, positive_int, positive_rate
+from minivllm.argtypes import fraction, nonnegative_int, output_file, positive_float, positive_int, positive_rate
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
                                     mean_arrival_rate, parse_tenant, parse_trace, plan_from_trace, plan_requests,
                                     summarize)
@@ -340,7 +340,12 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
         raise ValueError("tenant names must be distinct")
     rate = args.request_rate if args.request_rate is not None else rate
     burst = args.burstiness if args.burstiness is not None else burst
-    if args.workload and args.workload not in WORKLOADS:
+    trace = bool(args.workload) and args.workload not in WORKLOADS
+    if args.burstiness is not None and (trace or rate == math.inf):  # as bench serve: a shape that shapes nothing
+        raise ValueError(f"--burstiness shapes the gaps of a finite rate's arrivals; "
+                         f"{'a trace keeps its own timestamps' if trace else 'an infinite rate sends all at once'}"
+                         f": drop it")
+    if trace:
         with open(args.workload, encoding="utf-8") as fh:
             entries = parse_trace(fh)
         names = {e.tenant for e in entries if e.tenant} - {t.name for t in tenants}
@@ -495,10 +500,13 @@ def _parser() -> argparse.ArgumentParser:
                          "as a 400")
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "reject", "auto"])
-    ap.add_argument("--scheduling-policy", default="fcfs")
+    ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "wfq", "three_class"],
+                    help="who is served first (default fcfs). Not offered: 'priority' and 'deadline', since no "
+                         "simulated request carries a priority or a deadline (they ran FCFS's schedule step for "
+                         "step), and 'caps', which needs tenant caps no flag here can give")
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=None)
     ap.add_argument("--slo-itl-ms", type=positive_float, default=None)
-    ap.add_argument("--out", default=None, help="write the summary (and per-request results) as JSON here")
+    ap.add_argument("--out", type=output_file, default=None, help="write the summary (and per-request results) as JSON here")
     ap.add_argument("--no-requests-in-json", action="store_true", help="leave the per-request records out of --out")
     ap.add_argument("--profile", action="store_true", help="run under cProfile and print the top functions")
     return ap
