@@ -1,4 +1,5 @@
-"""``type=`` functions for the command lines: a nonsensical number is refused where it is typed.
+"""``type=`` functions for the command lines: a nonsensical number is refused where it is typed.  And the two
+value tests the Python API's own boundary checks share (:func:`is_int`, :func:`is_real`).
 
 Why here and not deeper?  Without them ``--num-requests 0`` ran an empty
 benchmark and exited 0, ``--block-size 0`` died in a ``ZeroDivisionError``
@@ -13,6 +14,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+
+
+def is_int(x) -> bool:
+    """An integer that is not a bool: ``True`` is an ``int`` to Python, and a flag passed for a count (``n=True``)
+    would run as 1 in silence.  numpy integers are not taken (the callers check values a user typed or loaded
+    from JSON, which are plain ints)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    """A finite int or float that is not a bool (a time, a rate, a threshold): NaN compares false with every
+    bound, so a range check alone lets it through; inf passes most lower bounds."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _number(text: str, kind: type) -> int | float:

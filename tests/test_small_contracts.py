@@ -495,3 +495,33 @@ def test_the_smallest_vocabulary_allowed_still_gives_tokens_inside_it():
     from minivllm.sim.roofline import fake_token
 
     assert {fake_token(f"r{i}", p, 11) for i in range(20) for p in range(20)} == {10}  # by hand: ids 10 .. 10
+
+
+def _bool_refusals():
+    from dataclasses import replace
+
+    from minivllm.server.door import DoorRule
+    from minivllm.sim.fleet import ChatMix
+    from minivllm.sim.presets import hardware_preset
+    from minivllm.sim.router import PrefixAffinityRouter
+
+    h100 = hardware_preset("h100")
+    return {
+        "door max_waiting": lambda v: DoorRule(max_waiting=v),
+        "door min_free_blocks": lambda v: DoorRule(max_waiting=4, min_free_blocks=v),
+        "router spill_factor": lambda v: PrefixAffinityRouter(2, spill_factor=v),
+        "chat mix rate": lambda v: ChatMix(rate=v),
+        "chat mix turns": lambda v: ChatMix(turns=v),
+        "hardware attention roof": lambda v: replace(h100, attention_flops=v),
+    }
+
+
+@pytest.mark.parametrize("where", sorted(_bool_refusals()))
+def test_a_bool_is_not_a_number_at_any_boundary(where):
+    """``True`` is an ``int`` to Python: these checks took it as 1 (a one-deep door, a spill factor of 1, one
+    turn, ...), unlike every other boundary, which shares :func:`minivllm.argtypes.is_int` / ``is_real``.
+    The same call with a real 1 (or 2) passes: the refusal is of the type, not the value."""
+    make = _bool_refusals()[where]
+    with pytest.raises(ValueError):
+        make(True)
+    make(2 if where != "door min_free_blocks" else 1)

@@ -43,8 +43,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from minivllm.argtypes import (fraction, nonnegative_float, nonnegative_int, output_file, positive_float, positive_int,
-                               positive_rate)
+from minivllm.argtypes import (fraction, is_int, is_real, nonnegative_float, nonnegative_int, output_file, positive_float,
+                               positive_int, positive_rate)
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated, meets_slo
 
@@ -274,18 +274,18 @@ def parse_trace(lines: Iterable[str]) -> list[TraceEntry]:
         if not isinstance(obj, dict):
             raise ValueError(f"trace line {no}: expected an object")
         ts = next((obj[k] for k in ("timestamp", "arrival", "time") if k in obj), None)
-        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        if not is_real(ts) or ts < 0:
             raise ValueError(f"trace line {no}: needs a non-negative number 'timestamp'")
         prompt = obj.get("prompt")
         plen = obj.get("prompt_len", obj.get("input_len"))
         if prompt is not None and (not isinstance(prompt, str) or not prompt):
             raise ValueError(f"trace line {no}: 'prompt' must be a non-empty string")
-        if plen is not None and (isinstance(plen, bool) or not isinstance(plen, int) or not 1 <= plen <= MAX_LENGTH):
+        if plen is not None and (not is_int(plen) or not 1 <= plen <= MAX_LENGTH):
             raise ValueError(f"trace line {no}: 'prompt_len' must be an integer from 1 to {MAX_LENGTH:,}")
         if prompt is None and plen is None:
             raise ValueError(f"trace line {no}: needs 'prompt' or 'prompt_len'")
         mt = obj.get("max_tokens", obj.get("output_len"))
-        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
+        if mt is not None and (not is_int(mt) or mt < 1):
             raise ValueError(f"trace line {no}: 'max_tokens' must be a positive integer")
         tenant = obj.get("tenant")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):

@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 
-from minivllm.argtypes import output_file, positive_float, positive_int
+from minivllm.argtypes import is_int, output_file, positive_float, positive_int
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import cpu_identity, cpu_times, steal_share, write_json, write_result
 from minivllm.engine.startup import frozen_heap
@@ -338,7 +338,7 @@ def _step_seqs(workload: str, step) -> list[tuple]:
     try:
         seqs = [tuple(q) for q in step[2]]
         if (isinstance(step[1], (int, float)) and seqs and all(len(q) == 3 for q in seqs)
-                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for q in seqs for x in q[:2])):
+                and all(is_int(x) and x >= 0 for q in seqs for x in q[:2])):
             return seqs
     except (TypeError, IndexError, KeyError):
         pass
@@ -363,7 +363,7 @@ def explain(result: dict, doc: dict) -> dict:
         raise ValueError("the calibration and the result's workloads must be JSON objects")
     shape, spec = ModelShape.from_dict(doc.get("model")), HardwareSpec.from_dict(doc.get("hardware"))
     block = (doc.get("engine") or {}).get("block_size", 16)  # a result's own calibration block carries no engine
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block) or block < 1:
         raise ValueError(f"the calibration's engine block_size must be a positive integer, got {block!r}")
 
     def pct(xs, q):  # q a fraction

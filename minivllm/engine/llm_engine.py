@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 from collections.abc import Callable
 
+from minivllm.argtypes import is_real
 from minivllm.config import PCIE4_X16_BYTES_PER_S, EngineConfig
 from minivllm.engine.input_processor import InputProcessor
 from minivllm.engine.output_processor import OutputProcessor
@@ -349,7 +349,7 @@ class LLMEngine:
         self._check_open()
         # priority and deadline are checked by the input processor, after a prompt dict's own values win
         if arrival_time is not None and (
-            isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
+            not is_real(arrival_time)
         ):
             raise ValueError(f"arrival_time must be a finite number of seconds, got {brief_repr(arrival_time)}")
         params = sampling_params if sampling_params is not None else SamplingParams()

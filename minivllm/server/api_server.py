@@ -72,6 +72,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from minivllm.argtypes import is_int
 from minivllm.config import TenantConfig
 from minivllm.engine.input_processor import check_cache_salt, check_prompt_fits, output_room
 from minivllm.metrics.prometheus import CONTENT_TYPE, EngineMetrics
@@ -871,7 +872,7 @@ def build_app(
         raise ValueError("at least one served model name is needed")
     if max_body_bytes == "auto":
         max_body_bytes = default_max_body_bytes(engine)
-    elif max_body_bytes is not None and (isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int)
+    elif max_body_bytes is not None and (not is_int(max_body_bytes)
                                          or max_body_bytes < 1):
         raise ValueError(f"max_body_bytes must be a positive int, 'auto' or None, got {max_body_bytes!r}")
     metrics = metrics if metrics is not None else EngineMetrics(model_names[0])

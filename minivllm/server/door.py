@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minivllm.argtypes import is_int
+
 
 @dataclass(frozen=True)
 class DoorRule:
@@ -32,9 +34,9 @@ class DoorRule:
     retry_after_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_waiting, int) or self.max_waiting < 1:
+        if not is_int(self.max_waiting) or self.max_waiting < 1:
             raise ValueError(f"max_waiting must be an int >= 1, got {self.max_waiting!r}")
-        if not isinstance(self.min_free_blocks, int) or self.min_free_blocks < 0:
+        if not is_int(self.min_free_blocks) or self.min_free_blocks < 0:
             raise ValueError(f"min_free_blocks must be an int >= 0, got {self.min_free_blocks!r}")
         if not self.retry_after_s > 0:
             raise ValueError(f"retry_after_s must be > 0, got {self.retry_after_s!r}")

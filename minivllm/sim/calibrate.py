@@ -88,7 +88,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from minivllm.argtypes import output_file, positive_int
+from minivllm.argtypes import is_int, is_real, output_file, positive_int
 from minivllm.bench.results import cpu_identity, write_json
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.engine.startup import frozen_heap
@@ -823,17 +823,17 @@ def _check_stored_samples(doc: dict) -> None:
     traceback from deep inside the cost model; this names the step instead.
     """
     block = doc["engine"].get("block_size")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block) or block < 1:
         raise ValueError(f"the profile's engine block_size must be a positive integer, got {block!r}")
 
     def count(x) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        return is_int(x) and x >= 0
 
     for k, s in enumerate(doc["samples"]):
         seqs, t = (s.get("seqs"), s.get("time_s")) if isinstance(s, dict) else (None, None)
         if (not isinstance(seqs, list)
                 or not all(isinstance(q, list) and len(q) == 3 and count(q[0]) and count(q[1]) for q in seqs)
-                or isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf")
+                or not is_real(t) or not t > 0
                 or not count(s.get("swapped_blocks", 0))):
             raise ValueError(f"stored step {k} is not {{'seqs': [[start, tokens, samples], ...], 'time_s': seconds "
                              f"> 0, 'swapped_blocks': n}}: {str(s)[:200]}")

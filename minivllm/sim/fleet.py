@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from minivllm.argtypes import is_int, is_real
 from minivllm.arrival import Arrival
 from minivllm.bench.loadgen import RequestResult, summarize_group
 from minivllm.interfaces import Router
@@ -105,31 +106,31 @@ class ChatMix:
                  system_len: int = 256, turns: int = 4, single_shot_share: float = 0.3,
                  user_range=(64, 256), output_range=(32, 160), think_s=(1.0, 3.0), vocab: int = 900,
                  answer_s: float | None = None, executor_factory: Callable[[], Any] | None = None) -> None:
-        if not (isinstance(rate, (int, float)) and rate > 0 and math.isfinite(rate)):
+        if not (is_real(rate) and rate > 0):
             raise ValueError(f"rate must be a positive finite number, got {rate!r}")
-        if not (isinstance(duration, (int, float)) and duration > 0 and math.isfinite(duration)):
+        if not (is_real(duration) and duration > 0):
             raise ValueError(f"duration must be a positive finite number, got {duration!r}")
-        if not isinstance(turns, int) or turns < 1 or not 0.0 <= single_shot_share <= 1.0:
+        if not is_int(turns) or turns < 1 or not 0.0 <= single_shot_share <= 1.0:
             raise ValueError("turns must be an int >= 1 and 0 <= single_shot_share <= 1")
         if not (len(think_s) == 2 and all(math.isfinite(x) for x in think_s) and 0 <= think_s[0] <= think_s[1]):
             raise ValueError(f"think_s must be (low, high) seconds with 0 <= low <= high, got {think_s!r}")
         # (a chat opens with one of the system prompts, and its tokens are drawn from ids 10 to vocab - 1: none of
         # either failed inside random, naming no argument)
-        if isinstance(num_system_prompts, bool) or not isinstance(num_system_prompts, int) or num_system_prompts < 1:
+        if not is_int(num_system_prompts) or num_system_prompts < 1:
             raise ValueError(f"num_system_prompts must be an int >= 1, got {num_system_prompts!r}")
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 10:
+        if not is_int(vocab) or vocab <= 10:
             raise ValueError(f"vocab must be an int above 10 (ids 0-9 are kept for special tokens), got {vocab!r}")
         # (drawn with randint: a reversed range failed inside random without naming the argument, and an answer of
         # 0 tokens made every such turn a request the engine refuses, ending its chat in silence)
         for name, pair, least in (("user_range", user_range, 0), ("output_range", output_range, 1)):
-            if not (len(pair) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)
+            if not (len(pair) == 2 and all(map(is_int, pair))
                     and least <= pair[0] <= pair[1]):
                 raise ValueError(f"{name} must be (low, high) ints with {least} <= low <= high, got {pair!r}")
         if answer_s is None:
             step_s = typical_decode_step_s((executor_factory or gpu_like_executor)(), system_len, turns,
                                            user_range, output_range)
             answer_s = max(1.0, step_s * sum(output_range) / 2)
-        if not (isinstance(answer_s, (int, float)) and answer_s >= 0 and math.isfinite(answer_s)):
+        if not (is_real(answer_s) and answer_s >= 0):
             raise ValueError(f"answer_s must be a finite number of seconds >= 0, got {answer_s!r}")
         self.rate, self.duration, self.seed, self.turns = rate, duration, seed, turns
         self.user_range, self.output_range, self.think_s, self.vocab = user_range, output_range, think_s, vocab
@@ -378,7 +379,7 @@ class Fleet:
 
     def __init__(self, num_replicas: int, router: Router, *, executor_factory: Callable[[], Any] | None = None,
                  engine_factory: Callable[[Any], Any] | None = None) -> None:
-        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+        if not is_int(num_replicas) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
         if not callable(getattr(router, "route", None)):
             raise ValueError("router must have a route(prompt_token_ids, loads) method")
@@ -408,7 +409,7 @@ class Fleet:
             nonlocal seq
             if a.request_id in seen:
                 raise ValueError(f"request id {a.request_id!r} is used twice")
-            if not (isinstance(a.time, (int, float)) and math.isfinite(a.time)):
+            if not is_real(a.time):
                 raise ValueError(f"arrival time must be a finite number, got {a.time!r}")
             seen.add(a.request_id)
             heapq.heappush(pending, (a.time, seq, a))

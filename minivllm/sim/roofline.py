@@ -61,6 +61,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import MISSING, dataclass, field, replace
 
+from minivllm.argtypes import is_int, is_real
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 
 
@@ -107,7 +108,7 @@ class ModelShape:
             v = getattr(self, k)
             if v is None and k == "max_position_embeddings":
                 continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"ModelShape.{k} must be a positive integer, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -253,8 +254,8 @@ class HardwareSpec:
         # executor (each request "execution failed"), a negative one lost to the other limit in silence.
         for k in ("attention_flops", "attention_bandwidth", "attention_span_bandwidth", "fp32_peak_flops"):
             v = getattr(self, k)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0):
-                raise ValueError(f"HardwareSpec.{k} must be a number > 0 or None, got {v!r}")
+            if v is not None and not (is_real(v) and v > 0):
+                raise ValueError(f"HardwareSpec.{k} must be a finite number > 0 or None, got {v!r}")
         if self.flops_dtype_bytes != 0 and self.flops_dtype_bytes not in TENSOR_CORE_SCALE:
             raise ValueError(f"HardwareSpec.flops_dtype_bytes must be 0 (the calibrated dtype) or one of "
                              f"{sorted(TENSOR_CORE_SCALE)}, got {self.flops_dtype_bytes!r}")
@@ -489,7 +490,7 @@ def check_fake_vocab(vocab_size, owner: str) -> None:
     """Refuse a vocabulary :func:`fake_token` cannot draw from, where it is configured rather than at the first
     sampled token: with ``RESERVED_TOKEN_IDS`` or fewer ids there is no id left to draw (a modulo by zero, or
     tokens outside the vocabulary)."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= RESERVED_TOKEN_IDS:
+    if not is_int(vocab_size) or vocab_size <= RESERVED_TOKEN_IDS:
         raise ValueError(f"{owner}.vocab_size must be an integer > {RESERVED_TOKEN_IDS} (the simulator's sampled "
                          f"tokens skip ids 0-{RESERVED_TOKEN_IDS - 1}), got {vocab_size!r}")
 

@@ -34,6 +34,8 @@ import operator
 import struct
 from collections.abc import Sequence
 
+from minivllm.argtypes import is_int, is_real
+
 ROUTERS = ("round_robin", "least_outstanding", "prefix_affinity")
 
 
@@ -124,9 +126,9 @@ class HashRing:
 
     def __init__(self, num_replicas: int, vnodes: int = 64) -> None:
         # (bool is an int to isinstance: True would build a ring of one replica and pass for a count)
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        if not is_int(num_replicas) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
-        if isinstance(vnodes, bool) or not isinstance(vnodes, int) or vnodes < 1:
+        if not is_int(vnodes) or vnodes < 1:
             raise ValueError(f"vnodes must be a positive int, got {vnodes!r}")
         self.num_replicas, self.vnodes = num_replicas, vnodes
         points = sorted((stable_hash(f"replica-{r}#{v}"), r) for r in range(num_replicas) for v in range(vnodes))
@@ -165,10 +167,10 @@ class PrefixAffinityRouter:
                  spill_factor: float = 1.5, min_spill_tokens: int = 4096) -> None:
         for name, value, least in (("block_size", block_size, 1), ("key_blocks", key_blocks, 1),
                                    ("min_spill_tokens", min_spill_tokens, 0)):  # (0: spill on the mean alone)
-            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            if not is_int(value) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
-        if not (isinstance(spill_factor, (int, float)) and spill_factor >= 1.0):
-            raise ValueError(f"spill_factor must be a number >= 1, got {spill_factor!r}")
+        if not (is_real(spill_factor) and spill_factor >= 1.0):
+            raise ValueError(f"spill_factor must be a finite number >= 1, got {spill_factor!r}")
         self.ring = HashRing(num_replicas, vnodes)
         self.block_size, self.key_blocks = block_size, key_blocks
         self.spill_factor, self.min_spill_tokens = float(spill_factor), min_spill_tokens
