@@ -163,3 +163,19 @@ def test_each_documented_make_target_and_script_exists(doc, cmd):
     targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(encoding="utf-8"), flags=re.M))
     for target in (w for w in words[1:] if "=" not in w and not w.startswith("-")):
         assert target in targets, f"{doc}: `{cmd}` names no Makefile target"
+
+
+def test_make_fuzz_runs_every_file_with_a_hypothesis_property():
+    """The README says ``make fuzz`` runs every hypothesis property ``FUZZ_SCALE`` times as hard as CI; the target
+    runs only the files its ``FUZZ_FILES`` lists.  A property file left off that list is searched at CI's size
+    only, however high the scale is set: the KV hunt's tenant-quota property
+    (``test_kv_hunt_tenant_quotas_extend_and_both_caches.py``, sized by ``tests.fuzz.examples``) was.  Oracle: a
+    recount of the test files that import hypothesis (its ``@given`` properties and state machines)."""
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    m = re.search(r"^FUZZ_FILES\s*:=((?:[^\n]*\\\n)*[^\n]*)", makefile, flags=re.M)
+    assert m, "the Makefile no longer lists FUZZ_FILES"
+    listed = set(re.findall(r"tests/\S+\.py", m.group(1)))
+    assert listed and all((ROOT / f).is_file() for f in listed), listed
+    with_properties = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                       if re.search(r"^(?:from|import) hypothesis\b", p.read_text(encoding="utf-8"), flags=re.M)}
+    assert with_properties - listed == set(), f"`make fuzz` leaves out {sorted(with_properties - listed)}"
