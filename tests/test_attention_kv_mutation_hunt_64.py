@@ -23,6 +23,7 @@ def test_auto_on_a_cuda_device_without_triton_serves_with_the_torch_reference(mo
     module docstring.  Neither branch touches the GPU: the torch backend holds no tensors, and the Triton one
     is stood in for by a recorder."""
     made = []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a GPU process compiles its kernels (conftest sets 1 on a CPU)
     monkeypatch.setattr(backends, "_make_triton_backend",
                         lambda device: made.append(device) or types.SimpleNamespace(name="triton"))
     monkeypatch.setattr(backends, "triton_available", lambda: False)

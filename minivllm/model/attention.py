@@ -87,6 +87,16 @@ def _expand_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x if group == 1 else x.repeat_interleave(group, dim=-3)
 
 
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the reference computes in: fp32 for the half types, and fp64 for an fp64 model.
+
+    fp32 makes fp16/bf16 attention a trustworthy oracle; casting fp64 *down* to it
+    would round every attention output of a model served in fp64 (which the config
+    offers as the exact dtype, for checks) to fp32's ~1e-7.
+    """
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _decode_layout(meta: AttentionMetadata, block_size: int, device: torch.device):
     """Block table slice and padding mask for the decode rows: the same for every layer."""
     if "decode" not in meta.scratch:
@@ -123,12 +133,13 @@ def _decode_attention(
     group = num_heads // kv_heads
     # [B, kv_heads, group, D] @ [B, kv_heads, D, L] -> [B, kv_heads, group, L]
     qg = q.view(batch, kv_heads, group, head_dim)
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale
+    acc = _accumulate_dtype(q.dtype)
+    scores = torch.matmul(qg.to(acc), k.to(acc).transpose(-1, -2)) * scale
     scores.masked_fill_(pad, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # padding keys have probability 0, but 0 * inf/NaN is NaN: their V (another request's block 0, or a
     # previous owner's stale slots) must not enter the product at all
-    out = torch.matmul(probs, v.float().masked_fill(pad.view(batch, 1, -1, 1), 0.0))
+    out = torch.matmul(probs, v.to(acc).masked_fill(pad.view(batch, 1, -1, 1), 0.0))
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
@@ -152,8 +163,9 @@ def _prefill_attention(
     rows = torch.arange(q_len, device=q.device)[:, None] + context_len
     cols = torch.arange(kv_len, device=q.device)[None, :]
     mask = cols <= rows
+    acc = _accumulate_dtype(q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.float(), v.float(), attn_mask=mask, scale=scale
+        q.transpose(0, 1).to(acc), k.to(acc), v.to(acc), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1).to(q.dtype)
 
@@ -168,8 +180,8 @@ def paged_attention_reference(
     """Attention for a flat ragged batch ``q: [num_tokens, heads, D]`` through the paged cache.
 
     The new tokens' K/V must already be in the cache (see :func:`write_kv`).
-    Returns ``[num_tokens, heads, D]``.  Computation is in fp32 whatever the
-    input dtype, which makes this a trustworthy oracle.
+    Returns ``[num_tokens, heads, D]``.  Computation is in fp32 for every input
+    dtype but fp64 (kept in fp64), which makes this a trustworthy oracle.
     """
     out = torch.empty_like(q)
     nd = meta.num_decodes

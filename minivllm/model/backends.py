@@ -10,10 +10,11 @@ Three implementations of the same interface (``write_kv`` + ``attend``) exist:
 * ``"triton"`` -- :class:`minivllm.model.kernels.TritonAttentionBackend`, paged
   kernels compiled for a CUDA GPU, or run by Triton's CPU interpreter.
 
-``"auto"`` picks Triton exactly when it can run compiled: a CUDA device and an
-importable ``triton``.  On a CPU the interpreter is correct but orders of
-magnitude slower than torch, so ``auto`` never picks it there: it picks ``"cpu"``
-when the C kernel builds (a compiler is present) and ``"torch"`` otherwise.
+``"auto"`` picks Triton exactly when it can run compiled: a CUDA device, an
+importable ``triton`` and ``TRITON_INTERPRET`` switched off.  On a CPU the
+interpreter is correct but orders of magnitude slower than torch, so ``auto``
+never picks it there: it picks ``"cpu"`` when the C kernel builds (a compiler is
+present) and ``"torch"`` otherwise.
 
 The projections (every ``nn.Linear`` of the model) have backends too:
 ``"torch"`` (``F.linear``, the default BLAS) or ``"onednn"`` (the weights packed
@@ -74,7 +75,8 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name == "auto":
         if device.type == "cuda":
-            name = "triton" if triton_available() else "torch"
+            # with the interpreter switched on, Triton would run every launch in Python on host copies
+            name = "triton" if triton_available() and not triton_interpreting() else "torch"
         else:
             from minivllm.model.cpu_attention import load_kernel
 
