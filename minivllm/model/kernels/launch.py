@@ -15,7 +15,10 @@ agree on them:
 * **upcast**: the Triton 3.9 interpreter holds bf16 values as raw bit patterns
   and computes garbage with them.  Loading and immediately casting to fp32
   sidesteps that.  On a GPU, bf16 is native and the cast would waste
-  registers, so it is only done off-GPU.
+  registers, so it is only done where the kernels are interpreted -- which is
+  decided when they are decorated, at import, by ``TRITON_INTERPRET``: with it on,
+  a CUDA tensor is interpreted too (Triton copies it to the host and computes
+  there), so the device alone does not say "compiled".
 
 **Step-varying arguments are not specialised.**  Besides the constexprs, Triton
 compiles a separate binary for each *specialisation* of the plain arguments: an
@@ -34,6 +37,12 @@ checks the list against the arguments a served workload actually varies, and
 from __future__ import annotations
 
 import torch
+
+from minivllm.model.backends import triton_interpreting
+
+# Read once, as Triton reads it when ``@triton.jit`` decorates the kernels (this module is imported with them):
+# switching the variable later changes nothing about how they run.
+INTERPRETED = triton_interpreting()
 
 
 def next_power_of_2(n: int) -> int:
@@ -88,13 +97,14 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def needs_upcast(tensor: torch.Tensor) -> bool:
-    """True when loads must be cast to fp32 right away (bf16 in the CPU interpreter)."""
-    return tensor.dtype == torch.bfloat16 and tensor.device.type != "cuda"
+    """True when loads must be cast to fp32 right away (bf16 in the interpreter, whatever the tensor's device)."""
+    return tensor.dtype == torch.bfloat16 and not is_gpu(tensor)
 
 
 def is_gpu(tensor: torch.Tensor) -> bool:
-    """True when the kernels run compiled on a GPU rather than in the interpreter."""
-    return tensor.device.type == "cuda"
+    """True when the kernels run compiled on a GPU rather than in the interpreter: a CUDA tensor and the
+    interpreter off (on, it computes a CUDA tensor's copy on the host, where bf16 needs the upcast)."""
+    return tensor.device.type == "cuda" and not INTERPRETED
 
 
 def num_compute_units(device: torch.device) -> int:
