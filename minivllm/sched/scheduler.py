@@ -66,9 +66,9 @@ a running request that would grow its group past the KV cap preempts within
 its own group.  Policies with a ``rank`` also order the prefill chunks of a batch by
 rank, count against an admission's token budget only the running prefills
 ranked at or ahead of it, and (with ``may_preempt_for``) preempt a worse-ranked
-running request to seat a better-ranked one (under a global head of line, nothing ranked behind that
-victim is then admitted in the same pass: it would take the victim's room).  Once a victim has been swapped
-out to seat another, no swapped request is swapped back in during the same
+running request to seat a better-ranked one (nothing ranked behind that victim is then admitted in the same
+pass: it would take the victim's room; under a per-tenant head of line, nothing of the victim's own tenant).
+Once a victim has been swapped out to seat another, no swapped request is swapped back in during the same
 admission (the victim's freed device blocks could be overwritten before the
 executor copies them out).
 """
@@ -133,11 +133,15 @@ class _AdmissionPass:
         # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
         self.cap_closed: set[str] = set()
         self.swapped_out = False  # a victim swapped out in this pass: no swap-in may reuse its blocks this step
-        # The best rank among the victims preempted in this pass to seat a better-ranked request.  Under a global
-        # head of line, a request ranked behind one of them is not admitted in the same pass: it would take the
-        # room the victim gave up (a priority-2 request running while the priority-1 victim waits, an inversion
-        # of the policy's order).  (Per tenant, a head that cannot start lets other tenants pass by design.)
-        self.victim_rank = None
+        # The best rank among the victims preempted in this pass to seat a better-ranked request, under the key
+        # None (a global head of line) or per victim's tenant (a per-tenant one).  A request ranked behind one of
+        # them is not admitted in the same pass: it would take the room the victim gave up (a priority-2 request
+        # running while the priority-1 victim waits, an inversion of the policy's order).  Per tenant, a head that
+        # cannot start lets other tenants pass by design, but not its own tenant's later requests, and a victim
+        # is its tenant's head until the next pass (three_class: a batch request preempted for an interactive
+        # one, its room taken by the same tenant's newer batch request -- the same-class trade that rule
+        # preempt_batch_first_swap_long exists to avoid).
+        self.victim_rank: dict[str | None, object] = {}
         self.held_seats = 0  # seats kept for samples whose leader is still prefilling (global head of line)
 
 
@@ -624,8 +628,13 @@ class Scheduler:
                     continue
             elif not p.trusted and req not in self.waiting:  # (by identity, in C; the removal in _seat scans as far)
                 raise ValueError(self._not_an_order(req))
-            if p.victim_rank is not None and self._rank(req) > p.victim_rank:
-                break  # it waits behind a victim, which cannot start again in this pass: the head of the line
+            if p.victim_rank and self._behind_a_victim(p, req):
+                if not self._hol_per_tenant:
+                    break  # it waits behind a victim, which cannot start again in this pass: the head of the line
+                blocked.add(req.tenant)  # its tenant's head is a victim, which cannot start again in this pass
+                if self._all_passed_over(blocked, cap_closed):
+                    break
+                continue
             fit, short_of_kv = self._fit_or_make_room(p, req)
             if fit is not None:
                 self._seat(p, req, fit)
@@ -721,12 +730,20 @@ class Scheduler:
                 return fit, seated and not stuck
             self._after_admission_victim(p)
 
+    def _behind_a_victim(self, p: _AdmissionPass, req: Request) -> bool:
+        """Is ``req`` ranked behind a victim this pass preempted -- any victim under a global head of line, one of
+        its own tenant under a per-tenant one (see :attr:`_AdmissionPass.victim_rank`)?"""
+        best = p.victim_rank.get(req.tenant if self._hol_per_tenant else None)
+        return best is not None and self._rank(req) > best
+
     def _after_admission_victim(self, p: _AdmissionPass) -> None:
         """A running request was just preempted to seat another: what the rest of the pass must know of it."""
         victim = self._admission_preempted[-1]
         p.swapped_out |= victim.status is RequestStatus.SWAPPED
-        if not self._hol_per_tenant and (p.victim_rank is None or self._rank(victim) < p.victim_rank):
-            p.victim_rank = self._rank(victim)
+        key, rank = (victim.tenant if self._hol_per_tenant else None), self._rank(victim)
+        best = p.victim_rank.get(key)
+        if best is None or rank < best:
+            p.victim_rank[key] = rank
         p.reserved = self._reserved_blocks()
         if self.caps is not None:
             p.usage, p.held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
