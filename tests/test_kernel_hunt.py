@@ -90,16 +90,20 @@ def test_auto_on_a_cuda_device_takes_triton_only_when_it_runs_compiled(monkeypat
     assert made == ([torch.device("cuda")] if compiled else [])
 
 
-def test_a_cuda_tensor_under_the_interpreter_is_not_compiled_work():
+def test_a_cuda_tensor_under_the_interpreter_is_not_compiled_work(monkeypatch):
     """Triton's interpreter copies a CUDA tensor to the host and computes there, where bf16 held as raw bits
     gives garbage unless loads are upcast (8e8 off on a CPU decode with the cast forced off).  ``launch`` read
     "a CUDA tensor" as "compiled": no upcast, GPU launch options.  Oracle: the module's own rule, as Triton
-    applies it -- the interpreter was on when the kernels were decorated (this suite runs with it on)."""
+    applies it -- the interpreter was on when the kernels were decorated (set here: on a GPU machine the suite
+    imports them compiled)."""
     from types import SimpleNamespace
 
+    pytest.importorskip("triton")
     from minivllm.model.kernels import launch
 
-    assert launch.INTERPRETED, "this suite imports the kernels with TRITON_INTERPRET on"
+    monkeypatch.setattr(launch, "INTERPRETED", True)
     cuda_bf16 = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"))  # no GPU needed to ask
     assert not launch.is_gpu(cuda_bf16)
     assert launch.needs_upcast(cuda_bf16)
+    monkeypatch.setattr(launch, "INTERPRETED", False)  # compiled: the GPU's own bf16, no upcast, as before
+    assert launch.is_gpu(cuda_bf16) and not launch.needs_upcast(cuda_bf16)

@@ -395,11 +395,12 @@ class LLMEngine:
         way (a client that gave up on a non-streamed answer) would leave its generated tokens out of every count
         read from outputs.  The server reads this just before it aborts, and its metrics count what was unseen.
         """
-        group = self._groups.get(request_id)
-        samples = group if group is not None else [r] if (r := self.requests.get(request_id)) is not None else []
-        if not samples:
-            return 0, ()
-        return len(samples[0].prompt_token_ids), tuple(len(r.output_token_ids) for r in samples)
+        with self._lock:  # (re-entrant; the server asks from the stepping thread, another caller need not)
+            group = self._groups.get(request_id)
+            samples = group if group is not None else [r] if (r := self.requests.get(request_id)) is not None else []
+            if not samples:
+                return 0, ()
+            return len(samples[0].prompt_token_ids), tuple(len(r.output_token_ids) for r in samples)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks (on both tiers) go back at once -- or, when the call comes from

@@ -133,7 +133,8 @@ def graded_cells(nb, lab: Lab, run_all: bool = False) -> list[tuple[str, str]]:
     ``what`` is ``"setup"``, ``"exercise:<name>"`` or ``"cell <i>"``.  An exercise whose tag the
     learner lost (a copied cell, say) is found as the last code cell defining its object.  A notebook with no
     cell tagged ``setup`` (a tool that strips cell metadata strips every tag) runs its first code cell as the
-    setup: every lab opens with it, and without its imports a correct exercise fails its checker.
+    setup, unless that cell is found as an exercise: every lab opens with its setup, and without its imports a
+    correct exercise fails its checker.
     """
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     if run_all:

@@ -187,7 +187,8 @@ class AsyncEngine:
             try:
                 queue_it()
             finally:
-                self._adding.discard(stream)
+                with self._moving:  # (the door sums over the set under this lock: it must not shrink mid-sum)
+                    self._adding.discard(stream)
 
         def queue_it() -> None:
             if self.shutting_down:

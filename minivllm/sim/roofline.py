@@ -243,11 +243,11 @@ class HardwareSpec:
 
     def __post_init__(self) -> None:
         for k in ("peak_flops", "mem_bandwidth", "swap_bandwidth", "flops_util", "bw_util"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"HardwareSpec.{k} must be > 0, got {getattr(self, k)!r}")
+            if not (is_real(getattr(self, k)) and getattr(self, k) > 0):
+                raise ValueError(f"HardwareSpec.{k} must be a finite number > 0, got {getattr(self, k)!r}")
         for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "eager_step_overhead_s", "memory_bytes"):
-            if not getattr(self, k) >= 0:
-                raise ValueError(f"HardwareSpec.{k} must be >= 0, got {getattr(self, k)!r}")
+            if not (is_real(getattr(self, k)) and getattr(self, k) >= 0):
+                raise ValueError(f"HardwareSpec.{k} must be a finite number >= 0, got {getattr(self, k)!r}")
         if self.roof_p is not None and not self.roof_p >= 1:
             raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {self.roof_p!r}")
         # The attention roofs divide a step's terms as the others do: a zero one failed every step inside the
