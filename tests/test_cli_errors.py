@@ -229,8 +229,8 @@ def test_sim_run_files_and_tenants(tmp_path, capsys):
     ("[1, 2]", "not a calibration profile"),
     ('{"a": 1}', "not a calibration profile"),
     ('{"hardware": {"name": "x"}}', "needs peak_flops, mem_bandwidth"),
-    ('{"hardware": {"name": "x", "peak_flops": -1, "mem_bandwidth": 1}}', "peak_flops must be > 0"),
-    ('{"hardware": {"name": "x", "peak_flops": "a", "mem_bandwidth": 1}}', "bad HardwareSpec field"),
+    ('{"hardware": {"name": "x", "peak_flops": -1, "mem_bandwidth": 1}}', "peak_flops must be a finite number > 0"),
+    ('{"hardware": {"name": "x", "peak_flops": "a", "mem_bandwidth": 1}}', "peak_flops must be a finite number > 0, got 'a'"),
 ])
 def test_a_broken_profile_says_what_is_wrong(tmp_path, text, match):
     from minivllm.sim.presets import hardware_preset
