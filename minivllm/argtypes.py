@@ -25,8 +25,15 @@ def is_int(x) -> bool:
 
 def is_real(x) -> bool:
     """A finite int or float that is not a bool (a time, a rate, a threshold): NaN compares false with every
-    bound, so a range check alone lets it through; inf passes most lower bounds."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    bound, so a range check alone lets it through; inf passes most lower bounds.  An int past float's range
+    (``10**400``) is no finite float either: ``math.isfinite`` raises ``OverflowError`` on it rather than answering,
+    which escaped every caller's ``ValueError``."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _number(text: str, kind: type) -> int | float:

@@ -14,8 +14,9 @@ request the engine already sized.  Make a new one with :func:`dataclasses.replac
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from minivllm.argtypes import is_int, is_real
 
 GREEDY_EPSILON = 1e-5
 """Temperatures below this are greedy: dividing logits by ~0 overflows to inf/nan."""
@@ -49,18 +50,14 @@ def brief_repr(value) -> str:
 
     Why: a refusal quotes what was wrong so its caller can find it, but the value can be as large as the request
     (a 200 kB model name, a list of long stop strings); quoted whole, it made the error as large.  The start of a
-    value is enough to recognise it.
+    value is enough to recognise it.  An int of more than 4,300 digits (or a list holding one) has no repr:
+    Python refuses to write it out with a ValueError of its own, which replaced the refusal that named the field.
     """
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # sys.get_int_max_str_digits(): too long to write in decimal
+        return f"<a {type(value).__name__} too large to write out>"
     return text[:QUOTE_CHARS] + "..." if len(text) > QUOTE_CHARS else text
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -81,19 +78,19 @@ class SamplingParams:
     _stop_list: tuple[str, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {brief_repr(self.n)}")
-        if not _is_real(self.temperature) or self.temperature < 0:
+        if not is_real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {brief_repr(self.temperature)}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {brief_repr(self.top_p)}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {brief_repr(self.top_k)}")
-        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {brief_repr(self.min_p)}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {brief_repr(self.max_tokens)}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {brief_repr(self.seed)}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
@@ -113,7 +110,7 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {brief_repr(self.stop_token_ids)}")
         ids = tuple(self.stop_token_ids or ())
-        bad = next((i for i, t in enumerate(ids) if not _is_int(t) or t < 0), None)
+        bad = next((i for i, t in enumerate(ids) if not is_int(t) or t < 0), None)
         if bad is not None:  # the offending entry, not the whole list (which may hold thousands)
             raise ValueError(f"stop_token_ids must be non-negative integers, got {brief_repr(ids[bad])} at index {bad}")
         # frozen: the validated, normalised forms are set once, here

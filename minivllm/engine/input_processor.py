@@ -13,10 +13,10 @@ while that parent exists, see :meth:`InputProcessor.sample_id`).
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
+from minivllm.argtypes import is_int, is_real
 from minivllm.interfaces import Tokenizer
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams, brief_repr
@@ -42,11 +42,9 @@ def output_room(num_prompt_tokens: int, max_tokens: int | None, max_model_len: i
 
 def check_priority_deadline(priority, deadline) -> None:
     """The scheduling fields a caller sets, checked at the boundary (``ValueError``)."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
+    if not is_int(priority):
         raise ValueError(f"priority must be an integer (lower runs first), got {brief_repr(priority)}")
-    if deadline is not None and (
-        isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
-    ):
+    if deadline is not None and not is_real(deadline):  # (an int no float holds too: it is stored as a float)
         raise ValueError(f"deadline must be a finite number of seconds on the executor's clock, got {brief_repr(deadline)}")
 
 
@@ -184,7 +182,7 @@ class InputProcessor:
             # ids); anything else -- an int subclass, a bool, a stray float -- gets the loop's precise answer.
             if not (set(map(type, prompt)) == {int} and min(prompt) >= 0 and not (vocab and max(prompt) >= vocab)):
                 for t in prompt:
-                    if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab and t >= vocab):
+                    if not is_int(t) or t < 0 or (vocab and t >= vocab):
                         raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {brief_repr(t)}")
             return None, list(prompt), cache_salt, tenant
         raise ValueError(

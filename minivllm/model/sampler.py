@@ -51,8 +51,11 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     kth = ordered.gather(1, (k - 1).unsqueeze(1))
     drop = ordered < kth
     probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
-    mass_before = probs.cumsum(-1) - probs
-    nucleus_cut = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    # "mass before i reaches top_p" is asked as "mass from i on, summed smallest first, is at most 1 - top_p"
+    # (transformers' and vLLM's form): float32 sums from the top end drift by ~1e-5 over a 49k vocabulary, and
+    # the cut moved a token or two off the exact one in about one row in eight at top_p=0.99
+    tail = probs.flip(-1).cumsum(-1).flip(-1)
+    nucleus_cut = (tail <= (1.0 - top_p).to(probs.dtype).unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     nucleus_cut[:, 0] = False  # the top token stays even when top_p rounds to 0 in float32 (top_p=1e-50)
     drop |= nucleus_cut
     probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
@@ -83,15 +86,17 @@ def sample(
         device = logits.device
         chosen = [params[i] for i in rows]
         # float32 holds no temperature past ~3.4e38 (1e300 would be inf, and a masked -inf / inf a NaN): capped
-        # there, a huge temperature gives its limit, uniform over the allowed tokens
-        temps = torch.tensor([min(p.temperature, _FLOAT32_MAX) for p in chosen], device=device)
+        # there, a huge temperature gives its limit, uniform over the allowed tokens.  The dtype is named: from
+        # ints alone (temperature=10**20 is valid) torch builds an int64 tensor, which 2**63 and up overflow
+        temps = torch.tensor([min(p.temperature, _FLOAT32_MAX) for p in chosen], device=device, dtype=torch.float32)
         scaled = logits[rows] / temps.unsqueeze(1)
         if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in chosen):
             scaled = filter_logits(
                 scaled,
                 # a top_k beyond the vocabulary keeps everything; clamped so 2**63 cannot overflow an int64
                 torch.tensor([min(p.top_k, logits.shape[-1]) for p in chosen], device=device),
-                torch.tensor([p.top_p for p in chosen], device=device, dtype=torch.float32),
+                # float64, so that 1 - top_p is rounded once (1 - float32(0.6) is not float32(0.4): a tie lost)
+                torch.tensor([p.top_p for p in chosen], device=device, dtype=torch.float64),
                 torch.tensor([p.min_p for p in chosen], device=device, dtype=torch.float32),
             )
         probs = torch.softmax(scaled, dim=-1)
