@@ -15,11 +15,12 @@ returns a *new* frozen config with the defaults that depend on the model
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from minivllm.argtypes import is_real
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -88,7 +89,7 @@ class TenantConfig:
 
     def __post_init__(self) -> None:
         check_type("TenantConfig.weight", self.weight, (int, float))
-        if not (self.weight > 0 and self.weight < float("inf")):
+        if not (is_real(self.weight) and self.weight > 0):  # (an int past float's range overflowed at use)
             raise ValueError(f"TenantConfig.weight must be a finite number > 0, got {self.weight!r}")
         for name in ("max_running", "max_tokens_per_step"):
             value = getattr(self, name)
@@ -331,7 +332,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not 0 <= self.swap_space < 1024:
             raise ValueError(f"swap_space is in GiB and must be in [0, 1024), got {self.swap_space}")
-        if self.stall_timeout_s is not None and not 0 <= self.stall_timeout_s < math.inf:
+        if self.stall_timeout_s is not None and not (is_real(self.stall_timeout_s) and self.stall_timeout_s >= 0):
             raise ValueError(f"stall_timeout_s must be a number of seconds >= 0 (or None: no watchdog), "
                              f"got {self.stall_timeout_s}")
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
@@ -374,7 +375,7 @@ class EngineConfig:
         for name in ("wfq_prefill_weight", "wfq_decode_weight", "deadline_aging_s"):
             value = getattr(self, name)
             check_type(name, value, (int, float))
-            if not (value > 0 and value < float("inf")):
+            if not (is_real(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         if not isinstance(self.three_class, ThreeClassConfig):
             raise ValueError(f"three_class must be a ThreeClassConfig, got {type(self.three_class).__name__}")

@@ -525,3 +525,15 @@ def test_a_bool_is_not_a_number_at_any_boundary(where):
     with pytest.raises(ValueError):
         make(True)
     make(2 if where != "door min_free_blocks" else 1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: __import__("minivllm.config", fromlist=["TenantConfig"]).TenantConfig(weight=10**400),
+    lambda: __import__("minivllm.config", fromlist=["EngineConfig"]).EngineConfig(wfq_prefill_weight=10**400),
+    lambda: __import__("minivllm.config", fromlist=["EngineConfig"]).EngineConfig(stall_timeout_s=10**400),
+], ids=["tenant weight", "wfq_prefill_weight", "stall_timeout_s"])
+def test_an_int_no_float_holds_is_refused_when_the_config_is_built(make):
+    """``10**400 < float("inf")`` is True in Python, so these finite-looking checks took an int past float's range,
+    and the first use of it as a float (a WFQ share, a watchdog deadline) raised OverflowError mid-run."""
+    with pytest.raises(ValueError):
+        make()
