@@ -20,15 +20,7 @@ import numpy as np
 import pytest
 
 from minivllm.bench import loadgen as lg
-
-
-def _refused_by_argparse(call, argv, flag, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        call(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and f"argument {flag}:" in err, err
-    return err
+from tests.test_cli_errors import _argparse_refuses
 
 
 def _trace(tmp_path) -> str:
@@ -106,7 +98,7 @@ def test_sim_run_out_is_checked_before_the_simulation(monkeypatch, tmp_path, cap
 
     monkeypatch.setattr(run, "run_sim", lambda *a, **k: pytest.fail("the simulation ran before --out was checked"))
     out = {"empty": "", "directory": str(tmp_path), "new directory": str(tmp_path / "results") + "/"}[kind]
-    _refused_by_argparse(run.main, ["--num-requests", "3", "--out", out], "--out", capsys)
+    _argparse_refuses(run.main, ["--num-requests", "3", "--out", out], "--out", capsys)
     assert not (tmp_path / "results").exists()
 
 
@@ -121,7 +113,7 @@ def test_fleet_out_is_checked_before_the_sweep(monkeypatch, tmp_path, capsys, ki
 
     monkeypatch.setattr(fleet, "sweep", lambda *a, **k: pytest.fail("the sweep ran before --out was checked"))
     out = {"directory": str(tmp_path), "new directory": str(tmp_path / "results") + "/"}[kind]
-    _refused_by_argparse(fleet.main, ["--replicas", "1", "--routers", "round_robin", "--out", out], "--out", capsys)
+    _argparse_refuses(fleet.main, ["--replicas", "1", "--routers", "round_robin", "--out", out], "--out", capsys)
     assert not (tmp_path / "results").exists()
 
 
@@ -152,7 +144,7 @@ def test_sim_run_does_not_offer_policies_its_requests_cannot_steer(capsys, polic
     refuses them and the help says why."""
     from minivllm.sim.run import _parser, main
 
-    err = _refused_by_argparse(main, ["--num-requests", "3", "--scheduling-policy", policy], "--scheduling-policy",
+    err = _argparse_refuses(main, ["--num-requests", "3", "--scheduling-policy", policy], "--scheduling-policy",
                                capsys)
     assert "fcfs" in err
     help_text = next(a.help for a in _parser()._actions if "--scheduling-policy" in a.option_strings)
