@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from minivllm.argtypes import is_real
+from minivllm.sampling_params import brief_repr
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -90,7 +91,7 @@ class TenantConfig:
     def __post_init__(self) -> None:
         check_type("TenantConfig.weight", self.weight, (int, float))
         if not (is_real(self.weight) and self.weight > 0):  # (an int past float's range overflowed at use)
-            raise ValueError(f"TenantConfig.weight must be a finite number > 0, got {self.weight!r}")
+            raise ValueError(f"TenantConfig.weight must be a finite number > 0, got {brief_repr(self.weight)}")
         for name in ("max_running", "max_tokens_per_step"):
             value = getattr(self, name)
             check_type(f"TenantConfig.{name}", value, int, optional=True)
@@ -209,7 +210,7 @@ def check_type(name: str, value: Any, kind: type | tuple[type, ...], optional: b
     ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
     if not ok:
         names = " or ".join(k.__name__ for k in kinds) + (" or None" if optional else "")
-        raise ValueError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {names}, got {brief_repr(value)} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -334,11 +335,11 @@ class EngineConfig:
             raise ValueError(f"swap_space is in GiB and must be in [0, 1024), got {self.swap_space}")
         if self.stall_timeout_s is not None and not (is_real(self.stall_timeout_s) and self.stall_timeout_s >= 0):
             raise ValueError(f"stall_timeout_s must be a number of seconds >= 0 (or None: no watchdog), "
-                             f"got {self.stall_timeout_s}")
+                             f"got {brief_repr(self.stall_timeout_s)}")
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 (or None to measure it), got {value}")
+            if value is not None and not (is_real(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0 (or None to measure it), got {brief_repr(value)}")
         if self.prefix_cache not in PREFIX_CACHE_KINDS:
             raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {self.prefix_cache!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -376,7 +377,7 @@ class EngineConfig:
             value = getattr(self, name)
             check_type(name, value, (int, float))
             if not (is_real(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+                raise ValueError(f"{name} must be a finite number > 0, got {brief_repr(value)}")
         if not isinstance(self.three_class, ThreeClassConfig):
             raise ValueError(f"three_class must be a ThreeClassConfig, got {type(self.three_class).__name__}")
         if self.scheduling_policy == "caps" and not any(tc.has_caps for _, tc in tenants):

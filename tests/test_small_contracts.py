@@ -531,9 +531,23 @@ def test_a_bool_is_not_a_number_at_any_boundary(where):
     lambda: __import__("minivllm.config", fromlist=["TenantConfig"]).TenantConfig(weight=10**400),
     lambda: __import__("minivllm.config", fromlist=["EngineConfig"]).EngineConfig(wfq_prefill_weight=10**400),
     lambda: __import__("minivllm.config", fromlist=["EngineConfig"]).EngineConfig(stall_timeout_s=10**400),
-], ids=["tenant weight", "wfq_prefill_weight", "stall_timeout_s"])
+    lambda: __import__("minivllm.config", fromlist=["EngineConfig"]).EngineConfig(swap_bandwidth_gbps=10**400),
+    lambda: __import__("minivllm.config", fromlist=["EngineConfig"]).EngineConfig(prefill_tokens_per_s=10**400),
+], ids=["tenant weight", "wfq_prefill_weight", "stall_timeout_s", "swap_bandwidth_gbps", "prefill_tokens_per_s"])
 def test_an_int_no_float_holds_is_refused_when_the_config_is_built(make):
     """``10**400 < float("inf")`` is True in Python, so these finite-looking checks took an int past float's range,
-    and the first use of it as a float (a WFQ share, a watchdog deadline) raised OverflowError mid-run."""
+    and the first use of it as a float (a WFQ share, a watchdog deadline, the swap cost model) raised
+    OverflowError mid-run or when the engine was built."""
     with pytest.raises(ValueError):
         make()
+
+
+@pytest.mark.parametrize("field", ["weight", "stall_timeout_s", "wfq_decode_weight"])
+def test_a_config_refusal_names_its_field_even_for_an_int_too_long_to_write(field):
+    """Python refuses to write an int of more than 4,300 digits in decimal (its own ValueError, naming nothing):
+    quoted with ``repr``, the refusal lost the field's name."""
+    from minivllm.config import EngineConfig, TenantConfig
+
+    make = TenantConfig if field == "weight" else EngineConfig
+    with pytest.raises(ValueError, match=field):
+        make(**{field: 10**5000})

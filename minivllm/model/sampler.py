@@ -56,7 +56,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     # the cut moved a token or two off the exact one in about one row in eight at top_p=0.99
     tail = probs.flip(-1).cumsum(-1).flip(-1)
     nucleus_cut = (tail <= (1.0 - top_p).to(probs.dtype).unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-    nucleus_cut[:, 0] = False  # the top token stays even when top_p rounds to 0 in float32 (top_p=1e-50)
+    nucleus_cut[:, 0] = False  # the top token always stays: its tail is the whole mass, ~1 give or take rounding
     drop |= nucleus_cut
     probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
     drop |= probs < (min_p.unsqueeze(1) * probs[:, :1])
