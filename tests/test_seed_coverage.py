@@ -104,6 +104,48 @@ def resolve(ref: str) -> str | None:
     return None if needle in text else f"{needle!r} not in {target}"
 
 
+@lru_cache(maxsize=None)
+def notebook_outputs(lab: str) -> str:
+    """The stored text outputs of ``labNN``'s solution notebook: where the numbers the map quotes were printed."""
+    found = sorted((ROOT / "solutions").glob(f"{lab}_*.ipynb"))
+    if len(found) != 1:
+        return ""  # resolve() already reports the missing notebook
+    texts = []
+    for cell in json.loads(found[0].read_text(encoding="utf-8"))["cells"]:
+        for out in cell.get("outputs", []):
+            text = out.get("text", out.get("data", {}).get("text/plain", ""))
+            texts.append(text if isinstance(text, str) else "".join(text))
+    return "\n".join(texts)
+
+
+# A number the map quotes: digits with thousands commas and a decimal part, not the tail of a name (A2.10, lab05,
+# H100, p95) or of a longer number.
+NUMBER = re.compile(r"(?<![\w.,])\d(?:[\d,]*\d)?(?:\.\d+)?")
+
+# Numbers a row quotes on purpose from no stored output: A2.11 keeps the quiet and busy runs of 1-5 December as
+# history (the lab's stored output is the later rerun it also quotes).
+UNBACKED = {"A2.11": {"12", "18", "6.1", "2.0", "5.7", "13"}}
+
+
+def quoted_numbers(row: dict[str, str]) -> set[str]:
+    """Numbers of two or more digits in a row's measurements and status, outside its references, without commas."""
+    text = re.sub(r"`[^`]*`", " ", row["measured in"] + " " + row["status"])
+    return {n.replace(",", "") for n in NUMBER.findall(text) if sum(c.isdigit() for c in n) >= 2}
+
+
+def cited_text(row: dict[str, str]) -> str:
+    """Everything a row cites: its labs' cell sources and stored outputs, and the text of its other files."""
+    parts = []
+    for col in ("taught in", "measured in", "status"):
+        for ref in refs(row[col]):
+            target = ref.partition("::")[0]
+            if re.fullmatch(r"lab\d\d", target):
+                parts += [notebook(target)[0], notebook_outputs(target)]
+            elif "/" in target and (ROOT / target).is_file():
+                parts.append(file_text(target))
+    return "\n".join(parts)
+
+
 ROWS = parse_rows(MAP.read_text(encoding="utf-8"))
 
 
@@ -132,6 +174,22 @@ def test_every_reference_exists(row):
     bad = [f"{ref}: {why}" for col in ("taught in", "measured in") for ref in refs(row[col])
            if (why := resolve(ref)) is not None]
     assert not bad, f"{row['id']} ({row['seed item'][:60]}): stale references\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r["id"] for r in ROWS])
+def test_every_number_a_row_quotes_occurs_in_what_it_cites(row):
+    """A row's numbers are read off a stored output or a result file; when a rerun changes that output, the map must
+    change with it, or it quotes a measurement nobody can find.  The check is textual (the number occurs somewhere in
+    what the row cites), so it catches a stale or mistyped number, not one that matches by coincidence."""
+    cited = cited_text(row).replace(",", "")
+    missing = sorted(n for n in quoted_numbers(row) - UNBACKED.get(row["id"], set()) if n not in cited)
+    assert not missing, f"{row['id']} quotes numbers that nothing it cites shows: {missing}"
+
+
+def test_the_number_check_sees_a_changed_number():
+    row = next(r for r in ROWS if r["id"] == "A1.2")
+    assert {"5.3", "23.6", "1536"} <= quoted_numbers(row)
+    assert "23.6" in cited_text(row) and "23.4" not in cited_text(row)
 
 
 @pytest.mark.parametrize("ref", [
