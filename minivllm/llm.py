@@ -199,6 +199,8 @@ class LLM:
         """Add the prompts one by one; if one is refused, abort those already added, so nothing is left
         half-added (the caller gets the ``ValueError`` and the engine holds none of the batch)."""
         self._router.refuse_if_served()  # before anything is added (pump checks again, for a server started since)
+        if self.engine.closed:  # asked here too: an empty batch reaches no add_request, and returned [] after close()
+            raise RuntimeError("this engine is closed")
         added: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

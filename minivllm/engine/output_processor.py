@@ -235,7 +235,9 @@ class OutputProcessor:
             last = result[parent_id]
             finished = all(c.finish_reason is not None for c in completions)
             # A group's output carries one sample's metrics each step, but the request (what a client and
-            # /metrics see) was first scheduled, and got its first token, when its earliest sample did.
+            # /metrics see) was first scheduled, and got its first token, when its earliest sample did; and it
+            # was preempted as often as all its samples were (the engine's counters count each sample's), not
+            # as often as the one whose metrics it carries -- often 0 while another sample was pushed out.
             samples = self._group_samples[parent_id]
             scheduled = _earliest(r.first_scheduled_time for r in samples)
             first_token = _earliest(r.first_token_time for r in samples)
@@ -247,7 +249,8 @@ class OutputProcessor:
                 # ... and it ends with its last sample: until then it has no finished time, whichever sample's
                 # metrics the output carries (one that stopped in this step has its own)
                 metrics=replace(last.metrics, first_scheduled_time=scheduled, first_token_time=first_token,
-                                finished_time=last.metrics.finished_time if finished else None),
+                                finished_time=last.metrics.finished_time if finished else None,
+                                num_preemptions=sum(r.num_preemptions for r in samples)),
                 error=next((r.error for r in samples if r.error is not None), None),  # any failed sample's why
             )
             if finished:
