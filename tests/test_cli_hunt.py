@@ -251,3 +251,20 @@ def test_sim_accuracy_save_profile_beside_a_profile_is_refused(monkeypatch, tmp_
         sim_accuracy.main(["--profile", "cpu-2core", "--save-profile", str(tmp_path / "p.json")])
     assert exc.value.code == 2
     assert "--save-profile" in capsys.readouterr().err
+
+
+def test_sim_run_refuses_a_request_count_a_trace_would_ignore(tmp_path, capsys):
+    """Before: ``--num-requests 5`` beside a trace ran the trace's every line, exit 0 (the flag's default was a
+    number, so a count given could not be told from none).  Now a count given with a trace is refused where the
+    requests are built, a trace alone still runs all its lines, and a generated workload still defaults to 1000."""
+    from minivllm.sim import run
+
+    trace = ["--workload", _trace(tmp_path)]
+    assert run.main(["--num-requests", "5", *trace]) == 2
+    err = capsys.readouterr().err
+    assert "--num-requests" in err and "Traceback" not in err, err
+    lines = sum(1 for line in open(trace[1], encoding="utf-8") if line.strip())
+    reqs, _, _ = run.build_requests(run._parser().parse_args(trace), vocab_size=1000)
+    assert len(reqs) == lines
+    reqs, _, _ = run.build_requests(run._parser().parse_args(["--request-rate", "5"]), vocab_size=1000)
+    assert len(reqs) == 1000

@@ -348,6 +348,8 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
     if trace:
         with open(args.workload, encoding="utf-8") as fh:
             entries = parse_trace(fh)
+        if args.num_requests is not None:  # as --burstiness: a count given must count something
+            raise ValueError("--num-requests sizes a generated workload; a trace sends all its lines: drop it")
         names = {e.tenant for e in entries if e.tenant} - {t.name for t in tenants}
         tenants += [Tenant(name, None, 1.0, LengthDist.parse(default_in), LengthDist.parse(default_out))
                     for name in sorted(names)]
@@ -356,7 +358,7 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
     else:
         if rate is None or not rate > 0:
             raise ValueError("--request-rate must be > 0")
-        plan = plan_requests(tenants, args.num_requests, rate, burst, args.seed)
+        plan = plan_requests(tenants, 1000 if args.num_requests is None else args.num_requests, rate, burst, args.seed)
     return requests_from_plan(plan, vocab_size=vocab_size), rate, tenants
 
 
@@ -485,7 +487,8 @@ def _parser() -> argparse.ArgumentParser:
                          "workload's, fills in a --tenant spec without input= (default uniform:32:128 there)")
     ap.add_argument("--output-len", default=None, metavar="DIST",
                     help="output lengths, the same way (default fixed:16 where nothing else says)")
-    ap.add_argument("--num-requests", type=positive_int, default=1000)
+    ap.add_argument("--num-requests", type=positive_int, default=None,
+                    help="requests to generate (default 1000); a trace workload sends all its lines instead")
     ap.add_argument("--request-rate", type=positive_rate, default=None, help="req/s (default: the workload's)")
     ap.add_argument("--burstiness", type=positive_float, default=None)
     ap.add_argument("--seed", type=nonnegative_int, default=0)  # (numpy's generators take no negative seed)
