@@ -867,6 +867,16 @@ def write_figures(runs: list[RunResult], summaries: list[dict], directory: str, 
 # -- command line --------------------------------------------------------------------------
 
 
+def check_burstiness_shapes(burstiness: float | None, trace: bool, infinite_rate: bool) -> None:
+    """Refuse a ``--burstiness`` given where it shapes nothing (``bench serve`` and ``sim run`` alike): a trace
+    keeps its own gaps and an infinite rate has none, and with either the flag was dropped in silence (its default
+    was a number, so a shape given could not be told from none; None now means "not given")."""
+    if burstiness is not None and (trace or infinite_rate):
+        raise ValueError(f"--burstiness shapes the gaps of a finite rate's arrivals; "
+                         f"{'a trace keeps its own timestamps' if trace else 'an infinite rate sends all at once'}"
+                         f": drop it")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minivllm bench serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -939,12 +949,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         raise ValueError("rates must be > 0")
     if len(set(rates)) != len(rates):  # the verdict is kept per rate: a repeat's row showed the other run's verdict
         raise ValueError(f"--rates names a rate twice, got {args.rates!r}; each rate of a sweep is run once")
-    # a shape given must shape something: a trace keeps its own gaps and an infinite rate has none, and with
-    # either the flag was dropped in silence (its default was a number, so a given one could not be told apart)
-    if args.burstiness is not None and (args.trace or all(math.isinf(r) for r in rates)):
-        raise ValueError(f"--burstiness shapes the gaps of a finite rate's arrivals; "
-                         f"{'a --trace keeps its own timestamps' if args.trace else 'an infinite rate sends all at once'}"
-                         f": drop it")
+    check_burstiness_shapes(args.burstiness, bool(args.trace), all(math.isinf(r) for r in rates))
     burst = 1.0 if args.burstiness is None else args.burstiness
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
     slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None

@@ -546,12 +546,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # One file named twice (overlapping globs, ``a.ipynb`` and ``./a.ipynb``) is one hand-in: graded twice, its
     # rows would be in the CSV twice and a per-student sum would count each exercise twice.
-    seen: set[str] = set()
-    notebooks = []
+    first: dict[str, str] = {}  # resolved path -> the name it was first given by
     for nb in args.notebooks:
-        if os.path.realpath(nb) not in seen:
-            seen.add(os.path.realpath(nb))
-            notebooks.append(nb)
+        first.setdefault(os.path.realpath(nb), nb)
+    notebooks = list(first.values())
     seed = choose_seed(args.seed)
     to_stdout = "-" in (args.csv, args.json)
     log = sys.stderr if to_stdout else sys.stdout

@@ -40,6 +40,7 @@ from minivllm.bench.loadgen import RequestResult, summarize_group
 from minivllm.interfaces import Router
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
+from minivllm.sim.roofline import RESERVED_TOKEN_IDS, check_fake_vocab
 
 # One replica's step cost: a Llama-3-8B-class model (fp16) on an L4-class GPU (~120 TFLOP/s, 300 GB/s):
 # a step reads the 16 GB of weights (~50 ms), prefill runs at ~6,700 tokens/s, and each context token's
@@ -118,8 +119,7 @@ class ChatMix:
         # either failed inside random, naming no argument)
         if not is_int(num_system_prompts) or num_system_prompts < 1:
             raise ValueError(f"num_system_prompts must be an int >= 1, got {num_system_prompts!r}")
-        if not is_int(vocab) or vocab <= 10:
-            raise ValueError(f"vocab must be an int above 10 (ids 0-9 are kept for special tokens), got {vocab!r}")
+        check_fake_vocab(vocab, "ChatMix")  # (the simulator's one rule for ids 0-9, kept for special tokens)
         # (drawn with randint: a reversed range failed inside random without naming the argument, and an answer of
         # 0 tokens made every such turn a request the engine refuses, ending its chat in silence)
         for name, pair, least in (("user_range", user_range, 0), ("output_range", output_range, 1)):
@@ -152,7 +152,7 @@ class ChatMix:
             t += rng.expovariate(session_rate)
 
     def _tokens(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(10, self.vocab) for _ in range(n)]
+        return [rng.randrange(RESERVED_TOKEN_IDS, self.vocab) for _ in range(n)]
 
     def _rng(self, session: int, turn: int) -> random.Random:
         """A stream of its own per (seed, session, turn), seeded by a string: ``random`` turns a str seed into an

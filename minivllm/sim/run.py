@@ -25,7 +25,7 @@ import zlib
 from dataclasses import asdict, dataclass, field, replace
 
 from minivllm.argtypes import fraction, nonnegative_int, output_file, positive_float, positive_int, positive_rate
-from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, format_table,
+from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, check_burstiness_shapes, format_table,
                                     mean_arrival_rate, parse_tenant, parse_trace, plan_from_trace, plan_requests,
                                     summarize)
 from minivllm.bench.results import write_result
@@ -341,10 +341,7 @@ def build_requests(args, vocab_size: int) -> tuple[list[SimRequest], float, list
     rate = args.request_rate if args.request_rate is not None else rate
     burst = args.burstiness if args.burstiness is not None else burst
     trace = bool(args.workload) and args.workload not in WORKLOADS
-    if args.burstiness is not None and (trace or rate == math.inf):  # as bench serve: a shape that shapes nothing
-        raise ValueError(f"--burstiness shapes the gaps of a finite rate's arrivals; "
-                         f"{'a trace keeps its own timestamps' if trace else 'an infinite rate sends all at once'}"
-                         f": drop it")
+    check_burstiness_shapes(args.burstiness, trace, rate == math.inf)
     if trace:
         with open(args.workload, encoding="utf-8") as fh:
             entries = parse_trace(fh)
