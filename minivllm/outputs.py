@@ -7,7 +7,11 @@ only the step's additions (``"delta"``), or -- one output, when the request
 finishes (with ``n > 1``, when each sample does) -- everything (``"final_only"``,
 what ``LLM.generate`` uses).  The
 ``delta_text`` / ``delta_token_ids`` fields always carry just what the step
-added, which is what a streaming client prints.
+added, which is what a streaming client prints.  ``CompletionOutput.token_times``
+(minivllm's, not vLLM's) holds the times of the sample's own tokens, the same
+slice as its ``token_ids``: an ``n > 1`` request's ``metrics`` are one
+sample's, and its samples' tokens do not come at the same times once one of
+them is preempted.
 
 The three classes are slotted: a streaming (``delta``) run builds one of each per
 request per step, and slotted instances are quicker to build and smaller.
@@ -27,6 +31,11 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # minivllm's addition: when each of ``token_ids`` was sampled (seconds on the executor's clock).  Why here and
+    # not only in ``RequestMetrics``: an ``n > 1`` request has one ``metrics`` for all its samples, and a sample
+    # that was preempted got its tokens at other times than the one whose metrics the request carries, so its
+    # inter-token gaps can be read only from its own times (``EngineMetrics`` reads them so).
+    token_times: list[float] = field(default_factory=list)
 
     def finished(self) -> bool:
         """A method, not a field (``RequestOutput.finished`` is one): vLLM's ``CompletionOutput`` has it so, and
@@ -36,7 +45,11 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Timestamps (seconds on the executor's clock) of one request's life."""
+    """Timestamps (seconds on the executor's clock) of one request's life.
+
+    For an ``n > 1`` request, ``token_times`` (and so ``itls``) are one sample's (``OutputProcessor.fold`` says
+    which) and the other fields the group's; each sample's own token times are its ``CompletionOutput.token_times``.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None

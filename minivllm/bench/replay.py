@@ -171,20 +171,22 @@ def first_difference(a: list, b: list) -> int | None:
 
 def continued_prefill_steps(records) -> int:
     """Steps that carry the next chunk of a prefill an earlier step began: a row starting where the same request's
-    last prefill row ended, with no preemption of it in between.
+    last prefill row ended, with no recompute preemption of it in between.
 
     Why not "a prefill row that starts past position 0": a prompt whose head the prefix cache held starts past 0
     in the one step that computes all of it, and so does a recompute restarting from cached blocks; the mixed
-    grid's ``no_chunking`` setting, whose prompts are never cut, counted 41 chunked steps.  A request preempted
-    part-way through a prompt starts over here: its next prompt row is not counted, even after a swap that resumes
-    at the cut (a step record does not say which kind of preemption it made) -- at most one step too few per such
-    preemption.  A record without ``num_decodes`` (one written by hand) has its one-token rows read as decodes.
+    grid's ``no_chunking`` setting, whose prompts are never cut, counted 41 chunked steps.  A request recomputed
+    after a preemption part-way through a prompt starts over: its next prompt row is not counted, even where it
+    restarts from cached blocks at the very cut (the rest of its prompt in one step, as a cache hit).  One swapped
+    out (the record's ``swapped``) keeps its KV and resumes at the cut: that row is the prompt's next chunk, and
+    counts.  A record without ``num_decodes`` (one written by hand) has its one-token rows read as decodes.
     """
     ends: dict[str, int] = {}  # request id -> where its last prefill row ended
     count = 0
     for r in records:
         for rid in r.preempted:
-            ends.pop(rid, None)
+            if rid not in r.swapped:
+                ends.pop(rid, None)
         continued = False
         for (rid, start, n), decode in zip(r.seqs, decode_flags(r)):
             if decode:  # not a prompt's row

@@ -758,6 +758,9 @@ class LLMEngine:
                 num_tokens=sum(seq_tokens),  # (batch.num_tokens would walk the batch again)
                 num_decodes=batch.num_decode_tokens,  # (carried by the batch: no pass over it)
                 preempted=tuple(r.request_id for r in batch.preempted),
+                # (a victim whose swap failed with its step was recomputed instead: no longer SWAPPED here)
+                swapped=tuple(r.request_id for r in batch.preempted if r.status is RequestStatus.SWAPPED)
+                if batch.preempted else (),
                 swapped_out=len(batch.moves.swap_out),
                 swapped_in=len(batch.moves.swap_in),
                 rejected=tuple(r.request_id for r in batch.rejected),

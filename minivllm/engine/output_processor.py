@@ -190,9 +190,10 @@ class OutputProcessor:
             text_out, token_ids, token_times = delta, list(new_tokens), times
         else:
             text_out, token_ids, token_times = text[:visible], list(req.output_token_ids), list(req.token_times)
-        # fields in declaration order: see minivllm.outputs
+        # fields in declaration order: see minivllm.outputs (the completion's token times are the metrics' list:
+        # one sample's own, and no second copy per request per step)
         completion = CompletionOutput(req.sample_index, text_out, token_ids, status.value if finished else None,
-                                      req.stop_reason, delta, new_tokens)
+                                      req.stop_reason, delta, new_tokens, token_times)
         metrics = RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time, token_times,
                                  req.finished_time, req.num_preemptions)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished, metrics,
@@ -217,7 +218,8 @@ class OutputProcessor:
                 continue  # the whole group was aborted
             done = out.outputs[0]
             if req.sampling_params.output_kind == "delta":  # a delta is reported once, then only its end
-                completions[req.sample_index] = replace(done, text="", token_ids=[], delta_text="", delta_token_ids=[])
+                completions[req.sample_index] = replace(done, text="", token_ids=[], delta_text="", delta_token_ids=[],
+                                                        token_times=[])
             else:
                 completions[req.sample_index] = replace(done, delta_text="", delta_token_ids=[])
             changed.setdefault(req.parent_id, {})[req.sample_index] = done
@@ -226,9 +228,12 @@ class OutputProcessor:
                     not held.outputs[0].delta_token_ids
                     or len(out.metrics.token_times) > len(held.metrics.token_times)):
                 # the group's metrics: those of a sample that got a token in this step, if any did, so the
-                # last token time is this step's (the metrics time each sample's gaps by it) -- the one with
-                # the most token times, so that a final_only sample finishing beside a shorter one (it started
-                # later) finds a time for each of its tokens, not the shorter one's few
+                # last token time is this step's -- the one with the most token times (a caller reading the
+                # group's metrics as the request's finds its longest sample's).  Each sample's own times are its
+                # completion's (a preempted sample's are not the carrier's: EngineMetrics reads those).  With
+                # delta output every such sample holds one time, the step's one clock reading, so the first
+                # carries; the last would give the same times, and the same finish: the group ends in this step
+                # only if every sample with a token here ended in it, at that same reading.
                 result[req.parent_id] = out
         for parent_id, fresh in changed.items():
             completions = self._groups[parent_id]

@@ -178,14 +178,14 @@ class EngineMetrics:
         if not t.ttft_done and m.ttft is not None:
             t.ttft_done = True
             self.ttft.labels(name, tenant).observe(max(0.0, m.ttft))
-        # Each sample's gaps are its own (vLLM times each child request).  The token times are this sample's
-        # for n == 1 (all so far, or with delta output only this step's); an n > 1 group carries those of a sample
-        # that got a token in this step, so their newest are this step's, and a streamed sample gets one token a
-        # step.  A final_only group brings a sample's tokens at once: they are timed by the carrying sample's (the
-        # longest of those finishing in the step, OutputProcessor.fold), as samples decode in lockstep (bar
-        # preemption): a sample that started later ends on the same times, it has only fewer of them.
+        # Each sample's gaps are its own (vLLM times each child request), timed by its own token times (its
+        # completion's: all so far, or with delta output only this step's).  Not by the request's metrics: an
+        # n > 1 group's are one sample's, and a final_only group brings a sample's tokens at once, so a sample
+        # preempted part-way would be timed by another's steps -- its gap across the preemption lost, another's
+        # gaps counted in its place.  An output built without per-sample times (by hand, vLLM-shaped) falls back
+        # to its metrics' times, its one sample's.
         for o, n in zip(out.outputs, fresh):
-            times = m.token_times[-n:] if n else []
+            times = (o.token_times or m.token_times)[-n:] if n else []
             if not times:
                 continue
             last = t.last_times.get(o.index)

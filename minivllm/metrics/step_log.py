@@ -119,6 +119,11 @@ class StepRecord:
     # past the prompt (after a recompute preemption), and one count per step can.  None: not recorded (a record
     # built by hand): :func:`decode_flags` then reads the rows by position.
     num_decodes: int | None = None
+    # The ids in ``preempted`` whose KV went to the host tier (the others were dropped, to be recomputed).  Why kept:
+    # a swapped request comes back where it left off, mid-prompt too, and a recomputed one computes its tokens
+    # again; ``(id, start, tokens)`` rows cannot tell the two apart (a recompute may restart past 0 from cached
+    # blocks), and the block counts above are the step's, not a request's.
+    swapped: tuple[str, ...] = ()
 
     @property
     def seqs(self) -> tuple[tuple[str, int, int], ...]:
