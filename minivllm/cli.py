@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import shlex
 import sys
 import time
 
@@ -48,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 exposes the server, "
                         "unauthenticated unless --api-keys-file, to the network)")
     s.add_argument("--port", type=port, default=8000, help="TCP port (default 8000, vLLM's)")
-    s.add_argument("--served-model-name", nargs="+", default=None, help="name(s) clients use in 'model' (default: the model's)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model's); every word after it is a name, so "
+                        "give MODEL before it")
     s.add_argument("--api-keys-file", default=None, help='JSON {"key": "tenant"}; else $MINIVLLM_API_KEYS; none: one tenant, no auth')
     s.add_argument("--max-num-seqs", type=positive_int, default=None)
     s.add_argument("--max-num-batched-tokens", type=positive_int, default=None)
@@ -230,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.min_free_blocks and args.max_waiting_requests is None:
         # the door rule reads both; alone, --min-free-blocks was dropped without a word and nothing was shed
         parser.error("argument --min-free-blocks: needs --max-waiting-requests (the door sheds only with a queue limit)")
+    if args.command == "serve" and args.model is None and len(args.served_model_name or ()) > 1:
+        # nargs="+" takes the model too when it follows the names, and the bundled model was served under them
+        *names, last = args.served_model_name
+        if os.path.exists(last) or last.endswith(".gguf") or any(sep and sep in last for sep in ("/", os.sep, os.altsep)):
+            fixed = shlex.join(["minivllm", "serve", last, "--served-model-name", *names])
+            parser.error(f"argument --served-model-name: every word after it is a name, and the last one, {last!r}, "
+                         f"looks like a path or hub id: give the model before the flag ({fixed} ...); a name that "
+                         f"only looks like one goes before the other names")
     try:
         if args.command == "generate":
             return generate(args)

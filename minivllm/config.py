@@ -44,7 +44,7 @@ device's default, a calibration on a machine without a host tier)."""
 def _check_share(name: str, value: Any, optional: bool = True) -> None:
     check_type(name, value, (int, float), optional=optional)
     if value is not None and not 0 < value <= 1:
-        raise ValueError(f"{name} must be a fraction in (0, 1], got {value!r}")
+        raise ValueError(f"{name} must be a fraction in (0, 1], got {brief_repr(value)}")
 
 
 @dataclass(frozen=True)
@@ -96,14 +96,14 @@ class TenantConfig:
             value = getattr(self, name)
             check_type(f"TenantConfig.{name}", value, int, optional=True)
             if value is not None and value < 1:
-                raise ValueError(f"TenantConfig.{name} must be >= 1 (or None for no cap), got {value}")
+                raise ValueError(f"TenantConfig.{name} must be >= 1 (or None for no cap), got {brief_repr(value)}")
         _check_share("TenantConfig.max_kv_share", self.max_kv_share)
         _check_share("TenantConfig.max_cache_share", self.max_cache_share)
         if self.over_cap not in ("wait", "reject"):
-            raise ValueError(f"TenantConfig.over_cap must be 'wait' or 'reject', got {self.over_cap!r}")
+            raise ValueError(f"TenantConfig.over_cap must be 'wait' or 'reject', got {brief_repr(self.over_cap)}")
         if self.priority_class is not None and self.priority_class not in PRIORITY_CLASSES:
             raise ValueError(f"TenantConfig.priority_class must be one of {', '.join(PRIORITY_CLASSES)} or None, "
-                             f"got {self.priority_class!r}")
+                             f"got {brief_repr(self.priority_class)}")
 
     @property
     def has_caps(self) -> bool:
@@ -155,13 +155,13 @@ class ThreeClassConfig:
         _check_share("ThreeClassConfig.tenant_cache_share", self.tenant_cache_share, optional=False)
         check_type("ThreeClassConfig.interactive_kv_reserve", self.interactive_kv_reserve, (int, float))
         if not 0 <= self.interactive_kv_reserve < 1:
-            raise ValueError(f"ThreeClassConfig.interactive_kv_reserve must be in [0, 1), got {self.interactive_kv_reserve}")
+            raise ValueError(f"ThreeClassConfig.interactive_kv_reserve must be in [0, 1), got {brief_repr(self.interactive_kv_reserve)}")
         for name in ("batch_max_interactive_queue", "long_prefill_tokens", "swap_min_tokens"):
             if name == "swap_min_tokens" and self.swap_min_tokens is None:
                 continue
             check_type(f"ThreeClassConfig.{name}", getattr(self, name), int)
             if getattr(self, name) < 1:
-                raise ValueError(f"ThreeClassConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"ThreeClassConfig.{name} must be >= 1, got {brief_repr(getattr(self, name))}")
 
 
 _TORCH_DTYPES = frozenset(_DTYPES.values()) | {torch.float64}
@@ -180,11 +180,11 @@ def parse_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
                              f"{', '.join(sorted(str(d) for d in _TORCH_DTYPES))} (or a name: auto, float32, ...)")
         return dtype
     if not isinstance(dtype, str):  # (a list reached the dict lookup below as "unhashable type")
-        raise ValueError(f"dtype must be a str or torch.dtype, got {dtype!r} ({type(dtype).__name__})")
+        raise ValueError(f"dtype must be a str or torch.dtype, got {brief_repr(dtype)} ({type(dtype).__name__})")
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(sorted(_DTYPES))}")
+        raise ValueError(f"unknown dtype {brief_repr(dtype)}; use one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]
 
 
@@ -193,12 +193,12 @@ def parse_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"unknown device {device!r}") from exc
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:  # (an int past C's range: OverflowError)
+        raise ValueError(f"unknown device {brief_repr(device)}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but this machine has no CUDA GPU (use 'cpu' or 'auto')")
+        raise ValueError(f"device {brief_repr(device)} asked for, but this machine has no CUDA GPU (use 'cpu' or 'auto')")
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r} is not supported; use 'cpu', 'cuda' or 'auto'")
+        raise ValueError(f"device {brief_repr(device)} is not supported; use 'cpu', 'cuda' or 'auto'")
     return dev
 
 
@@ -316,23 +316,23 @@ class EngineConfig:
             check_type(name, getattr(self, name), str)
         bs = self.block_size
         if bs < 1 or bs & (bs - 1):
-            raise ValueError(f"block_size must be a power of two, got {bs!r}")
+            raise ValueError(f"block_size must be a power of two, got {brief_repr(bs)}")
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise ValueError(f"seed must be in [0, 2**63), got {brief_repr(self.seed)}")
         for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes", "step_log_max_entries"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+                raise ValueError(f"{name} must be >= 1, got {brief_repr(value)}")
         for name in ("long_prefill_token_threshold", "prefix_cache_quota_blocks", "num_cpu_blocks_override",
                      "preemption_protect_after"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+                raise ValueError(f"{name} must be >= 0, got {brief_repr(value)}")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {brief_repr(self.gpu_memory_utilization)}")
         if not 0 <= self.swap_space < 1024:
-            raise ValueError(f"swap_space is in GiB and must be in [0, 1024), got {self.swap_space}")
+            raise ValueError(f"swap_space is in GiB and must be in [0, 1024), got {brief_repr(self.swap_space)}")
         if self.stall_timeout_s is not None and not (is_real(self.stall_timeout_s) and self.stall_timeout_s >= 0):
             raise ValueError(f"stall_timeout_s must be a number of seconds >= 0 (or None: no watchdog), "
                              f"got {brief_repr(self.stall_timeout_s)}")
@@ -341,13 +341,13 @@ class EngineConfig:
             if value is not None and not (is_real(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0 (or None to measure it), got {brief_repr(value)}")
         if self.prefix_cache not in PREFIX_CACHE_KINDS:
-            raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {self.prefix_cache!r}")
+            raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {brief_repr(self.prefix_cache)}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}")
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {brief_repr(self.preemption_mode)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}")
+            raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {brief_repr(self.attention_backend)}")
         if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
+            raise ValueError(f"linear_backend must be auto, torch or onednn, got {brief_repr(self.linear_backend)}")
         device = parse_device(self.device)
         object.__setattr__(self, "device", device)
         object.__setattr__(self, "dtype", parse_dtype(self.dtype, device))
@@ -356,7 +356,7 @@ class EngineConfig:
         check_type("scheduling_policy", self.scheduling_policy, str)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {self.scheduling_policy!r}")
+                             f"got {brief_repr(self.scheduling_policy)}")
         tenants = self.tenants
         if tenants is None:
             tenants = ()
@@ -366,12 +366,12 @@ class EngineConfig:
             raise ValueError(f"tenants must be a dict {{name: TenantConfig}}, got {type(tenants).__name__}")
         for name, tc in tenants:
             if not isinstance(name, str) or not name:
-                raise ValueError(f"tenant names must be non-empty strings, got {name!r}")
+                raise ValueError(f"tenant names must be non-empty strings, got {brief_repr(name)}")
             if not isinstance(tc, TenantConfig):
-                raise ValueError(f"tenants[{name!r}] must be a TenantConfig, got {type(tc).__name__}")
+                raise ValueError(f"tenants[{brief_repr(name)}] must be a TenantConfig, got {type(tc).__name__}")
         names = [name for name, _ in tenants]
         if len(set(names)) != len(names):  # (the tuple form can repeat a name; a dict cannot)
-            raise ValueError(f"tenant names must be distinct, got {sorted(names)}")
+            raise ValueError(f"tenant names must be distinct, got {brief_repr(sorted(names))}")
         object.__setattr__(self, "tenants", tuple(sorted(tenants, key=lambda pair: pair[0])))
         for name in ("wfq_prefill_weight", "wfq_decode_weight", "deadline_aging_s"):
             value = getattr(self, name)
@@ -417,7 +417,7 @@ class EngineConfig:
         max_len = self.max_model_len if self.max_model_len is not None else model_max_len
         if max_len > model_max_len:
             raise ValueError(
-                f"max_model_len={max_len} is beyond what the model was trained for ({model_max_len} positions); "
+                f"max_model_len={brief_repr(max_len)} is beyond what the model was trained for ({model_max_len} positions); "
                 f"minivllm does not extend RoPE silently"
             )
         budget = self.max_num_batched_tokens

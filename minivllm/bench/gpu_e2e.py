@@ -251,6 +251,10 @@ def main() -> int:
     if a.max_prompt_len <= 16:
         ap.error(f"--max-prompt-len must be more than 16 (prompts are 16 to max-1 tokens), got {a.max_prompt_len}")
     if a.save_model:
+        # it writes the model and runs nothing: a --model to serve or a --json to write was dropped in silence
+        dropped = [flag for flag, given in (("--model", a.model), ("--json", a.json)) if given is not None]
+        if dropped:
+            ap.error(f"argument --save-model: only writes a model and runs nothing: drop {', '.join(dropped)}")
         make_model_dir(a.save_model, a.arch)
         print(f"wrote a random-weight {a.arch} to {a.save_model}")
         return 0

@@ -877,6 +877,9 @@ def check_burstiness_shapes(burstiness: float | None, trace: bool, infinite_rate
                          f": drop it")
 
 
+NUM_REQUESTS = 64  # --num-requests' default, for a generated workload
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="minivllm bench serve", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -889,7 +892,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="name=N[,key=K][,share=S][,input=DIST][,output=DIST][,prefix=GROUP:LEN]; repeatable")
     ap.add_argument("--input-len", default="uniform:32:128", help="prompt tokens (beyond any shared prefix) for tenants without input=")
     ap.add_argument("--output-len", default="fixed:16", help="max_tokens for tenants without output=")
-    ap.add_argument("--num-requests", type=positive_int, default=64, help="requests per run (per rate when sweeping); a --trace sends all its lines")
+    # (None when not given, so that one given beside --trace, which sends all its lines, can be told apart and refused)
+    ap.add_argument("--num-requests", type=positive_int, default=None,
+                    help=f"requests per run (per rate when sweeping; default {NUM_REQUESTS}); a --trace sends all its "
+                         "lines instead")
     # one or the other: beside --rates, a --request-rate was dropped in silence
     rate = ap.add_mutually_exclusive_group()
     rate.add_argument("--request-rate", type=positive_rate, default=float("inf"), help="mean arrival rate, req/s (inf: all at once; with --trace, inf -- the default -- "
@@ -951,6 +957,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         raise ValueError(f"--rates names a rate twice, got {args.rates!r}; each rate of a sweep is run once")
     check_burstiness_shapes(args.burstiness, bool(args.trace), all(math.isinf(r) for r in rates))
     burst = 1.0 if args.burstiness is None else args.burstiness
+    num_requests = NUM_REQUESTS if args.num_requests is None else args.num_requests
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
     slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
     trace = None
@@ -972,7 +979,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
                 # label of ``--rates inf``, which sends the same trace all at once
                 rate = mean_arrival_rate([p.arrival for p in plan])
         else:
-            plan = plan_requests(tenants, args.num_requests, rate, burst, args.seed)
+            plan = plan_requests(tenants, num_requests, rate, burst, args.seed)
         run = asyncio.run(run_load(args.base_url, plan, tenants, model, args.endpoint, args.max_concurrency,
                                    args.timeout, args.request_timeout, not args.no_progress, args.ignore_eos,
                                    args.temperature, rate, desc=f"{rate:g} req/s"))
@@ -1009,7 +1016,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         print(line, file=out, flush=True)
     doc = {
         "tool": "minivllm bench serve",
-        "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": args.num_requests,
+        "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": num_requests,
                    "rates": rates, "burstiness": burst, "trace": args.trace, "seed": args.seed,
                    "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
                    "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "slo_itl_stat": args.slo_itl_stat,
@@ -1041,6 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --figures: expected a directory, got {args.figures!r}")
     if args.figures and importlib.util.find_spec("matplotlib") is None:  # say so now, not after the whole run
         parser.error("--figures needs matplotlib, which the labs extra installs: pip install 'minivllm[labs]'")
+    if args.trace and args.num_requests is not None:  # (as --burstiness: a count given must count something)
+        parser.error("argument --num-requests: sizes a generated workload, and a --trace sends all its lines: drop it")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records
     try:
         run_benchmark(args)

@@ -24,6 +24,7 @@ from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
 
 MODES = ("recompute", "swap", "reject", "auto")
+CPU_BLOCKS = 256  # --cpu-blocks' default
 
 
 def make_workload(n: int, seed: int, vocab: int, prompt_range=(60, 240), output_range=(24, 96)):
@@ -110,11 +111,17 @@ def main() -> int:
                     help="KV pool as a fraction (0-1] of the blocks every request would hold at once at its end (never "
                          "under 32 blocks nor under the longest request's, so a small workload gets a larger share)")
     ap.add_argument("--budget", type=positive_int, default=512, help="max_num_batched_tokens")
-    ap.add_argument("--cpu-blocks", type=nonnegative_int, default=256, help="host-tier blocks for swap / auto")
+    # (None when not given, so that one given beside modes that never swap can be told apart and refused)
+    ap.add_argument("--cpu-blocks", type=nonnegative_int, default=None,
+                    help=f"host-tier blocks for swap / auto (default {CPU_BLOCKS})")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=output_file, default=None, help="write the result JSON here")
     args = ap.parse_args()
+    if args.cpu_blocks is not None and not {"swap", "auto"} & set(args.modes):
+        ap.error(f"argument --cpu-blocks: sizes the host tier, which only --modes swap and auto use; "
+                 f"{' and '.join(args.modes)} never swap: drop it")
+    args.cpu_blocks = CPU_BLOCKS if args.cpu_blocks is None else args.cpu_blocks
     n = args.requests or (16 if args.executor == "model" else 400)
     workload = make_workload(n, args.seed, vocab=49152)
     peak = sum(-(-(len(p) + m) // 16) for p, m in workload)

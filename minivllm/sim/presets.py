@@ -27,6 +27,7 @@ import os
 import re
 from functools import lru_cache
 
+from minivllm.sampling_params import brief_repr
 from minivllm.sim.roofline import HardwareSpec, ModelShape
 
 GB = 1e9
@@ -118,7 +119,7 @@ def model_preset(name: str, dtype_bytes: int | None = None) -> ModelShape:
     elif key in MODELS:
         shape = MODELS[key]
     else:
-        raise ValueError(f"unknown model preset {name!r}; known: smollm2-135m, {', '.join(MODELS)}")
+        raise ValueError(f"unknown model preset {brief_repr(name)}; known: smollm2-135m, {', '.join(MODELS)}")
     return shape.with_dtype(dtype_bytes) if dtype_bytes else shape
 
 
@@ -213,7 +214,7 @@ def profile_spec(doc: dict) -> HardwareSpec:
     match = next((HARDWARE[k] for k in HARDWARE if k in words), None)
     if match is None:
         if not spec.memory_bytes:
-            raise ValueError(f"the GPU profile {spec.name!r} records no device memory and matches no datasheet "
+            raise ValueError(f"the GPU profile {brief_repr(spec.name)} records no device memory and matches no datasheet "
                              f"preset ({', '.join(HARDWARE)}), so its KV pool cannot be sized; re-calibrate it")
         return spec
     filled, notes = {}, []

@@ -63,6 +63,7 @@ from dataclasses import MISSING, dataclass, field, replace
 
 from minivllm.argtypes import is_int, is_real
 from minivllm.config import PCIE4_X16_BYTES_PER_S
+from minivllm.sampling_params import brief_repr
 
 
 def _from_dict(cls, d):
@@ -109,9 +110,10 @@ class ModelShape:
             if v is None and k == "max_position_embeddings":
                 continue
             if not is_int(v) or v < 1:
-                raise ValueError(f"ModelShape.{k} must be a positive integer, got {v!r}")
+                raise ValueError(f"ModelShape.{k} must be a positive integer, got {brief_repr(v)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({brief_repr(self.num_heads)}) must be a multiple of num_kv_heads "
+                             f"({brief_repr(self.num_kv_heads)})")
         check_fake_vocab(self.vocab_size, "ModelShape")
 
     @classmethod
@@ -244,21 +246,21 @@ class HardwareSpec:
     def __post_init__(self) -> None:
         for k in ("peak_flops", "mem_bandwidth", "swap_bandwidth", "flops_util", "bw_util"):
             if not (is_real(getattr(self, k)) and getattr(self, k) > 0):
-                raise ValueError(f"HardwareSpec.{k} must be a finite number > 0, got {getattr(self, k)!r}")
+                raise ValueError(f"HardwareSpec.{k} must be a finite number > 0, got {brief_repr(getattr(self, k))}")
         for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "eager_step_overhead_s", "memory_bytes"):
             if not (is_real(getattr(self, k)) and getattr(self, k) >= 0):
-                raise ValueError(f"HardwareSpec.{k} must be a finite number >= 0, got {getattr(self, k)!r}")
+                raise ValueError(f"HardwareSpec.{k} must be a finite number >= 0, got {brief_repr(getattr(self, k))}")
         if self.roof_p is not None and not self.roof_p >= 1:
-            raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {self.roof_p!r}")
+            raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {brief_repr(self.roof_p)}")
         # The attention roofs divide a step's terms as the others do: a zero one failed every step inside the
         # executor (each request "execution failed"), a negative one lost to the other limit in silence.
         for k in ("attention_flops", "attention_bandwidth", "attention_span_bandwidth", "fp32_peak_flops"):
             v = getattr(self, k)
             if v is not None and not (is_real(v) and v > 0):
-                raise ValueError(f"HardwareSpec.{k} must be a finite number > 0 or None, got {v!r}")
+                raise ValueError(f"HardwareSpec.{k} must be a finite number > 0 or None, got {brief_repr(v)}")
         if self.flops_dtype_bytes != 0 and self.flops_dtype_bytes not in TENSOR_CORE_SCALE:
             raise ValueError(f"HardwareSpec.flops_dtype_bytes must be 0 (the calibrated dtype) or one of "
-                             f"{sorted(TENSOR_CORE_SCALE)}, got {self.flops_dtype_bytes!r}")
+                             f"{sorted(TENSOR_CORE_SCALE)}, got {brief_repr(self.flops_dtype_bytes)}")
 
     @property
     def flops(self) -> float:
@@ -300,7 +302,7 @@ class HardwareSpec:
         """The same device running every step ``factor`` times longer (every roof divided, every fixed cost
         multiplied): what a shared machine looks like when its neighbours take a share of it."""
         if not factor > 0:
-            raise ValueError(f"factor must be > 0, got {factor!r}")
+            raise ValueError(f"factor must be > 0, got {brief_repr(factor)}")
         return replace(self, flops_util=self.flops_util / factor, bw_util=self.bw_util / factor,
                        swap_bandwidth=self.swap_bandwidth / factor,
                        step_overhead_s=self.step_overhead_s * factor, layer_overhead_s=self.layer_overhead_s * factor,
@@ -492,7 +494,7 @@ def check_fake_vocab(vocab_size, owner: str) -> None:
     tokens outside the vocabulary)."""
     if not is_int(vocab_size) or vocab_size <= RESERVED_TOKEN_IDS:
         raise ValueError(f"{owner}.vocab_size must be an integer > {RESERVED_TOKEN_IDS} (the simulator's sampled "
-                         f"tokens skip ids 0-{RESERVED_TOKEN_IDS - 1}), got {vocab_size!r}")
+                         f"tokens skip ids 0-{RESERVED_TOKEN_IDS - 1}), got {brief_repr(vocab_size)}")
 
 
 def fake_token(request_id: str, position: int, vocab_size: int) -> int:

@@ -35,6 +35,7 @@ import struct
 from collections.abc import Sequence
 
 from minivllm.argtypes import is_int, is_real
+from minivllm.sampling_params import brief_repr
 
 ROUTERS = ("round_robin", "least_outstanding", "prefix_affinity")
 
@@ -127,9 +128,9 @@ class HashRing:
     def __init__(self, num_replicas: int, vnodes: int = 64) -> None:
         # (bool is an int to isinstance: True would build a ring of one replica and pass for a count)
         if not is_int(num_replicas) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}")
+            raise ValueError(f"num_replicas must be a positive int, got {brief_repr(num_replicas)}")
         if not is_int(vnodes) or vnodes < 1:
-            raise ValueError(f"vnodes must be a positive int, got {vnodes!r}")
+            raise ValueError(f"vnodes must be a positive int, got {brief_repr(vnodes)}")
         self.num_replicas, self.vnodes = num_replicas, vnodes
         points = sorted((stable_hash(f"replica-{r}#{v}"), r) for r in range(num_replicas) for v in range(vnodes))
         self.hashes = [h for h, _ in points]
@@ -168,9 +169,9 @@ class PrefixAffinityRouter:
         for name, value, least in (("block_size", block_size, 1), ("key_blocks", key_blocks, 1),
                                    ("min_spill_tokens", min_spill_tokens, 0)):  # (0: spill on the mean alone)
             if not is_int(value) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+                raise ValueError(f"{name} must be an int >= {least}, got {brief_repr(value)}")
         if not (is_real(spill_factor) and spill_factor >= 1.0):
-            raise ValueError(f"spill_factor must be a finite number >= 1, got {spill_factor!r}")
+            raise ValueError(f"spill_factor must be a finite number >= 1, got {brief_repr(spill_factor)}")
         self.ring = HashRing(num_replicas, vnodes)
         self.block_size, self.key_blocks = block_size, key_blocks
         self.spill_factor, self.min_spill_tokens = float(spill_factor), min_spill_tokens
@@ -213,4 +214,4 @@ def make_router(name: str, num_replicas: int, **options) -> "RoundRobinRouter | 
         return LeastOutstandingRouter()
     if name == "prefix_affinity":
         return PrefixAffinityRouter(num_replicas, **options)
-    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+    raise ValueError(f"unknown router {brief_repr(name)}; choose one of {', '.join(ROUTERS)}")
