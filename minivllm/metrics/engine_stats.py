@@ -21,6 +21,15 @@ class TenantStats(TypedDict):
     Counted as the scheduler sees work, not as a client is billed: each sample of an ``n > 1`` request is
     a request here (``num_finished``, the latencies), and ``prompt_tokens`` counts the prompt tokens
     computed: again after a preemption, not those read from the prefix cache.  ``/metrics`` counts as the client sees it (see ``minivllm.metrics.prometheus``).
+
+    ``num_finished`` counts every sample that left the engine, whatever ended it: stop, length, rejected, error
+    and abort -- a whole request aborted (waiting or running; each sample of an ``n > 1`` group still in the
+    engine) as well as one sample aborted alone -- each sample once, with its latencies and queue time like any
+    other's.  Why every ending: ``num_finished + num_running + num_waiting`` is then every sample the tenant
+    sent, so a sample lost by the engine shows as a gap, and the count agrees with ``vllm:request_success``
+    (which counts aborts under ``finished_reason="abort"``, as vLLM does).  How a request ended is told by
+    ``/metrics``'s label and ``num_rejected``, not here.  An abort is one rule whichever way it is asked for: a
+    sample aborted alone reports its abort in an output, a whole request ends with none, and both count.
     """
 
     prompt_tokens: int
@@ -29,7 +38,7 @@ class TenantStats(TypedDict):
     kv_share: float  # kv_blocks / the pool
     num_running: int
     num_waiting: int
-    num_finished: int
+    num_finished: int  # samples ended, abort included (see above)
     queue_time_s: float  # total seconds its finished requests waited before their first step
     num_preemptions: int
     num_rejected: int
