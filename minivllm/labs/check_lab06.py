@@ -632,6 +632,10 @@ def check_tenant_cap(cls) -> CheckResult:
              "count each tenant's RUNNING requests first: they hold seats already"),
         Case("a tenant at its cap waits, the other goes ahead", lambda k: order(k, a + b, [_R("x", "a"), _R("y", "a")]),
              ["b0", "b1"], "tenant a already has its cap running: none of its waiting requests may start"),
+        Case("a tenant over its cap waits too", lambda k: order(k, a + b, [_R(f"x{i}", "a") for i in range(3)]),
+             ["b0", "b1"], "running may already hold MORE of a tenant's requests than its cap (the grader's cases "
+             "do): let a request through only while seats < cap -- a count of seats left goes below 0, and -1 is "
+             "truthy"),
         Case("a tenant without a cap is not limited", lambda k: order(k, a + b, [_R("x", "b")], caps={"b": 1}),
              ["a0", "a1", "a2", "a3"], "only the tenants in max_running are capped; the others pass untouched"),
         Case("caps differ per tenant", lambda k: order(k, b + a, [], caps={"a": 1, "b": 3}), ["b0", "b1", "b2", "a0"],
@@ -971,6 +975,7 @@ def quiz_jain_two_to_one() -> float:
 LAB = Lab(6, "lab06_fairness", "Fairness", widgets=(), exercises=(
     Exercise("tenant_cap", "TenantCap", check_tenant_cap, points=1, hidden=hidden_tenant_cap, mutants=(
         ("off by one: cap + 1 seats", "seats.get(r.tenant, 0) < cap:", "seats.get(r.tenant, 0) <= cap:"),
+        ("a tenant over its cap is let through", "seats.get(r.tenant, 0) < cap:", "seats.get(r.tenant, 0) != cap:"),
         ("keeps the caller's dict", "self.max_running = dict(max_running)", "self.max_running = max_running"),
         ("ignores the running requests", "for r in running:\n            seats[r.tenant]",
          "for r in []:\n            seats[r.tenant]"),

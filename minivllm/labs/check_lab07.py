@@ -327,6 +327,7 @@ def check_gather_kv(fn) -> CheckResult:
 
     c = layout()
     cache, tables = c["k_cache"], c["block_tables"]
+    page = cache.shape[1]
 
     def same(i):
         def run(f):
@@ -353,6 +354,17 @@ def check_gather_kv(fn) -> CheckResult:
         if shape[0] < want_len:
             return (f"{shape[0]} rows for {want_len} tokens: use ceil(kv_len / block_size) blocks (flooring drops "
                     "the partial last block)")
+        # more rows than the blocks the tokens need can hold: rows of a block after them were kept, so the count
+        # of blocks is too high, whatever cuts the rows (a cut to kv_len rows alone would hide it: that answer passes)
+        needed = -(-want_len // page)
+        if needed * page < shape[0] <= (needed + 1) * page:
+            return (f"{shape[0]} rows for {want_len} tokens, more than the {needed} block(s) of {page} they need "
+                    "hold: rows of one block too many were kept -- round the number of blocks UP, "
+                    "ceil(kv_len / block_size), not up-plus-one (kv_len // block_size + 1 is one too many when "
+                    "kv_len fills its last block)")
+        if shape[0] > needed * page:
+            return (f"{shape[0]} rows for {want_len} tokens, more than the {needed} block(s) of {page} they need "
+                    "hold: gather only the table's first ceil(kv_len / block_size) entries, not the whole row")
         if shape[0] > want_len:
             return f"{shape[0]} rows for {want_len} tokens: cut the gathered blocks to the first kv_len rows"
         if has_nan:

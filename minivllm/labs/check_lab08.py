@@ -612,6 +612,8 @@ def check_first_alarm(fn) -> CheckResult:
         return {sig: f(list(ramp), sig, th, 2.0) for sig, th in (("waiting", 4), ("kv_usage", 0.9), ("ttft_p90", 0.5))}
 
     cases = [
+        Case("no samples yet: no alarm", lambda f: f([], "waiting", 4, 0), None,
+             "before the first scrape the list is empty: return None without reading samples[0]"),
         Case("never above: no alarm", lambda f: f(_series([0, 1, 2, 1]), "waiting", 4, 0), None,
              "return None when the signal never crosses"),
         Case("above at once, no `for`", lambda f: f(_series([0, 9, 0]), "waiting", 4, 0), 2.0,
@@ -681,6 +683,19 @@ def hidden_first_alarm(fn, seed: int) -> CheckResult:
         series = _series(values, "ttft_p90")
         cases.append(Case(f"a fractional threshold {k}", lambda f, s=series, t=th: f(s, "ttft_p90", t, 0),
                           reference_first_alarm(series, "ttft_p90", th, 0)))
+    # edges every seed must see, not only the seeds whose draws happen to hold them (an empty draw above comes one
+    # seed in five): no scrape yet, a value equal to the threshold, no data (NaN), and a dip inside a streak --
+    # drawn last, so the cases above stay what they were for a seed
+    th, for_s, nan = rng.choice([3, 4, 5]), rng.choice([1, 1.5, 2]), float("nan")
+    edges = {"no samples yet": [],
+             "a value equal to the threshold": [th - 1, th, th + 1],
+             "no data beside data above": [nan, th + 1, nan, th + 1],
+             "a dip inside a streak": [th + 1, 0] + [th + 1] * 4}
+    for name, values in edges.items():
+        series = _series(values, "ttft_p90")
+        for d in (0, for_s):
+            cases.append(Case(f"{name}, for_s {d}", lambda f, s=series, t=th, d=d: f(s, "ttft_p90", t, d),
+                              reference_first_alarm(series, "ttft_p90", th, d)))
     return run_checks("first_alarm (hidden)", fn, cases)
 
 
@@ -737,6 +752,9 @@ MUTANTS_ALARM = (
     ("needs strictly more than for_s", "if s.time - since >= for_s:", "if s.time - since > for_s:"),
     ("ignores for_s when the series starts above", "since = s.time", "since = 0.0"),
     ("never returns the time it fired", "                return s.time\n", "                fired = s.time\n"),
+    # the same verdict on every list with a scrape, and IndexError before the first scrape
+    ("reads the first sample before the loop: an empty list raises", "    since = None\n    for s in samples:",
+     "    since = samples[0].time if getattr(samples[0], signal) > threshold else None\n    for s in samples:"),
 )
 
 
