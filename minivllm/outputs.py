@@ -85,6 +85,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache; n > 1: the group's first lookup's (fold)
     retry_after_s: float | None = None  # finish_reason "rejected": seconds after which a retry may fit
     error: str | None = None  # finish_reason "error": what went wrong, in words

@@ -257,6 +257,12 @@ class OutputProcessor:
                                 finished_time=last.metrics.finished_time if finished else None,
                                 num_preemptions=sum(r.num_preemptions for r in samples)),
                 error=next((r.error for r in samples if r.error is not None), None),  # any failed sample's why
+                # The prompt counts once (usage.prompt_tokens), so its cached part is what the group's first lookup
+                # found: its leader's, which every sample forked from it inherits.  A sample admitted after its
+                # leader left looks the cache up itself and finds the prompt blocks its own leader computed; that
+                # count is the engine's hit accounting, not the request's, and taking it made the answer depend on
+                # which sample carried the output (8 cached tokens on a cold cache with one seat, 0 with two).
+                num_cached_tokens=next((r.num_cached_tokens for r in samples if r.prefix_lookup_recorded), 0),
             )
             if finished:
                 del self._groups[parent_id]  # (the engine lets the group's samples go when it reads this output)
