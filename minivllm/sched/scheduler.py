@@ -457,7 +457,14 @@ class Scheduler:
 
     # -- caps -----------------------------------------------------------------
     def _need_blocks(self, req: Request) -> int:
-        """Blocks ``req`` counts against its KV caps when admitted (its tokens so far, or its worst case)."""
+        """Blocks ``req`` counts against its KV caps when admitted (its tokens so far, or its worst case).
+
+        All of them, a cached prefix its group already holds included (admission would share those blocks, and
+        its group would gain none): the count is fixed while ``req`` waits, which is what lets one failed check
+        stand for every later request of its tenant needing as many (``cap_failed``, ``cap_closed``).  The price:
+        a request whose prefix its group holds may wait -- or, under ``over_cap="reject"``, be turned away --
+        where it would fit.  Once it runs, its group is charged its distinct blocks exactly (``_seat``,
+        ``_group_usage``)."""
         if self.config.preemption_mode == "reject":
             return blocks_for(req.max_total_tokens, self.kv.block_size)
         return blocks_for(req.num_tokens, self.kv.block_size)
