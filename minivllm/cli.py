@@ -237,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.model is None and len(args.served_model_name or ()) > 1:
         # nargs="+" takes the model too when it follows the names, and the bundled model was served under them
         *names, last = args.served_model_name
-        if os.path.exists(last) or last.endswith(".gguf") or any(sep and sep in last for sep in ("/", os.sep, os.altsep)):
+        # (a bare word is a path only if it holds a model: a name may well match a folder where the server starts)
+        if (os.path.isfile(last) or os.path.isfile(os.path.join(last, "config.json")) or last.endswith(".gguf")
+                or any(sep and sep in last for sep in ("/", os.sep, os.altsep))):
             fixed = shlex.join(["minivllm", "serve", last, "--served-model-name", *names])
             parser.error(f"argument --served-model-name: every word after it is a name, and the last one, {last!r}, "
                          f"looks like a path or hub id: give the model before the flag ({fixed} ...); a name that "

@@ -86,6 +86,18 @@ def test_serve_still_takes_the_names_and_model_it_was_given(monkeypatch, tmp_pat
     assert seen == {"model": model_dir if model == "{dir}" else model, "names": names}
 
 
+def test_a_bare_name_that_matches_a_folder_is_a_name_unless_the_folder_holds_a_model(monkeypatch, tmp_path, capsys):
+    """The review's case: ``--served-model-name a smol`` started beside a folder called ``smol`` (the repository
+    root holds ``minivllm/``) was refused as a swallowed path.  A bare word is the model only if it holds one (a
+    file, or a folder with a ``config.json``)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smol").mkdir()
+    assert _serve(monkeypatch, ["--served-model-name", "a", "smol"]) == {"model": None, "names": ["a", "smol"]}
+    (tmp_path / "smol" / "config.json").write_text("{}")
+    err = _refused(lambda: _serve(monkeypatch, ["--served-model-name", "a", "smol"]), "--served-model-name", capsys)
+    assert "minivllm serve smol --served-model-name a" in err, err
+
+
 def test_serve_help_says_how_to_order_the_model_and_the_names(monkeypatch):
     """--help now says what the parser does: every word after the flag is a name (so the model goes first)."""
     action = next(a for a in cli._parser()._subparsers._group_actions[0].choices["serve"]._actions

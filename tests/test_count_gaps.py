@@ -246,6 +246,8 @@ def test_a_step_and_a_stats_read_after_it_count_the_tenants_blocks_once(monkeypa
     engine.step()
     engine.step()
     assert engine.kv.may_share()  # the case where a count is a set union
+    assert engine._kept_tenant_blocks is None  # nothing kept for a driver that has not read stats()
+    kv_blocks(engine)  # a first read: from now on each step keeps its count
     counts = []
 
     class Counted(GroupBlocks):

@@ -1016,7 +1016,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         print(line, file=out, flush=True)
     doc = {
         "tool": "minivllm bench serve",
-        "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": num_requests,
+        "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": None if args.trace else num_requests,
                    "rates": rates, "burstiness": burst, "trace": args.trace, "seed": args.seed,
                    "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
                    "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "slo_itl_stat": args.slo_itl_stat,

@@ -240,6 +240,7 @@ class LLMEngine:
         self.num_stalls = 0
         # (running requests, copies of their block tables, each tenant's blocks) as the step log last counted them
         self._kept_tenant_blocks: tuple[list[Request], list[list[int]], dict[str, int]] | None = None
+        self._tenant_blocks_read = False  # has stats() counted tenant blocks yet? (only then is a count kept)
         self._last_step_time: float | None = None
         self.step_time_s: float | None = None  # moving average of the wall (or virtual) time per step
         self._lock = threading.RLock()
@@ -750,8 +751,10 @@ class LLMEngine:
         the step log kept both as they were -- the running requests by identity and a copy of each table.  Any
         change since (an abort or a deferred one, a stage of a step walked by hand, a copy-on-write that swaps a
         last block in place) makes them differ, and the count is taken again; comparing them costs under a tenth
-        of counting.  A kept count is a set union, right whether or not blocks are shared now.
+        of counting.  A kept count is a set union, right whether or not blocks are shared now.  Nothing is kept
+        until a first read: a driver that never reads ``stats()`` (an offline run, a simulation) pays nothing.
         """
+        self._tenant_blocks_read = True
         running, kept = self.scheduler.running, self._kept_tenant_blocks
         if kept is not None and kept[0] == running and kept[1] == [r.block_ids for r in running]:
             return kept[2]
@@ -769,12 +772,12 @@ class LLMEngine:
             shared = self.kv.may_share()
             fields = tenant_fields(seqs, sched.running, sched.waiting_by_tenant, shared)
             per_tenant = {"seq_tenants": fields[0], "tenants": fields[1]}
-            # A set union is kept for the stats() read that follows a step (see _tenant_blocks); unshared, the
-            # count is a sum that costs less than keeping it would (and nothing old is kept alive)
+            # A set union is kept for the stats() read that follows a step (see _tenant_blocks), where stats()
+            # is read at all; unshared, the count is a sum that costs less than keeping it would
             running = sched.running
             self._kept_tenant_blocks = (list(running), [list(r.block_ids) for r in running],
                                         {row.tenant: row.kv_blocks for row in fields[1] if row.running}
-                                        ) if shared else None
+                                        ) if shared and self._tenant_blocks_read else None
         # Rows are one-token rows first (the batch's layout), so a last row of one token means a batch of
         # one-token rows: a steady decode step, logged without a pass over the batch for its token counts.
         seq_tokens = (1,) * len(seqs) if not seqs or seqs[-1].num_tokens == 1 else tuple([s.num_tokens for s in seqs])

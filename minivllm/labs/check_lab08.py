@@ -683,9 +683,9 @@ def hidden_first_alarm(fn, seed: int) -> CheckResult:
         series = _series(values, "ttft_p90")
         cases.append(Case(f"a fractional threshold {k}", lambda f, s=series, t=th: f(s, "ttft_p90", t, 0),
                           reference_first_alarm(series, "ttft_p90", th, 0)))
-    # edges every seed must see, not only the seeds whose draws happen to hold them (an empty draw above comes one
-    # seed in five): no scrape yet, a value equal to the threshold, no data (NaN), and a dip inside a streak --
-    # drawn last, so the cases above stay what they were for a seed
+    # edges every seed must see, not only the seeds whose draws happen to hold them (the draws above hold no empty
+    # series at about one seed in five): no scrape yet, a value equal to the threshold, no data (NaN), and a dip
+    # inside a streak -- drawn last, so the cases above stay what they were for a seed
     th, for_s, nan = rng.choice([3, 4, 5]), rng.choice([1, 1.5, 2]), float("nan")
     edges = {"no samples yet": [],
              "a value equal to the threshold": [th - 1, th, th + 1],

@@ -26,8 +26,9 @@ class TenantStats(TypedDict):
     and abort -- a whole request aborted (waiting or running; each sample of an ``n > 1`` group still in the
     engine) as well as one sample aborted alone -- each sample once, with its latencies and queue time like any
     other's.  Why every ending: ``num_finished + num_running + num_waiting`` is then every sample the tenant
-    sent, so a sample lost by the engine shows as a gap, and the count agrees with ``vllm:request_success``
-    (which counts aborts under ``finished_reason="abort"``, as vLLM does).  How a request ended is told by
+    sent, so a sample lost by the engine shows as a gap, and it counts what ``vllm:request_success`` counts
+    (aborts too, under ``finished_reason="abort"``, as vLLM does) -- per sample here, per request there, so the
+    two agree where ``n = 1``.  How a request ended is told by
     ``/metrics``'s label and ``num_rejected``, not here.  An abort is one rule whichever way it is asked for: a
     sample aborted alone reports its abort in an output, a whole request ends with none, and both count.
     """
