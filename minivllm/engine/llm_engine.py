@@ -30,7 +30,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from minivllm.argtypes import is_real
 from minivllm.config import PCIE4_X16_BYTES_PER_S, EngineConfig
@@ -92,23 +91,6 @@ or when that clock has not moved at all (a simulated clock stands still on
 empty steps, and nothing timed can change).  Failing them with a message that
 says so turns the hang into an error a caller can read, and keeps the engine
 serving."""
-
-
-@dataclass(slots=True)
-class _Tail:
-    """Steps 6 and 7 of a step whose sampled tokens have joined their requests (step 5 made it).
-
-    From that point the step must end, whoever ends it: a token that is a request's must be shown by some output,
-    and a stop it triggers must take the request out before the request is scheduled again.  An interrupt (Ctrl-C
-    in a notebook) can stop the step there; the next :meth:`LLMEngine.step` then ends it, before it admits
-    anything, and returns its outputs.  What the first run built is kept here so the second reports it once: the
-    outputs emitted so far (``OutputProcessor.emit`` skips a request already reported), then step 7's reports.
-    """
-
-    batch: ScheduledBatch
-    grew: list[Request]
-    outputs: list[RequestOutput] = field(default_factory=list)
-    reports: tuple | None = None  # step 7's (outputs, the finished among them, folded or None), once built
 
 
 class LLMEngine:
@@ -251,7 +233,6 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples (the output processor reads it)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self._groups)
         self._finished_elsewhere: list[Request] = []  # ended outside a step's batch (aborted samples, a stall)
-        self._tail: _Tail | None = None  # steps 6-7 of the step under way, from step 5 until it returns
         self.step_log = StepLog(config.step_log_max_entries)  # read by widgets, labs and benchmarks
         self.num_errors = 0
         self._idle_steps = 0  # steps in a row that ran nothing and ended nothing while work remained
@@ -457,9 +438,6 @@ class LLMEngine:
         if group is not None:  # the caller gave up on the whole group: report none of it
             self._finished_elsewhere = [r for r in self._finished_elsewhere if r.parent_id != request_id]
         targets = group if group is not None else [self.requests.get(request_id)]
-        if self._tail is not None:  # nor what an interrupted step emitted for it (the next step ends that step)
-            gone = {r.request_id for r in targets if r is not None}
-            self._tail.outputs[:] = [out for out in self._tail.outputs if out.request_id not in gone]
         found = False
         for req in targets:
             if req is None or self.requests.get(req.request_id) is not req:
@@ -485,7 +463,6 @@ class LLMEngine:
             for rid in list(self._groups) + list(self.requests):
                 self._abort_request(rid)
             self._finished_elsewhere.clear()
-            self._tail = None
             self.closed = True
 
     def _check_open(self) -> None:
@@ -544,39 +521,28 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a driver must step again: the scheduler's work, and outputs still owed for requests that ended
-        outside a step (an aborted sample, a stall) or in a step an interrupt stopped -- only the next step reports
-        them."""
-        return self.scheduler.has_work() or bool(self._finished_elsewhere) or self._tail is not None
+        outside a step (an aborted sample, a stall) -- only the next step reports them."""
+        return self.scheduler.has_work() or bool(self._finished_elsewhere)
 
     def holds_any(self, request_ids) -> bool:
         """Whether any of ``request_ids`` (ids :meth:`add_request` returned) is still in the engine, so a
-        step may yet report it: False once each has finished or been aborted -- unless a step an interrupt stopped
-        is still to end (it may hold their last outputs).  C-level set tests, no Python loop."""
+        step may yet report it: False once each has finished or been aborted.  C-level set tests, no Python loop."""
         with self._lock:
-            return self._tail is not None or not (
-                self.requests.keys().isdisjoint(request_ids) and self._groups.keys().isdisjoint(request_ids))
+            return not (self.requests.keys().isdisjoint(request_ids) and self._groups.keys().isdisjoint(request_ids))
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration of the serving loop; returns what changed for each request.
-
-        A step that an interrupt stopped after step 5 (its tokens are the requests') is ended by the next call,
-        which runs only its steps 6 and 7 (:class:`_Tail`); an interrupt before that point changed nothing a
-        caller reads, and the next step schedules the same work again.
-        """
+        """One iteration of the serving loop; returns what changed for each request."""
         with self._lock, self._stepping():
             self._check_open()
-            if self._tail is None:  # (else the last step was interrupted after step 5: it ends first)
-                self.scheduler.admit()                             # 1. admit
-                batch = self.scheduler.build_batch()               # 2. build batch
-                batch = self.scheduler.allocate(batch)             # 3. allocate KV blocks
-                sampled = self.execute(batch)                      # 4. execute
-                self.append(batch, sampled)                        # 5. append KV (and tokens)
-            tail = self._tail
-            outputs = self.emit(tail.grew, tail.outputs)           # 6. emit / stream
-            outputs = self.finish(outputs, tail.batch)             # 7. finish
-            self.log_step(tail.batch)
-            self._tail = None
+            self.scheduler.admit()                             # 1. admit
+            batch = self.scheduler.build_batch()               # 2. build batch
+            batch = self.scheduler.allocate(batch)             # 3. allocate KV blocks
+            sampled = self.execute(batch)                      # 4. execute
+            grew = self.append(batch, sampled)                 # 5. append KV (and tokens)
+            outputs = self.emit(grew)                          # 6. emit / stream
+            outputs = self.finish(outputs, batch)              # 7. finish
+            self.log_step(batch)
             return outputs
 
     @contextlib.contextmanager
@@ -663,15 +629,13 @@ class LLMEngine:
                     req.first_token_time = now
                 req.token_times.append(now)
                 grew.append(req)
-        if self._in_step:  # (a step run by hand, as lab 1 walks one, ends its steps itself)
-            self._tail = _Tail(batch, grew)
         if self.kv.prefix_cache is not None:
             self.kv.cache_new_full_blocks(batch.seqs)
         return grew
 
-    def emit(self, grew: list[Request], outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
-        """Step 6: detokenize, check stops, build the outputs a streaming caller reads (added to ``outputs``)."""
-        return self.outputs.emit(grew, outputs)
+    def emit(self, grew: list[Request]) -> list[RequestOutput]:
+        """Step 6: detokenize, check stops, build the outputs a streaming caller reads."""
+        return self.outputs.emit(grew)
 
     def finish(self, outputs: list[RequestOutput], batch: ScheduledBatch) -> list[RequestOutput]:
         """Step 7: finished requests leave and free their blocks; ``n > 1`` samples fold into their parent.
@@ -681,64 +645,38 @@ class LLMEngine:
         and samples aborted since the last step.
         """
         now = self._step_end(batch)
-        tail = self._tail if self._tail is not None and self._tail.batch is batch else None
-        if tail is None or tail.reports is None:
-            reports = self._reports(outputs, batch, now)
-            if tail is not None:
-                tail.reports = reports  # built once: ending an interrupted step again only takes requests out
-            self._finished_elsewhere = []
-        else:
-            reports = tail.reports
-        outputs, ended, folded = reports
+        self._watch_progress(batch, outputs, now)
+        for req in batch.rejected:
+            req.finished_time = now
+            req.retry_after_s = self.retry_after(req)
+            outputs.append(self.outputs.final_output(req))
+        if batch.errors:
+            for seq in batch.seqs:
+                if seq.request.request_id in batch.errors:  # failed in execution (emit reports its own failures)
+                    outputs.append(self.outputs.final_output(seq.request))
+        for req in self._finished_elsewhere:
+            outputs.append(self.outputs.final_output(req))
+        self._finished_elsewhere = []
         requests = self.requests
-        for out in ended:
-            req = requests.get(out.request_id)
-            if req is None:
-                continue  # taken out before an interrupt stopped the step
-            self.scheduler.remove(req)
-            self.outputs.forget(req)
+        # n > 1 samples fold into their parent's output; with no group in the engine every output is its
+        # own caller's and goes back as it is (fold would return the same list).
+        pairs = [(requests[out.request_id], out) for out in outputs] if self._groups else None
+        for out in [out for out in outputs if out.finished]:
+            req = requests[out.request_id]
             self.scheduler.tenant(req.tenant).record_finished(req)  # its tenant's latency samples
             self.num_errors += req.status is RequestStatus.FINISHED_ERROR
-            del requests[out.request_id]  # last: a request still here after an interrupt is ended again, whole
-        if folded is None:
+            if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
+                req.finished_time = now
+            out.metrics.finished_time = req.finished_time
+            self.scheduler.remove(req)
+            self._forget(req)
+        if pairs is None:
             return outputs
+        folded = self.outputs.fold(pairs)
         for out in folded:
             if out.finished:
                 self._groups.pop(out.request_id, None)
         return folded
-
-    def _reports(self, outputs: list[RequestOutput], batch: ScheduledBatch, now: float) -> tuple:
-        """What step 7 reports: ``(outputs, the finished among them, the outputs folded or None)``.
-
-        Built without changing what a second build would read (``outputs`` itself, the table of requests), so
-        a step an interrupt stopped in here builds them again whole.
-        """
-        self._watch_progress(batch, outputs, now)
-        ends = []
-        for req in batch.rejected:
-            req.finished_time = now
-            req.retry_after_s = self.retry_after(req)
-            ends.append(self.outputs.final_output(req))
-        if batch.errors:
-            for seq in batch.seqs:
-                if seq.request.request_id in batch.errors:  # failed in execution (emit reports its own failures)
-                    ends.append(self.outputs.final_output(seq.request))
-        for req in self._finished_elsewhere:
-            ends.append(self.outputs.final_output(req))
-        if ends:
-            outputs = outputs + ends
-        requests = self.requests
-        ended = [out for out in outputs if out.finished]
-        for out in ended:
-            req = requests[out.request_id]
-            if req.finished_time is None or req.status is not RequestStatus.FINISHED_ABORTED:
-                req.finished_time = now
-            out.metrics.finished_time = req.finished_time
-        # n > 1 samples fold into their parent's output; with no group in the engine every output is its
-        # own caller's and goes back as it is (fold would return the same list).
-        if not self._groups:
-            return outputs, ended, None
-        return outputs, ended, self.outputs.fold([(requests[out.request_id], out) for out in outputs])
 
     def _watch_progress(self, batch: ScheduledBatch, outputs: list[RequestOutput], now: float) -> None:
         """Count steps that made no progress; fail what is stuck once they are a stall (see :data:`STALL_STEPS`).

@@ -38,9 +38,8 @@ class _Stream:
     defer_text: bool = False  # final_only without stop strings: nobody reads the text before the end
     every_step: bool = True  # an output every step (cumulative, delta), not only the final one
     emitted_chars: int = 0
-    shown: int = 0  # output tokens an output has reported (the rest of an interrupted step reports no token twice)
     stop_checked: int = 0  # characters of text already searched for stop strings
-    decoded: int = 0  # output tokens detokenized so far (defer_text: all of them, once, at the end)
+    decoded: int = 0  # defer_text: output tokens detokenized so far (all of them, once, at the end)
 
 
 class OutputProcessor:
@@ -80,33 +79,29 @@ class OutputProcessor:
             ]
 
     # -- step 6: emit --------------------------------------------------------
-    def emit(self, grew: list[Request], outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
+    def emit(self, grew: list[Request]) -> list[RequestOutput]:
         """Detokenize each request's new token, check stops, build its output.
 
         A failure here (a tokenizer that cannot decode a token, say) is that
         request's alone: it finishes with ``finish_reason == "error"`` and the
         other requests' outputs are built as usual.
         """
-        outputs = [] if outputs is None else outputs
+        outputs: list[RequestOutput] = []
         streams = self._streams
         for req in grew:  # once per request per step: only attribute reads unless something happens
             tokens = req.output_token_ids
             token = tokens[-1]
-            stream = streams.get(req.request_id)
-            if stream is None or stream.shown == len(tokens):
-                continue  # reported (or let go) before an interrupt stopped this step: see LLMEngine.step
+            stream = streams[req.request_id]
             if stream.defer_text and token not in stream.stop_ids and len(tokens) < req.max_tokens:
                 continue  # final_only, no stop strings, nothing stops: nothing to decode, check or report
             try:
                 stops_here = token in stream.stop_ids
                 # (a deferred stream is detokenized once, at its end: _catch_up).  The token that stops a
                 # request stays in its token ids but not in its text, as a matched stop string does not.
-                if not stream.defer_text and stream.decoded < len(tokens):
-                    if stream.stop_text or not stops_here:
-                        stream.detok.add_token(token)
-                    stream.decoded = len(tokens)
-                if (stops_here or stream.stop_strings or len(tokens) >= req.max_tokens
-                        ) and not req.status.finished:  # otherwise no stop can fire (or one fired already)
+                if not stream.defer_text and (stream.stop_text or not stops_here):
+                    stream.detok.add_token(token)
+                if (stops_here or stream.stop_strings
+                        or len(tokens) >= req.max_tokens):  # otherwise no stop can fire
                     self._check_stop(req, token, stream)
                 finished = req.status.finished
                 if finished:
@@ -114,11 +109,9 @@ class OutputProcessor:
                     stream.detok.flush()  # (after a stop string nothing is held: it was found in released text)
                 if stream.every_step or finished:
                     outputs.append(self._make_output(req, stream, [token]))
-                    stream.shown = len(tokens)
             except Exception as exc:  # noqa: BLE001 - isolated: reported as finish_reason "error"
                 req.status, req.error = RequestStatus.FINISHED_ERROR, f"output processing failed: {exc}"
                 outputs.append(self.final_output(req, [token]))  # the token is the request's: its delta reports it
-                stream.shown = len(tokens)
         return outputs
 
     @staticmethod
@@ -126,17 +119,12 @@ class OutputProcessor:
         """Detokenize the tokens a final-only request skipped, through the same incremental path."""
         if not stream.defer_text:
             return  # detokenized token by token in emit
-        tokens = req.output_token_ids[stream.decoded:]
+        start, stream.decoded = stream.decoded, len(req.output_token_ids)
+        tokens = req.output_token_ids[start:]
         if tokens and req.status is RequestStatus.FINISHED_STOPPED and not stream.stop_text:
             tokens = tokens[:-1]  # (no stop strings when deferred: it stopped on this token) -- its text is dropped
-        try:
-            for token in tokens:
-                stream.detok.add_token(token)
-                stream.decoded += 1  # token by token: an interrupt here leaves the rest to the step's second run
-        except Exception:
-            stream.decoded = len(req.output_token_ids)  # a token that cannot be decoded is not tried again
-            raise
-        stream.decoded = len(req.output_token_ids)
+        for token in tokens:
+            stream.detok.add_token(token)
 
     def final_output(self, req: Request, new_tokens: list[int] | None = None) -> RequestOutput:
         """The last output of a request that finished outside the normal path (rejected, failed, aborted sample);

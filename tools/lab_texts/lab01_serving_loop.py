@@ -163,7 +163,7 @@ grew = eng.append(batch, sampled)                      # 5. append KV and tokens
 print("5 append:      ", {r.request_id: r.num_computed_tokens for r in s.running}, "computed tokens")
 outputs = eng.emit(grew)                               # 6. emit
 print("6 emit:        ", [(o.request_id, o.outputs[0].token_ids) for o in outputs])
-outputs = eng.finish(outputs, batch)                   # 7. finish
+eng.finish(outputs, batch)                             # 7. finish
 print("7 finish:      ", [o.request_id for o in outputs if o.finished], "finished")
 eng.log_step(batch)
 """),
