@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 from collections.abc import Callable
 
@@ -91,6 +92,47 @@ or when that clock has not moved at all (a simulated clock stands still on
 empty steps, and nothing timed can change).  Failing them with a message that
 says so turns the hang into an error a caller can read, and keeps the engine
 serving."""
+
+
+class _CtrlCHeld:
+    """Holds a Ctrl-C (SIGINT) back while a step runs on the main thread, and delivers it when the step ends.
+
+    Why: a step changes many requests one after another -- it appends a sampled token to each, detokenizes it,
+    checks its stops, builds its output, takes the finished ones out.  A ``KeyboardInterrupt`` landing between two
+    of those (Ctrl-C in a notebook while ``LLM.stream`` reads) left the others half done: a token appended but never
+    shown to its stream, a request past its stop scheduled again, final outputs dropped.  Held, the signal cannot
+    land inside the step: the step runs whole, its outputs are kept for the next ``step`` call
+    (``LLMEngine._unread``), and the interrupt is raised as the step returns, to the handler it was meant for.  A step
+    is one batch (chunked prefill bounds it), so Ctrl-C waits at most that long.  Only the main thread receives
+    signals, so a step on another thread (the server's loop) holds nothing, and neither does one whose process
+    installed no Python handler.  Not covered: a Ctrl-C in the few bytecodes between the step's end and its caller
+    (a signal can land anywhere in Python code; what the step itself changes is whole).
+    """
+
+    __slots__ = ("previous", "pending")
+
+    def __init__(self) -> None:
+        self.previous = None  # the handler held back (None: nothing held)
+        self.pending = False  # a Ctrl-C came while held
+
+    def _hold(self, signum, frame) -> None:
+        self.pending = True
+
+    def __enter__(self) -> "_CtrlCHeld":
+        self.pending, self.previous = False, None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not None:  # (None: a handler not installed from Python, which cannot be put back)
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+            if self.pending:
+                signal.raise_signal(signal.SIGINT)  # now, to its own handler: KeyboardInterrupt by default
 
 
 class LLMEngine:
@@ -233,6 +275,8 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples (the output processor reads it)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self._groups)
         self._finished_elsewhere: list[Request] = []  # ended outside a step's batch (aborted samples, a stall)
+        self._ctrl_c = _CtrlCHeld()
+        self._unread: list[RequestOutput] = []  # a step's outputs kept when Ctrl-C ended it: the next step returns them
         self.step_log = StepLog(config.step_log_max_entries)  # read by widgets, labs and benchmarks
         self.num_errors = 0
         self._idle_steps = 0  # steps in a row that ran nothing and ended nothing while work remained
@@ -426,6 +470,8 @@ class LLMEngine:
             return self._abort_request(request_id)
 
     def _abort_request(self, request_id: str) -> bool:
+        if self._unread:  # kept from a step Ctrl-C ended: nobody reads an aborted request's outputs
+            self._unread = [out for out in self._unread if out.request_id != request_id]
         sample = self.requests.get(request_id)
         if sample is not None and sample.parent_id is not None and sample.parent_id in self._groups:
             if sample.status.finished:
@@ -463,6 +509,7 @@ class LLMEngine:
             for rid in list(self._groups) + list(self.requests):
                 self._abort_request(rid)
             self._finished_elsewhere.clear()
+            self._unread = []
             self.closed = True
 
     def _check_open(self) -> None:
@@ -521,19 +568,26 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Whether a driver must step again: the scheduler's work, and outputs still owed for requests that ended
-        outside a step (an aborted sample, a stall) -- only the next step reports them."""
-        return self.scheduler.has_work() or bool(self._finished_elsewhere)
+        outside a step (an aborted sample, a stall) or in a step Ctrl-C ended -- only the next step reports them."""
+        return self.scheduler.has_work() or bool(self._finished_elsewhere) or bool(self._unread)
 
     def holds_any(self, request_ids) -> bool:
         """Whether any of ``request_ids`` (ids :meth:`add_request` returned) is still in the engine, so a
-        step may yet report it: False once each has finished or been aborted.  C-level set tests, no Python loop."""
+        step may yet report it: False once each has finished or been aborted and its last output was returned (a
+        step Ctrl-C ended keeps its outputs for the next).  C-level set tests, no Python loop."""
         with self._lock:
+            if self._unread and not {out.request_id for out in self._unread}.isdisjoint(request_ids):
+                return True
             return not (self.requests.keys().isdisjoint(request_ids) and self._groups.keys().isdisjoint(request_ids))
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration of the serving loop; returns what changed for each request."""
-        with self._lock, self._stepping():
+        """One iteration of the serving loop; returns what changed for each request.
+
+        A Ctrl-C on the main thread waits for the step to end (:class:`_CtrlCHeld`); then the step's outputs are kept
+        and returned, in order, by the next call, before that step's own.
+        """
+        with self._lock, self._stepping(), self._ctrl_c as ctrl_c:
             self._check_open()
             self.scheduler.admit()                             # 1. admit
             batch = self.scheduler.build_batch()               # 2. build batch
@@ -543,7 +597,16 @@ class LLMEngine:
             outputs = self.emit(grew)                          # 6. emit / stream
             outputs = self.finish(outputs, batch)              # 7. finish
             self.log_step(batch)
-            return outputs
+            return self._returned(outputs, ctrl_c.pending)
+
+    def _returned(self, outputs: list[RequestOutput], interrupted: bool) -> list[RequestOutput]:
+        """What a step returns: the outputs a step ended by Ctrl-C kept, then its own -- or, if Ctrl-C came during
+        this step, nothing: they are all kept, and the interrupt is raised as the step exits."""
+        if self._unread:
+            outputs, self._unread = self._unread + outputs, []
+        if interrupted:
+            self._unread = outputs
+        return outputs
 
     @contextlib.contextmanager
     def _stepping(self):
