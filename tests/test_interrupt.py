@@ -19,6 +19,7 @@ dropped.  Now the step holds the signal (``llm_engine._CtrlCHeld``), runs whole,
 step call, and raises ``KeyboardInterrupt`` as it exits.
 """
 
+import _signal
 import signal
 import threading
 
@@ -255,8 +256,8 @@ def test_a_step_off_the_main_thread_leaves_the_signal_handler_alone(tokenizer, m
                        executor=SimulatedExecutor(vocab_size=VOCAB), tokenizer=tokenizer, eos_token_ids=set())
     engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=3, ignore_eos=True), request_id="a")
     before = signal.getsignal(signal.SIGINT)
-    calls, real = [], signal.signal
-    monkeypatch.setattr(signal, "signal", lambda *args: calls.append(args) or real(*args))
+    calls, real = [], _signal.signal
+    monkeypatch.setattr(_signal, "signal", lambda *args: calls.append(args) or real(*args))
     failed = []
     worker = threading.Thread(target=lambda: failed.extend([] if engine.step() is not None else ["no outputs"]))
     worker.start()
@@ -291,3 +292,95 @@ def test_a_request_that_ended_in_an_interrupted_step_is_still_held_until_its_out
     assert [(o.request_id, o.finished, o.outputs[0].token_ids) for o in outputs] == [
         ("a", True, [fake_token("a", len(PROMPT), VOCAB)])]
     assert not engine.holds_any(["a"]) and not engine.has_unfinished_requests() and engine.step() == []
+
+
+def _one_request_engine(tok, rid="a", max_tokens=1):
+    engine = LLMEngine(EngineConfig(num_gpu_blocks_override=40, block_size=4, max_model_len=96),
+                       executor=SimulatedExecutor(vocab_size=VOCAB), tokenizer=tok, eos_token_ids=set())
+    engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       request_id=rid)
+    return engine
+
+
+def _ctrl_c_in(engine, monkeypatch, name="log_step"):
+    real = getattr(engine, name)
+
+    def then_ctrl_c(*args):
+        result = real(*args)
+        signal.raise_signal(signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(engine, name, then_ctrl_c)
+
+
+@pytest.mark.parametrize("handler", ["ignore", "python"])
+def test_a_held_ctrl_c_goes_to_a_handler_that_does_not_raise_and_the_step_returns_once(tokenizer, monkeypatch,
+                                                                                        handler):
+    """The signal goes to the handler it was meant for, once; a handler that does not raise (ignored, or a
+    program's own that sets a flag) lets the step return as usual -- each output once, not again with the next
+    step (the review's probe of the first hold: every output came back twice)."""
+    seen = []
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if handler == "ignore" else lambda s, f: seen.append(s))
+    try:
+        engine = _one_request_engine(tokenizer)
+        _ctrl_c_in(engine, monkeypatch)
+        first = engine.step()
+        monkeypatch.undo()
+        assert [(o.request_id, o.finished) for o in first] == [("a", True)]
+        assert engine.step() == [] and not engine.has_unfinished_requests()
+        assert seen == ([] if handler == "ignore" else [signal.SIGINT])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_right_after_the_hold_ends_loses_no_output(tokenizer, monkeypatch):
+    """The window the review found: a Ctrl-C after the step's last check but before it returned dropped its
+    outputs.  The outputs now wait in the engine until the step hands them over, so a KeyboardInterrupt raised as
+    the hold ends leaves them for the next step."""
+    from minivllm.engine import llm_engine
+
+    real_exit = llm_engine._CtrlCHeld.__exit__
+
+    def exit_then_ctrl_c(self, *exc):
+        real_exit(self, *exc)
+        signal.raise_signal(signal.SIGINT)  # the hold is over: KeyboardInterrupt at once
+
+    engine = _one_request_engine(tokenizer)
+    monkeypatch.setattr(llm_engine._CtrlCHeld, "__exit__", exit_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    assert [(o.request_id, o.finished) for o in engine.step()] == [("a", True)]
+
+
+def test_a_step_inside_a_step_puts_the_handler_back(tokenizer, monkeypatch):
+    """The engine's lock is reentrant, so a step can run inside a step (a callback that steps): the handler must
+    be the original again after both, or Ctrl-C is dead for the process (the review's probe: ``_hold`` left in)."""
+    engine = _one_request_engine(tokenizer, max_tokens=3)
+    before = signal.getsignal(signal.SIGINT)
+    real, inner = engine.log_step, []
+
+    def log_and_step_inside(batch):
+        real(batch)
+        if not inner:
+            inner.append("stepping")
+            inner.append(engine.step())
+
+    monkeypatch.setattr(engine, "log_step", log_and_step_inside)
+    engine.step()
+    monkeypatch.undo()
+    assert inner and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_new_request_cannot_take_the_id_of_one_whose_last_output_waits(tokenizer, monkeypatch):
+    """After a Ctrl-C ended the step that finished ``a``, ``a``'s final output waits for the next step; a new
+    request under the same id would be handed it (the review's probe).  The id is in use until then."""
+    engine = _one_request_engine(tokenizer)
+    _ctrl_c_in(engine, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="duplicate request id"):
+        engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2), request_id="a")
+    assert [(o.request_id, o.finished) for o in engine.step()] == [("a", True)]
+    engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2), request_id="a")
