@@ -262,15 +262,18 @@ class NotesSwapIns(KVContents):
 
 
 def test_under_wfq_the_schedulers_own_batch_gives_each_request_it_swaps_in_its_row():
-    """The workload (found by a seeded search) on which the default step 2 left a swapped-in request out.  WFQ
-    admitted b6, whose provisional charge put b past c, then the swapped c5, then b7; but step 2 ranked b7 by b's
-    counter as it stood, ahead of c5, and gave b6 and b7 the budget admission had counted on for c5, which got no
-    row: its copy in ran a step early, into blocks others could have used (and in a step that failed it would
-    have been left on blocks its copy never reached: the test above).  Step 2 now follows admission's order, so
-    every request swapped in, c5 among them, gets its row in the step that swaps it in, and every request
-    finishes whole, attending only its own tokens.  ``(step it arrives, tenant, prompt tokens, max_tokens)``."""
-    work = [(0, "b", 17, 11), (0, "c", 35, 10), (2, "a", 35, 5), (3, "b", 6, 7), (3, "c", 7, 4), (4, "c", 24, 2),
-            (14, "b", 26, 5), (19, "b", 7, 11)]
+    """The workload (found by a seeded search) on which the default step 2 left a swapped-in request out.  In step
+    20 WFQ admits c5, whose provisional charge puts c past b, then swaps b2 back in, then admits c6; ranked by c's
+    counter as it stood, c6 went level with c5, ahead of b2, and step 2 gave c5 and c6 the budget admission had
+    counted on for b2, which got no row: its copy in ran a step early, into blocks others could have used (and in
+    a step that failed it would have been left on blocks its copy never reached: the test above).  Step 2 now
+    follows admission's order, so every request swapped in, b2 among them, gets its row in the step that swaps it
+    in, and every request finishes whole, attending only its own tokens.  (Searched for again once a swapped-out
+    request stopped preempting a victim that would be swapped out for nothing: the first workload's swap-in came
+    after such a preemption.  Checked by planting the old rank, ``WFQAdmission.rank`` reading the counters only:
+    b2 is left out.)  ``(step it arrives, tenant, prompt tokens, max_tokens)``."""
+    work = [(0, "b", 29, 9), (0, "c", 23, 6), (3, "b", 25, 1), (4, "a", 34, 5), (6, "c", 20, 1), (8, "c", 8, 6),
+            (9, "c", 13, 4)]
     cfg = EngineConfig(num_gpu_blocks_override=16, num_cpu_blocks_override=64, block_size=4, max_num_batched_tokens=16,
                        max_num_seqs=3, max_model_len=48, preemption_mode="swap", scheduling_policy="wfq", device="cpu")
     executor = NotesSwapIns(4)
@@ -279,7 +282,7 @@ def test_under_wfq_the_schedulers_own_batch_gives_each_request_it_swaps_in_its_r
     # block ownership recounted after every step, and no slot attended holds another token
     finals = serve_arrivals(engine, work, max_steps=300, each=check_both_tiers)
     assert executor.left_out == [], "admitted by a swap-in, then given no row"
-    assert "c5" in executor.with_row, "the workload must swap c5 back in"
+    assert "b2" in executor.with_row, "the workload must swap b2 back in"
     assert len(finals) == len(work)
     for i, (_, tenant, _, max_tokens) in enumerate(work):
         done = finals[f"{tenant}{i}"].outputs[0]
