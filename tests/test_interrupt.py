@@ -384,3 +384,23 @@ def test_a_new_request_cannot_take_the_id_of_one_whose_last_output_waits(tokeniz
         engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2), request_id="a")
     assert [(o.request_id, o.finished) for o in engine.step()] == [("a", True)]
     engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2), request_id="a")
+
+
+def test_an_abort_from_inside_a_step_keeps_that_steps_final_output(tokenizer):
+    """An abort asked from inside a step (the executor, a callback on the stepping thread) ends when the step does;
+    a request that finished in that very step keeps its final output, as before the hold (the review's probe: the
+    deferred abort dropped it from the outputs waiting to be returned)."""
+    engine = LLMEngine(EngineConfig(num_gpu_blocks_override=40, block_size=4, max_model_len=96),
+                       executor=SimulatedExecutor(vocab_size=VOCAB), tokenizer=tokenizer, eos_token_ids=set())
+    engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1, ignore_eos=True), request_id="a")
+    real = engine.executor.execute
+
+    def execute_then_abort(batch):
+        sampled = real(batch)
+        assert engine.abort_request("a")  # deferred: the step is under way
+        return sampled
+
+    engine.executor.execute = execute_then_abort
+    outputs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outputs] == [("a", True, "length")]
+    assert not engine.has_unfinished_requests()

@@ -131,11 +131,12 @@ class _CtrlCHeld:
         if self.depth == 1 and threading.current_thread() is threading.main_thread():
             previous = _signal.getsignal(signal.SIGINT)
             if previous is not None:
+                self.pending = False  # (before the swap: a Ctrl-C right after it must stay counted)
                 try:
                     _signal.signal(signal.SIGINT, self._hold)
                 except ValueError:  # not the main interpreter
                     return self
-                self.pending, self.previous = False, previous
+                self.previous = previous
         return self
 
     def __exit__(self, *exc) -> None:
@@ -486,10 +487,10 @@ class LLMEngine:
         """Whether ``request_id`` is a request's in the engine -- or one whose last outputs a step Ctrl-C ended still
         keeps (a new request under that id would be handed the old one's)."""
         return (request_id in self.requests or request_id in self._groups
-                or any(out.request_id == request_id for out in self._unread))
+                or bool(self._unread) and any(out.request_id == request_id for out in self._unread))
 
-    def _abort_request(self, request_id: str) -> bool:
-        if self._unread:  # kept from a step Ctrl-C ended: nobody reads an aborted request's outputs
+    def _abort_request(self, request_id: str, drop_unread: bool = True) -> bool:
+        if self._unread and drop_unread:  # kept from a step Ctrl-C ended: nobody reads an aborted request's outputs
             self._unread = [out for out in self._unread if out.request_id != request_id]
         sample = self.requests.get(request_id)
         if sample is not None and sample.parent_id is not None and sample.parent_id in self._groups:
@@ -630,7 +631,8 @@ class LLMEngine:
         finally:
             self._in_step = False
             while self._deferred_aborts:
-                self._abort_request(self._deferred_aborts.pop(0))
+                # (after the step, as if it came after it: the step's own outputs, about to be returned, stay)
+                self._abort_request(self._deferred_aborts.pop(0), drop_unread=False)
 
     def execute(self, batch: ScheduledBatch) -> dict[str, int]:
         """Step 4, guarded: if the executor fails as a whole, the requests of this batch fail, not the engine."""

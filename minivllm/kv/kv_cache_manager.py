@@ -671,8 +671,7 @@ class KVCacheManager:
         req.num_inserted_blocks = 0
 
     def can_swap_out(self, req: Request) -> bool:
-        """Would :meth:`swap_out` take ``req`` now?  It has KV computed and the host tier has room for all of it.
-        (Admission asks before it preempts for a swapped-out request: see ``Scheduler._would_swap``.)"""
+        """Would :meth:`swap_out` take ``req`` now?  It has KV computed and the host tier has room for all of it."""
         keep = blocks_for(req.num_computed_tokens, self.block_size)
         return self.cpu_pool is not None and 0 < keep <= self.cpu_pool.num_free
 

@@ -70,8 +70,9 @@ running request to seat a better-ranked one (nothing ranked behind that victim i
 pass: it would take the victim's room; under a per-tenant head of line, nothing of the victim's own tenant).
 Once a victim has been swapped out to seat another, no swapped request is swapped back in during the same
 admission (the victim's freed device blocks could be overwritten before the
-executor copies them out); so a swapped-out request preempts to get back in only victims that would be
-recomputed, never one that would be swapped out for nothing in that step.
+executor copies them out).  A swapped-out request that preempts a victim which is then swapped out therefore gets
+back in one pass later, not in the same one: a step's delay, accepted so that a better-ranked request is not left
+behind worse-ranked work until that work finishes.
 """
 
 from __future__ import annotations
@@ -527,19 +528,12 @@ class Scheduler:
 
     def _preempt_to_admit(self, req: Request, admitted: list[Request]) -> bool:
         """Preempt one running request the policy ranks below ``req`` (never one protected by anti-thrash;
-        never in reject mode, whose promise is that nothing running is preempted -- ``req`` is turned away).
-
-        For a swapped-out ``req``, never one that would be swapped out: ``req`` cannot swap in during the pass
-        that swaps a victim out (:meth:`_fit_or_make_room`), so that victim would give its place up for nothing
-        in this step, and another request could take the room before ``req`` is back.  A victim that would be
-        recomputed (``auto`` mode's cheaper choice for it, or a full host tier) frees its blocks at once."""
+        never in reject mode, whose promise is that nothing running is preempted -- ``req`` is turned away)."""
         if self._may_preempt_for is None or self.config.preemption_mode == "reject":
             return False
         limit = self.config.preemption_protect_after
-        swapped = req.status is RequestStatus.SWAPPED
         cands = [r for r in self.running
-                 if r not in admitted and (not limit or r.num_preemptions < limit) and self._may_preempt_for(req, r)
-                 and not (swapped and self._would_swap(r))]
+                 if r not in admitted and (not limit or r.num_preemptions < limit) and self._may_preempt_for(req, r)]
         if not cands or not self._victims_could_make_room(req, cands):
             return False
         victim = self._choose_victim(cands)
@@ -554,9 +548,10 @@ class Scheduler:
         nobody gained.  Seats are no question (one victim frees one) and the token budget is never a reason
         to preempt (see :meth:`admit`); the blocks are: the bound freed blocks minus what the requests left
         running will still claim, against the blocks ``req`` would take.  A sample forking from
-        its leader needs at most a block or two and is always worth trying -- but only while it can fork
+        its leader needs at most a block or two and is always worth trying -- but only a waiting one that can fork
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.can_fork`): once its leader has finished (or is
-        gone), it starts alone, needs its whole prompt, and is bounded like any request.
+        gone) it starts alone and needs its whole prompt; a swapped-out one swaps all its blocks back in; a
+        recomputed one reserves its outputs again.  Those are bounded like any request.
 
         What those left claim is counted as if the candidates' references were gone
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.claims_as_they_leave`), not from the refcounts as they
@@ -565,7 +560,7 @@ class Scheduler:
         had room was refused.  (Asked only when a request finds no room and may preempt: one pass over the running
         requests and the candidates' tables, as :meth:`_reserved_blocks` and ``could_start_if_freed`` already take.)
         """
-        if self.kv.can_fork(req):
+        if req.status is RequestStatus.WAITING and self.kv.can_fork(req):
             return True
         # (what is left claims its next tokens, not its worst case: only reject mode reserves that, and it never
         # preempts -- :meth:`_preempt_to_admit` returns before asking)
@@ -1174,11 +1169,6 @@ class Scheduler:
         self.stats.num_recomputed_tokens += computed
         req.num_recomputed_tokens += computed
         req.num_tokens_computed_once = max(req.num_tokens_computed_once, computed)
-
-    def _would_swap(self, req: Request) -> bool:
-        """Would :meth:`_preempt` swap ``req`` out, were it preempted now (rather than recompute it)?  The same
-        three questions in the same order, none of them changing anything."""
-        return req.num_computed_tokens > 0 and self._wants_swap(req) and self.kv.can_swap_out(req)
 
     def _wants_swap(self, req: Request) -> bool:
         """Try the host tier for this victim?  Swap mode always does (:meth:`KVCacheManager.swap_out` refuses when
