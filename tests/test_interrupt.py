@@ -33,6 +33,16 @@ from minivllm.sim import SimulatedExecutor
 from minivllm.sim.roofline import fake_token
 
 VOCAB = 1000
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Ctrl-C raises ``KeyboardInterrupt`` here, as in a terminal or a notebook.  A process started in the
+    background by a shell (``cmd &``, as CI may run the suite) inherits SIGINT ignored, and Python then installs no
+    handler: a Ctrl-C would do nothing at all (the hold hands it on to that handler, SIG_IGN)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 PROMPT = [19556, 905, 314, 260, 1345]
 
 
