@@ -670,11 +670,6 @@ class KVCacheManager:
         req.num_computed_tokens = 0
         req.num_inserted_blocks = 0
 
-    def can_swap_out(self, req: Request) -> bool:
-        """Would :meth:`swap_out` take ``req`` now?  It has KV computed and the host tier has room for all of it."""
-        keep = blocks_for(req.num_computed_tokens, self.block_size)
-        return self.cpu_pool is not None and 0 < keep <= self.cpu_pool.num_free
-
     def swap_out(self, req: Request) -> bool:
         """Move ``req``'s computed KV to the host tier and free its device blocks.
 
@@ -682,9 +677,9 @@ class KVCacheManager:
         scheduler then recomputes instead.  Blocks the request holds beyond its
         computed tokens (allocated this step, never written) are just freed.
         """
-        if not self.can_swap_out(req):
-            return False
         keep = blocks_for(req.num_computed_tokens, self.block_size)
+        if self.cpu_pool is None or keep == 0 or self.cpu_pool.num_free < keep:
+            return False
         # A block copied-on-write in this very step is not written yet: swap its source instead.
         pending = {dst: src for src, dst in self._moves.copies}
         self._forget_pending_copies(req.block_ids)
