@@ -24,7 +24,7 @@ from minivllm.config import TenantConfig
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
 
-from tests.invariants import KVContents, assert_no_leak, check_both_tiers, drain
+from tests.invariants import KVContents, assert_no_leak, check_both_tiers, drain, steps
 
 EOS = 3  # (the simulator's fake tokens never use ids 0-9)
 
@@ -217,16 +217,13 @@ def test_kv_blocks_match_a_recount_under_preemption_and_aborts_between_steps(mod
                            tenant=rng.choice("abc"))
     aborts = [f"q{i}" for i in rng.sample(range(24), 6)] + ["q20#1", "q21#0"]
     found = 0
-    for k in range(2000):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
+    for k, _ in enumerate(steps(engine, max_steps=2000)):  # fails when it does not drain
         check_both_tiers(engine)
         assert_counted_now(engine)
         if k % 5 == 4 and aborts:
             found += engine.abort_request(aborts.pop())
             assert_counted_now(engine)
-    assert not engine.has_unfinished_requests() and not aborts
+    assert not aborts
     assert engine.stats()[f"num_{mode}_preemptions"] > 0 and found >= 6  # the cases were reached
     assert_no_leak(engine)
 

@@ -26,7 +26,7 @@ from minivllm.config import TenantConfig
 from minivllm.request import RequestStatus
 
 from tests.fuzz import examples
-from tests.invariants import KVContents, assert_no_leak, check_both_tiers, claimed_blocks
+from tests.invariants import KVContents, assert_no_leak, check_both_tiers, claimed_blocks, drain
 
 
 def _room_after(kv, reqs, gone, req=None):
@@ -169,14 +169,7 @@ def _run(engine: LLMEngine, ops, head) -> None:
             engine.step()
             check_both_tiers(engine)
             _check_caps(engine)
-    for _ in range(3000):
-        if not engine.has_unfinished_requests():
-            break
-        engine.step()
-        check_both_tiers(engine)
-        _check_caps(engine)
-    assert not engine.has_unfinished_requests(), "the engine did not drain"
-    assert not getattr(engine, "num_stalls", 0), "the stall watchdog failed requests"
+    drain(engine, max_steps=3000, each=_check_caps)  # fails when it does not drain, or the stall watchdog fired
     assert_no_leak(engine)
 
 

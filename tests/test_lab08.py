@@ -23,6 +23,8 @@ from minivllm.labs.live import LiveLoad, ramp_arrivals, run_sim_load  # noqa: E4
 from minivllm.labs.registry import apply_mutant  # noqa: E402
 from minivllm.metrics.prometheus import EngineMetrics, observe_all  # noqa: E402
 
+from tests.lab08_alarms import one_pass_alarm, popped  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab08_serving.ipynb"
 
@@ -203,16 +205,7 @@ def test_first_alarm_check_is_the_same_whatever_ran_before_it():
     answers, and the verdict on a function that is right on every list it is given, must not move."""
 
     def consuming(samples, signal, threshold, for_s):  # right on every series, but it empties its input
-        start = None
-        while samples:
-            s = samples.pop(0)
-            if getattr(s, signal) > threshold:
-                start = s.time if start is None else start
-                if s.time - start >= for_s:
-                    return s.time
-            else:
-                start = None
-        return None
+        return one_pass_alarm(popped(samples), signal, threshold, for_s)
 
     fresh = check_lab08.ramp_run().samples  # the ramp as a first check sees it
     seen = []

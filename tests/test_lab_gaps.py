@@ -8,27 +8,38 @@
 * Lab 7 ``gather_kv``: the hint of case 3 ("round the number of blocks UP, not up-plus-one") was printed only when
   an answer raised there.  An up-plus-one count whose extra block reaches the output came back as "N rows for
   16 tokens" and got the hint to cut the rows, which the answer already does.  An up-plus-one count cut to
-  ``kv_len`` rows is a right answer and must still pass.
+  ``kv_len`` rows is a right answer and must still pass.  And an up-plus-one count that writes its extra block
+  into a ``kv_len``-row output raises; a raise printed only the case's fixed hint (at 15 tokens: "cut the
+  gathered blocks to kv_len tokens"), so the checker now re-runs such an answer with the table cut to the
+  blocks the tokens need, and names the count when the raise goes away there.
 * Lab 6 ``tenant_cap``: the grader's hidden cases draw running sets in which a tenant holds more seats than its
   cap; no visible case did, so an answer that counts the seats left and admits while that count is truthy (-1 is)
   passed the notebook's checker and lost its point at grading, at about one seed in seven.
 
-Oracles: hand counts of rows and blocks, and a brute-force alarm written here (every prefix of the series, its
-last unbroken run above the threshold measured from its first scrape), and the cap rule by hand.
+Oracles: hand counts of rows and blocks; alarms worked out by hand, and a brute-force alarm over every pair of
+scrapes (the rule as its definition states it, unlike the reference's walk back from each scrape), held to those
+hand answers and, by hypothesis, to the reference on any series; and the cap rule by hand.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import math
 from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minivllm.labs import check_lab07, check_lab08
 from minivllm.labs.registry import apply_mutant, exercise
+
+from tests.fuzz import examples
+from tests.lab08_alarms import one_pass_alarm
 
 SEEDS = range(200)
 
@@ -46,43 +57,63 @@ def _hint(text: str) -> str:
 # -- lab 8: first_alarm --------------------------------------------------------------------------------------------
 
 
-def _brute_alarm(samples, signal, threshold, for_s):
-    """For each prefix, walk back over the scrapes above the threshold that end it; fire once they span for_s."""
-    for end in range(len(samples)):
-        start = end
-        while start >= 0 and getattr(samples[start], signal) > threshold:  # NaN > x is False: no data breaks it
-            start -= 1
-        if start < end and samples[end].time - samples[start + 1].time >= for_s:
-            return samples[end].time
-    return None
+def _alarm_by_pairs(samples, signal, threshold, for_s):
+    """The rule read as its definition, over every pair of scrapes i <= j: the earliest t_j such that every
+    scrape from i to j is above the threshold (NaN > x is False: no data is not above) and t_j - t_i >= for_s.
+    Unlike the checker's reference, which walks back from each scrape over the run that ends there, this looks
+    at all pairs and takes the least time."""
+    above = [getattr(s, signal) > threshold for s in samples]
+    return min((samples[j].time for j in range(len(samples)) for i in range(j + 1)
+                if all(above[i:j + 1]) and samples[j].time - samples[i].time >= for_s), default=None)
+
+
+nan = float("nan")
+# (values, scrape times, threshold, for_s, the alarm worked out by hand) -- each row says why
+HAND_ALARMS = [
+    ([], [], 5, 0, None),  # no scrape yet: nothing to fire on
+    ([1, 8, 8], [1, 2, 3], 5, 0, 2.0),  # for_s 0: the first scrape above fires, at t=2
+    ([7, 7], [3, 4], 5, 1, 4.0),  # held from the streak's first scrape (t=3), not from t=0: 1 s at t=4
+    ([6, 6, 6], [0.5, 1.25, 2.0], 5, 1.5, 2.0),  # held exactly for_s at t=2 (2.0 - 0.5 = 1.5): >= fires
+    ([5, 6, 6], [0, 1, 2], 5, 1, 2.0),  # 5 is not above 5: the streak starts at t=1, 1 s old at t=2
+    ([3, 7, 7, 2, 7, 7, 7], [1, 2, 3, 4, 5, 6, 7], 5, 2, 7.0),  # 1 s by t=3, the dip at t=4 resets: 2 s at t=7
+    ([9, 9, nan, 9, 9], [0, 1, 2, 3, 4], 5, 1.5, None),  # no data at t=2 splits 4 s above into two 1 s streaks
+    ([9, 9, nan, 9], [0, 1, 2, 3], 5, 2, None),  # the scrape that would have held 2 s has no data
+    ([8, 8, 8], [0, 0.5, 1.0], 5, 1.25, None),  # above at every scrape, but the series spans 1 s < 1.25 s
+    ([8, 8, 8, 8], [0, 0.25, 2.0, 2.25], 5, 1.5, 2.0),  # uneven gaps: 0.25 s at the 2nd scrape, 2 s at the 3rd
+    ([0, 9], [0, 2.5], 5, 0, 2.5),  # one scrape above, for_s 0: fires at that scrape's own time
+]
+
+
+def test_the_alarm_reference_and_the_pairs_oracle_agree_with_alarms_worked_out_by_hand():
+    """The grader's hidden cases take their expected answers from the reference: it is checked here against
+    answers worked out by hand, and so is the pairs oracle the other tests use as a right answer."""
+    for values, times, threshold, for_s, want in HAND_ALARMS:
+        series = check_lab08._series(values, times=times)
+        assert check_lab08.reference_first_alarm(series, "waiting", threshold, for_s) == want, (values, times)
+        assert _alarm_by_pairs(series, "waiting", threshold, for_s) == want, (values, times)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(points=st.lists(st.tuples(st.sampled_from([0, 4, 5, 6, 9, nan]), st.sampled_from([0.25, 0.5, 1.0, 1.5])),
+                       max_size=10),
+       threshold=st.sampled_from([4, 5]), for_s=st.sampled_from([0, 0.5, 1, 1.25, 2, 3]))
+def test_the_alarm_reference_is_the_rule_on_any_series(points, threshold, for_s):
+    """Scrapes at uneven gaps, values equal to the threshold, NaN: the reference agrees with the pairs oracle."""
+    series = check_lab08._series([v for v, _ in points], times=list(itertools.accumulate(g for _, g in points)))
+    assert (check_lab08.reference_first_alarm(series, "waiting", threshold, for_s)
+            == _alarm_by_pairs(series, "waiting", threshold, for_s))
 
 
 def _first_sample_first(samples, signal, threshold, for_s):
     """Right on every list with a scrape: the streak is opened from samples[0] before the loop, as the loop would."""
-    since = samples[0].time if getattr(samples[0], signal) > threshold else None
-    for s in samples:
-        if getattr(s, signal) > threshold:
-            since = s.time if since is None else since
-            if s.time - since >= for_s:
-                return s.time
-        else:
-            since = None
-    return None
+    first = samples[0]
+    return one_pass_alarm(samples, signal, threshold, for_s,
+                          since=first.time if getattr(first, signal) > threshold else None)
 
 
 def _wrong_at(compare, *, dip_resets: bool = True):
     """The one-pass alarm with another comparison, or with a dip that does not reset the streak."""
-    def first_alarm(samples, signal, threshold, for_s):
-        since = None
-        for s in samples:
-            if compare(getattr(s, signal), threshold):
-                since = s.time if since is None else since
-                if s.time - since >= for_s:
-                    return s.time
-            elif dip_resets:
-                since = None
-        return None
-    return first_alarm
+    return functools.partial(one_pass_alarm, above=compare, dip_resets=dip_resets)
 
 
 def test_an_answer_that_reads_samples_0_first_is_refused_by_the_checker_the_learner_sees():
@@ -92,7 +123,7 @@ def test_an_answer_that_reads_samples_0_first_is_refused_by_the_checker_the_lear
     result, text = _verdict(check_lab08.check_first_alarm, _first_sample_first)
     assert not result and result.failed_case == "no samples yet: no alarm", text
     assert "raised IndexError" in text and "samples[0]" in _hint(text)
-    assert _verdict(check_lab08.check_first_alarm, _brute_alarm)[0]
+    assert _verdict(check_lab08.check_first_alarm, _alarm_by_pairs)[0]
 
 
 @pytest.mark.parametrize("wrong, what", [
@@ -108,7 +139,7 @@ def test_the_hidden_cases_catch_each_edge_bug_at_every_seed(wrong, what):
 
 
 def test_the_hidden_cases_still_pass_a_right_answer():
-    assert all(_verdict(check_lab08.hidden_first_alarm, _brute_alarm, seed)[0] for seed in SEEDS)
+    assert all(_verdict(check_lab08.hidden_first_alarm, _alarm_by_pairs, seed)[0] for seed in SEEDS)
 
 
 def test_the_empty_list_crash_is_a_planted_bug_of_first_alarm():
@@ -131,7 +162,7 @@ def test_the_empty_list_crash_is_a_planted_bug_of_first_alarm():
     nan = float("nan")
     for values, for_s in (([5, 5, 0, 5, 5, 5], 2), ([0, 9, 0], 0), ([nan, 5, 5], 1), ([4, 4, 5], 0), ([9], 0)):
         series = check_lab08._series(values)
-        assert alarm(series, "waiting", 4, for_s) == _brute_alarm(series, "waiting", 4, for_s), values
+        assert alarm(series, "waiting", 4, for_s) == _alarm_by_pairs(series, "waiting", 4, for_s), values
 
 
 # -- lab 7: gather_kv's up-plus-one hint ---------------------------------------------------------------------------
@@ -212,6 +243,91 @@ def test_an_up_plus_one_count_cut_to_kv_len_still_passes(count):
     result, text = _verdict(check_lab07.check_gather_kv, right)
     assert result, text
     assert all(_verdict(check_lab07.hidden_gather_kv, right, seed)[0] for seed in range(5))
+
+
+def _write_blocks(count, *, by_entry: bool, take=lambda n, b, start, last: min(b, n - start)):
+    """A gather that allocates its ``kv_len`` rows and writes ``count(kv_len, block_size)`` blocks into them, block
+    after block, ``take(...)`` rows of each; the table read as a slice (``by_entry=False``) or entry by entry.  The
+    default ``take`` is a block's rows up to ``kv_len``: negative past the last token, which slices the block
+    from its end, so an extra block's rows land on none of the output's (past its end) and the write raises."""
+    def gather_kv(cache, block_table, kv_len):
+        b = cache.shape[1]
+        n = count(kv_len, b)
+        ids = [int(block_table[k]) for k in range(n)] if by_entry else block_table[:n].tolist()
+        out = torch.empty(kv_len, *cache.shape[2:], dtype=cache.dtype)
+        for k, block in enumerate(ids):
+            start = k * b
+            rows = take(kv_len, b, start, k == len(ids) - 1)
+            out[start:start + rows] = cache[block, :rows]
+        return out
+    return gather_kv
+
+
+def _ceil(n, b):
+    return -(-n // b)
+
+
+def _last_block_cut(n, b, start, last):
+    """Whole blocks, the last cut to the tokens it holds (n % b, or b when n fills it): ignores ``start``."""
+    return (n % b or b) if last else b
+
+
+def test_block_by_block_writers_differ_from_a_right_gather_only_in_their_count():
+    """The writers below with ceil(kv_len / block_size) blocks pass, visible and hidden cases: what they get wrong
+    there is the count alone."""
+    for by_entry in (False, True):
+        right = _write_blocks(_ceil, by_entry=by_entry)
+        assert _verdict(check_lab07.check_gather_kv, right)[0]
+        assert all(_verdict(check_lab07.hidden_gather_kv, right, seed)[0] for seed in range(3))
+    assert _verdict(check_lab07.check_gather_kv, _write_blocks(_ceil, by_entry=False, take=_last_block_cut))[0]
+
+
+@pytest.mark.parametrize("count, by_entry, take, case, shown", [
+    # 1 token: ceil + 1 = 2 blocks; block 1 starts at row 16 of a 1-row output and takes 1 - 16 = -15 rows, the
+    # block's first 1: one row broadcast onto none, no raise.  15 tokens: -1 rows, the first 15: 15 rows onto
+    # none raises, and given one table entry the slice reads one block, the entry-by-entry read asks for entry 1
+    (_ceil_plus_one, False, None, "15 tokens: a partial block, NaN tail left out", "raises nothing"),
+    (_ceil_plus_one, True, None, "15 tokens: a partial block, NaN tail left out", "asks for entry 1, one past them"),
+    # 1 and 15 tokens: floor + 1 = 1 block, right.  16 tokens: 2 blocks, the last cut to 16 % 16 or 16 = 16 rows,
+    # written at row 16 of a 16-row output
+    (_floor_plus_one, False, _last_block_cut, "16 tokens: exactly one block", "raises nothing"),
+], ids=["ceil+1 slice", "ceil+1 by entry", "floor+1 whole last block"])
+def test_an_up_plus_one_writer_that_raises_is_told_to_round_up(count, by_entry, take, case, shown):
+    """An up-plus-one count whose extra block is written past the end of a kv_len-row output raises; the hint names
+    the count, with what the answer did given only the entries the tokens need."""
+    wrong = _write_blocks(count, by_entry=by_entry, **({"take": take} if take else {}))
+    result, text = _verdict(check_lab07.check_gather_kv, wrong)
+    assert not result and result.failed_case == case and "raised " in text, text
+    hint = _hint(text)
+    assert "not up-plus-one" in hint and "ceil(kv_len / block_size)" in hint and shown in hint, hint
+
+
+@pytest.mark.parametrize("count, case", [(_ceil, "one token"), (_ceil_plus_one, "one token")],
+                         ids=["ceil", "ceil+1"])
+def test_a_raise_that_a_cut_table_does_not_end_keeps_the_cases_hint(count, case):
+    """Every slot of every block written row by row, none cut at kv_len: 1 token, row 1 of a 1-row output raises
+    IndexError ("index 1 is out of bounds for dimension 0 with size 1") in block 0 -- the message that reading a
+    1-entry table at entry 1 gives too, but it raised so with the whole table, whatever the count: the hint stays
+    the case's own, not up-plus-one's."""
+    def every_slot(cache, block_table, kv_len):
+        b = cache.shape[1]
+        out = torch.empty(kv_len, *cache.shape[2:], dtype=cache.dtype)
+        for p in range(count(kv_len, b) * b):
+            out[p] = cache[int(block_table[p // b]), p % b]
+        return out
+
+    result, text = _verdict(check_lab07.check_gather_kv, every_slot)
+    assert not result and result.failed_case.startswith(case) and "raised IndexError" in text, text
+    assert "up-plus-one" not in _hint(text) and "block_table[0]" in _hint(text), text
+
+
+def test_a_writer_that_fills_whole_blocks_keeps_the_cases_hint():
+    """ceil(kv_len / block_size) blocks, each written whole: 1 token, 16 rows onto the 1-row output raise in block 0,
+    with one table entry as with four."""
+    wrong = _write_blocks(_ceil, by_entry=True, take=lambda n, b, start, last: b)
+    result, text = _verdict(check_lab07.check_gather_kv, wrong)
+    assert not result and result.failed_case.startswith("one token") and "raised RuntimeError" in text, text
+    assert "up-plus-one" not in _hint(text), text
 
 
 # -- lab 6: a tenant already over its cap --------------------------------------------------------------------------

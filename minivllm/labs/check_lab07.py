@@ -320,6 +320,35 @@ def _brute_gather(cache, table, kv_len):
     return torch.stack(rows) if rows else cache.new_empty((0, *cache.shape[2:]))
 
 
+# the advice for a block count one too high, wherever a checker finds one (a row count, or a raise)
+_ROUND_UP = "round the number of blocks UP, ceil(kv_len / block_size), not up-plus-one"
+
+
+def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str | None:
+    """What shows that ``fn``'s raise on ``(cache, table, kv_len)`` came from the table entries after the
+    ceil(kv_len / B) that the tokens need -- the raise of an up-plus-one count that writes its extra block into a
+    kv_len-row output -- or ``None`` when nothing does.
+
+    A raise has no rows to count, so this asks by experiment: ``fn`` again on the same cache and length, with the
+    table cut to the entries the tokens need, so that only those entries differ.  Blamed when it then returns
+    (it took a slice of the table, which now ends where the tokens do), or when it then raises exactly what
+    reading the cut table one entry past its end raises, having raised something else before (it read the table
+    entry by entry).  Not blamed when it raises as it did: its bug is in the blocks it needs.
+    """
+    needed = -(-kv_len // cache.shape[1])
+    cut = table[:needed].clone()
+    try:
+        fn(cache.clone(), cut, kv_len)
+    except Exception as again:  # noqa: BLE001 - a learner's bug, whatever it raises
+        try:
+            cut[needed]
+        except IndexError as past:
+            if type(again) is IndexError and str(again) == str(past) != str(exc):
+                return f"asks for entry {needed}, one past them"
+        return None
+    return "raises nothing"
+
+
 def check_gather_kv(fn) -> CheckResult:
     """Check ``fn(cache, block_table, kv_len) -> [kv_len, kv_heads, head_dim]``."""
     def layout():  # the cases' pool and tables; ``untouched`` gets a fresh copy of its own
@@ -359,9 +388,8 @@ def check_gather_kv(fn) -> CheckResult:
         needed = -(-want_len // page)
         if needed * page < shape[0] <= (needed + 1) * page:
             return (f"{shape[0]} rows for {want_len} tokens, more than the {needed} block(s) of {page} they need "
-                    "hold: rows of one block too many were kept -- round the number of blocks UP, "
-                    "ceil(kv_len / block_size), not up-plus-one (kv_len // block_size + 1 is one too many when "
-                    "kv_len fills its last block)")
+                    f"hold: rows of one block too many were kept -- {_ROUND_UP} (kv_len // block_size + 1 is one "
+                    "too many when kv_len fills its last block)")
         if shape[0] > needed * page:
             return (f"{shape[0]} rows for {want_len} tokens, more than the {needed} block(s) of {page} they need "
                     "hold: gather only the table's first ceil(kv_len / block_size) entries, not the whole row")
@@ -374,6 +402,18 @@ def check_gather_kv(fn) -> CheckResult:
 
     def hint_for(i):
         return lambda got: symptom(got, int(c["seq_lens"][i]))
+
+    def raise_hint_for(i):
+        def explain(f, exc):
+            n = int(c["seq_lens"][i])
+            shown = _raise_past_its_blocks(f, exc, cache, tables[i], n)
+            if shown is None:
+                return None
+            needed = -(-n // page)
+            return (f"{n} token(s) fill {needed} block(s), and the raise comes from a block after them: given only "
+                    f"the table's first {needed} entr{'y' if needed == 1 else 'ies'}, this answer {shown} -- "
+                    f"{_ROUND_UP} (and don't walk the whole table row)")
+        return explain
 
     def untouched(f):
         # a pool of its own: the cases before this one already ran f on ``cache``, so a write that makes the same
@@ -402,19 +442,24 @@ def check_gather_kv(fn) -> CheckResult:
     cases = [
         Case("one token: slot 0 of the first block in the table", same(0), expect(0),
              "token 0 lives in block block_table[0] at offset 0 -- the table's first entry, not physical block 0",
-             show_expected="shape (1, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(0)),
+             show_expected="shape (1, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(0),
+             diagnose_raise=raise_hint_for(0)),
         Case("15 tokens: a partial block, NaN tail left out", same(1), expect(1),
              "cut the gathered blocks to kv_len tokens: the slots after the last token hold NaN",
-             show_expected="shape (15, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(1)),
+             show_expected="shape (15, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(1),
+             diagnose_raise=raise_hint_for(1)),
         Case("16 tokens: exactly one block", same(2), expect(2),
-             "a full block needs no block after it: round the number of blocks UP, not up-plus-one",
-             show_expected="shape (16, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(2)),
+             f"a full block needs no block after it: {_ROUND_UP}",
+             show_expected="shape (16, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(2),
+             diagnose_raise=raise_hint_for(2)),
         Case("17 tokens: one token spills into a second block", same(3), expect(3),
              "17 tokens need ceil(17 / 16) = 2 blocks; flooring loses the 17th",
-             show_expected="shape (17, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(3)),
+             show_expected="shape (17, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(3),
+             diagnose_raise=raise_hint_for(3)),
         Case("40 tokens over three blocks in random pool order", same(4), expect(4),
              "follow the table's order (logical block 0, 1, 2), whatever the physical ids; blocks, then slots",
-             show_expected="shape (40, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(4)),
+             show_expected="shape (40, 2, 8), no NaN, equal to the token-by-token gather", diagnose=hint_for(4),
+             diagnose_raise=raise_hint_for(4)),
         Case("reads only: the cache and the table are unchanged", untouched, (True, True),
              "gather into a new tensor; don't write into the cache or sort the table"),
         Case("agrees with the engine's gather (page 8, 3 KV heads, a shared block)", agrees_with_engine, True,

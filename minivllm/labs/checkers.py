@@ -32,6 +32,11 @@ class Case:
     a hint for the mistake that produces it (or ``None`` to fall back to
     ``hint``): one case catches several bugs, and a hint written for the bug
     the case was built for misleads the learner who made another.
+    ``diagnose_raise(candidate, exc)`` does the same for a case whose run
+    raised: it may re-run the candidate on inputs of its own to find which
+    mistake the raise came from, and returns ``None`` (``hint`` then) when it
+    cannot tell -- a raise has no symptom to read, so telling two mistakes
+    apart takes an experiment.
     """
 
     name: str
@@ -41,6 +46,7 @@ class Case:
     accept: Callable[[Any], bool] | None = None
     show_expected: str | None = None  # text to print instead of repr(expected)
     diagnose: Callable[[Any], str | None] | None = None
+    diagnose_raise: Callable[[Any, Exception], str | None] | None = None
 
     def passes(self, got: Any) -> bool:
         if self.accept is not None:
@@ -146,8 +152,12 @@ def run_checks(title: str, candidate: Any, cases: Sequence[Case], *, verbose: bo
             tb = traceback.extract_tb(exc.__traceback__)
             where = f" (line {tb[-1].lineno} in {tb[-1].name})" if tb else ""
             lines.append(f"✘ case {i}/{len(cases)} '{case.name}': raised {type(exc).__name__}: {exc}{where}")
-            if case.hint:
-                lines.append(f"  hint: {case.hint}")
+            try:  # as for a wrong answer below: a diagnosis that cannot tell (or fails) leaves the case's hint
+                hint = (case.diagnose_raise(candidate, exc) if case.diagnose_raise is not None else None) or case.hint
+            except Exception:  # noqa: BLE001
+                hint = case.hint
+            if hint:
+                lines.append(f"  hint: {hint}")
             result.failed_case = case.name
             break
         try:
