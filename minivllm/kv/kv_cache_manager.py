@@ -124,6 +124,12 @@ class KVCacheManager:
         # the host blocks change hands: ``LLMEngine.stats()`` runs every served step, and counting them by a
         # walk over the waiting queue cost 1.4 ms a step with 10,000 waiting, eight times the step's own host work.
         self.num_swapped = 0
+        # Bumped by every change this manager makes to any block table (the only code that makes one): a reader
+        # that kept something computed from the tables (``LLMEngine``'s per-tenant block count, kept from the step
+        # log for the ``stats()`` read after the step) knows it still holds while this is unchanged, in O(1)
+        # instead of comparing each table with a copy.  It lives here and not in the pool because the pool never
+        # sees a table: a learner's pool (lab 2) plugs in below this class and cannot change one unseen.
+        self.table_changes = 0
         self._peek = None  # the cache's side-effect-free count of a cached prefix, if it has one
         if prefix_cache is not None:
             self._adopt(prefix_cache)
@@ -445,6 +451,7 @@ class KVCacheManager:
         for b in hit.block_ids:
             self.pool.incref(b)
         req.block_ids = list(hit.block_ids)
+        self.table_changes += 1
         req.num_computed_tokens = hit.num_tokens
         req.num_inserted_blocks = len(hit.block_ids)
 
@@ -488,6 +495,7 @@ class KVCacheManager:
         assert not child.block_ids, "a sample forks only before it holds blocks"
         shared = blocks_for(child.num_prompt_tokens - 1, self.block_size)
         child.block_ids = list(parent.block_ids[:shared])
+        self.table_changes += 1
         for b in child.block_ids:
             self.pool.incref(b)
         child.num_computed_tokens = child.num_prompt_tokens - 1
@@ -579,6 +587,8 @@ class KVCacheManager:
             return False
         if cow:
             self._copy_on_write_last(req)
+        if n:
+            self.table_changes += 1
         for _ in range(n):
             req.block_ids.append(self._take_block())
         return True
@@ -611,6 +621,8 @@ class KVCacheManager:
         """
         pool, bs = self.pool, self.block_size
         free = pool.num_free
+        if seqs:
+            self.table_changes += 1  # (once, before any grows: a bump with no change only costs a reader a recount)
         for i, s in enumerate(seqs):
             blocks = s.request.block_ids
             n = -(-s.num_tokens // bs)
@@ -648,6 +660,7 @@ class KVCacheManager:
         if needs_copy:
             self._moves.copies.append((old, new))
         req.block_ids[-1] = new
+        self.table_changes += 1
 
     def take_block_moves(self) -> BlockMoves:
         """The copies the executor must perform before this step's forward pass."""
@@ -666,6 +679,7 @@ class KVCacheManager:
             self.cpu_pool.free_all(req.cpu_block_ids)
             self.num_swapped -= 1
         req.block_ids = []
+        self.table_changes += 1
         req.cpu_block_ids = []
         req.num_computed_tokens = 0
         req.num_inserted_blocks = 0
@@ -688,6 +702,7 @@ class KVCacheManager:
             self._moves.swap_out.append((pending.get(gpu, gpu), req.cpu_block_ids[-1]))
         self.pool.free_all(req.block_ids)
         req.block_ids = []
+        self.table_changes += 1
         self.stats.swapped_out_blocks += keep
         self.num_swapped += 1
         return True
@@ -712,6 +727,7 @@ class KVCacheManager:
         assert req.cpu_block_ids and not req.block_ids, "swap_in needs a swapped-out request"
         if not self.can_provide(len(req.cpu_block_ids)):
             raise RuntimeError("swap_in without room: the scheduler must check can_provide first")
+        self.table_changes += 1
         for cpu in req.cpu_block_ids:
             req.block_ids.append(self._take_block())
             self._moves.swap_in.append((cpu, req.block_ids[-1]))
