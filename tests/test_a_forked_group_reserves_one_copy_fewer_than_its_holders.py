@@ -405,3 +405,55 @@ def test_a_preemption_that_leaves_a_victims_co_holder_writing_in_place_is_made()
     assert sched._preempt_to_admit(x, admitted=[sample])
     assert sched.running == [sample] and leader.status is RequestStatus.PREEMPTED
     assert sched._try_admit(x, 32, sched._reserved_blocks()) is not None
+
+
+@pytest.mark.parametrize("mode,prefix,skips", [("recompute", True, 7), ("reject", True, 7), ("reject", False, 11)])
+def test_a_cap_hint_names_the_first_departure_a_recount_on_a_copy_fits(mode, prefix, skips):
+    """The cap hint's count as members leave, against a brute-force recount, in random states: two tenants under
+    reject-caps, random ``n`` up to 4, a shared system prompt, and a batch builder that leaves out rows at random (so
+    forked samples, and leaders beside them, often go a step without writing into the block they share).  After
+    every step, per tenant and for every need from 0 to past its cap: the members leave in the order the hint
+    assumes (``steps_to_finish``), and the hint must be the steps of the first member whose going makes room (None
+    when there is room now; the last member's when nothing does) -- where "room" is read from the oracle: the first
+    ``j`` members freed on a copy, the rest's distinct blocks and claims counted from scratch (``group_claims``).
+    The pool's own recount as requests leave (``claims_as_they_leave``) is checked the same way above; the two share
+    one rule for a block's copies (``copies_made``) and one for who leaves first, and this holds the cap's side.
+    (``skips`` seeds the rows left out: seeds under which two members write into one shared block after some step,
+    the case the last assertion asks for.)"""
+    rng = random.Random(f"{mode}{prefix}")
+    cfg = EngineConfig(num_gpu_blocks_override=44, block_size=4, max_num_seqs=10, max_num_batched_tokens=40,
+                       max_model_len=96, enable_prefix_caching=prefix, preemption_mode=mode, scheduling_policy="caps",
+                       tenants={t: TenantConfig(max_kv_share=0.4, over_cap="reject") for t in "ab"}, device="cpu")
+    engine = LLMEngine(cfg, executor=KVContents(4), model_max_len=96, eos_token_ids=set(),
+                       batch_builder=_LeavesOut(random.Random(skips), 0.5))
+    system = [rng.randrange(10, 900) for _ in range(9)]
+    for i in range(24):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(10, 900) for _ in range(rng.randrange(1, 10))]
+        engine.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(n=rng.choice([1, 2, 3, 4]), max_tokens=rng.randrange(2, 12), ignore_eos=True),
+                           tenant="ab"[i % 2], request_id=f"r{i}")
+    worst, checked = mode == "reject", [0, 0]
+
+    def check(e):
+        sched, kv, chunk = e.scheduler, e.kv, e.config.prefill_chunk_tokens
+        caps = sched.caps
+        for tenant in "ab":
+            members = [r for r in sched.running if r.tenant == tenant]
+            if not members:
+                continue
+            (g,) = caps.groups(members[0])
+            order = sorted(members, key=lambda r: r.steps_to_finish(chunk))
+            counts = [group_claims(*_gone_on_a_copy(kv, order, j), lambda r: (("tenant", r.tenant),), worst)
+                      .get(g.key, 0) for j in range(len(order) + 1)]
+            for need in range(g.max_blocks + 2):
+                fits = next((j for j in range(len(order) + 1) if not g.would_exceed(len(order) - j, counts[j], need)),
+                            len(order))
+                expect = None if fits == 0 else max(1, order[fits - 1].steps_to_finish(chunk))
+                said = caps.retry_steps(members[0], sched.running, need, sched._reservation, kv.may_share(),
+                                        kv.num_copy_on_write_blocks)
+                assert said == expect, (tenant, need, said, expect, counts, [r.request_id for r in order])
+        checked[0] += 1
+        checked[1] += _shared_writers(kv, sched.running)
+
+    drain(engine, each=check, stalls_ok=True)
+    assert checked[0] > 20 and checked[1] > 0, checked

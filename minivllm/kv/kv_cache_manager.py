@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from minivllm.interfaces import PeeksPrefix, PrefixCache, implements
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix.base import TokenRun
+from minivllm.kv.sharing import copies_made
 from minivllm.request import Request, RequestStatus
 
 
@@ -203,22 +204,34 @@ class KVCacheManager:
     def num_copy_on_write_blocks(self, req: Request) -> int:
         """1 when ``req``'s next token lands in a partly filled block someone else holds (a sample
         just forked from its leader): writing it takes one more block, a private copy.  Admission charges a
-        new sample this copy; a recount of several holders charges fewer (:meth:`num_new_blocks_all`)."""
+        new sample this copy; a recount of several holders charges fewer (:func:`~minivllm.kv.sharing.copies_made`)."""
         return int(self._last_block_is_shared(req))
 
     def num_new_blocks_all(self, reqs, worst_case: bool = False) -> int:
         """Blocks still needed to hold every token the requests have (``worst_case``: every token they may come
         to hold, ``max_total_tokens``), plus the private copies their next writes make of shared partly filled
-        last blocks.  One loop with no call per request, because the scheduler asks it for all running
-        requests in every step that something waits for admission.
+        last blocks (:meth:`_claims_of` counts both).  The scheduler asks it for all running requests in every
+        step that something waits for admission."""
+        total, writers = self._claims_of(reqs, worst_case)
+        if writers:
+            refcount = self.pool.refcount
+            for b, n in writers.items():  # copies_made(n, refcount(b)), inlined (n >= 1, refcount >= 2): a call
+                total += min(n, refcount(b) - 1)  # per block cost 8-16 us a count with 32 forked groups writing
+        return total
 
-        A copy per writer, but at most ``refcount - 1`` of them per block: when every holder of a block
-        writes into it next (a leader and the samples forked onto its last block), the last of them to write
-        finds it its own and writes in place, so ``k`` holders make ``k - 1`` copies.  Charging each of them
-        one (``num_copy_on_write_blocks`` summed) kept one block per such block from admission until the
-        first write; the count is the same whichever writes first."""
-        bs, total, shared = self.block_size, 0, self.may_share()
-        copies: dict[int, int] | None = {} if shared else None  # shared last block -> writers charged a copy so far
+    def _claims_of(self, reqs, worst_case: bool) -> tuple[int, dict[int, int]]:
+        """The one count of what requests still claim, as ``(missing, writers)``: ``missing``, the blocks they
+        still need for every token they have (``worst_case``: for ``max_total_tokens``), summed; ``writers``, per
+        shared partly filled last block, how many of them write into it next (each makes a private copy first,
+        :func:`~minivllm.kv.sharing.copies_made` says how many are made).  :meth:`num_new_blocks_all` reads it for
+        all of ``reqs``, :meth:`claims_as_they_leave` for all and then for each request that leaves.
+
+        One loop with no call per request, because the scheduler asks it for all running requests in every step
+        that something waits for admission.  The writer test is :meth:`_last_block_is_shared`'s, inlined; it is
+        skipped when no block has two holders (:meth:`may_share`)."""
+        bs, refcount, total = self.block_size, self.pool.refcount, 0
+        shared = self.may_share()
+        writers: dict[int, int] = {}
         for r in reqs:
             table = r.block_ids
             held = r.max_total_tokens if worst_case else len(r.prompt_token_ids) + len(r.output_token_ids)
@@ -226,13 +239,10 @@ class KVCacheManager:
             if need > 0:
                 total += need
             done = r.num_computed_tokens
-            if shared and done % bs and table and done < len(table) * bs and self.pool.refcount(table[-1]) > 1:
+            if shared and done % bs and table and done < len(table) * bs and refcount(table[-1]) > 1:
                 b = table[-1]  # (the next write lands in it: see _last_block_is_shared)
-                n = copies.get(b, 0)
-                if n < self.pool.refcount(b) - 1:  # a holder besides the writers so far keeps the original
-                    total += 1
-                    copies[b] = n + 1
-        return total
+                writers[b] = writers.get(b, 0) + 1
+        return total, writers
 
     def claims_as_they_leave(self, reqs, leaving, worst_case: bool = False) -> Iterator[tuple[int, int]]:
         """What :meth:`num_new_blocks_all` counts for ``reqs``, and the blocks given back, as ``leaving`` (some of
@@ -248,38 +258,26 @@ class KVCacheManager:
         victim's co-holder made :meth:`~minivllm.sched.scheduler.Scheduler._victims_could_make_room` refuse a
         preemption that had room.  Kept per gone request at the cost of its table (a generator: a caller stops
         once it has room), not recounted from all that stay.  (A cached block that a prompt twin's held block
-        below it pins is counted as given back all the same: not evictable yet, though no request holds it.)"""
-        bs, refcount, cache = self.block_size, self.pool.refcount, self.prefix_cache
-        missing: dict[int, int] = {}
-        writes: dict[int, int] = {}  # id(request) -> the shared partly filled block it writes into next
-        writers: Counter = Counter()  # such block -> its writers still there
-        claimed = 0
-        shared = self.may_share()
-        for r in reqs:
-            table = r.block_ids
-            held = r.max_total_tokens if worst_case else len(r.prompt_token_ids) + len(r.output_token_ids)
-            claimed += (need := max(0, -(-held // bs) - len(table)))
-            missing[id(r)] = need
-            done = r.num_computed_tokens
-            if shared and done % bs and table and done < len(table) * bs and refcount(table[-1]) > 1:
-                writes[id(r)] = table[-1]
-                writers[table[-1]] += 1
+        below it pins is counted as given back all the same: not evictable yet, though no request holds it.)
+        Refcounts must not change while it is read: each leaving request's own claim is read again as it goes."""
+        refcount, cache = self.pool.refcount, self.prefix_cache
+        claimed, writers = self._claims_of(reqs, worst_case)
         gone: Counter = Counter()  # block -> references the gone requests held
 
-        def copies(b: int) -> int:  # as num_new_blocks_all: a copy per writer while another holder keeps it
-            return max(0, min(writers[b], refcount(b) - gone[b] - 1))
+        def copies(b: int) -> int:  # the copies the writers still there make, the gone requests' holds let go
+            return copies_made(writers[b], refcount(b) - gone[b])
 
         claimed += sum(copies(b) for b in writers)
         given_back = 0
         yield claimed, given_back
         for r in leaving:
-            claimed -= missing[id(r)]
-            mine = writes.get(id(r))
+            missing, mine = self._claims_of((r,), worst_case)  # its own claim, and the block it writes next
+            claimed -= missing
             for b in r.block_ids:
                 if b in writers:
                     claimed -= copies(b)
                 gone[b] += 1
-                if b == mine:
+                if b in mine:
                     writers[b] -= 1
                 if b in writers:
                     claimed += copies(b)

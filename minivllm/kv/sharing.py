@@ -30,6 +30,22 @@ from collections.abc import Callable, Hashable, Iterable
 from itertools import chain
 
 
+def copies_made(writers: int, holders: int) -> int:
+    """The blocks added when ``writers`` of the ``holders`` of one partly filled block each write their next token
+    into it: a private copy per writer, but at most ``holders - 1`` copies.
+
+    Why not one per writer: a writer copies the block only while another holder keeps it, so when every holder
+    writes into it next (a leader and the samples forked onto its last block), the last of them to write finds it
+    its own and writes in place -- ``k`` holders make ``k - 1`` copies, whichever writes first.  Charging each one
+    (``KVCacheManager.num_copy_on_write_blocks`` summed) kept one block per such block from admission until the
+    first write.  A holder that is no writer (the prefix cache, a request writing elsewhere) keeps the original,
+    so then every writer copies.  The one rule for the pool (``holders``: the block's refcount, less the holds of
+    requests counted as gone: ``KVCacheManager.num_new_blocks_all``, ``claims_as_they_leave``) and for a group
+    (``holders``: its members holding the block, :meth:`GroupBlocks.in_place_writes`): the last holder's write
+    swaps one block of the count for another, adding none."""
+    return max(0, min(writers, holders - 1))
+
+
 class GroupBlocks:
     """Distinct blocks held per group, kept exact as members come, go and grow.
 
@@ -127,14 +143,15 @@ class GroupBlocks:
         of its shared partly filled last block) no other member holds.  For each, the group gains one copy fewer
         than it has writers there: whichever writes first, the last of them either finds the block its own and
         writes in place, or copies it and leaves the original to a holder outside the group -- one block swapped
-        for another.  So a group recount charges ``len(writers)`` less this."""
+        for another (:func:`copies_made`, counted over the group's members).  So a group recount charges
+        ``len(writers)`` less this."""
         lasts = Counter(r.block_ids[-1] for r in writers)
         if not lasts:
             return 0
         if not self.shared:  # (no block has two holders: each writer is its block's only member)
             return len(lasts)
         holders = self._holders_of(key)
-        return sum(1 for b, n in lasts.items() if holders[b] == n)
+        return sum(n - copies_made(n, holders[b]) for b, n in lasts.items())
 
     # -- holder counts -------------------------------------------------------------------------
     def _holders_of(self, key: Hashable) -> Counter:

@@ -570,7 +570,7 @@ class Scheduler:
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
         """Blocks the running requests (or ``running``) will claim: the rest of their prefill, or (reject mode)
         their worst case, and the copies their next writes make -- one fewer per shared block than its holders
-        when all of them write there (not :meth:`_reservation` summed: see ``num_new_blocks_all``)."""
+        when all of them write there (not :meth:`_reservation` summed: see :func:`~minivllm.kv.sharing.copies_made`)."""
         running = self.running if running is None else running
         return self.kv.num_new_blocks_all(running, worst_case=self.config.preemption_mode == "reject")
 
