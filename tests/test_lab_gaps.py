@@ -366,3 +366,21 @@ def test_a_tenant_cap_that_admits_over_the_cap_is_refused_by_the_checker_the_lea
     result, text = _verdict(check_lab06.check_tenant_cap, _SeatsLeft)
     assert not result and result.failed_case == "a tenant over its cap waits too", text
     assert "seats < cap" in _hint(text)
+
+
+def test_a_walk_past_the_whole_table_row_is_not_blamed_on_up_plus_one():
+    """The table indexed by a token's position, not its block (``block_table[t]``): 15 tokens read entry 4 of a
+    4-entry row and raise; given the 1-entry cut table it reads entry 1 and raises the "one past them" message, as
+    an up-plus-one reader would -- but its count of blocks is no count at all (the review's case).  Its first raise
+    was already a read past the whole row, which an up-plus-one count (entry ceil(kv_len / B), inside the row) never
+    makes: the case keeps its own hint."""
+    def by_token(cache, block_table, kv_len):
+        b = cache.shape[1]
+        out = torch.empty(kv_len, *cache.shape[2:], dtype=cache.dtype)
+        for t in range(kv_len):
+            out[t] = cache[int(block_table[t]), t % b]
+        return out
+
+    result, text = _verdict(check_lab07.check_gather_kv, by_token)
+    assert not result and result.failed_case.startswith("15 tokens") and "raised IndexError" in text, text
+    assert "up-plus-one" not in _hint(text), text

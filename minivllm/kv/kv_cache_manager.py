@@ -259,7 +259,8 @@ class KVCacheManager:
         preemption that had room.  Kept per gone request at the cost of its table (a generator: a caller stops
         once it has room), not recounted from all that stay.  (A cached block that a prompt twin's held block
         below it pins is counted as given back all the same: not evictable yet, though no request holds it.)
-        Refcounts must not change while it is read: each leaving request's own claim is read again as it goes."""
+        Refcounts, tables and computed counts must not change while it is read (each leaving request's own claim
+        is read again as it goes), and ``leaving`` must be some of ``reqs``: neither is checked, for the cost."""
         refcount, cache = self.pool.refcount, self.prefix_cache
         claimed, writers = self._claims_of(reqs, worst_case)
         gone: Counter = Counter()  # block -> references the gone requests held
