@@ -158,3 +158,25 @@ def comma_list(item):
         return out
 
     return parse
+
+
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, dests) -> list[str]:
+    """The flags among ``dests`` (destinations) that the command line gave: those not at None (False for a switch).
+
+    A flag that only some modes read has None as its parser default, so that one given, even with the value its
+    help states, can be told from one left alone; the caller puts the stated value in after its checks.
+    """
+    return [max(a.option_strings, key=len) for a in parser._actions  # (``is``: a count of 0 == False is given)
+            if a.dest in dests and a.option_strings and getattr(args, a.dest) is not None
+            and getattr(args, a.dest) is not False]
+
+
+def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace, dests, why: str) -> None:
+    """``parser.error`` naming each flag among ``dests`` that the command line gave (:func:`given_flags`), where the
+    mode ``why`` names (the flag that chose it, and what that mode does instead) reads none of them.
+
+    Why: such a flag was dropped without a word, and its run looked like one that had honoured it.
+    """
+    given = given_flags(parser, args, dests)
+    if given:
+        parser.error(f"argument {given[0]}: not read {why}: drop {', '.join(given)}")

@@ -690,7 +690,8 @@ def test_gpu_e2e_json_carries_the_command_it_was_run_with(monkeypatch, tmp_path,
     monkeypatch.setattr(gpu_e2e, "run_nano_minivllm", lambda *a, **k: 10.0)
     monkeypatch.setattr(gpu_e2e, "run_nano_hf", lambda *a, **k: 1.0)
     out = tmp_path / "e2e.json"
-    argv = ["--device", "cpu", "--workload", workload, "--prompts", "2", "--scale", "0.01", "--json", str(out)]
+    sized = ["--prompts", "2"] if workload == "parity" else ["--scale", "0.01"]  # (each workload's own flag)
+    argv = ["--device", "cpu", "--workload", workload, *sized, "--json", str(out)]
     assert _argv_main(monkeypatch, gpu_e2e.main, argv) == 0
     doc = json.loads(out.read_text())
     assert doc["command"] == " ".join(["python -m minivllm.bench gpu_e2e", *argv]) and "machine" in doc, doc

@@ -29,13 +29,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 DEADLINE=$((SECONDS + ${BUDGET:-540}))
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 if [ $DRY = 1 ]; then
-  export TRITON_INTERPRET=1; DEV=(--device cpu); ARCH=tiny; DT=float32; SCALE=0.01; SIM=(--scale 0.3)
+  export TRITON_INTERPRET=1; DEV=(--device cpu); ARCH=tiny; DT=float32; SCALE=0.01; SIM=(--scale 0.3); CAL=()
   PARITY=(--max-prompt-len 32 --max-tokens 6); HF=()  # interpreted Triton: 6 tokens, not 32
 else
   DEV=(--device cuda); ARCH=llama-3.2-1b; DT=bfloat16; SCALE=1.0; PARITY=(--max-tokens 32)
   # three real runs per workload: the median stands against one cold run (the H200's 2026-11-30 run 1 of
   # bursty was 1.5x its run 2), and the spread still shows; the whole step took 50 s with two
-  SIM=(--scale 0.5 --real-repeats 3 --calibration-repeats 3)
+  # (--calibration-repeats only where the step calibrates: beside --profile, step 7's, it is refused)
+  SIM=(--scale 0.5 --real-repeats 3); CAL=(--calibration-repeats 3)
   HF=(--hf-requests 128 --hf-batch 64)  # two static batches of HF generate: minutes, not ten
 fi
 MODEL="$WORK/model_$ARCH"
@@ -79,7 +80,7 @@ step e2e_parity 50 $PY -m minivllm.bench gpu_e2e --model "$MODEL" --arch $ARCH -
      --prompts 8 "${PARITY[@]}" --json "$WORK/e2e_parity_fp32.json"
 # 5. issue 11: calibrate the simulator on this GPU and validate it on the held-out workloads
 step sim_accuracy 240 $PY -m minivllm.bench sim_accuracy --model "$MODEL" "${DEV[@]}" --dtype $DT \
-     "${SIM[@]}" --out "$WORK/sim_accuracy_$ARCH.json" --save-profile "$WORK/profile_$ARCH.json"
+     "${SIM[@]}" "${CAL[@]}" --out "$WORK/sim_accuracy_$ARCH.json" --save-profile "$WORK/profile_$ARCH.json"
 #    (back on any machine, a miss taken apart step by step, with each forward pass's host usage:
 #     python -m minivllm.bench sim_accuracy --explain sim_accuracy_$ARCH.json --profile profile_$ARCH.json)
 # 6. issue 11: what a step that carries a prompt costs the host (launches, tensor operations, idle gaps),

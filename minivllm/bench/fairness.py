@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from minivllm.argtypes import output_file, positive_float, positive_int
+from minivllm.argtypes import output_file, positive_float, positive_int, refuse_unread
 from minivllm.arrival import Arrival
 from minivllm.bench.results import write_result
 from minivllm.config import TenantConfig
@@ -45,6 +45,11 @@ from minivllm.metrics.step_log import FirstTimePrompt, HeldBlocks
 
 POLICIES = ("fcfs", "priority", "caps", "wfq", "deadline")
 SECTIONS = ("noisy_quiet", "backlogged", "three_class", "shared_prefix")
+# The defaults of the flags only some sections read (none of them under --calibrate): None in the parser, so that
+# one given where nothing reads it can be told apart and refused, and put in after that check.
+DEFAULTS = dict(duration=40.0, seed=0, policies=POLICIES, sections=SECTIONS, prefix_seeds=3)
+READ_BY = {"duration": ("noisy_quiet", "three_class"), "policies": ("noisy_quiet", "backlogged"),
+           "prefix_seeds": ("shared_prefix",)}  # (--seed: every section)
 
 # Step-time constants of the simulated executor (seconds): fixed + per token + per KV token read.
 FAIR_STEP = dict(fixed_overhead_s=0.010, per_token_s=0.0001, per_context_token_s=1e-7)
@@ -556,20 +561,31 @@ def calibrate_main(out: Path | None) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench fairness", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=positive_float, default=40.0, help="seconds of arrivals (virtual clock)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--duration", type=positive_float, default=None,
+                    help="noisy_quiet and three_class: seconds of arrivals (virtual clock; default 40)")
+    ap.add_argument("--seed", type=int, default=None, help="(default 0)")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=None,
+                    help="noisy_quiet and backlogged: the policies compared (default all)")
     ap.add_argument("--out", type=output_file, default=None, help="write the result JSON here")
-    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=None,
                     help="which parts to run (default all): 1 noisy_quiet, 2 backlogged, 3 three_class, 4 shared_prefix")
-    ap.add_argument("--prefix-seeds", type=positive_int, default=3,
+    ap.add_argument("--prefix-seeds", type=positive_int, default=None,
                     help="shared_prefix: seeds --seed, --seed+1, ... (default 3), each over four weightings")
     ap.add_argument("--calibrate", action="store_true",
                     help="only time the real engine on this machine (calibrate_step: one thread, CPU time) and print "
                          "the fitted step cost beside the CLASS_STEP the lab's mix uses; --out writes it")
     args = ap.parse_args()
     if args.calibrate:
+        refuse_unread(ap, args, DEFAULTS, "with --calibrate (it times the real engine, and runs no section)")
         return calibrate_main(args.out)
+    sections = args.sections or SECTIONS
+    for dest, readers in READ_BY.items():
+        if not set(readers) & set(sections):
+            refuse_unread(ap, args, (dest,), f"by --sections {' '.join(sections)} (only {' and '.join(readers)} "
+                                             f"read{'s' if len(readers) == 1 else ''} it)")
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     t0 = time.perf_counter()
     budget, blocks = 2048, 1024
     caps = {"*": TenantConfig(max_kv_share=0.5, max_tokens_per_step=budget // 2, max_running=64)}

@@ -27,13 +27,14 @@ import sys
 import time
 from pathlib import Path
 
-from minivllm.argtypes import fraction, output_file, positive_float
+from minivllm.argtypes import fraction, output_file, positive_float, refuse_unread
 from minivllm.bench.results import write_result
 from minivllm.sim.fleet import (GPU_LIKE, KEY_BLOCKS, REPLICA, ChatMix, gpu_like_executor, replica_kv_blocks,
                                 roofline_factory, run_fleet)
 from minivllm.sim.router import ROUTERS, HashRing
 
 DEFAULT_OUT = "benchmarks/results/2026-12-05_cpu-2core_warmup_fleet_sim.json"
+MODEL = "llama-3-8b"  # --model's default (None in the parser: the linear cost model has no model to take one)
 
 
 def _ints(text: str) -> list[int]:
@@ -61,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", default="l4", help="roofline hardware preset (l4, a100, h100, h200) or 'linear' "
                     "(default l4: an H100 serves this mix at ~60 requests/s per replica, and simulating a fleet of them "
                     "takes minutes on a laptop; try --hardware h100 --rate 200)")
-    ap.add_argument("--model", default="llama-3-8b", help="roofline model preset (default llama-3-8b)")
+    ap.add_argument("--model", default=None, help=f"roofline model preset (default {MODEL}); not with --hardware linear")
     ap.add_argument("--replicas", type=_ints, default=[1, 2, 3, 4, 5, 6, 7, 8], help="replica counts to sweep (default 1-8)")
     ap.add_argument("--routers", type=_routers, default=list(ROUTERS), help="routers (default all three)")
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=500.0)
@@ -148,7 +149,11 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.hardware == "linear":  # three constants per step: no model shape enters them
+        refuse_unread(ap, args, ("model",), "with --hardware linear (a step cost of three constants, no model)")
+    args.model = MODEL if args.model is None else args.model
     t0 = time.perf_counter()
     slo_ttft, slo_itl = args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
     if args.hardware == "linear":

@@ -25,10 +25,16 @@ import time
 
 import torch
 
-from minivllm.argtypes import comma_list, nonnegative_int, output_file, positive_float, positive_int
+from minivllm.argtypes import comma_list, given_flags, nonnegative_int, output_file, positive_float, positive_int, refuse_unread
 from minivllm.bench.results import write_result
 
 BACKENDS = ("torch", "triton", "triton-eager")
+# The defaults of the flags that one workload (or a run at all, beside --save-model) reads: None in the parser, so
+# that one given where nothing reads it can be told apart and refused, and put in after that check.
+DEFAULTS = dict(device="cuda", dtype="bfloat16", workload="parity", max_prompt_len=1500, prompts=16, max_tokens=64,
+                requests=256, hf_batch=32, hf_requests=0, backends=BACKENDS, scale=1.0)
+PARITY_ONLY = ("max_prompt_len", "prompts", "max_tokens")
+NANO_ONLY = ("requests", "hf_batch", "hf_requests", "backends", "scale")
 
 
 def make_model_dir(path: str, arch: str) -> None:
@@ -228,33 +234,50 @@ def _dtype(text: str) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="llama-3.2-1b", choices=["llama-3.2-1b", "qwen3-0.6b", "tiny"])
-    ap.add_argument("--device", type=_device, default="cuda", help="cuda, cuda:N or cpu")
-    ap.add_argument("--dtype", type=_dtype, default="bfloat16", help="float32 makes both backends exact enough to compare tokens")
-    ap.add_argument("--max-prompt-len", type=positive_int, default=1500,
-                    help="parity workload: prompt lengths are drawn from [16, this) (so more than 16)")
-    ap.add_argument("--prompts", type=positive_int, default=16)
-    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    d = DEFAULTS
+    ap.add_argument("--device", type=_device, default=None, help=f"cuda, cuda:N or cpu (default {d['device']})")
+    ap.add_argument("--dtype", type=_dtype, default=None,
+                    help=f"float32 makes both backends exact enough to compare tokens (default {d['dtype']})")
+    ap.add_argument("--max-prompt-len", type=positive_int, default=None,
+                    help=f"parity workload: prompt lengths are drawn from [16, this) (so more than 16; default "
+                         f"{d['max_prompt_len']})")
+    ap.add_argument("--prompts", type=positive_int, default=None, help=f"parity workload (default {d['prompts']})")
+    ap.add_argument("--max-tokens", type=positive_int, default=None,
+                    help=f"parity workload: greedy tokens per prompt (default {d['max_tokens']})")
     ap.add_argument("--json", type=output_file, default=None)
-    ap.add_argument("--workload", choices=["parity", "nano"], default="parity")
-    ap.add_argument("--requests", type=positive_int, default=256, help="nano workload: number of requests")
-    ap.add_argument("--hf-batch", type=positive_int, default=32, help="nano workload: HF generate's static batch size")
-    ap.add_argument("--hf-requests", type=nonnegative_int, default=0,
-                    help="nano workload: run HF on the first N requests only (0: all), to fit a short GPU lease")
-    ap.add_argument("--backends", type=comma_list(_backend), default=list(BACKENDS),
-                    help="nano workload: which minivllm runs (comma-separated; HF always runs)")
+    ap.add_argument("--workload", choices=["parity", "nano"], default=None, help=f"(default {d['workload']})")
+    ap.add_argument("--requests", type=positive_int, default=None,
+                    help=f"nano workload: number of requests (default {d['requests']})")
+    ap.add_argument("--hf-batch", type=positive_int, default=None,
+                    help=f"nano workload: HF generate's static batch size (default {d['hf_batch']})")
+    ap.add_argument("--hf-requests", type=nonnegative_int, default=None,
+                    help="nano workload: run HF on the first N requests only (0, the default: all), to fit a short "
+                         "GPU lease")
+    ap.add_argument("--backends", type=comma_list(_backend), default=None,
+                    help="nano workload: which minivllm runs (comma-separated; HF always runs; default all three)")
     ap.add_argument("--model", default=None, metavar="DIR",
                     help="serve this HF model directory (e.g. one --save-model wrote) instead of writing one")
-    ap.add_argument("--scale", type=positive_float, default=1.0, help="nano workload: shrink lengths and count (dry runs)")
+    ap.add_argument("--scale", type=positive_float, default=None,
+                    help=f"nano workload: shrink lengths and count (dry runs; default {d['scale']})")
     ap.add_argument("--save-model", default=None, metavar="DIR",
                     help="only write the random-weight model of --arch to DIR (e.g. for `bench sim_accuracy --model`)")
     a = ap.parse_args()
+    if a.save_model:
+        # it writes the model and runs nothing: a --model to serve, a --json to write, any workload's flag (and
+        # --device: the model is initialised on the GPU when there is one) was dropped in silence
+        dropped = given_flags(ap, a, ("model", "json", *DEFAULTS))
+        if dropped:
+            ap.error(f"argument --save-model: only writes a model and runs nothing: drop {', '.join(dropped)}")
+    elif a.workload == "nano":
+        refuse_unread(ap, a, PARITY_ONLY, "by --workload nano (its own lengths: --requests, --scale)")
+    else:
+        refuse_unread(ap, a, NANO_ONLY, "by the parity workload (the default; --workload nano reads it)")
+    for name, value in DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     if a.max_prompt_len <= 16:
         ap.error(f"--max-prompt-len must be more than 16 (prompts are 16 to max-1 tokens), got {a.max_prompt_len}")
     if a.save_model:
-        # it writes the model and runs nothing: a --model to serve or a --json to write was dropped in silence
-        dropped = [flag for flag, given in (("--model", a.model), ("--json", a.json)) if given is not None]
-        if dropped:
-            ap.error(f"argument --save-model: only writes a model and runs nothing: drop {', '.join(dropped)}")
         make_model_dir(a.save_model, a.arch)
         print(f"wrote a random-weight {a.arch} to {a.save_model}")
         return 0

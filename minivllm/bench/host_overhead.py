@@ -61,13 +61,17 @@ import time
 
 import torch
 
-from minivllm.argtypes import comma_list, nonnegative_int, output_file, positive_int
+from minivllm.argtypes import comma_list, nonnegative_int, output_file, positive_int, refuse_unread
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import nearest_rank
 
 NANO_VLLM_STEP_US = (250, 370)
 NANO_VLLM_PREP_US = 3000
 KINDS = ("final_only", "delta", "cumulative")
+# The defaults of the flags that only some modes read: None in the parser, so that one given where nothing reads it
+# can be told apart and refused, and put in after that check.  (--samples and --out: every mode.)
+DEFAULTS = dict(seqs=256, warmup=16, later=400, kinds=KINDS, prompt_len=64, prefix_cache="off",
+                backlog_policy="three_class")
 
 
 class _TimedExecutor:
@@ -341,25 +345,40 @@ def _kind(text: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench host_overhead", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seqs", type=positive_int, default=256)
-    ap.add_argument("--warmup", type=nonnegative_int, default=16, help="decode steps before the first measurement")
-    ap.add_argument("--later", type=positive_int, default=400, help="decode steps between the two measurements")
+    ap.add_argument("--seqs", type=positive_int, default=None, help="sequences decoding (default 256; not with --backlog)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=None,
+                    help="decode steps before the first measurement (default 16; not with --sweep or --backlog)")
+    ap.add_argument("--later", type=positive_int, default=None,
+                    help="decode steps between the two measurements (default 400; not with --sweep or --backlog)")
     ap.add_argument("--samples", type=positive_int, default=50)
-    ap.add_argument("--kinds", type=comma_list(_kind), default=list(KINDS), help="output kinds to measure, comma-separated")
+    ap.add_argument("--kinds", type=comma_list(_kind), default=None,
+                    help="output kinds to measure, comma-separated (default all three; not with --sweep or --backlog)")
     ap.add_argument("--out", type=output_file, default=None)
-    ap.add_argument("--prompt-len", type=positive_int, default=64, help="--sweep: prompt length of every request")
-    ap.add_argument("--prefix-cache", choices=("off", "radix", "hash"), default="off",
-                    help="--sweep: with prefix caching (a decode's filled block is offered to the cache)")
+    ap.add_argument("--prompt-len", type=positive_int, default=None,
+                    help="--sweep: prompt length of every request (default 64)")
+    ap.add_argument("--prefix-cache", choices=("off", "radix", "hash"), default=None,
+                    help="--sweep: with prefix caching (a decode's filled block is offered to the cache; default off)")
     instead = ap.add_mutually_exclusive_group()  # (given both, only the backlog ran, in silence)
     instead.add_argument("--sweep", type=comma_list(positive_int), default=None, metavar="N,N,...",
                          help="instead: final_only host cost at these output lengths (e.g. 16,150,250,300,600,900)")
     instead.add_argument("--backlog", type=comma_list(positive_int), default=None, metavar="N,N,...",
                          help="instead: host cost per step beside this many waiting requests (on a three_class cap, or "
                               "for KV blocks: --backlog-policy; e.g. 16,500,2000; the smallest is the baseline)")
-    ap.add_argument("--backlog-policy", choices=("three_class", "fcfs", "wfq", "priority"), default="three_class",
-                    help="--backlog: three_class (the backlog waits on a cap), or fcfs, wfq or priority (it waits for KV "
-                         "blocks)")
+    ap.add_argument("--backlog-policy", choices=("three_class", "fcfs", "wfq", "priority"), default=None,
+                    help="--backlog: three_class (the default: the backlog waits on a cap), or fcfs, wfq or priority (it "
+                         "waits for KV blocks)")
     args = ap.parse_args()
+    if args.backlog:
+        refuse_unread(ap, args, ("seqs", "warmup", "later", "kinds", "prompt_len", "prefix_cache"),
+                      "with --backlog (its own requests, on --backlog-policy)")
+    elif args.sweep:
+        refuse_unread(ap, args, ("warmup", "later", "kinds", "backlog_policy"), "with --sweep (final_only, per length)")
+    else:
+        refuse_unread(ap, args, ("prompt_len", "prefix_cache", "backlog_policy"),
+                      "without --sweep or --backlog (the output kinds' measurement)")
+    for name, value in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     torch.set_num_threads(1)
     if args.backlog:
         rows = backlog(sorted(args.backlog), args.samples, policy=args.backlog_policy)

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minivllm.argtypes import output_file, positive_int
+from minivllm.argtypes import output_file, positive_int, refuse_unread
 from minivllm.bench.results import write_result
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,10 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench lab_times", description=__doc__.split("\n\n")[0])
     ap.add_argument("notebooks", nargs="*", type=Path,
                     help="notebooks to run (default: every labs/lab*.ipynb of this checkout)")
-    ap.add_argument("--solutions", action="store_true", help="run solutions/lab*.ipynb instead of labs/")
+    ap.add_argument("--solutions", action="store_true",
+                    help="run solutions/lab*.ipynb instead of labs/ (the default set: not with notebooks named)")
     ap.add_argument("--timeout", type=positive_int, default=600, help="seconds a cell may run (default 600)")
     ap.add_argument("--out", type=output_file, default=None, help="result JSON")
     args = ap.parse_args(argv)
+    if args.notebooks:
+        refuse_unread(ap, args, ("solutions",), "with notebooks named (it picks the default set, which they replace)")
     if importlib.util.find_spec("nbclient") is None or importlib.util.find_spec("ipykernel") is None:
         raise ValueError("bench lab_times runs notebooks, which needs the labs extra: pip install 'minivllm[labs]'")
     paths = args.notebooks or sorted((ROOT / ("solutions" if args.solutions else "labs")).glob("lab*.ipynb"))

@@ -44,7 +44,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from minivllm.argtypes import (fraction, is_int, is_real, nonnegative_float, nonnegative_int, output_file, positive_float,
-                               positive_int, positive_rate)
+                               positive_int, positive_rate, refuse_unread)
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated, meets_slo
 
@@ -878,6 +878,8 @@ def check_burstiness_shapes(burstiness: float | None, trace: bool, infinite_rate
 
 
 NUM_REQUESTS = 64  # --num-requests' default, for a generated workload
+# the defaults of flags that one mode reads (None in the parser, so that one given elsewhere can be told apart)
+SWEEP_CRITERION, MIN_GOODPUT, SLO_ITL_STAT = "itl", 0.9, "p99"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -915,11 +917,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=nonnegative_int, default=0)  # (numpy's generators take no negative seed)
     ap.add_argument("--slo-ttft-ms", type=positive_float, default=None)
     ap.add_argument("--slo-itl-ms", type=positive_float, default=None)
-    ap.add_argument("--slo-itl-stat", choices=("p99", "max", "mean"), default="p99",
-                    help="a request meets the ITL SLO if this statistic of its own gaps does")
-    ap.add_argument("--sweep-criterion", choices=("itl", "goodput"), default="itl",
-                    help="itl: overall p99 ITL (and p99 TTFT if given) within the SLO; goodput: fraction >= --min-goodput")
-    ap.add_argument("--min-goodput", type=fraction, default=0.9)
+    ap.add_argument("--slo-itl-stat", choices=("p99", "max", "mean"), default=None,
+                    help=f"with --slo-itl-ms: a request meets the ITL SLO if this statistic of its own gaps does "
+                         f"(default {SLO_ITL_STAT})")
+    ap.add_argument("--sweep-criterion", choices=("itl", "goodput"), default=None,
+                    help=f"a sweep's (--rates A,B,...) verdict; itl: overall p99 ITL (and p99 TTFT if given) within "
+                         f"the SLO (needs --slo-itl-ms); goodput: fraction >= --min-goodput (default {SWEEP_CRITERION})")
+    ap.add_argument("--min-goodput", type=fraction, default=None,
+                    help=f"--sweep-criterion goodput: the fraction of requests within the SLOs a rate must reach "
+                         f"(default {MIN_GOODPUT})")
     ap.add_argument("--out", type=output_file, default=None, help="write the results as JSON here")
     ap.add_argument("--no-requests-in-json", action="store_true", help="leave the per-request records out of --out")
     ap.add_argument("--figures", default=None, help="write PNG figures into this directory")
@@ -958,6 +964,9 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     check_burstiness_shapes(args.burstiness, bool(args.trace), all(math.isinf(r) for r in rates))
     burst = 1.0 if args.burstiness is None else args.burstiness
     num_requests = NUM_REQUESTS if args.num_requests is None else args.num_requests
+    criterion = SWEEP_CRITERION if args.sweep_criterion is None else args.sweep_criterion
+    min_goodput = MIN_GOODPUT if args.min_goodput is None else args.min_goodput
+    itl_stat = SLO_ITL_STAT if args.slo_itl_stat is None else args.slo_itl_stat
     slo_ttft = args.slo_ttft_ms / 1000 if args.slo_ttft_ms is not None else None
     slo_itl = args.slo_itl_ms / 1000 if args.slo_itl_ms is not None else None
     trace = None
@@ -967,7 +976,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     model = args.model or _model_name(args.base_url, next((t.api_key for t in tenants if t.api_key), None),
                                       min(30.0, args.request_timeout))
     slo_text = ", ".join(x for x in (f"TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "",
-                                     f"{args.slo_itl_stat} ITL <= {args.slo_itl_ms:g} ms" if slo_itl else "") if x)
+                                     f"{itl_stat} ITL <= {args.slo_itl_ms:g} ms" if slo_itl else "") if x)
     slo_text = f"SLO {slo_text}" if slo_text else ""
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs, summaries = [], []
@@ -983,7 +992,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         run = asyncio.run(run_load(args.base_url, plan, tenants, model, args.endpoint, args.max_concurrency,
                                    args.timeout, args.request_timeout, not args.no_progress, args.ignore_eos,
                                    args.temperature, rate, desc=f"{rate:g} req/s"))
-        s = summarize(run, slo_ttft, slo_itl, args.slo_itl_stat)
+        s = summarize(run, slo_ttft, slo_itl, itl_stat)
         runs.append(run)
         summaries.append(s)
         print(f"\n== {args.base_url} | model {model} | {args.endpoint} | {len(plan)} requests | offered {rate:g} req/s"
@@ -991,8 +1000,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
               f"{' | trace ' + args.trace if trace else ''}", file=out)
         print(format_table(s, slo_text), file=out, flush=True)
     verdict = None
-    if len(rates) > 1 and (slo_itl is not None or args.sweep_criterion == "goodput"):
-        verdict = sweep_verdict(summaries, args.sweep_criterion, slo_ttft, slo_itl, args.min_goodput)
+    if len(rates) > 1 and (slo_itl is not None or criterion == "goodput"):
+        verdict = sweep_verdict(summaries, criterion, slo_ttft, slo_itl, min_goodput)
         rows = sorted(summaries, key=lambda s: s["rate"])
         print("\nrate sweep", file=out)
         print(f"{'rate':>6} {'ok':>4} {'429':>4} {'req/s':>6} {'tok/s':>7} {'p99 TTFT ms':>11} {'p99 ITL ms':>10} "
@@ -1004,7 +1013,7 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
                   f"{_f(100 * o['goodput_fraction'] if o['goodput_fraction'] is not None else None, '{:.0f}%'):>7}  "
                   f"{'yes' if verdict['passes'][s['rate']] else 'no'}", file=out)
         what = (f"p99 ITL <= {args.slo_itl_ms:g} ms" + (f" and p99 TTFT <= {args.slo_ttft_ms:g} ms" if slo_ttft else "")
-                if args.sweep_criterion == "itl" else f"goodput >= {100 * args.min_goodput:g}% ({slo_text})")
+                if criterion == "itl" else f"goodput >= {100 * min_goodput:g}% ({slo_text})")
         line = f"max rate meeting {what}: {_f(verdict['max_rate_meeting_slo'], '{:g}')} req/s"
         if verdict["first_failing_rate"] is not None:
             line += f"; fails at {verdict['first_failing_rate']:g} req/s"
@@ -1019,8 +1028,8 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
         "config": {"base_url": args.base_url, "model": model, "endpoint": args.endpoint, "num_requests": None if args.trace else num_requests,
                    "rates": rates, "burstiness": burst, "trace": args.trace, "seed": args.seed,
                    "max_concurrency": args.max_concurrency, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
-                   "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "slo_itl_stat": args.slo_itl_stat,
-                   "sweep_criterion": args.sweep_criterion, "min_goodput": args.min_goodput,
+                   "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "slo_itl_stat": itl_stat,
+                   "sweep_criterion": criterion, "min_goodput": min_goodput,
                    "tenants": [t.describe() for t in tenants]},
         "client_host": {"cpus": os.cpu_count(), "loadavg_at_start": load_start,
                         "loadavg_at_end": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -1038,6 +1047,23 @@ def run_benchmark(args: argparse.Namespace, out=sys.stdout) -> dict:
     return doc
 
 
+def _refuse_flags_not_read(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse the flags that only a sweep, an ITL SLO or ``--out`` reads, given without it (see
+    :func:`~minivllm.argtypes.refuse_unread`).  A sweep is ``--rates`` with two rates or more: one rate has no
+    verdict, the only reader of ``--sweep-criterion`` and ``--min-goodput``."""
+    if args.rates is None or len(args.rates.split(",")) < 2:
+        refuse_unread(parser, args, ("sweep_criterion", "min_goodput"), "without a sweep (--rates A,B,...)")
+    if args.sweep_criterion == "itl" and args.slo_itl_ms is None:  # no verdict is drawn: nothing to judge ITL by
+        refuse_unread(parser, args, ("sweep_criterion",), "without --slo-itl-ms (the SLO the itl criterion judges)")
+    if (args.sweep_criterion or SWEEP_CRITERION) != "goodput":
+        refuse_unread(parser, args, ("min_goodput",), f"under --sweep-criterion {args.sweep_criterion or SWEEP_CRITERION}"
+                      " (only goodput reads it)")
+    if args.slo_itl_ms is None:
+        refuse_unread(parser, args, ("slo_itl_stat",), "without --slo-itl-ms (the bound that statistic is held to)")
+    if args.out is None:
+        refuse_unread(parser, args, ("no_requests_in_json",), "without --out (it trims the JSON --out writes)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -1050,6 +1076,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--figures needs matplotlib, which the labs extra installs: pip install 'minivllm[labs]'")
     if args.trace and args.num_requests is not None:  # (as --burstiness: a count given must count something)
         parser.error("argument --num-requests: sizes a generated workload, and a --trace sends all its lines: drop it")
+    _refuse_flags_not_read(parser, args)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records
     try:
         run_benchmark(args)

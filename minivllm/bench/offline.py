@@ -21,9 +21,11 @@ import time
 
 import torch
 
-from minivllm.argtypes import nonnegative_float, output_file, positive_int
+from minivllm.argtypes import nonnegative_float, output_file, positive_int, refuse_unread
 from minivllm.bench.results import write_result
 from minivllm.metrics.stats import interpolated
+
+HF_BATCH = 8  # --hf-batch's default
 
 
 def make_workload(tokenizer, num_requests: int, seed: int, prompt_range=(20, 300), output_range=(16, 128)):
@@ -175,7 +177,9 @@ def main() -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--requests", type=positive_int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hf-batch", type=positive_int, default=8)
+    # (None when not given, so that one given beside --skip-hf, which runs no HF model, can be refused)
+    ap.add_argument("--hf-batch", type=positive_int, default=None,
+                    help=f"HF generate's static batch size (default {HF_BATCH}); not with --skip-hf")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--kv-cache-gib", type=nonnegative_float, default=0.375,
@@ -194,6 +198,9 @@ def main() -> int:
                          "what drawing tokens costs beside greedy decoding")
     ap.add_argument("--json", type=output_file, default=None, help="write the results here")
     a = ap.parse_args()
+    if a.skip_hf:
+        refuse_unread(ap, a, ("hf_batch",), "with --skip-hf (no HF model runs)")
+    a.hf_batch = HF_BATCH if a.hf_batch is None else a.hf_batch
 
     from minivllm import LLM
 

@@ -48,11 +48,13 @@ import statistics
 import sys
 import time
 
-from minivllm.argtypes import is_int, output_file, positive_float, positive_int
+from minivllm.argtypes import is_int, output_file, positive_float, positive_int, refuse_unread
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import cpu_identity, cpu_times, steal_share, write_json, write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import nearest_rank
+from minivllm.sampling_params import brief_path
+from minivllm.sim.calibrate import REPEATS as CALIBRATION_REPEATS
 
 WORKLOADS = {
     # name: (tenant specs, requests, rate req/s, burstiness)
@@ -198,7 +200,7 @@ def resimulate(result: dict, doc: dict, out=None) -> dict:
 
 def run(scale: float = 1.0, profile: str | None = None, names=None, out=None, clock: str = "wall",
         model: str | None = None, device: str = "auto", dtype: str = "auto", real_repeats: int = 2,
-        calibration_repeats: int = 3, freeze_heap: bool = True, checkpoint=None) -> dict:
+        calibration_repeats: int = CALIBRATION_REPEATS, freeze_heap: bool = True, checkpoint=None) -> dict:
     """Calibrate (or load ``profile``), then real vs simulated on the held-out workloads.
 
     ``model`` (an HF directory, e.g. a random-weight Llama-3.2-1B on a GPU machine
@@ -451,8 +453,10 @@ def main(argv: list[str] | None = None) -> int:
                     "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
     ap.add_argument("--real-repeats", type=positive_int, default=2,
                     help="run the real engine this many times per workload (median; the spread is printed)")
-    ap.add_argument("--calibration-repeats", type=positive_int, default=3,
-                    help="run each calibration group this many times, median per step (see sim.calibrate)")
+    # (None when not given, so that one given beside --profile, which makes no calibration, can be refused)
+    ap.add_argument("--calibration-repeats", type=positive_int, default=None,
+                    help=f"run each calibration group this many times, median per step (see sim.calibrate; default "
+                         f"{CALIBRATION_REPEATS}); not with --profile, which stands in for the calibration")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--live-heap", action="store_true",
@@ -480,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"{job} runs no real engine{' and writes nothing' if args.explain else ''}: drop {', '.join(dropped)}")
     if args.save_profile and args.profile and not job:
         ap.error("--save-profile writes the calibration this run makes, and with --profile it makes none: drop one")
+    if args.profile:
+        refuse_unread(ap, args, ("calibration_repeats",), "with --profile (this run makes no calibration)")
+    args.calibration_repeats = CALIBRATION_REPEATS if args.calibration_repeats is None else args.calibration_repeats
     if args.profile and not args.explain and not args.resimulate:
         from minivllm.sim.presets import load_profile
 
@@ -489,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(str(exc))
         timed_on = stored.get("clock")  # (profiles before the CPU-time clock say nothing: wall)
         if timed_on in ("wall", "cpu") and timed_on != args.clock:
-            ap.error(f"--profile {args.profile!r} was timed on the {timed_on} clock and this run would time the real "
+            ap.error(f"--profile {brief_path(args.profile)} was timed on the {timed_on} clock and this run would time the real "
                      f"engine on the {args.clock} clock: pass --clock {timed_on} (the simulator predicts the seconds "
                      "of the clock it was calibrated on)")
     if args.explain:
@@ -499,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.explain, encoding="utf-8") as fh:
                 result = json.load(fh)
             if not isinstance(result, dict) or "workloads" not in result or "calibration" not in result:
-                raise ValueError(f"--explain {args.explain!r} is not a sim_accuracy result "
+                raise ValueError(f"--explain {brief_path(args.explain)} is not a sim_accuracy result "
                                  "(no 'workloads' and 'calibration')")
             rows = explain(result, load_profile(args.profile) if args.profile else result["calibration"])
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
@@ -510,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.profile:
             ap.error("--resimulate needs --profile (the profile JSON with the model shape and fitted hardware)")
         if args.out and os.path.realpath(args.out) == os.path.realpath(args.resimulate):
-            ap.error(f"--out {args.out!r} is the --resimulate result itself: a measurement is never overwritten")
+            ap.error(f"--out {brief_path(args.out)} is the --resimulate result itself: a measurement is never overwritten")
         try:  # two files named on the command line: either may be missing, not JSON, or the wrong kind
             with open(args.resimulate, encoding="utf-8") as fh:
                 result = json.load(fh)
@@ -518,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
 
             profile = load_profile(args.profile)
             if not isinstance(result, dict) or "workloads" not in result:
-                raise ValueError(f"--resimulate {args.resimulate!r} is not a sim_accuracy result (no 'workloads')")
+                raise ValueError(f"--resimulate {brief_path(args.resimulate)} is not a sim_accuracy result (no 'workloads')")
             lacks = [k for k, kind in (("scale", (int, float)), ("engine", dict), ("workloads", dict))
                      if not isinstance(result.get(k), kind)]
             workloads = result.get("workloads")
@@ -530,15 +537,15 @@ def main(argv: list[str] | None = None) -> int:
             lacks += [f"engine.{k}" for k in ENGINE
                       if isinstance(engine, dict) and not isinstance(engine.get(k), int)]
             if isinstance(engine, dict) and set(engine) - set(ENGINE):
-                raise ValueError(f"--resimulate {args.resimulate!r}: engine has unknown fields "
+                raise ValueError(f"--resimulate {brief_path(args.resimulate)}: engine has unknown fields "
                                  f"{', '.join(sorted(map(str, set(engine) - set(ENGINE))))}")
             if lacks:  # a hand-edited or truncated result: say what is missing, not a KeyError traceback
-                raise ValueError(f"--resimulate {args.resimulate!r} lacks {', '.join(lacks)} "
+                raise ValueError(f"--resimulate {brief_path(args.resimulate)} lacks {', '.join(lacks)} "
                                  "(a sim_accuracy result records each workload's requests and real_runs)")
             if not isinstance(profile.get("model"), dict):
-                raise ValueError(f"--profile {args.profile!r} has no 'model' shape to simulate")
+                raise ValueError(f"--profile {brief_path(args.profile)} has no 'model' shape to simulate")
             if not isinstance(profile.get("engine"), dict) or not isinstance(profile["engine"].get("block_size"), int):
-                raise ValueError(f"--profile {args.profile!r} has no engine block_size (written by minivllm sim calibrate)")
+                raise ValueError(f"--profile {brief_path(args.profile)} has no engine block_size (written by minivllm sim calibrate)")
             doc = resimulate(result, profile)
         except (ValueError, OSError) as exc:
             print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)

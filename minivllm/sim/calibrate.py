@@ -92,6 +92,7 @@ from minivllm.argtypes import is_int, is_real, output_file, positive_int
 from minivllm.bench.results import cpu_identity, write_json
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.engine.startup import frozen_heap
+from minivllm.sampling_params import brief_path
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
 PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",
@@ -896,17 +897,17 @@ def _refit_doc(path: str) -> dict:
     from minivllm.sim.presets import load_profile
 
     if not os.path.isfile(path):
-        raise ValueError(f"--refit {path!r}: no such file")
+        raise ValueError(f"--refit {brief_path(path)}: no such file")
     doc = load_profile(path)
     missing = [k for k in ("model", "samples", "engine", "fit") if not isinstance(doc.get(k), (dict, list))]
     if missing:
-        raise ValueError(f"--refit {path!r}: a profile with stored samples needs {', '.join(missing)}")
+        raise ValueError(f"--refit {brief_path(path)}: a profile with stored samples needs {', '.join(missing)}")
     if not isinstance(doc["samples"], list) or not all(isinstance(doc[k], dict) for k in ("model", "engine", "fit")):
-        raise ValueError(f"--refit {path!r}: samples must be a list, and model, engine and fit objects")
+        raise ValueError(f"--refit {brief_path(path)}: samples must be a list, and model, engine and fit objects")
     try:
         _check_stored_samples(doc)
     except ValueError as exc:
-        raise ValueError(f"--refit {path!r}: {exc}") from None
+        raise ValueError(f"--refit {brief_path(path)}: {exc}") from None
     return doc
 
 

@@ -27,7 +27,8 @@ import os
 import re
 from functools import lru_cache
 
-from minivllm.sampling_params import brief_repr
+from minivllm.argtypes import is_int
+from minivllm.sampling_params import brief_path, brief_repr
 from minivllm.sim.roofline import HardwareSpec, ModelShape
 
 GB = 1e9
@@ -151,14 +152,16 @@ def load_profile(path_or_name: str) -> dict:
     """
     path = profile_path(path_or_name)
     if not os.path.isfile(path):
-        raise ValueError(f"no calibration profile {path_or_name!r} (known: {', '.join(profile_names()) or 'none'})")
+        raise ValueError(f"no calibration profile {brief_path(path_or_name)} "
+                         f"(known: {', '.join(profile_names()) or 'none'})")
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"calibration profile {path!r} is not readable JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:  # (an OSError's own text quotes the path)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"calibration profile {brief_path(path)} is not readable JSON: {why}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("hardware"), dict):
-        raise ValueError(f"{path!r} is not a calibration profile: no 'hardware' object "
+        raise ValueError(f"{brief_path(path)} is not a calibration profile: no 'hardware' object "
                          "(profiles are written by minivllm sim calibrate)")
     return doc
 
@@ -179,13 +182,13 @@ def hardware_and_profile(name: str) -> tuple[HardwareSpec, dict | None]:
     if key in HARDWARE:
         return HARDWARE[key], None
     if not os.path.isfile(profile_path(name)):
-        raise ValueError(f"unknown hardware {name!r}; presets: {', '.join(HARDWARE)}; "
+        raise ValueError(f"unknown hardware {brief_path(name)}; presets: {', '.join(HARDWARE)}; "
                          f"profiles: {', '.join(profile_names()) or 'none'}")
     try:  # a profile that is there but broken says what is wrong with it
         doc = load_profile(name)
         return profile_spec(doc), doc
     except ValueError as exc:
-        raise ValueError(f"hardware {name!r}: {exc}") from None
+        raise ValueError(f"hardware {brief_path(name)}: {exc}") from None
 
 
 _UNIDENTIFIED = 1e29  # a roof the fit left at "infinity" (spec_from_theta's 1e30): the grid never reached it
@@ -208,8 +211,21 @@ def profile_spec(doc: dict) -> HardwareSpec:
     from dataclasses import replace
 
     spec = HardwareSpec.from_dict(doc["hardware"])
-    if doc.get("device", "cpu") == "cpu":
+    # the other fields read here, checked as HardwareSpec checks its own: a hand-edited profile's list or number
+    # was read as a GPU (device), failed with an AttributeError (model) or a TypeError, or, a bool for the
+    # dtype, passed for a 1-byte model in silence (True == 1)
+    device = doc.get("device", "cpu")
+    if not isinstance(device, str):
+        raise ValueError(f"profile device must be a str (cpu, cuda), got {brief_repr(device)}")
+    if device == "cpu":
         return spec
+    model = doc.get("model")
+    if model is not None and not isinstance(model, dict):
+        raise ValueError(f"profile model must be an object of shape fields, got {brief_repr(model)}")
+    # the fitted roofs hold for the profile's dtype (a hand-edited "model": null reads as the 2-byte default)
+    dtype_bytes = (model or {}).get("dtype_bytes", 2)
+    if not is_int(dtype_bytes) or dtype_bytes < 1:
+        raise ValueError(f"profile model.dtype_bytes must be a positive integer, got {brief_repr(dtype_bytes)}")
     words = set(re.findall(r"[a-z0-9]+", spec.name.lower()))
     match = next((HARDWARE[k] for k in HARDWARE if k in words), None)
     if match is None:
@@ -221,9 +237,6 @@ def profile_spec(doc: dict) -> HardwareSpec:
     if not spec.memory_bytes:
         filled["memory_bytes"] = match.memory_bytes
         notes.append(f"memory from the {match.name} datasheet")
-    # the fitted roofs hold for the profile's dtype (a hand-edited "model": null reads as the 2-byte default, not as
-    # an AttributeError)
-    dtype_bytes = (doc.get("model") or {}).get("dtype_bytes", 2)
     peak = match.peak_flops * match.dtype_scale(dtype_bytes)  # what no kernel exceeds at that dtype
     for roof in ("peak_flops", "attention_flops"):
         fitted = getattr(spec, roof) or 0

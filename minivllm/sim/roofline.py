@@ -62,7 +62,7 @@ import zlib
 from dataclasses import MISSING, dataclass, field, replace
 
 from minivllm.argtypes import is_int, is_real
-from minivllm.config import PCIE4_X16_BYTES_PER_S
+from minivllm.config import PCIE4_X16_BYTES_PER_S, check_type
 from minivllm.sampling_params import brief_repr
 
 
@@ -250,17 +250,22 @@ class HardwareSpec:
         for k in ("step_overhead_s", "layer_overhead_s", "seq_overhead_s", "eager_step_overhead_s", "memory_bytes"):
             if not (is_real(getattr(self, k)) and getattr(self, k) >= 0):
                 raise ValueError(f"HardwareSpec.{k} must be a finite number >= 0, got {brief_repr(getattr(self, k))}")
-        if self.roof_p is not None and not self.roof_p >= 1:
-            raise ValueError(f"HardwareSpec.roof_p must be >= 1 or None (the max), got {brief_repr(self.roof_p)}")
+        # (a str or list here failed its comparison with a TypeError, which named no field; a bool is no number)
+        if self.roof_p is not None and not (is_real(self.roof_p) and self.roof_p >= 1):
+            raise ValueError(f"HardwareSpec.roof_p must be a finite number >= 1 or None (the max), "
+                             f"got {brief_repr(self.roof_p)}")
         # The attention roofs divide a step's terms as the others do: a zero one failed every step inside the
         # executor (each request "execution failed"), a negative one lost to the other limit in silence.
         for k in ("attention_flops", "attention_bandwidth", "attention_span_bandwidth", "fp32_peak_flops"):
             v = getattr(self, k)
             if v is not None and not (is_real(v) and v > 0):
                 raise ValueError(f"HardwareSpec.{k} must be a finite number > 0 or None, got {brief_repr(v)}")
-        if self.flops_dtype_bytes != 0 and self.flops_dtype_bytes not in TENSOR_CORE_SCALE:
+        if not is_int(self.flops_dtype_bytes) or (self.flops_dtype_bytes != 0
+                                                  and self.flops_dtype_bytes not in TENSOR_CORE_SCALE):
             raise ValueError(f"HardwareSpec.flops_dtype_bytes must be 0 (the calibrated dtype) or one of "
                              f"{sorted(TENSOR_CORE_SCALE)}, got {brief_repr(self.flops_dtype_bytes)}")
+        check_type("HardwareSpec.name", self.name, str)  # (printed and recorded as text)
+        check_type("HardwareSpec.notes", self.notes, str)
 
     @property
     def flops(self) -> float:
@@ -301,8 +306,8 @@ class HardwareSpec:
     def slowed(self, factor: float) -> "HardwareSpec":
         """The same device running every step ``factor`` times longer (every roof divided, every fixed cost
         multiplied): what a shared machine looks like when its neighbours take a share of it."""
-        if not factor > 0:
-            raise ValueError(f"factor must be > 0, got {brief_repr(factor)}")
+        if not (is_real(factor) and factor > 0):
+            raise ValueError(f"factor must be a finite number > 0, got {brief_repr(factor)}")
         return replace(self, flops_util=self.flops_util / factor, bw_util=self.bw_util / factor,
                        swap_bandwidth=self.swap_bandwidth / factor,
                        step_overhead_s=self.step_overhead_s * factor, layer_overhead_s=self.layer_overhead_s * factor,

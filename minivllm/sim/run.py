@@ -24,7 +24,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 
-from minivllm.argtypes import fraction, nonnegative_int, output_file, positive_float, positive_int, positive_rate
+from minivllm.argtypes import fraction, nonnegative_int, output_file, positive_float, positive_int, positive_rate, refuse_unread
 from minivllm.bench.loadgen import (WORDS, LengthDist, RequestResult, RunResult, Tenant, check_burstiness_shapes, format_table,
                                     mean_arrival_rate, parse_tenant, parse_trace, plan_from_trace, plan_requests,
                                     summarize)
@@ -555,7 +555,10 @@ def run_sim(args, out=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.out is None:  # (run_sim's own callers read the records from the document it returns)
+        refuse_unread(parser, args, ("no_requests_in_json",), "without --out (it trims the JSON --out writes)")
     args.argv = list(sys.argv[1:] if argv is None else argv)  # the command line a result file records
     try:
         if args.profile:
