@@ -180,3 +180,31 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace, des
     given = given_flags(parser, args, dests)
     if given:
         parser.error(f"argument {given[0]}: not read {why}: drop {', '.join(given)}")
+
+
+PATH_CHARS = 200
+"""Most characters of a path an error message quotes: room for this project's own file names whole (a result
+file's name runs to 70 characters), not for a generated or pasted path of thousands."""
+
+
+def brief_path(path) -> str:
+    """``path`` quoted for an error message, cut in the middle when it is long: its file name is kept whole.
+
+    Why not a cut at the end, as other values are quoted: the part of a path that tells a user which file was
+    meant is its file name (``benchmarks/results/2026-11-30_..._run2.json``: the date tells the runs apart),
+    and quoted whole a path of thousands of characters flooded the terminal with a one-line error.  The cut is
+    made in the text before it is quoted, so no escape sequence is split.  (Here, with the flag helpers, because
+    ``bench ab --same-bench`` copies this module beside a benchmark script: it holds no engine code.)
+    """
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if isinstance(path, bytes):
+        path = path.decode("utf-8", "backslashreplace")
+    if not isinstance(path, str):
+        text = repr(path)
+        return text if len(text) <= PATH_CHARS else text[:PATH_CHARS] + "..."
+    if len(path) <= PATH_CHARS:
+        return repr(path)
+    name = path[-(len(os.path.basename(path)) + 1):][-(PATH_CHARS - 20):]  # its separator too (a name of
+    # thousands is cut as well, from its start)
+    return repr(path[:PATH_CHARS - len(name) - 3] + "..." + name)

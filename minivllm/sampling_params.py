@@ -14,7 +14,6 @@ request the engine already sized.  Make a new one with :func:`dataclasses.replac
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from minivllm.argtypes import is_int, is_real
@@ -59,23 +58,6 @@ def brief_repr(value) -> str:
     except ValueError:  # sys.get_int_max_str_digits(): too long to write in decimal
         return f"<a {type(value).__name__} too large to write out>"
     return text[:QUOTE_CHARS] + "..." if len(text) > QUOTE_CHARS else text
-
-
-def brief_path(path) -> str:
-    """A file path quoted as :func:`brief_repr` quotes a value, but cut in the middle: its end is kept.
-
-    Why not :func:`brief_repr`: the part of a path that tells a user which file was meant is its end, the file's
-    name, which a cut after the start would drop; quoted whole, a path of thousands of characters (a generated
-    one, a pasted one) flooded the terminal with a one-line error.
-    """
-    path = os.fspath(path) if isinstance(path, os.PathLike) else path
-    if not isinstance(path, str):
-        return brief_repr(path)
-    text = repr(path)
-    if len(text) <= QUOTE_CHARS:
-        return text
-    head = QUOTE_CHARS // 3  # enough of the start to see where it lies; the rest for the end
-    return text[:head] + "..." + text[-(QUOTE_CHARS - head - 3):]
 
 
 @dataclass(frozen=True)

@@ -306,3 +306,19 @@ def test_same_bench_leaves_a_versions_own_table_of_names_when_it_has_the_benchma
     rows = {r["path"]: (r["base"], r["head"]) for r in doc["rows"]}
     assert rows["script"] == (1.0, 2.0)
     assert _worktrees(root) == 1
+
+
+def test_same_bench_brings_the_flag_helpers_the_script_imports(repo):
+    """A benchmark script imports its flag helpers from ``minivllm/argtypes.py`` (refuse_unread, brief_path: added
+    with the refusals of stop 72); copied alone into an older tree, the script failed to import there -- every
+    touched benchmark, against every base before it.  ``--same-bench`` copies the helpers too.  Oracle: the base's
+    run, whose tree has no such helper, measures its own value with the checkout's script."""
+    root, _ = repo
+    (root / "minivllm" / "argtypes.py").write_text("def helper():\n    return 5.0\n")  # uncommitted, as new code is
+    bench = root / "minivllm" / "bench" / "offline.py"
+    bench.write_text("from minivllm.argtypes import helper\n" + FAKE_BENCH.format(script="helper()"))
+    doc = ab.run(["offline", "--out", "{out}"], base="HEAD~1", repeats=1, repo=root, log=open("/dev/null", "w"),
+                 same_bench=True)
+    rows = {r["path"]: (r["base"], r["head"]) for r in doc["rows"]}
+    assert rows["script"] == (5.0, 5.0) and rows["value"] == (1.0, 2.0)
+    assert _worktrees(root) == 1

@@ -28,6 +28,8 @@ import sys
 
 import pytest
 
+from minivllm.argtypes import PATH_CHARS
+
 
 class _Ran(Exception):
     """Raised by a stand-in where the command would start its work: what it was handed rides along."""
@@ -406,11 +408,13 @@ def test_a_well_typed_gpu_profile_still_reads_as_before(tmp_path):
 
 
 def test_brief_path_keeps_the_end_of_a_long_path():
-    """Hand-worked: a 112-character repr cut to 60 -- its first 20 characters, "...", and its last 37."""
-    from minivllm.sampling_params import brief_path
+    """Hand-worked: a 310-character path cut to 200 before quoting -- its first 138 characters, "...", and its file
+    name (58 characters) whole, after its separator."""
+    from minivllm.argtypes import brief_path
 
-    path = "a" * 100 + "/name.json"
-    assert brief_path(path) == "'" + "a" * 19 + "..." + "a" * 26 + "/name.json'"
+    name = "n" * 53 + ".json"
+    path = "a" * 251 + "/" + name
+    assert brief_path(path) == "'" + "a" * 138 + "..." + "/" + name + "'"
     assert brief_path("cpu-2core") == "'cpu-2core'"  # a short one whole, as repr quotes it
 
 
@@ -446,4 +450,18 @@ def test_a_long_profile_path_is_quoted_briefly_and_keeps_the_file_name(tmp_path,
         call(path)
     message = str(exc.value)
     assert len(path) > 3000 and says in message and "prof.json'" in message, message[:300]
-    assert len(message) < 400 and "\n" not in message, (len(message), message[:300])
+    assert len(message) < 2 * PATH_CHARS + 200 and "\n" not in message, (len(message), message[:300])
+
+
+def test_brief_path_keeps_a_result_files_whole_name():
+    """The review's case: a committed result file's path, 78 characters, was cut to its last 36 ('...vidia-h200_...')
+    and lost the date that tells the runs apart; a path of this project's own length is quoted whole, and a long
+    one keeps its file name whole, cut in its folders (before quoting: no escape sequence is split)."""
+    from minivllm.argtypes import brief_path
+
+    result = "benchmarks/results/2026-11-30_nvidia-h200_llama1b_profile_run2.json"
+    assert brief_path(result) == repr(result)
+    deep = "d\x00/" * 2000 + "2026-11-30_nvidia-h200_llama1b_profile_run2.json"
+    text = brief_path(deep)
+    assert text.endswith("/2026-11-30_nvidia-h200_llama1b_profile_run2.json'") and "..." in text
+    assert len(text) < 4 * PATH_CHARS and eval(text).endswith("profile_run2.json")  # quoted whole: no split escape

@@ -23,7 +23,9 @@ says it).  The worktree is removed afterwards, whatever happened.
 both sides are measured by one script.  Why: a measurement often arrives with or after the change it
 measures (a new option, a new workload); the old engine is then measured by the new script, which is what
 this project had done by hand ("run on the commit before, with this benchmark script copied in").  Only
-that one file is copied -- and, for a benchmark the version does not have yet (a new kernel's own benchmark),
+that one file is copied, with the flag helpers every script parses its command line with
+(``minivllm/argtypes.py``: argument types, the refusal of flags a mode does not read, how a path is quoted; no
+engine code) -- and, for a benchmark the version does not have yet (a new kernel's own benchmark),
 the table of names in ``minivllm/bench/__init__.py``, so that ``python -m minivllm.bench NAME`` finds it there; if
 the script needs engine code a version lacks, that run fails and says so.
 """
@@ -164,6 +166,7 @@ def repo_root(start: Path | None = None) -> Path:
 
 
 NAMES_FILE = Path("minivllm", "bench", "__init__.py")  # where the benchmarks' names live (NAMES)
+ARGTYPES = Path("minivllm", "argtypes.py")  # the flag helpers, copied with a benchmark by --same-bench
 
 
 def bench_module_path(name: str) -> Path:
@@ -212,6 +215,8 @@ def run(command: list[str], base: str, head: str | None = None, repeats: int = 2
                 if not (tree / module).exists():  # a benchmark newer than that version: register it there too
                     shutil.copyfile(repo / NAMES_FILE, tree / NAMES_FILE)
                 shutil.copyfile(repo / module, tree / module)
+                if (repo / ARGTYPES).exists():  # the flag helpers every script imports, as new as the script
+                    shutil.copyfile(repo / ARGTYPES, tree / ARGTYPES)
         results: dict[str, list[dict]] = {"base": [], "head": []}
         timeline = []
         for i, side in enumerate(runs):

@@ -271,7 +271,7 @@ def main() -> int:
     elif a.workload == "nano":
         refuse_unread(ap, a, PARITY_ONLY, "by --workload nano (its own lengths: --requests, --scale)")
     else:
-        refuse_unread(ap, a, NANO_ONLY, "by the parity workload (the default; --workload nano reads it)")
+        refuse_unread(ap, a, NANO_ONLY, "by the parity workload (--workload nano reads it)")
     for name, value in DEFAULTS.items():
         if getattr(a, name) is None:
             setattr(a, name, value)

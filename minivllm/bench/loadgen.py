@@ -1056,8 +1056,8 @@ def _refuse_flags_not_read(parser: argparse.ArgumentParser, args: argparse.Names
     if args.sweep_criterion == "itl" and args.slo_itl_ms is None:  # no verdict is drawn: nothing to judge ITL by
         refuse_unread(parser, args, ("sweep_criterion",), "without --slo-itl-ms (the SLO the itl criterion judges)")
     if (args.sweep_criterion or SWEEP_CRITERION) != "goodput":
-        refuse_unread(parser, args, ("min_goodput",), f"under --sweep-criterion {args.sweep_criterion or SWEEP_CRITERION}"
-                      " (only goodput reads it)")
+        which = args.sweep_criterion or f"{SWEEP_CRITERION} (the default)"
+        refuse_unread(parser, args, ("min_goodput",), f"under --sweep-criterion {which}: only goodput reads it")
     if args.slo_itl_ms is None:
         refuse_unread(parser, args, ("slo_itl_stat",), "without --slo-itl-ms (the bound that statistic is held to)")
     if args.out is None:

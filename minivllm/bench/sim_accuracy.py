@@ -48,12 +48,11 @@ import statistics
 import sys
 import time
 
-from minivllm.argtypes import is_int, output_file, positive_float, positive_int, refuse_unread
+from minivllm.argtypes import brief_path, is_int, output_file, positive_float, positive_int, refuse_unread
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import cpu_identity, cpu_times, steal_share, write_json, write_result
 from minivllm.engine.startup import frozen_heap
 from minivllm.metrics.stats import nearest_rank
-from minivllm.sampling_params import brief_path
 from minivllm.sim.calibrate import REPEATS as CALIBRATION_REPEATS
 
 WORKLOADS = {

@@ -88,11 +88,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from minivllm.argtypes import is_int, is_real, output_file, positive_int
+from minivllm.argtypes import brief_path, is_int, is_real, output_file, positive_int
 from minivllm.bench.results import cpu_identity, write_json
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.engine.startup import frozen_heap
-from minivllm.sampling_params import brief_path
 from minivllm.sim.roofline import HardwareSpec, ModelShape, StepCost, combine, roofline_time, step_cost
 
 PARAMS = ("step_overhead_s", "seq_overhead_s", "s_per_flop", "s_per_byte", "s_per_attn_flop", "s_per_attn_byte",

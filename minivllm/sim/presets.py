@@ -27,8 +27,8 @@ import os
 import re
 from functools import lru_cache
 
-from minivllm.argtypes import is_int
-from minivllm.sampling_params import brief_path, brief_repr
+from minivllm.argtypes import brief_path, is_int
+from minivllm.sampling_params import brief_repr
 from minivllm.sim.roofline import HardwareSpec, ModelShape
 
 GB = 1e9
