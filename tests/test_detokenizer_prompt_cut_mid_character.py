@@ -4,6 +4,14 @@ The output's bytes only extend the prompt's incomplete character, so its decode 
 placeholder, and the detokenizer held them back as "nothing new" for good: the final text was empty while the
 output's token ids decode to U+FFFD.  Oracle: the Hugging Face tokenizer's decode, by the rule the completing
 case follows (``test_more_mutants``): the decode of prompt and output, less the prompt's complete characters.
+
+Why that oracle and not ``decode(prompt + output)`` less ``decode(prompt)``: that difference is undefined whenever
+the output completes the character (the prompt's placeholder is not a prefix of the character), and where it is
+defined here it is empty -- the output's bytes vanish into the prompt's placeholder, which is vLLM's drop, not
+``decode``'s text of the bytes.  Less the prompt's complete characters, one rule covers both ends, and
+``complete prompt text + output text == decode(prompt + output)`` holds in each.  The tests below build each
+prompt as complete text plus the first token of a character, so where the complete text ends is known by
+construction, not found by the code under test.
 """
 
 from __future__ import annotations
@@ -56,3 +64,52 @@ def test_the_engine_reports_that_text_for_a_request_cut_there_by_max_tokens(toke
     assert (out.outputs[0].token_ids, out.outputs[0].text) == (tail, tokenizer.decode(tail)) == (tail, "\ufffd")
     deltas = [o.outputs[0].delta_text for o in llm.stream({"prompt_token_ids": ids[:k]}, params)]
     assert "".join(deltas) == "\ufffd"
+
+
+HEADS = ("odd \ufffd", "\ufffd", "x\ufffd\ufffd", "odd ")  # complete text; three end in U+FFFD of their own
+SPLIT = ("😀", "語", "𝄞", "🎉")  # three tokens each in this vocabulary: a prompt may hold the first, an output the second
+
+
+def _broken_prompts(tokenizer):
+    """(complete text, prompt ids, one output token): the prompt is that text plus a character's first token, and
+    the output token is the character's second, which does not complete it."""
+    cases = []
+    for text in HEADS:
+        head = tokenizer.encode(text)
+        assert tokenizer.decode(head) == text  # the head's text is complete: the boundary is known
+        for char in SPLIT:
+            ids = tokenizer.encode(char)
+            assert len(ids) == 3 and tokenizer.decode(ids) == char  # the case is real
+            cases.append((text, head + ids[:1], ids[1]))
+    return cases
+
+
+def test_a_prompts_own_replacement_character_before_its_broken_character_is_not_output_again(tokenizer):
+    """A prompt ending in a U+FFFD it wrote, then half a character, and an output that only extends that
+    character before the request ends: the output text is the one placeholder of the incomplete character, as
+    the decode of prompt and output writes it less the prompt's complete text.  The old code cut the whole
+    trailing U+FFFD run as placeholder and output the prompt's own U+FFFD again ("\ufffd\ufffd"); a head with
+    no U+FFFD of its own (``"odd "``) keeps its answer."""
+    for text, prompt, token in _broken_prompts(tokenizer):
+        whole = tokenizer.decode(prompt + [token])
+        assert whole.startswith(text)
+        want = whole[len(text):]
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        streamed = detok.add_token(token)
+        assert streamed == ""  # held while the request runs: the character may still complete
+        assert (streamed + detok.flush(), detok.text) == (want, want) == ("\ufffd", "\ufffd"), (text, prompt, token)
+
+
+def test_the_engine_reports_one_placeholder_after_a_prompts_own_replacement_character(tokenizer):
+    """The same through the engine, deferred (``generate``) and streamed: a one-token request on ``'odd \ufffd'``
+    plus half an emoji, cut there by ``max_tokens``, ends with the text ``'\ufffd'`` (old code: two)."""
+    text, prompt, token = _broken_prompts(tokenizer)[0]
+    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"req-0": [token], "req-1": [token]})
+    llm = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=128)
+    llm.engine.inputs.vocab_size = len(tokenizer)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    want = tokenizer.decode(prompt + [token])[len(text):]
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert (out.outputs[0].token_ids, out.outputs[0].text) == ([token], want) == ([token], "\ufffd")
+    deltas = [o.outputs[0].delta_text for o in llm.stream({"prompt_token_ids": prompt}, params)]
+    assert "".join(deltas) == want

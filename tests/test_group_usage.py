@@ -28,7 +28,7 @@ from minivllm.metrics.scrape import metric_samples, metric_value
 from minivllm.sampling_params import SamplingParams
 from minivllm.sim.executor import SimulatedExecutor
 
-from tests.invariants import assert_no_leak, drain, tiny_engine
+from tests.invariants import assert_no_leak, block_tokens, drain, tiny_engine
 
 PROMPT_LEN, MAX_TOKENS = 9, 3
 WARM = 8  # a 9-token prompt on 4-token blocks: two full blocks in the cache
@@ -100,6 +100,66 @@ def test_no_output_reports_a_cached_token_when_no_prompt_shares_a_block():
         preempted += engine.stats()["num_recompute_preemptions"]
         assert_no_leak(engine)
     assert own_lookups and preempted, (own_lookups, preempted)
+
+
+def _found_in_cache(engine, prompt: list[int]) -> int:
+    """Brute force: the prompt tokens a lookup would find now -- its leading full blocks (all but the last token,
+    which is always computed) that some cached block really holds, read slot by slot from the executor's model of
+    the KV (``KVContents``), not from the cache's index.  (Block contents alone decide: every block of the prompts
+    here is a distinct token, so a block's tokens name its place in the prompt.)"""
+    bs, cache, kv = engine.kv.block_size, engine.kv.prefix_cache, engine.executor.device
+    held = {tuple(kv.get((b, s)) for s in range(bs)) for b in range(engine.kv.pool.num_blocks) if cache.is_cached(b)}
+    n = 0
+    while (n + 1) * bs <= len(prompt) - 1 and tuple(prompt[n * bs:(n + 1) * bs]) in held:
+        n += 1
+    return n * bs
+
+
+def _evict_to(engine, req, blocks: int) -> None:
+    """Evict least recently used cached blocks until a lookup of ``req``'s prompt finds at most ``blocks``."""
+    cache = engine.kv.prefix_cache
+    while cache.peek(req.prompt_token_ids, engine.kv.namespace(req)) > blocks:
+        assert cache.evict(1) == 1
+
+
+@pytest.mark.parametrize("prefix", ["radix", "hash"])
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final_only"])
+@pytest.mark.parametrize("lost_before_leader", [0, 1])
+def test_a_groups_cached_tokens_are_what_its_leader_found_when_the_cache_loses_blocks_before_a_sample_looks(
+        prefix, kind, lost_before_leader):
+    """A warm cache holds two blocks of a 9-token prompt; ``lost_before_leader`` of them are evicted before an
+    ``n = 2`` request on it is admitted, and once its leader has finished (one seat) the cache loses one block
+    more of the prompt than the leader found, before the second sample looks the cache up itself.  Every output
+    of the group reports what the leader's lookup found, recounted by brute force from the KV slots at the
+    leader's admission (8 or 4 tokens) -- not the second sample's own, smaller count, which a rule taking the
+    carrying sample's count reports (and vLLM does: its final-only output is the last child's)."""
+    engine = tiny_engine(num_blocks=24, max_seqs=1, prefix=prefix)
+    prompt = block_tokens(1, 2, extra=(3,))
+    engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                       request_id="warm")
+    drain(engine)
+    params = SamplingParams(n=2, max_tokens=MAX_TOKENS, ignore_eos=True, output_kind=kind, temperature=1.0, seed=1)
+    engine.add_request({"prompt_token_ids": prompt}, params, request_id="g")
+    leader, sample = engine.requests["g#0"], engine.requests["g#1"]
+    _evict_to(engine, leader, 2 - lost_before_leader)
+    found = sibling_found = None
+    outs = []
+    for _ in range(200):
+        if leader.first_scheduled_time is None:
+            before_admission = _found_in_cache(engine, prompt)
+        elif leader.status.finished and sample.first_scheduled_time is None:
+            _evict_to(engine, sample, found // 4 - 1)
+            sibling_found = _found_in_cache(engine, prompt)
+        outs += [out for out in engine.step() if out.request_id == "g"]
+        if found is None and leader.first_scheduled_time is not None:
+            found = before_admission
+        if outs and outs[-1].finished:
+            break
+    assert found == 4 * (2 - lost_before_leader) and sibling_found == found - 4  # the case is real
+    assert sample.num_cached_tokens == sibling_found  # the sample looked the cache up itself, and found less
+    assert [out.num_cached_tokens for out in outs] == [found] * len(outs)
+    assert outs[-1].finished and len(outs[-1].outputs) == 2
+    assert_no_leak(engine)
 
 
 # -- the server: usage, streamed and not, and the per-request counters ----------------------------------------------

@@ -53,6 +53,25 @@ class IncrementalDetokenizer:
             return ""
         return self._release(final=True)
 
+    def _text_before_tail(self, before: str) -> str:
+        """The decode of the window up to the tokens of the prompt's incomplete last character (``""`` where it
+        is not a prefix of ``before``, the decode of the window up to the read offset).
+
+        Why: a request that ends with its bytes only extending the prompt's incomplete character outputs that
+        character's placeholder, and only it; a U+FFFD the prompt wrote right before it is the prompt's text.
+        ``decode`` alone cannot tell the two apart by looking at ``before``, but the tokens can: a byte-level
+        decode writes one U+FFFD for a character however many of its bytes are there, so dropping the
+        character's later tokens leaves the decode as it is, and dropping its first token removes the
+        placeholder.  Walking back while the decode stays ``before`` finds that first token.  (A byte-fallback
+        decode -- one U+FFFD per byte -- does not reach here: its output bytes add placeholders, so ``after``
+        differs from ``before``.)  Cost: a decode per token of the character, once, at the request's end.
+        """
+        end, head = self._read_offset, before
+        while head == before and end > self._prefix_offset:
+            end -= 1
+            head = self._decode(self._tokens[self._prefix_offset : end])
+        return head if before.startswith(head) else ""
+
     def _release(self, final: bool) -> str:
         """The text the tokens past the read offset add, once it does not end mid-character (or ``final``)."""
         before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
@@ -70,10 +89,13 @@ class IncrementalDetokenizer:
             # one one per byte; any before them are the prompt's own text.  Where the character completed,
             # ``after`` keeps the prompt's own and replaces the placeholder, so the placeholder is what follows
             # their common prefix (cut no further back than the trailing run).  Where it did not (the final
-            # case), the run is cut whole: a prompt's own U+FFFD right before it is output again (a named gap).
+            # case), what precedes the incomplete character's tokens is the prompt's own text
+            # (:meth:`_text_before_tail`).
             run = len(before.rstrip("\ufffd"))
             if not after.startswith(before):
                 run = max(run, len(os.path.commonprefix([before, after])))
+            else:
+                run = max(run, len(self._text_before_tail(before)))
             before = before[:run]
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""  # an incomplete character, or a token that decodes to nothing yet

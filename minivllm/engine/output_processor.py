@@ -262,6 +262,12 @@ class OutputProcessor:
                 # leader left looks the cache up itself and finds the prompt blocks its own leader computed; that
                 # count is the engine's hit accounting, not the request's, and taking it made the answer depend on
                 # which sample carried the output (8 cached tokens on a cold cache with one seat, 0 with two).
+                # vLLM v1 differs here, on purpose not followed: its n > 1 children are separate requests, each
+                # with its own lookup, and the parent's output carries the count of the child that produced it
+                # (final-only: the last child to finish; its server's streamed usage reads the first output's),
+                # so the count moves within one stream, differs streamed and not, and counts, for later children,
+                # blocks the request's own first child computed.  The leader's count also holds
+                # when the cache loses part of the prefix before a later sample looks (tests/test_group_usage).
                 num_cached_tokens=next((r.num_cached_tokens for r in samples if r.prefix_lookup_recorded), 0),
             )
             if finished:
