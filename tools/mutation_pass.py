@@ -132,9 +132,8 @@ MUTANTS = [
     ("a swap-in checks room for one chunk only", SCH,
      "blocks = kv.num_new_blocks(req, req.num_uncomputed_tokens)", "blocks = kv.num_new_blocks(req, tokens)", ""),
     ("preempting for a swapped request counts only its swapped blocks", KVM,
-     "hit = () if req.cpu_block_ids else self.match_prefix(req).block_ids",
-     "hit = () if req.cpu_block_ids else self.match_prefix(req).block_ids\n        if req.cpu_block_ids:\n"
-     "            return room >= len(req.cpu_block_ids)", ""),
+     "        if req.cpu_block_ids:\n            start = PrefixHit()",
+     "        if req.cpu_block_ids:\n            return room >= len(req.cpu_block_ids)", ""),
     ("WFQ never hears of a tenant going idle while nothing waits", SCH,
      "            if self._activity is not None:", "            if False:", ""),
     ("a sample without its leader counts misses only", KVM, "elif self.can_fork(req):",
@@ -185,6 +184,16 @@ MUTANTS = [
      "reached = max(req.num_computed_tokens, req.num_tokens_computed_once)", ""),
     ("a recount charges every holder of a shared partly filled block a copy", KVM,
      "if n < self.pool.refcount(b) - 1:", "if True:", ""),
+    # the room bound for a sample of an n > 1 request (tests/test_sample_room.py pins each)
+    ("a waiting sample that can fork preempts without a room bound", SCH,
+     "        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)\n",
+     "        if req.status is RequestStatus.WAITING and self.kv.can_fork(req):\n            return True\n"
+     "        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)\n", ""),
+    ("a forking sample's room bound leaves out the copy of the block it shares", KVM,
+     " - len(hit) + (start.num_tokens % self.block_size > 0)", " - len(hit)", ""),
+    ("a sample's room bound is not asked again with its leader kept", SCH,
+     "        if leader is None or not any(c is leader for c in cands):\n            return False",
+     "        if True:\n            return False", ""),
     # a hunt in the prefix caches (tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py pins each)
     ("the leaf heap's rebuild swaps tick and order (leaves lost, never evicted)", LEAVES,
      "self._heap = [(tick, seq, leaf) for leaf, (tick, seq) in self._stamp.items()]",
@@ -206,7 +215,7 @@ TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "test
          "tests/test_fairness_mutants.py", "tests/test_three_class_order_and_cache_quotas.py",
          "tests/test_wfq_orders_by_what_a_cached_prompt_will_be_charged.py",
          "tests/test_a_forked_group_reserves_one_copy_fewer_than_its_holders.py",
-         "tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py"]
+         "tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py", "tests/test_sample_room.py"]
 
 
 def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:

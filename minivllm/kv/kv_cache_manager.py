@@ -303,10 +303,13 @@ class KVCacheManager:
         blocks available now (free or evictable), plus each block of theirs no one else holds (one still
         in another table stays taken; one only the prefix cache keeps becomes evictable), less the
         cached blocks ``req`` would share that were counted so far (shared, they stop being evictable; one
-        pinned now was not counted), less ``reserved``.  The need is its tokens in blocks, less its cached
-        prefix; a swapped-out request shares nothing: it needs its swapped blocks back and room for the rest
-        of its tokens, what its admission checks (:meth:`Scheduler._try_admit`).  (Reject mode never asks: it
-        never preempts.)
+        pinned now was not counted), less ``reserved``.  The need is its tokens in blocks, less the blocks it
+        would start on (:meth:`_start_blocks`, admission's own choice: its cached prefix, or, a sample, its
+        leader's blocks), plus the private copy its first write makes when those end in a partly filled block
+        (a fork's: the leader still holds it).  A sample whose leader is among ``reqs`` starts alone once they
+        go: its cached prefix.  A swapped-out request shares nothing: it needs its swapped blocks back and room
+        for the rest of its tokens, what its admission checks (:meth:`Scheduler._try_admit`).  (Reject mode
+        never asks: it never preempts.)
         """
         held: dict[int, int] = {}
         for r in reqs:
@@ -322,9 +325,15 @@ class KVCacheManager:
 
         freed = sum(1 for b in held if holders_after(b) == 0)  # free, or cached and evictable
         room = self.num_available_blocks + freed - reserved
-        hit = () if req.cpu_block_ids else self.match_prefix(req).block_ids
-        room -= sum(1 for b in hit if evictable_after(b))
-        need = blocks_for(req.num_tokens, self.block_size) - len(hit)
+        if req.cpu_block_ids:
+            start = PrefixHit()
+        elif req.leader is not None and any(r is req.leader for r in reqs):
+            start = self.match_prefix(req)  # its leader gone, it cannot fork (can_fork): it starts alone
+        else:
+            start = self._start_blocks(req)[0]
+        hit = start.block_ids
+        room -= sum(1 for b in hit if evictable_after(b))  # (a leader's block that stays is never evictable)
+        need = blocks_for(req.num_tokens, self.block_size) - len(hit) + (start.num_tokens % self.block_size > 0)
         pinned_blocks = getattr(cache, "pinned_blocks", None)  # (lab 3's learner cache pins nothing)
         if room >= need or pinned_blocks is None:
             return room >= need
@@ -465,16 +474,30 @@ class KVCacheManager:
         scheduler: the choice decides which blocks gain a reference, and :meth:`computed_if_admitted` must promise
         the same count.
         """
+        start, forks = self._start_blocks(req)
+        if forks:
+            self.fork(req.leader, req)
+        else:
+            self.share_prefix(req, start)
+
+    def _start_blocks(self, req: Request) -> tuple[PrefixHit, bool]:
+        """The blocks :meth:`share_computed` would give ``req`` now and the tokens they hold, and whether they are
+        its leader's (a fork, which leaves ``prompt - 1`` tokens computed: a partly filled last block is shared
+        with the leader, and ``req``'s first write copies it).  One choice, read by admission and by the room
+        bound (:meth:`could_start_if_freed`) alike, so the bound weighs the start admission will make."""
         if self.can_fork(req):
             fork_tokens = req.num_prompt_tokens - 1
             if self._restart_tokens(req) > fork_tokens:
                 hit = self.match_prefix(req)
                 if hit.num_tokens > fork_tokens:  # (what peek counted, unless a learner's match disagrees)
-                    self.share_prefix(req, hit)
-                    return
-            self.fork(req.leader, req)
-        else:
-            self.share_prefix(req, self.match_prefix(req))
+                    return hit, False
+            return PrefixHit(tuple(req.leader.block_ids[:self._fork_blocks(req)]), fork_tokens), True
+        return self.match_prefix(req), False
+
+    def _fork_blocks(self, child: Request) -> int:
+        """How many of its leader's blocks a forking sample shares: those of all its prompt but the last token
+        (the one it computes itself, to sample from)."""
+        return blocks_for(child.num_prompt_tokens - 1, self.block_size)
 
     @staticmethod
     def can_fork(req: Request) -> bool:
@@ -492,8 +515,7 @@ class KVCacheManager:
         starts a new block.
         """
         assert not child.block_ids, "a sample forks only before it holds blocks"
-        shared = blocks_for(child.num_prompt_tokens - 1, self.block_size)
-        child.block_ids = list(parent.block_ids[:shared])
+        child.block_ids = list(parent.block_ids[:self._fork_blocks(child)])
         self.table_changes += 1
         for b in child.block_ids:
             self.pool.incref(b)

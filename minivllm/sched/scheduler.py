@@ -547,25 +547,36 @@ class Scheduler:
         Preempting throws a victim's KV away (or swaps it out); if ``req`` is still not admitted at the end,
         nobody gained.  Seats are no question (one victim frees one) and the token budget is never a reason
         to preempt (see :meth:`admit`); the blocks are: the bound freed blocks minus what the requests left
-        running will still claim, against the blocks ``req`` would take.  A sample forking from
-        its leader needs at most a block or two and is always worth trying -- but only a waiting one that can fork
-        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.can_fork`): once its leader has finished (or is
-        gone) it starts alone and needs its whole prompt; a swapped-out one swaps all its blocks back in; a
-        recomputed one reserves its outputs again.  Those are bounded like any request.
+        running will still claim, against the blocks ``req`` would take
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.could_start_if_freed`, which weighs the start
+        admission would make).  A sample of an ``n > 1`` request that can fork from its leader needs only a
+        block -- the copy of the partly filled block it shares, or a new one -- but even that block may not be
+        there: with the pool dry and the requests left running claiming what the victims give back, a preemption
+        "always worth trying" for a sample seated nobody (a random search, priority policy, swap mode).  So a
+        sample is bounded like any request, by what its fork really takes; a swapped-out or recomputed one by
+        its swapped blocks or its outputs as well.
 
         What those left claim is counted as if the candidates' references were gone
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.claims_as_they_leave`), not from the refcounts as they
         stand: a sample forked earlier in this pass is no candidate (admitted in this pass), and once its leader
         goes it writes into the block they shared in place -- counted as a copy, a preemption of the leader that
-        had room was refused.  (Asked only when a request finds no room and may preempt: one pass over the running
-        requests and the candidates' tables, as :meth:`_reserved_blocks` and ``could_start_if_freed`` already take.)
+        had room was refused.  When the candidates include ``req``'s own leader (no built-in policy offers it: a
+        sample ranks with its leader), the bound with every candidate gone has ``req`` start alone; it may
+        instead fork from the leader kept, on less room, so that is asked too before saying no.  (Asked only when
+        a request finds no room and may preempt: one pass over the running requests and the candidates' tables,
+        as :meth:`_reserved_blocks` and ``could_start_if_freed`` already take.)
         """
-        if req.status is RequestStatus.WAITING and self.kv.can_fork(req):
-            return True
         # (what is left claims its next tokens, not its worst case: only reject mode reserves that, and it never
         # preempts -- :meth:`_preempt_to_admit` returns before asking)
         *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)
-        return self.kv.could_start_if_freed(req, cands, left)
+        if self.kv.could_start_if_freed(req, cands, left):
+            return True
+        leader = req.leader
+        if leader is None or not any(c is leader for c in cands):
+            return False
+        kept = [c for c in cands if c is not leader]
+        *_, (left, _) = self.kv.claims_as_they_leave(self.running, kept)
+        return self.kv.could_start_if_freed(req, kept, left)
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
         """Blocks the running requests (or ``running``) will claim: the rest of their prefill, or (reject mode)
