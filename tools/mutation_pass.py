@@ -183,7 +183,7 @@ MUTANTS = [
      "reached = max(req.num_computed_tokens, req.num_tokens_computed_once, computed_if_admitted)",
      "reached = max(req.num_computed_tokens, req.num_tokens_computed_once)", ""),
     ("a recount charges every holder of a shared partly filled block a copy", KVM,
-     "if n < self.pool.refcount(b) - 1:", "if True:", ""),
+     "total += min(n, refcount(b) - 1)", "total += n", ""),
     # the room bound for a sample of an n > 1 request (tests/test_sample_room.py pins each)
     ("a waiting sample that can fork preempts without a room bound", SCH,
      "        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)\n",
