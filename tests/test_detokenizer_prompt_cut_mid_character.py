@@ -16,6 +16,8 @@ construction, not found by the code under test.
 
 from __future__ import annotations
 
+import pytest
+
 from minivllm import LLM, SamplingParams
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from tests.test_more_mutants import ScriptedExecutor
@@ -113,3 +115,31 @@ def test_the_engine_reports_one_placeholder_after_a_prompts_own_replacement_char
     assert (out.outputs[0].token_ids, out.outputs[0].text) == ([token], want) == ([token], "\ufffd")
     deltas = [o.outputs[0].delta_text for o in llm.stream({"prompt_token_ids": prompt}, params)]
     assert "".join(deltas) == want
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["plain prompt", "prompt ending in its own U+FFFD"])
+def test_a_token_that_breaks_off_the_carried_character_keeps_its_placeholder(tokenizer, own):
+    """The review's case: the prompt ends with an emoji's first token, the output's first token carries it on
+    without finishing it, and a second token (``x``) breaks it off.  The output's bytes are part of that broken
+    character, so its placeholder is output text whether the request stops after one token or goes on: with
+    ``max_tokens=1`` the text was ``'\ufffd'`` and with 2 it was ``'x'`` -- the shorter no prefix of the longer.
+    Oracle: the HF tokenizer's decode of prompt + output, less the prompt's complete text; and streamed deltas
+    concatenated equal the final text."""
+    head = tokenizer.encode("odd \ufffd" if own else "odd ")
+    emoji, x = tokenizer.encode("\U0001F600"), tokenizer.encode("x")
+    assert len(emoji) >= 2 and len(x) == 1
+    prompt, out = head + emoji[:1], [emoji[1], x[0]]
+    complete = tokenizer.decode(head)
+    assert tokenizer.decode(prompt + out[:1]) == complete + "\ufffd"  # the case is real: the first only carries on
+    for n in (1, 2):
+        want = tokenizer.decode(prompt + out[:n])[len(complete):]
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        deltas = [detok.add_token(t) for t in out[:n]] + [detok.flush()]
+        assert ("".join(deltas), detok.text) == (want, want) == (("\ufffd", "\ufffdx")[n - 1],) * 2, (n, deltas)
+    ex = ScriptedExecutor(vocab_size=len(tokenizer), scripts={"req-0": out, "req-1": out})
+    llm = LLM(executor=ex, tokenizer=tokenizer, num_gpu_blocks_override=64, max_model_len=128)
+    llm.engine.inputs.vocab_size = len(tokenizer)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    [final] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert final.outputs[0].text == "\ufffdx"
+    assert "".join(o.outputs[0].delta_text for o in llm.stream({"prompt_token_ids": prompt}, params)) == "\ufffdx"

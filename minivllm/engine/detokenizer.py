@@ -72,11 +72,26 @@ class IncrementalDetokenizer:
             head = self._decode(self._tokens[self._prefix_offset : end])
         return head if before.startswith(head) else ""
 
+    def _carries_on(self, before: str) -> bool:
+        """Does the first token past the read offset carry on the incomplete character ``before`` ends with --
+        its bytes join it, so the window's decode is still ``before`` -- rather than add text of its own?
+
+        Why: then the output's bytes are part of that character, and its placeholder is output text whenever
+        the character ends up broken -- at the request's end, or when a later token starts a character of its
+        own.  Asked only at the final release, the placeholder was output by a request that stopped right there
+        and dropped by one that went on (``[carry, "x"]`` gave ``"x"`` where one token fewer gave ``"\ufffd"``):
+        the shorter output's text was no prefix of the longer's.  (A token that decodes to nothing, a skipped
+        special token, carries nothing on.)  Reached only while ``before`` ends in U+FFFD: a prompt cut
+        mid-character, until its character is settled."""
+        first = self._tokens[self._read_offset : self._read_offset + 1]
+        return bool(first) and bool(self._decode(first)) and (
+            self._decode(self._tokens[self._prefix_offset : self._read_offset + 1]) == before)
+
     def _release(self, final: bool) -> str:
         """The text the tokens past the read offset add, once it does not end mid-character (or ``final``)."""
         before = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         after = self._decode(self._tokens[self._prefix_offset :])
-        if before.endswith("\ufffd") and (not after.startswith(before) or (
+        if before.endswith("\ufffd") and (not after.startswith(before) or self._carries_on(before) or (
                 final and after == before and self._decode(self._tokens[self._read_offset :]))):
             # The prompt (token ids sent as such) ended mid-character and this token completes it: the
             # character is the output's first text.  Measured from the prompt's U+FFFD instead, it would be
@@ -89,8 +104,8 @@ class IncrementalDetokenizer:
             # one one per byte; any before them are the prompt's own text.  Where the character completed,
             # ``after`` keeps the prompt's own and replaces the placeholder, so the placeholder is what follows
             # their common prefix (cut no further back than the trailing run).  Where it did not (the final
-            # case), what precedes the incomplete character's tokens is the prompt's own text
-            # (:meth:`_text_before_tail`).
+            # case, or a later token that breaks it off: :meth:`_carries_on`), what precedes the incomplete
+            # character's tokens is the prompt's own text (:meth:`_text_before_tail`).
             run = len(before.rstrip("\ufffd"))
             if not after.startswith(before):
                 run = max(run, len(os.path.commonprefix([before, after])))
