@@ -178,28 +178,38 @@ def test_the_room_bound_weighs_a_forking_sample_by_its_fork_and_its_outputs():
         assert kv.could_start_if_freed(sample, [victim], left) == fits, (outputs, victim_blocks)
 
 
-def test_a_policy_that_offers_the_leader_is_asked_with_the_leader_kept_too():
+def test_a_sample_never_preempts_its_own_leader():
     """No built-in policy offers a sample its own leader as a victim (a sample ranks with its leader), but a policy
-    may.  With every candidate gone the sample starts alone and needs its whole prompt; with the leader kept it forks,
-    on less room.  ``L``'s 10-token prompt holds 3 blocks, and its sibling ``T`` holds the first two as well (and a
-    copy of the third): ``L`` gone gives back 1 block.  With ``V`` holding 1: alone, 2 blocks for a need of 3 -- no;
-    forking, ``V``'s 1 for the copy of 1 -- yes, and that preemption seats the sample.  The scheduler says yes
-    exactly when the brute force finds room in one of the two cases."""
+    may.  Gone, the leader takes the sample's start with it: the sample starts alone on its whole prompt.  ``L``'s
+    10-token prompt holds 3 blocks, and its sibling ``T`` holds the first two as well (and a copy of the third):
+    ``L`` gone gives back 1 block.  With ``V`` holding 1: alone, 2 blocks for a need of 3 -- no; forking, ``V``'s 1
+    for the copy of 1 -- yes.  A first version asked the bound again with the leader kept, and the review found
+    the policy could then still pick the leader (a yes the victim choice wasted); now the leader is no candidate:
+    the bound is asked of the others, and says yes exactly when the brute force finds room for the fork."""
     from minivllm.sched.policies import PriorityAdmission
     from minivllm.sched.scheduler import Scheduler
 
-    for victim_blocks, expected in ((0, False), (1, True), (2, True)):
+    for victim_blocks in (0, 1, 2):
         kv, sample, running = _forked_scene(10, 0, victim_blocks, forked_sibling=True)
         leader, victim = running[0], running[-2]
         cfg = EngineConfig(num_gpu_blocks_override=kv.pool.num_blocks, block_size=4, max_model_len=16,
                            scheduling_policy="priority", device="cpu")
         sched = Scheduler(cfg, kv, admission_policy=PriorityAdmission())
         sched.running = running
-        alone, forked = _fits(kv, running, [leader, victim], sample), _fits(kv, running, [victim], sample)
-        assert (alone or forked) == expected, victim_blocks
-        assert sched._victims_could_make_room(sample, [leader, victim]) == expected, victim_blocks
-        if victim_blocks == 1:
-            assert forked and not alone  # only the second question says yes
+        forked = _fits(kv, running, [victim], sample)
+        assert forked == (victim_blocks > 0), victim_blocks
+        sched._may_preempt_for = lambda req, r: r is leader or r is victim  # a policy that offers the leader
+        asked = []
+
+        def bound(req, cands):
+            asked.append(list(cands))
+            return False  # (stop before anything is preempted)
+
+        sched._victims_could_make_room = bound
+        assert not sched._preempt_to_admit(sample, [])
+        assert asked == [[victim]], victim_blocks  # the leader was no candidate
+        del sched._victims_could_make_room
+        assert sched._victims_could_make_room(sample, [victim]) == forked, victim_blocks
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])

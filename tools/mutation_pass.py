@@ -191,9 +191,9 @@ MUTANTS = [
      "        *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)\n", ""),
     ("a forking sample's room bound leaves out the copy of the block it shares", KVM,
      " - len(hit) + (start.num_tokens % self.block_size > 0)", " - len(hit)", ""),
-    ("a sample's room bound is not asked again with its leader kept", SCH,
-     "        if leader is None or not any(c is leader for c in cands):\n            return False",
-     "        if True:\n            return False", ""),
+    ("a sample's own leader is a candidate victim for it", SCH,
+     "                 and r is not req.leader and self._may_preempt_for(req, r)]",
+     "                 and self._may_preempt_for(req, r)]", ""),
     # a hunt in the prefix caches (tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py pins each)
     ("the leaf heap's rebuild swaps tick and order (leaves lost, never evicted)", LEAVES,
      "self._heap = [(tick, seq, leaf) for leaf, (tick, seq) in self._stamp.items()]",

@@ -532,8 +532,10 @@ class Scheduler:
         if self._may_preempt_for is None or self.config.preemption_mode == "reject":
             return False
         limit = self.config.preemption_protect_after
-        cands = [r for r in self.running
-                 if r not in admitted and (not limit or r.num_preemptions < limit) and self._may_preempt_for(req, r)]
+        # (never a sample's own leader: gone, it would take the sample's start with it -- the sample then starts
+        # alone on its whole prompt, the group trading one of its sequences for another)
+        cands = [r for r in self.running if r not in admitted and (not limit or r.num_preemptions < limit)
+                 and r is not req.leader and self._may_preempt_for(req, r)]
         if not cands or not self._victims_could_make_room(req, cands):
             return False
         victim = self._choose_victim(cands)
@@ -560,23 +562,14 @@ class Scheduler:
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.claims_as_they_leave`), not from the refcounts as they
         stand: a sample forked earlier in this pass is no candidate (admitted in this pass), and once its leader
         goes it writes into the block they shared in place -- counted as a copy, a preemption of the leader that
-        had room was refused.  When the candidates include ``req``'s own leader (no built-in policy offers it: a
-        sample ranks with its leader), the bound with every candidate gone has ``req`` start alone; it may
-        instead fork from the leader kept, on less room, so that is asked too before saying no.  (Asked only when
-        a request finds no room and may preempt: one pass over the running requests and the candidates' tables,
-        as :meth:`_reserved_blocks` and ``could_start_if_freed`` already take.)
+        had room was refused.  (``req``'s own leader is never a candidate: :meth:`_preempt_to_admit`.)  (Asked only
+        when a request finds no room and may preempt: one pass over the running requests and the candidates'
+        tables, as :meth:`_reserved_blocks` and ``could_start_if_freed`` already take.)
         """
         # (what is left claims its next tokens, not its worst case: only reject mode reserves that, and it never
         # preempts -- :meth:`_preempt_to_admit` returns before asking)
         *_, (left, _) = self.kv.claims_as_they_leave(self.running, cands)
-        if self.kv.could_start_if_freed(req, cands, left):
-            return True
-        leader = req.leader
-        if leader is None or not any(c is leader for c in cands):
-            return False
-        kept = [c for c in cands if c is not leader]
-        *_, (left, _) = self.kv.claims_as_they_leave(self.running, kept)
-        return self.kv.could_start_if_freed(req, kept, left)
+        return self.kv.could_start_if_freed(req, cands, left)
 
     def _reserved_blocks(self, running: list[Request] | None = None) -> int:
         """Blocks the running requests (or ``running``) will claim: the rest of their prefill, or (reject mode)
