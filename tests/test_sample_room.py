@@ -210,6 +210,12 @@ def test_a_sample_never_preempts_its_own_leader():
         assert asked == [[victim]], victim_blocks  # the leader was no candidate
         del sched._victims_could_make_room
         assert sched._victims_could_make_room(sample, [victim]) == forked, victim_blocks
+        # The bound itself still answers for a caller that does offer the leader: the sample then starts alone
+        # (3 blocks for its 10 tokens against the leader's 1 + the victim's), which only 2 victim blocks cover.
+        alone = _fits(kv, running, [leader, victim], sample)
+        assert alone == (victim_blocks == 2), victim_blocks
+        *_, (left, _) = kv.claims_as_they_leave(running, [leader, victim])
+        assert kv.could_start_if_freed(sample, [leader, victim], left) == alone, victim_blocks
 
 
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])

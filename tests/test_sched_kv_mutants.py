@@ -20,6 +20,7 @@ import pytest
 from minivllm.sampling_params import SamplingParams
 
 from tests.invariants import KVContents, assert_no_leak, drain, tiny_engine
+from tests.learner_pools import LearnersPool
 
 
 class RecountsRecompute(KVContents):
@@ -200,40 +201,6 @@ def test_kv_cache_usage_counts_the_blocks_requests_hold_not_the_idle_cached_ones
     assert_no_leak(engine)
 
 
-class PlainPool:
-    """The five methods a lab 2 learner writes, written as plainly as possible: the reference the
-    :class:`~minivllm.kv.block_pool.PoolAdapter` builds the rest of the engine's pool interface on."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free = list(range(num_blocks))
-        self.refs = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
-
-    def allocate(self) -> int:
-        if not self.free:
-            from minivllm.kv.block_pool import OutOfBlocksError
-            raise OutOfBlocksError("empty")
-        b = self.free.pop(0)
-        self.refs[b] = 1
-        return b
-
-    def incref(self, b: int) -> None:
-        self.refs[b] += 1
-
-    def decref(self, b: int) -> bool:
-        self.refs[b] -= 1
-        if self.refs[b] == 0:
-            self.free.append(b)
-            return True
-        return False
-
-    def refcount(self, b: int) -> int:
-        return self.refs[b]
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_the_pool_adapter_and_the_engines_pool_agree_on_every_answer(seed):
     """Kills, in :class:`PoolAdapter` (lab 2 runs the engine on a learner's pool through it): a copy-on-write
@@ -249,7 +216,7 @@ def test_the_pool_adapter_and_the_engines_pool_agree_on_every_answer(seed):
 
     rng = random.Random(seed)
     n = 6
-    ref, ada = BlockPool(n), PoolAdapter(PlainPool(n), n)
+    ref, ada = BlockPool(n), PoolAdapter(LearnersPool(n), n)
     tables: list[list[int]] = []
     for _ in range(300):
         op = rng.choice(["many", "many", "share", "cow", "free"])
@@ -302,7 +269,7 @@ def test_copy_on_write_on_a_dry_pool_raises_with_the_callers_reference_still_hel
     Oracle: a hand count of holders (two before the call, two after the refused call)."""
     from minivllm.kv.block_pool import BlockPool, OutOfBlocksError, PoolAdapter
 
-    pool = PoolAdapter(PlainPool(2), 2) if adapted else BlockPool(2)
+    pool = PoolAdapter(LearnersPool(2), 2) if adapted else BlockPool(2)
     shared = pool.allocate()
     pool.incref(shared)  # two holders: the caller and, say, a sibling sample
     pool.allocate()  # the pool is dry now
@@ -367,7 +334,7 @@ def _prefix_run(kind: str, plain: bool) -> list:
 
     engine = tiny_engine(num_blocks=12, max_seqs=3, max_len=40, prefix=kind)
     if plain:
-        engine.kv.replace_pool(PoolAdapter(PlainPool(12), 12))
+        engine.kv.replace_pool(PoolAdapter(LearnersPool(12), 12))
     system = list(range(50, 58))
     for i in range(6):
         engine.add_request({"prompt_token_ids": system + [10 + i] * (3 + i % 3)},

@@ -26,10 +26,11 @@ import pytest
 import minivllm.engine.llm_engine as llm_engine
 from minivllm import EngineConfig, LLMEngine
 from minivllm.config import TenantConfig
-from minivllm.kv.block_pool import BlockPool, OutOfBlocksError
+from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.kv_cache_manager import KVCacheManager
 from minivllm.labs.check_lab02 import install_pool
 from minivllm.request import Request
+from tests.learner_pools import LearnersPool
 from minivllm.sampling_params import SamplingParams
 
 from tests.invariants import KVContents, assert_no_leak, check_both_tiers
@@ -189,42 +190,6 @@ def test_kv_blocks_equal_a_recount_after_every_kind_of_change(mode, cap, seed, m
     assert_no_leak(engine)
 
 
-class LearnersPool:
-    """A lab 2 learner's pool as the lab asks for it: five members, its own bookkeeping (a LIFO free list)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.stack = list(range(num_blocks - 1, -1, -1))
-        self.counts = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self.stack)
-
-    def allocate(self) -> int:
-        if not self.stack:
-            raise OutOfBlocksError("no free block")
-        block = self.stack.pop()
-        self.counts[block] = 1
-        return block
-
-    def incref(self, block: int) -> None:
-        if self.counts[block] == 0:
-            raise ValueError(f"block {block} is free")
-        self.counts[block] += 1
-
-    def decref(self, block: int) -> bool:
-        if self.counts[block] == 0:
-            raise ValueError(f"block {block} is free")
-        self.counts[block] -= 1
-        if self.counts[block] == 0:
-            self.stack.append(block)
-            return True
-        return False
-
-    def refcount(self, block: int) -> int:
-        return self.counts[block]
-
-
 class SubclassedPool(BlockPool):
     """A learner's subclass of the engine's pool (overrides ``incref``): ``may_share`` no longer trusts its count."""
 
@@ -237,7 +202,7 @@ def test_kv_blocks_equal_a_recount_on_a_learners_pool(pool, monkeypatch):
     """The marker lives in the KV manager, where tables change, so a pool the engine runs on cannot make the kept
     count stale, whatever it does with its own bookkeeping."""
     engine = engine_for("recompute")
-    install_pool(engine, LearnersPool(44) if pool == "learner" else SubclassedPool(44))
+    install_pool(engine, LearnersPool(44, lifo=True) if pool == "learner" else SubclassedPool(44))
     assert engine.kv.may_share()  # an unknown pool: every step keeps a set union
     read = Reads(engine, monkeypatch)
     run_with_every_kind_of_change(engine, read, seed=5)
