@@ -4,13 +4,16 @@
    was a value, so a flag given could not be told from one left alone.  Its parser default is now None (the value
    its ``--help`` states is put in where it is read), and given where nothing reads it, argparse refuses it with a
    one-line error naming it and the flag that chose the mode.  Left alone, every mode runs with the value it read
-   before (the second half of each pair of tests).
+   before (the second half of each pair of tests).  ``bench sim_accuracy --explain`` / ``--resimulate`` refused a
+   real run's flag only when its value differed from the default (``--scale 1.0`` was dropped); they refuse each
+   one given now, whatever its value (stop 73).
 2. A ``HardwareSpec`` field of the wrong type (``roof_p="2"``, a list for ``flops_dtype_bytes``, a number for
    ``name``) escaped as a ``TypeError`` (a traceback, or, through a profile, a message naming no field); a bool
    passed for a number (``flops_dtype_bytes=True`` simulated an fp8 device).  Each is a one-line ValueError
    naming the field, and so are the fields :func:`~minivllm.sim.presets.profile_spec` reads beside it.
 3. A profile or ``--hardware`` path was quoted whole in an error: a 3,000-character path made a 3,000-character
-   message.  It is cut in the middle now, so the message still ends with the file's name.
+   message.  It is cut in the middle now, so the message still ends with the file's name; ``sim_accuracy
+   --explain`` / ``--resimulate`` printed a missing result file's OSError, the path whole in it (stop 73).
 
 The oracles are the command line typed (what the operator asked for: the mode and the flag it cannot honour),
 the values the old parser defaults held (copied here by hand from the code before the change), and, for the
@@ -165,6 +168,20 @@ REFUSED = [
     ("fleet", ["--hardware", "linear", "--model", "llama-3-8b"], "--model", "--hardware linear"),  # its default
     ("sim_accuracy", ["--profile", "cpu-2core", "--calibration-repeats", "5"], "--calibration-repeats", "--profile"),
     ("sim_accuracy", ["--profile", "cpu-2core", "--calibration-repeats", "3"], "--calibration-repeats", "--profile"),
+    ("sim_accuracy", ["--profile", "cpu-2core", "--save-profile", "p.json"], "--save-profile", "--profile"),
+    # a run's flags beside a job that runs no engine, each typed with the value a run reads when it is left alone
+    # (refused before only when the value differed: ``--scale 1.0`` was dropped in silence)
+    ("sim_accuracy", ["--explain", "r.json", "--scale", "1.0"], "--scale", "--explain"),
+    ("sim_accuracy", ["--explain", "r.json", "--real-repeats", "2"], "--real-repeats", "--explain"),
+    ("sim_accuracy", ["--explain", "r.json", "--clock", "wall"], "--clock", "--explain"),
+    ("sim_accuracy", ["--explain", "r.json", "--calibration-repeats", "3"], "--calibration-repeats", "--explain"),
+    ("sim_accuracy", ["--resimulate", "r.json", "--profile", "cpu-2core", "--scale", "1"], "--scale", "--resimulate"),
+    ("sim_accuracy", ["--resimulate", "r.json", "--profile", "cpu-2core", "--device", "auto"], "--device",
+     "--resimulate"),
+    ("sim_accuracy", ["--resimulate", "r.json", "--profile", "cpu-2core", "--dtype", "auto"], "--dtype",
+     "--resimulate"),
+    ("sim_accuracy", ["--resimulate", "r.json", "--profile", "cpu-2core", "--live-heap"], "--live-heap",
+     "--resimulate"),
     ("offline", ["--skip-hf", "--hf-batch", "4"], "--hf-batch", "--skip-hf"),
     ("offline", ["--skip-hf", "--hf-batch", "8"], "--hf-batch", "--skip-hf"),
     ("gpu_e2e", ["--hf-batch", "64"], "--hf-batch", "--workload nano"),
@@ -220,6 +237,12 @@ ACCEPTED = [
     ("sim_accuracy", [], "run", {"calibration_repeats": 3}),
     ("sim_accuracy", ["--calibration-repeats", "5"], "run", {"calibration_repeats": 5}),
     ("sim_accuracy", ["--profile", "cpu-2core"], "run", {"profile": "cpu-2core"}),
+    ("sim_accuracy", [], "run", {"scale": 1.0, "clock": "wall", "real_repeats": 2, "device": "auto", "dtype": "auto",
+                                 "workload": None, "save_profile": None, "model": None, "live_heap": False}),
+    ("sim_accuracy", ["--scale", "1.0", "--real-repeats", "2", "--clock", "cpu", "--device", "cpu", "--dtype",
+                      "float32", "--workload", "decode_heavy", "--live-heap"], "run",
+     {"scale": 1.0, "real_repeats": 2, "clock": "cpu", "device": "cpu", "dtype": "float32",
+      "workload": ("decode_heavy",), "live_heap": True}),
     ("offline", [], "LLM", {"hf_batch": 8}),
     ("offline", ["--hf-batch", "4"], "LLM", {"hf_batch": 4}),
     ("offline", ["--skip-hf"], "LLM", {"skip_hf": True}),
@@ -465,3 +488,36 @@ def test_brief_path_keeps_a_result_files_whole_name():
     text = brief_path(deep)
     assert text.endswith("/2026-11-30_nvidia-h200_llama1b_profile_run2.json'") and "..." in text
     assert len(text) < 4 * PATH_CHARS and eval(text).endswith("profile_run2.json")  # quoted whole: no split escape
+
+
+@pytest.mark.parametrize("job", ["--explain", "--resimulate"])
+@pytest.mark.parametrize("text,says", [(None, "No such file or directory"), ("{not json", "not readable JSON")])
+def test_sim_accuracy_quotes_a_long_result_path_briefly(tmp_path, capsys, job, text, says):
+    """Before: ``--explain`` printed the OSError's own text, the 3,000-character path whole, and ``--resimulate``
+    the same; a result that was no JSON was named by neither (the decoder's "Expecting property name...").  Now:
+    one line that names the flag and ends its quote with the file name (oracle: the path typed and PATH_CHARS)."""
+    from minivllm.bench import sim_accuracy
+
+    path = _deep(tmp_path, text)
+    argv = [job, path] + (["--profile", "cpu-2core"] if job == "--resimulate" else [])
+    if job == "--explain":  # argparse's error, exit 2
+        with pytest.raises(SystemExit) as exc:
+            sim_accuracy.main(argv)
+        code = exc.value.code
+    else:  # its own one-line error, returned
+        code = sim_accuracy.main(argv)
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # (argparse's usage lines come first)
+    assert code == 2 and "Traceback" not in line and len(line) < PATH_CHARS + 200, (len(line), line[:300])
+    assert f"{job} '" in line and "prof.json'" in line and says in line, line[:300]
+
+
+def test_sim_accuracy_explain_still_reads_a_result_under_a_long_path(tmp_path, capsys):
+    """The brief quote is for messages only: the file is opened by its whole path (a stored result, explained)."""
+    from pathlib import Path
+
+    from minivllm.bench import sim_accuracy
+
+    stored = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "2026-12-04_cpu-2core_sim_accuracy_stop44.json"
+    path = _deep(tmp_path, stored.read_text(encoding="utf-8"))
+    assert sim_accuracy.main(["--explain", path]) == 0
+    assert "decode" in capsys.readouterr().out

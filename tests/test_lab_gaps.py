@@ -11,7 +11,10 @@
   ``kv_len`` rows is a right answer and must still pass.  And an up-plus-one count that writes its extra block
   into a ``kv_len``-row output raises; a raise printed only the case's fixed hint (at 15 tokens: "cut the
   gathered blocks to kv_len tokens"), so the checker now re-runs such an answer with the table cut to the
-  blocks the tokens need, and names the count when the raise goes away there.
+  blocks the tokens need, and names the count when the raise goes away there.  An answer that reads the table
+  as a list (``block_table.tolist()[k]``) raised a bare "list index out of range" there, matched to no table:
+  the checker now reads it as the table's when it is raised in the answer's own code and one entry more than
+  the tokens need makes the answer raise as with the whole row (stop 73).
 * Lab 6 ``tenant_cap``: the grader's hidden cases draw running sets in which a tenant holds more seats than its
   cap; no visible case did, so an answer that counts the seats left and admits while that count is truthy (-1 is)
   passed the notebook's checker and lost its point at grading, at about one seed in seven.
@@ -327,6 +330,78 @@ def test_a_writer_that_fills_whole_blocks_keeps_the_cases_hint():
     wrong = _write_blocks(_ceil, by_entry=True, take=lambda n, b, start, last: b)
     result, text = _verdict(check_lab07.check_gather_kv, wrong)
     assert not result and result.failed_case.startswith("one token") and "raised RuntimeError" in text, text
+    assert "up-plus-one" not in _hint(text), text
+
+
+def _list_reader(count, *, style: str):
+    """A block-by-block writer (as :func:`_write_blocks`) that reads the table as a Python list: ``inline``
+    (``block_table.tolist()[k]`` in the loop), ``once`` (the list made before the loop), ``ids first`` (every id
+    read by a comprehension before the first write), or ``helper`` (the read in a function outside the answer)."""
+    def entry(ids, k):
+        return ids[k]
+
+    def gather_kv(cache, block_table, kv_len):
+        b = cache.shape[1]
+        n = count(kv_len, b)
+        ids = block_table.tolist()
+        first = [ids[k] for k in range(n)] if style == "ids first" else None
+        out = torch.empty(kv_len, *cache.shape[2:], dtype=cache.dtype)
+        for k in range(n):
+            block = (block_table.tolist()[k] if style == "inline" else ids[k] if style == "once"
+                     else first[k] if style == "ids first" else entry(ids, k))
+            start = k * b
+            rows = min(b, kv_len - start)
+            out[start:start + rows] = cache[block, :rows]
+        return out
+    return gather_kv
+
+
+@pytest.mark.parametrize("style", ["inline", "once", "ids first"])
+def test_an_up_plus_one_reader_of_the_table_as_a_list_is_told_to_round_up(style):
+    """15 tokens: ceil + 1 = 2 blocks; block 1 takes min(16, 15 - 16) = -1 rows at row 16 of a 15-row output and
+    the write raises RuntimeError with the whole row.  Given the table's first entry only, the read of entry 1
+    raises ``IndexError: list index out of range`` -- a message with no index, which the checker matched to no
+    table and so printed the case's fixed hint ("cut the gathered blocks to kv_len tokens", which the answer
+    does).  Given two entries, it raises as with the whole row: it asked for entry 1, one past the one it needs."""
+    wrong = _list_reader(_ceil_plus_one, style=style)
+    result, text = _verdict(check_lab07.check_gather_kv, wrong)
+    assert not result and result.failed_case == "15 tokens: a partial block, NaN tail left out", text
+    assert "raised RuntimeError" in text, text
+    hint = _hint(text)
+    assert "not up-plus-one" in hint and "asks for entry 1, one past them" in hint, hint
+
+
+@pytest.mark.parametrize("style", ["inline", "once", "ids first", "helper"])
+def test_a_right_reader_of_the_table_as_a_list_still_passes(style):
+    right = _list_reader(_ceil, style=style)
+    assert _verdict(check_lab07.check_gather_kv, right)[0]
+    assert all(_verdict(check_lab07.hidden_gather_kv, right, seed)[0] for seed in range(3))
+
+
+@pytest.mark.parametrize("count, style, why", [
+    (_ceil_plus_one, "helper", "the list read is in a function outside the answer"),
+    (lambda n, b: -(-n // b) + 2, "ids first", "given one entry more it still reads past the end (entry 2)"),
+], ids=["helper", "ceil+2"])
+def test_a_list_raise_not_shown_to_be_entry_ceil_keeps_the_cases_hint(count, style, why):
+    """"list index out of range" names no list and no index: the checker blames up-plus-one only for a raise in the
+    answer's own code that one more table entry takes away; otherwise the case's hint, as before."""
+    result, text = _verdict(check_lab07.check_gather_kv, _list_reader(count, style=style))
+    assert not result and result.failed_case.startswith("15 tokens") and "raised " in text, (why, text)
+    assert "up-plus-one" not in _hint(text) and "cut the gathered blocks" in _hint(text), (why, text)
+
+
+def test_a_walk_by_token_over_the_table_as_a_list_is_not_blamed_on_up_plus_one():
+    """``block_table.tolist()[t]`` with a token's position: 15 tokens read entry 4 of a 4-entry row, a list read
+    past the whole row in the answer's own code (an up-plus-one count never makes one): the case's own hint."""
+    def by_token(cache, block_table, kv_len):
+        b = cache.shape[1]
+        out = torch.empty(kv_len, *cache.shape[2:], dtype=cache.dtype)
+        for t in range(kv_len):
+            out[t] = cache[block_table.tolist()[t], t % b]
+        return out
+
+    result, text = _verdict(check_lab07.check_gather_kv, by_token)
+    assert not result and result.failed_case.startswith("15 tokens") and "raised IndexError" in text, text
     assert "up-plus-one" not in _hint(text), text
 
 

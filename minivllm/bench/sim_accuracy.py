@@ -64,6 +64,15 @@ WORKLOADS = {
 }
 METRICS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "total_s")
 ENGINE = dict(max_num_batched_tokens=512, max_num_seqs=32, num_blocks=512, max_model_len=4096)
+RUN_FLAGS = ("scale", "workload", "clock", "save_profile", "model", "real_repeats", "calibration_repeats", "device",
+             "dtype", "live_heap")
+"""The flags (parser destinations) that shape a real run and its fresh calibration, and that nothing else reads:
+``--explain`` and ``--resimulate`` run no engine.  Each is None (False for ``--live-heap``) in the parser, so that one
+given is told from one left alone even when typed with its default's value (``--explain R --scale 1.0`` was taken and
+dropped in silence while ``--scale 0.5`` was refused); ``main`` puts :data:`RUN_DEFAULTS` in after its checks."""
+RUN_DEFAULTS = dict(scale=1.0, clock="wall", real_repeats=2, device="auto", dtype="auto")
+"""What a real run reads for each of :data:`RUN_FLAGS` left alone (the others: none, all workloads, frozen heap,
+and ``minivllm.sim.calibrate``'s repeats)."""
 
 
 def metrics(rec) -> dict:
@@ -437,27 +446,46 @@ def format_table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+def read_result(flag: str, path: str):
+    """The JSON in ``path``, a stored result the command line named with ``flag``: a file missing, unreadable or not
+    JSON is a one-line ValueError naming the flag and the path as :func:`~minivllm.argtypes.brief_path` quotes it.
+
+    Why not the OSError's own text: it quotes the path whole (``[Errno 2] No such file or directory: '...'``), and
+    a generated or pasted path of thousands of characters made the one-line error as long.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except OSError as exc:
+        raise ValueError(f"{flag} {brief_path(path)}: {exc.strerror or type(exc).__name__}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:  # (neither quotes the path)
+        raise ValueError(f"{flag} {brief_path(path)} is not readable JSON: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.bench sim_accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scale", type=positive_float, default=1.0, help="fraction of each workload's requests (quick: 0.5)")
+    d = RUN_DEFAULTS  # (each None in the parser: see RUN_FLAGS)
+    ap.add_argument("--scale", type=positive_float, default=None,
+                    help=f"fraction of each workload's requests (quick: 0.5; default {d['scale']})")
     ap.add_argument("--profile", default=None, help="use this calibration profile instead of calibrating now")
     ap.add_argument("--workload", action="append", choices=list(WORKLOADS), default=None)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
                     help="cpu: the real engine's clock is its thread's CPU time (one torch thread), immune to other "
-                         "processes on a shared machine")
+                         f"processes on a shared machine (default {d['clock']})")
     ap.add_argument("--save-profile", type=output_file, default=None, help="also write the fresh calibration as a profile JSON here")
     ap.add_argument("--out", type=output_file, default=None, help="JSON results (default: benchmarks/results/<date>_cpu-<N>core_sim_accuracy.json, "
                     "..._sim_accuracy_cputime.json with --clock cpu)")
     ap.add_argument("--model", default=None, help="an HF model directory instead of the bundled model "
                     "(a GPU run: a random-weight Llama-3.2-1B, see `python -m minivllm.bench gpu_e2e`)")
-    ap.add_argument("--real-repeats", type=positive_int, default=2,
-                    help="run the real engine this many times per workload (median; the spread is printed)")
+    ap.add_argument("--real-repeats", type=positive_int, default=None,
+                    help=f"run the real engine this many times per workload (median; the spread is printed; default "
+                         f"{d['real_repeats']})")
     # (None when not given, so that one given beside --profile, which makes no calibration, can be refused)
     ap.add_argument("--calibration-repeats", type=positive_int, default=None,
                     help=f"run each calibration group this many times, median per step (see sim.calibrate; default "
                          f"{CALIBRATION_REPEATS}); not with --profile, which stands in for the calibration")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default=None, help=f"the real engine's device (default {d['device']})")
+    ap.add_argument("--dtype", default=None, help=f"the real engine's dtype (default {d['dtype']})")
     ap.add_argument("--live-heap", action="store_true",
                     help="measure the real engine without freezing its start-up heap out of the garbage collector "
                          "(the default freezes it, as `minivllm serve` does; results before 2026-12-02: live)")
@@ -470,22 +498,17 @@ def main(argv: list[str] | None = None) -> int:
                          "predictions of --profile (default: the result's own calibration): real / predicted per "
                          "kind of step, the engine's own step-to-step repeatability, host usage where recorded")
     args = ap.parse_args(argv)
-    # The flags that shape a real run (and a fresh calibration) are read by nothing else: --explain and
-    # --resimulate took them, and --save-profile beside --profile, and ran as if they were absent, exit 0.
-    real_run_flags = [f"--{dest.replace('_', '-')}" for dest in (
-        "scale", "workload", "clock", "save_profile", "model", "real_repeats", "calibration_repeats", "device",
-        "dtype", "live_heap") if getattr(args, dest) != ap.get_default(dest)]
     if args.explain and args.resimulate:
         ap.error("--explain and --resimulate are two different jobs: pass one")
     job = "--explain" if args.explain else "--resimulate" if args.resimulate else None
-    dropped = real_run_flags + (["--out"] if args.explain and args.out else [])  # (--explain prints only)
-    if job and dropped:
-        ap.error(f"{job} runs no real engine{' and writes nothing' if args.explain else ''}: drop {', '.join(dropped)}")
-    if args.save_profile and args.profile and not job:
-        ap.error("--save-profile writes the calibration this run makes, and with --profile it makes none: drop one")
-    if args.profile:
-        refuse_unread(ap, args, ("calibration_repeats",), "with --profile (this run makes no calibration)")
-    args.calibration_repeats = CALIBRATION_REPEATS if args.calibration_repeats is None else args.calibration_repeats
+    if job:  # (--explain prints only: --out, which --resimulate writes, is refused beside it too)
+        refuse_unread(ap, args, RUN_FLAGS + (("out",) if args.explain else ()),
+                      f"with {job} (it runs no real engine{' and writes nothing' if args.explain else ''})")
+    if args.profile:  # (with a job, refused above already: it reads no run flag)
+        refuse_unread(ap, args, ("save_profile", "calibration_repeats"), "with --profile (this run makes no calibration)")
+    for dest, value in {**RUN_DEFAULTS, "calibration_repeats": CALIBRATION_REPEATS}.items():
+        if getattr(args, dest) is None:  # (what a real run reads when the flag is left alone)
+            setattr(args, dest, value)
     if args.profile and not args.explain and not args.resimulate:
         from minivllm.sim.presets import load_profile
 
@@ -502,13 +525,12 @@ def main(argv: list[str] | None = None) -> int:
         from minivllm.sim.presets import load_profile
 
         try:  # a file named on the command line: missing, not JSON, or the wrong kind is a one-line error
-            with open(args.explain, encoding="utf-8") as fh:
-                result = json.load(fh)
+            result = read_result("--explain", args.explain)
             if not isinstance(result, dict) or "workloads" not in result or "calibration" not in result:
                 raise ValueError(f"--explain {brief_path(args.explain)} is not a sim_accuracy result "
                                  "(no 'workloads' and 'calibration')")
             rows = explain(result, load_profile(args.profile) if args.profile else result["calibration"])
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+        except ValueError as exc:
             ap.error(str(exc))
         print(format_explain(rows))
         return 0
@@ -518,8 +540,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out and os.path.realpath(args.out) == os.path.realpath(args.resimulate):
             ap.error(f"--out {brief_path(args.out)} is the --resimulate result itself: a measurement is never overwritten")
         try:  # two files named on the command line: either may be missing, not JSON, or the wrong kind
-            with open(args.resimulate, encoding="utf-8") as fh:
-                result = json.load(fh)
+            result = read_result("--resimulate", args.resimulate)
             from minivllm.sim.presets import load_profile
 
             profile = load_profile(args.profile)
@@ -546,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(profile.get("engine"), dict) or not isinstance(profile["engine"].get("block_size"), int):
                 raise ValueError(f"--profile {brief_path(args.profile)} has no engine block_size (written by minivllm sim calibrate)")
             doc = resimulate(result, profile)
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             print(f"python -m minivllm.bench sim_accuracy: error: {exc}", file=sys.stderr)
             return 2
         if args.out:

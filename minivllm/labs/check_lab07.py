@@ -338,8 +338,14 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str
     ceil(kv_len / B), which the row holds, so such a raise comes from another walk (a token's position used as
     a block index, a loop that runs until the table ends) -- and that walk, given the cut table, also asks for the
     entry one past it.
+
+    The table read as a Python list (``block_table.tolist()[k]``) says only "list index out of range", with no
+    index or length, and so does any list of the answer's own: such a raise is read as the table's only when it
+    is raised in ``fn``'s own code (:func:`_own_list_read_past`) and a third run pins the index: given one entry
+    more than the tokens need, ``fn`` raises exactly as with the whole row, so it asked for entry ceil(kv_len / B)
+    and no further.
     """
-    if type(exc) is IndexError and str(exc) == _read_past(table):
+    if (type(exc) is IndexError and str(exc) == _read_past(table)) or _own_list_read_past(fn, exc):
         return None
     needed = -(-kv_len // cache.shape[1])
     cut = table[:needed].clone()
@@ -347,6 +353,8 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str
         fn(cache.clone(), cut, kv_len)
     except Exception as again:  # noqa: BLE001 - a learner's bug, whatever it raises
         if type(again) is IndexError and str(again) == _read_past(cut) != str(exc):
+            return f"asks for entry {needed}, one past them"
+        if _own_list_read_past(fn, again) and _raises_as(fn, exc, cache, table[:needed + 1].clone(), kv_len):
             return f"asks for entry {needed}, one past them"
         return None
     return "raises nothing"
@@ -359,6 +367,38 @@ def _read_past(table) -> str:
     except IndexError as past:
         return str(past)
     raise AssertionError("a table read past its end raised nothing")
+
+
+def _own_list_read_past(fn, exc: Exception) -> bool:
+    """Whether ``exc`` is a Python list read past its end (``IndexError: list index out of range``) raised in
+    ``fn``'s own code: its body, or a comprehension, generator or lambda written inside it.
+
+    Why the frame: the message is the same for every list and every index, so it tells a read of the table as a
+    list from nothing; raised in the answer's own lines, by a run that differs from another only in the table, it
+    is the answer's read of the table (or of a list it made from it).  One raised in a library, or in a helper
+    of the learner's outside ``fn``, is not read as one (the case's hint then).
+    """
+    if type(exc) is not IndexError or str(exc) != "list index out of range" or exc.__traceback__ is None:
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    codes, todo = set(), [getattr(fn, "__code__", None)]
+    while todo:  # (nested code objects sit among their parent's constants)
+        code = todo.pop()
+        if hasattr(code, "co_consts") and code not in codes:
+            codes.add(code)
+            todo += [c for c in code.co_consts if hasattr(c, "co_consts")]
+    return tb.tb_frame.f_code in codes
+
+
+def _raises_as(fn, exc: Exception, cache, table, kv_len: int) -> bool:
+    """Whether ``fn`` on ``(cache, table, kv_len)`` raises what it raised before (``exc``: its type and message)."""
+    try:
+        fn(cache.clone(), table, kv_len)
+    except Exception as again:  # noqa: BLE001 - a learner's bug, whatever it raises
+        return type(again) is type(exc) and str(again) == str(exc)
+    return False
 
 
 def check_gather_kv(fn) -> CheckResult:
