@@ -390,6 +390,32 @@ def test_a_list_raise_not_shown_to_be_entry_ceil_keeps_the_cases_hint(count, sty
     assert "up-plus-one" not in _hint(text) and "cut the gathered blocks" in _hint(text), (why, text)
 
 
+def test_an_up_plus_one_count_that_overruns_its_own_list_is_still_told_to_round_up():
+    """A review of the list reading above (stop 73): an up-plus-one count whose rows per block come from a list of
+    its own, sized right, raises "list index out of range" in its own code when the extra block looks its rows up.
+    The first version returned at once for such a raise (as for a read past the whole row) and printed the case's
+    hint; with the table cut to the blocks the tokens need the answer returns, which is the up-plus-one proof."""
+    def own_rows(cache, block_table, kv_len):
+        b = cache.shape[1]
+        n = -(-kv_len // b) + 1
+        rows = [min(b, kv_len - s) for s in range(0, kv_len, b)]
+        return torch.cat([cache[blk, :rows[k]] for k, blk in enumerate(block_table[:n].tolist())])
+
+    result, text = _verdict(check_lab07.check_gather_kv, own_rows)
+    assert not result and "raised IndexError" in text, text
+    hint = _hint(text)
+    assert "not up-plus-one" in hint and "raises nothing" in hint, hint
+
+
+def test_a_decorated_list_reader_is_read_through_its_decorator():
+    """``@torch.no_grad()`` wraps the answer: the raise's frame is the learner's function, not the wrapper's."""
+    wrong = torch.no_grad()(_list_reader(_ceil_plus_one, style="inline"))
+    result, text = _verdict(check_lab07.check_gather_kv, wrong)
+    assert not result, text
+    hint = _hint(text)
+    assert "not up-plus-one" in hint and "asks for entry 1, one past them" in hint, hint
+
+
 def test_a_walk_by_token_over_the_table_as_a_list_is_not_blamed_on_up_plus_one():
     """``block_table.tolist()[t]`` with a token's position: 15 tokens read entry 4 of a 4-entry row, a list read
     past the whole row in the answer's own code (an up-plus-one count never makes one): the case's own hint."""

@@ -28,6 +28,7 @@ cell runs).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -345,13 +346,19 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str
     more than the tokens need, ``fn`` raises exactly as with the whole row, so it asked for entry ceil(kv_len / B)
     and no further.
     """
-    if (type(exc) is IndexError and str(exc) == _read_past(table)) or _own_list_read_past(fn, exc):
+    if type(exc) is IndexError and str(exc) == _read_past(table):
         return None
+    # A first raise that is a list read past its end in the answer's own code may be a read past the whole row
+    # (the table as a list, walked by token) or a list of the answer's own (a row count per block, sized right,
+    # that the extra block overruns): only the cut table's run returning tells them apart, so only that blames.
+    own_list = _own_list_read_past(fn, exc)
     needed = -(-kv_len // cache.shape[1])
     cut = table[:needed].clone()
     try:
         fn(cache.clone(), cut, kv_len)
     except Exception as again:  # noqa: BLE001 - a learner's bug, whatever it raises
+        if own_list:
+            return None
         if type(again) is IndexError and str(again) == _read_past(cut) != str(exc):
             return f"asks for entry {needed}, one past them"
         if _own_list_read_past(fn, again) and _raises_as(fn, exc, cache, table[:needed + 1].clone(), kv_len):
@@ -376,14 +383,15 @@ def _own_list_read_past(fn, exc: Exception) -> bool:
     Why the frame: the message is the same for every list and every index, so it tells a read of the table as a
     list from nothing; raised in the answer's own lines, by a run that differs from another only in the table, it
     is the answer's read of the table (or of a list it made from it).  One raised in a library, or in a helper
-    of the learner's outside ``fn``, is not read as one (the case's hint then).
+    of the learner's outside ``fn``, is not read as one (the case's hint then).  A decorated answer
+    (``@torch.no_grad()``) is read through its wrapper to the learner's function.
     """
     if type(exc) is not IndexError or str(exc) != "list index out of range" or exc.__traceback__ is None:
         return False
     tb = exc.__traceback__
     while tb.tb_next is not None:
         tb = tb.tb_next
-    codes, todo = set(), [getattr(fn, "__code__", None)]
+    codes, todo = set(), [getattr(inspect.unwrap(fn), "__code__", None)]  # (a decorated answer: its own code)
     while todo:  # (nested code objects sit among their parent's constants)
         code = todo.pop()
         if hasattr(code, "co_consts") and code not in codes:
