@@ -9,8 +9,9 @@ preemption are all just different sizes of that gap.
 
 from __future__ import annotations
 
+import copy
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -179,3 +180,40 @@ class Request:
         """The most tokens this request can come to hold KV for: what reject mode reserves for it at admission,
         so that a request once admitted never needs a block nobody can give it."""
         return self.num_prompt_tokens + self.max_tokens
+
+    def __deepcopy__(self, memo: dict) -> "Request":
+        """Copy every field as ``copy.deepcopy`` would, except a seeded ``generator``: that is cloned
+        (:func:`clone_generator`), so the copy draws the same numbers as the original will, independently.
+
+        Why not the default: ``deepcopy`` reaches a ``torch.Generator`` through its ``__reduce__``, whose CPU
+        path (torch 2.13's ``THPGenerator_reduce``, pytorch/pytorch#188032) puts ``None`` into the state tuple
+        without taking a reference to it.  Every copy so drops one reference to ``None``; on Python below 3.12,
+        where ``None`` is not immortal, a fuzzer copying requests (the tests' dry runs on a copy of the KV
+        manager do it every step) freed ``None`` after ~1,500 copies: "Fatal Python error: none_dealloc".
+        A clone through ``get_state``/``set_state`` never calls ``__reduce__``.  ``memo`` is honoured, so a
+        leader shared by its samples, or a generator reached twice, is copied once within one ``deepcopy``.
+        """
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Generator):
+                clone = memo.get(id(value))
+                if clone is None:
+                    clone = memo[id(value)] = clone_generator(value)
+                value = clone
+            else:
+                value = copy.deepcopy(value, memo)
+            object.__setattr__(new, f.name, value)
+        return new
+
+
+def clone_generator(gen: torch.Generator) -> torch.Generator:
+    """A new generator on ``gen``'s device in ``gen``'s exact state: it draws what ``gen`` will draw next.
+
+    The one way minivllm copies a generator (never ``copy.deepcopy`` or ``pickle`` of it: see
+    :meth:`Request.__deepcopy__` for the reference ``torch.Generator.__reduce__`` drops).
+    """
+    clone = torch.Generator(device=gen.device)
+    clone.set_state(gen.get_state())
+    return clone

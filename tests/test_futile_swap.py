@@ -18,9 +18,28 @@ it may preempt ``L``.
 Oracles: the hand trace, :func:`tests.test_scheduler_invariants.fail_on_futile_preemption` where no victim is
 swapped (each request preempted for is admitted in the same pass), and :class:`tests.invariants.KVContents` (every
 attended KV slot holds its request's own token).
+
+The known cases a search reported as futile preemptions (stop 72: :func:`_searched_program`'s programs with
+:func:`~tests.test_scheduler_invariants.fail_on_futile_preemption` on, seeds 0-599), each traced to this delay -- a
+swapped-out request preempted a worse-ranked one, which was swapped out, and was seated in the next pass
+(:func:`test_the_searched_futile_preemptions_are_the_swap_delay` replays them; the same search over seeds 600-1,999
+found ten more of this kind: 659, 1488, 1509, 1610, 1675, 1678, 1755, 1774, 1797, 1872):
+
+* 34 (WFQ, auto): ``c14#0`` (3 host blocks) swaps ``a10#0`` out, and is back the next step.
+* 307 (WFQ, auto, a 50% KV cap): ``a3#1``, a sample whose leader had finished (so it cannot fork: it swaps its own
+  block back in), swaps ``b8#0`` out; the pool has no free block until that copy-out runs, so it is back next step.
+* 388 (WFQ, swap): ``a2#0`` swaps ``b4#1`` out, and is back the next step.
+* 389 (WFQ, auto): ``c5#0`` swaps ``a11`` out, and is back the next step.
+* 418 (WFQ, swap): ``c5#1``, its leader finished, swaps ``a3#1`` out, and is back the next step.
+* 510 (WFQ, swap, 11 blocks): ``a3#2``, a sample whose leader had finished, with 5 host blocks to bring back, swaps
+  ``c8`` out with the pool dry; nothing may swap in during that pass, so it swaps in the next step, as the others.
 """
 
 from __future__ import annotations
+
+import random
+
+import pytest
 
 from minivllm import EngineConfig, LLMEngine, SamplingParams
 from minivllm.sched.policies import RecomputeLatestPreemption
@@ -156,3 +175,82 @@ def test_a_sample_whose_leader_has_finished_is_bounded_before_it_preempts():
     _run(engine, ops, [1 + (i % 7) for i in range(24)])
     assert False in asked  # a sample with a finished leader was bounded, and the bound said no
     assert not engine.executor.wrong
+
+
+def _searched_program(seed: int) -> tuple[tuple, list]:
+    """The search's program for ``seed``: ``(policy, mode, prefix cache, blocks, budget, KV cap)`` for
+    :func:`tests.test_kv_gaps._engine`, and ops for :func:`tests.test_kv_gaps._run` (adds of ``n`` up to 3 among
+    three tenants, aborts).  Its random draws stay in this order: the seeds above name these programs."""
+    rng = random.Random(seed)
+    config = (rng.choice(["priority", "priority", "wfq", "three_class"]), rng.choice(["recompute", "swap", "auto"]),
+              rng.choice([None, "radix", "hash"]), rng.randint(10, 24), rng.choice([8, 16, 32]),
+              rng.choice([None, 0.5, 0.75]))
+    ops = []
+    for _ in range(rng.randint(4, 24)):
+        if rng.random() < 0.8:
+            ops.append(("add", rng.choice("abc"), rng.randint(0, 24), rng.randint(1, 16), rng.randint(1, 12),
+                        rng.randint(0, 2), rng.choice([1, 2, 2, 3]), rng.randint(0, 3)))
+        else:
+            ops.append(("abort", rng.randint(0, 40), rng.randint(0, 2)))
+    return config, ops
+
+
+def _completions(config: tuple, ops: list, blocks: int, refuse: set | None = None) -> tuple[dict, list, set]:
+    """Run a searched program on ``blocks`` blocks, every admission pass checked for a futile preemption (the swap
+    delay allowed, and recorded).  Returns the completions that finished by length, the delays, and which adds (by
+    their order) were refused at the door -- a tenant's KV cap is a share of the pool, so a roomy pool takes
+    prompts a small one refuses; given those as ``refuse``, a roomy run refuses them too, and every request keeps
+    its id (the simulated executor's tokens are drawn from the id and the position)."""
+    from tests.test_kv_gaps import _engine, _run
+
+    engine = _engine(config[0], config[1], config[2], blocks, *config[4:])
+    delayed = fail_on_futile_preemption(engine.scheduler, swap_delay=True)
+    done, refused, adds = {}, set(), [0]
+    real_step, real_add = engine.step, engine.add_request
+
+    def step():
+        outs = real_step()
+        for o in outs:
+            if o.finished:
+                done.update({(o.request_id, i): c.token_ids for i, c in enumerate(o.outputs) if c.finish_reason == "length"})
+        return outs
+
+    def add_request(*args, **kwargs):
+        adds[0] += 1
+        try:
+            if refuse is not None and adds[0] in refuse:
+                raise ValueError("refused in the run compared with")
+            return real_add(*args, **kwargs)
+        except ValueError:
+            refused.add(adds[0])
+            raise
+
+    engine.step, engine.add_request = step, add_request
+    _run(engine, ops, [1 + (i % 7) for i in range(24)])  # recounts both tiers each step; drains; no leak
+    assert not engine.executor.wrong, engine.executor.wrong
+    return done, delayed, refused
+
+
+@pytest.mark.parametrize("seed, config", [
+    (34, ("wfq", "auto", None, 23, 8, None)),
+    (307, ("wfq", "auto", "radix", 18, 16, 0.5)),
+    (388, ("wfq", "swap", "radix", 20, 8, 0.75)),
+    (389, ("wfq", "auto", "radix", 18, 8, None)),
+    (418, ("wfq", "swap", None, 14, 8, 0.5)),
+    (510, ("wfq", "swap", "radix", 11, 8, None)),
+])
+def test_the_searched_futile_preemptions_are_the_swap_delay(seed, config):
+    """Each seed the search reported (module docstring; at this commit, one delay each, the request named there):
+    its preemption that seated nobody in its pass is the swap delay -- a victim of that pass swapped out, the
+    request preempted for swapped out too -- and the request is seated by the next admission pass; every other
+    preemption seats its request in its own pass.  Oracles:
+    :func:`~tests.test_scheduler_invariants.fail_on_futile_preemption` with ``swap_delay``; the completions that
+    finished by length equal a run of the same requests on a roomy pool (200 blocks; which tokens come never depends
+    on when)."""
+    got, ops = _searched_program(seed)
+    assert got == config  # the search's program for this seed
+    done, delayed, refused = _completions(config, ops, config[3])
+    assert delayed and all(seated == step + 1 for _, step, seated in delayed), delayed  # reached, and one step
+    roomy, _, _ = _completions(config, ops, 200, refuse=refused)
+    shared = done.keys() & roomy.keys()
+    assert len(shared) > 5 and {k: done[k] for k in shared} == {k: roomy[k] for k in shared}
