@@ -730,6 +730,46 @@ def test_figures_script_draws_every_figure(tmp_path):
     assert not stale, f"figures/ {stale} differ from what tools/make_figures.py draws: run it"
 
 
+def _cell_names(source: str) -> tuple[set[str], set[str]]:
+    """(names a cell binds, names it reads) of one code cell, by its syntax tree (IPython's %/! lines dropped)."""
+    tree = ast.parse("\n".join(line for line in source.split("\n") if not line.lstrip().startswith(("%", "!"))))
+    binds, reads = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (binds if isinstance(node.ctx, ast.Store) else reads).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            binds.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return binds, reads
+
+
+def test_a_student_run_that_skips_the_covered_cells_still_runs_and_lab8_skips_its_simulations():
+    """CI runs each lab twice, the solution under strict nbval and the student copy lax; a cell tagged
+    ``covered-by-solution`` is skipped in the second.  CI reported lab 8 at 204-208 s, over the course's 180 s;
+    more than half of its run is four simulations that read nothing a learner writes (the bill at scale, the
+    fleet's scrape, the at-scale knee sweep, the tuning table), so its student copy skips them.  A skipped cell
+    must bind nothing a later cell that runs reads, or the lax run would stop at a NameError.  Oracle: a recount
+    of every student notebook's names by syntax tree (a name bound again by a running cell before it is read
+    is fine), and, for lab 8, which cells call those simulations."""
+    heavy = ("at_scale.knee_sweep", "lab8.cost_run", "lab8.fleet_scrape", "lab8.tuning_table")
+    for path in sorted(LABS.glob("lab*.ipynb")):
+        cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        skipped = [make_labs.COVERED in c.metadata.get("tags", []) for c in cells]
+        if path.name.startswith("lab08"):
+            calls = [any(h + "(" in c.source for h in heavy) for c in cells]
+            assert sum(calls) == len(heavy) and skipped == calls, (path.name, skipped, calls)
+        only_skipped: set[str] = set()  # bound by a skipped cell and not since by a running one
+        for cell, skip in zip(cells, skipped):
+            binds, reads = _cell_names(cell.source)
+            if skip:
+                only_skipped |= binds
+                continue
+            missing = (reads - binds) & only_skipped
+            assert not missing, f"{path.name}: a running cell reads {sorted(missing)}, bound only in a skipped cell"
+            only_skipped -= binds
+
+
 def test_a_cell_covered_by_the_solution_run_is_skipped_only_in_the_student_copy():
     """make_labs gives a cell tagged ``covered-by-solution`` nbval's skip tag in labs/ only (CI's strict run of
     solutions/ executes it), refuses the tag on a cell holding an exercise, and leaves every other cell's tags."""

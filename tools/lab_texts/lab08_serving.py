@@ -368,7 +368,7 @@ print(f"the GPU: ${lab8.usd_per_million(every, cost.duration, gpu_hour_usd=gpu_h
       f"${lab8.usd_per_million(generated, cost.duration, gpu_hour_usd=gpu_hour_usd):.3f} per 1M generated tokens")
 print(f"roofline: a generated token costs {lab8.decode_weight(batch=64):.1f} prompt tokens in a step of 64 decodes, "
       f"{lab8.decode_weight(batch=256):.1f} in a step of 256")
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 Same machine, same hour, three bills. By plain tokens rag pays two thirds: it *sends* two thirds of the tokens.
 The weighted rule turns that around (chat pays about 60 %): chat's tokens are generated ones, each a step of its
@@ -397,7 +397,7 @@ for model, v in lab8.model_tokens(fleet).items():
                      / metric_value(fleet, "vllm:inter_token_latency_seconds_count", model_name=model))
     print(f"{model:14s}{lab8.FLEET[model]:6g}{(v['prompt'] + v['generation']) / secs:9.0f}"
           f"{v['generation'] / secs:12.0f}{itl_ms:12.1f}{lab8.usd_per_million(v['generation'], secs, gpu_hour_usd=gpu_hour_usd):15.3f}")
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 Every number comes from the label: tokens/s and mean ITL per model, read from one merged page. The small model is
 about three times faster per token and yet its generated tokens cost *more* — its replica receives less than
@@ -464,7 +464,7 @@ big = at_scale.knee_sweep()
 big_best = max_rate_meeting_slo(big)
 print(knee_table(big, big_best))
 knee_figure(big, big_best)
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 The knee moved about tenfold, and so did its cause. With hundreds of thousands of tokens of KV nothing is
 ever preempted; what runs out is **seats and step time**. Every step reads all 16 GB of weights plus the KV of every
@@ -592,7 +592,7 @@ prompt_lens = lab8.tuning_prompt_lens()
 shared = sum(lab8.SYSTEM_PROMPT_LEN for rid in prompt_lens if lab8.shares_system_prompt(rid))
 print(f"hit rate at 512 blocks, recounted from the step log: {lab8.hit_rate_from_log(tuned['512'].step_log, prompt_lens):.1%}"
       f" | ceiling (system-prompt tokens / all prompt tokens): {shared / sum(prompt_lens.values()):.1%}")
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 Read the columns together. More cache takes away the preemptions and the TTFT tail at this load (p99 TTFT from
 3.8 s at 384 blocks to 1.6 s at 512 and 55 ms from 768); past 768 blocks the working set fits and more memory buys
