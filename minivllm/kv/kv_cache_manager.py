@@ -334,17 +334,22 @@ class KVCacheManager:
         hit = start.block_ids
         room -= sum(1 for b in hit if evictable_after(b))  # (a leader's block that stays is never evictable)
         need = blocks_for(req.num_tokens, self.block_size) - len(hit) + (start.num_tokens % self.block_size > 0)
-        pinned_blocks = getattr(cache, "pinned_blocks", None)  # (lab 3's learner cache pins nothing)
-        if room >= need or pinned_blocks is None:
+        unpinned_if_released = getattr(cache, "unpinned_if_released", None)  # (lab 3's learner cache pins nothing)
+        if room >= need or unpinned_if_released is None:
             return room >= need
-        # A cached block that only the cache holds may still be pinned by a block below it that only a
-        # victim holds (a request whose prefix twin was cached first caches its later blocks below the
-        # twin): not evictable now, not in a victim's table, yet evictable once the victims go.  Before
-        # saying "certainly not", count those too (O(pinned blocks), asked only on this path).
+        # A cached block that only the cache holds may still be pinned by a block below it (a request whose
+        # prefix twin was cached first caches its later blocks below the twin): not evictable now, not in a
+        # victim's table, yet evictable once the victims go -- if every held block below it is the victims'
+        # alone.  One that a request left running holds keeps it pinned (counting it anyway, the bound
+        # preempted two victims for a request that still did not fit), and keeps pinned a victim's block
+        # above it that ``freed`` counted.  Before saying "certainly not", the cache, which knows what pins
+        # what, says which pinned blocks the victims' release unpins (O(pinned blocks), asked only on this
+        # path): count those, and take back the ones ``freed`` counted that stay pinned.
         # A hit block pinned now was not in the blocks available now, yet it was taken off the room above as if
         # it were (unless a victim holds it: then ``freed`` counted it): give it back.
-        hit_set, pinned = set(hit), pinned_blocks()
-        room += sum(1 for b in pinned if b not in held and b not in hit_set and holders_after(b) == 0)
+        hit_set, pinned, unpinned = set(hit), cache.pinned_blocks(), unpinned_if_released(held)
+        room += sum(1 for b in unpinned if b not in held and b not in hit_set)
+        room -= sum(1 for b in held if b not in hit_set and evictable_after(b) and b not in unpinned)
         room += sum(1 for b in hit_set if b in pinned and b not in held and evictable_after(b))
         return room >= need
 

@@ -70,7 +70,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -553,6 +553,24 @@ class PinIndex:
             return self._pinned_set(pool)
         return self.pins.keys()
 
+    def unpinned_if_released(self, pool, released: Mapping[int, int]) -> set[int]:
+        """The blocks pinned now that nothing would pin once ``released[b]`` references to each block ``b`` went:
+        every block at or below one stays unlocked (the cache's own reference aside).  Side-effect free.
+
+        Why: a victim's release unpins a cached block only where every lock below it is the victims'; one held
+        by a request that keeps running keeps the block, and everything above it, pinned.  Marking what stays
+        pinned from each block still locked, up to the first already marked, visits each pinned block once
+        (a block above a pinned block is pinned): O(pinned blocks), not O(cached blocks)."""
+        pinned, parent = self.pinned(pool), self.parent
+        stays: set[int] = set()
+        for block in pinned:
+            if block not in stays and pool.refcount(block) - released.get(block, 0) > 1:  # still locked
+                b: int | None = block
+                while b is not None and b not in stays:
+                    stays.add(b)
+                    b = parent[b]
+        return {b for b in pinned if b not in stays}
+
     def _pinned_set(self, pool) -> set[int]:
         """Pinned blocks counted from scratch: every locked block and the blocks above it."""
         pinned: set[int] = set()
@@ -665,6 +683,15 @@ class LeafEviction:
         block below it, becomes evictable once the victim goes (:meth:`KVCacheManager.could_start_if_freed`).
         """
         return self._pins.pinned(self.pool)
+
+    def unpinned_if_released(self, released: Mapping[int, int]) -> set[int]:
+        """The blocks pinned now (:meth:`pinned_blocks`) that would be evictable if ``released[b]`` of each block
+        ``b``'s references were let go (a victim's table), nothing changed (:meth:`PinIndex.unpinned_if_released`).
+
+        The KV manager's room bound reads it: a cached block the cache alone holds is room once the victims go
+        only if no block below it stays held by a request that keeps running
+        (:meth:`KVCacheManager.could_start_if_freed`)."""
+        return self._pins.unpinned_if_released(self.pool, released)
 
     def evict(self, num_blocks: int) -> int:
         """See :meth:`~minivllm.interfaces.PrefixCache.evict`; LRU across all namespaces."""
