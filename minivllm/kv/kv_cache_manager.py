@@ -301,7 +301,8 @@ class KVCacheManager:
         The scheduler asks before preempting ``reqs`` to seat ``req``: a preemption that ends without
         ``req`` admitted throws the victims' work away for nothing.  The room is bounded from above: the
         blocks available now (free or evictable), plus each block of theirs no one else holds (one still
-        in another table stays taken; one only the prefix cache keeps becomes evictable), less the
+        in another table stays taken; one only the prefix cache keeps becomes evictable -- unless a block below
+        it that a request left running holds keeps it pinned, which only the last clause checks), less the
         cached blocks ``req`` would share that were counted so far (shared, they stop being evictable; one
         pinned now was not counted), less ``reserved``.  The need is its tokens in blocks, less the blocks it
         would start on (:meth:`_start_blocks`, admission's own choice: its cached prefix, or, a sample, its
