@@ -302,7 +302,7 @@ class KVCacheManager:
         ``req`` admitted throws the victims' work away for nothing.  The room is bounded from above: the
         blocks available now (free or evictable), plus each block of theirs no one else holds (one still
         in another table stays taken; one only the prefix cache keeps becomes evictable -- unless a block below
-        it that a request left running holds keeps it pinned, which only the last clause checks), less the
+        it that a request left running holds keeps it pinned, which the last clauses check), less the
         cached blocks ``req`` would share that were counted so far (shared, they stop being evictable; one
         pinned now was not counted), less ``reserved``.  The need is its tokens in blocks, less the blocks it
         would start on (:meth:`_start_blocks`, admission's own choice: its cached prefix, or, a sample, its
@@ -336,19 +336,24 @@ class KVCacheManager:
         room -= sum(1 for b in hit if evictable_after(b))  # (a leader's block that stays is never evictable)
         need = blocks_for(req.num_tokens, self.block_size) - len(hit) + (start.num_tokens % self.block_size > 0)
         unpinned_if_released = getattr(cache, "unpinned_if_released", None)  # (lab 3's learner cache pins nothing)
-        if room >= need or unpinned_if_released is None:
+        if unpinned_if_released is None:
             return room >= need
+        hit_set = set(hit)
+        # ``freed`` counted each cached block of the victims' as evictable; one that a request left running pins
+        # (below) is not.  Where the answer is yes without them, it is yes; else the cache is asked.
+        if room - sum(1 for b in held if b not in hit_set and evictable_after(b)) >= need:
+            return True
         # A cached block that only the cache holds may still be pinned by a block below it (a request whose
         # prefix twin was cached first caches its later blocks below the twin): not evictable now, not in a
         # victim's table, yet evictable once the victims go -- if every held block below it is the victims'
         # alone.  One that a request left running holds keeps it pinned (counting it anyway, the bound
         # preempted two victims for a request that still did not fit), and keeps pinned a victim's block
         # above it that ``freed`` counted.  Before saying "certainly not", the cache, which knows what pins
-        # what, says which pinned blocks the victims' release unpins (O(pinned blocks), asked only on this
-        # path): count those, and take back the ones ``freed`` counted that stay pinned.
+        # what, says which pinned blocks the victims' release unpins (O(pinned blocks), asked only where the
+        # answer turns on it): count those, and take back the ones ``freed`` counted that stay pinned.
         # A hit block pinned now was not in the blocks available now, yet it was taken off the room above as if
         # it were (unless a victim holds it: then ``freed`` counted it): give it back.
-        hit_set, pinned, unpinned = set(hit), cache.pinned_blocks(), unpinned_if_released(held)
+        pinned, unpinned = cache.pinned_blocks(), unpinned_if_released(held)
         room += sum(1 for b in unpinned if b not in held and b not in hit_set)
         room -= sum(1 for b in held if b not in hit_set and evictable_after(b) and b not in unpinned)
         room += sum(1 for b in hit_set if b in pinned and b not in held and evictable_after(b))
