@@ -731,16 +731,52 @@ def test_figures_script_draws_every_figure(tmp_path):
 
 
 def _cell_names(source: str) -> tuple[set[str], set[str]]:
-    """(names a cell binds, names it reads) of one code cell, by its syntax tree (IPython's %/! lines dropped)."""
+    """(names a cell binds, names it reads before binding them) of one code cell, by its syntax tree (IPython's %/!
+    lines dropped), statement by statement in source order, into loop, ``if``, ``with`` and ``try`` bodies:
+    ``print(x); x = None`` and ``x += 1`` read ``x`` first (a review found the first version filed both as binds
+    only); a loop's, comprehension's, ``with``'s or function's own names are bound before their bodies read them.
+    A function body counts as read where it is defined (earlier than it runs: the safe side)."""
     tree = ast.parse("\n".join(line for line in source.split("\n") if not line.lstrip().startswith(("%", "!"))))
     binds, reads = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name):
-            (binds if isinstance(node.ctx, ast.Store) else reads).add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            binds.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            binds.update((a.asname or a.name).split(".")[0] for a in node.names)
+
+    def simple(parts) -> None:  # expressions and simple statements: what they read first, then what they bind
+        stored, loaded, local = set(), set(), set()  # local: bound inside before their own bodies read them
+        for node in (n for part in parts for n in ast.walk(part)):
+            if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+                local.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+                local.update(n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name))
+            elif isinstance(node, ast.NamedExpr):
+                local.add(node.target.id)
+            elif isinstance(node, ast.arg):
+                local.add(node.arg)
+            if isinstance(node, ast.Name):
+                (stored if isinstance(node.ctx, ast.Store) else loaded).add(node.id)
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+                loaded.add(node.target.id)  # (its target is a Store that reads first)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                stored.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                stored.update((a.asname or a.name).split(".")[0] for a in node.names)
+        reads.update(loaded - binds - local)
+        binds.update(stored)
+
+    def block(statements) -> None:
+        for st in statements:
+            if not isinstance(st, (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try)):
+                simple([st])
+                continue
+            # the header (a loop's iterable and target, a test, a with's items) first, then each body in order
+            simple([v for k, v in ast.iter_fields(st) if k not in ("body", "orelse", "finalbody", "handlers")
+                    and isinstance(v, ast.AST)] + [i for i in getattr(st, "items", [])])
+            block(st.body)
+            for handler in getattr(st, "handlers", []):
+                binds.update([handler.name] if handler.name else [])
+                block(handler.body)
+            block(getattr(st, "orelse", []))
+            block(getattr(st, "finalbody", []))
+
+    block(tree.body)
     return binds, reads
 
 
@@ -765,7 +801,7 @@ def test_a_student_run_that_skips_the_covered_cells_still_runs_and_lab8_skips_it
             if skip:
                 only_skipped |= binds
                 continue
-            missing = (reads - binds) & only_skipped
+            missing = reads & only_skipped  # (read before this cell binds it)
             assert not missing, f"{path.name}: a running cell reads {sorted(missing)}, bound only in a skipped cell"
             only_skipped -= binds
 
