@@ -23,7 +23,7 @@ and the real serving loop runs with it:
   to the next arrival instead of sleeping) and :class:`PricesRecompute`.
 * :class:`PrefixCache` -- which cached blocks hold the longest prefix of a
   prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`); it may
-  also count them without acting on them (:class:`PeeksPrefix`).
+  also count them without acting on them (:class:`PeeksPrefix`) and name them (:class:`PeeksPrefixBlocks`).
 * :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
   attends through block tables (plain torch, a C kernel for CPU decodes, or
   Triton kernels; see :mod:`minivllm.model.backends`).
@@ -351,6 +351,29 @@ class PeeksPrefix(Protocol):
         with ``match``).  Why: an admission policy reads it for every request it hands out, most of which are
         not admitted in that step; making their prefixes recent would reorder eviction for lookups that never
         happened."""
+        ...
+
+
+@runtime_checkable
+class PeeksPrefixBlocks(Protocol):
+    """A prefix cache that can name the blocks a lookup would return, and the prefixes that hold given blocks,
+    without acting on either (both built-in caches can).  A cache without these still works: a KV cap then
+    charges a waiting request its whole prompt, the cached blocks its cap group already holds included.
+
+    Why: admission under a KV cap (``TenantConfig.max_kv_share``, the three-class reserve) charges a request only the
+    blocks its group would gain, and a cached prefix the group already holds is shared, not gained.  Which blocks
+    those are is asked of requests the pass may not admit at all, so the answer must leave the cache as it is."""
+
+    def peek_blocks(self, token_ids: Sequence[int], namespace: Namespace = ()) -> list[int]:
+        """The block ids :meth:`PrefixCache.match` would return for these arguments now (in order), found without its
+        side effects: no block is made recent, the structure is left as it is, no reference is taken."""
+        ...
+
+    def first_block_keys(self, block_ids: Iterable[int]) -> set:
+        """``(namespace, tokens of its first block)`` of every cached prefix that holds one of ``block_ids`` (blocks
+        not cached are ignored), read without side effects.  A lookup can only return blocks of prefixes whose first
+        block is its own, so a prompt whose ``(namespace, first block)`` is not in this set shares none of
+        ``block_ids``."""
         ...
 
 

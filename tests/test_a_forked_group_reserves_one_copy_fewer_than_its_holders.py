@@ -407,7 +407,9 @@ def test_a_preemption_that_leaves_a_victims_co_holder_writing_in_place_is_made()
     assert sched._try_admit(x, 32, sched._reserved_blocks()) is not None
 
 
-@pytest.mark.parametrize("mode,prefix,skips", [("recompute", True, 7), ("reject", True, 7), ("reject", False, 11)])
+# (reject with prefix caching: seed 1 since KV caps stopped charging a held cached prefix -- ``tests/test_cap_need.py``
+# -- which seats requests at other steps; seed 7 no longer led two members to write into one shared block)
+@pytest.mark.parametrize("mode,prefix,skips", [("recompute", True, 7), ("reject", True, 1), ("reject", False, 11)])
 def test_a_cap_hint_names_the_first_departure_a_recount_on_a_copy_fits(mode, prefix, skips):
     """The cap hint's count as members leave, against a brute-force recount, in random states: two tenants under
     reject-caps, random ``n`` up to 4, a shared system prompt, and a batch builder that leaves out rows at random (so

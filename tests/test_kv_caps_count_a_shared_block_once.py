@@ -49,9 +49,11 @@ def test_a_tenant_behind_one_system_prompt_runs_as_many_requests_as_its_distinct
     its next decode: 6.  Admission checks each follower's whole prompt (5 blocks: its hit is not known before it is
     seated) against what the group counts.  ``f2``: 6 + 5 = 11 <= 12, seated; it takes the 4 cached blocks, which
     the group already holds, and reserves 1 of its own: 7.  ``f3``: 7 + 5 = 12 <= 12, seated: 8.  ``f4``: 8 + 5 =
-    13 > 12, waits.  Summing tables (the old count) charged ``f2`` its 4 shared blocks again -- 6 + 4 + 1 = 11 --
-    and ``f3`` (11 + 5 = 16) waited.  After the step the group holds 4 + 2 + 1 + 1 = 8 distinct blocks (a set of
-    them says so) where the tables sum to 16."""
+    13 > 12 on its whole prompt -- and then, that check failing on the KV cap, on what its group would gain: its
+    4-block prefix is held, so 8 + 1 = 9 <= 12, seated (``tests/test_cap_need.py``; charged its whole prompt it
+    waited).  Summing tables (the old count) charged ``f2`` its 4 shared blocks again -- 6 + 4 + 1 = 11 -- and
+    ``f3`` (11 + 5 = 16) waited.  After the step the group holds 4 + 2 + 1 + 1 + 1 = 9 distinct blocks (a set of
+    them says so) where the tables sum to 6 + 5 + 5 + 5 = 21."""
     engine = _engine(tenants={"a": TenantConfig(max_kv_share=12 / 64)}, scheduling_policy="caps")
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request({"prompt_token_ids": SYSTEM + [1] * 8}, sp, tenant="a", arrival_time=0.0, request_id="first")
@@ -62,13 +64,14 @@ def test_a_tenant_behind_one_system_prompt_runs_as_many_requests_as_its_distinct
                            request_id=f"f{i}")
     engine.step()
     running = engine.scheduler.running
-    assert [r.request_id for r in running] == ["first", "f2", "f3"]
-    assert [r.request_id for r in engine.scheduler.waiting] == ["f4"]
+    # (f4 seated too since its held prefix is not charged: 9 distinct blocks of 12, tables summing to 21)
+    assert [r.request_id for r in running] == ["first", "f2", "f3", "f4"]
+    assert [r.request_id for r in engine.scheduler.waiting] == []
     assert all(r.block_ids[:4] == running[0].block_ids[:4] for r in running)  # the prompt is held once
     distinct = len(set().union(*[r.block_ids for r in running]))
-    assert distinct == 8 and sum(len(r.block_ids) for r in running) == 16
-    assert GroupBlocks(running, lambda r: (r.tenant,)).count == {"a": 8}
-    assert engine.tenant_stats()["a"]["kv_blocks"] == 8  # the gauge reads what the cap counts
+    assert distinct == 9 and sum(len(r.block_ids) for r in running) == 21
+    assert GroupBlocks(running, lambda r: (r.tenant,)).count == {"a": 9}
+    assert engine.tenant_stats()["a"]["kv_blocks"] == 9  # the gauge reads what the cap counts
     while engine.has_unfinished_requests():
         engine.step()
     assert_no_leak(engine)

@@ -70,6 +70,8 @@ def _per_request_state(engine: LLMEngine, metrics: EngineMetrics | None = None) 
         "scheduler.running": len(sched.running),
         "scheduler._waiting_need": len(sched._waiting_need),
         "scheduler._needs_by_tenant": len(sched._needs_by_tenant),
+        "scheduler._waiting_key": len(sched._waiting_key),
+        "scheduler._needs_by_key": len(sched._needs_by_key),
         "scheduler.waiting_by_tenant": len(sched.waiting_by_tenant),
         "scheduler._cap_rejected": len(sched._cap_rejected),
         "used_blocks": engine.stats()["used_blocks"],

@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
-from minivllm.interfaces import PeeksPrefix, PrefixCache, implements
+from minivllm.interfaces import PeeksPrefix, PeeksPrefixBlocks, PrefixCache, implements
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix.base import TokenRun
 from minivllm.kv.sharing import copies_made
@@ -132,6 +132,7 @@ class KVCacheManager:
         # sees a table: a learner's pool (lab 2) plugs in below this class and cannot change one unseen.
         self.table_changes = 0
         self._peek = None  # the cache's side-effect-free count of a cached prefix, if it has one
+        self._names = None  # the cache itself if it can name those blocks without side effects (PeeksPrefixBlocks)
         if prefix_cache is not None:
             self._adopt(prefix_cache)
 
@@ -153,6 +154,7 @@ class KVCacheManager:
                                  f"another pool; pass an empty cache")
             cache.pool = self.pool
         self._peek = cache.peek if implements(cache, PeeksPrefix) else None
+        self._names = cache if implements(cache, PeeksPrefixBlocks) else None
 
     def replace_pool(self, pool) -> None:
         """Run on another pool object (lab 2's learner pool); only before any request is added."""
@@ -448,6 +450,63 @@ class KVCacheManager:
         # run cost a first-block miss half again (1.1 -> 1.55 us at 4,000 tokens).
         limit = max(len(req.prompt_token_ids) - 1, 0) // self.block_size
         return min(self._peek(req.prompt_token_ids, self.namespace(req)), limit) * self.block_size
+
+    # -- what a waiting request would share with a group (KV caps) ------------------------------------
+    def share_key(self, req: Request) -> int | None:
+        """The hash of ``(namespace, its first block of tokens)`` for a waiting ``req`` that could start on cached
+        blocks, the key :meth:`prefix_keys_holding` answers in; None when it can share no cached block -- a
+        swapped-out request (it brings its own blocks back), fewer tokens than a full block to look up, or a cache
+        that cannot name blocks without side effects (:class:`~minivllm.interfaces.PeeksPrefixBlocks`).
+
+        Why a key: a lookup returns blocks of one prefix only, the one whose first block is the request's own, so
+        two requests with different keys can never share the same cached blocks, and a request whose key no held
+        prefix has shares none.  Fixed while it waits (its tokens, tenant and salt do not change), so the scheduler
+        works it out once, when the request enters its queue: a tuple of ``block_size`` tokens, no lookup.  Hashed
+        once here because the scheduler files it in dicts at every change to its queue (a tuple's hash is not
+        kept: a nested one of 16 tokens cost ~0.3 us a time).  Two keys whose hashes collide (2^-64 a pair) only
+        count as one class in the scheduler's shortcuts (``Scheduler._share_class``): a failure may then stand for
+        a request that would share more, the over-charge the cap always made; what a request is charged is found
+        by its own lookup (:meth:`held_prefix_blocks`), never from its key."""
+        if self._names is None or req.cpu_block_ids or req.status is RequestStatus.SWAPPED:
+            return None
+        bs, prompt = self.block_size, req.prompt_token_ids
+        if len(prompt) > bs:  # (all of the prompt but its last token is looked up: a full first block)
+            first = tuple(prompt[:bs])
+        else:
+            tokens = _looked_up_tokens(req)
+            if len(tokens) < bs:
+                return None
+            first = tuple(tokens[:bs])
+        return hash((self.namespace(req), first))
+
+    def prefix_keys_holding(self, block_ids) -> set:
+        """The :meth:`share_key` of every cached prefix holding one of ``block_ids`` (a cap group's blocks): a waiting
+        request whose key is not among them shares none of those blocks.  Read without side effects; empty for a
+        cache that cannot say (:meth:`share_key` is then None for every request)."""
+        if self._names is None:
+            return set()
+        return {hash(key) for key in self._names.first_block_keys(block_ids)}
+
+    def held_prefix_blocks(self, req: Request, held, keys) -> list[int]:
+        """Per group key in ``keys``: how many blocks of the cached prefix a waiting ``req`` would start on the group
+        already holds (``held``, a :class:`~minivllm.kv.sharing.GroupBlocks` kept for the running requests).  Admission
+        shares those blocks, so the group gains none of them: ``req`` costs its group its KV cap need less this.
+
+        Found by :meth:`~minivllm.interfaces.PeeksPrefixBlocks.peek_blocks` on the tokens :meth:`match_prefix` looks
+        up: no reference taken, no block made recent, no hit counted -- the request may not be admitted in this
+        pass.  Never more than admission then spares: the cached prefix is what :meth:`share_computed` takes
+        (a held block cannot be evicted, nor the blocks before it in its prefix); a sample that forks from its
+        leader instead takes all of its prompt but the last token from the leader, which its group holds, less the
+        copy of a partly filled last block -- at least the cached prefix of that prompt.  0 for each key when
+        :meth:`share_key` is None."""
+        if self._names is None or req.cpu_block_ids or req.status is RequestStatus.SWAPPED:
+            return [0] * len(keys)  # (share_key's None: it can share no cached block)
+        if req.output_token_ids:
+            blocks = self._names.peek_blocks(_looked_up_tokens(req), self.namespace(req))
+        else:  # a prompt alone is peeked as the list itself, less a block that would hold its last token (as _peeked_tokens)
+            limit = max(len(req.prompt_token_ids) - 1, 0) // self.block_size
+            blocks = self._names.peek_blocks(req.prompt_token_ids, self.namespace(req))[:limit]
+        return [held.num_held(k, blocks) if blocks else 0 for k in keys]
 
     def _restart_tokens(self, req: Request) -> int:
         """What the cache holds of a restarted sample's own tokens (:meth:`_peeked_tokens`); 0 for a sample that

@@ -153,7 +153,29 @@ class GroupBlocks:
         holders = self._holders_of(key)
         return sum(n - copies_made(n, holders[b]) for b, n in lasts.items())
 
+    def blocks(self, key: Hashable):
+        """The distinct blocks group ``key`` holds (a read-only view; empty for a group with no member)."""
+        if key not in self._members:
+            return ()
+        return self._held_set(key)
+
+    def num_held(self, key: Hashable, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` some member of group ``key`` holds: the blocks of a prefix the group would
+        share if a request starting on them joined it, and so gain none of."""
+        if key not in self._members:
+            return 0
+        held = self._held_set(key)
+        return sum(1 for b in block_ids if b in held)
+
     # -- holder counts -------------------------------------------------------------------------
+    def _held_set(self, key: Hashable):
+        """What a membership test of group ``key``'s blocks reads: the kept holder count when blocks may be shared
+        (built once, then kept: :meth:`add` builds it too), else a set of the members' tables, not kept (without
+        sharing, :meth:`add` does not keep a holder count up to date)."""
+        if self.shared:
+            return self._holders_of(key)
+        return set(chain.from_iterable(m.block_ids for m in self._members[key]))
+
     def _holders_of(self, key: Hashable) -> Counter:
         holders = self._holders.get(key)
         if holders is None:

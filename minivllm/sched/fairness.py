@@ -208,17 +208,22 @@ class CapTable:
         """Does any of ``req``'s groups turn over-cap requests away (rather than make them wait)?"""
         return any(g.over_cap == "reject" for g in self.groups(req))
 
-    def rejecting_group(self, req: Request, usage: dict[tuple, GroupUsage], need_blocks: int) -> CapGroup | None:
+    def rejecting_group(self, req: Request, usage: dict[tuple, GroupUsage],
+                        need_blocks: int | tuple[int, ...]) -> CapGroup | None:
         """The ``over_cap="reject"`` group whose seat or KV cap keeps ``req`` out now, if any.
 
-        ``usage`` is the scheduler's :class:`GroupUsage` per group key.  The
-        per-step token cap never rejects: it frees up at the next step.
+        ``usage`` is the scheduler's :class:`GroupUsage` per group key; ``need_blocks`` one count for all of
+        ``req``'s groups, or one per group in :meth:`groups` order (a held prefix it would share is not charged to
+        the group holding it: ``Scheduler._cap_verdict``).  The per-step token cap never rejects: it frees up at
+        the next step.
         """
-        for g in self.groups(req):
+        groups = self.groups(req)
+        needs = (need_blocks,) * len(groups) if isinstance(need_blocks, int) else need_blocks
+        for g, need in zip(groups, needs):
             if g.over_cap != "reject":
                 continue
             u = usage.get(g.key, NO_USAGE)
-            if g.would_exceed(u.seats, u.blocks, need_blocks):
+            if g.would_exceed(u.seats, u.blocks, need):
                 return g
         return None
 

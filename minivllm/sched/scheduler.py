@@ -79,6 +79,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Collection, Iterator
+from itertools import chain
 from dataclasses import dataclass, field
 
 from minivllm.config import EngineConfig
@@ -115,7 +116,7 @@ class _AdmissionPass:
     running requests as they stand, and dropped at its end: nothing here outlives a pass."""
 
     __slots__ = ("usage", "held", "reserved", "unranked_budget", "trusted", "admitted", "blocked", "cap_failed",
-                 "cap_closed", "swapped_out", "victim_rank", "held_seats")
+                 "closed_classes", "cap_closed", "sharing", "swapped_out", "victim_rank", "held_seats")
 
     def __init__(self, usage: dict[tuple, GroupUsage] | None, held: GroupBlocks | None, reserved: int,
                  unranked_budget: int, trusted: bool) -> None:
@@ -126,14 +127,21 @@ class _AdmissionPass:
         self.trusted = trusted  # the policy keeps its order: the requests it yields need no check against the queue
         self.admitted: list[Request] = []
         self.blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
-        # Per tenant, the fewest blocks a request of it needed and still failed its caps, while ``usage`` only
-        # grew: a later request of that tenant needing as many fails too, without asking.  This keeps a step
-        # with a long capped backlog (lab 6's 1,800 batch prompts) from re-checking every one of them.
-        self.cap_failed: dict[str, int] = {}
-        # Tenants none of whose waiting requests can pass their caps in this pass: each needs at least as many
-        # blocks as one that failed.  Their requests are passed over with one set lookup, so a step beside a
-        # long capped backlog costs the policy's ordering and that lookup per request, not a cap check.
+        # Per tenant and share class, the fewest blocks a request of that class needed (its fixed need,
+        # ``Scheduler._need_blocks``) and still failed its caps: a later request of the same class needing as many
+        # fails too, without asking (``Scheduler._share_class`` says what a class is and why this holds).  This
+        # keeps a step with a long capped backlog (lab 6's 1,800 batch prompts) from re-checking every one of them.
+        self.cap_failed: dict[str, dict] = {}
+        # Per tenant, its share classes none of whose waiting requests can pass their caps in this pass
+        self.closed_classes: dict[str, set] = {}
+        # Tenants none of whose waiting requests can pass their caps in this pass: every class of theirs is closed,
+        # or a cap failed that no request could pass (seats, tokens, KV already full).  Their requests are passed
+        # over with one set lookup, so a step beside a long capped backlog costs the policy's ordering and that
+        # lookup per request, not a cap check.
         self.cap_closed: set[str] = set()
+        # Per tenant, the share keys of the cached prefixes its KV-capped groups hold (``Scheduler._sharing_keys``),
+        # worked out once it is first asked; kept a superset as the pass seats requests
+        self.sharing: dict[str, set] = {}
         self.swapped_out = False  # a victim swapped out in this pass: no swap-in may reuse its blocks this step
         # The best rank among the victims preempted in this pass to seat a better-ranked request, under the key
         # None (a global head of line) or per victim's tenant (a per-tenant one).  A request ranked behind one of
@@ -351,6 +359,11 @@ class Scheduler:
         # smallest need tells it when none of a tenant's waiting requests can pass a cap that one just failed.
         self._waiting_need: dict[Request, int] = {}
         self._needs_by_tenant: dict[str, Counter[int]] = {}
+        # The same for the waiting requests that could start on cached blocks: each one's share key
+        # (KVCacheManager.share_key, fixed while it waits), and per (tenant, key) how many wait needing each count.
+        # Admission reads them to tell which requests a cap failure stands for (see _share_class).
+        self._waiting_key: dict[Request, int] = {}
+        self._needs_by_key: dict[tuple, Counter[int]] = {}
         self.running: list[Request] = []
         self.stats = SchedulerStats()
         self.tenant_stats: dict[str, TenantCounters] = {}
@@ -393,15 +406,36 @@ class Scheduler:
             return
         if delta > 0:
             need = self._waiting_need[req] = self._need_blocks(req)
-            self._needs_by_tenant.setdefault(req.tenant, Counter())[need] += 1
+            self._count_need(self._needs_by_tenant, req.tenant, need)
+            key = self.kv.share_key(req)
+            if key is not None:
+                self._waiting_key[req] = key
+                self._count_need(self._needs_by_key, (req.tenant, key), need)
         else:
             need = self._waiting_need.pop(req)
-            needs = self._needs_by_tenant[req.tenant]
-            needs[need] -= 1
-            if not needs[need]:
-                del needs[need]
-                if not needs:  # like waiting_by_tenant: a server that saw many tenants keeps no empty tables
-                    del self._needs_by_tenant[req.tenant]
+            self._uncount_need(self._needs_by_tenant, req.tenant, need)
+            key = self._waiting_key.pop(req, None)
+            if key is not None:
+                self._uncount_need(self._needs_by_key, (req.tenant, key), need)
+
+    @staticmethod
+    def _count_need(table: dict, at, need: int) -> None:
+        """One more waiting request needing ``need`` blocks, counted in ``table[at]`` (no Counter built for a
+        table that has one: ``setdefault`` would build one on every call)."""
+        needs = table.get(at)
+        if needs is None:
+            needs = table[at] = Counter()
+        needs[need] += 1
+
+    @staticmethod
+    def _uncount_need(table: dict, at, need: int) -> None:
+        """One request needing ``need`` blocks left the waiting requests counted in ``table[at]``."""
+        needs = table[at]
+        needs[need] -= 1
+        if not needs[need]:
+            del needs[need]
+            if not needs:  # like waiting_by_tenant: a server that saw many tenants keeps no empty tables
+                del table[at]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -459,14 +493,16 @@ class Scheduler:
 
     # -- caps -----------------------------------------------------------------
     def _need_blocks(self, req: Request) -> int:
-        """Blocks ``req`` counts against its KV caps when admitted (its tokens so far, or its worst case).
+        """Blocks ``req`` counts against its KV caps when admitted (its tokens so far, or its worst case): its *fixed*
+        need, the cheap first check of :meth:`_cap_verdict`.
 
         All of them, a cached prefix its group already holds included (admission would share those blocks, and
-        its group would gain none): the count is fixed while ``req`` waits, which is what lets one failed check
-        stand for every later request of its tenant needing as many (``cap_failed``, ``cap_closed``).  The price:
-        a request whose prefix its group holds may wait -- or, under ``over_cap="reject"``, be turned away --
-        where it would fit.  Once it runs, its group is charged its distinct blocks exactly (``_seat``,
-        ``_group_usage``)."""
+        its group would gain none): the count is fixed while ``req`` waits, so it is worked out once, when ``req``
+        enters the queue, and one failed check can stand for later requests needing as many (``cap_failed``,
+        ``cap_closed``).  Only when it fails on a KV cap does :meth:`_cap_verdict` take the held prefix off
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`), so a request that fits once its
+        shared blocks are left out is admitted -- and, under ``over_cap="reject"``, not turned away.  Once it runs,
+        its group is charged its distinct blocks exactly (``_seat``, ``_group_usage``)."""
         if self.config.preemption_mode == "reject":
             return blocks_for(req.max_total_tokens, self.kv.block_size)
         return blocks_for(req.num_tokens, self.kv.block_size)
@@ -503,15 +539,18 @@ class Scheduler:
             usage[key].blocks -= held.in_place_writes(key, members)
         return usage, held
 
-    def _within_caps(self, req: Request, usage: dict[tuple, GroupUsage], need_blocks: int,
+    def _within_caps(self, req: Request, usage: dict[tuple, GroupUsage], need_blocks: int | tuple[int, ...],
                      per_step: bool = True) -> bool:
-        """Would ``req`` (needing ``need_blocks``) keep every cap of its groups?  Monotone: with ``usage``
-        unchanged, a request of the same tenant needing as many blocks or more fails too (``admit`` uses it).
+        """Would ``req`` (needing ``need_blocks``: one count for all its groups, or one per group in
+        ``caps.groups(req)`` order) keep every cap of its groups?  Monotone: with ``usage`` unchanged, a request of
+        the same tenant needing as many blocks or more fails too (``admit`` uses it).
         ``per_step=False`` leaves out the per-step token cap: a sample waiting for its leader's prefill (``admit``'s
         held seats) would pass it next step, once the leader's own chunks stop filling it."""
-        for g in self.caps.groups(req):
+        groups = self.caps.groups(req)
+        needs = (need_blocks,) * len(groups) if isinstance(need_blocks, int) else need_blocks
+        for g, need in zip(groups, needs):
             u = usage.get(g.key, NO_USAGE)
-            if g.would_exceed(u.seats, u.blocks, need_blocks):
+            if g.would_exceed(u.seats, u.blocks, need):
                 return False
             if per_step and g.max_tokens is not None and u.tokens >= g.max_tokens:
                 return False
@@ -704,24 +743,121 @@ class Scheduler:
     def _cap_verdict(self, p: _AdmissionPass, req: Request) -> str:
         """What ``req``'s caps say in this pass: :data:`_TRY` it (it is within them), :data:`_SKIP` it (it waits
         behind its tenant's or class's cap, or a reject-cap turned it away here), or :data:`_STOP` the pass
-        (every tenant still waiting is now passed over)."""
+        (every tenant still waiting is now passed over).
+
+        The fixed need (:meth:`_need_blocks`) is checked first.  Only when it fails, and a KV cap alone fails it,
+        is the exact need asked for: the fixed one less the blocks of its cached prefix that each group already
+        holds (admission shares them; the group gains none).  The KV manager answers without touching the cache,
+        and only for a request whose share key a held prefix has (:meth:`_share_class`): any other shares nothing."""
         need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
         if need is None:
             raise ValueError(self._not_an_order(req))
-        if need >= p.cap_failed.get(req.tenant, need + 1):
-            return _SKIP  # as over its caps as a request of its tenant that already failed them
-        if self._within_caps(req, p.usage, need):
+        failed = p.cap_failed.get(req.tenant)
+        if failed and need >= failed.get(self._share_class(p, req), need + 1):
+            return _SKIP  # as over its caps as a request of its tenant and class that already failed them
+        usage = p.usage
+        if self._within_caps(req, usage, need):
             return _TRY
-        if req.status is RequestStatus.WAITING and req.leader is None and self.caps.rejecting_group(req, p.usage, need):
+        needs, cls = need, None
+        only_kv = self._within_caps(req, usage, 0)  # else a seat or token cap, or a full KV cap, failed it
+        key = self._waiting_key.get(req) if only_kv else None
+        if key is not None:  # only a KV cap failed, and it could start on cached blocks: take the held ones off
+            saved = self.kv.held_prefix_blocks(req, p.held, self.caps.keys(req))
+            if any(saved):
+                cls = key  # (a prefix its groups hold starts with its key: _share_class says so without a lookup)
+                needs = tuple(need - n for n in saved)
+                if self._within_caps(req, usage, needs):
+                    return _TRY
+            else:
+                cls = self._share_class(p, req)
+        if req.status is RequestStatus.WAITING and req.leader is None and self.caps.rejecting_group(req, usage, needs):
             self._reject(req)  # TenantConfig(over_cap="reject"): turned away with a retry hint
             self._cap_rejected.add(req)
-        elif not self.caps.may_reject(req):
-            p.cap_failed[req.tenant] = need
-            if need <= min(self._needs_by_tenant[req.tenant]):
-                p.cap_closed.add(req.tenant)  # no waiting request of its tenant needs fewer blocks
-                if self._all_passed_over(p.blocked, p.cap_closed):
-                    return _STOP  # the rest of the order is passed over too
+        elif not self.caps.may_reject(req) and self._close_on_failure(p, req, cls, need, only_kv):
+            return _STOP  # the rest of the order is passed over too
         return _SKIP  # its tenant (or class) is at a cap: it waits, the others do not
+
+    def _share_class(self, p: _AdmissionPass, req: Request):
+        """Which waiting requests of its tenant a cap failure of ``req`` stands for: its share key
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.share_key`, its namespace and first block) when a prefix
+        its groups hold starts with that key, else None (it shares no held block, and neither does any request
+        classed None).
+
+        The rule, and why it is sound.  A request of class None is charged its fixed need exactly, so its failure
+        stands for every later request of class None of its tenant needing as many blocks: those need as much and
+        share as little.  A failure of a request that shares held blocks stands only for requests with its key
+        (those start on the same cached prefix); a request with another key shares other blocks or none, and is
+        checked itself.  Seating a request in the pass adds to its group's usage at least the blocks a waiting
+        request could newly share through it (the seated request's gain), so a failure stays a failure for the
+        rest of the pass; only a preemption made in the pass reopens it (``_after_admission_victim``).
+
+        The residual gap: two requests with one key may still share unequal amounts -- a retry or a continuation of
+        a running request's prompt shares that request's own cached blocks too, past the system prompt the other
+        shares.  A failure of the one that shares less stands for the one that shares more if it needs as many
+        blocks, so the latter waits in that pass where the exact need would have seated it, as every request did
+        when the cap charged whole prompts.  Closing that gap needs a lookup per waiting request (beside a
+        backlog of 1,500: ~1,500 walks of the cache a step), the cost these shortcuts exist to avoid."""
+        key = self._waiting_key.get(req)
+        if key is None:
+            return None
+        return key if key in self._sharing_keys(p, req) else None
+
+    def _sharing_keys(self, p: _AdmissionPass, req: Request) -> set:
+        """The share keys of the cached prefixes ``req``'s groups hold (``p.sharing``, per tenant: a tenant's
+        requests count in the same groups), asked of the KV manager once per tenant per pass.  (Every group's
+        blocks, not only a KV-capped group's: a key too many only sends a request to its own check.)"""
+        keys = p.sharing.get(req.tenant)
+        if keys is None:
+            held = [p.held.blocks(k) for k in self.caps.keys(req)]
+            keys = p.sharing[req.tenant] = self.kv.prefix_keys_holding(chain.from_iterable(held))
+        return keys
+
+    def _close_on_failure(self, p: _AdmissionPass, req: Request, cls, need: int, only_kv: bool) -> bool:
+        """Record that ``req`` (of share class ``cls``, needing ``need`` fixed blocks) failed its caps: it stands for
+        later requests of its tenant and class needing as many (``p.cap_failed``); the class closes when none of
+        its waiting requests needs fewer, and the tenant when all its classes with waiting requests are closed --
+        or at once when a cap failed that no request of it could pass (not ``only_kv``: a seat or token cap, or a
+        KV cap already full).  Returns whether every tenant still waiting is now passed over."""
+        tenant = req.tenant
+        if not only_kv:
+            p.cap_closed.add(tenant)
+            return self._all_passed_over(p.blocked, p.cap_closed)
+        p.cap_failed.setdefault(tenant, {})[cls] = need
+        classes = self._class_needs(p, req, cls)
+        if need > min(classes[cls]):
+            return False
+        closed = p.closed_classes.setdefault(tenant, set())
+        closed.add(cls)
+        if not classes.keys() <= closed:
+            return False
+        p.cap_closed.add(tenant)
+        return self._all_passed_over(p.blocked, p.cap_closed)
+
+    def _class_needs(self, p: _AdmissionPass, req: Request, cls) -> dict:
+        """Per share class of ``req``'s tenant with waiting requests: how many wait needing each count of blocks.
+        ``cls`` is ``req``'s class; when every waiting request of its tenant has ``req``'s share key, that is the
+        only class, and no held prefix is asked about."""
+        tenant = req.tenant
+        rest = self._needs_by_tenant[tenant]
+        key = self._waiting_key.get(req)
+        if key is None and not self._waiting_key:
+            return {None: rest}
+        if key is not None and sum(self._needs_by_key[(tenant, key)].values()) == self.waiting_by_tenant[tenant]:
+            return {cls: rest}
+        out: dict = {}
+        if self._waiting_key:
+            for key in self._sharing_keys(p, req):
+                needs = self._needs_by_key.get((tenant, key))
+                if needs:
+                    out[key] = needs
+            if out:
+                rest = rest.copy()
+                for needs in out.values():
+                    rest.subtract(needs)
+                rest = +rest  # (drops the counts that reached 0)
+        if rest:
+            out[None] = rest
+        return out
 
     def _fit_or_make_room(self, p: _AdmissionPass, req: Request) -> tuple[tuple[int, int] | None, bool]:
         """``(fit, short_of_kv)``: ``fit`` is :meth:`_try_admit`'s ``(tokens, blocks)`` once ``req`` fits, after
@@ -764,7 +900,9 @@ class Scheduler:
         if self.caps is not None:
             p.usage, p.held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
             p.cap_failed.clear()
+            p.closed_classes.clear()
             p.cap_closed.clear()
+            p.sharing.clear()  # (its blocks may no longer be held)
 
     def _seat(self, p: _AdmissionPass, req: Request, fit: tuple[int, int]) -> None:
         """Move ``req``, which fit, from ``waiting`` to ``running``, and count what it takes against the rest of
@@ -772,6 +910,10 @@ class Scheduler:
         tokens, blocks = fit
         p.reserved += blocks
         p.unranked_budget -= tokens
+        key = self._waiting_key.get(req)
+        if key is not None:  # it holds the prefix it started on now: its key may name held blocks (_share_class)
+            for keys in p.sharing.values():
+                keys.add(key)
         self.waiting.remove(req)
         self._count_waiting(req, -1)
         self.kv.record_admission(req)  # before the status changes: it tells a swap-in from a recompute

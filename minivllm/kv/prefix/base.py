@@ -70,7 +70,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -609,6 +609,11 @@ class LeafEviction:
       so iterate it, read only the blocks compared and keep none of them;
     - ``_count_cached(namespace, blocks) -> int``: how many leading ``blocks`` are cached, the structure left
       exactly as it is (:meth:`peek`); ``blocks`` is a :class:`LazyBlocks`, so read only the blocks compared;
+    - ``_cached_blocks(namespace, blocks) -> block ids``: the KV blocks of the longest cached prefix of
+      ``blocks``, the structure left exactly as it is (:meth:`peek_blocks`); ``blocks`` as for ``_count_cached``;
+    - ``_first_block_key(block_id, memo) -> (namespace, tokens) | None``: the namespace and first block of the
+      cached prefix holding ``block_id`` (None: not cached), read only; ``memo`` (a dict the caller keeps for one
+      call of :meth:`first_block_keys`) may hold what earlier blocks found, so shared prefixes are climbed once;
     - ``_path_blocks(path) -> block ids``: the KV blocks that path holds, in order;
     - ``_touch_path(path, tick)``: make the path recent;
     - ``_cache_below(path, namespace, blocks, new_ids)``: cache ``new_ids`` (holding ``blocks``) after
@@ -650,6 +655,22 @@ class LeafEviction:
         The blocks are cut as the walk reads them (:class:`LazyBlocks`), so a peek costs the blocks it
         compares -- one when the first block misses -- not the length of the prompt."""
         return self._count_cached(namespace, LazyBlocks(token_ids, self.block_size))
+
+    def peek_blocks(self, token_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE) -> list[int]:
+        """See :meth:`~minivllm.interfaces.PeeksPrefixBlocks.peek_blocks`: :meth:`peek`'s walk, naming the blocks it
+        counts (read lazily in the same way)."""
+        return self._cached_blocks(namespace, LazyBlocks(token_ids, self.block_size))
+
+    def first_block_keys(self, block_ids: Iterable[int]) -> set:
+        """See :meth:`~minivllm.interfaces.PeeksPrefixBlocks.first_block_keys`: each cached block climbed to the
+        first block of its prefix, each entry climbed once however many of ``block_ids`` lie below it."""
+        memo: dict = {}
+        keys = set()
+        for block_id in block_ids:
+            key = self._first_block_key(block_id, memo)
+            if key is not None:
+                keys.add(key)
+        return keys
 
     def insert(
         self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Hashable = PUBLIC_NAMESPACE

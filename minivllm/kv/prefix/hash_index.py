@@ -132,6 +132,24 @@ class HashIndex(LeafEviction):
     def _count_cached(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> int:
         return len(self._walk(namespace, blocks))  # (the walk only reads the table)
 
+    def _cached_blocks(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> list[int]:
+        return self._path_blocks(self._walk(namespace, blocks))
+
+    def _first_block_key(self, block_id: int, memo: dict) -> tuple | None:
+        entry = self._entry_of_block.get(block_id)
+        if entry is None:
+            return None
+        climbed = []
+        while entry not in memo and entry.parent is not None:  # up to the prefix's first block
+            climbed.append(entry)
+            entry = entry.parent
+        key = memo.get(entry)
+        if key is None:
+            key = memo[entry] = (entry.namespace, entry.token_ids)
+        for e in climbed:
+            memo[e] = key
+        return key
+
     @staticmethod
     def _path_blocks(path: list[HashEntry]) -> list[int]:
         return [entry.block_id for entry in path]  # one block per entry

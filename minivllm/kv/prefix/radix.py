@@ -261,6 +261,27 @@ class RadixCache(LeafEviction):
     def _count_cached(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> int:
         return self._descend(namespace, blocks)[1]
 
+    def _cached_blocks(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> list[int]:
+        path, _, last = self._descend(namespace, blocks)  # (no split: the last edge is cut in the answer only)
+        if not path:
+            return []
+        return [b for node in path[:-1] for b in node.block_ids] + path[-1].block_ids[:last]
+
+    def _first_block_key(self, block_id: int, memo: dict) -> tuple | None:
+        node = self._node_of_block.get(block_id)
+        if node is None:
+            return None
+        climbed = []
+        while node not in memo and not node.parent.is_root:  # up to the root's child: the prefix's first edge
+            climbed.append(node)
+            node = node.parent
+        key = memo.get(node)
+        if key is None:
+            key = memo[node] = (node.namespace, node.token_blocks[0])
+        for n in climbed:
+            memo[n] = key
+        return key
+
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut ``node``'s edge after ``n`` blocks; return the new upper node.
 
