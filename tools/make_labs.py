@@ -74,11 +74,12 @@ def _todo_above(out: list[str]) -> str:
 
 
 # A code cell tagged COVERED holds no exercise and reads nothing an exercise defines (lab 6's at-scale
-# simulations; lab 8's bill at scale, fleet scrape, at-scale knee sweep and tuning table): its student copy is the
-# same code on the same inputs, which CI's strict run of the solution notebook already executed.  The student copy
-# gets nbval's skip tag, so CI's lax run of labs/ does not pay for it twice; a learner's Run All runs it as usual
-# (the tag means nothing to Jupyter).  It must bind nothing a later cell reads: the lax run would stop at a
-# NameError (tests/test_labs.py recounts the names).
+# simulations; lab 8's bill at scale, fleet scrape, at-scale knee sweep and tuning table; lab 9's capacity sweep,
+# held-out re-simulation and profile check): its student copy is the same code on the same inputs, which CI's
+# strict run of the solution notebook already executed.  The student copy gets nbval's skip tag, so CI's lax run
+# of labs/ does not pay for it twice; a learner's Run All runs it as usual (the tag means nothing to Jupyter).  It
+# must bind nothing a later cell reads: the lax run would stop at a NameError (tests/test_labs.py recounts the
+# names).
 COVERED = "covered-by-solution"
 
 

@@ -319,7 +319,7 @@ for name in routers:
           + ", ".join(f"{r}x: TTFT p99 {by[(r, name)]['ttft_ms']['p99']:.0f} ms" for r in REPLICAS))
 for name in routers:
     print(f"{name:18s}: prefix hit rate " + ", ".join(f"{r}x {by[(r, name)]['prefix_hit_rate']:.0%}" for r in REPLICAS))
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 Read the two plots together:
 
@@ -516,7 +516,7 @@ else:
     for (run, ((a, na), (b, nb))), p in zip(held_out.items(), kept):
         print(f"{run} one K/V rate {a:4.1f}% rms, {na:2d}/15 within 10%   work + span {b:4.1f}% rms, {nb:2d}/15"
               f"   ({p.name})")
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 The span term lowers the rms error in five of the six runs and leaves the sixth where it was (one of its metrics
 crosses the 10% line the wrong way); it is no cure for a run whose real engine had a noisy day (the drift columns of
@@ -608,7 +608,7 @@ from minivllm.sim.presets import load_profile, profile_path
 doc = load_profile("cpu-1thread-cputime")   # the CPU-time profile: the least disturbed by other programs
 result = check(doc, check_engine(doc), repeats=1)   # measured on one thread, as the profile was
 print(format_check(result, profile_path("cpu-1thread-cputime")))
-"""),
+""", ["covered-by-solution"]),
 ("md", r"""
 On any machine but the profile's own, expect "stale": the output above was saved on another machine than the one
 the profile was calibrated on (the last line names both hosts), and your laptop is another one again. That is
