@@ -33,7 +33,7 @@ from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix import make_prefix_cache
 from minivllm.sched.scheduler import Scheduler
 
-from invariants import KVContents, assert_no_leak, group_claims  # noqa: E402  (tests/ is on sys.path)
+from tests.invariants import KVContents, assert_no_leak, group_claims
 
 BS = 8
 SYSTEM = [7] * 24  # three full 8-token blocks
@@ -166,6 +166,24 @@ def test_a_reject_cap_does_not_turn_away_a_request_that_fits_once_its_held_prefi
     assert first_fit == 1 and admitted == 1, (first_fit, admitted)
     assert out["second"][1] == "length" and engine.scheduler.stats.num_rejected == 0
     assert out == _uncapped(TWO, SP, kind)
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_reject_cap_beside_a_full_token_cap_makes_it_wait_not_turns_it_away(kind):
+    """A review of the first version: the held prefix was taken off only when a KV cap alone failed, so with another
+    cap failing in the same pass the reject group charged the whole prompt and turned the request away.  Here
+    ``max_tokens_per_step=1``: ``first`` prefills a token a step (28 steps), then decodes one a step, which fills the
+    token cap.  ``second`` arrives at step 29, sharing ``first``'s 3 cached blocks: 4 held + (4 - 3) = 5 blocks, at
+    the cap -- it waits for the token cap (a per-step cap never rejects), and runs once ``first`` is done.  The old
+    charge, 4 + 4 > 5, answered it with a 429 at step 29.  Oracle: the hand count, and each request's tokens equal
+    to an uncapped run's (greedy: when it runs does not change what it says)."""
+    tenants = {"a": TenantConfig(max_kv_share=CAP5, over_cap="reject", max_tokens_per_step=1)}
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)  # (first ends at 32 tokens: its 4 blocks, no fifth)
+    engine = _engine(kind, tenants=tenants)
+    first_fit, admitted, out = _run(engine, "second", {0: TWO[0], 29: TWO[1]}, sp)
+    assert engine.scheduler.stats.num_rejected == 0 and out["second"][1] == "length", out
+    assert first_fit == 29 and admitted > 29, (first_fit, admitted)  # (it fits its KV cap; the token cap holds it)
+    assert out == _uncapped(TWO, sp, kind)
 
 
 @pytest.mark.parametrize("kind", ["radix", "hash"])

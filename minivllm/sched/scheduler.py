@@ -760,13 +760,16 @@ class Scheduler:
             return _TRY
         needs, cls = need, None
         only_kv = self._within_caps(req, usage, 0)  # else a seat or token cap, or a full KV cap, failed it
-        key = self._waiting_key.get(req) if only_kv else None
-        if key is not None:  # only a KV cap failed, and it could start on cached blocks: take the held ones off
+        # Take the held blocks off for a request that could start on cached blocks when only a KV cap failed (it
+        # may now fit), and when a group of its rejects over its cap (a seat or token cap failing beside the KV
+        # cap makes it wait, but the reject group must not turn it away for blocks it would share).
+        key = self._waiting_key.get(req) if only_kv or self.caps.may_reject(req) else None
+        if key is not None:
             saved = self.kv.held_prefix_blocks(req, p.held, self.caps.keys(req))
             if any(saved):
                 cls = key  # (a prefix its groups hold starts with its key: _share_class says so without a lookup)
                 needs = tuple(need - n for n in saved)
-                if self._within_caps(req, usage, needs):
+                if only_kv and self._within_caps(req, usage, needs):
                     return _TRY
             else:
                 cls = self._share_class(p, req)
