@@ -675,17 +675,21 @@ for clause, knobs in CLAUSE_OFF.items():
 """, ["covered-by-solution"]),
 ("md", r"""
 Read the rows against the first. The **KV reserve** is what the chats are owed and what the agents pay for it: with
-it off the chats' p95 TTFT rises (39 to 43 ms), and the agents', no longer queued behind the batch work inside the
-75% of the pool left to both, falls (77 to 48 ms). The **bounded agent queue** does not move at 40%: every agent
+it off the chats' p95 TTFT rises (37 to 43 ms), and the agents', no longer queued behind the batch work inside the
+75% of the pool left to both, falls (53 to 48 ms). The **bounded agent queue** does not move at 40%: every agent
 call starts with the same 300-token tool preamble, and a KV cap counts a block its requests share once (the blocks
-they pin, as the tenant gauges count them), so the agents never reach their share. A cap that summed the calls' block
-tables would charge the preamble to every call and bind far sooner. Tighten it to 10% and it binds: the agents' p95
-TTFT goes from 77 ms to 14 s and only 14% of their calls meet the SLO, while the chats gain 3 ms. That is the bound's
-trade in one row: the agents pay, so that a heavy agent load cannot crowd out the rest. Without **batch-only-when-idle** batch work is
-admitted into a busy engine: more preemptions (313 to 371) and the agents' p95 TTFT grows by a third (to 103 ms).
-The **swap rule** decides the preemptions here (311 of the 313 are swaps): the victims are mostly batch prompts of
-about 375 tokens, just above the crossover lab 5 measured on this preset (~300), so the cost model swaps them;
-recomputing them instead costs the agents 9 ms of p95 TTFT. The **cache cap** moves little on this mix (81 ms, 321 preemptions): one tenant's cache
+they pin, as the tenant gauges count them, and a waiting call is not charged for the preamble its class already
+holds), so the agents never reach their share. A cap that summed the calls' block tables would charge the preamble to
+every call and bind far sooner. Tighten it to 10% and it binds: the agents' p95 TTFT goes from 53 ms to 8.9 s and
+only 36% of their calls meet the SLO, and the chats do not gain either (37 to 43 ms) while the preemptions almost
+double (309 to 580). That is the bound's trade in one row: the agents pay, so that a heavy agent load cannot crowd out
+the rest -- and on this mix, where the agents were crowding out nobody, the payment buys nothing back.
+Without **batch-only-when-idle** batch work is admitted into a busy engine: more preemptions (309 to 369), though on
+this mix the agents' p95 TTFT does not move (53 ms). The **swap rule** decides the kind of preemption (all 309 are
+swaps): the victims are mostly batch prompts of about 375 tokens, just above the crossover lab 5 measured on this
+preset (~300), so the cost model swaps them; recomputing them instead (336 preemptions, none swapped) leaves the
+agents' p95 TTFT about where it was (49 ms): this close to the crossover the two costs are close, which is what the
+crossover means. The **cache cap** moves nothing on this mix (53 ms, 309 preemptions): one tenant's cache
 never crowds out another's here; it is insurance against a tenant whose prompts share nothing (lab 3's quota
 section shows that case). A clause that is idle on one workload (the agent bound at 40% here) is not a wasted clause; but a
 policy whose clauses you have never seen move is a policy you cannot tune.
