@@ -64,8 +64,9 @@ class TenantConfig:
       Counted as the blocks it pins, plus what is set aside for the rest of its
       prefill: a block two of the tenant's requests share (a forked sample, a cached
       system prompt) counts once (:class:`~minivllm.kv.sharing.GroupBlocks`), as its
-      ``kv_blocks`` gauge counts it.  A waiting request is checked with its whole prompt,
-      since its cache hit is known only once it is seated.
+      ``kv_blocks`` gauge counts it.  A waiting request is checked with its whole prompt
+      first; only when that fails is the cached prefix its tenant's requests already hold
+      (which it would share) taken off (``Scheduler._cap_verdict``).
     * ``priority_class`` -- ``"interactive"``, ``"agent"`` or ``"batch"`` under
       ``scheduling_policy="three_class"`` (``None``: interactive).
     * ``over_cap`` -- ``"wait"`` (default) or ``"reject"``: a *new* request that finds

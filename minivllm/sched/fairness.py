@@ -132,8 +132,10 @@ class CapGroup:
         """Would one more request needing ``need_blocks`` KV blocks exceed this group's seat or KV cap, with ``seats``
         members running and ``blocks`` counted against it?  Admission
         (:meth:`~minivllm.sched.scheduler.Scheduler._within_caps`), a reject-cap (:meth:`CapTable.rejecting_group`)
-        and its retry hint (:meth:`CapTable.retry_steps`) ask this one question, so they cannot drift apart: a
-        request that brings the group to its caps exactly fits.  The per-step token cap is not asked: it frees up
+        and its retry hint (:meth:`CapTable.retry_steps`) ask this one question, so the rule cannot drift apart: a
+        request that brings the group to its caps exactly fits.  (What they ask it *with* can: admission and the
+        reject-cap take off the cached prefix the group holds, the retry hint still asks with the whole need, so
+        a hint can be longer than the wait.)  The per-step token cap is not asked: it frees up
         at the next step."""
         return ((self.max_running is not None and seats >= self.max_running)
                 or (self.max_blocks is not None and blocks + need_blocks > self.max_blocks))

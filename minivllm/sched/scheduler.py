@@ -499,7 +499,8 @@ class Scheduler:
         All of them, a cached prefix its group already holds included (admission would share those blocks, and
         its group would gain none): the count is fixed while ``req`` waits, so it is worked out once, when ``req``
         enters the queue, and one failed check can stand for later requests needing as many (``cap_failed``,
-        ``cap_closed``).  Only when it fails on a KV cap does :meth:`_cap_verdict` take the held prefix off
+        ``cap_closed``).  Only when it fails on a KV cap (or a group of ``req`` rejects) does :meth:`_cap_verdict`
+        take the held prefix off
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`), so a request that fits once its
         shared blocks are left out is admitted -- and, under ``over_cap="reject"``, not turned away.  Once it runs,
         its group is charged its distinct blocks exactly (``_seat``, ``_group_usage``)."""
@@ -745,9 +746,10 @@ class Scheduler:
         behind its tenant's or class's cap, or a reject-cap turned it away here), or :data:`_STOP` the pass
         (every tenant still waiting is now passed over).
 
-        The fixed need (:meth:`_need_blocks`) is checked first.  Only when it fails, and a KV cap alone fails it,
-        is the exact need asked for: the fixed one less the blocks of its cached prefix that each group already
-        holds (admission shares them; the group gains none).  The KV manager answers without touching the cache,
+        The fixed need (:meth:`_need_blocks`) is checked first.  Only when it fails -- and a KV cap alone fails it
+        (it may then fit), or a group of it rejects over its cap (it must not be turned away for blocks it would
+        share) -- is the exact need asked for: the fixed one less the blocks of its cached prefix that each group
+        already holds (admission shares them; the group gains none).  The KV manager answers without touching the cache,
         and only for a request whose share key a held prefix has (:meth:`_share_class`): any other shares nothing."""
         need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
         if need is None:
@@ -913,7 +915,7 @@ class Scheduler:
         tokens, blocks = fit
         p.reserved += blocks
         p.unranked_budget -= tokens
-        key = self._waiting_key.get(req)
+        key = self._waiting_key.get(req) if p.sharing else None  # (p.sharing is empty without caps)
         if key is not None:  # it holds the prefix it started on now: its key may name held blocks (_share_class)
             for keys in p.sharing.values():
                 keys.add(key)
