@@ -142,6 +142,33 @@ def output_file(text: str) -> str:
     return text
 
 
+def unwritable(path: str) -> str | None:
+    """Why no file can be written at ``path``, or None: the directory it goes in (or, when that is missing, the
+    nearest one that exists, where :func:`minivllm.bench.results.write_json` makes the rest) is no directory or
+    takes no new file.  A path that exists and is not a plain file (``/dev/stdout``) is written through: None.
+
+    Why: :func:`output_file` looks at the name alone, and a benchmark writes its file last, so ``--out`` under a
+    file or in a read-only folder failed after the whole run, with an OSError quoting the path whole.  Asked by
+    making (and dropping) a file there, as the writer will: the permission bits do not tell (root ignores them,
+    and ``/proc`` refuses root).
+    """
+    import tempfile
+
+    path = os.path.abspath(path)
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+        return None
+    folder = os.path.dirname(path)
+    while not os.path.lexists(folder):  # (ends at the root, which exists)
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{brief_path(folder)} is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            return None
+    except OSError as exc:
+        return f"{brief_path(folder)} takes no new file ({exc.strerror or type(exc).__name__})"
+
+
 def comma_list(item):
     """``type=`` for ``A,B,C``: each item through ``item``; the error names the bad one."""
 

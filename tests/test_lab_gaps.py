@@ -14,7 +14,9 @@
   blocks the tokens need, and names the count when the raise goes away there.  An answer that reads the table
   as a list (``block_table.tolist()[k]``) raised a bare "list index out of range" there, matched to no table:
   the checker now reads it as the table's when it is raised in the answer's own code and one entry more than
-  the tokens need makes the answer raise as with the whole row (stop 73).
+  the tokens need makes the answer raise as with the whole row (stop 73).  Asking for that entry is blamed on the
+  count only when the answer takes a block from it: a right count that reads the table one entry ahead asks for it
+  too, and is told of the read ahead and the blocks it needs, not to round up (stop 74).
 * Lab 6 ``tenant_cap``: the grader's hidden cases draw running sets in which a tenant holds more seats than its
   cap; no visible case did, so an answer that counts the seats left and admits while that count is truthy (-1 is)
   passed the notebook's checker and lost its point at grading, at about one seed in seven.
@@ -485,3 +487,62 @@ def test_a_walk_past_the_whole_table_row_is_not_blamed_on_up_plus_one():
     result, text = _verdict(check_lab07.check_gather_kv, by_token)
     assert not result and result.failed_case.startswith("15 tokens") and "raised IndexError" in text, text
     assert "up-plus-one" not in _hint(text), text
+
+
+def _reads_ahead(count, *, ahead: bool, cut: bool, as_list: bool):
+    """A block-by-block writer of ``count(kv_len, block_size)`` blocks that, with ``ahead``, reads the table entry
+    after the block it writes (``ids[k + 1]``, a prefetch it never uses) first; with ``cut`` the last block is cut
+    to the rows up to kv_len, else written whole.  The table read as a list or as the tensor."""
+    def gather_kv(cache, block_table, kv_len):
+        b = cache.shape[1]
+        ids = block_table.tolist() if as_list else block_table
+        out = torch.empty(kv_len, *cache.shape[2:], dtype=cache.dtype)
+        for k in range(count(kv_len, b)):
+            if ahead:
+                ids[k + 1]
+            rows = min(b, kv_len - k * b) if cut else b
+            out[k * b:k * b + rows] = cache[int(ids[k]), :rows]
+        return out
+    return gather_kv
+
+
+def _blocks_taken(gather, kv_len, block_size=4):
+    """The brute-force count of the blocks ``gather`` takes for ``kv_len`` tokens: a pool of one-slot-per-row
+    blocks numbered by value, a table long enough for any count, and every block id the cache is indexed with
+    recorded, whatever the output."""
+    taken = set()
+
+    class Pool(torch.Tensor):
+        def __getitem__(self, index):
+            block = index[0] if isinstance(index, tuple) else index
+            taken.update(torch.as_tensor(block).flatten().tolist())
+            return torch.Tensor.__getitem__(self.as_subclass(torch.Tensor), index)
+
+    cache = torch.arange(8 * block_size, dtype=torch.float32).view(8, block_size, 1, 1).as_subclass(Pool)
+    try:
+        gather(cache, torch.arange(8), kv_len)
+    except Exception:  # noqa: BLE001 - the blocks taken before a raise are what counts
+        pass
+    return len(taken)
+
+
+@pytest.mark.parametrize("as_list", [True, False], ids=["list", "tensor"])
+def test_a_right_count_that_reads_ahead_is_not_told_to_round_up(as_list):
+    """A review (stop 74): a right count that reads ``ids[k + 1]`` before writing block k and writes its last block
+    whole raises at 1 token (16 rows onto 1), and given the table's first entry only it asks for entry 1 -- as an
+    up-plus-one count would, so it was told to round up, a count it has right.  It takes no block from entry 1:
+    the hint now names the read ahead and the blocks the tokens fill.  The classic up-plus-one count, which takes
+    a block from entry 1 (the oracle: the blocks it indexes the cache with, counted), keeps its hint."""
+    ahead = _reads_ahead(_ceil, ahead=True, cut=False, as_list=as_list)
+    classic = _reads_ahead(_ceil_plus_one, ahead=False, cut=True, as_list=as_list)
+    assert [_blocks_taken(ahead, n) for n in (1, 4, 5, 8)] == [1, 1, 2, 2]  # ceil(n / 4): the right count
+    assert [_blocks_taken(classic, n) for n in (3, 5)] == [2, 3]  # ceil(n / 4) + 1
+    result, text = _verdict(check_lab07.check_gather_kv, ahead)
+    assert not result and result.failed_case.startswith("one token") and "raised RuntimeError" in text, text
+    hint = _hint(text)
+    assert "asks for entry 1, one past them" in hint and "no read ahead" in hint and "cut" in hint, hint
+    assert "up-plus-one" not in hint and "round" not in hint.lower(), hint
+    result, text = _verdict(check_lab07.check_gather_kv, classic)
+    assert not result and result.failed_case.startswith("15 tokens") and "raised RuntimeError" in text, text
+    hint = _hint(text)
+    assert "not up-plus-one" in hint and "asks for entry 1, one past them" in hint and "read ahead" not in hint, hint

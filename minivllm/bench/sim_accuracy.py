@@ -48,7 +48,8 @@ import statistics
 import sys
 import time
 
-from minivllm.argtypes import brief_path, is_int, output_file, positive_float, positive_int, refuse_unread
+from minivllm.argtypes import (brief_path, is_int, output_file, positive_float, positive_int, refuse_unread,
+                               unwritable)
 from minivllm.bench.loadgen import parse_tenant, percentile, plan_requests
 from minivllm.bench.results import cpu_identity, cpu_times, steal_share, write_json, write_result
 from minivllm.engine.startup import frozen_heap
@@ -504,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     if job:  # (--explain prints only: --out, which --resimulate writes, is refused beside it too)
         refuse_unread(ap, args, RUN_FLAGS + (("out",) if args.explain else ()),
                       f"with {job} (it runs no real engine{' and writes nothing' if args.explain else ''})")
+    for flag, path in (("--out", args.out), ("--save-profile", args.save_profile)):  # (written last: ask first)
+        if path and (why := unwritable(path)):
+            ap.error(f"argument {flag}: cannot write {brief_path(path)}: {why}")
     if args.profile:  # (with a job, refused above already: it reads no run flag)
         refuse_unread(ap, args, ("save_profile", "calibration_repeats"), "with --profile (this run makes no calibration)")
     for dest, value in {**RUN_DEFAULTS, "calibration_repeats": CALIBRATION_REPEATS}.items():

@@ -325,10 +325,10 @@ def _brute_gather(cache, table, kv_len):
 _ROUND_UP = "round the number of blocks UP, ceil(kv_len / block_size), not up-plus-one"
 
 
-def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str | None:
+def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> tuple[str, bool] | None:
     """What shows that ``fn``'s raise on ``(cache, table, kv_len)`` came from the table entries after the
     ceil(kv_len / B) that the tokens need -- the raise of an up-plus-one count that writes its extra block into a
-    kv_len-row output -- or ``None`` when nothing does.
+    kv_len-row output -- and whether a block was taken from them, or ``None`` when nothing shows it.
 
     A raise has no rows to count, so this asks by experiment: ``fn`` again on the same cache and length, with the
     table cut to the entries the tokens need, so that only those entries differ.  Blamed when it then returns
@@ -345,6 +345,12 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str
     is raised in ``fn``'s own code (:func:`_own_list_read_past`) and a third run pins the index: given one entry
     more than the tokens need, ``fn`` raises exactly as with the whole row, so it asked for entry ceil(kv_len / B)
     and no further.
+
+    Asking for that entry is not yet a count one too high: an answer with the right count that reads the table one
+    entry ahead of the block it gathers (``ids[k + 1]``, a prefetch) asks for it too, and its raise comes from the
+    blocks it needs.  So an ask is also put to the whole row with that entry naming a block past the pool
+    (:func:`_takes_a_block_from`): the second item says whether the answer took a block from it.  A run that
+    returns given the cut table took a slice of the table, a count, and needs no such run.
     """
     if type(exc) is IndexError and str(exc) == _read_past(table):
         return None
@@ -359,12 +365,23 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> str
     except Exception as again:  # noqa: BLE001 - a learner's bug, whatever it raises
         if own_list:
             return None
-        if type(again) is IndexError and str(again) == _read_past(cut) != str(exc):
-            return f"asks for entry {needed}, one past them"
-        if _own_list_read_past(fn, again) and _raises_as(fn, exc, cache, table[:needed + 1].clone(), kv_len):
-            return f"asks for entry {needed}, one past them"
+        if (type(again) is IndexError and str(again) == _read_past(cut) != str(exc)
+                or _own_list_read_past(fn, again) and _raises_as(fn, exc, cache, table[:needed + 1].clone(), kv_len)):
+            return f"asks for entry {needed}, one past them", _takes_a_block_from(fn, exc, cache, table, kv_len)
         return None
-    return "raises nothing"
+    return "raises nothing", True
+
+
+def _takes_a_block_from(fn, exc: Exception, cache, table, kv_len: int) -> bool:
+    """Whether ``fn``, which raised ``exc`` on ``(cache, table, kv_len)``, takes a block from the table entry just
+    after the ceil(kv_len / B) that the tokens need before it raises: with that entry naming a block past the pool
+    (no cache holds it), an answer that gathers it raises otherwise, or returns; one that only reads it raises as
+    before, and then its count of blocks, right or not, is not what raised."""
+    entry, poisoned = -(-kv_len // cache.shape[1]), table.clone()
+    if entry >= len(table):  # (a row with no such entry: nothing to take a block from)
+        return False
+    poisoned[entry] = cache.shape[0]
+    return not _raises_as(fn, exc, cache, poisoned, kv_len)
 
 
 def _read_past(table) -> str:
@@ -466,13 +483,19 @@ def check_gather_kv(fn) -> CheckResult:
     def raise_hint_for(i):
         def explain(f, exc):
             n = int(c["seq_lens"][i])
-            shown = _raise_past_its_blocks(f, exc, cache, tables[i], n)
-            if shown is None:
+            past = _raise_past_its_blocks(f, exc, cache, tables[i], n)
+            if past is None:
                 return None
-            needed = -(-n // page)
-            return (f"{n} token(s) fill {needed} block(s), and the raise comes from a block after them: given only "
-                    f"the table's first {needed} entr{'y' if needed == 1 else 'ies'}, this answer {shown} -- "
-                    f"{_ROUND_UP} (and don't walk the whole table row)")
+            (shown, took), needed = past, -(-n // page)
+            given = f"given only the table's first {needed} entr{'y' if needed == 1 else 'ies'}, this answer {shown}"
+            if took:
+                return (f"{n} token(s) fill {needed} block(s), and the raise comes from a block after them: {given} "
+                        f"-- {_ROUND_UP} (and don't walk the whole table row)")
+            return (f"{n} token(s) fill {needed} block(s): {given}, but takes no block from that entry (naming a block "
+                    "past the pool there leaves the raise as it was), so its count is not what raised -- read only "
+                    "the entries the tokens need (no read ahead: ids[k + 1] at the last block is one past them), "
+                    "and look for the raise in the blocks they fill: is the last one cut to the kv_len - k * "
+                    "block_size rows it holds?")
         return explain
 
     def untouched(f):
