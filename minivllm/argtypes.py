@@ -145,7 +145,8 @@ def output_file(text: str) -> str:
 def unwritable(path: str) -> str | None:
     """Why no file can be written at ``path``, or None: the directory it goes in (or, when that is missing, the
     nearest one that exists, where :func:`minivllm.bench.results.write_json` makes the rest) is no directory or
-    takes no new file.  A path that exists and is not a plain file (``/dev/stdout``) is written through: None.
+    takes no new file.  A path that exists and is not a plain file (``/dev/stdout``) is written through: None; a
+    link that points nowhere is asked of the folder it points into.
 
     Why: :func:`output_file` looks at the name alone, and a benchmark writes its file last, so ``--out`` under a
     file or in a read-only folder failed after the whole run, with an OSError quoting the path whole.  Asked by
@@ -155,7 +156,11 @@ def unwritable(path: str) -> str | None:
     import tempfile
 
     path = os.path.abspath(path)
-    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+    if os.path.islink(path):
+        if os.path.exists(path):  # a live link is written through (``/dev/stdout``)
+            return None
+        path = os.path.realpath(path)  # a dead one: the file is made where it points
+    elif os.path.exists(path) and not os.path.isfile(path):
         return None
     folder = os.path.dirname(path)
     while not os.path.lexists(folder):  # (ends at the root, which exists)

@@ -81,3 +81,22 @@ def test_an_out_in_a_missing_folder_is_still_made_and_written(tmp_path, capsys):
     out = tmp_path / "new" / "sub" / "r.json"
     assert sim_accuracy.main(["--resimulate", RESULT, "--profile", "cpu-2core", "--out", str(out)]) == 0
     assert out.is_file() and f"wrote {out}" in capsys.readouterr().out
+
+
+def test_a_dead_link_is_asked_of_the_folder_it_points_into(tmp_path, monkeypatch, capsys):
+    """The review of cd7b295: a link was written through unasked, so one pointing into a missing root folder ran
+    the whole re-simulation and then failed.  A live link (``/dev/stdout``'s kind) is still written through."""
+    (tmp_path / "notes").write_text("a file, not a folder")
+    dead = tmp_path / "dead.json"
+    dead.symlink_to(tmp_path / "notes" / "r.json")
+    _no_work(monkeypatch)
+    _refused(["--resimulate", RESULT, "--profile", "cpu-2core", "--out", str(dead)], capsys,
+             "argument --out", f"{str(tmp_path / 'notes')!r} is not a directory")
+    live = tmp_path / "live.json"
+    live.symlink_to("/dev/null")
+    assert sim_accuracy.unwritable(str(live)) is None
+
+
+def test_save_profile_beside_profile_is_refused_as_unread_first(tmp_path, capsys):
+    """A --save-profile a --profile run never writes is refused for that, not for its path."""
+    _refused(["--profile", "cpu-2core", "--save-profile", "/proc/p.json"], capsys, "with --profile")

@@ -505,11 +505,11 @@ def main(argv: list[str] | None = None) -> int:
     if job:  # (--explain prints only: --out, which --resimulate writes, is refused beside it too)
         refuse_unread(ap, args, RUN_FLAGS + (("out",) if args.explain else ()),
                       f"with {job} (it runs no real engine{' and writes nothing' if args.explain else ''})")
+    if args.profile:  # (with a job, refused above already: it reads no run flag)
+        refuse_unread(ap, args, ("save_profile", "calibration_repeats"), "with --profile (this run makes no calibration)")
     for flag, path in (("--out", args.out), ("--save-profile", args.save_profile)):  # (written last: ask first)
         if path and (why := unwritable(path)):
             ap.error(f"argument {flag}: cannot write {brief_path(path)}: {why}")
-    if args.profile:  # (with a job, refused above already: it reads no run flag)
-        refuse_unread(ap, args, ("save_profile", "calibration_repeats"), "with --profile (this run makes no calibration)")
     for dest, value in {**RUN_DEFAULTS, "calibration_repeats": CALIBRATION_REPEATS}.items():
         if getattr(args, dest) is None:  # (what a real run reads when the flag is left alone)
             setattr(args, dest, value)

@@ -349,7 +349,8 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> tup
     Asking for that entry is not yet a count one too high: an answer with the right count that reads the table one
     entry ahead of the block it gathers (``ids[k + 1]``, a prefetch) asks for it too, and its raise comes from the
     blocks it needs.  So an ask is also put to the whole row with that entry naming a block past the pool
-    (:func:`_takes_a_block_from`): the second item says whether the answer took a block from it.  A run that
+    (:func:`_takes_a_block_from`): the second item says whether the answer took a block from it (False: it took
+    none, or raised on the extra block before reading the cache).  A run that
     returns given the cut table took a slice of the table, a count, and needs no such run.
     """
     if type(exc) is IndexError and str(exc) == _read_past(table):
@@ -375,8 +376,10 @@ def _raise_past_its_blocks(fn, exc: Exception, cache, table, kv_len: int) -> tup
 def _takes_a_block_from(fn, exc: Exception, cache, table, kv_len: int) -> bool:
     """Whether ``fn``, which raised ``exc`` on ``(cache, table, kv_len)``, takes a block from the table entry just
     after the ceil(kv_len / B) that the tokens need before it raises: with that entry naming a block past the pool
-    (no cache holds it), an answer that gathers it raises otherwise, or returns; one that only reads it raises as
-    before, and then its count of blocks, right or not, is not what raised."""
+    (no cache holds it), an answer that gathers it raises otherwise, or returns.  One that raises as before either
+    only reads the entry (a right count reading ``ids[k + 1]`` ahead) or raises on its extra block before touching
+    the cache (an up-plus-one count that asserts or clamps first): this experiment cannot tell those two apart, so
+    the hint then names both.  (A right count that *loads* the next block ahead is taken for up-plus-one.)"""
     entry, poisoned = -(-kv_len // cache.shape[1]), table.clone()
     if entry >= len(table):  # (a row with no such entry: nothing to take a block from)
         return False
@@ -491,11 +494,11 @@ def check_gather_kv(fn) -> CheckResult:
             if took:
                 return (f"{n} token(s) fill {needed} block(s), and the raise comes from a block after them: {given} "
                         f"-- {_ROUND_UP} (and don't walk the whole table row)")
-            return (f"{n} token(s) fill {needed} block(s): {given}, but takes no block from that entry (naming a block "
-                    "past the pool there leaves the raise as it was), so its count is not what raised -- read only "
-                    "the entries the tokens need (no read ahead: ids[k + 1] at the last block is one past them), "
-                    "and look for the raise in the blocks they fill: is the last one cut to the kv_len - k * "
-                    "block_size rows it holds?")
+            return (f"{n} token(s) fill {needed} block(s): {given}, yet naming a block past the pool there leaves "
+                    f"its raise as it was, so either its count is one too high and it raises on that extra block "
+                    f"before reading the cache -- {_ROUND_UP} -- or it reads the table one entry ahead (ids[k + 1] at "
+                    "the last block is one past the entries the tokens need) and the raise is in the blocks they "
+                    "fill: is the last one cut to the kv_len - k * block_size rows it holds?")
         return explain
 
     def untouched(f):
