@@ -105,6 +105,70 @@ def test_run_sim_load_matches_the_engines_prometheus_series():
     assert all(0.0 <= s.kv_usage <= 1.0 and 0.0 <= s.utilisation <= 1.0 for s in run.samples)
 
 
+def _counting_outputs(engine) -> list[int]:
+    """Wrap ``engine.step`` to note how many outputs each step built (one list entry per step)."""
+    built: list[int] = []
+    step = engine.step
+
+    def counted():
+        outs = step()
+        built.append(len(outs))
+        return outs
+
+    engine.step = counted
+    return built
+
+
+def test_a_run_without_scrapes_reports_each_request_once_and_measures_the_same_latencies():
+    """``every_s=None`` (the sweeps: only the summary is read) builds one output per request, at its end, instead
+    of one per running request per step -- half of a 256-seat run's time.  Oracle: the step log, recounted
+    offline by ``metrics_from_step_log`` (which tokens each step sampled, when): the run's TTFTs and gaps must be
+    exactly its, on a pool small enough to preempt (a recompute's tokens keep their first times)."""
+    from minivllm.metrics.prometheus import metrics_from_step_log
+
+    arrivals = ramp_arrivals([6, 12], 3.0, seed=2)
+    engine = check_lab08.lab_engine(num_blocks=128)
+    built = _counting_outputs(engine)
+    run = run_sim_load(engine, arrivals, every_s=None)
+    assert run.stats["num_preemptions"] > 0 and run.samples == []
+    assert sum(built) == len(arrivals) == len(run.e2e)  # one output each: the last
+    recount = metrics_from_step_log(engine.step_log, {a.request_id: a.prompt_len for a in arrivals},
+                                    {a.request_id: a.time for a in arrivals}, 128)
+    assert run.ttft == pytest.approx(recount["ttft"], abs=1e-12)
+    assert sorted(run.all_itls()) == pytest.approx(sorted(recount["itl"]), abs=1e-12)
+    assert len(run.all_itls()) + len(arrivals) == recount["generation_tokens"]
+    with pytest.raises(ValueError, match="on_sample"):  # a live picture needs scrapes
+        run_sim_load(check_lab08.lab_engine(), arrivals, every_s=None, on_sample=lambda r: None)
+
+
+def test_lab8s_sweeps_build_one_output_per_request():
+    """The knee sweeps, the bill at scale, the fleet and the tuning table read summaries and counters, never a
+    scrape: each request must report once, not once per step (the at-scale sweep was the lab's slowest cell,
+    half of it spent building streaming outputs).  Oracle: the number of requests each run was offered."""
+    from minivllm.engine import output_processor
+    from minivllm.labs import at_scale
+
+    made = []
+    real = output_processor.OutputProcessor._make_output
+
+    def counting(self, *args):
+        made.append(1)
+        return real(self, *args)
+
+    runs = {"at_scale.knee_sweep": (lambda: at_scale.knee_sweep((20,), 1.0), len(ramp_arrivals([20], 1.0, seed=1))),
+            "knee_sweep": (lambda: check_lab08.knee_sweep((4,), 2.0), len(ramp_arrivals([4], 2.0, seed=1))),
+            "tuning_run": (lambda: check_lab08.tuning_run(512, seconds=2.0), len(ramp_arrivals([8.0], 2.0, seed=1))),
+            "cost_run": (lambda: check_lab08.cost_run(1.0), len(check_lab08.cost_arrivals(1.0))),
+            "fleet_scrape": (lambda: check_lab08.fleet_scrape(seconds=1.0),
+                             sum(len(ramp_arrivals([r], 1.0, seed=1)) for r in check_lab08.FLEET.values()))}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(output_processor.OutputProcessor, "_make_output", counting)
+        for name, (sweep, requests) in runs.items():
+            made.clear()
+            sweep()
+            assert len(made) == requests, (name, len(made), requests)
+
+
 def test_ramp_arrivals_rates_and_errors():
     arr = ramp_arrivals([5, 20], 20.0, seed=0)
     first = sum(a.time < 20 for a in arr)

@@ -220,11 +220,12 @@ def knee_sweep(rates: Sequence[float] = (20, 40, 70, 80, 100), seconds: float = 
     The default rates are the points the lab reads: 20 and 40 req/s on the flat part, the knee (70), the step
     past it where TTFT breaks (80) and the one where ITL breaks too (100).  A 60 req/s point (p99 ITL 31 ms,
     between 40's and 70's) said nothing more and cost 2.3 s of CPU on a 2-core machine, where CI's two runs of
-    the notebook, beside the rest of the suite, had passed the course's three minutes."""
+    the notebook, beside the rest of the suite, had passed the course's three minutes.  The runs take no scrapes
+    (``every_s=None``): the streaming outputs a scrape needs were half of each run's time at 256 seats."""
     from minivllm.labs.live import ramp_arrivals, run_sim_load
 
-    return {r: run_sim_load(serving_engine(**engine_options), ramp_arrivals([r], seconds, seed=seed)).summary()
-            for r in rates}
+    return {r: run_sim_load(serving_engine(**engine_options), ramp_arrivals([r], seconds, seed=seed),
+                            every_s=None).summary() for r in rates}
 
 
 # -- lab 6: the three-class policy where the hardware can meet the SLOs -----------------------------

@@ -407,13 +407,14 @@ its knee, and to read per-model throughput before buying another replica.
 
 ## 3. ITL under load, live
 
-`LiveLoad` runs open-loop load against the engine on its virtual clock and redraws four panels after every scrape:
-the ITL histogram, TTFT percentiles, queue depth, and KV usage next to compute utilisation (tokens per step / the
-step's token budget). The load ramps from 2 to 16 requests per second, 5 s per rate; prompts of 64–512 tokens,
-outputs of 32–256. In Jupyter the picture updates while it runs; click *run again* to watch it.
+`LiveLoad` runs open-loop load against the engine on its virtual clock, scrapes it every virtual second and redraws
+four panels every 16 scrapes (each picture is a PNG render, the cell's main cost): the ITL histogram, TTFT
+percentiles, queue depth, and KV usage next to compute utilisation (tokens per step / the step's token budget).
+The load ramps from 2 to 16 requests per second, 5 s per rate; prompts of 64–512 tokens, outputs of 32–256. In
+Jupyter the picture updates while it runs; click *run again* to watch it.
 """),
 ("code", r"""
-live = LiveLoad(lab_engine, ramp_arrivals(RAMP_RATES, 5.0, seed=1), every_s=1.0, redraw_every=8,
+live = LiveLoad(lab_engine, ramp_arrivals(RAMP_RATES, 5.0, seed=1), every_s=1.0, redraw_every=16,
                 itl_slo_ms=1000 * SLO_ITL_S, ttft_slo_s=SLO_TTFT_S,
                 title="ramp 2 -> 16 req/s on SERVING_GPU (simulated), 512 KV blocks")
 live.show()
