@@ -114,9 +114,9 @@ def test_a_cap_retry_hint_says_a_forked_group_fits_when_it_does():
         return kv.num_new_blocks(r, r.num_uncomputed_tokens) + kv.num_copy_on_write_blocks(r)
 
     newcomer = Request("N", [1] * 3, SamplingParams(max_tokens=1), 0.0, tenant="t")
-    hint = caps.retry_steps(newcomer, reqs, 1, reserved, True, kv.num_copy_on_write_blocks)
+    hint = caps.retry_steps(newcomer, reqs, lambda held: (1,), reserved, True, kv.num_copy_on_write_blocks)
     assert hint is None
-    assert caps.retry_steps(newcomer, reqs, 2, reserved, True, kv.num_copy_on_write_blocks) is not None
+    assert caps.retry_steps(newcomer, reqs, lambda held: (2,), reserved, True, kv.num_copy_on_write_blocks) is not None
 
 
 CAPPED = {"a": TenantConfig(max_kv_share=0.35, priority_class="agent"),
@@ -177,7 +177,7 @@ def test_every_recount_equals_the_oracle_at_every_admission_read(monkeypatch, po
     does a fresh recount; at every cap check, each group's usage (kept the same way) equals the group oracle.
     Where two holders write into one block the oracle is checked by doing it.  Outputs equal an uncapped run's."""
     reads = {"admit": 0, "caps": 0, "stepped": 0}
-    try_admit, within = Scheduler._try_admit, Scheduler._within_caps
+    try_admit, within = Scheduler._try_admit, Scheduler._cap_failure
     worst = mode == "reject"
     rng = random.Random(f"{policy}-{mode}-{prefix}")
 
@@ -200,15 +200,15 @@ def test_every_recount_equals_the_oracle_at_every_admission_read(monkeypatch, po
         reads["admit"] += 1
         return try_admit(self, req, budget, reserved)
 
-    def checked_within(self, req, usage, need_blocks, per_step=True):
+    def checked_within(self, req, usage, needs, per_step=True):
         want = group_claims(self.kv, self.running, keys(self), worst_case=worst)
         assert {k: u.blocks for k, u in usage.items() if u.seats} == want
         assert {k: u.blocks for k, u in self._group_usage()[0].items()} == want
         reads["caps"] += 1
-        return within(self, req, usage, need_blocks, per_step)
+        return within(self, req, usage, needs, per_step)
 
     monkeypatch.setattr(Scheduler, "_try_admit", checked_try_admit)
-    monkeypatch.setattr(Scheduler, "_within_caps", checked_within)
+    monkeypatch.setattr(Scheduler, "_cap_failure", checked_within)
     engine = _engine(policy, mode, prefix)
     _workload(engine, seed=3)
     out = _outputs(engine)
@@ -381,7 +381,7 @@ def test_a_cap_hint_recounts_a_copy_when_a_holder_that_writes_elsewhere_leaves()
     assert group_claims(kv, reqs, _one_group) == {"g": 4}
     assert group_claims(*_gone_on_a_copy(kv, reqs, 1), _one_group) == {"g": 2}  # L gone
     newcomer = Request("N", [1] * 7, SamplingParams(max_tokens=1), 0.0, tenant="t")
-    assert caps.retry_steps(newcomer, reqs, 2, reserved, True, kv.num_copy_on_write_blocks) == 15
+    assert caps.retry_steps(newcomer, reqs, lambda held: (2,), reserved, True, kv.num_copy_on_write_blocks) == 15
 
 
 def test_a_preemption_that_leaves_a_victims_co_holder_writing_in_place_is_made():
@@ -451,7 +451,7 @@ def test_a_cap_hint_names_the_first_departure_a_recount_on_a_copy_fits(mode, pre
                 fits = next((j for j in range(len(order) + 1) if not g.would_exceed(len(order) - j, counts[j], need)),
                             len(order))
                 expect = None if fits == 0 else max(1, order[fits - 1].steps_to_finish(chunk))
-                said = caps.retry_steps(members[0], sched.running, need, sched._reservation, kv.may_share(),
+                said = caps.retry_steps(members[0], sched.running, lambda held, n=need: (n,), sched._reservation, kv.may_share(),
                                         kv.num_copy_on_write_blocks)
                 assert said == expect, (tenant, need, said, expect, counts, [r.request_id for r in order])
         checked[0] += 1

@@ -42,11 +42,13 @@ CAP5 = 5 / NUM_BLOCKS  # max_kv_share of exactly 5 blocks
 
 
 def _engine(kind="radix", **options) -> LLMEngine:
-    """8-token blocks, prefix caching on; KVContents checks every KV slot a step attends."""
+    """8-token blocks, prefix caching on; KVContents checks every KV slot a step attends.  ``options`` add to or
+    replace these settings."""
     if "tenants" in options:
         options.setdefault("scheduling_policy", "caps")
-    cfg = EngineConfig(num_gpu_blocks_override=NUM_BLOCKS, block_size=BS, max_num_seqs=8, max_num_batched_tokens=256,
-                       max_model_len=128, enable_prefix_caching=True, prefix_cache=kind, device="cpu", **options)
+    cfg = EngineConfig(**{**dict(num_gpu_blocks_override=NUM_BLOCKS, block_size=BS, max_num_seqs=8,
+                                 max_num_batched_tokens=256, max_model_len=128, enable_prefix_caching=True,
+                                 prefix_cache=kind, device="cpu"), **options})
     return LLMEngine(cfg, executor=KVContents(BS), model_max_len=128, eos_token_ids=set())
 
 
@@ -99,14 +101,14 @@ def _held_within_caps(engine) -> None:
 
 
 def _run(engine, watch: str, arrivals: dict, sp: SamplingParams) -> tuple[int, int | None, dict]:
-    """Step ``engine`` to the end, adding ``arrivals[step] = [(request_id, prompt, tenant), ...]`` before that step.
+    """Step ``engine`` to the end, adding ``arrivals[step] = [(request_id, prompt, tenant), ...]`` before that step
+    (a fourth item: that request's own SamplingParams instead of ``sp``).
     Returns the first step at which the brute force said ``watch`` fits (checked before each step, while it waits),
     the step that admitted it, and every request's tokens and finish reason."""
     first_fit = admitted = None
     out, step = {}, 0
     while step == 0 or engine.has_unfinished_requests() or step in arrivals:
-        for rid, prompt, tenant in arrivals.get(step, ()):
-            engine.add_request({"prompt_token_ids": prompt}, sp, tenant=tenant, arrival_time=0.0, request_id=rid)
+        _arrive(engine, arrivals.get(step, ()), sp)
         waiting = {r.request_id: r for r in engine.scheduler.waiting}
         if first_fit is None and watch in waiting and _brute_fits(engine, waiting[watch]):
             first_fit = step
@@ -122,6 +124,12 @@ def _run(engine, watch: str, arrivals: dict, sp: SamplingParams) -> tuple[int, i
     return first_fit, admitted, out
 
 
+def _arrive(engine, arrivals, sp) -> None:
+    for rid, prompt, tenant, *own in arrivals:
+        engine.add_request({"prompt_token_ids": prompt}, own[0] if own else sp, tenant=tenant, arrival_time=0.0,
+                           request_id=rid)
+
+
 def _uncapped(arrivals, sp, kind="radix", **options) -> dict:
     engine = _engine(kind, **options)
     *_, out = _run_free(engine, arrivals, sp)
@@ -131,8 +139,7 @@ def _uncapped(arrivals, sp, kind="radix", **options) -> dict:
 def _run_free(engine, arrivals, sp):
     out, step = {}, 0
     while step == 0 or engine.has_unfinished_requests() or step in arrivals:
-        for rid, prompt, tenant in arrivals.get(step, ()):
-            engine.add_request({"prompt_token_ids": prompt}, sp, tenant=tenant, arrival_time=0.0, request_id=rid)
+        _arrive(engine, arrivals.get(step, ()), sp)
         for o in engine.step():
             if o.finished:
                 out[o.request_id] = ([c.token_ids for c in o.outputs], o.outputs[0].finish_reason)
@@ -203,15 +210,15 @@ def test_a_shared_cap_group_charges_a_prefix_another_tenant_of_its_class_holds_o
 
 
 def _passed_over(monkeypatch) -> dict:
-    """Count, per request id, the cap checks admission makes (``Scheduler._within_caps``)."""
+    """Count, per request id, the cap checks admission makes (``Scheduler._cap_failure``)."""
     checks: dict = {}
-    within = Scheduler._within_caps
+    failure = Scheduler._cap_failure
 
-    def counted(self, req, usage, need_blocks, per_step=True):
+    def counted(self, req, usage, needs, per_step=True):
         checks[req.request_id] = checks.get(req.request_id, 0) + 1
-        return within(self, req, usage, need_blocks, per_step)
+        return failure(self, req, usage, needs, per_step)
 
-    monkeypatch.setattr(Scheduler, "_within_caps", counted)
+    monkeypatch.setattr(Scheduler, "_cap_failure", counted)
     return checks
 
 
@@ -274,6 +281,105 @@ def test_a_failure_behind_one_held_prefix_does_not_stand_for_a_request_behind_an
     first_fit, admitted, out = _run(engine, "y", arrivals, sp)
     assert first_fit == 1 and admitted == 1, (first_fit, admitted)
     assert out == _uncapped(arrivals, sp, kind)
+
+
+def _brute_retry_steps(engine, req) -> int:
+    """Steps until ``req``'s reject group has room for it, recounted from the tables.  Its running members leave in
+    the order of the steps they still need (the hint's model: ``Request.steps_to_finish``); after each, the group's
+    claims (``group_claims`` of the members left) plus ``req``'s blocks less those the members left share with it
+    (:func:`_brute_shared`: a prefix is free only while a member holds it) are checked against the caps.  The
+    steps of the member whose leaving makes room, or 1 when there is room now (the engine's floor)."""
+    sched, chunk, keys = engine.scheduler, engine.config.prefill_chunk_tokens, _keys(engine)
+    need = -(-req.num_tokens // BS)
+    (g,) = [g for g in sched.caps.groups(req) if g.over_cap == "reject"]
+    order = sorted((m for m in sched.running if g.key in keys(m)), key=lambda r: r.steps_to_finish(chunk))
+    for j in range(len(order) + 1):
+        left = order[j:]
+        blocks = group_claims(engine.kv, left, keys).get(g.key, 0) + need - _brute_shared(engine, req, left)
+        if (g.max_running is None or len(left) < g.max_running) and (g.max_blocks is None or blocks <= g.max_blocks):
+            return max(1, order[j - 1].steps_to_finish(chunk)) if j else 1
+    raise AssertionError("an accepted request always fits its group alone")
+
+
+# ``first`` (the 3-block system prompt + 1 token: 4 blocks, its outputs included) and ``other`` start at step 0;
+# ``second`` arrives at step 1 on ``first``'s cached prompt and gets a 429.  Its hint is taken at the end of step 1,
+# when each member has 2 outputs: ``steps_to_finish`` = 1 + (max_tokens - 2 - 1).
+RETRY = {
+    # Cap 6: 4 + 2 held; ``second`` (4 blocks, 3 held) 6 + 1 > 6.  ``other`` (12 tokens, 4 outputs: 2 steps left)
+    # leaves first: 4 + 1 <= 6, so the hint is 2.  Charged its whole prompt, 4 + 4 > 6 waited for ``first`` (7
+    # outputs: 5 steps) too: the old hint, 5.
+    "while_its_holder_runs": (6, [("other", [40 + i for i in range(12)], 4)], 7, SYSTEM + [2] * 4, 2),
+    # Cap 8: 4 + 3 held; ``second`` (44 tokens: 6 blocks, 3 held) 7 + 3 > 8.  ``first`` (3 outputs: 1 step left)
+    # leaves first and takes the held prefix with it: 3 + 6 > 8 still, so the hint waits for ``other`` (18 tokens,
+    # 6 outputs: 4 steps).  The need as the rejection charged it (3 + 3 <= 8) would have said 1.
+    "once_its_holder_left": (8, [("other", [40 + i for i in range(18)], 6)], 3, SYSTEM + [2] * 20, 4),
+}
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+@pytest.mark.parametrize("case", sorted(RETRY))
+def test_a_reject_caps_retry_hint_charges_the_need_its_rejection_charged(kind, case, monkeypatch):
+    """The 429's hint (``Scheduler.cap_retry_steps``) charged the whole prompt while admission charged the exact
+    need, so a request turned away beside the holder of its prefix was told to wait for that holder too (first
+    case: 5 steps where 2 make room).  Oracle: :func:`_brute_retry_steps` at the moment the hint is taken, and the
+    hand count in ``RETRY``."""
+    cap, others, first_outputs, prompt, steps = RETRY[case]
+    engine = _engine(kind, tenants={"a": TenantConfig(max_kv_share=cap / NUM_BLOCKS, over_cap="reject")})
+    arrivals = {0: [("first", SYSTEM + [1], "a", SamplingParams(max_tokens=first_outputs, ignore_eos=True))]
+                + [(rid, p, "a", SamplingParams(max_tokens=n, ignore_eos=True)) for rid, p, n in others],
+                1: [("second", prompt, "a")]}
+    hints = {}
+    hint_of = Scheduler.cap_retry_steps
+
+    def recorded(self, req):
+        want = _brute_retry_steps(engine, req) if req in self._cap_rejected else None
+        hints[req.request_id] = (hint_of(self, req), want)
+        return hints[req.request_id][0]
+
+    monkeypatch.setattr(Scheduler, "cap_retry_steps", recorded)
+    _, admitted, out = _run(engine, "second", arrivals, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert admitted is None and out["second"][1] == "rejected", out
+    assert hints == {"second": (steps, steps)}, hints
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+@pytest.mark.parametrize("arrives", [1, 3])
+def test_a_sample_keeps_its_seat_when_its_leaders_held_prefix_lets_it_fit(kind, arrives):
+    """FCFS (a global head of line) with two seats and a cap of 5 blocks.  ``L`` (n=2, 28 tokens: 4 blocks)
+    prefills 8 tokens a step, its sample ``S`` waiting behind it; ``X``, another tenant's, arrives at step
+    ``arrives``.  A waiting sample keeps a seat only if its caps would let it run -- charged as admission will charge
+    it, without the blocks of its prompt its leader already holds cached.  At step 1 ``L`` holds 1 of them (and is
+    charged 3 more for its prefill): 4 + (4 - 1) > 5, ``S`` could not run, ``X`` takes the seat.  At step 3 it holds
+    3: 4 + (4 - 3) = 5 fits, so ``S`` keeps its seat, ``X`` waits, and ``S`` starts at step 4, when ``L`` is ready.
+    Charged its whole prompt (4 + 4 > 5) it kept none, ``X`` took the seat, and ``S`` waited for ``X`` to finish.
+    Oracle: the brute-force fit (:func:`_brute_fits`) of ``S`` when ``X`` arrives decides whether ``X`` starts then,
+    and every request's tokens equal an uncapped run's."""
+    engine = _engine(kind, tenants={"a": TenantConfig(max_kv_share=CAP5)}, scheduling_policy="fcfs", max_num_seqs=2,
+                     long_prefill_token_threshold=8)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    arrivals = {0: [("L", SYSTEM + [1] * 4, "a", SamplingParams(n=2, max_tokens=3, ignore_eos=True))],
+                arrives: [("X", [50 + i for i in range(12)], "b")]}
+    started, fits, out, step = {}, None, {}, 0
+    while step == 0 or engine.has_unfinished_requests():
+        _arrive(engine, arrivals.get(step, ()), sp)
+        sample = next((r for r in engine.scheduler.waiting if r.leader is not None), None)
+        if step == arrives:
+            fits = _brute_fits(engine, sample)
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = ([c.token_ids for c in o.outputs], o.outputs[0].finish_reason)
+        for r in engine.scheduler.running:
+            started.setdefault("S" if r.leader is not None else r.request_id, step)
+        _held_within_caps(engine)
+        step += 1
+    assert_no_leak(engine)
+    assert fits == (arrives == 3), fits
+    if fits:
+        assert started["S"] == 4 and started["X"] > 4, started
+    else:
+        assert started["X"] == arrives, started
+    assert out == _uncapped(arrivals, sp, kind, scheduling_policy="fcfs", max_num_seqs=2,
+                            long_prefill_token_threshold=8)
 
 
 # -- the caches' side-effect-free lookups ------------------------------------------------------------------------

@@ -167,8 +167,8 @@ def test_a_reject_kv_cap_admits_a_request_that_fills_it_exactly():
     (group,) = caps.groups(req)
     assert group.max_blocks == 12
     usage = {group.key: GroupUsage(seats=0, blocks=8, tokens=0)}
-    assert caps.rejecting_group(req, usage, need_blocks=4) is None
-    assert caps.rejecting_group(req, usage, need_blocks=5) is group
+    assert caps.rejecting_group(req, usage, needs=(4,)) is None
+    assert caps.rejecting_group(req, usage, needs=(5,)) is group
 
 
 def member(tenant: str, prompt_len: int, max_tokens: int) -> Request:
@@ -192,7 +192,7 @@ def test_the_retry_hint_waits_for_the_member_that_finishes_first():
     almost three times longer than it must."""
     caps = reject_caps(max_running=2)
     short, long = member("t", 16, 3), member("t", 16, 8)  # 3 and 8 steps left (chunk 16)
-    assert caps.retry_steps(member("t", 4, 1), [long, short], need_blocks=0, reserved=lambda r: 0) == 3
+    assert caps.retry_steps(member("t", 4, 1), [long, short], needs=lambda held: (0,), reserved=lambda r: 0) == 3
 
 
 def test_the_retry_hint_counts_only_the_rejecting_tenants_own_running_requests():
@@ -203,7 +203,7 @@ def test_the_retry_hint_counts_only_the_rejecting_tenants_own_running_requests()
     request (9 steps) holds no seat of t's, so the hint is 5, not 9."""
     caps = reject_caps(max_running=1)
     mine, other = member("t", 16, 5), member("other", 16, 9)
-    assert caps.retry_steps(member("t", 4, 1), [mine, other], need_blocks=0, reserved=lambda r: 0) == 5
+    assert caps.retry_steps(member("t", 4, 1), [mine, other], needs=lambda held: (0,), reserved=lambda r: 0) == 5
 
 
 def test_the_agent_seat_cap_rounds_down():

@@ -97,7 +97,7 @@ def _checked(monkeypatch) -> list:
     members' next writes add (brute force, ``invariants.group_claims``): a leader and the samples forked onto its
     partly filled last block are charged one copy fewer than they are, since the last of them writes in place."""
     reads, live = [], []
-    fit, within, usage_of = Scheduler._fit_group_kv, Scheduler._within_caps, Scheduler._group_usage
+    fit, within, usage_of = Scheduler._fit_group_kv, Scheduler._cap_failure, Scheduler._group_usage
 
     def keys(sched):
         return lambda r: [g.key for g in sched.caps.groups(r)]
@@ -113,7 +113,7 @@ def _checked(monkeypatch) -> list:
         live.append(held)
         return usage, held
 
-    def checked_within(self, req, usage, need_blocks, per_step=True):
+    def checked_within(self, req, usage, needs, per_step=True):
         want = _brute(self.running, keys(self))
         for k, u in usage.items():
             members = [r for r in self.running if k in keys(self)(r)]
@@ -122,10 +122,10 @@ def _checked(monkeypatch) -> list:
             claims = group_claims(self.kv, self.running, keys(self))
             assert u.blocks == claims[k] == usage_of(self)[0][k].blocks, (k, u, claims[k])
         reads.append("admit")
-        return within(self, req, usage, need_blocks, per_step)
+        return within(self, req, usage, needs, per_step)
 
     monkeypatch.setattr(Scheduler, "_fit_group_kv", checked_fit)
-    monkeypatch.setattr(Scheduler, "_within_caps", checked_within)
+    monkeypatch.setattr(Scheduler, "_cap_failure", checked_within)
     monkeypatch.setattr(Scheduler, "_group_usage", recorded_usage)
     return reads
 

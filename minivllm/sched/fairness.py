@@ -131,12 +131,11 @@ class CapGroup:
     def would_exceed(self, seats: int, blocks: int, need_blocks: int) -> bool:
         """Would one more request needing ``need_blocks`` KV blocks exceed this group's seat or KV cap, with ``seats``
         members running and ``blocks`` counted against it?  Admission
-        (:meth:`~minivllm.sched.scheduler.Scheduler._within_caps`), a reject-cap (:meth:`CapTable.rejecting_group`)
+        (:meth:`~minivllm.sched.scheduler.Scheduler._cap_failure`), a reject-cap (:meth:`CapTable.rejecting_group`)
         and its retry hint (:meth:`CapTable.retry_steps`) ask this one question, so the rule cannot drift apart: a
-        request that brings the group to its caps exactly fits.  (What they ask it *with* can: admission and the
-        reject-cap take off the cached prefix the group holds, the retry hint still asks with the whole need, so
-        a hint can be longer than the wait.)  The per-step token cap is not asked: it frees up
-        at the next step."""
+        request that brings the group to its caps exactly fits.  Nor can what they ask it with: each charges the
+        request its exact need (``Scheduler._cap_needs``: a cached prefix the group holds is free).  The per-step
+        token cap is not asked: it frees up at the next step."""
         return ((self.max_running is not None and seats >= self.max_running)
                 or (self.max_blocks is not None and blocks + need_blocks > self.max_blocks))
 
@@ -210,18 +209,15 @@ class CapTable:
         """Does any of ``req``'s groups turn over-cap requests away (rather than make them wait)?"""
         return any(g.over_cap == "reject" for g in self.groups(req))
 
-    def rejecting_group(self, req: Request, usage: dict[tuple, GroupUsage],
-                        need_blocks: int | tuple[int, ...]) -> CapGroup | None:
+    def rejecting_group(self, req: Request, usage: dict[tuple, GroupUsage], needs: Sequence[int]) -> CapGroup | None:
         """The ``over_cap="reject"`` group whose seat or KV cap keeps ``req`` out now, if any.
 
-        ``usage`` is the scheduler's :class:`GroupUsage` per group key; ``need_blocks`` one count for all of
-        ``req``'s groups, or one per group in :meth:`groups` order (a held prefix it would share is not charged to
-        the group holding it: ``Scheduler._cap_verdict``).  The per-step token cap never rejects: it frees up at
-        the next step.
+        ``usage`` is the scheduler's :class:`GroupUsage` per group key; ``needs`` the blocks ``req`` would cost each
+        of its groups, one per group in :meth:`groups` order (a held prefix it would share is not charged to the
+        group holding it: ``Scheduler._cap_needs``).  The per-step token cap never rejects: it frees up at the next
+        step.
         """
-        groups = self.groups(req)
-        needs = (need_blocks,) * len(groups) if isinstance(need_blocks, int) else need_blocks
-        for g, need in zip(groups, needs):
+        for g, need in zip(self.groups(req), needs, strict=True):
             if g.over_cap != "reject":
                 continue
             u = usage.get(g.key, NO_USAGE)
@@ -229,10 +225,16 @@ class CapTable:
                 return g
         return None
 
-    def retry_steps(self, req: Request, running: Sequence[Request], need_blocks: int,
+    def retry_steps(self, req: Request, running: Sequence[Request], needs: Callable[[GroupBlocks], Sequence[int]],
                     reserved: Callable[[Request], int], shared: bool = True,
                     copies: Callable[[Request], int] | None = None) -> int | None:
         """Engine steps until the group that rejected ``req`` has room for it (None: it has room now).
+
+        ``needs(held)``: the blocks ``req`` would cost each of its groups (in :meth:`groups` order) while the
+        members counted in ``held`` run -- its fixed need less the blocks of its cached prefix they hold
+        (``Scheduler._cap_needs``, what admission charged it).  Asked again as members leave: a member that holds
+        the prefix shortens the wait while it runs, and once the last holder is gone the group would gain those
+        blocks again.
 
         A running member counts against the KV cap what admission counted: its blocks (a block members
         share once: :class:`~minivllm.kv.sharing.GroupBlocks`) plus ``reserved(r)``, the blocks set aside
@@ -248,7 +250,7 @@ class CapTable:
         estimate, like reject mode's hint: members can also be preempted, or stop early at EOS.
         """
         chunk = self.config.prefill_chunk_tokens
-        for g in self.groups(req):
+        for i, g in enumerate(self.groups(req)):
             if g.over_cap != "reject":
                 continue
             members = [r for r in running if g in self.groups(r)]
@@ -256,8 +258,7 @@ class CapTable:
             writers = [r for r in members if copies(r)] if copies is not None and shared else []
             spared = held.in_place_writes(g.key, writers)
             seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members) - spared
-
-            if not g.would_exceed(seats, blocks, need_blocks):
+            if not g.would_exceed(seats, blocks, needs(held)[i]):
                 continue
             steps = 1
             for r in sorted(members, key=lambda r: r.steps_to_finish(chunk)):
@@ -267,7 +268,7 @@ class CapTable:
                     if r in writers:
                         writers.remove(r)
                     blocks += spared - (spared := held.in_place_writes(g.key, writers))
-                if not g.would_exceed(seats, blocks, need_blocks):
+                if not g.would_exceed(seats, blocks, needs(held)[i]):
                     break
             return max(1, steps)
         return None

@@ -116,7 +116,7 @@ class _AdmissionPass:
     running requests as they stand, and dropped at its end: nothing here outlives a pass."""
 
     __slots__ = ("usage", "held", "reserved", "unranked_budget", "trusted", "admitted", "blocked", "cap_failed",
-                 "closed_classes", "cap_closed", "sharing", "swapped_out", "victim_rank", "held_seats")
+                 "cap_closed", "sharing", "swapped_out", "victim_rank", "held_seats")
 
     def __init__(self, usage: dict[tuple, GroupUsage] | None, held: GroupBlocks | None, reserved: int,
                  unranked_budget: int, trusted: bool) -> None:
@@ -127,17 +127,16 @@ class _AdmissionPass:
         self.trusted = trusted  # the policy keeps its order: the requests it yields need no check against the queue
         self.admitted: list[Request] = []
         self.blocked: set[str] = set()  # tenants whose head request could not start (per-tenant head of line)
-        # Per tenant and share class, the fewest blocks a request of that class needed (its fixed need,
+        # Per tenant, then per share class, the fewest blocks a request of that class needed (its fixed need,
         # ``Scheduler._need_blocks``) and still failed its caps: a later request of the same class needing as many
         # fails too, without asking (``Scheduler._share_class`` says what a class is and why this holds).  This
         # keeps a step with a long capped backlog (lab 6's 1,800 batch prompts) from re-checking every one of them.
+        # (Per tenant first: a tenant none of whose requests failed is not asked its requests' share classes.)
         self.cap_failed: dict[str, dict] = {}
-        # Per tenant, its share classes none of whose waiting requests can pass their caps in this pass
-        self.closed_classes: dict[str, set] = {}
-        # Tenants none of whose waiting requests can pass their caps in this pass: every class of theirs is closed,
-        # or a cap failed that no request could pass (seats, tokens, KV already full).  Their requests are passed
-        # over with one set lookup, so a step beside a long capped backlog costs the policy's ordering and that
-        # lookup per request, not a cap check.
+        # Tenants none of whose waiting requests can pass their caps in this pass: each of their classes failed at
+        # its smallest need, or a cap failed that no request could pass (seats, tokens, KV already over).  Their
+        # requests are passed over with one set lookup, so a step beside a long capped backlog costs the policy's
+        # ordering and that lookup per request, not a cap check.
         self.cap_closed: set[str] = set()
         # Per tenant, the share keys of the cached prefixes its KV-capped groups hold (``Scheduler._sharing_keys``),
         # worked out once it is first asked; kept a superset as the pass seats requests
@@ -499,11 +498,10 @@ class Scheduler:
         All of them, a cached prefix its group already holds included (admission would share those blocks, and
         its group would gain none): the count is fixed while ``req`` waits, so it is worked out once, when ``req``
         enters the queue, and one failed check can stand for later requests needing as many (``cap_failed``,
-        ``cap_closed``).  Only when it fails on a KV cap (or a group of ``req`` rejects) does :meth:`_cap_verdict`
-        take the held prefix off
-        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`), so a request that fits once its
-        shared blocks are left out is admitted -- and, under ``over_cap="reject"``, not turned away.  Once it runs,
-        its group is charged its distinct blocks exactly (``_seat``, ``_group_usage``)."""
+        ``cap_closed``).  Only when it fails -- on KV caps alone, or beside a group of ``req``'s that rejects -- is
+        the held prefix taken off (:meth:`_cap_check`, :meth:`_cap_needs`), so a request that fits once its shared
+        blocks are left out is admitted -- and, under ``over_cap="reject"``, not turned away.  Once it runs, its
+        group is charged its distinct blocks exactly (``_seat``, ``_group_usage``)."""
         if self.config.preemption_mode == "reject":
             return blocks_for(req.max_total_tokens, self.kv.block_size)
         return blocks_for(req.num_tokens, self.kv.block_size)
@@ -540,22 +538,51 @@ class Scheduler:
             usage[key].blocks -= held.in_place_writes(key, members)
         return usage, held
 
-    def _within_caps(self, req: Request, usage: dict[tuple, GroupUsage], need_blocks: int | tuple[int, ...],
-                     per_step: bool = True) -> bool:
-        """Would ``req`` (needing ``need_blocks``: one count for all its groups, or one per group in
-        ``caps.groups(req)`` order) keep every cap of its groups?  Monotone: with ``usage`` unchanged, a request of
-        the same tenant needing as many blocks or more fails too (``admit`` uses it).
-        ``per_step=False`` leaves out the per-step token cap: a sample waiting for its leader's prefill (``admit``'s
-        held seats) would pass it next step, once the leader's own chunks stop filling it."""
-        groups = self.caps.groups(req)
-        needs = (need_blocks,) * len(groups) if isinstance(need_blocks, int) else need_blocks
-        for g, need in zip(groups, needs):
+    def _cap_failure(self, req: Request, usage: dict[tuple, GroupUsage], needs: tuple[int, ...],
+                     per_step: bool = True) -> str | None:
+        """Which of ``req``'s caps it would break if admitted needing ``needs`` (one count per group, in
+        ``caps.groups(req)`` order): None, none of them; ``"kv"``, KV caps alone, each of which a smaller need could
+        pass (its exact need may: :meth:`_cap_check`); ``"full"``, a cap no request of the group could pass in this
+        pass -- its seats taken, its step's tokens used, or its KV blocks already over the cap.  Monotone: with
+        ``usage`` unchanged, a request of the same tenant needing as many blocks or more fails too (``admit``'s
+        shortcuts rest on it).  ``per_step=False`` leaves out the per-step token cap: a sample waiting for its
+        leader's prefill (``admit``'s held seats) would pass it next step, once the leader's own chunks stop
+        filling it."""
+        kv = False
+        for g, need in zip(self.caps.groups(req), needs, strict=True):
             u = usage.get(g.key, NO_USAGE)
-            if g.would_exceed(u.seats, u.blocks, need):
-                return False
             if per_step and g.max_tokens is not None and u.tokens >= g.max_tokens:
-                return False
-        return True
+                return "full"
+            if g.would_exceed(u.seats, u.blocks, need):
+                if g.would_exceed(u.seats, u.blocks, 0):
+                    return "full"
+                kv = True
+        return "kv" if kv else None
+
+    def _cap_needs(self, req: Request, need: int, held: GroupBlocks) -> tuple[int, ...]:
+        """``req``'s exact need per cap group (``caps.groups(req)`` order): its fixed need ``need``
+        (:meth:`_need_blocks`) less the blocks of its cached prefix that the group's members in ``held`` hold --
+        admission shares those, so the group gains none of them.  The one charge admission (:meth:`_cap_check`), a
+        sample's held seat (:meth:`_keeps_a_seat`) and the 429 retry hint (:meth:`cap_retry_steps`) make.  Found
+        by a lookup that leaves the cache as it was
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`)."""
+        return tuple(need - n for n in self.kv.held_prefix_blocks(req, held, self.caps.keys(req)))
+
+    def _cap_check(self, p: _AdmissionPass, req: Request, need: int,
+                   per_step: bool = True) -> tuple[str | None, tuple[int, ...]]:
+        """``(failure, needs)``: what :meth:`_cap_failure` says of ``req`` in this pass, and the needs it was
+        charged.  The fixed need ``need`` first, one lookup-free check; only when it fails -- on KV caps alone (a
+        smaller need may pass), or beside a group of ``req``'s that rejects (which must not turn it away for
+        blocks it would share, whichever cap fails) -- and ``req`` could start on cached blocks (it has a share
+        key) is its exact need asked (:meth:`_cap_needs`), and checked again if KV caps alone failed."""
+        needs = (need,) * len(self.caps.keys(req))
+        failure = self._cap_failure(req, p.usage, needs, per_step)
+        if failure is None or req not in self._waiting_key or failure != "kv" and not self.caps.may_reject(req):
+            return failure, needs
+        exact = self._cap_needs(req, need, p.held)
+        if failure == "kv" and exact != needs:
+            failure = self._cap_failure(req, p.usage, exact, per_step)
+        return failure, exact
 
     def _cap_budget(self, req: Request, usage: dict[tuple, GroupUsage], budget: int) -> int:
         """``budget`` cut to what ``req``'s groups' per-step token caps leave: step 2 gives it no more, so admitting
@@ -737,48 +764,35 @@ class Scheduler:
         n > 1: a sibling sample forks once its leader has prefilled the prompt.  Under a global head of line it
         keeps a seat meanwhile: a request ranked behind it must not take the seat it will need in a step or two
         (the deadline policy's aging bound, FCFS's order), only the room it leaves.  Caps come first: a sample its
-        tenant's cap holds back could not use the seat, so it keeps none."""
+        tenant's cap holds back could not use the seat, so it keeps none.  It is charged what admission will charge
+        it (:meth:`_cap_check`): the blocks of its prompt its group already holds -- the cached prefix its leader
+        has prefilled so far, or a system prompt its tenant runs on -- are free, so a sample that will fit keeps
+        its seat, and one whose whole prompt would not fit is not left seatless while a later request takes it."""
         return (not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING
-                and (self.caps is None or self._within_caps(req, p.usage, self._waiting_need[req], per_step=False)))
+                and (self.caps is None or self._cap_check(p, req, self._waiting_need[req], per_step=False)[0] is None))
 
     def _cap_verdict(self, p: _AdmissionPass, req: Request) -> str:
         """What ``req``'s caps say in this pass: :data:`_TRY` it (it is within them), :data:`_SKIP` it (it waits
         behind its tenant's or class's cap, or a reject-cap turned it away here), or :data:`_STOP` the pass
         (every tenant still waiting is now passed over).
 
-        The fixed need (:meth:`_need_blocks`) is checked first.  Only when it fails -- and a KV cap alone fails it
-        (it may then fit), or a group of it rejects over its cap (it must not be turned away for blocks it would
-        share) -- is the exact need asked for: the fixed one less the blocks of its cached prefix that each group
-        already holds (admission shares them; the group gains none).  The KV manager answers without touching the cache,
-        and only for a request whose share key a held prefix has (:meth:`_share_class`): any other shares nothing."""
+        Charged as :meth:`_cap_check` says: the fixed need (:meth:`_need_blocks`) first, its exact need (less the
+        blocks of its cached prefix each group already holds) only when that fails on KV caps alone or beside a
+        group that rejects.  A request its tenant's failure in this pass already stands for
+        (:meth:`_close_on_failure`) is skipped before either."""
         need = self._waiting_need.get(req)  # (exactly the waiting requests have one)
         if need is None:
             raise ValueError(self._not_an_order(req))
         failed = p.cap_failed.get(req.tenant)
         if failed and need >= failed.get(self._share_class(p, req), need + 1):
             return _SKIP  # as over its caps as a request of its tenant and class that already failed them
-        usage = p.usage
-        if self._within_caps(req, usage, need):
+        failure, needs = self._cap_check(p, req, need)
+        if failure is None:
             return _TRY
-        needs, cls = need, None
-        only_kv = self._within_caps(req, usage, 0)  # else a seat or token cap, or a full KV cap, failed it
-        # Take the held blocks off for a request that could start on cached blocks when only a KV cap failed (it
-        # may now fit), and when a group of its rejects over its cap (a seat or token cap failing beside the KV
-        # cap makes it wait, but the reject group must not turn it away for blocks it would share).
-        key = self._waiting_key.get(req) if only_kv or self.caps.may_reject(req) else None
-        if key is not None:
-            saved = self.kv.held_prefix_blocks(req, p.held, self.caps.keys(req))
-            if any(saved):
-                cls = key  # (a prefix its groups hold starts with its key: _share_class says so without a lookup)
-                needs = tuple(need - n for n in saved)
-                if only_kv and self._within_caps(req, usage, needs):
-                    return _TRY
-            else:
-                cls = self._share_class(p, req)
-        if req.status is RequestStatus.WAITING and req.leader is None and self.caps.rejecting_group(req, usage, needs):
+        if req.status is RequestStatus.WAITING and req.leader is None and self.caps.rejecting_group(req, p.usage, needs):
             self._reject(req)  # TenantConfig(over_cap="reject"): turned away with a retry hint
             self._cap_rejected.add(req)
-        elif not self.caps.may_reject(req) and self._close_on_failure(p, req, cls, need, only_kv):
+        elif not self.caps.may_reject(req) and self._close_on_failure(p, req, need, needs, failure):
             return _STOP  # the rest of the order is passed over too
         return _SKIP  # its tenant (or class) is at a cap: it waits, the others do not
 
@@ -817,52 +831,47 @@ class Scheduler:
             keys = p.sharing[req.tenant] = self.kv.prefix_keys_holding(chain.from_iterable(held))
         return keys
 
-    def _close_on_failure(self, p: _AdmissionPass, req: Request, cls, need: int, only_kv: bool) -> bool:
-        """Record that ``req`` (of share class ``cls``, needing ``need`` fixed blocks) failed its caps: it stands for
-        later requests of its tenant and class needing as many (``p.cap_failed``); the class closes when none of
-        its waiting requests needs fewer, and the tenant when all its classes with waiting requests are closed --
-        or at once when a cap failed that no request of it could pass (not ``only_kv``: a seat or token cap, or a
-        KV cap already full).  Returns whether every tenant still waiting is now passed over."""
+    def _close_on_failure(self, p: _AdmissionPass, req: Request, need: int, needs: tuple[int, ...],
+                          failure: str) -> bool:
+        """Record that ``req`` (needing ``need`` fixed blocks, charged ``needs``) failed its caps (``failure``, as
+        :meth:`_cap_failure` says): it stands for later requests of its tenant and share class needing as many
+        (``p.cap_failed``); the tenant closes (``p.cap_closed``) once each of its classes with waiting requests
+        failed at its smallest need -- or at once when a cap failed that no request of it could pass (``"full"``).
+        Returns whether every tenant still waiting is now passed over."""
         tenant = req.tenant
-        if not only_kv:
-            p.cap_closed.add(tenant)
-            return self._all_passed_over(p.blocked, p.cap_closed)
-        p.cap_failed.setdefault(tenant, {})[cls] = need
-        classes = self._class_needs(p, req, cls)
-        if need > min(classes[cls]):
-            return False
-        closed = p.closed_classes.setdefault(tenant, set())
-        closed.add(cls)
-        if not classes.keys() <= closed:
-            return False
+        if failure != "full":
+            # its class: its key when its exact need took a held prefix off (a prefix its groups hold starts with
+            # its key, known without a lookup), else as _share_class says
+            cls = self._waiting_key[req] if min(needs) < need else self._share_class(p, req)
+            failed = p.cap_failed.setdefault(tenant, {})
+            failed[cls] = need
+            if not all(failed.get(c, m + 1) <= m for c, m in self._class_minima(p, req, cls).items()):
+                return False
         p.cap_closed.add(tenant)
         return self._all_passed_over(p.blocked, p.cap_closed)
 
-    def _class_needs(self, p: _AdmissionPass, req: Request, cls) -> dict:
-        """Per share class of ``req``'s tenant with waiting requests: how many wait needing each count of blocks.
-        ``cls`` is ``req``'s class; when every waiting request of its tenant has ``req``'s share key, that is the
-        only class, and no held prefix is asked about."""
+    def _class_minima(self, p: _AdmissionPass, req: Request, cls) -> dict:
+        """Per share class of ``req``'s tenant with waiting requests, the fewest blocks one of them needs (its fixed
+        need).  ``cls`` is ``req``'s class; when every waiting request of its tenant has ``req``'s share key, that
+        is the only class, and no held prefix is asked about.  Read from the per-tenant and per-key counts the
+        queue keeps (``_count_waiting``): a few distinct needs each, however long the backlog."""
         tenant = req.tenant
         rest = self._needs_by_tenant[tenant]
         key = self._waiting_key.get(req)
         if key is None and not self._waiting_key:
-            return {None: rest}
+            return {None: min(rest)}
         if key is not None and sum(self._needs_by_key[(tenant, key)].values()) == self.waiting_by_tenant[tenant]:
-            return {cls: rest}
-        out: dict = {}
-        if self._waiting_key:
-            for key in self._sharing_keys(p, req):
-                needs = self._needs_by_key.get((tenant, key))
-                if needs:
-                    out[key] = needs
-            if out:
-                rest = rest.copy()
-                for needs in out.values():
-                    rest.subtract(needs)
-                rest = +rest  # (drops the counts that reached 0)
-        if rest:
-            out[None] = rest
-        return out
+            return {cls: min(rest)}
+        minima, rest = {}, rest.copy()
+        for k in self._sharing_keys(p, req):
+            needs = self._needs_by_key.get((tenant, k))
+            if needs:
+                minima[k] = min(needs)
+                rest.subtract(needs)
+        unkeyed = min((n for n, count in rest.items() if count > 0), default=None)  # (class None: what is left)
+        if unkeyed is not None:
+            minima[None] = unkeyed
+        return minima
 
     def _fit_or_make_room(self, p: _AdmissionPass, req: Request) -> tuple[tuple[int, int] | None, bool]:
         """``(fit, short_of_kv)``: ``fit`` is :meth:`_try_admit`'s ``(tokens, blocks)`` once ``req`` fits, after
@@ -905,7 +914,6 @@ class Scheduler:
         if self.caps is not None:
             p.usage, p.held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
             p.cap_failed.clear()
-            p.closed_classes.clear()
             p.cap_closed.clear()
             p.sharing.clear()  # (its blocks may no longer be held)
 
@@ -1033,12 +1041,16 @@ class Scheduler:
         return self.config.preemption_mode == "reject" and req.status is RequestStatus.WAITING and req.leader is None
 
     def cap_retry_steps(self, req: Request) -> int | None:
-        """Steps until the tenant cap that rejected ``req`` has room (None: a cap did not reject it)."""
+        """Steps until the tenant cap that rejected ``req`` has room (None: a cap did not reject it).  ``req`` is
+        charged what its rejection charged it, its exact need (:meth:`_cap_needs`), asked again as the group's
+        members leave (:meth:`~minivllm.sched.fairness.CapTable.retry_steps`): while a member holds its cached
+        prefix the prefix is free, once none does it is not."""
         if req not in self._cap_rejected:
             return None
         self._cap_rejected.discard(req)
-        return self.caps.retry_steps(req, self.running, self._need_blocks(req), self._reservation,
-                                     self.kv.may_share(), self.kv.num_copy_on_write_blocks) or 1
+        need = self._need_blocks(req)
+        return self.caps.retry_steps(req, self.running, lambda held: self._cap_needs(req, need, held),
+                                     self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
