@@ -152,8 +152,9 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float | Non
 
     ``every_s=None`` scrapes nothing: a sweep that reads only :meth:`SimRun.summary` needs no windows, so each
     request reports once, when it finishes (a ``final_only`` output carries all its token times), not once per
-    step.  The TTFTs, gaps and e2e latencies are the same; at lab 8's 256 seats building a streaming output for
-    every running request on every step was half the run's time.
+    step.  The TTFTs, gaps and e2e latencies are the same in a run that ends (one cut off at ``max_steps`` leaves
+    no record of the requests still running); at lab 8's 256 seats building a streaming output for every running
+    request on every step was half the run's time.
     """
     if every_s is None:
         if on_sample is not None:
@@ -276,7 +277,7 @@ def draw_live(run: SimRun, fig, *, itl_slo_ms: float | None = None, ttft_slo_s: 
     if itl_ms:
         hi = max(max(itl_ms), itl_slo_ms or 0) * 1.05
         # an array, not the list: matplotlib inspects a list element by element before it bins it, a quarter
-        # of a second per redraw at lab 8's 50,000 gaps (and the ramp redraws eight times); the bins are the same
+        # of a second per redraw at lab 8's 50,000 gaps (and the ramp redraws five times); the bins are the same
         ax_h.hist(np.asarray(itl_ms), bins=40, range=(0, hi), color="#4e79a7")
         ax_h.set_yscale("log")
     if itl_slo_ms:
