@@ -23,7 +23,8 @@ and the real serving loop runs with it:
   to the next arrival instead of sleeping) and :class:`PricesRecompute`.
 * :class:`PrefixCache` -- which cached blocks hold the longest prefix of a
   prompt (a radix tree or a hash index; see :mod:`minivllm.kv.prefix`); it may
-  also count them without acting on them (:class:`PeeksPrefix`) and name them (:class:`PeeksPrefixBlocks`).
+  also count them without acting on them (:class:`PeeksPrefix`), name them (:class:`PeeksPrefixBlocks`) and say
+  which it cannot evict, now and once some requests let go (:class:`TracksPins`).
 * :class:`AttentionBackend` -- how the model writes K/V into the paged cache and
   attends through block tables (plain torch, a C kernel for CPU decodes, or
   Triton kernels; see :mod:`minivllm.model.backends`).
@@ -39,7 +40,7 @@ so the package has no import cycles.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -374,6 +375,28 @@ class PeeksPrefixBlocks(Protocol):
         not cached are ignored), read without side effects.  A lookup can only return blocks of prefixes whose first
         block is its own, so a prompt whose ``(namespace, first block)`` is not in this set shares none of
         ``block_ids``."""
+        ...
+
+
+@runtime_checkable
+class TracksPins(Protocol):
+    """A prefix cache that can say which cached blocks it cannot evict now, and which of them a release would free
+    for eviction (both built-in caches can).  A cached block is *pinned* while a request holds it or a block cached
+    below it in its prefix.  A cache without these still works: the room bound then takes every cached block the
+    victims alone hold for room once they go, and the scheduler may preempt for a request that still does not fit.
+
+    Why: before preempting running requests to seat a waiting one, the scheduler asks whether their release could
+    seat it (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.could_start_if_freed`), and a block only the cache
+    holds is room only if no block below it stays held by a request left running -- which only the cache, knowing
+    what lies below what, can say."""
+
+    def pinned_blocks(self) -> Collection[int]:
+        """The cached blocks not evictable now: held by a request, or above such a block (a read-only view)."""
+        ...
+
+    def unpinned_if_released(self, released: Mapping[int, int]) -> set[int]:
+        """The blocks of :meth:`pinned_blocks` that nothing would pin once ``released[b]`` of each block ``b``'s
+        references were let go (the victims' tables), found without changing anything."""
         ...
 
 

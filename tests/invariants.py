@@ -232,6 +232,31 @@ def claimed_blocks(kv, reqs, worst_case: bool = False) -> int:
     return total
 
 
+def room_after(kv, reqs, gone, req=None):
+    """Brute force on a copy of ``kv`` (the room :meth:`KVCacheManager.could_start_if_freed` bounds): free ``gone`` (some of ``reqs``), let ``req`` (if given, and not swapped
+    out) take its cached prefix as admission would, then evict every cached block the cache can give up.
+    Returns the copy's free blocks, the blocks the requests left in ``reqs`` will still claim
+    (:func:`claimed_blocks`, recounted from their tables as they then stand), and what ``req`` still needs for
+    its tokens (its own next write's copy included)."""
+    kv2, reqs2, gone2, req2 = copy.deepcopy((kv, list(reqs), list(gone), req))
+    for r in gone2:
+        kv2.free(r)
+    claimed = claimed_blocks(kv2, [r for r in reqs2 if not any(r is g for g in gone2)])
+    need = 0
+    if req2 is not None:
+        if not req2.cpu_block_ids:
+            kv2.share_computed(req2)
+        bs, table = kv2.block_size, req2.block_ids
+        need = -(-req2.num_tokens // bs) - len(table)
+        at = req2.num_computed_tokens
+        if at % bs and at < len(table) * bs and kv2.pool.refcount(table[at // bs]) > 1:
+            need += 1  # its next token lands in a block someone else holds: a private copy first
+    if kv2.prefix_cache is not None:
+        while kv2.prefix_cache.evict(kv2.pool.num_blocks):
+            pass
+    return kv2.pool.num_free, claimed, need
+
+
 def group_claims(kv, running, keys: Callable, worst_case: bool = False) -> dict:
     """Brute force, per group (``keys(r)``: the groups ``r`` counts in): the distinct blocks its members hold plus
     the blocks their next writes add to that set -- each member's missing blocks for the tokens it has, plus, per

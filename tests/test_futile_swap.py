@@ -254,3 +254,16 @@ def test_the_searched_futile_preemptions_are_the_swap_delay(seed, config):
     roomy, _, _ = _completions(config, ops, 200, refuse=refused)
     shared = done.keys() & roomy.keys()
     assert len(shared) > 5 and {k: done[k] for k in shared} == {k: roomy[k] for k in shared}
+
+
+def test_seed_1745_preempts_only_for_requests_it_seats():
+    """Seed 1745's program under the strict futile-preemption check (the swap delay allowed, seated the next pass);
+    the requests that finished by length produced the same tokens as on a 200-block pool.  Its futile preemption was
+    the room bound counting cached blocks that a request left running kept pinned (``tests/test_pinned_room.py``)."""
+    config, ops = _searched_program(1745)
+    assert config == ("wfq", "swap", "hash", 14, 8, 0.75)  # the search's program
+    done, delayed, refused = _completions(config, ops, config[3])
+    assert all(seated == step + 1 for _, step, seated in delayed), delayed
+    roomy, _, _ = _completions(config, ops, 200, refuse=refused)
+    shared = done.keys() & roomy.keys()
+    assert len(shared) > 5 and {k: done[k] for k in shared} == {k: roomy[k] for k in shared}

@@ -26,32 +26,7 @@ from minivllm.config import TenantConfig
 from minivllm.request import RequestStatus
 
 from tests.fuzz import examples
-from tests.invariants import KVContents, assert_no_leak, check_both_tiers, claimed_blocks, drain
-
-
-def _room_after(kv, reqs, gone, req=None):
-    """Brute force on a copy of ``kv``: free ``gone`` (some of ``reqs``), let ``req`` (if given, and not swapped
-    out) take its cached prefix as admission would, then evict every cached block the cache can give up.
-    Returns the copy's free blocks, the blocks the requests left in ``reqs`` will still claim
-    (:func:`claimed_blocks`, recounted from their tables as they then stand), and what ``req`` still needs for
-    its tokens (its own next write's copy included)."""
-    kv2, reqs2, gone2, req2 = copy.deepcopy((kv, list(reqs), list(gone), req))
-    for r in gone2:
-        kv2.free(r)
-    claimed = claimed_blocks(kv2, [r for r in reqs2 if not any(r is g for g in gone2)])
-    need = 0
-    if req2 is not None:
-        if not req2.cpu_block_ids:
-            kv2.share_computed(req2)
-        bs, table = kv2.block_size, req2.block_ids
-        need = -(-req2.num_tokens // bs) - len(table)
-        at = req2.num_computed_tokens
-        if at % bs and at < len(table) * bs and kv2.pool.refcount(table[at // bs]) > 1:
-            need += 1  # its next token lands in a block someone else holds: a private copy first
-    if kv2.prefix_cache is not None:
-        while kv2.prefix_cache.evict(kv2.pool.num_blocks):
-            pass
-    return kv2.pool.num_free, claimed, need
+from tests.invariants import KVContents, assert_no_leak, check_both_tiers, claimed_blocks, drain, room_after
 
 
 def _recount_claims(kv, reqs, leaving, worst_case):
@@ -89,7 +64,7 @@ class Watch:
         def could_start_if_freed(req, reqs, reserved):
             said = real_could(req, reqs, reserved)
             running = self.engine.scheduler.running
-            free, left, need = _room_after(kv, running, reqs, req)
+            free, left, need = room_after(kv, running, reqs, req)
             if len(reqs) and all(any(r is c for c in running) for r in reqs):
                 assert reserved == left, f"{reserved} blocks reserved, {left} by a recount"
             if not said:

@@ -14,7 +14,7 @@ block or two: always worth trying"), and only a *waiting* one could skip it.  Bo
   its outputs -- not its whole sequence, as if it had to start alone.
 
 Oracles: :func:`tests.test_scheduler_invariants.fail_on_futile_preemption` (each request preempted for is admitted
-in the same pass); a brute-force recount on a copy of the engine (:func:`tests.test_kv_gaps._room_after`: free the
+in the same pass); a brute-force recount on a copy of the engine (:func:`tests.invariants.room_after`: free the
 victims, let the request start as admission would, count free blocks and the claims of those left); the hand-traced
 state; and the tokens each request produced against a run on a pool large enough that nobody is preempted (a policy
 changes when tokens come, never which).
@@ -30,8 +30,8 @@ from minivllm.kv import BlockPool, KVCacheManager
 from minivllm.request import Request, RequestStatus
 
 from tests.fuzz import examples
-from tests.invariants import KVContents, assert_no_leak, drain
-from tests.test_kv_gaps import Watch, _room_after, _run
+from tests.invariants import KVContents, assert_no_leak, drain, room_after
+from tests.test_kv_gaps import Watch, _run
 from tests.test_scheduler_invariants import fail_on_futile_preemption
 
 
@@ -46,7 +46,7 @@ def _engine(mode: str, blocks: int, *, budget: int = 32, seqs: int = 6, max_len:
 
 def _record_sample_asks(engine: LLMEngine, asked: list) -> None:
     """Record every room bound the scheduler asks for a sample that could fork from its leader now, with the
-    brute-force answer (:func:`tests.test_kv_gaps._room_after`) beside the scheduler's."""
+    brute-force answer (:func:`tests.invariants.room_after`) beside the scheduler's."""
     sched = engine.scheduler
     bound = sched._victims_could_make_room
 
@@ -54,7 +54,7 @@ def _record_sample_asks(engine: LLMEngine, asked: list) -> None:
         forkable, status = sched.kv.can_fork(req), req.status
         said = bound(req, cands)
         if forkable:
-            free, claimed, need = _room_after(sched.kv, sched.running, cands, req)
+            free, claimed, need = room_after(sched.kv, sched.running, cands, req)
             asked.append((req.request_id, status, said, free >= claimed + need))
         return said
 
@@ -157,8 +157,8 @@ def _forked_scene(prompt_len: int, outputs: int, victim_blocks: int, forked_sibl
 
 
 def _fits(kv, running, gone, req) -> bool:
-    """Brute force (:func:`tests.test_kv_gaps._room_after`): with ``gone`` freed, does ``req`` find room?"""
-    free, claimed, need = _room_after(kv, running, gone, req)
+    """Brute force (:func:`tests.invariants.room_after`): with ``gone`` freed, does ``req`` find room?"""
+    free, claimed, need = room_after(kv, running, gone, req)
     return free >= claimed + need
 
 

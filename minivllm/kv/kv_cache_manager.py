@@ -36,10 +36,10 @@ Data movement (swap copies, copy-on-write copies) is only *recorded* here as
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from minivllm.interfaces import PeeksPrefix, PeeksPrefixBlocks, PrefixCache, implements
+from minivllm.interfaces import PeeksPrefix, PeeksPrefixBlocks, PrefixCache, TracksPins, implements
 from minivllm.kv.block_pool import BlockPool
 from minivllm.kv.prefix.base import TokenRun
 from minivllm.kv.sharing import copies_made
@@ -62,6 +62,14 @@ def _looked_up_tokens(req: Request) -> TokenRun:
     """
     prompt, output = req.prompt_token_ids, req.output_token_ids
     return TokenRun((prompt, output) if output else (prompt,), max(len(prompt) + len(output) - 1, 0))
+
+
+def _swapped_out(req: Request) -> bool:
+    """Is ``req``'s KV parked on the host tier?  Then it shares no cached block: a swap-in brings its own back.
+
+    Either mark says so: the host blocks come with the swap-out, a moment before the status does, and the status
+    stays ``SWAPPED`` after a swap-in handed the host blocks back, until the request runs."""
+    return req.status is RequestStatus.SWAPPED or bool(req.cpu_block_ids)
 
 
 @dataclass
@@ -133,6 +141,7 @@ class KVCacheManager:
         self.table_changes = 0
         self._peek = None  # the cache's side-effect-free count of a cached prefix, if it has one
         self._names = None  # the cache itself if it can name those blocks without side effects (PeeksPrefixBlocks)
+        self._pins = None  # the cache itself if it can say which cached blocks a release unpins (TracksPins)
         if prefix_cache is not None:
             self._adopt(prefix_cache)
 
@@ -155,6 +164,7 @@ class KVCacheManager:
             cache.pool = self.pool
         self._peek = cache.peek if implements(cache, PeeksPrefix) else None
         self._names = cache if implements(cache, PeeksPrefixBlocks) else None
+        self._pins = cache if implements(cache, TracksPins) else None
 
     def replace_pool(self, pool) -> None:
         """Run on another pool object (lab 2's learner pool); only before any request is added."""
@@ -318,47 +328,41 @@ class KVCacheManager:
         for r in reqs:
             for b in r.block_ids:
                 held[b] = held.get(b, 0) + 1
-        cache, pool = self.prefix_cache, self.pool
-
-        def holders_after(b: int) -> int:  # references left once ``reqs`` let go, the cache's one excluded
-            return pool.refcount(b) - held.get(b, 0) - (1 if cache is not None and cache.is_cached(b) else 0)
-
-        def evictable_after(b: int) -> bool:  # only the cache would hold it
-            return cache is not None and cache.is_cached(b) and holders_after(b) == 0
-
-        freed = sum(1 for b in held if holders_after(b) == 0)  # free, or cached and evictable
-        room = self.num_available_blocks + freed - reserved
-        if req.cpu_block_ids:
+        cache, refcount = self.prefix_cache, self.pool.refcount
+        room, victims_cached = self.num_available_blocks - reserved, []
+        for b, n in held.items():  # each block's fate once the victims let go, found once
+            left = refcount(b) - n
+            if left == 0:
+                room += 1  # back to the free list
+            elif left == 1 and cache is not None and cache.is_cached(b):
+                victims_cached.append(b)  # the cache's alone: room once nothing below it stays held
+        if _swapped_out(req):
             start = PrefixHit()
         elif req.leader is not None and any(r is req.leader for r in reqs):
             start = self.match_prefix(req)  # its leader gone, it cannot fork (can_fork): it starts alone
         else:
             start = self._start_blocks(req)[0]
-        hit = start.block_ids
-        room -= sum(1 for b in hit if evictable_after(b))  # (a leader's block that stays is never evictable)
+        hit = set(start.block_ids)  # (distinct: one block per position)
         need = blocks_for(req.num_tokens, self.block_size) - len(hit) + (start.num_tokens % self.block_size > 0)
-        unpinned_if_released = getattr(cache, "unpinned_if_released", None)  # (lab 3's learner cache pins nothing)
-        if unpinned_if_released is None:
-            return room >= need
-        hit_set = set(hit)
-        # ``freed`` counted each cached block of the victims' as evictable; one that a request left running pins
-        # (below) is not.  Where the answer is yes without them, it is yes; else the cache is asked.
-        if room - sum(1 for b in held if b not in hit_set and evictable_after(b)) >= need:
+        # A hit block that only the cache holds now and no victim holds is counted in ``room`` if evictable now;
+        # shared, it stops being room.  (A leader's block that stays is never evictable.)
+        idle_hits = [b for b in hit if b not in held and refcount(b) == 1 and cache is not None and cache.is_cached(b)]
+        room -= len(idle_hits)
+        if self._pins is None:  # (a cache that cannot say what pins what, lab 3's: each victims' cached block is room)
+            return room + sum(1 for b in victims_cached if b not in hit) >= need
+        if room >= need:  # yes without any victim's cached block: the cache need not be asked
             return True
         # A cached block that only the cache holds may still be pinned by a block below it (a request whose
-        # prefix twin was cached first caches its later blocks below the twin): not evictable now, not in a
-        # victim's table, yet evictable once the victims go -- if every held block below it is the victims'
-        # alone.  One that a request left running holds keeps it pinned (counting it anyway, the bound
-        # preempted two victims for a request that still did not fit), and keeps pinned a victim's block
-        # above it that ``freed`` counted.  Before saying "certainly not", the cache, which knows what pins
-        # what, says which pinned blocks the victims' release unpins (O(pinned blocks), asked only where the
-        # answer turns on it): count those, and take back the ones ``freed`` counted that stay pinned.
-        # A hit block pinned now was not in the blocks available now, yet it was taken off the room above as if
-        # it were (unless a victim holds it: then ``freed`` counted it): give it back.
-        pinned, unpinned = cache.pinned_blocks(), unpinned_if_released(held)
-        room += sum(1 for b in unpinned if b not in held and b not in hit_set)
-        room -= sum(1 for b in held if b not in hit_set and evictable_after(b) and b not in unpinned)
-        room += sum(1 for b in hit_set if b in pinned and b not in held and evictable_after(b))
+        # prefix twin was cached first caches its later blocks below the twin): not evictable now, yet evictable
+        # once the victims go -- if every held block below it is the victims' alone.  One that a request left
+        # running holds keeps it pinned (counting it anyway, the bound preempted two victims for a request that
+        # still did not fit), and keeps pinned the victims' own cached blocks above it.  The cache, which knows
+        # what pins what, says which blocks pinned now the release unpins (O(pinned blocks), asked only where the
+        # answer turns on it); every victims' cached block is among the pinned now (a victim holds it), so these
+        # are all the room the cache gains.  One the request would share stays taken; and a hit block taken off
+        # ``room`` above that is pinned now was never in it: it goes back.
+        pinned, unpinned = self._pins.pinned_blocks(), self._pins.unpinned_if_released(held)
+        room += sum(1 for b in unpinned if b not in hit) + sum(1 for b in idle_hits if b in pinned)
         return room >= need
 
     def worst_case_new_blocks(self, req: Request) -> int:
@@ -429,7 +433,7 @@ class KVCacheManager:
         less.  A cache without ``peek`` counts nothing cached.  Cost: the blocks the cache compares (the built-in
         caches stop at the first miss; no tokens are copied).
         """
-        if req.status is RequestStatus.SWAPPED or req.cpu_block_ids:
+        if _swapped_out(req):
             return req.num_computed_tokens
         leader = req.leader
         if (leader is not None and leader.max_tokens > 1
@@ -443,13 +447,22 @@ class KVCacheManager:
         taken, no block made recent); 0 for a cache without ``peek``."""
         if self._peek is None:
             return 0
+        tokens, limit = self._peeked_run(req)
+        return min(self._peek(tokens, self.namespace(req)), limit) * self.block_size
+
+    def _peeked_run(self, req: Request) -> tuple[Sequence[int], int]:
+        """What a peek of ``req`` looks up, and the most blocks of it that count: the tokens :meth:`match_prefix`
+        looks up (all but the last), read as :func:`_looked_up_tokens` -- or, a prompt alone, the prompt list itself,
+        capped at the blocks of all but its last token (they lead the prompt, so the capped count is the run's).
+
+        Why the list: a peek runs for every request WFQ hands out, and building the run cost a first-block miss
+        half again (1.1 -> 1.55 us at 4,000 tokens).  Both peeks (:meth:`_peeked_tokens`, :meth:`held_prefix_blocks`)
+        read it, so they look up the same tokens."""
         if req.output_token_ids:
-            return self._peek(_looked_up_tokens(req), self.namespace(req)) * self.block_size
-        # A prompt alone is peeked as the list itself and capped at the blocks of all but its last token (they lead
-        # the prompt, so this is the run's count): a peek runs for every request WFQ hands out, and building the
-        # run cost a first-block miss half again (1.1 -> 1.55 us at 4,000 tokens).
-        limit = max(len(req.prompt_token_ids) - 1, 0) // self.block_size
-        return min(self._peek(req.prompt_token_ids, self.namespace(req)), limit) * self.block_size
+            tokens = _looked_up_tokens(req)
+            return tokens, len(tokens) // self.block_size
+        prompt = req.prompt_token_ids
+        return prompt, max(len(prompt) - 1, 0) // self.block_size
 
     # -- what a waiting request would share with a group (KV caps) ------------------------------------
     def share_key(self, req: Request) -> int | None:
@@ -467,7 +480,7 @@ class KVCacheManager:
         count as one class in the scheduler's shortcuts (``Scheduler._share_class``): a failure may then stand for
         a request that would share more, the over-charge the cap always made; what a request is charged is found
         by its own lookup (:meth:`held_prefix_blocks`), never from its key."""
-        if self._names is None or req.cpu_block_ids or req.status is RequestStatus.SWAPPED:
+        if self._names is None or _swapped_out(req):
             return None
         bs, prompt = self.block_size, req.prompt_token_ids
         if len(prompt) > bs:  # (all of the prompt but its last token is looked up: a full first block)
@@ -499,13 +512,10 @@ class KVCacheManager:
         leader instead takes all of its prompt but the last token from the leader, which its group holds, less the
         copy of a partly filled last block -- at least the cached prefix of that prompt.  0 for each key when
         :meth:`share_key` is None."""
-        if self._names is None or req.cpu_block_ids or req.status is RequestStatus.SWAPPED:
+        if self._names is None or _swapped_out(req):
             return [0] * len(keys)  # (share_key's None: it can share no cached block)
-        if req.output_token_ids:
-            blocks = self._names.peek_blocks(_looked_up_tokens(req), self.namespace(req))
-        else:  # a prompt alone is peeked as the list itself, less a block that would hold its last token (as _peeked_tokens)
-            limit = max(len(req.prompt_token_ids) - 1, 0) // self.block_size
-            blocks = self._names.peek_blocks(req.prompt_token_ids, self.namespace(req))[:limit]
+        tokens, limit = self._peeked_run(req)
+        blocks = self._names.peek_blocks(tokens, self.namespace(req))[:limit]
         return [held.num_held(k, blocks) if blocks else 0 for k in keys]
 
     def _restart_tokens(self, req: Request) -> int:
@@ -602,7 +612,7 @@ class KVCacheManager:
         admission counts nothing (the leader's lookup did); one whose leader was gone looked the cache up like any
         request, and counts like one.
         """
-        if self.prefix_cache is None or req.status is RequestStatus.SWAPPED:
+        if self.prefix_cache is None or _swapped_out(req):
             return  # (called before the status becomes RUNNING: a swap-in brought its own blocks back)
         if req.prefix_lookup_recorded:
             self.stats.recompute_hit_tokens += req.num_computed_tokens

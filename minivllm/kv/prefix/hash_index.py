@@ -71,6 +71,11 @@ class HashEntry:
     # are evicted, so an inner entry's value is read only when it becomes a leaf: a child hands its own
     # value up as it is evicted (``_evict_leaf``), and touching a path need not climb to the root.
     last_used: int = 0
+    # ``(namespace, tokens)`` of the first entry of its chain, fixed when the entry is made (its parent never changes)
+    first_key: tuple = field(default=(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.first_key = self.parent.first_key if self.parent is not None else (self.namespace, self.token_ids)
 
 
 @dataclass(eq=False)
@@ -135,20 +140,8 @@ class HashIndex(LeafEviction):
     def _cached_blocks(self, namespace: Hashable, blocks: Sequence[TokenBlock]) -> list[int]:
         return self._path_blocks(self._walk(namespace, blocks))
 
-    def _first_block_key(self, block_id: int, memo: dict) -> tuple | None:
-        entry = self._entry_of_block.get(block_id)
-        if entry is None:
-            return None
-        climbed = []
-        while entry not in memo and entry.parent is not None:  # up to the prefix's first block
-            climbed.append(entry)
-            entry = entry.parent
-        key = memo.get(entry)
-        if key is None:
-            key = memo[entry] = (entry.namespace, entry.token_ids)
-        for e in climbed:
-            memo[e] = key
-        return key
+    def _holders(self) -> dict[int, HashEntry]:
+        return self._entry_of_block
 
     @staticmethod
     def _path_blocks(path: list[HashEntry]) -> list[int]:

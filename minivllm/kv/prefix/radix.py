@@ -61,6 +61,14 @@ class RadixNode:
     parent: RadixNode | None
     children: dict[TokenBlock, RadixNode] = field(default_factory=dict)
     last_access: int = 0
+    # ``(namespace, tokens of its first block)`` of the prefix this edge belongs to (a root: None), fixed when the
+    # node is made: a split's upper half starts where the node did, and an edge only grows or shrinks at its end.
+    first_key: tuple | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.parent is not None:
+            self.first_key = (self.parent.first_key if not self.parent.is_root
+                              else (self.namespace, self.token_blocks[0]))
 
     @property
     def is_root(self) -> bool:
@@ -267,20 +275,8 @@ class RadixCache(LeafEviction):
             return []
         return [b for node in path[:-1] for b in node.block_ids] + path[-1].block_ids[:last]
 
-    def _first_block_key(self, block_id: int, memo: dict) -> tuple | None:
-        node = self._node_of_block.get(block_id)
-        if node is None:
-            return None
-        climbed = []
-        while node not in memo and not node.parent.is_root:  # up to the root's child: the prefix's first edge
-            climbed.append(node)
-            node = node.parent
-        key = memo.get(node)
-        if key is None:
-            key = memo[node] = (node.namespace, node.token_blocks[0])
-        for n in climbed:
-            memo[n] = key
-        return key
+    def _holders(self) -> dict[int, RadixNode]:
+        return self._node_of_block
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut ``node``'s edge after ``n`` blocks; return the new upper node.
