@@ -44,7 +44,7 @@ FUZZ_SCALE ?= 20
 FUZZ_FILES := tests/test_scheduler_invariants.py tests/test_preemption.py tests/test_fairness.py \
 	tests/test_prefix_cache.py tests/test_reliability.py tests/test_cpu_attention.py tests/test_loadgen.py \
 	tests/test_server_fuzz.py tests/test_kv_hunt_tenant_quotas_extend_and_both_caches.py tests/test_kv_gaps.py \
-	tests/test_lab_gaps.py tests/test_sample_room.py
+	tests/test_lab_gaps.py tests/test_sample_room.py tests/test_pinned_room.py tests/test_first_block_keys_are_kept.py
 fuzz: setup
 	FUZZ_SCALE=$(FUZZ_SCALE) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider --timeout 3600 \
 	  --hypothesis-show-statistics $(FUZZ_FILES)
