@@ -570,11 +570,12 @@ class PinIndex:
         """Pinned blocks counted from scratch: every block still locked once ``released[b]`` of each block ``b``'s
         references went (none by default), and the blocks above it; ``blocks`` (default: every cached block) are
         the ones looked at for a lock.  Each block is marked once: a climb stops at the first block already marked,
-        since everything above a pinned block is pinned."""
-        released = released or {}
-        parent, pinned = self.parent, set()
+        since everything above a pinned block is pinned.  (Names bound once: without ``released`` this is the recount
+        every read of a learner's pool makes, once per cached block.)"""
+        refcount, parent, pinned = pool.refcount, self.parent, set()
+        get = released.get if released else None
         for block in self.parent if blocks is None else blocks:
-            if block not in pinned and pool.refcount(block) - released.get(block, 0) > 1:  # locked
+            if block not in pinned and refcount(block) - (get(block, 0) if get else 0) > 1:  # locked
                 b: int | None = block
                 while b is not None and b not in pinned:
                     pinned.add(b)
