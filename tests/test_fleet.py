@@ -512,3 +512,66 @@ def test_prefix_affinity_routes_a_prompt_the_engine_will_refuse_instead_of_crash
         assert [r.outcome for r in got] == want, prompt
     assert stable_hash([1, 2]) == stable_hash(bytes([1, 0, 0, 0, 2, 0, 0, 0]))  # in-range ids: the same hash as before
     assert stable_hash([-1, 5]) == stable_hash([-1, 5]) != stable_hash([2**32 - 1, 5])
+
+
+def test_a_fleet_builds_one_output_per_request():
+    """The router counts streamed tokens, but nothing reads a running request's output: each request must report
+    once, when it finishes, not once per step (a streaming output per running request per step was a seventh of
+    lab 9's capacity study).  Oracle: the number of requests offered."""
+    from minivllm.engine import output_processor
+
+    made = []
+    real = output_processor.OutputProcessor._make_output
+
+    def counting(self, *args):
+        made.append(1)
+        return real(self, *args)
+
+    arrivals = _fixed_arrivals()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(output_processor.OutputProcessor, "_make_output", counting)
+        res = Fleet(3, LeastOutstandingRouter(), engine_factory=small_replica).run(arrivals)
+    assert len(made) == len(arrivals) and max(len(t) for t in res.outputs.values()) > 1
+
+
+def test_the_router_sees_a_recount_of_what_streamed_back_under_preemption():
+    """At each arrival the router sees, per replica, every routed request's prompt until its first token and each
+    output token until it streams, as of the steps ended by then -- on a pool small enough to preempt (a recompute
+    streams nothing while it prefills again).  Oracle: a recount from each request's own token times (its first
+    token at arrival + TTFT, the next ones an ITL apart)."""
+    seen = []
+
+    class Spy(LeastOutstandingRouter):
+        def route(self, prompt, loads):
+            seen.append(list(loads))
+            return super().route(prompt, loads)
+
+    rng = random.Random(9)
+    arrivals = [Arrival(round(0.02 * i, 6), f"r{i}", "default", tuple(rng.randrange(10, 900) for _ in range(
+        rng.randint(20, 100))), rng.randint(20, 120)) for i in range(60)]
+    res = Fleet(2, Spy(), engine_factory=lambda ex: sim_replica(ex, **{**SMALL, "num_blocks": 24})).run(arrivals)
+    assert sum(r.preemptions for r in res.replicas) > 0
+    times = {}
+    for a in arrivals:
+        r = res.result(a.request_id)
+        t = [a.time + r.ttft]
+        for gap in r.itl:
+            t.append(t[-1] + gap)
+        times[a.request_id] = t
+    for j, a in enumerate(arrivals):
+        want = [0, 0]
+        for b in arrivals[:j]:
+            streamed = sum(x <= a.time for x in times[b.request_id])
+            if streamed < b.max_tokens:
+                want[res.placement[b.request_id]] += (len(b.prompt) if streamed == 0 else 0) + b.max_tokens - streamed
+        assert seen[j] == want, a.request_id
+
+
+def test_a_chat_mix_serves_the_same_turns_to_every_fleet_it_is_given():
+    """A mix keeps each turn's question once drawn, and a sweep serves one mix to many fleets: a second fleet must
+    get what a fresh mix gives it.  Oracle: the same run on a new ChatMix of the same seed."""
+    mix = small_mix()
+    run_fleet(mix, 3, "prefix_affinity", engine_factory=small_replica, key_blocks=5)
+    again = run_fleet(mix, 2, "round_robin", engine_factory=small_replica)
+    fresh = run_fleet(small_mix(), 2, "round_robin", engine_factory=small_replica)
+    assert again.results == fresh.results and again.outputs == fresh.outputs and len(fresh.results) > len(mix.arrivals())

@@ -139,6 +139,7 @@ class ChatMix:
         session_rate = rate / (single_shot_share + (1 - single_shot_share) * turns)
         self.session_turns: dict[int, int] = {}
         self._first: list[Arrival] = []
+        self._questions: dict[tuple[int, int], tuple[int, ...]] = {}  # (session, turn) -> its question
         self.warmup = (turns - 1) * (sum(think_s) / 2 + answer_s)  # about one session: turns, answers, thinking
         self.window = (self.warmup, self.warmup + duration)
         t = rng.expovariate(session_rate)
@@ -146,8 +147,8 @@ class ChatMix:
             s = len(self.session_turns)
             k_turns = 1 if rng.random() < single_shot_share else turns
             self.session_turns[s] = k_turns
-            prompt = self.systems[rng.randrange(num_system_prompts)] + self._question(s, 0)
-            self._first.append(Arrival(round(t, 6), f"s{s}t0", "chat" if k_turns > 1 else "single", tuple(prompt),
+            prompt = tuple(self.systems[rng.randrange(num_system_prompts)]) + self._question(s, 0)
+            self._first.append(Arrival(round(t, 6), f"s{s}t0", "chat" if k_turns > 1 else "single", prompt,
                                        self._max_tokens(s, 0), session=s, turn=0))
             t += rng.expovariate(session_rate)
 
@@ -159,9 +160,15 @@ class ChatMix:
         int from its bytes (no salted ``hash``), so a turn's question is the same in every process and run order."""
         return random.Random(f"{self.seed}/{session}/{turn}")
 
-    def _question(self, session: int, turn: int) -> list[int]:
-        rng = self._rng(session, turn)
-        return self._tokens(rng, rng.randint(*self.user_range))
+    def _question(self, session: int, turn: int) -> tuple[int, ...]:
+        """The new question of ``session``'s turn ``turn``, drawn once and kept: a pure function of (seed, session,
+        turn), and a sweep serves one mix to many fleets (lab 9's capacity study: 22), each asking again for
+        every next turn (drawing them token by token again cost that study about 3% of its CPU time)."""
+        question = self._questions.get((session, turn))
+        if question is None:
+            rng = self._rng(session, turn)
+            question = self._questions[(session, turn)] = tuple(self._tokens(rng, rng.randint(*self.user_range)))
+        return question
 
     def _max_tokens(self, session: int, turn: int) -> int:
         return random.Random(f"{self.seed}/{session}/{turn}/out").randint(*self.output_range)
@@ -183,7 +190,7 @@ class ChatMix:
         if s is None or k >= self.session_turns.get(s, 1):
             return None
         think = self._rng(s, k).uniform(*self.think_s)
-        prompt = tuple(arrival.prompt) + tuple(output_token_ids) + tuple(self._question(s, k))
+        prompt = tuple(arrival.prompt) + tuple(output_token_ids) + self._question(s, k)
         # (rounded to the microsecond, never to before the answer it follows: a zero think time is allowed)
         return Arrival(max(finished_at, round(finished_at + think, 6)), f"s{s}t{k}", arrival.tenant, prompt,
                        self._max_tokens(s, k), session=s, turn=k)
@@ -460,7 +467,8 @@ class Fleet:
                 placement[a.request_id], by_id[a.request_id], order[a.request_id] = k, a, len(order)
                 try:
                     engines[k].add_request({"prompt_token_ids": list(a.prompt)},
-                                           SamplingParams(max_tokens=a.max_tokens, ignore_eos=True),
+                                           SamplingParams(max_tokens=a.max_tokens, ignore_eos=True,
+                                                          output_kind="final_only"),
                                            a.request_id, tenant=a.tenant, arrival_time=a.time)
                 except ValueError as exc:  # refused at the door (e.g. longer than the replica's max_model_len):
                     # an error for this request, as HTTP 400 is and as drive() records it; the run goes on
@@ -487,43 +495,53 @@ class Fleet:
             stats[k_min].steps += 1
             stats[k_min].busy_s += eng.executor.clock - before
             stats[k_min].step_spans.append((before, eng.executor.clock))
+            # Outputs are final_only, one per request, when it finishes: the stream the router counts is read
+            # off the engine (tokens_so_far) for the rows this step ran -- the counts a streamed output per
+            # running request per step carried, without building those outputs (a seventh of the CPU time of
+            # lab 9's capacity study).  The step's tokens leave the count together, as one drop at its end.
+            step_done = 0
             for out in outs:
                 rid = out.request_id
                 a = by_id[rid]
                 n_out = len(out.outputs[0].token_ids)
-                # the prompt leaves the router's count with the first token, each output token as it streams
-                done = (len(a.prompt) if streamed[rid] == 0 and n_out > 0 else 0) + n_out - streamed[rid]
-                streamed[rid] = n_out
-                if out.finished:
-                    done = remaining[rid]
-                    if rid in results:
-                        raise RuntimeError(f"request {rid} finished twice")
-                    m = out.metrics
-                    reason = out.outputs[0].finish_reason
-                    outcome = "ok" if reason not in ("rejected", "error", "abort") else (
-                        "rejected" if reason == "rejected" else "error")
-                    results[rid] = RequestResult(
-                        order[rid], a.tenant, a.time, len(a.prompt), a.max_tokens, outcome=outcome,
-                        start=a.time, ttft=m.ttft, itl=m.itls,
-                        e2e=(m.finished_time - m.arrival_time) if m.finished_time is not None else None,
-                        chunks=n_out, output_tokens=n_out, prompt_tokens=len(a.prompt))
-                    outputs[rid] = list(out.outputs[0].token_ids)
-                    if outcome != "rejected":  # (a rejected request was never admitted: no lookup)
-                        cached[rid] = out.num_cached_tokens
-                    if m.num_preemptions:
-                        preempted[rid] = m.num_preemptions
-                    stats[k_min].output_tokens += n_out
-                    if follow_up is not None and outcome == "ok":
-                        nxt = follow_up(a, outputs[rid], eng.executor.clock)
-                        if nxt is not None:
-                            if nxt.time < eng.executor.clock:
-                                raise ValueError("a follow-up cannot arrive before the request it follows finished")
-                            push(nxt)
-                remaining[rid] -= done
-                if done:
-                    heapq.heappush(drops, (eng.executor.clock, steps, k_min, done))
-                if out.finished:
-                    assert remaining.pop(rid) == 0
+                if rid in results:
+                    raise RuntimeError(f"request {rid} finished twice")
+                m = out.metrics
+                reason = out.outputs[0].finish_reason
+                outcome = "ok" if reason not in ("rejected", "error", "abort") else (
+                    "rejected" if reason == "rejected" else "error")
+                results[rid] = RequestResult(
+                    order[rid], a.tenant, a.time, len(a.prompt), a.max_tokens, outcome=outcome,
+                    start=a.time, ttft=m.ttft, itl=m.itls,
+                    e2e=(m.finished_time - m.arrival_time) if m.finished_time is not None else None,
+                    chunks=n_out, output_tokens=n_out, prompt_tokens=len(a.prompt))
+                outputs[rid] = list(out.outputs[0].token_ids)
+                if outcome != "rejected":  # (a rejected request was never admitted: no lookup)
+                    cached[rid] = out.num_cached_tokens
+                if m.num_preemptions:
+                    preempted[rid] = m.num_preemptions
+                stats[k_min].output_tokens += n_out
+                if follow_up is not None and outcome == "ok":
+                    nxt = follow_up(a, outputs[rid], eng.executor.clock)
+                    if nxt is not None:
+                        if nxt.time < eng.executor.clock:
+                            raise ValueError("a follow-up cannot arrive before the request it follows finished")
+                        push(nxt)
+                step_done += remaining.pop(rid)
+                del streamed[rid]
+            for rid in eng.step_log[-1].seq_ids:
+                was = streamed.get(rid)
+                if was is None:
+                    continue  # it finished in this step: its whole count left above
+                n_out = eng.tokens_so_far(rid)[1][0]
+                if n_out > was:
+                    # the prompt leaves the router's count with the first token, each output token as it streams
+                    done = (len(by_id[rid].prompt) if was == 0 else 0) + n_out - was
+                    streamed[rid] = n_out
+                    remaining[rid] -= done
+                    step_done += done
+            if step_done:
+                heapq.heappush(drops, (eng.executor.clock, steps, k_min, step_done))
         for _, _, k, done in drops:
             loads[k] -= done
         for k, e in enumerate(engines):
