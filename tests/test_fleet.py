@@ -549,8 +549,10 @@ def test_the_router_sees_a_recount_of_what_streamed_back_under_preemption():
     rng = random.Random(9)
     arrivals = [Arrival(round(0.02 * i, 6), f"r{i}", "default", tuple(rng.randrange(10, 900) for _ in range(
         rng.randint(20, 100))), rng.randint(20, 120)) for i in range(60)]
-    res = Fleet(2, Spy(), engine_factory=lambda ex: sim_replica(ex, **{**SMALL, "num_blocks": 24})).run(arrivals)
+    fleet = Fleet(2, Spy(), engine_factory=lambda ex: sim_replica(ex, **{**SMALL, "num_blocks": 24}))
+    res = fleet.run(arrivals)
     assert sum(r.preemptions for r in res.replicas) > 0
+    assert fleet.loads == [0, 0]  # every finish's drop counted (the last arrival comes before the first finish)
     times = {}
     for a in arrivals:
         r = res.result(a.request_id)
