@@ -59,12 +59,16 @@ def test_without_the_setting_every_large_activation_faults_its_pages_in():
 
 def test_deleting_an_engine_gives_its_kv_pool_back_to_the_system():
     # The setting keeps freed blocks below 256 MiB in the heap; an engine's pool must not be among them, or
-    # ``del llm`` would keep the pool's memory resident for the life of the process.
+    # ``del llm`` would keep the pool's memory resident for the life of the process.  The pool is written in
+    # full first: a page of it is resident only once written (kv_cache.zeroed), as a long-serving engine's are.
     probe = """
 import gc
 from minivllm import LLM
 def rss_mb(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 llm = LLM(None, kv_cache_memory_bytes=768 << 20, attention_backend="torch")
+for k, v in llm.engine.model_runner.kv_cache.layers:
+    k.fill_(1.0), v.fill_(1.0)
+del k, v  # (views of the pool: they would keep it alive)
 held = rss_mb()
 del llm
 gc.collect()

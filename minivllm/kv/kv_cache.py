@@ -17,9 +17,11 @@ copies, all before the step's forward pass writes new K/V.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minivllm.kv.kv_cache_manager import BlockMoves, blocks_for
@@ -38,6 +40,23 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     """K and V, every layer, one block: the unit in which KV memory is spent."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor, which on a CPU costs only the pages that are written.
+
+    Why zeros: a kernel may read a block's unwritten slots past a sequence's end and mask them out by weight,
+    and a masked weight of 0 times a NaN left in memory is still NaN.  Why not ``torch.zeros`` on a CPU: it
+    writes every byte, so a default engine's 1 GiB pool cost a second of start-up and 1 GiB of RAM before its
+    first request, however few blocks its requests would use.  ``numpy.zeros`` asks ``calloc``, which hands a
+    large block over as fresh pages the kernel maps in already zero, on first touch; the tensor shares that
+    memory and frees it when it goes.  (numpy has no bfloat16: the bytes are allocated and viewed as ``dtype``.)
+    """
+    count = math.prod(shape)
+    if device.type != "cpu" or count == 0:  # a device memset is fast and touches no host page
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(count * element, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def num_kv_blocks(budget_bytes: int | None, per_block: int, device: torch.device, gpu_memory_utilization: float) -> int:
@@ -83,7 +102,7 @@ class KVCache:
         # on a CPU engine (model/host_malloc.py keeps blocks below 256 MiB there) and is not always handed back
         # when freed; one large block is mapped on its own and unmapped when the engine goes.
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        pool = zeroed(shape, self.dtype, self.device)
         self.layers = [(pool[i, 0], pool[i, 1]) for i in range(self.num_layers)]
         # The host tier: torch.empty, so untouched swap space costs address space, not RAM.
         pin = self.device.type == "cuda"
