@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from minivllm import LLM
-from tests.test_gguf_rope_freqs import assert_served_like_transformers, gguf_writer_for, write_tensors_and_close
+from tests.test_gguf_rope_freqs import (VOCAB, add_tiny_tokenizer, assert_served_like_transformers, gguf_writer_for,
+                                       write_tensors_and_close)
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -26,22 +27,6 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
-# a byte-level BPE vocabulary of 256 symbols and one merge: the conversion needs a tokenizer, and a tiny one keeps
-# the test fast (the bundled model's 49,152-token one takes seconds to convert)
-VOCAB = [chr(c) for c in range(ord("!"), ord("!") + 256)] + ["!!"]
-
-
-def add_tiny_tokenizer(w, cfg) -> None:
-    """Write :data:`VOCAB` as a byte-level BPE tokenizer (Qwen's pre-tokenizer) into GGUF writer ``w``."""
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(VOCAB)
-    w.add_token_types([gguf.TokenType.NORMAL] * len(VOCAB))
-    w.add_token_merges(["! !"])
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-
-
 def _write_qwen3_gguf(hf, path, value_length=None):
     cfg = hf.config
     w = gguf_writer_for(cfg, path, "qwen3")

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from minivllm import LLM
-from tests.test_gguf_head_dim import GGUF_NAMES, VOCAB, add_tiny_tokenizer
-from tests.test_gguf_rope_freqs import assert_served_like_transformers, gguf_writer_for, write_tensors_and_close
+from tests.test_gguf_head_dim import GGUF_NAMES
+from tests.test_gguf_rope_freqs import (VOCAB, add_tiny_tokenizer, assert_served_like_transformers, gguf_writer_for,
+                                       write_tensors_and_close)
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

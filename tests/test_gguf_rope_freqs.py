@@ -12,6 +12,7 @@ the scaling as ``rope_freqs``), then served and compared logit for logit.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -75,15 +76,28 @@ def gguf_writer_for(cfg, path, arch: str):
     return w
 
 
-def _write_gguf(hf, path, tokenizer_source):
+# a byte-level BPE vocabulary of 256 symbols and one merge: the conversion needs a tokenizer, and a tiny one keeps
+# these tests fast (the bundled model's 49,152-token one took most of a minute to convert on a loaded 2-core machine)
+VOCAB = [chr(c) for c in range(ord("!"), ord("!") + 256)] + ["!!"]
+
+
+def add_tiny_tokenizer(w, cfg, pre: str = "qwen2") -> None:
+    """Write :data:`VOCAB` as a byte-level BPE tokenizer (``pre``: the pre-tokenizer's name) into GGUF writer ``w``
+    (also used by tests/test_gguf_head_dim.py and tests/test_gguf_qwen2_is_served_like_transformers.py)."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(VOCAB)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(VOCAB))
+    w.add_token_merges(["! !"])
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+
+
+def _write_gguf(hf, path):
     cfg = hf.config
     w = gguf_writer_for(cfg, path, "llama")
     w.add_rope_dimension_count(cfg.head_dim)
-    for key, field in tokenizer_source.fields.items():  # the bundled model's tokenizer (the vocab sizes match)
-        if key.startswith("tokenizer."):
-            kind = gguf.GGUFValueType(field.types[0])
-            sub = gguf.GGUFValueType(field.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), kind, sub_type=sub)
+    add_tiny_tokenizer(w, cfg, pre="smollm")  # (the bundled model's pre-tokenizer: a Llama-architecture BPE)
     w.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(cfg))
     permute = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     write_tensors_and_close(w, hf, GGUF_NAMES,
@@ -144,11 +158,9 @@ def assert_served_like_transformers(llm, hf, vocab_size: int, new_tokens: int = 
 
 
 def test_a_llama3_gguf_is_served_with_its_rope_scaling(tmp_path, monkeypatch):
-    from minivllm.model.loader import default_model_file
-
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=True,
                                       bos_token_id=1, eos_token_id=2, rope_parameters=dict(ROPE))
@@ -157,7 +169,7 @@ def test_a_llama3_gguf_is_served_with_its_rope_scaling(tmp_path, monkeypatch):
         for p in hf.parameters():
             p.normal_(0, 0.08) if p.dim() > 1 else p.copy_(1 + 0.1 * torch.randn_like(p))
     path = tmp_path / "tiny-llama3.gguf"
-    _write_gguf(hf, path, gguf.GGUFReader(str(default_model_file())))
+    _write_gguf(hf, path)
 
     prompt = torch.randint(3, config.vocab_size, (200,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
@@ -166,3 +178,32 @@ def test_a_llama3_gguf_is_served_with_its_rope_scaling(tmp_path, monkeypatch):
     got = _teacher_forced_logits(llm, prompt)
     rel = (got - ref).abs().max() / ref.abs().max()
     assert rel < 1e-4, f"max relative logit error {rel:.2e}: the GGUF's rope_freqs (Llama 3 RoPE scaling) was lost"
+
+
+def test_a_conversion_parses_the_file_once_for_its_own_reads(tmp_path, monkeypatch):
+    """The loader reads a GGUF's architecture, head width and RoPE factors from one parse of the file: a parse
+    reads every metadata field, the bundled model's tokenizer is most of them, and three parses of our own (beside
+    transformers' own) cost seconds each.  The oracle counts the readers built from minivllm's own frames."""
+    import sys
+
+    from minivllm.model.loader import convert_gguf
+
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))
+    real, callers = gguf.GGUFReader, []
+
+    def counting(*args, **kwargs):
+        callers.append(sys._getframe(1).f_globals.get("__name__", ""))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                      bos_token_id=1, eos_token_id=2, rope_parameters=dict(ROPE))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(transformers.LlamaForCausalLM(config).eval(), path)
+    out = convert_gguf(path)
+    assert (out / "model.safetensors").exists() and json.loads((out / "config.json").read_text())["rope_freq_factors"]
+    ours = [name for name in callers if name.startswith("minivllm")]
+    assert ours == ["minivllm.model.loader"], callers

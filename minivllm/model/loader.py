@@ -94,14 +94,22 @@ def _download_hub_model(repo_id: str) -> Path:
 
 # -- GGUF conversion ----------------------------------------------------------
 
-def gguf_architecture(path: Path) -> str:
-    """Read ``general.architecture`` from the GGUF header (cheap: no tensors)."""
+def read_gguf(path: Path):
+    """The file's ``GGUFReader``, made once per conversion and handed to the readers below.
+
+    Why once: a reader parses every metadata field up front, and a model's tokenizer is most of them (the bundled
+    model's 49,152 tokens and 48,900 merges, a million small reads: seconds each time); three readers of our own
+    beside transformers' three made a conversion parse the file six times."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
     except Exception as exc:
         raise ValueError(f"{path} is not a readable GGUF file ({exc})") from exc
+
+
+def gguf_architecture(reader, path: Path) -> str:
+    """Read ``general.architecture`` from the GGUF header (``reader``: :func:`read_gguf` of ``path``)."""
     field = reader.fields.get("general.architecture")
     if field is None:
         raise ValueError(f"{path} has no general.architecture field")
@@ -123,7 +131,7 @@ def _cache_dir_for(path: Path) -> Path:
     return cache_root() / f"{path.stem}-{digest.hexdigest()[:16]}"
 
 
-def gguf_rope_freq_factors(path: Path) -> list[float] | None:
+def gguf_rope_freq_factors(reader) -> list[float] | None:
     """The GGUF's ``rope_freqs.weight``: llama.cpp's form of Llama 3's RoPE scaling, or None.
 
     llama.cpp's converter writes Llama 3.1/3.2's ``rope_scaling`` into no
@@ -133,15 +141,15 @@ def gguf_rope_freq_factors(path: Path) -> list[float] | None:
     converted ``config.json`` (``rope_freq_factors``, read by
     :class:`~minivllm.model.llama.RotaryEmbedding`).
     """
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in reader.tensors:
         if tensor.name == "rope_freqs.weight":
             return [float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
     return None
 
 
-def gguf_head_dim(path: Path, arch: str) -> int | None:
+def gguf_head_dim(reader, path: Path, arch: str) -> int | None:
     """The width of the GGUF's attention heads (``<arch>.attention.key_length``), or None when it does not say.
 
     transformers' GGUF config mapping reads this key for a few architectures
@@ -153,9 +161,7 @@ def gguf_head_dim(path: Path, arch: str) -> int | None:
     anything is dequantized: one head_dim serves q, k and v in this engine and
     in transformers' Llama/Qwen classes, so a V head of another width fits neither.
     """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
+    fields = reader.fields
     key, value = (fields.get(f"{arch}.attention.{name}") for name in ("key_length", "value_length"))
     key_length = int(key.contents()) if key is not None else None
     value_length = int(value.contents()) if value is not None else None
@@ -176,7 +182,8 @@ def convert_gguf(path: Path) -> Path:
     _remove_abandoned(out)
     if (out / "model.safetensors").exists():
         return out
-    arch = gguf_architecture(path)
+    reader = read_gguf(path)
+    arch = gguf_architecture(reader, path)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
     from safetensors.torch import save_file
@@ -184,7 +191,9 @@ def convert_gguf(path: Path) -> Path:
     import_off_stack("torch._dynamo")  # see import_off_stack: transformers' model classes import it
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    head_dim = gguf_head_dim(path, arch)
+    head_dim = gguf_head_dim(reader, path, arch)
+    rope_freq_factors = gguf_rope_freq_factors(reader)  # None when the GGUF has none
+    del reader  # (its map of the file: transformers maps the file again for itself)
     try:
         hf_config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         if head_dim is not None:
@@ -200,7 +209,7 @@ def convert_gguf(path: Path) -> Path:
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
     config["architectures"] = [type(hf).__name__]
-    config["rope_freq_factors"] = gguf_rope_freq_factors(path)  # None when the GGUF has none
+    config["rope_freq_factors"] = rope_freq_factors
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if config.get("tie_word_embeddings"):
