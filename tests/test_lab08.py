@@ -283,3 +283,78 @@ def test_first_alarm_check_is_the_same_whatever_ran_before_it():
         assert check_lab08.check_first_alarm(reference).passed
     assert verdicts == [True, True]
     assert seen[-3:] == [len(fresh)] * 3  # the three ramp calls saw the whole ramp
+
+
+def test_prompt_ids_are_randrange_drawn_one_at_a_time():
+    """The bulk draw gives the ids ``randrange(10, 900)`` gives one call at a time (oracle: that loop), across
+    refills of its buffer and for takes of every size, so a sweep serves the prompts it always served."""
+    import random
+
+    from minivllm.labs.live import prompt_ids
+
+    for seed in (0, 1, 3):
+        take, rng = prompt_ids(seed), random.Random(seed)
+        for n in (1, 64, 0, 5000, 3, 12000, 511):
+            assert take(n) == [rng.randrange(10, 900) for _ in range(n)], (seed, n)
+
+
+def test_run_sim_load_adds_the_randrange_prompts_in_arrival_order():
+    """What the engine is handed: each request's prompt is the next ``prompt_len`` ids of one ``Random(seed)``
+    drawn with ``randrange(10, 900)``, requests taken in arrival order (a recount by the loop it replaced)."""
+    import random
+
+    engine = check_lab08.lab_engine()
+    seen = {}
+    add = engine.add_request
+
+    def spy(prompt, params, request_id, **kw):
+        seen[request_id] = list(prompt["prompt_token_ids"])
+        return add(prompt, params, request_id, **kw)
+
+    engine.add_request = spy
+    arrivals = ramp_arrivals([6], 2.0, seed=4)
+    run_sim_load(engine, arrivals, every_s=None, seed=9)
+    rng = random.Random(9)
+    assert list(seen) == [a.request_id for a in sorted(arrivals, key=lambda a: a.time)]
+    for a in sorted(arrivals, key=lambda a: a.time):
+        assert seen[a.request_id] == [rng.randrange(10, 900) for _ in range(a.prompt_len)]
+
+
+def test_first_alarm_checks_on_the_ramp_it_is_given(monkeypatch):
+    """The notebook passes the ramp section 3 already ran: the check must not serve the ramp again, must judge
+    on the scrapes it was given (the reference's times on them), and refuses something that is no ramp."""
+    from tests.lab08_alarms import one_pass_alarm  # an independent answer
+
+    short = run_sim_load(check_lab08.lab_engine(), ramp_arrivals([4, 12], 3.0, seed=2), every_s=0.5).samples
+
+    def no_second_run():
+        raise AssertionError("the checker served the ramp again")
+
+    monkeypatch.setattr(check_lab08, "_ramp_for_checker", no_second_run)
+    with redirect_stdout(io.StringIO()):
+        assert check_lab08.check_first_alarm(one_pass_alarm, ramp=short).passed
+        # an answer right everywhere but on these scrapes fails the ramp case: the check read them
+        late = check_lab08.check_first_alarm(lambda s, sig, th, f: None if len(s) == len(short) else
+                                             check_lab08.reference_first_alarm(s, sig, th, f), ramp=short)
+    assert not late.passed
+    for bad in ([], [1, 2], None.__class__):
+        with pytest.raises(ValueError, match="ramp"):
+            check_lab08.check_first_alarm(one_pass_alarm, ramp=bad)
+
+
+def test_live_show_draws_no_picture_before_the_run():
+    """``show()`` runs at once: its first picture comes from the run's first redraw, so the renders are the
+    redraws plus the final one (an empty picture drawn first was a sixth of the lab's ramp cell)."""
+    pytest.importorskip("ipywidgets")
+    live = LiveLoad(check_lab08.lab_engine, ramp_arrivals([4], 2.0, seed=0), every_s=0.5, redraw_every=2,
+                    figsize=(4, 1))
+    drawn = []
+    png = live.png
+    live.png = lambda run=None: drawn.append(run) or png(run)
+    with redirect_stdout(io.StringIO()):
+        live.show()
+    assert live.num_redraws >= 2 and len(drawn) == live.num_redraws + 1
+    assert bytes(live._image.value).startswith(b"\x89PNG")
+    bundle = live.widget._repr_mimebundle_()
+    bundle = bundle[0] if isinstance(bundle, tuple) else bundle
+    assert bundle["image/png"]  # the saved notebook keeps the final picture

@@ -28,7 +28,7 @@ from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.live import Sample, SimArrival, SimRun, ramp_arrivals, run_sim_load
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.metrics.prometheus import ITL_BUCKETS, metrics_from_step_log
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, brief_repr
 from minivllm.sim.executor import SimulatedExecutor
 
 SERVING_GPU = dict(fixed_overhead_s=0.012, per_token_s=0.00003, per_context_token_s=0.0000003)
@@ -604,9 +604,19 @@ def _ramp_for_checker() -> tuple[Sample, ...]:
     return tuple(ramp_run().samples)
 
 
-def check_first_alarm(fn) -> CheckResult:
-    """Check ``fn(samples, signal, threshold, for_s) -> time or None``."""
-    ramp = _ramp_for_checker()
+def check_first_alarm(fn, ramp: Sequence[Sample] | None = None) -> CheckResult:
+    """Check ``fn(samples, signal, threshold, for_s) -> time or None``.
+
+    ``ramp``: the scrapes of section 3's ramp to check on, the notebook's own run (``LiveLoad.result.samples``:
+    the same run as :func:`ramp_run`, plus the last partial window), so the check does not serve the whole ramp a
+    second time; by default the checker's own copy.  Either way the expected times are the reference's on them.
+    """
+    if ramp is None:
+        ramp = _ramp_for_checker()
+    elif not isinstance(ramp, (list, tuple)) or not ramp or not all(isinstance(s, Sample) for s in ramp):
+        raise ValueError("check_first_alarm needs ramp to be the ramp run's samples (a non-empty list of Sample), "
+                         f"got {brief_repr(ramp)}")
+    ramp = tuple(ramp)  # each learner call gets a list of its own (see _ramp_for_checker)
     nan = float("nan")
     on_ramp = {sig: reference_first_alarm(ramp, sig, th, 2.0)
                for sig, th in (("waiting", 4), ("kv_usage", 0.9), ("ttft_p90", 0.5))}

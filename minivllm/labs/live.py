@@ -84,6 +84,36 @@ def ramp_arrivals(rates: Sequence[float], seconds_each: float, *, prompt=(64, 51
 
 _pct = nearest_rank  # NaN for no values: a window without samples is "no data", not 0
 
+PROMPT_IDS = (10, 900)  # a made-up prompt's token ids: randrange(*PROMPT_IDS), clear of the ids tokenizers reserve
+
+
+def prompt_ids(seed: int) -> Callable[[int], list[int]]:
+    """``take(n)``: the next ``n`` of the ids ``random.Random(seed).randrange(*PROMPT_IDS)`` draws one at a time.
+
+    Drawn in bulk because a sweep's prompts are millions of ids (lab 8's whole-GPU knee sweep: 1.8 M), and one
+    ``randrange`` call each was a tenth of its run.  The same ids: ``randrange`` takes the top bits of one 32-bit
+    word of the generator per try and retries past the range (:meth:`random.Random._randbelow`); a
+    ``getrandbits(32 * m)`` holds the next ``m`` words, first word lowest.  Words drawn past the last id taken
+    are never used: the generator is this function's own.
+    """
+    rng = random.Random(seed)
+    lo, hi = PROMPT_IDS
+    shift = 32 - (hi - lo).bit_length()
+    ids: list[int] = []
+    at = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal ids, at
+        while len(ids) - at < n:
+            m = max(4096, 2 * n)
+            words = np.frombuffer(rng.getrandbits(32 * m).to_bytes(4 * m, "little"), dtype="<u4") >> shift
+            ids = ids[at:] + (words[words < hi - lo] + lo).tolist()
+            at = 0
+        at += n
+        return ids[at - n:at]
+
+    return take
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -163,12 +193,13 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float | Non
         raise ValueError(f"run_sim_load needs every_s > 0 or None, got {every_s}")
     ex = engine.executor
     budget = engine.config.max_num_batched_tokens
-    rng = random.Random(seed)
+    draw_prompt = prompt_ids(seed)
     run = SimRun(list(arrivals))
     pending = sorted(arrivals, key=lambda a: a.time)
     t0 = pending[0].time if pending else ex.clock
     ex.clock = max(ex.clock, t0)
-    next_scrape = ex.clock + every_s if every_s is not None else math.inf
+    scraping = every_s is not None
+    next_scrape = ex.clock + every_s if scraping else math.inf
     output_kind = "delta" if every_s is not None else "final_only"
     i = 0
     win_first: list[float] = []
@@ -211,10 +242,9 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float | Non
         while i < len(pending) and pending[i].time <= ex.clock:
             a = pending[i]
             i += 1
-            prompt = [rng.randrange(10, 900) for _ in range(a.prompt_len)]
             # delta outputs for the scrapes: each step's output carries only that step's token times (a cumulative
             # one would copy every earlier time again, every step -- quadratic in the output length)
-            engine.add_request({"prompt_token_ids": prompt},
+            engine.add_request({"prompt_token_ids": draw_prompt(a.prompt_len)},
                                SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, output_kind=output_kind),
                                a.request_id, tenant=a.tenant, arrival_time=a.time)
         if not engine.has_unfinished_requests():
@@ -241,13 +271,15 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float | Non
             prev = last_token_time.get(out.request_id)
             if prev is None and m.token_times:
                 run.ttft[out.request_id] = m.ttft
-                win_first.append(m.ttft)
-            gaps = run.itls.setdefault(out.request_id, [])
-            for t in m.token_times:  # this step's tokens
-                if prev is not None:
-                    gaps.append(t - prev)
-                    win_gaps.append(t - prev)
-                prev = t
+                if scraping:
+                    win_first.append(m.ttft)
+            times = m.token_times if prev is None else [prev, *m.token_times]  # this step's tokens
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            run.itls.setdefault(out.request_id, []).extend(gaps)
+            if scraping:  # (without scrapes no window reads them)
+                win_gaps.extend(gaps)
+            if times:
+                prev = times[-1]
             win_tokens += len(m.token_times)
             if prev is not None:
                 last_token_time[out.request_id] = prev
@@ -395,7 +427,8 @@ class LiveLoad:
             display(Image(data=self.png()))
             print(self.line())
             return None
-        self._image = w.Image(value=self.png(), format="png")
+        # with run=True the first redraw replaces the picture a moment later: an empty one is not drawn first
+        self._image = w.Image(value=b"" if run else self.png(), format="png")
         self._label = w.Label(value=self.line())
         button = w.Button(description="run again")
         button.on_click(lambda _: self.rerun())
@@ -426,7 +459,8 @@ try:
             if isinstance(bundle, tuple):
                 bundle = bundle[0]
             bundle = dict(bundle or {})
-            bundle["image/png"] = base64.b64encode(self._owner._image.value).decode("ascii")
+            if self._owner._image.value:  # (empty until the run's first redraw)
+                bundle["image/png"] = base64.b64encode(self._owner._image.value).decode("ascii")
             bundle["text/plain"] = "[live ITL under load: run this notebook in Jupyter to watch it update]"
             return bundle
 except ImportError:  # pragma: no cover

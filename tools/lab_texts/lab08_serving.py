@@ -516,7 +516,7 @@ def first_alarm(samples, signal: str, threshold: float, for_s: float):
     ### END SOLUTION
 """, ["exercise:first_alarm"]),
 ("code", r"""
-alarm_check = check_first_alarm(first_alarm)
+alarm_check = check_first_alarm(first_alarm, ramp=live.result.samples)  # on the ramp section 3 ran
 alarm = choose(alarm_check, first_alarm, reference_first_alarm, "first_alarm")
 """),
 ("md", r"""
