@@ -164,13 +164,50 @@ def test_a_router_that_scribbles_on_the_loads_it_is_shown_cannot_change_the_flee
     assert fleet.loads == [0, 0]
 
 
-def _tiny_fleet_run(workload, n, name, executor_factory=None):
+def _tiny_fleet_run(workload, n, name, executor_factory=None, until=None):
     """``run_fleet`` on replicas of 48 KV blocks behind a router that spills as soon as the owner is above the
     mean: a small chat mix then spills and preempts, inside its window and out of it."""
     from minivllm.sim.fleet import run_fleet
 
     return run_fleet(workload, n, name, executor_factory=executor_factory, spill_factor=1.0, min_spill_tokens=0,
-                     engine_factory=lambda ex: sim_replica(ex, **{**SMALL, "num_blocks": 48}))
+                     engine_factory=lambda ex: sim_replica(ex, **{**SMALL, "num_blocks": 48}), until=until)
+
+
+def _tiny_mix():
+    from minivllm.sim.fleet import ChatMix, roofline_factory
+
+    return ChatMix(60.0, 1.0, seed=3, system_len=64, user_range=(32, 64), output_range=(4, 16), turns=3,
+                   think_s=(0.2, 0.6), executor_factory=roofline_factory("h100"))
+
+
+def test_a_fleet_stopped_at_until_holds_the_whole_runs_requests_before_it():
+    """``until`` ends a run once nothing left can change a request arriving before it.  Oracle: the same fleet run
+    to the end -- every request before ``until`` has the same result, replica, cached tokens, output, preemptions
+    and spill, and the window ending at ``until`` reads the same summary (busy fractions included: every step
+    that begins inside it ran); the preconditions show the stop did cut the run short, with requests in flight."""
+    from minivllm.sim.fleet import roofline_factory
+
+    mix, factory = _tiny_mix(), roofline_factory("h100")
+    whole = _tiny_fleet_run(mix, 2, "prefix_affinity", factory)
+    cut = _tiny_fleet_run(mix, 2, "prefix_affinity", factory, until=mix.window[1])
+    before = [r for r in whole.placement if whole.result(r).arrival < mix.window[1]]
+    assert len(cut.results) < len(whole.results) and len(before) < len(cut.results)  # (it stopped mid-flight)
+    assert sum(r.steps for r in cut.replicas) < sum(r.steps for r in whole.replicas)
+    assert whole.spilled and whole.preempted  # (else the comparison of spills and preemptions reads nothing)
+
+    def seen(res, rid):
+        return (res.result(rid), res.placement[rid], res.cached_tokens.get(rid), res.outputs[rid],
+                res.preempted.get(rid), rid in res.spilled_ids)
+
+    assert [seen(cut, rid) for rid in before] == [seen(whole, rid) for rid in before]
+    assert [r.index for r in cut.results] == list(range(len(cut.results)))  # (numbered again, no gaps)
+    assert cut.summary(0.5, 0.1, window=mix.window) == whole.summary(0.5, 0.1, window=mix.window)
+
+
+@pytest.mark.parametrize("until", [float("nan"), float("inf"), "5"])
+def test_until_must_be_a_finite_time(until):
+    with pytest.raises(ValueError, match="until must be a finite time"):
+        Fleet(1, RoundRobinRouter(), engine_factory=_small).run([], until=until)
 
 
 def test_a_sweep_row_is_its_own_fleets_window_on_the_executor_it_was_given(monkeypatch):
@@ -179,21 +216,18 @@ def test_a_sweep_row_is_its_own_fleets_window_on_the_executor_it_was_given(monke
     H100 roofline, not the default linear model).  Oracle: the same fleet run directly, its windowed summary
     read by hand; the preconditions show the whole run's figures differ, so a row built from them fails."""
     from minivllm.bench import fleet as bench
-    from minivllm.sim.fleet import ChatMix, roofline_factory
+    from minivllm.sim.fleet import roofline_factory
 
-    factory = roofline_factory("h100")
-    mix = ChatMix(60.0, 1.0, seed=3, system_len=64, user_range=(32, 64), output_range=(4, 16), turns=3,
-                  think_s=(0.2, 0.6), executor_factory=factory)
+    factory, mix = roofline_factory("h100"), _tiny_mix()
     monkeypatch.setattr(bench, "run_fleet", _tiny_fleet_run)
     (row,) = bench.sweep(mix, [2], ["prefix_affinity"], 0.5, 0.1, factory)
-    res = _tiny_fleet_run(mix, 2, "prefix_affinity", factory)
+    res = _tiny_fleet_run(mix, 2, "prefix_affinity", factory)  # (run to the end: the sweep stops at the window's)
     s, whole = res.summary(0.5, 0.1, window=mix.window), res.summary(0.5, 0.1)
     keys = ("requests", "offered_rps", "good", "goodput_fraction", "goodput_rps", "ttft_ms", "itl_ms", "e2e_s",
             "prefix_hit_rate", "replica_requests", "replica_hit_rate", "spilled", "preemptions")
     for k in ("prefix_hit_rate", "spilled", "preemptions", "replica_requests"):
         assert s[k] != whole[k], k  # (else this test could not tell the window from the whole run)
     assert {k: row[k] for k in keys} == {k: s[k] for k in keys}
-    assert row["duration_s"] == res.duration
     linear = _tiny_fleet_run(mix, 2, "prefix_affinity")
     assert linear.summary(0.5, 0.1, window=mix.window)["ttft_ms"] != s["ttft_ms"]  # the executor shows
 

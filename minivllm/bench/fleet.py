@@ -79,7 +79,9 @@ def parser() -> argparse.ArgumentParser:
 
 def sweep(workload: ChatMix, replicas: list[int], routers: list[str], slo_ttft: float, slo_itl: float,
           executor_factory=None) -> list[dict]:
-    """One row per (replicas, router); with one replica every router makes the same choice, so it runs once."""
+    """One row per (replicas, router), every figure the measuring window's; with one replica every router makes
+    the same choice, so it runs once.  Each fleet runs only until the window's requests are done
+    (``until``, :meth:`~minivllm.sim.fleet.Fleet.run`): what follows cannot change them."""
     rows = []
     for n in replicas:
         single = None
@@ -88,15 +90,14 @@ def sweep(workload: ChatMix, replicas: list[int], routers: list[str], slo_ttft: 
                 rows.append({**single, "router": name})
                 continue
             t0 = time.perf_counter()
-            res = run_fleet(workload, n, name, executor_factory=executor_factory)
+            res = run_fleet(workload, n, name, executor_factory=executor_factory, until=workload.window[1])
             s = res.summary(slo_ttft, slo_itl, window=workload.window)
             row = {"replicas": n, "router": name, "requests": s["requests"], "offered_rps": s["offered_rps"], "good": s["good"],
                    "goodput_fraction": s["goodput_fraction"], "goodput_rps": s["goodput_rps"],
                    "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"], "e2e_s": s["e2e_s"],
                    "prefix_hit_rate": s["prefix_hit_rate"], "replica_requests": s["replica_requests"],
                    "replica_hit_rate": s["replica_hit_rate"], "spilled": s["spilled"],
-                   "preemptions": s["preemptions"], "duration_s": res.duration,
-                   "wall_s": time.perf_counter() - t0}
+                   "preemptions": s["preemptions"], "wall_s": time.perf_counter() - t0}
             rows.append(row)
             if n == 1:
                 single = row
