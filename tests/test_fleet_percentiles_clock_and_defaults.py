@@ -202,6 +202,32 @@ def test_a_fleet_stopped_at_until_holds_the_whole_runs_requests_before_it():
     assert [seen(cut, rid) for rid in before] == [seen(whole, rid) for rid in before]
     assert [r.index for r in cut.results] == list(range(len(cut.results)))  # (numbered again, no gaps)
     assert cut.summary(0.5, 0.1, window=mix.window) == whole.summary(0.5, 0.1, window=mix.window)
+    # the replicas' counts include the requests cut off in flight: no figure that reads past ``until`` is given
+    assert sum(r.requests for r in cut.replicas) > len(cut.results)
+    for window in (None, (mix.window[0], mix.window[1] + 0.5)):
+        with pytest.raises(ValueError, match="stopped at until="):
+            cut.summary(0.5, 0.1, window=window)
+
+
+@pytest.mark.parametrize("until", [None, 1e6])
+def test_a_request_lost_by_an_engine_is_an_error_whatever_until_says(until):
+    """``until`` may leave out requests still in flight when it cuts a run -- and only then: a run that went to the
+    end (here ``until`` lies past it) with a request that never finished is a lost request, as without ``until``."""
+    def lossy(ex):
+        engine = _small(ex)
+        add = engine.add_request
+
+        def add_request(prompt, params, rid, **kw):
+            add(prompt, params, rid, **kw)
+            if rid == "r2":
+                engine.abort_request(rid)  # an engine that drops a request without an output
+
+        engine.add_request = add_request
+        return engine
+
+    arrivals = [Arrival(0.01 * i, f"r{i}", "t", tuple(range(10, 40)), 4) for i in range(5)]
+    with pytest.raises(RuntimeError, match=r"1 requests never finished: \['r2'\]"):
+        Fleet(1, RoundRobinRouter(), engine_factory=lossy).run(arrivals, until=until)
 
 
 @pytest.mark.parametrize("until", [float("nan"), float("inf"), "5"])
@@ -238,7 +264,7 @@ def _row(n, router, hit, ttft50, ttft99, itl50, itl99, goodput):
             "goodput_fraction": goodput, "goodput_rps": 18.0 * goodput, "ttft_ms": pcts(ttft50, ttft99),
             "itl_ms": pcts(itl50, itl99), "e2e_s": pcts(1.0, 2.0), "prefix_hit_rate": hit,
             "replica_requests": [10] * n, "replica_hit_rate": [hit] * n, "spilled": 0, "preemptions": 0,
-            "duration_s": 1.0, "wall_s": 0.0}
+            "wall_s": 0.0}
 
 
 def test_the_capacity_report_prints_its_rows_and_reads_its_slo_flags_in_order(monkeypatch, capsys):

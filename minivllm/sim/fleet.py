@@ -300,6 +300,9 @@ class FleetResult:
     spilled_ids: set[str] = field(default_factory=set)  # requests the router sent past their owner
     preempted: dict[str, int] = field(default_factory=dict)  # request id -> times preempted (if any)
     _index: dict[str, int] = field(default_factory=dict)  # request id -> RequestResult.index
+    # Set when :meth:`Fleet.run` stopped at ``until`` with work left: the requests still in flight are not in
+    # ``results``, yet the replicas' counts and cache counters include them, so only a window ending by then is whole.
+    until: float | None = None
 
     @property
     def spilled(self) -> int:
@@ -327,6 +330,9 @@ class FleetResult:
         and the busy fractions (step time inside the window): the steady state, without
         warm-up and drain.
         """
+        if self.until is not None and (window is None or window[1] > self.until):
+            raise ValueError(f"this run stopped at until={self.until:g} s with requests in flight: only a window "
+                             f"ending by then is whole, got window={window!r}")
         if window is None:
             out = summarize_group(self.results, self.duration, slo_ttft, slo_itl)
             out["prefix_hit_rate"] = self.hit_rate
@@ -460,11 +466,13 @@ class Fleet:
         # replica with the earliest clock steps next, and its step may end after the next arrival, which must
         # be routed on what a load balancer could count at its own time.  (time, seq, replica, tokens)
         drops: list[tuple[float, int, int, int]] = []
+        stopped = False  # cut at ``until`` with work left
         while True:
             busy = [k for k, e in enumerate(engines) if e.has_unfinished_requests()]
             k_min = min(busy, key=lambda k: (engines[k].executor.clock, k)) if busy else None
             # (a request waiting to be routed before ``until`` is counted in before_until)
             if until is not None and not before_until and (k_min is None or engines[k_min].executor.clock >= until):
+                stopped = bool(busy or pending)  # (nothing left: the whole run, as without ``until``)
                 break
             if pending and (k_min is None or pending[0][0] <= engines[k_min].executor.clock):
                 a = heapq.heappop(pending)[2]
@@ -567,7 +575,7 @@ class Fleet:
             stats[k].query_tokens = s.get("prefix_cache_queries", 0) - b.get("prefix_cache_queries", 0)
             stats[k].preemptions = s["num_preemptions"] - b["num_preemptions"]
         missing = [rid for rid in by_id if rid not in results]
-        if missing and until is None:
+        if missing and not stopped:
             raise RuntimeError(f"{len(missing)} requests never finished: {missing[:5]}")
         if missing:  # stopped at ``until``: the finished requests, numbered again in arrival order
             finished = sorted(results, key=order.__getitem__)
@@ -578,7 +586,8 @@ class Fleet:
         ends = [r.arrival + r.e2e for r in results.values() if r.e2e is not None]
         duration = (max(ends) - t0) if ends else 0.0
         return FleetResult(sorted(results.values(), key=lambda r: r.index), stats, placement, outputs, duration,
-                           cached_tokens=cached, spilled_ids=spilled, preempted=preempted, _index=order)
+                           cached_tokens=cached, spilled_ids=spilled, preempted=preempted, _index=order,
+                           until=until if stopped else None)
 
 
 def run_fleet(workload: "ChatMix | Sequence[Arrival]", num_replicas: int, router: Router | str, *,
