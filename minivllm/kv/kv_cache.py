@@ -18,10 +18,10 @@ copies, all before the step's forward pass writes new K/V.
 from __future__ import annotations
 
 import math
+import mmap
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from minivllm.kv.kv_cache_manager import BlockMoves, blocks_for
@@ -48,18 +48,16 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     Why zeros: a kernel may read a block's unwritten slots past a sequence's end and mask them out by weight,
     and a masked weight of 0 times a NaN left in memory is still NaN.  Why not ``torch.zeros`` on a CPU: it
     writes every byte, so a default engine's 1 GiB pool cost a second of start-up and 1 GiB of RAM before its
-    first request, however few blocks its requests would use.  ``numpy.zeros`` asks ``calloc``, which hands a
-    large block over as fresh pages the kernel maps in already zero, on first touch; the tensor shares that
-    memory and frees it when it goes.  (numpy has no bfloat16: the bytes are allocated and viewed as ``dtype``.)
-    A page is what the kernel maps, and numpy asks for 2 MiB huge pages where Linux allows them: each layer's K
-    and V is then resident in 2 MiB steps (about 170 of the bundled model's fp32 blocks), so the first block
-    written in every layer makes 120 MiB resident, still far from the whole pool.
+    first request, however few blocks its requests would use.  An anonymous ``mmap`` is memory the kernel maps
+    in already zero, a 4 KiB page at a time on first touch (the page size ``torch.zeros`` left the pool in; numpy's
+    ``calloc`` path would ask for 2 MiB huge pages, whose first touch may stall on compaction inside a step); the
+    tensor keeps the mapping alive and it is unmapped when the tensor goes.
     """
     count = math.prod(shape)
     if device.type != "cpu" or count == 0:  # a device memset is fast and touches no host page
         return torch.zeros(shape, dtype=dtype, device=device)
-    element = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(count * element, dtype=np.uint8)).view(dtype).view(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def num_kv_blocks(budget_bytes: int | None, per_block: int, device: torch.device, gpu_memory_utilization: float) -> int:
