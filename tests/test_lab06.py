@@ -45,3 +45,41 @@ def test_wfq_protects_quiet_and_keeps_noisy_busy(runs):
     fcfs, wfq = runs["fcfs"], runs["wfq"]
     assert wfq.p95_ttft("quiet") < fcfs.p95_ttft("quiet") / 3
     assert wfq.tokens_per_s("noisy") > 0.8 * fcfs.tokens_per_s("noisy")
+
+
+def test_serve_builds_one_output_per_request_unless_a_client_reads_them_early():
+    """Only a :class:`~minivllm.labs.check_lab06.RetryClient` reads a request before it finishes, so without one
+    ``serve`` asks for final-only outputs: one per request, not one per running request per step.  Oracle: the
+    outputs the engine hands back, counted per request; and each first-token time recounted from the step log
+    (the end of the first step whose row reaches the end of the request's prompt, where its first token is
+    sampled), which the final output must report as a streamed one did.  With a client its tenant still streams."""
+    from collections import Counter
+
+    def counted(engine, seen):
+        step = engine.step
+
+        def counting():
+            outs = step()
+            seen.update(o.request_id for o in outs)
+            return outs
+
+        engine.step = counting
+        return engine
+
+    arrivals = lab.noisy_quiet(3.0)
+    prompt_len = {a.request_id: len(a.prompt) for a in arrivals}
+    seen = Counter()
+    res = lab.serve(counted(lab.lab_engine(), seen), arrivals, window=3.0)
+    assert seen == Counter({a.request_id: 1 for a in arrivals})
+    first = {}
+    for rec in res.records:
+        for rid, start, n in rec.seqs:
+            if start + n >= prompt_len[rid]:
+                first.setdefault(rid, rec.time)
+    assert res.first_token == pytest.approx(first) and len(first) == len(arrivals)
+    assert all(res.ttft[k] == pytest.approx(first[k] - res.arrival[k]) for k in first)
+
+    seen = Counter()
+    client = lab.RetryClient("app", timeout_s=1.0)
+    lab.serve(counted(lab.lab_engine(), seen), lab.retry_storm(3.0), window=3.0, client=client)
+    assert max(n for rid, n in seen.items() if rid in client.job_of) > 1, "the client's requests stream"

@@ -219,6 +219,25 @@ def test_the_three_class_mix_at_scale_runs_on_the_sizes_its_docstring_gives():
     assert at_scale.class_mix("fcfs", C, scale=20, duration=2.0, num_blocks=700).num_blocks == 700
 
 
+def test_the_class_mix_keeps_the_backlogs_first_prompts_and_the_rest_of_the_mix(monkeypatch):
+    """``class_mix(batch=N)`` (lab 6's clause table keeps 900 of its 1,800 batch prompts) hands ``serve`` the same
+    chats and agent calls and the backlog's first N prompts.  Oracle: the whole mix, drawn by ``mixed_classes``
+    without ``batch``, less the batch prompts past the N-th by their index (``bulk-<i>``).  Kills: the backlog
+    redrawn (other prompts), the chats or agents touched, ``batch`` dropped; a backlog larger than the mix's is
+    refused, not silently served short."""
+    from minivllm.labs import check_lab06
+
+    handed = {}
+    monkeypatch.setattr(check_lab06, "serve", lambda engine, arrivals, window: handed.update(a=list(arrivals)))
+    at_scale.class_mix("fcfs", {}, scale=7.0, duration=3.0, batch=10)
+    whole = check_lab06.mixed_classes(3.0, scale=7.0)
+    want = [a for a in whole if a.tenant != "bulk" or int(a.request_id.split("-")[1]) < 10]
+    assert handed["a"] == want
+    assert sum(a.tenant == "bulk" for a in want) == 10 < sum(a.tenant == "bulk" for a in whole) == 42
+    with pytest.raises(ValueError, match="batch"):
+        check_lab06.mixed_classes(3.0, scale=7.0, batch=43)
+
+
 def test_the_long_prefill_scene_sends_twenty_chats_a_second_and_two_32k_documents(monkeypatch):
     """Lab 4's at-scale scene (``long_prefill_run``) is, by its docstring, chats "about 20 a second" (tenant
     ``chat``, interactive) and two 32K-token documents 1.5 s apart (tenant ``docs``, the given class), under

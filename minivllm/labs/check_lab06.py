@@ -69,11 +69,19 @@ def noisy_quiet(duration: float = 8.0, *, seed: int = 0, quiet_alone: bool = Fal
     return sorted(out, key=lambda a: a.time)
 
 
-def mixed_classes(duration: float = 30.0, *, seed: int = 0, scale: float = 1.0) -> list[Arrival]:
+def mixed_classes(duration: float = 30.0, *, seed: int = 0, scale: float = 1.0,
+                  batch: int | None = None) -> list[Arrival]:
     """Interactive chats (0.5/s, prompts 20-60), agent calls on a shared 300-token preamble (0.25/s) and a
     batch backlog of 6 prompts at t=0: sized for the calibrated CPU step time
     (:data:`~minivllm.bench.fairness.CLASS_STEP`, about 300 prompt tokens per second).  ``scale``
-    multiplies both rates and the backlog (the at-scale run of :mod:`minivllm.labs.at_scale`)."""
+    multiplies both rates and the backlog (the at-scale run of :mod:`minivllm.labs.at_scale`).
+
+    ``batch`` keeps only the backlog's first ``batch`` prompts (of ``6 x scale``): the backlog is drawn last, so
+    the chats, the agent calls and the prompts kept are the full mix's own, and a run on a pool too small to drain
+    the whole backlog inside the window can skip the part it would only serve after the window closed."""
+    backlog = round(6 * scale)
+    if batch is not None and not 0 <= batch <= backlog:
+        raise ValueError(f"mixed_classes: batch must be between 0 and the backlog's {backlog} prompts, got {batch}")
     rng = random.Random(seed)
     system = tuple(rng.randrange(10, 990) for _ in range(300))  # the agents' shared tool preamble
     out = []
@@ -83,7 +91,7 @@ def mixed_classes(duration: float = 30.0, *, seed: int = 0, scale: float = 1.0) 
     for i, t in enumerate(_poisson(rng, 0.25 * scale, duration)):
         prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
         out.append(Arrival(round(t, 6), f"agent-{i}", "agent", prompt, rng.randint(8, 24)))
-    for i in range(round(6 * scale)):
+    for i in range(backlog if batch is None else batch):
         prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
         out.append(Arrival(0.001 * i, f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
     return sorted(out, key=lambda a: a.time)
@@ -351,15 +359,21 @@ def serve(engine, arrivals: Sequence[Arrival], window: float | None = None, max_
     is one tenant's :class:`RetryClient`: after every step it may give up on requests and send new ones.
     The loop itself is the benchmark's :class:`~minivllm.bench.fairness.ArrivalDriver`; this function adds the
     lab's own records (request ids, first steps, finish times, tokens) and the client.
+
+    Only a client reads a request before it finishes (its timer needs the first token when it comes), so without
+    one each request reports once, at its end (``final_only``: the same first-token time, token ids and token
+    times): building every running request's cumulative output on every step was a tenth of an at-scale run.
     """
     ex = engine.executor
+    output_kind = "cumulative" if client is not None else "final_only"
     res = ServeResult(num_blocks=engine.pool.num_blocks)
     res.window = window if window is not None else (max(a.time for a in arrivals) if arrivals else 0.0)
     sessions = {k: {**v, "rng": copy.deepcopy(v["rng"])} for k, v in (sessions or {}).items()}  # reruns: same calls
 
     def add(a: Arrival) -> str:
         engine.add_request({"prompt_token_ids": list(a.prompt), "tenant": a.tenant, "deadline": a.deadline},
-                           SamplingParams(max_tokens=a.max_tokens, ignore_eos=True), a.request_id, arrival_time=a.time)
+                           SamplingParams(max_tokens=a.max_tokens, ignore_eos=True, output_kind=output_kind),
+                           a.request_id, arrival_time=a.time)
         res.tenant_of[a.request_id] = a.tenant
         res.arrival[a.request_id] = a.time
         if client is not None:
