@@ -220,7 +220,7 @@ def test_the_three_class_mix_at_scale_runs_on_the_sizes_its_docstring_gives():
 
 
 def test_the_class_mix_keeps_the_backlogs_first_prompts_and_the_rest_of_the_mix(monkeypatch):
-    """``class_mix(batch=N)`` (lab 6's clause table keeps 900 of its 1,800 batch prompts) hands ``serve`` the same
+    """``class_mix(batch=N)`` (lab 6's clause table keeps 600 of its 1,800 batch prompts) hands ``serve`` the same
     chats and agent calls and the backlog's first N prompts.  Oracle: the whole mix, drawn by ``mixed_classes``
     without ``batch``, less the batch prompts past the N-th by their index (``bulk-<i>``).  Kills: the backlog
     redrawn (other prompts), the chats or agents touched, ``batch`` dropped; a backlog larger than the mix's is
