@@ -8,6 +8,7 @@ same thing -- a request that arrives at a time -- and each once had its own clas
 
 from __future__ import annotations
 
+import random
 from dataclasses import KW_ONLY, dataclass
 
 
@@ -50,4 +51,19 @@ class Arrival:
     turn: int = 0
 
 
-__all__ = ["Arrival"]
+MADE_UP_IDS = (10, 900)  # a made-up prompt's token ids: clear of the ids 0-9 tokenizers reserve (BOS, EOS, pad)
+
+
+def made_up_ids(rng: random.Random, n: int, ids: tuple[int, int] = MADE_UP_IDS) -> list[int]:
+    """``n`` token ids drawn uniformly from ``range(*ids)``: the prompt of a request whose text does not matter.
+
+    The one definition behind every made-up prompt of the labs and benchmarks, so that a workload's ids come
+    from one rule: ``rng.randrange`` one id at a time, which is what a seeded workload's committed numbers were
+    drawn with -- another draw would give other prompts and move them.  A caller with a different vocabulary
+    passes its own ``ids`` (lab 6's mixes draw below 990; the fleet's chats over the whole fake vocabulary).
+    """
+    lo, hi = ids
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+__all__ = ["Arrival", "MADE_UP_IDS", "made_up_ids"]

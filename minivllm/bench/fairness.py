@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from minivllm.argtypes import output_file, positive_float, positive_int, refuse_unread
-from minivllm.arrival import Arrival
+from minivllm.arrival import Arrival, made_up_ids
 from minivllm.bench.results import write_result
 from minivllm.config import TenantConfig
 from minivllm.engine.input_processor import output_room
@@ -93,8 +93,11 @@ class Run:
     steps: int = 0
 
 
+MIX_IDS = (10, 990)  # the fairness mixes' made-up token ids (lab 6 draws its own mixes from the same range)
+
+
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10, 990) for _ in range(n)]
+    return made_up_ids(rng, n, MIX_IDS)
 
 
 def _prompt(rng: random.Random, n: int) -> tuple[int, ...]:

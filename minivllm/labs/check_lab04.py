@@ -24,7 +24,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from minivllm.arrival import Arrival
+from minivllm.arrival import Arrival, made_up_ids
 from minivllm.config import EngineConfig
 from minivllm.interfaces import BatchBuilder, check_seam
 from minivllm.labs.checkers import Case, CheckResult, run_checks, wrong_container
@@ -537,16 +537,16 @@ def mixed_arrivals(*, num_long: int = 5, long_len: int = LONG_PROMPT, long_every
     t, i = 0.0, 0
     horizon = first_long_s + num_long * long_every_s
     while t < horizon:
-        prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(*chat_prompt)))
+        prompt = tuple(made_up_ids(rng, rng.randint(*chat_prompt)))
         out.append(Arrival(round(t, 6), f"c{i}", "default", prompt, rng.randint(*chat_output)))
         t += rng.expovariate(1 / chat_every_s)
         i += 1
-    doc = tuple(rng.randrange(10, 900) for _ in range(long_len))
+    doc = tuple(made_up_ids(rng, long_len))
     for k in range(num_long):
         if shared_long_prefix:
-            prompt = doc + tuple(rng.randrange(10, 900) for _ in range(32))
+            prompt = doc + tuple(made_up_ids(rng, 32))
         else:
-            prompt = tuple(rng.randrange(10, 900) for _ in range(long_len))
+            prompt = tuple(made_up_ids(rng, long_len))
         out.append(Arrival(round(first_long_s + k * long_every_s, 6), f"L{k}", "default", prompt, 8))
     return sorted(out, key=lambda a: (a.time, a.request_id))
 

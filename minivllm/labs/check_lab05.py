@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from minivllm.arrival import Arrival
+from minivllm.arrival import Arrival, made_up_ids
 from minivllm.config import PCIE4_X16_BYTES_PER_S
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.registry import Exercise, Lab
@@ -66,7 +66,7 @@ def _draw(rng: random.Random, tenant: str, t: float, request_id: str) -> Arrival
     """One request of ``tenant`` at time ``t``, its lengths drawn from :data:`TENANTS` (prompt length, prompt
     tokens, output length: that order, so every workload built on it reproduces from its seed)."""
     _, (p_lo, p_hi), (o_lo, o_hi) = TENANTS[tenant]
-    prompt = tuple(rng.randrange(10, 900) for _ in range(rng.randint(p_lo, p_hi)))
+    prompt = tuple(made_up_ids(rng, rng.randint(p_lo, p_hi)))
     return Arrival(round(t, 6), request_id, tenant, prompt, rng.randint(o_lo, o_hi))
 
 
@@ -193,7 +193,7 @@ def starvation_workload(stream_s: float, *, seed: int = 1) -> list[Arrival]:
     """
     rng = random.Random(seed)
     prompt, output = STARVE_BATCH
-    out = [Arrival(1.0, "batch-job", "batch", tuple(rng.randrange(10, 900) for _ in range(prompt)), output,
+    out = [Arrival(1.0, "batch-job", "batch", tuple(made_up_ids(rng, prompt)), output,
                    priority=1)]
     t, i = 0.0, 0
     while (t := t + rng.expovariate(STARVE_CHAT_RATE)) <= stream_s:
@@ -430,7 +430,7 @@ def _victim_run(cls, seed: int = 5) -> tuple:
     rng = random.Random(seed)
     for i in range(10):
         tenant = "chat" if i % 2 == 0 else "batch"
-        prompt = [rng.randrange(10, 900) for _ in range(rng.randint(6, 30))]
+        prompt = made_up_ids(rng, rng.randint(6, 30))
         eng.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=30, ignore_eos=True),
                         f"{tenant}{i}", tenant=tenant)
     finished = 0

@@ -22,8 +22,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from minivllm.arrival import Arrival
-from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, ArrivalDriver, jain
+from minivllm.arrival import Arrival, made_up_ids
+from minivllm.bench.fairness import CLASS_STEP, FAIR_STEP, MIX_IDS, ArrivalDriver, jain
 from minivllm.bench.fairness import next_agent_call  # noqa: F401 (the agents' mechanism, by the name lab 6 gives it)
 from minivllm.config import EngineConfig, TenantConfig
 from minivllm.labs.checkers import Case, CheckResult, run_checks
@@ -58,12 +58,12 @@ def noisy_quiet(duration: float = 8.0, *, seed: int = 0, quiet_alone: bool = Fal
     rng = random.Random(seed)
     out = []
     for i, t in enumerate(_poisson(rng, 4.0, duration)):
-        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(150, 450)))
+        prompt = tuple(made_up_ids(rng, rng.randint(150, 450), MIX_IDS))
         out.append(Arrival(round(t, 6), f"quiet-{i}", "quiet", prompt, rng.randint(20, 60),
                            deadline=round(t + 1.0, 6)))
     if not quiet_alone:
         for i, t in enumerate(_poisson(rng, 2.5, duration)):
-            prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(3000, 5000)))
+            prompt = tuple(made_up_ids(rng, rng.randint(3000, 5000), MIX_IDS))
             out.append(Arrival(round(t, 6), f"noisy-{i}", "noisy", prompt, rng.randint(40, 120),
                                deadline=round(t + 30.0, 6)))
     return sorted(out, key=lambda a: a.time)
@@ -83,16 +83,16 @@ def mixed_classes(duration: float = 30.0, *, seed: int = 0, scale: float = 1.0,
     if batch is not None and not 0 <= batch <= backlog:
         raise ValueError(f"mixed_classes: batch must be between 0 and the backlog's {backlog} prompts, got {batch}")
     rng = random.Random(seed)
-    system = tuple(rng.randrange(10, 990) for _ in range(300))  # the agents' shared tool preamble
+    system = tuple(made_up_ids(rng, 300, MIX_IDS))  # the agents' shared tool preamble
     out = []
     for i, t in enumerate(_poisson(rng, 0.5 * scale, duration)):
-        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
+        prompt = tuple(made_up_ids(rng, rng.randint(20, 60), MIX_IDS))
         out.append(Arrival(round(t, 6), f"chat-{i}", "chat", prompt, rng.randint(8, 24)))
     for i, t in enumerate(_poisson(rng, 0.25 * scale, duration)):
-        prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
+        prompt = system + tuple(made_up_ids(rng, rng.randint(20, 60), MIX_IDS))
         out.append(Arrival(round(t, 6), f"agent-{i}", "agent", prompt, rng.randint(8, 24)))
     for i in range(backlog if batch is None else batch):
-        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
+        prompt = tuple(made_up_ids(rng, rng.randint(300, 600), MIX_IDS))
         out.append(Arrival(0.001 * i, f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
     return sorted(out, key=lambda a: a.time)
 
@@ -104,7 +104,7 @@ def retry_storm(duration: float = 12.0, *, seed: int = 0, rate: float = 1.2) -> 
     rng = random.Random(seed + 1)
     out = noisy_quiet(duration, seed=seed, quiet_alone=True)
     for i, t in enumerate(_poisson(rng, rate, duration)):
-        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(2000, 4000)))
+        prompt = tuple(made_up_ids(rng, rng.randint(2000, 4000), MIX_IDS))
         out.append(Arrival(round(t, 6), f"app-{i}", "app", prompt, rng.randint(40, 120)))
     return sorted(out, key=lambda a: a.time)
 
@@ -126,14 +126,14 @@ def agent_tasks(calls: int, *, duration: float = 60.0, seed: int = 0, batch_rate
     rng = random.Random(seed + 5)
     out = [a for a in mixed_classes(duration, seed=seed) if a.tenant == "chat"]
     for i, t in enumerate(_poisson(rng, batch_rate, duration)):
-        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(300, 600)))
+        prompt = tuple(made_up_ids(rng, rng.randint(300, 600), MIX_IDS))
         out.append(Arrival(round(t, 6), f"bulk-{i}", "bulk", prompt, rng.randint(32, 64)))
-    system = tuple(rng.randrange(10, 990) for _ in range(300))
+    system = tuple(made_up_ids(rng, 300, MIX_IDS))
     sessions = {}
     for s, t in enumerate(starts):
         sessions[s] = {"calls_left": calls - 1, "rng": random.Random(seed * 100 + s), "tool_tokens": 40,
                        "max_tokens": (8, 24), "think_s": 0.05}
-        prompt = system + tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 60)))
+        prompt = system + tuple(made_up_ids(rng, rng.randint(20, 60), MIX_IDS))
         out.append(Arrival(t, f"agent-s{s}-c0", "agent", prompt, rng.randint(8, 24), session=s))
     return sorted(out, key=lambda a: a.time), sessions
 
@@ -603,7 +603,7 @@ def _cap_engine_run(policy: dict, seed: int = 1) -> tuple:
     arrivals = []
     for i in range(18):
         tenant = "noisy" if i % 3 else "quiet"
-        prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(20, 200)))
+        prompt = tuple(made_up_ids(rng, rng.randint(20, 200), MIX_IDS))
         arrivals.append(Arrival(0.004 * i, f"{tenant}-{i}", tenant, prompt, rng.randint(4, 30)))
     res = serve(engine, arrivals)
     return (len(res.ttft), tuple((r.tenant("noisy").running, r.tenant("quiet").running) for r in res.records))
@@ -700,7 +700,7 @@ def _wfq_engine_run(policy: dict, seed: int = 2, window: float = 1.5) -> tuple:
         for name, (n, p, o) in shapes.items():
             if i >= n:
                 continue
-            prompt = tuple(rng.randrange(10, 990) for _ in range(rng.randint(*p)))
+            prompt = tuple(made_up_ids(rng, rng.randint(*p), MIX_IDS))
             arrivals.append(Arrival(0.0005 * len(arrivals), f"{name}-{i}", name, prompt, rng.randint(*o)))
     engine = lab_engine(policy, num_blocks=1024, budget=512, max_seqs=24)
     res = serve(engine, arrivals, window=window)
@@ -841,11 +841,11 @@ def _deadline_engine_run(policy: dict, seed: int = 3, result: bool = False):
     """A stream of tight-deadline chats over a few no-deadline bulk jobs on two seats (``max_seqs=2``): the start
     order and how many finished (or, with ``result``, the whole :class:`ServeResult`)."""
     rng = random.Random(seed)
-    arrivals = [Arrival(0.0, f"bulk-{i}", "bulk", tuple(rng.randrange(10, 990) for _ in range(300)), 40)
+    arrivals = [Arrival(0.0, f"bulk-{i}", "bulk", tuple(made_up_ids(rng, 300, MIX_IDS)), 40)
                 for i in range(3)]
     for i in range(60):
         t = round(0.02 * i, 6)
-        arrivals.append(Arrival(t, f"chat-{i}", "chat", tuple(rng.randrange(10, 990) for _ in range(60)), 20,
+        arrivals.append(Arrival(t, f"chat-{i}", "chat", tuple(made_up_ids(rng, 60, MIX_IDS)), 20,
                                 deadline=round(t + 0.05, 6)))
     engine = lab_engine(policy, num_blocks=512, budget=512, max_seqs=2)
     res = serve(engine, arrivals)

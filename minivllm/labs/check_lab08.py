@@ -24,6 +24,7 @@ import itertools
 import random
 from typing import Any, Sequence
 
+from minivllm.arrival import made_up_ids
 from minivllm.labs.checkers import Case, CheckResult, run_checks
 from minivllm.labs.live import Sample, SimArrival, SimRun, ramp_arrivals, run_sim_load
 from minivllm.labs.registry import Exercise, Lab
@@ -399,7 +400,7 @@ def _metric_run(requests: Sequence[tuple[int, int, float]], *, num_blocks: int =
             ex.clock = pending[0][0]
         while pending and pending[0][0] <= ex.clock:
             a, p, m, rid = pending.pop(0)
-            engine.add_request({"prompt_token_ids": [rng.randrange(10, 900) for _ in range(p)]},
+            engine.add_request({"prompt_token_ids": made_up_ids(rng, p)},
                                SamplingParams(max_tokens=m, ignore_eos=True), rid, arrival_time=a)
             prompt_lens[rid], arrivals[rid] = p, a
         if not engine.has_unfinished_requests():

@@ -12,6 +12,7 @@ import random
 import struct
 from typing import Any
 
+from minivllm.arrival import made_up_ids
 from minivllm.labs.checkers import Case, CheckResult, expect_raises, run_checks
 from minivllm.labs.registry import Exercise, Lab
 from minivllm.sim.fleet import ChatMix, Fleet, sim_replica
@@ -40,7 +41,7 @@ def _placements(router, seed: int = 1, replicas: int = 3) -> dict[str, int]:
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10, 900) for _ in range(n)]
+    return made_up_ids(rng, n)
 
 
 # -- exercise 1: least outstanding tokens ------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from minivllm.arrival import MADE_UP_IDS
 from minivllm.metrics.stats import nearest_rank
 from minivllm.sampling_params import SamplingParams
 
@@ -84,11 +85,9 @@ def ramp_arrivals(rates: Sequence[float], seconds_each: float, *, prompt=(64, 51
 
 _pct = nearest_rank  # NaN for no values: a window without samples is "no data", not 0
 
-PROMPT_IDS = (10, 900)  # a made-up prompt's token ids: randrange(*PROMPT_IDS), clear of the ids tokenizers reserve
-
 
 def prompt_ids(seed: int) -> Callable[[int], list[int]]:
-    """``take(n)``: the next ``n`` of the ids ``random.Random(seed).randrange(*PROMPT_IDS)`` draws one at a time.
+    """``take(n)``: the next ``n`` of the ids :func:`~minivllm.arrival.made_up_ids` draws from ``random.Random(seed)``.
 
     Drawn in bulk because a sweep's prompts are millions of ids (lab 8's whole-GPU knee sweep: 1.8 M), and one
     ``randrange`` call each was a tenth of its run.  The same ids: ``randrange`` takes the top bits of one 32-bit
@@ -97,7 +96,7 @@ def prompt_ids(seed: int) -> Callable[[int], list[int]]:
     are never used: the generator is this function's own.
     """
     rng = random.Random(seed)
-    lo, hi = PROMPT_IDS
+    lo, hi = MADE_UP_IDS
     shift = 32 - (hi - lo).bit_length()
     ids: list[int] = []
     at = 0

@@ -13,6 +13,7 @@ import random
 from typing import Any, Callable, Sequence
 
 from minivllm.kv.block_pool import BlockPool
+from minivllm.arrival import made_up_ids
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.interfaces import Executor
@@ -56,7 +57,7 @@ def random_requests(n: int, *, seed: int = 0, prompt_range=(16, 256), output_ran
     out = []
     for _ in range(n):
         p = rng.randint(*prompt_range)
-        out.append(([rng.randrange(10, vocab) for _ in range(p)], rng.randint(*output_range)))
+        out.append((made_up_ids(rng, p, (10, vocab)), rng.randint(*output_range)))
     return out
 
 
@@ -132,7 +133,7 @@ def utilization(seq_lens: Sequence[int], reserved: int) -> float:
 
 
 def _tokens(rng: random.Random, n: int, vocab: int = 900) -> list[int]:
-    return [rng.randrange(10, vocab) for _ in range(n)]
+    return made_up_ids(rng, n, (10, vocab))
 
 
 def system_prompt_workload(n: int = 40, *, seed: int = 0, system_len: int = 256,
