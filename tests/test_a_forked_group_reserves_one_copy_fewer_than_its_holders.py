@@ -114,9 +114,9 @@ def test_a_cap_retry_hint_says_a_forked_group_fits_when_it_does():
         return kv.num_new_blocks(r, r.num_uncomputed_tokens) + kv.num_copy_on_write_blocks(r)
 
     newcomer = Request("N", [1] * 3, SamplingParams(max_tokens=1), 0.0, tenant="t")
-    hint = caps.retry_steps(newcomer, reqs, lambda held: (1,), reserved, True, kv.num_copy_on_write_blocks)
+    hint = caps.retry_steps(newcomer, reqs, lambda r, held: (1,), reserved, True, kv.num_copy_on_write_blocks)
     assert hint is None
-    assert caps.retry_steps(newcomer, reqs, lambda held: (2,), reserved, True, kv.num_copy_on_write_blocks) is not None
+    assert caps.retry_steps(newcomer, reqs, lambda r, held: (2,), reserved, True, kv.num_copy_on_write_blocks) is not None
 
 
 CAPPED = {"a": TenantConfig(max_kv_share=0.35, priority_class="agent"),
@@ -381,7 +381,7 @@ def test_a_cap_hint_recounts_a_copy_when_a_holder_that_writes_elsewhere_leaves()
     assert group_claims(kv, reqs, _one_group) == {"g": 4}
     assert group_claims(*_gone_on_a_copy(kv, reqs, 1), _one_group) == {"g": 2}  # L gone
     newcomer = Request("N", [1] * 7, SamplingParams(max_tokens=1), 0.0, tenant="t")
-    assert caps.retry_steps(newcomer, reqs, lambda held: (2,), reserved, True, kv.num_copy_on_write_blocks) == 15
+    assert caps.retry_steps(newcomer, reqs, lambda r, held: (2,), reserved, True, kv.num_copy_on_write_blocks) == 15
 
 
 def test_a_preemption_that_leaves_a_victims_co_holder_writing_in_place_is_made():
@@ -451,7 +451,7 @@ def test_a_cap_hint_names_the_first_departure_a_recount_on_a_copy_fits(mode, pre
                 fits = next((j for j in range(len(order) + 1) if not g.would_exceed(len(order) - j, counts[j], need)),
                             len(order))
                 expect = None if fits == 0 else max(1, order[fits - 1].steps_to_finish(chunk))
-                said = caps.retry_steps(members[0], sched.running, lambda held, n=need: (n,), sched._reservation, kv.may_share(),
+                said = caps.retry_steps(members[0], sched.running, lambda r, held, n=need: (n,), sched._reservation, kv.may_share(),
                                         kv.num_copy_on_write_blocks)
                 assert said == expect, (tenant, need, said, expect, counts, [r.request_id for r in order])
         checked[0] += 1

@@ -1201,6 +1201,46 @@ def test_the_retry_hint_counts_the_tokens_a_recomputed_member_computes_again():
     assert hint_is(engine, outs["b1"], 7 + 4), outs["b1"].retry_after_s
 
 
+def test_the_retry_hint_counts_a_waiting_sample_of_the_group_ahead_of_the_retry():
+    """A request of the group that is already waiting is admitted before a re-submitted one, so the hint waits for
+    it too.  Seat cap 1: ``b0`` (n=2, 8-token prompt, 4 outputs) runs its leader while its sample waits for the
+    seat; ``b1``, turned away at the step after, finds the leader 2 steps from its end (2 of 4 outputs) -- the old
+    hint, which counted running members only -- and then the sample, which takes the seat next: its prompt in one
+    step, which samples its first output, then 3 more: 2 + 4 = 6 steps.  Oracle: the replay."""
+    def setup():
+        engine = make_engine("caps", {"bulk": TenantConfig(max_running=1, over_cap="reject")}, num_blocks=60)
+        engine.add_request({"prompt_token_ids": [9] * 8}, SamplingParams(n=2, max_tokens=4, ignore_eos=True), "b0",
+                           tenant="bulk")
+        engine.step()  # the leader prefills; its sample waits for the seat
+        add(engine, "bulk", 8, 1, "b1")
+        return engine, {o.request_id: o for o in engine.step()}, lambda e: add(e, "bulk", 8, 1)
+
+    engine, outs, _ = setup()
+    assert [r.request_id for r in engine.scheduler.waiting] == ["b0#1"]
+    assert steps_until_a_retry_is_accepted(lambda: setup()[::2]) == 6
+    assert hint_is(engine, outs["b1"], 6), outs["b1"].retry_after_s
+
+
+def test_the_retry_hint_lets_a_member_that_finished_in_the_rejecting_step_go_at_once():
+    """The hint is priced at the end of the step that turned the request away, before the requests that finished
+    in that step leave: such a member's seat is free already, not in one more step.  Seat cap 1: ``b0`` (n=2,
+    2 outputs) finishes its leader in the step that rejects ``b1``; its sample takes the seat next step and
+    needs 2 (prefill with its first output, then one more).  Counted as leaving a step later, the leader pushed the
+    sample and the hint back one step: 3.  Oracle: the replay."""
+    def setup():
+        engine = make_engine("caps", {"bulk": TenantConfig(max_running=1, over_cap="reject")}, num_blocks=60)
+        engine.add_request({"prompt_token_ids": [9] * 8}, SamplingParams(n=2, max_tokens=2, ignore_eos=True), "b0",
+                           tenant="bulk")
+        engine.step()
+        add(engine, "bulk", 8, 1, "b1")
+        return engine, {o.request_id: o for o in engine.step()}, lambda e: add(e, "bulk", 8, 1)
+
+    engine, outs, _ = setup()
+    assert not engine.scheduler.running and [r.request_id for r in engine.scheduler.waiting] == ["b0#1"]
+    assert steps_until_a_retry_is_accepted(lambda: setup()[::2]) == 2
+    assert hint_is(engine, outs["b1"], 2), outs["b1"].retry_after_s
+
+
 def test_a_tiny_kv_share_still_allows_one_block():
     """A share that rounds down to no block at all (1% of 64 blocks) still lets its tenant hold one: a cap of
     zero would turn every request of that tenant away.  Oracle: a one-block request runs to its end."""

@@ -192,7 +192,7 @@ def test_the_retry_hint_waits_for_the_member_that_finishes_first():
     almost three times longer than it must."""
     caps = reject_caps(max_running=2)
     short, long = member("t", 16, 3), member("t", 16, 8)  # 3 and 8 steps left (chunk 16)
-    assert caps.retry_steps(member("t", 4, 1), [long, short], needs=lambda held: (0,), reserved=lambda r: 0) == 3
+    assert caps.retry_steps(member("t", 4, 1), [long, short], needs=lambda r, held: (0,), reserved=lambda r: 0) == 3
 
 
 def test_the_retry_hint_counts_only_the_rejecting_tenants_own_running_requests():
@@ -203,7 +203,24 @@ def test_the_retry_hint_counts_only_the_rejecting_tenants_own_running_requests()
     request (9 steps) holds no seat of t's, so the hint is 5, not 9."""
     caps = reject_caps(max_running=1)
     mine, other = member("t", 16, 5), member("other", 16, 9)
-    assert caps.retry_steps(member("t", 4, 1), [mine, other], needs=lambda held: (0,), reserved=lambda r: 0) == 5
+    assert caps.retry_steps(member("t", 4, 1), [mine, other], needs=lambda r, held: (0,), reserved=lambda r: 0) == 5
+
+
+def test_the_retry_hint_seats_the_groups_waiting_requests_first_and_frees_them_as_they_finish():
+    """Kills: the retry hint leaving out the group's waiting requests, or freeing a seated one's seat but not its
+    blocks.
+
+    KV cap 10 blocks (25% of 40).  A running member holds 6 blocks for 8 more steps; a waiting member of the group,
+    ahead of a re-sent request, needs 4 and then 3 steps; the re-sent request needs 4.  The waiting one takes the
+    room first (6 + 4 = 10) and gives its 4 blocks back after 3 steps: hint 3.  Left out, the request "fits now"
+    (6 + 4); its blocks kept, the hint waits for the running member: 8.  Another tenant's waiting request counts
+    for nothing."""
+    cfg = EngineConfig(scheduling_policy="caps", device="cpu", max_num_batched_tokens=16,
+                       tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
+    caps = CapTable(cfg, num_blocks=40)
+    running, ahead, other = member("t", 16, 8), member("t", 16, 3), member("u", 16, 20)
+    assert caps.retry_steps(member("t", 4, 1), [running], needs=lambda r, held: (4,) if r.tenant == "t" else (),
+                            reserved=lambda r: 6 if r is running else 0, waiting=[other, ahead]) == 3
 
 
 def test_the_agent_seat_cap_rounds_down():

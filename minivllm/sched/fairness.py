@@ -27,8 +27,9 @@ max_kv_share=...)`` are enforced by the scheduler whatever the order (a
 :class:`CapTable` maps each request to the cap groups it counts against).  A
 tenant at a cap waits -- or, with ``TenantConfig(over_cap="reject")``, a new request
 of a tenant at its seat or KV cap finishes ``"rejected"`` with a ``retry_after_s``
-hint (:meth:`CapTable.retry_steps`: the steps until its running requests free
-enough room; the server answers 429 + ``Retry-After``); a running tenant that would
+hint (:meth:`CapTable.retry_steps`: the steps until its running requests, and the
+waiting ones admitted before a retry, leave it enough room; the server answers 429 +
+``Retry-After``); a running tenant that would
 grow past its KV share preempts *its own* work (the victim the preemption policy picks among
 its requests), never a neighbour's, so it
 cannot pin the cache.  Nor can it fill the prefix cache: ``TenantConfig(max_cache_share=...)``
@@ -71,6 +72,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
+from itertools import chain
 from dataclasses import dataclass
 from types import MappingProxyType
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -225,16 +228,17 @@ class CapTable:
                 return g
         return None
 
-    def retry_steps(self, req: Request, running: Sequence[Request], needs: Callable[[GroupBlocks], Sequence[int]],
-                    reserved: Callable[[Request], int], shared: bool = True,
-                    copies: Callable[[Request], int] | None = None) -> int | None:
+    def retry_steps(self, req: Request, running: Sequence[Request],
+                    needs: Callable[[Request, GroupBlocks], Sequence[int]], reserved: Callable[[Request], int],
+                    shared: bool = True, copies: Callable[[Request], int] | None = None,
+                    waiting: Iterable[Request] = ()) -> int | None:
         """Engine steps until the group that rejected ``req`` has room for it (None: it has room now).
 
-        ``needs(held)``: the blocks ``req`` would cost each of its groups (in :meth:`groups` order) while the
-        members counted in ``held`` run -- its fixed need less the blocks of its cached prefix they hold
-        (``Scheduler._cap_needs``, what admission charged it).  Asked again as members leave: a member that holds
-        the prefix shortens the wait while it runs, and once the last holder is gone the group would gain those
-        blocks again.
+        ``needs(r, held)``: the blocks ``r`` (``req``, or a request of ``waiting``) would cost each of its groups (in
+        :meth:`groups` order) while the members counted in ``held`` run -- its fixed need less the blocks of its
+        cached prefix they hold (``Scheduler._cap_needs``, what admission charges it).  Asked again as members
+        leave: a member that holds the prefix shortens the wait while it runs, and once the last holder is gone the
+        group would gain those blocks again.
 
         A running member counts against the KV cap what admission counted: its blocks (a block members
         share once: :class:`~minivllm.kv.sharing.GroupBlocks`) plus ``reserved(r)``, the blocks set aside
@@ -246,11 +250,18 @@ class CapTable:
         into the block they share) keeps that writer's copy a gain for the group until it goes, and then the
         writer writes in place.  Its running members are assumed to finish in order of
         the steps they still need (:meth:`~minivllm.request.Request.steps_to_finish`); each gives back its seat and the blocks no member
-        left behind it still holds (a shared prompt's blocks come back with the last of its holders).  An
-        estimate, like reject mode's hint: members can also be preempted, or stop early at EOS.
+        left behind it still holds (a shared prompt's blocks come back with the last of its holders).
+
+        ``waiting``: the queue a resubmitted ``req`` would join at its end.  The group's members in it are admitted
+        before ``req`` (a waiting sample of a running leader, a preempted member, a request held back by the pool):
+        counted only among the running, a hint said 1 step where the room went to a waiting sample and the real wait
+        was 17.  So each, in queue order, takes a seat and its need as soon as the walk has room for it, and leaves
+        again ``steps_to_finish`` steps later; ``req`` is given the room left after them.  An estimate, like reject
+        mode's hint: members can also be preempted, or stop early at EOS, and a smaller request may pass a waiting
+        one whose need does not fit yet.
         """
         chunk = self.config.prefill_chunk_tokens
-        for i, g in enumerate(self.groups(req)):
+        for g in self.groups(req):
             if g.over_cap != "reject":
                 continue
             members = [r for r in running if g in self.groups(r)]
@@ -258,19 +269,33 @@ class CapTable:
             writers = [r for r in members if copies(r)] if copies is not None and shared else []
             spared = held.in_place_writes(g.key, writers)
             seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members) - spared
-            if not g.would_exceed(seats, blocks, needs(held)[i]):
-                continue
-            steps = 1
-            for r in sorted(members, key=lambda r: r.steps_to_finish(chunk)):
-                steps = r.steps_to_finish(chunk)
-                seats, blocks = seats - 1, blocks - held.remove(r)[0] - reserved(r)
-                if writers:  # (any member leaving may have held a writer's block: see the docstring)
-                    if r in writers:
-                        writers.remove(r)
-                    blocks += spared - (spared := held.in_place_writes(g.key, writers))
-                if not g.would_exceed(seats, blocks, needs(held)[i]):
-                    break
-            return max(1, steps)
+            leaving = deque(sorted(members, key=lambda r: r.steps_to_finish(chunk)))
+            seated: dict[Request, int] = {}  # waiting members the walk seated -> the blocks each is charged
+            ends: list[tuple[int, int, Request]] = []  # (the step each leaves, #, it)
+            now = 0  # steps from now: the walk's clock
+            for k, r in enumerate(chain((w for w in waiting if g in self.groups(w)), (req,))):
+                need = needs(r, held)[self.groups(r).index(g)]
+                while g.would_exceed(seats, blocks, need) and (leaving or ends):
+                    if ends and (not leaving or ends[0][0] <= leaving[0].steps_to_finish(chunk)):
+                        now, _, w = heapq.heappop(ends)
+                        seats, blocks = seats - 1, blocks - seated.pop(w)
+                        continue
+                    m = leaving.popleft()
+                    now = m.steps_to_finish(chunk)
+                    seats, blocks = seats - 1, blocks - held.remove(m)[0] - reserved(m)
+                    if writers:  # (any member leaving may have held a writer's block: see the docstring)
+                        if m in writers:
+                            writers.remove(m)
+                        blocks += spared - (spared := held.in_place_writes(g.key, writers))
+                    for w, was in seated.items():  # a seated member holds what it shared with ``m`` itself now
+                        seated[w] = needs(w, held)[self.groups(w).index(g)]
+                        blocks += seated[w] - was
+                    need = needs(r, held)[self.groups(r).index(g)]
+                if r is not req:
+                    seats, blocks, seated[r] = seats + 1, blocks + need, need
+                    heapq.heappush(ends, (now + r.steps_to_finish(chunk), k, r))
+            if now or g.would_exceed(seats, blocks, need):
+                return max(1, now)
         return None
 
     def max_blocks_for(self, tenant: str) -> int | None:

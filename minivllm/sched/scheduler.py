@@ -1044,13 +1044,16 @@ class Scheduler:
         """Steps until the tenant cap that rejected ``req`` has room (None: a cap did not reject it).  ``req`` is
         charged what its rejection charged it, its exact need (:meth:`_cap_needs`), asked again as the group's
         members leave (:meth:`~minivllm.sched.fairness.CapTable.retry_steps`): while a member holds its cached
-        prefix the prefix is free, once none does it is not."""
+        prefix the prefix is free, once none does it is not.  The group's waiting requests, charged alike, are
+        admitted before a re-sent ``req``, so the walk seats them first.  The engine asks at the end of the step
+        that turned ``req`` away, before the requests that finished in it leave: those are gone already."""
         if req not in self._cap_rejected:
             return None
         self._cap_rejected.discard(req)
-        need = self._need_blocks(req)
-        return self.caps.retry_steps(req, self.running, lambda held: self._cap_needs(req, need, held),
-                                     self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks) or 1
+        running = [r for r in self.running if not r.status.finished]
+        return self.caps.retry_steps(req, running, lambda r, held: self._cap_needs(r, self._need_blocks(r), held),
+                                     self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks,
+                                     self.waiting) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
