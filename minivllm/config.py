@@ -240,7 +240,9 @@ class EngineConfig:
     ``step_log_max_entries`` bounds the step log (a ring buffer) in entries:
     one per step, one per scheduled sequence and one per logged tenant row
     (:mod:`minivllm.metrics.step_log`), about 30 bytes each at 256 decodes a
-    step and 150 at one.
+    step and 150 at one.  ``step_log_tenants=False`` leaves its per-tenant fields
+    empty whatever tenants the engine serves: a driver that reads none of them
+    (the fleet simulator) stops paying a count of each tenant's blocks per step.
 
     ``stall_timeout_s``: a run of steps that compute nothing and end nothing
     (a scheduling deadlock) fails the requests still in the engine once it is
@@ -289,6 +291,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (vLLM's flag); no effect on a CPU
     cpu_keep_freed_memory: bool = True  # CPU: glibc malloc keeps freed activations for reuse (model/host_malloc.py)
     step_log_max_entries: int = 500_000
+    step_log_tenants: bool = True
     stall_timeout_s: float | None = 10.0
     scheduling_policy: str = "fcfs"
     tenants: Any = None  # {name: TenantConfig}; stored as a sorted tuple of pairs (hashable, frozen)
@@ -307,7 +310,7 @@ class EngineConfig:
                      "kv_cache_memory_bytes", "prefix_cache_quota_blocks", "num_cpu_blocks_override"):
             check_type(name, getattr(self, name), int, optional=True)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "share_prefix_cache_across_tenants",
-                     "enforce_eager", "cpu_keep_freed_memory"):
+                     "enforce_eager", "cpu_keep_freed_memory", "step_log_tenants"):
             check_type(name, getattr(self, name), bool)
         for name in ("gpu_memory_utilization", "swap_space"):
             check_type(name, getattr(self, name), (int, float))

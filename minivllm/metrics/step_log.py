@@ -19,7 +19,9 @@ code that reads them stays short.
 
 Per-tenant fields (fairness, lab 6) are filled once the engine has tenant
 settings or has served a tenant other than ``"default"``, so a run without
-tenants pays nothing for them: ``seq_tenants`` names the tenant of each entry of ``seqs`` (same order),
+tenants pays nothing for them (nor a run whose driver reads none of them and says
+so: ``EngineConfig.step_log_tenants=False``, as the fleet's replicas do).
+``seq_tenants`` names the tenant of each entry of ``seqs`` (same order),
 and ``tenants`` holds one :class:`TenantStep` per tenant with work in the engine
 after the step (tokens scheduled, KV blocks held by its running requests,
 running and waiting counts).  Per-tenant queues and KV shares over time are a

@@ -251,7 +251,9 @@ def sim_replica(executor: Any = None, *, enable_prefix_caching: bool = True, pre
     from minivllm.labs.workloads import sim_engine
     from minivllm.sim.roofline import RooflineExecutor
 
-    sizes = {**REPLICA, **options}
+    # (no per-tenant step-log rows: no fleet figure reads them, and counting each tenant's blocks every step
+    # -- a set union per tenant, ChatMix's "chat" and "single" -- was about a tenth of the CPU time of lab 9's capacity study)
+    sizes = {**REPLICA, "step_log_tenants": False, **options}
     # (the executors whose pool replica_kv_blocks counts: another executor's block_size, a test's KV checker's
     # say, sizes nothing here)
     exec_block = executor.block_size if isinstance(executor, RooflineExecutor) else None
@@ -427,10 +429,9 @@ class Fleet:
         pending: list[tuple[float, int, Arrival]] = []
         seen: set[str] = set()
         seq = 0
-        before_until = 0  # requests arriving before ``until`` that have not finished (or been refused)
 
         def push(a: Arrival) -> None:
-            nonlocal seq, before_until
+            nonlocal seq
             if a.request_id in seen:
                 raise ValueError(f"request id {a.request_id!r} is used twice")
             if not is_real(a.time):
@@ -438,7 +439,6 @@ class Fleet:
             seen.add(a.request_id)
             heapq.heappush(pending, (a.time, seq, a))
             seq += 1
-            before_until += until is not None and a.time < until
 
         for a in arrivals:
             push(a)
@@ -453,7 +453,8 @@ class Fleet:
         placement: dict[str, int] = {}
         by_id: dict[str, Arrival] = {}
         order: dict[str, int] = {}
-        remaining: dict[str, int] = {}  # outstanding tokens of each request in flight (the router's view)
+        # outstanding tokens of each request in flight (the router's view), in the order they were routed: arrival order
+        remaining: dict[str, int] = {}
         streamed: dict[str, int] = {}
         results: dict[str, RequestResult] = {}
         outputs: dict[str, list[int]] = {}
@@ -467,11 +468,19 @@ class Fleet:
         # be routed on what a load balancer could count at its own time.  (time, seq, replica, tokens)
         drops: list[tuple[float, int, int, int]] = []
         stopped = False  # cut at ``until`` with work left
+
+        def before_until() -> bool:
+            """Is a request that arrives before ``until`` still unfinished (waiting to be routed, or in flight)?
+
+            Read off the queue and the in-flight map, not counted by hand: arrivals are routed in time order and
+            ``remaining`` keeps that order, so its first key is the oldest request in flight, as the heap's top is
+            the earliest one waiting -- O(1), and a request refused at the door is in neither."""
+            return bool(pending and pending[0][0] < until or remaining and by_id[next(iter(remaining))].time < until)
+
         while True:
             busy = [k for k, e in enumerate(engines) if e.has_unfinished_requests()]
             k_min = min(busy, key=lambda k: (engines[k].executor.clock, k)) if busy else None
-            # (a request waiting to be routed before ``until`` is counted in before_until)
-            if until is not None and not before_until and (k_min is None or engines[k_min].executor.clock >= until):
+            if until is not None and (k_min is None or engines[k_min].executor.clock >= until) and not before_until():
                 stopped = bool(busy or pending)  # (nothing left: the whole run, as without ``until``)
                 break
             if pending and (k_min is None or pending[0][0] <= engines[k_min].executor.clock):
@@ -499,7 +508,6 @@ class Fleet:
                                                           a.max_tokens, outcome="error", start=a.time, error=str(exc),
                                                           prompt_tokens=len(a.prompt))
                     outputs[a.request_id] = []  # (never looked the cache up: no cached-tokens entry)
-                    before_until -= until is not None and a.time < until
                     continue
                 remaining[a.request_id] = len(a.prompt) + a.max_tokens
                 streamed[a.request_id] = 0
@@ -520,7 +528,7 @@ class Fleet:
             stats[k_min].busy_s += eng.executor.clock - before
             stats[k_min].step_spans.append((before, eng.executor.clock))
             # Outputs are final_only, one per request, when it finishes: the stream the router counts is read
-            # off the engine (tokens_so_far) for the rows this step ran -- the counts a streamed output per
+            # off the engine (num_output_tokens, one read) for the rows this step ran -- the counts a streamed output per
             # running request per step carried, without building those outputs (a seventh of the CPU time of
             # lab 9's capacity study).  The step's tokens leave the count together, as one drop at its end.
             step_done = 0
@@ -552,13 +560,12 @@ class Fleet:
                             raise ValueError("a follow-up cannot arrive before the request it follows finished")
                         push(nxt)
                 step_done += remaining.pop(rid)
-                before_until -= until is not None and a.time < until
                 del streamed[rid]
-            for rid in eng.step_log[-1].seq_ids:
+            ran = eng.step_log[-1].seq_ids
+            for rid, n_out in zip(ran, eng.num_output_tokens(ran)):
                 was = streamed.get(rid)
                 if was is None:
                     continue  # it finished in this step: its whole count left above
-                n_out = eng.tokens_so_far(rid)[1][0]
                 if n_out > was:
                     # the prompt leaves the router's count with the first token, each output token as it streams
                     done = (len(by_id[rid].prompt) if was == 0 else 0) + n_out - was

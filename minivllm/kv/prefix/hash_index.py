@@ -175,11 +175,18 @@ class HashIndex(LeafEviction):
                      new_ids: list[int]) -> None:
         """What :meth:`insert` and :meth:`extend` do once they know the cached ``path`` (root first, or
         only its last entry: see :meth:`extend`): check the new blocks, touch it, make room under the
-        quota (pinning the path's last block), add them below it."""
+        quota (pinning the path's last block), add them below it.
+
+        The path is made recent as :meth:`_touch_path` makes it, but its last entry's leaf mark waits for the
+        end, where it is known whether anything was cached below it: marked first, it was unmarked as its
+        first child came, and each mark is two heap entries in the LRUs -- per block a decode fills (an
+        :meth:`extend`).  Nothing reads the marks in between but a quota's eviction, which skips that entry
+        either way (pinned), so what is evicted, and the marks left, are the same."""
         check_new_blocks(new_ids, self.is_cached, self.pool)
         tick = self._clock.tick()
-        self._touch_path(path, tick)
-        parent = path[-1] if path else None
+        for entry in path:
+            entry.last_used = tick
+        parent = below = path[-1] if path else None
         # The new blocks' keys, up to the first one a colliding block already holds -- in the table, or an
         # earlier new block of this run (a chain can collide with itself): nothing from there on is cached, so
         # room is made (and, under a quota, blocks evicted) for the free run only.  A dict: ordered, O(1) ``in``.
@@ -198,7 +205,14 @@ class HashIndex(LeafEviction):
                 break
             parent = added = entry
         if added is not None:
-            self._mark_leaf(added)  # only the deepest new entry is a leaf
+            # Only the deepest new entry is a leaf, and only the entry the chain hangs below can have been one:
+            # its first child makes it inner.  (Unmarking each new parent as its child came, as _add did, cost a
+            # lookup in two LRUs per block for entries never marked.)
+            if below is not None and below.num_children == 1:
+                self._unmark_leaf(below)
+            self._mark_leaf(added)
+        elif below is not None and below.num_children == 0:
+            self._mark_leaf(below)  # (nothing cached below it: a recent leaf, as _touch_path leaves one)
 
     def _add(
         self, key: Hashable, parent: HashEntry | None, namespace: Hashable, tokens: TokenBlock, block_id: int,
@@ -214,9 +228,7 @@ class HashIndex(LeafEviction):
         self._counts.add(namespace, 1)
         self.stats.inserted_blocks += 1
         if parent is not None:
-            parent.num_children += 1
-            if parent.num_children == 1:
-                self._unmark_leaf(parent)
+            parent.num_children += 1  # (no longer a leaf: _cache_below unmarks it)
         return entry
 
     # -- eviction ----------------------------------------------------------------
