@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from minivllm.argtypes import is_int, is_real
-from minivllm.arrival import Arrival
+from minivllm.arrival import Arrival, made_up_ids
 from minivllm.bench.loadgen import RequestResult, summarize_group
 from minivllm.interfaces import Router
 from minivllm.sampling_params import SamplingParams
@@ -153,7 +153,7 @@ class ChatMix:
             t += rng.expovariate(session_rate)
 
     def _tokens(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(RESERVED_TOKEN_IDS, self.vocab) for _ in range(n)]
+        return made_up_ids(rng, n, (RESERVED_TOKEN_IDS, self.vocab))
 
     def _rng(self, session: int, turn: int) -> random.Random:
         """A stream of its own per (seed, session, turn), seeded by a string: ``random`` turns a str seed into an
