@@ -116,7 +116,7 @@ class _AdmissionPass:
     running requests as they stand, and dropped at its end: nothing here outlives a pass."""
 
     __slots__ = ("usage", "held", "reserved", "unranked_budget", "trusted", "admitted", "blocked", "cap_failed",
-                 "cap_closed", "sharing", "swapped_out", "victim_rank", "held_seats")
+                 "cap_closed", "sharing", "swapped_out", "victim_rank", "held_seats", "decodes", "prefills")
 
     def __init__(self, usage: dict[tuple, GroupUsage] | None, held: GroupBlocks | None, reserved: int,
                  unranked_budget: int, trusted: bool) -> None:
@@ -152,6 +152,10 @@ class _AdmissionPass:
         # preempt_batch_first_swap_long exists to avoid).
         self.victim_rank: dict[str | None, object] = {}
         self.held_seats = 0  # seats kept for samples whose leader is still prefilling (global head of line)
+        # Under a ranking policy, once first asked (``Scheduler._admission_budget``): the running decodes' tokens
+        # tallied, and the running prefills; None again after a preemption
+        self.decodes: tuple[int, dict] | None = None
+        self.prefills: list[Request] = []
 
 
 @dataclass
@@ -469,26 +473,46 @@ class Scheduler:
                 rest = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
                 total += rest if not threshold or rest <= threshold else threshold
             return total
-        total, grouped, cap = 0, {}, {}
+        return self._capped_total(*self._tally(reqs, 0, {}))
+
+    def _tally(self, reqs, total: int, grouped: dict) -> tuple[int, dict]:
+        """``reqs``' tokens this step (:meth:`_chunk_cap` each) added to ``total`` (a request outside every group
+        with a per-step token cap) or to ``grouped`` (in place: key -> ``[tokens, cap]`` of its first such group)."""
+        groups = self.caps.groups if self.caps is not None else None
         for r in reqs:
             c = self._chunk_cap(r)
-            g = next((g for g in self.caps.groups(r) if g.max_tokens is not None), None)
+            g = next((g for g in groups(r) if g.max_tokens is not None), None) if groups is not None else None
             if g is None:
                 total += c
+            elif g.key in grouped:
+                grouped[g.key][0] += c
             else:
-                grouped[g.key] = grouped.get(g.key, 0) + c
-                cap[g.key] = g.max_tokens
-        return total + sum(min(v, cap[k]) for k, v in grouped.items())
+                grouped[g.key] = [c, g.max_tokens]
+        return total, grouped
 
-    def _admission_budget(self, req: Request) -> int:
-        """Token budget left for ``req``: with a ranking policy, every running decode but only the running
-        prefills ranked at or ahead of it count."""
-        if self._rank is None:
-            ahead = self.running
-        else:
-            key = self._rank(req)
-            ahead = [r for r in self.running if r.is_decode or self._rank(r) <= key]
-        return self.config.max_num_batched_tokens - self._demand(ahead)
+    @staticmethod
+    def _capped_total(total: int, grouped: dict) -> int:
+        """What :meth:`_tally` counted, each group's tokens counted at most up to its cap."""
+        return total + sum(min(tokens, cap) for tokens, cap in grouped.values())
+
+    def _admission_budget(self, p: _AdmissionPass, req: Request) -> int:
+        """Token budget left for ``req`` under a ranking policy: every running decode but only the running
+        prefills ranked at or ahead of it count.
+
+        The decodes' tokens are tallied once per pass (``p.decodes``), the prefills listed (``p.prefills``), both in
+        ``running`` order and kept by ``_seat`` (a pass only appends to ``running``; a preemption drops them, to be
+        counted again): a running request's tokens, decode or not, do not change within a pass (nothing computes in
+        it), so the sum is the very one a recount of ``running`` makes -- against ~250 decodes a lab-6 step, per
+        request tried.  Only the prefills' ranks are asked, as a recount asks them (a decode never is)."""
+        if p.decodes is None:
+            p.prefills = [r for r in self.running if not r.is_decode]
+            p.decodes = self._tally([r for r in self.running if r.is_decode], 0, {})
+        key = self._rank(req)
+        total, grouped = p.decodes
+        ahead = [r for r in p.prefills if self._rank(r) <= key]
+        if ahead:
+            total, grouped = self._tally(ahead, total, {k: v[:] for k, v in grouped.items()})
+        return self.config.max_num_batched_tokens - self._capped_total(total, grouped)
 
     # -- caps -----------------------------------------------------------------
     def _need_blocks(self, req: Request) -> int:
@@ -543,7 +567,10 @@ class Scheduler:
         """Which of ``req``'s caps it would break if admitted needing ``needs`` (one count per group, in
         ``caps.groups(req)`` order): None, none of them; ``"kv"``, KV caps alone, each of which a smaller need could
         pass (its exact need may: :meth:`_cap_check`); ``"full"``, a cap no request of the group could pass in this
-        pass -- its seats taken, its step's tokens used, or its KV blocks already over the cap.  Monotone: with
+        pass -- its seats taken, its step's tokens used, or its KV blocks at the cap or over it.  At the cap exactly
+        is full too: every exact need is at least one block (:meth:`_cap_needs` takes off only blocks of all but
+        the last token, and the fixed need covers every token), so no lookup there could pass, and each failure
+        there would cost one and leave the tenant open for the next of its share classes to fail alike.  Monotone: with
         ``usage`` unchanged, a request of the same tenant needing as many blocks or more fails too (``admit``'s
         shortcuts rest on it).  ``per_step=False`` leaves out the per-step token cap: a sample waiting for its
         leader's prefill (``admit``'s held seats) would pass it next step, once the leader's own chunks stop
@@ -554,7 +581,7 @@ class Scheduler:
             if per_step and g.max_tokens is not None and u.tokens >= g.max_tokens:
                 return "full"
             if g.would_exceed(u.seats, u.blocks, need):
-                if g.would_exceed(u.seats, u.blocks, 0):
+                if g.would_exceed(u.seats, u.blocks, 1):  # (the least exact need: see above)
                     return "full"
                 kv = True
         return "kv" if kv else None
@@ -568,16 +595,19 @@ class Scheduler:
         (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`)."""
         return tuple(need - n for n in self.kv.held_prefix_blocks(req, held, self.caps.keys(req)))
 
-    def _cap_check(self, p: _AdmissionPass, req: Request, need: int,
-                   per_step: bool = True) -> tuple[str | None, tuple[int, ...]]:
+    def _cap_check(self, p: _AdmissionPass, req: Request, need: int, per_step: bool = True,
+                   exact_needs: bool = True) -> tuple[str | None, tuple[int, ...]]:
         """``(failure, needs)``: what :meth:`_cap_failure` says of ``req`` in this pass, and the needs it was
         charged.  The fixed need ``need`` first, one lookup-free check; only when it fails -- on KV caps alone (a
         smaller need may pass), or beside a group of ``req``'s that rejects (which must not turn it away for
         blocks it would share, whichever cap fails) -- and ``req`` could start on cached blocks (it has a share
-        key) is its exact need asked (:meth:`_cap_needs`), and checked again if KV caps alone failed."""
+        key) is its exact need asked (:meth:`_cap_needs`), and checked again if KV caps alone failed.
+        ``exact_needs=False``: the caller reads only the failure, so a failure other than ``"kv"`` (which no exact
+        need can lift) is not looked up beside a rejecting group either."""
         needs = (need,) * len(self.caps.keys(req))
         failure = self._cap_failure(req, p.usage, needs, per_step)
-        if failure is None or req not in self._waiting_key or failure != "kv" and not self.caps.may_reject(req):
+        if failure is None or req not in self._waiting_key or failure != "kv" and not (
+                exact_needs and self.caps.may_reject(req)):
             return failure, needs
         exact = self._cap_needs(req, need, p.held)
         if failure == "kv" and exact != needs:
@@ -769,7 +799,8 @@ class Scheduler:
         has prefilled so far, or a system prompt its tenant runs on -- are free, so a sample that will fit keeps
         its seat, and one whose whole prompt would not fit is not left seatless while a later request takes it."""
         return (not self._hol_per_tenant and req.leader.status is RequestStatus.RUNNING
-                and (self.caps is None or self._cap_check(p, req, self._waiting_need[req], per_step=False)[0] is None))
+                and (self.caps is None
+                     or self._cap_check(p, req, self._waiting_need[req], per_step=False, exact_needs=False)[0] is None))
 
     def _cap_verdict(self, p: _AdmissionPass, req: Request) -> str:
         """What ``req``'s caps say in this pass: :data:`_TRY` it (it is within them), :data:`_SKIP` it (it waits
@@ -862,13 +893,14 @@ class Scheduler:
             return {None: min(rest)}
         if key is not None and sum(self._needs_by_key[(tenant, key)].values()) == self.waiting_by_tenant[tenant]:
             return {cls: min(rest)}
-        minima, rest = {}, rest.copy()
+        minima, keyed = {}, []  # (the keyed counts are taken off the tenant's where read: no copy of its Counter)
         for k in self._sharing_keys(p, req):
             needs = self._needs_by_key.get((tenant, k))
             if needs:
                 minima[k] = min(needs)
-                rest.subtract(needs)
-        unkeyed = min((n for n, count in rest.items() if count > 0), default=None)  # (class None: what is left)
+                keyed.append(needs)
+        unkeyed = min((n for n, count in rest.items()  # (class None: what is left once the keyed are taken off)
+                       if count > sum(needs.get(n, 0) for needs in keyed)), default=None)
         if unkeyed is not None:
             minima[None] = unkeyed
         return minima
@@ -879,7 +911,7 @@ class Scheduler:
         and ``short_of_kv`` says whether it was KV blocks it lacked (reject mode turns such a request away) rather
         than a seat or this step's token budget (it waits)."""
         while True:
-            budget = p.unranked_budget if self._rank is None else self._admission_budget(req)
+            budget = p.unranked_budget if self._rank is None else self._admission_budget(p, req)
             if self.caps is not None:
                 budget = self._cap_budget(req, p.usage, budget)
             seated = len(self.running) + p.held_seats < self.config.max_num_seqs
@@ -911,6 +943,7 @@ class Scheduler:
         if best is None or rank < best:
             p.victim_rank[key] = rank
         p.reserved = self._reserved_blocks()
+        p.decodes = None  # (the victim's tokens leave the budget's tally)
         if self.caps is not None:
             p.usage, p.held = self._group_usage()  # a victim gave its share back: earlier cap failures may pass
             p.cap_failed.clear()
@@ -933,6 +966,11 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         p.admitted.append(req)
+        if p.decodes is not None:  # (kept as _admission_budget reads it)
+            if req.is_decode:
+                p.decodes = self._tally((req,), *p.decodes)
+            else:
+                p.prefills.append(req)
         if self.caps is not None:  # (a prefix it shares with its group's running requests adds no block)
             usage, reserved, chunk = p.usage, self._reservation(req), self._chunk_cap(req)
             for g, gained in zip(self.caps.groups(req), p.held.add(req)):
