@@ -199,7 +199,7 @@ def run_sim_load(engine, arrivals: Sequence[SimArrival], *, every_s: float | Non
     ex.clock = max(ex.clock, t0)
     scraping = every_s is not None
     next_scrape = ex.clock + every_s if scraping else math.inf
-    output_kind = "delta" if every_s is not None else "final_only"
+    output_kind = "delta" if scraping else "final_only"
     i = 0
     win_first: list[float] = []
     win_gaps: list[float] = []

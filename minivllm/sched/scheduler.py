@@ -1089,7 +1089,14 @@ class Scheduler:
             return None
         self._cap_rejected.discard(req)
         running = [r for r in self.running if not r.status.finished]
-        return self.caps.retry_steps(req, running, lambda r, held: self._cap_needs(r, self._need_blocks(r), held),
+        fixed: dict[Request, int] = {}  # each request's fixed need, computed once per hint (the walk asks again)
+
+        def needs(r: Request, held) -> tuple[int, ...]:
+            if r not in fixed:
+                fixed[r] = self._need_blocks(r)
+            return self._cap_needs(r, fixed[r], held)
+
+        return self.caps.retry_steps(req, running, needs,
                                      self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks,
                                      self.waiting) or 1
 
