@@ -223,6 +223,29 @@ def test_the_retry_hint_seats_the_groups_waiting_requests_first_and_frees_them_a
                             reserved=lambda r: 6 if r is running else 0, waiting=[other, ahead]) == 3
 
 
+def test_the_retry_hint_counts_a_waiting_sample_of_a_running_leader_as_its_fork():
+    """Kills: the retry hint charging a waiting sample its whole need where it will fork from its running leader.
+
+    KV cap 10 blocks.  A leader holds blocks 1-3 (1 more set aside) for 5 more steps; two samples of it wait, each
+    needing 4 blocks, 2 of them the leader's whole prompt blocks they fork onto, and 9 steps; the re-sent request
+    needs 4.  Forked, the samples add 2 blocks each (4 + 2 + 2 = 8), and when the leader goes only its block 3
+    and its reserve come back: the samples keep blocks 1-2 between them (2 + 2 + 2 = 6), and 6 + 4 fits at step 5.
+    Charged whole, the second sample only fits once the leader is gone, and the request waits for the first
+    sample to finish: 9."""
+    cfg = EngineConfig(scheduling_policy="caps", device="cpu", max_num_batched_tokens=16,
+                       tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
+    caps = CapTable(cfg, num_blocks=40)
+    leader, samples = member("t", 16, 5), [member("t", 16, 9), member("t", 16, 9)]
+    leader.block_ids = [1, 2, 3]
+    for s in samples:
+        s.leader = leader
+    hint = caps.retry_steps(member("t", 4, 1), [leader],
+                            needs=lambda r, held, start=(): (4 - held.num_held(("tenant", "t"), start),),
+                            reserved=lambda r: 1 if r is leader else 0, waiting=samples,
+                            forks=lambda r: [1, 2] if r.leader is leader else [])
+    assert hint == 5
+
+
 def test_the_agent_seat_cap_rounds_down():
     """Kills: the agent class's seat cap rounded up.
 

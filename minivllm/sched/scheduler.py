@@ -1083,22 +1083,31 @@ class Scheduler:
         charged what its rejection charged it, its exact need (:meth:`_cap_needs`), asked again as the group's
         members leave (:meth:`~minivllm.sched.fairness.CapTable.retry_steps`): while a member holds its cached
         prefix the prefix is free, once none does it is not.  The group's waiting requests, charged alike, are
-        admitted before a re-sent ``req``, so the walk seats them first.  The engine asks at the end of the step
+        admitted before a re-sent ``req``, so the walk seats them first -- a sample of a running leader as the
+        fork it will be: on the leader's blocks its start holds (the whole blocks of the tokens
+        :meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.computed_if_admitted` says it starts with; the partly
+        filled one it copies), each charged as a held prefix is.  The engine asks at the end of the step
         that turned ``req`` away, before the requests that finished in it leave: those are gone already."""
         if req not in self._cap_rejected:
             return None
         self._cap_rejected.discard(req)
         running = [r for r in self.running if not r.status.finished]
         fixed: dict[Request, int] = {}  # each request's fixed need, computed once per hint (the walk asks again)
+        size = self.kv.block_size
 
-        def needs(r: Request, held) -> tuple[int, ...]:
+        def needs(r: Request, held, start=()) -> tuple[int, ...]:
             if r not in fixed:
                 fixed[r] = self._need_blocks(r)
-            return self._cap_needs(r, fixed[r], held)
+            return tuple(min(n, fixed[r] - held.num_held(key, start))
+                         for n, key in zip(self._cap_needs(r, fixed[r], held), self.caps.keys(r)))
+
+        def forks(r: Request) -> list[int]:  # (a restarted sample may start on its own cached blocks instead)
+            fork = self.kv.can_fork(r) and not r.output_token_ids
+            return r.leader.block_ids[:self.kv.computed_if_admitted(r) // size] if fork else []
 
         return self.caps.retry_steps(req, running, needs,
                                      self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks,
-                                     self.waiting) or 1
+                                     self.waiting, forks) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
