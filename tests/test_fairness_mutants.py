@@ -231,7 +231,8 @@ def test_the_retry_hint_counts_a_waiting_sample_of_a_running_leader_as_its_fork(
     needs 4.  Forked, the samples add 2 blocks each (4 + 2 + 2 = 8), and when the leader goes only its block 3
     and its reserve come back: the samples keep blocks 1-2 between them (2 + 2 + 2 = 6), and 6 + 4 fits at step 5.
     Charged whole, the second sample only fits once the leader is gone, and the request waits for the first
-    sample to finish: 9."""
+    sample to finish: 9.  The same with no block shared yet (prefix caching off, the leader alone): the walk's count
+    must still see the forks share the leader's blocks (counted as a sum of tables, it said 9)."""
     cfg = EngineConfig(scheduling_policy="caps", device="cpu", max_num_batched_tokens=16,
                        tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
     caps = CapTable(cfg, num_blocks=40)
@@ -239,11 +240,12 @@ def test_the_retry_hint_counts_a_waiting_sample_of_a_running_leader_as_its_fork(
     leader.block_ids = [1, 2, 3]
     for s in samples:
         s.leader = leader
-    hint = caps.retry_steps(member("t", 4, 1), [leader],
-                            needs=lambda r, held, start=(): (4 - held.num_held(("tenant", "t"), start),),
-                            reserved=lambda r: 1 if r is leader else 0, waiting=samples,
-                            forks=lambda r: [1, 2] if r.leader is leader else [])
-    assert hint == 5
+    for shared in (True, False):  # (False: no block has two holders yet -- the samples' forks will share them)
+        hint = caps.retry_steps(member("t", 4, 1), [leader],
+                                needs=lambda r, held, start=(): (4 - held.num_held(("tenant", "t"), start),),
+                                reserved=lambda r: 1 if r is leader else 0, shared=shared, waiting=samples,
+                                forks=lambda r: [1, 2] if r.leader is leader else [])
+        assert hint == 5, shared
 
 
 def test_the_agent_seat_cap_rounds_down():

@@ -500,22 +500,29 @@ class KVCacheManager:
             return set()
         return {hash(key) for key in self._names.first_block_keys(block_ids)}
 
-    def held_prefix_blocks(self, req: Request, held, keys) -> list[int]:
-        """Per group key in ``keys``: how many blocks of the cached prefix a waiting ``req`` would start on the group
-        already holds (``held``, a :class:`~minivllm.kv.sharing.GroupBlocks` kept for the running requests).  Admission
-        shares those blocks, so the group gains none of them: ``req`` costs its group its KV cap need less this.
-
-        Found by :meth:`~minivllm.interfaces.PeeksPrefixBlocks.peek_blocks` on the tokens :meth:`match_prefix` looks
-        up: no reference taken, no block made recent, no hit counted -- the request may not be admitted in this
-        pass.  Never more than admission then spares: the cached prefix is what :meth:`share_computed` takes
-        (a held block cannot be evicted, nor the blocks before it in its prefix); a sample that forks from its
-        leader instead takes all of its prompt but the last token from the leader, which its group holds, less the
-        copy of a partly filled last block -- at least the cached prefix of that prompt.  0 for each key when
-        :meth:`share_key` is None."""
+    def cached_prefix_blocks(self, req: Request) -> list[int]:
+        """The blocks of the cached prefix a waiting ``req`` would start on (empty when :meth:`share_key` is None:
+        it can share no cached block).  Found by :meth:`~minivllm.interfaces.PeeksPrefixBlocks.peek_blocks` on the
+        tokens :meth:`match_prefix` looks up: no reference taken, no block made recent, no hit counted -- the
+        request may not be admitted in this pass.  Never more than admission then spares: the cached prefix is
+        what :meth:`share_computed` takes (a held block cannot be evicted, nor the blocks before it in its
+        prefix); a sample that forks from its leader instead takes all of its prompt but the last token from the
+        leader, which its group holds, less the copy of a partly filled last block -- at least the cached prefix of
+        that prompt."""
         if self._names is None or _swapped_out(req):
-            return [0] * len(keys)  # (share_key's None: it can share no cached block)
+            return []
         tokens, limit = self._peeked_run(req)
-        blocks = self._names.peek_blocks(tokens, self.namespace(req))[:limit]
+        return self._names.peek_blocks(tokens, self.namespace(req))[:limit]
+
+    def held_prefix_blocks(self, req: Request, held, keys, blocks: Sequence[int] | None = None) -> list[int]:
+        """Per group key in ``keys``: how many blocks of the cached prefix a waiting ``req`` would start on
+        (:meth:`cached_prefix_blocks`) the group already holds (``held``, a :class:`~minivllm.kv.sharing.GroupBlocks`
+        kept for the running requests).  Admission shares those blocks, so the group gains none of them: ``req``
+        costs its group its KV cap need less this.  ``blocks``: that prefix as the caller already peeked it, while
+        the cache is unchanged -- the 429 retry hint asks each request again as the group's members leave, and the
+        lookup, not the count, is what costs (a queue of 1,000 waiting members: 1,893 lookups per hint)."""
+        if blocks is None:
+            blocks = self.cached_prefix_blocks(req)
         return [held.num_held(k, blocks) if blocks else 0 for k in keys]
 
     def _restart_tokens(self, req: Request) -> int:

@@ -252,8 +252,9 @@ class CapTable:
 
         A running member counts against the KV cap what admission counted: its blocks (a block members
         share once: :class:`~minivllm.kv.sharing.GroupBlocks`) plus ``reserved(r)``, the blocks set aside
-        for it; ``shared`` as ``GroupBlocks`` reads it.  ``copies(r)`` says whether ``reserved(r)`` includes the copy
-        of a shared last block: members that all write into one such block are charged one copy fewer, as
+        for it; ``shared``: whether any block has two holders now (``GroupBlocks``' ``shared_now``: the walk's count
+        is kept as it seats members, and a fork it seats shares blocks).  ``copies(r)`` says whether ``reserved(r)``
+        includes the copy of a shared last block: members that all write into one such block are charged one copy fewer, as
         admission charges them (:meth:`~minivllm.kv.sharing.GroupBlocks.in_place_writes`), and that count is
         taken again as members leave -- any member, not only a writer: one that holds a writer's block but writes
         elsewhere (a leader whose next token starts a block, while its sample still writes the last prompt token
@@ -285,7 +286,8 @@ class CapTable:
             if g.over_cap != "reject":
                 continue
             members = [r for r in running if g in self.groups(r)]
-            held = GroupBlocks(members, lambda r: (g.key,), shared)
+            # kept as the walk seats members: a fork it seats shares blocks even where none is shared now
+            held = GroupBlocks(members, lambda r: (g.key,), shared=True, shared_now=shared)
             writers = [r for r in members if copies(r)] if copies is not None and shared else []
             spared = held.in_place_writes(g.key, writers)
             seats, blocks = len(members), held.count.get(g.key, 0) + sum(reserved(r) for r in members) - spared

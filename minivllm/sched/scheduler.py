@@ -78,7 +78,7 @@ behind worse-ranked work until that work finishes.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from itertools import chain
 from dataclasses import dataclass, field
 
@@ -586,14 +586,16 @@ class Scheduler:
                 kv = True
         return "kv" if kv else None
 
-    def _cap_needs(self, req: Request, need: int, held: GroupBlocks) -> tuple[int, ...]:
+    def _cap_needs(self, req: Request, need: int, held: GroupBlocks,
+                   prefix: Sequence[int] | None = None) -> tuple[int, ...]:
         """``req``'s exact need per cap group (``caps.groups(req)`` order): its fixed need ``need``
         (:meth:`_need_blocks`) less the blocks of its cached prefix that the group's members in ``held`` hold --
         admission shares those, so the group gains none of them.  The one charge admission (:meth:`_cap_check`), a
         sample's held seat (:meth:`_keeps_a_seat`) and the 429 retry hint (:meth:`cap_retry_steps`) make.  Found
         by a lookup that leaves the cache as it was
-        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`)."""
-        return tuple(need - n for n in self.kv.held_prefix_blocks(req, held, self.caps.keys(req)))
+        (:meth:`~minivllm.kv.kv_cache_manager.KVCacheManager.held_prefix_blocks`); ``prefix``, that lookup's blocks
+        when the caller already has them and the cache has not changed since."""
+        return tuple(need - n for n in self.kv.held_prefix_blocks(req, held, self.caps.keys(req), prefix))
 
     def _cap_check(self, p: _AdmissionPass, req: Request, need: int, per_step: bool = True,
                    exact_needs: bool = True) -> tuple[str | None, tuple[int, ...]]:
@@ -1092,14 +1094,17 @@ class Scheduler:
             return None
         self._cap_rejected.discard(req)
         running = [r for r in self.running if not r.status.finished]
-        fixed: dict[Request, int] = {}  # each request's fixed need, computed once per hint (the walk asks again)
+        # each request's fixed need and cached prefix, looked up once per hint: the walk asks again as members
+        # leave, and nothing it does changes the cache (only which blocks the group holds)
+        once: dict[Request, tuple[int, list[int]]] = {}
         size = self.kv.block_size
 
         def needs(r: Request, held, start=()) -> tuple[int, ...]:
-            if r not in fixed:
-                fixed[r] = self._need_blocks(r)
-            return tuple(min(n, fixed[r] - held.num_held(key, start))
-                         for n, key in zip(self._cap_needs(r, fixed[r], held), self.caps.keys(r)))
+            if r not in once:
+                once[r] = self._need_blocks(r), self.kv.cached_prefix_blocks(r)
+            fixed, prefix = once[r]
+            return tuple(min(n, fixed - held.num_held(key, start))
+                         for n, key in zip(self._cap_needs(r, fixed, held, prefix), self.caps.keys(r)))
 
         def forks(r: Request) -> list[int]:  # (a restarted sample may start on its own cached blocks instead)
             fork = self.kv.can_fork(r) and not r.output_token_ids
