@@ -520,7 +520,7 @@ class KVCacheManager:
         kept for the running requests).  Admission shares those blocks, so the group gains none of them: ``req``
         costs its group its KV cap need less this.  ``blocks``: that prefix as the caller already peeked it, while
         the cache is unchanged -- the 429 retry hint asks each request again as the group's members leave, and the
-        lookup, not the count, is what costs (a queue of 1,000 waiting members: 1,893 lookups per hint)."""
+        lookup, not the count, is what costs (1,000 waiting members: 1,904 lookups per hint, 1,001 once each)."""
         if blocks is None:
             blocks = self.cached_prefix_blocks(req)
         return [held.num_held(k, blocks) if blocks else 0 for k in keys]
