@@ -254,8 +254,8 @@ class CapTable:
         share once: :class:`~minivllm.kv.sharing.GroupBlocks`) plus ``reserved(r)``, the blocks set aside
         for it; ``shared``: whether any block has two holders now (``GroupBlocks``' ``shared_now``: the walk's count
         is kept as it seats members, and a fork it seats shares blocks).  ``copies(r)`` says whether ``reserved(r)``
-        includes the copy of a shared last block: members that all write into one such block are charged one copy fewer, as
-        admission charges them (:meth:`~minivllm.kv.sharing.GroupBlocks.in_place_writes`), and that count is
+        includes the copy of a shared last block: members that all write into one such block are charged one copy
+        fewer, as admission charges them (:meth:`~minivllm.kv.sharing.GroupBlocks.in_place_writes`), and that count is
         taken again as members leave -- any member, not only a writer: one that holds a writer's block but writes
         elsewhere (a leader whose next token starts a block, while its sample still writes the last prompt token
         into the block they share) keeps that writer's copy a gain for the group until it goes, and then the
@@ -275,9 +275,10 @@ class CapTable:
         not fork).  Seated while that leader still runs, such a sample forks: it is let in on the need admission
         checks, then holds those blocks with the leader (admission then counts its distinct blocks:
         :meth:`~minivllm.sched.scheduler.Scheduler._seat`), and keeps them once the leader goes.  So the walk counts
-        its start among the blocks ``held`` counts and charges it the rest, ``needs(r, held, start)`` (a block of
-        its start the group holds is free, the rule for a held prefix): a leader leaving gives back only what no
-        fork of it holds, and a request starting on the prompt's cached prefix still finds it held.  Charged its
+        its start among the blocks ``held`` counts and charges it the rest, ``needs(r, held, start)`` (its fixed need
+        less the start -- or less its cached prefix the group holds, if that is more): a leader leaving gives back
+        only what no fork of it holds, and a request starting on the prompt's cached prefix still finds it held.
+        Charged its
         whole need, a sample read as its prompt's blocks more (prefix caching off), and once its leader left the
         prompt left the group's count: hints of 11 to 13 steps where the wait was 6 to 8.
         """
@@ -316,7 +317,8 @@ class CapTable:
                             blocks += spared - (spared := held.in_place_writes(g.key, writers))
                     for w, was in seated.items():  # a seated member holds what it shared with the one gone itself now
                         start = starts.get(w)
-                        seated[w] = (needs(w, held, start.block_ids) if start else needs(w, held))[self.groups(w).index(g)]
+                        charge = needs(w, held, start.block_ids) if start else needs(w, held)
+                        seated[w] = charge[self.groups(w).index(g)]
                         blocks += seated[w] - was
                     need = needs(r, held)[self.groups(r).index(g)]
                 if r is not req:

@@ -1102,9 +1102,8 @@ class Scheduler:
         def needs(r: Request, held, start=()) -> tuple[int, ...]:
             if r not in once:
                 once[r] = self._need_blocks(r), self.kv.cached_prefix_blocks(r)
-            fixed, prefix = once[r]
-            return tuple(min(n, fixed - held.num_held(key, start))
-                         for n, key in zip(self._cap_needs(r, fixed, held, prefix), self.caps.keys(r)))
+            fixed, prefix = once[r]  # (a fork's start is counted in ``held`` while it is seated: all of it is held)
+            return tuple(min(n, fixed - len(start)) for n in self._cap_needs(r, fixed, held, prefix))
 
         def forks(r: Request) -> list[int]:  # (a restarted sample may start on its own cached blocks instead)
             fork = self.kv.can_fork(r) and not r.output_token_ids
