@@ -117,12 +117,14 @@ MUTANTS = [
     ("the retry hint leaves out the blocks set aside for members", SCH,
      "self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks,",
      "lambda r: 0, self.kv.may_share(), self.kv.num_copy_on_write_blocks,", ""),
-    ("the retry hint leaves out the group's waiting requests", SCH, "                                     self.waiting, forks) or 1",
-     "                                     (), forks) or 1", ""),
+    ("the retry hint leaves out the group's waiting requests", SCH, "self.waiting, forks, reads=lambda r:",
+     "(), forks, reads=lambda r:", ""),
     ("the retry hint charges a sample that will fork its whole need", FAIR, "start = forks(r) if runs else ()",
      "start = ()", ""),
     ("the retry hint keeps members that finished in the rejecting step", SCH,
      "running = [r for r in self.running if not r.status.finished]", "running = self.running", ""),
+    ("the retry hint never asks the seated again", FAIR, "                        if all(b in still for b in read):",
+     "                        if True:", ""),
     ("the retry hint frees a seated waiting member's seat only", FAIR,
      "seats, blocks = seats - 1, blocks - seated.pop(w)", "seats, blocks = seats - 1, blocks - 0 * seated.pop(w)", ""),
     ("the retry hint forgets the output sampled with the last chunk", REQ,
@@ -222,7 +224,8 @@ TESTS = ["tests/test_scheduler_invariants.py", "tests/test_preemption.py", "test
          "tests/test_fairness_mutants.py", "tests/test_three_class_order_and_cache_quotas.py",
          "tests/test_wfq_orders_by_what_a_cached_prompt_will_be_charged.py",
          "tests/test_a_forked_group_reserves_one_copy_fewer_than_its_holders.py",
-         "tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py", "tests/test_sample_room.py"]
+         "tests/test_prefix_cache_eviction_queues_quota_pin_and_namespaces.py", "tests/test_sample_room.py",
+         "tests/test_cap_need.py"]
 
 
 def run_one(name: str, rel: str, old: str, new: str, tests: list[str]) -> tuple[str, str]:

@@ -1099,10 +1099,14 @@ class Scheduler:
         once: dict[Request, tuple[int, list[int]]] = {}
         size = self.kv.block_size
 
+        def lookup(r: Request) -> tuple[int, list[int]]:
+            got = once.get(r)
+            if got is None:
+                got = once[r] = self._need_blocks(r), self.kv.cached_prefix_blocks(r)
+            return got
+
         def needs(r: Request, held, start=()) -> tuple[int, ...]:
-            if r not in once:
-                once[r] = self._need_blocks(r), self.kv.cached_prefix_blocks(r)
-            fixed, prefix = once[r]  # (a fork's start is counted in ``held`` while it is seated: all of it is held)
+            fixed, prefix = lookup(r)  # (a fork's start is counted in ``held`` while it is seated: all of it is held)
             return tuple(min(n, fixed - len(start)) for n in self._cap_needs(r, fixed, held, prefix))
 
         def forks(r: Request) -> list[int]:  # (a restarted sample may start on its own cached blocks instead)
@@ -1111,7 +1115,7 @@ class Scheduler:
 
         return self.caps.retry_steps(req, running, needs,
                                      self._reservation, self.kv.may_share(), self.kv.num_copy_on_write_blocks,
-                                     self.waiting, forks) or 1
+                                     self.waiting, forks, reads=lambda r: lookup(r)[1]) or 1
 
     def _reject(self, req: Request) -> None:
         """Turn ``req`` away; a group's leader takes its waiting samples with it (all or none)."""
