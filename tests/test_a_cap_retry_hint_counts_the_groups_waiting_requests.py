@@ -35,6 +35,15 @@ def _copy(engine: LLMEngine) -> LLMEngine:
     return copy.deepcopy(engine, {id(engine._lock): threading.RLock()})
 
 
+def _one_rejecting_tenant(blocks: int, block_size: int, seqs: int, budget: int, model_len: int) -> LLMEngine:
+    """A simulated engine with prefix caching and one tenant ``t`` whose KV cap (a quarter of the pool) rejects."""
+    cfg = EngineConfig(num_gpu_blocks_override=blocks, block_size=block_size, max_num_seqs=seqs,
+                       max_num_batched_tokens=budget, max_model_len=model_len, enable_prefix_caching=True,
+                       scheduling_policy="caps", device="cpu",
+                       tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
+    return LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=model_len, eos_token_ids=set())
+
+
 def _workload(seed: int, pool: bool = False):
     """A small random run: two tenants under reject caps (seats, KV or both), FCFS or per-tenant head of line,
     recompute or reject mode, prefix caching on or off, ``n`` up to 3; ``(engine, [(step, tenant, prompt, params,
@@ -156,10 +165,7 @@ def test_a_hint_looks_each_request_up_once(monkeypatch):
     (51 ms).  Oracle: the cache's own lookups, counted -- at most one per request the walk charges.  (That the hints
     stay right: the real waits above; over the default and squeezed variants' 1,265 rejections every hint was the
     one the walk gave looking the cache up at each re-ask.)"""
-    cfg = EngineConfig(num_gpu_blocks_override=512, block_size=4, max_num_seqs=16, max_num_batched_tokens=256,
-                       max_model_len=256, enable_prefix_caching=True, scheduling_policy="caps", device="cpu",
-                       tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
-    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=256, eos_token_ids=set())
+    engine = _one_rejecting_tenant(512, 4, 16, 256, 256)
     rng = random.Random(0)
     system = [rng.randrange(10, 900) for _ in range(32)]
     for i in range(8):
@@ -195,10 +201,7 @@ def test_a_hint_asks_the_seated_again_only_when_a_block_they_read_leaves(monkeyp
     from minivllm.request import Request
     from minivllm.sched.fairness import CapTable
 
-    cfg = EngineConfig(num_gpu_blocks_override=1024, block_size=16, max_num_seqs=64, max_num_batched_tokens=4096,
-                       max_model_len=1024, enable_prefix_caching=True, scheduling_policy="caps", device="cpu",
-                       tenants={"t": TenantConfig(max_kv_share=0.25, over_cap="reject")})
-    engine = LLMEngine(cfg, executor=SimulatedExecutor(), model_max_len=1024, eos_token_ids=set())
+    engine = _one_rejecting_tenant(1024, 16, 64, 4096, 1024)
     rng = random.Random(0)
     system = [rng.randrange(10, 900) for _ in range(64)]
     for i in range(40):  # many members with short tails of their own: many seated at once, many leaving
